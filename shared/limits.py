@@ -1,0 +1,36 @@
+"""The limits the supervisor hands to each worker (SPEC G).
+
+The policy computes one `Limits` per worker every tick; the enforcer writes it
+into the worker's limits block in the shared-memory ledger (read by the worker
+before every prefill chunk) and also sends it as a `SetLimits` command. A value
+of 0 for any byte limit means "no limit" (guard off).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+TIERS = ("safe", "balanced", "aggressive", "custom")
+BINDINGS = ("", "static", "dynamic", "gpu_cap")
+
+
+class Limits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    # Byte limits; all already reduced by the hot-cache reservation (C12).
+    soft_limit: int = 0          # int(worker ceiling x soft threshold): over it only logs (G3)
+    hard_limit: int = 0          # worker ceiling: ceiling - hot-cache reservation (G1)
+    hard_watermark: int = 0      # int(worker ceiling x hard threshold)
+    abort_limit: int = 0         # C10, minus the reservation: over it a prefill is aborted (G3)
+    # Fractions (T4) and prefill chunking knobs (G2).
+    abort_margin: float = 1.0
+    prefill_headroom_safety: float = 1.0
+    safe_zone_ratio: float = 0.89
+    min_chunk_tokens: int = 256
+    # Component ceilings, so a refusal can name what binds (C6).
+    ceiling: int = 0
+    static: int = 0
+    dynamic: int = 0
+    gpu_cap: int = 0
+    binding: str = ""            # one of BINDINGS
+    tier: str = "balanced"       # one of TIERS
+    admission_paused: bool = False  # P3: take no new request while another runs
+    max_concurrency: int = 1     # P8: the walked cap on concurrent sequences

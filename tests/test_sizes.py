@@ -1,0 +1,53 @@
+"""Sizes are read the same way everywhere (DESIGN.md contract)."""
+
+import pytest
+
+from shared.sizes import GiB, MiB, SizeError, format_size, parse_size
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("1536MiB", 1536 * MiB),
+        ("1.5GiB", int(1.5 * GiB)),
+        ("2GB", 2 * 10**9),
+        ("4096", 4096),
+        (4096, 4096),
+        ("  3 gib ", 3 * GiB),
+        ("0", 0),
+        ("1KB", 1000),
+        ("1kib", 1024),
+        ("10B", 10),
+        (".5GiB", GiB // 2),
+    ],
+)
+def test_parse_size_accepts_contract_forms(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("", "not a size"),
+        ("GiB", "not a size"),
+        ("-1GiB", "not a size"),
+        ("1.5", "whole"),
+        ("3 parsecs", "unknown unit"),
+        ("1e9", "not a size"),
+        (-5, "negative"),
+        (True, "not a size"),
+        (float("nan"), "whole"),
+        (None, "not a size"),
+    ],
+)
+def test_parse_size_rejects_bad_input_with_reason(text, fragment):
+    with pytest.raises(SizeError, match=fragment):
+        parse_size(text)
+
+
+@pytest.mark.parametrize(
+    "nbytes, text",
+    [(0, "0 B"), (900, "900 B"), (512 * MiB, "512 MiB"), (int(1.5 * GiB), "1.5 GiB"), (-GiB, "-1 GiB")],
+)
+def test_format_size(nbytes, text):
+    assert format_size(nbytes) == text
