@@ -1,0 +1,403 @@
+"""The wire protocol between the supervisor, its workers and outside clients.
+
+Every message is a msgspec Struct, tagged by a `type` field and carrying the
+protocol version `v`. There is one union per direction and socket, so each
+socket has exactly one decoder and a peer can never slip a message of the
+wrong direction in:
+
+  worker DEALER  -> supervisor ROUTER   WorkerReply   (hello, acks, token streams)
+  supervisor ROUTER -> worker DEALER    Command       (limits, reclaim, abort, generate ...)
+  worker PUSH    -> supervisor PULL     WorkerReport  (samples, events)
+  supervisor PUB -> any SUB             Published     (topic frame + message frame)
+  CLI DEALER     -> supervisor ROUTER   ControlRequest / ControlReply
+
+Frames are msgpack. `decode_*` never raises on bad bytes: it returns a
+`Malformed` explaining what was wrong (including a peer that speaks another
+protocol version), so a socket loop can count it, log it once and go on.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+import msgspec
+
+from shared.limits import Limits
+
+PROTOCOL_VERSION = 1
+
+# Largest frame any socket accepts; zmq enforces it with ZMQ_MAXMSGSIZE, so an
+# oversized frame is dropped by the transport before it costs memory.
+MAX_FRAME_BYTES = 4 * 1024 * 1024
+
+TOPICS = ("ceiling", "pressure", "sample", "event", "status")
+
+WorkerState = Literal[
+    "starting", "loading", "ready", "busy", "draining", "stopped", "dead", "wedged", "failed"
+]
+
+
+class Msg(msgspec.Struct, tag_field="type", kw_only=True, omit_defaults=False):
+    """Base of every wire message: the protocol version rides in each one."""
+
+    v: int = PROTOCOL_VERSION
+
+
+# --------------------------------------------------------------------------
+# worker -> supervisor, on the command socket (DEALER -> ROUTER)
+
+
+class Hello(Msg, tag="hello", kw_only=True):
+    """First message of a worker; the supervisor refuses another version."""
+
+    worker_id: str
+    model_id: str
+    pid: int
+    # mx.device_info() as the worker saw it (the supervisor never imports MLX).
+    device_info: dict[str, Union[int, float, str]] = {}
+    slot: int = -1
+
+
+class Loaded(Msg, tag="loaded", kw_only=True):
+    weight_bytes: int
+    seconds: float
+    usage: int = 0
+
+
+class LoadFailed(Msg, tag="load_failed", kw_only=True):
+    error: str
+
+
+class Ack(Msg, tag="ack", kw_only=True):
+    """Reply to a command that has no richer answer; `cmd` echoes its id."""
+
+    cmd: int
+    ok: bool = True
+    detail: str = ""
+
+
+class Pong(Msg, tag="pong", kw_only=True):
+    seq: int
+
+
+class Reclaimed(Msg, tag="reclaimed", kw_only=True):
+    cmd: int
+    freed_bytes: int
+
+
+class TokenOut(Msg, tag="token", kw_only=True):
+    request_id: str
+    text: str
+    token_id: int = -1
+
+
+class Finished(Msg, tag="finished", kw_only=True):
+    request_id: str
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Failed(Msg, tag="failed", kw_only=True):
+    """Terminal error of one request (SPEC G1: `prefill_memory_exceeded`)."""
+
+    request_id: str
+    code: str
+    message: str
+    estimated_bytes: int = 0
+    limit_bytes: int = 0
+    binding: str = ""
+
+
+class NeedMemory(Msg, tag="need_memory", kw_only=True):
+    """SPEC G1: a prefill does not fit; ask the supervisor to evict idle models."""
+
+    request_id: str
+    need_bytes: int
+
+
+WorkerReply = Union[Hello, Loaded, LoadFailed, Ack, Pong, Reclaimed, TokenOut, Finished, Failed, NeedMemory]
+
+
+# --------------------------------------------------------------------------
+# supervisor -> worker, on the command socket (ROUTER -> DEALER)
+
+
+class Command(Msg, kw_only=True):
+    cmd: int = 0
+
+
+class SetLimits(Command, tag="set_limits", kw_only=True):
+    limits: Limits
+
+
+class Reclaim(Command, tag="reclaim", kw_only=True):
+    """Return the MLX pool to the OS at the next step boundary (P4, P6.6)."""
+
+    reason: str = ""
+    idle_only: bool = False
+
+
+class AbortRequests(Command, tag="abort", kw_only=True):
+    """Abort these requests (all when `request_ids` is None); each gets a terminal Failed."""
+
+    request_ids: Union[list[str], None] = None
+    reason: str = ""
+    code: str = "aborted"
+
+
+class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
+    role: str
+    content: str
+
+
+class Generate(Command, tag="generate", kw_only=True):
+    request_id: str
+    messages: Union[list[ChatMessage], None] = None
+    prompt: Union[str, None] = None
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: list[str] = []
+    seed: Union[int, None] = None
+
+
+class MemoryAnswer(Command, tag="memory_answer", kw_only=True):
+    """Reply to NeedMemory: eviction done (retry once) or nothing to evict."""
+
+    request_id: str
+    evicted: bool
+
+
+class Drain(Command, tag="drain", kw_only=True):
+    """Finish what runs, take nothing new, then exit."""
+
+    reason: str = ""
+
+
+class Ping(Command, tag="ping", kw_only=True):
+    seq: int = 0
+
+
+class Drill(Command, tag="drill", kw_only=True):
+    """Fire drill: grow real MLX allocations at `rate` bytes/s up to `to` bytes."""
+
+    rate: int
+    to: int
+
+
+class DrillStop(Command, tag="drill_stop", kw_only=True):
+    pass
+
+
+CommandMsg = Union[SetLimits, Reclaim, AbortRequests, Generate, MemoryAnswer, Drain, Ping, Drill, DrillStop]
+
+
+# --------------------------------------------------------------------------
+# worker -> supervisor, on the report socket (PUSH -> PULL)
+
+
+class Sample(Msg, tag="sample", kw_only=True):
+    """One memory sample of a worker (SPEC U1); also published as `sample`."""
+
+    worker_id: str
+    model_id: str
+    pid: int
+    seq: int
+    t: float  # time.monotonic() in the worker: shared clock on Linux and macOS
+    mlx_active: int
+    mlx_pool: int
+    mlx_peak: int
+    footprint: int
+    usage: int
+    gpu_bytes: int = 0
+    running: int = 0
+    queued: int = 0
+    tokens: int = 0
+    # Why it was sent now: "tick" (steady rate) or "watermark" (crossed one).
+    why: str = "tick"
+
+
+class WorkerEvent(Msg, tag="worker_event", kw_only=True):
+    worker_id: str
+    kind: str
+    message: str
+
+
+WorkerReport = Union[Sample, WorkerEvent]
+
+
+# --------------------------------------------------------------------------
+# supervisor -> anyone, on PUB (first frame: topic)
+
+
+class CeilingMsg(Msg, tag="ceiling", kw_only=True):
+    t: float
+    enabled: bool
+    tier: str
+    ceiling: int
+    static: int
+    dynamic: int
+    gpu_cap: int
+    binding: str
+    soft_bytes: int
+    hard_bytes: int
+    reserve: int
+
+
+class PressureMsg(Msg, tag="pressure", kw_only=True):
+    t: float
+    level: str
+    usage: int
+    soft_bytes: int
+    hard_bytes: int
+    ceiling: int
+    utilization: float
+    admission_paused: bool
+    interval: float
+
+
+class GuardEvent(Msg, tag="event", kw_only=True):
+    """SPEC S2: every level change, eviction, abort, reclaim, kill, respawn,
+    refused load ... with the reason people read."""
+
+    t: float
+    kind: str
+    reason: str
+    worker_id: str = ""
+    model_id: str = ""
+    usage: int = 0
+    ceiling: int = 0
+
+
+class StatusMsg(Msg, tag="status", kw_only=True):
+    t: float
+    # SPEC S1, encoded once by the supervisor (the struct lives with the
+    # status builder); a subscriber decodes it with `decode_status`.
+    status: msgspec.Raw
+
+
+Published = Union[CeilingMsg, PressureMsg, Sample, GuardEvent, StatusMsg]
+
+TOPIC_OF = {CeilingMsg: "ceiling", PressureMsg: "pressure", Sample: "sample", GuardEvent: "event", StatusMsg: "status"}
+
+
+# --------------------------------------------------------------------------
+# CLI -> supervisor, on the control socket
+
+
+class StatusRequest(Msg, tag="status_request", kw_only=True):
+    pass
+
+
+class LoadRequest(Msg, tag="load_request", kw_only=True):
+    model: str
+
+
+class UnloadRequest(Msg, tag="unload_request", kw_only=True):
+    model: str
+
+
+class DrillRequest(Msg, tag="drill_request", kw_only=True):
+    model: str
+    rate: int
+    to: int
+    stop: bool = False
+
+
+class GuardUpdate(Msg, tag="guard_update", kw_only=True):
+    """SPEC T6: change tier, custom ceiling or the on/off switch at runtime."""
+
+    tier: Union[str, None] = None
+    custom_ceiling: Union[int, None] = None
+    enabled: Union[bool, None] = None
+
+
+ControlRequest = Union[StatusRequest, LoadRequest, UnloadRequest, DrillRequest, GuardUpdate]
+
+
+class ControlOk(Msg, tag="ok", kw_only=True):
+    detail: str = ""
+    data: Union[msgspec.Raw, None] = None
+
+
+class ControlError(Msg, tag="error", kw_only=True):
+    code: str
+    message: str
+    http_status: int = 400
+
+
+ControlReply = Union[ControlOk, ControlError]
+
+
+# --------------------------------------------------------------------------
+# decoding at the edge
+
+
+class Malformed(msgspec.Struct, frozen=True):
+    """A frame that could not be taken; `reason` is one short line for the log."""
+
+    reason: str
+    wrong_version: bool = False
+
+
+class _Peek(msgspec.Struct):
+    v: int = -1
+    type: str = ""
+
+
+_peek = msgspec.msgpack.Decoder(_Peek)
+
+
+class Codec:
+    """One encoder and one decoder for one socket direction.
+
+    `encode` returns fresh bytes on every call (never an `encode_into` buffer
+    that a zero-copy send might still hold).
+    """
+
+    def __init__(self, union) -> None:
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(union)
+        self.union = union
+
+    def encode(self, msg: Msg) -> bytes:
+        return self._enc.encode(msg)
+
+    def decode(self, frame: bytes):
+        """The message, or `Malformed` (never raises)."""
+        if len(frame) > MAX_FRAME_BYTES:
+            return Malformed(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+        try:
+            msg = self._dec.decode(frame)
+        except msgspec.DecodeError as exc:
+            return _explain(frame, exc)
+        if msg.v != PROTOCOL_VERSION:
+            return Malformed(
+                f"peer speaks protocol v{msg.v}, this side v{PROTOCOL_VERSION}", wrong_version=True
+            )
+        return msg
+
+
+def _explain(frame: bytes, exc: Exception) -> Malformed:
+    try:
+        peek = _peek.decode(frame)
+    except (msgspec.DecodeError, TypeError, ValueError):
+        return Malformed(f"undecodable frame ({len(frame)} bytes): {exc}")
+    if peek.v not in (-1, PROTOCOL_VERSION):
+        return Malformed(
+            f"peer speaks protocol v{peek.v}, this side v{PROTOCOL_VERSION}", wrong_version=True
+        )
+    return Malformed(f"invalid {peek.type or 'untyped'} message: {exc}")
+
+
+def all_message_types() -> dict[str, object]:
+    """Every union on the wire, by name (for `python -m supervisor schema`)."""
+    return {
+        "WorkerReply": WorkerReply,
+        "Command": CommandMsg,
+        "WorkerReport": WorkerReport,
+        "Published": Published,
+        "ControlRequest": ControlRequest,
+        "ControlReply": ControlReply,
+    }
