@@ -1,0 +1,63 @@
+"""Weight size of a model directory, read from safetensors headers without MLX.
+
+Why: SPEC A2 estimates a model's size from its weight files *before* loading
+it, and that estimate is made in the supervisor, which never imports MLX. The
+safetensors header states every tensor's byte range, so the sum is exact and
+costs one small read per file (no tensor data is touched).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own cap
+
+
+class WeightsError(ValueError):
+    """A model directory whose weights cannot be sized; the message says why."""
+
+
+def weight_files(path: str | os.PathLike) -> list[Path]:
+    """The files mlx_lm.load reads weights from (`model*.safetensors`), sorted."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise WeightsError(f"model directory not found: {directory}")
+    files = sorted(directory.glob("model*.safetensors"))
+    if not files:
+        raise WeightsError(f"no model*.safetensors weight files in {directory}")
+    return files
+
+
+def tensor_bytes(file: str | os.PathLike) -> int:
+    """Bytes of tensor data one safetensors file declares in its header."""
+    with open(file, "rb") as handle:
+        head = handle.read(8)
+        if len(head) < 8:
+            raise WeightsError(f"{file}: too short to be a safetensors file")
+        length = int.from_bytes(head, "little")
+        if length > MAX_HEADER_BYTES:
+            raise WeightsError(f"{file}: implausible safetensors header length {length}")
+        raw = handle.read(length)
+    try:
+        header = json.loads(raw)
+    except ValueError as exc:
+        raise WeightsError(f"{file}: unreadable safetensors header ({exc})") from None
+    if not isinstance(header, dict):
+        raise WeightsError(f"{file}: safetensors header is not an object")
+    total = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = entry["data_offsets"]
+            total += int(end) - int(begin)
+        except (TypeError, KeyError, ValueError):
+            raise WeightsError(f"{file}: tensor {name!r} has no valid data_offsets") from None
+    return total
+
+
+def estimate_weight_bytes(path: str | os.PathLike) -> int:
+    """Total tensor bytes of the model at `path` (what loading it will allocate)."""
+    return sum(tensor_bytes(file) for file in weight_files(path))
