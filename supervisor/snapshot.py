@@ -3,11 +3,24 @@
 `HostCounters` is what the platform probes read from the OS each tick. Sizes
 are bytes. A counter the OS would not give is None, and SPEC C2's fallbacks
 apply: only `available` -> free = available; nothing -> dynamic = static.
+
+`Snapshot` gathers everything one tick needs: the guard settings, the host
+counters, one `WorkerRecord` per worker and the previous `PolicyState`. It is
+also the replay trace's line format, so every type here round-trips through
+JSON and has a JSON Schema (`python -m supervisor schema`).
+
+Public names (stable): HostCounters, GuardSettings, WorkerRecord, PolicyState,
+Snapshot, Level, LIVE_STATES, SERVING_STATES, LOADING_STATES, guard_settings.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
+
+from shared.limits import Limits
+from shared.protocol import WorkerState
 
 
 class HostCounters(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -18,3 +31,134 @@ class HostCounters(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     active: int | None = None
     available: int | None = None     # used only when the counters above are absent
     compressor: bool = True          # the OS can compress or swap anonymous memory (T3)
+
+
+# ---------------------------------------------------------------------------
+# Everything else a policy tick needs. A Snapshot is also the replay trace's
+# line format (one JSON object per line), so every type here is a plain
+# msgspec Struct that round-trips through JSON and has a JSON Schema.
+
+Level = Literal["ok", "soft", "hard"]
+
+# Worker states in which the process (and its memory) exists.
+LIVE_STATES = frozenset({"starting", "loading", "ready", "busy", "draining", "wedged"})
+# Worker states in which a model is loaded and serving.
+SERVING_STATES = frozenset({"ready", "busy"})
+# Worker states of a model load in progress (P6 step 4, P9).
+LOADING_STATES = frozenset({"starting", "loading"})
+
+
+class GuardSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The guard's knobs as they are right now (config plus T6 runtime changes).
+
+    `tier` is passed as given; the policy normalises it (T2) so an unknown name
+    is reported once instead of being silently replaced upstream.
+    """
+
+    enabled: bool = True
+    tier: str = "balanced"
+    custom_ceiling: int = 0              # C3 bytes, 0 = unset
+    soft_threshold: float | None = None  # T5 raw overrides
+    hard_threshold: float | None = None
+    idle_timeout: float = 0.0            # P10 global TTL, seconds, 0 = never
+    hot_cache_max: int = 0               # C12 budget shared by all workers, 0 = none
+    safe_zone_ratio: float = 0.89        # G2, handed through in Limits
+    min_chunk_tokens: int = 256          # G2, handed through in Limits
+    poll_interval: float = 1.0           # P9
+    loaded_idle_interval: float = 10.0
+    unloaded_idle_interval: float = 30.0
+    pressure_reclaim_disabled: bool = False  # P4's environment switch
+
+
+class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, gc=False):
+    """One worker process as the enforcer sees it this tick.
+
+    `usage` is U1, computed by the worker/enforcer: max(mlx_active, footprint -
+    mlx_pool). `footprint` is the process's private resident memory (USS on
+    Linux, phys_footprint on macOS). `last_access` is the monotonic time the
+    model last finished or started a request (the pool restarts it while busy,
+    P10). `concurrency` is the walked cap now applied (0 = not set yet: the
+    configured maximum). `hot_cache_releasable` is the part of the worker's
+    prompt/KV cache that no running or queued request uses (P5 never asks for
+    more). A worker id names one process: a respawn gets a new id or pid.
+    """
+
+    worker: str
+    model: str
+    state: WorkerState = "ready"
+    pid: int = 0
+    pinned: bool = False
+    marked_for_unload: bool = False
+    last_access: float = 0.0
+    running: int = 0
+    queued: int = 0
+    usage: int = 0
+    footprint: int = 0
+    mlx_active: int = 0
+    mlx_pool: int = 0
+    gpu_bytes: int = 0
+    max_concurrency: int = 4
+    concurrency: int = 0
+    ttl: float | None = None
+    hot_cache_used: int = 0
+    hot_cache_releasable: int = 0
+    restarts: int = 0
+
+
+class PolicyState(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What the policy carries from one tick to the next (returned by `tick`)."""
+
+    level: Level = "ok"
+    over_ceiling_ticks: int = 0     # P2 consecutive ticks with usage >= ceiling
+    grace_ticks: int = 0            # P4 grace ticks used in this pressure episode
+    admission_paused: bool = False  # P3, as last decided
+    tier_warned: str = ""           # T2: the unknown tier name already reported
+    no_reading_warned: bool = False  # C2: "no memory reading" already reported
+    reserve_warned: bool = False    # C1: "tier reserves more than the machine" reported
+    last_total: int = 0             # total of the last reading (used when host is None)
+    interval: float = 0.0           # P9 interval chosen by the last tick (S1)
+    limits: Limits | None = None    # common limits last handed out (max_concurrency=0)
+    limited: dict[str, int] = {}    # worker id -> pid that received `limits`
+
+
+class Snapshot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Every input of one policy tick; one line of a replay trace.
+
+    `now` is the caller's monotonic clock. `host` is None when the probe could
+    not read the machine at all (then the last known total is used and no
+    counter is available: C2's no-reading fallback). `recheck` marks the
+    re-evaluation the enforcer runs right after acting (P7): it re-classifies
+    and may act again, but does not count as a new tick for P2's over-ceiling
+    count, P4's grace budget or P8's concurrency walk.
+    """
+
+    now: float
+    guard: GuardSettings = GuardSettings()
+    host: HostCounters | None = None
+    supervisor_footprint: int = 0
+    gpu_cap_raw: int = 0
+    activity_hint: float | None = None   # P9: last "activity is coming" hint (monotonic)
+    recheck: bool = False
+    workers: list[WorkerRecord] = []
+    state: PolicyState = PolicyState()
+
+
+def guard_settings(config, *, pressure_reclaim_disabled: bool = False) -> GuardSettings:
+    """GuardSettings from a loaded `supervisor.config.Config` (the starting point
+    the enforcer then changes at runtime, T6)."""
+    g = config.guard
+    return GuardSettings(
+        enabled=g.enabled,
+        tier=g.tier,
+        custom_ceiling=g.custom_ceiling,
+        soft_threshold=g.soft_threshold,
+        hard_threshold=g.hard_threshold,
+        idle_timeout=config.supervisor.idle_timeout,
+        hot_cache_max=g.hot_cache_max,
+        safe_zone_ratio=g.safe_zone_ratio,
+        min_chunk_tokens=g.min_chunk_tokens,
+        poll_interval=g.poll_interval,
+        loaded_idle_interval=g.loaded_idle_interval,
+        unloaded_idle_interval=g.unloaded_idle_interval,
+        pressure_reclaim_disabled=pressure_reclaim_disabled,
+    )

@@ -1,0 +1,128 @@
+"""Admission of a model load (SPEC A1-A4) and eviction for a prefill (G1).
+
+Pure functions of a Snapshot, like the policy: they say which idle models to
+stop first and whether the load may then go ahead. A5 (one load at a time;
+requests for a loading model wait for it) is the pool's job: it calls
+`admit_load` with no other load in flight, stops the `evict` workers, waits
+for them and for `wait_for` (workers already draining) to exit, then loads.
+
+Usage is projected the same way as in `supervisor.policy`: draining workers
+count as gone, each eviction subtracts the victim's usage.
+
+Public names (stable): LoadVerdict, admit_load, evict_for_prefill,
+MODEL_TOO_LARGE, INSUFFICIENT_MEMORY.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from shared.sizes import format_size
+from supervisor.ceilings import Ceilings, remedy, reserve_message
+from supervisor.group import WorkerGroup, ceilings_for, is_idle, lru_key
+from supervisor.snapshot import Snapshot, WorkerRecord
+
+__all__ = ["INSUFFICIENT_MEMORY", "MODEL_TOO_LARGE", "LoadVerdict", "admit_load", "evict_for_prefill"]
+
+MODEL_TOO_LARGE = "model_too_large"
+INSUFFICIENT_MEMORY = "insufficient_memory"
+
+
+class LoadVerdict(msgspec.Struct, frozen=True, kw_only=True):
+    """A3's answer. Refused loads map to HTTP 507 with `error`, `binding`, `remedy`."""
+
+    admitted: bool
+    evict: list[str] = []      # worker ids to stop first, least recently used first
+    wait_for: list[str] = []   # draining workers whose memory the verdict counts as free
+    error: str = ""            # "" | "model_too_large" | "insufficient_memory"
+    binding: str = ""          # C6 binding of the admission ceiling
+    remedy: str = ""
+    message: str = ""
+    usage: int = 0             # projected group usage before the load
+    size: int = 0
+    ceiling: int = 0           # C7 admission ceiling
+    target: int = 0            # A1 evict target
+
+
+def _projected(g: WorkerGroup) -> int:
+    return g.usage - g.draining_usage
+
+
+def _idle_victims(g: WorkerGroup, exclude_model: str = "", exclude_worker: str = "") -> list[WorkerRecord]:
+    return sorted(
+        (w for w in g.serving
+         if not w.pinned and is_idle(w) and w.model != exclude_model and w.worker != exclude_worker),
+        key=lru_key,
+    )
+
+
+def _take(victims: list[WorkerRecord], usage: int, need: int, target: int) -> tuple[list[str], int]:
+    """Stop victims in order while usage + need > target (A2, G1)."""
+    chosen: list[str] = []
+    for w in victims:
+        if usage + need <= target:
+            break
+        chosen.append(w.worker)
+        usage -= w.usage
+    return chosen, usage
+
+
+def admit_load(s: Snapshot, model_id: str, size_bytes: int) -> LoadVerdict:
+    """A1-A4: evict idle LRU models toward the soft target, then admit or refuse.
+
+    A refused load evicts nothing: stopping models for a load that still
+    cannot fit would only destroy work. With the guard off (A4) the static
+    ceiling is the target and the load is never refused.
+    """
+    g = WorkerGroup(s)
+    c = ceilings_for(s, g)
+    usage, size, ceiling = _projected(g), max(0, size_bytes), c.admission_ceiling
+    target = min(c.admission_soft_target, ceiling)  # A1
+    evict, after = _take(_idle_victims(g, exclude_model=model_id), usage, size, target)  # A2
+    verdict = LoadVerdict(
+        admitted=True, evict=evict, wait_for=[w.worker for w in g.live if w.state == "draining"],
+        binding=c.admission_binding, usage=usage, size=size, ceiling=ceiling, target=target)
+    if after + size <= ceiling:  # A3 admit
+        return msgspec.structs.replace(verdict, message=(
+            f"load {model_id} ({format_size(size)}): fits under the {c.admission_binding} "
+            f"ceiling {format_size(ceiling)} after stopping {len(evict)} idle model(s)"))
+    if not c.enabled:  # A4 never refuse
+        return msgspec.structs.replace(verdict, message=(
+            f"load {model_id} ({format_size(size)}): the guard is off, admitted over the "
+            f"static ceiling {format_size(ceiling)}"))
+    error, text = _refusal(model_id, c, size, after)
+    fix = remedy("static" if c.reserve_exceeds_total else c.admission_binding)
+    return msgspec.structs.replace(verdict, admitted=False, evict=[], error=error, remedy=fix,
+                                   message=f"{text}; {fix}")
+
+
+def _refusal(model_id: str, c: Ceilings, size: int, after: int) -> tuple[str, str]:
+    """A3: (error code, words) naming the binding constraint (C1, C6)."""
+    ceiling, binding = c.admission_ceiling, c.admission_binding
+    if c.reserve_exceeds_total:
+        return MODEL_TOO_LARGE, reserve_message(c)
+    if size > ceiling:
+        return MODEL_TOO_LARGE, (
+            f"model {model_id} needs {format_size(size)}, more than the whole {binding} "
+            f"ceiling of {format_size(ceiling)}")
+    return INSUFFICIENT_MEMORY, (
+        f"model {model_id} needs {format_size(size)} but only "
+        f"{format_size(max(0, ceiling - after))} of the {binding} ceiling "
+        f"{format_size(ceiling)} is free after stopping every idle model")
+
+
+def evict_for_prefill(s: Snapshot, worker: str, need_bytes: int) -> list[str]:
+    """G1: idle LRU models to stop so `worker`'s prefill of `need_bytes` fits
+    under the hard limit (P6 step 2 targeting the worker ceiling).
+
+    Returns [] when the guard is off, when it already fits, or when stopping
+    every idle model would still not make room (the worker then rejects the
+    request instead of costing other models their place for nothing).
+    """
+    g = WorkerGroup(s)
+    limit = ceilings_for(s, g).worker_ceiling
+    usage, need = _projected(g), max(0, need_bytes)
+    if limit <= 0 or usage + need <= limit:
+        return []
+    chosen, after = _take(_idle_victims(g, exclude_worker=worker), usage, need, limit)
+    return chosen if after + need <= limit else []

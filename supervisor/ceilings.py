@@ -1,0 +1,391 @@
+"""How much memory the guarded group may use right now (SPEC T1, T3-T5, C1-C14).
+
+Pure arithmetic on numbers the probes read; nothing here touches the machine.
+The formulas model unified memory (Apple silicon, and CPU-only machines where
+the GPU terms are 0). The ceiling is the smallest of three candidates:
+
+- static (C1): the machine minus the tier's reserve; never moves.
+- dynamic (C2/C3): what the group holds plus what the OS could hand over now,
+  minus the reserve, so the ceiling shrinks as other apps grow.
+- gpu cap (C4): the accelerator's allocation cap plus CPU-side bytes.
+
+A value of 0 for a limit means "no limit" to every consumer, which is why the
+floors below are 1 byte and never 0 where a limit exists.
+
+Public names (stable): Ceilings, TierPreview, compute_ceilings, limits_for,
+worker_limit, tier_preview, remedy, reserve_message, wired_limit_suggestion,
+wired_limit_advice, HOT_CACHE_SLACK, BINDINGS.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from shared.limits import BINDINGS, Limits
+from shared.sizes import MiB, format_size
+from supervisor.snapshot import HostCounters
+from supervisor.tiers import TIER_PARAMS, TIERS, other_app_ratio, reserve_bytes, resolve_thresholds
+
+__all__ = [
+    "BINDINGS",
+    "Ceilings",
+    "HOT_CACHE_SLACK",
+    "TierPreview",
+    "compute_ceilings",
+    "limits_for",
+    "remedy",
+    "reserve_message",
+    "tier_preview",
+    "wired_limit_advice",
+    "wired_limit_suggestion",
+    "worker_limit",
+]
+
+# C12: headroom above the cache's current size, so a growing cache does not
+# push a prefill past its limit between two ticks.
+HOT_CACHE_SLACK = 512 * MiB
+
+Reading = Literal["counters", "available", "none"]
+
+
+class Ceilings(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """Every ceiling-derived number of one tick (S1 reports most of them).
+
+    A candidate that does not apply is 0 (dynamic for an unset custom ceiling,
+    gpu_cap without a known cap). `ceiling` 0 means the guard is off.
+    """
+
+    enabled: bool
+    tier: str
+    total: int
+    reserve: int
+    reserve_exceeds_total: bool  # C1: static had to be floored to 1 byte
+    reading: Reading             # C2: which host counters were available
+    free: int
+    inactive: int                # inactive + active file-backed pages
+    other_apps: int
+    other_app_ratio: float
+    own: int
+    own_gpu: int
+    static: int
+    dynamic: int
+    gpu_cap: int                 # C4 effective (raw + CPU side)
+    gpu_cap_raw: int
+    ceiling: int                 # C5
+    binding: str                 # C6: "static" | "dynamic" | "gpu_cap" | "" (guard off)
+    admission_ceiling: int       # C7
+    admission_binding: str
+    residency_ceiling: int       # C8
+    admission_soft_target: int   # C9
+    abort_limit: int             # C10
+    soft_threshold: float        # T5 in force
+    hard_threshold: float
+    headroom_safety: float       # T4
+    abort_margin: float          # T4
+    soft: int                    # C11
+    hard: int
+    hot_cache_reserved: int      # C12
+    worker_ceiling: int          # ceiling minus the reservation (C12)
+    worker_abort_limit: int      # abort limit minus the reservation (C12)
+
+
+def _reading_kind(host: HostCounters | None) -> Reading:
+    if host is None:
+        return "none"
+    if host.free is not None:
+        return "counters"
+    return "available" if host.available is not None else "none"
+
+
+def _dynamic_terms(
+    tier: str, host: HostCounters | None, own: int, own_gpu: int, reserve: int, static: int
+) -> tuple[Reading, int, int, int, int]:
+    """C2: (reading, free, inactive_term, other_apps, dynamic).
+
+    The full counters are used when `free` is known (missing inactive, file
+    or active counters count as 0); else `available` alone; else nothing, and
+    dynamic falls back to static so the guard keeps running on the fixed cap.
+    """
+    if host is None or (host.free is None and host.available is None):
+        return "none", 0, 0, 0, static
+    if host.free is None:
+        free = host.available or 0
+        return "available", free, 0, 0, max(1, own + free - reserve)
+    free = host.free
+    inactive = host.inactive or 0
+    file_active = max(0, (host.file_backed or 0) - inactive)
+    inactive_term = inactive + file_active
+    ratio = other_app_ratio(tier, host.compressor)
+    other_apps = 0
+    if ratio > 0:
+        own_cpu = max(0, own - own_gpu)
+        other_apps = int(max(0, (host.active or 0) - file_active - own_cpu) * ratio)
+    # Other apps may already hold the reserve: 1 byte, never 0 ("no limit").
+    dynamic = max(1, own + free + inactive_term + other_apps - reserve)
+    return "counters", free, inactive_term, other_apps, dynamic
+
+
+def worker_limit(limit: int, reserved: int) -> int:
+    """C12: a limit handed to a worker, less the hot-cache reservation.
+
+    The reservation is memory the prompt cache may grow into, so a prefill must
+    not plan on it; a limit never drops to 0 (that would read as "no limit").
+    """
+    if limit <= 0:
+        return 0
+    if reserved <= 0:
+        return limit
+    return max(1, limit - reserved)
+
+
+def _binding(ceiling: int, static: int, dynamic: int, gpu_cap: int) -> str:
+    """C6: the first component equal to the ceiling, in the order static, dynamic, gpu_cap."""
+    if ceiling <= 0:
+        return ""
+    if ceiling == static:
+        return "static"
+    if ceiling == dynamic:
+        return "dynamic"
+    return "gpu_cap"
+
+
+def compute_ceilings(
+    *,
+    tier: str,
+    enabled: bool = True,
+    total: int,
+    host: HostCounters | None,
+    own: int,
+    own_gpu: int = 0,
+    gpu_cap_raw: int = 0,
+    custom_ceiling: int = 0,
+    soft_threshold: float | None = None,
+    hard_threshold: float | None = None,
+    hot_cache_max: int = 0,
+    hot_cache_used: int = 0,
+) -> Ceilings:
+    """C1-C12 for one tick. `tier` must already be normalised (T2).
+
+    `total` is the machine's memory (already capped by a container limit or a
+    budget); `own`/`own_gpu` the group's footprint and its GPU share.
+    """
+    params = TIER_PARAMS[tier]
+    reserve = reserve_bytes(tier, total)
+    static = total - reserve
+    reserve_exceeds = static <= 0
+    if reserve_exceeds:
+        static = 1  # C1: never 0, which would read as "no limit"
+    if tier == "custom":
+        reading = _reading_kind(host)
+        free = inactive = other_apps = 0
+        dynamic = max(0, custom_ceiling)  # C3: 0 is not a candidate
+    else:
+        reading, free, inactive, other_apps, dynamic = _dynamic_terms(
+            tier, host, own, own_gpu, reserve, static
+        )
+    cpu_side = max(0, own - own_gpu) if own_gpu > 0 else 0
+    gpu_cap = gpu_cap_raw + cpu_side if gpu_cap_raw > 0 else 0
+    soft_t, hard_t = resolve_thresholds(tier, soft_threshold, hard_threshold)
+
+    best = static
+    if 0 < dynamic < best:
+        best = dynamic
+    if 0 < gpu_cap < best:
+        best = gpu_cap
+    ceiling = best if enabled else 0
+    binding = _binding(ceiling, static, dynamic, gpu_cap)
+    admission_ceiling = ceiling if enabled else static
+    residency = (min(static, gpu_cap_raw) if gpu_cap_raw > 0 else static) if enabled else 0
+    abort_limit = (min(static, gpu_cap) if gpu_cap_raw > 0 else static) if enabled else 0
+    reserved = min(hot_cache_max, hot_cache_used + HOT_CACHE_SLACK) if hot_cache_max > 0 else 0
+    if ceiling <= 0 and abort_limit <= 0:
+        reserved = 0
+    return Ceilings(
+        enabled=enabled,
+        tier=tier,
+        total=total,
+        reserve=reserve,
+        reserve_exceeds_total=reserve_exceeds,
+        reading=reading,
+        free=free,
+        inactive=inactive,
+        other_apps=other_apps,
+        other_app_ratio=other_app_ratio(tier, True if host is None else host.compressor),
+        own=own,
+        own_gpu=own_gpu,
+        static=static,
+        dynamic=dynamic,
+        gpu_cap=gpu_cap,
+        gpu_cap_raw=gpu_cap_raw,
+        ceiling=ceiling,
+        binding=binding,
+        admission_ceiling=admission_ceiling,
+        admission_binding=binding if enabled else "static",
+        residency_ceiling=residency,
+        admission_soft_target=int(admission_ceiling * soft_t),
+        abort_limit=abort_limit,
+        soft_threshold=soft_t,
+        hard_threshold=hard_t,
+        headroom_safety=params.headroom_safety,
+        abort_margin=params.abort_margin,
+        soft=int(ceiling * soft_t) if ceiling > 0 else 0,
+        hard=int(ceiling * hard_t) if ceiling > 0 else 0,
+        hot_cache_reserved=reserved,
+        worker_ceiling=worker_limit(ceiling, reserved),
+        worker_abort_limit=worker_limit(abort_limit, reserved),
+    )
+
+
+def limits_for(
+    c: Ceilings,
+    *,
+    admission_paused: bool,
+    safe_zone_ratio: float = 0.89,
+    min_chunk_tokens: int = 256,
+    max_concurrency: int = 0,
+) -> Limits:
+    """Everything SPEC G needs inside a worker, from this tick's ceilings.
+
+    The byte limits are the worker ceiling/abort limit (C12: less the hot-cache
+    reservation); the component ceilings ride along so a rejected prefill can
+    name what binds (C6). `max_concurrency` 0 means "the policy's
+    SetConcurrency decisions carry the cap" (P8).
+    """
+    wc = c.worker_ceiling
+    return Limits(
+        soft_limit=int(wc * c.soft_threshold) if wc > 0 else 0,
+        hard_limit=wc,
+        hard_watermark=int(wc * c.hard_threshold) if wc > 0 else 0,
+        abort_limit=c.worker_abort_limit,
+        abort_margin=c.abort_margin,
+        prefill_headroom_safety=c.headroom_safety,
+        safe_zone_ratio=safe_zone_ratio,
+        min_chunk_tokens=min_chunk_tokens,
+        ceiling=c.ceiling,
+        static=c.static if c.enabled else 0,
+        dynamic=c.dynamic if c.enabled else 0,
+        gpu_cap=c.gpu_cap if c.enabled else 0,
+        binding=c.binding,
+        tier=c.tier,
+        admission_paused=admission_paused,
+        max_concurrency=max_concurrency,
+    )
+
+
+_REMEDY = {
+    "dynamic": "close other apps to give memory back to the system",
+    "gpu_cap": "raise the GPU memory cap (macOS: sudo sysctl iogpu.wired_limit_mb=N)",
+    "static": "choose a tier that keeps less memory in reserve (e.g. aggressive instead "
+    "of balanced), or use a smaller model or a shorter context",
+}
+
+
+def remedy(binding: str) -> str:
+    """C6: what a person can do about the constraint that binds."""
+    return _REMEDY.get(binding, "")
+
+
+def reserve_message(c: Ceilings) -> str:
+    """C1: the words for a tier that reserves more than the machine has ("" otherwise)."""
+    if not c.reserve_exceeds_total:
+        return ""
+    return (
+        f"tier {c.tier!r} reserves {format_size(c.reserve)} but the machine has only "
+        f"{format_size(c.total)}; every model load is refused until you choose a tier "
+        "that reserves less"
+    )
+
+
+class TierPreview(msgspec.Struct, frozen=True, kw_only=True):
+    """C14: one tier's ceiling right now. Field names are DESIGN.md's contract."""
+
+    reserve_bytes: int
+    free_bytes: int
+    inactive_bytes: int
+    other_apps_bytes: int
+    static_bytes: int
+    dynamic_bytes: int
+    gpu_cap_bytes: int
+    ceiling_bytes: int
+    binding: str
+    soft_bytes: int
+    hard_bytes: int
+
+
+def tier_preview(
+    host: HostCounters | None,
+    own: int,
+    own_gpu: int = 0,
+    gpu_cap_raw: int = 0,
+    custom_ceiling: int = 0,
+    soft_threshold: float | None = None,
+    hard_threshold: float | None = None,
+) -> dict[str, TierPreview]:
+    """C14: what every tier's ceiling would be on these inputs.
+
+    `custom` measures nothing: it shows its fixed reserve, static, the GPU cap
+    and its user ceiling as `dynamic_bytes` (0 when unset, not a candidate).
+    Thresholds follow T5 per tier, as they would if that tier were chosen.
+    """
+    total = host.total if host is not None else 0
+    out: dict[str, TierPreview] = {}
+    for tier in TIERS:
+        c = compute_ceilings(
+            tier=tier, total=total, host=host, own=own, own_gpu=own_gpu,
+            gpu_cap_raw=gpu_cap_raw, custom_ceiling=custom_ceiling,
+            soft_threshold=soft_threshold, hard_threshold=hard_threshold,
+        )
+        out[tier] = TierPreview(
+            reserve_bytes=c.reserve,
+            free_bytes=c.free,
+            inactive_bytes=c.inactive,
+            other_apps_bytes=c.other_apps,
+            static_bytes=c.static,
+            dynamic_bytes=c.dynamic,
+            gpu_cap_bytes=c.gpu_cap,
+            ceiling_bytes=c.ceiling,
+            binding=c.binding,
+            soft_bytes=c.soft,
+            hard_bytes=c.hard,
+        )
+    return out
+
+
+def wired_limit_suggestion(desired: int, total: int) -> int:
+    """C13: the wired limit to suggest, never within 5% of RAM, whole MiB.
+
+    Wiring within a few GiB of physical RAM invited jetsam during large model
+    loads, and a killed process stranded its wired memory until reboot; 5% is
+    the margin that held in the field. `iogpu.wired_limit_mb` takes whole MiB,
+    so the figure is floored to a value the kernel can actually be given.
+    """
+    suggestion = max(0, desired)
+    if total > 0:
+        suggestion = min(suggestion, total - total // 20)
+    return suggestion // MiB * MiB
+
+
+def wired_limit_advice(desired: int, total: int, gpu_cap_raw: int) -> str:
+    """C13: the sysctl line to show when the GPU cap is below the suggestion ("" if none).
+
+    Also warns when the cap already wires within 5% of RAM.
+    """
+    if gpu_cap_raw <= 0:
+        return ""
+    if total > 0 and gpu_cap_raw > total - total // 20:
+        return (
+            f"the GPU cap ({format_size(gpu_cap_raw)}) leaves the OS less than 5% of "
+            f"{format_size(total)}; a large model load can trigger jetsam and strand wired "
+            f"memory until reboot. Recommended maximum: "
+            f"sudo sysctl iogpu.wired_limit_mb={(total - total // 20) // MiB}"
+        )
+    suggestion = wired_limit_suggestion(desired, total)
+    if gpu_cap_raw >= suggestion:
+        return ""
+    return (
+        f"the GPU cap ({format_size(gpu_cap_raw)}) is below the static ceiling "
+        f"({format_size(desired)}); raise it with: "
+        f"sudo sysctl iogpu.wired_limit_mb={suggestion // MiB}"
+    )

@@ -1,0 +1,231 @@
+"""The supervisor's configuration: one TOML file with `[guard]`,
+`[supervisor]` and `[[models]]` (DESIGN.md contract).
+
+Every value is checked where it enters: an unknown key, a wrong type, a bad
+size or inconsistent thresholds raise `ConfigError` whose message starts with
+the key path (`guard.soft_threshold: ...`), so a person can fix the file
+without reading a traceback. `Config()` is the built-in demo's configuration.
+
+Size fields accept what `shared.sizes.parse_size` accepts (`"1.5GiB"`,
+`"1536MiB"`, `"2GB"` or integer bytes) and hold plain `int` bytes once built.
+
+Public names (stable): Config, GuardConfig, SupervisorConfig, ModelConfig,
+ConfigError, load_config, parse_config, resolve_thresholds, normalise_tier,
+parse_http.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import msgspec
+
+from shared.sizes import SizeError, parse_size
+from supervisor.tiers import ThresholdError, check_thresholds
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "GuardConfig",
+    "ModelConfig",
+    "SupervisorConfig",
+    "load_config",
+    "parse_config",
+    "parse_http",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message names the key path."""
+
+
+class _FieldError(ValueError):
+    """Raised inside `__post_init__`: `field` is joined to msgspec's path."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+
+
+def _size(field: str, value: int | str) -> int:
+    try:
+        return parse_size(value)
+    except SizeError as exc:
+        raise _FieldError(field, str(exc)) from None
+
+
+def _positive(field: str, value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise _FieldError(field, f"must be a positive number of seconds, got {value!r}")
+
+
+def _non_negative(field: str, value: float) -> None:
+    if not (math.isfinite(value) and value >= 0):
+        raise _FieldError(field, f"must be zero or a positive number of seconds, got {value!r}")
+
+
+_HTTP_RE = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(?P<port>[0-9]{1,5})$")
+
+
+def parse_http(text: str) -> tuple[str, int]:
+    """Split `HOST:PORT` (IPv6 as `[::1]:8000`); ValueError says what is wrong."""
+    match = _HTTP_RE.match(text.strip())
+    if match is None:
+        raise ValueError(f"expected HOST:PORT such as 127.0.0.1:8000, got {text!r}")
+    port = int(match["port"])
+    if not 0 < port < 65536:
+        raise ValueError(f"port must be 1-65535, got {port}")
+    return match["host"].strip("[]"), port
+
+
+class GuardConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`[guard]`: the memory guard (SPEC T, C, P). Sizes in bytes once built."""
+
+    enabled: bool = True
+    tier: str = "balanced"           # T2: normalised by the policy; unknown -> balanced
+    custom_ceiling: int | str = 0    # C3: 0 = unset (not a candidate)
+    soft_threshold: float | None = None  # T5: absent/<=0/0.85 -> tier default
+    hard_threshold: float | None = None  # T5: absent/<=0/0.95 -> tier default
+    budget: int | str = 0            # caps `total` (0 = none)
+    hot_cache_max: int | str = 0     # C12: prompt/KV cache budget (0 = none)
+    safe_zone_ratio: float = 0.89    # G2
+    min_chunk_tokens: int = 256      # G2
+    poll_interval: float = 1.0       # P9 active cadence
+    loaded_idle_interval: float = 10.0
+    unloaded_idle_interval: float = 30.0
+
+    def __post_init__(self) -> None:
+        self.custom_ceiling = _size("custom_ceiling", self.custom_ceiling)
+        self.budget = _size("budget", self.budget)
+        self.hot_cache_max = _size("hot_cache_max", self.hot_cache_max)
+        try:
+            check_thresholds(self.tier, self.soft_threshold, self.hard_threshold)
+        except ThresholdError as exc:
+            raise _FieldError(exc.key, exc.reason) from None
+        if not (math.isfinite(self.safe_zone_ratio) and 0 < self.safe_zone_ratio <= 1):
+            raise _FieldError("safe_zone_ratio", f"must be in (0, 1], got {self.safe_zone_ratio!r}")
+        if self.min_chunk_tokens < 1:
+            raise _FieldError("min_chunk_tokens", f"must be at least 1, got {self.min_chunk_tokens}")
+        for name in ("poll_interval", "loaded_idle_interval", "unloaded_idle_interval"):
+            _positive(name, getattr(self, name))
+
+
+class SupervisorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`[supervisor]`: the front door, the pool and the bus."""
+
+    http: str = "127.0.0.1:8000"
+    idle_timeout: float = 0.0        # P10 global TTL in seconds (0 = never)
+    allow_drills: bool = False
+    admin_token: str = ""
+    queue_size: int = 64
+    queue_deadline: float = 60.0
+    restart_max: int = 3
+    restart_period: float = 60.0
+    stop_grace: float = 10.0
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 5.0
+    max_body: int | str = "1MiB"
+
+    def __post_init__(self) -> None:
+        try:
+            parse_http(self.http)
+        except ValueError as exc:
+            raise _FieldError("http", str(exc)) from None
+        self.max_body = _size("max_body", self.max_body)
+        if self.max_body < 1:
+            raise _FieldError("max_body", "must be at least 1 byte")
+        _non_negative("idle_timeout", self.idle_timeout)
+        for name in ("queue_deadline", "restart_period", "stop_grace",
+                     "heartbeat_interval", "heartbeat_timeout"):
+            _positive(name, getattr(self, name))
+        if self.queue_size < 0:
+            raise _FieldError("queue_size", f"must not be negative, got {self.queue_size}")
+        if self.restart_max < 0:
+            raise _FieldError("restart_max", f"must not be negative, got {self.restart_max}")
+        if self.heartbeat_timeout <= self.heartbeat_interval:
+            raise _FieldError(
+                "heartbeat_timeout",
+                f"must be longer than heartbeat_interval ({self.heartbeat_interval}), "
+                f"got {self.heartbeat_timeout}",
+            )
+
+
+class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One `[[models]]` entry. `ttl` absent = the global idle timeout (P10)."""
+
+    id: str
+    path: str
+    pinned: bool = False
+    ttl: float | None = None
+    max_concurrency: int = 4
+
+    def __post_init__(self) -> None:
+        if not self.id.strip():
+            raise _FieldError("id", "must not be empty")
+        if not self.path.strip():
+            raise _FieldError("path", "must not be empty")
+        if self.ttl is not None:
+            _non_negative("ttl", self.ttl)
+        if self.max_concurrency < 1:
+            raise _FieldError("max_concurrency", f"must be at least 1, got {self.max_concurrency}")
+
+
+class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    guard: GuardConfig = msgspec.field(default_factory=GuardConfig)
+    supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
+    models: list[ModelConfig] = msgspec.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for index, model in enumerate(self.models):
+            if model.id in seen:
+                raise _FieldError(f"models[{index}].id", f"duplicate model id {model.id!r}")
+            seen.add(model.id)
+
+    def model(self, model_id: str) -> ModelConfig | None:
+        return next((m for m in self.models if m.id == model_id), None)
+
+
+_PATH_RE = re.compile(r"^(?P<reason>.*) - at `\$(?P<path>[^`]*)`$", re.S)
+
+
+def _key_path_message(exc: msgspec.ValidationError) -> str:
+    """Turn msgspec's "reason - at `$.guard`" into "guard.key: reason"."""
+    text = str(exc)
+    match = _PATH_RE.match(text)
+    if match is None:
+        return text
+    path = match["path"].lstrip(".")
+    reason = match["reason"]
+    field, sep, rest = reason.partition(": ")
+    if sep and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\[\d+\])?(\.[A-Za-z_][A-Za-z0-9_]*)?", field):
+        path = f"{path}.{field}" if path else field
+        reason = rest
+    unknown = re.match(r"Object contains unknown field `([^`]+)`", reason)
+    if unknown:
+        path = f"{path}.{unknown[1]}" if path else unknown[1]
+        reason = "unknown key"
+    return f"{path}: {reason}" if path else reason
+
+
+def parse_config(text: str | bytes, source: str = "config") -> Config:
+    """Decode TOML text into a validated `Config`, or raise `ConfigError`."""
+    try:
+        return msgspec.toml.decode(text, type=Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {_key_path_message(exc)}") from None
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate the TOML file at `path` (errors name file and key)."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    return parse_config(data, source=str(path))

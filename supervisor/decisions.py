@@ -1,0 +1,118 @@
+"""What the guard's policy asks the enforcer to do (one tagged union).
+
+Each decision is a msgspec Struct tagged by `kind`, carrying a `reason`
+written for people: the enforcer logs it and publishes it as an S2 event.
+Worker-directed decisions name the worker id and, for readable events and
+replay output, its model id. The enforcer carries them out in list order.
+
+Public names (stable): Decision (the union), every class below, DESTRUCTIVE.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from shared.limits import Limits
+
+
+class _Base(msgspec.Struct, tag_field="kind", frozen=True, kw_only=True, gc=False):
+    reason: str = ""
+
+
+class _ForWorker(_Base, frozen=True, kw_only=True, gc=False):
+    worker: str
+    model: str = ""
+
+
+class Warn(_Base, tag="warn", frozen=True, kw_only=True, gc=False):
+    """One log line a person must see once (T2 unknown tier, C1, C2 no reading)."""
+
+    message: str
+
+
+class LevelChanged(_Base, tag="level_changed", frozen=True, kw_only=True, gc=False):
+    """P1: the pressure level moved; carries the figures that moved it."""
+
+    from_level: str = msgspec.field(name="from")
+    to_level: str = msgspec.field(name="to")
+    usage: int
+    soft: int
+    hard: int
+    ceiling: int
+
+
+class PauseAdmission(_Base, tag="pause_admission", frozen=True, kw_only=True, gc=False):
+    """P3: queue new requests; running ones continue, an idle worker still takes one."""
+
+
+class ResumeAdmission(_Base, tag="resume_admission", frozen=True, kw_only=True, gc=False):
+    """P3: pressure is over; take new requests again."""
+
+
+class SetLimits(_ForWorker, tag="set_limits", frozen=True, kw_only=True, gc=False):
+    """SPEC G / T6: the limits this worker's prefill guard must obey from now on."""
+
+    limits: Limits
+
+
+class Reclaim(_ForWorker, tag="reclaim", frozen=True, kw_only=True, gc=False):
+    """Return the MLX pool to the OS: at the next step boundary (P4, P5) or,
+    with `idle_only`, the next time the worker is idle (P6 step 6)."""
+
+    idle_only: bool = False
+
+
+class ShrinkHotCache(_ForWorker, tag="shrink_hot_cache", frozen=True, kw_only=True, gc=False):
+    """P5: drop LRU prompt/KV cache blocks until the cache holds `target_bytes`,
+    never a block a running or queued request uses."""
+
+    target_bytes: int
+
+
+class AbortRequests(_ForWorker, tag="abort_requests", frozen=True, kw_only=True, gc=False):
+    """P6 steps 3 and 5: abort the worker's running and queued requests, keep it loaded."""
+
+
+class AbortLoad(_ForWorker, tag="abort_load", frozen=True, kw_only=True, gc=False):
+    """P6 step 4: abort a model load in progress (the pool moves it to draining)."""
+
+
+class MarkForUnload(_ForWorker, tag="mark_for_unload", frozen=True, kw_only=True, gc=False):
+    """P6 step 3 in emergency: take nothing new; stop the worker once it has drained."""
+
+
+class Stop(_ForWorker, tag="stop", frozen=True, kw_only=True, gc=False):
+    """P6 steps 1-2: stop the worker process; the OS takes back every byte it held."""
+
+
+class SetConcurrency(_ForWorker, tag="set_concurrency", frozen=True, kw_only=True, gc=False):
+    """P8: the worker's cap on concurrent sequences, one step per tick."""
+
+    cap: int
+
+
+class ExpireTTL(_ForWorker, tag="expire_ttl", frozen=True, kw_only=True, gc=False):
+    """P10: the model sat idle longer than its TTL; unload it."""
+
+
+Decision = Union[
+    Warn,
+    LevelChanged,
+    PauseAdmission,
+    ResumeAdmission,
+    SetLimits,
+    Reclaim,
+    ShrinkHotCache,
+    AbortRequests,
+    AbortLoad,
+    MarkForUnload,
+    Stop,
+    SetConcurrency,
+    ExpireTTL,
+]
+
+# Decisions that take memory back from running work (pressure actions). TTL
+# expiry is not among them: it only ever unloads an idle model by config.
+DESTRUCTIVE = (ShrinkHotCache, AbortRequests, AbortLoad, MarkForUnload, Stop)

@@ -1,0 +1,89 @@
+"""The guarded group as one tick sees it: U2 usage, C2's `own` terms and the
+worker buckets the rules choose from. Shared by the policy, admission and
+status so all three count memory the same way.
+
+Public names (stable): WorkerGroup, ceilings_for, is_idle, lru_key.
+"""
+
+from __future__ import annotations
+
+from supervisor.ceilings import Ceilings, compute_ceilings
+from supervisor.snapshot import Snapshot, WorkerRecord
+from supervisor.tiers import normalise_tier
+
+_LIVE = frozenset({"starting", "loading", "ready", "busy", "draining", "wedged"})
+_LOADING = frozenset({"starting", "loading"})
+_SERVING = frozenset({"ready", "busy"})
+
+
+class WorkerGroup:
+    """One pass over the worker records.
+
+    Only workers whose process exists count (stopped, dead and failed ones
+    hold no memory). `usage` is U2: supervisor footprint + each worker's U1
+    usage; `own` is C2's group footprint; `draining_usage` is the part that a
+    stop already under way will give back.
+    """
+
+    __slots__ = ("usage", "own", "own_gpu", "hot_used", "draining_usage", "live",
+                 "serving", "loading", "active", "unknown")
+
+    def __init__(self, s: Snapshot) -> None:
+        usage = own = s.supervisor_footprint
+        own_gpu = hot_used = draining = 0
+        live: list[WorkerRecord] = []
+        serving: list[WorkerRecord] = []
+        loading: list[WorkerRecord] = []
+        active = unknown = False
+        for w in s.workers:
+            state = w.state
+            if state not in _LIVE:
+                continue
+            live.append(w)
+            usage += w.usage
+            own += w.footprint
+            own_gpu += w.gpu_bytes
+            hot_used += w.hot_cache_used
+            if state in _SERVING:
+                serving.append(w)
+                if w.running or w.queued:
+                    active = True
+            elif state in _LOADING:
+                loading.append(w)
+            elif state == "draining":
+                draining += w.usage
+                active = True
+            else:  # wedged: no trustworthy activity reading
+                unknown = True
+        self.usage, self.own, self.own_gpu, self.hot_used = usage, own, own_gpu, hot_used
+        self.draining_usage = draining
+        self.live, self.serving, self.loading = live, serving, loading
+        self.active, self.unknown = active, unknown
+
+
+def snapshot_total(s: Snapshot) -> int:
+    """The machine's size: this tick's reading, else the last one (host is None)."""
+    return s.host.total if s.host is not None else s.state.last_total
+
+
+def ceilings_for(s: Snapshot, group: WorkerGroup | None = None) -> Ceilings:
+    """C1-C12 for this snapshot, with the tier normalised (T2)."""
+    g = group if group is not None else WorkerGroup(s)
+    guard = s.guard
+    tier, _ = normalise_tier(guard.tier)
+    return compute_ceilings(
+        tier=tier, enabled=guard.enabled, total=snapshot_total(s), host=s.host, own=g.own,
+        own_gpu=g.own_gpu, gpu_cap_raw=s.gpu_cap_raw, custom_ceiling=guard.custom_ceiling,
+        soft_threshold=guard.soft_threshold, hard_threshold=guard.hard_threshold,
+        hot_cache_max=guard.hot_cache_max, hot_cache_used=g.hot_used,
+    )
+
+
+def is_idle(w: WorkerRecord) -> bool:
+    """Loaded, nothing running or queued: stopping it costs no work in progress."""
+    return w.state == "ready" and not w.running and not w.queued
+
+
+def lru_key(w: WorkerRecord) -> tuple[float, str]:
+    """Least recently used first; the worker id breaks ties so order is deterministic."""
+    return (w.last_access, w.worker)

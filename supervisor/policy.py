@@ -1,0 +1,412 @@
+"""The guard's policy: one pure function from a Snapshot to decisions.
+
+`tick(snapshot) -> TickResult` decides every pressure rule of SPEC P (with the
+ceilings of T and C): it reads no clock, file or socket, logs nothing and uses
+no randomness, so every rule is a table test and a recorded trace replays to
+the same decisions. The enforcer gathers the snapshot, carries the decisions
+out in order, and runs a `recheck` tick right after acting (P7).
+
+Projection. The policy cannot re-measure inside a tick, so it projects usage
+as it decides, from the worker records:
+
+- it starts from the measured group usage (U2) minus the usage of workers
+  already `draining` (their stop is under way; counting them would evict a
+  second model for memory that is about to come back);
+- a hot-cache shrink (P5) subtracts the bytes asked for, at most what each
+  worker reports as releasable (blocks no request uses);
+- a Stop (P6 steps 1-2) or a TTL expiry subtracts the worker's usage (the OS
+  takes back the whole process);
+- aborting requests or loads, marking for unload and reclaiming subtract
+  nothing: how much they free is only known by measuring again.
+
+Eviction stops as soon as projected usage is at or below soft (P6). Workers
+that are draining, stopped, dead or being loaded are never chosen as eviction
+victims. The pressure level, P2's emergency count and the admission pause are
+always decided on measured usage.
+
+Public names (stable): tick, TickResult, group_usage, EMERGENCY_MARGIN,
+EMERGENCY_TICKS, POOL_RECLAIM_FLOOR, GRACE_TICKS_MAX, plus the decisions
+re-exported from supervisor.decisions.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from shared.sizes import GiB, format_size
+from supervisor.ceilings import Ceilings, limits_for, reserve_message
+from supervisor.decisions import (
+    DESTRUCTIVE,
+    AbortLoad,
+    AbortRequests,
+    Decision,
+    ExpireTTL,
+    LevelChanged,
+    MarkForUnload,
+    PauseAdmission,
+    Reclaim,
+    ResumeAdmission,
+    SetConcurrency,
+    SetLimits,
+    ShrinkHotCache,
+    Stop,
+    Warn,
+)
+from supervisor.group import WorkerGroup, ceilings_for, is_idle, lru_key, snapshot_total
+from supervisor.snapshot import Level, PolicyState, Snapshot, WorkerRecord
+from supervisor.tiers import normalise_tier
+
+__all__ = [
+    "DESTRUCTIVE",
+    "EMERGENCY_MARGIN",
+    "EMERGENCY_TICKS",
+    "GRACE_TICKS_MAX",
+    "POOL_RECLAIM_FLOOR",
+    "Decision",
+    "TickResult",
+    "group_usage",
+    "tick",
+]
+
+EMERGENCY_MARGIN = 2 * GiB       # P2: this far over the ceiling is an emergency at once
+EMERGENCY_TICKS = 2              # P2: ... or this many consecutive ticks at or over it
+POOL_RECLAIM_FLOOR = 2 * GiB     # P4: a pool smaller than this is not worth a clear
+GRACE_TICKS_MAX = 5              # P4: at 1 s a tick, covers one ~5 s prefill chunk
+
+class TickResult(msgspec.Struct, frozen=True, kw_only=True):
+    """Output of one tick: the state to pass to the next, and what to do."""
+
+    state: PolicyState
+    decisions: list[Decision]
+    ceilings: Ceilings
+    level: Level
+    usage: int              # U2 measured
+    projected_usage: int    # after the decisions, as projected (see module doc)
+    emergency: bool
+    next_interval: float    # P9
+
+
+def group_usage(s: Snapshot) -> int:
+    """U2: supervisor footprint + the usage of every worker whose process exists."""
+    return WorkerGroup(s).usage
+
+
+def _classify(usage: int, c: Ceilings) -> Level:
+    """P1 (guard off: always ok)."""
+    if c.ceiling <= 0 or usage < c.soft:
+        return "ok"
+    return "soft" if usage < c.hard else "hard"
+
+
+class _Tick:
+    """The working state of one tick; methods are the rules, in SPEC order."""
+
+    def __init__(self, s: Snapshot) -> None:
+        self.s = s
+        self.prev = s.state
+        self.out: list[Decision] = []
+        self.g = WorkerGroup(s)
+        self.tier_known = normalise_tier(s.guard.tier)[1]
+        self.total = snapshot_total(s)
+        self.c = ceilings_for(s, self.g)
+        self.stopped: set[str] = set()
+        self.projected = self.g.usage - self.g.draining_usage
+
+    # -- warnings (T2, C1, C2) --------------------------------------------
+
+    def warnings(self) -> tuple[str, bool, bool]:
+        s, prev, c, out = self.s, self.prev, self.c, self.out
+        tier_warned = prev.tier_warned
+        if self.tier_known:
+            tier_warned = ""
+        elif s.guard.tier != tier_warned:
+            tier_warned = s.guard.tier
+            out.append(Warn(reason="T2", message=(
+                f"unknown memory guard tier {s.guard.tier!r}; using 'balanced' "
+                "(choose safe, balanced, aggressive or custom)")))
+        no_reading = c.enabled and c.tier != "custom" and c.reading == "none"
+        if no_reading and not prev.no_reading_warned:
+            out.append(Warn(reason="C2", message=(
+                "no memory reading from this machine; the dynamic ceiling falls back to "
+                f"the static one ({format_size(c.static)})")))
+        if c.reserve_exceeds_total and not prev.reserve_warned:
+            out.append(Warn(reason="C1", message=reserve_message(c)))
+        return tier_warned, no_reading, c.reserve_exceeds_total
+
+    # -- P1 / P2 ----------------------------------------------------------------
+
+    def pressure(self) -> tuple[Level, int, bool]:
+        c, usage, prev = self.c, self.g.usage, self.prev
+        level = _classify(usage, c)
+        if c.ceiling <= 0 or usage < c.ceiling:
+            return level, 0, False
+        # P2/P7: a recheck right after acting is not a new tick; it may reset
+        # the count (above) but never advances it.
+        over = prev.over_ceiling_ticks + (0 if self.s.recheck else 1)
+        emergency = usage >= c.ceiling + EMERGENCY_MARGIN or over >= EMERGENCY_TICKS
+        return level, over, emergency
+
+    # -- P3 and limits (T6) -----------------------------------------------------
+
+    def admission(self, level: Level) -> bool:
+        paused = level != "ok"
+        if paused != self.prev.admission_paused:
+            if paused:
+                self.out.append(PauseAdmission(reason=(
+                    f"{level} memory pressure: new requests wait; running ones continue")))
+            else:
+                self.out.append(ResumeAdmission(reason="memory pressure is over"))
+        return paused
+
+    def limits(self, paused: bool) -> tuple[object, dict[str, int]]:
+        """Hand every worker the limits it does not have yet (T6: next tick at the latest)."""
+        g, prev = self.s.guard, self.prev
+        common = limits_for(self.c, admission_paused=paused, safe_zone_ratio=g.safe_zone_ratio,
+                            min_chunk_tokens=g.min_chunk_tokens)
+        changed = common != prev.limits
+        had = prev.limited
+        limited = had
+        if changed or len(had) != len(self.g.live):
+            limited = {}
+        for w in self.g.live:
+            if changed or had.get(w.worker) != w.pid:
+                cap = _cap(w)
+                self.out.append(SetLimits(
+                    worker=w.worker, model=w.model, reason="limits changed" if changed else "new worker",
+                    limits=msgspec.structs.replace(common, max_concurrency=cap)))
+            if limited is not had:
+                limited[w.worker] = w.pid
+        return common, limited
+
+    # -- P4 / P5 -------------------------------------------------------------------
+
+    def grace(self, level: Level, emergency: bool) -> bool:
+        """P4: give fat allocator pools a chance to drain before anything destructive.
+
+        Deferring eviction while a fat pool drains at the next step boundary is
+        cheaper than killing a model; the budget (5 ticks an episode) keeps a
+        pool that never drains from livelocking the guard.
+        """
+        if emergency or self.s.guard.pressure_reclaim_disabled:
+            return False
+        if self.prev.grace_ticks >= GRACE_TICKS_MAX:
+            return False
+        fat = [w for w in self.g.live
+               if w.mlx_pool > POOL_RECLAIM_FLOOR and w.state != "draining"]
+        for w in fat:
+            self.out.append(Reclaim(worker=w.worker, model=w.model, reason=(
+                f"{level} pressure: return the {format_size(w.mlx_pool)} allocator pool "
+                f"(grace {self.prev.grace_ticks + 1}/{GRACE_TICKS_MAX}, nothing destroyed)")))
+        return bool(fat)
+
+    def shrink_hot_cache(self) -> None:
+        """P5 at hard: shrink prompt caches by LRU toward soft, then reclaim.
+
+        The freed cache blocks land in the allocator pool; without the reclaim
+        that follows, the bytes never left the process and the old enforcer
+        concluded "nothing to evict" and livelocked until restart.
+        """
+        need = self.projected - self.c.soft
+        shrunk: set[str] = set()
+        if need > 0:
+            for w in sorted((w for w in self.g.serving if w.hot_cache_releasable > 0), key=lru_key):
+                take = min(w.hot_cache_releasable, need)
+                self.out.append(ShrinkHotCache(
+                    worker=w.worker, model=w.model, target_bytes=max(0, w.hot_cache_used - take),
+                    reason=f"hard pressure: free {format_size(take)} of prompt cache"))
+                need -= take
+                self.projected -= take
+                shrunk.add(w.worker)
+                if need <= 0:
+                    break
+        if self.s.guard.pressure_reclaim_disabled:
+            return
+        for w in self.g.live:
+            if w.worker in shrunk or (w.mlx_pool > POOL_RECLAIM_FLOOR and w.state != "draining"):
+                self.out.append(Reclaim(worker=w.worker, model=w.model,
+                                        reason="hard pressure: return freed memory to the OS"))
+
+    # -- P6 ------------------------------------------------------------------------
+
+    def _stop(self, w: WorkerRecord, reason: str) -> None:
+        self.out.append(Stop(worker=w.worker, model=w.model, reason=reason))
+        self.stopped.add(w.worker)
+        self.projected -= w.usage
+
+    def evict(self, level: Level, emergency: bool) -> None:
+        """P6: act, in order, while projected usage is above soft.
+
+        Pinned models are never stopped or marked here; only step 5 touches
+        them, and it aborts requests while keeping the model loaded.
+        """
+        c, soft = self.c, self.c.soft
+        if self.projected <= soft:
+            return
+        serving = self.g.serving
+        unpinned = [w for w in serving if not w.pinned]
+        drained = sorted((w for w in unpinned if w.marked_for_unload and is_idle(w)), key=lru_key)
+        idle = sorted((w for w in unpinned if not w.marked_for_unload and is_idle(w)), key=lru_key)
+        loaded_unpinned = len(unpinned)
+        for w in drained:  # step 1
+            if self.projected <= soft:
+                return
+            self._stop(w, f"{level} pressure: {w.model} was marked for unload and has drained")
+            loaded_unpinned -= 1
+        for w in idle:  # step 2
+            if self.projected <= soft:
+                return
+            if level != "hard" and loaded_unpinned <= 1:
+                return  # soft: keep the last non-pinned model; the pause is enough
+            self._stop(w, (f"{level} pressure: stop idle {w.model} (least recently used), "
+                           f"usage {format_size(self.projected)} > soft {format_size(soft)}"))
+            loaded_unpinned -= 1
+        if self.projected <= soft or level != "hard":
+            return
+        self._hard_steps(emergency, c, unpinned)
+
+    def _hard_steps(self, emergency: bool, c: Ceilings, unpinned: list[WorkerRecord]) -> None:
+        """P6 steps 3-6: at hard with no idle victim left; one step per tick."""
+        out = self.out
+        busy = [w for w in unpinned if not is_idle(w)]
+        if busy:  # step 3
+            w = min(busy, key=lru_key)
+            out.append(AbortRequests(worker=w.worker, model=w.model, reason=(
+                f"hard pressure, no idle model to stop: abort requests of {w.model} "
+                "(least recently used)" + ("" if emergency else ", keep it loaded"))))
+            if emergency:
+                out.append(MarkForUnload(worker=w.worker, model=w.model, reason=(
+                    f"memory emergency: unload {w.model} once its requests have ended")))
+            return
+        if self.g.loading:  # step 4
+            for w in self.g.loading:
+                out.append(AbortLoad(worker=w.worker, model=w.model,
+                                     reason=f"hard pressure: abort loading {w.model}"))
+            return
+        if emergency and self.projected >= c.ceiling:  # step 5
+            active = [w for w in self.g.serving if w.running or w.queued]
+            for w in active:
+                out.append(AbortRequests(worker=w.worker, model=w.model, reason=(
+                    f"memory emergency: usage {format_size(self.projected)} >= ceiling "
+                    f"{format_size(c.ceiling)}; abort requests of {w.model}, keep it loaded")))
+            if active:
+                return
+        for w in self.g.serving:  # step 6
+            out.append(Reclaim(worker=w.worker, model=w.model, idle_only=True, reason=(
+                "hard pressure, nothing to evict: return the allocator pool when idle")))
+
+    # -- P8 / P9 / P10 -------------------------------------------------------------
+
+    def walk_concurrency(self, level: Level) -> None:
+        """P8: one step per tick toward the configured maximum (ok) or 1 (pressure).
+
+        One step at a time keeps a burst of finishing requests from refilling
+        every slot the moment the level dips below soft.
+        """
+        if self.s.recheck:
+            return
+        ok = level == "ok"
+        for w in self.g.serving:
+            if w.worker in self.stopped:
+                continue
+            cap = _cap(w)
+            target = w.max_concurrency if ok else 1
+            if cap == target:
+                continue
+            new = cap + 1 if cap < target else cap - 1
+            self.out.append(SetConcurrency(worker=w.worker, model=w.model, cap=new, reason=(
+                f"{level}: concurrency {cap} -> {new} (toward {target})")))
+
+    def expire_ttl(self) -> None:
+        """P10: unload idle models past their TTL; pinned models never expire."""
+        now, default = self.s.now, self.s.guard.idle_timeout
+        for w in self.g.serving:
+            if w.pinned or w.marked_for_unload or not is_idle(w) or w.worker in self.stopped:
+                continue
+            ttl = default if w.ttl is None else w.ttl
+            idle_for = now - w.last_access
+            if ttl > 0 and idle_for > ttl:
+                self.out.append(ExpireTTL(worker=w.worker, model=w.model, reason=(
+                    f"{w.model} idle for {idle_for:.0f} s, longer than its TTL of {ttl:g} s")))
+                self.stopped.add(w.worker)
+                self.projected -= w.usage
+
+    def interval(self, level: Level) -> float:
+        """P9: fast while anything can change the answer, slow when all is quiet."""
+        s, g = self.s, self.s.guard
+        hint = s.activity_hint
+        hinted = hint is not None and s.now < hint + max(2.0, 2 * g.poll_interval)
+        if level != "ok" or self.g.loading or self.g.active or self.g.unknown or hinted:
+            return g.poll_interval
+        return g.loaded_idle_interval if self.g.serving else g.unloaded_idle_interval
+
+
+def _cap(w: WorkerRecord) -> int:
+    """The worker's cap now: 0 (not set yet) means its configured maximum."""
+    return w.concurrency if w.concurrency > 0 else w.max_concurrency
+
+
+def _hold_still(s: Snapshot, t: _Tick) -> TickResult:
+    """No reading has ever given the machine's size: decide nothing but say so.
+
+    Guessing a size would either lift every limit or (static = 1 byte) make
+    the guard evict everything; holding still until a reading arrives does
+    neither. The last limits handed out stay in force in the workers.
+    """
+    prev = s.state
+    decisions: list[Decision] = []
+    if not prev.no_reading_warned:
+        decisions.append(Warn(reason="C2", message=(
+            "no memory reading from this machine and no earlier one: the guard takes "
+            "no action until it can read how much memory there is")))
+    state = msgspec.structs.replace(prev, no_reading_warned=True, interval=s.guard.poll_interval)
+    return TickResult(state=state, decisions=decisions, ceilings=t.c, level=prev.level,
+                      usage=t.g.usage, projected_usage=t.g.usage, emergency=False,
+                      next_interval=s.guard.poll_interval)
+
+
+def tick(s: Snapshot) -> TickResult:
+    """Decide one tick. Pure: the same snapshot always gives the same result.
+
+    Order of the decisions: warnings, level change, admission pause/resume,
+    limits, P4 grace reclaim or P5/P6 pressure actions, P8 concurrency steps,
+    P10 TTL expiries.
+    """
+    t = _Tick(s)
+    if s.host is None and s.state.last_total <= 0:
+        return _hold_still(s, t)
+    c = t.c
+    tier_warned, no_reading, reserve_warned = t.warnings()
+    level, over, emergency = t.pressure()
+    prev = s.state
+    if level != prev.level:
+        t.out.append(LevelChanged(
+            from_level=prev.level, to_level=level, usage=t.g.usage, soft=c.soft, hard=c.hard,
+            ceiling=c.ceiling, reason=_level_reason(level, t.g.usage, c)))
+    paused = t.admission(level)
+    common, limited = t.limits(paused)
+    grace = 0 if level == "ok" else prev.grace_ticks
+    if level != "ok":
+        if t.grace(level, emergency):
+            grace += 0 if s.recheck else 1
+        else:
+            acting = level
+            if level == "hard":
+                t.shrink_hot_cache()
+                acting = _classify(t.projected, c)
+            t.evict(acting, emergency)
+    t.walk_concurrency(level)
+    t.expire_ttl()
+    interval = t.interval(level)
+    state = PolicyState(
+        level=level, over_ceiling_ticks=over, grace_ticks=grace, admission_paused=paused,
+        tier_warned=tier_warned, no_reading_warned=no_reading, reserve_warned=reserve_warned,
+        last_total=t.total, interval=interval, limits=common, limited=limited)
+    return TickResult(state=state, decisions=t.out, ceilings=c, level=level, usage=t.g.usage,
+                      projected_usage=t.projected, emergency=emergency, next_interval=interval)
+
+
+def _level_reason(level: Level, usage: int, c: Ceilings) -> str:
+    if c.ceiling <= 0:
+        return "the guard is off: no limit"
+    return (f"usage {format_size(usage)} against soft {format_size(c.soft)}, hard "
+            f"{format_size(c.hard)}, ceiling {format_size(c.ceiling)} ({c.binding})")

@@ -1,0 +1,117 @@
+"""The guard's status (SPEC S1), built from a snapshot and its tick result.
+
+`GuardStatus` is what `GET /status`, `python -m supervisor status` and the
+`status` topic show. It is derived, never stored: the enforcer builds it from
+the last snapshot and TickResult whenever someone asks.
+
+Public names (stable): GuardStatus, WorkerStatus, build_status.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from supervisor.ceilings import remedy, reserve_message
+from supervisor.policy import TickResult
+from supervisor.snapshot import Snapshot
+
+
+class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """S1, per worker. `idle_seconds` is now - last_access (monotonic times mean
+    nothing to a person)."""
+
+    worker: str
+    model: str
+    pid: int
+    state: str
+    pinned: bool
+    last_access: float
+    idle_seconds: float
+    usage: int
+    mlx_active: int
+    mlx_pool: int
+    footprint: int
+    running: int
+    queued: int
+    concurrency: int
+    max_concurrency: int
+    restarts: int
+    marked_for_unload: bool
+
+
+class GuardStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """S1: every figure the guard decides with, and why the ceiling is what it is."""
+
+    enabled: bool
+    tier: str
+    custom_ceiling: int
+    ceiling: int
+    binding: str
+    remedy: str
+    static: int
+    dynamic: int
+    gpu_cap: int
+    gpu_cap_raw: int
+    reserve: int
+    reserve_exceeds_total: bool
+    warning: str               # C1/C2 words when the guard runs on a fallback
+    total: int
+    other_app_ratio: float
+    hot_cache_reserved: int
+    worker_ceiling: int
+    worker_abort_limit: int
+    abort_limit: int
+    admission_ceiling: int
+    residency_ceiling: int
+    soft_threshold: float
+    hard_threshold: float
+    soft_bytes: int
+    hard_bytes: int
+    usage: int
+    pressure_level: str
+    emergency: bool
+    admission_paused: bool
+    utilization: float         # usage / ceiling, 0 when there is no ceiling
+    poll_interval: float
+    workers: list[WorkerStatus]
+
+
+def _warning(snapshot: Snapshot, result: TickResult) -> str:
+    c = result.ceilings
+    if c.reserve_exceeds_total:
+        return reserve_message(c)
+    if c.enabled and c.tier != "custom" and c.reading == "none":
+        return "no memory reading from this machine: the dynamic ceiling is the static one"
+    return ""
+
+
+def build_status(snapshot: Snapshot, result: TickResult) -> GuardStatus:
+    """S1 from the snapshot a tick saw and what it decided."""
+    c, now = result.ceilings, snapshot.now
+    workers = [
+        WorkerStatus(
+            worker=w.worker, model=w.model, pid=w.pid, state=w.state, pinned=w.pinned,
+            last_access=w.last_access, idle_seconds=max(0.0, now - w.last_access),
+            usage=w.usage, mlx_active=w.mlx_active, mlx_pool=w.mlx_pool,
+            footprint=w.footprint, running=w.running, queued=w.queued,
+            concurrency=w.concurrency if w.concurrency > 0 else w.max_concurrency,
+            max_concurrency=w.max_concurrency, restarts=w.restarts,
+            marked_for_unload=w.marked_for_unload,
+        )
+        for w in snapshot.workers
+    ]
+    return GuardStatus(
+        enabled=c.enabled, tier=c.tier, custom_ceiling=snapshot.guard.custom_ceiling,
+        ceiling=c.ceiling, binding=c.binding, remedy=remedy(c.binding), static=c.static,
+        dynamic=c.dynamic, gpu_cap=c.gpu_cap, gpu_cap_raw=c.gpu_cap_raw, reserve=c.reserve,
+        reserve_exceeds_total=c.reserve_exceeds_total, warning=_warning(snapshot, result),
+        total=c.total, other_app_ratio=c.other_app_ratio,
+        hot_cache_reserved=c.hot_cache_reserved, worker_ceiling=c.worker_ceiling,
+        worker_abort_limit=c.worker_abort_limit, abort_limit=c.abort_limit,
+        admission_ceiling=c.admission_ceiling, residency_ceiling=c.residency_ceiling,
+        soft_threshold=c.soft_threshold, hard_threshold=c.hard_threshold, soft_bytes=c.soft,
+        hard_bytes=c.hard, usage=result.usage, pressure_level=result.level,
+        emergency=result.emergency, admission_paused=result.state.admission_paused,
+        utilization=result.usage / c.ceiling if c.ceiling > 0 else 0.0,
+        poll_interval=result.next_interval, workers=workers,
+    )
