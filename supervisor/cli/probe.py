@@ -1,0 +1,124 @@
+"""`python -m supervisor probe [--json] [--budget SIZE]`: what the guard sees.
+
+Reads this machine the way the running guard would (no supervisor needed)
+and says where every number came from, so a surprising ceiling can be traced
+to the file or call behind it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import msgspec
+
+from shared.sizes import SizeError, format_size, parse_size
+from supervisor.probe import HostReading, Psi, exact_footprint, own_footprint, read_host
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except SizeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="one JSON object, for scripts")
+    parser.add_argument(
+        "--budget", type=_size, default=0, metavar="SIZE",
+        help="show `total` as a supervisor started with --budget SIZE would see it",
+    )
+
+
+def _own() -> dict[str, object]:
+    pid = os.getpid()
+    if sys.platform == "darwin":
+        fast = exact = "proc_pid_rusage(RUSAGE_INFO_V4) ri_phys_footprint"
+    else:
+        fast = f"/proc/{pid}/statm resident - shared (anonymous resident, O(1))"
+        exact = f"/proc/{pid}/smaps_rollup Private_Clean + Private_Dirty + Private_Hugetlb (USS)"
+    return {
+        "pid": pid,
+        "footprint": own_footprint(),
+        "footprint_source": fast,
+        "exact_footprint": exact_footprint(pid),
+        "exact_footprint_source": exact,
+    }
+
+
+def _bytes(value: int | None) -> str:
+    return "unknown" if value is None else f"{format_size(value)} ({value})"
+
+
+def _yes(value: bool | None) -> str:
+    return "unknown" if value is None else ("yes" if value else "no")
+
+
+def _psi_rows(psi: Psi | None) -> list[tuple[str, str, str]]:
+    if psi is None:
+        return [("memory pressure (PSI)", "not reported here", "")]
+    rows = []
+    for name, p in (("some", psi.some), ("full", psi.full)):
+        if p is not None:
+            text = f"avg10 {p.avg10:.2f}% avg60 {p.avg60:.2f}% avg300 {p.avg300:.2f}%"
+            rows.append((f"pressure {name} (PSI)", text, f"total {p.total_us} µs, {psi.source}"))
+    return rows
+
+
+def _rows(r: HostReading, own: dict[str, object]) -> list[tuple[str, str, str]]:
+    c, src = r.counters, r.sources
+    return [
+        ("total", _bytes(c.total), f"{r.total_source}: {src.get('total', '')}"),
+        ("physical total", _bytes(r.physical_total), src.get("physical_total", "")),
+        ("container limit", _bytes(r.container_limit) if r.container_limit else "none",
+         src.get("container_limit", r.cgroup or "no memory cgroup")),
+        ("container usage", _bytes(r.container_usage) if r.container_usage is not None else "-",
+         src.get("container_usage", "")),
+        ("budget", _bytes(r.budget) if r.budget else "none", "--budget"),
+        ("free", _bytes(c.free), src.get("free", "")),
+        ("inactive", _bytes(c.inactive), src.get("inactive", "")),
+        ("file-backed", _bytes(c.file_backed), src.get("file_backed", "")),
+        ("active", _bytes(c.active), src.get("active", "")),
+        ("available", _bytes(c.available), src.get("available", "")),
+        ("can compress/swap (T3)", _yes(c.compressor), src.get("compressor", "")),
+        ("swap total", _bytes(r.swap_total), src.get("swap_total", "")),
+        ("zram swap / zswap", f"{_yes(r.zram)} / {_yes(r.zswap)}", "/proc/swaps, /sys/module/zswap"),
+        *_psi_rows(r.psi),
+        ("own footprint", _bytes(own["footprint"]), str(own["footprint_source"])),  # type: ignore[arg-type]
+        ("own exact footprint", _bytes(own["exact_footprint"]), str(own["exact_footprint_source"])),  # type: ignore[arg-type]
+    ]
+
+
+def _print_table(r: HostReading, own: dict[str, object]) -> None:
+    print(f"memvisor probe: {r.platform}, pid {own['pid']}")
+    rows = _rows(r, own)
+    w0 = max(len(row[0]) for row in rows)
+    w1 = max(len(row[1]) for row in rows if len(row[1]) < 60)
+    for name, value, source in rows:
+        print(f"  {name:<{w0}}  {value:<{w1}}  {source}")
+    if r.detail:
+        print("detail (shown, not used by the formulas):")
+        for key, value in r.detail.items():
+            shown = str(value) if key in ("memorystatus_level",) else _bytes(value)
+            print(f"  {key:<{w0}}  {shown}")
+    for warning in r.warnings:
+        print(f"warning: {warning}")
+
+
+def run(args: argparse.Namespace) -> int:
+    reading = read_host(budget=args.budget)
+    own = _own()
+    try:
+        if args.json:
+            payload = msgspec.to_builtins(reading)
+            payload["own"] = own
+            print(json.dumps(payload, indent=2))
+        else:
+            _print_table(reading, own)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `probe | head`: the reader left, not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0

@@ -1,0 +1,874 @@
+"""Linux memory probes: /proc/meminfo, the cgroup limit, PSI, process footprints.
+
+How Linux numbers map onto SPEC C2's macOS-shaped formula
+---------------------------------------------------------
+C2 counts `free + inactive + max(0, file_backed - inactive)` as memory the
+OS hands over without harm, and `(active - file_active - own) * ratio` as
+other apps' anonymous memory a compressor could squeeze (aggressive tier
+only, and only where the OS can compress or swap, T3). On macOS `inactive`
+pages are reclaimable because the compressor takes inactive anonymous pages.
+On Linux without swap an inactive ANONYMOUS page cannot be reclaimed at all,
+so counting `Inactive` (anon + file) would promise memory that does not exist
+-- the over-optimistic ceiling that let the seed's machines run out. So:
+
+    free        = MemFree
+    inactive    = Inactive(file)                  page cache the kernel drops first
+    file_backed = Active(file) + Inactive(file)   => file_active = Active(file)
+    active      = Active(anon) + Active(file)     => active - file_active = Active(anon)
+    available   = MemAvailable                    (only used when the above are missing)
+    compressor  = SwapTotal > 0
+
+Inactive(anon) is counted nowhere, even with swap: pushing it to a swap
+device is far costlier than macOS compression, and leaving it out only makes
+the ceiling more cautious. Shmem/tmpfs pages live on the anon lists and are
+(correctly) not counted as file cache. zram and zswap need no separate test
+for T3: zram takes anonymous pages only as a swap device (so it is in
+SwapTotal) and zswap is a cache in front of a swap device.
+
+Inside a container whose memory limit is below the physical RAM, the same
+counters describe the container, from its cgroup's memory.stat:
+
+    free        = min(limit - usage, host MemFree)
+    inactive    = inactive_file;  file_backed = active_file + inactive_file
+    active      = active_anon + active_file
+    compressor  = host swap > 0 and the cgroup may swap (v2 memory.swap.max,
+                  v1 memsw limit above the memory limit)
+
+`limit` is the smallest limit on the path from the process's cgroup to the
+mount's root (cgroup v2 `memory.max`/`memory.high`, v1 `memory.limit_in_bytes`),
+and `usage`/`memory.stat` come from the cgroup that sets it, since that
+subtree is what the kernel holds to the limit.
+
+Speed: every file is opened once and re-read with `os.pread` from offset 0
+(procfs and cgroupfs regenerate the text on each read); bytes are searched
+with `find`, no regex, no dict of every field. The cgroup layout and limit,
+which change rarely, are refreshed every `slow_interval` seconds.
+
+Footprint: SPEC U1 asks for private resident memory, not RSS (RSS counts
+shared file pages). The exact figure, USS from /proc/PID/smaps_rollup, makes
+the kernel walk every page table entry of the process: measured here at
+150 µs for an idle Python, 10 ms per GiB resident (37 ms at 4 GiB). On the
+tick path that cost would grow with the models, eight workers of 4 GiB
+costing a third of a core at a 1 s tick. `footprint` therefore reads
+/proc/PID/statm, O(1) kernel counters: resident - shared = the process's
+anonymous resident pages (RssAnon), which is its private memory for workers
+that are spawned, not forked (no copy-on-write sharing), and, like macOS
+`phys_footprint`, leaves out clean file pages the kernel can drop.
+`exact_footprint` returns the smaps_rollup USS (Private_Clean +
+Private_Dirty + Private_Hugetlb) for `probe` and occasional checks.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import weakref
+from collections.abc import Callable
+
+import msgspec
+
+from supervisor.probe import (
+    HostReading,
+    ProbeError,
+    Psi,
+    PsiLine,
+    TotalSource,
+    choose_total,
+    warn_once,
+)
+from supervisor.snapshot import HostCounters
+
+# A cgroup "limit" this large means none: v1 writes PAGE_COUNTER_MAX pages
+# (0x7FFFFFFFFFFFF000 on 4 KiB pages), v2 writes "max".
+UNLIMITED = 1 << 62
+
+_READ_SIZE = 8192
+_MAX_FDS = 512
+
+
+# ---------------------------------------------------------------------------
+# Files kept open and re-read in place.
+
+
+class ProcFile:
+    """A /proc or /sys file opened once and re-read with `pread` at 0."""
+
+    __slots__ = ("path", "_fd", "_size")
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd = -1
+        self._size = _READ_SIZE
+
+    def read(self) -> bytes:
+        """The whole file; ProbeError naming the path when it cannot be read."""
+        for attempt in (0, 1):
+            try:
+                if self._fd < 0:
+                    self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+                return self._read_all()
+            except OSError as exc:
+                self.close()
+                if attempt or exc.errno not in _REOPEN_ERRNOS:
+                    raise ProbeError(f"cannot read {self.path}: {exc.strerror or exc}") from None
+        raise AssertionError("unreachable")
+
+    def _read_all(self) -> bytes:
+        while True:
+            data = os.pread(self._fd, self._size, 0)
+            if len(data) < self._size:
+                return data
+            self._size *= 2  # the text outgrew the buffer: read it whole
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = -1
+
+
+# A stale descriptor (file replaced, cgroup re-created) is worth one reopen.
+_REOPEN_ERRNOS = frozenset({9, 19, 22})  # EBADF, ENODEV, EINVAL
+
+
+def read_once(path: str) -> bytes:
+    """Read a file that is only read on the slow path (no descriptor kept)."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read()
+    except OSError as exc:
+        raise ProbeError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+# ---------------------------------------------------------------------------
+# Parsers: bytes in, typed values out. A field counts only when its line is
+# complete (ends in a newline), so a truncated file cannot yield a short
+# number that looks valid.
+
+
+def _line_value(data: bytes, key: bytes) -> bytes | None:
+    """The rest of the line that starts with `key` (key includes its separator)."""
+    if data.startswith(key):
+        start = len(key)
+    else:
+        i = data.find(b"\n" + key)
+        if i < 0:
+            return None
+        start = i + 1 + len(key)
+    end = data.find(b"\n", start)
+    if end < 0:
+        return None
+    return data[start:end]
+
+
+def _whole(text: bytes | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return value if value >= 0 else None
+
+
+def meminfo_field(data: bytes, name: bytes) -> int | None:
+    """One /proc/meminfo field in bytes (`kB` lines) or as a bare count."""
+    rest = _line_value(data, name + b":")
+    if rest is None:
+        return None
+    parts = rest.split()
+    if not parts or len(parts) > 2 or (len(parts) == 2 and parts[1] != b"kB"):
+        return None
+    value = _whole(parts[0])
+    if value is None:
+        return None
+    return value * 1024 if len(parts) == 2 else value
+
+
+class Meminfo(msgspec.Struct, frozen=True, kw_only=True):
+    """The /proc/meminfo fields the guard uses, in bytes; None when absent."""
+
+    total: int | None = None
+    free: int | None = None
+    available: int | None = None
+    active_anon: int | None = None
+    inactive_anon: int | None = None
+    active_file: int | None = None
+    inactive_file: int | None = None
+    shmem: int | None = None
+    unevictable: int | None = None
+    swap_total: int | None = None
+    swap_free: int | None = None
+
+
+def _meminfo_keys(*names: tuple[str, str]) -> tuple[tuple[bytes, str], ...]:
+    return tuple((b"\n" + key.encode() + b":", attr) for attr, key in names)
+
+
+# The tick reads only what the counters need; `probe` reads the rest too.
+TICK_FIELDS = _meminfo_keys(
+    ("total", "MemTotal"), ("free", "MemFree"), ("available", "MemAvailable"),
+    ("active_anon", "Active(anon)"), ("active_file", "Active(file)"),
+    ("inactive_file", "Inactive(file)"), ("swap_total", "SwapTotal"),
+)
+ALL_FIELDS = TICK_FIELDS + _meminfo_keys(
+    ("inactive_anon", "Inactive(anon)"), ("shmem", "Shmem"),
+    ("unevictable", "Unevictable"), ("swap_free", "SwapFree"),
+)
+
+
+def parse_meminfo(data: bytes, fields: tuple[tuple[bytes, str], ...] = ALL_FIELDS) -> Meminfo:
+    """The named /proc/meminfo fields, in bytes.
+
+    One flat loop of `find`s (this runs every tick): a field is kept only
+    when its line is complete and reads `<number> kB`; anything else --
+    missing, truncated, garbage, negative -- leaves it None.
+    """
+    data = b"\n" + data
+    found: dict[str, int] = {}
+    for key, attr in fields:
+        i = data.find(key)
+        if i < 0:
+            continue
+        start = i + len(key)
+        end = data.find(b"\n", start)
+        if end < 0:
+            continue
+        parts = data[start:end].split()
+        if len(parts) != 2 or parts[1] != b"kB" or not parts[0].isdigit():
+            continue
+        found[attr] = int(parts[0]) * 1024
+    return Meminfo(**found)
+
+
+class CgroupStat(msgspec.Struct, frozen=True, kw_only=True):
+    """A cgroup's memory.stat (whole subtree), in bytes; None when absent."""
+
+    anon: int | None = None
+    file: int | None = None
+    shmem: int | None = None
+    active_anon: int | None = None
+    inactive_anon: int | None = None
+    active_file: int | None = None
+    inactive_file: int | None = None
+    hierarchical_limit: int | None = None   # v1 only: the limit over all ancestors
+
+
+# attribute -> (v2 key, v1 key). v1 `total_*` keys include the subtree.
+_STAT_KEYS = {
+    "anon": (b"anon", b"total_rss"),
+    "file": (b"file", b"total_cache"),
+    "shmem": (b"shmem", b"total_shmem"),
+    "active_anon": (b"active_anon", b"total_active_anon"),
+    "inactive_anon": (b"inactive_anon", b"total_inactive_anon"),
+    "active_file": (b"active_file", b"total_active_file"),
+    "inactive_file": (b"inactive_file", b"total_inactive_file"),
+}
+
+
+def parse_cgroup_stat(data: bytes, version: int) -> CgroupStat:
+    values: dict[str, int | None] = {}
+    for attr, (v2_key, v1_key) in _STAT_KEYS.items():
+        if version == 2:
+            values[attr] = _whole(_line_value(data, v2_key + b" "))
+        else:
+            value = _whole(_line_value(data, v1_key + b" "))
+            if value is None:  # a v1 cgroup without hierarchy: the plain key
+                value = _whole(_line_value(data, v1_key[len(b"total_"):] + b" "))
+            values[attr] = value
+    if version == 1:
+        values["hierarchical_limit"] = _whole(_line_value(data, b"hierarchical_memory_limit "))
+    return CgroupStat(**values)
+
+
+def parse_limit(data: bytes, path: str = "limit") -> int | None:
+    """A cgroup limit file: bytes, or None for "max" / a no-limit sentinel."""
+    text = data.strip()
+    if text == b"max":
+        return None
+    value = _whole(text)
+    if value is None or not data.endswith(b"\n"):
+        raise ProbeError(f"{path} is not a byte count: {data[:40]!r}")
+    return None if value >= UNLIMITED else value
+
+
+def parse_counter(data: bytes, path: str = "counter") -> int:
+    value = _whole(data.strip())
+    if value is None or not data.endswith(b"\n"):
+        raise ProbeError(f"{path} is not a byte count: {data[:40]!r}")
+    return value
+
+
+def _psi_line(rest: bytes) -> PsiLine:
+    fields = dict(part.split(b"=", 1) for part in rest.split())
+    return PsiLine(
+        avg10=float(fields[b"avg10"]), avg60=float(fields[b"avg60"]),
+        avg300=float(fields[b"avg300"]), total_us=int(fields[b"total"]),
+    )
+
+
+def parse_psi(data: bytes, source: str = "") -> Psi:
+    """A PSI file (`some ...` and usually `full ...`)."""
+    try:
+        some = _line_value(data, b"some ")
+        if some is None:
+            raise ValueError("no complete `some` line")
+        full = _line_value(data, b"full ")
+        return Psi(
+            some=_psi_line(some), full=None if full is None else _psi_line(full), source=source
+        )
+    except (ValueError, KeyError) as exc:
+        raise ProbeError(f"{source or 'PSI'} is not a pressure-stall file: {exc}") from None
+
+
+def parse_statm(data: bytes, page_size: int) -> int | None:
+    """Anonymous resident bytes from /proc/PID/statm (resident - shared).
+
+    None for a process without memory (a zombie reads all zeros).
+    """
+    parts = data.split()
+    if len(parts) < 3 or not data.endswith(b"\n"):
+        return None
+    resident, shared = _whole(parts[1]), _whole(parts[2])
+    if resident is None or shared is None or resident == 0:
+        return None
+    return max(0, resident - shared) * page_size
+
+
+def parse_smaps_rollup(data: bytes) -> int | None:
+    """USS: Private_Clean + Private_Dirty + Private_Hugetlb; None if unreadable."""
+    clean = meminfo_field(data, b"Private_Clean")
+    dirty = meminfo_field(data, b"Private_Dirty")
+    if clean is None or dirty is None:
+        return None
+    return clean + dirty + (meminfo_field(data, b"Private_Hugetlb") or 0)
+
+
+# ---------------------------------------------------------------------------
+# Where the process's memory cgroup is.
+
+
+class Mount(msgspec.Struct, frozen=True):
+    root: str         # the cgroup path mounted (field 4 of mountinfo)
+    mountpoint: str
+    fstype: str
+    options: tuple[str, ...]
+
+
+def _unescape(field: str) -> str:
+    """mountinfo escapes space, tab, newline and backslash as octal."""
+    if "\\" not in field:
+        return field
+    return field.encode().decode("unicode_escape")
+
+
+def parse_mountinfo(data: bytes) -> list[Mount]:
+    """The cgroup mounts of /proc/self/mountinfo (others are not needed)."""
+    mounts = []
+    for line in data.decode(errors="replace").splitlines():
+        fields = line.split()
+        if "-" not in fields:
+            continue
+        sep = fields.index("-")
+        if sep < 5 or len(fields) < sep + 4:
+            continue
+        fstype = fields[sep + 1]
+        if fstype not in ("cgroup", "cgroup2"):
+            continue
+        mounts.append(Mount(
+            root=_unescape(fields[3]), mountpoint=_unescape(fields[4]),
+            fstype=fstype, options=tuple(fields[sep + 3].split(",")),
+        ))
+    return mounts
+
+
+class Membership(msgspec.Struct, frozen=True):
+    v1_memory: str | None = None   # the path in the v1 memory hierarchy
+    v2: str | None = None          # the path in the unified hierarchy
+
+
+def parse_proc_cgroup(data: bytes) -> Membership:
+    v1 = v2 = None
+    for line in data.decode(errors="replace").splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hid, controllers, path = parts
+        if hid == "0" and controllers == "":
+            v2 = path
+        elif "memory" in controllers.split(","):
+            v1 = path
+    return Membership(v1_memory=v1, v2=v2)
+
+
+class CgroupPlace(msgspec.Struct, frozen=True):
+    """The process's memory cgroup: its version and the directories from the
+    process's own cgroup up to the top of the mount (the limits that apply)."""
+
+    version: int
+    dirs: tuple[str, ...]
+
+
+def _under(root: str, path: str) -> str:
+    return os.path.join(root, path.lstrip("/"))
+
+
+def locate_cgroup(root: str = "/") -> CgroupPlace | None:
+    """Find the memory cgroup of this process, or None when there is none.
+
+    A v1 memory controller wins over v2 (in a hybrid layout the unified
+    hierarchy carries no memory controller). Inside a cgroup namespace the
+    process sees itself at "/" of a mount whose root is its own cgroup.
+    """
+    member = parse_proc_cgroup(read_once(_under(root, "proc/self/cgroup")))
+    mounts = parse_mountinfo(read_once(_under(root, "proc/self/mountinfo")))
+    if member.v1_memory is not None:
+        version, path = 1, member.v1_memory
+        candidates = [m for m in mounts if m.fstype == "cgroup" and "memory" in m.options]
+    elif member.v2 is not None:
+        version, path = 2, member.v2
+        candidates = [m for m in mounts if m.fstype == "cgroup2"]
+    else:
+        return None
+    if not candidates:
+        return None
+    mount = candidates[0]
+    rel = path
+    if mount.root != "/" and (path == mount.root or path.startswith(mount.root + "/")):
+        rel = path[len(mount.root):]
+    top = _under(root, mount.mountpoint)
+    leaf = os.path.normpath(os.path.join(top, rel.lstrip("/")))
+    if not (leaf == top or leaf.startswith(top.rstrip("/") + "/")) or not os.path.isdir(leaf):
+        leaf = top  # the path is outside this mount (namespaced): the mount is ours
+    dirs = [leaf]
+    while dirs[-1] != top:
+        dirs.append(os.path.dirname(dirs[-1]))
+    return CgroupPlace(version=version, dirs=tuple(dirs))
+
+
+# ---------------------------------------------------------------------------
+# The container limit (slow path) and its live counters (tick path).
+
+
+class Container(msgspec.Struct, frozen=True, kw_only=True):
+    """The cgroup whose limit binds, as found on the last slow refresh."""
+
+    version: int
+    dir: str
+    limit: int | None         # None: no finite limit anywhere on the path
+    limit_source: str
+    swap_allowed: bool | None  # None: the cgroup does not say
+
+
+def _limit_files(version: int) -> tuple[str, ...]:
+    return ("memory.max", "memory.high") if version == 2 else ("memory.limit_in_bytes",)
+
+
+def _smallest_limit(place: CgroupPlace) -> tuple[int | None, str, str]:
+    """(limit, its file, its cgroup dir) -- the smallest finite limit on the path."""
+    best: tuple[int | None, str, str] = (None, "", place.dirs[0])
+    for directory in place.dirs:
+        for name in _limit_files(place.version):
+            path = os.path.join(directory, name)
+            if not os.path.exists(path):
+                continue
+            limit = parse_limit(read_once(path), path)
+            if limit is not None and (best[0] is None or limit < best[0]):
+                best = (limit, path, directory)
+    return best
+
+
+def _swap_allowed(version: int, directory: str, limit: int | None) -> bool | None:
+    """Whether the binding cgroup may swap at all (T3 inside a container)."""
+    try:
+        if version == 2:
+            path = os.path.join(directory, "memory.swap.max")
+            if not os.path.exists(path):
+                return None
+            swap = parse_limit(read_once(path), path)
+            return swap is None or swap > 0
+        path = os.path.join(directory, "memory.memsw.limit_in_bytes")
+        if not os.path.exists(path) or limit is None:
+            return None
+        memsw = parse_limit(read_once(path), path)
+        return memsw is None or memsw > limit
+    except ProbeError:
+        return None
+
+
+def find_container(root: str = "/") -> Container | None:
+    place = locate_cgroup(root)
+    if place is None:
+        return None
+    limit, source, directory = _smallest_limit(place)
+    return Container(
+        version=place.version, dir=directory, limit=limit, limit_source=source,
+        swap_allowed=_swap_allowed(place.version, directory, limit),
+    )
+
+
+# ---------------------------------------------------------------------------
+# From readings to SPEC C2 counters (pure).
+
+
+def host_counters(mi: Meminfo, total: int) -> tuple[HostCounters, str | None]:
+    """SPEC C2 counters from /proc/meminfo (mapping in the module docstring).
+
+    Returns the counters and, when they had to fall back, why.
+    """
+    compressor = bool(mi.swap_total)
+    needed = (mi.free, mi.active_anon, mi.active_file, mi.inactive_file)
+    if None not in needed:
+        return HostCounters(
+            total=total, free=mi.free, inactive=mi.inactive_file,
+            file_backed=mi.active_file + mi.inactive_file,
+            active=mi.active_anon + mi.active_file,
+            available=mi.available, compressor=compressor,
+        ), None
+    if mi.available is not None:
+        return HostCounters(total=total, available=mi.available, compressor=compressor), (
+            "/proc/meminfo lacks MemFree/Active/Inactive(file) fields: using MemAvailable only"
+        )
+    return HostCounters(total=total, compressor=compressor), (
+        "/proc/meminfo has neither the page counters nor MemAvailable: "
+        "dynamic ceiling falls back to static"
+    )
+
+
+def container_counters(
+    mi: Meminfo, stat: CgroupStat, limit: int, usage: int, total: int, swap_allowed: bool | None
+) -> tuple[HostCounters, str | None]:
+    """SPEC C2 counters for a container whose limit is below the RAM."""
+    free = max(0, limit - usage)
+    if mi.free is not None:
+        free = min(free, mi.free)
+    compressor = bool(mi.swap_total) and swap_allowed is not False
+    needed = (stat.active_anon, stat.active_file, stat.inactive_file)
+    if None in needed:
+        return HostCounters(total=total, available=free, compressor=compressor), (
+            "cgroup memory.stat lacks active/inactive file and anon fields: "
+            "using limit - usage as available"
+        )
+    available = free + stat.inactive_file
+    if mi.available is not None:
+        available = min(available, mi.available)
+    return HostCounters(
+        total=total, free=free, inactive=stat.inactive_file,
+        file_backed=stat.active_file + stat.inactive_file,
+        active=stat.active_anon + stat.active_file,
+        available=available, compressor=compressor,
+    ), None
+
+
+# ---------------------------------------------------------------------------
+# The probe.
+
+
+class _Sample(msgspec.Struct, kw_only=True):
+    """One tick's raw readings, before they become counters or a report."""
+
+    mi: Meminfo
+    physical: int
+    container: Container | None
+    usage: int | None = None
+    stat: CgroupStat | None = None
+    counters: HostCounters | None = None
+    total_source: TotalSource = "physical"
+    warnings: list[str] = []
+
+
+class LinuxProbe:
+    """Reads the host (and its container) through files kept open.
+
+    `root` prefixes every path, so tests point the probe at a directory of
+    captured files laid out like / (proc/meminfo, proc/self/cgroup,
+    sys/fs/cgroup/...). `clock` drives the slow-refresh cadence.
+    """
+
+    def __init__(
+        self,
+        root: str = "/",
+        slow_interval: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.root = root
+        self.slow_interval = slow_interval
+        self._clock = clock
+        self._meminfo = ProcFile(_under(root, "proc/meminfo"))
+        self._page_size = os.sysconf("SC_PAGE_SIZE")
+        self._physical_fallback = 0
+        self._next_slow = float("-inf")
+        self._container: Container | None = None
+        self._container_error: str | None = None
+        self._usage: ProcFile | None = None
+        self._stat: ProcFile | None = None
+        self._statm: dict[int, ProcFile] = {}
+        _live_probes.add(self)
+
+    # -- slow path ---------------------------------------------------------
+
+    def _refresh_slow(self) -> None:
+        """Re-find the cgroup and its limit; keep the last good one on error."""
+        self._next_slow = self._clock() + self.slow_interval
+        try:
+            found = find_container(self.root)
+        except ProbeError as exc:
+            self._container_error = f"container limit unknown: {exc}"
+            return
+        self._container_error = None
+        if found != self._container:
+            self._close_container()
+            self._container = found
+            if found is not None and found.limit is not None:
+                usage = "memory.current" if found.version == 2 else "memory.usage_in_bytes"
+                self._usage = ProcFile(os.path.join(found.dir, usage))
+                self._stat = ProcFile(os.path.join(found.dir, "memory.stat"))
+
+    def _close_container(self) -> None:
+        for f in (self._usage, self._stat):
+            if f is not None:
+                f.close()
+        self._usage = self._stat = None
+
+    def _physical(self, mi: Meminfo) -> int:
+        if mi.total:
+            return mi.total
+        if not self._physical_fallback:
+            self._physical_fallback = int(os.sysconf("SC_PHYS_PAGES")) * self._page_size
+        return self._physical_fallback
+
+    # -- tick path ---------------------------------------------------------
+
+    def _sample(self, budget: int, fields: tuple[tuple[bytes, str], ...] = TICK_FIELDS) -> _Sample:
+        if self._clock() >= self._next_slow:
+            self._refresh_slow()
+        warnings: list[str] = []
+        meminfo_ok = True
+        try:
+            mi = parse_meminfo(self._meminfo.read(), fields)
+        except ProbeError as exc:
+            mi, meminfo_ok = Meminfo(), False
+            warnings.append(warn_once(f"meminfo:{exc}", f"{exc}: host counters unavailable"))
+        if self._container_error:
+            warnings.append(warn_once(self._container_error, self._container_error))
+        sample = _Sample(mi=mi, physical=self._physical(mi), container=self._container,
+                         warnings=warnings)
+        limit = sample.container.limit if sample.container else None
+        total, sample.total_source = choose_total(sample.physical, limit, max(0, budget))
+        if limit is not None and limit < sample.physical:
+            sample.counters = self._container_sample(sample, limit, total)
+        if sample.counters is None:
+            sample.counters, why = host_counters(mi, total)
+            if why and meminfo_ok:
+                warnings.append(warn_once(why, why))
+        return sample
+
+    def _container_sample(self, sample: _Sample, limit: int, total: int) -> HostCounters | None:
+        assert self._usage is not None and self._stat is not None and sample.container
+        try:
+            sample.usage = parse_counter(self._usage.read(), self._usage.path)
+            sample.stat = parse_cgroup_stat(self._stat.read(), sample.container.version)
+        except ProbeError as exc:
+            message = f"{exc}: using host counters under the container limit"
+            sample.warnings.append(warn_once(f"cgroup:{exc}", message))
+            return None
+        counters, why = container_counters(
+            sample.mi, sample.stat, limit, sample.usage, total, sample.container.swap_allowed
+        )
+        if why:
+            sample.warnings.append(warn_once(why, why))
+        return counters
+
+    def counters(self, budget: int = 0) -> HostCounters:
+        counters = self._sample(budget).counters
+        assert counters is not None
+        return counters
+
+    def reading(self, budget: int = 0) -> HostReading:
+        return build_reading(self.root, self._sample(budget, ALL_FIELDS), max(0, budget))
+
+    # -- footprints --------------------------------------------------------
+
+    def footprint(self, pid: int) -> int | None:
+        """Anonymous resident bytes of `pid` (see the module docstring)."""
+        f = self._statm.get(pid)
+        if f is None:
+            if len(self._statm) >= _MAX_FDS:
+                self.forget(next(iter(self._statm)))
+            f = self._statm[pid] = ProcFile(_under(self.root, f"proc/{pid}/statm"))
+        try:
+            value = parse_statm(f.read(), self._page_size)
+        except ProbeError:
+            value = None
+        if value is None:
+            self.forget(pid)  # gone (or reused: the old descriptor never follows)
+        return value
+
+    def exact_footprint(self, pid: int) -> int | None:
+        """USS from /proc/PID/smaps_rollup; slow, for `probe` and spot checks."""
+        try:
+            return parse_smaps_rollup(read_once(_under(self.root, f"proc/{pid}/smaps_rollup")))
+        except ProbeError:
+            return None
+
+    def forget(self, pid: int) -> None:
+        f = self._statm.pop(pid, None)
+        if f is not None:
+            f.close()
+
+    def _forget_all(self) -> None:
+        """After fork the child must not read the parent's open files."""
+        for pid in list(self._statm):
+            self.forget(pid)
+        self._meminfo.close()
+        self._close_container()
+        self._container = None
+        self._next_slow = float("-inf")
+
+
+# After fork a child must not read through its parent's descriptors (the
+# parent's /proc/<pid> files would describe the parent). Weak references, so
+# a probe made in a test is not kept alive by the hook.
+_live_probes: weakref.WeakSet[LinuxProbe] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for probe in list(_live_probes):
+        probe._forget_all()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# ---------------------------------------------------------------------------
+# The full report (slow path: `probe`, status, `tiers`).
+
+
+def read_swap_kinds(root: str = "/") -> tuple[bool | None, bool | None]:
+    """(zram active as swap, zswap enabled); None where the system does not say."""
+    try:
+        swaps = read_once(_under(root, "proc/swaps")).decode(errors="replace").splitlines()[1:]
+        zram: bool | None = any(line.split()[0].startswith("/dev/zram") for line in swaps if line)
+    except ProbeError:
+        zram = None
+    try:
+        flag = read_once(_under(root, "sys/module/zswap/parameters/enabled")).strip()
+        zswap: bool | None = flag in (b"Y", b"y", b"1")
+    except ProbeError:
+        zswap = None
+    return zram, zswap
+
+
+def read_psi(root: str, container: Container | None) -> tuple[Psi | None, str | None]:
+    """Memory PSI: the binding v2 cgroup's own file, else the host's."""
+    path = _under(root, "proc/pressure/memory")
+    if container is not None and container.version == 2 and container.limit is not None:
+        own = os.path.join(container.dir, "memory.pressure")
+        if os.path.exists(own):
+            path = own
+    if not os.path.exists(path):
+        return None, None  # kernel without PSI: nothing to report, nothing wrong
+    try:
+        return parse_psi(read_once(path), path), None
+    except ProbeError as exc:
+        return None, f"{exc} (PSI disabled on this kernel?)"
+
+
+def _host_sources(meminfo: str) -> dict[str, str]:
+    return {
+        "free": f"{meminfo} MemFree",
+        "inactive": f"{meminfo} Inactive(file)",
+        "file_backed": f"{meminfo} Active(file) + Inactive(file)",
+        "active": f"{meminfo} Active(anon) + Active(file)",
+        "available": f"{meminfo} MemAvailable",
+        "compressor": f"{meminfo} SwapTotal > 0",
+    }
+
+
+def _container_sources(meminfo: str, c: Container) -> dict[str, str]:
+    usage = os.path.join(c.dir, "memory.current" if c.version == 2 else "memory.usage_in_bytes")
+    stat = os.path.join(c.dir, "memory.stat")
+    p = "" if c.version == 2 else "total_"
+    swap = "memory.swap.max" if c.version == 2 else "memory.memsw.limit_in_bytes"
+    return {
+        "free": f"min({c.limit_source} - {usage}, {meminfo} MemFree)",
+        "inactive": f"{stat} {p}inactive_file",
+        "file_backed": f"{stat} {p}active_file + {p}inactive_file",
+        "active": f"{stat} {p}active_anon + {p}active_file",
+        "available": f"min(free + {p}inactive_file, {meminfo} MemAvailable)",
+        "compressor": f"{meminfo} SwapTotal > 0 and {os.path.join(c.dir, swap)}",
+        "container_usage": usage,
+    }
+
+
+def _sources(root: str, sample: _Sample) -> dict[str, str]:
+    meminfo = _under(root, "proc/meminfo")
+    c = sample.container
+    in_container = sample.stat is not None and c is not None
+    sources = _container_sources(meminfo, c) if in_container else _host_sources(meminfo)
+    counters = sample.counters
+    assert counters is not None
+    for name in ("free", "inactive", "file_backed", "active", "available"):
+        if getattr(counters, name) is None:
+            sources[name] = "unavailable"
+    sources["physical_total"] = (
+        f"{meminfo} MemTotal" if sample.mi.total else "sysconf(SC_PHYS_PAGES) * sysconf(SC_PAGE_SIZE)"
+    )
+    if c is not None and c.limit is not None:
+        sources["container_limit"] = c.limit_source
+    sources["swap_total"] = f"{meminfo} SwapTotal"
+    sources["total"] = {
+        "physical": sources["physical_total"],
+        "container": sources.get("container_limit", ""),
+        "budget": "the configured budget",
+    }[sample.total_source]
+    return sources
+
+
+def _detail(mi: Meminfo, stat: CgroupStat | None) -> dict[str, int]:
+    detail = {
+        f"meminfo_{name}": value
+        for name, value in (
+            ("available", mi.available), ("active_anon", mi.active_anon),
+            ("inactive_anon", mi.inactive_anon), ("active_file", mi.active_file),
+            ("inactive_file", mi.inactive_file), ("shmem", mi.shmem),
+            ("unevictable", mi.unevictable), ("swap_free", mi.swap_free),
+        )
+        if value is not None
+    }
+    if stat is not None:
+        for name in ("anon", "file", "shmem", "inactive_anon"):
+            value = getattr(stat, name)
+            if value is not None:
+                detail[f"cgroup_{name}"] = value
+    return detail
+
+
+def build_reading(root: str, sample: _Sample, budget: int) -> HostReading:
+    warnings = list(sample.warnings)
+    psi, psi_warning = read_psi(root, sample.container)
+    if psi_warning:
+        warnings.append(warn_once(psi_warning, psi_warning))
+    zram, zswap = read_swap_kinds(root)
+    c = sample.container
+    assert sample.counters is not None
+    return HostReading(
+        platform="linux",
+        counters=sample.counters,
+        physical_total=sample.physical,
+        container_limit=c.limit if c is not None else None,
+        container_usage=sample.usage,
+        cgroup=f"v{c.version} {c.dir}" if c is not None else None,
+        budget=budget,
+        total_source=sample.total_source,
+        swap_total=sample.mi.swap_total,
+        zram=zram,
+        zswap=zswap,
+        psi=psi,
+        detail=_detail(sample.mi, sample.stat),
+        sources=_sources(root, sample),
+        warnings=warnings,
+    )
