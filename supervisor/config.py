@@ -188,25 +188,26 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 _PATH_RE = re.compile(r"^(?P<reason>.*) - at `\$(?P<path>[^`]*)`$", re.S)
+# A `__post_init__` reason starts with "field: " (or "models[1].id: " from Config).
+_FIELD_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\[\d+\])?(\.[A-Za-z_][A-Za-z0-9_]*)?")
 
 
 def _key_path_message(exc: msgspec.ValidationError) -> str:
     """Turn msgspec's "reason - at `$.guard`" into "guard.key: reason"."""
     text = str(exc)
     match = _PATH_RE.match(text)
-    if match is None:
-        return text
-    path = match["path"].lstrip(".")
-    reason = match["reason"]
+    path, reason = (match["path"].lstrip("."), match["reason"]) if match else ("", text)
     field, sep, rest = reason.partition(": ")
-    if sep and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\[\d+\])?(\.[A-Za-z_][A-Za-z0-9_]*)?", field):
-        path = f"{path}.{field}" if path else field
-        reason = rest
+    if sep and _FIELD_RE.fullmatch(field):
+        path, reason = _join(path, field), rest
     unknown = re.match(r"Object contains unknown field `([^`]+)`", reason)
     if unknown:
-        path = f"{path}.{unknown[1]}" if path else unknown[1]
-        reason = "unknown key"
+        path, reason = _join(path, unknown[1]), "unknown key"
     return f"{path}: {reason}" if path else reason
+
+
+def _join(path: str, field: str) -> str:
+    return f"{path}.{field}" if path else field
 
 
 def parse_config(text: str | bytes, source: str = "config") -> Config:

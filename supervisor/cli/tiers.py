@@ -16,7 +16,7 @@ from shared.sizes import GiB, SizeError, parse_size
 from supervisor.ceilings import TierPreview, tier_preview, wired_limit_advice
 from supervisor.snapshot import HostCounters
 
-# flag -> (HostCounters field or input name, help)
+# flag -> help; the destination is the flag's name (HostCounters field or input)
 _SIZE_FLAGS = {
     "--total": "machine memory (or container limit / budget)",
     "--free": "free memory",
@@ -113,6 +113,9 @@ def render_table(previews: dict[str, TierPreview], inputs: WhatIf) -> str:
     lines.append("")
     lines.append(f"sizes in GiB; machine {_gib(h.total)} GiB, group footprint {_gib(inputs.own)} GiB, "
                  f"compressor {'on' if h.compressor else 'off'}")
+    for tier, p in previews.items():
+        if p.reserve_bytes >= h.total:
+            lines.append(f"{tier} reserves more than the machine has: every model load would be refused")
     if previews["custom"].dynamic_bytes == 0:
         lines.append("custom: no custom ceiling set, so its ceiling is static / gpu cap only")
     advice = wired_limit_advice(previews["balanced"].static_bytes, h.total, inputs.gpu_cap)

@@ -1,0 +1,159 @@
+"""The TOML configuration (DESIGN.md contract; SPEC T5 thresholds).
+
+Bad values must come back as one line naming the key path and the reason,
+never a traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.sizes import GiB, MiB
+from supervisor.config import Config, ConfigError, load_config, parse_config, parse_http
+from supervisor.snapshot import guard_settings
+
+FULL = """
+[guard]
+enabled = true
+tier = "Aggressive"
+custom_ceiling = "12GiB"
+soft_threshold = 0.9
+hard_threshold = 0.97
+budget = "1536MiB"
+hot_cache_max = 2000000000
+safe_zone_ratio = 0.8
+min_chunk_tokens = 128
+poll_interval = 0.5
+loaded_idle_interval = 5
+unloaded_idle_interval = 20
+
+[supervisor]
+http = "0.0.0.0:9000"
+idle_timeout = 600
+allow_drills = true
+admin_token = "s3cret"
+queue_size = 8
+queue_deadline = 30.0
+restart_max = 5
+restart_period = 120
+stop_grace = 3
+heartbeat_interval = 0.5
+heartbeat_timeout = 2
+max_body = "2GB"
+
+[[models]]
+id = "small"
+path = "/models/small"
+pinned = true
+
+[[models]]
+id = "big"
+path = "/models/big"
+ttl = 300
+max_concurrency = 2
+"""
+
+
+def test_config_defaults_are_the_builtin_demo():
+    c = Config()
+    assert c.guard.tier == "balanced" and c.guard.enabled
+    assert c.guard.soft_threshold is None and c.guard.hard_threshold is None
+    assert c.guard.safe_zone_ratio == 0.89 and c.guard.min_chunk_tokens == 256
+    assert (c.guard.poll_interval, c.guard.loaded_idle_interval, c.guard.unloaded_idle_interval) == (1.0, 10.0, 30.0)
+    assert c.supervisor.http == "127.0.0.1:8000"
+    assert c.supervisor.max_body == MiB
+    assert c.models == []
+
+
+def test_config_full_file_round_trip(tmp_path):
+    path = tmp_path / "memvisor.toml"
+    path.write_text(FULL)
+    c = load_config(path)
+    assert c.guard.custom_ceiling == 12 * GiB
+    assert c.guard.budget == 1536 * MiB
+    assert c.guard.hot_cache_max == 2_000_000_000
+    assert c.supervisor.max_body == 2 * 10**9
+    assert c.supervisor.idle_timeout == 600.0
+    assert [m.id for m in c.models] == ["small", "big"]
+    assert c.models[0].pinned and c.models[0].ttl is None and c.models[0].max_concurrency == 4
+    assert c.model("big").ttl == 300 and c.model("big").max_concurrency == 2
+    settings = guard_settings(c)
+    assert settings.custom_ceiling == 12 * GiB and settings.idle_timeout == 600.0
+    assert settings.tier == "Aggressive"  # normalised by the policy (T2), reported once there
+
+
+@pytest.mark.parametrize(
+    "toml, fragment",
+    [
+        ('[guard]\nsoft_treshold = 0.9', "guard.soft_treshold: unknown key"),
+        ('[gaurd]\ntier = "safe"', "gaurd: unknown key"),
+        ('[guard]\nbudget = "12 parsecs"', "guard.budget: unknown unit"),
+        ('[guard]\nbudget = -5', "guard.budget: size must not be negative"),
+        ('[guard]\nhot_cache_max = "1.5"', "guard.hot_cache_max: a byte count must be whole"),
+        ('[guard]\npoll_interval = "fast"', "guard.poll_interval: Expected `float`, got `str`"),
+        ('[guard]\npoll_interval = 0', "guard.poll_interval: must be a positive number"),
+        ('[guard]\nloaded_idle_interval = -1', "guard.loaded_idle_interval: must be a positive"),
+        ('[guard]\nenabled = "yes"', "guard.enabled: Expected `bool`"),
+        ('[guard]\nsafe_zone_ratio = 1.5', "guard.safe_zone_ratio: must be in (0, 1]"),
+        ('[guard]\nmin_chunk_tokens = 0', "guard.min_chunk_tokens: must be at least 1"),
+        ('[supervisor]\nhttp = "localhost"', "supervisor.http: expected HOST:PORT"),
+        ('[supervisor]\nhttp = "127.0.0.1:99999"', "supervisor.http: port must be 1-65535"),
+        ('[supervisor]\nidle_timeout = -1', "supervisor.idle_timeout: must be zero or a positive"),
+        ('[supervisor]\nmax_body = 0', "supervisor.max_body: must be at least 1 byte"),
+        ('[supervisor]\nheartbeat_timeout = 0.5', "supervisor.heartbeat_timeout: must be longer"),
+        ('[[models]]\nid = "a"\npath = "/a"\n[[models]]\nid = ""\npath = "/b"', "models[1].id: must not be empty"),
+        ('[[models]]\nid = "a"\npath = "/a"\nmax_concurrency = 0', "models[0].max_concurrency: must be at least 1"),
+        ('[[models]]\nid = "a"\npath = "/a"\nttl = -3', "models[0].ttl: must be zero or a positive"),
+        ('[[models]]\nid = "a"', "models[0]: Object missing required field `path`"),
+        ('[[models]]\nid = "a"\npath = "/a"\n[[models]]\nid = "a"\npath = "/b"', "models[1].id: duplicate model id 'a'"),
+        ('guard = 3', "guard: Expected `object`, got `int`"),
+        ('[guard\n', "not valid TOML"),
+    ],
+)
+def test_config_errors_name_the_key_path_and_reason(toml, fragment):
+    with pytest.raises(ConfigError) as info:
+        parse_config(toml, source="my.toml")
+    message = str(info.value)
+    assert message.startswith("my.toml: ")
+    assert fragment in message, message
+
+
+@pytest.mark.parametrize(
+    "toml, fragment",
+    [
+        ('[guard]\nsoft_threshold = 0.96', "guard.soft_threshold: soft 0.96 must be below hard 0.95"),
+        ('[guard]\nsoft_threshold = 1.2\nhard_threshold = 1.3', "guard.soft_threshold: must be at most 1"),
+        ('[guard]\nhard_threshold = 1.5', "guard.hard_threshold: must be at most 1"),
+        ('[guard]\nsoft_threshold = 0.9\nhard_threshold = 0.9', "guard.soft_threshold: soft 0.9 must be below hard 0.9"),
+        ('[guard]\nsoft_threshold = nan', "guard.soft_threshold: must be a number"),
+    ],
+)
+def test_t5_bad_thresholds_are_config_errors(toml, fragment):
+    with pytest.raises(ConfigError, match=None) as info:
+        parse_config(toml)
+    assert fragment in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize(
+    "toml",
+    [
+        '[guard]\nsoft_threshold = 0.85\nhard_threshold = 0.95',  # legacy defaults: tier defaults
+        '[guard]\ntier = "aggressive"\nsoft_threshold = 0.96',     # below aggressive's 0.98
+        '[guard]\nsoft_threshold = 0\nhard_threshold = -1',        # <= 0: tier defaults
+        '[guard]\ntier = "nonsense"',                                # T2: balanced, warned at runtime
+    ],
+)
+def test_t5_accepted_thresholds(toml):
+    parse_config(toml)
+
+
+def test_config_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "absent.toml")
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("127.0.0.1:8000", ("127.0.0.1", 8000)), ("[::1]:80", ("::1", 80)), ("localhost:1", ("localhost", 1))],
+)
+def test_parse_http(text, expected):
+    assert parse_http(text) == expected
