@@ -164,6 +164,7 @@ class _Tick:
         common = limits_for(self.c, admission_paused=paused, safe_zone_ratio=g.safe_zone_ratio,
                             min_chunk_tokens=g.min_chunk_tokens)
         changed = common != prev.limits
+        why = "first limits" if prev.limits is None else ("limits changed" if changed else "new worker")
         had = prev.limited
         limited = had
         if changed or len(had) != len(self.g.live):
@@ -172,7 +173,7 @@ class _Tick:
             if changed or had.get(w.worker) != w.pid:
                 cap = _cap(w)
                 self.out.append(SetLimits(
-                    worker=w.worker, model=w.model, reason="limits changed" if changed else "new worker",
+                    worker=w.worker, model=w.model, reason=why,
                     limits=msgspec.structs.replace(common, max_concurrency=cap)))
             if limited is not had:
                 limited[w.worker] = w.pid
@@ -193,10 +194,11 @@ class _Tick:
             return False
         fat = [w for w in self.g.live
                if w.mlx_pool > POOL_RECLAIM_FLOOR and w.state != "draining"]
+        used = self.prev.grace_ticks + (0 if self.s.recheck else 1)
         for w in fat:
             self.out.append(Reclaim(worker=w.worker, model=w.model, reason=(
                 f"{level} pressure: return the {format_size(w.mlx_pool)} allocator pool "
-                f"(grace {self.prev.grace_ticks + 1}/{GRACE_TICKS_MAX}, nothing destroyed)")))
+                f"(grace {used}/{GRACE_TICKS_MAX}, nothing destroyed)")))
         return bool(fat)
 
     def shrink_hot_cache(self) -> None:
