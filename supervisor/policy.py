@@ -212,9 +212,11 @@ class _Tick:
         shrunk: set[str] = set()
         if need > 0:
             for w in sorted((w for w in self.g.serving if w.hot_cache_releasable > 0), key=lru_key):
-                take = min(w.hot_cache_releasable, need)
+                take = min(w.hot_cache_releasable, w.hot_cache_used, need)
+                if take <= 0:
+                    continue
                 self.out.append(ShrinkHotCache(
-                    worker=w.worker, model=w.model, target_bytes=max(0, w.hot_cache_used - take),
+                    worker=w.worker, model=w.model, target_bytes=w.hot_cache_used - take,
                     reason=f"hard pressure: free {format_size(take)} of prompt cache"))
                 need -= take
                 self.projected -= take
@@ -348,7 +350,8 @@ def _cap(w: WorkerRecord) -> int:
 
 
 def _hold_still(s: Snapshot, t: _Tick) -> TickResult:
-    """No reading has ever given the machine's size: decide nothing but say so.
+    """The guard is on but no reading has ever given the machine's size:
+    decide nothing but say so.
 
     Guessing a size would either lift every limit or (static = 1 byte) make
     the guard evict everything; holding still until a reading arrives does
@@ -362,7 +365,7 @@ def _hold_still(s: Snapshot, t: _Tick) -> TickResult:
             "no action until it can read how much memory there is")))
     state = msgspec.structs.replace(prev, no_reading_warned=True, interval=s.guard.poll_interval)
     return TickResult(state=state, decisions=decisions, ceilings=t.c, level=prev.level,
-                      usage=t.g.usage, projected_usage=t.g.usage, emergency=False,
+                      usage=t.g.usage, projected_usage=t.projected, emergency=False,
                       next_interval=s.guard.poll_interval)
 
 
@@ -374,7 +377,7 @@ def tick(s: Snapshot) -> TickResult:
     P10 TTL expiries.
     """
     t = _Tick(s)
-    if s.host is None and s.state.last_total <= 0:
+    if s.host is None and s.state.last_total <= 0 and s.guard.enabled:
         return _hold_still(s, t)
     c = t.c
     tier_warned, no_reading, reserve_warned = t.warnings()
