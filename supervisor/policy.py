@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import msgspec
 
+from shared.limits import Limits
 from shared.sizes import GiB, format_size
 from supervisor.ceilings import Ceilings, limits_for, reserve_message
 from supervisor.decisions import (
@@ -158,26 +159,33 @@ class _Tick:
                 self.out.append(ResumeAdmission(reason="memory pressure is over"))
         return paused
 
-    def limits(self, paused: bool) -> tuple[object, dict[str, int]]:
-        """Hand every worker the limits it does not have yet (T6: next tick at the latest)."""
-        g, prev = self.s.guard, self.prev
+    def limits(self, paused: bool) -> tuple[Limits, dict[str, int]]:
+        """Hand every worker the limits it does not have yet (T6: next tick at the latest).
+
+        The common limits are compared with the last ones handed out; a worker
+        also gets them when it is new or its pid changed (a respawn).
+        """
+        g, prev, live = self.s.guard, self.prev, self.g.live
         common = limits_for(self.c, admission_paused=paused, safe_zone_ratio=g.safe_zone_ratio,
                             min_chunk_tokens=g.min_chunk_tokens)
-        changed = common != prev.limits
-        why = "first limits" if prev.limits is None else ("limits changed" if changed else "new worker")
         had = prev.limited
-        limited = had
-        if changed or len(had) != len(self.g.live):
-            limited = {}
-        for w in self.g.live:
-            if changed or had.get(w.worker) != w.pid:
-                cap = _cap(w)
-                self.out.append(SetLimits(
-                    worker=w.worker, model=w.model, reason=why,
-                    limits=msgspec.structs.replace(common, max_concurrency=cap)))
-            if limited is not had:
-                limited[w.worker] = w.pid
-        return common, limited
+        if common != prev.limits:
+            todo = live
+            why = "first limits" if prev.limits is None else "limits changed"
+        else:
+            todo = [w for w in live if had.get(w.worker) != w.pid]
+            why = "new worker"
+        by_cap: dict[int, Limits] = {}
+        out = self.out
+        for w in todo:
+            cap = w.concurrency or w.max_concurrency
+            limits = by_cap.get(cap)
+            if limits is None:
+                limits = by_cap[cap] = msgspec.structs.replace(common, max_concurrency=cap)
+            out.append(SetLimits(worker=w.worker, model=w.model, reason=why, limits=limits))
+        if not todo and len(had) == len(live):
+            return common, had
+        return common, {w.worker: w.pid for w in live}
 
     # -- P4 / P5 -------------------------------------------------------------------
 
@@ -309,16 +317,15 @@ class _Tick:
         if self.s.recheck:
             return
         ok = level == "ok"
+        reason = "ok: one step toward the configured maximum" if ok else f"{level} pressure: one step toward 1"
+        stopped, out = self.stopped, self.out
         for w in self.g.serving:
-            if w.worker in self.stopped:
-                continue
-            cap = _cap(w)
+            cap = w.concurrency or w.max_concurrency
             target = w.max_concurrency if ok else 1
-            if cap == target:
+            if cap == target or w.worker in stopped:
                 continue
-            new = cap + 1 if cap < target else cap - 1
-            self.out.append(SetConcurrency(worker=w.worker, model=w.model, cap=new, reason=(
-                f"{level}: concurrency {cap} -> {new} (toward {target})")))
+            out.append(SetConcurrency(worker=w.worker, model=w.model, reason=reason,
+                                      cap=cap + 1 if cap < target else cap - 1))
 
     def expire_ttl(self) -> None:
         """P10: unload idle models past their TTL; pinned models never expire."""
@@ -342,11 +349,6 @@ class _Tick:
         if level != "ok" or self.g.loading or self.g.active or self.g.unknown or hinted:
             return g.poll_interval
         return g.loaded_idle_interval if self.g.serving else g.unloaded_idle_interval
-
-
-def _cap(w: WorkerRecord) -> int:
-    """The worker's cap now: 0 (not set yet) means its configured maximum."""
-    return w.concurrency if w.concurrency > 0 else w.max_concurrency
 
 
 def _hold_still(s: Snapshot, t: _Tick) -> TickResult:

@@ -430,6 +430,13 @@ def test_t6_new_or_respawned_worker_gets_limits():
     assert of(respawned, d.SetLimits)[0].limits.max_concurrency == 4
 
 
+def test_t6_a_replaced_worker_gets_limits_once():
+    r = run(snap(w("a", pid=1), w("b", pid=2)), snap(w("a", pid=1), w("c", pid=3)),
+            snap(w("a", pid=1), w("c", pid=3)))
+    assert not of(r, d.SetLimits)
+    assert r.state.limited == {"a": 1, "c": 3}
+
+
 def test_c1_reserve_larger_than_machine_warns_once():
     g = GuardSettings(tier="safe")
     small = HostCounters(total=4 * GiB, free=3 * GiB)
