@@ -70,7 +70,8 @@ class HostReading(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     physical_total: int
     container_limit: int | None = None
     container_usage: int | None = None
-    cgroup: str | None = None          # "v1 <dir>" / "v2 <dir>" of the binding cgroup
+    cgroup: str | None = None          # "v1 <dir>" / "v2 <dir>": the memory cgroup whose
+                                       # limit binds, else the process's own
     budget: int = 0
     total_source: TotalSource = "physical"
     swap_total: int | None = None

@@ -61,6 +61,8 @@ Private_Dirty + Private_Hugetlb) for `probe` and occasional checks.
 from __future__ import annotations
 
 import os
+import re
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -357,11 +359,14 @@ class Mount(msgspec.Struct, frozen=True):
     options: tuple[str, ...]
 
 
+_OCTAL = re.compile(r"\\([0-7]{3})")
+
+
 def _unescape(field: str) -> str:
-    """mountinfo escapes space, tab, newline and backslash as octal."""
+    """mountinfo escapes space, tab, newline and backslash as \\ooo (slow path)."""
     if "\\" not in field:
         return field
-    return field.encode().decode("unicode_escape")
+    return _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), field)
 
 
 def parse_mountinfo(data: bytes) -> list[Mount]:
@@ -605,6 +610,9 @@ class LinuxProbe:
         self._usage: ProcFile | None = None
         self._stat: ProcFile | None = None
         self._statm: dict[int, ProcFile] = {}
+        # The enforcer and a status request may read at once; one closing a
+        # descriptor the other is reading would leak a reopened one.
+        self._lock = threading.Lock()
         _live_probes.add(self)
 
     # -- slow path ---------------------------------------------------------
@@ -614,7 +622,7 @@ class LinuxProbe:
         self._next_slow = self._clock() + self.slow_interval
         try:
             found = find_container(self.root)
-        except ProbeError as exc:
+        except (ProbeError, OSError, ValueError) as exc:
             self._container_error = f"container limit unknown: {exc}"
             return
         self._container_error = None
@@ -682,28 +690,35 @@ class LinuxProbe:
         return counters
 
     def counters(self, budget: int = 0) -> HostCounters:
-        counters = self._sample(budget).counters
+        with self._lock:
+            counters = self._sample(budget).counters
         assert counters is not None
         return counters
 
     def reading(self, budget: int = 0) -> HostReading:
-        return build_reading(self.root, self._sample(budget, ALL_FIELDS), max(0, budget))
+        with self._lock:
+            sample = self._sample(budget, ALL_FIELDS)
+        return build_reading(self.root, sample, max(0, budget))
 
     # -- footprints --------------------------------------------------------
 
     def footprint(self, pid: int) -> int | None:
         """Anonymous resident bytes of `pid` (see the module docstring)."""
+        with self._lock:
+            return self._footprint(pid)
+
+    def _footprint(self, pid: int) -> int | None:
         f = self._statm.get(pid)
         if f is None:
             if len(self._statm) >= _MAX_FDS:
-                self.forget(next(iter(self._statm)))
+                self._drop(next(iter(self._statm)))
             f = self._statm[pid] = ProcFile(_under(self.root, f"proc/{pid}/statm"))
         try:
             value = parse_statm(f.read(), self._page_size)
         except ProbeError:
             value = None
         if value is None:
-            self.forget(pid)  # gone (or reused: the old descriptor never follows)
+            self._drop(pid)  # gone (or reused: the old descriptor never follows)
         return value
 
     def exact_footprint(self, pid: int) -> int | None:
@@ -714,14 +729,24 @@ class LinuxProbe:
             return None
 
     def forget(self, pid: int) -> None:
+        """Close the descriptor kept for `pid` (the pool calls this on exit)."""
+        with self._lock:
+            self._drop(pid)
+
+    def _drop(self, pid: int) -> None:
         f = self._statm.pop(pid, None)
         if f is not None:
             f.close()
 
     def _forget_all(self) -> None:
-        """After fork the child must not read the parent's open files."""
+        """After fork the child must not read the parent's open files.
+
+        Runs in the child right after fork, when no other thread exists: the
+        lock may have been copied held, so it is replaced, not taken.
+        """
+        self._lock = threading.Lock()
         for pid in list(self._statm):
-            self.forget(pid)
+            self._drop(pid)
         self._meminfo.close()
         self._close_container()
         self._container = None
