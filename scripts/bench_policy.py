@@ -44,7 +44,8 @@ def _workers(n: int, per_worker: int, pressure: bool) -> list[WorkerRecord]:
         out.append(WorkerRecord(
             worker=f"w{i}", model=f"model-{i}", pid=1000 + i, state=state,
             pinned=kind == 3, last_access=NOW - 100 - i, running=running, usage=per_worker,
-            footprint=per_worker + 16 * MiB, mlx_active=per_worker, mlx_pool=(3 * GiB if pressure and i == 0 else 64 * MiB),
+            footprint=per_worker + 16 * MiB, mlx_active=per_worker,
+            mlx_pool=3 * GiB if pressure and i == 0 else 64 * MiB,
             max_concurrency=4, concurrency=2, ttl=None if kind else 3600.0,
             hot_cache_used=256 * MiB if kind == 2 else 0,
             hot_cache_releasable=128 * MiB if kind == 2 else 0,

@@ -74,6 +74,7 @@ EMERGENCY_TICKS = 2              # P2: ... or this many consecutive ticks at or 
 POOL_RECLAIM_FLOOR = 2 * GiB     # P4: a pool smaller than this is not worth a clear
 GRACE_TICKS_MAX = 5              # P4: at 1 s a tick, covers one ~5 s prefill chunk
 
+
 class TickResult(msgspec.Struct, frozen=True, kw_only=True):
     """Output of one tick: the state to pass to the next, and what to do."""
 
@@ -115,11 +116,11 @@ class _Tick:
 
     # -- warnings (T2, C1, C2) --------------------------------------------
 
-    def warnings(self) -> tuple[str, bool, bool]:
+    def warnings(self) -> tuple[str | None, bool, bool]:
         s, prev, c, out = self.s, self.prev, self.c, self.out
         tier_warned = prev.tier_warned
         if self.tier_known:
-            tier_warned = ""
+            tier_warned = None
         elif s.guard.tier != tier_warned:
             tier_warned = s.guard.tier
             out.append(Warn(reason="T2", message=(
@@ -317,7 +318,8 @@ class _Tick:
         if self.s.recheck:
             return
         ok = level == "ok"
-        reason = "ok: one step toward the configured maximum" if ok else f"{level} pressure: one step toward 1"
+        reason = ("ok: one step toward the configured maximum" if ok
+                  else f"{level} pressure: one step toward 1")
         stopped, out = self.stopped, self.out
         for w in self.g.serving:
             cap = w.concurrency or w.max_concurrency

@@ -112,7 +112,7 @@ class PolicyState(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     over_ceiling_ticks: int = 0     # P2 consecutive ticks with usage >= ceiling
     grace_ticks: int = 0            # P4 grace ticks used in this pressure episode
     admission_paused: bool = False  # P3, as last decided
-    tier_warned: str = ""           # T2: the unknown tier name already reported
+    tier_warned: str | None = None  # T2: the unknown tier name already reported
     no_reading_warned: bool = False  # C2: "no memory reading" already reported
     reserve_warned: bool = False    # C1: "tier reserves more than the machine" reported
     last_total: int = 0             # total of the last reading (used when host is None)

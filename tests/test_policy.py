@@ -410,6 +410,9 @@ def test_t2_unknown_tier_is_reported_once():
     assert not of(run(snap(guard=bad), snap(guard=bad)), d.Warn)
     other = msgspec.structs.replace(GUARD, tier="nitro")
     assert of(run(snap(guard=bad), snap(guard=other)), d.Warn)
+    empty = msgspec.structs.replace(GUARD, tier="")
+    assert [x.reason for x in of(run(snap(guard=bad), snap(guard=empty)), d.Warn)] == ["T2"]
+    assert not of(run(snap(guard=bad), snap(guard=GUARD), snap(guard=GUARD)), d.Warn)
 
 
 def test_t6_new_limits_reach_every_worker_on_the_next_tick():

@@ -164,5 +164,5 @@ def test_replaying_a_trace_twice_gives_the_same_decisions(trace):
     first = [msgspec.json.encode(t) for t in replay_lines(lines)]
     second = [msgspec.json.encode(t) for t in replay_lines(lines)]
     assert first == second
-    for s, raw in zip(trace, lines):
+    for s, raw in zip(trace, lines, strict=True):
         assert msgspec.json.decode(raw, type=Snapshot) == s

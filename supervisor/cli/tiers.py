@@ -106,7 +106,7 @@ def render_table(previews: dict[str, TierPreview], inputs: WhatIf) -> str:
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) if i in (0, len(row) - 1) else cell.rjust(w)
-                       for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
+                       for i, (cell, w) in enumerate(zip(row, widths, strict=True))).rstrip()
              for row in rows]
     h = inputs.host
     lines.insert(1, "-" * len(lines[0]))
