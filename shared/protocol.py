@@ -43,6 +43,23 @@ class Msg(msgspec.Struct, tag_field="type", kw_only=True, omit_defaults=False):
     v: int = PROTOCOL_VERSION
 
 
+class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything a worker process is started with (passed encoded, not pickled)."""
+
+    worker_id: str
+    model_id: str
+    model_path: str
+    slot: int
+    ledger_path: str
+    commands: str  # supervisor ROUTER endpoint
+    reports: str  # supervisor PULL endpoint
+    supervisor_pid: int
+    sample_interval: float = 0.25
+    heartbeat_timeout: float = 5.0
+    max_concurrency: int = 4
+    allow_drills: bool = False
+
+
 # --------------------------------------------------------------------------
 # worker -> supervisor, on the command socket (DEALER -> ROUTER)
 

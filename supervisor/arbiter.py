@@ -1,0 +1,306 @@
+"""The arbiter: the supervisor's one loop.
+
+In the manner of gunicorn's arbiter, everything that happens to the
+supervisor is handled in one readable loop:
+
+    while running:
+        sleep until the next tick or until something wakes us
+        (a sample over a watermark, a worker exit, a load, a signal)
+        reap what exited; detect wedged workers; respawn what is due
+        run the guard (probes -> policy -> actions)
+
+Signals only set a flag and wake the loop; worker exits arrive through
+process sentinels; ZeroMQ frames through socket readers. All of them run on
+the same asyncio loop, so no state is shared across threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import zmq
+
+from shared import protocol as p
+from shared.ledger import Ledger
+from supervisor.bus import Bus, Endpoints
+from supervisor.config import Config, ModelConfig
+from supervisor.enforcer import Enforcer
+from supervisor.gate import Gate
+from supervisor.pool import LoadError, Pool, RequestStream, WorkerHandle
+from supervisor.runtime import ensure_private_dir
+
+log = logging.getLogger("memvisor.arbiter")
+
+EVENT_HISTORY = 500
+
+
+class Arbiter:
+    def __init__(self, config: Config, runtime_dir: Path, *, max_workers: int = 64, http: bool = True) -> None:
+        self.config = config
+        self.runtime_dir = runtime_dir
+        self.max_workers = max_workers
+        self.serve_http = http
+        self.running = False
+        self.stop_reason = ""
+        self.events: collections.deque[p.GuardEvent] = collections.deque(maxlen=EVENT_HISTORY)
+        self.started = time.monotonic()
+        self._load_lock: asyncio.Lock | None = None
+        self._loading: dict[str, asyncio.Task] = {}
+        self._respawn_due: dict[str, float] = {}
+        self._signals = 0
+        self.http_server = None
+
+    # -- start and stop ------------------------------------------------------
+
+    def setup(self) -> None:
+        ensure_private_dir(self.runtime_dir)
+        self.loop = asyncio.get_running_loop()
+        self.wake_event = asyncio.Event()
+        self._load_lock = asyncio.Lock()
+        self.ctx = zmq.Context()
+        self.endpoints = Endpoints.in_dir(self.runtime_dir, pid=os.getpid(), http=self.config.supervisor.http)
+        self.bus = Bus(self.ctx, self.endpoints)
+        self.ledger = Ledger.create(self.runtime_dir / "ledger", self.max_workers)
+        self.pool = Pool(bus=self.bus, ledger=self.ledger, config=self.config,
+                         on_event=self.pool_event, on_change=self.wake)
+        self.enforcer = Enforcer(config=self.config, pool=self.pool, bus=self.bus, ledger=self.ledger,
+                                 emit=self.emit)
+        self.gate = Gate(self.config.supervisor.queue_size, self.config.supervisor.queue_deadline)
+        self.bus.attach(self.loop, self.pool.on_reply, self.pool.on_report, self.on_control)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            self.loop.add_signal_handler(sig, self.on_signal, sig)
+        self.endpoints.save(self.runtime_dir)
+        self.running = True
+        log.info("memvisor supervisor pid %d; runtime dir %s; PUB %s", os.getpid(), self.runtime_dir,
+                 self.endpoints.pub)
+
+    async def run(self) -> int:
+        """The loop. Returns the process exit code."""
+        self.setup()
+        try:
+            for model in self.config.models:
+                if model.pinned:
+                    self.loop.create_task(self._load_quietly(model.id, "pinned model"))
+            await self.serve_forever()
+        finally:
+            await self.shutdown()
+        return 0
+
+    async def serve_forever(self) -> None:
+        next_beat = time.monotonic()
+        interval = self.enforcer.tick(time.monotonic())
+        while self.running:
+            now = time.monotonic()
+            timeout = max(0.0, min(interval, next_beat - now, self._next_respawn(now) - now))
+            await self.sleep(timeout)
+            if not self.running:
+                break
+            now = time.monotonic()
+            if now >= next_beat:
+                next_beat = now + self.config.supervisor.heartbeat_interval
+                for handle in self.pool.heartbeat(now):
+                    self.on_wedged(handle)
+            self.respawn_due(now)
+            self.gate.expire(now)
+            interval = self.enforcer.tick(now)
+            self.gate.release(self.enforcer.admission_paused)
+
+    async def sleep(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(self.wake_event.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        self.wake_event.clear()
+
+    def wake(self) -> None:
+        """Something that can change the guard's answer happened (SPEC P9)."""
+        self.wake_event.set()
+
+    def on_signal(self, sig: int) -> None:
+        self._signals += 1
+        name = signal.Signals(sig).name
+        if sig == signal.SIGHUP:
+            log.info("SIGHUP: configuration reload is not supported; restart to change models")
+            return
+        if self._signals > 1:
+            log.warning("%s again: stopping workers without waiting for them to drain", name)
+            for handle in list(self.pool.handles.values()):
+                self.pool.kill(handle, f"second {name}")
+            return
+        log.info("%s: shutting down (press ^C again to stop without draining)", name)
+        self.stop_reason = name
+        self.running = False
+        self.wake()
+
+    async def shutdown(self) -> None:
+        log.info("stopping %d worker(s)", len(self.pool.handles))
+        if self.http_server is not None:
+            self.http_server.should_exit = True
+        await self.pool.shutdown(f"supervisor shutting down ({self.stop_reason or 'done'})")
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            self.loop.remove_signal_handler(sig)
+        self.bus.close()
+        self.ledger.close()
+        self.ctx.term()
+        for name in ("endpoints.json", "ledger"):
+            try:
+                (self.runtime_dir / name).unlink()
+            except FileNotFoundError:
+                pass
+        log.info("supervisor stopped")
+
+    # -- events ----------------------------------------------------------------
+
+    def emit(self, kind: str, reason: str, *, worker_id: str = "", model_id: str = "", usage: int = 0,
+             ceiling: int = 0) -> None:
+        """SPEC S2: kept in a bounded history and published to subscribers."""
+        ev = p.GuardEvent(t=time.time(), kind=kind, reason=reason, worker_id=worker_id, model_id=model_id,
+                          usage=usage, ceiling=ceiling)
+        self.events.append(ev)
+        self.bus.publish(ev)
+
+    def pool_event(self, kind: str, reason: str, handle: WorkerHandle, **extra) -> None:
+        if kind == "need_memory":
+            self.enforcer.on_need_memory(handle, extra["request_id"], extra["need_bytes"])
+            return
+        self.emit(kind, reason, worker_id=handle.worker_id, model_id=handle.model_id,
+                  usage=handle.sample.usage if handle.sample else 0)
+        if kind == "crash":
+            self.on_crash(handle)
+
+    # -- crashes, wedges and respawns ------------------------------------------
+
+    def on_wedged(self, handle: WorkerHandle) -> None:
+        silent = time.monotonic() - handle.last_pong
+        log.error("Worker %s (pid %d) has not answered a heartbeat for %.1f s: wedged; killing it",
+                  handle.worker_id, handle.pid, silent)
+        handle.state = "wedged"
+        self.emit("wedged", f"no heartbeat for {silent:.1f} s", worker_id=handle.worker_id,
+                  model_id=handle.model_id)
+        self.pool.kill(handle, "wedged")
+        handle.exited.add_done_callback(lambda _f, h=handle: self.on_crash(h))
+
+    def on_crash(self, handle: WorkerHandle) -> None:
+        """A pinned model comes back, within the restart intensity; others wait for demand."""
+        if not handle.pinned or not self.running or handle.model_id in self._respawn_due:
+            return
+        now = time.monotonic()
+        allowed, delay = self.pool.may_respawn(handle.model_id, now)
+        if not allowed:
+            scfg = self.config.supervisor
+            why = (f"{scfg.restart_max} restarts within {scfg.restart_period:.0f} s; not respawning "
+                   f"(last exit: {handle.exit_cause})")
+            self.pool.failed[handle.model_id] = why
+            log.error("Model %s marked failed: %s", handle.model_id, why)
+            self.emit("failed", why, model_id=handle.model_id)
+            return
+        self._respawn_due[handle.model_id] = now + delay
+        log.info("Respawning pinned model %s in %.1f s", handle.model_id, delay)
+        self.wake()
+
+    def _next_respawn(self, now: float) -> float:
+        return min(self._respawn_due.values(), default=now + 3600)
+
+    def respawn_due(self, now: float) -> None:
+        for model_id, due in list(self._respawn_due.items()):
+            if due <= now:
+                del self._respawn_due[model_id]
+                self.pool.record_restart(model_id, now)
+                self.emit("respawn", "pinned model respawned after its worker exited", model_id=model_id)
+                self.loop.create_task(self._load_quietly(model_id, "respawn"))
+
+    async def _load_quietly(self, model_id: str, why: str) -> None:
+        try:
+            await self.load(model_id)
+        except LoadError as exc:
+            log.error("could not load %s (%s): %s", model_id, why, exc)
+
+    # -- loads (SPEC A) ------------------------------------------------------------
+
+    def model_config(self, model_id: str) -> ModelConfig:
+        model = self.config.model(model_id)
+        if model is None:
+            raise LoadError(f"the model {model_id!r} does not exist", code="model_not_found", http_status=404)
+        return model
+
+    async def load(self, model_id: str) -> WorkerHandle:
+        """Ready worker for `model_id`; every concurrent caller shares one load (A5)."""
+        model = self.model_config(model_id)
+        handle = self.pool.worker_for(model_id)
+        if handle is not None and handle.state in ("ready", "busy"):
+            return handle
+        if model_id in self.pool.failed:
+            raise LoadError(f"model {model_id!r} is marked failed: {self.pool.failed[model_id]}",
+                            code="model_failed", http_status=503)
+        task = self._loading.get(model_id)
+        if task is None:
+            task = self.loop.create_task(self._load(model, handle))
+            self._loading[model_id] = task
+            task.add_done_callback(lambda _t: self._loading.pop(model_id, None))
+        return await asyncio.shield(task)
+
+    async def _load(self, model: ModelConfig, handle: WorkerHandle | None) -> WorkerHandle:
+        async with self._load_lock:  # A5: one model load at a time
+            if handle is None or not handle.live:
+                handle = self.pool.worker_for(model.id)
+            if handle is None:
+                await self.enforcer.admit(model)
+                handle = self.pool.spawn(model)
+                self.enforcer.note_load_started(handle)
+                self.wake()
+            await handle.loaded
+        self.wake()
+        return handle
+
+    async def unload(self, model_id: str, reason: str = "unloaded on request") -> bool:
+        self.model_config(model_id)
+        handle = self.pool.worker_for(model_id)
+        if handle is None:
+            return False
+        self.emit("unload", reason, worker_id=handle.worker_id, model_id=model_id)
+        await self.pool.stop(handle, reason)
+        return True
+
+    # -- requests --------------------------------------------------------------------
+
+    def admission_open(self, handle: WorkerHandle) -> bool:
+        """SPEC P3: paused admission still lets an idle worker take one request."""
+        return not self.enforcer.admission_paused or not handle.requests
+
+    async def generate(self, model_id: str, gen: p.Generate) -> RequestStream:
+        handle = await self.load(model_id)
+        if not self.admission_open(handle):
+            await self.gate.wait(handle)
+            if not handle.live:
+                raise LoadError(f"the worker for {model_id!r} stopped while the request waited",
+                                code="worker_exited", http_status=503)
+        gen.request_id = gen.request_id or uuid.uuid4().hex
+        stream = self.pool.open_request(handle, gen.request_id)
+        if not self.pool.command(handle, gen):
+            self.pool.cancel_request(stream, "worker unreachable")
+            raise LoadError(f"the worker for {model_id!r} is not reachable", code="worker_exited",
+                            http_status=503)
+        self.wake()
+        return stream
+
+    def cancel(self, stream: RequestStream, reason: str = "client disconnected") -> None:
+        self.pool.cancel_request(stream, reason)
+        self.wake()
+
+    # -- control socket ------------------------------------------------------------------
+
+    def on_control(self, identity: bytes, msg) -> None:
+        self.loop.create_task(self._control(identity, msg))
+
+    async def _control(self, identity: bytes, msg) -> None:
+        from supervisor.control import handle_control
+
+        reply = await handle_control(self, msg)
+        self.bus.send_control_reply(identity, reply)

@@ -1,0 +1,219 @@
+"""The supervisor's ZeroMQ sockets, run inside its asyncio loop.
+
+Sockets are plain (blocking-API) pyzmq sockets driven by the loop's reader
+callbacks on ZMQ_FD: when the descriptor wakes, every queued frame is drained
+with NOBLOCK in one go. That keeps sample ingest at C speed and out of
+per-message coroutine overhead. ZMQ_FD is edge-triggered, so after any send
+on a socket we also schedule a drain (a send can consume the edge).
+
+Every frame goes through a `Codec`; what cannot be decoded is counted per
+socket and cause, logged once per cause, and dropped. Nothing a peer sends can
+raise into the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Callable
+
+import msgspec
+import zmq
+
+from shared import protocol as p
+
+log = logging.getLogger("memvisor.bus")
+
+
+class Endpoints(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a running supervisor listens; written to RUNTIME/endpoints.json."""
+
+    commands: str
+    reports: str
+    pub: str
+    control: str
+    pid: int = 0
+    http: str = ""
+
+    @classmethod
+    def in_dir(cls, runtime_dir: Path, pid: int = 0, http: str = "") -> "Endpoints":
+        return cls(
+            commands=f"ipc://{runtime_dir}/commands.sock",
+            reports=f"ipc://{runtime_dir}/reports.sock",
+            pub=f"ipc://{runtime_dir}/pub.sock",
+            control=f"ipc://{runtime_dir}/control.sock",
+            pid=pid,
+            http=http,
+        )
+
+    def save(self, runtime_dir: Path) -> None:
+        tmp = runtime_dir / "endpoints.json.tmp"
+        tmp.write_bytes(msgspec.json.encode(self))
+        os.replace(tmp, runtime_dir / "endpoints.json")
+
+    @classmethod
+    def load(cls, runtime_dir: Path) -> "Endpoints":
+        path = runtime_dir / "endpoints.json"
+        try:
+            return msgspec.json.decode(path.read_bytes(), type=cls)
+        except FileNotFoundError:
+            raise NotRunning(f"no supervisor runs with runtime dir {runtime_dir} (no {path})") from None
+        except msgspec.DecodeError as exc:
+            raise NotRunning(f"{path} is unreadable: {exc}") from None
+
+
+class NotRunning(RuntimeError):
+    pass
+
+
+def _ipc_path(endpoint: str) -> str | None:
+    return endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else None
+
+
+class Bus:
+    """Binds the four sockets and dispatches decoded messages to handlers."""
+
+    def __init__(self, ctx: zmq.Context, endpoints: Endpoints) -> None:
+        self.ctx = ctx
+        self.endpoints = endpoints
+        self.malformed: Counter[tuple[str, str]] = Counter()
+        self._logged: set[tuple[str, str]] = set()
+        self.commands = self._bind(zmq.ROUTER, endpoints.commands)
+        self.commands.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.reports = self._bind(zmq.PULL, endpoints.reports)
+        self.pub = self._bind(zmq.PUB, endpoints.pub)
+        self.pub.setsockopt(zmq.SNDHWM, 10_000)
+        self.control = self._bind(zmq.ROUTER, endpoints.control)
+        self.command_codec = p.Codec(p.CommandMsg)
+        self.reply_codec = p.Codec(p.WorkerReply)
+        self.report_codec = p.Codec(p.WorkerReport)
+        self.pub_codec = p.Codec(p.Published)
+        self.control_codec = p.Codec(p.ControlRequest)
+        self.control_reply_codec = p.Codec(p.ControlReply)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _bind(self, kind: int, endpoint: str) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
+        path = _ipc_path(endpoint)
+        if path and os.path.exists(path):
+            os.unlink(path)  # a stale socket of a supervisor that died
+        sock.bind(endpoint)
+        if path:
+            os.chmod(path, 0o600)
+        return sock
+
+    # -- reading ----------------------------------------------------------
+
+    def attach(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        on_reply: Callable[[bytes, object], None],
+        on_report: Callable[[object], None],
+        on_control: Callable[[bytes, object], None],
+    ) -> None:
+        self._loop = loop
+        self._handlers = {
+            self.commands: lambda frames: self._routed("commands", frames, self.reply_codec, on_reply),
+            self.reports: lambda frames: self._plain("reports", frames, self.report_codec, on_report),
+            self.control: lambda frames: self._routed("control", frames, self.control_codec, on_control),
+        }
+        for sock in self._handlers:
+            loop.add_reader(sock.getsockopt(zmq.FD), self._drain, sock)
+            loop.call_soon(self._drain, sock)
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        handler = self._handlers[sock]
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                break
+            try:
+                handler(frames)
+            except Exception:  # a bug in a handler must not stop the socket
+                log.exception("handler for %s failed", sock)
+
+    def _routed(self, name: str, frames: list[bytes], codec: p.Codec, handler) -> None:
+        if len(frames) != 2:
+            self.bad(name, f"expected 2 frames (identity, message), got {len(frames)}")
+            return
+        msg = codec.decode(frames[1])
+        if isinstance(msg, p.Malformed):
+            self.bad(name, msg.reason, peer=frames[0])
+            return
+        handler(frames[0], msg)
+
+    def _plain(self, name: str, frames: list[bytes], codec: p.Codec, handler) -> None:
+        if len(frames) != 1:
+            self.bad(name, f"expected 1 frame, got {len(frames)}")
+            return
+        msg = codec.decode(frames[0])
+        if isinstance(msg, p.Malformed):
+            self.bad(name, msg.reason)
+            return
+        handler(msg)
+
+    def bad(self, socket_name: str, reason: str, peer: bytes = b"") -> None:
+        """Count a refused frame; log each distinct cause once."""
+        cause = reason.split(":")[0][:80]
+        key = (socket_name, cause)
+        self.malformed[key] += 1
+        if key not in self._logged:
+            self._logged.add(key)
+            who = f" from {peer!r}" if peer else ""
+            log.warning("refused a frame on %s%s: %s (counted; further ones like it are not logged)",
+                        socket_name, who, reason)
+
+    @property
+    def malformed_total(self) -> int:
+        return sum(self.malformed.values())
+
+    # -- writing ----------------------------------------------------------
+
+    def send_command(self, identity: bytes, msg: p.Msg) -> bool:
+        """False when the worker is not connected (ROUTER_MANDATORY)."""
+        try:
+            self.commands.send_multipart([identity, self.command_codec.encode(msg)], zmq.NOBLOCK)
+            return True
+        except (zmq.Again, zmq.ZMQError):
+            return False
+        finally:
+            self._rearm(self.commands)
+
+    def send_control_reply(self, identity: bytes, msg: p.Msg) -> None:
+        try:
+            self.control.send_multipart([identity, self.control_reply_codec.encode(msg)], zmq.NOBLOCK)
+        except (zmq.Again, zmq.ZMQError) as exc:
+            log.debug("control reply to %r dropped: %s", identity, exc)
+        finally:
+            self._rearm(self.control)
+
+    def publish(self, msg: p.Msg) -> None:
+        topic = p.TOPIC_OF[type(msg)].encode()
+        try:
+            self.pub.send_multipart([topic, self.pub_codec.encode(msg)], zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # a slow subscriber loses messages; the guard does not wait
+
+    def _rearm(self, sock: zmq.Socket) -> None:
+        if self._loop is not None:
+            self._loop.call_soon(self._drain, sock)
+
+    def close(self) -> None:
+        if self._loop is not None:
+            for sock in self._handlers:
+                try:
+                    self._loop.remove_reader(sock.getsockopt(zmq.FD))
+                except (zmq.ZMQError, ValueError):
+                    pass
+        for sock in (self.commands, self.reports, self.pub, self.control):
+            sock.close(0)
+        for endpoint in (self.endpoints.commands, self.endpoints.reports, self.endpoints.pub, self.endpoints.control):
+            path = _ipc_path(endpoint)
+            if path and os.path.exists(path):
+                os.unlink(path)

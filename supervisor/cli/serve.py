@@ -1,0 +1,71 @@
+"""`serve`: run the supervisor, its workers and the HTTP front door."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+import msgspec
+
+from shared.sizes import SizeError, parse_size
+from supervisor.config import Config, ConfigError, load_config
+
+log = logging.getLogger("memvisor.serve")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="TOML config ([guard], [supervisor], [[models]]); "
+                        "default: the built-in demo models")
+    parser.add_argument("--http", metavar="HOST:PORT", help="HTTP front door address (default 127.0.0.1:8000); "
+                        "'off' serves no HTTP")
+    parser.add_argument("--tier", help="memory guard tier: safe, balanced, aggressive or custom")
+    parser.add_argument("--custom-ceiling", metavar="SIZE", help="ceiling for the custom tier, e.g. 12GiB")
+    parser.add_argument("--budget", metavar="SIZE", help="never count more than SIZE as the machine's memory")
+    parser.add_argument("--allow-drills", action="store_true", help="allow `drill` (fire drills) on this supervisor")
+    parser.add_argument("--max-workers", type=int, default=64, help="ledger slots, i.e. worker processes at once")
+
+
+def build_config(args: argparse.Namespace) -> Config:
+    """The config file (or the demo) with the command-line overrides applied, re-validated."""
+    if args.config:
+        config = load_config(args.config)
+    else:
+        from supervisor.demo import demo_config, ensure_demo_models
+
+        ensure_demo_models()
+        config = demo_config()
+    raw = msgspec.to_builtins(config)
+    if args.tier is not None:
+        raw["guard"]["tier"] = args.tier
+    for flag, key in ((args.custom_ceiling, "custom_ceiling"), (args.budget, "budget")):
+        if flag is not None:
+            try:
+                raw["guard"][key] = parse_size(flag)
+            except SizeError as exc:
+                raise ConfigError(f"--{key.replace('_', '-')}: {exc}") from None
+    if args.http not in (None, "off"):
+        raw["supervisor"]["http"] = args.http
+    if args.allow_drills:
+        raw["supervisor"]["allow_drills"] = True
+    try:
+        return msgspec.convert(raw, type=Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"command line: {exc}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = build_config(args)
+    except ConfigError as exc:
+        print(f"memvisor: configuration error: {exc}", file=sys.stderr)
+        return 2
+    if not 1 <= args.max_workers <= 4096:
+        print("memvisor: --max-workers must be 1..4096", file=sys.stderr)
+        return 2
+    from supervisor.arbiter import Arbiter
+
+    arbiter = Arbiter(config, args.runtime_dir, max_workers=args.max_workers, http=args.http != "off")
+    return asyncio.run(arbiter.run())

@@ -1,0 +1,130 @@
+"""`watch`: follow a running supervisor's PUB socket.
+
+For people: a live view (rich) of the ceiling and what binds it, the pressure
+level against the watermarks, each worker's memory, and the guard's latest
+events with their reasons. For scripts: `--json`, one object per message,
+`{"topic": ..., "message": {...}}`.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import sys
+import time
+
+import msgspec
+
+from shared import protocol as p
+from shared.sizes import format_size
+from supervisor.client import NotRunning, subscribe
+
+
+def add_arguments(parser):
+    parser.add_argument("--topic", action="append", choices=p.TOPICS, help="only this topic (repeatable)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per message, for scripts")
+    parser.add_argument("--count", type=int, default=0, help="stop after N messages (0: run until ^C)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="give up when no message arrives for this many seconds")
+
+
+def run(args) -> int:
+    if args.count < 0:
+        print("memvisor: --count must be 0 or more", file=sys.stderr)
+        return 2
+    try:
+        if args.json:
+            return _json_lines(args)
+        return _live(args)
+    except NotRunning as exc:
+        print(f"memvisor: {exc}", file=sys.stderr)
+        return 3
+    except TimeoutError as exc:
+        print(f"memvisor: {exc}", file=sys.stderr)
+        return 4
+
+
+def _json_lines(args) -> int:
+    seen = 0
+    for topic, msg in subscribe(args.runtime_dir, args.topic or [], timeout=args.timeout):
+        line = {"topic": topic, "message": msgspec.to_builtins(msg)}
+        sys.stdout.write(json.dumps(line) + "\n")
+        sys.stdout.flush()
+        seen += 1
+        if args.count and seen >= args.count:
+            break
+    return 0
+
+
+class _View:
+    def __init__(self) -> None:
+        self.ceiling: p.CeilingMsg | None = None
+        self.pressure: p.PressureMsg | None = None
+        self.samples: dict[str, p.Sample] = {}
+        self.events: collections.deque[p.GuardEvent] = collections.deque(maxlen=12)
+
+    def take(self, msg) -> None:
+        if isinstance(msg, p.CeilingMsg):
+            self.ceiling = msg
+        elif isinstance(msg, p.PressureMsg):
+            self.pressure = msg
+        elif isinstance(msg, p.Sample):
+            self.samples[msg.worker_id] = msg
+        elif isinstance(msg, p.GuardEvent):
+            self.events.append(msg)
+            if msg.kind in ("exit", "crash", "stop"):
+                self.samples.pop(msg.worker_id, None)
+
+    def render(self):
+        from rich.console import Group
+        from rich.panel import Panel
+        from rich.table import Table
+
+        parts = []
+        c, pr = self.ceiling, self.pressure
+        if c is not None:
+            head = (f"tier [bold]{c.tier}[/]  ceiling [bold]{format_size(c.ceiling)}[/] "
+                    f"(binding: [bold]{c.binding or '-'}[/])  static {format_size(c.static)}  "
+                    f"dynamic {format_size(c.dynamic)}  gpu cap {format_size(c.gpu_cap)}  "
+                    f"reserve {format_size(c.reserve)}" if c.enabled else "guard [bold red]off[/]")
+            parts.append(head)
+        if pr is not None:
+            colour = {"ok": "green", "soft": "yellow", "hard": "red"}.get(pr.level, "white")
+            width = 40
+            fill = min(width, int(width * pr.utilization)) if pr.ceiling else 0
+            bar = "█" * fill + "·" * (width - fill)
+            parts.append(
+                f"pressure [bold {colour}]{pr.level.upper()}[/]  [{colour}]{bar}[/] "
+                f"{format_size(pr.usage)} / {format_size(pr.ceiling)} ({pr.utilization:.0%})  "
+                f"soft {format_size(pr.soft_bytes)}  hard {format_size(pr.hard_bytes)}  "
+                f"{'admission PAUSED  ' if pr.admission_paused else ''}tick {pr.interval:g}s"
+            )
+        if not parts:
+            parts.append("waiting for the supervisor's first tick ...")
+        workers = Table("worker", "pid", "usage", "mlx active", "pool", "running", "queued", "tokens",
+                        title="workers", expand=False)
+        for s in sorted(self.samples.values(), key=lambda s: s.worker_id):
+            workers.add_row(s.worker_id, str(s.pid), format_size(s.usage), format_size(s.mlx_active),
+                            format_size(s.mlx_pool), str(s.running), str(s.queued), str(s.tokens))
+        events = Table("time", "event", "model", "reason", title="guard events", expand=False)
+        for e in self.events:
+            events.add_row(time.strftime("%H:%M:%S", time.localtime(e.t)), e.kind, e.model_id or "-", e.reason)
+        return Panel(Group(*parts, workers, events), title="memvisor watch", subtitle="^C to leave")
+
+
+def _live(args) -> int:
+    from rich.live import Live
+
+    view = _View()
+    seen = 0
+    with Live(view.render(), refresh_per_second=8, screen=False) as live:
+        try:
+            for _topic, msg in subscribe(args.runtime_dir, args.topic or [], timeout=args.timeout):
+                view.take(msg)
+                live.update(view.render())
+                seen += 1
+                if args.count and seen >= args.count:
+                    break
+        except KeyboardInterrupt:
+            pass
+    return 0

@@ -1,0 +1,54 @@
+"""The built-in demo: a few small local models, generated on first run.
+
+`python -m supervisor serve` with no config must work on a fresh machine with
+no download, so the demo models are made here (random weights, a tokenizer
+trained offline) under the user's cache directory, once, with a progress bar.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from shared.sizes import MiB, format_size
+from supervisor.config import Config, ModelConfig
+
+# id, weight bytes, seed, pinned
+DEMO_MODELS = (
+    ("demo-pinned", 16 * MiB, 1, True),
+    ("demo-small", 32 * MiB, 2, False),
+    ("demo-medium", 64 * MiB, 3, False),
+)
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "memvisor" / "models"
+
+
+def demo_config(root: Path | None = None) -> Config:
+    root = root or cache_dir()
+    return Config(models=[
+        ModelConfig(id=name, path=str(root / name), pinned=pinned, max_concurrency=4)
+        for name, _size, _seed, pinned in DEMO_MODELS
+    ])
+
+
+def ensure_demo_models(root: Path | None = None) -> list[Path]:
+    """Generate the demo models that are missing; show progress while doing so."""
+    from worker.modelgen import make_model  # numpy + tokenizers, no MLX
+
+    root = root or cache_dir()
+    missing = [(n, s, seed) for n, s, seed, _p in DEMO_MODELS if not (root / n / "config.json").exists()]
+    if not missing:
+        return [root / n for n, *_ in DEMO_MODELS]
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn()) as bar:
+        for name, size, seed in missing:
+            task = bar.add_task(f"making demo model {name} ({format_size(size)})", total=size)
+            make_model(root / name, size, seed, lambda done, total, t=task: bar.update(t, completed=done,
+                                                                                        total=total),
+                       force=True)
+            bar.update(task, completed=size)
+    return [root / n for n, *_ in DEMO_MODELS]

@@ -1,0 +1,260 @@
+"""The enforcer: gathers the policy's inputs, runs it, carries its decisions out.
+
+The policy (supervisor.policy) is pure; this is the I/O around it. Each tick:
+
+  1. read the probes (host counters, own footprint) and every worker's
+     latest sample from the ledger — no round trip to any worker;
+  2. build a Snapshot and call `policy.tick`;
+  3. carry the decisions out in order (commands over ZeroMQ, limits into the
+     ledger, stops through the pool), logging and publishing each with its
+     reason (SPEC S2);
+  4. when it acted, re-measure and tick again at once (P7);
+  5. publish the ceiling and the pressure, and return P9's next interval.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import msgspec
+
+from shared import protocol as p
+from shared.ledger import Ledger
+from supervisor import decisions as d
+from supervisor import policy, probe
+from supervisor.admission import admit_load, evict_for_prefill
+from supervisor.pool import LoadError, Pool, WorkerHandle
+from supervisor.snapshot import PolicyState, Snapshot, WorkerRecord, guard_settings
+from supervisor.tiers import normalise_tier
+
+log = logging.getLogger("memvisor.guard")
+
+# P4's environment switch: "1" turns the reclaim grace off.
+DISABLE_RECLAIM_ENV = "MEMVISOR_DISABLE_PRESSURE_RECLAIM"
+
+_ACTS = (d.Reclaim, d.ShrinkHotCache, d.AbortRequests, d.AbortLoad, d.MarkForUnload, d.Stop, d.ExpireTTL)
+
+
+class Enforcer:
+    def __init__(self, *, config, pool: Pool, bus, ledger: Ledger, emit) -> None:
+        self.config = config
+        self.pool = pool
+        self.bus = bus
+        self.ledger = ledger
+        self.emit = emit
+        self.settings = guard_settings(
+            config, pressure_reclaim_disabled=os.environ.get(DISABLE_RECLAIM_ENV) == "1"
+        )
+        self.state = PolicyState()
+        self.last: policy.TickResult | None = None
+        self.last_snapshot: Snapshot | None = None
+        self.admission_paused = False
+        self.activity_hint: float | None = None
+        self.fixed_interval: float | None = None  # benchmarks: hold the seed's fixed poll
+        self.trace = None  # an open file: every snapshot as one JSON line (replay)
+        self.ticks = 0
+        self.tick_seconds = 0.0
+        self._last_ceiling: tuple | None = None
+
+    # -- inputs -----------------------------------------------------------------
+
+    def snapshot(self, now: float, *, recheck: bool = False) -> Snapshot:
+        self.pool.read_samples()
+        host = probe.read_host_counters(self.config.guard.budget)
+        own = probe.own_footprint() or 0
+        self.ledger.write_supervisor(own, now)
+        gpu_cap_raw = 0
+        workers = []
+        for h in self.pool.handles.values():
+            cap = probe.gpu_cap_from_device_info(h.device_info) if h.device_info else 0
+            gpu_cap_raw = max(gpu_cap_raw, cap)
+            workers.append(self._record(h))
+        return Snapshot(
+            now=now, guard=self.settings, host=host, supervisor_footprint=own, gpu_cap_raw=gpu_cap_raw,
+            activity_hint=self.activity_hint, recheck=recheck, workers=workers, state=self.state,
+        )
+
+    def _record(self, h: WorkerHandle) -> WorkerRecord:
+        s = h.sample
+        gpu = probe.gpu_share_of_usage(h.device_info, s.mlx_active, s.mlx_pool) if s and h.device_info else 0
+        return WorkerRecord(
+            worker=h.worker_id, model=h.model_id, state=h.state, pid=h.pid, pinned=h.pinned,
+            marked_for_unload=h.marked_for_unload, last_access=h.last_access,
+            running=max(s.running if s else 0, len(h.requests)), queued=s.queued if s else 0,
+            usage=s.usage if s else 0, footprint=s.footprint if s else 0,
+            mlx_active=s.mlx_active if s else 0, mlx_pool=s.mlx_pool if s else 0, gpu_bytes=gpu,
+            max_concurrency=h.model.max_concurrency, concurrency=h.concurrency, ttl=h.model.ttl,
+            restarts=len(self.pool.restarts.get(h.model_id, ())),
+        )
+
+    # -- the tick ---------------------------------------------------------------
+
+    def tick(self, now: float) -> float:
+        """One guard tick (plus its P7 re-check); returns the next interval (P9)."""
+        started = time.perf_counter()
+        result = self._run(self.snapshot(now))
+        if any(isinstance(x, _ACTS) for x in result.decisions):
+            result = self._run(self.snapshot(time.monotonic(), recheck=True))
+        self.ticks += 1
+        self.tick_seconds += time.perf_counter() - started
+        self.publish(result)
+        return self.fixed_interval or result.next_interval
+
+    def _run(self, snap: Snapshot) -> policy.TickResult:
+        if self.trace is not None:
+            self.trace.write(msgspec.json.encode(snap) + b"\n")
+        result = policy.tick(snap)
+        self.state = result.state
+        self.last, self.last_snapshot = result, snap
+        for decision in result.decisions:
+            try:
+                self.execute(decision, result)
+            except Exception:  # one failed action must not stop the others
+                log.exception("could not carry out %s", decision)
+        return result
+
+    def execute(self, x, result: policy.TickResult) -> None:
+        handle = self.pool.handles.get(x.worker) if hasattr(x, "worker") else None
+        if hasattr(x, "worker") and handle is None:
+            return  # the worker exited since the snapshot
+        usage, ceiling = result.usage, result.ceilings.ceiling
+        if isinstance(x, d.SetLimits):
+            self.pool.set_limits(handle, msgspec.structs.replace(x.limits, max_concurrency=handle.concurrency))
+            return
+        if isinstance(x, d.SetConcurrency):
+            handle.concurrency = x.cap
+            if handle.last_limits is not None:
+                self.pool.set_limits(handle, msgspec.structs.replace(handle.last_limits, max_concurrency=x.cap))
+            return
+        if isinstance(x, d.Warn):
+            log.warning("%s", x.message)
+            self.emit("warning", x.message)
+            return
+        if isinstance(x, d.LevelChanged):
+            log.info("Memory pressure %s -> %s: %s", x.from_level, x.to_level, x.reason)
+            self.emit("level", f"{x.from_level} -> {x.to_level}: {x.reason}", usage=usage, ceiling=ceiling)
+            return
+        if isinstance(x, (d.PauseAdmission, d.ResumeAdmission)):
+            self.admission_paused = isinstance(x, d.PauseAdmission)
+            self.emit("admission", ("paused: " if self.admission_paused else "resumed: ") + x.reason,
+                      usage=usage, ceiling=ceiling)
+            return
+        kind, worker = type(x).__name__, dict(worker_id=handle.worker_id, model_id=handle.model_id,
+                                              usage=usage, ceiling=ceiling)
+        log.warning("%s %s: %s", kind, handle.worker_id, x.reason)
+        if isinstance(x, d.Reclaim):
+            self.pool.command(handle, p.Reclaim(reason=x.reason, idle_only=x.idle_only))
+            self.emit("reclaim", x.reason, **worker)
+        elif isinstance(x, d.AbortRequests):
+            self.pool.command(handle, p.AbortRequests(reason=f"memory pressure: {x.reason}", code="memory_pressure"))
+            self.emit("abort", x.reason, **worker)
+        elif isinstance(x, d.AbortLoad):
+            self.pool.kill(handle, f"load aborted: {x.reason}")
+            self.emit("abort_load", x.reason, **worker)
+        elif isinstance(x, d.MarkForUnload):
+            handle.marked_for_unload = True
+            self.emit("mark_for_unload", x.reason, **worker)
+        elif isinstance(x, d.Stop):
+            self.pool.stop(handle, f"evicted: {x.reason}")
+            self.emit("evict", x.reason, **worker)
+        elif isinstance(x, d.ExpireTTL):
+            self.pool.stop(handle, f"TTL: {x.reason}")
+            self.emit("ttl", x.reason, **worker)
+        elif isinstance(x, d.ShrinkHotCache):
+            log.info("worker %s keeps no hot cache to shrink", handle.worker_id)
+
+    # -- outputs ------------------------------------------------------------------
+
+    def publish(self, r: policy.TickResult) -> None:
+        c = r.ceilings
+        now = time.time()
+        key = (c.enabled, c.tier, c.ceiling, c.static, c.dynamic, c.gpu_cap, c.binding)
+        if key != self._last_ceiling or self.ticks % 10 == 1:
+            self._last_ceiling = key
+            self.bus.publish(p.CeilingMsg(t=now, enabled=c.enabled, tier=c.tier, ceiling=c.ceiling, static=c.static,
+                                          dynamic=c.dynamic, gpu_cap=c.gpu_cap, binding=c.binding,
+                                          soft_bytes=c.soft, hard_bytes=c.hard, reserve=c.reserve))
+        self.bus.publish(p.PressureMsg(
+            t=now, level=r.level, usage=r.usage, soft_bytes=c.soft, hard_bytes=c.hard, ceiling=c.ceiling,
+            utilization=r.usage / c.ceiling if c.ceiling > 0 else 0.0, admission_paused=self.admission_paused,
+            interval=self.fixed_interval or r.next_interval,
+        ))
+
+    def status(self):
+        from supervisor.status import build_status
+
+        if self.last_snapshot is None or self.last is None:
+            self.tick(time.monotonic())
+        return build_status(self.last_snapshot, self.last)
+
+    # -- runtime changes (T6) -----------------------------------------------------
+
+    def update_guard(self, update: p.GuardUpdate) -> None:
+        changes = {}
+        if update.tier is not None:
+            tier, known = normalise_tier(update.tier)
+            if not known:
+                raise ValueError(f"unknown tier {update.tier!r}: choose safe, balanced, aggressive or custom")
+            changes["tier"] = tier
+        if update.custom_ceiling is not None:
+            if update.custom_ceiling < 0:
+                raise ValueError("custom ceiling must not be negative")
+            changes["custom_ceiling"] = update.custom_ceiling
+        if update.enabled is not None:
+            changes["enabled"] = update.enabled
+        if not changes:
+            return
+        self.settings = msgspec.structs.replace(self.settings, **changes)
+        words = ", ".join(f"{k}={v}" for k, v in changes.items())
+        log.info("guard settings changed: %s", words)
+        self.emit("guard", f"settings changed: {words}")
+        self.tick(time.monotonic())  # T6: the new limits reach every worker now
+
+    # -- loads (A) and prefill evictions (G1) -------------------------------------
+
+    def note_load_started(self, handle: WorkerHandle) -> None:
+        self.activity_hint = time.monotonic()
+
+    async def admit(self, model) -> None:
+        """SPEC A1-A4: evict LRU idle models to make room, then admit or refuse."""
+        from worker.weights import WeightsError, estimate_weight_bytes  # no MLX in there
+
+        try:
+            size = estimate_weight_bytes(model.path)
+        except (WeightsError, OSError) as exc:
+            raise LoadError(f"model {model.id!r} cannot be loaded from {model.path}: {exc}",
+                            code="model_unreadable", http_status=500) from None
+        for _round in range(8):
+            verdict = admit_load(self.snapshot(time.monotonic()), model.id, size)
+            if verdict.evict:
+                for worker_id in verdict.evict:
+                    h = self.pool.handles.get(worker_id)
+                    if h is not None:
+                        self.emit("evict", f"to make room for {model.id}: {verdict.message}",
+                                  worker_id=h.worker_id, model_id=h.model_id)
+                        await self.pool.stop(h, f"evicted to load {model.id}")
+                continue
+            if verdict.admitted:
+                return
+            self.emit("refused", verdict.message, model_id=model.id)
+            log.warning("Refused to load %s: %s", model.id, verdict.message)
+            raise LoadError(verdict.message, code=verdict.error, http_status=507)
+        raise LoadError(f"could not make room for {model.id!r}", code="insufficient_memory", http_status=507)
+
+    def on_need_memory(self, handle: WorkerHandle, request_id: str, need_bytes: int) -> None:
+        import asyncio
+
+        asyncio.get_running_loop().create_task(self._evict_for_prefill(handle, request_id, need_bytes))
+
+    async def _evict_for_prefill(self, handle: WorkerHandle, request_id: str, need_bytes: int) -> None:
+        victims = evict_for_prefill(self.snapshot(time.monotonic()), handle.worker_id, need_bytes)
+        for worker_id in victims:
+            h = self.pool.handles.get(worker_id)
+            if h is not None:
+                self.emit("evict", f"prefill of {request_id} on {handle.model_id} needs {need_bytes} bytes",
+                          worker_id=h.worker_id, model_id=h.model_id)
+                await self.pool.stop(h, f"evicted for a prefill on {handle.model_id}")
+        if handle.live:
+            self.pool.command(handle, p.MemoryAnswer(request_id=request_id, evicted=bool(victims)))

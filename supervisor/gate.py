@@ -1,0 +1,87 @@
+"""The admission gate: where new requests wait while pressure pauses admission.
+
+SPEC P3 pauses new requests while the level is not ok; requests already
+running continue, and a worker with nothing running still takes one. Waiting
+is bounded twice, so a pressure episode can never pile up unbounded work or
+hang clients forever: at most `size` requests wait, each for at most
+`deadline` seconds. Past either the caller gets `GateClosed` (HTTP 503 with
+Retry-After).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+
+class GateClosed(RuntimeError):
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.code = "overloaded"
+        self.http_status = 503
+        self.retry_after = retry_after
+
+
+class _Waiter:
+    __slots__ = ("handle", "future", "deadline")
+
+    def __init__(self, handle, future: asyncio.Future, deadline: float) -> None:
+        self.handle = handle
+        self.future = future
+        self.deadline = deadline
+
+
+class Gate:
+    def __init__(self, size: int, deadline: float) -> None:
+        self.size = size
+        self.deadline = deadline
+        self.waiters: list[_Waiter] = []
+        self.rejected_full = 0
+        self.rejected_deadline = 0
+
+    @property
+    def depth(self) -> int:
+        return len(self.waiters)
+
+    async def wait(self, handle) -> None:
+        """Return once `release` lets this request in; GateClosed when full or too late."""
+        if len(self.waiters) >= self.size:
+            self.rejected_full += 1
+            raise GateClosed(
+                f"memory pressure has paused admission and {self.size} requests already wait; retry later",
+                retry_after=max(1, int(self.deadline / 4)),
+            )
+        future = asyncio.get_running_loop().create_future()
+        waiter = _Waiter(handle, future, time.monotonic() + self.deadline)
+        self.waiters.append(waiter)
+        try:
+            await future
+        finally:
+            if waiter in self.waiters:
+                self.waiters.remove(waiter)
+
+    def release(self, paused: bool) -> None:
+        """Let waiters through, oldest first.
+
+        Not paused: everyone. Paused (P3): one request per worker that has
+        nothing running, so an idle worker under pressure takes exactly one.
+        """
+        taken: set[int] = set()
+        for waiter in list(self.waiters):
+            if waiter.future.done():
+                continue
+            handle = waiter.handle
+            if not handle.live:
+                waiter.future.set_result(None)  # the caller sees the dead worker
+            elif not paused or (not handle.requests and id(handle) not in taken):
+                taken.add(id(handle))
+                waiter.future.set_result(None)
+
+    def expire(self, now: float) -> None:
+        for waiter in list(self.waiters):
+            if not waiter.future.done() and now >= waiter.deadline:
+                self.rejected_deadline += 1
+                waiter.future.set_exception(GateClosed(
+                    f"memory pressure kept admission paused for {self.deadline:.0f} s; retry later",
+                    retry_after=max(1, int(self.deadline / 4)),
+                ))

@@ -1,0 +1,309 @@
+"""A worker process: one model in MLX, driven by the supervisor.
+
+The loop is deliberately plain: take every queued command, run one engine
+step (a prefill chunk or one token for each running sequence), write the
+memory sample to the ledger, publish it when due, repeat. Commands therefore
+take effect at the next step boundary, which is the only place MLX memory can
+be touched safely. The worker obeys; it never decides policy.
+
+MLX is imported inside `run`, never at module level: the supervisor imports
+this module to name the spawn target and must not load MLX.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+
+import msgspec
+import zmq
+
+from shared import protocol as p
+from shared.ledger import Ledger
+from shared.limits import Limits
+
+log = logging.getLogger("memvisor.worker")
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: the kernel kills us when the supervisor dies, even by SIGKILL.
+    Elsewhere the loop notices the parent is gone (getppid changes)."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:  # it died before prctl took effect
+        os._exit(0)
+
+
+def run(spec_bytes: bytes) -> None:
+    """Spawn target. Exit codes: 0 drained/told to stop, 2 load failed, 3 bad spec."""
+    try:
+        spec = msgspec.msgpack.decode(spec_bytes, type=p.WorkerSpec)
+    except msgspec.DecodeError as exc:
+        print(f"memvisor worker: unusable start spec: {exc}", file=sys.stderr)
+        os._exit(3)
+    _die_with_parent(spec.supervisor_pid)
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s %(levelname)s worker {spec.worker_id}[{os.getpid()}]: %(message)s",
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C in the terminal is the supervisor's to handle
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    worker = Worker(spec)
+    try:
+        code = worker.serve()
+    finally:
+        worker.close()
+    sys.exit(code)
+
+
+class Worker:
+    def __init__(self, spec: p.WorkerSpec) -> None:
+        self.spec = spec
+        self.ctx = zmq.Context()
+        self.dealer = self.ctx.socket(zmq.DEALER)
+        self.dealer.setsockopt(zmq.IDENTITY, spec.worker_id.encode())
+        self.dealer.setsockopt(zmq.LINGER, 2000)
+        self.dealer.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
+        self.dealer.connect(spec.commands)
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.LINGER, 1000)
+        self.push.setsockopt(zmq.SNDHWM, 1000)
+        self.push.connect(spec.reports)
+        self.commands = p.Codec(p.CommandMsg)
+        self.replies = p.Codec(p.WorkerReply)
+        self.reports = p.Codec(p.WorkerReport)
+        self.ledger = Ledger.attach(spec.ledger_path)
+        self.limits = Limits()
+        self.engine = None
+        self.drill = None
+        self.draining = False
+        self.reclaim_pending: list[p.Reclaim] = []
+        self.seq = 0
+        self.last_sent = 0.0
+        self.last_level = 0
+        self.phase = "starting"
+        self.bad_frames = 0
+        self._logged_bad: set[str] = set()
+
+    # -- wire -----------------------------------------------------------------
+
+    def reply(self, msg: p.Msg) -> None:
+        try:
+            self.dealer.send(self.replies.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("supervisor not reading; dropped %s", type(msg).__name__)
+
+    def event(self, kind: str, message: str) -> None:
+        self._push(p.WorkerEvent(worker_id=self.spec.worker_id, kind=kind, message=message))
+
+    def _push(self, msg: p.Msg) -> None:
+        try:
+            self.push.send(self.reports.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # a sample is superseded by the next one; the ledger has the latest
+
+    # -- life -----------------------------------------------------------------
+
+    def serve(self) -> int:
+        import mlx.core as mx
+
+        from worker.engine import Engine, EngineError
+        from worker.memory import MemorySampler
+
+        try:
+            info = {k: v for k, v in mx.device_info().items() if isinstance(v, (int, float, str))}
+        except Exception:  # older MLX
+            info = {}
+        self.reply(p.Hello(worker_id=self.spec.worker_id, model_id=self.spec.model_id, pid=os.getpid(),
+                           device_info=info, slot=self.spec.slot))
+        self.sampler = MemorySampler()
+        self.phase = "loading"
+        self.write_sample(time.monotonic())
+        started = time.monotonic()
+        try:
+            self.engine = Engine.load(self.spec.model_path, max_concurrency=self.spec.max_concurrency)
+        except (EngineError, OSError, ValueError) as exc:
+            log.error("cannot load %s: %s", self.spec.model_path, exc)
+            self.reply(p.LoadFailed(error=str(exc)))
+            return 2
+        self.phase = "ready"
+        now = time.monotonic()
+        self.reply(p.Loaded(weight_bytes=self.engine.weight_bytes, seconds=now - started,
+                            usage=self.write_sample(now)))
+        return self.loop()
+
+    def loop(self) -> int:
+        while True:
+            busy = self.engine.has_work or self.drill is not None
+            self.take_commands(block_ms=0 if busy else int(self.spec.sample_interval * 1000))
+            if os.getppid() != self.spec.supervisor_pid:
+                log.error("the supervisor (pid %d) is gone; exiting so no memory is held",
+                          self.spec.supervisor_pid)
+                return 0
+            limits = self.ledger.read_limits(self.spec.slot) or self.limits
+            for ev in self.engine.step(limits, self.group_usage):
+                self.forward(ev)
+            self.step_boundary()
+            now = time.monotonic()
+            usage = self.write_sample(now)
+            self.maybe_send_sample(now, usage, limits)
+            if self.draining and not self.engine.has_work:
+                log.info("drained; exiting")
+                return 0
+
+    def take_commands(self, block_ms: int) -> None:
+        if block_ms and not self.dealer.poll(block_ms, zmq.POLLIN):
+            return
+        while True:
+            try:
+                frame = self.dealer.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            msg = self.commands.decode(frame)
+            if isinstance(msg, p.Malformed):
+                self.bad_frames += 1
+                cause = msg.reason.split(":")[0]
+                if cause not in self._logged_bad:
+                    self._logged_bad.add(cause)
+                    log.warning("ignored a bad command frame: %s", msg.reason)
+                continue
+            self.obey(msg)
+
+    def obey(self, msg) -> None:
+        engine = self.engine
+        if isinstance(msg, p.Ping):
+            self.reply(p.Pong(seq=msg.seq))
+        elif isinstance(msg, p.SetLimits):
+            self.limits = msg.limits
+        elif isinstance(msg, p.Generate):
+            self.submit(msg)
+        elif isinstance(msg, p.AbortRequests):
+            if msg.request_ids is None:
+                engine.abort_all(msg.reason or "aborted by the supervisor", code=msg.code)
+            else:
+                for rid in msg.request_ids:
+                    engine.abort(rid, msg.reason or "aborted by the supervisor", code=msg.code)
+        elif isinstance(msg, p.Reclaim):
+            self.reclaim_pending.append(msg)
+        elif isinstance(msg, p.MemoryAnswer):
+            engine.memory_answer(msg.request_id, msg.evicted)
+        elif isinstance(msg, p.Drain):
+            log.info("draining: %s", msg.reason or "asked by the supervisor")
+            self.draining = True
+            self.phase = "draining"
+            engine.abort_queued("the model is being unloaded: " + (msg.reason or "drain"), code="model_unloading")
+        elif isinstance(msg, p.Drill):
+            self.start_drill(msg)
+        elif isinstance(msg, p.DrillStop):
+            self.stop_drill("stopped by command")
+        self.reply(p.Ack(cmd=msg.cmd)) if isinstance(msg, (p.Drain, p.AbortRequests)) else None
+
+    def submit(self, msg: p.Generate) -> None:
+        if self.draining:
+            self.reply(p.Failed(request_id=msg.request_id, code="model_unloading",
+                                message="the model is being unloaded; retry to load it again"))
+            return
+        try:
+            self.engine.submit_generate(msg)
+        except ValueError as exc:  # bad prompt, template error, too long ...
+            self.reply(p.Failed(request_id=msg.request_id, code="invalid_request", message=str(exc)))
+
+    def forward(self, ev) -> None:
+        """Engine events become wire replies (one struct per kind, same fields)."""
+        self.reply(ev)
+
+    # -- memory ---------------------------------------------------------------
+
+    def step_boundary(self) -> None:
+        if self.drill is not None:
+            self.drill.advance(time.monotonic())
+        if self.reclaim_pending:
+            pending = [r for r in self.reclaim_pending if not (r.idle_only and self.engine.has_work)]
+            if pending:
+                freed = self.sampler.reclaim()
+                for r in pending:
+                    self.reclaim_pending.remove(r)
+                    self.reply(p.Reclaimed(cmd=r.cmd, freed_bytes=freed))
+
+    def start_drill(self, msg: p.Drill) -> None:
+        if not self.spec.allow_drills:
+            self.reply(p.Ack(cmd=msg.cmd, ok=False, detail="drills are off (serve --allow-drills)"))
+            return
+        from worker.drill import Drill
+
+        self.stop_drill("replaced by a new drill")
+        self.drill = Drill(rate=msg.rate, target=msg.to, now=time.monotonic())
+        self.event("drill", f"drill started: {msg.rate} B/s up to {msg.to} B")
+        self.reply(p.Ack(cmd=msg.cmd))
+
+    def stop_drill(self, why: str) -> None:
+        if self.drill is not None:
+            held = self.drill.release()
+            self.drill = None
+            self.sampler.reclaim()
+            self.event("drill", f"drill released {held} B: {why}")
+
+    def own_usage(self) -> int:
+        return self._last_usage
+
+    def group_usage(self) -> int:
+        """SPEC U2 seen from here: fresh own usage + the others' latest samples."""
+        s = self.sampler.sample()
+        mine = self.ledger.read_sample(self.spec.slot)
+        others = self.ledger.group_usage() - (mine.usage if mine else 0)
+        return others + s.usage
+
+    def write_sample(self, now: float) -> int:
+        s = self.sampler.sample()
+        engine = self.engine
+        running = engine.running if engine else 0
+        queued = engine.queued if engine else 0
+        if self.phase in ("ready", "busy"):
+            self.phase = "busy" if running else "ready"
+        self.ledger.write_sample(
+            self.spec.slot, pid=os.getpid(), t=now, mlx_active=s.mlx_active, mlx_pool=s.mlx_pool,
+            mlx_peak=s.mlx_peak, footprint=s.footprint, usage=s.usage, running=running, queued=queued,
+            tokens=engine.tokens_total if engine else 0, phase=self.phase,
+        )
+        self._last = s
+        self._last_usage = s.usage
+        return s.usage
+
+    def maybe_send_sample(self, now: float, usage: int, limits: Limits) -> None:
+        """Steady rate, and at once when the group crosses a watermark upward."""
+        level = 0
+        if limits.hard_limit > 0:
+            group = self.ledger.group_usage()
+            level = (group >= limits.soft_limit) + (group >= limits.hard_watermark) + (group >= limits.hard_limit)
+        crossed = level > self.last_level
+        self.last_level = level
+        if not crossed and now - self.last_sent < self.spec.sample_interval:
+            return
+        self.last_sent = now
+        self.seq += 1
+        s = self._last
+        engine = self.engine
+        self._push(p.Sample(
+            worker_id=self.spec.worker_id, model_id=self.spec.model_id, pid=os.getpid(), seq=self.seq, t=now,
+            mlx_active=s.mlx_active, mlx_pool=s.mlx_pool, mlx_peak=s.mlx_peak, footprint=s.footprint,
+            usage=usage, running=engine.running if engine else 0, queued=engine.queued if engine else 0,
+            tokens=engine.tokens_total if engine else 0, why="watermark" if crossed else "tick",
+        ))
+
+    def close(self) -> None:
+        if self.drill is not None:
+            self.drill.release()
+        self.dealer.close()
+        self.push.close()
+        self.ctx.term()
+        self.ledger.close()
