@@ -1,17 +1,18 @@
 """Time one guard policy tick (supervisor.policy.tick) with 1, 8, 64 and 512 workers.
 
-Two scenarios, both the expensive case of their kind:
+Three scenarios:
 
-- steady: level ok, every worker serving, the host counters jitter so the
-  dynamic ceiling (and with it every worker's limits) changes each tick, so
-  every tick hands new limits to every worker;
+- quiet: level ok, nothing changed since the last tick (the common case);
+- steady: level ok, the host counters jitter so the dynamic ceiling (and with
+  it every worker's limits) changes each tick, so every tick hands new limits
+  to every worker, and every concurrency cap takes a step;
 - pressure: hard pressure with idle, busy, pinned and loading workers, a fat
   pool past its grace budget and prompt caches to shrink, so the tick shrinks,
   reclaims, stops LRU victims and walks every concurrency cap.
 
 Each figure is the best of several timed runs of the mean per tick. The goal
 is <= 50 us per tick at 64 workers and cost linear in workers or better. The
-last line is the headline: the slower scenario at 64 workers.
+last line is the headline: the slowest scenario at 64 workers.
 
     python scripts/bench_policy.py [--quick]
 """
@@ -67,6 +68,15 @@ def steady(n: int) -> tuple[Snapshot, Snapshot]:
     return msgspec.structs.replace(first, state=tick(second).state), second
 
 
+def quiet(n: int) -> tuple[Snapshot, Snapshot]:
+    """Nothing changes: limits already handed out, every cap at its maximum."""
+    first, _ = steady(n)
+    workers = [msgspec.structs.replace(w, concurrency=w.max_concurrency) for w in first.workers]
+    s = msgspec.structs.replace(first, workers=workers)
+    s = msgspec.structs.replace(s, state=tick(s).state)
+    return s, s
+
+
 def pressure(n: int) -> tuple[Snapshot, Snapshot]:
     """Hard pressure, grace spent: shrink, reclaim and eviction every tick."""
     guard = GuardSettings(tier="custom", custom_ceiling=32 * GiB)
@@ -107,7 +117,7 @@ def main() -> int:
     args = parser.parse_args()
     budget = 0.2 if args.quick else 1.0
     at64 = 0.0
-    for name, build in (("steady", steady), ("pressure", pressure)):
+    for name, build in (("quiet", quiet), ("steady", steady), ("pressure", pressure)):
         figures = {}
         for n in COUNTS:
             pair = build(n)

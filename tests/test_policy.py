@@ -194,6 +194,9 @@ def test_p4_recheck_does_not_spend_grace():
 
 
 def test_p5_hard_shrinks_hot_cache_lru_then_reclaims_and_stops_if_enough():
+    """Shrunk cache blocks land in the allocator pool: without the reclaim that
+    follows, the bytes never left the process, usage did not drop, and the old
+    enforcer concluded "nothing to evict" and livelocked until restart."""
     # 9.5 GiB, soft 8: need 1.5 GiB; "old" releases 1, "new" the rest.
     old = busy("old", 5.0, last_access=10, hot_cache_used=2 * GiB, hot_cache_releasable=GiB)
     new = busy("new", 4.5, last_access=20, hot_cache_used=2 * GiB, hot_cache_releasable=2 * GiB)
