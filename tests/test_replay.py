@@ -100,3 +100,21 @@ def test_snapshot_round_trips_through_json():
     for raw in EPISODE.read_bytes().splitlines():
         snap = msgspec.json.decode(raw, type=Snapshot)
         assert msgspec.json.decode(msgspec.json.encode(snap), type=Snapshot) == snap
+
+
+def test_replay_help_documents_how_state_is_carried(capsys):
+    try:
+        main(["replay", "--help"])
+    except SystemExit as stop:
+        assert stop.code == 0
+    text = capsys.readouterr().out
+    assert "chained like the live enforcer" in text and "--recorded-state" in text
+
+
+def test_replay_reads_stdin(capsys, monkeypatch):
+    import io
+    import sys
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(EPISODE.read_bytes())))
+    code, ticks, _ = _replay(capsys, "-")
+    assert code == 0 and len(ticks) == 9
