@@ -27,7 +27,7 @@ from supervisor import policy, probe
 from supervisor.admission import admit_load, evict_for_prefill
 from supervisor.pool import LoadError, Pool, WorkerHandle
 from supervisor.snapshot import PolicyState, Snapshot, WorkerRecord, guard_settings
-from supervisor.tiers import normalise_tier
+from supervisor.tiers import ThresholdError, check_thresholds, normalise_tier
 
 log = logging.getLogger("memvisor.guard")
 
@@ -197,6 +197,10 @@ class Enforcer:
             tier, known = normalise_tier(update.tier)
             if not known:
                 raise ValueError(f"unknown tier {update.tier!r}: choose safe, balanced, aggressive or custom")
+            try:
+                check_thresholds(tier, self.settings.soft_threshold, self.settings.hard_threshold)
+            except ThresholdError as exc:
+                raise ValueError(f"tier {tier!r} does not fit the configured thresholds: {exc}") from None
             changes["tier"] = tier
         if update.custom_ceiling is not None:
             if update.custom_ceiling < 0:

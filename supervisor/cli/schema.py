@@ -20,12 +20,11 @@ def _unions() -> dict:
     from supervisor.snapshot import Snapshot
 
     unions["Snapshot"] = Snapshot
-    try:
-        from supervisor.policy import TickResult
-    except ImportError:
-        pass
-    else:
-        unions["TickResult"] = TickResult
+    from supervisor.decisions import Decision
+    from supervisor.replay import ReplayTick
+
+    unions["Decision"] = Decision
+    unions["ReplayTick"] = ReplayTick
     return unions
 
 
@@ -42,7 +41,7 @@ def run(args) -> int:
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "title": f"memvisor wire protocol v{p.PROTOCOL_VERSION}",
         "description": "Frames are msgpack on the sockets; PUB frames are [topic, message]. "
-                       "Replay traces are JSON lines of Snapshot.",
+                       "Replay traces are JSON lines of Snapshot; `replay` prints JSON lines of ReplayTick.",
         "properties": dict(zip(names, schemas)),
         "$defs": components,
     }
