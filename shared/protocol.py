@@ -289,9 +289,9 @@ class GuardEvent(Msg, tag="event", kw_only=True):
 
 class StatusMsg(Msg, tag="status", kw_only=True):
     t: float
-    # SPEC S1, encoded once by the supervisor (the struct lives with the
-    # status builder); a subscriber decodes it with `decode_status`.
-    status: msgspec.Raw
+    # SPEC S1 as JSON (supervisor.status.ServerStatus; the struct lives with
+    # the status builder, which this package must not import).
+    status: bytes
 
 
 Published = Union[CeilingMsg, PressureMsg, Sample, GuardEvent, StatusMsg]
@@ -335,7 +335,7 @@ ControlRequest = Union[StatusRequest, LoadRequest, UnloadRequest, DrillRequest, 
 
 class ControlOk(Msg, tag="ok", kw_only=True):
     detail: str = ""
-    data: Union[msgspec.Raw, None] = None
+    data: bytes = b""  # JSON, e.g. supervisor.status.ServerStatus for a StatusRequest
 
 
 class ControlError(Msg, tag="error", kw_only=True):

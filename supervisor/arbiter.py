@@ -35,6 +35,7 @@ from supervisor.enforcer import Enforcer
 from supervisor.gate import Gate
 from supervisor.pool import LoadError, Pool, RequestStream, WorkerHandle
 from supervisor.runtime import ensure_private_dir
+from supervisor.status import ModelInfo, ServerStatus
 
 log = logging.getLogger("memvisor.arbiter")
 
@@ -85,6 +86,10 @@ class Arbiter:
         """The loop. Returns the process exit code."""
         self.setup()
         try:
+            if self.serve_http:
+                from supervisor.http import start_http
+
+                self.http_server = await start_http(self)
             for model in self.config.models:
                 if model.pinned:
                     self.loop.create_task(self._load_quietly(model.id, "pinned model"))
@@ -293,6 +298,26 @@ class Arbiter:
     def cancel(self, stream: RequestStream, reason: str = "client disconnected") -> None:
         self.pool.cancel_request(stream, reason)
         self.wake()
+
+    # -- status ----------------------------------------------------------------------
+
+    def server_status(self, recent_events: int = 20) -> ServerStatus:
+        models = []
+        for m in self.config.models:
+            h = self.pool.worker_for(m.id)
+            state = h.state if h else ("failed" if m.id in self.pool.failed else "unloaded")
+            models.append(ModelInfo(id=m.id, path=m.path, pinned=m.pinned, state=state,
+                                    worker=h.worker_id if h else "", pid=h.pid if h else 0,
+                                    failed_reason=self.pool.failed.get(m.id, "")))
+        counters = dict(self.pool.counters)
+        counters.update(gate_rejected_full=self.gate.rejected_full, gate_rejected_deadline=self.gate.rejected_deadline,
+                        gate_depth=self.gate.depth, guard_ticks=self.enforcer.ticks)
+        return ServerStatus(
+            pid=os.getpid(), uptime=time.monotonic() - self.started, runtime_dir=str(self.runtime_dir),
+            pub=self.endpoints.pub, http=getattr(self, "http_address", ""), guard=self.enforcer.status(),
+            models=models, events=list(self.events)[-recent_events:], malformed_frames=self.bus.malformed_total,
+            counters=counters,
+        )
 
     # -- control socket ------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ log = logging.getLogger("memvisor.control")
 async def handle_control(arbiter, msg) -> p.Msg:
     try:
         if isinstance(msg, p.StatusRequest):
-            return p.ControlOk(data=msgspec.Raw(msgspec.json.encode(arbiter.enforcer.status())))
+            return p.ControlOk(data=msgspec.json.encode(arbiter.server_status()))
         if isinstance(msg, p.LoadRequest):
             handle = await arbiter.load(msg.model)
             return p.ControlOk(detail=f"{msg.model} is loaded (worker {handle.worker_id}, pid {handle.pid})")

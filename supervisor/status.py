@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
+from shared.protocol import GuardEvent
 from supervisor.ceilings import remedy, reserve_message
 from supervisor.policy import TickResult
 from supervisor.snapshot import Snapshot
@@ -115,3 +116,30 @@ def build_status(snapshot: Snapshot, result: TickResult) -> GuardStatus:
         utilization=result.usage / c.ceiling if c.ceiling > 0 else 0.0,
         poll_interval=result.next_interval, workers=workers,
     )
+
+
+class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """A configured model, loaded or not."""
+
+    id: str
+    path: str
+    pinned: bool
+    state: str             # "unloaded", a worker state, or "failed"
+    worker: str = ""
+    pid: int = 0
+    failed_reason: str = ""
+
+
+class ServerStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """What `status` and `GET /status` show: S1 plus the supervisor around it."""
+
+    pid: int
+    uptime: float
+    runtime_dir: str
+    pub: str
+    http: str
+    guard: GuardStatus
+    models: list[ModelInfo]
+    events: list[GuardEvent]          # S2, most recent last
+    malformed_frames: int
+    counters: dict[str, int]

@@ -1,0 +1,83 @@
+"""`status [--json]`: the guard's status (SPEC S1) and the workers of a running supervisor."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import msgspec
+
+from shared import protocol as p
+from shared.sizes import format_size
+from supervisor.client import ControlClient, NotRunning
+from supervisor.status import ServerStatus
+
+
+def add_arguments(parser):
+    parser.add_argument("--json", action="store_true", help="the whole status as one JSON object")
+    parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the supervisor")
+
+
+def run(args) -> int:
+    try:
+        with ControlClient(args.runtime_dir, timeout=args.timeout) as client:
+            reply = client.call(p.StatusRequest())
+    except NotRunning as exc:
+        print(f"memvisor: {exc}", file=sys.stderr)
+        return 3
+    if isinstance(reply, p.ControlError):
+        print(f"memvisor: {reply.message}", file=sys.stderr)
+        return 1
+    if args.json:
+        sys.stdout.write(reply.data.decode() + "\n")
+        return 0
+    print(render(msgspec.json.decode(reply.data, type=ServerStatus)))
+    return 0
+
+
+def render(st: ServerStatus) -> str:
+    g = st.guard
+    size = format_size
+    lines = [
+        f"memvisor pid {st.pid}, up {st.uptime:.0f} s, runtime dir {st.runtime_dir}",
+        f"  http {st.http or '-'}   pub {st.pub}",
+        "",
+    ]
+    if not g.enabled:
+        lines.append("guard: OFF (no limit; loads still evict idle models to fit the static ceiling)")
+    else:
+        lines += [
+            f"guard: tier {g.tier}, ceiling {size(g.ceiling)} bound by {g.binding}"
+            + (f" — to raise it: {g.remedy}" if g.remedy else ""),
+            f"  static {size(g.static)}  dynamic {size(g.dynamic)}  gpu cap {size(g.gpu_cap)}"
+            f" (raw {size(g.gpu_cap_raw)})  reserve {size(g.reserve)} of {size(g.total)}",
+            f"  usage {size(g.usage)} = {g.utilization:.0%} of the ceiling;"
+            f" soft {size(g.soft_bytes)} ({g.soft_threshold:g}), hard {size(g.hard_bytes)} ({g.hard_threshold:g})",
+            f"  pressure {g.pressure_level.upper()}{' EMERGENCY' if g.emergency else ''}"
+            f"{', admission paused' if g.admission_paused else ''}; next check in {g.poll_interval:g} s",
+        ]
+    if g.warning:
+        lines.append(f"  warning: {g.warning}")
+    lines += ["", f"{'model':<20} {'state':<10} {'pid':>7} {'usage':>10} {'mlx active':>10} {'pool':>9} "
+                  f"{'run':>4} {'queue':>5} {'idle':>7} {'restarts':>8}"]
+    workers = {w.model: w for w in g.workers if w.state not in ("stopped", "dead")}
+    for m in st.models:
+        w = workers.get(m.id)
+        pin = "*" if m.pinned else " "
+        if w is None:
+            lines.append(f"{pin}{m.id:<19} {m.state:<10}" + (f"  {m.failed_reason}" if m.failed_reason else ""))
+            continue
+        lines.append(
+            f"{pin}{m.id:<19} {w.state:<10} {w.pid:>7} {size(w.usage):>10} {size(w.mlx_active):>10} "
+            f"{size(w.mlx_pool):>9} {w.running:>4} {w.queued:>5} {w.idle_seconds:>6.0f}s {w.restarts:>8}"
+        )
+    lines.append("(* pinned)")
+    if st.events:
+        lines += ["", "recent guard events:"]
+        for e in st.events[-8:]:
+            when = time.strftime("%H:%M:%S", time.localtime(e.t))
+            who = f" {e.model_id}" if e.model_id else ""
+            lines.append(f"  {when} {e.kind}{who}: {e.reason}")
+    if st.malformed_frames:
+        lines.append(f"\n{st.malformed_frames} malformed frame(s) refused since start")
+    return "\n".join(lines)
