@@ -74,8 +74,8 @@ def parse_http(text: str) -> tuple[str, int]:
     if match is None:
         raise ValueError(f"expected HOST:PORT such as 127.0.0.1:8000, got {text!r}")
     port = int(match["port"])
-    if not 0 < port < 65536:
-        raise ValueError(f"port must be 1-65535, got {port}")
+    if not 0 <= port < 65536:  # 0: the OS picks a free port (tests; the bound one is reported)
+        raise ValueError(f"port must be 1-65535 (or 0 for any free port), got {port}")
     return match["host"].strip("[]"), port
 
 
