@@ -1,0 +1,396 @@
+"""The HTTP front door: OpenAI-compatible endpoints inside the supervisor's loop.
+
+uvicorn serves a Starlette app in the arbiter's own asyncio loop, so a
+request reaches the pool, the gate and the enforcer with no thread hop and
+no lock (DESIGN.md: one loop). Starlette rather than FastAPI: the bodies are
+msgspec Structs validated by msgspec, so FastAPI's pydantic layer would only
+add a second validator and its import cost.
+
+Entry points for the arbiter: `start_http(arbiter)` (binds, starts uvicorn
+as a task, sets `arbiter.http_address`) and `build_app(arbiter)`.
+
+Endpoints (DESIGN.md contract):
+  GET  /health                      200, or 503 while a pinned model is not ready
+  GET  /status                      SPEC S1 + the PUB endpoint
+  GET  /metrics                     Prometheus text
+  GET  /v1/models, /v1/models/{id}
+  POST /v1/chat/completions, /v1/completions   (JSON or SSE with "stream": true)
+  POST /v1/models/{id}/load|unload  admin
+  POST /admin/guard                 admin; SPEC T6 (tier, custom ceiling, on/off)
+
+Admin endpoints need `Authorization: Bearer <admin_token>` when a token is
+configured, and accept only loopback clients when none is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import logging
+import socket
+import time
+from typing import Awaitable, Callable
+
+import msgspec
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from shared import protocol as p
+from shared.sizes import SizeError, parse_size
+from supervisor import http_generate
+from supervisor.config import parse_http
+from supervisor.http_body import Disconnected, read_body
+from supervisor.http_errors import ApiError, from_load_error
+from supervisor.metrics import Metrics
+from supervisor.openai_types import BodyError, GuardSettingsIn, ModelCard, ModelList, decode_body
+from supervisor.pool import LoadError
+from supervisor.status import GuardStatus
+
+log = logging.getLogger("memvisor.http")
+
+_encoder = msgspec.json.Encoder()
+
+
+class FrontDoorError(RuntimeError):
+    """The front door cannot start (address in use, bad host); the message says why."""
+
+
+class StatusBody(GuardStatus, frozen=True, kw_only=True):
+    """`GET /status`: SPEC S1 plus where to subscribe and what waits."""
+
+    pub: str
+    http: str
+    queue_depth: int
+
+
+class HealthBody(msgspec.Struct, kw_only=True):
+    status: str  # "ok" | "loading" | "failed"
+    waiting: dict[str, str]  # pinned model -> why it is not ready
+
+
+class UnloadBody(msgspec.Struct, kw_only=True):
+    id: str
+    unloaded: bool
+    object: str = "model"
+
+
+def json_response(body, status: int = 200) -> Response:
+    return Response(_encoder.encode(body), status_code=status, media_type="application/json")
+
+
+# ---------------------------------------------------------------------------
+# admin access
+
+
+def is_loopback(host: str | None) -> bool:
+    if not host:
+        return False
+    try:
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr.is_loopback
+
+
+def require_admin(request: Request, token: str) -> None:
+    """Bearer token when configured; otherwise loopback clients only."""
+    if token:
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+            raise ApiError(401, "this admin endpoint needs 'Authorization: Bearer <admin_token>'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return
+    client = request.client.host if request.client else None
+    if not is_loopback(client):
+        raise ApiError(403, f"admin endpoints accept only loopback clients (this one is {client}); "
+                            "set [supervisor] admin_token to allow remote administration",
+                       code="forbidden")
+
+
+# ---------------------------------------------------------------------------
+# the app
+
+
+class FrontDoor:
+    """Route handlers bound to one arbiter."""
+
+    def __init__(self, arbiter) -> None:
+        self.arbiter = arbiter
+        self.scfg = arbiter.config.supervisor
+        self.metrics = Metrics(arbiter)
+        self.created = int(time.time())
+
+    # -- models ---------------------------------------------------------------
+
+    def card(self, model) -> ModelCard:
+        pool = self.arbiter.pool
+        handle = pool.worker_for(model.id)
+        state = "failed" if model.id in pool.failed else handle.state if handle else "unloaded"
+        return ModelCard(id=model.id, created=self.created, state=state, pinned=model.pinned,
+                         worker=handle.worker_id if handle else None, pid=handle.pid if handle else None)
+
+    async def models(self, request: Request) -> Response:
+        return json_response(ModelList(data=[self.card(m) for m in self.arbiter.config.models]))
+
+    async def model(self, request: Request) -> Response:
+        return json_response(self.card(self._model_config(request.path_params["model_id"])))
+
+    def _model_config(self, model_id: str):
+        try:
+            return self.arbiter.model_config(model_id)
+        except LoadError as exc:
+            raise from_load_error(exc) from None
+
+    async def load(self, request: Request) -> Response:
+        require_admin(request, self.scfg.admin_token)
+        model = self._model_config(request.path_params["model_id"])
+        try:
+            await http_generate.race_client(self.arbiter.load(model.id), request.receive)
+        except LoadError as exc:
+            raise from_load_error(exc) from None
+        return json_response(self.card(model))
+
+    async def unload(self, request: Request) -> Response:
+        require_admin(request, self.scfg.admin_token)
+        model = self._model_config(request.path_params["model_id"])
+        done = await self.arbiter.unload(model.id, "unloaded over HTTP")
+        return json_response(UnloadBody(id=model.id, unloaded=done))
+
+    # -- generation -----------------------------------------------------------
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, "chat")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "text")
+
+    async def _generate(self, request: Request, kind: str) -> Response:
+        body = await read_body(request, self.scfg.max_body)
+        started = request.scope.get("memvisor.started", time.monotonic())
+        return await http_generate.handle(request, self.arbiter, self.metrics, kind, body, started)
+
+    # -- guard ----------------------------------------------------------------
+
+    def status_body(self) -> StatusBody:
+        s = self.arbiter.enforcer.status()
+        return StatusBody(**msgspec.structs.asdict(s), pub=self.arbiter.endpoints.pub,
+                          http=getattr(self.arbiter, "http_address", ""), queue_depth=self.arbiter.gate.depth)
+
+    async def status(self, request: Request) -> Response:
+        return json_response(self.status_body())
+
+    async def guard(self, request: Request) -> Response:
+        """SPEC T6: new settings take effect at once (the enforcer ticks)."""
+        require_admin(request, self.scfg.admin_token)
+        new = decode_body(await read_body(request, self.scfg.max_body), GuardSettingsIn)
+        ceiling = new.custom_ceiling
+        if ceiling is not None:
+            try:
+                ceiling = parse_size(ceiling)
+            except SizeError as exc:
+                raise BodyError(f"custom_ceiling: {exc}", param="custom_ceiling") from None
+        try:
+            self.arbiter.enforcer.update_guard(p.GuardUpdate(tier=new.tier, custom_ceiling=ceiling,
+                                                             enabled=new.enabled))
+        except ValueError as exc:
+            raise ApiError(400, str(exc), code="invalid_guard_settings") from None
+        return json_response(self.status_body())
+
+    async def health(self, request: Request) -> Response:
+        pool = self.arbiter.pool
+        waiting: dict[str, str] = {}
+        for model in self.arbiter.config.models:
+            if not model.pinned:
+                continue
+            handle = pool.worker_for(model.id)
+            if model.id in pool.failed:
+                waiting[model.id] = f"failed: {pool.failed[model.id]}"
+            elif handle is None:
+                waiting[model.id] = "not loaded yet"
+            elif handle.state not in ("ready", "busy"):
+                waiting[model.id] = handle.state
+        failed = any(why.startswith("failed") for why in waiting.values())
+        status = "failed" if failed else "loading" if waiting else "ok"
+        return json_response(HealthBody(status=status, waiting=waiting), 503 if waiting else 200)
+
+    async def metrics_text(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # -- wiring ---------------------------------------------------------------
+
+    def routes(self) -> list[Route]:
+        r = guarded
+        return [
+            Route("/health", r(self.health), methods=["GET"]),
+            Route("/status", r(self.status), methods=["GET"]),
+            Route("/metrics", r(self.metrics_text), methods=["GET"]),
+            Route("/v1/models", r(self.models), methods=["GET"]),
+            Route("/v1/models/{model_id:path}/load", r(self.load), methods=["POST"]),
+            Route("/v1/models/{model_id:path}/unload", r(self.unload), methods=["POST"]),
+            Route("/v1/models/{model_id:path}", r(self.model), methods=["GET"]),
+            Route("/v1/chat/completions", r(self.chat), methods=["POST"]),
+            Route("/v1/completions", r(self.completions), methods=["POST"]),
+            Route("/admin/guard", r(self.guard), methods=["POST"]),
+        ]
+
+
+def guarded(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    """Every failure becomes OpenAI-style JSON; a bug is logged here, never shown."""
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return exc.response()
+        except BodyError as exc:
+            return ApiError(400, str(exc), code="invalid_request", param=exc.param).response()
+        except Disconnected:
+            return Response(status_code=499)  # nobody is listening; keeps the log honest
+        except Exception:
+            log.exception("unexpected error answering %s %s", request.method, request.url.path)
+            return ApiError(500, "internal error in the front door; the supervisor's log has the details",
+                            code="internal_error").response()
+
+    return endpoint
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    """The router's own 404/405, in the same JSON shape as everything else."""
+    status = getattr(exc, "status_code", 500)
+    words = {404: f"no such endpoint: {request.method} {request.url.path}",
+             405: f"method {request.method} is not allowed on {request.url.path}"}
+    message = words.get(status, str(getattr(exc, "detail", "")) or "error")
+    code = {404: "unknown_endpoint", 405: "method_not_allowed"}.get(status)
+    return ApiError(status, message, code=code, headers=getattr(exc, "headers", None)).response()
+
+
+class Instrumented:
+    """ASGI wrapper: stamps the arrival time, counts every answer and its latency."""
+
+    def __init__(self, app, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.monotonic()
+        scope["memvisor.started"] = started
+        status, complete = 0, False
+
+        async def tracked(message) -> None:
+            nonlocal status, complete
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                complete = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        finally:
+            # 499: the client left before the response ended (nginx's convention).
+            self.metrics.answered(endpoint_label(scope.get("path", "")), status if complete else 499,
+                                  time.monotonic() - started)
+
+
+_FIXED = {"/health", "/status", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
+          "/admin/guard"}
+
+
+def endpoint_label(path: str) -> str:
+    """A bounded label: model ids and stray paths do not each make a series."""
+    if path in _FIXED:
+        return path
+    if path.startswith("/v1/models/"):
+        for action in ("load", "unload"):
+            if path.endswith("/" + action):
+                return "/v1/models/{id}/" + action
+        return "/v1/models/{id}"
+    return "other"
+
+
+def build_app(arbiter):
+    """The ASGI app: Starlette routes inside the metrics wrapper."""
+    door = FrontDoor(arbiter)
+    app = Starlette(routes=door.routes(), exception_handlers={HTTPException: _http_exception})
+    app.state.front_door = door
+    wrapped = Instrumented(app, door.metrics)
+    wrapped.front_door = door
+    return wrapped
+
+
+# ---------------------------------------------------------------------------
+# serving inside the arbiter's loop
+
+
+class EmbeddedServer(uvicorn.Server):
+    """uvicorn without its signal handlers: the arbiter owns SIGTERM/SIGINT."""
+
+    def capture_signals(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """Bind before starting, so a taken port is a clear error, not uvicorn's sys.exit."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise FrontDoorError(f"cannot resolve HTTP host {host!r}: {exc.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise FrontDoorError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.setblocking(False)
+    return sock
+
+
+def format_address(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def start_http(arbiter) -> uvicorn.Server:
+    """Serve the front door as a task of the running loop; returns once it accepts.
+
+    Sets `arbiter.http_address` ("HOST:PORT" actually bound; port 0 picks one)
+    and records it in the runtime dir's endpoints.json so clients find it."""
+    host, port = parse_http(arbiter.config.supervisor.http)
+    sock = bind(host, port)
+    config = uvicorn.Config(build_app(arbiter), lifespan="off", log_config=None, access_log=False,
+                            server_header=False, timeout_graceful_shutdown=5)
+    server = EmbeddedServer(config)
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]), name="memvisor-http")
+    server.task = task
+    while not server.started:
+        if task.done():
+            sock.close()
+            raise FrontDoorError(f"the HTTP server stopped while starting: {task.exception()!r}")
+        await asyncio.sleep(0.005)
+    arbiter.http_address = format_address(sock)
+    _record_address(arbiter)
+    log.info("front door listening on http://%s", arbiter.http_address)
+    return server
+
+
+def _record_address(arbiter) -> None:
+    endpoints = getattr(arbiter, "endpoints", None)
+    if endpoints is None or endpoints.http == arbiter.http_address:
+        return
+    arbiter.endpoints = msgspec.structs.replace(endpoints, http=arbiter.http_address)
+    arbiter.endpoints.save(arbiter.runtime_dir)

@@ -1,0 +1,96 @@
+"""The front door's error model: every failure is OpenAI-style JSON.
+
+`{"error": {"message", "type", "param", "code"}}` with a status that says
+who should act: 4xx the client (fix the request), 503 retry later (pressure,
+a worker going away), 507 the operator (the model does not fit, SPEC A3),
+500 us. oMLX users complained that memory refusals read like crashes; here a
+refusal names the binding constraint and the remedy (the message comes from
+admission, SPEC C6) and carries the figures as extra fields.
+
+Nothing here ever puts a traceback in a response.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from starlette.responses import Response
+
+from shared import protocol as p
+from supervisor.openai_types import ErrorBody, ErrorDetail
+
+_encoder = msgspec.json.Encoder()
+
+# How long a client should wait before retrying a request the guard turned
+# away mid-flight (pressure aborts, a model being unloaded).
+RETRY_AFTER_ABORT = 2
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    503: "overloaded_error",
+    507: "insufficient_memory_error",
+}
+
+# A worker's terminal `Failed(code)` -> (HTTP status, Retry-After seconds or None).
+_FAILED_STATUS: dict[str, tuple[int, int | None]] = {
+    "prefill_memory_exceeded": (400, None),  # SPEC G1: the prompt does not fit
+    "invalid_request": (400, None),
+    "memory_pressure": (503, RETRY_AFTER_ABORT),  # P6.3/P6.5 aborted it
+    "model_unloading": (503, RETRY_AFTER_ABORT),
+    "worker_exited": (503, RETRY_AFTER_ABORT),
+    "aborted": (503, RETRY_AFTER_ABORT),
+}
+
+
+class ApiError(Exception):
+    """Raised anywhere in a handler; turned into one error response."""
+
+    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
+                 retry_after: int | None = None, headers: dict[str, str] | None = None,
+                 extra: dict | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.headers = dict(headers or {})
+        if retry_after is not None:
+            self.headers["Retry-After"] = str(retry_after)
+        self.extra = extra or {}
+
+    def detail(self) -> ErrorDetail:
+        return ErrorDetail(message=self.message, type=_TYPE_BY_STATUS.get(self.status, "server_error"),
+                           param=self.param, code=self.code, **self.extra)
+
+    def body(self) -> bytes:
+        return _encoder.encode(ErrorBody(error=self.detail()))
+
+    def response(self) -> Response:
+        return Response(self.body(), status_code=self.status, headers=self.headers,
+                        media_type="application/json")
+
+
+def from_load_error(exc) -> ApiError:
+    """supervisor.pool.LoadError -> 404 / 503 / 507 / 500 as admission decided."""
+    return ApiError(exc.http_status, str(exc), code=exc.code,
+                    retry_after=RETRY_AFTER_ABORT if exc.http_status == 503 else None)
+
+
+def from_gate_closed(exc) -> ApiError:
+    """supervisor.gate.GateClosed: the P3 queue is full or the wait ran out."""
+    return ApiError(exc.http_status, str(exc), code=exc.code, retry_after=exc.retry_after)
+
+
+def from_failed(msg: p.Failed) -> ApiError:
+    """A worker's terminal error for one request."""
+    status, retry = _FAILED_STATUS.get(msg.code, (500, None))
+    extra = {}
+    if msg.binding or msg.estimated_bytes or msg.limit_bytes:
+        extra = {"binding": msg.binding, "estimated_bytes": msg.estimated_bytes, "limit_bytes": msg.limit_bytes}
+    return ApiError(status, msg.message or msg.code, code=msg.code, retry_after=retry, extra=extra)

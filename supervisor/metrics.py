@@ -1,0 +1,195 @@
+"""`GET /metrics`: the guard and the front door in the Prometheus text format.
+
+Two kinds of figures, gathered two ways:
+
+- current values (ceiling and its components, usage, pressure level,
+  per-worker memory, queue depth) are read from the arbiter when Prometheus
+  scrapes, by `GuardCollector`; nothing is copied on every tick;
+- things that happen (guard events, requests, tokens, time to first token)
+  are counted where they happen: the front door calls `Metrics` directly and
+  the arbiter's guard events (SPEC S2) arrive through `on_event`.
+
+Each front door has its own registry, so several supervisors in one process
+(tests) never share or clash over series.
+
+Public names (stable): Metrics, GuardCollector, EVENT_KINDS.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+log = logging.getLogger("memvisor.metrics")
+
+# Guard event kinds that always have a series (0 until they happen), so a
+# dashboard can graph evictions before the first one.
+EVENT_KINDS = ("evict", "abort", "abort_load", "reclaim", "respawn", "refused", "crash", "wedged", "ttl",
+               "failed", "unload")
+
+LEVELS = {"ok": 0, "soft": 1, "hard": 2}
+
+# Seconds; CPU-only tiny models answer in milliseconds, real ones in seconds.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    """The front door's instruments, in a registry of their own."""
+
+    def __init__(self, arbiter) -> None:
+        self.arbiter = arbiter
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("memvisor_http_requests", "HTTP requests answered, by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.latency = Histogram("memvisor_request_duration_seconds",
+                                 "Time from a request's arrival to the last byte of its response",
+                                 ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("memvisor_time_to_first_token_seconds",
+                              "Time from a generation request's arrival to its first token "
+                              "(includes on-demand loads and waiting in the admission queue)",
+                              ["model"], buckets=TTFT_BUCKETS, registry=r)
+        self.tokens = Counter("memvisor_generated_tokens", "Completion tokens generated", ["model"], registry=r)
+        self.outcomes = Counter("memvisor_generations", "Generation requests by outcome "
+                                "(finished, cancelled by the client, or the worker's error code)",
+                                ["model", "outcome"], registry=r)
+        self.events = Counter("memvisor_guard_events", "Guard events (SPEC S2) by kind: evictions, aborts, "
+                              "reclaims, respawns, refused loads, crashes ...", ["kind"], registry=r)
+        for kind in EVENT_KINDS:
+            self.events.labels(kind)
+        r.register(GuardCollector(arbiter))
+        self._last_seen = None
+        hooks = getattr(arbiter, "event_hooks", None)
+        self._hooked = hooks is not None
+        if self._hooked:
+            hooks.append(self.on_event)
+        else:  # until the arbiter has the hook: catch up on new events at scrape time
+            self._last_seen = arbiter.events[-1] if getattr(arbiter, "events", None) else None
+
+    # -- called where things happen ---------------------------------------------
+
+    def on_event(self, event) -> None:
+        self.events.labels(event.kind).inc()
+
+    def first_token(self, model: str, seconds: float) -> None:
+        self.ttft.labels(model).observe(seconds)
+
+    def finished(self, model: str, completion_tokens: int) -> None:
+        self.tokens.labels(model).inc(completion_tokens)
+        self.outcomes.labels(model, "finished").inc()
+
+    def failed(self, model: str, code: str) -> None:
+        self.outcomes.labels(model, code or "failed").inc()
+
+    def cancelled(self, model: str) -> None:
+        self.outcomes.labels(model, "cancelled").inc()
+
+    def answered(self, endpoint: str, status: int, seconds: float) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+        self.latency.labels(endpoint).observe(seconds)
+
+    # -- scrape -----------------------------------------------------------------
+
+    def render(self) -> bytes:
+        if not self._hooked:
+            self._catch_up()
+        return generate_latest(self.registry)
+
+    def _catch_up(self) -> None:
+        """Count the events appended since the last scrape (newest first, stop at the last seen)."""
+        new = []
+        for event in reversed(self.arbiter.events):
+            if event is self._last_seen:
+                break
+            new.append(event)
+        if new:
+            self._last_seen = new[0]
+        for event in new:
+            self.on_event(event)
+
+
+class GuardCollector:
+    """Current values, read from the arbiter at scrape time."""
+
+    def __init__(self, arbiter) -> None:
+        self.arbiter = arbiter
+
+    def describe(self):
+        return []  # values exist only at scrape time; no up-front description
+
+    def collect(self):
+        arb = self.arbiter
+        yield from self._guard(getattr(arb.enforcer, "last", None), arb.enforcer.admission_paused)
+        yield from self._workers(arb.pool.handles.values())
+        yield from self._counters(arb)
+
+    def _guard(self, last, paused: bool):
+        if last is None:
+            return
+        c = last.ceilings
+        g = GaugeMetricFamily
+        yield g("memvisor_guard_enabled", "1 when the memory guard is on", value=int(c.enabled))
+        yield g("memvisor_ceiling_bytes", "The ceiling in force (SPEC C5); 0 = no limit", value=c.ceiling)
+        comp = g("memvisor_ceiling_component_bytes", "Candidates of the ceiling (SPEC C1-C4); 0 = not a "
+                 "candidate", labels=["component"])
+        binding = g("memvisor_ceiling_binding", "1 for the component that sets the ceiling (SPEC C6)",
+                    labels=["component"])
+        for name, value in (("static", c.static), ("dynamic", c.dynamic), ("gpu_cap", c.gpu_cap)):
+            comp.add_metric([name], value)
+            binding.add_metric([name], int(c.binding == name))
+        yield comp
+        yield binding
+        yield g("memvisor_reserve_bytes", "Memory the tier leaves for the OS and other apps (SPEC T1)",
+                value=c.reserve)
+        marks = g("memvisor_watermark_bytes", "Soft and hard watermarks (SPEC C11)", labels=["level"])
+        marks.add_metric(["soft"], c.soft)
+        marks.add_metric(["hard"], c.hard)
+        yield marks
+        yield g("memvisor_abort_limit_bytes", "Abort limit (SPEC C10)", value=c.abort_limit)
+        yield g("memvisor_usage_bytes", "Group usage: supervisor + every worker (SPEC U2)", value=last.usage)
+        yield g("memvisor_pressure_level", "Pressure level (SPEC P1): 0 ok, 1 soft, 2 hard",
+                value=LEVELS.get(last.level, 2))
+        yield g("memvisor_emergency", "1 while in emergency (SPEC P2)", value=int(last.emergency))
+        yield g("memvisor_admission_paused", "1 while new requests wait in the queue (SPEC P3)", value=int(paused))
+
+    def _workers(self, handles):
+        labels = ["model", "worker"]
+        usage = GaugeMetricFamily("memvisor_worker_usage_bytes", "Worker usage (SPEC U1)", labels=labels)
+        active = GaugeMetricFamily("memvisor_worker_mlx_active_bytes", "MLX active memory", labels=labels)
+        pool = GaugeMetricFamily("memvisor_worker_mlx_pool_bytes", "MLX pool not returned to the OS",
+                                 labels=labels)
+        running = GaugeMetricFamily("memvisor_worker_running_requests", "Requests the worker runs",
+                                    labels=labels)
+        for h in handles:
+            key = [h.model_id, h.worker_id]
+            s = h.sample
+            usage.add_metric(key, s.usage if s else 0)
+            active.add_metric(key, s.mlx_active if s else 0)
+            pool.add_metric(key, s.mlx_pool if s else 0)
+            running.add_metric(key, len(h.requests))
+        yield from (usage, active, pool, running)
+
+    def _counters(self, arb):
+        gate = arb.gate
+        yield GaugeMetricFamily("memvisor_queue_depth", "Requests waiting while admission is paused (SPEC P3)",
+                                value=gate.depth)
+        rejected = CounterMetricFamily("memvisor_queue_rejected", "Queued requests turned away (503)",
+                                       labels=["reason"])
+        rejected.add_metric(["full"], gate.rejected_full)
+        rejected.add_metric(["deadline"], gate.rejected_deadline)
+        yield rejected
+        workers = CounterMetricFamily("memvisor_workers", "Worker processes by what happened to them",
+                                      labels=["what"])
+        for what in ("spawned", "exits", "respawns"):
+            workers.add_metric([what], arb.pool.counters.get(what, 0))
+        yield workers
+        yield CounterMetricFamily("memvisor_samples", "Worker memory samples received",
+                                  value=arb.pool.counters.get("samples", 0))
+        bad = CounterMetricFamily("memvisor_bus_malformed_frames", "Frames refused on the bus",
+                                  labels=["socket", "cause"])
+        for (socket, cause), n in arb.bus.malformed.items():
+            bad.add_metric([socket, cause], n)
+        yield bad

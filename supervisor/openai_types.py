@@ -1,0 +1,255 @@
+"""Request and response bodies of the OpenAI-compatible front door.
+
+Bodies are decoded straight into these Structs by msgspec, so a wrong type is
+caught at the edge with the field path in the message (`max_tokens: Expected
+`int`, got `str``) and the handlers only ever see valid, typed values.
+
+What the front door accepts is deliberately lenient about *unknown* fields
+(tools send many vendor extensions and the OpenAI SDK adds new ones every
+release) but strict about known ones it cannot honour: `n > 1`, `logprobs`,
+`tools`, `echo`, `suffix` and `best_of` are refused with a 400 naming the
+parameter, rather than silently answered with something else.
+
+Public names (stable): ChatRequest, CompletionRequest, ChatMessageIn,
+ContentPart, StreamOptions, Usage, ChatCompletion, ChatChunk,
+TextCompletion, ModelCard, ModelList, ErrorBody, ErrorDetail,
+GuardSettingsIn, BodyError, decode_body.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal, Union
+
+import msgspec
+from msgspec import Meta, Struct
+
+# OpenAI's own bounds; the worker gets nothing outside them.
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+MaxTokens = Annotated[int, Meta(ge=1, le=1_000_000)]
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+# Defaults when the client gives no limit. OpenAI's legacy completions default
+# to 16 tokens; chat has no documented default, so we pick a bounded one
+# rather than "until the context is full".
+DEFAULT_CHAT_MAX_TOKENS = 512
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+MAX_STOP_SEQUENCES = 4
+
+
+class BodyError(ValueError):
+    """A request body that cannot be used: HTTP 400 with `param` = the field path."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+# ---------------------------------------------------------------------------
+# requests
+
+
+class ContentPart(Struct, kw_only=True):
+    """One part of a multi-part message; only text parts can reach a text model."""
+
+    type: str
+    text: Union[str, None] = None
+
+
+class ChatMessageIn(Struct, kw_only=True):
+    role: Role
+    content: Union[str, list[ContentPart], None] = None
+    name: Union[str, None] = None
+
+
+class StreamOptions(Struct, kw_only=True):
+    include_usage: bool = False
+
+
+StopField = Union[str, list[str], None]
+
+
+class _Sampling(Struct, kw_only=True):
+    """Fields shared by chat and completions."""
+
+    model: str
+    stream: bool = False
+    stream_options: Union[StreamOptions, None] = None
+    temperature: Union[Temperature, None] = None
+    top_p: Union[TopP, None] = None
+    n: Union[int, None] = None
+    stop: StopField = None
+    seed: Union[int, None] = None
+    user: Union[str, None] = None
+    # Accepted for compatibility; refused unless at their neutral value.
+    logprobs: Union[bool, int, None] = None
+    presence_penalty: Union[float, None] = None
+    frequency_penalty: Union[float, None] = None
+
+
+class ChatRequest(_Sampling, kw_only=True):
+    """`POST /v1/chat/completions`."""
+
+    messages: list[ChatMessageIn]
+    max_tokens: Union[MaxTokens, None] = None
+    max_completion_tokens: Union[MaxTokens, None] = None
+    tools: Union[list[msgspec.Raw], None] = None
+    top_logprobs: Union[int, None] = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    """`POST /v1/completions` (the legacy text completion)."""
+
+    prompt: Union[str, list[str]]
+    max_tokens: Union[MaxTokens, None] = None
+    echo: bool = False
+    suffix: Union[str, None] = None
+    best_of: Union[int, None] = None
+
+
+class GuardSettingsIn(Struct, kw_only=True, forbid_unknown_fields=True):
+    """`POST /admin/guard` (SPEC T6). Sizes as everywhere: "12GiB", "1536MiB" or bytes."""
+
+    tier: Union[str, None] = None
+    custom_ceiling: Union[int, str, None] = None
+    enabled: Union[bool, None] = None
+
+
+# ---------------------------------------------------------------------------
+# responses
+
+
+class Usage(Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatMessageOut(Struct, kw_only=True):
+    role: str
+    content: str
+
+
+class ChatChoice(Struct, kw_only=True):
+    index: int
+    message: ChatMessageOut
+    finish_reason: str
+    logprobs: None = None
+
+
+class ChatCompletion(Struct, kw_only=True):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: str = "chat.completion"
+    system_fingerprint: Union[str, None] = None
+
+
+class Delta(Struct, kw_only=True, omit_defaults=True):
+    role: Union[str, None] = None
+    content: Union[str, None] = None
+
+
+class ChunkChoice(Struct, kw_only=True):
+    index: int
+    delta: Delta
+    finish_reason: Union[str, None] = None
+    logprobs: None = None
+
+
+class ChatChunk(Struct, kw_only=True):
+    """One SSE event of a streamed chat completion. With `include_usage` every
+    chunk carries `usage: null` and one last chunk (no choices) the counts, as
+    OpenAI does; without it the field is left out."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    object: str = "chat.completion.chunk"
+    usage: Union[Usage, None, msgspec.UnsetType] = msgspec.UNSET
+
+
+class TextChoice(Struct, kw_only=True):
+    index: int
+    text: str
+    finish_reason: Union[str, None] = None
+    logprobs: None = None
+
+
+class TextCompletion(Struct, kw_only=True):
+    """Both the whole legacy completion and each of its streamed chunks."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[TextChoice]
+    object: str = "text_completion"
+    usage: Union[Usage, None, msgspec.UnsetType] = msgspec.UNSET
+
+
+class ModelCard(Struct, kw_only=True):
+    """OpenAI's model object plus what the supervisor knows about residency."""
+
+    id: str
+    created: int
+    owned_by: str = "memvisor"
+    object: str = "model"
+    state: str = "unloaded"
+    pinned: bool = False
+    worker: Union[str, None] = None
+    pid: Union[int, None] = None
+
+
+class ModelList(Struct, kw_only=True):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class ErrorDetail(Struct, kw_only=True):
+    message: str
+    type: str
+    param: Union[str, None] = None
+    code: Union[str, None] = None
+    # Set for memory refusals (SPEC A3, G1): the figures behind the refusal.
+    binding: Union[str, msgspec.UnsetType] = msgspec.UNSET
+    estimated_bytes: Union[int, msgspec.UnsetType] = msgspec.UNSET
+    limit_bytes: Union[int, msgspec.UnsetType] = msgspec.UNSET
+
+
+class ErrorBody(Struct, kw_only=True):
+    error: ErrorDetail
+
+
+# ---------------------------------------------------------------------------
+# decoding at the edge
+
+_AT_PATH = re.compile(r"^(?P<reason>.*) - at `\$(?P<path>[^`]*)`$", re.S)
+
+
+def decode_body(body: bytes, type_: type) -> object:
+    """Decode and validate a JSON body, or raise BodyError naming the field."""
+    try:
+        return msgspec.json.decode(body, type=type_)
+    except msgspec.ValidationError as exc:
+        reason, path = _split_path(str(exc))
+        raise BodyError(f"{path}: {reason}" if path else reason, param=path or None) from None
+    except msgspec.DecodeError as exc:
+        what = "the request body is empty" if not body.strip() else f"the request body is not valid JSON ({exc})"
+        raise BodyError(what + "; send a JSON object") from None
+
+
+def _split_path(text: str) -> tuple[str, str]:
+    """msgspec's "Expected `int`, got `str` - at `$.max_tokens`" -> (reason, "max_tokens")."""
+    match = _AT_PATH.match(text)
+    if match is None:
+        unknown = re.match(r"Object contains unknown field `([^`]+)`", text)
+        return (("unknown field", unknown[1]) if unknown else (text, ""))
+    reason, path = match["reason"], match["path"].lstrip(".")
+    unknown = re.match(r"Object contains unknown field `([^`]+)`", reason)
+    if unknown:
+        return "unknown field", f"{path}.{unknown[1]}" if path else unknown[1]
+    return reason, path
