@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 
 try:
-    from worker.modelgen import ModelGenError, make_model
+    from worker.modelgen import DEFAULT_DTYPE, DTYPES, ModelGenError, make_model
 except ImportError:  # run as a file from a checkout: put the repo root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from worker.modelgen import ModelGenError, make_model
+    from worker.modelgen import DEFAULT_DTYPE, DTYPES, ModelGenError, make_model
 
 from shared.sizes import SizeError, format_size, parse_size
 
@@ -32,6 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--size", default="16MiB",
                         help="about how many bytes of weights, e.g. 16MiB, 200MB (default 16MiB)")
     parser.add_argument("--seed", type=int, default=0, help="random seed for the weights (default 0)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=DEFAULT_DTYPE,
+                        help=f"parameter type (default {DEFAULT_DTYPE}; float32 runs fastest on CPU)")
     parser.add_argument("--force", action="store_true",
                         help="write into DIR even if it is not empty")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -46,7 +48,7 @@ def _run_with_bar(args, size: int):
         task = bar.add_task("weights", total=size)
         return make_model(args.dir, size, args.seed,
                           lambda done, total: bar.update(task, completed=done, total=total),
-                          force=args.force)
+                          force=args.force, dtype=args.dtype)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         size = parse_size(args.size)
         if args.quiet or not sys.stderr.isatty():
-            dims = make_model(args.dir, size, args.seed, force=args.force)
+            dims = make_model(args.dir, size, args.seed, force=args.force, dtype=args.dtype)
         else:
             dims = _run_with_bar(args, size)
     except (SizeError, ModelGenError) as exc:
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(
         f"wrote {args.dir}: {format_size(dims.weight_bytes)} of weights, "
-        f"{dims.param_count / 1e6:.1f}M parameters (hidden {dims.hidden_size}, "
+        f"{dims.param_count / 1e6:.1f}M {dims.dtype} parameters (hidden {dims.hidden_size}, "
         f"{dims.num_hidden_layers} layers, mlp {dims.intermediate_size}, vocab {dims.vocab_size})"
     )
     return 0

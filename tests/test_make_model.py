@@ -172,3 +172,38 @@ def test_weights_estimate_errors_name_the_problem(tmp_path):
     (tmp_path / "model.safetensors").write_bytes((12).to_bytes(8, "little") + b"not json!!!!")
     with pytest.raises(WeightsError, match="unreadable"):
         estimate_weight_bytes(tmp_path)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_every_dtype_loads_with_that_dtype_and_size(tmp_path, dtype):
+    import mlx_lm
+    from mlx.utils import tree_flatten
+
+    dims = make_model(tmp_path / dtype, 2 * MiB, 0, dtype=dtype)
+    model, _ = mlx_lm.load(str(tmp_path / dtype))
+    params = tree_flatten(model.parameters())
+    assert {str(v.dtype) for _, v in params} == {f"mlx.core.{dtype}"}
+    assert sum(v.nbytes for _, v in params) == dims.weight_bytes
+    assert 0.8 * 2 * MiB <= dims.weight_bytes <= 1.2 * 2 * MiB
+
+
+def test_bfloat16_weights_are_the_float32_draws_rounded(tmp_path):
+    """Our own bfloat16 encoder (numpy has none) must round, not garble."""
+    import mlx.core as mx
+
+    from worker.modelgen import Dims, write_weights
+
+    base = dict(vocab_size=256, hidden_size=64, num_hidden_layers=1, intermediate_size=64,
+                num_attention_heads=1, num_key_value_heads=1)
+    write_weights(tmp_path / "f32.safetensors", Dims(**base, dtype="float32"), 5)
+    write_weights(tmp_path / "bf16.safetensors", Dims(**base, dtype="bfloat16"), 5)
+    exact = mx.load(str(tmp_path / "f32.safetensors"))
+    rounded = mx.load(str(tmp_path / "bf16.safetensors"))
+    for name, value in exact.items():
+        assert rounded[name].dtype == mx.bfloat16
+        assert mx.allclose(rounded[name].astype(mx.float32), value, rtol=2**-8, atol=0).item(), name
+
+
+def test_unknown_dtype_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelGenError, match="unknown dtype"):
+        make_model(tmp_path / "m", 1 * MiB, 0, dtype="int4")

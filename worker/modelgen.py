@@ -21,7 +21,9 @@ Dims rule (documented contract of `choose_dims`):
     ~ 8/3 H) still fits in the requested parameter budget; then the layer count
     is raised as far as the budget allows, and the MLP intermediate size (a
     multiple of 16) absorbs the rest, so the weights land within about 1% of
-    the requested size.
+    the requested size;
+  * parameters are float16 by default (bfloat16 and float32 on request: MLX's
+    CPU backend runs float32 several times faster than either 16-bit type).
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ import numpy as np
 
 from shared.sizes import MiB, format_size
 
-BYTES_PER_PARAM = 2  # float16
+DTYPES = {"float16": ("F16", 2), "bfloat16": ("BF16", 2), "float32": ("F32", 4)}
+DEFAULT_DTYPE = "float16"
 HEAD_DIM = 64
 VOCAB_TARGET = 4096
 CORPUS_BUDGET_CHARS = 1_200_000
@@ -91,6 +94,7 @@ class Dims(msgspec.Struct, frozen=True):
     intermediate_size: int
     num_attention_heads: int
     num_key_value_heads: int
+    dtype: str = DEFAULT_DTYPE
 
     @property
     def param_count(self) -> int:
@@ -101,7 +105,7 @@ class Dims(msgspec.Struct, frozen=True):
 
     @property
     def weight_bytes(self) -> int:
-        return self.param_count * BYTES_PER_PARAM
+        return self.param_count * DTYPES[self.dtype][1]
 
 
 def _kv_heads(hidden: int) -> int:
@@ -123,20 +127,27 @@ def _default_intermediate(hidden: int) -> int:
     return max(MIN_INTERMEDIATE, (8 * hidden // 3) // 16 * 16)
 
 
-def smallest_weight_bytes(vocab_size: int) -> int:
+def _dtype_width(dtype: str) -> int:
+    if dtype not in DTYPES:
+        raise ModelGenError(f"unknown dtype {dtype!r} (use one of {', '.join(DTYPES)})")
+    return DTYPES[dtype][1]
+
+
+def smallest_weight_bytes(vocab_size: int, dtype: str = DEFAULT_DTYPE) -> int:
     """The smallest model the dims rule can build for this vocab."""
-    return _param_count(vocab_size, HEAD_DIM, 1, MIN_INTERMEDIATE, 1) * BYTES_PER_PARAM
+    return _param_count(vocab_size, HEAD_DIM, 1, MIN_INTERMEDIATE, 1) * _dtype_width(dtype)
 
 
-def choose_dims(size_bytes: int, vocab_size: int) -> Dims:
-    """Pick llama dims whose float16 weights come to about `size_bytes` (see module doc)."""
-    floor = smallest_weight_bytes(vocab_size)
+def choose_dims(size_bytes: int, vocab_size: int, dtype: str = DEFAULT_DTYPE) -> Dims:
+    """Pick llama dims whose weights come to about `size_bytes` (see module doc)."""
+    width = _dtype_width(dtype)
+    floor = smallest_weight_bytes(vocab_size, dtype)
     if size_bytes < floor:
         raise ModelGenError(
             f"size {format_size(size_bytes)} is too small for a model: the smallest one "
             f"(vocab {vocab_size}, hidden {HEAD_DIM}, 1 layer) needs {format_size(floor)}"
         )
-    budget = size_bytes // BYTES_PER_PARAM
+    budget = size_bytes // width
     hidden = HEAD_DIM
     for candidate in range(HEAD_DIM, MAX_HIDDEN + 1, HEAD_DIM):
         layers = max(1, candidate // HEAD_DIM)
@@ -160,6 +171,7 @@ def choose_dims(size_bytes: int, vocab_size: int) -> Dims:
         intermediate_size=intermediate,
         num_attention_heads=hidden // HEAD_DIM,
         num_key_value_heads=kv_heads,
+        dtype=dtype,
     )
 
 
@@ -268,41 +280,54 @@ def _tensor_shapes(d: Dims) -> list[tuple[str, tuple[int, ...], bool]]:
     return shapes
 
 
-def _safetensors_header(shapes) -> bytes:
+def _safetensors_header(shapes, dtype: str) -> bytes:
+    code, width = DTYPES[dtype]
     header: dict = {"__metadata__": {"format": "mlx"}}
     offset = 0
     for name, shape, _ in shapes:
-        nbytes = int(np.prod(shape)) * BYTES_PER_PARAM
-        header[name] = {"dtype": "F16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        nbytes = int(np.prod(shape)) * width
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # data must start 8-byte aligned
     return len(raw).to_bytes(8, "little") + raw
 
 
+def _encode(block: np.ndarray, dtype: str) -> bytes:
+    """Little-endian bytes of float32 `block` in `dtype` (bfloat16 by round-to-nearest-even)."""
+    if dtype == "float32":
+        return block.astype("<f4", copy=False).tobytes()
+    if dtype == "float16":
+        return block.astype("<f2").tobytes()
+    bits = block.astype("<f4", copy=False).view("<u4")
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return rounded.astype("<u2").tobytes()
+
+
 def write_weights(path: Path, dims: Dims, seed: int, progress: Progress | None = None) -> int:
-    """Stream seeded float16 weights into one safetensors file; return data bytes.
+    """Stream seeded weights into one safetensors file; return data bytes.
 
     Norm weights are ones (as a trained model's start); matrices are N(0, 0.02).
     One numpy PCG64 stream in file order makes the bytes a pure function of
-    (dims, seed).
+    (dims, dtype, seed).
     """
+    width = DTYPES[dims.dtype][1]
     shapes = _tensor_shapes(dims)
     rng = np.random.Generator(np.random.PCG64(seed))
     total = dims.weight_bytes
     done = 0
     with open(path, "wb") as out:
-        out.write(_safetensors_header(shapes))
+        out.write(_safetensors_header(shapes, dims.dtype))
         for _, shape, is_norm in shapes:
             count = int(np.prod(shape))
             for start in range(0, count, CHUNK_ELEMENTS):
                 n = min(CHUNK_ELEMENTS, count - start)
                 if is_norm:
-                    block = np.ones(n, dtype=np.float16)
+                    block = np.ones(n, dtype=np.float32)
                 else:
-                    block = (rng.standard_normal(n, dtype=np.float32) * INIT_STD).astype(np.float16)
-                out.write(block.astype("<f2", copy=False).tobytes())
-                done += n * BYTES_PER_PARAM
+                    block = rng.standard_normal(n, dtype=np.float32) * np.float32(INIT_STD)
+                out.write(_encode(block, dims.dtype))
+                done += n * width
                 if progress is not None:
                     progress(done, total)
     return done
@@ -326,7 +351,7 @@ def _model_config(dims: Dims, ids: dict[str, int]) -> dict:
         "rope_theta": 10000.0,
         "max_position_embeddings": 4096,
         "tie_word_embeddings": True,
-        "torch_dtype": "float16",
+        "torch_dtype": dims.dtype,
         "bos_token_id": ids[BOS],
         "eos_token_id": [ids[EOS], ids[IM_END]],
         "pad_token_id": ids[PAD],
@@ -348,6 +373,7 @@ def make_model(
     progress: Progress | None = None,
     *,
     force: bool = False,
+    dtype: str = DEFAULT_DTYPE,
 ) -> Dims:
     """Write a loadable llama model of about `size_bytes` weights into `path`.
 
@@ -358,8 +384,9 @@ def make_model(
         raise ModelGenError(f"seed must be a non-negative integer, got {seed}")
     target = Path(path)
     check_target_dir(target, force)
+    _dtype_width(dtype)
     tokenizer = train_tokenizer()
-    dims = choose_dims(size_bytes, tokenizer.get_vocab_size())
+    dims = choose_dims(size_bytes, tokenizer.get_vocab_size(), dtype)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:

@@ -76,7 +76,7 @@ class ChunkPlan(msgspec.Struct, frozen=True):
 AfterChunk = Literal["ok", "over_soft", "over_abort"]
 
 
-def _abort_binding(limits: Limits) -> str:
+def abort_binding(limits: Limits) -> str:
     """C10: the abort limit is static, or the GPU cap plus CPU side when smaller."""
     return "gpu_cap" if 0 < limits.gpu_cap < limits.static else "static"
 
@@ -87,7 +87,7 @@ def prefill_limit(limits: Limits) -> Limit:
     if limits.hard_limit > 0:
         candidates.append(Limit(limits.hard_limit, limits.binding or "static"))
     if limits.abort_limit > 0:
-        candidates.append(Limit(int(limits.abort_limit * limits.abort_margin), _abort_binding(limits)))
+        candidates.append(Limit(int(limits.abort_limit * limits.abort_margin), abort_binding(limits)))
     if not candidates:
         return Limit(0, "")
     return min(candidates, key=lambda limit: limit.bytes)
@@ -100,7 +100,7 @@ def chunk_target(limits: Limits) -> Limit:
         candidates.append(Limit(int(limits.hard_limit * limits.prefill_headroom_safety),
                                 limits.binding or "static"))
     if limits.abort_limit > 0:
-        candidates.append(Limit(int(limits.abort_limit * limits.abort_margin), _abort_binding(limits)))
+        candidates.append(Limit(int(limits.abort_limit * limits.abort_margin), abort_binding(limits)))
     if not candidates:
         return Limit(0, "")
     return min(candidates, key=lambda limit: limit.bytes)

@@ -1,0 +1,508 @@
+"""The worker's MLX engine on real tiny models (CPU): generation, scheduling, SPEC P3/P8/G1-G3."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import mlx.core as mx
+import pytest
+
+from shared.limits import Limits
+from shared.protocol import ChatMessage, Failed, Finished, Generate, NeedMemory, TokenOut
+from shared.sizes import GiB
+from worker.engine import Engine, EngineError
+from worker.stops import StopMatcher
+
+OPEN = Limits(max_concurrency=8)  # guard off, room for everyone
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model):
+    import mlx_lm
+
+    return mlx_lm.load(str(tiny_model))
+
+
+def _engine(loaded, **kwargs) -> Engine:
+    model, tokenizer = loaded
+    kwargs.setdefault("own_usage_fn", lambda: 0)
+    return Engine(model, tokenizer, **kwargs)
+
+
+class Run:
+    """Events of a run, per request, in order."""
+
+    def __init__(self):
+        self.events: list = []
+        self.by_id: dict[str, list] = defaultdict(list)
+
+    def add(self, events):
+        for ev in events:
+            self.events.append(ev)
+            self.by_id[ev.request_id].append(ev)
+
+    def text(self, rid: str) -> str:
+        return "".join(ev.text for ev in self.by_id[rid] if isinstance(ev, TokenOut))
+
+    def tokens(self, rid: str) -> list[int]:
+        return [ev.token_id for ev in self.by_id[rid] if isinstance(ev, TokenOut) and ev.token_id >= 0]
+
+    def terminal(self, rid: str):
+        ends = [ev for ev in self.by_id[rid] if isinstance(ev, (Finished, Failed))]
+        assert len(ends) == 1, f"{rid}: {len(ends)} terminal events"
+        assert self.by_id[rid][-1] is ends[0], f"{rid}: events after the terminal one"
+        return ends[0]
+
+
+def drive(engine: Engine, limits: Limits = OPEN, usage_fn=lambda: 0, max_steps: int = 2000) -> Run:
+    run = Run()
+    for _ in range(max_steps):
+        if not engine.has_work:
+            return run
+        run.add(engine.step(limits, usage_fn))
+    raise AssertionError("engine still busy after max_steps")
+
+
+def _prompt(engine: Engine, text: str = "Once upon a time") -> list[int]:
+    return engine.encode_prompt(text)
+
+
+# ------------------------------------------------------------------ generation
+
+
+def test_generates_exactly_max_tokens_and_streams_the_decoded_text(loaded):
+    engine = _engine(loaded)
+    engine.submit("r", _prompt(engine), max_tokens=12)
+    run = drive(engine)
+    end = run.terminal("r")
+    assert isinstance(end, Finished)
+    assert (end.finish_reason, end.completion_tokens) == ("length", 12)
+    assert end.prompt_tokens == len(_prompt(engine))
+    tokens = run.tokens("r")
+    assert len(tokens) == 12
+    # mlx_lm's byte-level detokenizer drops the one space a reply starts with; so do we.
+    decoded = loaded[1].decode(tokens)
+    assert run.text("r") == (decoded[1:] if decoded.startswith(" ") else decoded)
+    assert engine.tokens_total == 12
+
+
+def test_greedy_tokens_match_plain_mlx_lm(loaded):
+    """The engine's chunked prefill and pipelined decode must not change what the model says."""
+    from mlx_lm.generate import generate_step
+
+    model, _ = loaded
+    engine = _engine(loaded, max_chunk=4)  # several prefill chunks
+    prompt = _prompt(engine, "The memory guard watches every model and steps in early.")
+    expected = [tok for tok, _ in generate_step(mx.array(prompt), model, max_tokens=16)]
+    engine.submit("r", prompt, max_tokens=16)
+    assert drive(engine).tokens("r") == expected
+
+
+def test_stop_sequence_ends_generation_and_is_not_emitted(loaded):
+    engine = _engine(loaded)
+    engine.submit("free", _prompt(engine), max_tokens=24)
+    full = drive(engine).text("free")
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert len(stop) == 3 and stop.strip()
+    engine.submit("stopped", _prompt(engine), max_tokens=24, stop=[stop])
+    run = drive(engine)
+    end = run.terminal("stopped")
+    assert end.finish_reason == "stop"
+    assert run.text("stopped") == full[: full.index(stop)]
+    assert end.completion_tokens < 24
+
+
+def test_eos_token_finishes_with_stop_and_is_not_text(tiny_model):
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(str(tiny_model))
+    engine = Engine(model, tokenizer, own_usage_fn=lambda: 0)
+    engine.submit("probe", _prompt(engine), max_tokens=6)
+    tokens = drive(engine).tokens("probe")
+    eos = tokens[3]
+    tokenizer.eos_token_ids = {eos}
+    engine = Engine(model, tokenizer, own_usage_fn=lambda: 0)
+    engine.submit("r", _prompt(engine), max_tokens=6)
+    run = drive(engine)
+    end = run.terminal("r")
+    first = tokens.index(eos)
+    assert (end.finish_reason, end.completion_tokens) == ("stop", first + 1)
+    assert run.tokens("r") == tokens[:first]
+    assert run.text("r") == tokenizer.decode(tokens[:first]).removeprefix(" ")
+
+
+def test_chat_messages_go_through_the_chat_template(loaded):
+    engine = _engine(loaded)
+    messages = [ChatMessage(role="user", content="Say hello")]
+    expected = loaded[1].apply_chat_template([{"role": "user", "content": "Say hello"}],
+                                             add_generation_prompt=True)
+    assert engine.encode_chat(messages) == list(expected)
+    engine.submit_generate(Generate(request_id="chat", messages=messages, max_tokens=3))
+    end = drive(engine).terminal("chat")
+    assert end.prompt_tokens == len(expected)
+    text = loaded[1].decode(expected)
+    assert text.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nSay hello" in text
+
+
+def test_completion_prompt_gets_bos_once(loaded):
+    engine = _engine(loaded)
+    bos = loaded[1].bos_token_id
+    assert engine.encode_prompt("hi")[0] == bos
+    assert engine.encode_prompt("<s>hi").count(bos) == 1
+
+
+def test_seeded_sampling_repeats_whatever_runs_beside_it(loaded):
+    engine = _engine(loaded)
+    prompt = _prompt(engine)
+    engine.submit("alone", prompt, max_tokens=10, temperature=1.0, top_p=0.9, seed=42)
+    alone = drive(engine).tokens("alone")
+    engine.submit("noise", prompt, max_tokens=10, temperature=1.0)
+    engine.submit("again", prompt, max_tokens=10, temperature=1.0, top_p=0.9, seed=42)
+    engine.submit("other", prompt, max_tokens=10, temperature=1.0, top_p=0.9, seed=43)
+    run = drive(engine)
+    assert run.tokens("again") == alone
+    assert run.tokens("other") != alone
+
+
+# ------------------------------------------------------------------ scheduling
+
+
+def test_two_sequences_interleave_with_their_own_kv_caches(loaded):
+    engine = _engine(loaded)
+    p1, p2 = _prompt(engine, "Once upon a time"), _prompt(engine, "def main():")
+    solo = {}
+    for rid, prompt in (("one", p1), ("two", p2)):
+        engine.submit(rid, prompt, max_tokens=10)
+        solo[rid] = drive(engine).tokens(rid)
+    engine.submit("one", p1, max_tokens=10)
+    engine.submit("two", p2, max_tokens=10)
+    run = drive(engine)
+    assert run.tokens("one") == solo["one"] and run.tokens("two") == solo["two"]
+    order = [ev.request_id for ev in run.events if isinstance(ev, TokenOut)]
+    first_end = min(i for i, ev in enumerate(run.events) if isinstance(ev, Finished))
+    assert {"one", "two"} <= set(order[:first_end]), "tokens did not interleave"
+
+
+def test_p8_concurrency_cap_is_respected(loaded):
+    engine = _engine(loaded)
+    for i in range(3):
+        engine.submit(f"r{i}", _prompt(engine), max_tokens=5)
+    limits = Limits(max_concurrency=2)
+    peak_running = 0
+    run = Run()
+    while engine.has_work:
+        run.add(engine.step(limits, lambda: 0))
+        peak_running = max(peak_running, engine.running)
+        assert engine.running + engine.queued + sum(
+            isinstance(ev, (Finished, Failed)) for ev in run.events) == 3
+    assert peak_running == 2
+    r2_first = next(i for i, ev in enumerate(run.events) if ev.request_id == "r2")
+    first_end = min(i for i, ev in enumerate(run.events) if isinstance(ev, Finished))
+    assert r2_first > first_end, "third request started before a slot was free"
+
+
+def test_engine_max_concurrency_caps_even_generous_limits(loaded):
+    engine = _engine(loaded, max_concurrency=1)
+    engine.submit("a", _prompt(engine), max_tokens=3)
+    engine.submit("b", _prompt(engine), max_tokens=3)
+    engine.step(Limits(max_concurrency=8), lambda: 0)
+    assert (engine.running, engine.queued) == (1, 1)
+
+
+def test_p3_paused_admission_takes_one_when_idle_and_none_beside_a_running_one(loaded):
+    """Pressure pauses new work, but a worker with nothing running still takes one request,
+    so pressure never starves everyone (SPEC P3)."""
+    engine = _engine(loaded)
+    paused = Limits(max_concurrency=4, admission_paused=True)
+    for i in range(3):
+        engine.submit(f"r{i}", _prompt(engine), max_tokens=4)
+    engine.step(paused, lambda: 0)
+    assert (engine.running, engine.queued) == (1, 2)
+    for _ in range(3):
+        engine.step(paused, lambda: 0)
+        assert engine.running == 1
+    engine.step(Limits(max_concurrency=4), lambda: 0)
+    assert (engine.running, engine.queued) == (3, 0)
+    drive(engine)
+
+
+def test_prefill_chunks_alternate_with_decode_steps(loaded):
+    """A long prompt arriving must not freeze streams already running."""
+    engine = _engine(loaded, max_chunk=8)
+    engine.submit("running", _prompt(engine), max_tokens=40)
+    while not engine.tokens_total:
+        engine.step(OPEN, lambda: 0)
+    long_prompt = _prompt(engine, "word " * 60)
+    engine.submit("long", long_prompt, max_tokens=2)
+    run = Run()
+    while not run.by_id["long"]:  # until the long prompt's first token
+        run.add(engine.step(OPEN, lambda: 0))
+    tokens_during_prefill = len(run.tokens("running"))
+    chunks = -(-(len(long_prompt) - 1) // 8)
+    assert tokens_during_prefill >= chunks - 1
+    drive(engine)
+
+
+# ------------------------------------------------------------------ aborts and bad input
+
+
+def test_abort_gives_exactly_one_terminal_failed_wherever_the_request_is(loaded):
+    engine = _engine(loaded)
+    for rid in ("decoding", "queued"):
+        engine.submit(rid, _prompt(engine), max_tokens=50)
+    limits = Limits(max_concurrency=1)
+    run = Run()
+    while engine.tokens_total < 2:
+        run.add(engine.step(limits, lambda: 0))
+    assert engine.abort("decoding", "pressure", code="aborted")
+    assert engine.abort("queued", "pressure")
+    assert not engine.abort("never-seen", "x")
+    run.add(drive(engine, limits).events)
+    for rid in ("decoding", "queued"):
+        end = run.terminal(rid)
+        assert isinstance(end, Failed) and (end.code, end.message) == ("aborted", "pressure")
+    assert engine.running == engine.queued == 0
+
+
+def test_abort_all_and_abort_queued(loaded):
+    engine = _engine(loaded)
+    for i in range(3):
+        engine.submit(f"r{i}", _prompt(engine), max_tokens=50)
+    limits = Limits(max_concurrency=1)
+    run = Run()
+    run.add(engine.step(limits, lambda: 0))
+    assert engine.abort_queued("unloading", code="model_unloading") == 2
+    run.add(engine.step(limits, lambda: 0))
+    assert engine.abort_all("emergency") == 1
+    run.add(drive(engine, limits).events)
+    assert [run.terminal(f"r{i}").code for i in range(3)] == ["aborted", "model_unloading",
+                                                              "model_unloading"]
+
+
+@pytest.mark.parametrize(
+    "cmd, fragment",
+    [
+        (Generate(request_id="x"), "exactly one of messages or prompt"),
+        (Generate(request_id="x", prompt="a", messages=[ChatMessage(role="user", content="b")]),
+         "exactly one"),
+        (Generate(request_id="x", prompt="hi", max_tokens=0), "max_tokens"),
+        (Generate(request_id="x", prompt="hi", temperature=-1.0), "temperature"),
+        (Generate(request_id="x", prompt="hi", top_p=0.0), "top_p"),
+        (Generate(request_id="x", messages=[]), "messages must not be empty"),
+    ],
+)
+def test_bad_generate_becomes_one_invalid_request_failure(loaded, cmd, fragment):
+    engine = _engine(loaded)
+    engine.submit_generate(cmd)
+    end = drive(engine).terminal("x")
+    assert isinstance(end, Failed) and end.code == "invalid_request"
+    assert fragment in end.message
+
+
+def test_duplicate_request_id_and_out_of_vocab_tokens_are_refused(loaded):
+    engine = _engine(loaded)
+    engine.submit("same", [1, 2, 3], max_tokens=2)
+    with pytest.raises(EngineError, match="already in use"):
+        engine.submit("same", [1, 2, 3])
+    with pytest.raises(EngineError, match="outside"):
+        engine.submit("big", [10**7])
+    drive(engine)
+
+
+def test_model_without_chat_template_refuses_chat(tmp_path, tiny_model):
+    import json
+    import shutil
+
+    copy = tmp_path / "plain"
+    shutil.copytree(tiny_model, copy)
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (copy / "tokenizer_config.json").write_text(json.dumps(config))
+    engine = Engine.load(copy, own_usage_fn=lambda: 0)
+    with pytest.raises(EngineError, match="no chat template"):
+        engine.encode_chat([{"role": "user", "content": "hi"}])
+
+
+def test_load_errors_name_the_path(tmp_path):
+    with pytest.raises(EngineError, match="config.json not found") as info:
+        Engine.load(tmp_path / "nowhere")
+    assert info.value.code == "load_failed"
+
+
+# ------------------------------------------------------------------ prefill guard (G1-G3)
+
+GUARDED = Limits(soft_limit=9 * GiB, hard_limit=10 * GiB, hard_watermark=int(9.5 * GiB),
+                 abort_limit=12 * GiB, abort_margin=0.93, prefill_headroom_safety=0.92,
+                 static=12 * GiB, dynamic=10 * GiB, ceiling=10 * GiB, binding="dynamic",
+                 min_chunk_tokens=4, max_concurrency=4)
+
+
+def test_g1_need_memory_then_retry_once_after_the_answer(loaded):
+    usage = {"now": 10 * GiB - 1024}  # no room for any prompt
+    engine = _engine(loaded)
+    engine.submit("r", _prompt(engine), max_tokens=3)
+    events = engine.step(GUARDED, lambda: usage["now"])
+    assert [type(ev) for ev in events] == [NeedMemory]
+    assert events[0].need_bytes > 0
+    assert engine.step(GUARDED, lambda: usage["now"]) == []  # waits, does not prefill
+    assert not engine.has_work  # the loop may block until the answer comes
+    usage["now"] = 1 * GiB  # the supervisor stopped an idle model
+    engine.memory_answer("r", evicted=True)
+    end = drive(engine, GUARDED, lambda: usage["now"]).terminal("r")
+    assert isinstance(end, Finished)
+
+
+def test_g1_still_no_room_after_retry_rejects_with_estimate_limit_and_binding(loaded):
+    engine = _engine(loaded)
+    engine.submit("r", _prompt(engine), max_tokens=3)
+    full = lambda: 10 * GiB - 1024  # noqa: E731
+    assert isinstance(engine.step(GUARDED, full)[0], NeedMemory)
+    engine.memory_answer("r", evicted=False)
+    run = drive(engine, GUARDED, full)
+    end = run.terminal("r")
+    assert isinstance(end, Failed) and end.code == "prefill_memory_exceeded"
+    assert end.limit_bytes == 10 * GiB and end.estimated_bytes > end.limit_bytes
+    assert end.binding == "dynamic" and "close other applications" in end.message
+    assert not [ev for ev in run.events if isinstance(ev, NeedMemory)], "asked twice"
+
+
+def test_g1_no_answer_retries_by_itself_after_the_wait(loaded):
+    """A lost answer must not strand the request forever."""
+    clock = {"t": 0.0}
+    engine = _engine(loaded, clock=lambda: clock["t"], memory_wait=5.0)
+    engine.submit("r", _prompt(engine), max_tokens=2)
+    full = lambda: 10 * GiB - 1024  # noqa: E731
+    assert isinstance(engine.step(GUARDED, full)[0], NeedMemory)
+    assert engine.next_deadline() == 5.0
+    clock["t"] = 4.9
+    assert engine.step(GUARDED, full) == []
+    clock["t"] = 5.0
+    end = drive(engine, GUARDED, full).terminal("r")
+    assert isinstance(end, Failed) and end.code == "prefill_memory_exceeded"
+
+
+def test_g1_prompt_too_big_for_the_machine_is_rejected_without_eviction(loaded):
+    """Evicting other users' models cannot help when this worker alone is over the limit."""
+    engine = _engine(loaded, own_usage_fn=lambda: 10 * GiB)
+    engine.submit("r", _prompt(engine), max_tokens=2)
+    run = drive(engine, GUARDED, lambda: 10 * GiB)
+    assert not [ev for ev in run.events if isinstance(ev, NeedMemory)]
+    assert run.terminal("r").code == "prefill_memory_exceeded"
+
+
+def test_g1_decoding_continues_while_another_request_waits_for_memory(loaded):
+    usage = {"now": 1 * GiB}
+    engine = _engine(loaded)
+    engine.submit("running", _prompt(engine), max_tokens=30)
+    while not engine.tokens_total:
+        engine.step(GUARDED, lambda: usage["now"])
+    usage["now"] = 10 * GiB - 1024
+    engine.submit("late", _prompt(engine), max_tokens=2)
+    run = Run()
+    for _ in range(6):
+        run.add(engine.step(GUARDED, lambda: usage["now"]))
+    assert any(isinstance(ev, NeedMemory) for ev in run.events)
+    assert len(run.tokens("running")) >= 4
+    engine.abort_all("done")
+    drive(engine, GUARDED, lambda: usage["now"])
+
+
+def test_g2_no_room_for_the_floor_mid_prefill_aborts_and_frees_the_kv_cache(loaded):
+    reclaims = []
+    readings = iter([1 * GiB, 1 * GiB, 1 * GiB])  # preflight, first chunk plan, after chunk
+
+    def usage():
+        return next(readings, 10 * GiB)  # then the machine fills up
+
+    engine = _engine(loaded, max_chunk=8, reclaim_fn=lambda: reclaims.append(1) or 0)
+    engine.submit("long", _prompt(engine, "word " * 40), max_tokens=2)
+    run = drive(engine, GUARDED, usage)
+    end = run.terminal("long")
+    assert isinstance(end, Failed) and end.code == "prefill_memory_exceeded"
+    assert engine.prompt_tokens_processed == 8  # exactly one chunk ran
+    assert reclaims, "the aborted prefill's memory was not returned"
+    assert not run.tokens("long")
+
+
+def test_g2_chunks_shrink_near_the_target(loaded):
+    engine = _engine(loaded, max_chunk=64)
+    prompt = _prompt(engine, "word " * 80)
+    engine.submit("r", prompt, max_tokens=1)
+    per_token = engine.cost.chunk_per_token * 1.3
+    target = int(GUARDED.hard_limit * GUARDED.prefill_headroom_safety)
+    tight = lambda: target - int(20 * per_token)  # noqa: E731  room for ~20 tokens
+    engine.step(GUARDED, tight)
+    assert 4 <= engine.prompt_tokens_processed <= 20
+    engine.abort_all("done")
+    drive(engine, GUARDED, tight)
+
+
+def test_g3_over_abort_limit_reclaims_then_continues_when_that_was_enough(loaded):
+    calls = []
+    readings = iter([1 * GiB, 1 * GiB, 13 * GiB])  # preflight, plan, after chunk: over abort
+
+    def usage():
+        return next(readings, 1 * GiB)  # after the reclaim: fine again
+
+    engine = _engine(loaded, max_chunk=8, reclaim_fn=lambda: calls.append("reclaim") or 0)
+    engine.submit("r", _prompt(engine, "word " * 20), max_tokens=2)
+    end = drive(engine, GUARDED, usage).terminal("r")
+    assert isinstance(end, Finished)
+    assert calls == ["reclaim"]
+
+
+def test_g3_still_over_abort_limit_after_reclaim_fails_the_request(loaded):
+    readings = iter([1 * GiB, 1 * GiB])
+
+    def usage():
+        return next(readings, 13 * GiB)
+
+    engine = _engine(loaded, max_chunk=8, reclaim_fn=lambda: 0)
+    engine.submit("r", _prompt(engine, "word " * 20), max_tokens=2)
+    end = drive(engine, GUARDED, usage).terminal("r")
+    assert isinstance(end, Failed) and end.code == "prefill_memory_exceeded"
+    assert end.limit_bytes == 12 * GiB and end.binding == "static"
+
+
+def test_g2_measured_cost_replaces_the_prior(loaded):
+    engine = _engine(loaded, max_chunk=16)
+    prior = engine.cost
+    engine.submit("r", _prompt(engine, "word " * 40), max_tokens=1)
+    drive(engine)
+    assert engine.cost != prior
+    assert engine.cost.chunk_per_token >= engine.cost.kv_per_token > 0
+
+
+# ------------------------------------------------------------------ stop matcher
+
+
+def test_stop_matcher_holds_a_stop_split_across_tokens():
+    matcher = StopMatcher(["STOP"])
+    assert matcher.feed("hello S") == ("hello ", False)
+    assert matcher.feed("TO") == ("", False)
+    assert matcher.feed("P and more") == ("", True)
+
+
+def test_stop_matcher_releases_held_text_when_it_was_not_a_stop():
+    matcher = StopMatcher(["STOP"])
+    assert matcher.feed("a ST") == ("a ", False)
+    assert matcher.feed("ay") == ("STay", False)
+    assert matcher.feed("ST") == ("", False)
+    assert matcher.flush() == "ST"
+
+
+def test_stop_matcher_picks_the_earliest_of_several_stops():
+    matcher = StopMatcher(["world", "lo w"])
+    assert matcher.feed("hello world") == ("hel", True)
+
+
+def test_memory_counters_track_running_queued_tokens(loaded):
+    engine = _engine(loaded)
+    engine.submit("a", _prompt(engine), max_tokens=4)
+    engine.submit("b", _prompt(engine), max_tokens=4)
+    counters = engine.counters()
+    assert (counters.running, counters.queued, counters.tokens) == (0, 2, 0)
+    engine.step(Limits(max_concurrency=1), lambda: 0)
+    assert (engine.counters().running, engine.counters().queued) == (1, 1)
+    drive(engine)
+    assert engine.counters().tokens == 8

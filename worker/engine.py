@@ -1,0 +1,548 @@
+"""One model, many sequences, advanced one step at a time.
+
+The worker's main loop owns the sockets and the ledger; it calls `step()` in a
+loop and forwards the events it returns. Nothing here talks to a socket or
+decides policy: limits arrive as a `shared.limits.Limits` the loop reads from
+the ledger, and the group's memory usage through a `usage_fn` callback.
+
+Why steps: the supervisor's commands (new limits, reclaim, abort) must take
+effect at a step boundary, and a step is short: EITHER one prefill chunk of
+one request OR one decode token for every running sequence. When both kinds
+of work wait, they alternate, so a long prompt never stalls the streams that
+are already running.
+
+Why per-token care: a benchmark holds the whole path (engine + ZeroMQ + HTTP)
+to 90% of plain `mlx_lm` throughput. The decode step keeps mlx_lm's one-ahead
+pipelining (the next token is queued with `mx.async_eval` before the current
+one is read), greedy sampling skips the log-softmax, and events are the wire
+Structs themselves so the loop encodes them without copying.
+
+Request life: queued -> admitted (prefill line) -> [waiting for memory] ->
+prefilling -> decoding -> finished | failed. Every submitted request ends with
+exactly one terminal event (`Finished` or `Failed`), and every event leaves
+through `step()`: terminal events of aborts and refused submissions wait in
+an outbox that the next `step()` returns first, so the loop has one place to
+forward from.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from pathlib import Path
+from typing import Callable, Iterable, Union
+
+import mlx.core as mx
+import msgspec
+from mlx.utils import tree_flatten
+from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import make_prompt_cache
+
+from shared.limits import Limits
+from shared.protocol import Failed, Finished, Generate, NeedMemory, TokenOut
+from worker import prefill_guard as guard
+from worker.sampling import Sampler, make_request_sampler
+from worker.stops import StopMatcher
+from worker.weights import WeightsError, estimate_weight_bytes
+
+log = logging.getLogger("memvisor.worker.engine")
+
+Event = Union[TokenOut, Finished, Failed, NeedMemory]
+UsageFn = Callable[[], int]
+
+DEFAULT_MAX_CHUNK = 512
+CLEAR_CACHE_EVERY = 256  # decode steps between pool returns, as mlx_lm does
+MEMORY_WAIT_SECONDS = 10.0
+INVALID_REQUEST = "invalid_request"
+
+
+class EngineError(ValueError):
+    """A request or model the engine cannot take; `code` goes on the wire."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class EngineCounters(msgspec.Struct, frozen=True):
+    """What the worker's sample reports about generation (issue 4)."""
+
+    running: int
+    queued: int
+    tokens: int
+
+
+class _Seq:
+    """One request's state; slots keep per-token attribute access cheap."""
+
+    __slots__ = (
+        "id", "prompt", "max_tokens", "sample", "stopper", "state", "cache", "pos",
+        "y", "detok", "generated", "retried", "deadline", "warned_soft",
+    )
+
+    def __init__(self, request_id, prompt, max_tokens, sampler, stopper):
+        self.id = request_id
+        self.prompt = prompt
+        self.max_tokens = max_tokens
+        self.sample = sampler
+        self.stopper = stopper
+        self.state = "preflight"   # preflight | waiting | prefill | decoding
+        self.cache = None
+        self.pos = 0               # prompt tokens already in the KV cache
+        self.y = None              # next token (lazy / in flight)
+        self.detok = None
+        self.generated = 0
+        self.retried = False
+        self.deadline = 0.0
+        self.warned_soft = False
+
+
+def _guard_on(limits: Limits) -> bool:
+    return limits.hard_limit > 0 or limits.abort_limit > 0 or limits.soft_limit > 0
+
+
+def _prior_cost(model, max_chunk: int) -> guard.PrefillCost:
+    """First guess of a prompt token's cost before anything was measured.
+
+    KV bytes are exact for standard attention models (2 x layers x kv heads x
+    head dim x dtype width); activations are a rough multiple of the widths,
+    replaced by measurements after the first chunk.
+    """
+    args = getattr(model, "args", None)
+    layers = len(getattr(model, "layers", []) or [])
+    hidden = getattr(args, "hidden_size", 0) or 0
+    heads = getattr(args, "num_attention_heads", 0) or 0
+    kv_heads = getattr(args, "num_key_value_heads", 0) or heads
+    head_dim = getattr(args, "head_dim", None) or (hidden // heads if heads else 0)
+    inter = getattr(args, "intermediate_size", 0) or 4 * hidden
+    weights = tree_flatten(model.parameters())
+    width = weights[0][1].dtype.size if weights else 2
+    kv = 2 * layers * kv_heads * head_dim * width
+    activations = 4 * (6 * hidden + 3 * inter) + 4 * heads * max_chunk
+    if kv == 0:
+        kv = 64 * 1024  # unknown architecture: a cautious 64 KiB per token
+    return guard.PrefillCost(kv_per_token=float(kv), chunk_per_token=float(kv + activations))
+
+
+class Engine:
+    """Continuous generation for one loaded model (see module doc)."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        weight_bytes: int = 0,
+        max_chunk: int = DEFAULT_MAX_CHUNK,
+        max_concurrency: int = 64,
+        own_usage_fn: UsageFn | None = None,
+        reclaim_fn: Callable[[], int] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        memory_wait: float = MEMORY_WAIT_SECONDS,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.weight_bytes = weight_bytes
+        self.max_chunk = max(1, max_chunk)
+        self.max_concurrency = max(1, max_concurrency)
+        self._own_usage = own_usage_fn or _default_own_usage
+        self._reclaim = reclaim_fn or _default_reclaim
+        self._clock = clock
+        self._memory_wait = memory_wait
+        self._eos = frozenset(tokenizer.eos_token_ids)
+        self.cost = _prior_cost(model, self.max_chunk)
+        self._measured = False
+        self._queue: deque[_Seq] = deque()
+        self._prefill: deque[_Seq] = deque()
+        self._decoding: list[_Seq] = []
+        self._ids: set[str] = set()
+        self._outbox: list[Event] = []
+        self._prefill_turn = True
+        self._decode_steps = 0
+        self.tokens_total = 0
+        self.prompt_tokens_processed = 0
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def load(cls, path: str | Path, **kwargs) -> "Engine":
+        """Load a local model directory with mlx_lm (never a download)."""
+        import mlx_lm
+
+        directory = Path(path)
+        if not (directory / "config.json").is_file():
+            raise EngineError("load_failed", f"no model at {directory}: config.json not found")
+        try:
+            weight_bytes = estimate_weight_bytes(directory)
+            model, tokenizer = mlx_lm.load(str(directory))
+        except WeightsError as exc:
+            raise EngineError("load_failed", str(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - any loader failure is a load error
+            raise EngineError("load_failed", f"cannot load {directory}: {exc}") from exc
+        return cls(model, tokenizer, weight_bytes=weight_bytes, **kwargs)
+
+    # ------------------------------------------------------------------ prompts
+
+    def encode_chat(self, messages: Iterable) -> list[int]:
+        """Chat messages through the model's chat template, ready for the reply."""
+        if not self.tokenizer.has_chat_template:
+            raise EngineError(INVALID_REQUEST, "this model has no chat template; use completions")
+        turns = [
+            {"role": m["role"], "content": m["content"]} if isinstance(m, dict)
+            else {"role": m.role, "content": m.content}
+            for m in messages
+        ]
+        if not turns:
+            raise EngineError(INVALID_REQUEST, "messages must not be empty")
+        try:
+            return list(self.tokenizer.apply_chat_template(turns, add_generation_prompt=True))
+        except Exception as exc:  # noqa: BLE001 - jinja raises whatever the template says
+            raise EngineError(INVALID_REQUEST, f"chat template rejected the messages: {exc}") from None
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A raw completion prompt; BOS added unless the text already starts with it."""
+        bos = self.tokenizer.bos_token
+        add_special = bos is None or not text.startswith(bos)
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special))
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_tokens: list[int],
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: Iterable[str] = (),
+        seed: int | None = None,
+    ) -> None:
+        """Queue a request; it is admitted by a later `step()` (SPEC P3, P8)."""
+        if not request_id:
+            raise EngineError(INVALID_REQUEST, "request id must not be empty")
+        if request_id in self._ids:
+            raise EngineError(INVALID_REQUEST, f"request id {request_id!r} is already in use")
+        if not prompt_tokens:
+            raise EngineError(INVALID_REQUEST, "prompt is empty")
+        if max_tokens < 1:
+            raise EngineError(INVALID_REQUEST, f"max_tokens must be at least 1, got {max_tokens}")
+        if not temperature >= 0:
+            raise EngineError(INVALID_REQUEST, f"temperature must be >= 0, got {temperature}")
+        if not 0 < top_p <= 1:
+            raise EngineError(INVALID_REQUEST, f"top_p must be in (0, 1], got {top_p}")
+        vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
+        if vocab is not None and not all(0 <= t < vocab for t in prompt_tokens):
+            raise EngineError(INVALID_REQUEST, f"prompt has token ids outside [0, {vocab})")
+        stops = [s for s in stop if s]
+        seq = _Seq(request_id, list(prompt_tokens), max_tokens,
+                   make_request_sampler(temperature, top_p, seed),
+                   StopMatcher(stops) if stops else None)
+        self._ids.add(request_id)
+        self._queue.append(seq)
+
+    def submit_generate(self, cmd: Generate) -> None:
+        """Queue a wire `Generate`; bad input becomes its one terminal `Failed` (next step)."""
+        try:
+            if (cmd.messages is None) == (cmd.prompt is None):
+                raise EngineError(INVALID_REQUEST, "give exactly one of messages or prompt")
+            tokens = self.encode_chat(cmd.messages) if cmd.messages is not None \
+                else self.encode_prompt(cmd.prompt)
+            self.submit(cmd.request_id, tokens, cmd.max_tokens, cmd.temperature, cmd.top_p,
+                        cmd.stop, cmd.seed)
+        except EngineError as exc:
+            self._outbox.append(Failed(request_id=cmd.request_id, code=exc.code, message=exc.message))
+
+    def abort(self, request_id: str, reason: str, code: str = "aborted") -> bool:
+        """End one request with a terminal `Failed` (next step); False for an unknown id."""
+        for line in (self._queue, self._prefill):
+            for seq in line:
+                if seq.id == request_id:
+                    line.remove(seq)
+                    self._outbox.append(self._fail(seq, code, reason))
+                    return True
+        for seq in self._decoding:
+            if seq.id == request_id:
+                self._decoding.remove(seq)
+                self._outbox.append(self._fail(seq, code, reason))
+                return True
+        return False
+
+    def abort_all(self, reason: str, code: str = "aborted") -> int:
+        """End every request, queued ones included (P6.3, P6.5); how many were ended."""
+        seqs = [*self._queue, *self._prefill, *self._decoding]
+        self._queue.clear()
+        self._prefill.clear()
+        self._decoding.clear()
+        self._outbox.extend(self._fail(seq, code, reason) for seq in seqs)
+        return len(seqs)
+
+    def abort_queued(self, reason: str, code: str = "aborted") -> int:
+        """End the requests not yet admitted (drain: running ones finish, the rest go)."""
+        seqs = list(self._queue)
+        self._queue.clear()
+        self._outbox.extend(self._fail(seq, code, reason) for seq in seqs)
+        return len(seqs)
+
+    def memory_answer(self, request_id: str, evicted: bool) -> None:
+        """The supervisor's reply to `NeedMemory`: retry the preflight once (G1)."""
+        for seq in self._prefill:
+            if seq.id == request_id and seq.state == "waiting":
+                seq.state = "preflight"
+                seq.retried = True
+                if not evicted:
+                    log.info("request %s: supervisor found nothing to evict", request_id)
+                return
+
+    # ------------------------------------------------------------------ status
+
+    @property
+    def running(self) -> int:
+        return len(self._prefill) + len(self._decoding)
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def has_work(self) -> bool:
+        """False when `step()` would do nothing (the loop may then block on its sockets)."""
+        if self._decoding or self._queue or self._outbox:
+            return True
+        now = self._clock()
+        return any(seq.state != "waiting" or now >= seq.deadline for seq in self._prefill)
+
+    def next_deadline(self) -> float | None:
+        """Earliest time a request waiting for memory retries on its own (loop timeouts)."""
+        deadlines = [seq.deadline for seq in self._prefill if seq.state == "waiting"]
+        return min(deadlines) if deadlines else None
+
+    def counters(self) -> EngineCounters:
+        return EngineCounters(self.running, self.queued, self.tokens_total)
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self, limits: Limits, usage_fn: UsageFn) -> list[Event]:
+        """Admit what the limits allow, then run one prefill chunk or one decode token each."""
+        events = self._outbox
+        self._outbox = []
+        self._admit(limits)
+        if self._prefill and (self._prefill_turn or not self._decoding):
+            if self._prefill_step(limits, usage_fn, events):
+                self._prefill_turn = False
+                return events
+        if self._decoding:
+            self._decode_step(events)
+            self._prefill_turn = True
+        return events
+
+    def _admit(self, limits: Limits) -> None:
+        """SPEC P8 cap; P3: while paused, take one only when nothing runs."""
+        cap = min(self.max_concurrency, max(1, limits.max_concurrency))
+        while self._queue and self.running < cap:
+            if limits.admission_paused and self.running > 0:
+                return
+            self._prefill.append(self._queue.popleft())
+
+    # ------------------------------------------------------------------ prefill
+
+    def _prefill_step(self, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> bool:
+        """Advance the head of the prefill line; True when a chunk ran."""
+        seq = self._prefill[0]
+        if seq.state == "waiting":
+            if self._clock() < seq.deadline:
+                return False
+            seq.state, seq.retried = "preflight", True
+        if seq.state == "preflight":
+            if not self._preflight(seq, limits, usage_fn, events):
+                return False
+        remaining = len(seq.prompt) - 1 - seq.pos
+        if remaining > 0 and not self._run_chunk(seq, remaining, limits, usage_fn, events):
+            return True
+        if seq.pos == len(seq.prompt) - 1:
+            self._start_decoding(seq)
+        return True
+
+    def _preflight(self, seq: _Seq, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> bool:
+        """G1; True when the prefill may start now."""
+        if seq.cache is None:
+            seq.cache = make_prompt_cache(self.model)
+        if not _guard_on(limits):
+            seq.state = "prefill"
+            return True
+        verdict = guard.preflight(limits, usage_fn(), len(seq.prompt), self.cost, self.max_chunk,
+                                  own_usage=self._own_usage(), retried=seq.retried)
+        if verdict.verdict == "fits":
+            seq.state = "prefill"
+            return True
+        if verdict.verdict == "evict":
+            seq.state = "waiting"
+            seq.deadline = self._clock() + self._memory_wait
+            events.append(NeedMemory(request_id=seq.id, need_bytes=verdict.need_bytes))
+            return False
+        self._prefill.popleft()
+        events.append(self._memory_failure(seq, verdict.estimated_bytes, verdict.limit_bytes,
+                                           verdict.binding))
+        return False
+
+    def _run_chunk(self, seq: _Seq, remaining: int, limits: Limits, usage_fn: UsageFn,
+                   events: list[Event]) -> bool:
+        """G2 size, run, measure, G3 check; False when the request was failed."""
+        guarded = _guard_on(limits)
+        if guarded:
+            plan = guard.next_chunk(limits, usage_fn(), remaining, self.cost, self.max_chunk)
+            if plan.tokens == 0:
+                self._prefill.popleft()
+                events.append(self._memory_failure(seq, plan.estimated_bytes, plan.limit_bytes,
+                                                   plan.binding))
+                return False
+            n = plan.tokens
+        else:
+            n = min(self.max_chunk, remaining)
+        chunk = mx.array(seq.prompt[seq.pos:seq.pos + n])[None]
+        mx.reset_peak_memory()
+        before = mx.get_active_memory()
+        with mx.stream(generation_stream):
+            self.model(chunk, cache=seq.cache)
+            mx.eval([c.state for c in seq.cache])
+        self._learn_cost(mx.get_peak_memory() - before, n)
+        seq.pos += n
+        self.prompt_tokens_processed += n
+        mx.clear_cache()  # as mlx_lm does after every chunk: transient buffers go back
+        if guarded:
+            return self._after_chunk(seq, limits, usage_fn, events)
+        return True
+
+    def _after_chunk(self, seq: _Seq, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> bool:
+        """G3: over the abort limit reclaim and re-check; still over fails the request."""
+        level = guard.after_chunk(limits, usage_fn())
+        if level == "over_abort":
+            self._reclaim()
+            usage = usage_fn()
+            if guard.after_chunk(limits, usage) == "over_abort":
+                self._prefill.popleft()
+                events.append(self._memory_failure(seq, usage, limits.abort_limit,
+                                                   guard.abort_binding(limits)))
+                return False
+        elif level == "over_soft" and not seq.warned_soft:
+            seq.warned_soft = True
+            log.info("request %s: prefill is above the soft limit", seq.id)
+        return True
+
+    def _learn_cost(self, grown: int, tokens: int) -> None:
+        """Running per-token estimate: jumps up at once, decays slowly (G2)."""
+        observed = max(0.0, grown / max(1, tokens))
+        old = self.cost.chunk_per_token
+        if not self._measured:
+            new = observed
+            self._measured = True
+        else:
+            new = max(observed, 0.7 * old + 0.3 * observed)
+        new = max(new, self.cost.kv_per_token)
+        self.cost = guard.PrefillCost(kv_per_token=self.cost.kv_per_token, chunk_per_token=new)
+
+    def _start_decoding(self, seq: _Seq) -> None:
+        """Feed the last prompt token; its sampled successor is the first output token."""
+        self._prefill.popleft()
+        last = mx.array(seq.prompt[-1:])[None]
+        with mx.stream(generation_stream):
+            logits = self.model(last, cache=seq.cache)[:, -1, :]
+            seq.y = seq.sample(logits)
+        mx.async_eval(seq.y)
+        self.prompt_tokens_processed += 1
+        seq.detok = self.tokenizer.detokenizer
+        seq.state = "decoding"
+        self._decoding.append(seq)
+
+    # ------------------------------------------------------------------ decode
+
+    def _decode_step(self, events: list[Event]) -> None:
+        """One token for every decoding sequence, pipelined one step ahead like mlx_lm."""
+        seqs = self._decoding
+        following = []
+        with mx.stream(generation_stream):
+            for seq in seqs:
+                if seq.generated + 1 < seq.max_tokens:
+                    logits = self.model(seq.y[None], cache=seq.cache)[:, -1, :]
+                    following.append(seq.sample(logits))
+                else:
+                    following.append(None)
+        mx.async_eval([y for y in following if y is not None])
+        survivors = []
+        for seq, nxt in zip(seqs, following):
+            if self._emit(seq, seq.y.item(), events):
+                self._ids.discard(seq.id)
+                seq.cache = seq.y = None
+            else:
+                seq.y = nxt
+                survivors.append(seq)
+        self._decoding = survivors
+        self._decode_steps += 1
+        if self._decode_steps % CLEAR_CACHE_EVERY == 0:
+            mx.clear_cache()
+
+    def _emit(self, seq: _Seq, token: int, events: list[Event]) -> bool:
+        """Turn one sampled token into events; True when the request finished."""
+        seq.generated += 1
+        self.tokens_total += 1
+        detok = seq.detok
+        if token in self._eos:
+            detok.finalize()
+            text = detok.last_segment
+            if seq.stopper is not None:
+                text, hit = seq.stopper.feed(text)
+                text = text if hit else text + seq.stopper.flush()
+            if text:
+                events.append(TokenOut(request_id=seq.id, text=text))
+            events.append(self._finished(seq, "stop"))
+            return True
+        detok.add_token(token)
+        last = seq.generated >= seq.max_tokens
+        if last:
+            detok.finalize()
+        text = detok.last_segment
+        if seq.stopper is not None:
+            text, hit = seq.stopper.feed(text)
+            if hit:
+                events.append(TokenOut(request_id=seq.id, text=text, token_id=token))
+                events.append(self._finished(seq, "stop"))
+                return True
+            if last:
+                text += seq.stopper.flush()
+        events.append(TokenOut(request_id=seq.id, text=text, token_id=token))
+        if last:
+            events.append(self._finished(seq, "length"))
+            return True
+        return False
+
+    # ------------------------------------------------------------------ endings
+
+    def _finished(self, seq: _Seq, reason: str) -> Finished:
+        return Finished(request_id=seq.id, finish_reason=reason,
+                        prompt_tokens=len(seq.prompt), completion_tokens=seq.generated)
+
+    def _fail(self, seq: _Seq, code: str, message: str, **extra) -> Failed:
+        self._ids.discard(seq.id)
+        seq.cache = seq.y = None
+        return Failed(request_id=seq.id, code=code, message=message, **extra)
+
+    def _memory_failure(self, seq: _Seq, estimated: int, limit: int, binding: str) -> Failed:
+        """G1-G3 refusal; the KV memory the request held goes back to the OS at once."""
+        event = self._fail(seq, guard.PREFILL_MEMORY_EXCEEDED,
+                           guard.rejection_message(estimated, limit, binding),
+                           estimated_bytes=estimated, limit_bytes=limit, binding=binding or "static")
+        self._reclaim()
+        return event
+
+
+def _default_own_usage() -> int:
+    from worker import memory
+
+    return memory.usage()
+
+
+def _default_reclaim() -> int:
+    from worker import memory
+
+    return memory.reclaim()

@@ -1,0 +1,74 @@
+"""A worker's own memory, as SPEC U1 defines it.
+
+Why two numbers and a max: MLX's active bytes miss what lives outside MLX
+(the Python heap, tokenizer, ZeroMQ buffers), while the process footprint
+still counts MLX's allocator pool, which MLX can hand back at once. Usage is
+the larger of MLX active and footprint minus that pool: what the OS would
+really have to find if nothing were returned.
+
+The footprint comes from `supervisor.probe.footprint` (macOS phys_footprint,
+Linux private resident memory), the same reader the supervisor uses for
+itself, so the group usage of SPEC U2 adds like with like.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+import msgspec
+
+from supervisor.probe import footprint
+
+
+class MemorySample(msgspec.Struct, frozen=True):
+    """One reading of this process (bytes)."""
+
+    mlx_active: int  # MLX arrays alive now
+    mlx_pool: int    # MLX allocator cache not yet returned to the OS
+    mlx_peak: int    # MLX peak active since start or the last reset
+    footprint: int   # process footprint; 0 when unreadable
+    usage: int       # U1: max(mlx_active, footprint - mlx_pool)
+
+
+def sample(pid: int | None = None) -> MemorySample:
+    """Read MLX's counters and the process footprint (U1)."""
+    active = mx.get_active_memory()
+    pool = mx.get_cache_memory()
+    peak = mx.get_peak_memory()
+    own = footprint(os.getpid() if pid is None else pid) or 0
+    return MemorySample(active, pool, peak, own, max(active, own - pool))
+
+
+def usage() -> int:
+    """U1 usage alone (the prefill guard's view of this worker's own share)."""
+    return sample().usage
+
+
+def reclaim() -> int:
+    """Return MLX's pool to the OS; the bytes it held (P4, P6.6, G3)."""
+    before = mx.get_cache_memory()
+    mx.clear_cache()
+    return max(0, before - mx.get_cache_memory())
+
+
+class MemorySampler:
+    """The worker loop's handle on U1: `sample()` every step, `reclaim()` on command.
+
+    Holds the pid read once in the worker process (spawned, never forked), so
+    each sample is MLX's three counters plus one footprint read.
+    """
+
+    __slots__ = ("pid",)
+
+    def __init__(self, pid: int | None = None):
+        self.pid = os.getpid() if pid is None else pid
+
+    def sample(self) -> MemorySample:
+        return sample(self.pid)
+
+    def usage(self) -> int:
+        return sample(self.pid).usage
+
+    def reclaim(self) -> int:
+        return reclaim()
