@@ -49,7 +49,6 @@ from supervisor.http_errors import ApiError, from_load_error
 from supervisor.metrics import Metrics
 from supervisor.openai_types import BodyError, GuardSettingsIn, ModelCard, ModelList, decode_body
 from supervisor.pool import LoadError
-from supervisor.status import GuardStatus
 
 log = logging.getLogger("memvisor.http")
 
@@ -58,14 +57,6 @@ _encoder = msgspec.json.Encoder()
 
 class FrontDoorError(RuntimeError):
     """The front door cannot start (address in use, bad host); the message says why."""
-
-
-class StatusBody(GuardStatus, frozen=True, kw_only=True):
-    """`GET /status`: SPEC S1 plus where to subscribe and what waits."""
-
-    pub: str
-    http: str
-    queue_depth: int
 
 
 class HealthBody(msgspec.Struct, kw_only=True):
@@ -140,7 +131,12 @@ class FrontDoor:
         return json_response(ModelList(data=[self.card(m) for m in self.arbiter.config.models]))
 
     async def model(self, request: Request) -> Response:
-        return json_response(self.card(self._model_config(request.path_params["model_id"])))
+        model_id = request.path_params["model_id"]
+        action = model_id.rpartition("/")[2]
+        if action in ("load", "unload") and self.arbiter.config.model(model_id) is None:
+            raise ApiError(405, f"{action} takes POST, not {request.method}", code="method_not_allowed",
+                           headers={"Allow": "POST"})
+        return json_response(self.card(self._model_config(model_id)))
 
     def _model_config(self, model_id: str):
         try:
@@ -178,13 +174,9 @@ class FrontDoor:
 
     # -- guard ----------------------------------------------------------------
 
-    def status_body(self) -> StatusBody:
-        s = self.arbiter.enforcer.status()
-        return StatusBody(**msgspec.structs.asdict(s), pub=self.arbiter.endpoints.pub,
-                          http=getattr(self.arbiter, "http_address", ""), queue_depth=self.arbiter.gate.depth)
-
     async def status(self, request: Request) -> Response:
-        return json_response(self.status_body())
+        """SPEC S1 plus the PUB endpoint, models, recent events (supervisor.status.ServerStatus)."""
+        return json_response(self.arbiter.server_status())
 
     async def guard(self, request: Request) -> Response:
         """SPEC T6: new settings take effect at once (the enforcer ticks)."""
@@ -201,7 +193,7 @@ class FrontDoor:
                                                              enabled=new.enabled))
         except ValueError as exc:
             raise ApiError(400, str(exc), code="invalid_guard_settings") from None
-        return json_response(self.status_body())
+        return json_response(self.arbiter.server_status())
 
     async def health(self, request: Request) -> Response:
         pool = self.arbiter.pool

@@ -293,7 +293,7 @@ class Job:
 
     def render(self, msg: p.Msg) -> bytes:
         if isinstance(msg, p.TokenOut):
-            return self.chunk(msg.text)
+            return self.chunk(msg.text) if msg.text else b""  # a token that ends mid-character
         if isinstance(msg, p.Failed):
             log.info("request %s failed mid-stream: %s: %s", self.id, msg.code, msg.message)
             return b"data: " + from_failed(msg).body() + b"\n\n"

@@ -1,0 +1,279 @@
+"""The front door's edges against a real supervisor and a real HTTP server.
+
+No model is ever loaded here (no MLX process is spawned), so these run with
+the fast suite: bad input of every kind, the admin checks, the guard's
+runtime settings (SPEC T6), status, metrics, and a load refused before any
+process starts (SPEC A3). Each answer must be OpenAI-style error JSON, never
+a traceback, and the server must keep serving afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from test_http_harness import LiveServer, make_config, metric, non_loopback_address
+
+from shared.sizes import GiB
+from supervisor.config import ModelConfig
+
+TOKEN = "s3cret-admin-token"
+MAX_BODY = 64 * 1024
+
+
+def fake_huge_model(root: Path, claimed_bytes: int) -> Path:
+    """A model directory whose safetensors header claims `claimed_bytes` of weights.
+
+    Admission sizes a model from its headers before spawning anything (SPEC
+    A2), so this is refused exactly as a real model that large would be.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    header = json.dumps({"w": {"dtype": "F16", "shape": [claimed_bytes // 2], "data_offsets": [0, claimed_bytes]}})
+    raw = header.encode()
+    (root / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw)
+    (root / "config.json").write_text("{}")
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fd")
+    models = [ModelConfig(id="huge", path=str(fake_huge_model(root / "huge", 1024 * GiB))),
+              ModelConfig(id="org/never-loaded", path=str(root / "missing"))]
+    with LiveServer(make_config(models, max_body=MAX_BODY), tmp_path_factory.mktemp("rt")) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def token_server(tmp_path_factory):
+    with LiveServer(make_config([], admin_token=TOKEN), tmp_path_factory.mktemp("rt")) as live:
+        yield live
+
+
+def assert_openai_error(response, status: int, code: str | None = None) -> dict:
+    """The one error shape every failure has (and no traceback in it)."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    assert set(error) >= {"message", "type", "param", "code"}
+    assert error["message"] and "Traceback" not in error["message"]
+    if code is not None:
+        assert error["code"] == code
+    return error
+
+
+def test_unknown_model_is_404_on_every_door(server):
+    async def main():
+        async with server.client() as c:
+            chat = await c.post("/v1/chat/completions", json={"model": "nope", "messages": [
+                {"role": "user", "content": "hi"}]})
+            text = await c.post("/v1/completions", json={"model": "nope", "prompt": "hi"})
+            load = await c.post("/v1/models/nope/load")
+            one = await c.get("/v1/models/nope")
+        for r in (chat, text, load, one):
+            assert "'nope' does not exist" in assert_openai_error(r, 404, "model_not_found")["message"]
+        # and the OpenAI client reads it as NotFound
+        import openai
+
+        with pytest.raises(openai.NotFoundError):
+            await server.openai().chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+
+    server.run(main())
+
+
+def test_malformed_json_and_wrong_types_are_400_naming_the_field(server):
+    async def main():
+        async with server.client() as c:
+            bad_json = await c.post("/v1/chat/completions", content=b'{"model": "huge", "messages": [')
+            wrong = await c.post("/v1/chat/completions", json={"model": "huge", "messages": [
+                {"role": "user", "content": "x"}], "max_tokens": "lots"})
+            no_messages = await c.post("/v1/chat/completions", json={"model": "huge", "messages": []})
+            still = await c.get("/v1/models")
+        assert "not valid JSON" in assert_openai_error(bad_json, 400)["message"]
+        error = assert_openai_error(wrong, 400)
+        assert error["param"] == "max_tokens" and "Expected `int | null`, got `str`" in error["message"]
+        assert assert_openai_error(no_messages, 400)["param"] == "messages"
+        assert still.status_code == 200  # the server keeps serving everyone else
+
+    server.run(main())
+
+
+def test_oversized_bodies_are_413_whether_declared_or_chunked(server):
+    async def chunks():
+        for _ in range(8):
+            yield b"x" * (MAX_BODY // 4)
+
+    async def main():
+        async with server.client() as c:
+            declared = await c.post("/v1/chat/completions", content=b"{" + b" " * (MAX_BODY + 10) + b"}")
+            chunked = await c.post("/v1/completions", content=chunks())
+            after = await c.get("/health")
+        assert "exceeds the limit of 64 KiB" in assert_openai_error(declared, 413, "request_too_large")["message"]
+        assert_openai_error(chunked, 413, "request_too_large")
+        assert after.status_code == 200
+
+    server.run(main())
+
+
+def test_a_1gb_content_length_is_refused_before_any_body_is_sent(server):
+    """The guard's own front door must not buffer a huge upload: the 413 comes back
+    while the client has sent nothing but headers."""
+
+    async def main():
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000000000\r\n\r\n")
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        writer.close()
+        return head
+
+    head = server.run(main())
+    assert head.startswith(b"HTTP/1.1 413"), head
+
+
+def test_wrong_method_and_unknown_path_are_json_too(server):
+    async def main():
+        async with server.client() as c:
+            return (await c.get("/v1/chat/completions"), await c.delete("/v1/models"),
+                    await c.get("/v1/models/huge/load"), await c.get("/v2/things"))
+
+    get_chat, delete_models, get_load, unknown = server.run(main())
+    assert_openai_error(get_chat, 405, "method_not_allowed")
+    assert_openai_error(delete_models, 405, "method_not_allowed")
+    assert_openai_error(get_load, 405, "method_not_allowed")
+    assert_openai_error(unknown, 404, "unknown_endpoint")
+
+
+def test_a3_model_larger_than_the_ceiling_is_507_naming_binding_and_remedy(server):
+    """oMLX refusals read like crashes; ours say which constraint binds and what to do,
+    and nothing is spawned for a model that cannot fit."""
+
+    async def main():
+        async with server.client() as c:
+            r = await c.post("/v1/chat/completions", json={"model": "huge", "messages": [
+                {"role": "user", "content": "hi"}]})
+            metrics = (await c.get("/metrics")).text
+            models = (await c.get("/v1/models")).json()["data"]
+        return r, metrics, models
+
+    r, metrics, models = server.run(main())
+    error = assert_openai_error(r, 507, "model_too_large")
+    assert error["type"] == "insufficient_memory_error"
+    binding = server.arbiter.enforcer.last.ceilings.binding
+    assert binding and binding in error["message"]
+    assert "choose a lower tier" in error["message"] or "close other apps" in error["message"]
+    assert server.arbiter.pool.counters["spawned"] == 0
+    assert metric(metrics, "memvisor_guard_events_total", kind="refused") >= 1
+    assert {m["id"]: m["state"] for m in models}["huge"] == "unloaded"
+
+
+def test_s1_status_carries_the_guard_and_the_pub_endpoint(server):
+    async def main():
+        async with server.client() as c:
+            return (await c.get("/status")).json()
+
+    status = server.run(main())
+    guard = status["guard"]
+    for key in ("enabled", "tier", "ceiling", "static", "dynamic", "gpu_cap", "reserve", "soft_bytes",
+                "hard_bytes", "usage", "pressure_level", "utilization", "poll_interval", "workers"):
+        assert key in guard, key
+    assert status["pub"] == server.arbiter.endpoints.pub and status["pub"].startswith("ipc://")
+    assert status["http"].endswith(f":{server.port}")
+    assert [m["id"] for m in status["models"]] == ["huge", "org/never-loaded"]
+
+
+def test_metrics_expose_ceiling_components_usage_and_level(server):
+    async def main():
+        async with server.client() as c:
+            await c.get("/health")
+            return (await c.get("/metrics")).text
+
+    text = server.run(main())
+    last = server.arbiter.enforcer.last
+    assert metric(text, "memvisor_ceiling_bytes") > 0
+    assert metric(text, "memvisor_ceiling_component_bytes", component="static") == last.ceilings.static
+    assert metric(text, "memvisor_ceiling_binding", component=last.ceilings.binding) == 1
+    assert metric(text, "memvisor_usage_bytes") > 0
+    assert metric(text, "memvisor_pressure_level") == {"ok": 0, "soft": 1, "hard": 2}[last.level]
+    assert metric(text, "memvisor_queue_depth") == 0
+    assert metric(text, "memvisor_http_requests_total", endpoint="/health", status="200") >= 1
+    assert metric(text, "memvisor_request_duration_seconds_count", endpoint="/health") >= 1
+
+
+def test_t6_admin_guard_changes_tier_and_ceiling_at_runtime(server):
+    async def main():
+        async with server.client() as c:
+            changed = await c.post("/admin/guard", json={"tier": "custom", "custom_ceiling": "12GiB"})
+            status = (await c.get("/status")).json()["guard"]
+            bad_size = await c.post("/admin/guard", json={"custom_ceiling": "12 parsecs"})
+            bad_tier = await c.post("/admin/guard", json={"tier": "reckless"})
+            typo = await c.post("/admin/guard", json={"teir": "safe"})
+            back = await c.post("/admin/guard", json={"tier": "balanced", "custom_ceiling": 0})
+        return changed, status, bad_size, bad_tier, typo, back
+
+    changed, status, bad_size, bad_tier, typo, back = server.run(main())
+    assert changed.status_code == 200 and changed.json()["guard"]["tier"] == "custom"
+    assert status["tier"] == "custom" and status["custom_ceiling"] == 12 * GiB
+    assert status["dynamic"] == 12 * GiB  # C3: the custom ceiling is the dynamic candidate
+    assert assert_openai_error(bad_size, 400)["param"] == "custom_ceiling"
+    assert "unknown tier 'reckless'" in assert_openai_error(bad_tier, 400)["message"]
+    assert assert_openai_error(typo, 400)["param"] == "teir"
+    assert back.json()["guard"]["tier"] == "balanced"
+
+
+def test_admin_without_token_refuses_non_loopback_clients(server):
+    """No token configured: anyone who can reach the port must not retune the guard."""
+    address = non_loopback_address()
+    if address is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+
+    async def main():
+        async with server.client(host=address) as c:
+            guard = await c.post("/admin/guard", json={"enabled": False})
+            load = await c.post("/v1/models/huge/load")
+            unload = await c.post("/v1/models/huge/unload")
+            models = await c.get("/v1/models")
+        return guard, load, unload, models
+
+    guard, load, unload, models = server.run(main())
+    for r in (guard, load, unload):
+        assert "only loopback clients" in assert_openai_error(r, 403, "forbidden")["message"]
+    assert models.status_code == 200  # inference endpoints stay open
+    assert server.arbiter.enforcer.settings.enabled is True
+
+
+def test_admin_token_is_required_when_configured_from_anywhere(token_server):
+    address = non_loopback_address()
+
+    async def main():
+        async with token_server.client() as c:
+            missing = await c.post("/admin/guard", json={"tier": "safe"})
+            wrong = await c.post("/admin/guard", json={"tier": "safe"}, headers={"Authorization": "Bearer nope"})
+            right = await c.post("/admin/guard", json={"tier": "safe"},
+                                 headers={"Authorization": f"Bearer {TOKEN}"})
+        remote = None
+        if address is not None:
+            async with token_server.client(host=address) as c:
+                remote = await c.post("/admin/guard", json={"tier": "aggressive"},
+                                      headers={"Authorization": f"Bearer {TOKEN}"})
+        return missing, wrong, right, remote
+
+    missing, wrong, right, remote = token_server.run(main())
+    assert_openai_error(missing, 401, "invalid_api_key")
+    assert missing.headers["www-authenticate"] == "Bearer"
+    assert_openai_error(wrong, 401, "invalid_api_key")
+    assert right.status_code == 200 and right.json()["guard"]["tier"] == "safe"
+    if remote is not None:  # with a token, a remote admin is allowed
+        assert remote.status_code == 200 and remote.json()["guard"]["tier"] == "aggressive"
+
+
+def test_health_is_ok_with_no_pinned_models(server):
+    async def main():
+        async with server.client() as c:
+            return await c.get("/health")
+
+    r = server.run(main())
+    assert r.status_code == 200 and r.json() == {"status": "ok", "waiting": {}}

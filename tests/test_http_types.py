@@ -1,0 +1,143 @@
+"""The front door's request decoding and error mapping, as pure functions.
+
+These pin what a client sees for bad input (the field path, the status) and
+how a request becomes a worker's `Generate`, without a server.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from shared import protocol as p
+from supervisor.http import endpoint_label, is_loopback
+from supervisor.http_errors import from_failed
+from supervisor.http_generate import chat_generate, completion_generate
+from supervisor.openai_types import (
+    DEFAULT_CHAT_MAX_TOKENS,
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    BodyError,
+    ChatRequest,
+    CompletionRequest,
+    GuardSettingsIn,
+    decode_body,
+)
+
+
+def chat(**fields) -> ChatRequest:
+    fields.setdefault("model", "m")
+    fields.setdefault("messages", [{"role": "user", "content": "hi"}])
+    return decode_body(msgspec.json.encode(fields), ChatRequest)
+
+
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        (b'{"model": "m", "messages": [{"role": "user", "content": 5}]}', "messages[0].content", "Expected `str"),
+        (b'{"model": "m", "messages": [], "max_tokens": "ten"}', "max_tokens", "Expected `int | null`, got `str`"),
+        (b'{"model": "m", "messages": [], "temperature": 3}', "temperature", "<= 2.0"),
+        (b'{"model": "m", "messages": [{"role": "robot", "content": "x"}]}', "messages[0].role", "Invalid enum"),
+        (b'{"messages": []}', None, "missing required field `model`"),
+        (b'[1, 2]', None, "Expected `object`, got `array`"),
+    ],
+)
+def test_wrong_types_are_400_with_the_field_path(body, param, words):
+    with pytest.raises(BodyError) as err:
+        decode_body(body, ChatRequest)
+    assert err.value.param == param
+    assert words in str(err.value)
+    if param:
+        assert str(err.value).startswith(param + ": ")
+
+
+@pytest.mark.parametrize("body, words", [(b"{bad", "not valid JSON"), (b"", "empty"), (b"  ", "empty")])
+def test_malformed_json_says_so(body, words):
+    with pytest.raises(BodyError, match=words):
+        decode_body(body, ChatRequest)
+
+
+def test_unknown_fields_are_ignored_but_unknown_guard_keys_are_not():
+    """Clients send vendor extensions to /v1; /admin/guard is ours, so a typo there is an error."""
+    assert chat(parallel_tool_calls=False, metadata={"a": 1}).model == "m"
+    with pytest.raises(BodyError) as err:
+        decode_body(b'{"teir": "safe"}', GuardSettingsIn)
+    assert err.value.param == "teir"
+
+
+def test_chat_becomes_generate_with_messages_for_the_chat_template():
+    gen = chat(messages=[{"role": "developer", "content": "be brief"},
+                         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+               max_completion_tokens=7, temperature=0, stop="END", seed=3)
+    gen = chat_generate(gen)
+    assert [(m.role, m.content) for m in gen.messages] == [("system", "be brief"), ("user", "ab")]
+    assert gen.prompt is None and gen.max_tokens == 7 and gen.temperature == 0.0
+    assert gen.stop == ["END"] and gen.seed == 3 and len(gen.request_id) == 32
+
+
+def test_defaults_bound_the_generation():
+    assert chat_generate(chat()).max_tokens == DEFAULT_CHAT_MAX_TOKENS
+    req = decode_body(b'{"model": "m", "prompt": "once"}', CompletionRequest)
+    gen = completion_generate(req)
+    assert gen.prompt == "once" and gen.messages is None and gen.max_tokens == DEFAULT_COMPLETION_MAX_TOKENS
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"n": 2}, "n"),
+        ({"logprobs": True}, "logprobs"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type"),
+    ],
+)
+def test_known_parameters_we_cannot_honour_are_refused_not_ignored(fields, param):
+    with pytest.raises(BodyError) as err:
+        chat_generate(chat(**fields))
+    assert err.value.param == param
+
+
+@pytest.mark.parametrize("fields, param", [({"echo": True}, "echo"), ({"prompt": ["a", "b"]}, "prompt"),
+                                           ({"prompt": ""}, "prompt"), ({"best_of": 3}, "best_of")])
+def test_completion_refusals_name_the_parameter(fields, param):
+    body = {"model": "m", "prompt": "x", **fields}
+    with pytest.raises(BodyError) as err:
+        completion_generate(decode_body(msgspec.json.encode(body), CompletionRequest))
+    assert err.value.param == param
+
+
+def test_g1_prefill_rejection_is_a_400_with_the_figures():
+    """SPEC G1: a prompt that does not fit is the client's to shorten (400), not a crash (500)."""
+    err = from_failed(p.Failed(request_id="r", code="prefill_memory_exceeded", message="needs 9 GiB, limit 8 GiB",
+                               estimated_bytes=9, limit_bytes=8, binding="dynamic"))
+    body = msgspec.json.decode(err.body())
+    assert err.status == 400
+    assert body["error"] == {"message": "needs 9 GiB, limit 8 GiB", "type": "invalid_request_error",
+                             "param": None, "code": "prefill_memory_exceeded", "binding": "dynamic",
+                             "estimated_bytes": 9, "limit_bytes": 8}
+
+
+@pytest.mark.parametrize("code, status", [("memory_pressure", 503), ("model_unloading", 503),
+                                          ("worker_exited", 503), ("invalid_request", 400), ("weird", 500)])
+def test_worker_failures_map_to_who_should_act(code, status):
+    err = from_failed(p.Failed(request_id="r", code=code, message="m"))
+    assert err.status == status
+    assert ("Retry-After" in err.headers) == (status == 503)
+    assert "binding" not in msgspec.json.decode(err.body())["error"]
+
+
+@pytest.mark.parametrize("host, loopback", [("127.0.0.1", True), ("127.8.0.1", True), ("::1", True),
+                                            ("::ffff:127.0.0.1", True), ("192.0.2.2", False),
+                                            ("::ffff:192.0.2.2", False), ("localhost", False), ("", False),
+                                            (None, False)])
+def test_loopback_detection_for_admin_endpoints(host, loopback):
+    assert is_loopback(host) is loopback
+
+
+def test_metric_labels_stay_bounded():
+    assert endpoint_label("/v1/models/org/model-7b/load") == "/v1/models/{id}/load"
+    assert endpoint_label("/v1/models/anything") == "/v1/models/{id}"
+    assert endpoint_label("/wp-admin.php") == "other"
+    assert endpoint_label("/v1/chat/completions") == "/v1/chat/completions"
