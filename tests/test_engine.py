@@ -506,3 +506,17 @@ def test_memory_counters_track_running_queued_tokens(loaded):
     assert (engine.counters().running, engine.counters().queued) == (1, 1)
     drive(engine)
     assert engine.counters().tokens == 8
+
+
+def test_idle_while_the_head_waits_for_memory_even_with_more_queued(loaded):
+    """No busy loop: while the only movable request waits for the supervisor, there is no work."""
+    engine = _engine(loaded)
+    engine.submit("head", _prompt(engine), max_tokens=2)
+    engine.submit("next", _prompt(engine), max_tokens=2)
+    full = lambda: 10 * GiB - 1024  # noqa: E731
+    assert isinstance(engine.step(GUARDED, full)[0], NeedMemory)
+    assert engine.running == 2 and not engine.has_work
+    engine.abort_all("done")
+    assert engine.has_work  # the two terminal events wait in the outbox
+    run = drive(engine, GUARDED, full)
+    assert run.terminal("head").code == run.terminal("next").code == "aborted"

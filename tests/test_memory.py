@@ -53,3 +53,17 @@ def test_u1_pool_is_not_usage_and_reclaim_returns_it():
     freed = reclaim()
     assert freed == reading.mlx_pool
     assert sample().mlx_pool == 0
+
+
+def test_sampled_peak_survives_the_engines_per_chunk_resets():
+    """The engine resets MLX's peak to measure each prefill chunk; the sample's peak must
+    still be the process's high-water mark, or the supervisor would see a fake low peak."""
+    from worker.memory import reset_peak
+
+    big = mx.ones((48 * MiB,), dtype=mx.uint8)
+    mx.eval(big)
+    high = sample().mlx_peak
+    del big
+    reset_peak()
+    assert mx.get_peak_memory() < high
+    assert sample().mlx_peak == high

@@ -41,6 +41,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from shared.limits import Limits
 from shared.protocol import Failed, Finished, Generate, NeedMemory, TokenOut
+from worker import memory
 from worker import prefill_guard as guard
 from worker.sampling import Sampler, make_request_sampler
 from worker.stops import StopMatcher
@@ -308,10 +309,14 @@ class Engine:
     @property
     def has_work(self) -> bool:
         """False when `step()` would do nothing (the loop may then block on its sockets)."""
-        if self._decoding or self._queue or self._outbox:
+        if self._decoding or self._outbox:
             return True
-        now = self._clock()
-        return any(seq.state != "waiting" or now >= seq.deadline for seq in self._prefill)
+        if self._prefill:
+            # Only the head of the prefill line can move; while it waits for the
+            # supervisor's answer, admitting more would not move anything either.
+            head = self._prefill[0]
+            return head.state != "waiting" or self._clock() >= head.deadline
+        return bool(self._queue)
 
     def next_deadline(self) -> float | None:
         """Earliest time a request waiting for memory retries on its own (loop timeouts)."""
@@ -401,7 +406,7 @@ class Engine:
         else:
             n = min(self.max_chunk, remaining)
         chunk = mx.array(seq.prompt[seq.pos:seq.pos + n])[None]
-        mx.reset_peak_memory()
+        memory.reset_peak()
         before = mx.get_active_memory()
         with mx.stream(generation_stream):
             self.model(chunk, cache=seq.cache)
@@ -537,12 +542,8 @@ class Engine:
 
 
 def _default_own_usage() -> int:
-    from worker import memory
-
     return memory.usage()
 
 
 def _default_reclaim() -> int:
-    from worker import memory
-
     return memory.reclaim()

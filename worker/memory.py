@@ -26,16 +26,30 @@ class MemorySample(msgspec.Struct, frozen=True):
 
     mlx_active: int  # MLX arrays alive now
     mlx_pool: int    # MLX allocator cache not yet returned to the OS
-    mlx_peak: int    # MLX peak active since start or the last reset
+    mlx_peak: int    # MLX peak active since the process started
     footprint: int   # process footprint; 0 when unreadable
     usage: int       # U1: max(mlx_active, footprint - mlx_pool)
+
+
+_peak_before_reset = 0
+
+
+def reset_peak() -> None:
+    """Restart MLX's peak counter for a measurement, keeping the lifetime peak.
+
+    The engine measures each prefill chunk's peak (SPEC G2's running cost);
+    samples still report the process's peak since start.
+    """
+    global _peak_before_reset
+    _peak_before_reset = max(_peak_before_reset, mx.get_peak_memory())
+    mx.reset_peak_memory()
 
 
 def sample(pid: int | None = None) -> MemorySample:
     """Read MLX's counters and the process footprint (U1)."""
     active = mx.get_active_memory()
     pool = mx.get_cache_memory()
-    peak = mx.get_peak_memory()
+    peak = max(_peak_before_reset, mx.get_peak_memory())
     own = footprint(os.getpid() if pid is None else pid) or 0
     return MemorySample(active, pool, peak, own, max(active, own - pool))
 
