@@ -466,11 +466,20 @@ def test_g3_still_over_abort_limit_after_reclaim_fails_the_request(loaded):
 
 def test_g2_measured_cost_replaces_the_prior(loaded):
     engine = _engine(loaded, max_chunk=16)
+    engine.submit("short", _prompt(engine, "hi"), max_tokens=1)
+    drive(engine)
+    assert engine.cost == prior_of(engine), "a tiny chunk's fixed costs must not be learned"
     prior = engine.cost
     engine.submit("r", _prompt(engine, "word " * 40), max_tokens=1)
     drive(engine)
     assert engine.cost != prior
     assert engine.cost.chunk_per_token >= engine.cost.kv_per_token > 0
+
+
+def prior_of(engine: Engine):
+    from worker.engine import _prior_cost
+
+    return _prior_cost(engine.model, engine.max_chunk)
 
 
 # ------------------------------------------------------------------ stop matcher

@@ -38,7 +38,7 @@ MAX_CHUNK = 2048
 
 
 def _peak(tokens: int) -> int:
-    return estimate_prefill_peak(tokens, COST, MAX_CHUNK)
+    return estimate_prefill_peak(tokens, COST, LIMITS.min_chunk_tokens)
 
 
 # ---------------------------------------------------------------- G1 preflight
@@ -47,26 +47,37 @@ def _peak(tokens: int) -> int:
 def test_g1_guard_off_lets_everything_through():
     """0 limits mean no limit (C5): a disabled guard must never reject."""
     off = Limits()
-    verdict = preflight(off, usage=100 * GiB, tokens=10**6, cost=COST, max_chunk=MAX_CHUNK)
+    verdict = preflight(off, usage=100 * GiB, tokens=10**6, cost=COST)
     assert verdict.verdict == "fits"
 
 
 def test_g1_fits_under_hard_limit():
-    verdict = preflight(LIMITS, usage=5 * GiB, tokens=1000, cost=COST, max_chunk=MAX_CHUNK)
+    verdict = preflight(LIMITS, usage=5 * GiB, tokens=1000, cost=COST)
     assert verdict.verdict == "fits"
     assert verdict.estimated_bytes == 5 * GiB + _peak(1000)
 
 
-def test_g1_peak_counts_kv_for_every_token_but_activations_for_one_chunk():
-    """A chunked prefill holds one chunk's activations at a time, not the whole prompt's."""
+def test_g1_peak_counts_kv_for_every_token_but_activations_for_one_floor_chunk():
+    """A chunked prefill holds one chunk's activations at a time, and G2 can shrink chunks
+    down to the floor, so feasibility is judged at the floor chunk size."""
     tokens = 10_000
-    expected = (tokens - MAX_CHUNK) * COST.kv_per_token + MAX_CHUNK * COST.chunk_per_token
+    floor = LIMITS.min_chunk_tokens
+    expected = (tokens - floor) * COST.kv_per_token + floor * COST.chunk_per_token
     assert _peak(tokens) == pytest.approx(expected * COST_PAD, abs=1)
+
+
+def test_g1_prompt_that_fits_only_in_small_chunks_needs_no_eviction():
+    """Stopping someone's idle model to run bigger chunks would trade their model for speed."""
+    tokens = 4096
+    full_chunks = estimate_prefill_peak(tokens, COST, MAX_CHUNK)
+    usage = 10 * GiB - (full_chunks + _peak(tokens)) // 2  # between the two estimates
+    verdict = preflight(LIMITS, usage=usage, tokens=tokens, cost=COST, own_usage=1 * GiB)
+    assert verdict.verdict == "fits"
 
 
 def test_g1_over_hard_limit_asks_for_eviction_first():
     usage = 10 * GiB - _peak(1000) + 1  # one byte over
-    verdict = preflight(LIMITS, usage=usage, tokens=1000, cost=COST, max_chunk=MAX_CHUNK,
+    verdict = preflight(LIMITS, usage=usage, tokens=1000, cost=COST,
                         own_usage=1 * GiB)
     assert verdict.verdict == "evict"
     assert verdict.need_bytes == 1
@@ -76,7 +87,7 @@ def test_g1_over_hard_limit_asks_for_eviction_first():
 
 def test_g1_still_over_after_the_one_retry_rejects_with_numbers():
     usage = 10 * GiB - _peak(1000) + 1
-    verdict = preflight(LIMITS, usage=usage, tokens=1000, cost=COST, max_chunk=MAX_CHUNK,
+    verdict = preflight(LIMITS, usage=usage, tokens=1000, cost=COST,
                         own_usage=1 * GiB, retried=True)
     assert verdict.verdict == "reject"
     assert verdict.estimated_bytes == usage + _peak(1000)
@@ -88,7 +99,7 @@ def test_g1_hopeless_prompt_rejected_without_evicting_other_models():
     """Stopping other people's models cannot make room for a prompt larger than the limit
     minus this worker's own usage, so it must not cost them their models."""
     tokens = 100_000  # ~6 GiB of KV
-    verdict = preflight(LIMITS, usage=6 * GiB, tokens=tokens, cost=COST, max_chunk=MAX_CHUNK,
+    verdict = preflight(LIMITS, usage=6 * GiB, tokens=tokens, cost=COST,
                         own_usage=5 * GiB)
     assert verdict.verdict == "reject"
 
@@ -98,7 +109,7 @@ def test_g1_abort_limit_times_margin_binds_when_tighter_than_hard():
                     static=10 * GiB, binding="static")
     assert prefill_limit(limits).bytes == 9 * GiB
     usage = 9 * GiB - _peak(100) + 1
-    verdict = preflight(limits, usage=usage, tokens=100, cost=COST, max_chunk=MAX_CHUNK, retried=True)
+    verdict = preflight(limits, usage=usage, tokens=100, cost=COST, retried=True)
     assert verdict.verdict == "reject"
     assert verdict.limit_bytes == 9 * GiB
     assert verdict.binding == "static"

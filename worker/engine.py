@@ -55,6 +55,7 @@ UsageFn = Callable[[], int]
 DEFAULT_MAX_CHUNK = 512
 CLEAR_CACHE_EVERY = 256  # decode steps between pool returns, as mlx_lm does
 MEMORY_WAIT_SECONDS = 10.0
+MIN_LEARN_TOKENS = 16  # shorter chunks do not update the per-token cost estimate
 INVALID_REQUEST = "invalid_request"
 
 
@@ -376,7 +377,7 @@ class Engine:
         if not _guard_on(limits):
             seq.state = "prefill"
             return True
-        verdict = guard.preflight(limits, usage_fn(), len(seq.prompt), self.cost, self.max_chunk,
+        verdict = guard.preflight(limits, usage_fn(), len(seq.prompt), self.cost,
                                   own_usage=self._own_usage(), retried=seq.retried)
         if verdict.verdict == "fits":
             seq.state = "prefill"
@@ -436,8 +437,15 @@ class Engine:
         return True
 
     def _learn_cost(self, grown: int, tokens: int) -> None:
-        """Running per-token estimate: jumps up at once, decays slowly (G2)."""
-        observed = max(0.0, grown / max(1, tokens))
+        """Running per-token estimate: jumps up at once, decays slowly (G2).
+
+        Chunks shorter than MIN_LEARN_TOKENS are skipped: their peak is mostly
+        fixed per-call buffers, and dividing that by a handful of tokens would
+        make the next long prompt look far more expensive than it is.
+        """
+        if tokens < MIN_LEARN_TOKENS:
+            return
+        observed = max(0.0, grown / tokens)
         old = self.cost.chunk_per_token
         if not self._measured:
             new = observed

@@ -106,11 +106,11 @@ def chunk_target(limits: Limits) -> Limit:
     return min(candidates, key=lambda limit: limit.bytes)
 
 
-def estimate_prefill_peak(tokens: int, cost: PrefillCost, max_chunk: int) -> int:
+def estimate_prefill_peak(tokens: int, cost: PrefillCost, chunk_tokens: int) -> int:
     """Peak bytes a chunked prefill of `tokens` adds: KV for all, activations for one chunk."""
     if tokens <= 0:
         return 0
-    in_chunk = min(tokens, max_chunk)
+    in_chunk = min(tokens, max(1, chunk_tokens))
     raw = (tokens - in_chunk) * cost.kv_per_token + in_chunk * max(cost.chunk_per_token,
                                                                    cost.kv_per_token)
     return math.ceil(raw * COST_PAD)
@@ -121,12 +121,17 @@ def preflight(
     usage: int,
     tokens: int,
     cost: PrefillCost,
-    max_chunk: int,
     *,
     own_usage: int = 0,
     retried: bool = False,
 ) -> Preflight:
-    """G1: does a prefill of `tokens` fit on top of the group's `usage`?
+    """G1: can a prefill of `tokens` fit on top of the group's `usage` at all?
+
+    The peak is estimated with the smallest chunk G2 may use (min_chunk_tokens):
+    G2 shrinks chunks to the headroom, so a prompt that fits in floor-sized
+    chunks needs no eviction; asking the supervisor to stop other models
+    because full-size chunks would not fit would trade someone's model for a
+    faster prefill.
 
     `own_usage` is this worker's part of `usage`. When the prefill would not
     fit even if every other model were stopped, eviction cannot help, so the
@@ -135,7 +140,7 @@ def preflight(
     limit = prefill_limit(limits)
     if limit.bytes == 0:
         return Preflight("fits")
-    peak = estimate_prefill_peak(tokens, cost, max_chunk)
+    peak = estimate_prefill_peak(tokens, cost, limits.min_chunk_tokens)
     if usage + peak <= limit.bytes:
         return Preflight("fits", usage + peak, limit.bytes, limit.binding)
     hopeless = own_usage + peak > limit.bytes
