@@ -353,10 +353,19 @@ class Pool:
     # -- exits ----------------------------------------------------------------
 
     def _on_sentinel(self, handle: WorkerHandle) -> None:
-        loop = asyncio.get_running_loop()
-        loop.remove_reader(handle.proc.sentinel)
+        asyncio.get_running_loop().remove_reader(handle.proc.sentinel)
+        self._reap(handle, 0)
+
+    def _reap(self, handle: WorkerHandle, tries: int) -> None:
+        """The sentinel fires as the child closes its pipe, a moment before the
+        kernel has its exit status; poll briefly rather than block the loop."""
         handle.proc.join(0)
-        code = handle.proc.exitcode
+        if handle.proc.exitcode is None and tries < 200:
+            asyncio.get_running_loop().call_later(0.005, self._reap, handle, tries + 1)
+            return
+        self._exited(handle, handle.proc.exitcode)
+
+    def _exited(self, handle: WorkerHandle, code: int | None) -> None:
         expected = handle.stopping is not None
         handle.exit_cause = describe_exit(code, expected, handle.signals_sent)
         prior = handle.state

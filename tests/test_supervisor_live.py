@@ -1,0 +1,317 @@
+"""The supervisor with real worker processes, real ZeroMQ and real MLX on the CPU.
+
+Most tests run an `Arbiter` inside the test's own event loop (so they can
+reach in and wait for exact states); the orphan test runs `python -m
+supervisor serve` as a separate process so it can SIGKILL it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from shared import protocol as p
+from shared.sizes import MiB
+from supervisor.arbiter import Arbiter
+from supervisor.config import Config, GuardConfig, ModelConfig, SupervisorConfig
+from supervisor.pool import LoadError
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def make_config(models, *, guard=None, **sup) -> Config:
+    sup.setdefault("heartbeat_interval", 0.2)
+    sup.setdefault("heartbeat_timeout", 2.0)
+    sup.setdefault("stop_grace", 3.0)
+    return Config(guard=guard or GuardConfig(), supervisor=SupervisorConfig(**sup), models=models)
+
+
+class Running:
+    """An Arbiter running as a task of the test's loop."""
+
+    def __init__(self, config: Config, runtime_dir: Path) -> None:
+        self.arbiter = Arbiter(config, runtime_dir, max_workers=8, http=False)
+
+    async def __aenter__(self) -> Arbiter:
+        self.task = asyncio.get_running_loop().create_task(self.arbiter.run())
+        for _ in range(200):
+            if self.arbiter.running:
+                return self.arbiter
+            await asyncio.sleep(0.01)
+        raise RuntimeError("arbiter did not start")
+
+    async def __aexit__(self, *exc) -> None:
+        self.arbiter.running = False
+        self.arbiter.wake()
+        await asyncio.wait_for(self.task, 30)
+
+
+async def until(predicate, timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def collect(stream) -> tuple[str, object]:
+    text = []
+    while True:
+        msg = await asyncio.wait_for(stream.queue.get(), 60)
+        if isinstance(msg, p.TokenOut):
+            text.append(msg.text)
+        else:
+            return "".join(text), msg
+
+
+@pytest.fixture
+def runtime_dir(tmp_path_factory) -> Path:
+    # ipc:// paths must stay short (108 bytes on Linux)
+    return Path(tmp_path_factory.mktemp("rt", numbered=True))
+
+
+def test_spawn_load_generate_and_unload(tiny_models, runtime_dir):
+    config = make_config([ModelConfig(id="a", path=str(tiny_models.a))])
+
+    async def main():
+        async with Running(config, runtime_dir) as arb:
+            handle = await arb.load("a")
+            assert handle.state in ("ready", "busy") and handle.pid > 0
+            stream = await arb.generate("a", p.Generate(request_id="r1", prompt="hello", max_tokens=8))
+            text, end = await collect(stream)
+            assert isinstance(end, p.Finished), end
+            assert end.completion_tokens == 8 and end.finish_reason == "length"
+            pid = handle.pid
+            assert await arb.unload("a")
+            assert handle.state == "stopped" and "cleanly" in handle.exit_cause
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+
+    asyncio.run(main())
+
+
+def test_subscriber_receives_ceiling_and_sample_messages(tiny_models, runtime_dir):
+    config = make_config([ModelConfig(id="a", path=str(tiny_models.a), pinned=True)])
+
+    async def main():
+        async with Running(config, runtime_dir) as arb:
+            ctx = zmq.Context.instance()
+            sub = ctx.socket(zmq.SUB)
+            for topic in (b"ceiling", b"sample"):
+                sub.setsockopt(zmq.SUBSCRIBE, topic)
+            sub.connect(arb.endpoints.pub)
+            await arb.load("a")
+            codec = p.Codec(p.Published)
+            seen: dict[str, object] = {}
+            deadline = time.monotonic() + 30
+            while len(seen) < 2 and time.monotonic() < deadline:
+                arb.wake()
+                await asyncio.sleep(0.05)
+                while sub.poll(0):
+                    topic, frame = sub.recv_multipart()
+                    seen[topic.decode()] = codec.decode(frame)
+            sub.close(0)
+            assert isinstance(seen.get("ceiling"), p.CeilingMsg), seen
+            assert seen["ceiling"].ceiling > 0
+            sample = seen.get("sample")
+            assert isinstance(sample, p.Sample) and sample.model_id == "a" and sample.footprint > 0
+
+    asyncio.run(main())
+
+
+def test_sigkill_of_pinned_worker_is_logged_and_respawned(tiny_models, runtime_dir, caplog):
+    config = make_config([ModelConfig(id="a", path=str(tiny_models.a), pinned=True)])
+
+    async def main():
+        async with Running(config, runtime_dir) as arb:
+            first = await arb.load("a")
+            os.kill(first.pid, signal.SIGKILL)
+            await until(lambda: first.state == "dead", what="crash noticed")
+            assert "Perhaps out of memory?" in first.exit_cause
+            await until(lambda: (w := arb.pool.worker_for("a")) is not None and w is not first
+                        and w.state in ("ready", "busy"), what="respawn")
+            stream = await arb.generate("a", p.Generate(request_id="after", prompt="hi", max_tokens=3))
+            _, end = await collect(stream)
+            assert isinstance(end, p.Finished)
+            kinds = [e.kind for e in arb.events]
+            assert "crash" in kinds and "respawn" in kinds
+
+    asyncio.run(main())
+
+
+def test_sigstopped_worker_is_detected_as_wedged_killed_and_respawned(tiny_models, runtime_dir):
+    config = make_config([ModelConfig(id="a", path=str(tiny_models.a), pinned=True)],
+                         heartbeat_interval=0.2, heartbeat_timeout=1.0)
+
+    async def main():
+        async with Running(config, runtime_dir) as arb:
+            first = await arb.load("a")
+            os.kill(first.pid, signal.SIGSTOP)
+            await until(lambda: first.state in ("wedged", "dead", "stopped") and first.exited.done(), timeout=20,
+                        what="wedge detected and killed")
+            assert any(e.kind == "wedged" for e in arb.events)
+            await until(lambda: (w := arb.pool.worker_for("a")) is not None and w is not first
+                        and w.state in ("ready", "busy"), what="respawn after wedge")
+
+    asyncio.run(main())
+
+
+def test_restart_intensity_exhausted_marks_model_failed(tiny_models, runtime_dir):
+    config = make_config([ModelConfig(id="a", path=str(tiny_models.a), pinned=True)],
+                         restart_max=2, restart_period=60.0)
+
+    async def main():
+        async with Running(config, runtime_dir) as arb:
+            for _ in range(3):
+                w = await arb.load("a")
+                os.kill(w.pid, signal.SIGKILL)
+                await until(lambda: w.state == "dead", what="crash noticed")
+                await until(lambda: "a" in arb.pool.failed or arb.pool.worker_for("a") is not None,
+                            what="respawn or failure")
+            await until(lambda: "a" in arb.pool.failed, what="model marked failed")
+            assert "2 restarts" in arb.pool.failed["a"]
+            with pytest.raises(LoadError, match="marked failed") as err:
+                await arb.load("a")
+            assert err.value.http_status == 503
+            await asyncio.sleep(1.0)
+            assert arb.pool.worker_for("a") is None  # not respawned forever
+
+    asyncio.run(main())
+
+
+def test_custom_ceiling_below_two_models_stops_the_idle_lru_one(tiny_models, runtime_dir):
+    """Two idle non-pinned models over soft: the least recently used goes (P6.2), with an event saying why."""
+    config = make_config(
+        [ModelConfig(id="a", path=str(tiny_models.a)), ModelConfig(id="b", path=str(tiny_models.b))],
+    )
+
+    async def main():
+        async with Running(config, runtime_dir) as arb:
+            a = await arb.load("a")
+            b = await arb.load("b")
+            await until(lambda: a.sample is not None and b.sample is not None, what="samples")
+            arb.wake()
+            await asyncio.sleep(0.3)
+            usage = arb.enforcer.last.usage
+            # A ceiling that fits the supervisor and one model, not both.
+            ceiling = usage - min(a.sample.usage, b.sample.usage) // 2
+            arb.enforcer.update_guard(p.GuardUpdate(tier="custom", custom_ceiling=ceiling))
+            await until(lambda: a.state in ("draining", "stopped"), what="LRU model a evicted")
+            assert b.state in ("ready", "busy")
+            evictions = [e for e in arb.events if e.kind == "evict"]
+            assert evictions and evictions[0].model_id == "a" and evictions[0].reason
+
+    asyncio.run(main())
+
+
+def _send_raw(endpoint: str, kind: int, frames: list[bytes], identity: bytes | None = None) -> None:
+    ctx = zmq.Context.instance()
+    s = ctx.socket(kind)
+    s.setsockopt(zmq.LINGER, 500)
+    if identity:
+        s.setsockopt(zmq.IDENTITY, identity)
+    s.connect(endpoint)
+    time.sleep(0.05)
+    s.send_multipart(frames)
+    time.sleep(0.05)
+    s.close()
+
+
+def test_malformed_oversized_and_wrong_version_frames_are_counted_and_ignored(tiny_models, runtime_dir, caplog):
+    config = make_config([ModelConfig(id="a", path=str(tiny_models.a))])
+    wrong_version = msgspec.msgpack.encode({"type": "status_request", "v": 99})
+    bad_sample = msgspec.msgpack.encode({"type": "sample", "v": 1, "worker_id": 5})
+
+    async def main():
+        async with Running(config, runtime_dir) as arb:
+            await arb.load("a")
+            ep = arb.endpoints
+            loop = asyncio.get_running_loop()
+            sends = [
+                (ep.control, zmq.DEALER, [b"\xc1garbage"]),
+                (ep.control, zmq.DEALER, [wrong_version]),
+                (ep.control, zmq.DEALER, [b"x", b"y"]),
+                (ep.commands, zmq.DEALER, [b"\x00" * (p.MAX_FRAME_BYTES + 10)]),  # dropped by zmq
+                (ep.commands, zmq.DEALER, [msgspec.msgpack.encode({"type": "pong", "v": 7, "seq": 1})]),
+                (ep.reports, zmq.PUSH, [bad_sample]),
+                (ep.reports, zmq.PUSH, [b"junk"]),
+            ]
+            for endpoint, kind, frames in sends:
+                await loop.run_in_executor(None, _send_raw, endpoint, kind, frames)
+            await until(lambda: arb.bus.malformed_total >= 6, what="bad frames counted")
+            by_socket = {s for s, _ in arb.bus.malformed}
+            assert {"control", "commands", "reports"} <= by_socket
+            assert any("v99" in r.getMessage() for r in caplog.records)
+            # the same garbage again is counted but not logged again
+            logged = len([r for r in caplog.records if "refused a frame" in r.getMessage()])
+            await loop.run_in_executor(None, _send_raw, ep.reports, zmq.PUSH, [b"junk"])
+            await until(lambda: arb.bus.malformed_total >= 7, what="repeat counted")
+            assert len([r for r in caplog.records if "refused a frame" in r.getMessage()]) == logged
+            # and everything still works
+            stream = await arb.generate("a", p.Generate(request_id="still", prompt="ok", max_tokens=2))
+            _, end = await collect(stream)
+            assert isinstance(end, p.Finished)
+
+    asyncio.run(main())
+
+
+def test_workers_die_with_a_sigkilled_supervisor(tiny_models, tmp_path_factory):
+    runtime_dir = Path(tmp_path_factory.mktemp("orphan"))
+    cfg = runtime_dir / "c.toml"
+    cfg.write_text(
+        "[supervisor]\nheartbeat_interval = 0.2\nheartbeat_timeout = 2.0\n"
+        f'[[models]]\nid = "a"\npath = "{tiny_models.a}"\npinned = true\n'
+        f'[[models]]\nid = "b"\npath = "{tiny_models.b}"\npinned = true\n'
+    )
+    proc = subprocess.Popen([sys.executable, "-m", "supervisor", "serve", "--config", str(cfg),
+                             "--runtime-dir", str(runtime_dir), "--http", "off"], cwd=ROOT)
+    try:
+        from supervisor.client import ControlClient
+
+        deadline = time.monotonic() + 60
+        status = None
+        while time.monotonic() < deadline:
+            try:
+                with ControlClient(runtime_dir, timeout=2) as c:
+                    reply = c.call(p.StatusRequest())
+                    if isinstance(reply, p.ControlOk):
+                        status = msgspec.json.decode(reply.data)
+                        if len([w for w in status["guard"]["workers"] if w["state"] in ("ready", "busy")]) == 2:
+                            break
+            except Exception:
+                pass
+            time.sleep(0.2)
+        pids = [w["pid"] for w in status["guard"]["workers"]]
+        assert len(pids) == 2
+        proc.kill()
+        proc.wait(10)
+        gone_by = time.monotonic() + 5
+        while time.monotonic() < gone_by and any(_alive(pid) for pid in pids):
+            time.sleep(0.05)
+        assert not any(_alive(pid) for pid in pids), "orphaned workers outlived the supervisor"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is gone for our purposes (its memory is back)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
