@@ -529,3 +529,35 @@ def test_idle_while_the_head_waits_for_memory_even_with_more_queued(loaded):
     assert engine.has_work  # the two terminal events wait in the outbox
     run = drive(engine, GUARDED, full)
     assert run.terminal("head").code == run.terminal("next").code == "aborted"
+
+
+class _FailingModel:
+    """The real model, except that call number `fail_at` raises as an MLX allocation failure
+    would (fault injection: MLX on CPU reports malloc failure as RuntimeError)."""
+
+    def __init__(self, model, fail_at: int):
+        self.model, self.fail_at, self.calls = model, fail_at, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("[malloc] Unable to allocate 1073741824 bytes.")
+        return self.model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 3])  # prefill chunk, first token, a decode step
+def test_mlx_failure_fails_the_requests_involved_and_the_engine_keeps_serving(loaded, fail_at):
+    """An exception escaping `step()` would kill the worker and every stream on it."""
+    model, tokenizer = loaded
+    reclaims = []
+    engine = Engine(_FailingModel(model, fail_at), tokenizer, max_chunk=64, own_usage_fn=lambda: 0,
+                    reclaim_fn=lambda: reclaims.append(1) or 0)
+    engine.submit("hit", _prompt(engine, "a few words here"), max_tokens=4)
+    end = drive(engine).terminal("hit")
+    assert isinstance(end, Failed) and end.code == "engine_error" and "Unable to allocate" in end.message
+    assert reclaims
+    engine.submit("after", _prompt(engine), max_tokens=3)
+    assert isinstance(drive(engine).terminal("after"), Finished)

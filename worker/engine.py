@@ -43,7 +43,7 @@ from shared.limits import Limits
 from shared.protocol import Failed, Finished, Generate, NeedMemory, TokenOut
 from worker import memory
 from worker import prefill_guard as guard
-from worker.sampling import Sampler, make_request_sampler
+from worker.sampling import make_request_sampler
 from worker.stops import StopMatcher
 from worker.weights import WeightsError, estimate_weight_bytes
 
@@ -57,6 +57,7 @@ CLEAR_CACHE_EVERY = 256  # decode steps between pool returns, as mlx_lm does
 MEMORY_WAIT_SECONDS = 10.0
 MIN_LEARN_TOKENS = 16  # shorter chunks do not update the per-token cost estimate
 INVALID_REQUEST = "invalid_request"
+ENGINE_ERROR = "engine_error"
 
 
 class EngineError(ValueError):
@@ -335,13 +336,35 @@ class Engine:
         self._outbox = []
         self._admit(limits)
         if self._prefill and (self._prefill_turn or not self._decoding):
-            if self._prefill_step(limits, usage_fn, events):
+            try:
+                ran = self._prefill_step(limits, usage_fn, events)
+            except Exception as exc:  # noqa: BLE001 - one request fails, the worker lives
+                ran = True
+                self._engine_failure([self._prefill.popleft()], exc, events)
+            if ran:
                 self._prefill_turn = False
                 return events
         if self._decoding:
-            self._decode_step(events)
+            try:
+                self._decode_step(events)
+            except Exception as exc:  # noqa: BLE001
+                alive = [seq for seq in self._decoding if seq.id in self._ids]
+                self._decoding = []
+                self._engine_failure(alive, exc, events)
             self._prefill_turn = True
         return events
+
+    def _engine_failure(self, seqs: list[_Seq], exc: Exception, events: list[Event]) -> None:
+        """MLX raised (allocation failure, bad model code): fail these requests, keep serving.
+
+        A worker that died here would take every other request and its loaded
+        model with it; failing the requests involved and returning the pool
+        leaves the supervisor to decide whether the worker should go.
+        """
+        log.error("generation failed for %d request(s): %r", len(seqs), exc)
+        for seq in seqs:
+            events.append(self._fail(seq, ENGINE_ERROR, f"generation failed: {exc}"))
+        self._reclaim()
 
     def _admit(self, limits: Limits) -> None:
         """SPEC P8 cap; P3: while paused, take one only when nothing runs."""
@@ -457,12 +480,12 @@ class Engine:
 
     def _start_decoding(self, seq: _Seq) -> None:
         """Feed the last prompt token; its sampled successor is the first output token."""
-        self._prefill.popleft()
         last = mx.array(seq.prompt[-1:])[None]
         with mx.stream(generation_stream):
             logits = self.model(last, cache=seq.cache)[:, -1, :]
             seq.y = seq.sample(logits)
         mx.async_eval(seq.y)
+        self._prefill.popleft()
         self.prompt_tokens_processed += 1
         seq.detok = self.tokenizer.detokenizer
         seq.state = "decoding"
