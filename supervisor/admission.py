@@ -91,7 +91,7 @@ def admit_load(s: Snapshot, model_id: str, size_bytes: int) -> LoadVerdict:
             f"load {model_id} ({format_size(size)}): the guard is off, admitted over the "
             f"static ceiling {format_size(ceiling)}"))
     error, text = _refusal(model_id, c, size, after)
-    fix = remedy("static" if c.reserve_exceeds_total else c.admission_binding)
+    fix = remedy("static" if c.reserve_exceeds_total else c.admission_binding, c.tier)
     return msgspec.structs.replace(verdict, admitted=False, evict=[], error=error, remedy=fix,
                                    message=f"{text}; {fix}")
 

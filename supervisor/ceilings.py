@@ -282,8 +282,14 @@ _REMEDY = {
 }
 
 
-def remedy(binding: str) -> str:
-    """C6: what a person can do about the constraint that binds."""
+def remedy(binding: str, tier: str = "") -> str:
+    """C6: what a person can do about the constraint that binds.
+
+    On the custom tier the dynamic component is the user's own ceiling (C3),
+    so the remedy is to raise it, not to close other apps.
+    """
+    if tier == "custom" and binding == "dynamic":
+        return "raise the custom ceiling (serve --custom-ceiling SIZE, or POST /admin/guard)"
     return _REMEDY.get(binding, "")
 
 

@@ -103,7 +103,7 @@ def build_status(snapshot: Snapshot, result: TickResult) -> GuardStatus:
     ]
     return GuardStatus(
         enabled=c.enabled, tier=c.tier, custom_ceiling=snapshot.guard.custom_ceiling,
-        ceiling=c.ceiling, binding=c.binding, remedy=remedy(c.binding), static=c.static,
+        ceiling=c.ceiling, binding=c.binding, remedy=remedy(c.binding, c.tier), static=c.static,
         dynamic=c.dynamic, gpu_cap=c.gpu_cap, gpu_cap_raw=c.gpu_cap_raw, reserve=c.reserve,
         reserve_exceeds_total=c.reserve_exceeds_total, warning=_warning(snapshot, result),
         total=c.total, other_app_ratio=c.other_app_ratio,

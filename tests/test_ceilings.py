@@ -263,3 +263,11 @@ def test_c14_tier_preview_every_tier():
     custom = previews["custom"]
     assert (custom.free_bytes, custom.inactive_bytes, custom.other_apps_bytes, custom.dynamic_bytes) == (0, 0, 0, 0)
     assert custom.ceiling_bytes == custom.static_bytes
+
+
+def test_c6_custom_tier_dynamic_binding_remedy_is_to_raise_the_custom_ceiling():
+    """On custom the dynamic component is the user's own number (C3): telling
+    them to close other apps would not raise it."""
+    assert "custom ceiling" in remedy("dynamic", "custom")
+    assert "close other apps" not in remedy("dynamic", "custom")
+    assert "close other apps" in remedy("dynamic", "balanced")
