@@ -52,7 +52,7 @@ def test_a3_admit_when_it_fits_under_the_ceiling_even_above_target():
 def test_a3_model_too_large_names_binding_and_remedy():
     v = admit_load(snap(w("idle", 1.0)), "huge", 11 * GiB)
     assert not v.admitted and v.error == MODEL_TOO_LARGE
-    assert v.binding == "dynamic" and "close other apps" in v.remedy
+    assert v.binding == "dynamic" and "raise the custom ceiling" in v.remedy
     assert "huge" in v.message and "11 GiB" in v.message
     assert v.evict == []  # a refused load destroys nothing
 

@@ -40,7 +40,7 @@ def test_s1_status_holds_every_field():
     assert status.gpu_cap_raw == 20 * GiB and status.gpu_cap == 20 * GiB
     assert status.hot_cache_reserved == 512 * MiB  # nothing cached yet: the slack only (C12)
     assert status.worker_ceiling == 10 * GiB - 512 * MiB
-    assert status.binding == "dynamic" and "close other apps" in status.remedy
+    assert status.binding == "dynamic" and "raise the custom ceiling" in status.remedy
     (ws,) = status.workers
     assert (ws.model, ws.pid, ws.state, ws.pinned, ws.restarts) == ("small", 42, "busy", True, 2)
     assert ws.idle_seconds == 10.0 and ws.mlx_pool == GiB
