@@ -51,6 +51,9 @@ class LiveServer:
         self.arbiter.running = False
         self.arbiter.wake()
         self.loop.run_until_complete(asyncio.wait_for(self.task, 60))
+        http = self.arbiter.http_server
+        if http is not None and not http.task.done():  # uvicorn closes its connections
+            self.loop.run_until_complete(asyncio.wait_for(http.task, 15))
         self.loop.run_until_complete(self.loop.shutdown_asyncgens())
         self.loop.close()
 

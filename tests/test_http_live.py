@@ -14,6 +14,7 @@ import openai
 import pytest
 from test_http_harness import LiveServer, make_config, metric, parse_sse, until
 
+from shared import protocol as p
 from supervisor.config import ModelConfig
 
 pytestmark = pytest.mark.slow
@@ -29,13 +30,13 @@ def server(tiny_models, tmp_path_factory):
         ModelConfig(id="a", path=str(tiny_models.a)),
         ModelConfig(id="b", path=str(tiny_models.b)),
     ]
-    with LiveServer(make_config(models), tmp_path_factory.mktemp("rt")) as live:
+    # queue_size 1: the second request waiting under pressure is turned away (P3's bound)
+    with LiveServer(make_config(models, queue_size=1), tmp_path_factory.mktemp("rt")) as live:
         yield live
 
 
 def relax_guard(server) -> None:
-    server.arbiter.enforcer.update_guard(__import__("shared.protocol", fromlist=["GuardUpdate"]).GuardUpdate(
-        tier="balanced", custom_ceiling=0))
+    server.arbiter.enforcer.update_guard(p.GuardUpdate(tier="balanced", custom_ceiling=0))
 
 
 async def squeeze(c, usage_fraction: float) -> int:
@@ -191,10 +192,32 @@ def test_client_disconnect_mid_stream_aborts_the_request_in_the_worker(server):
     assert tokens < LONG
 
 
-def test_p3_requests_queue_during_pressure_and_are_released_when_it_ends(server):
-    """While the level is not ok new requests wait (bounded queue) and requests already
-    running continue; when pressure ends the queue is released (SPEC P3)."""
+def test_client_disconnect_during_a_whole_completion_aborts_it_too(server):
+    """Not only streams: a client that gives up on a non-streamed answer frees the worker."""
     arb = server.arbiter
+
+    async def main():
+        worker = arb.pool.worker_for("pin")
+        async with server.client() as c:
+            call = asyncio.ensure_future(c.post("/v1/completions", json={
+                "model": "pin", "prompt": "x", "max_tokens": LONG, "temperature": 0}))
+            await until(lambda: worker.requests, timeout=10, what="the request running")
+            await asyncio.sleep(0.5)
+            call.cancel()  # httpx closes the connection
+        await until(lambda: not worker.requests, timeout=10, what="the stream forgotten")
+        await until(lambda: worker.sample is not None and worker.sample.running == 0, timeout=10,
+                    what="the worker running nothing")
+        return worker.sample.tokens
+
+    assert server.run(main()) < LONG
+
+
+def test_p3_requests_queue_during_pressure_and_are_released_when_it_ends(server):
+    """While the level is not ok new requests wait in a bounded queue and requests already
+    running continue; past the bound a request gets 503 with Retry-After; a client that
+    leaves the queue is dropped from it; when pressure ends the queue is released (SPEC P3)."""
+    arb = server.arbiter
+    queued_chat = {"model": "pin", "messages": CHAT, "max_tokens": 4, "temperature": 0}
 
     async def main():
         client = server.openai()
@@ -206,9 +229,13 @@ def test_p3_requests_queue_during_pressure_and_are_released_when_it_ends(server)
             await squeeze(c, 0.935)
             try:
                 await until(lambda: arb.enforcer.admission_paused, timeout=10, what="admission paused")
-                queued = asyncio.ensure_future(client.chat.completions.create(
-                    model="pin", messages=CHAT, max_tokens=4, temperature=0))
+                leaver = asyncio.ensure_future(c.post("/v1/chat/completions", json=queued_chat))
+                await until(lambda: arb.gate.depth == 1, timeout=10, what="the first request queued")
+                leaver.cancel()
+                await until(lambda: arb.gate.depth == 0, timeout=10, what="the leaver dropped from the queue")
+                queued = asyncio.ensure_future(client.chat.completions.create(**queued_chat))
                 await until(lambda: arb.gate.depth == 1, timeout=10, what="the request queued")
+                turned_away = await c.post("/v1/chat/completions", json=queued_chat)
                 depth = metric((await c.get("/metrics")).text, "memvisor_queue_depth")
                 before = time.monotonic()
                 await asyncio.sleep(1.5)
@@ -223,10 +250,12 @@ def test_p3_requests_queue_during_pressure_and_are_released_when_it_ends(server)
             answer = await asyncio.wait_for(queued, 30)
             waited = time.monotonic() - before
             await running.close()
-        return depth, answer, waited, streamed
+        return depth, turned_away, answer, waited, streamed
 
-    depth, answer, waited, streamed = server.run(main())
+    depth, turned_away, answer, waited, streamed = server.run(main())
     assert depth == 1
+    assert turned_away.status_code == 503 and int(turned_away.headers["retry-after"]) >= 1
+    assert turned_away.json()["error"]["code"] == "overloaded"
     assert answer.usage.completion_tokens == 4
     assert waited >= 1.5 and streamed == 5
     assert arb.gate.depth == 0
