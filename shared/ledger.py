@@ -245,10 +245,14 @@ class Ledger:
     def group_usage(self) -> int:
         """SPEC U2 as a worker can see it: supervisor + every live slot."""
         total = self.read_supervisor()
+        mm, seq_of, at = self._mm, _SEQ.unpack_from, self._samples_at
         for slot in range(self.n_slots):
-            sample = self.read_sample(slot)
-            if sample is not None:
-                total += sample.usage
+            off = at + slot * _SAMPLE_SLOT
+            if seq_of(mm, off)[0] == 0:  # never written: skip without copying
+                continue
+            values = self._read(off, _SAMPLE)
+            if values is not None and values[0] != 0:
+                total += values[6]  # usage
         return total
 
 

@@ -14,6 +14,7 @@ The policy (supervisor.policy) is pure; this is the I/O around it. Each tick:
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import time
@@ -57,6 +58,9 @@ class Enforcer:
         self.ticks = 0
         self.tick_seconds = 0.0
         self._last_ceiling: tuple | None = None
+        self._acted: set[tuple[type, str]] = set()
+        # (monotonic time, decision) of every action carried out, for benchmarks and tests
+        self.executed: collections.deque = collections.deque(maxlen=1000)
 
     # -- inputs -----------------------------------------------------------------
 
@@ -94,6 +98,7 @@ class Enforcer:
     def tick(self, now: float) -> float:
         """One guard tick (plus its P7 re-check); returns the next interval (P9)."""
         started = time.perf_counter()
+        self._acted: set[tuple[type, str]] = set()
         result = self._run(self.snapshot(now))
         if any(isinstance(x, _ACTS) for x in result.decisions):
             result = self._run(self.snapshot(time.monotonic(), recheck=True))
@@ -141,6 +146,10 @@ class Enforcer:
             self.emit("admission", ("paused: " if self.admission_paused else "resumed: ") + x.reason,
                       usage=usage, ceiling=ceiling)
             return
+        if (type(x), x.worker) in self._acted:
+            return  # the P7 re-check repeats what this tick already did: once is enough
+        self._acted.add((type(x), x.worker))
+        self.executed.append((time.monotonic(), x))
         kind, worker = type(x).__name__, dict(worker_id=handle.worker_id, model_id=handle.model_id,
                                               usage=usage, ceiling=ceiling)
         log.warning("%s %s: %s", kind, handle.worker_id, x.reason)

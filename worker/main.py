@@ -190,6 +190,8 @@ class Worker:
         elif isinstance(msg, p.AbortRequests):
             if msg.request_ids is None:
                 engine.abort_all(msg.reason or "aborted by the supervisor", code=msg.code)
+                # A drill stands in for a runaway request: aborting the work frees it too.
+                self.stop_drill(f"aborted: {msg.reason}")
             else:
                 for rid in msg.request_ids:
                     engine.abort(rid, msg.reason or "aborted by the supervisor", code=msg.code)
@@ -253,9 +255,6 @@ class Worker:
             self.sampler.reclaim()
             self.event("drill", f"drill released {held} B: {why}")
 
-    def own_usage(self) -> int:
-        return self._last_usage
-
     def group_usage(self) -> int:
         """SPEC U2 seen from here: fresh own usage + the others' latest samples."""
         s = self.sampler.sample()
@@ -276,16 +275,15 @@ class Worker:
             tokens=engine.tokens_total if engine else 0, phase=self.phase,
         )
         self._last = s
-        self._last_usage = s.usage
         return s.usage
 
     def maybe_send_sample(self, now: float, usage: int, limits: Limits) -> None:
-        """Steady rate, and at once when the group crosses a watermark upward."""
+        """Steady rate, and at once when the group crosses a watermark (either way)."""
         level = 0
         if limits.hard_limit > 0:
             group = self.ledger.group_usage()
             level = (group >= limits.soft_limit) + (group >= limits.hard_watermark) + (group >= limits.hard_limit)
-        crossed = level > self.last_level
+        crossed = level != self.last_level
         self.last_level = level
         if not crossed and now - self.last_sent < self.spec.sample_interval:
             return
