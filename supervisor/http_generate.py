@@ -149,14 +149,14 @@ async def race_client(coro: Awaitable, receive) -> object:
     task = asyncio.ensure_future(coro)
     watcher = asyncio.ensure_future(wait_for_disconnect(receive))
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
         if not task.done():
             task.cancel()
-    if task.cancelled():
-        raise Disconnected()
-    return task.result()
+    if task in done:
+        return task.result()
+    raise Disconnected()
 
 
 async def open_stream(arbiter, model: str, gen: p.Generate, receive) -> RequestStream:

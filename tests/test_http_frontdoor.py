@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_http_harness import LiveServer, make_config, metric, non_loopback_address
+from test_http_harness import front_door_errors, LiveServer, make_config, metric, non_loopback_address
 
 from shared.sizes import GiB
 from supervisor.config import ModelConfig
@@ -35,6 +35,13 @@ def fake_huge_model(root: Path, claimed_bytes: int) -> Path:
     (root / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw)
     (root / "config.json").write_text("{}")
     return root
+
+
+@pytest.fixture(autouse=True)
+def no_front_door_errors(caplog):
+    """No test may leave a bug behind that a client would have seen as a 500."""
+    yield
+    assert front_door_errors(caplog.get_records("call")) == []
 
 
 @pytest.fixture(scope="module")

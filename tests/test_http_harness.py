@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -71,6 +72,11 @@ class LiveServer:
 
         return openai.AsyncOpenAI(base_url=self.url() + "/v1", api_key=kw.pop("api_key", "unused"),
                                   max_retries=0, **kw)
+
+
+def front_door_errors(records) -> list[str]:
+    """Errors the front door logged: each is a bug that a client saw as a 500."""
+    return [r.getMessage() for r in records if r.name == "memvisor.http" and r.levelno >= logging.ERROR]
 
 
 def non_loopback_address() -> str | None:

@@ -12,7 +12,7 @@ import time
 
 import openai
 import pytest
-from test_http_harness import LiveServer, make_config, metric, parse_sse, until
+from test_http_harness import front_door_errors, LiveServer, make_config, metric, parse_sse, until
 
 from shared import protocol as p
 from supervisor.config import ModelConfig
@@ -21,6 +21,13 @@ pytestmark = pytest.mark.slow
 
 CHAT = [{"role": "user", "content": "Say something."}]
 LONG = 100_000  # tokens: a generation that outlives any test unless aborted
+
+
+@pytest.fixture(autouse=True)
+def no_front_door_errors(caplog):
+    """No test may leave a bug behind that a client would have seen as a 500."""
+    yield
+    assert front_door_errors(caplog.get_records("call")) == []
 
 
 @pytest.fixture(scope="module")
