@@ -126,6 +126,7 @@ class Pool:
         self._free_slots = list(range(ledger.n_slots))
         self._mp = multiprocess.get_context("spawn")
         self.counters: collections.Counter[str] = collections.Counter()
+        self._pings: dict[tuple[str, int], asyncio.Future] = {}
         # Off only in the reaction benchmark's baseline (the seed's fixed 1 s poll).
         self.wake_on_watermark = True
 
@@ -197,6 +198,9 @@ class Pool:
             return
         if isinstance(msg, p.Pong):
             handle.last_pong = time.monotonic()
+            waiter = self._pings.pop((handle.worker_id, msg.seq), None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(handle.last_pong)
         elif isinstance(msg, p.Hello):
             self._on_hello(handle, msg)
         elif isinstance(msg, p.Loaded):
@@ -299,6 +303,19 @@ class Pool:
             h.ping_seq += 1
             self.command(h, p.Ping(seq=h.ping_seq))
         return wedged
+
+    async def ping(self, handle: WorkerHandle, timeout: float = 5.0) -> float:
+        """Round trip of one command to the worker's step loop and back, in seconds."""
+        handle.ping_seq += 1
+        key = (handle.worker_id, handle.ping_seq)
+        waiter = asyncio.get_running_loop().create_future()
+        self._pings[key] = waiter
+        sent = time.monotonic()
+        self.command(handle, p.Ping(seq=handle.ping_seq))
+        try:
+            return await asyncio.wait_for(waiter, timeout) - sent
+        finally:
+            self._pings.pop(key, None)
 
     def read_samples(self) -> None:
         for h in self.handles.values():
