@@ -47,8 +47,9 @@ def ensure_demo_models(root: Path | None = None) -> list[Path]:
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn()) as bar:
         for name, size, seed in missing:
             task = bar.add_task(f"making demo model {name} ({format_size(size)})", total=size)
+            # float32: MLX on a CPU decodes it about 5x faster than float16
             make_model(root / name, size, seed, lambda done, total, t=task: bar.update(t, completed=done,
                                                                                         total=total),
-                       force=True)
+                       force=True, dtype="float32")
             bar.update(task, completed=size)
     return [root / n for n, *_ in DEMO_MODELS]

@@ -144,8 +144,7 @@ class Worker:
 
     def loop(self) -> int:
         while True:
-            busy = self.engine.has_work or self.drill is not None
-            self.take_commands(block_ms=0 if busy else int(self.spec.sample_interval * 1000))
+            self.take_commands(block_ms=self.idle_wait_ms())
             if os.getppid() != self.spec.supervisor_pid:
                 log.error("the supervisor (pid %d) is gone; exiting so no memory is held",
                           self.spec.supervisor_pid)
@@ -160,6 +159,22 @@ class Worker:
             if self.draining and not self.engine.has_work:
                 log.info("drained; exiting")
                 return 0
+
+    def idle_wait_ms(self) -> int:
+        """How long the loop may block on its socket: not at all while the
+        engine has work, else until the next sample, drill piece or retry."""
+        if self.engine.has_work:
+            return 0
+        now = time.monotonic()
+        wait = self.spec.sample_interval
+        if self.drill is not None:
+            due = self.drill.next_due(now)
+            if due is not None:
+                wait = min(wait, due)
+        retry = self.engine.next_deadline()
+        if retry is not None:
+            wait = min(wait, max(0.0, retry - now))
+        return int(wait * 1000)
 
     def take_commands(self, block_ms: int) -> None:
         if block_ms and not self.dealer.poll(block_ms, zmq.POLLIN):
@@ -215,10 +230,7 @@ class Worker:
             self.reply(p.Failed(request_id=msg.request_id, code="model_unloading",
                                 message="the model is being unloaded; retry to load it again"))
             return
-        try:
-            self.engine.submit_generate(msg)
-        except ValueError as exc:  # bad prompt, template error, too long ...
-            self.reply(p.Failed(request_id=msg.request_id, code="invalid_request", message=str(exc)))
+        self.engine.submit_generate(msg)  # a bad prompt fails through the next step()
 
     def forward(self, ev) -> None:
         """Engine events become wire replies (one struct per kind, same fields)."""
