@@ -39,7 +39,17 @@ def server(tiny_models, tmp_path_factory):
     ]
     # queue_size 1: the second request waiting under pressure is turned away (P3's bound)
     with LiveServer(make_config(models, queue_size=1), tmp_path_factory.mktemp("rt")) as live:
+        live.health = live.run(_health_while_pinned_loads(live))
         yield live
+
+
+async def _health_while_pinned_loads(live):
+    """/health right after start (the pinned model is loading), then once it is ready."""
+    async with live.client() as c:
+        first = await c.get("/health")
+        await until(lambda: (w := live.arbiter.pool.worker_for("pin")) is not None
+                    and w.state in ("ready", "busy"), what="pinned model loaded")
+        return first, await c.get("/health")
 
 
 def relax_guard(server) -> None:
@@ -57,16 +67,7 @@ async def squeeze(c, usage_fraction: float) -> int:
 
 
 def test_health_is_503_until_the_pinned_model_is_loaded(server):
-    """Must run first: the pinned model starts loading when the server starts."""
-
-    async def main():
-        async with server.client() as c:
-            first = await c.get("/health")
-            await until(lambda: (w := server.arbiter.pool.worker_for("pin")) is not None
-                        and w.state in ("ready", "busy"), what="pinned model loaded")
-            return first, await c.get("/health")
-
-    first, later = server.run(main())
+    first, later = server.health  # taken by the fixture as the server started
     assert first.status_code == 503
     assert first.json()["status"] == "loading" and "pin" in first.json()["waiting"]
     assert later.status_code == 200 and later.json()["status"] == "ok"
@@ -82,9 +83,11 @@ def test_chat_streamed_chat_and_completions_with_the_openai_client(server):
         text = await client.completions.create(model="pin", prompt="Once upon", max_tokens=6, temperature=0)
         streamed_text = [c async for c in await client.completions.create(
             model="pin", prompt="Once upon", max_tokens=6, temperature=0, stream=True)]
-        return whole, chunks, text, streamed_text
+        async with server.client() as c:
+            metrics = (await c.get("/metrics")).text
+        return whole, chunks, text, streamed_text, metrics
 
-    whole, chunks, text, streamed_text = server.run(main())
+    whole, chunks, text, streamed_text, metrics = server.run(main())
     assert whole.object == "chat.completion" and whole.id.startswith("chatcmpl-")
     assert whole.choices[0].message.role == "assistant" and whole.choices[0].finish_reason == "length"
     assert whole.usage.completion_tokens == 12 and whole.usage.prompt_tokens > 0
@@ -99,6 +102,11 @@ def test_chat_streamed_chat_and_completions_with_the_openai_client(server):
     assert text.object == "text_completion" and text.usage.completion_tokens == 6
     assert "".join(c.choices[0].text for c in streamed_text) == text.choices[0].text
     assert streamed_text[-1].choices[0].finish_reason == "length"
+    # every generation counted where it happened: first tokens, tokens, outcomes
+    assert metric(metrics, "memvisor_time_to_first_token_seconds_count", model="pin") >= 4
+    assert metric(metrics, "memvisor_generated_tokens_total", model="pin") >= 12 + 12 + 6 + 6
+    assert metric(metrics, "memvisor_generations_total", model="pin", outcome="finished") >= 4
+    assert metric(metrics, "memvisor_worker_usage_bytes", model="pin") > 0
 
 
 def test_sse_wire_format_ends_with_done(server):
@@ -169,6 +177,43 @@ def test_a2_on_demand_load_evicts_the_idle_lru_model_under_a_small_custom_ceilin
     evictions = [e for e in server.arbiter.events if e.kind == "evict" and e.model_id == "a"]
     assert evictions and "to make room for b" in evictions[-1].reason
     assert metric(metrics, "memvisor_guard_events_total", kind="evict") >= 1
+
+
+def test_g1_prefill_that_cannot_fit_is_400_even_when_streamed(server):
+    """SPEC G1: a prompt whose prefill would push the group over the hard limit is the
+    client's to shorten: 400 `prefill_memory_exceeded` with the figures, never a crash
+    and never a 200 stream that dies. The SSE response only starts after the first
+    token, so a streamed request gets the same status."""
+    prompt = "memory " * 40_000  # 40k tokens: KV alone is ~26 MB, plus one chunk's activations
+
+    async def main():
+        async with server.client() as c:
+            for model in ("a", "b"):  # nothing idle that G1's eviction could stop to make room
+                await c.post(f"/v1/models/{model}/unload")
+            try:
+                # Soft level (no reclaim, no emergency) with a headroom of 7% of usage, well
+                # under the prompt's estimated prefill peak. The first refusal also tokenized
+                # the prompt, which grows the worker once: squeeze again from that plateau.
+                await squeeze(c, 0.93)
+                first = await c.post("/v1/completions", json={"model": "pin", "prompt": prompt, "max_tokens": 2})
+                await squeeze(c, 0.93)
+                whole = await c.post("/v1/completions", json={"model": "pin", "prompt": prompt, "max_tokens": 2})
+                with pytest.raises(openai.BadRequestError) as streamed:
+                    await server.openai().completions.create(model="pin", prompt=prompt, max_tokens=2,
+                                                             stream=True)
+            finally:
+                relax_guard(server)
+            after = await c.post("/v1/completions", json={"model": "pin", "prompt": "short", "max_tokens": 2})
+        return first, whole, streamed.value, after
+
+    first, whole, streamed, after = server.run(main())
+    assert first.status_code == 400, first.text
+    assert whole.status_code == 400, whole.text
+    error = whole.json()["error"]
+    assert error["code"] == "prefill_memory_exceeded" and error["binding"]
+    assert error["estimated_bytes"] > error["limit_bytes"] > 0
+    assert streamed.code == "prefill_memory_exceeded"
+    assert after.status_code == 200  # the worker lives on
 
 
 def test_client_disconnect_mid_stream_aborts_the_request_in_the_worker(server):
