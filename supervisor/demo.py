@@ -51,5 +51,5 @@ def ensure_demo_models(root: Path | None = None) -> list[Path]:
             make_model(root / name, size, seed, lambda done, total, t=task: bar.update(t, completed=done,
                                                                                         total=total),
                        force=True, dtype="float32")
-            bar.update(task, completed=size)
+            bar.update(task, completed=bar.tasks[task].total)
     return [root / n for n, *_ in DEMO_MODELS]
