@@ -103,6 +103,8 @@ class FrontDoor:
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(workdir / "serve.log", "wb"))
         self.log = workdir / "serve.log"
         self.base = self._wait_ready()
+        self.cpu_seconds = 0.0  # the supervisor's own CPU (not its workers') during runs
+        self.tokens = 0
 
     def _wait_ready(self, timeout: float = 180.0) -> str:
         import httpx
@@ -125,8 +127,12 @@ class FrontDoor:
 
         body = {"model": "bench", "prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}}
+        import psutil
+
         first = last = 0.0
         count = 0
+        supervisor = psutil.Process(self.proc.pid)
+        cpu_before = sum(supervisor.cpu_times()[:2])
         with httpx.Client(timeout=300) as client:
             sent = time.perf_counter()
             with client.stream("POST", f"{self.base}/v1/completions", json=body) as r:
@@ -142,6 +148,8 @@ class FrontDoor:
                         if first == 0.0:
                             first = now
                         last = now
+        self.cpu_seconds += sum(supervisor.cpu_times()[:2]) - cpu_before
+        self.tokens += count
         return Run(sent, first, last, count)
 
     def close(self) -> None:
@@ -183,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             sides = (("in-process", local), ("front door", door))
             for _name, side in sides:
                 side.run(16)  # warm-up: compile, caches, connections
+            door.cpu_seconds, door.tokens = 0.0, 0
             results = measure(sides, args.runs, args.tokens, verbose=True)
             firsts = measure(sides, args.ttft_runs, 1, verbose=False)
         finally:
@@ -193,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
           f"(throughput) and {args.ttft_runs} runs of 1 token (TTFT)")
     for name in results:
         print(f"{name:>10}: {tps[name]:7.1f} tokens/s, TTFT {ttft[name] * 1000:6.1f} ms")
+    if door.tokens:
+        print(f"supervisor CPU (HTTP + ZeroMQ + guard) per streamed token: "
+              f"{door.cpu_seconds / door.tokens * 1e6:.0f} us")
     share = 100.0 * tps["front door"] / tps["in-process"] if tps["in-process"] else 0.0
     overhead = (ttft["front door"] - ttft["in-process"]) * 1000
     print(f"front door: {share:.1f}% of in-process tokens/s, TTFT {overhead:+.1f} ms")
