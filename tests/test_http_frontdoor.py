@@ -284,3 +284,19 @@ def test_health_is_ok_with_no_pinned_models(server):
 
     r = server.run(main())
     assert r.status_code == 200 and r.json() == {"status": "ok", "waiting": {}}
+
+
+def test_model_list_and_ids_with_slashes(server):
+    """Hub-style ids (`org/name`) are one path parameter, and the SDK reads the list."""
+
+    async def main():
+        listed = await server.openai().models.list()
+        async with server.client() as c:
+            return [m.id for m in listed.data], await c.get("/v1/models/org/never-loaded")
+
+    ids, one = server.run(main())
+    assert ids == ["huge", "org/never-loaded"]
+    assert one.status_code == 200
+    assert one.json() | {"created": 0} == {"id": "org/never-loaded", "object": "model", "owned_by": "memvisor",
+                                           "created": 0, "state": "unloaded", "pinned": False, "worker": None,
+                                           "pid": None}
