@@ -311,3 +311,29 @@ def test_p3_requests_queue_during_pressure_and_are_released_when_it_ends(server)
     assert answer.usage.completion_tokens == 4
     assert waited >= 1.5 and streamed == 5
     assert arb.gate.depth == 0
+
+
+def test_worker_crash_mid_stream_ends_the_stream_with_an_error_event(server):
+    """A worker killed mid-generation (say, by the OOM killer) must not look like a
+    short but complete answer: the stream carries an error event the SDK raises.
+    Runs last: the pinned model is respawned afterwards."""
+    import os
+    import signal
+
+    async def main():
+        worker = server.arbiter.pool.worker_for("pin")
+        stream = await server.openai().chat.completions.create(model="pin", messages=CHAT, max_tokens=LONG,
+                                                              temperature=0, stream=True)
+        got = 0
+        with pytest.raises(openai.APIError) as err:
+            async for _chunk in stream:
+                got += 1
+                if got == 10:
+                    os.kill(worker.pid, signal.SIGKILL)
+        await until(lambda: (w := server.arbiter.pool.worker_for("pin")) is not None and w is not worker
+                    and w.state in ("ready", "busy"), what="the pinned model respawned")
+        return err.value, got
+
+    error, got = server.run(main())
+    assert got >= 10
+    assert error.body["code"] == "worker_exited" and "SIGKILL" in error.message
