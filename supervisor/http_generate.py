@@ -33,7 +33,7 @@ from starlette.responses import Response, StreamingResponse
 from shared import protocol as p
 from supervisor.gate import GateClosed
 from supervisor.http_body import Disconnected
-from supervisor.http_errors import ApiError, from_failed, from_gate_closed, from_load_error
+from supervisor.http_errors import from_failed, from_gate_closed, from_load_error
 from supervisor.openai_types import (
     DEFAULT_CHAT_MAX_TOKENS,
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -50,6 +50,7 @@ from supervisor.openai_types import (
     TextChoice,
     TextCompletion,
     Usage,
+    decode_body,
 )
 from supervisor.pool import LoadError, RequestStream
 
@@ -328,8 +329,6 @@ def _usage(msg: p.Finished) -> Usage:
 
 async def handle(request: Request, arbiter, metrics, kind: str, body: bytes, started: float) -> Response:
     """Decode, validate, route to the model's worker, answer (JSON or SSE)."""
-    from supervisor.openai_types import decode_body
-
     req = decode_body(body, ChatRequest if kind == "chat" else CompletionRequest)
     gen = chat_generate(req) if kind == "chat" else completion_generate(req)
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
