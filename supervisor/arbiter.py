@@ -24,7 +24,9 @@ import signal
 import time
 import uuid
 from pathlib import Path
+from typing import Callable
 
+import msgspec
 import zmq
 
 from shared import protocol as p
@@ -40,6 +42,7 @@ from supervisor.status import ModelInfo, ServerStatus
 log = logging.getLogger("memvisor.arbiter")
 
 EVENT_HISTORY = 500
+STATUS_EVERY = 2.0  # seconds between `status` messages on PUB
 
 
 class Arbiter:
@@ -51,11 +54,13 @@ class Arbiter:
         self.running = False
         self.stop_reason = ""
         self.events: collections.deque[p.GuardEvent] = collections.deque(maxlen=EVENT_HISTORY)
+        self.event_hooks: list[Callable[[p.GuardEvent], None]] = []  # e.g. the metrics' counters
         self.started = time.monotonic()
         self._load_lock: asyncio.Lock | None = None
         self._loading: dict[str, asyncio.Task] = {}
         self._respawn_due: dict[str, float] = {}
         self._signals = 0
+        self._status_published = 0.0
         self.http_server = None
 
     # -- start and stop ------------------------------------------------------
@@ -116,6 +121,9 @@ class Arbiter:
             self.gate.expire(now)
             interval = self.enforcer.tick(now)
             self.gate.release(self.enforcer.admission_paused)
+            if now - self._status_published >= STATUS_EVERY:
+                self._status_published = now
+                self.bus.publish(p.StatusMsg(t=time.time(), status=msgspec.json.encode(self.server_status())))
 
     async def sleep(self, timeout: float) -> None:
         try:
@@ -149,6 +157,8 @@ class Arbiter:
         if self.http_server is not None:
             self.http_server.should_exit = True
         await self.pool.shutdown(f"supervisor shutting down ({self.stop_reason or 'done'})")
+        if self.http_server is not None:
+            await asyncio.wait([self.http_server.task], timeout=5)  # let uvicorn close its connections
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             self.loop.remove_signal_handler(sig)
         self.bus.close()
@@ -170,6 +180,8 @@ class Arbiter:
                           usage=usage, ceiling=ceiling)
         self.events.append(ev)
         self.bus.publish(ev)
+        for hook in self.event_hooks:
+            hook(ev)
 
     def pool_event(self, kind: str, reason: str, handle: WorkerHandle, **extra) -> None:
         if kind == "need_memory":
@@ -177,8 +189,8 @@ class Arbiter:
             return
         self.emit(kind, reason, worker_id=handle.worker_id, model_id=handle.model_id,
                   usage=handle.sample.usage if handle.sample else 0)
-        if kind == "crash":
-            self.on_crash(handle)
+        if kind == "crash" or (kind == "exit" and handle.stop_reason.startswith("load aborted")):
+            self.on_crash(handle)  # a pinned model whose load pressure aborted comes back too
 
     # -- crashes, wedges and respawns ------------------------------------------
 

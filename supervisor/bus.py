@@ -83,6 +83,7 @@ class Bus:
         self._logged: set[tuple[str, str]] = set()
         self.commands = self._bind(zmq.ROUTER, endpoints.commands)
         self.commands.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.commands.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting worker keeps its identity
         self.reports = self._bind(zmq.PULL, endpoints.reports)
         self.pub = self._bind(zmq.PUB, endpoints.pub)
         self.pub.setsockopt(zmq.SNDHWM, 10_000)

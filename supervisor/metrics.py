@@ -61,13 +61,7 @@ class Metrics:
         for kind in EVENT_KINDS:
             self.events.labels(kind)
         r.register(GuardCollector(arbiter))
-        self._last_seen = None
-        hooks = getattr(arbiter, "event_hooks", None)
-        self._hooked = hooks is not None
-        if self._hooked:
-            hooks.append(self.on_event)
-        else:  # until the arbiter has the hook: catch up on new events at scrape time
-            self._last_seen = arbiter.events[-1] if getattr(arbiter, "events", None) else None
+        arbiter.event_hooks.append(self.on_event)
 
     # -- called where things happen ---------------------------------------------
 
@@ -94,21 +88,7 @@ class Metrics:
     # -- scrape -----------------------------------------------------------------
 
     def render(self) -> bytes:
-        if not self._hooked:
-            self._catch_up()
         return generate_latest(self.registry)
-
-    def _catch_up(self) -> None:
-        """Count the events appended since the last scrape (newest first, stop at the last seen)."""
-        new = []
-        for event in reversed(self.arbiter.events):
-            if event is self._last_seen:
-                break
-            new.append(event)
-        if new:
-            self._last_seen = new[0]
-        for event in new:
-            self.on_event(event)
 
 
 class GuardCollector:

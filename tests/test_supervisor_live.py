@@ -24,6 +24,7 @@ from shared.sizes import MiB
 from supervisor.arbiter import Arbiter
 from supervisor.config import Config, GuardConfig, ModelConfig, SupervisorConfig
 from supervisor.pool import LoadError
+from supervisor.status import ServerStatus
 
 pytestmark = pytest.mark.slow
 
@@ -101,21 +102,21 @@ def test_spawn_load_generate_and_unload(tiny_models, runtime_dir):
     asyncio.run(main())
 
 
-def test_subscriber_receives_ceiling_and_sample_messages(tiny_models, runtime_dir):
+def test_subscriber_receives_ceiling_sample_and_status_messages(tiny_models, runtime_dir):
     config = make_config([ModelConfig(id="a", path=str(tiny_models.a), pinned=True)])
 
     async def main():
         async with Running(config, runtime_dir) as arb:
             ctx = zmq.Context.instance()
             sub = ctx.socket(zmq.SUB)
-            for topic in (b"ceiling", b"sample"):
+            for topic in (b"ceiling", b"sample", b"status"):
                 sub.setsockopt(zmq.SUBSCRIBE, topic)
             sub.connect(arb.endpoints.pub)
             await arb.load("a")
             codec = p.Codec(p.Published)
             seen: dict[str, object] = {}
             deadline = time.monotonic() + 30
-            while len(seen) < 2 and time.monotonic() < deadline:
+            while len(seen) < 3 and time.monotonic() < deadline:
                 arb.wake()
                 await asyncio.sleep(0.05)
                 while sub.poll(0):
@@ -126,6 +127,10 @@ def test_subscriber_receives_ceiling_and_sample_messages(tiny_models, runtime_di
             assert seen["ceiling"].ceiling > 0
             sample = seen.get("sample")
             assert isinstance(sample, p.Sample) and sample.model_id == "a" and sample.footprint > 0
+            status = seen.get("status")
+            assert isinstance(status, p.StatusMsg)
+            decoded = msgspec.json.decode(status.status, type=ServerStatus)
+            assert [m.id for m in decoded.models] == ["a"] and decoded.guard.ceiling > 0
 
     asyncio.run(main())
 

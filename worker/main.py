@@ -73,7 +73,8 @@ class Worker:
         self.dealer = self.ctx.socket(zmq.DEALER)
         self.dealer.setsockopt(zmq.IDENTITY, spec.worker_id.encode())
         self.dealer.setsockopt(zmq.LINGER, 2000)
-        self.dealer.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
+        # No ZMQ_MAXMSGSIZE here: over it libzmq drops the connection for good
+        # (a connecting DEALER does not come back); the codec refuses big frames.
         self.dealer.connect(spec.commands)
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.LINGER, 1000)

@@ -67,5 +67,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from supervisor.arbiter import Arbiter
 
+    from supervisor.http import FrontDoorError
+
     arbiter = Arbiter(config, args.runtime_dir, max_workers=args.max_workers, http=args.http != "off")
-    return asyncio.run(arbiter.run())
+    try:
+        return asyncio.run(arbiter.run())
+    except FrontDoorError as exc:
+        print(f"memvisor: {exc}", file=sys.stderr)
+        return 2
