@@ -109,6 +109,10 @@ async def trial(arb: Arbiter, samples: Samples, rate: int, to: int) -> dict | No
     back = [s.t for s in mine if s.t > t_decision and s.usage + others < soft]
     t_back = min(back + exited_at) if (back or exited_at) else float("nan")
     peak = max(s.usage for s in mine) + others
+    first = mine[0]
+    grown = [s for s in mine if s.t <= t_decision]
+    drill_rate = ((grown[-1].usage - first.usage) / (grown[-1].t - first.t)
+                  if len(grown) > 1 and grown[-1].t > first.t else float("nan"))
     # wait for the episode to end before the next trial
     for _ in range(500):
         if arb.enforcer.last.level == "ok" and not arb.pool.handles.get(handle.worker_id, handle).requests:
@@ -120,6 +124,7 @@ async def trial(arb: Arbiter, samples: Samples, rate: int, to: int) -> dict | No
         "returned_ms": (t_back - t_hard) * 1000,
         "overshoot": max(0, peak - ceiling) / ceiling,
         "action": type(actions[0][1]).__name__,
+        "drill_rate": drill_rate,
     }
 
 
@@ -159,11 +164,15 @@ async def run_mode(model_dir: Path, runtime: Path, args, *, baseline: bool) -> l
 
 def summary(name: str, rs: list[dict]) -> None:
     dec = [r["decision_ms"] for r in rs]
-    ret = [r["returned_ms"] for r in rs]
+    ret = [r["returned_ms"] for r in rs if r["returned_ms"] == r["returned_ms"]]  # drop NaN
     over = [r["overshoot"] for r in rs]
+    rate = statistics.median(r["drill_rate"] for r in rs)
+    returned = (f"memory returned p50 {pct(ret, 50):.1f} ms p99 {pct(ret, 99):.1f} ms"
+                + (f" ({len(rs) - len(ret)} trial(s) not seen back under soft)" if len(ret) < len(rs) else "")
+                if ret else "memory never seen back under soft")
     print(f"{name}: {len(rs)} trials; decision p50 {pct(dec, 50):.1f} ms p99 {pct(dec, 99):.1f} ms; "
-          f"memory returned p50 {pct(ret, 50):.1f} ms p99 {pct(ret, 99):.1f} ms; "
-          f"overshoot max {max(over):.2%} mean {statistics.mean(over):.2%} of the ceiling")
+          f"{returned}; overshoot max {max(over):.2%} mean {statistics.mean(over):.2%} of the ceiling; "
+          f"drill grew at {format_size(int(rate))}/s (median)")
 
 
 async def main() -> int:

@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 
 from shared.sizes import MiB
-from worker.drill import MIN_STEP_BYTES, Drill, DrillError
+from worker.drill import ADVANCE_SLICE, MIN_STEP_BYTES, Drill, DrillError
 
 
 @pytest.fixture(autouse=True)
@@ -20,13 +20,25 @@ def test_drill_grows_at_the_rate_on_an_injected_clock():
     base = mx.get_active_memory()
     drill = Drill(rate=128 * MiB, target=64 * MiB, now=0.0)
     assert drill.advance(0.0) == 0
-    assert drill.advance(0.125) == 16 * MiB      # 1/8 s at 128 MiB/s
-    assert drill.advance(0.3125) == 24 * MiB     # schedule since start, not per call
-    assert drill.held == 40 * MiB
-    assert mx.get_active_memory() - base == 40 * MiB
-    assert drill.advance(10.0) == 24 * MiB       # capped at the target
-    assert drill.done and drill.held == 64 * MiB
+    for i in range(1, 32):  # the worker loop comes by every 10 ms
+        drill.advance(i * 0.01)
+    assert drill.held == pytest.approx(128 * MiB * 0.31, abs=MIN_STEP_BYTES)  # on schedule
+    assert mx.get_active_memory() - base == drill.held
+    for i in range(32, 200):
+        drill.advance(i * 0.01)
+    assert drill.done and drill.held == 64 * MiB  # capped at the target
     assert drill.advance(30.0) == 0
+    drill.release()
+
+
+def test_drill_one_advance_allocates_at_most_one_slice():
+    """A worker that was held up for a second must not then stall again in one
+    giant catch-up allocation: it would not read the command that stops the
+    drill until the allocation is done (seen: 0.5 s, then 1.5 s, then 2 s)."""
+    drill = Drill(rate=1024 * MiB, target=4096 * MiB, now=0.0)
+    got = drill.advance(1.0)  # 1 GiB owed
+    assert got == int(1024 * MiB * ADVANCE_SLICE)
+    assert drill.held == got
     drill.release()
 
 
@@ -40,7 +52,7 @@ def test_drill_waits_for_a_whole_step_instead_of_tiny_arrays():
 
 def test_drill_pieces_stay_bounded():
     drill = Drill(rate=10**12, target=40 * MiB, now=0.0, piece_bytes=16 * MiB)
-    assert drill.advance(1.0) == 40 * MiB
+    assert [drill.advance(1.0) for _ in range(4)] == [16 * MiB, 16 * MiB, 8 * MiB, 0]
     assert [p.nbytes for p in drill._pieces] == [16 * MiB, 16 * MiB, 8 * MiB]
     drill.release()
 
@@ -51,7 +63,8 @@ def test_drill_memory_is_committed_and_release_returns_it():
 
     before = sample()
     drill = Drill(rate=10**12, target=128 * MiB, now=0.0)
-    drill.advance(1.0)
+    while not drill.done:
+        drill.advance(1.0)
     grown = sample()
     assert grown.mlx_active - before.mlx_active == 128 * MiB
     assert grown.footprint - before.footprint >= 120 * MiB  # pages written, not just reserved
@@ -76,18 +89,18 @@ def test_drill_advances_between_engine_steps_while_requests_run(tiny_model):
 
     engine = Engine.load(tiny_model, own_usage_fn=lambda: 0)
     engine.submit("r", engine.encode_prompt("Once upon a time"), max_tokens=8)
-    drill = Drill(rate=64 * MiB, target=256 * MiB, now=0.0)
+    drill = Drill(rate=256 * MiB, target=512 * MiB, now=0.0)
     clock, tokens, held = 0.0, [], []
     while engine.has_work:
         engine.step(Limits(), lambda: 0)
-        clock += 0.0625
+        clock += 0.01
         drill.advance(clock)
         tokens.append(engine.tokens_total)
         held.append(drill.held)
     assert tokens[-1] == 8
-    assert held[-1] == int(64 * MiB * clock)
+    assert held[-1] == pytest.approx(256 * MiB * clock, abs=MIN_STEP_BYTES)
     assert held == sorted(held) and held[0] > 0
     idle_before = drill.held
-    drill.advance(clock + 1.0)  # idle: no engine step, the drill still grows
-    assert drill.held == idle_before + 64 * MiB
+    drill.advance(clock + 0.01)  # idle: no engine step, the drill still grows
+    assert drill.held > idle_before
     drill.release()

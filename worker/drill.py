@@ -20,6 +20,11 @@ from shared.sizes import MiB
 
 PIECE_BYTES = 64 * MiB   # largest single array, so one advance never stalls long
 MIN_STEP_BYTES = 1 * MiB  # below this, wait for the next advance (no confetti of tiny arrays)
+# One advance allocates at most what the rate gives in this many seconds. A
+# machine that cannot allocate as fast as asked then falls behind the schedule
+# instead of stalling the worker's loop in ever bigger catch-up allocations
+# (which would also delay the very commands meant to stop the drill).
+ADVANCE_SLICE = 0.01
 
 
 class DrillError(ValueError):
@@ -59,19 +64,16 @@ class Drill:
         return max(0.0, (step - owed) / self.rate)
 
     def advance(self, now: float) -> int:
-        """Allocate what the rate allows since the start; the bytes added by this call."""
+        """Allocate what the rate allows since the start, at most one slice; the bytes added."""
         owed = self.due(now) - self.held
         if owed <= 0 or (owed < MIN_STEP_BYTES and self.held + owed < self.target):
             return 0
-        added = 0
-        while added < owed:
-            size = min(self.piece_bytes, owed - added)
-            piece = mx.ones((size,), dtype=mx.uint8)
-            mx.eval(piece)
-            self._pieces.append(piece)
-            added += size
-        self.held += added
-        return added
+        size = min(owed, self.piece_bytes, max(MIN_STEP_BYTES, int(self.rate * ADVANCE_SLICE)))
+        piece = mx.ones((size,), dtype=mx.uint8)
+        mx.eval(piece)
+        self._pieces.append(piece)
+        self.held += size
+        return size
 
     def release(self) -> int:
         """Free every piece and return the pool to the OS; the bytes that were held."""
