@@ -22,20 +22,22 @@ import zmq
 from shared import protocol as p
 from shared.sizes import MiB
 from supervisor.arbiter import Arbiter
-from supervisor.config import Config, GuardConfig, ModelConfig, SupervisorConfig
+from supervisor.config import Config, ModelConfig
 from supervisor.pool import LoadError
 from supervisor.status import ServerStatus
+from test_http_harness import make_config as harness_config
+from test_http_harness import until
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def make_config(models, *, guard=None, **sup) -> Config:
+def make_config(models, **sup) -> Config:
+    """The front door tests' config, with quicker heartbeats (wedges are tested here)."""
     sup.setdefault("heartbeat_interval", 0.2)
     sup.setdefault("heartbeat_timeout", 2.0)
-    sup.setdefault("stop_grace", 3.0)
-    return Config(guard=guard or GuardConfig(), supervisor=SupervisorConfig(**sup), models=models)
+    return harness_config(models, **sup)
 
 
 class Running:
@@ -56,14 +58,6 @@ class Running:
         self.arbiter.running = False
         self.arbiter.wake()
         await asyncio.wait_for(self.task, 30)
-
-
-async def until(predicate, timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 async def collect(stream) -> tuple[str, object]:
