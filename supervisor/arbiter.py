@@ -46,8 +46,10 @@ STATUS_EVERY = 2.0  # seconds between `status` messages on PUB
 
 
 class Arbiter:
-    def __init__(self, config: Config, runtime_dir: Path, *, max_workers: int = 64, http: bool = True) -> None:
+    def __init__(self, config: Config, runtime_dir: Path, *, max_workers: int = 64, http: bool = True,
+                 trace: Path | None = None) -> None:
         self.config = config
+        self.trace_path = trace
         self.runtime_dir = runtime_dir
         self.max_workers = max_workers
         self.serve_http = http
@@ -79,6 +81,8 @@ class Arbiter:
         self.enforcer = Enforcer(config=self.config, pool=self.pool, bus=self.bus, ledger=self.ledger,
                                  emit=self.emit)
         self.gate = Gate(self.config.supervisor.queue_size, self.config.supervisor.queue_deadline)
+        if self.trace_path is not None:  # every policy snapshot, one JSON line each, for `replay`
+            self.enforcer.trace = open(self.trace_path, "ab")
         self.bus.attach(self.loop, self.pool.on_reply, self.pool.on_report, self.on_control)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             self.loop.add_signal_handler(sig, self.on_signal, sig)
@@ -163,6 +167,8 @@ class Arbiter:
             self.loop.remove_signal_handler(sig)
         self.bus.close()
         self.ledger.close()
+        if self.enforcer.trace is not None:
+            self.enforcer.trace.close()
         self.ctx.term()
         for name in ("endpoints.json", "ledger"):
             try:

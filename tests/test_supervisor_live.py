@@ -24,6 +24,8 @@ from shared.sizes import MiB
 from supervisor.arbiter import Arbiter
 from supervisor.config import Config, ModelConfig
 from supervisor.pool import LoadError
+from supervisor.decisions import Stop
+from supervisor.snapshot import Snapshot
 from supervisor.status import ServerStatus
 from test_http_harness import make_config as harness_config
 from test_http_harness import until
@@ -314,3 +316,33 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ")[1][0] != "Z"
     except OSError:
         return False
+
+
+def test_a_recorded_trace_replays_to_the_same_decisions(tiny_models, runtime_dir, tmp_path):
+    """serve --trace records what the guard saw; replaying it gives what it decided."""
+    from supervisor.replay import replay_lines
+
+    config = make_config([ModelConfig(id="a", path=str(tiny_models.a)), ModelConfig(id="b", path=str(tiny_models.b))])
+    trace = tmp_path / "trace.jsonl"
+
+    async def main():
+        arb = Arbiter(config, runtime_dir, max_workers=8, http=False, trace=trace)
+        task = asyncio.get_running_loop().create_task(arb.run())
+        await until(lambda: arb.running, what="start")
+        await arb.load("a")
+        await arb.load("b")
+        await until(lambda: all(h.sample for h in arb.pool.handles.values()), what="samples")
+        arb.enforcer.update_guard(p.GuardUpdate(tier="custom", custom_ceiling=arb.enforcer.last.usage // 2))
+        await until(lambda: len(arb.pool.handles) < 2, what="an eviction")
+        arb.running = False
+        arb.wake()
+        await task
+        return [e.worker_id for e in arb.events if e.kind == "evict"]
+
+    evicted_live = asyncio.run(main())
+    assert evicted_live
+    lines = trace.read_bytes().splitlines()
+    assert len(lines) > 3 and all(msgspec.json.decode(line, type=Snapshot) for line in lines)
+    replayed = list(replay_lines(lines, chained=False))
+    stopped = [d.worker for r in replayed for d in r.decisions if isinstance(d, Stop)]
+    assert stopped[: len(evicted_live)] == evicted_live

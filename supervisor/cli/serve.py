@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import sys
+from pathlib import Path
 
 import msgspec
 
@@ -26,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", metavar="SIZE", help="never count more than SIZE as the machine's memory")
     parser.add_argument("--allow-drills", action="store_true", help="allow `drill` (fire drills) on this supervisor")
     parser.add_argument("--max-workers", type=int, default=64, help="ledger slots, i.e. worker processes at once")
+    parser.add_argument("--trace", metavar="FILE", type=Path,
+                        help="append every policy snapshot to FILE (JSON lines) for `replay`")
 
 
 def build_config(args: argparse.Namespace) -> Config:
@@ -69,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
 
     from supervisor.http import FrontDoorError
 
-    arbiter = Arbiter(config, args.runtime_dir, max_workers=args.max_workers, http=args.http != "off")
+    arbiter = Arbiter(config, args.runtime_dir, max_workers=args.max_workers, http=args.http != "off",
+                      trace=args.trace)
     try:
         return asyncio.run(arbiter.run())
     except FrontDoorError as exc:
