@@ -201,12 +201,13 @@ class Arbiter:
     # -- crashes, wedges and respawns ------------------------------------------
 
     def on_wedged(self, handle: WorkerHandle) -> None:
-        silent = time.monotonic() - handle.last_pong
-        log.error("Worker %s (pid %d) has not answered a heartbeat for %.1f s: wedged; killing it",
-                  handle.worker_id, handle.pid, silent)
+        since = handle.spawned_at if handle.state in ("starting", "loading") else handle.last_pong
+        silent = time.monotonic() - since
+        loading = handle.state in ("starting", "loading")
+        what = f"still loading after {silent:.0f} s" if loading else f"no heartbeat for {silent:.1f} s"
+        log.error("Worker %s (pid %d): %s: wedged; killing it", handle.worker_id, handle.pid, what)
         handle.state = "wedged"
-        self.emit("wedged", f"no heartbeat for {silent:.1f} s", worker_id=handle.worker_id,
-                  model_id=handle.model_id)
+        self.emit("wedged", what, worker_id=handle.worker_id, model_id=handle.model_id)
         self.pool.kill(handle, "wedged")
         handle.exited.add_done_callback(lambda _f, h=handle: self.on_crash(h))
 
@@ -257,7 +258,7 @@ class Arbiter:
         """Ready worker for `model_id`; every concurrent caller shares one load (A5)."""
         model = self.model_config(model_id)
         handle = self.pool.worker_for(model_id)
-        if handle is not None and handle.state in ("ready", "busy"):
+        if handle is not None and handle.state in ("ready", "busy") and not handle.marked_for_unload:
             return handle
         if model_id in self.pool.failed:
             raise LoadError(f"model {model_id!r} is marked failed: {self.pool.failed[model_id]}",
@@ -273,6 +274,10 @@ class Arbiter:
         async with self._load_lock:  # A5: one model load at a time
             if handle is None or not handle.live:
                 handle = self.pool.worker_for(model.id)
+            if handle is not None and (handle.marked_for_unload or handle.stopping is not None):
+                # on its way out (pressure or unload): let it finish, then load afresh
+                await self.pool.stop(handle, handle.stop_reason or "marked for unload")
+                handle = None
             if handle is None:
                 await self.enforcer.admit(model)
                 handle = self.pool.spawn(model)

@@ -125,6 +125,7 @@ class SupervisorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     stop_grace: float = 10.0
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 5.0
+    load_timeout: float = 600.0      # a worker still loading after this long is wedged
     max_body: int | str = "1MiB"
 
     def __post_init__(self) -> None:
@@ -137,7 +138,7 @@ class SupervisorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
             raise _FieldError("max_body", "must be at least 1 byte")
         _non_negative("idle_timeout", self.idle_timeout)
         for name in ("queue_deadline", "restart_period", "stop_grace",
-                     "heartbeat_interval", "heartbeat_timeout"):
+                     "heartbeat_interval", "heartbeat_timeout", "load_timeout"):
             _positive(name, getattr(self, name))
         if self.queue_size < 0:
             raise _FieldError("queue_size", f"must not be negative, got {self.queue_size}")

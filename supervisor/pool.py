@@ -291,13 +291,22 @@ class Pool:
     # -- liveness ---------------------------------------------------------------
 
     def heartbeat(self, now: float) -> list[WorkerHandle]:
-        """Ping every live worker; return those silent past the timeout (wedged)."""
-        timeout = self.config.supervisor.heartbeat_timeout
+        """Ping every serving worker; return those silent past the timeout (wedged).
+
+        A worker busy loading weights cannot answer (the load blocks its loop),
+        so until it has loaded it gets the much longer load timeout instead.
+        A draining worker is left to its stop's own escalation.
+        """
+        scfg = self.config.supervisor
         wedged = []
         for h in list(self.handles.values()):
-            if h.state not in ("loading", "ready", "busy", "draining"):
+            if h.state in ("starting", "loading") and h.stopping is None:
+                if now - h.spawned_at > scfg.load_timeout:
+                    wedged.append(h)
                 continue
-            if now - h.last_pong > timeout:
+            if h.state not in ("ready", "busy"):
+                continue
+            if now - h.last_pong > scfg.heartbeat_timeout:
                 wedged.append(h)
                 continue
             h.ping_seq += 1

@@ -346,3 +346,22 @@ def test_a_recorded_trace_replays_to_the_same_decisions(tiny_models, runtime_dir
     replayed = list(replay_lines(lines, chained=False))
     stopped = [d.worker for r in replayed for d in r.decisions if isinstance(d, Stop)]
     assert stopped[: len(evicted_live)] == evicted_live
+
+
+def test_a_worker_stuck_before_it_has_loaded_is_wedged_after_the_load_timeout(tiny_models, runtime_dir):
+    """A load blocks the worker's loop, so heartbeats cannot judge it; the load
+    timeout does. Without it a hung load would hold every waiter forever."""
+    config = make_config([ModelConfig(id="a", path=str(tiny_models.a))], load_timeout=2.0)
+
+    async def main():
+        async with Running(config, runtime_dir) as arb:
+            loading = asyncio.get_running_loop().create_task(arb.load("a"))
+            await until(lambda: arb.pool.worker_for("a") is not None, what="spawn")
+            stuck = arb.pool.worker_for("a")
+            os.kill(stuck.pid, signal.SIGSTOP)
+            with pytest.raises(LoadError, match="before the model was loaded"):
+                await asyncio.wait_for(loading, 30)
+            assert any(e.kind == "wedged" and "still loading" in e.reason for e in arb.events)
+            assert stuck.exited.done()
+
+    asyncio.run(main())
