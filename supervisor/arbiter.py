@@ -31,7 +31,7 @@ import zmq
 
 from shared import protocol as p
 from shared.ledger import Ledger
-from supervisor.bus import Bus, Endpoints
+from supervisor.bus import Bus, Endpoints, claim_runtime_dir
 from supervisor.config import Config, ModelConfig
 from supervisor.enforcer import Enforcer
 from supervisor.gate import Gate
@@ -69,6 +69,7 @@ class Arbiter:
 
     def setup(self) -> None:
         ensure_private_dir(self.runtime_dir)
+        claim_runtime_dir(self.runtime_dir)
         self.loop = asyncio.get_running_loop()
         self.wake_event = asyncio.Event()
         self._load_lock = asyncio.Lock()

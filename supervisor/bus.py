@@ -69,6 +69,39 @@ class NotRunning(RuntimeError):
     pass
 
 
+def pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def claim_runtime_dir(runtime_dir: Path) -> None:
+    """Refuse a runtime directory another live supervisor serves from.
+
+    Binding would unlink its sockets from under it. A leftover endpoints.json
+    of a supervisor that died is simply replaced.
+    """
+    try:
+        other = Endpoints.load(runtime_dir)
+    except NotRunning:
+        return
+    if pid_alive(other.pid):
+        raise RuntimeDirBusy(
+            f"another supervisor (pid {other.pid}) runs with runtime dir {runtime_dir}; "
+            "stop it, or give this one its own --runtime-dir"
+        )
+
+
+class RuntimeDirBusy(RuntimeError):
+    pass
+
+
 def _ipc_path(endpoint: str) -> str | None:
     return endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else None
 

@@ -14,7 +14,7 @@ from typing import Iterator
 import zmq
 
 from shared import protocol as p
-from supervisor.bus import Endpoints, NotRunning
+from supervisor.bus import Endpoints, NotRunning, pid_alive
 
 __all__ = ["ControlClient", "NotRunning", "subscribe"]
 
@@ -22,6 +22,8 @@ __all__ = ["ControlClient", "NotRunning", "subscribe"]
 class ControlClient:
     def __init__(self, runtime_dir: Path, timeout: float = 10.0) -> None:
         self.endpoints = Endpoints.load(runtime_dir)
+        if not pid_alive(self.endpoints.pid):
+            raise NotRunning(f"the supervisor that used {runtime_dir} (pid {self.endpoints.pid}) is gone")
         self.runtime_dir = runtime_dir
         self.timeout = timeout
         self._ctx = zmq.Context.instance()

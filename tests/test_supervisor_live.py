@@ -365,3 +365,35 @@ def test_a_worker_stuck_before_it_has_loaded_is_wedged_after_the_load_timeout(ti
             assert stuck.exited.done()
 
     asyncio.run(main())
+
+
+def test_a_second_supervisor_refuses_a_runtime_dir_in_use_and_clients_see_a_dead_one(tiny_models, runtime_dir):
+    from supervisor.bus import RuntimeDirBusy, claim_runtime_dir
+    from supervisor.client import ControlClient, NotRunning
+
+    config = make_config([ModelConfig(id="a", path=str(tiny_models.a))])
+    cfg = runtime_dir.parent / f"{runtime_dir.name}.toml"
+    cfg.write_text(f'[[models]]\nid = "a"\npath = "{tiny_models.a}"\n')
+
+    async def arb_roundtrip(arb):
+        return await arb.pool.ping(await arb.load("a"))
+
+    async def main():
+        async with Running(config, runtime_dir) as first:
+            second = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "supervisor", "serve", "--runtime-dir", str(runtime_dir), "--http", "off",
+                "--config", str(cfg), cwd=ROOT, stderr=asyncio.subprocess.PIPE)
+            _, err = await asyncio.wait_for(second.communicate(), 60)
+            assert second.returncode == 2
+            assert f"another supervisor (pid {os.getpid()}) runs with runtime dir" in err.decode()
+            # its sockets were left alone: the first one still answers
+            assert (await arb_roundtrip(first)) > 0
+            with pytest.raises(RuntimeDirBusy):
+                claim_runtime_dir(runtime_dir)
+            endpoints = (runtime_dir / "endpoints.json").read_bytes()
+        # a supervisor that died without cleaning up: its endpoints.json lingers
+        (runtime_dir / "endpoints.json").write_bytes(endpoints.replace(str(os.getpid()).encode(), b"999999"))
+        with pytest.raises(NotRunning, match="is gone"):
+            ControlClient(runtime_dir)
+
+    asyncio.run(main())

@@ -38,7 +38,7 @@ def _base_parser() -> argparse.ArgumentParser:
         description="memvisor: run several MLX models, one process each, under a memory guard.",
     )
     parser.add_argument(
-        "-v", "--verbose", action="count", default=0, help="more log output (repeat for debug)"
+        "-v", "--verbose", action="count", default=0, help="debug log output"
     )
     return parser
 
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     logging.basicConfig(
-        level=logging.WARNING - 10 * min(args.verbose, 2) if args.verbose else logging.INFO,
+        level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if args.runtime_dir is None:

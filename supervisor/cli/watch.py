@@ -115,6 +115,9 @@ class _View:
 def _live(args) -> int:
     from rich.live import Live
 
+    from supervisor.bus import Endpoints
+
+    Endpoints.load(args.runtime_dir)  # no supervisor: say so before drawing anything
     view = _View()
     seen = 0
     with Live(view.render(), refresh_per_second=8, screen=False) as live:
