@@ -87,10 +87,18 @@ def _stops(stop) -> list[str]:
     return stops
 
 
+def _seed(seed: int | None) -> int | None:
+    """OpenAI's seeds are int64; the wire (msgpack) carries int64 and uint64.
+    Past both the supervisor could not encode the worker's command (a 500)."""
+    if seed is not None and not -(2**63) <= seed < 2**64:
+        raise BodyError("seed: must fit in 64 bits", param="seed")
+    return seed
+
+
 def _sampling(req, max_tokens: int) -> dict:
     return dict(request_id=uuid.uuid4().hex, max_tokens=max_tokens,
                 temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p, stop=_stops(req.stop), seed=req.seed)
+                top_p=1.0 if req.top_p is None else req.top_p, stop=_stops(req.stop), seed=_seed(req.seed))
 
 
 def chat_generate(req: ChatRequest) -> p.Generate:

@@ -164,6 +164,19 @@ def test_seeded_sampling_repeats_whatever_runs_beside_it(loaded):
     assert run.tokens("other") != alone
 
 
+def test_negative_seed_samples_as_its_64_bit_twos_complement(loaded):
+    """OpenAI seeds are int64; MLX keys take uint64 only. A negative seed used to
+    raise TypeError inside the worker's command loop and kill the worker, failing
+    every stream on it (and, repeated, marking a pinned model failed)."""
+    engine = _engine(loaded)
+    prompt = _prompt(engine)
+    engine.submit("neg", prompt, max_tokens=6, temperature=1.0, seed=-1)
+    engine.submit("max", prompt, max_tokens=6, temperature=1.0, seed=2**64 - 1)
+    run = drive(engine)
+    assert isinstance(run.terminal("neg"), Finished) and isinstance(run.terminal("max"), Finished)
+    assert run.tokens("neg") == run.tokens("max")
+
+
 # ------------------------------------------------------------------ scheduling
 
 

@@ -74,6 +74,17 @@ def test_chat_becomes_generate_with_messages_for_the_chat_template():
     assert gen.stop == ["END"] and gen.seed == 3 and len(gen.request_id) == 32
 
 
+@pytest.mark.parametrize("seed", [-(2**63) - 1, 2**64])
+def test_a_seed_the_wire_cannot_carry_is_a_400_naming_seed(seed):
+    """Past int64/uint64 the supervisor could not encode the worker's command: a 500."""
+    with pytest.raises(BodyError) as err:
+        chat_generate(chat(seed=seed))
+    assert err.value.param == "seed"
+    assert chat_generate(chat(seed=-1)).seed == -1
+    assert chat_generate(chat(seed=2**64 - 1)).seed == 2**64 - 1
+    assert msgspec.msgpack.encode(chat_generate(chat(seed=-(2**63))))  # the supervisor can send it
+
+
 def test_defaults_bound_the_generation():
     assert chat_generate(chat()).max_tokens == DEFAULT_CHAT_MAX_TOKENS
     req = decode_body(b'{"model": "m", "prompt": "once"}', CompletionRequest)

@@ -27,7 +27,9 @@ class SeededSampler:
     __slots__ = ("key", "temperature", "top_p")
 
     def __init__(self, seed: int, temperature: float, top_p: float):
-        self.key = mx.random.key(seed)
+        # OpenAI seeds are int64 and may be negative; MLX keys take uint64 only
+        # (a negative one raised TypeError and took the whole worker down).
+        self.key = mx.random.key(seed & 0xFFFF_FFFF_FFFF_FFFF)
         self.temperature = temperature
         self.top_p = top_p
 
