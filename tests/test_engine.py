@@ -312,6 +312,34 @@ def test_bad_generate_becomes_one_invalid_request_failure(loaded, cmd, fragment)
     assert fragment in end.message
 
 
+class _BrokenTokenizer:
+    """The real tokenizer, except that encoding `text` raises (a tokenizer bug)."""
+
+    def __init__(self, tokenizer, text: str):
+        self.tokenizer, self.text = tokenizer, text
+
+    def encode(self, text, **kwargs):
+        if text == self.text:
+            raise IndexError("tokenizer bug")
+        return self.tokenizer.encode(text, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def test_a_generate_that_cannot_be_prepared_fails_alone_and_the_engine_keeps_serving(loaded):
+    """Anything raised while taking a Generate escapes into the worker's command
+    loop and kills the worker with every stream on it (a negative seed did)."""
+    model, tokenizer = loaded
+    engine = Engine(model, _BrokenTokenizer(tokenizer, "boom"), own_usage_fn=lambda: 0)
+    engine.submit_generate(Generate(request_id="ok", prompt="fine", max_tokens=3))
+    engine.submit_generate(Generate(request_id="bad", prompt="boom", max_tokens=3))
+    run = drive(engine)
+    bad = run.terminal("bad")
+    assert isinstance(bad, Failed) and bad.code == "engine_error" and "tokenizer bug" in bad.message
+    assert isinstance(run.terminal("ok"), Finished)
+
+
 def test_duplicate_request_id_and_out_of_vocab_tokens_are_refused(loaded):
     engine = _engine(loaded)
     engine.submit("same", [1, 2, 3], max_tokens=2)

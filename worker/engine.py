@@ -256,6 +256,11 @@ class Engine:
                         cmd.stop, cmd.seed)
         except EngineError as exc:
             self._outbox.append(Failed(request_id=cmd.request_id, code=exc.code, message=exc.message))
+        except Exception as exc:  # noqa: BLE001 - raised from the worker's command loop it would kill
+            # the worker and every stream on it; like a failed step, it fails this request alone
+            log.exception("request %s could not be prepared", cmd.request_id)
+            self._outbox.append(Failed(request_id=cmd.request_id, code=ENGINE_ERROR,
+                                       message=f"the request could not be prepared: {exc!r}"))
 
     def abort(self, request_id: str, reason: str, code: str = "aborted") -> bool:
         """End one request with a terminal `Failed` (next step); False for an unknown id."""
