@@ -31,7 +31,7 @@ import zmq
 
 from shared import protocol as p
 from shared.ledger import Ledger
-from supervisor.bus import Bus, Endpoints, claim_runtime_dir
+from supervisor.bus import Bus, Endpoints, FrameTooLarge, claim_runtime_dir
 from supervisor.config import Config, ModelConfig
 from supervisor.enforcer import Enforcer
 from supervisor.gate import Gate
@@ -311,11 +311,16 @@ class Arbiter:
                 raise LoadError(f"the worker for {model_id!r} stopped while the request waited",
                                 code="worker_exited", http_status=503)
         gen.request_id = gen.request_id or uuid.uuid4().hex
-        stream = self.pool.open_request(handle, gen.request_id)
-        if not self.pool.command(handle, gen):
-            self.pool.cancel_request(stream, "worker unreachable")
+        try:
+            delivered = self.pool.command(handle, gen)
+        except FrameTooLarge as exc:
+            raise LoadError(f"the request is too large to hand to a worker: {exc}; shorten the prompt",
+                            code="request_too_large", http_status=413) from None
+        if not delivered:
             raise LoadError(f"the worker for {model_id!r} is not reachable", code="worker_exited",
                             http_status=503)
+        # No reply can arrive before this: both run in this one loop callback.
+        stream = self.pool.open_request(handle, gen.request_id)
         self.wake()
         return stream
 

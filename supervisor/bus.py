@@ -102,6 +102,10 @@ class RuntimeDirBusy(RuntimeError):
     pass
 
 
+class FrameTooLarge(ValueError):
+    """A command the worker's codec would drop unread (over MAX_FRAME_BYTES)."""
+
+
 def _ipc_path(endpoint: str) -> str | None:
     return endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else None
 
@@ -210,9 +214,17 @@ class Bus:
     # -- writing ----------------------------------------------------------
 
     def send_command(self, identity: bytes, msg: p.Msg) -> bool:
-        """False when the worker is not connected (ROUTER_MANDATORY)."""
+        """False when the worker is not connected (ROUTER_MANDATORY).
+
+        A frame over MAX_FRAME_BYTES raises FrameTooLarge rather than go out:
+        the worker would drop it unread, so a Generate would never get its
+        terminal message and its client would wait forever."""
+        frame = self.command_codec.encode(msg)
+        if len(frame) > p.MAX_FRAME_BYTES:
+            raise FrameTooLarge(f"{type(msg).__name__} of {len(frame)} bytes exceeds the "
+                                f"{p.MAX_FRAME_BYTES} bytes a worker accepts")
         try:
-            self.commands.send_multipart([identity, self.command_codec.encode(msg)], zmq.NOBLOCK)
+            self.commands.send_multipart([identity, frame], zmq.NOBLOCK)
             return True
         except (zmq.Again, zmq.ZMQError):
             return False

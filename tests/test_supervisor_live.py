@@ -397,3 +397,24 @@ def test_a_second_supervisor_refuses_a_runtime_dir_in_use_and_clients_see_a_dead
             ControlClient(runtime_dir)
 
     asyncio.run(main())
+
+
+def test_a_generate_too_large_for_the_worker_is_refused_not_left_hanging(tiny_models, runtime_dir):
+    """The worker drops a command frame over MAX_FRAME_BYTES unread, so a Generate
+    sent anyway (a prompt past 4 MiB, allowed by a larger [supervisor] max_body)
+    never got a terminal message: its client waited forever."""
+    config = make_config([ModelConfig(id="a", path=str(tiny_models.a))])
+
+    async def main():
+        async with Running(config, runtime_dir) as arb:
+            await arb.load("a")
+            big = p.Generate(request_id="big", prompt="x" * (p.MAX_FRAME_BYTES + 1), max_tokens=2)
+            with pytest.raises(LoadError, match="too large") as err:
+                await arb.generate("a", big)
+            assert (err.value.http_status, err.value.code) == (413, "request_too_large")
+            assert arb.pool.requests == {}
+            stream = await arb.generate("a", p.Generate(request_id="small", prompt="ok", max_tokens=2))
+            _, end = await collect(stream)
+            assert isinstance(end, p.Finished)
+
+    asyncio.run(main())
