@@ -205,7 +205,8 @@ class Pool:
             self._on_hello(handle, msg)
         elif isinstance(msg, p.Loaded):
             handle.weight_bytes = msg.weight_bytes
-            handle.state = "ready"
+            if handle.stopping is None:  # a stop is final: a worker on its way out is never ready
+                handle.state = "ready"
             handle.last_access = time.monotonic()
             handle.last_pong = handle.last_access
             if not handle.loaded.done():
@@ -229,7 +230,8 @@ class Pool:
             self.bus.bad("commands", f"hello from {msg.worker_id} pid {msg.pid} does not match the spawned process")
             return
         handle.device_info = dict(msg.device_info)
-        handle.state = "loading"
+        if handle.stopping is None:
+            handle.state = "loading"
         handle.last_pong = time.monotonic()
         if handle.last_limits is not None:
             self.command(handle, p.SetLimits(limits=handle.last_limits))

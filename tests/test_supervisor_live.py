@@ -418,3 +418,32 @@ def test_a_generate_too_large_for_the_worker_is_refused_not_left_hanging(tiny_mo
             assert isinstance(end, p.Finished)
 
     asyncio.run(main())
+
+
+def test_a_worker_stopped_while_loading_stays_draining_when_its_load_completes(tiny_models, runtime_dir):
+    """A stop is final. The worker's Hello and Loaded that arrive after it used to set
+    the state back to loading and ready, so a worker on its way out showed as ready
+    and `load` could hand it out to requests that then failed with model_unloading."""
+    config = make_config([ModelConfig(id="a", path=str(tiny_models.a))])
+
+    async def main():
+        async with Running(config, runtime_dir) as arb:
+            loading = asyncio.get_running_loop().create_task(arb.load("a"))
+            await until(lambda: arb.pool.worker_for("a") is not None, what="spawn")
+            handle = arb.pool.worker_for("a")
+            assert handle.state == "starting"
+            states, wake = [], arb.pool.on_change
+
+            def on_change():  # called as each of the worker's messages is taken
+                if handle.state == "loading" and handle.stopping is None:
+                    arb.pool.stop(handle, "unloaded while loading")  # its Drain is delivered: Hello came
+                states.append(handle.state)
+                wake()
+
+            arb.pool.on_change = on_change
+            await until(lambda: handle.exited.done(), what="drained worker exited")
+            await asyncio.gather(loading, return_exceptions=True)
+            assert "draining" in states and "ready" not in states, states
+            assert handle.state == "stopped" and "cleanly" in handle.exit_cause
+
+    asyncio.run(main())
