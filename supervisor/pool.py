@@ -171,7 +171,13 @@ class Pool:
         proc = self._mp.Process(
             target=worker_main, args=(msgspec.msgpack.encode(spec),), name=f"memvisor-{worker_id}", daemon=False
         )
-        proc.start()
+        try:
+            proc.start()
+        except OSError as exc:  # no descriptors or memory left for a process: the OS said no
+            self._free_slots.append(slot)
+            log.error("Could not start a worker for model %s: %s", model.id, exc)
+            raise LoadError(f"could not start a worker process for {model.id!r}: {exc}", code="spawn_failed",
+                            http_status=503) from None
         handle.proc = proc
         handle.pid = proc.pid
         self.handles[worker_id] = handle

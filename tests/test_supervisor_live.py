@@ -447,3 +447,30 @@ def test_a_worker_stopped_while_loading_stays_draining_when_its_load_completes(t
             assert handle.state == "stopped" and "cleanly" in handle.exit_cause
 
     asyncio.run(main())
+
+
+def test_a_worker_the_os_cannot_start_is_a_503_and_gives_its_ledger_slot_back(tiny_models, runtime_dir):
+    """Process creation fails when descriptors (or memory) run out. The OSError used
+    to escape as a 500 (and left a CLI `load` waiting for a reply that never came),
+    and each failure kept its ledger slot: after max_workers of them no model could
+    ever be loaded again."""
+    import resource
+
+    config = make_config([ModelConfig(id="a", path=str(tiny_models.a))])
+
+    async def main():
+        async with Running(config, runtime_dir) as arb:
+            model = config.model("a")
+            limits = resource.getrlimit(resource.RLIMIT_NOFILE)
+            for _ in range(arb.max_workers + 1):
+                resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")), limits[1]))
+                try:
+                    with pytest.raises(LoadError, match="could not start a worker") as err:
+                        arb.pool.spawn(model)
+                finally:
+                    resource.setrlimit(resource.RLIMIT_NOFILE, limits)
+                assert (err.value.http_status, err.value.code) == (503, "spawn_failed")
+            assert arb.pool.handles == {}
+            assert (await arb.load("a")).state in ("ready", "busy")
+
+    asyncio.run(main())
