@@ -168,8 +168,7 @@ class Arbiter:
             self.loop.remove_signal_handler(sig)
         self.bus.close()
         self.ledger.close()
-        if self.enforcer.trace is not None:
-            self.enforcer.trace.close()
+        self.enforcer.close_trace()
         self.ctx.term()
         for name in ("endpoints.json", "ledger"):
             try:

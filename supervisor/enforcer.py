@@ -109,7 +109,7 @@ class Enforcer:
 
     def _run(self, snap: Snapshot) -> policy.TickResult:
         if self.trace is not None:
-            self.trace.write(msgspec.json.encode(snap) + b"\n")
+            self._write_trace(snap)
         result = policy.tick(snap)
         self.state = result.state
         self.last, self.last_snapshot = result, snap
@@ -173,6 +173,22 @@ class Enforcer:
             self.emit("ttl", x.reason, **worker)
         elif isinstance(x, d.ShrinkHotCache):
             log.info("worker %s keeps no hot cache to shrink", handle.worker_id)
+
+    def _write_trace(self, snap: Snapshot) -> None:
+        """The trace is a diagnostic: a full disk stops it, never the guard."""
+        try:
+            self.trace.write(msgspec.json.encode(snap) + b"\n")
+        except OSError as exc:
+            log.error("cannot write the trace (%s); tracing stops, the guard goes on", exc)
+            self.close_trace()
+
+    def close_trace(self) -> None:
+        trace, self.trace = self.trace, None
+        if trace is not None:
+            try:
+                trace.close()
+            except OSError as exc:  # the last buffered lines could not be flushed
+                log.error("cannot finish the trace: %s", exc)
 
     # -- outputs ------------------------------------------------------------------
 

@@ -474,3 +474,26 @@ def test_a_worker_the_os_cannot_start_is_a_503_and_gives_its_ledger_slot_back(ti
             assert (await arb.load("a")).state in ("ready", "busy")
 
     asyncio.run(main())
+
+
+def test_a_trace_that_cannot_be_written_stops_tracing_not_the_guard(tiny_models, runtime_dir, caplog):
+    """serve --trace on a full disk: the write's OSError escaped the enforcer's tick
+    into the arbiter's loop and stopped the supervisor, and its workers with it."""
+    config = make_config([ModelConfig(id="a", path=str(tiny_models.a))])
+
+    async def main():
+        arb = Arbiter(config, runtime_dir, max_workers=8, http=False, trace=Path("/dev/full"))
+        task = asyncio.get_running_loop().create_task(arb.run())
+        await until(lambda: arb.running, what="start")
+        ticks = arb.enforcer.ticks
+        while arb.enforcer.ticks < ticks + 50 and not task.done():  # past the file's write buffer
+            arb.wake()
+            await asyncio.sleep(0.005)
+        assert not task.done() and arb.running
+        assert arb.enforcer.trace is None
+        assert any("tracing stops" in r.getMessage() for r in caplog.records)
+        arb.running = False
+        arb.wake()
+        assert await asyncio.wait_for(task, 30) == 0
+
+    asyncio.run(main())
