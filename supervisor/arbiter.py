@@ -306,9 +306,9 @@ class Arbiter:
         handle = await self.load(model_id)
         if not self.admission_open(handle):
             await self.gate.wait(handle)
-            if not handle.live:
-                raise LoadError(f"the worker for {model_id!r} stopped while the request waited",
-                                code="worker_exited", http_status=503)
+        if not handle.live:  # it exited while we waited (load, gate): no one would end the stream
+            raise LoadError(f"the worker for {model_id!r} stopped before the request reached it",
+                            code="worker_exited", http_status=503)
         gen.request_id = gen.request_id or uuid.uuid4().hex
         try:
             delivered = self.pool.command(handle, gen)

@@ -497,3 +497,32 @@ def test_a_trace_that_cannot_be_written_stops_tracing_not_the_guard(tiny_models,
         assert await asyncio.wait_for(task, 30) == 0
 
     asyncio.run(main())
+
+
+def test_a_request_whose_worker_exits_before_it_is_sent_is_refused_not_left_hanging(tiny_models, runtime_dir):
+    """The worker dies right after its Loaded, before the request that waited for
+    the load resumes. Its exit had already failed the worker's requests, so a
+    stream opened now would never get a terminal message; and the Generate could
+    still be 'delivered' while ZeroMQ had not yet noticed the peer was gone."""
+    config = make_config([ModelConfig(id="a", path=str(tiny_models.a))])
+
+    async def main():
+        async with Running(config, runtime_dir) as arb:
+            request = asyncio.get_running_loop().create_task(
+                arb.generate("a", p.Generate(request_id="r", prompt="hi", max_tokens=3)))
+            await until(lambda: arb.pool.worker_for("a") is not None, what="spawn")
+            handle, wake = arb.pool.worker_for("a"), arb.pool.on_change
+
+            def on_change():  # as the Loaded is taken: the worker dies, and is reaped at once
+                if handle.loaded.done() and handle.proc.exitcode is None:
+                    os.kill(handle.pid, signal.SIGKILL)
+                    handle.proc.join(10)
+                wake()
+
+            arb.pool.on_change = on_change
+            with pytest.raises(LoadError, match="stopped before the request reached it") as err:
+                await asyncio.wait_for(request, 30)
+            assert (err.value.http_status, err.value.code) == (503, "worker_exited")
+            assert arb.pool.requests == {} and handle.requests == {}
+
+    asyncio.run(main())
