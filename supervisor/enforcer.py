@@ -56,7 +56,6 @@ class Enforcer:
         self.fixed_interval: float | None = None  # benchmarks: hold the seed's fixed poll
         self.trace = None  # an open file: every snapshot as one JSON line (replay)
         self.ticks = 0
-        self.tick_seconds = 0.0
         self._last_ceiling: tuple | None = None
         self._acted: set[tuple[type, str]] = set()
         # (monotonic time, decision) of every action carried out, for benchmarks and tests
@@ -97,13 +96,11 @@ class Enforcer:
 
     def tick(self, now: float) -> float:
         """One guard tick (plus its P7 re-check); returns the next interval (P9)."""
-        started = time.perf_counter()
         self._acted: set[tuple[type, str]] = set()
         result = self._run(self.snapshot(now))
         if any(isinstance(x, _ACTS) for x in result.decisions):
             result = self._run(self.snapshot(time.monotonic(), recheck=True))
         self.ticks += 1
-        self.tick_seconds += time.perf_counter() - started
         self.publish(result)
         return self.fixed_interval or result.next_interval
 

@@ -15,7 +15,6 @@ import logging
 import os
 import signal
 import time
-from pathlib import Path
 from typing import Callable
 
 import msgspec
@@ -138,9 +137,6 @@ class Pool:
             if h.model_id == model_id and h.live:
                 return h
         return None
-
-    def live_workers(self) -> list[WorkerHandle]:
-        return [h for h in self.handles.values() if h.live]
 
     # -- spawning -------------------------------------------------------------
 

@@ -547,15 +547,15 @@ def test_stop_matcher_picks_the_earliest_of_several_stops():
 
 
 def test_memory_counters_track_running_queued_tokens(loaded):
+    """The figures the worker writes into every sample (running, queued, tokens)."""
     engine = _engine(loaded)
     engine.submit("a", _prompt(engine), max_tokens=4)
     engine.submit("b", _prompt(engine), max_tokens=4)
-    counters = engine.counters()
-    assert (counters.running, counters.queued, counters.tokens) == (0, 2, 0)
+    assert (engine.running, engine.queued, engine.tokens_total) == (0, 2, 0)
     engine.step(Limits(max_concurrency=1), lambda: 0)
-    assert (engine.counters().running, engine.counters().queued) == (1, 1)
+    assert (engine.running, engine.queued) == (1, 1)
     drive(engine)
-    assert engine.counters().tokens == 8
+    assert engine.tokens_total == 8
 
 
 def test_idle_while_the_head_waits_for_memory_even_with_more_queued(loaded):

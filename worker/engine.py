@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Callable, Iterable, Union
 
 import mlx.core as mx
-import msgspec
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
@@ -67,14 +66,6 @@ class EngineError(ValueError):
         super().__init__(message)
         self.code = code
         self.message = message
-
-
-class EngineCounters(msgspec.Struct, frozen=True):
-    """What the worker's sample reports about generation (issue 4)."""
-
-    running: int
-    queued: int
-    tokens: int
 
 
 class _Seq:
@@ -329,9 +320,6 @@ class Engine:
         """Earliest time a request waiting for memory retries on its own (loop timeouts)."""
         deadlines = [seq.deadline for seq in self._prefill if seq.state == "waiting"]
         return min(deadlines) if deadlines else None
-
-    def counters(self) -> EngineCounters:
-        return EngineCounters(self.running, self.queued, self.tokens_total)
 
     # ------------------------------------------------------------------ stepping
 
