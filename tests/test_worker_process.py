@@ -100,3 +100,49 @@ def test_worker_exits_when_the_supervisor_pid_is_not_its_parent(tiny_model, tmp_
     proc.start()
     proc.join(30)
     assert proc.exitcode == 0
+
+
+def test_drain_finishes_a_request_that_waits_for_memory_before_the_worker_exits(tiny_model, tmp_path):
+    """Drain means: finish what runs, take nothing new, then exit. A request whose
+    prefill waited for the supervisor's eviction answer (G1) made the engine look
+    idle, so a drained worker exited at once and dropped it without an answer."""
+    from shared.limits import Limits
+    from shared.sizes import GiB
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(f"ipc://{tmp_path}/c.sock")
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(f"ipc://{tmp_path}/r.sock")
+    ledger = Ledger.create(tmp_path / "ledger", 2)
+    spec = p.WorkerSpec(worker_id="w#3", model_id="m", model_path=str(tiny_model), slot=0,
+                        ledger_path=str(tmp_path / "ledger"), commands=f"ipc://{tmp_path}/c.sock",
+                        reports=f"ipc://{tmp_path}/r.sock", supervisor_pid=os.getpid())
+    proc = multiprocess.get_context("spawn").Process(target=worker_main, args=(msgspec.msgpack.encode(spec),))
+    proc.start()
+    replies, commands, ident = p.Codec(p.WorkerReply), p.Codec(p.CommandMsg), b"w#3"
+    try:
+        _recv(router, replies, p.Loaded)
+        own = ledger.read_sample(0).usage
+        # Room for this worker's prefill, but not beside 2 GiB of "other models": G1 asks to evict.
+        ledger.write_limits(0, Limits(hard_limit=own + GiB, soft_limit=own + GiB, hard_watermark=own + GiB,
+                                      max_concurrency=4))
+        ledger.write_supervisor(2 * GiB, 0.0)
+        router.send_multipart([ident, commands.encode(p.Generate(request_id="r", prompt="hi", max_tokens=3))])
+        assert _recv(router, replies, p.NeedMemory).request_id == "r"
+        router.send_multipart([ident, commands.encode(p.Drain(reason="unloaded"))])
+        _recv(router, replies, p.Ack)
+        time.sleep(0.5)
+        assert proc.is_alive(), "the drained worker left with a request still waiting"
+        ledger.write_supervisor(0, 0.0)  # the supervisor evicted the others
+        router.send_multipart([ident, commands.encode(p.MemoryAnswer(request_id="r", evicted=True))])
+        assert _recv(router, replies, p.Finished).completion_tokens == 3
+        proc.join(20)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        router.close(0)
+        pull.close(0)
+        ctx.term()
+        ledger.close()

@@ -157,7 +157,9 @@ class Worker:
             now = time.monotonic()
             usage = self.write_sample(now)
             self.maybe_send_sample(now, usage, limits)
-            if self.draining and not self.engine.has_work:
+            # Not has_work alone: a request waiting for the supervisor's memory answer
+            # leaves the engine idle, yet it runs and must end before we do.
+            if self.draining and not self.engine.has_work and not self.engine.running:
                 log.info("drained; exiting")
                 return 0
 
