@@ -379,7 +379,11 @@ class Pool:
             pass
 
     def kill(self, handle: WorkerHandle, reason: str) -> asyncio.Task:
-        """For a wedged worker: it will not obey a drain, skip straight to signals."""
+        """For a wedged worker (it will not obey a drain) or a second ^C (no time
+        to wait for one): skip straight to signals. A stop already waiting for
+        the worker to drain is hurried with SIGTERM; its escalation goes on."""
+        if handle.stopping is not None and signal.SIGTERM not in handle.signals_sent:
+            self._signal(handle, signal.SIGTERM)
         return self.stop(handle, reason, kill_now=True)
 
     # -- exits ----------------------------------------------------------------

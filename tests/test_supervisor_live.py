@@ -526,3 +526,28 @@ def test_a_request_whose_worker_exits_before_it_is_sent_is_refused_not_left_hang
             assert arb.pool.requests == {} and handle.requests == {}
 
     asyncio.run(main())
+
+
+def test_a_second_sigint_stops_draining_workers_without_waiting_out_the_drain(tiny_models, runtime_dir):
+    """'press ^C again to stop without draining': the first ^C had already started
+    every worker's drain, and kill() on a stop under way returned that stop as it
+    was, so the second ^C changed nothing and shutdown still waited stop_grace
+    for a long generation before sending SIGTERM."""
+    config = make_config([ModelConfig(id="a", path=str(tiny_models.a))], stop_grace=120.0)
+
+    async def main():
+        arb = Arbiter(config, runtime_dir, max_workers=8, http=False)
+        task = asyncio.get_running_loop().create_task(arb.run())
+        await until(lambda: arb.running, what="start")
+        handle = await arb.load("a")
+        stream = await arb.generate("a", p.Generate(request_id="long", prompt="hi", max_tokens=100_000))
+        assert isinstance(await asyncio.wait_for(stream.queue.get(), 30), p.TokenOut)
+        arb.on_signal(signal.SIGINT)
+        await until(lambda: handle.stopping is not None, what="drain started")
+        arb.on_signal(signal.SIGINT)
+        await asyncio.wait_for(task, 30)  # well before stop_grace
+        assert handle.state == "stopped" and signal.SIGTERM in handle.signals_sent
+        _, end = await collect(stream)
+        assert isinstance(end, p.Failed) and end.code == "worker_exited"
+
+    asyncio.run(main())
