@@ -235,9 +235,15 @@ class Sample(Msg, tag="sample", kw_only=True):
     why: str = "tick"
 
 
+# What a worker may report as an event. The supervisor's own lifecycle kinds
+# (crash, exit, need_memory ...) drive respawns and evictions, so a report
+# must not be able to pose as one; anything else is refused at decoding.
+WorkerEventKind = Literal["drill"]
+
+
 class WorkerEvent(Msg, tag="worker_event", kw_only=True):
     worker_id: str
-    kind: str
+    kind: WorkerEventKind
     message: str
 
 

@@ -551,3 +551,29 @@ def test_a_second_sigint_stops_draining_workers_without_waiting_out_the_drain(ti
         assert isinstance(end, p.Failed) and end.code == "worker_exited"
 
     asyncio.run(main())
+
+
+def test_a_worker_event_cannot_pose_as_a_crash_and_mark_a_live_model_failed(tiny_models, runtime_dir):
+    """A report's event kind went straight into the arbiter's lifecycle handling:
+    kind "crash" scheduled a respawn of a live pinned worker and counted it
+    against the restart intensity, so a few such frames marked a healthy model
+    failed (and "need_memory" raised KeyError in the handler)."""
+    config = make_config([ModelConfig(id="a", path=str(tiny_models.a), pinned=True)], restart_max=1)
+
+    async def main():
+        async with Running(config, runtime_dir) as arb:
+            handle = await arb.load("a")
+            forged = msgspec.msgpack.encode({"type": "worker_event", "v": 1, "worker_id": handle.worker_id,
+                                             "kind": "crash", "message": "forged"})
+            loop = asyncio.get_running_loop()
+            for n in range(1, 4):
+                await loop.run_in_executor(None, _send_raw, arb.endpoints.reports, zmq.PUSH, [forged])
+                await until(lambda: arb.bus.malformed_total >= n, what="forged event refused")
+                await asyncio.sleep(0.6)  # past the first respawn backoff
+            assert "a" not in arb.pool.failed and arb.pool.worker_for("a") is handle
+            assert not any(e.kind in ("crash", "respawn", "failed") for e in arb.events)
+            codec = p.Codec(p.WorkerReport)  # what a real worker reports still goes through
+            drill = p.WorkerEvent(worker_id=handle.worker_id, kind="drill", message="drill started")
+            assert codec.decode(codec.encode(drill)) == drill
+
+    asyncio.run(main())
