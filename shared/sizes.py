@@ -13,6 +13,11 @@ import re
 GiB = 1024**3
 MiB = 1024**2
 
+# The ledger and every wire message carry sizes as 64-bit integers; a larger
+# one (a custom ceiling of "99999999999TiB") could be stored but not sent, and
+# the first tick that published it raised inside the supervisor's loop.
+MAX_SIZE = 2**63 - 1
+
 _UNITS = {
     "": 1,
     "b": 1,
@@ -45,11 +50,11 @@ def parse_size(text: str | int | float) -> int:
     if isinstance(text, int):
         if text < 0:
             raise SizeError(f"size must not be negative: {text}")
-        return text
+        return _bounded(text, text)
     if isinstance(text, float):
         if not math.isfinite(text) or text < 0 or not text.is_integer():
             raise SizeError(f"not a whole, non-negative number of bytes: {text!r}")
-        return int(text)
+        return _bounded(int(text), text)
     if not isinstance(text, str):
         raise SizeError(f"not a size: {text!r}")
     match = _SIZE_RE.match(text)
@@ -66,7 +71,13 @@ def parse_size(text: str | int | float) -> int:
         )
     if factor == 1 and "." in number and float(number) != int(float(number)):
         raise SizeError(f"a byte count must be whole: {text!r}")
-    return int(float(number) * factor)
+    return _bounded(int(float(number) * factor), text)
+
+
+def _bounded(nbytes: int, text) -> int:
+    if nbytes > MAX_SIZE:
+        raise SizeError(f"size {text!r} is too large (at most {MAX_SIZE} bytes, 8 EiB)")
+    return nbytes
 
 
 def format_size(nbytes: int) -> str:

@@ -23,6 +23,7 @@ import msgspec
 
 from shared import protocol as p
 from shared.ledger import Ledger
+from shared.sizes import MAX_SIZE
 from supervisor import decisions as d
 from supervisor import policy, probe
 from supervisor.admission import admit_load, evict_for_prefill
@@ -225,8 +226,8 @@ class Enforcer:
                 raise ValueError(f"tier {tier!r} does not fit the configured thresholds: {exc}") from None
             changes["tier"] = tier
         if update.custom_ceiling is not None:
-            if update.custom_ceiling < 0:
-                raise ValueError("custom ceiling must not be negative")
+            if not 0 <= update.custom_ceiling <= MAX_SIZE:
+                raise ValueError(f"custom ceiling must be 0..{MAX_SIZE} bytes, got {update.custom_ceiling}")
             changes["custom_ceiling"] = update.custom_ceiling
         if update.enabled is not None:
             changes["enabled"] = update.enabled

@@ -38,6 +38,9 @@ def test_parse_size_accepts_contract_forms(text, expected):
         (True, "not a size"),
         (float("nan"), "whole"),
         (None, "not a size"),
+        ("99999999999TiB", "too large"),
+        (2**63, "too large"),
+        (float(2**64), "too large"),
     ],
 )
 def test_parse_size_rejects_bad_input_with_reason(text, fragment):
@@ -51,3 +54,14 @@ def test_parse_size_rejects_bad_input_with_reason(text, fragment):
 )
 def test_format_size(nbytes, text):
     assert format_size(nbytes) == text
+
+
+def test_the_largest_size_is_what_the_ledger_and_the_wire_carry():
+    """A custom ceiling past int64 was taken, then crashed the supervisor's loop at
+    the first tick that published it (msgpack) or wrote it into the ledger."""
+    import msgspec
+
+    from shared.sizes import MAX_SIZE
+
+    assert parse_size(MAX_SIZE) == MAX_SIZE
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(MAX_SIZE)) == MAX_SIZE

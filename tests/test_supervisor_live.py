@@ -577,3 +577,25 @@ def test_a_worker_event_cannot_pose_as_a_crash_and_mark_a_live_model_failed(tiny
             assert codec.decode(codec.encode(drill)) == drill
 
     asyncio.run(main())
+
+
+def test_t6_a_custom_ceiling_past_64_bits_is_refused_and_the_guard_keeps_ticking(tiny_models, runtime_dir):
+    """A GuardUpdate carries up to 2**64-1. Past int64 the ceiling cannot go into the
+    ledger's limits, so no worker got new limits again (one logged exception per
+    tick); past 2**64 (an HTTP or config size) it could not even be published and
+    the tick raised inside the arbiter's loop, stopping the supervisor."""
+    from supervisor.control import handle_control
+
+    config = make_config([ModelConfig(id="a", path=str(tiny_models.a))])
+
+    async def main():
+        async with Running(config, runtime_dir) as arb:
+            reply = await handle_control(arb, p.GuardUpdate(tier="custom", custom_ceiling=2**64 - 1))
+            assert isinstance(reply, p.ControlError) and reply.code == "invalid_request"
+            assert "custom ceiling" in reply.message and arb.enforcer.settings.custom_ceiling == 0
+            ticks = arb.enforcer.ticks
+            arb.wake()
+            await until(lambda: arb.enforcer.ticks > ticks, what="another tick")
+            assert arb.running
+
+    asyncio.run(main())
