@@ -213,20 +213,24 @@ class Arbiter:
 
     def on_crash(self, handle: WorkerHandle) -> None:
         """A pinned model comes back, within the restart intensity; others wait for demand."""
-        if not handle.pinned or not self.running or handle.model_id in self._respawn_due:
+        if handle.pinned:
+            self.schedule_respawn(handle.model_id, handle.exit_cause)
+
+    def schedule_respawn(self, model_id: str, cause: str) -> None:
+        if not self.running or model_id in self._respawn_due or model_id in self.pool.failed:
             return
         now = time.monotonic()
-        allowed, delay = self.pool.may_respawn(handle.model_id, now)
+        allowed, delay = self.pool.may_respawn(model_id, now)
         if not allowed:
             scfg = self.config.supervisor
             why = (f"{scfg.restart_max} restarts within {scfg.restart_period:.0f} s; not respawning "
-                   f"(last exit: {handle.exit_cause})")
-            self.pool.failed[handle.model_id] = why
-            log.error("Model %s marked failed: %s", handle.model_id, why)
-            self.emit("failed", why, model_id=handle.model_id)
+                   f"(last: {cause})")
+            self.pool.failed[model_id] = why
+            log.error("Model %s marked failed: %s", model_id, why)
+            self.emit("failed", why, model_id=model_id)
             return
-        self._respawn_due[handle.model_id] = now + delay
-        log.info("Respawning pinned model %s in %.1f s", handle.model_id, delay)
+        self._respawn_due[model_id] = now + delay
+        log.info("Respawning pinned model %s in %.1f s", model_id, delay)
         self.wake()
 
     def _next_respawn(self, now: float) -> float:
@@ -245,6 +249,9 @@ class Arbiter:
             await self.load(model_id)
         except LoadError as exc:
             log.error("could not load %s (%s): %s", model_id, why, exc)
+            # a pinned model that cannot come up is tried again, within the
+            # restart intensity, and then marked failed with the reason
+            self.schedule_respawn(model_id, f"load failed: {exc}")
 
     # -- loads (SPEC A) ------------------------------------------------------------
 
@@ -355,5 +362,9 @@ class Arbiter:
     async def _control(self, identity: bytes, msg) -> None:
         from supervisor.control import handle_control
 
-        reply = await handle_control(self, msg)
+        try:
+            reply = await handle_control(self, msg)
+        except Exception as exc:  # a bug must still answer the CLI, not leave it waiting
+            log.exception("control request %s failed", type(msg).__name__)
+            reply = p.ControlError(code="internal_error", message=f"the supervisor failed: {exc!r}", http_status=500)
         self.bus.send_control_reply(identity, reply)

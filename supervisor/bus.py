@@ -27,6 +27,8 @@ from shared import protocol as p
 
 log = logging.getLogger("memvisor.bus")
 
+DRAIN_BATCH = 1000  # frames taken from one socket before the loop runs anything else
+
 
 class Endpoints(msgspec.Struct, frozen=True, kw_only=True):
     """Where a running supervisor listens; written to RUNTIME/endpoints.json."""
@@ -165,16 +167,21 @@ class Bus:
             loop.call_soon(self._drain, sock)
 
     def _drain(self, sock: zmq.Socket) -> None:
+        """Take up to DRAIN_BATCH frames, then yield to the loop and come back:
+        a peer flooding one socket must not starve the others or the guard."""
         handler = self._handlers[sock]
-        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        for _ in range(DRAIN_BATCH):
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
-                break
+                return
             try:
                 handler(frames)
             except Exception:  # a bug in a handler must not stop the socket
                 log.exception("handler for %s failed", sock)
+        self._loop.call_soon(self._drain, sock)  # more may wait; the edge will not fire again
 
     def _routed(self, name: str, frames: list[bytes], codec: p.Codec, handler) -> None:
         if len(frames) != 2:

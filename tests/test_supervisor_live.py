@@ -599,3 +599,18 @@ def test_t6_a_custom_ceiling_past_64_bits_is_refused_and_the_guard_keeps_ticking
             assert arb.running
 
     asyncio.run(main())
+
+
+def test_a_pinned_model_that_cannot_load_is_retried_then_marked_failed(tmp_path, runtime_dir):
+    """It must neither vanish after one logged error nor be retried forever."""
+    config = make_config([ModelConfig(id="gone", path=str(tmp_path / "no-such-model"), pinned=True)],
+                         restart_max=2, restart_period=60.0)
+
+    async def main():
+        async with Running(config, runtime_dir) as arb:
+            await until(lambda: "gone" in arb.pool.failed, timeout=30, what="marked failed")
+            assert "load failed" in arb.pool.failed["gone"]
+            assert len(arb.pool.restarts["gone"]) == 2
+            assert [e.kind for e in arb.events].count("respawn") == 2
+
+    asyncio.run(main())

@@ -16,19 +16,13 @@ import msgspec
 
 from shared.sizes import SizeError, format_size, parse_size
 from supervisor.probe import HostReading, Psi, exact_footprint, own_footprint, read_host
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except SizeError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+from supervisor.cli._args import size_arg
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object, for scripts")
     parser.add_argument(
-        "--budget", type=_size, default=0, metavar="SIZE",
+        "--budget", type=size_arg, default=0, metavar="SIZE",
         help="show `total` as a supervisor started with --budget SIZE would see it",
     )
 

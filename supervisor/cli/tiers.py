@@ -15,6 +15,7 @@ import msgspec
 from shared.sizes import GiB, SizeError, parse_size
 from supervisor.ceilings import TierPreview, tier_preview, wired_limit_advice
 from supervisor.snapshot import HostCounters
+from supervisor.cli._args import size_arg
 
 # flag -> help; the destination is the flag's name (HostCounters field or input)
 _SIZE_FLAGS = {
@@ -40,18 +41,11 @@ class WhatIf(msgspec.Struct, frozen=True, kw_only=True):
     custom_ceiling: int = 0
 
 
-def _size_arg(text: str) -> int:
-    try:
-        return parse_size(text)
-    except SizeError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object for scripts")
     group = parser.add_argument_group("what-if inputs (any of them: read nothing from this machine)")
     for flag, text in _SIZE_FLAGS.items():
-        group.add_argument(flag, type=_size_arg, default=None, metavar="SIZE", help=text)
+        group.add_argument(flag, type=size_arg, default=None, metavar="SIZE", help=text)
     group.add_argument("--compressor", choices=("on", "off"), default=None,
                        help="the OS can compress or swap anonymous memory (default on)")
 
