@@ -76,6 +76,16 @@ class Arbiter:
         self.ctx = zmq.Context()
         self.endpoints = Endpoints.in_dir(self.runtime_dir, pid=os.getpid(), http=self.config.supervisor.http)
         self.bus = Bus(self.ctx, self.endpoints)
+        scfg = self.config.supervisor
+        if scfg.pub_tcp:  # opt-in; the config refuses a non-loopback bind without CURVE keys
+            try:
+                endpoint, key = self.bus.bind_pub_tcp(scfg.pub_tcp, scfg.curve_key_file)
+            except BusError:
+                self.bus.close()
+                self.ctx.term()
+                raise
+            self.endpoints = msgspec.structs.replace(self.endpoints, pub_tcp=endpoint, pub_tcp_key=key)
+            log.info("PUB also on %s%s", endpoint, " (CURVE)" if key else "")
         self.ledger = Ledger.create(self.runtime_dir / "ledger", self.max_workers)
         self.pool = Pool(bus=self.bus, ledger=self.ledger, config=self.config,
                          on_event=self.pool_event, on_change=self.wake)

@@ -39,6 +39,8 @@ class Endpoints(msgspec.Struct, frozen=True, kw_only=True):
     control: str
     pid: int = 0
     http: str = ""
+    pub_tcp: str = ""       # opt-in TCP PUB endpoint ("" = none)
+    pub_tcp_key: str = ""   # its CURVE public key (Z85), when it has one
 
     @classmethod
     def in_dir(cls, runtime_dir: Path, pid: int = 0, http: str = "") -> "Endpoints":
@@ -104,8 +106,17 @@ class RuntimeDirBusy(RuntimeError):
     pass
 
 
+class BusError(RuntimeError):
+    """A socket the configuration asks for cannot be set up; says which and why."""
+
+
 class FrameTooLarge(ValueError):
     """A command the worker's codec would drop unread (over MAX_FRAME_BYTES)."""
+
+
+def _split_host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
 
 
 def _ipc_path(endpoint: str) -> str | None:
@@ -127,6 +138,7 @@ class Bus:
         self.pub = self._bind(zmq.PUB, endpoints.pub)
         self.pub.setsockopt(zmq.SNDHWM, 10_000)
         self.control = self._bind(zmq.ROUTER, endpoints.control)
+        self.pub_tcp: zmq.Socket | None = None
         self.command_codec = p.Codec(p.CommandMsg)
         self.reply_codec = p.Codec(p.WorkerReply)
         self.report_codec = p.Codec(p.WorkerReport)
@@ -146,6 +158,44 @@ class Bus:
         if path:
             os.chmod(path, 0o600)
         return sock
+
+    def bind_pub_tcp(self, address: str, curve_key_file: str = "") -> tuple[str, str]:
+        """A second PUB socket on TCP, for dashboards elsewhere (opt-in).
+
+        Its own socket, so CURVE (when keys are given) applies to TCP peers
+        only and local `watch` keeps the plain ipc endpoint. Returns the bound
+        endpoint and the CURVE public key ("" without keys).
+        """
+        import zmq.auth
+
+        host, port = _split_host_port(address)
+        sock = self.ctx.socket(zmq.PUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 10_000)
+        public = b""
+        if curve_key_file:
+            try:
+                public, secret = zmq.auth.load_certificate(curve_key_file)
+            except (OSError, ValueError) as exc:
+                sock.close(0)
+                raise BusError(f"cannot read the CURVE key file {curve_key_file}: {exc}") from None
+            if not secret:
+                sock.close(0)
+                raise BusError(f"{curve_key_file} holds no secret key (give the .key_secret file)")
+            sock.curve_server = True
+            sock.curve_publickey = public
+            sock.curve_secretkey = secret
+        host_part = f"[{host}]" if ":" in host else host
+        try:
+            if port == 0:
+                port = sock.bind_to_random_port(f"tcp://{host_part}")
+            else:
+                sock.bind(f"tcp://{host_part}:{port}")
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            raise BusError(f"cannot bind PUB on {address}: {exc}") from None
+        self.pub_tcp = sock
+        return f"tcp://{host_part}:{port}", public.decode()
 
     # -- reading ----------------------------------------------------------
 
@@ -247,11 +297,14 @@ class Bus:
             self._rearm(self.control)
 
     def publish(self, msg: p.Msg) -> None:
-        topic = p.TOPIC_OF[type(msg)].encode()
-        try:
-            self.pub.send_multipart([topic, self.pub_codec.encode(msg)], zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # a slow subscriber loses messages; the guard does not wait
+        frames = [p.TOPIC_OF[type(msg)].encode(), self.pub_codec.encode(msg)]
+        for sock in (self.pub, self.pub_tcp):
+            if sock is None:
+                continue
+            try:
+                sock.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # a slow subscriber loses messages; the guard does not wait
 
     def _rearm(self, sock: zmq.Socket) -> None:
         if self._loop is not None:
@@ -264,8 +317,9 @@ class Bus:
                     self._loop.remove_reader(sock.getsockopt(zmq.FD))
                 except (zmq.ZMQError, ValueError):
                     pass
-        for sock in (self.commands, self.reports, self.pub, self.control):
-            sock.close(0)
+        for sock in (self.commands, self.reports, self.pub, self.control, self.pub_tcp):
+            if sock is not None:
+                sock.close(0)
         for endpoint in (self.endpoints.commands, self.endpoints.reports, self.endpoints.pub, self.endpoints.control):
             path = _ipc_path(endpoint)
             if path and os.path.exists(path):

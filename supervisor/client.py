@@ -59,20 +59,35 @@ class ControlClient:
         self.close()
 
 
-def subscribe(runtime_dir: Path, topics: list[str], timeout: float | None = None) -> Iterator[tuple[str, object]]:
+def subscribe(
+    runtime_dir: Path,
+    topics: list[str],
+    timeout: float | None = None,
+    *,
+    endpoint: str = "",
+    server_key: str = "",
+) -> Iterator[tuple[str, object]]:
     """Yield (topic, message) from the supervisor's PUB socket.
 
-    Messages that do not decode are skipped (a newer supervisor may publish
-    what this client does not know). `timeout` bounds the wait for each one.
+    By default the local supervisor of `runtime_dir`; `endpoint` names
+    another (e.g. its opt-in TCP PUB), and `server_key` is that endpoint's
+    CURVE public key (Z85) when it has one. Messages that do not decode are
+    skipped (a newer supervisor may publish what this client does not know).
+    `timeout` bounds the wait for each one.
     """
-    endpoints = Endpoints.load(runtime_dir)
+    endpoint = endpoint or Endpoints.load(runtime_dir).pub
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
+    if server_key:
+        public, secret = zmq.curve_keypair()  # this client's own, for this connection only
+        sock.curve_serverkey = server_key.encode()
+        sock.curve_publickey = public
+        sock.curve_secretkey = secret
     for topic in topics or [""]:
         sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
-    sock.connect(endpoints.pub)
+    sock.connect(endpoint)
     codec = p.Codec(p.Published)
     try:
         while True:

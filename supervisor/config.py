@@ -68,6 +68,18 @@ def _non_negative(field: str, value: float) -> None:
 _HTTP_RE = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(?P<port>[0-9]{1,5})$")
 
 
+def is_loopback(host: str) -> bool:
+    """True for names that can only be reached from this machine."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def parse_http(text: str) -> tuple[str, int]:
     """Split `HOST:PORT` (IPv6 as `[::1]:8000`); ValueError says what is wrong."""
     match = _HTTP_RE.match(text.strip())
@@ -127,12 +139,29 @@ class SupervisorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     heartbeat_timeout: float = 5.0
     load_timeout: float = 600.0      # a worker still loading after this long is wedged
     max_body: int | str = "1MiB"
+    # PUB on TCP for dashboards on other hosts: opt-in, "HOST:PORT" ("" = ipc only).
+    pub_tcp: str = ""
+    # A ZeroMQ CURVE secret certificate (zmq.auth.create_certificates); required
+    # when pub_tcp binds anything but loopback.
+    curve_key_file: str = ""
 
     def __post_init__(self) -> None:
         try:
             parse_http(self.http)
         except ValueError as exc:
             raise _FieldError("http", str(exc)) from None
+        if self.pub_tcp:
+            try:
+                host, _port = parse_http(self.pub_tcp)
+            except ValueError as exc:
+                raise _FieldError("pub_tcp", str(exc)) from None
+            if not is_loopback(host) and not self.curve_key_file:
+                raise _FieldError(
+                    "pub_tcp",
+                    f"{host} is not a loopback address: a non-loopback bind requires CURVE keys; "
+                    "set supervisor.curve_key_file to a secret certificate "
+                    "(python -c \"import zmq.auth; zmq.auth.create_certificates('.', 'memvisor')\")",
+                )
         self.max_body = _size("max_body", self.max_body)
         if self.max_body < 1:
             raise _FieldError("max_body", "must be at least 1 byte")

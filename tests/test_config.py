@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from shared.sizes import GiB, MiB
-from supervisor.config import Config, ConfigError, load_config, parse_config, parse_http
+from supervisor.config import Config, ConfigError, SupervisorConfig, load_config, parse_config, parse_http
 from supervisor.snapshot import guard_settings
 
 FULL = """
@@ -157,3 +157,16 @@ def test_config_missing_file_is_a_clear_error(tmp_path):
 )
 def test_parse_http(text, expected):
     assert parse_http(text) == expected
+
+
+def test_pub_tcp_is_opt_in_and_a_non_loopback_bind_requires_curve_keys():
+    """DESIGN: TCP binds loopback unless told otherwise; beyond it, CURVE keys."""
+    assert SupervisorConfig().pub_tcp == ""
+    assert SupervisorConfig(pub_tcp="127.0.0.1:5556").pub_tcp == "127.0.0.1:5556"
+    assert SupervisorConfig(pub_tcp="[::1]:5556").pub_tcp == "[::1]:5556"
+    with pytest.raises(ConfigError, match=r"supervisor\.pub_tcp: 0\.0\.0\.0 is not a loopback address.*CURVE"):
+        parse_config('[supervisor]\npub_tcp = "0.0.0.0:5556"\n')
+    ok = parse_config('[supervisor]\npub_tcp = "0.0.0.0:5556"\ncurve_key_file = "/etc/memvisor/server.key_secret"\n')
+    assert ok.supervisor.curve_key_file.endswith("key_secret")
+    with pytest.raises(ConfigError, match=r"supervisor\.pub_tcp: expected HOST:PORT"):
+        parse_config('[supervisor]\npub_tcp = "nowhere"\n')

@@ -22,6 +22,7 @@ import zmq
 from shared import protocol as p
 from shared.sizes import MiB
 from supervisor.arbiter import Arbiter
+from supervisor.bus import Endpoints
 from supervisor.config import Config, ModelConfig
 from supervisor.pool import LoadError
 from supervisor.decisions import Stop
@@ -614,3 +615,43 @@ def test_a_pinned_model_that_cannot_load_is_retried_then_marked_failed(tmp_path,
             assert [e.kind for e in arb.events].count("respawn") == 2
 
     asyncio.run(main())
+
+
+def test_opt_in_tcp_pub_plain_on_loopback_and_curve_beyond_it(tiny_models, runtime_dir, tmp_path):
+    """Dashboards elsewhere subscribe over TCP; off loopback only with the server's CURVE key."""
+    import zmq.auth
+
+    from supervisor.client import subscribe
+
+    _public_file, secret_file = zmq.auth.create_certificates(str(tmp_path), "memvisor")
+    models = [ModelConfig(id="a", path=str(tiny_models.a))]
+
+    def first_ceiling(endpoint: str, key: str = "", timeout: float = 10.0):
+        for topic, msg in subscribe(runtime_dir, ["ceiling"], timeout=timeout, endpoint=endpoint, server_key=key):
+            return topic, msg
+
+    async def check(config, *, curve: bool):
+        async with Running(config, runtime_dir) as arb:
+            ep = arb.endpoints
+            assert ep.pub_tcp.startswith("tcp://") and bool(ep.pub_tcp_key) == curve
+            assert msgspec.json.decode((runtime_dir / "endpoints.json").read_bytes(), type=Endpoints) == ep
+            port = ep.pub_tcp.rsplit(":", 1)[1]
+            loop = asyncio.get_running_loop()
+            got = loop.run_in_executor(None, first_ceiling, f"tcp://127.0.0.1:{port}", ep.pub_tcp_key)
+            while not got.done():
+                arb.enforcer._last_ceiling = None  # publish the ceiling again on the next tick
+                arb.wake()
+                await asyncio.sleep(0.1)
+            topic, msg = await got
+            assert topic == "ceiling" and isinstance(msg, p.CeilingMsg) and msg.ceiling > 0
+            if curve:  # without the server's key the handshake never completes: nothing arrives
+                plain = loop.run_in_executor(None, first_ceiling, f"tcp://127.0.0.1:{port}", "", 2.0)
+                while not plain.done():
+                    arb.enforcer._last_ceiling = None
+                    arb.wake()
+                    await asyncio.sleep(0.1)
+                with pytest.raises(TimeoutError):
+                    await plain
+
+    asyncio.run(check(make_config(models, pub_tcp="127.0.0.1:0"), curve=False))
+    asyncio.run(check(make_config(models, pub_tcp="0.0.0.0:0", curve_key_file=secret_file), curve=True))

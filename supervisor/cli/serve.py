@@ -69,13 +69,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from supervisor.arbiter import Arbiter
 
-    from supervisor.bus import RuntimeDirBusy
+    from supervisor.bus import BusError, RuntimeDirBusy
     from supervisor.http import FrontDoorError
 
     arbiter = Arbiter(config, args.runtime_dir, max_workers=args.max_workers, http=args.http != "off",
                       trace=args.trace)
     try:
         return asyncio.run(arbiter.run())
-    except (FrontDoorError, RuntimeDirBusy, PermissionError) as exc:
+    except (FrontDoorError, RuntimeDirBusy, BusError, PermissionError) as exc:
         print(f"memvisor: {exc}", file=sys.stderr)
         return 2

@@ -26,6 +26,10 @@ def add_arguments(parser):
     parser.add_argument("--count", type=int, default=0, help="stop after N messages (0: run until ^C)")
     parser.add_argument("--timeout", type=float, default=None,
                         help="give up when no message arrives for this many seconds")
+    parser.add_argument("--endpoint", default="",
+                        help="a supervisor's PUB endpoint elsewhere, e.g. tcp://host:5556 (default: the local one)")
+    parser.add_argument("--server-key", default="",
+                        help="that endpoint's CURVE public key (Z85, from its endpoints.json pub_tcp_key)")
 
 
 def run(args) -> int:
@@ -44,9 +48,14 @@ def run(args) -> int:
         return 4
 
 
+def _subscribe(args):
+    return subscribe(args.runtime_dir, args.topic or [], timeout=args.timeout, endpoint=args.endpoint,
+                     server_key=args.server_key)
+
+
 def _json_lines(args) -> int:
     seen = 0
-    for topic, msg in subscribe(args.runtime_dir, args.topic or [], timeout=args.timeout):
+    for topic, msg in _subscribe(args):
         line = {"topic": topic, "message": msgspec.to_builtins(msg)}
         sys.stdout.write(json.dumps(line) + "\n")
         sys.stdout.flush()
@@ -117,12 +126,13 @@ def _live(args) -> int:
 
     from supervisor.bus import Endpoints
 
-    Endpoints.load(args.runtime_dir)  # no supervisor: say so before drawing anything
+    if not args.endpoint:
+        Endpoints.load(args.runtime_dir)  # no supervisor: say so before drawing anything
     view = _View()
     seen = 0
     with Live(view.render(), refresh_per_second=8, screen=False) as live:
         try:
-            for _topic, msg in subscribe(args.runtime_dir, args.topic or [], timeout=args.timeout):
+            for _topic, msg in _subscribe(args):
                 view.take(msg)
                 live.update(view.render())
                 seen += 1
