@@ -71,6 +71,8 @@ def parse_size(text: str | int | float) -> int:
         )
     if factor == 1 and "." in number and float(number) != int(float(number)):
         raise SizeError(f"a byte count must be whole: {text!r}")
+    if "." not in number:  # whole numbers stay exact (float loses bytes above 2**53)
+        return _bounded(int(number) * factor, text)
     return _bounded(int(float(number) * factor), text)
 
 

@@ -729,7 +729,7 @@ class LinuxProbe:
             return None
 
     def forget(self, pid: int) -> None:
-        """Close the descriptor kept for `pid` (the pool calls this on exit)."""
+        """Close the descriptor kept for `pid` now (reads of a gone pid drop it anyway)."""
         with self._lock:
             self._drop(pid)
 

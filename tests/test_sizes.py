@@ -65,3 +65,8 @@ def test_the_largest_size_is_what_the_ledger_and_the_wire_carry():
 
     assert parse_size(MAX_SIZE) == MAX_SIZE
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(MAX_SIZE)) == MAX_SIZE
+
+
+def test_parse_size_keeps_whole_byte_counts_exact():
+    assert parse_size("9007199254740993") == 2**53 + 1  # a float would round this
+    assert parse_size("3GiB") == 3 * GiB
