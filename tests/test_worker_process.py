@@ -19,36 +19,64 @@ from worker.main import run as worker_main
 pytestmark = pytest.mark.slow
 
 
-def _recv(router: zmq.Socket, codec: p.Codec, want: type, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if router.poll(100):
-            _ident, frame = router.recv_multipart()
-            msg = codec.decode(frame)
-            if isinstance(msg, want):
-                return msg
-    raise AssertionError(f"no {want.__name__} from the worker")
+class FakeSupervisor:
+    """The supervisor's end of a worker's sockets and ledger, owned by the test,
+    with one real worker process spawned against it."""
+
+    def __init__(self, tmp_path: Path, model: Path, worker_id: str) -> None:
+        self.ident = worker_id.encode()
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.router.bind(f"ipc://{tmp_path}/c.sock")
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.bind(f"ipc://{tmp_path}/r.sock")
+        self.ledger = Ledger.create(tmp_path / "ledger", 2)
+        self.replies, self.commands = p.Codec(p.WorkerReply), p.Codec(p.CommandMsg)
+        self.proc = spawn_worker(tmp_path, model, worker_id, os.getpid())
+
+    def send(self, msg: p.Msg) -> None:
+        self.send_raw(self.commands.encode(msg))
+
+    def send_raw(self, frame: bytes) -> None:
+        self.router.send_multipart([self.ident, frame])
+
+    def recv(self, want: type, timeout: float = 60.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.router.poll(100):
+                _ident, frame = self.router.recv_multipart()
+                msg = self.replies.decode(frame)
+                if isinstance(msg, want):
+                    return msg
+        raise AssertionError(f"no {want.__name__} from the worker")
+
+    def __enter__(self) -> "FakeSupervisor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.router.close(0)
+        self.pull.close(0)
+        self.ctx.term()
+        self.ledger.close()
+
+
+def spawn_worker(tmp_path: Path, model: Path, worker_id: str, supervisor_pid: int):
+    spec = p.WorkerSpec(worker_id=worker_id, model_id="m", model_path=str(model), slot=0,
+                        ledger_path=str(tmp_path / "ledger"), commands=f"ipc://{tmp_path}/c.sock",
+                        reports=f"ipc://{tmp_path}/r.sock", supervisor_pid=supervisor_pid)
+    proc = multiprocess.get_context("spawn").Process(target=worker_main, args=(msgspec.msgpack.encode(spec),))
+    proc.start()
+    return proc
 
 
 def test_worker_counts_and_ignores_malformed_oversized_and_wrong_version_commands(tiny_model, tmp_path, capfd):
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-    router.bind(f"ipc://{tmp_path}/c.sock")
-    pull = ctx.socket(zmq.PULL)
-    pull.bind(f"ipc://{tmp_path}/r.sock")
-    ledger = Ledger.create(tmp_path / "ledger", 2)
-    spec = p.WorkerSpec(worker_id="w#1", model_id="m", model_path=str(tiny_model), slot=0,
-                        ledger_path=str(tmp_path / "ledger"), commands=f"ipc://{tmp_path}/c.sock",
-                        reports=f"ipc://{tmp_path}/r.sock", supervisor_pid=os.getpid())
-    proc = multiprocess.get_context("spawn").Process(target=worker_main, args=(msgspec.msgpack.encode(spec),))
-    proc.start()
-    try:
-        replies = p.Codec(p.WorkerReply)
-        hello = _recv(router, replies, p.Hello)
-        assert hello.pid == proc.pid and hello.v == p.PROTOCOL_VERSION
-        _recv(router, replies, p.Loaded)
-        ident = b"w#1"
+    with FakeSupervisor(tmp_path, tiny_model, "w#1") as sup:
+        hello = sup.recv(p.Hello)
+        assert hello.pid == sup.proc.pid and hello.v == p.PROTOCOL_VERSION
+        sup.recv(p.Loaded)
         bad = [
             b"\xc1not msgpack",
             msgspec.msgpack.encode({"type": "ping", "v": 99, "seq": 1, "cmd": 0}),  # another version
@@ -60,31 +88,23 @@ def test_worker_counts_and_ignores_malformed_oversized_and_wrong_version_command
             b"\x00" * (p.MAX_FRAME_BYTES + 1),
         ]
         for frame in bad:
-            router.send_multipart([ident, frame])
+            sup.send_raw(frame)
         pong = None
         for seq in range(70, 90):  # pings sent while it reconnects are lost; retry
-            router.send_multipart([ident, p.Codec(p.CommandMsg).encode(p.Ping(seq=seq))])
+            sup.send(p.Ping(seq=seq))
             try:
-                pong = _recv(router, replies, p.Pong, timeout=0.5)
+                pong = sup.recv(p.Pong, timeout=0.5)
                 break
             except AssertionError:
                 continue
-        assert pong is not None and proc.is_alive()
+        assert pong is not None and sup.proc.is_alive()
         # still generating after the garbage
-        router.send_multipart([ident, p.Codec(p.CommandMsg).encode(
-            p.Generate(request_id="r", prompt="hi", max_tokens=3))])
-        done = _recv(router, replies, p.Finished, timeout=30)
+        sup.send(p.Generate(request_id="r", prompt="hi", max_tokens=3))
+        done = sup.recv(p.Finished, timeout=30)
         assert done.completion_tokens == 3
-        router.send_multipart([ident, p.Codec(p.CommandMsg).encode(p.Drain(reason="test over"))])
-        proc.join(20)
-        assert proc.exitcode == 0
-    finally:
-        if proc.is_alive():
-            proc.kill()
-        router.close(0)
-        pull.close(0)
-        ctx.term()
-        ledger.close()
+        sup.send(p.Drain(reason="test over"))
+        sup.proc.join(20)
+        assert sup.proc.exitcode == 0
     err = capfd.readouterr().err
     assert err.count("peer speaks protocol v99") == 1  # logged once, though sent twice
     assert "ignored a bad command frame" in err
@@ -93,11 +113,7 @@ def test_worker_counts_and_ignores_malformed_oversized_and_wrong_version_command
 def test_worker_exits_when_the_supervisor_pid_is_not_its_parent(tiny_model, tmp_path):
     """Elsewhere than Linux the worker notices its parent is gone by getppid();
     started with a supervisor pid that is not its parent, it must exit at once."""
-    spec = p.WorkerSpec(worker_id="w#2", model_id="m", model_path=str(tiny_model), slot=0,
-                        ledger_path=str(tmp_path / "missing"), commands=f"ipc://{tmp_path}/c.sock",
-                        reports=f"ipc://{tmp_path}/r.sock", supervisor_pid=1)
-    proc = multiprocess.get_context("spawn").Process(target=worker_main, args=(msgspec.msgpack.encode(spec),))
-    proc.start()
+    proc = spawn_worker(tmp_path, tiny_model, "w#2", supervisor_pid=1)  # no ledger: it must not get that far
     proc.join(30)
     assert proc.exitcode == 0
 
@@ -109,40 +125,21 @@ def test_drain_finishes_a_request_that_waits_for_memory_before_the_worker_exits(
     from shared.limits import Limits
     from shared.sizes import GiB
 
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.bind(f"ipc://{tmp_path}/c.sock")
-    pull = ctx.socket(zmq.PULL)
-    pull.bind(f"ipc://{tmp_path}/r.sock")
-    ledger = Ledger.create(tmp_path / "ledger", 2)
-    spec = p.WorkerSpec(worker_id="w#3", model_id="m", model_path=str(tiny_model), slot=0,
-                        ledger_path=str(tmp_path / "ledger"), commands=f"ipc://{tmp_path}/c.sock",
-                        reports=f"ipc://{tmp_path}/r.sock", supervisor_pid=os.getpid())
-    proc = multiprocess.get_context("spawn").Process(target=worker_main, args=(msgspec.msgpack.encode(spec),))
-    proc.start()
-    replies, commands, ident = p.Codec(p.WorkerReply), p.Codec(p.CommandMsg), b"w#3"
-    try:
-        _recv(router, replies, p.Loaded)
-        own = ledger.read_sample(0).usage
+    with FakeSupervisor(tmp_path, tiny_model, "w#3") as sup:
+        sup.recv(p.Loaded)
+        own = sup.ledger.read_sample(0).usage
         # Room for this worker's prefill, but not beside 2 GiB of "other models": G1 asks to evict.
-        ledger.write_limits(0, Limits(hard_limit=own + GiB, soft_limit=own + GiB, hard_watermark=own + GiB,
-                                      max_concurrency=4))
-        ledger.write_supervisor(2 * GiB, 0.0)
-        router.send_multipart([ident, commands.encode(p.Generate(request_id="r", prompt="hi", max_tokens=3))])
-        assert _recv(router, replies, p.NeedMemory).request_id == "r"
-        router.send_multipart([ident, commands.encode(p.Drain(reason="unloaded"))])
-        _recv(router, replies, p.Ack)
+        sup.ledger.write_limits(0, Limits(hard_limit=own + GiB, soft_limit=own + GiB, hard_watermark=own + GiB,
+                                          max_concurrency=4))
+        sup.ledger.write_supervisor(2 * GiB, 0.0)
+        sup.send(p.Generate(request_id="r", prompt="hi", max_tokens=3))
+        assert sup.recv(p.NeedMemory).request_id == "r"
+        sup.send(p.Drain(reason="unloaded"))
+        sup.recv(p.Ack)
         time.sleep(0.5)
-        assert proc.is_alive(), "the drained worker left with a request still waiting"
-        ledger.write_supervisor(0, 0.0)  # the supervisor evicted the others
-        router.send_multipart([ident, commands.encode(p.MemoryAnswer(request_id="r", evicted=True))])
-        assert _recv(router, replies, p.Finished).completion_tokens == 3
-        proc.join(20)
-        assert proc.exitcode == 0
-    finally:
-        if proc.is_alive():
-            proc.kill()
-        router.close(0)
-        pull.close(0)
-        ctx.term()
-        ledger.close()
+        assert sup.proc.is_alive(), "the drained worker left with a request still waiting"
+        sup.ledger.write_supervisor(0, 0.0)  # the supervisor evicted the others
+        sup.send(p.MemoryAnswer(request_id="r", evicted=True))
+        assert sup.recv(p.Finished).completion_tokens == 3
+        sup.proc.join(20)
+        assert sup.proc.exitcode == 0
