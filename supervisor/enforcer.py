@@ -69,12 +69,11 @@ class Enforcer:
         host = probe.read_host_counters(self.config.guard.budget)
         own = probe.own_footprint() or 0
         self.ledger.write_supervisor(own, now)
-        gpu_cap_raw = 0
-        workers = []
-        for h in self.pool.handles.values():
-            cap = probe.gpu_cap_from_device_info(h.device_info) if h.device_info else 0
-            gpu_cap_raw = max(gpu_cap_raw, cap)
-            workers.append(self._record(h))
+        workers = [self._record(h) for h in self.pool.handles.values()]
+        # One machine, one accelerator: any worker's device_info gives the cap
+        # (read once a tick; on macOS it includes a sysctl the user may change).
+        info = next((h.device_info for h in self.pool.handles.values() if h.device_info), None)
+        gpu_cap_raw = probe.gpu_cap_from_device_info(info) if info else 0
         return Snapshot(
             now=now, guard=self.settings, host=host, supervisor_footprint=own, gpu_cap_raw=gpu_cap_raw,
             activity_hint=self.activity_hint, recheck=recheck, workers=workers, state=self.state,
