@@ -8,12 +8,11 @@ Public names (stable): WorkerGroup, ceilings_for, is_idle, lru_key.
 from __future__ import annotations
 
 from supervisor.ceilings import Ceilings, compute_ceilings
+from supervisor.snapshot import LIVE_STATES as _LIVE
+from supervisor.snapshot import LOADING_STATES as _LOADING
+from supervisor.snapshot import SERVING_STATES as _SERVING
 from supervisor.snapshot import Snapshot, WorkerRecord
 from supervisor.tiers import normalise_tier
-
-_LIVE = frozenset({"starting", "loading", "ready", "busy", "draining", "wedged"})
-_LOADING = frozenset({"starting", "loading"})
-_SERVING = frozenset({"ready", "busy"})
 
 
 class WorkerGroup:
