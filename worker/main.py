@@ -152,7 +152,7 @@ class Worker:
                 return 0
             limits = self.ledger.read_limits(self.spec.slot) or self.limits
             for ev in self.engine.step(limits, self.group_usage):
-                self.forward(ev)
+                self.reply(ev)  # engine events are the wire's own Structs
             self.step_boundary()
             now = time.monotonic()
             usage = self.write_sample(now)
@@ -226,7 +226,8 @@ class Worker:
             self.start_drill(msg)
         elif isinstance(msg, p.DrillStop):
             self.stop_drill("stopped by command")
-        self.reply(p.Ack(cmd=msg.cmd)) if isinstance(msg, (p.Drain, p.AbortRequests)) else None
+        if isinstance(msg, (p.Drain, p.AbortRequests)):
+            self.reply(p.Ack(cmd=msg.cmd))
 
     def submit(self, msg: p.Generate) -> None:
         if self.draining:
@@ -234,10 +235,6 @@ class Worker:
                                 message="the model is being unloaded; retry to load it again"))
             return
         self.engine.submit_generate(msg)  # a bad prompt fails through the next step()
-
-    def forward(self, ev) -> None:
-        """Engine events become wire replies (one struct per kind, same fields)."""
-        self.reply(ev)
 
     # -- memory ---------------------------------------------------------------
 
