@@ -43,7 +43,7 @@ def bench_mlx_lm(model, tokenizer, prompt: list[int], tokens: int) -> float:
 
     first = last = 0.0
     count = 0
-    for response in stream_generate(model, tokenizer, prompt, max_tokens=tokens):
+    for _response in stream_generate(model, tokenizer, prompt, max_tokens=tokens):
         now = time.perf_counter()
         if count == 0:
             first = now

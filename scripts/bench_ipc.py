@@ -47,8 +47,8 @@ def bench_codec() -> None:
         codec = p.Codec(union)
         frame = codec.encode(msg)
         n = 200_000
-        enc = timeit.timeit(lambda: codec.encode(msg), number=n) / n * 1e6
-        dec = timeit.timeit(lambda: codec.decode(frame), number=n) / n * 1e6
+        enc = timeit.timeit(lambda c=codec, m=msg: c.encode(m), number=n) / n * 1e6
+        dec = timeit.timeit(lambda c=codec, f=frame: c.decode(f), number=n) / n * 1e6
         print(f"codec {name:9s}: encode {enc:.2f} µs, decode {dec:.2f} µs ({len(frame)} bytes)")
 
 

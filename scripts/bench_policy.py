@@ -28,9 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import msgspec  # noqa: E402
 
+from shared.host import HostCounters
 from shared.sizes import GiB, MiB  # noqa: E402
-from supervisor.policy import tick  # noqa: E402
-from supervisor.snapshot import GuardSettings, HostCounters, PolicyState, Snapshot, WorkerRecord  # noqa: E402
+from supervisor.policy.pressure import tick  # noqa: E402
+from supervisor.policy.snapshot import GuardSettings, PolicyState, Snapshot, WorkerRecord  # noqa: E402
 
 COUNTS = (1, 8, 64, 512)
 NOW = 10_000.0

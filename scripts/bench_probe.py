@@ -3,9 +3,9 @@
     python scripts/bench_probe.py [--repeats 7] [--worker-size 1GiB]
 
 Measures, in one run on this machine:
-  * one host reading (`supervisor.probe.read_host_counters`) vs
+  * one host reading (`shared.probe.read_host_counters`) vs
     `psutil.virtual_memory()`;
-  * one per-process footprint (`supervisor.probe.footprint`) vs
+  * one per-process footprint (`shared.probe.footprint`) vs
     `psutil.Process(pid).memory_full_info()` (psutil's USS), for this process
     and for a child holding `--worker-size` of touched memory, like a worker
     with a model loaded -- plus the exact smaps_rollup USS, whose cost grows
@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import psutil  # noqa: E402
 
+from shared import probe  # noqa: E402
 from shared.sizes import SizeError, format_size, parse_size  # noqa: E402
-from supervisor import probe  # noqa: E402
 
 
 def per_call_us(fn: Callable[[], object], repeats: int, budget_s: float = 0.2) -> float:

@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shared import protocol as p  # noqa: E402
 from shared.sizes import MiB, format_size, parse_size  # noqa: E402
-from supervisor import decisions as d  # noqa: E402
 from supervisor.arbiter import Arbiter  # noqa: E402
 from supervisor.config import Config, GuardConfig, ModelConfig, SupervisorConfig  # noqa: E402
+from supervisor.policy import decisions as d  # noqa: E402
 
 ACTIONS = (d.AbortRequests, d.Stop, d.MarkForUnload)
 

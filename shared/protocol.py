@@ -295,7 +295,7 @@ class GuardEvent(Msg, tag="event", kw_only=True):
 
 class StatusMsg(Msg, tag="status", kw_only=True):
     t: float
-    # SPEC S1 as JSON (supervisor.status.ServerStatus; the struct lives with
+    # SPEC S1 as JSON (supervisor.policy.status.ServerStatus; the struct lives with
     # the status builder, which this package must not import).
     status: bytes
 
@@ -341,7 +341,7 @@ ControlRequest = Union[StatusRequest, LoadRequest, UnloadRequest, DrillRequest, 
 
 class ControlOk(Msg, tag="ok", kw_only=True):
     detail: str = ""
-    data: bytes = b""  # JSON, e.g. supervisor.status.ServerStatus for a StatusRequest
+    data: bytes = b""  # JSON, e.g. supervisor.policy.status.ServerStatus for a StatusRequest
 
 
 class ControlError(Msg, tag="error", kw_only=True):

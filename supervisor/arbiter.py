@@ -31,13 +31,13 @@ import zmq
 
 from shared import protocol as p
 from shared.ledger import Ledger
-from supervisor.bus import Bus, Endpoints, FrameTooLarge, claim_runtime_dir
+from supervisor.bus import Bus, BusError, Endpoints, FrameTooLarge, claim_runtime_dir
 from supervisor.config import Config, ModelConfig
 from supervisor.enforcer import Enforcer
 from supervisor.gate import Gate
+from supervisor.policy.status import ModelInfo, ServerStatus
 from supervisor.pool import LoadError, Pool, RequestStream, WorkerHandle
 from supervisor.runtime import ensure_private_dir
-from supervisor.status import ModelInfo, ServerStatus
 
 log = logging.getLogger("memvisor.arbiter")
 
@@ -107,7 +107,7 @@ class Arbiter:
         self.setup()
         try:
             if self.serve_http:
-                from supervisor.http import start_http
+                from supervisor.http.app import start_http
 
                 self.http_server = await start_http(self)
             for model in self.config.models:

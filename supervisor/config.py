@@ -23,7 +23,7 @@ from pathlib import Path
 import msgspec
 
 from shared.sizes import SizeError, parse_size
-from supervisor.tiers import ThresholdError, check_thresholds
+from supervisor.policy.tiers import ThresholdError, check_thresholds
 
 __all__ = [
     "Config",

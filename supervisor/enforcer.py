@@ -1,6 +1,6 @@
 """The enforcer: gathers the policy's inputs, runs it, carries its decisions out.
 
-The policy (supervisor.policy) is pure; this is the I/O around it. Each tick:
+The policy (supervisor.policy.pressure) is pure; this is the I/O around it. Each tick:
 
   1. read the probes (host counters, own footprint) and every worker's
      latest sample from the ledger — no round trip to any worker;
@@ -21,15 +21,16 @@ import time
 
 import msgspec
 
+from shared import probe
 from shared import protocol as p
 from shared.ledger import Ledger
 from shared.sizes import MAX_SIZE
-from supervisor import decisions as d
-from supervisor import policy, probe
-from supervisor.admission import admit_load, evict_for_prefill
+from supervisor.policy import decisions as d
+from supervisor.policy import pressure as policy
+from supervisor.policy.admission import admit_load, evict_for_prefill
+from supervisor.policy.snapshot import PolicyState, Snapshot, WorkerRecord, guard_settings
+from supervisor.policy.tiers import ThresholdError, check_thresholds, normalise_tier
 from supervisor.pool import LoadError, Pool, WorkerHandle
-from supervisor.snapshot import PolicyState, Snapshot, WorkerRecord, guard_settings
-from supervisor.tiers import ThresholdError, check_thresholds, normalise_tier
 
 log = logging.getLogger("memvisor.guard")
 
@@ -205,7 +206,7 @@ class Enforcer:
         ))
 
     def status(self):
-        from supervisor.status import build_status
+        from supervisor.policy.status import build_status
 
         if self.last_snapshot is None or self.last is None:
             self.tick(time.monotonic())
@@ -245,7 +246,7 @@ class Enforcer:
 
     async def admit(self, model) -> None:
         """SPEC A1-A4: evict LRU idle models to make room, then admit or refuse."""
-        from worker.weights import WeightsError, estimate_weight_bytes  # no MLX in there
+        from shared.weights import WeightsError, estimate_weight_bytes  # no MLX in there
 
         try:
             size = estimate_weight_bytes(model.path)

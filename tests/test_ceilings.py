@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from shared.host import HostCounters
 from shared.sizes import GiB, MiB
-from supervisor.ceilings import (
+from supervisor.policy.ceilings import (
     HOT_CACHE_SLACK,
     compute_ceilings,
     limits_for,
@@ -16,7 +17,6 @@ from supervisor.ceilings import (
     wired_limit_suggestion,
     worker_limit,
 )
-from supervisor.snapshot import HostCounters
 
 
 def ceil(tier="balanced", *, total=32 * GiB, host="counters", own=4 * GiB, **kw):

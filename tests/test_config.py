@@ -9,7 +9,7 @@ import pytest
 
 from shared.sizes import GiB, MiB
 from supervisor.config import Config, ConfigError, SupervisorConfig, load_config, parse_config, parse_http
-from supervisor.snapshot import guard_settings
+from supervisor.policy.snapshot import guard_settings
 
 FULL = """
 [guard]

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_http_harness import front_door_errors, LiveServer, make_config, metric, non_loopback_address
+from test_http_harness import LiveServer, front_door_errors, make_config, metric, non_loopback_address
 
 from shared.sizes import GiB
 from supervisor.config import ModelConfig

@@ -12,7 +12,7 @@ import time
 
 import openai
 import pytest
-from test_http_harness import front_door_errors, LiveServer, make_config, metric, parse_sse, until
+from test_http_harness import LiveServer, front_door_errors, make_config, metric, parse_sse, until
 
 from shared import protocol as p
 from supervisor.config import ModelConfig

@@ -10,10 +10,10 @@ import msgspec
 import pytest
 
 from shared import protocol as p
-from supervisor.http import endpoint_label, is_loopback
-from supervisor.http_errors import from_failed
-from supervisor.http_generate import chat_generate, completion_generate
-from supervisor.openai_types import (
+from supervisor.http.app import endpoint_label, is_loopback
+from supervisor.http.errors import from_failed
+from supervisor.http.generate import chat_generate, completion_generate
+from supervisor.http.openai_types import (
     DEFAULT_CHAT_MAX_TOKENS,
     DEFAULT_COMPLETION_MAX_TOKENS,
     BodyError,

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from shared.sizes import MiB, parse_size
+from shared.weights import WeightsError, estimate_weight_bytes
 from worker.modelgen import ModelGenError, choose_dims, make_model, smallest_weight_bytes
-from worker.weights import WeightsError, estimate_weight_bytes
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "make_model.py"

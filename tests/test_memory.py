@@ -6,8 +6,8 @@ import os
 
 import mlx.core as mx
 
+from shared.probe import footprint
 from shared.sizes import MiB
-from supervisor.probe import footprint
 from worker.memory import MemorySampler, reclaim, sample
 
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from shared.host import HostCounters
 from shared.sizes import GiB
-from supervisor import decisions as d
-from supervisor.policy import DESTRUCTIVE, tick
-from supervisor.snapshot import GuardSettings, HostCounters, PolicyState, Snapshot, WorkerRecord
+from supervisor.policy import decisions as d
+from supervisor.policy.pressure import DESTRUCTIVE, tick
+from supervisor.policy.snapshot import GuardSettings, PolicyState, Snapshot, WorkerRecord
 
 CEIL = 10 * GiB
 GUARD = GuardSettings(tier="custom", custom_ceiling=CEIL, soft_threshold=0.8, hard_threshold=0.9)

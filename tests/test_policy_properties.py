@@ -6,13 +6,14 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shared.host import HostCounters
 from shared.sizes import GiB
-from supervisor import decisions as d
-from supervisor.ceilings import compute_ceilings
-from supervisor.policy import DESTRUCTIVE, tick
-from supervisor.replay import replay_lines
-from supervisor.snapshot import GuardSettings, HostCounters, PolicyState, Snapshot, WorkerRecord
-from supervisor.tiers import TIERS
+from supervisor.policy import decisions as d
+from supervisor.policy.ceilings import compute_ceilings
+from supervisor.policy.pressure import DESTRUCTIVE, tick
+from supervisor.policy.replay import replay_lines
+from supervisor.policy.snapshot import GuardSettings, PolicyState, Snapshot, WorkerRecord
+from supervisor.policy.tiers import TIERS
 
 QUARTER = GiB // 4
 sizes = st.integers(0, 96).map(lambda q: q * QUARTER)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import msgspec
 
+from shared.host import HostCounters
 from shared.sizes import GiB, MiB
-from supervisor.policy import tick
-from supervisor.snapshot import GuardSettings, HostCounters, Snapshot, WorkerRecord
-from supervisor.status import GuardStatus, build_status
+from supervisor.policy.pressure import tick
+from supervisor.policy.snapshot import GuardSettings, Snapshot, WorkerRecord
+from supervisor.policy.status import GuardStatus, build_status
 
 S1_FIELDS = {
     "enabled", "tier", "custom_ceiling", "ceiling", "static", "dynamic", "gpu_cap", "gpu_cap_raw",

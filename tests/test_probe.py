@@ -12,17 +12,17 @@ import sys
 import msgspec
 import pytest
 
-from supervisor import probe
-from supervisor.cli import main
-from supervisor.probe import (
-    MiB,
+from shared import probe
+from shared.host import HostCounters
+from shared.probe import (
     HostReading,
+    MiB,
     choose_total,
     gpu_cap_from_device_info,
     gpu_kind,
     gpu_share_of_usage,
 )
-from supervisor.snapshot import HostCounters
+from supervisor.cli import main
 
 GiB = 1024**3
 
@@ -112,7 +112,7 @@ def test_c2_platform_without_a_probe_falls_back_to_static(monkeypatch, caplog):
 def test_this_machine_gets_the_linux_backend():
     if not sys.platform.startswith("linux"):
         pytest.skip("Linux only")
-    from supervisor.probe_linux import LinuxProbe
+    from shared.probe.linux import LinuxProbe
 
     assert isinstance(probe._make_backend(), LinuxProbe)
 
@@ -126,10 +126,10 @@ def test_u1_own_footprint_is_this_process():
 
 
 def test_probe_import_stays_light_for_workers():
-    """Workers import supervisor.probe to measure themselves: it must not drag
+    """Workers import shared.probe to measure themselves: it must not drag
     in MLX, psutil or the supervisor's transport and HTTP stacks."""
     code = (
-        "import sys, supervisor.probe as p; p.own_footprint(); p.read_host_counters();"
+        "import sys, shared.probe as p; p.own_footprint(); p.read_host_counters();"
         "print(sorted(m for m in ('mlx', 'psutil', 'zmq', 'starlette', 'uvicorn', 'rich',"
         " 'multiprocess') if m in sys.modules))"
     )

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import probe as facade
-from supervisor.probe import ProbeError
-from supervisor.probe_linux import (
+from shared import probe as facade
+from shared.probe import ProbeError
+from shared.probe.linux import (
     UNLIMITED,
     LinuxProbe,
     Meminfo,
@@ -482,7 +482,7 @@ def test_u1_footprint_of_a_missing_or_zombie_process_is_none(tmp_path):
 
 
 def test_u1_footprint_descriptor_cache_is_bounded(tmp_path, monkeypatch):
-    import supervisor.probe_linux as pl
+    import shared.probe.linux as pl
 
     monkeypatch.setattr(pl, "_MAX_FDS", 3)
     root = copy_root(V1_HOST, tmp_path)

@@ -13,9 +13,9 @@ import struct
 
 import pytest
 
-from supervisor import probe as facade
-from supervisor.probe import ProbeError
-from supervisor.probe_macos import (
+from shared import probe as facade
+from shared.probe import ProbeError
+from shared.probe.macos import (
     HOST_VM_INFO64,
     MIG_ARRAY_TOO_LARGE,
     RUSAGE_INFO_V4,

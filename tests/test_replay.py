@@ -14,8 +14,8 @@ from pathlib import Path
 import msgspec
 
 from supervisor.cli import main
-from supervisor.replay import BadLine, ReplayTick, replay_lines
-from supervisor.snapshot import PolicyState, Snapshot
+from supervisor.policy.replay import BadLine, ReplayTick, replay_lines
+from supervisor.policy.snapshot import PolicyState, Snapshot
 
 TRACES = Path(__file__).parent / "fixtures" / "traces"
 EPISODE = TRACES / "pressure_episode.jsonl"

@@ -18,18 +18,17 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
+from test_http_harness import make_config as harness_config
+from test_http_harness import until
 
 from shared import protocol as p
-from shared.sizes import MiB
 from supervisor.arbiter import Arbiter
 from supervisor.bus import Endpoints
 from supervisor.config import Config, ModelConfig
+from supervisor.policy.decisions import Stop
+from supervisor.policy.snapshot import Snapshot
+from supervisor.policy.status import ServerStatus
 from supervisor.pool import LoadError
-from supervisor.decisions import Stop
-from supervisor.snapshot import Snapshot
-from supervisor.status import ServerStatus
-from test_http_harness import make_config as harness_config
-from test_http_harness import until
 
 pytestmark = pytest.mark.slow
 
@@ -178,7 +177,7 @@ def test_restart_intensity_exhausted_marks_model_failed(tiny_models, runtime_dir
             for _ in range(3):
                 w = await arb.load("a")
                 os.kill(w.pid, signal.SIGKILL)
-                await until(lambda: w.state == "dead", what="crash noticed")
+                await until(lambda w=w: w.state == "dead", what="crash noticed")
                 await until(lambda: "a" in arb.pool.failed or arb.pool.worker_for("a") is not None,
                             what="respawn or failure")
             await until(lambda: "a" in arb.pool.failed, what="model marked failed")
@@ -321,7 +320,7 @@ def _alive(pid: int) -> bool:
 
 def test_a_recorded_trace_replays_to_the_same_decisions(tiny_models, runtime_dir, tmp_path):
     """serve --trace records what the guard saw; replaying it gives what it decided."""
-    from supervisor.replay import replay_lines
+    from supervisor.policy.replay import replay_lines
 
     config = make_config([ModelConfig(id="a", path=str(tiny_models.a)), ModelConfig(id="b", path=str(tiny_models.b))])
     trace = tmp_path / "trace.jsonl"
@@ -569,7 +568,7 @@ def test_a_worker_event_cannot_pose_as_a_crash_and_mark_a_live_model_failed(tiny
             loop = asyncio.get_running_loop()
             for n in range(1, 4):
                 await loop.run_in_executor(None, _send_raw, arb.endpoints.reports, zmq.PUSH, [forged])
-                await until(lambda: arb.bus.malformed_total >= n, what="forged event refused")
+                await until(lambda n=n: arb.bus.malformed_total >= n, what="forged event refused")
                 await asyncio.sleep(0.6)  # past the first respawn backoff
             assert "a" not in arb.pool.failed and arb.pool.worker_for("a") is handle
             assert not any(e.kind in ("crash", "respawn", "failed") for e in arb.events)

@@ -8,7 +8,7 @@ import pytest
 
 from shared.sizes import GiB
 from supervisor.cli import main
-from supervisor.tiers import (
+from supervisor.policy.tiers import (
     TIER_PARAMS,
     ThresholdError,
     check_thresholds,

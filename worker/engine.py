@@ -40,11 +40,11 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from shared.limits import Limits
 from shared.protocol import Failed, Finished, Generate, NeedMemory, TokenOut
+from shared.weights import WeightsError, estimate_weight_bytes
 from worker import memory
 from worker import prefill_guard as guard
 from worker.sampling import make_request_sampler
 from worker.stops import StopMatcher
-from worker.weights import WeightsError, estimate_weight_bytes
 
 log = logging.getLogger("memvisor.worker.engine")
 

@@ -6,7 +6,7 @@ still counts MLX's allocator pool, which MLX can hand back at once. Usage is
 the larger of MLX active and footprint minus that pool: what the OS would
 really have to find if nothing were returned.
 
-The footprint comes from `supervisor.probe.footprint` (macOS phys_footprint,
+The footprint comes from `shared.probe.footprint` (macOS phys_footprint,
 Linux private resident memory), the same reader the supervisor uses for
 itself, so the group usage of SPEC U2 adds like with like.
 """
@@ -18,7 +18,7 @@ import os
 import mlx.core as mx
 import msgspec
 
-from supervisor.probe import footprint
+from shared.probe import footprint
 
 
 class MemorySample(msgspec.Struct, frozen=True):

@@ -14,8 +14,8 @@ import sys
 
 import msgspec
 
-from shared.sizes import SizeError, format_size, parse_size
-from supervisor.probe import HostReading, Psi, exact_footprint, own_footprint, read_host
+from shared.probe import HostReading, Psi, exact_footprint, own_footprint, read_host
+from shared.sizes import format_size
 from supervisor.cli._args import size_arg
 
 

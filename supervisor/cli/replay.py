@@ -7,7 +7,7 @@ import sys
 
 import msgspec
 
-from supervisor.replay import BadLine, replay_lines
+from supervisor.policy.replay import BadLine, replay_lines
 
 HELP = """\
 Each line of TRACE is one policy Snapshot as JSON (`python -m supervisor schema`

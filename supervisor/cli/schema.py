@@ -17,11 +17,11 @@ def add_arguments(parser):
 
 def _unions() -> dict:
     unions = dict(p.all_message_types())
-    from supervisor.snapshot import Snapshot
+    from supervisor.policy.snapshot import Snapshot
 
     unions["Snapshot"] = Snapshot
-    from supervisor.decisions import Decision
-    from supervisor.replay import ReplayTick
+    from supervisor.policy.decisions import Decision
+    from supervisor.policy.replay import ReplayTick
 
     unions["Decision"] = Decision
     unions["ReplayTick"] = ReplayTick

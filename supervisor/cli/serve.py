@@ -68,9 +68,8 @@ def run(args: argparse.Namespace) -> int:
         print("memvisor: --max-workers must be 1..4096", file=sys.stderr)
         return 2
     from supervisor.arbiter import Arbiter
-
     from supervisor.bus import BusError, RuntimeDirBusy
-    from supervisor.http import FrontDoorError
+    from supervisor.http.app import FrontDoorError
 
     arbiter = Arbiter(config, args.runtime_dir, max_workers=args.max_workers, http=args.http != "off",
                       trace=args.trace)

@@ -10,7 +10,7 @@ import msgspec
 from shared import protocol as p
 from shared.sizes import format_size
 from supervisor.client import ControlClient, NotRunning
-from supervisor.status import ServerStatus
+from supervisor.policy.status import ServerStatus
 
 
 def add_arguments(parser):

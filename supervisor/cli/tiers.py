@@ -12,10 +12,10 @@ import sys
 
 import msgspec
 
-from shared.sizes import GiB, SizeError, parse_size
-from supervisor.ceilings import TierPreview, tier_preview, wired_limit_advice
-from supervisor.snapshot import HostCounters
+from shared.host import HostCounters
+from shared.sizes import GiB
 from supervisor.cli._args import size_arg
+from supervisor.policy.ceilings import TierPreview, tier_preview, wired_limit_advice
 
 # flag -> help; the destination is the flag's name (HostCounters field or input)
 _SIZE_FLAGS = {
@@ -69,8 +69,8 @@ def what_if(args: argparse.Namespace) -> WhatIf | None:
 
 
 def read_machine() -> WhatIf:
-    """This machine through supervisor.probe (imported only on this path)."""
-    from supervisor import probe
+    """This machine through shared.probe (imported only on this path)."""
+    from shared import probe
 
     host = probe.read_host_counters()
     return WhatIf(host=host, own=probe.own_footprint())

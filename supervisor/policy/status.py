@@ -12,9 +12,9 @@ from __future__ import annotations
 import msgspec
 
 from shared.protocol import GuardEvent
-from supervisor.ceilings import remedy, reserve_message
-from supervisor.policy import TickResult
-from supervisor.snapshot import Snapshot
+from supervisor.policy.ceilings import remedy, reserve_message
+from supervisor.policy.pressure import TickResult
+from supervisor.policy.snapshot import Snapshot
 
 
 class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):

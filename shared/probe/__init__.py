@@ -1,7 +1,7 @@
 """What the guard sees: host memory counters, process footprints, GPU caps.
 
 This is the platform-neutral door (SPEC C inputs, U1 footprints). The work is
-done by `supervisor.probe_linux` or `supervisor.probe_macos`, chosen once, on
+done by `shared.probe.linux` or `shared.probe.macos`, chosen once, on
 first use; any other platform gets a backend that only knows the physical
 total, so SPEC C2's last fallback (dynamic = static) applies.
 
@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from supervisor.snapshot import HostCounters
+from shared.host import HostCounters
 
 log = logging.getLogger("memvisor.probe")
 
@@ -194,7 +194,7 @@ def gpu_share_of_usage(info: dict[str, Any], mlx_active: int, mlx_cache: int) ->
 def _wired_limit_mb() -> int:
     if sys.platform != "darwin":
         return 0
-    from supervisor import probe_macos
+    from shared.probe import macos as probe_macos
 
     return probe_macos.wired_limit_mb()
 
@@ -260,11 +260,11 @@ def _get_backend() -> Any:
 def _make_backend() -> Any:
     try:
         if sys.platform.startswith("linux"):
-            from supervisor.probe_linux import LinuxProbe
+            from shared.probe.linux import LinuxProbe
 
             return LinuxProbe()
         if sys.platform == "darwin":
-            from supervisor.probe_macos import MacProbe
+            from shared.probe.macos import MacProbe
 
             return MacProbe()
     except Exception as exc:  # noqa: BLE001 - never let a probe break the guard
@@ -304,7 +304,7 @@ def footprint(pid: int) -> int | None:
     """SPEC U1 process footprint in bytes; None when the process is gone.
 
     macOS: `phys_footprint`. Linux: the process's private anonymous resident
-    memory, an O(1) kernel counter (see `supervisor.probe_linux` for why not
+    memory, an O(1) kernel counter (see `shared.probe.linux` for why not
     the smaps_rollup USS on the tick path; `exact_footprint` gives that).
     """
     try:

@@ -69,7 +69,8 @@ from collections.abc import Callable
 
 import msgspec
 
-from supervisor.probe import (
+from shared.host import HostCounters
+from shared.probe import (
     HostReading,
     ProbeError,
     Psi,
@@ -78,7 +79,6 @@ from supervisor.probe import (
     choose_total,
     warn_once,
 )
-from supervisor.snapshot import HostCounters
 
 # A cgroup "limit" this large means none: v1 writes PAGE_COUNTER_MAX pages
 # (0x7FFFFFFFFFFFF000 on 4 KiB pages), v2 writes "max".

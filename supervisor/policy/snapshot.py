@@ -1,4 +1,4 @@
-"""Typed inputs of the guard's policy (see supervisor.policy).
+"""Typed inputs of the guard's policy (see supervisor.policy.pressure).
 
 `HostCounters` is what the platform probes read from the OS each tick. Sizes
 are bytes. A counter the OS would not give is None, and SPEC C2's fallbacks
@@ -19,19 +19,9 @@ from typing import Literal
 
 import msgspec
 
+from shared.host import HostCounters
 from shared.limits import Limits
 from shared.protocol import WorkerState
-
-
-class HostCounters(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    total: int                       # min(physical, container limit, budget)
-    free: int | None = None
-    inactive: int | None = None
-    file_backed: int | None = None   # macOS external pages; Linux file pages
-    active: int | None = None
-    available: int | None = None     # used only when the counters above are absent
-    compressor: bool = True          # the OS can compress or swap anonymous memory (T3)
-
 
 # ---------------------------------------------------------------------------
 # Everything else a policy tick needs. A Snapshot is also the replay trace's

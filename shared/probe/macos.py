@@ -57,8 +57,8 @@ from typing import Any
 
 import msgspec
 
-from supervisor.probe import HostReading, ProbeError, choose_total, warn_once
-from supervisor.snapshot import HostCounters
+from shared.host import HostCounters
+from shared.probe import HostReading, ProbeError, choose_total, warn_once
 
 HOST_VM_INFO64 = 4
 KERN_SUCCESS = 0

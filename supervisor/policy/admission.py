@@ -6,7 +6,7 @@ requests for a loading model wait for it) is the pool's job: it calls
 `admit_load` with no other load in flight, stops the `evict` workers, waits
 for them and for `wait_for` (workers already draining) to exit, then loads.
 
-Usage is projected the same way as in `supervisor.policy`: draining workers
+Usage is projected the same way as in `supervisor.policy.pressure`: draining workers
 count as gone, each eviction subtracts the victim's usage.
 
 Public names (stable): LoadVerdict, admit_load, evict_for_prefill,
@@ -18,9 +18,9 @@ from __future__ import annotations
 import msgspec
 
 from shared.sizes import format_size
-from supervisor.ceilings import Ceilings, remedy, reserve_message
-from supervisor.group import WorkerGroup, ceilings_for, is_idle, lru_key
-from supervisor.snapshot import Snapshot, WorkerRecord
+from supervisor.policy.ceilings import Ceilings, remedy, reserve_message
+from supervisor.policy.group import WorkerGroup, ceilings_for, is_idle, lru_key
+from supervisor.policy.snapshot import Snapshot, WorkerRecord
 
 __all__ = ["INSUFFICIENT_MEMORY", "MODEL_TOO_LARGE", "LoadVerdict", "admit_load", "evict_for_prefill"]
 

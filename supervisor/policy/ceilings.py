@@ -23,10 +23,10 @@ from typing import Literal
 
 import msgspec
 
+from shared.host import HostCounters
 from shared.limits import BINDINGS, Limits
 from shared.sizes import MiB, format_size
-from supervisor.snapshot import HostCounters
-from supervisor.tiers import TIER_PARAMS, TIERS, other_app_ratio, reserve_bytes, resolve_thresholds
+from supervisor.policy.tiers import TIER_PARAMS, TIERS, other_app_ratio, reserve_bytes, resolve_thresholds
 
 __all__ = [
     "BINDINGS",

@@ -32,9 +32,9 @@ from starlette.responses import Response, StreamingResponse
 
 from shared import protocol as p
 from supervisor.gate import GateClosed
-from supervisor.http_body import Disconnected
-from supervisor.http_errors import from_failed, from_gate_closed, from_load_error
-from supervisor.openai_types import (
+from supervisor.http.body import Disconnected
+from supervisor.http.errors import from_failed, from_gate_closed, from_load_error
+from supervisor.http.openai_types import (
     DEFAULT_CHAT_MAX_TOKENS,
     DEFAULT_COMPLETION_MAX_TOKENS,
     MAX_STOP_SEQUENCES,

@@ -26,7 +26,7 @@ always decided on measured usage.
 
 Public names (stable): tick, TickResult, group_usage, EMERGENCY_MARGIN,
 EMERGENCY_TICKS, POOL_RECLAIM_FLOOR, GRACE_TICKS_MAX, plus the decisions
-re-exported from supervisor.decisions.
+re-exported from supervisor.policy.decisions.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ import msgspec
 
 from shared.limits import Limits
 from shared.sizes import GiB, format_size
-from supervisor.ceilings import Ceilings, limits_for, reserve_message
-from supervisor.decisions import (
+from supervisor.policy.ceilings import Ceilings, limits_for, reserve_message
+from supervisor.policy.decisions import (
     DESTRUCTIVE,
     AbortLoad,
     AbortRequests,
@@ -53,9 +53,9 @@ from supervisor.decisions import (
     Stop,
     Warn,
 )
-from supervisor.group import WorkerGroup, ceilings_for, is_idle, lru_key, snapshot_total
-from supervisor.snapshot import Level, PolicyState, Snapshot, WorkerRecord
-from supervisor.tiers import normalise_tier
+from supervisor.policy.group import WorkerGroup, ceilings_for, is_idle, lru_key, snapshot_total
+from supervisor.policy.snapshot import Level, PolicyState, Snapshot, WorkerRecord
+from supervisor.policy.tiers import normalise_tier
 
 __all__ = [
     "DESTRUCTIVE",

@@ -16,7 +16,7 @@ from __future__ import annotations
 from starlette.requests import ClientDisconnect, Request
 
 from shared.sizes import MiB, format_size
-from supervisor.http_errors import ApiError
+from supervisor.http.errors import ApiError
 
 # Discard at most this much of a refused body before answering.
 DRAIN_LIMIT = 16 * MiB

@@ -22,9 +22,9 @@ from collections.abc import Iterable, Iterator
 
 import msgspec
 
-from supervisor.decisions import Decision
-from supervisor.policy import tick
-from supervisor.snapshot import PolicyState, Snapshot
+from supervisor.policy.decisions import Decision
+from supervisor.policy.pressure import tick
+from supervisor.policy.snapshot import PolicyState, Snapshot
 
 
 class ReplayTick(msgspec.Struct, frozen=True, kw_only=True):

@@ -42,12 +42,12 @@ from starlette.routing import Route
 
 from shared import protocol as p
 from shared.sizes import SizeError, parse_size
-from supervisor import http_generate
 from supervisor.config import parse_http
-from supervisor.http_body import Disconnected, read_body
-from supervisor.http_errors import ApiError, from_load_error
-from supervisor.metrics import Metrics
-from supervisor.openai_types import BodyError, GuardSettingsIn, ModelCard, ModelList, decode_body
+from supervisor.http import generate as http_generate
+from supervisor.http.body import Disconnected, read_body
+from supervisor.http.errors import ApiError, from_load_error
+from supervisor.http.metrics import Metrics
+from supervisor.http.openai_types import BodyError, GuardSettingsIn, ModelCard, ModelList, decode_body
 from supervisor.pool import LoadError
 
 log = logging.getLogger("memvisor.http")
@@ -175,7 +175,7 @@ class FrontDoor:
     # -- guard ----------------------------------------------------------------
 
     async def status(self, request: Request) -> Response:
-        """SPEC S1 plus the PUB endpoint, models, recent events (supervisor.status.ServerStatus)."""
+        """SPEC S1 plus the PUB endpoint, models, recent events (supervisor.policy.status.ServerStatus)."""
         return json_response(self.arbiter.server_status())
 
     async def guard(self, request: Request) -> Response:

@@ -16,7 +16,7 @@ import msgspec
 from starlette.responses import Response
 
 from shared import protocol as p
-from supervisor.openai_types import ErrorBody, ErrorDetail
+from supervisor.http.openai_types import ErrorBody, ErrorDetail
 
 _encoder = msgspec.json.Encoder()
 
