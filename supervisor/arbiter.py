@@ -28,16 +28,31 @@ from typing import Callable
 
 import msgspec
 import zmq
+from typing_extensions import assert_never
 
 from shared import protocol as p
 from shared.ledger import Ledger
+from shared.states import LOADING_STATES
 from supervisor.bus import Bus, BusError, Endpoints, FrameTooLarge, claim_runtime_dir
 from supervisor.config import Config, ModelConfig
 from supervisor.enforcer import Enforcer
+from supervisor.errors import LoadError, ServeError
 from supervisor.gate import Gate
 from supervisor.policy.status import ModelInfo, ServerStatus
-from supervisor.pool import LoadError, Pool, RequestStream, WorkerHandle
+from supervisor.pool import (
+    Exited,
+    Loaded,
+    LoadFailed,
+    ModelView,
+    NeedMemory,
+    Pool,
+    PoolEvent,
+    Reported,
+    Spawned,
+    WorkerHandle,
+)
 from supervisor.runtime import ensure_private_dir
+from supervisor.streams import RequestStream
 
 log = logging.getLogger("memvisor.arbiter")
 
@@ -64,6 +79,7 @@ class Arbiter:
         self._signals = 0
         self._status_published = 0.0
         self.http_server = None
+        self.http_address = ""  # HOST:PORT the front door bound ("" while it serves none)
 
     # -- start and stop ------------------------------------------------------
 
@@ -109,7 +125,8 @@ class Arbiter:
             if self.serve_http:
                 from supervisor.http.app import start_http
 
-                self.http_server = await start_http(self)
+                self.http_server, self.http_address = await start_http(self)
+                self._record_http_address()
             for model in self.config.models:
                 if model.pinned:
                     self.loop.create_task(self._load_quietly(model.id, "pinned model"))
@@ -160,7 +177,7 @@ class Arbiter:
         if self._signals > 1:
             log.warning("%s again: stopping workers without waiting for them to drain", name)
             for handle in list(self.pool.handles.values()):
-                self.pool.kill(handle, f"second {name}")
+                self.pool.kill(handle, f"second {name}", cause="shutdown")
             return
         log.info("%s: shutting down (press ^C again to stop without draining)", name)
         self.stop_reason = name
@@ -199,26 +216,40 @@ class Arbiter:
         for hook in self.event_hooks:
             hook(ev)
 
-    def pool_event(self, kind: str, reason: str, handle: WorkerHandle, **extra) -> None:
-        if kind == "need_memory":
-            self.enforcer.on_need_memory(handle, extra["request_id"], extra["need_bytes"])
-            return
+    def pool_event(self, ev: PoolEvent) -> None:
+        """What happened to a worker: published as an S2 event; crashes may respawn."""
+        match ev:
+            case NeedMemory():
+                self.enforcer.on_need_memory(ev.handle, ev.request_id, ev.need_bytes)
+                return
+            case Spawned():
+                kind, reason = "spawn", ev.reason
+            case Loaded():
+                kind, reason = "loaded", ev.reason
+            case LoadFailed():
+                kind, reason = "load_failed", ev.reason
+            case Reported():
+                kind, reason = ev.kind, ev.reason
+            case Exited():
+                kind, reason = ("exit" if ev.expected else "crash"), ev.reason
+            case _:
+                assert_never(ev)
+        handle = ev.handle
         self.emit(kind, reason, worker_id=handle.worker_id, model_id=handle.model_id,
                   usage=handle.sample.usage if handle.sample else 0)
-        if kind == "crash" or (kind == "exit" and handle.stop_reason.startswith("load aborted")):
+        if isinstance(ev, Exited) and (not ev.expected or handle.stop_cause == "load_abort"):
             self.on_crash(handle)  # a pinned model whose load pressure aborted comes back too
 
     # -- crashes, wedges and respawns ------------------------------------------
 
     def on_wedged(self, handle: WorkerHandle) -> None:
-        since = handle.spawned_at if handle.state in ("starting", "loading") else handle.last_pong
-        silent = time.monotonic() - since
-        loading = handle.state in ("starting", "loading")
+        loading = handle.state in LOADING_STATES
+        silent = time.monotonic() - (handle.spawned_at if loading else handle.last_pong)
         what = f"still loading after {silent:.0f} s" if loading else f"no heartbeat for {silent:.1f} s"
         log.error("Worker %s (pid %d): %s: wedged; killing it", handle.worker_id, handle.pid, what)
-        handle.state = "wedged"
+        handle.move("silent")
         self.emit("wedged", what, worker_id=handle.worker_id, model_id=handle.model_id)
-        self.pool.kill(handle, "wedged")
+        self.pool.kill(handle, "wedged", cause="wedged")
         handle.exited.add_done_callback(lambda _f, h=handle: self.on_crash(h))
 
     def on_crash(self, handle: WorkerHandle) -> None:
@@ -235,7 +266,7 @@ class Arbiter:
             scfg = self.config.supervisor
             why = (f"{scfg.restart_max} restarts within {scfg.restart_period:.0f} s; not respawning "
                    f"(last: {cause})")
-            self.pool.failed[model_id] = why
+            self.pool.mark_failed(model_id, why)
             log.error("Model %s marked failed: %s", model_id, why)
             self.emit("failed", why, model_id=model_id)
             return
@@ -275,7 +306,7 @@ class Arbiter:
         """Ready worker for `model_id`; every concurrent caller shares one load (A5)."""
         model = self.model_config(model_id)
         handle = self.pool.worker_for(model_id)
-        if handle is not None and handle.state in ("ready", "busy") and not handle.marked_for_unload:
+        if handle is not None and handle.serving and not handle.marked_for_unload:
             return handle
         if model_id in self.pool.failed:
             raise LoadError(f"model {model_id!r} is marked failed: {self.pool.failed[model_id]}",
@@ -310,7 +341,7 @@ class Arbiter:
         if handle is None:
             return False
         self.emit("unload", reason, worker_id=handle.worker_id, model_id=model_id)
-        await self.pool.stop(handle, reason)
+        await self.pool.stop(handle, reason, cause="unload")
         return True
 
     # -- requests --------------------------------------------------------------------
@@ -346,23 +377,74 @@ class Arbiter:
 
     # -- status ----------------------------------------------------------------------
 
+    def model_view(self, model_id: str) -> ModelView:
+        return self.pool.model_view(model_id)
+
     def server_status(self, recent_events: int = 20) -> ServerStatus:
         models = []
         for m in self.config.models:
-            h = self.pool.worker_for(m.id)
-            state = h.state if h else ("failed" if m.id in self.pool.failed else "unloaded")
-            models.append(ModelInfo(id=m.id, path=m.path, pinned=m.pinned, state=state,
-                                    worker=h.worker_id if h else "", pid=h.pid if h else 0,
-                                    failed_reason=self.pool.failed.get(m.id, "")))
-        counters = dict(self.pool.counters)
-        counters.update(gate_rejected_full=self.gate.rejected_full, gate_rejected_deadline=self.gate.rejected_deadline,
-                        gate_depth=self.gate.depth, guard_ticks=self.enforcer.ticks)
+            view = self.pool.model_view(m.id)
+            models.append(ModelInfo(id=m.id, path=m.path, pinned=m.pinned, state=view.state, worker=view.worker,
+                                    pid=view.pid, failed_reason=view.reason))
+        counters = self.counters()
         return ServerStatus(
             pid=os.getpid(), uptime=time.monotonic() - self.started, runtime_dir=str(self.runtime_dir),
-            pub=self.endpoints.pub, http=getattr(self, "http_address", ""), guard=self.enforcer.status(),
+            pub=self.endpoints.pub, http=self.http_address, guard=self.enforcer.status(),
             models=models, events=list(self.events)[-recent_events:], malformed_frames=self.bus.malformed_total,
             counters=counters,
         )
+
+    def counters(self) -> dict[str, int]:
+        """Pool, gate and guard counters, for status and metrics."""
+        counters = dict(self.pool.counters)
+        counters.update(gate_rejected_full=self.gate.rejected_full, gate_rejected_deadline=self.gate.rejected_deadline,
+                        gate_depth=self.gate.depth, guard_ticks=self.enforcer.ticks)
+        return counters
+
+    def last_tick(self):
+        return self.enforcer.last
+
+    @property
+    def admission_paused(self) -> bool:
+        return self.enforcer.admission_paused
+
+    def workers(self) -> list[WorkerHandle]:
+        return list(self.pool.handles.values())
+
+    def malformed_frames(self) -> dict[tuple[str, str], int]:
+        return dict(self.bus.malformed)
+
+    def add_event_hook(self, hook: Callable[[p.GuardEvent], None]) -> None:
+        self.event_hooks.append(hook)
+
+    def update_guard(self, update: p.GuardUpdate) -> None:
+        self.enforcer.update_guard(update)
+
+    def start_drill(self, request: p.DrillRequest) -> str:
+        """A fire drill (or its end) on a loaded model; ServeError when it cannot run."""
+        if not self.config.supervisor.allow_drills:
+            raise ServeError("fire drills are off; start the supervisor with --allow-drills",
+                             code="drills_disabled", http_status=403)
+        handle = self.pool.worker_for(request.model)
+        if handle is None or not handle.serving:
+            raise ServeError(f"{request.model} is not loaded; load it first", code="model_not_loaded",
+                             http_status=409)
+        if request.stop:
+            self.pool.command(handle, p.DrillStop())
+            return f"drill on {request.model} stopped"
+        if request.rate <= 0 or request.to <= 0:
+            raise ServeError("rate and size must be positive", code="invalid_request", http_status=400)
+        self.pool.command(handle, p.Drill(rate=request.rate, to=request.to))
+        self.emit("drill", f"fire drill: {request.rate} B/s up to {request.to} B", worker_id=handle.worker_id,
+                  model_id=request.model)
+        log.warning("fire drill on %s: growing %d B/s up to %d B", request.model, request.rate, request.to)
+        return f"drill started on {request.model} (worker pid {handle.pid})"
+
+    def _record_http_address(self) -> None:
+        """Clients find the front door in endpoints.json (port 0 picks a free one)."""
+        if self.endpoints.http != self.http_address:
+            self.endpoints = msgspec.structs.replace(self.endpoints, http=self.http_address)
+            self.endpoints.save(self.runtime_dir)
 
     # -- control socket ------------------------------------------------------------------
 

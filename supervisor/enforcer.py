@@ -20,17 +20,19 @@ import os
 import time
 
 import msgspec
+from typing_extensions import assert_never
 
 from shared import probe
 from shared import protocol as p
 from shared.ledger import Ledger
 from shared.sizes import MAX_SIZE
+from supervisor.errors import LoadError
 from supervisor.policy import decisions as d
 from supervisor.policy import pressure as policy
 from supervisor.policy.admission import admit_load, evict_for_prefill
 from supervisor.policy.snapshot import PolicyState, Snapshot, WorkerRecord, guard_settings
 from supervisor.policy.tiers import ThresholdError, check_thresholds, normalise_tier
-from supervisor.pool import LoadError, Pool, WorkerHandle
+from supervisor.pool import Pool, WorkerHandle
 
 log = logging.getLogger("memvisor.guard")
 
@@ -118,59 +120,69 @@ class Enforcer:
                 log.exception("could not carry out %s", decision)
         return result
 
-    def execute(self, x, result: policy.TickResult) -> None:
-        handle = self.pool.handles.get(x.worker) if hasattr(x, "worker") else None
-        if hasattr(x, "worker") and handle is None:
-            return  # the worker exited since the snapshot
+    def execute(self, x: d.Decision, result: policy.TickResult) -> None:
         usage, ceiling = result.usage, result.ceilings.ceiling
-        if isinstance(x, d.SetLimits):
-            self.pool.set_limits(handle, msgspec.structs.replace(x.limits, max_concurrency=handle.concurrency))
-            return
-        if isinstance(x, d.SetConcurrency):
-            handle.concurrency = x.cap
-            if handle.last_limits is not None:
-                self.pool.set_limits(handle, msgspec.structs.replace(handle.last_limits, max_concurrency=x.cap))
-            return
-        if isinstance(x, d.Warn):
-            log.warning("%s", x.message)
-            self.emit("warning", x.message)
-            return
-        if isinstance(x, d.LevelChanged):
-            log.info("Memory pressure %s -> %s: %s", x.from_level, x.to_level, x.reason)
-            self.emit("level", f"{x.from_level} -> {x.to_level}: {x.reason}", usage=usage, ceiling=ceiling)
-            return
-        if isinstance(x, (d.PauseAdmission, d.ResumeAdmission)):
-            self.admission_paused = isinstance(x, d.PauseAdmission)
-            self.emit("admission", ("paused: " if self.admission_paused else "resumed: ") + x.reason,
-                      usage=usage, ceiling=ceiling)
-            return
+        match x:
+            case d.Warn():
+                log.warning("%s", x.message)
+                self.emit("warning", x.message)
+            case d.LevelChanged():
+                log.info("Memory pressure %s -> %s: %s", x.from_level, x.to_level, x.reason)
+                self.emit("level", f"{x.from_level} -> {x.to_level}: {x.reason}", usage=usage, ceiling=ceiling)
+            case d.PauseAdmission() | d.ResumeAdmission():
+                self.admission_paused = isinstance(x, d.PauseAdmission)
+                self.emit("admission", ("paused: " if self.admission_paused else "resumed: ") + x.reason,
+                          usage=usage, ceiling=ceiling)
+            case _:
+                handle = self.pool.handles.get(x.worker)
+                if handle is not None:  # else the worker exited since the snapshot
+                    self.act(x, handle, result)
+
+    def act(self, x: d.WorkerDecision, handle: WorkerHandle, result: policy.TickResult) -> None:
+        """Carry out a decision about one worker; each action is done once a tick (P7)."""
+        match x:
+            case d.SetLimits():
+                self.pool.set_limits(handle, msgspec.structs.replace(x.limits, max_concurrency=handle.concurrency))
+                return
+            case d.SetConcurrency():
+                handle.concurrency = x.cap
+                if handle.last_limits is not None:
+                    self.pool.set_limits(handle, msgspec.structs.replace(handle.last_limits, max_concurrency=x.cap))
+                return
         if (type(x), x.worker) in self._acted:
             return  # the P7 re-check repeats what this tick already did: once is enough
         self._acted.add((type(x), x.worker))
         self.executed.append((time.monotonic(), x))
-        kind, worker = type(x).__name__, dict(worker_id=handle.worker_id, model_id=handle.model_id,
-                                              usage=usage, ceiling=ceiling)
-        log.warning("%s %s: %s", kind, handle.worker_id, x.reason)
-        if isinstance(x, d.Reclaim):
-            self.pool.command(handle, p.Reclaim(reason=x.reason, idle_only=x.idle_only))
-            self.emit("reclaim", x.reason, **worker)
-        elif isinstance(x, d.AbortRequests):
-            self.pool.command(handle, p.AbortRequests(reason=f"memory pressure: {x.reason}", code="memory_pressure"))
-            self.emit("abort", x.reason, **worker)
-        elif isinstance(x, d.AbortLoad):
-            self.pool.kill(handle, f"load aborted: {x.reason}")
-            self.emit("abort_load", x.reason, **worker)
-        elif isinstance(x, d.MarkForUnload):
-            handle.marked_for_unload = True
-            self.emit("mark_for_unload", x.reason, **worker)
-        elif isinstance(x, d.Stop):
-            self.pool.stop(handle, f"evicted: {x.reason}")
-            self.emit("evict", x.reason, **worker)
-        elif isinstance(x, d.ExpireTTL):
-            self.pool.stop(handle, f"TTL: {x.reason}")
-            self.emit("ttl", x.reason, **worker)
-        elif isinstance(x, d.ShrinkHotCache):
-            log.info("worker %s keeps no hot cache to shrink", handle.worker_id)
+        log.warning("%s %s: %s", type(x).__name__, handle.worker_id, x.reason)
+        about = dict(worker_id=handle.worker_id, model_id=handle.model_id, usage=result.usage,
+                     ceiling=result.ceilings.ceiling)
+        match x:
+            case d.Reclaim():
+                self.pool.command(handle, p.Reclaim(reason=x.reason, idle_only=x.idle_only))
+                self.emit("reclaim", x.reason, **about)
+            case d.AbortRequests():
+                self.pool.command(handle, p.AbortRequests(reason=f"memory pressure: {x.reason}",
+                                                          code="memory_pressure"))
+                self.emit("abort", x.reason, **about)
+            case d.AbortLoad():
+                self.pool.kill(handle, f"load aborted: {x.reason}", cause="load_abort")
+                self.emit("abort_load", x.reason, **about)
+            case d.MarkForUnload():
+                handle.marked_for_unload = True
+                self.emit("mark_for_unload", x.reason, **about)
+            case d.Stop():
+                self.pool.stop(handle, f"evicted: {x.reason}", cause="evict")
+                self.emit("evict", x.reason, **about)
+            case d.ExpireTTL():
+                self.pool.stop(handle, f"TTL: {x.reason}", cause="ttl")
+                self.emit("ttl", x.reason, **about)
+            case d.ShrinkHotCache():
+                # Workers keep no prompt cache yet (issue 10 adds it); nothing to shrink.
+                log.info("worker %s keeps no prompt cache to shrink", handle.worker_id)
+            case d.SetLimits() | d.SetConcurrency():
+                pass  # handled above
+            case _:
+                assert_never(x)
 
     def _write_trace(self, snap: Snapshot) -> None:
         """The trace is a diagnostic: a full disk stops it, never the guard."""
@@ -261,7 +273,7 @@ class Enforcer:
                     if h is not None:
                         self.emit("evict", f"to make room for {model.id}: {verdict.message}",
                                   worker_id=h.worker_id, model_id=h.model_id)
-                        await self.pool.stop(h, f"evicted to load {model.id}")
+                        await self.pool.stop(h, f"evicted to load {model.id}", cause="evict")
                 continue
             if verdict.admitted:
                 return
@@ -282,6 +294,6 @@ class Enforcer:
             if h is not None:
                 self.emit("evict", f"prefill of {request_id} on {handle.model_id} needs {need_bytes} bytes",
                           worker_id=h.worker_id, model_id=h.model_id)
-                await self.pool.stop(h, f"evicted for a prefill on {handle.model_id}")
+                await self.pool.stop(h, f"evicted for a prefill on {handle.model_id}", cause="evict")
         if handle.live:
             self.pool.command(handle, p.MemoryAnswer(request_id=request_id, evicted=bool(victims)))

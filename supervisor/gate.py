@@ -13,13 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-
-class GateClosed(RuntimeError):
-    def __init__(self, message: str, retry_after: int) -> None:
-        super().__init__(message)
-        self.code = "overloaded"
-        self.http_status = 503
-        self.retry_after = retry_after
+from supervisor.errors import GateClosed
 
 
 class _Waiter:

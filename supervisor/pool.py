@@ -4,7 +4,9 @@ One worker process per loaded model. The pool knows processes and their
 states (DESIGN.md: starting -> loading -> ready <-> busy -> draining -> stopped,
 plus dead, wedged and failed); it decides nothing about memory. The enforcer
 and the front door ask it to spawn and stop; it tells them, through
-`on_event`, everything that happened, each with a cause people can read.
+`on_event`, everything that happened, as typed `PoolEvent`s, each with a
+cause people can read. A worker's state changes only through
+`WorkerHandle.move` (the table in shared.states).
 """
 
 from __future__ import annotations
@@ -15,51 +17,25 @@ import logging
 import os
 import signal
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Literal, Union
 
 import msgspec
 import multiprocess
+from typing_extensions import assert_never
 
 from shared import protocol as p
 from shared.ledger import Ledger, LedgerSample
 from shared.limits import Limits
+from shared.states import LIVE_STATES, LOADING_STATES, SERVING_STATES, WorkerEvent, WorkerState, transition
+from supervisor.errors import LoadError
+from supervisor.streams import RequestStream, Streams
 
 log = logging.getLogger("memvisor.pool")
 
-LIVE_STATES = ("starting", "loading", "ready", "busy", "draining")
-
-
-class LoadError(RuntimeError):
-    """A model could not be brought up; `code` is the API error code."""
-
-    def __init__(self, message: str, code: str = "load_failed", http_status: int = 500) -> None:
-        super().__init__(message)
-        self.code = code
-        self.http_status = http_status
-
-
-class RequestStream:
-    """One generation in flight: replies from the worker land in `queue`."""
-
-    __slots__ = ("request_id", "model_id", "worker", "queue", "created", "first_token", "done")
-
-    def __init__(self, request_id: str, model_id: str, worker: "WorkerHandle") -> None:
-        self.request_id = request_id
-        self.model_id = model_id
-        self.worker = worker
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.created = time.monotonic()
-        self.first_token: float | None = None
-        self.done = False
-
-    def put(self, msg: p.Msg) -> None:
-        if self.done:
-            return
-        if isinstance(msg, p.TokenOut) and self.first_token is None:
-            self.first_token = time.monotonic()
-        if isinstance(msg, (p.Finished, p.Failed)):
-            self.done = True
-        self.queue.put_nowait(msg)
+# Why a stop was asked for; the arbiter respawns a pinned model whose load the
+# guard aborted (P6 step 4) as it would after a crash.
+StopCause = Literal["request", "evict", "ttl", "unload", "load_abort", "wedged", "shutdown"]
 
 
 class WorkerHandle:
@@ -74,7 +50,7 @@ class WorkerHandle:
         self.generation = generation
         self.proc = None
         self.pid: int = 0
-        self.state: str = "starting"
+        self.state: WorkerState = "starting"
         self.spawned_at = time.monotonic()
         self.last_access = self.spawned_at
         self.last_pong = self.spawned_at
@@ -86,7 +62,9 @@ class WorkerHandle:
         self.requests: dict[str, RequestStream] = {}
         self.marked_for_unload = False
         self.stop_reason = ""
+        self.stop_cause: StopCause | None = None
         self.stopping: asyncio.Task | None = None
+        self.failed_reason = ""
         self.exit_cause = ""
         self.concurrency = max(1, model.max_concurrency)
         self.sample: LedgerSample | None = None
@@ -101,11 +79,96 @@ class WorkerHandle:
     def live(self) -> bool:
         return self.state in LIVE_STATES
 
+    @property
+    def serving(self) -> bool:
+        return self.state in SERVING_STATES
+
+    def move(self, event: WorkerEvent) -> WorkerState:
+        """The one place a worker's state changes (illegal moves raise)."""
+        self.state = transition(self.state, event)
+        return self.state
+
     def __repr__(self) -> str:
         return f"<worker {self.worker_id} pid={self.pid} {self.state}>"
 
 
-EventSink = Callable[..., None]
+@dataclass(frozen=True, slots=True)
+class Spawned:
+    handle: WorkerHandle
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    handle: WorkerHandle
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class LoadFailed:
+    handle: WorkerHandle
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class NeedMemory:
+    """SPEC G1: the worker's prefill needs `need_bytes` more (the shortfall)."""
+
+    handle: WorkerHandle
+    request_id: str
+    need_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Exited:
+    """The process is gone; `expected` when a stop had been asked for."""
+
+    handle: WorkerHandle
+    reason: str
+    expected: bool
+    code: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Reported:
+    """An event the worker itself reported (drills)."""
+
+    handle: WorkerHandle
+    kind: str
+    reason: str
+
+
+PoolEvent = Union[Spawned, Loaded, LoadFailed, NeedMemory, Exited, Reported]
+EventSink = Callable[[PoolEvent], None]
+
+
+class Retired:
+    """Where a model stands when no worker of it could even start (its load was
+    refused before a spawn): a dead worker with no process, so that giving up
+    on it is the same `give_up` move as for a worker that crashed."""
+
+    __slots__ = ("state", "failed_reason")
+
+    def __init__(self) -> None:
+        self.state: WorkerState = "dead"
+        self.failed_reason = ""
+
+    def move(self, event: WorkerEvent) -> WorkerState:
+        self.state = transition(self.state, event)
+        return self.state
+
+
+class ModelView(msgspec.Struct, frozen=True, kw_only=True):
+    """A model's state, worked out in one place (`Pool.model_view`).
+
+    `state` is its live worker's state, else `failed` (restart intensity
+    exhausted: `reason` says why), else `unloaded`."""
+
+    id: str
+    state: str
+    worker: str = ""
+    pid: int = 0
+    reason: str = ""
 
 
 class Pool:
@@ -117,9 +180,10 @@ class Pool:
         self.on_change = on_change  # wake the enforcer
         self.handles: dict[str, WorkerHandle] = {}
         self.by_identity: dict[bytes, WorkerHandle] = {}
-        self.requests: dict[str, RequestStream] = {}
+        self.streams = Streams()
         self.restarts: dict[str, collections.deque] = collections.defaultdict(collections.deque)
-        self.failed: dict[str, str] = {}  # model id -> why it is not respawned
+        # model id -> its last worker that exited (or a Retired stand-in)
+        self.last_exited: dict[str, WorkerHandle | Retired] = {}
         self._generation = 0
         self._cmd = 0
         self._free_slots = list(range(ledger.n_slots))
@@ -137,6 +201,26 @@ class Pool:
             if h.model_id == model_id and h.live:
                 return h
         return None
+
+    @property
+    def failed(self) -> dict[str, str]:
+        """Models whose last worker is in state `failed`, with why."""
+        return {m: h.failed_reason for m, h in self.last_exited.items() if h.state == "failed"}
+
+    def mark_failed(self, model_id: str, reason: str) -> None:
+        """Restart intensity exhausted: the model's last worker moves to `failed`."""
+        last = self.last_exited.setdefault(model_id, Retired())
+        last.move("give_up")
+        last.failed_reason = reason
+
+    def model_view(self, model_id: str) -> ModelView:
+        handle = self.worker_for(model_id)
+        if handle is not None:
+            return ModelView(id=model_id, state=handle.state, worker=handle.worker_id, pid=handle.pid)
+        last = self.last_exited.get(model_id)
+        if last is not None and last.state == "failed":
+            return ModelView(id=model_id, state="failed", reason=last.failed_reason)
+        return ModelView(id=model_id, state="unloaded")
 
     # -- spawning -------------------------------------------------------------
 
@@ -181,78 +265,80 @@ class Pool:
         asyncio.get_running_loop().add_reader(proc.sentinel, self._on_sentinel, handle)
         self.counters["spawned"] += 1
         log.info("Spawned worker %s (pid %d) for model %s from %s", worker_id, proc.pid, model.id, model.path)
-        self.on_event("spawn", f"started worker pid {proc.pid} to load {model.path}", handle)
+        self.on_event(Spawned(handle, f"started worker pid {proc.pid} to load {model.path}"))
         return handle
 
     # -- messages from workers ----------------------------------------------
 
-    def on_reply(self, identity: bytes, msg) -> None:
+    def on_reply(self, identity: bytes, msg: p.WorkerReply) -> None:
         handle = self.by_identity.get(identity)
         if handle is None or not handle.live:
-            self.bus.bad("commands", f"message from unknown or stopped worker {identity!r}")
+            self.bus.bad("commands", "message from an unknown or stopped worker")
             return
-        if isinstance(msg, p.TokenOut | p.Finished | p.Failed):
-            stream = self.requests.get(msg.request_id)
-            if stream is not None:
-                stream.put(msg)
-                if stream.done:
-                    self._finish_request(stream)
-            return
-        if isinstance(msg, p.Pong):
-            handle.last_pong = time.monotonic()
-            waiter = self._pings.pop((handle.worker_id, msg.seq), None)
-            if waiter is not None and not waiter.done():
-                waiter.set_result(handle.last_pong)
-        elif isinstance(msg, p.Hello):
-            self._on_hello(handle, msg)
-        elif isinstance(msg, p.Loaded):
-            handle.weight_bytes = msg.weight_bytes
-            if handle.stopping is None:  # a stop is final: a worker on its way out is never ready
-                handle.state = "ready"
-            handle.last_access = time.monotonic()
-            handle.last_pong = handle.last_access
-            if not handle.loaded.done():
-                handle.loaded.set_result(True)
-            log.info("Worker %s loaded %s (%.1f MB weights) in %.2f s",
-                     handle.worker_id, handle.model_id, msg.weight_bytes / 1e6, msg.seconds)
-            self.on_event("loaded", f"model loaded in {msg.seconds:.2f} s", handle)
-            self.on_change()
-        elif isinstance(msg, p.LoadFailed):
-            if not handle.loaded.done():
-                handle.loaded.set_exception(LoadError(f"model {handle.model_id!r} failed to load: {msg.error}"))
-            handle.marked_for_unload = True
-            self.on_event("load_failed", msg.error, handle)
-        elif isinstance(msg, p.NeedMemory):
-            self.on_event("need_memory", f"prefill of {msg.request_id} needs {msg.need_bytes} bytes", handle,
-                          request_id=msg.request_id, need_bytes=msg.need_bytes)
-        # Ack / Reclaimed are informational; the sample that follows carries the effect.
+        match msg:
+            case p.TokenOut() | p.Finished() | p.Failed():
+                self.streams.deliver(msg)
+            case p.Pong():
+                handle.last_pong = time.monotonic()
+                waiter = self._pings.pop((handle.worker_id, msg.seq), None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(handle.last_pong)
+            case p.Hello():
+                self._on_hello(handle, msg)
+            case p.Loaded():
+                self._on_loaded(handle, msg)
+            case p.LoadFailed():
+                if not handle.loaded.done():
+                    handle.loaded.set_exception(LoadError(f"model {handle.model_id!r} failed to load: {msg.error}"))
+                handle.marked_for_unload = True
+                self.on_event(LoadFailed(handle, msg.error))
+            case p.NeedMemory():
+                self.on_event(NeedMemory(handle, msg.request_id, msg.need_bytes))
+            case p.Ack() | p.Reclaimed():
+                pass  # informational; the sample that follows carries the effect
+            case _:
+                assert_never(msg)
 
     def _on_hello(self, handle: WorkerHandle, msg: p.Hello) -> None:
         if msg.pid != handle.pid or msg.worker_id != handle.worker_id:
-            self.bus.bad("commands", f"hello from {msg.worker_id} pid {msg.pid} does not match the spawned process")
+            self.bus.bad("commands", "hello that does not match the spawned process")
             return
         handle.device_info = dict(msg.device_info)
-        if handle.stopping is None:
-            handle.state = "loading"
+        handle.move("hello")
         handle.last_pong = time.monotonic()
         if handle.last_limits is not None:
             self.command(handle, p.SetLimits(limits=handle.last_limits))
         self.on_change()
 
-    def on_report(self, msg) -> None:
-        if isinstance(msg, p.Sample):
-            handle = self.handles.get(msg.worker_id)
-            if handle is None or msg.pid != handle.pid:
-                self.bus.bad("reports", f"sample from unknown worker {msg.worker_id}")
-                return
-            self.counters["samples"] += 1
-            self.bus.publish(msg)
-            if msg.why == "watermark" and self.wake_on_watermark:
-                self.on_change()  # P9: a watermark crossing is answered now, not at the next tick
-        elif isinstance(msg, p.WorkerEvent):
-            handle = self.handles.get(msg.worker_id)
-            if handle is not None:
-                self.on_event(msg.kind, msg.message, handle)
+    def _on_loaded(self, handle: WorkerHandle, msg: p.Loaded) -> None:
+        handle.weight_bytes = msg.weight_bytes
+        handle.move("loaded")  # a worker on its way out stays draining: a stop is final
+        handle.last_access = time.monotonic()
+        handle.last_pong = handle.last_access
+        if not handle.loaded.done():
+            handle.loaded.set_result(True)
+        log.info("Worker %s loaded %s (%.1f MB weights) in %.2f s",
+                 handle.worker_id, handle.model_id, msg.weight_bytes / 1e6, msg.seconds)
+        self.on_event(Loaded(handle, f"model loaded in {msg.seconds:.2f} s"))
+        self.on_change()
+
+    def on_report(self, msg: p.WorkerReport) -> None:
+        match msg:
+            case p.Sample():
+                handle = self.handles.get(msg.worker_id)
+                if handle is None or msg.pid != handle.pid:
+                    self.bus.bad("reports", "sample from an unknown worker")
+                    return
+                self.counters["samples"] += 1
+                self.bus.publish(msg)
+                if msg.why == "watermark" and self.wake_on_watermark:
+                    self.on_change()  # P9: a watermark crossing is answered now, not at the next tick
+            case p.WorkerEvent():
+                handle = self.handles.get(msg.worker_id)
+                if handle is not None:
+                    self.on_event(Reported(handle, msg.kind, msg.message))
+            case _:
+                assert_never(msg)
 
     # -- commands -------------------------------------------------------------
 
@@ -273,11 +359,7 @@ class Pool:
             self.command(handle, p.SetLimits(limits=limits))
 
     def open_request(self, handle: WorkerHandle, request_id: str) -> RequestStream:
-        stream = RequestStream(request_id, handle.model_id, handle)
-        self.requests[request_id] = stream
-        handle.requests[request_id] = stream
-        handle.last_access = time.monotonic()
-        return stream
+        return self.streams.open(handle, request_id)
 
     def cancel_request(self, stream: RequestStream, reason: str) -> None:
         """The client went away: abort in the worker, forget the stream."""
@@ -285,12 +367,7 @@ class Pool:
             self.command(stream.worker, p.AbortRequests(request_ids=[stream.request_id], reason=reason,
                                                         code="client_disconnected"))
             stream.done = True
-        self._finish_request(stream)
-
-    def _finish_request(self, stream: RequestStream) -> None:
-        self.requests.pop(stream.request_id, None)
-        stream.worker.requests.pop(stream.request_id, None)
-        stream.worker.last_access = time.monotonic()
+        self.streams.close(stream)
 
     # -- liveness ---------------------------------------------------------------
 
@@ -304,11 +381,11 @@ class Pool:
         scfg = self.config.supervisor
         wedged = []
         for h in list(self.handles.values()):
-            if h.state in ("starting", "loading") and h.stopping is None:
+            if h.state in LOADING_STATES and h.stopping is None:
                 if now - h.spawned_at > scfg.load_timeout:
                     wedged.append(h)
                 continue
-            if h.state not in ("ready", "busy"):
+            if not h.serving:
                 continue
             if now - h.last_pong > scfg.heartbeat_timeout:
                 wedged.append(h)
@@ -336,17 +413,19 @@ class Pool:
                 sample = self.ledger.read_sample(h.slot)
                 if sample is not None and sample.pid == h.pid:
                     h.sample = sample
-                    if h.state in ("ready", "busy"):
-                        h.state = "busy" if sample.running or h.requests else "ready"
+                    if h.serving:
+                        h.move("work" if sample.running or h.requests else "idle")
 
     # -- stopping -------------------------------------------------------------
 
-    def stop(self, handle: WorkerHandle, reason: str, *, kill_now: bool = False) -> asyncio.Task:
+    def stop(self, handle: WorkerHandle, reason: str, *, kill_now: bool = False,
+             cause: StopCause = "request") -> asyncio.Task:
         """Drain -> SIGTERM -> SIGKILL, each after a grace period. Idempotent."""
         if handle.stopping is not None:
             return handle.stopping
         handle.stop_reason = reason
-        handle.state = "draining"
+        handle.stop_cause = cause
+        handle.move("stop")
         handle.stopping = asyncio.get_running_loop().create_task(self._stop(handle, reason, kill_now))
         return handle.stopping
 
@@ -378,13 +457,13 @@ class Pool:
         except ProcessLookupError:
             pass
 
-    def kill(self, handle: WorkerHandle, reason: str) -> asyncio.Task:
+    def kill(self, handle: WorkerHandle, reason: str, cause: StopCause = "request") -> asyncio.Task:
         """For a wedged worker (it will not obey a drain) or a second ^C (no time
         to wait for one): skip straight to signals. A stop already waiting for
         the worker to drain is hurried with SIGTERM; its escalation goes on."""
         if handle.stopping is not None and signal.SIGTERM not in handle.signals_sent:
             self._signal(handle, signal.SIGTERM)
-        return self.stop(handle, reason, kill_now=True)
+        return self.stop(handle, reason, kill_now=True, cause=cause)
 
     # -- exits ----------------------------------------------------------------
 
@@ -404,20 +483,15 @@ class Pool:
     def _exited(self, handle: WorkerHandle, code: int | None) -> None:
         expected = handle.stopping is not None
         handle.exit_cause = describe_exit(code, expected, handle.signals_sent)
-        prior = handle.state
-        handle.state = "stopped" if expected else "dead"
-        if handle.state == "dead" and prior == "wedged":
-            handle.state = "wedged"
+        handle.move("exit")
+        self.last_exited[handle.model_id] = handle
         self.ledger.clear_slot(handle.slot)
         self._free_slots.append(handle.slot)
         self.by_identity.pop(handle.identity, None)
         level = logging.INFO if expected and code == 0 else logging.ERROR
         log.log(level, "Worker %s (pid %d, model %s) %s%s", handle.worker_id, handle.pid, handle.model_id,
                 handle.exit_cause, f" [{handle.stop_reason}]" if handle.stop_reason else "")
-        for stream in list(handle.requests.values()):
-            stream.put(p.Failed(request_id=stream.request_id, code="worker_exited",
-                                message=f"the worker serving {handle.model_id!r} {handle.exit_cause}"))
-            self._finish_request(stream)
+        self.streams.fail_all(handle, "worker_exited", f"the worker serving {handle.model_id!r} {handle.exit_cause}")
         if not handle.loaded.done():
             handle.loaded.set_exception(
                 LoadError(f"worker for {handle.model_id!r} {handle.exit_cause} before the model was loaded"))
@@ -425,7 +499,7 @@ class Pool:
             handle.exited.set_result(code)
         self.handles.pop(handle.worker_id, None)
         self.counters["exits"] += 1
-        self.on_event("exit" if expected else "crash", handle.exit_cause, handle, exitcode=code)
+        self.on_event(Exited(handle, handle.exit_cause, expected, code))
         self.on_change()
 
     # -- restart intensity -----------------------------------------------------
@@ -448,7 +522,7 @@ class Pool:
     # -- shutdown ----------------------------------------------------------------
 
     async def shutdown(self, reason: str) -> None:
-        tasks = [self.stop(h, reason) for h in list(self.handles.values()) if h.proc is not None]
+        tasks = [self.stop(h, reason, cause="shutdown") for h in list(self.handles.values()) if h.proc is not None]
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
 

@@ -6,8 +6,9 @@ no lock (DESIGN.md: one loop). Starlette rather than FastAPI: the bodies are
 msgspec Structs validated by msgspec, so FastAPI's pydantic layer would only
 add a second validator and its import cost.
 
-Entry points for the arbiter: `start_http(arbiter)` (binds, starts uvicorn
-as a task, sets `arbiter.http_address`) and `build_app(arbiter)`.
+Entry points for the arbiter: `start_http(sup)` (binds, starts uvicorn as a
+task, returns the server and the address it bound) and `build_app(sup)`.
+The front door sees the supervisor only through `supervisor.api.Supervisor`.
 
 Endpoints (DESIGN.md contract):
   GET  /health                      200, or 503 while a pinned model is not ready
@@ -42,13 +43,15 @@ from starlette.routing import Route
 
 from shared import protocol as p
 from shared.sizes import SizeError, parse_size
+from shared.states import SERVING_STATES
+from supervisor.api import Supervisor
 from supervisor.config import parse_http
+from supervisor.errors import ServeError
 from supervisor.http import generate as http_generate
 from supervisor.http.body import Disconnected, read_body
-from supervisor.http.errors import ApiError, from_load_error
+from supervisor.http.errors import ApiError, from_serve_error
 from supervisor.http.metrics import Metrics
 from supervisor.http.openai_types import BodyError, GuardSettingsIn, ModelCard, ModelList, decode_body
-from supervisor.pool import LoadError
 
 log = logging.getLogger("memvisor.http")
 
@@ -110,53 +113,51 @@ def require_admin(request: Request, token: str) -> None:
 
 
 class FrontDoor:
-    """Route handlers bound to one arbiter."""
+    """Route handlers bound to one supervisor."""
 
-    def __init__(self, arbiter) -> None:
-        self.arbiter = arbiter
-        self.scfg = arbiter.config.supervisor
-        self.metrics = Metrics(arbiter)
+    def __init__(self, sup: Supervisor) -> None:
+        self.sup = sup
+        self.scfg = sup.config.supervisor
+        self.metrics = Metrics(sup)
         self.created = int(time.time())
 
     # -- models ---------------------------------------------------------------
 
     def card(self, model) -> ModelCard:
-        pool = self.arbiter.pool
-        handle = pool.worker_for(model.id)
-        state = "failed" if model.id in pool.failed else handle.state if handle else "unloaded"
-        return ModelCard(id=model.id, created=self.created, state=state, pinned=model.pinned,
-                         worker=handle.worker_id if handle else None, pid=handle.pid if handle else None)
+        view = self.sup.model_view(model.id)
+        return ModelCard(id=model.id, created=self.created, state=view.state, pinned=model.pinned,
+                         worker=view.worker or None, pid=view.pid or None)
 
     async def models(self, request: Request) -> Response:
-        return json_response(ModelList(data=[self.card(m) for m in self.arbiter.config.models]))
+        return json_response(ModelList(data=[self.card(m) for m in self.sup.config.models]))
 
     async def model(self, request: Request) -> Response:
         model_id = request.path_params["model_id"]
         action = model_id.rpartition("/")[2]
-        if action in ("load", "unload") and self.arbiter.config.model(model_id) is None:
+        if action in ("load", "unload") and self.sup.config.model(model_id) is None:
             raise ApiError(405, f"{action} takes POST, not {request.method}", code="method_not_allowed",
                            headers={"Allow": "POST"})
         return json_response(self.card(self._model_config(model_id)))
 
     def _model_config(self, model_id: str):
         try:
-            return self.arbiter.model_config(model_id)
-        except LoadError as exc:
-            raise from_load_error(exc) from None
+            return self.sup.model_config(model_id)
+        except ServeError as exc:
+            raise from_serve_error(exc) from None
 
     async def load(self, request: Request) -> Response:
         require_admin(request, self.scfg.admin_token)
         model = self._model_config(request.path_params["model_id"])
         try:
-            await http_generate.race_client(self.arbiter.load(model.id), request.receive)
-        except LoadError as exc:
-            raise from_load_error(exc) from None
+            await http_generate.race_client(self.sup.load(model.id), request.receive)
+        except ServeError as exc:
+            raise from_serve_error(exc) from None
         return json_response(self.card(model))
 
     async def unload(self, request: Request) -> Response:
         require_admin(request, self.scfg.admin_token)
         model = self._model_config(request.path_params["model_id"])
-        done = await self.arbiter.unload(model.id, "unloaded over HTTP")
+        done = await self.sup.unload(model.id, "unloaded over HTTP")
         return json_response(UnloadBody(id=model.id, unloaded=done))
 
     # -- generation -----------------------------------------------------------
@@ -170,13 +171,13 @@ class FrontDoor:
     async def _generate(self, request: Request, kind: str) -> Response:
         body = await read_body(request, self.scfg.max_body)
         started = request.scope.get("memvisor.started", time.monotonic())
-        return await http_generate.handle(request, self.arbiter, self.metrics, kind, body, started)
+        return await http_generate.handle(request, self.sup, self.metrics, kind, body, started)
 
     # -- guard ----------------------------------------------------------------
 
     async def status(self, request: Request) -> Response:
         """SPEC S1 plus the PUB endpoint, models, recent events (supervisor.policy.status.ServerStatus)."""
-        return json_response(self.arbiter.server_status())
+        return json_response(self.sup.server_status())
 
     async def guard(self, request: Request) -> Response:
         """SPEC T6: new settings take effect at once (the enforcer ticks)."""
@@ -189,26 +190,26 @@ class FrontDoor:
             except SizeError as exc:
                 raise BodyError(f"custom_ceiling: {exc}", param="custom_ceiling") from None
         try:
-            self.arbiter.enforcer.update_guard(p.GuardUpdate(tier=new.tier, custom_ceiling=ceiling,
-                                                             enabled=new.enabled))
+            self.sup.update_guard(p.GuardUpdate(tier=new.tier, custom_ceiling=ceiling, enabled=new.enabled))
         except ValueError as exc:
             raise ApiError(400, str(exc), code="invalid_guard_settings") from None
-        return json_response(self.arbiter.server_status())
+        return json_response(self.sup.server_status())
 
     async def health(self, request: Request) -> Response:
-        pool = self.arbiter.pool
+        """503 while a pinned model is not serving: `failed` when one gave up, else `loading`."""
         waiting: dict[str, str] = {}
-        for model in self.arbiter.config.models:
+        failed = False
+        for model in self.sup.config.models:
             if not model.pinned:
                 continue
-            handle = pool.worker_for(model.id)
-            if model.id in pool.failed:
-                waiting[model.id] = f"failed: {pool.failed[model.id]}"
-            elif handle is None:
+            view = self.sup.model_view(model.id)
+            if view.state == "failed":
+                failed = True
+                waiting[model.id] = f"failed: {view.reason}"
+            elif view.state == "unloaded":
                 waiting[model.id] = "not loaded yet"
-            elif handle.state not in ("ready", "busy"):
-                waiting[model.id] = handle.state
-        failed = any(why.startswith("failed") for why in waiting.values())
+            elif view.state not in SERVING_STATES:
+                waiting[model.id] = view.state
         status = "failed" if failed else "loading" if waiting else "ok"
         return json_response(HealthBody(status=status, waiting=waiting), 503 if waiting else 200)
 
@@ -310,9 +311,9 @@ def endpoint_label(path: str) -> str:
     return "other"
 
 
-def build_app(arbiter):
+def build_app(sup: Supervisor):
     """The ASGI app: Starlette routes inside the metrics wrapper."""
-    door = FrontDoor(arbiter)
+    door = FrontDoor(sup)
     app = Starlette(routes=door.routes(), exception_handlers={HTTPException: _http_exception})
     app.state.front_door = door
     wrapped = Instrumented(app, door.metrics)
@@ -357,14 +358,12 @@ def format_address(sock: socket.socket) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-async def start_http(arbiter) -> uvicorn.Server:
-    """Serve the front door as a task of the running loop; returns once it accepts.
-
-    Sets `arbiter.http_address` ("HOST:PORT" actually bound; port 0 picks one)
-    and records it in the runtime dir's endpoints.json so clients find it."""
-    host, port = parse_http(arbiter.config.supervisor.http)
+async def start_http(sup: Supervisor) -> tuple[uvicorn.Server, str]:
+    """Serve the front door as a task of the running loop; returns once it accepts,
+    with the "HOST:PORT" actually bound (port 0 picks a free one)."""
+    host, port = parse_http(sup.config.supervisor.http)
     sock = bind(host, port)
-    config = uvicorn.Config(build_app(arbiter), lifespan="off", log_config=None, access_log=False,
+    config = uvicorn.Config(build_app(sup), lifespan="off", log_config=None, access_log=False,
                             server_header=False, timeout_graceful_shutdown=5)
     server = EmbeddedServer(config)
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]), name="memvisor-http")
@@ -374,15 +373,6 @@ async def start_http(arbiter) -> uvicorn.Server:
             sock.close()
             raise FrontDoorError(f"the HTTP server stopped while starting: {task.exception()!r}")
         await asyncio.sleep(0.005)
-    arbiter.http_address = format_address(sock)
-    _record_address(arbiter)
-    log.info("front door listening on http://%s", arbiter.http_address)
-    return server
-
-
-def _record_address(arbiter) -> None:
-    endpoints = getattr(arbiter, "endpoints", None)
-    if endpoints is None or endpoints.http == arbiter.http_address:
-        return
-    arbiter.endpoints = msgspec.structs.replace(endpoints, http=arbiter.http_address)
-    arbiter.endpoints.save(arbiter.runtime_dir)
+    address = format_address(sock)
+    log.info("front door listening on http://%s", address)
+    return server, address

@@ -16,6 +16,7 @@ import msgspec
 from starlette.responses import Response
 
 from shared import protocol as p
+from supervisor.errors import ServeError
 from supervisor.http.openai_types import ErrorBody, ErrorDetail
 
 _encoder = msgspec.json.Encoder()
@@ -76,15 +77,12 @@ class ApiError(Exception):
                         media_type="application/json")
 
 
-def from_load_error(exc) -> ApiError:
-    """supervisor.pool.LoadError -> 404 / 503 / 507 / 500 as admission decided."""
-    return ApiError(exc.http_status, str(exc), code=exc.code,
-                    retry_after=RETRY_AFTER_ABORT if exc.http_status == 503 else None)
-
-
-def from_gate_closed(exc) -> ApiError:
-    """supervisor.gate.GateClosed: the P3 queue is full or the wait ran out."""
-    return ApiError(exc.http_status, str(exc), code=exc.code, retry_after=exc.retry_after)
+def from_serve_error(exc: ServeError) -> ApiError:
+    """A refusal (load, queue, request size) -> its status; a 503 says when to retry."""
+    retry = exc.retry_after
+    if retry is None and exc.http_status == 503:
+        retry = RETRY_AFTER_ABORT
+    return ApiError(exc.http_status, str(exc), code=exc.code, retry_after=retry)
 
 
 def from_failed(msg: p.Failed) -> ApiError:

@@ -3,7 +3,7 @@
 The path of one request:
 
   body -> typed request (openai_types) -> shared.protocol.Generate
-  -> arbiter.generate: on-demand load (SPEC A, one shared load per model, A5),
+  -> Supervisor.generate: on-demand load (SPEC A, one shared load per model, A5),
      then the admission gate while pressure pauses admission (P3)
   -> tokens from the worker's RequestStream -> JSON or SSE chunks.
 
@@ -14,7 +14,7 @@ client nothing (it could not have read a chunk earlier anyway). After that,
 a failure is one `data: {"error": ...}` event, which the OpenAI SDK raises.
 
 A client that goes away is noticed while it waits (load, queue, generation)
-and its request is aborted in the worker (`arbiter.cancel`), so nobody's
+and its request is aborted in the worker (`Supervisor.cancel`), so nobody's
 memory keeps working for a reader who left.
 """
 
@@ -31,9 +31,10 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from shared import protocol as p
-from supervisor.gate import GateClosed
+from supervisor.api import Supervisor
+from supervisor.errors import ServeError
 from supervisor.http.body import Disconnected
-from supervisor.http.errors import from_failed, from_gate_closed, from_load_error
+from supervisor.http.errors import from_failed, from_serve_error
 from supervisor.http.openai_types import (
     DEFAULT_CHAT_MAX_TOKENS,
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -52,7 +53,7 @@ from supervisor.http.openai_types import (
     Usage,
     decode_body,
 )
-from supervisor.pool import LoadError, RequestStream
+from supervisor.streams import RequestStream
 
 log = logging.getLogger("memvisor.http")
 
@@ -168,13 +169,11 @@ async def race_client(coro: Awaitable, receive) -> object:
     raise Disconnected()
 
 
-async def open_stream(arbiter, model: str, gen: p.Generate, receive) -> RequestStream:
+async def open_stream(sup: Supervisor, model: str, gen: p.Generate, receive) -> RequestStream:
     try:
-        return await race_client(arbiter.generate(model, gen), receive)
-    except LoadError as exc:
-        raise from_load_error(exc) from None
-    except GateClosed as exc:
-        raise from_gate_closed(exc) from None
+        return await race_client(sup.generate(model, gen), receive)
+    except ServeError as exc:
+        raise from_serve_error(exc) from None
 
 
 # ---------------------------------------------------------------------------
@@ -187,9 +186,9 @@ _CLIENT_GONE = object()  # put in a stream's queue when its client disconnects
 class Job:
     """One generation as the front door sees it: ids, timing, the shape of its output."""
 
-    def __init__(self, arbiter, metrics, kind: str, model: str, gen: p.Generate, include_usage: bool,
+    def __init__(self, sup: Supervisor, metrics, kind: str, model: str, gen: p.Generate, include_usage: bool,
                  started: float) -> None:
-        self.arbiter = arbiter
+        self.sup = sup
         self.metrics = metrics
         self.kind = kind  # "chat" | "text"
         self.model = model
@@ -206,7 +205,7 @@ class Job:
         """Abort the worker's request unless it already ended (idempotent)."""
         if self.stream is not None and not self.finished:
             self.finished = True
-            self.arbiter.cancel(self.stream, reason)
+            self.sup.cancel(self.stream, reason)
             self.metrics.cancelled(self.model)
 
     def watch(self, receive) -> asyncio.Task:
@@ -335,13 +334,13 @@ def _usage(msg: p.Finished) -> Usage:
                  total_tokens=msg.prompt_tokens + msg.completion_tokens)
 
 
-async def handle(request: Request, arbiter, metrics, kind: str, body: bytes, started: float) -> Response:
+async def handle(request: Request, sup: Supervisor, metrics, kind: str, body: bytes, started: float) -> Response:
     """Decode, validate, route to the model's worker, answer (JSON or SSE)."""
     req = decode_body(body, ChatRequest if kind == "chat" else CompletionRequest)
     gen = chat_generate(req) if kind == "chat" else completion_generate(req)
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
-    job = Job(arbiter, metrics, kind, req.model, gen, include_usage, started)
-    job.stream = await open_stream(arbiter, req.model, gen, request.receive)
+    job = Job(sup, metrics, kind, req.model, gen, include_usage, started)
+    job.stream = await open_stream(sup, req.model, gen, request.receive)
     if req.stream:
         return await job.streamed(request.receive)
     return await job.whole(request.receive)

@@ -22,6 +22,8 @@ import logging
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from supervisor.api import Supervisor
+
 log = logging.getLogger("memvisor.metrics")
 
 # Guard event kinds that always have a series (0 until they happen), so a
@@ -39,8 +41,7 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 class Metrics:
     """The front door's instruments, in a registry of their own."""
 
-    def __init__(self, arbiter) -> None:
-        self.arbiter = arbiter
+    def __init__(self, sup: Supervisor) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("memvisor_http_requests", "HTTP requests answered, by endpoint and status",
@@ -60,8 +61,8 @@ class Metrics:
                               "reclaims, respawns, refused loads, crashes ...", ["kind"], registry=r)
         for kind in EVENT_KINDS:
             self.events.labels(kind)
-        r.register(GuardCollector(arbiter))
-        arbiter.event_hooks.append(self.on_event)
+        r.register(GuardCollector(sup))
+        sup.add_event_hook(self.on_event)
 
     # -- called where things happen ---------------------------------------------
 
@@ -94,17 +95,17 @@ class Metrics:
 class GuardCollector:
     """Current values, read from the arbiter at scrape time."""
 
-    def __init__(self, arbiter) -> None:
-        self.arbiter = arbiter
+    def __init__(self, sup: Supervisor) -> None:
+        self.sup = sup
 
     def describe(self):
         return []  # values exist only at scrape time; no up-front description
 
     def collect(self):
-        arb = self.arbiter
-        yield from self._guard(getattr(arb.enforcer, "last", None), arb.enforcer.admission_paused)
-        yield from self._workers(arb.pool.handles.values())
-        yield from self._counters(arb)
+        sup = self.sup
+        yield from self._guard(sup.last_tick(), sup.admission_paused)
+        yield from self._workers(sup.workers())
+        yield from self._counters(sup.counters(), sup.malformed_frames())
 
     def _guard(self, last, paused: bool):
         if last is None:
@@ -152,24 +153,23 @@ class GuardCollector:
             running.add_metric(key, len(h.requests))
         yield from (usage, active, pool, running)
 
-    def _counters(self, arb):
-        gate = arb.gate
+    def _counters(self, counters: dict[str, int], malformed: dict[tuple[str, str], int]):
         yield GaugeMetricFamily("memvisor_queue_depth", "Requests waiting while admission is paused (SPEC P3)",
-                                value=gate.depth)
+                                value=counters.get("gate_depth", 0))
         rejected = CounterMetricFamily("memvisor_queue_rejected", "Queued requests turned away (503)",
                                        labels=["reason"])
-        rejected.add_metric(["full"], gate.rejected_full)
-        rejected.add_metric(["deadline"], gate.rejected_deadline)
+        rejected.add_metric(["full"], counters.get("gate_rejected_full", 0))
+        rejected.add_metric(["deadline"], counters.get("gate_rejected_deadline", 0))
         yield rejected
         workers = CounterMetricFamily("memvisor_workers", "Worker processes by what happened to them",
                                       labels=["what"])
         for what in ("spawned", "exits", "respawns"):
-            workers.add_metric([what], arb.pool.counters.get(what, 0))
+            workers.add_metric([what], counters.get(what, 0))
         yield workers
         yield CounterMetricFamily("memvisor_samples", "Worker memory samples received",
-                                  value=arb.pool.counters.get("samples", 0))
+                                  value=counters.get("samples", 0))
         bad = CounterMetricFamily("memvisor_bus_malformed_frames", "Frames refused on the bus",
                                   labels=["socket", "cause"])
-        for (socket, cause), n in arb.bus.malformed.items():
+        for (socket, cause), n in malformed.items():
             bad.add_metric([socket, cause], n)
         yield bad

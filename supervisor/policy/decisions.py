@@ -5,7 +5,7 @@ written for people: the enforcer logs it and publishes it as an S2 event.
 Worker-directed decisions name the worker id and, for readable events and
 replay output, its model id. The enforcer carries them out in list order.
 
-Public names (stable): Decision (the union), every class below, DESTRUCTIVE.
+Public names (stable): Decision and WorkerDecision (the unions), every class below, DESTRUCTIVE.
 """
 
 from __future__ import annotations
@@ -97,11 +97,8 @@ class ExpireTTL(_ForWorker, tag="expire_ttl", frozen=True, kw_only=True, gc=Fals
     """P10: the model sat idle longer than its TTL; unload it."""
 
 
-Decision = Union[
-    Warn,
-    LevelChanged,
-    PauseAdmission,
-    ResumeAdmission,
+# Decisions that name one worker; the enforcer carries each out on that worker.
+WorkerDecision = Union[
     SetLimits,
     Reclaim,
     ShrinkHotCache,
@@ -111,6 +108,14 @@ Decision = Union[
     Stop,
     SetConcurrency,
     ExpireTTL,
+]
+
+Decision = Union[
+    Warn,
+    LevelChanged,
+    PauseAdmission,
+    ResumeAdmission,
+    WorkerDecision,
 ]
 
 # Decisions that take memory back from running work (pressure actions). TTL

@@ -1,0 +1,82 @@
+"""The worker state machine. Everything that changes a worker's state is here.
+
+In the manner of h11's `_state.py`: the states, the events that move them and
+the legal moves as one table, and one `transition()` that refuses an illegal
+move loudly (`IllegalTransition`) instead of letting a late message undo a
+decision. The supervisor's pool keeps each worker's state with it; the
+policy's snapshot, the ledger's phases and the status all use these names.
+
+    starting --hello--> loading --loaded--> ready <--work/idle--> busy
+        any live state --stop--> draining --exit--> stopped
+        any live state --silent--> wedged (missed heartbeats or load timeout)
+        a live state that was not stopping --exit--> dead
+        stopped | dead --give_up--> failed (restart intensity exhausted)
+        failed --retry--> stopped (a new worker may be started again)
+
+Late messages are absorbed, not applied: a `hello` or `loaded` from a worker
+already draining leaves it draining (a stop is final), and a wedged worker
+stays wedged while it is killed, so `status` says why it went.
+
+Public names (stable): WorkerState, WorkerEvent, TRANSITIONS, transition,
+IllegalTransition, LIVE_STATES, SERVING_STATES, LOADING_STATES, GONE_STATES,
+PHASES.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+WorkerState = Literal[
+    "starting", "loading", "ready", "busy", "draining", "stopped", "dead", "wedged", "failed"
+]
+WorkerEvent = Literal["hello", "loaded", "work", "idle", "stop", "silent", "exit", "give_up", "retry"]
+
+_LIVE_MOVES: dict[WorkerEvent, WorkerState] = {"stop": "draining", "silent": "wedged", "exit": "dead"}
+
+TRANSITIONS: dict[WorkerState, dict[WorkerEvent, WorkerState]] = {
+    "starting": {"hello": "loading", **_LIVE_MOVES},
+    "loading": {"loaded": "ready", **_LIVE_MOVES},
+    "ready": {"work": "busy", "idle": "ready", **_LIVE_MOVES},
+    "busy": {"work": "busy", "idle": "ready", **_LIVE_MOVES},
+    # A stop is final: late hellos, loads and samples change nothing.
+    "draining": {"hello": "draining", "loaded": "draining", "work": "draining", "idle": "draining",
+                 "stop": "draining", "silent": "draining", "exit": "stopped"},
+    # Killed for silence: it stays wedged until it is gone, then it is dead.
+    "wedged": {"hello": "wedged", "loaded": "wedged", "work": "wedged", "idle": "wedged",
+               "stop": "wedged", "silent": "wedged", "exit": "dead"},
+    "stopped": {"give_up": "failed"},
+    "dead": {"give_up": "failed"},
+    "failed": {"retry": "stopped", "give_up": "failed"},
+}
+
+# The process (and the memory it holds) exists.
+LIVE_STATES: frozenset[WorkerState] = frozenset({"starting", "loading", "ready", "busy", "draining", "wedged"})
+# A model is loaded and takes requests.
+SERVING_STATES: frozenset[WorkerState] = frozenset({"ready", "busy"})
+# A model load is in progress (P6 step 4, P9).
+LOADING_STATES: frozenset[WorkerState] = frozenset({"starting", "loading"})
+# The process is gone.
+GONE_STATES: frozenset[WorkerState] = frozenset({"stopped", "dead", "failed"})
+
+# The states a worker writes into its ledger slot, by index ("empty": never written).
+PHASES: tuple[str, ...] = ("empty", "starting", "loading", "ready", "busy", "draining")
+
+
+class IllegalTransition(RuntimeError):
+    """A move the table does not allow: a bug in the caller, said loudly."""
+
+    def __init__(self, state: WorkerState, event: WorkerEvent) -> None:
+        super().__init__(f"a worker in state {state!r} cannot take event {event!r}")
+        self.state = state
+        self.event = event
+
+
+def transition(state: WorkerState, event: WorkerEvent) -> WorkerState:
+    """The state after `event`, or IllegalTransition."""
+    try:
+        return TRANSITIONS[state][event]
+    except KeyError:
+        raise IllegalTransition(state, event) from None
+
+
+assert set(TRANSITIONS) == set(get_args(WorkerState)), "every state has a row"

@@ -1,0 +1,64 @@
+"""What the doors see of the supervisor: one narrow, typed interface.
+
+The HTTP front door, the control socket and the metrics talk to the arbiter
+only through `Supervisor` (a `typing.Protocol`): they set nothing on it and
+probe nothing with getattr. Tests may hand them any object with these
+methods. Refusals come back as `supervisor.errors.ServeError`s.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Protocol
+
+from shared import protocol as p
+
+if TYPE_CHECKING:
+    from supervisor.config import Config, ModelConfig
+    from supervisor.policy.pressure import TickResult
+    from supervisor.policy.status import ServerStatus
+    from supervisor.pool import ModelView, WorkerHandle
+    from supervisor.streams import RequestStream
+
+
+class Supervisor(Protocol):
+    @property
+    def config(self) -> Config: ...
+
+    def model_config(self, model_id: str) -> ModelConfig:
+        """The configured model, or LoadError 404."""
+        ...
+
+    def model_view(self, model_id: str) -> ModelView: ...
+
+    async def load(self, model_id: str) -> WorkerHandle: ...
+
+    async def unload(self, model_id: str, reason: str = ...) -> bool: ...
+
+    async def generate(self, model_id: str, gen: p.Generate) -> RequestStream: ...
+
+    def cancel(self, stream: RequestStream, reason: str = ...) -> None: ...
+
+    def server_status(self, recent_events: int = ...) -> ServerStatus: ...
+
+    def update_guard(self, update: p.GuardUpdate) -> None:
+        """SPEC T6; ValueError names what is wrong with the update."""
+        ...
+
+    def start_drill(self, request: p.DrillRequest) -> str:
+        """A fire drill on a loaded model; the words for the reply, or ServeError."""
+        ...
+
+    def add_event_hook(self, hook: Callable[[p.GuardEvent], None]) -> None: ...
+
+    # -- what the metrics read at scrape time --------------------------------
+
+    def last_tick(self) -> TickResult | None: ...
+
+    @property
+    def admission_paused(self) -> bool: ...
+
+    def workers(self) -> list[WorkerHandle]: ...
+
+    def counters(self) -> dict[str, int]: ...
+
+    def malformed_frames(self) -> dict[tuple[str, str], int]: ...

@@ -1,0 +1,39 @@
+"""One error base for everything the supervisor refuses on someone's behalf.
+
+A load that cannot happen, a queue that is full, a request too large for a
+worker: each door (HTTP, the control socket) answers them the same way, so
+each carries its API `code`, the HTTP status that says who should act, and
+when a retry makes sense. The doors translate; they never guess from text.
+"""
+
+from __future__ import annotations
+
+
+class ServeError(RuntimeError):
+    """A refusal with its API code, HTTP status and (for 503s) Retry-After seconds."""
+
+    code = "internal_error"
+    http_status = 500
+
+    def __init__(self, message: str, *, code: str | None = None, http_status: int | None = None,
+                 retry_after: int | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+        if http_status is not None:
+            self.http_status = http_status
+        self.retry_after = retry_after
+
+
+class LoadError(ServeError):
+    """A model could not be brought up, or its worker could not take the request."""
+
+    code = "load_failed"
+    http_status = 500
+
+
+class GateClosed(ServeError):
+    """SPEC P3's queue is full or a request waited past its deadline (503)."""
+
+    code = "overloaded"
+    http_status = 503

@@ -1,0 +1,78 @@
+"""Routing a worker's replies to the request that waits for them.
+
+Every generation in flight has one `RequestStream`: the worker's tokens and
+its one terminal message (`Finished` or `Failed`) land in the stream's queue,
+where the front door reads them. The router knows streams by request id and
+by worker, so a worker that exits can end every stream it was serving with a
+clear error, and no stream is ever left waiting for a reply that cannot come.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Union
+
+from shared import protocol as p
+
+if TYPE_CHECKING:
+    from supervisor.pool import WorkerHandle
+
+StreamReply = Union[p.TokenOut, p.Finished, p.Failed]
+
+
+class RequestStream:
+    """One generation in flight: replies from the worker land in `queue`."""
+
+    __slots__ = ("request_id", "model_id", "worker", "queue", "created", "first_token", "done")
+
+    def __init__(self, request_id: str, model_id: str, worker: WorkerHandle) -> None:
+        self.request_id = request_id
+        self.model_id = model_id
+        self.worker = worker
+        self.queue: asyncio.Queue[object] = asyncio.Queue()
+        self.created = time.monotonic()
+        self.first_token: float | None = None
+        self.done = False
+
+    def put(self, msg: StreamReply) -> None:
+        if self.done:
+            return
+        if isinstance(msg, p.TokenOut) and self.first_token is None:
+            self.first_token = time.monotonic()
+        if isinstance(msg, (p.Finished, p.Failed)):
+            self.done = True
+        self.queue.put_nowait(msg)
+
+
+class Streams:
+    """The open streams, by request id; each worker handle keeps its own too."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[str, RequestStream] = {}
+
+    def open(self, handle: WorkerHandle, request_id: str) -> RequestStream:
+        stream = RequestStream(request_id, handle.model_id, handle)
+        self.by_id[request_id] = stream
+        handle.requests[request_id] = stream
+        handle.last_access = time.monotonic()
+        return stream
+
+    def deliver(self, msg: StreamReply) -> None:
+        """A worker's reply for one request; a reply for a forgotten request is dropped."""
+        stream = self.by_id.get(msg.request_id)
+        if stream is not None:
+            stream.put(msg)
+            if stream.done:
+                self.close(stream)
+
+    def close(self, stream: RequestStream) -> None:
+        self.by_id.pop(stream.request_id, None)
+        stream.worker.requests.pop(stream.request_id, None)
+        stream.worker.last_access = time.monotonic()
+
+    def fail_all(self, handle: WorkerHandle, code: str, message: str) -> None:
+        """The worker is gone: every request it served ends with this error."""
+        for stream in list(handle.requests.values()):
+            stream.put(p.Failed(request_id=stream.request_id, code=code, message=message))
+            self.close(stream)
