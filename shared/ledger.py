@@ -28,6 +28,7 @@ import os
 import struct
 import zlib
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -131,7 +132,7 @@ class Ledger:
 
     # -- seqlocked slots ------------------------------------------------
 
-    def _write(self, off: int, layout: struct.Struct, values: tuple) -> None:
+    def _write(self, off: int, layout: struct.Struct, values: tuple[object, ...]) -> None:
         mm = self._mm
         seq = _SEQ.unpack_from(mm, off)[0]
         seq += 1 if seq % 2 == 0 else 2  # odd: writing
@@ -142,7 +143,7 @@ class Ledger:
         _SLOT_HEAD.pack_into(mm, off, seq, crc, 0)
         _SEQ.pack_into(mm, off, seq + 1)
 
-    def _read(self, off: int, layout: struct.Struct) -> tuple | None:
+    def _read(self, off: int, layout: struct.Struct) -> tuple[Any, ...] | None:
         end = off + _SLOT_HEAD.size + layout.size
         for _ in range(_READ_TRIES):
             raw = self._mm[off:end]
@@ -240,7 +241,7 @@ class Ledger:
         _SUPS.pack_into(self._mm, self._sups_at, footprint, t)
 
     def read_supervisor(self) -> int:
-        return _SUPS.unpack_from(self._mm, self._sups_at)[0]
+        return int(_SUPS.unpack_from(self._mm, self._sups_at)[0])
 
     def group_usage(self) -> int:
         """SPEC U2 as a worker can see it: supervisor + every live slot."""

@@ -18,7 +18,7 @@ protocol version), so a socket loop can count it, log it once and go on.
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 import msgspec
 
@@ -31,11 +31,6 @@ PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 4 * 1024 * 1024
 
 TOPICS = ("ceiling", "pressure", "sample", "event", "status")
-
-WorkerState = Literal[
-    "starting", "loading", "ready", "busy", "draining", "stopped", "dead", "wedged", "failed"
-]
-
 
 class Msg(msgspec.Struct, tag_field="type", kw_only=True, omit_defaults=False):
     """Base of every wire message: the protocol version rides in each one."""
@@ -379,7 +374,7 @@ class Codec:
     that a zero-copy send might still hold).
     """
 
-    def __init__(self, union) -> None:
+    def __init__(self, union: Any) -> None:
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(union)
         self.union = union
@@ -387,7 +382,7 @@ class Codec:
     def encode(self, msg: Msg) -> bytes:
         return self._enc.encode(msg)
 
-    def decode(self, frame: bytes):
+    def decode(self, frame: bytes) -> Any:
         """The message, or `Malformed` (never raises)."""
         if len(frame) > MAX_FRAME_BYTES:
             return Malformed(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")

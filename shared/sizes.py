@@ -76,7 +76,7 @@ def parse_size(text: str | int | float) -> int:
     return _bounded(int(float(number) * factor), text)
 
 
-def _bounded(nbytes: int, text) -> int:
+def _bounded(nbytes: int, text: object) -> int:
     if nbytes > MAX_SIZE:
         raise SizeError(f"size {text!r} is too large (at most {MAX_SIZE} bytes, 8 EiB)")
     return nbytes

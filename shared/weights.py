@@ -19,7 +19,7 @@ class WeightsError(ValueError):
     """A model directory whose weights cannot be sized; the message says why."""
 
 
-def weight_files(path: str | os.PathLike) -> list[Path]:
+def weight_files(path: str | os.PathLike[str]) -> list[Path]:
     """The files mlx_lm.load reads weights from (`model*.safetensors`), sorted."""
     directory = Path(path)
     if not directory.is_dir():
@@ -30,7 +30,7 @@ def weight_files(path: str | os.PathLike) -> list[Path]:
     return files
 
 
-def tensor_bytes(file: str | os.PathLike) -> int:
+def tensor_bytes(file: str | os.PathLike[str]) -> int:
     """Bytes of tensor data one safetensors file declares in its header."""
     with open(file, "rb") as handle:
         head = handle.read(8)
@@ -58,6 +58,6 @@ def tensor_bytes(file: str | os.PathLike) -> int:
     return total
 
 
-def estimate_weight_bytes(path: str | os.PathLike) -> int:
+def estimate_weight_bytes(path: str | os.PathLike[str]) -> int:
     """Total tensor bytes of the model at `path` (what loading it will allocate)."""
     return sum(tensor_bytes(file) for file in weight_files(path))

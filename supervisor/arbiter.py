@@ -24,7 +24,7 @@ import signal
 import time
 import uuid
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import msgspec
 import zmq
@@ -54,6 +54,9 @@ from supervisor.pool import (
 from supervisor.runtime import ensure_private_dir
 from supervisor.streams import RequestStream
 
+if TYPE_CHECKING:
+    from supervisor.http.app import EmbeddedServer
+
 log = logging.getLogger("memvisor.arbiter")
 
 EVENT_HISTORY = 500
@@ -73,12 +76,12 @@ class Arbiter:
         self.events: collections.deque[p.GuardEvent] = collections.deque(maxlen=EVENT_HISTORY)
         self.event_hooks: list[Callable[[p.GuardEvent], None]] = []  # e.g. the metrics' counters
         self.started = time.monotonic()
-        self._load_lock: asyncio.Lock | None = None
+        self._load_lock = asyncio.Lock()  # A5; binds to the running loop on first use
         self._loading: dict[str, asyncio.Task] = {}
         self._respawn_due: dict[str, float] = {}
         self._signals = 0
         self._status_published = 0.0
-        self.http_server = None
+        self.http_server: EmbeddedServer | None = None
         self.http_address = ""  # HOST:PORT the front door bound ("" while it serves none)
 
     # -- start and stop ------------------------------------------------------
@@ -88,7 +91,6 @@ class Arbiter:
         claim_runtime_dir(self.runtime_dir)
         self.loop = asyncio.get_running_loop()
         self.wake_event = asyncio.Event()
-        self._load_lock = asyncio.Lock()
         self.ctx = zmq.Context()
         self.endpoints = Endpoints.in_dir(self.runtime_dir, pid=os.getpid(), http=self.config.supervisor.http)
         self.bus = Bus(self.ctx, self.endpoints)
@@ -189,7 +191,7 @@ class Arbiter:
         if self.http_server is not None:
             self.http_server.should_exit = True
         await self.pool.shutdown(f"supervisor shutting down ({self.stop_reason or 'done'})")
-        if self.http_server is not None:
+        if self.http_server is not None and self.http_server.task is not None:
             await asyncio.wait([self.http_server.task], timeout=5)  # let uvicorn close its connections
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             self.loop.remove_signal_handler(sig)
@@ -250,7 +252,7 @@ class Arbiter:
         handle.move("silent")
         self.emit("wedged", what, worker_id=handle.worker_id, model_id=handle.model_id)
         self.pool.kill(handle, "wedged", cause="wedged")
-        handle.exited.add_done_callback(lambda _f, h=handle: self.on_crash(h))
+        handle.exited.add_done_callback(lambda _exit: self.on_crash(handle))
 
     def on_crash(self, handle: WorkerHandle) -> None:
         """A pinned model comes back, within the restart intensity; others wait for demand."""

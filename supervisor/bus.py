@@ -202,9 +202,9 @@ class Bus:
     def attach(
         self,
         loop: asyncio.AbstractEventLoop,
-        on_reply: Callable[[bytes, object], None],
-        on_report: Callable[[object], None],
-        on_control: Callable[[bytes, object], None],
+        on_reply: Callable[[bytes, p.WorkerReply], None],
+        on_report: Callable[[p.WorkerReport], None],
+        on_control: Callable[[bytes, p.ControlRequest], None],
     ) -> None:
         self._loop = loop
         self._handlers = {
@@ -213,7 +213,7 @@ class Bus:
             self.control: lambda frames: self._routed("control", frames, self.control_codec, on_control),
         }
         for sock in self._handlers:
-            loop.add_reader(sock.getsockopt(zmq.FD), self._drain, sock)
+            loop.add_reader(sock.getsockopt(zmq.FD), self._drain, sock)  # type: ignore[arg-type]
             loop.call_soon(self._drain, sock)
 
     def _drain(self, sock: zmq.Socket) -> None:
@@ -221,7 +221,7 @@ class Bus:
         a peer flooding one socket must not starve the others or the guard."""
         handler = self._handlers[sock]
         for _ in range(DRAIN_BATCH):
-            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 return
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
@@ -231,6 +231,7 @@ class Bus:
                 handler(frames)
             except Exception:  # a bug in a handler must not stop the socket
                 log.exception("handler for %s failed", sock)
+        assert self._loop is not None
         self._loop.call_soon(self._drain, sock)  # more may wait; the edge will not fire again
 
     def _routed(self, name: str, frames: list[bytes], codec: p.Codec, handler) -> None:
@@ -314,12 +315,12 @@ class Bus:
         if self._loop is not None:
             for sock in self._handlers:
                 try:
-                    self._loop.remove_reader(sock.getsockopt(zmq.FD))
+                    self._loop.remove_reader(sock.getsockopt(zmq.FD))  # type: ignore[arg-type]
                 except (zmq.ZMQError, ValueError):
                     pass
-        for sock in (self.commands, self.reports, self.pub, self.control, self.pub_tcp):
-            if sock is not None:
-                sock.close(0)
+        for open_sock in (self.commands, self.reports, self.pub, self.control, self.pub_tcp):
+            if open_sock is not None:
+                open_sock.close(0)
         for endpoint in (self.endpoints.commands, self.endpoints.reports, self.endpoints.pub, self.endpoints.control):
             path = _ipc_path(endpoint)
             if path and os.path.exists(path):

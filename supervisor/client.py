@@ -26,7 +26,7 @@ class ControlClient:
             raise NotRunning(f"the supervisor that used {runtime_dir} (pid {self.endpoints.pid}) is gone")
         self.runtime_dir = runtime_dir
         self.timeout = timeout
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
@@ -76,7 +76,7 @@ def subscribe(
     `timeout` bounds the wait for each one.
     """
     endpoint = endpoint or Endpoints.load(runtime_dir).pub
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)

@@ -23,6 +23,7 @@ from pathlib import Path
 import msgspec
 
 from shared.sizes import SizeError, parse_size
+from supervisor.policy.snapshot import GuardSettings
 from supervisor.policy.tiers import ThresholdError, check_thresholds
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "SupervisorConfig",
     "load_config",
     "parse_config",
+    "guard_settings",
     "parse_http",
 ]
 
@@ -260,3 +262,24 @@ def load_config(path: str | Path) -> Config:
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
     return parse_config(data, source=str(path))
+
+
+def guard_settings(config: Config, *, pressure_reclaim_disabled: bool = False) -> GuardSettings:
+    """GuardSettings from a loaded `Config` (the starting point
+    the enforcer then changes at runtime, T6)."""
+    g = config.guard
+    return GuardSettings(
+        enabled=g.enabled,
+        tier=g.tier,
+        custom_ceiling=int(g.custom_ceiling),  # sizes are int bytes once built
+        soft_threshold=g.soft_threshold,
+        hard_threshold=g.hard_threshold,
+        idle_timeout=config.supervisor.idle_timeout,
+        hot_cache_max=int(g.hot_cache_max),
+        safe_zone_ratio=g.safe_zone_ratio,
+        min_chunk_tokens=g.min_chunk_tokens,
+        poll_interval=g.poll_interval,
+        loaded_idle_interval=g.loaded_idle_interval,
+        unloaded_idle_interval=g.unloaded_idle_interval,
+        pressure_reclaim_disabled=pressure_reclaim_disabled,
+    )

@@ -42,14 +42,16 @@ def ensure_demo_models(root: Path | None = None) -> list[Path]:
     missing = [(n, s, seed) for n, s, seed, _p in DEMO_MODELS if not (root / n / "config.json").exists()]
     if not missing:
         return [root / n for n, *_ in DEMO_MODELS]
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+    from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn
 
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn()) as bar:
         for name, size, seed in missing:
             task = bar.add_task(f"making demo model {name} ({format_size(size)})", total=size)
             # float32: MLX on a CPU decodes it about 5x faster than float16
-            make_model(root / name, size, seed, lambda done, total, t=task: bar.update(t, completed=done,
-                                                                                        total=total),
-                       force=True, dtype="float32")
+
+            def progress(done: int, total: int, task: TaskID = task) -> None:
+                bar.update(task, completed=done, total=total)
+
+            make_model(root / name, size, seed, progress, force=True, dtype="float32")
             bar.update(task, completed=bar.tasks[task].total)
     return [root / n for n, *_ in DEMO_MODELS]

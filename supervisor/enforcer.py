@@ -18,6 +18,7 @@ import collections
 import logging
 import os
 import time
+from typing import BinaryIO
 
 import msgspec
 from typing_extensions import assert_never
@@ -26,11 +27,13 @@ from shared import probe
 from shared import protocol as p
 from shared.ledger import Ledger
 from shared.sizes import MAX_SIZE
+from supervisor.config import guard_settings
 from supervisor.errors import LoadError
 from supervisor.policy import decisions as d
 from supervisor.policy import pressure as policy
 from supervisor.policy.admission import admit_load, evict_for_prefill
-from supervisor.policy.snapshot import PolicyState, Snapshot, WorkerRecord, guard_settings
+from supervisor.policy.snapshot import PolicyState, Snapshot, WorkerRecord
+from supervisor.policy.status import GuardStatus, build_status
 from supervisor.policy.tiers import ThresholdError, check_thresholds, normalise_tier
 from supervisor.pool import Pool, WorkerHandle
 
@@ -58,7 +61,7 @@ class Enforcer:
         self.admission_paused = False
         self.activity_hint: float | None = None
         self.fixed_interval: float | None = None  # benchmarks: hold the seed's fixed poll
-        self.trace = None  # an open file: every snapshot as one JSON line (replay)
+        self.trace: BinaryIO | None = None  # every snapshot as one JSON line (replay)
         self.ticks = 0
         self._last_ceiling: tuple | None = None
         self._acted: set[tuple[type, str]] = set()
@@ -99,7 +102,7 @@ class Enforcer:
 
     def tick(self, now: float) -> float:
         """One guard tick (plus its P7 re-check); returns the next interval (P9)."""
-        self._acted: set[tuple[type, str]] = set()
+        self._acted = set()
         result = self._run(self.snapshot(now))
         if any(isinstance(x, _ACTS) for x in result.decisions):
             result = self._run(self.snapshot(time.monotonic(), recheck=True))
@@ -186,6 +189,8 @@ class Enforcer:
 
     def _write_trace(self, snap: Snapshot) -> None:
         """The trace is a diagnostic: a full disk stops it, never the guard."""
+        if self.trace is None:
+            return
         try:
             self.trace.write(msgspec.json.encode(snap) + b"\n")
         except OSError as exc:
@@ -217,17 +222,16 @@ class Enforcer:
             interval=self.fixed_interval or r.next_interval,
         ))
 
-    def status(self):
-        from supervisor.policy.status import build_status
-
+    def status(self) -> GuardStatus:
         if self.last_snapshot is None or self.last is None:
             self.tick(time.monotonic())
+        assert self.last_snapshot is not None and self.last is not None
         return build_status(self.last_snapshot, self.last)
 
     # -- runtime changes (T6) -----------------------------------------------------
 
     def update_guard(self, update: p.GuardUpdate) -> None:
-        changes = {}
+        changes: dict[str, object] = {}
         if update.tier is not None:
             tier, known = normalise_tier(update.tier)
             if not known:

@@ -48,7 +48,7 @@ class WorkerHandle:
         self.model_id: str = model.id
         self.slot = slot
         self.generation = generation
-        self.proc = None
+        self.proc: multiprocess.process.BaseProcess | None = None
         self.pid: int = 0
         self.state: WorkerState = "starting"
         self.spawned_at = time.monotonic()
@@ -468,17 +468,20 @@ class Pool:
     # -- exits ----------------------------------------------------------------
 
     def _on_sentinel(self, handle: WorkerHandle) -> None:
+        assert handle.proc is not None
         asyncio.get_running_loop().remove_reader(handle.proc.sentinel)
         self._reap(handle, 0)
 
     def _reap(self, handle: WorkerHandle, tries: int) -> None:
         """The sentinel fires as the child closes its pipe, a moment before the
         kernel has its exit status; poll briefly rather than block the loop."""
-        handle.proc.join(0)
-        if handle.proc.exitcode is None and tries < 200:
+        proc = handle.proc
+        assert proc is not None
+        proc.join(0)
+        if proc.exitcode is None and tries < 200:
             asyncio.get_running_loop().call_later(0.005, self._reap, handle, tries + 1)
             return
-        self._exited(handle, handle.proc.exitcode)
+        self._exited(handle, proc.exitcode)
 
     def _exited(self, handle: WorkerHandle, code: int | None) -> None:
         expected = handle.stopping is not None

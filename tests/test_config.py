@@ -8,8 +8,15 @@ from __future__ import annotations
 import pytest
 
 from shared.sizes import GiB, MiB
-from supervisor.config import Config, ConfigError, SupervisorConfig, load_config, parse_config, parse_http
-from supervisor.policy.snapshot import guard_settings
+from supervisor.config import (
+    Config,
+    ConfigError,
+    SupervisorConfig,
+    guard_settings,
+    load_config,
+    parse_config,
+    parse_http,
+)
 
 FULL = """
 [guard]

@@ -113,7 +113,8 @@ def choose_total(
     the RAM does not claim to bind. A container limit or budget of 0 or less
     is not a candidate (0 means "none", never "no memory").
     """
-    total, source = physical, "physical"
+    total: int = physical
+    source: TotalSource = "physical"
     if container is not None and 0 < container < total:
         total, source = container, "container"
     if budget > 0 and budget < total:
@@ -282,7 +283,8 @@ def _fallback_counters(budget: int, exc: BaseException) -> HostCounters:
 def read_host_counters(budget: int = 0) -> HostCounters:
     """The per-tick fast path: SPEC C2's host counters, total already bound."""
     try:
-        return _get_backend().counters(budget)
+        counters: HostCounters = _get_backend().counters(budget)
+        return counters
     except Exception as exc:  # noqa: BLE001
         return _fallback_counters(budget, exc)
 
@@ -290,7 +292,8 @@ def read_host_counters(budget: int = 0) -> HostCounters:
 def read_host(budget: int = 0) -> HostReading:
     """The full reading for `probe`, status and `tiers`: counters plus detail."""
     try:
-        return _get_backend().reading(budget)
+        reading: HostReading = _get_backend().reading(budget)
+        return reading
     except Exception as exc:  # noqa: BLE001
         counters = _fallback_counters(budget, exc)
         return HostReading(
@@ -308,7 +311,8 @@ def footprint(pid: int) -> int | None:
     the smaps_rollup USS on the tick path; `exact_footprint` gives that).
     """
     try:
-        return _get_backend().footprint(int(pid))
+        found: int | None = _get_backend().footprint(int(pid))
+        return found
     except Exception as exc:  # noqa: BLE001
         warn_once(f"footprint:{type(exc).__name__}", f"footprint reading failed: {exc!r}")
         return None
@@ -322,7 +326,8 @@ def exact_footprint(pid: int) -> int | None:
     `footprint`.
     """
     try:
-        return _get_backend().exact_footprint(int(pid))
+        exact: int | None = _get_backend().exact_footprint(int(pid))
+        return exact
     except Exception as exc:  # noqa: BLE001
         warn_once(f"uss:{type(exc).__name__}", f"exact footprint reading failed: {exc!r}")
         return None

@@ -524,8 +524,8 @@ def host_counters(mi: Meminfo, total: int) -> tuple[HostCounters, str | None]:
     Returns the counters and, when they had to fall back, why.
     """
     compressor = bool(mi.swap_total)
-    needed = (mi.free, mi.active_anon, mi.active_file, mi.inactive_file)
-    if None not in needed:
+    if (mi.free is not None and mi.active_anon is not None and mi.active_file is not None
+            and mi.inactive_file is not None):
         return HostCounters(
             total=total, free=mi.free, inactive=mi.inactive_file,
             file_backed=mi.active_file + mi.inactive_file,
@@ -550,8 +550,7 @@ def container_counters(
     if mi.free is not None:
         free = min(free, mi.free)
     compressor = bool(mi.swap_total) and swap_allowed is not False
-    needed = (stat.active_anon, stat.active_file, stat.inactive_file)
-    if None in needed:
+    if stat.active_anon is None or stat.active_file is None or stat.inactive_file is None:
         return HostCounters(total=total, available=free, compressor=compressor), (
             "cgroup memory.stat lacks active/inactive file and anon fields: "
             "using limit - usage as available"
@@ -832,8 +831,10 @@ def _container_sources(meminfo: str, c: Container) -> dict[str, str]:
 def _sources(root: str, sample: _Sample) -> dict[str, str]:
     meminfo = _under(root, "proc/meminfo")
     c = sample.container
-    in_container = sample.stat is not None and c is not None
-    sources = _container_sources(meminfo, c) if in_container else _host_sources(meminfo)
+    if sample.stat is not None and c is not None:
+        sources = _container_sources(meminfo, c)
+    else:
+        sources = _host_sources(meminfo)
     counters = sample.counters
     assert counters is not None
     for name in ("free", "inactive", "file_backed", "active", "available"):

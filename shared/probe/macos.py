@@ -58,7 +58,7 @@ from typing import Any
 import msgspec
 
 from shared.host import HostCounters
-from shared.probe import HostReading, ProbeError, choose_total, warn_once
+from shared.probe import HostReading, ProbeError, TotalSource, choose_total, warn_once
 
 HOST_VM_INFO64 = 4
 KERN_SUCCESS = 0
@@ -171,9 +171,9 @@ def sysctl_int(libs: Any, name: str) -> int:
     """A sysctl holding an int or int64 (the kernel says which by the length)."""
     raw = sysctl_raw(libs, name)
     if len(raw) == 4:
-        return struct.unpack("=i", raw)[0]
+        return int(struct.unpack("=i", raw)[0])
     if len(raw) == 8:
-        return struct.unpack("=q", raw)[0]
+        return int(struct.unpack("=q", raw)[0])
     raise ProbeError(f"sysctl {name} returned {len(raw)} bytes, not an integer")
 
 
@@ -257,7 +257,7 @@ class MacProbe:
         except ProbeError:
             return None
 
-    def _sample(self, budget: int) -> tuple[HostCounters, VmStats | None, str, list[str]]:
+    def _sample(self, budget: int) -> tuple[HostCounters, VmStats | None, TotalSource, list[str]]:
         total, source = choose_total(self._physical, None, max(0, budget))
         try:
             vm = self.vm_stats()

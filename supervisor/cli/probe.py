@@ -95,8 +95,8 @@ def _print_table(r: HostReading, own: dict[str, object]) -> None:
         print(f"  {name:<{w0}}  {value:<{w1}}  {source}")
     if r.detail:
         print("detail (shown, not used by the formulas):")
-        for key, value in r.detail.items():
-            shown = str(value) if key in ("memorystatus_level",) else _bytes(value)
+        for key, amount in r.detail.items():
+            shown = str(amount) if key == "memorystatus_level" else _bytes(amount)
             print(f"  {key:<{w0}}  {shown}")
     for warning in r.warnings:
         print(f"warning: {warning}")

@@ -73,7 +73,7 @@ def read_machine() -> WhatIf:
     from shared import probe
 
     host = probe.read_host_counters()
-    return WhatIf(host=host, own=probe.own_footprint())
+    return WhatIf(host=host, own=probe.own_footprint() or 0)
 
 
 def _gib(n: int) -> str:

@@ -169,7 +169,7 @@ class FrontDoor:
         return await self._generate(request, "text")
 
     async def _generate(self, request: Request, kind: str) -> Response:
-        body = await read_body(request, self.scfg.max_body)
+        body = await read_body(request, int(self.scfg.max_body))
         started = request.scope.get("memvisor.started", time.monotonic())
         return await http_generate.handle(request, self.sup, self.metrics, kind, body, started)
 
@@ -182,7 +182,7 @@ class FrontDoor:
     async def guard(self, request: Request) -> Response:
         """SPEC T6: new settings take effect at once (the enforcer ticks)."""
         require_admin(request, self.scfg.admin_token)
-        new = decode_body(await read_body(request, self.scfg.max_body), GuardSettingsIn)
+        new = decode_body(await read_body(request, int(self.scfg.max_body)), GuardSettingsIn)
         ceiling = new.custom_ceiling
         if ceiling is not None:
             try:
@@ -315,10 +315,7 @@ def build_app(sup: Supervisor):
     """The ASGI app: Starlette routes inside the metrics wrapper."""
     door = FrontDoor(sup)
     app = Starlette(routes=door.routes(), exception_handlers={HTTPException: _http_exception})
-    app.state.front_door = door
-    wrapped = Instrumented(app, door.metrics)
-    wrapped.front_door = door
-    return wrapped
+    return Instrumented(app, door.metrics)
 
 
 # ---------------------------------------------------------------------------
@@ -327,6 +324,8 @@ def build_app(sup: Supervisor):
 
 class EmbeddedServer(uvicorn.Server):
     """uvicorn without its signal handlers: the arbiter owns SIGTERM/SIGINT."""
+
+    task: asyncio.Task[None] | None = None  # the serving task, once started
 
     def capture_signals(self):
         import contextlib
@@ -358,7 +357,7 @@ def format_address(sock: socket.socket) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-async def start_http(sup: Supervisor) -> tuple[uvicorn.Server, str]:
+async def start_http(sup: Supervisor) -> tuple[EmbeddedServer, str]:
     """Serve the front door as a task of the running loop; returns once it accepts,
     with the "HOST:PORT" actually bound (port 0 picks a free one)."""
     host, port = parse_http(sup.config.supervisor.http)

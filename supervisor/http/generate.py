@@ -24,7 +24,8 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import AsyncIterator, Awaitable, Callable
+from collections.abc import MutableMapping
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import msgspec
 from starlette.requests import Request
@@ -35,6 +36,7 @@ from supervisor.api import Supervisor
 from supervisor.errors import ServeError
 from supervisor.http.body import Disconnected
 from supervisor.http.errors import from_failed, from_serve_error
+from supervisor.http.metrics import Metrics
 from supervisor.http.openai_types import (
     DEFAULT_CHAT_MAX_TOKENS,
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -53,9 +55,12 @@ from supervisor.http.openai_types import (
     Usage,
     decode_body,
 )
-from supervisor.streams import RequestStream
+from supervisor.streams import RequestStream, StreamReply
 
 log = logging.getLogger("memvisor.http")
+
+T = TypeVar("T")
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 
 _encoder = msgspec.json.Encoder()
 SSE_DONE = b"data: [DONE]\n\n"
@@ -143,7 +148,7 @@ def completion_generate(req: CompletionRequest) -> p.Generate:
 # waiting while watching the client
 
 
-async def wait_for_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
+async def wait_for_disconnect(receive: Receive) -> None:
     """Returns when the client has gone (the body must already be read)."""
     while True:
         message = await receive()
@@ -151,7 +156,7 @@ async def wait_for_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
             return
 
 
-async def race_client(coro: Awaitable, receive) -> object:
+async def race_client(coro: Awaitable[T], receive: Receive) -> T:
     """Await `coro` unless the client disconnects first (then Disconnected).
 
     Cancelling a queued request just drops it from the gate; cancelling our
@@ -169,7 +174,7 @@ async def race_client(coro: Awaitable, receive) -> object:
     raise Disconnected()
 
 
-async def open_stream(sup: Supervisor, model: str, gen: p.Generate, receive) -> RequestStream:
+async def open_stream(sup: Supervisor, model: str, gen: p.Generate, receive: Receive) -> RequestStream:
     try:
         return await race_client(sup.generate(model, gen), receive)
     except ServeError as exc:
@@ -186,8 +191,8 @@ _CLIENT_GONE = object()  # put in a stream's queue when its client disconnects
 class Job:
     """One generation as the front door sees it: ids, timing, the shape of its output."""
 
-    def __init__(self, sup: Supervisor, metrics, kind: str, model: str, gen: p.Generate, include_usage: bool,
-                 started: float) -> None:
+    def __init__(self, sup: Supervisor, metrics: Metrics, kind: str, model: str, gen: p.Generate,
+                 include_usage: bool, started: float, stream: RequestStream) -> None:
         self.sup = sup
         self.metrics = metrics
         self.kind = kind  # "chat" | "text"
@@ -197,18 +202,18 @@ class Job:
         self.created = int(time.time())
         self.include_usage = include_usage
         self.started = started
-        self.stream: RequestStream | None = None
+        self.stream = stream
         self.finished = False
         self.tokens = 0
 
     def cancel(self, reason: str) -> None:
         """Abort the worker's request unless it already ended (idempotent)."""
-        if self.stream is not None and not self.finished:
+        if not self.finished:
             self.finished = True
             self.sup.cancel(self.stream, reason)
             self.metrics.cancelled(self.model)
 
-    def watch(self, receive) -> asyncio.Task:
+    def watch(self, receive: Receive) -> asyncio.Task[None]:
         """Until cancelled: a disconnect wakes the reader of the stream's queue."""
         queue = self.stream.queue
 
@@ -218,9 +223,9 @@ class Job:
 
         return asyncio.ensure_future(watcher())
 
-    async def next_message(self) -> p.Msg:
+    async def next_message(self) -> StreamReply:
         msg = await self.stream.queue.get()
-        if msg is _CLIENT_GONE:
+        if not isinstance(msg, (p.TokenOut, p.Finished, p.Failed)):  # _CLIENT_GONE
             self.cancel("client disconnected")
             raise Disconnected()
         if isinstance(msg, p.TokenOut):
@@ -237,7 +242,7 @@ class Job:
 
     # -- non-streamed ---------------------------------------------------------
 
-    async def whole(self, receive) -> Response:
+    async def whole(self, receive: Receive) -> Response:
         parts: list[str] = []
         watcher = self.watch(receive)
         try:
@@ -252,6 +257,7 @@ class Job:
             raise from_failed(msg)
         usage = _usage(msg)
         text = "".join(parts)
+        body: ChatCompletion | TextCompletion
         if self.kind == "chat":
             body = ChatCompletion(id=self.id, created=self.created, model=self.model, usage=usage, choices=[
                 ChatChoice(index=0, message=ChatMessageOut(role="assistant", content=text),
@@ -263,7 +269,7 @@ class Job:
 
     # -- streamed -------------------------------------------------------------
 
-    async def streamed(self, receive) -> Response:
+    async def streamed(self, receive: Receive) -> Response:
         """Wait for the first message, so early errors keep their HTTP status.
 
         Our watcher stops before the response starts: from then on Starlette
@@ -281,7 +287,7 @@ class Job:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return StreamingResponse(self.events(first), media_type="text/event-stream", headers=headers)
 
-    async def events(self, first: p.Msg) -> AsyncIterator[bytes]:
+    async def events(self, first: StreamReply) -> AsyncIterator[bytes]:
         """SSE body; tokens that arrived together leave in one write."""
         try:
             out = [self.chunk(None, role=True)] if self.kind == "chat" else []
@@ -299,7 +305,7 @@ class Job:
         finally:  # cancelled by Starlette when the client went away
             self.cancel("client disconnected")
 
-    def render(self, msg: p.Msg) -> bytes:
+    def render(self, msg: StreamReply) -> bytes:
         if isinstance(msg, p.TokenOut):
             return self.chunk(msg.text) if msg.text else b""  # a token that ends mid-character
         if isinstance(msg, p.Failed):
@@ -312,6 +318,7 @@ class Job:
 
     def chunk(self, text: str | None, *, role: bool = False, finish: str | None = None) -> bytes:
         usage = None if self.include_usage else msgspec.UNSET
+        body: ChatChunk | TextCompletion
         if self.kind == "chat":
             delta = Delta(role="assistant", content="") if role else Delta(content=text)
             body = ChatChunk(id=self.id, created=self.created, model=self.model, usage=usage,
@@ -322,6 +329,7 @@ class Job:
         return b"data: " + _encoder.encode(body) + b"\n\n"
 
     def usage_chunk(self, usage: Usage) -> bytes:
+        body: ChatChunk | TextCompletion
         if self.kind == "chat":
             body = ChatChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
         else:
@@ -334,13 +342,19 @@ def _usage(msg: p.Finished) -> Usage:
                  total_tokens=msg.prompt_tokens + msg.completion_tokens)
 
 
-async def handle(request: Request, sup: Supervisor, metrics, kind: str, body: bytes, started: float) -> Response:
+async def handle(request: Request, sup: Supervisor, metrics: Metrics, kind: str, body: bytes,
+                 started: float) -> Response:
     """Decode, validate, route to the model's worker, answer (JSON or SSE)."""
-    req = decode_body(body, ChatRequest if kind == "chat" else CompletionRequest)
-    gen = chat_generate(req) if kind == "chat" else completion_generate(req)
+    req: ChatRequest | CompletionRequest
+    if kind == "chat":
+        req = decode_body(body, ChatRequest)
+        gen = chat_generate(req)
+    else:
+        req = decode_body(body, CompletionRequest)
+        gen = completion_generate(req)
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
-    job = Job(sup, metrics, kind, req.model, gen, include_usage, started)
-    job.stream = await open_stream(sup, req.model, gen, request.receive)
+    stream = await open_stream(sup, req.model, gen, request.receive)
+    job = Job(sup, metrics, kind, req.model, gen, include_usage, started, stream)
     if req.stream:
         return await job.streamed(request.receive)
     return await job.whole(request.receive)

@@ -19,9 +19,11 @@ GuardSettingsIn, BodyError, decode_body.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal, TypeVar, Union
 
 import msgspec
+
+T = TypeVar("T")
 from msgspec import Meta, Struct
 
 # OpenAI's own bounds; the worker gets nothing outside them.
@@ -230,7 +232,7 @@ class ErrorBody(Struct, kw_only=True):
 _AT_PATH = re.compile(r"^(?P<reason>.*) - at `\$(?P<path>[^`]*)`$", re.S)
 
 
-def decode_body(body: bytes, type_: type) -> object:
+def decode_body(body: bytes, type_: type[T]) -> T:
     """Decode and validate a JSON body, or raise BodyError naming the field."""
     try:
         return msgspec.json.decode(body, type=type_)

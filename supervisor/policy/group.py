@@ -7,10 +7,10 @@ Public names (stable): WorkerGroup, ceilings_for, is_idle, lru_key.
 
 from __future__ import annotations
 
+from shared.states import LIVE_STATES as _LIVE
+from shared.states import LOADING_STATES as _LOADING
+from shared.states import SERVING_STATES as _SERVING
 from supervisor.policy.ceilings import Ceilings, compute_ceilings
-from supervisor.policy.snapshot import LIVE_STATES as _LIVE
-from supervisor.policy.snapshot import LOADING_STATES as _LOADING
-from supervisor.policy.snapshot import SERVING_STATES as _SERVING
 from supervisor.policy.snapshot import Snapshot, WorkerRecord
 from supervisor.policy.tiers import normalise_tier
 

@@ -398,7 +398,7 @@ def tick(s: Snapshot) -> TickResult:
         if t.grace(level, emergency):
             grace += 0 if s.recheck else 1
         else:
-            acting = level
+            acting: Level = level
             if level == "hard":
                 t.shrink_hot_cache()
                 acting = _classify(t.projected, c)

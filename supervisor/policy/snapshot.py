@@ -10,7 +10,7 @@ also the replay trace's line format, so every type here round-trips through
 JSON and has a JSON Schema (`python -m supervisor schema`).
 
 Public names (stable): HostCounters, GuardSettings, WorkerRecord, PolicyState,
-Snapshot, Level, LIVE_STATES, SERVING_STATES, LOADING_STATES, guard_settings.
+Snapshot, Level. (Worker states and their sets: shared.states.)
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import msgspec
 
 from shared.host import HostCounters
 from shared.limits import Limits
-from shared.protocol import WorkerState
+from shared.states import WorkerState
 
 # ---------------------------------------------------------------------------
 # Everything else a policy tick needs. A Snapshot is also the replay trace's
@@ -29,13 +29,6 @@ from shared.protocol import WorkerState
 # msgspec Struct that round-trips through JSON and has a JSON Schema.
 
 Level = Literal["ok", "soft", "hard"]
-
-# Worker states in which the process (and its memory) exists.
-LIVE_STATES = frozenset({"starting", "loading", "ready", "busy", "draining", "wedged"})
-# Worker states in which a model is loaded and serving.
-SERVING_STATES = frozenset({"ready", "busy"})
-# Worker states of a model load in progress (P6 step 4, P9).
-LOADING_STATES = frozenset({"starting", "loading"})
 
 
 class GuardSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -131,24 +124,3 @@ class Snapshot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     recheck: bool = False
     workers: list[WorkerRecord] = []
     state: PolicyState = PolicyState()
-
-
-def guard_settings(config, *, pressure_reclaim_disabled: bool = False) -> GuardSettings:
-    """GuardSettings from a loaded `supervisor.config.Config` (the starting point
-    the enforcer then changes at runtime, T6)."""
-    g = config.guard
-    return GuardSettings(
-        enabled=g.enabled,
-        tier=g.tier,
-        custom_ceiling=g.custom_ceiling,
-        soft_threshold=g.soft_threshold,
-        hard_threshold=g.hard_threshold,
-        idle_timeout=config.supervisor.idle_timeout,
-        hot_cache_max=g.hot_cache_max,
-        safe_zone_ratio=g.safe_zone_ratio,
-        min_chunk_tokens=g.min_chunk_tokens,
-        poll_interval=g.poll_interval,
-        loaded_idle_interval=g.loaded_idle_interval,
-        unloaded_idle_interval=g.unloaded_idle_interval,
-        pressure_reclaim_disabled=pressure_reclaim_disabled,
-    )
