@@ -33,6 +33,7 @@ from typing import Any
 import msgspec
 
 from shared.limits import BINDINGS, TIERS, Limits
+from shared.states import PHASES
 
 MAGIC = b"MVLEDGR1"
 LAYOUT_VERSION = 1
@@ -49,7 +50,6 @@ _LIMITS = struct.Struct("<qqqqdddqqqqqqqqq")
 _SAMPLE_SLOT = _SLOT_HEAD.size + _SAMPLE.size
 _LIMITS_SLOT = _SLOT_HEAD.size + _LIMITS.size
 
-PHASES = ("empty", "starting", "loading", "ready", "busy", "draining")
 
 _READ_TRIES = 64
 

@@ -93,21 +93,23 @@ class WorkerHandle:
 
 
 @dataclass(frozen=True, slots=True)
-class Spawned:
+class _News:
+    """Something happened to one worker; `reason` is the words for the event."""
+
     handle: WorkerHandle
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
-class Loaded:
-    handle: WorkerHandle
-    reason: str
+class Spawned(_News):
+    """A worker process was started for a model."""
 
 
-@dataclass(frozen=True, slots=True)
-class LoadFailed:
-    handle: WorkerHandle
-    reason: str
+class Loaded(_News):
+    """The worker loaded its model and serves."""
+
+
+class LoadFailed(_News):
+    """The worker could not load its model (it exits next)."""
 
 
 @dataclass(frozen=True, slots=True)
