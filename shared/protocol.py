@@ -310,6 +310,9 @@ class StatusRequest(Msg, tag="status_request", kw_only=True):
 
 class LoadRequest(Msg, tag="load_request", kw_only=True):
     model: str
+    # "Will it fit?": answer with a FitReport (JSON in ControlOk.data), spawn nothing.
+    dry_run: bool = False
+    context: int = 0  # tokens of KV cache to count on top of the weights (dry run)
 
 
 class UnloadRequest(Msg, tag="unload_request", kw_only=True):
@@ -331,7 +334,11 @@ class GuardUpdate(Msg, tag="guard_update", kw_only=True):
     enabled: Union[bool, None] = None
 
 
-ControlRequest = Union[StatusRequest, LoadRequest, UnloadRequest, DrillRequest, GuardUpdate]
+class ReloadRequest(Msg, tag="reload_request", kw_only=True):
+    """Re-read the config and rescan the models folders; running models stay up."""
+
+
+ControlRequest = Union[StatusRequest, LoadRequest, UnloadRequest, DrillRequest, GuardUpdate, ReloadRequest]
 
 
 class ControlOk(Msg, tag="ok", kw_only=True):

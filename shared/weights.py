@@ -61,3 +61,36 @@ def tensor_bytes(file: str | os.PathLike[str]) -> int:
 def estimate_weight_bytes(path: str | os.PathLike[str]) -> int:
     """Total tensor bytes of the model at `path` (what loading it will allocate)."""
     return sum(tensor_bytes(file) for file in weight_files(path))
+
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def kv_bytes_per_token(path: str | os.PathLike[str]) -> int:
+    """KV-cache bytes one token of context costs, from the model's config.json.
+
+    2 (keys and values) x layers x KV heads x head width x the activation
+    dtype's bytes: exact for standard attention models, which is what "will
+    it fit with N tokens of context?" needs before anything is loaded. A model
+    whose config does not say is costed at 0 (weights only) rather than guessed.
+    """
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    if not isinstance(config, dict):
+        return 0
+    text = config.get("text_config")
+    if isinstance(text, dict):
+        config = {**config, **text}
+    layers = _int(config.get("num_hidden_layers"))
+    heads = _int(config.get("num_attention_heads"))
+    kv_heads = _int(config.get("num_key_value_heads")) or heads
+    hidden = _int(config.get("hidden_size"))
+    head_dim = _int(config.get("head_dim")) or (hidden // heads if heads else 0)
+    width = _DTYPE_BYTES.get(str(config.get("torch_dtype") or config.get("dtype") or ""), 2)
+    return 2 * layers * kv_heads * head_dim * width
+
+
+def _int(value: object) -> int:
+    return value if isinstance(value, int) and value > 0 else 0

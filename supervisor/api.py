@@ -14,8 +14,9 @@ from shared import protocol as p
 
 if TYPE_CHECKING:
     from supervisor.config import Config, ModelConfig
+    from supervisor.policy.admission import FitReport
     from supervisor.policy.pressure import TickResult
-    from supervisor.policy.status import ServerStatus
+    from supervisor.policy.status import ModelInfo, ServerStatus
     from supervisor.pool import ModelView, WorkerHandle
     from supervisor.streams import RequestStream
 
@@ -30,7 +31,19 @@ class Supervisor(Protocol):
 
     def model_view(self, model_id: str) -> ModelView: ...
 
+    def model_info(self, model_id: str) -> ModelInfo:
+        """What `ps` shows of one model (by id or alias)."""
+        ...
+
     async def load(self, model_id: str) -> WorkerHandle: ...
+
+    def fit(self, model_id: str, context_tokens: int = ...) -> FitReport:
+        """"Will it fit?" without spawning anything (LoadError 404 for an unknown model)."""
+        ...
+
+    async def reload(self, why: str) -> str:
+        """Re-read the config; what changed, in words (ServeError when it is refused)."""
+        ...
 
     async def unload(self, model_id: str, reason: str = ...) -> bool: ...
 

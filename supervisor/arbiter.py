@@ -32,12 +32,14 @@ from typing_extensions import assert_never
 
 from shared import protocol as p
 from shared.ledger import Ledger
+from shared.sizes import format_size
 from shared.states import LOADING_STATES
-from supervisor.bus import Bus, BusError, Endpoints, FrameTooLarge, claim_runtime_dir
-from supervisor.config import Config, ModelConfig
+from supervisor.bus import Bus, BusError, Endpoints, FrameTooLarge, claim_runtime_dir, pid_alive
+from supervisor.config import Config, ConfigError, ModelConfig, guard_settings
 from supervisor.enforcer import Enforcer
 from supervisor.errors import LoadError, ServeError
 from supervisor.gate import Gate
+from supervisor.policy.admission import FitReport
 from supervisor.policy.status import ModelInfo, ServerStatus
 from supervisor.pool import (
     Exited,
@@ -65,8 +67,10 @@ STATUS_EVERY = 2.0  # seconds between `status` messages on PUB
 
 class Arbiter:
     def __init__(self, config: Config, runtime_dir: Path, *, max_workers: int = 64, http: bool = True,
-                 trace: Path | None = None) -> None:
+                 trace: Path | None = None, reload_config: Callable[[], Config] | None = None) -> None:
         self.config = config
+        self.reload_config = reload_config  # re-reads the file and the models folders (SIGHUP, `reload`)
+        self._estimates: dict[str, int] = {}  # model path -> A2 weight estimate
         self.trace_path = trace
         self.runtime_dir = runtime_dir
         self.max_workers = max_workers
@@ -171,11 +175,11 @@ class Arbiter:
         self.wake_event.set()
 
     def on_signal(self, sig: int) -> None:
+        if sig == signal.SIGHUP:
+            self.loop.create_task(self._reload_quietly())
+            return
         self._signals += 1
         name = signal.Signals(sig).name
-        if sig == signal.SIGHUP:
-            log.info("SIGHUP: configuration reload is not supported; restart to change models")
-            return
         if self._signals > 1:
             log.warning("%s again: stopping workers without waiting for them to drain", name)
             for handle in list(self.pool.handles.values()):
@@ -233,7 +237,7 @@ class Arbiter:
             case Reported():
                 kind, reason = ev.kind, ev.reason
             case Exited():
-                kind, reason = ("exit" if ev.expected else "crash"), ev.reason
+                kind, reason = ("exit" if ev.expected else "crash"), f"{ev.reason}; {returned(ev.handle)}"
             case _:
                 assert_never(ev)
         handle = ev.handle
@@ -256,7 +260,7 @@ class Arbiter:
 
     def on_crash(self, handle: WorkerHandle) -> None:
         """A pinned model comes back, within the restart intensity; others wait for demand."""
-        if handle.pinned:
+        if handle.pinned and self.config.model(handle.model_id) is not None:
             self.schedule_respawn(handle.model_id, handle.exit_cause)
 
     def schedule_respawn(self, model_id: str, cause: str) -> None:
@@ -304,9 +308,10 @@ class Arbiter:
             raise LoadError(f"the model {model_id!r} does not exist", code="model_not_found", http_status=404)
         return model
 
-    async def load(self, model_id: str) -> WorkerHandle:
-        """Ready worker for `model_id`; every concurrent caller shares one load (A5)."""
-        model = self.model_config(model_id)
+    async def load(self, name: str) -> WorkerHandle:
+        """Ready worker for the model `name` (an id or alias); every concurrent caller shares one load (A5)."""
+        model = self.model_config(name)
+        model_id = model.id
         handle = self.pool.worker_for(model_id)
         if handle is not None and handle.serving and not handle.marked_for_unload:
             return handle
@@ -337,8 +342,11 @@ class Arbiter:
         self.wake()
         return handle
 
-    async def unload(self, model_id: str, reason: str = "unloaded on request") -> bool:
-        self.model_config(model_id)
+    def fit(self, name: str, context_tokens: int = 0) -> FitReport:
+        return self.enforcer.fit(self.model_config(name), context_tokens)
+
+    async def unload(self, name: str, reason: str = "unloaded on request") -> bool:
+        model_id = self.model_config(name).id
         handle = self.pool.worker_for(model_id)
         if handle is None:
             return False
@@ -379,15 +387,43 @@ class Arbiter:
 
     # -- status ----------------------------------------------------------------------
 
-    def model_view(self, model_id: str) -> ModelView:
-        return self.pool.model_view(model_id)
+    def model_view(self, name: str) -> ModelView:
+        model = self.config.model(name)
+        return self.pool.model_view(model.id if model is not None else name)
+
+    def model_info(self, name: str) -> ModelInfo:
+        return self._model_info(self.model_config(name), time.monotonic())
+
+    def _model_info(self, m: ModelConfig, now: float) -> ModelInfo:
+        """Everything `ps` shows of one model, worked out here only."""
+        view = self.pool.model_view(m.id)
+        handle = self.pool.worker_for(m.id)
+        sample = handle.sample if handle is not None else None
+        idle = now - handle.last_access if handle is not None and not handle.requests else 0.0
+        ttl = m.ttl if m.ttl is not None else (self.config.supervisor.idle_timeout or None)
+        expires = None
+        if ttl and handle is not None and handle.serving and not m.pinned:
+            expires = max(0.0, ttl - idle)
+        return ModelInfo(
+            id=m.id, path=m.path, pinned=m.pinned, state=view.state, worker=view.worker, pid=view.pid,
+            failed_reason=view.reason, aliases=list(m.aliases), estimated_bytes=self._estimate(m),
+            usage=sample.usage if sample else 0, mlx_active=sample.mlx_active if sample else 0,
+            mlx_pool=sample.mlx_pool if sample else 0, idle_seconds=idle, ttl=ttl, expires_in=expires,
+            restarts=len(self.pool.restarts.get(m.id, ())),
+        )
+
+    def _estimate(self, m: ModelConfig) -> int:
+        """A2's weight estimate, read once per path (0 when the files cannot be read)."""
+        if m.path not in self._estimates:
+            try:
+                self._estimates[m.path] = self.enforcer.weight_bytes(m)
+            except LoadError:
+                self._estimates[m.path] = 0
+        return self._estimates[m.path]
 
     def server_status(self, recent_events: int = 20) -> ServerStatus:
-        models = []
-        for m in self.config.models:
-            view = self.pool.model_view(m.id)
-            models.append(ModelInfo(id=m.id, path=m.path, pinned=m.pinned, state=view.state, worker=view.worker,
-                                    pid=view.pid, failed_reason=view.reason))
+        now = time.monotonic()
+        models = [self._model_info(m, now) for m in self.config.models]
         counters = self.counters()
         return ServerStatus(
             pid=os.getpid(), uptime=time.monotonic() - self.started, runtime_dir=str(self.runtime_dir),
@@ -427,7 +463,7 @@ class Arbiter:
         if not self.config.supervisor.allow_drills:
             raise ServeError("fire drills are off; start the supervisor with --allow-drills",
                              code="drills_disabled", http_status=403)
-        handle = self.pool.worker_for(request.model)
+        handle = self.pool.worker_for(self.model_config(request.model).id)
         if handle is None or not handle.serving:
             raise ServeError(f"{request.model} is not loaded; load it first", code="model_not_loaded",
                              http_status=409)
@@ -462,3 +498,111 @@ class Arbiter:
             log.exception("control request %s failed", type(msg).__name__)
             reply = p.ControlError(code="internal_error", message=f"the supervisor failed: {exc!r}", http_status=500)
         self.bus.send_control_reply(identity, reply)
+
+    # -- reload (SIGHUP, `reload`) -------------------------------------------------------
+
+    async def _reload_quietly(self) -> None:
+        try:
+            log.info("SIGHUP: %s", await self.reload("SIGHUP"))
+        except ServeError as exc:
+            log.error("SIGHUP: %s", exc)
+
+    async def reload(self, why: str) -> str:
+        """Re-read the config and the models folders; apply what changed, keep what runs.
+
+        A config that does not validate is refused whole and the old one stays.
+        New models appear; removed ones are drained and stopped; pinned, ttl and
+        max_concurrency of a running model change in place; a changed path
+        restarts only that model. Each change is an event with its reason."""
+        if self.reload_config is None:
+            raise ServeError("this supervisor has no config file to re-read", code="reload_unsupported",
+                             http_status=409)
+        try:
+            new = self.reload_config()
+        except ConfigError as exc:
+            self.emit("reload_refused", f"{why}: {exc}; the running config stays")
+            raise ServeError(f"configuration refused, the running one stays: {exc}", code="invalid_config",
+                             http_status=400) from None
+        changes = self._apply_models(new) + self._apply_settings(new)
+        self.config = new
+        self.pool.config = new
+        self.enforcer.config = new
+        self._estimates.clear()
+        summary = "; ".join(changes) if changes else "no change"
+        self.emit("reload", f"{why}: {summary}")
+        self.wake()
+        return f"configuration reloaded: {summary}"
+
+    def _apply_models(self, new: Config) -> list[str]:
+        old = {m.id: m for m in self.config.models}
+        fresh = {m.id: m for m in new.models}
+        changes: list[str] = []
+        for model_id in fresh.keys() - old.keys():
+            changes.append(f"added {model_id}")
+            self.emit("model_added", f"new in the config: {fresh[model_id].path}", model_id=model_id)
+            if fresh[model_id].pinned:
+                self.loop.create_task(self._load_quietly(model_id, "pinned model added by a reload"))
+        for model_id in old.keys() - fresh.keys():
+            changes.append(f"removed {model_id}")
+            self._retire(model_id, "removed from the config")
+        for model_id in old.keys() & fresh.keys():
+            before, after = old[model_id], fresh[model_id]
+            if before == after:
+                continue
+            if before.path != after.path:
+                changes.append(f"restarted {model_id} (path changed)")
+                loaded = self.pool.worker_for(model_id) is not None
+                self._retire(model_id, f"its path changed to {after.path}", then_load=after.pinned or loaded)
+                continue
+            words = ", ".join(f"{key} {getattr(before, key)!r} -> {getattr(after, key)!r}"
+                              for key in ("pinned", "ttl", "max_concurrency", "aliases")
+                              if getattr(before, key) != getattr(after, key))
+            changes.append(f"changed {model_id} ({words})")
+            handle = self.pool.worker_for(model_id)
+            if handle is not None:
+                handle.model = after  # pinned and ttl are read from it; P8 walks toward the new maximum
+                handle.concurrency = min(handle.concurrency, after.max_concurrency)
+            elif after.pinned:
+                self.loop.create_task(self._load_quietly(model_id, "pinned by a reload"))
+            self.emit("model_changed", words, model_id=model_id)
+        return changes
+
+    def _retire(self, model_id: str, why: str, *, then_load: bool = False) -> None:
+        """Drain and stop the model's worker (if any); load it afresh after, when asked."""
+        handle = self.pool.worker_for(model_id)
+        self.emit("model_removed" if not then_load else "model_changed", why, model_id=model_id)
+        if handle is None:
+            if then_load:
+                self.loop.create_task(self._load_quietly(model_id, why))
+            return
+        stopping = self.pool.stop(handle, why, cause="unload")
+        if then_load:
+            stopping.add_done_callback(lambda _t: self.loop.create_task(self._load_quietly(model_id, why)))
+
+    def _apply_settings(self, new: Config) -> list[str]:
+        changes: list[str] = []
+        keep = self.enforcer.settings.pressure_reclaim_disabled
+        if guard_settings(new) != guard_settings(self.config):
+            # the file's settings replace runtime changes made with /admin/guard (T6)
+            self.enforcer.settings = guard_settings(new, pressure_reclaim_disabled=keep)
+            changes.append("guard settings changed")
+        old_s, new_s = msgspec.structs.asdict(self.config.supervisor), msgspec.structs.asdict(new.supervisor)
+        live = {"idle_timeout", "models_dirs", "admin_token", "queue_deadline", "restart_max", "restart_period",
+                "stop_grace", "heartbeat_timeout", "load_timeout", "max_body"}
+        stale = sorted(k for k in old_s if old_s[k] != new_s[k] and k not in live)
+        if stale:
+            log.warning("reload: %s take effect only after a restart", ", ".join(f"supervisor.{k}" for k in stale))
+            changes.append("needs a restart for " + ", ".join(f"supervisor.{k}" for k in stale))
+        return changes
+
+
+def returned(handle: WorkerHandle) -> str:
+    """What a worker's exit gave back: its last measured usage, once its pid is gone.
+
+    The ledger slot is cleared at exit, so the group's usage no longer counts
+    it; a pid that is still there (a zombie not reaped, or a process that
+    ignored its kill) is said, because the OS has not taken its memory back."""
+    usage = handle.sample.usage if handle.sample is not None else 0
+    if pid_alive(handle.pid):
+        return f"pid {handle.pid} is STILL PRESENT: its {format_size(usage)} may not have come back"
+    return f"returned {format_size(usage)} (pid {handle.pid} gone)"

@@ -146,6 +146,9 @@ class SupervisorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     # A ZeroMQ CURVE secret certificate (zmq.auth.create_certificates); required
     # when pub_tcp binds anything but loopback.
     curve_key_file: str = ""
+    # Folders whose models are served without a [[models]] entry each
+    # (supervisor.discovery); `serve --models-dir` adds to them.
+    models_dirs: list[str] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         try:
@@ -191,6 +194,7 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pinned: bool = False
     ttl: float | None = None
     max_concurrency: int = 4
+    aliases: list[str] = msgspec.field(default_factory=list)  # other names requests may use
 
     def __post_init__(self) -> None:
         if not self.id.strip():
@@ -201,6 +205,11 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             _non_negative("ttl", self.ttl)
         if self.max_concurrency < 1:
             raise _FieldError("max_concurrency", f"must be at least 1, got {self.max_concurrency}")
+        for j, alias in enumerate(self.aliases):
+            if not alias.strip():
+                raise _FieldError(f"aliases[{j}]", "must not be empty")
+            if alias == self.id:
+                raise _FieldError(f"aliases[{j}]", f"alias {alias!r} repeats the model's own id")
 
 
 class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -209,14 +218,29 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     models: list[ModelConfig] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
-        seen: set[str] = set()
+        owner: dict[str, str] = {}  # every id and alias -> what claims it, for the error
         for index, model in enumerate(self.models):
-            if model.id in seen:
-                raise _FieldError(f"models[{index}].id", f"duplicate model id {model.id!r}")
-            seen.add(model.id)
+            if model.id in owner:
+                raise _FieldError(f"models[{index}].id", f"duplicate model id {model.id!r} "
+                                  f"(already {owner[model.id]})")
+            owner[model.id] = f"the id of models[{index}]"
+        for index, model in enumerate(self.models):
+            for j, alias in enumerate(model.aliases):
+                if alias in owner:
+                    raise _FieldError(f"models[{index}].aliases[{j}]",
+                                      f"alias {alias!r} of model {model.id!r} collides with {owner[alias]}")
+                owner[alias] = f"an alias of models[{index}] ({model.id!r})"
 
-    def model(self, model_id: str) -> ModelConfig | None:
-        return next((m for m in self.models if m.id == model_id), None)
+    def model(self, name: str) -> ModelConfig | None:
+        """The model a request names, by id or by alias."""
+        for m in self.models:
+            if m.id == name or name in m.aliases:
+                return m
+        return None
+
+    def names(self) -> set[str]:
+        """Every id and alias in use."""
+        return {name for m in self.models for name in (m.id, *m.aliases)}
 
 
 _PATH_RE = re.compile(r"^(?P<reason>.*) - at `\$(?P<path>[^`]*)`$", re.S)

@@ -32,6 +32,9 @@ async def _answer(sup: Supervisor, msg: p.ControlRequest) -> p.ControlReply:
     match msg:
         case p.StatusRequest():
             return p.ControlOk(data=msgspec.json.encode(sup.server_status()))
+        case p.LoadRequest(dry_run=True):
+            report = sup.fit(msg.model, msg.context)
+            return p.ControlOk(detail=report.message, data=msgspec.json.encode(report))
         case p.LoadRequest():
             handle = await sup.load(msg.model)
             return p.ControlOk(detail=f"{msg.model} is loaded (worker {handle.worker_id}, pid {handle.pid})")
@@ -43,5 +46,7 @@ async def _answer(sup: Supervisor, msg: p.ControlRequest) -> p.ControlReply:
         case p.GuardUpdate():
             sup.update_guard(msg)
             return p.ControlOk(detail="guard settings changed")
+        case p.ReloadRequest():
+            return p.ControlOk(detail=await sup.reload("asked over the control socket"))
         case _:
             assert_never(msg)

@@ -27,11 +27,12 @@ from shared import probe
 from shared import protocol as p
 from shared.ledger import Ledger
 from shared.sizes import MAX_SIZE
-from supervisor.config import guard_settings
+from shared.weights import WeightsError, estimate_weight_bytes, kv_bytes_per_token
+from supervisor.config import ModelConfig, guard_settings
 from supervisor.errors import LoadError
 from supervisor.policy import decisions as d
 from supervisor.policy import pressure as policy
-from supervisor.policy.admission import admit_load, evict_for_prefill
+from supervisor.policy.admission import FitReport, admit_load, evict_for_prefill, fit_report
 from supervisor.policy.snapshot import PolicyState, Snapshot, WorkerRecord
 from supervisor.policy.status import GuardStatus, build_status
 from supervisor.policy.tiers import ThresholdError, check_thresholds, normalise_tier
@@ -260,15 +261,22 @@ class Enforcer:
     def note_load_started(self, handle: WorkerHandle) -> None:
         self.activity_hint = time.monotonic()
 
-    async def admit(self, model) -> None:
-        """SPEC A1-A4: evict LRU idle models to make room, then admit or refuse."""
-        from shared.weights import WeightsError, estimate_weight_bytes  # no MLX in there
-
+    def weight_bytes(self, model: ModelConfig) -> int:
+        """A2's estimate, read from the weight files before loading (no MLX)."""
         try:
-            size = estimate_weight_bytes(model.path)
+            return estimate_weight_bytes(model.path)
         except (WeightsError, OSError) as exc:
             raise LoadError(f"model {model.id!r} cannot be loaded from {model.path}: {exc}",
                             code="model_unreadable", http_status=500) from None
+
+    def fit(self, model: ModelConfig, context_tokens: int = 0) -> FitReport:
+        """"Will it fit?": the load's verdict now, nothing spawned or stopped."""
+        return fit_report(self.snapshot(time.monotonic()), model.id, self.weight_bytes(model),
+                          kv_bytes_per_token(model.path), context_tokens)
+
+    async def admit(self, model: ModelConfig) -> None:
+        """SPEC A1-A4: evict LRU idle models to make room, then admit or refuse."""
+        size = self.weight_bytes(model)
         for _round in range(8):
             verdict = admit_load(self.snapshot(time.monotonic()), model.id, size)
             if verdict.evict:

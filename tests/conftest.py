@@ -38,3 +38,9 @@ def tiny_models(tmp_path_factory) -> TinyModels:
 def tiny_model(tiny_models) -> Path:
     """The one model most tests need."""
     return tiny_models.a
+
+
+@pytest.fixture
+def runtime_dir(tmp_path_factory) -> Path:
+    # ipc:// paths must stay short (108 bytes on Linux)
+    return Path(tmp_path_factory.mktemp("rt", numbered=True))

@@ -72,12 +72,6 @@ async def collect(stream) -> tuple[str, object]:
             return "".join(text), msg
 
 
-@pytest.fixture
-def runtime_dir(tmp_path_factory) -> Path:
-    # ipc:// paths must stay short (108 bytes on Linux)
-    return Path(tmp_path_factory.mktemp("rt", numbered=True))
-
-
 def test_spawn_load_generate_and_unload(tiny_models, runtime_dir):
     config = make_config([ModelConfig(id="a", path=str(tiny_models.a))])
 

@@ -24,6 +24,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "watch": ("supervisor.cli.watch", "follow a running supervisor's published messages live"),
     "load": ("supervisor.cli.load", "load a model through the running supervisor"),
     "unload": ("supervisor.cli.unload", "unload a model through the running supervisor"),
+    "ps": ("supervisor.cli.ps", "loaded and known models with their memory, idle time and expiry"),
+    "reload": ("supervisor.cli.reload", "re-read the config and rescan model folders without a restart"),
     "drill": ("supervisor.cli.drill", "fire drill: make a worker grow real memory (needs serve --allow-drills)"),
     "probe": ("supervisor.cli.probe", "show what the guard sees on this machine"),
     "tiers": ("supervisor.cli.tiers", "preview every tier's ceiling now, or under what-if inputs"),

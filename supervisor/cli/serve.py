@@ -12,6 +12,7 @@ import msgspec
 
 from shared.sizes import SizeError, parse_size
 from supervisor.config import Config, ConfigError, load_config
+from supervisor.discovery import with_discovered
 
 log = logging.getLogger("memvisor.serve")
 
@@ -26,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", metavar="SIZE", help="never count more than SIZE as the machine's memory")
     parser.add_argument("--allow-drills", action="store_true", help="allow `drill` (fire drills) on this supervisor")
     parser.add_argument("--max-workers", type=int, default=64, help="ledger slots, i.e. worker processes at once")
+    parser.add_argument("--models-dir", metavar="DIR", action="append", default=[],
+                        help="serve every model folder (and .gguf file) under DIR, the id taken from its "
+                        "name; Hugging Face cache layouts are understood (repeatable)")
     parser.add_argument("--trace", metavar="FILE", type=Path,
                         help="append every policy snapshot to FILE (JSON lines) for `replay`")
 
@@ -34,6 +38,8 @@ def build_config(args: argparse.Namespace) -> Config:
     """The config file (or the demo) with the command-line overrides applied, re-validated."""
     if args.config:
         config = load_config(args.config)
+    elif args.models_dir:
+        config = Config()  # the models folders alone, no demo
     else:
         from supervisor.demo import demo_config, ensure_demo_models
 
@@ -52,10 +58,15 @@ def build_config(args: argparse.Namespace) -> Config:
         raw["supervisor"]["http"] = args.http
     if args.allow_drills:
         raw["supervisor"]["allow_drills"] = True
+    raw["supervisor"]["models_dirs"] = [*raw["supervisor"]["models_dirs"], *args.models_dir]
     try:
-        return msgspec.convert(raw, type=Config)
+        config = msgspec.convert(raw, type=Config)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"command line: {exc}") from None
+    config, warnings = with_discovered(config)
+    for warning in warnings:
+        log.warning("%s", warning)
+    return config
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from supervisor.http.app import FrontDoorError
 
     arbiter = Arbiter(config, args.runtime_dir, max_workers=args.max_workers, http=args.http != "off",
-                      trace=args.trace)
+                      trace=args.trace, reload_config=lambda: build_config(args))
     try:
         return asyncio.run(arbiter.run())
     except (FrontDoorError, RuntimeDirBusy, BusError, PermissionError) as exc:

@@ -124,9 +124,9 @@ class FrontDoor:
     # -- models ---------------------------------------------------------------
 
     def card(self, model) -> ModelCard:
-        view = self.sup.model_view(model.id)
-        return ModelCard(id=model.id, created=self.created, state=view.state, pinned=model.pinned,
-                         worker=view.worker or None, pid=view.pid or None)
+        info = self.sup.model_info(model.id)
+        return ModelCard(id=model.id, created=self.created, state=info.state, pinned=model.pinned,
+                         worker=info.worker or None, pid=info.pid or None, memvisor=info)
 
     async def models(self, request: Request) -> Response:
         return json_response(ModelList(data=[self.card(m) for m in self.sup.config.models]))
@@ -146,8 +146,18 @@ class FrontDoor:
             raise from_serve_error(exc) from None
 
     async def load(self, request: Request) -> Response:
+        """POST /v1/models/{id}/load; `?dry_run=true[&context=N]` answers "will it fit?" only."""
         require_admin(request, self.scfg.admin_token)
         model = self._model_config(request.path_params["model_id"])
+        if request.query_params.get("dry_run", "").lower() in ("1", "true", "yes"):
+            raw = request.query_params.get("context", "0")
+            if not raw.isdigit() or int(raw) > 10**9:
+                raise ApiError(400, f"context must be a whole number of tokens, got {raw!r}", code="invalid_request",
+                               param="context")
+            try:
+                return json_response(self.sup.fit(model.id, int(raw)))
+            except ServeError as exc:
+                raise from_serve_error(exc) from None
         try:
             await http_generate.race_client(self.sup.load(model.id), request.receive)
         except ServeError as exc:

@@ -23,6 +23,8 @@ from typing import Annotated, Literal, TypeVar, Union
 
 import msgspec
 
+from supervisor.policy.status import ModelInfo
+
 T = TypeVar("T")
 from msgspec import Meta, Struct
 
@@ -204,6 +206,8 @@ class ModelCard(Struct, kw_only=True):
     pinned: bool = False
     worker: Union[str, None] = None
     pid: Union[int, None] = None
+    # Everything `ps` shows: aliases, estimated vs measured bytes, idle time, expiry ...
+    memvisor: Union[ModelInfo, None] = None
 
 
 class ModelList(Struct, kw_only=True):

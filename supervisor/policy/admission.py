@@ -22,7 +22,7 @@ from supervisor.policy.ceilings import Ceilings, remedy, reserve_message
 from supervisor.policy.group import WorkerGroup, ceilings_for, is_idle, lru_key
 from supervisor.policy.snapshot import Snapshot, WorkerRecord
 
-__all__ = ["INSUFFICIENT_MEMORY", "MODEL_TOO_LARGE", "LoadVerdict", "admit_load", "evict_for_prefill"]
+__all__ = ["INSUFFICIENT_MEMORY", "MODEL_TOO_LARGE", "FitReport", "LoadVerdict", "admit_load", "evict_for_prefill", "fit_report"]
 
 MODEL_TOO_LARGE = "model_too_large"
 INSUFFICIENT_MEMORY = "insufficient_memory"
@@ -126,3 +126,39 @@ def evict_for_prefill(s: Snapshot, worker: str, need_bytes: int) -> list[str]:
         return []
     chosen, after = _take(_idle_victims(g, exclude_worker=worker), usage, need, limit)
     return chosen if after + need <= limit else []
+
+
+class FitReport(msgspec.Struct, frozen=True, kw_only=True):
+    """"Will it fit?" (`load --dry-run`): A1-A3 answered without spawning anything.
+
+    `estimated_bytes` is the weights plus the KV cache of `context_tokens`;
+    `evict` names the models that would be stopped first; `message` is what a
+    real load would say (the 507's words when it would be refused).
+    """
+
+    model: str
+    fits: bool
+    estimated_bytes: int
+    weight_bytes: int
+    kv_bytes: int
+    context_tokens: int
+    usage: int
+    ceiling: int
+    binding: str
+    evict: list[str]
+    message: str
+    error: str = ""
+
+
+def fit_report(s: Snapshot, model_id: str, weight_bytes: int, kv_per_token: int,
+               context_tokens: int) -> FitReport:
+    """A dry run of `admit_load` for the weights plus `context_tokens` of KV cache."""
+    kv = max(0, kv_per_token) * max(0, context_tokens)
+    verdict = admit_load(s, model_id, weight_bytes + kv)
+    by_worker = {w.worker: w.model for w in s.workers}
+    return FitReport(
+        model=model_id, fits=verdict.admitted, estimated_bytes=weight_bytes + kv, weight_bytes=weight_bytes,
+        kv_bytes=kv, context_tokens=max(0, context_tokens), usage=verdict.usage, ceiling=verdict.ceiling,
+        binding=verdict.binding, evict=[by_worker.get(w, w) for w in verdict.evict], message=verdict.message,
+        error=verdict.error,
+    )

@@ -119,7 +119,12 @@ def build_status(snapshot: Snapshot, result: TickResult) -> GuardStatus:
 
 
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
-    """A configured model, loaded or not."""
+    """A configured or discovered model, loaded or not (`ps`, `/v1/models`, `status`).
+
+    `estimated_bytes` is A2's estimate from the weight files; `usage` the
+    measured U1 usage of its worker, so the two can be compared after a load.
+    `expires_in` is how long until P10 unloads it (None: never).
+    """
 
     id: str
     path: str
@@ -128,6 +133,16 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     worker: str = ""
     pid: int = 0
     failed_reason: str = ""
+    aliases: list[str] = []
+    estimated_bytes: int = 0
+    usage: int = 0
+    mlx_active: int = 0
+    mlx_pool: int = 0
+    cache_bytes: int = 0
+    idle_seconds: float = 0.0
+    ttl: float | None = None
+    expires_in: float | None = None
+    restarts: int = 0
 
 
 class ServerStatus(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,0 +1,63 @@
+"""`ps`: the models a running supervisor knows, with their memory (Ollama's `ps`, and more).
+
+Per model: state, pinned, the A2 estimate next to the measured usage, MLX
+active and pool bytes, prompt-cache bytes, idle time, TTL and when it expires,
+restarts. `--json` prints the `ModelInfo` list for scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import msgspec
+
+from shared import protocol as p
+from shared.sizes import format_size
+from supervisor.cli._control import call
+from supervisor.policy.status import ModelInfo, ServerStatus
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="one JSON list of models")
+    parser.add_argument("--all", action="store_true", help="also the models that are not loaded")
+
+
+def run(args: argparse.Namespace) -> int:
+    code, reply = call(args, p.StatusRequest(), timeout=30.0, quiet=True)
+    if code != 0 or not isinstance(reply, p.ControlOk):
+        return code
+    status = msgspec.json.decode(reply.data, type=ServerStatus)
+    models = [m for m in status.models if args.all or m.state != "unloaded"]
+    if args.json:
+        print(msgspec.json.encode(models).decode())
+    else:
+        print(table(models))
+    return 0
+
+
+def _size(n: int) -> str:
+    return format_size(n) if n else "-"
+
+
+def _seconds(s: float | None) -> str:
+    if s is None:
+        return "never"
+    return f"{s:.0f}s" if s < 120 else f"{s / 60:.0f}m"
+
+
+def table(models: list[ModelInfo]) -> str:
+    header = ("MODEL", "STATE", "PIN", "ESTIMATE", "USAGE", "ACTIVE", "POOL", "CACHE", "IDLE", "TTL", "EXPIRES",
+              "RESTARTS")
+    rows = [header]
+    for m in models:
+        name = m.id + (f" ({', '.join(m.aliases)})" if m.aliases else "")
+        rows.append((
+            name, m.state, "yes" if m.pinned else "", _size(m.estimated_bytes), _size(m.usage),
+            _size(m.mlx_active), _size(m.mlx_pool), _size(m.cache_bytes),
+            _seconds(m.idle_seconds) if m.worker else "-", _seconds(m.ttl) if m.ttl else "-",
+            _seconds(m.expires_in) if m.ttl and m.worker else "-", str(m.restarts),
+        ))
+    if len(rows) == 1:
+        return "no model is loaded (ps --all lists every known model)"
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
