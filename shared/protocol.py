@@ -176,8 +176,8 @@ class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
 # grammars by it.
 
 
-class ConstraintSpec(msgspec.Struct, tag_field="type", frozen=True, kw_only=True):
-    """Base of the constraint union (tag field `type`)."""
+class ConstraintSpec(msgspec.Struct, tag_field="kind", frozen=True, kw_only=True):
+    """Base of the constraint union (tag field `kind`: `type` marks whole messages)."""
 
 
 class JsonObject(ConstraintSpec, tag="json_object", frozen=True, kw_only=True):

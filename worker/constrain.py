@@ -56,7 +56,6 @@ from typing import Any
 
 import llguidance as llg
 import mlx.core as mx
-import msgspec
 import numpy as np
 
 from shared.protocol import Constraint as ConstraintSpec
@@ -64,7 +63,7 @@ from shared.protocol import JsonObject, JsonSchema, LarkGrammar, ToolCall
 
 INVALID_REQUEST = "invalid_request"
 CACHE_SIZE = 64  # compiled grammars kept per tokenizer
-RESERVE_MIN, RESERVE_MAX = 8, 64  # wrap-up starts this many tokens before max_tokens (half between)
+WRAP_WINDOW = 256  # tokens before max_tokens where the wrap-up starts checking (see Constraint)
 
 
 class ConstraintError(ValueError):
@@ -99,13 +98,18 @@ def apply_bitmask(logits: mx.array, words: np.ndarray) -> mx.array:
     return logits + bias[:vocab]
 
 
-class Closers(msgspec.Struct, frozen=True):
-    """Token ids the wrap-up prefers (see `Constraint`), found once per tokenizer."""
+class Closers:
+    """What the wrap-up prefers (see `Constraint`), found once per tokenizer."""
 
-    eos: tuple[int, ...]
-    quote: int              # `"`: ends a free string
-    probe: int              # `x`: allowed only inside a free string
-    outside: tuple[int, ...]  # `]` `}` `,` `"` `0` `:` `[` `{`, in that order
+    __slots__ = ("eos", "lengths", "outside", "probe", "quote")
+
+    def __init__(self, eos: tuple[int, ...], quote: int, probe: int, outside: tuple[int, ...],
+                 lengths: np.ndarray):
+        self.eos = eos
+        self.quote = quote        # `"`: ends a free string
+        self.probe = probe        # `x`: allowed only inside a free string
+        self.outside = outside    # `]` `}` `,` `"` `0` `:` `[` `{`, in that order
+        self.lengths = lengths    # bytes per token id (longest allowed token = most progress)
 
 
 class Constraint:
@@ -113,22 +117,26 @@ class Constraint:
 
     Wrap-up: a grammar guarantees every prefix is valid, not that the output
     ends before max_tokens; a model with random weights writes strings and
-    numbers forever. So once only `reserve` tokens are left, each step that
-    can close something is forced to: EOS if the output may end, else inside
-    a free string its closing quote, else the first allowed of `] } , " 0 : [ {`
-    (close, move on, or start the shortest value). Steps with none of those
-    allowed (a key, an enum, a pattern) sample as usual within the grammar.
-    `wrapped` tells the engine the budget shaped the output (finish "length").
+    numbers forever. So near the end of the budget a dry run on a copy of the
+    grammar counts how many tokens a fixed closing policy needs from here:
+    EOS if the output may end; in a free string its closing quote; else the
+    first allowed of `] } , " 0 : [ {` (close, move on, or start the shortest
+    value); else (a key, an enum, a pattern) the longest allowed token. When
+    that count reaches the tokens left, the sequence follows the same policy
+    (its mask keeps that one token) and so ends complete at or before
+    max_tokens. Checks are spaced by a third of the margin they found, so a
+    long budget costs a handful of dry runs. `wrapped` tells the engine the
+    budget shaped the output (it then finishes with "length").
     """
 
-    __slots__ = ("_closers", "_left", "_matcher", "_reserve", "_words", "error", "wrapped")
+    __slots__ = ("_closers", "_left", "_matcher", "_next_check", "_words", "error", "wrapped")
 
     def __init__(self, matcher: llg.LLMatcher, vocab: int, closers: Closers, max_tokens: int):
         self._matcher = matcher
         self._words = np.zeros((vocab + 31) // 32, dtype=np.int32)
         self._closers = closers
         self._left = max_tokens
-        self._reserve = min(RESERVE_MAX, max(RESERVE_MIN, max_tokens // 2))
+        self._next_check = WRAP_WINDOW
         self.error = ""
         self.wrapped = False
 
@@ -136,26 +144,53 @@ class Constraint:
         """Disallow every token the grammar refuses next (synchronous: reads grammar state)."""
         words = self._words
         self._matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
-        if self._left <= self._reserve:
-            token = self._closing_token()
+        if not self.wrapped and self._left <= self._next_check:
+            margin = self._left - self._closing_cost(self._left)
+            self.wrapped = margin <= 1
+            self._next_check = self._left - max(1, margin // 3)
+        if self.wrapped:
+            token = self._pick(words)
             if token is not None:
-                self.wrapped = True
                 words[:] = 0
-                words[token >> 5] = np.int32(np.uint32(1 << (token & 31)).view(np.int32))
+                words[token >> 5] = np.uint32(1 << (token & 31)).view(np.int32)
         return apply_bitmask(logits, words)
 
-    def _closing_token(self) -> int | None:
-        allowed = self._allowed
+    def _closing_cost(self, limit: int) -> int:
+        """Tokens the closing policy needs from this state (limit + 1: not within limit)."""
+        sim = self._matcher.deep_copy()
+        words = np.zeros_like(self._words)
+        for used in range(limit):
+            if sim.is_stopped():
+                return used
+            sim.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+            token = self._pick(words)
+            if token is None or not sim.consume_token(token):
+                return limit + 1
+            if token in self._closers.eos:
+                return used + 1
+        return limit if sim.is_stopped() else limit + 1
+
+    def _pick(self, words: np.ndarray) -> int | None:
+        """The closing policy's token in the state whose mask is `words`."""
         closers = self._closers
+
+        def allowed(token: int) -> bool:
+            return token >= 0 and (int(words[token >> 5]) >> (token & 31)) & 1 == 1
+
         for token in closers.eos:
             if allowed(token):
                 return token
-        if allowed(closers.probe):
-            return closers.quote if allowed(closers.quote) else None
-        return next((t for t in closers.outside if allowed(t)), None)
-
-    def _allowed(self, token: int) -> bool:
-        return token >= 0 and (int(self._words[token >> 5]) >> (token & 31)) & 1 == 1
+        in_string = allowed(closers.probe)
+        if in_string and allowed(closers.quote):
+            return closers.quote
+        if not in_string:
+            for token in closers.outside:
+                if allowed(token):
+                    return token
+        bits = np.unpackbits(words.view(np.uint8), bitorder="little", count=closers.lengths.size)
+        scores = np.where(bits.astype(bool), closers.lengths, -1)
+        best = int(scores.argmax())
+        return best if scores[best] >= 0 else None
 
     def accept(self, token: int) -> bool:
         """Advance by one token; False (and `error` set) when the grammar refuses it."""
@@ -183,7 +218,7 @@ class ConstraintFactory:
         eos = sorted(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
         self.vocab_size = vocab_size
         self._tokenizer = llg.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos)
-        self.closers = _closers(backend, eos)
+        self.closers = _closers(backend, eos, self._tokenizer, vocab_size)
         self._cache: OrderedDict[ConstraintSpec, llg.LLMatcher] = OrderedDict()
         self._cache_size = cache_size
         self.compiles = 0
@@ -209,13 +244,17 @@ class ConstraintFactory:
         return matcher
 
 
-def _closers(backend, eos: list[int]) -> Closers:
+def _closers(backend, eos: list[int], tokenizer: llg.LLTokenizer, vocab: int) -> Closers:
     def tid(text: str) -> int:
         found = backend.token_to_id(text)
         return -1 if found is None else found
 
+    lengths = np.array([0 if tokenizer.is_special_token(i) else len(tokenizer.decode_bytes([i]))
+                        for i in range(min(vocab, tokenizer.vocab_size))], dtype=np.int32)
+    lengths = np.pad(lengths, (0, vocab - lengths.size))
     return Closers(eos=tuple(eos), quote=tid('"'), probe=tid("x"),
-                   outside=tuple(tid(c) for c in ("]", "}", ",", '"', "0", ":", "[", "{")))
+                   outside=tuple(tid(c) for c in ("]", "}", ",", '"', "0", ":", "[", "{")),
+                   lengths=lengths)
 
 
 def grammar_for(spec: ConstraintSpec) -> str:
