@@ -507,9 +507,11 @@ class Engine:
     def _decode_step(self, events: list[Event]) -> None:
         """One token for every decoding sequence, pipelined one step ahead like mlx_lm.
 
-        Constrained sequences (issue 13) cannot run ahead: the mask of their
-        next token depends on the token still in flight. The free ones are
-        queued first, so they keep their look-ahead while the grammars run.
+        Constrained sequences (issue 13) cannot sample ahead: the mask of their
+        next token depends on the token still in flight. Their forward pass
+        still runs ahead (it needs only the lazy token) while the grammar
+        computes the mask; the free ones are queued first and keep their
+        look-ahead.
         """
         seqs = [seq for seq in self._decoding if seq.constraint is None]
         bound = [seq for seq in self._decoding if seq.constraint is not None]
@@ -536,15 +538,19 @@ class Engine:
             mx.clear_cache()
 
     def _constrained_step(self, seqs: list[_Seq], events: list[Event]) -> list[_Seq]:
-        """Issue 13: read each token, advance its grammar, then queue the masked next one."""
+        """Issue 13: queue the forward passes, then read each token and advance its grammar
+        while they run, then queue the masked samples (only sampling waits for the mask)."""
+        with mx.stream(generation_stream):
+            ahead = [self.model(seq.y[None], cache=seq.cache)[:, -1, :]
+                     if seq.generated + 1 < seq.max_tokens else None for seq in seqs]
+        mx.async_eval([logits for logits in ahead if logits is not None])
         survivors, following = [], []
-        for seq in seqs:
+        for seq, logits in zip(seqs, ahead):
             if self._emit(seq, seq.y.item(), events):
                 self._ids.discard(seq.id)
                 seq.cache = seq.y = None
                 continue
             with mx.stream(generation_stream):
-                logits = self.model(seq.y[None], cache=seq.cache)[:, -1, :]
                 seq.y = seq.sample(seq.constraint.mask(logits))
             following.append(seq.y)
             survivors.append(seq)
