@@ -82,6 +82,7 @@ def _prompts(engine: Engine, n: int) -> list[list[int]]:
     return [engine.encode_prompt(f"Reply in JSON, request number {i}:") for i in range(n)]
 
 
+@pytest.mark.slow  # 20 x 96 tokens each: 10-30 s on a shared CPU
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
 def test_json_schema_output_validates_20_of_20(loaded, temperature):
     engine = _engine(loaded)
@@ -127,6 +128,15 @@ def test_json_object_yields_a_json_object(loaded):
     runs = _run(engine)
     for i in range(6):
         assert isinstance(json.loads(_text(runs[f"o{i}"])), dict)
+
+
+def test_an_output_the_budget_closes_is_complete_and_finishes_with_length(loaded):
+    engine = _engine(loaded)
+    spec = p.JsonSchema(schema=json.dumps(PERSON))
+    engine.submit("w", _prompts(engine, 1)[0], max_tokens=80, constraint=spec)  # greedy never closes alone
+    events = _run(engine)["w"]
+    jsonschema.validate(json.loads(_text(events)), PERSON)
+    assert _end(events).finish_reason == "length" and _end(events).completion_tokens <= 80
 
 
 def test_a_complete_grammar_finishes_with_stop_before_max_tokens(loaded):
@@ -211,3 +221,35 @@ def test_parallel_required_tool_calls_allow_several_calls_named_exactly_one():
     jsonschema.validate([call, call], many)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([call, call], one)
+
+
+def test_a_refused_token_is_flagged_not_raised(loaded):
+    model, tokenizer = loaded
+    constraint = ConstraintFactory(tokenizer, model.args.vocab_size).build(p.JsonObject(), 16)
+    letter = tokenizer.encode("x", add_special_tokens=False)[0]
+    assert constraint.accept(letter) is False  # a JSON object cannot start with x
+    assert "broke the output constraint" in constraint.error and not constraint.done
+
+
+@pytest.mark.slow
+def test_a_worker_process_enforces_a_wire_constraint_and_refuses_a_bad_one(tiny_model, tmp_path):
+    from test_worker_process import FakeSupervisor
+
+    with FakeSupervisor(tmp_path, tiny_model, "w#c") as sup:
+        sup.recv(p.Loaded)
+        sup.send(Generate(request_id="bad", prompt="hi", max_tokens=8,
+                          constraint=p.JsonSchema(schema='{"type": "strnig"}')))
+        failed = sup.recv(Failed)
+        assert (failed.request_id, failed.code) == ("bad", "invalid_request") and "strnig" in failed.message
+        sup.send(Generate(request_id="call", prompt="hi", max_tokens=96, temperature=1.0, seed=7,
+                          constraint=p.ToolCall(functions=TOOLS, mode="named", name="get_weather")))
+        text = []
+        while True:
+            msg = sup.recv((TokenOut, Finished, Failed))
+            if not isinstance(msg, TokenOut):
+                break
+            text.append(msg.text)
+        assert isinstance(msg, Finished)
+        (call,) = json.loads("".join(text))
+        jsonschema.validate(call["arguments"], WEATHER)
+        assert sup.proc.is_alive()
