@@ -163,6 +163,63 @@ class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     content: str
 
 
+# --- constrained decoding (issue 13) -------------------------------------
+# What the worker's output must match. Schemas travel as JSON text: a JSON
+# Schema is open-ended, so it is checked by the worker's grammar compiler (a
+# bad one fails its request with `invalid_request`), not by this decoder.
+# Frozen with tuples, so a spec is hashable: the worker caches compiled
+# grammars by it.
+
+
+class ConstraintSpec(msgspec.Struct, tag_field="kind", frozen=True, kw_only=True):
+    """Base of the constraint union (tag field `kind`: `type` marks whole messages)."""
+
+
+class JsonObject(ConstraintSpec, tag="json_object", frozen=True, kw_only=True):
+    """response_format json_object: any one JSON object."""
+
+
+class JsonSchema(ConstraintSpec, tag="json_schema", frozen=True, kw_only=True):
+    """response_format json_schema: JSON valid against `schema` (JSON text).
+
+    strict: every keyword must be enforced, an unsupported one is an error;
+    not strict: unsupported keywords are ignored (best effort).
+    """
+
+    schema: str
+    strict: bool = True
+    name: str = ""
+
+
+class ToolFunction(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    parameters: str = '{"type": "object"}'  # JSON Schema text of the arguments
+    strict: bool = True
+
+
+class ToolCall(ConstraintSpec, tag="tool_call", frozen=True, kw_only=True):
+    """tool_choice required (any of `functions`) or named (`name` only).
+
+    The output is a JSON array of calls, `[{"name": ..., "arguments": {...}}]`:
+    one call unless `parallel` (then one or more; named is always one).
+    """
+
+    functions: tuple[ToolFunction, ...]
+    mode: Literal["required", "named"] = "required"
+    name: str = ""
+    parallel: bool = False
+
+
+class LarkGrammar(ConstraintSpec, tag="lark", frozen=True, kw_only=True):
+    """A context-free grammar in llguidance's Lark dialect."""
+
+    lark: str
+
+
+Constraint = Union[JsonObject, JsonSchema, ToolCall, LarkGrammar]
+# --- end constrained decoding ----------------------------------------------
+
+
 class Generate(Command, tag="generate", kw_only=True):
     request_id: str
     messages: Union[list[ChatMessage], None] = None
@@ -172,6 +229,7 @@ class Generate(Command, tag="generate", kw_only=True):
     top_p: float = 1.0
     stop: list[str] = []
     seed: Union[int, None] = None
+    constraint: Union[Constraint, None] = None  # issue 13: constrained decoding
 
 
 class MemoryAnswer(Command, tag="memory_answer", kw_only=True):

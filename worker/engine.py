@@ -39,10 +39,12 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 from shared.limits import Limits
+from shared.protocol import Constraint as ConstraintSpec
 from shared.protocol import Failed, Finished, Generate, NeedMemory, TokenOut
 from shared.weights import WeightsError, estimate_weight_bytes
 from worker import memory
 from worker import prefill_guard as guard
+from worker.constrain import Constraint, ConstraintError, ConstraintFactory
 from worker.sampling import make_request_sampler
 from worker.stops import StopMatcher
 
@@ -73,10 +75,10 @@ class _Seq:
 
     __slots__ = (
         "id", "prompt", "max_tokens", "sample", "stopper", "state", "cache", "pos",
-        "y", "detok", "generated", "retried", "deadline", "warned_soft",
+        "y", "detok", "generated", "retried", "deadline", "warned_soft", "constraint",
     )
 
-    def __init__(self, request_id, prompt, max_tokens, sampler, stopper):
+    def __init__(self, request_id, prompt, max_tokens, sampler, stopper, constraint=None):
         self.id = request_id
         self.prompt = prompt
         self.max_tokens = max_tokens
@@ -91,6 +93,7 @@ class _Seq:
         self.retried = False
         self.deadline = 0.0
         self.warned_soft = False
+        self.constraint: Constraint | None = constraint  # issue 13: grammar of the output
 
 
 def _guard_on(limits: Limits) -> bool:
@@ -157,6 +160,7 @@ class Engine:
         self._decode_steps = 0
         self.tokens_total = 0
         self.prompt_tokens_processed = 0
+        self._constraints: ConstraintFactory | None = None  # built on the first constrained request
 
     # ------------------------------------------------------------------ loading
 
@@ -212,6 +216,7 @@ class Engine:
         top_p: float = 1.0,
         stop: Iterable[str] = (),
         seed: int | None = None,
+        constraint: ConstraintSpec | None = None,
     ) -> None:
         """Queue a request; it is admitted by a later `step()` (SPEC P3, P8)."""
         if not request_id:
@@ -232,7 +237,8 @@ class Engine:
         stops = [s for s in stop if s]
         seq = _Seq(request_id, list(prompt_tokens), max_tokens,
                    make_request_sampler(temperature, top_p, seed),
-                   StopMatcher(stops) if stops else None)
+                   StopMatcher(stops) if stops else None,
+                   self._constraint(constraint, max_tokens) if constraint is not None else None)
         self._ids.add(request_id)
         self._queue.append(seq)
 
@@ -244,7 +250,7 @@ class Engine:
             tokens = self.encode_chat(cmd.messages) if cmd.messages is not None \
                 else self.encode_prompt(cmd.prompt)
             self.submit(cmd.request_id, tokens, cmd.max_tokens, cmd.temperature, cmd.top_p,
-                        cmd.stop, cmd.seed)
+                        cmd.stop, cmd.seed, cmd.constraint)
         except EngineError as exc:
             self._outbox.append(Failed(request_id=cmd.request_id, code=exc.code, message=exc.message))
         except Exception as exc:  # noqa: BLE001 - raised from the worker's command loop it would kill
@@ -252,6 +258,16 @@ class Engine:
             log.exception("request %s could not be prepared", cmd.request_id)
             self._outbox.append(Failed(request_id=cmd.request_id, code=ENGINE_ERROR,
                                        message=f"the request could not be prepared: {exc!r}"))
+
+    def _constraint(self, spec: ConstraintSpec, max_tokens: int) -> Constraint:
+        """Issue 13: the request's grammar; a spec that cannot be enforced is invalid_request."""
+        try:
+            if self._constraints is None:
+                vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
+                self._constraints = ConstraintFactory(self.tokenizer, vocab or len(self.tokenizer.vocab))
+            return self._constraints.build(spec, max_tokens)
+        except ConstraintError as exc:
+            raise EngineError(exc.code, exc.message) from None
 
     def abort(self, request_id: str, reason: str, code: str = "aborted") -> bool:
         """End one request with a terminal `Failed` (next step); False for an unknown id."""
@@ -476,6 +492,8 @@ class Engine:
         last = mx.array(seq.prompt[-1:])[None]
         with mx.stream(generation_stream):
             logits = self.model(last, cache=seq.cache)[:, -1, :]
+            if seq.constraint is not None:
+                logits = seq.constraint.mask(logits)
             seq.y = seq.sample(logits)
         mx.async_eval(seq.y)
         self._prefill.popleft()
@@ -487,8 +505,16 @@ class Engine:
     # ------------------------------------------------------------------ decode
 
     def _decode_step(self, events: list[Event]) -> None:
-        """One token for every decoding sequence, pipelined one step ahead like mlx_lm."""
-        seqs = self._decoding
+        """One token for every decoding sequence, pipelined one step ahead like mlx_lm.
+
+        Constrained sequences (issue 13) cannot sample ahead: the mask of their
+        next token depends on the token still in flight. Their forward pass
+        still runs ahead (it needs only the lazy token) while the grammar
+        computes the mask; the free ones are queued first and keep their
+        look-ahead.
+        """
+        seqs = [seq for seq in self._decoding if seq.constraint is None]
+        bound = [seq for seq in self._decoding if seq.constraint is not None]
         following = []
         with mx.stream(generation_stream):
             for seq in seqs:
@@ -498,7 +524,7 @@ class Engine:
                 else:
                     following.append(None)
         mx.async_eval([y for y in following if y is not None])
-        survivors = []
+        survivors = self._constrained_step(bound, events) if bound else []
         for seq, nxt in zip(seqs, following):
             if self._emit(seq, seq.y.item(), events):
                 self._ids.discard(seq.id)
@@ -510,6 +536,26 @@ class Engine:
         self._decode_steps += 1
         if self._decode_steps % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
+
+    def _constrained_step(self, seqs: list[_Seq], events: list[Event]) -> list[_Seq]:
+        """Issue 13: queue the forward passes, then read each token and advance its grammar
+        while they run, then queue the masked samples (only sampling waits for the mask)."""
+        with mx.stream(generation_stream):
+            ahead = [self.model(seq.y[None], cache=seq.cache)[:, -1, :]
+                     if seq.generated + 1 < seq.max_tokens else None for seq in seqs]
+        mx.async_eval([logits for logits in ahead if logits is not None])
+        survivors, following = [], []
+        for seq, logits in zip(seqs, ahead):
+            if self._emit(seq, seq.y.item(), events):
+                self._ids.discard(seq.id)
+                seq.cache = seq.y = None
+                continue
+            with mx.stream(generation_stream):
+                seq.y = seq.sample(seq.constraint.mask(logits))
+            following.append(seq.y)
+            survivors.append(seq)
+        mx.async_eval(following)
+        return survivors
 
     def _emit(self, seq: _Seq, token: int, events: list[Event]) -> bool:
         """Turn one sampled token into events; True when the request finished."""
@@ -527,7 +573,13 @@ class Engine:
             events.append(self._finished(seq, "stop"))
             return True
         detok.add_token(token)
-        last = seq.generated >= seq.max_tokens
+        complete = False  # issue 13: the grammar of a constrained output is satisfied
+        if seq.constraint is not None:
+            if not seq.constraint.accept(token):
+                events.append(self._fail(seq, ENGINE_ERROR, seq.constraint.error))
+                return True
+            complete = seq.constraint.done
+        last = seq.generated >= seq.max_tokens or complete
         if last:
             detok.finalize()
         text = detok.last_segment
@@ -541,7 +593,9 @@ class Engine:
                 text += seq.stopper.flush()
         events.append(TokenOut(request_id=seq.id, text=text, token_id=token))
         if last:
-            events.append(self._finished(seq, "length"))
+            # a grammar the budget had to wrap up ends as "length", though its output is complete
+            wrapped = complete and seq.constraint.wrapped
+            events.append(self._finished(seq, "stop" if complete and not wrapped else "length"))
             return True
         return False
 

@@ -1,0 +1,164 @@
+"""Constrained decoding cost: per-token mask time and engine tokens/s with and without a grammar.
+
+    python scripts/bench_constrained.py [--model DIR | --size SIZE --dtype D] [--tokens N]
+                                        [--repeats R] [--streams S]
+
+Why: issue 13 holds constrained streams to >= 80% of the unconstrained
+tokens/s. A constrained token costs its grammar mask (llguidance, then the
+bitmask applied to the MLX logits) and its look-ahead: the engine cannot
+queue a constrained sequence's next token before reading the current one.
+Both sides run through the engine's step loop on the same model and prompt,
+greedy, counted from the first generated token to the last; best of R runs
+alternated (as bench_engine.py does: on a shared machine the best run is
+the least disturbed one), medians printed too. The JSON Schema has free
+strings, so a random-weight model writes until the budget's wrap-up closes
+the object: the wrap-up's dry runs are inside the figure.
+
+The mask cost is measured apart: the constrained outputs are replayed on a
+fresh constraint, timing `mask()` + evaluating the masked logits per token.
+Without --model a 16 MiB float32 model is generated (MLX's CPU backend decodes
+float32 fastest). Last line: `constrained decoding: X tok/s vs Y tok/s
+unconstrained (Z%), mask p50 A µs`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+try:
+    from worker.modelgen import make_model
+except ImportError:  # run as a file from a checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from worker.modelgen import make_model
+
+import mlx.core as mx
+
+from shared import protocol as p
+from shared.limits import Limits
+from shared.protocol import Failed, Finished, TokenOut
+from shared.sizes import parse_size
+
+PROMPT = "Answer with a JSON record of a person who lives in a small town by the sea:"
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "color": {"enum": ["red", "green", "blue"]},
+        "address": {"type": "object", "properties": {"city": {"type": "string"}, "street": {"type": "string"}},
+                    "required": ["city", "street"], "additionalProperties": False},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "bio": {"type": "string"},
+    },
+    "required": ["name", "age", "color", "address", "tags", "bio"],
+    "additionalProperties": False,
+}
+SPEC = p.JsonSchema(schema=json.dumps(SCHEMA), name="person")
+
+
+def run_engine(engine, prompt: list[int], tokens: int, streams: int, constrained: bool):
+    """(tokens/s over all streams after the first token, token ids per stream)."""
+    for i in range(streams):
+        engine.submit(f"s{i}", prompt, max_tokens=tokens, constraint=SPEC if constrained else None)
+    limits = Limits(max_concurrency=streams)
+    ids: dict[str, list[int]] = {f"s{i}": [] for i in range(streams)}
+    first = last = 0.0
+    count = ended = 0
+    while ended < streams:
+        for event in engine.step(limits, _zero):
+            if isinstance(event, TokenOut):
+                now = time.perf_counter()
+                first = first or now
+                last = now
+                count += 1
+                ids[event.request_id].append(event.token_id)
+            elif isinstance(event, Failed):
+                raise SystemExit(f"benchmark request failed: {event.message}")
+            elif isinstance(event, Finished):
+                ended += 1
+    return (count - streams) / (last - first), list(ids.values())
+
+
+def mask_cost(engine, outputs: list[list[int]]) -> list[float]:
+    """Microseconds per `mask()` (grammar + bitmask on the logits, evaluated), replaying outputs."""
+    factory = engine._constraints
+    vocab = factory.vocab_size
+    logits = mx.random.normal((1, vocab), key=mx.random.key(0))
+    mx.eval(logits)
+    times = []
+    for output in outputs:
+        constraint = factory.build(SPEC, len(output))
+        for token in output:
+            start = time.perf_counter()
+            mx.eval(constraint.mask(logits))
+            times.append((time.perf_counter() - start) * 1e6)
+            if not constraint.accept(token):
+                break
+    return sorted(times)
+
+
+def _zero() -> int:
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path)
+    parser.add_argument("--size", default="16MiB")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--tokens", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--streams", type=int, default=1)
+    args = parser.parse_args(argv)
+    import mlx_lm
+
+    from worker.engine import Engine
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.model
+        if path is None:
+            path = Path(tmp) / "bench-model"
+            make_model(path, parse_size(args.size), 0, dtype=args.dtype)
+        model, tokenizer = mlx_lm.load(str(path))
+    engine = Engine(model, tokenizer, own_usage_fn=_zero)
+    prompt = engine.encode_prompt(PROMPT)
+    run_engine(engine, prompt, 8, 1, False)  # warm up both paths (and compile the grammar once)
+    run_engine(engine, prompt, 8, 1, True)
+    free, bound, outputs = [], [], []
+    for _ in range(args.repeats):
+        free.append(run_engine(engine, prompt, args.tokens, args.streams, False)[0])
+        rate, out = run_engine(engine, prompt, args.tokens, args.streams, True)
+        bound.append(rate)
+        outputs.extend(out)
+    times = mask_cost(engine, outputs)
+    p50, p99 = times[len(times) // 2], times[min(len(times) - 1, int(len(times) * 0.99))]
+    valid = sum(_valid(tokenizer.decode(out)) for out in outputs)
+    f, b = max(free), max(bound)
+    print(f"{path.name}: {args.streams} stream(s), {args.tokens} tokens x {args.repeats}; "
+          f"medians {statistics.median(bound):.1f} / {statistics.median(free):.1f} tok/s = "
+          f"{statistics.median(bound) / statistics.median(free):.1%}")
+    print(f"mask per token over {len(times)} tokens: p50 {p50:.0f} µs, p99 {p99:.0f} µs; "
+          f"constrained outputs valid JSON for the schema: {valid}/{len(outputs)}")
+    print(f"constrained decoding: {b:.1f} tok/s vs {f:.1f} tok/s unconstrained ({b / f:.1%}), "
+          f"mask p50 {p50:.0f} µs")
+    return 0
+
+
+def _valid(text: str) -> bool:
+    try:
+        import jsonschema
+
+        jsonschema.validate(json.loads(text), SCHEMA)
+        return True
+    except Exception:  # noqa: BLE001 - any failure is "not valid" in the count
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())

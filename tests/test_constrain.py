@@ -1,0 +1,255 @@
+"""Issue 13: constrained decoding on the engine, with a random-weight model (real MLX, CPU).
+
+A model with random weights is the hardest client a grammar can have: it
+never wants to close a string. Validity here comes from the mask and the
+budget wrap-up alone.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from shared import protocol as p
+from shared.limits import Limits
+from shared.protocol import Failed, Finished, Generate, TokenOut
+from worker.constrain import ConstraintError, ConstraintFactory, tool_call_schema
+from worker.engine import Engine
+
+WIDE = Limits(max_concurrency=32)
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "color": {"enum": ["red", "green", "blue"]},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "member": {"type": "boolean"},
+    },
+    "required": ["name", "age", "color", "address", "tags", "member"],
+    "additionalProperties": False,
+}
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "number"}},
+       "required": ["a", "b"], "additionalProperties": False}
+TOOLS = (p.ToolFunction(name="get_weather", parameters=json.dumps(WEATHER)),
+         p.ToolFunction(name="add", parameters=json.dumps(ADD)))
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model):
+    import mlx_lm
+
+    return mlx_lm.load(str(tiny_model))
+
+
+def _engine(loaded) -> Engine:
+    model, tokenizer = loaded
+    return Engine(model, tokenizer, own_usage_fn=lambda: 0)
+
+
+def _run(engine: Engine, max_steps: int = 5000) -> dict[str, list]:
+    by_id: dict[str, list] = {}
+    for _ in range(max_steps):
+        if not engine.has_work:
+            return by_id
+        for ev in engine.step(WIDE, lambda: 0):
+            by_id.setdefault(ev.request_id, []).append(ev)
+    raise AssertionError("engine still busy")
+
+
+def _text(events: list) -> str:
+    return "".join(ev.text for ev in events if isinstance(ev, TokenOut))
+
+
+def _end(events: list):
+    assert isinstance(events[-1], (Finished, Failed))
+    return events[-1]
+
+
+def _prompts(engine: Engine, n: int) -> list[list[int]]:
+    return [engine.encode_prompt(f"Reply in JSON, request number {i}:") for i in range(n)]
+
+
+@pytest.mark.slow  # 20 x 96 tokens each: 10-30 s on a shared CPU
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_json_schema_output_validates_20_of_20(loaded, temperature):
+    engine = _engine(loaded)
+    spec = p.JsonSchema(schema=json.dumps(PERSON), name="person")
+    for i, prompt in enumerate(_prompts(engine, 20)):
+        engine.submit(f"r{i}", prompt, max_tokens=96, temperature=temperature, seed=i, constraint=spec)
+    runs = _run(engine)
+    for i in range(20):
+        assert isinstance(_end(runs[f"r{i}"]), Finished)
+        jsonschema.validate(json.loads(_text(runs[f"r{i}"])), PERSON)
+    assert engine._constraints.compiles == 1  # twenty requests, one compile
+
+
+def test_named_tool_call_arguments_validate(loaded):
+    engine = _engine(loaded)
+    spec = p.ToolCall(functions=TOOLS, mode="named", name="add")
+    for i, prompt in enumerate(_prompts(engine, 5)):
+        engine.submit(f"t{i}", prompt, max_tokens=96, temperature=1.0, seed=i, constraint=spec)
+    runs = _run(engine)
+    for i in range(5):
+        calls = json.loads(_text(runs[f"t{i}"]))
+        assert [call["name"] for call in calls] == ["add"]
+        jsonschema.validate(calls[0]["arguments"], ADD)
+
+
+def test_required_tool_call_is_one_of_the_functions_with_valid_arguments(loaded):
+    engine = _engine(loaded)
+    spec = p.ToolCall(functions=TOOLS, mode="required")
+    for i, prompt in enumerate(_prompts(engine, 6)):
+        engine.submit(f"t{i}", prompt, max_tokens=96, temperature=1.0, seed=i, constraint=spec)
+    runs = _run(engine)
+    schemas = {"get_weather": WEATHER, "add": ADD}
+    for i in range(6):
+        (call,) = json.loads(_text(runs[f"t{i}"]))
+        jsonschema.validate(call["arguments"], schemas[call["name"]])
+
+
+def test_json_object_yields_a_json_object(loaded):
+    engine = _engine(loaded)
+    for i, prompt in enumerate(_prompts(engine, 6)):
+        engine.submit(f"o{i}", prompt, max_tokens=64, temperature=1.0 if i % 2 else 0.0, seed=i,
+                      constraint=p.JsonObject())
+    runs = _run(engine)
+    for i in range(6):
+        assert isinstance(json.loads(_text(runs[f"o{i}"])), dict)
+
+
+def test_an_output_the_budget_closes_is_complete_and_finishes_with_length(loaded):
+    engine = _engine(loaded)
+    spec = p.JsonSchema(schema=json.dumps(PERSON))
+    engine.submit("w", _prompts(engine, 1)[0], max_tokens=80, constraint=spec)  # greedy never closes alone
+    events = _run(engine)["w"]
+    jsonschema.validate(json.loads(_text(events)), PERSON)
+    assert _end(events).finish_reason == "length" and _end(events).completion_tokens <= 80
+
+
+def test_a_complete_grammar_finishes_with_stop_before_max_tokens(loaded):
+    engine = _engine(loaded)
+    spec = p.JsonSchema(schema=json.dumps({"enum": ["red", "green", "blue"]}))
+    engine.submit("e", _prompts(engine, 1)[0], max_tokens=50, constraint=spec)
+    events = _run(engine)["e"]
+    end = _end(events)
+    assert json.loads(_text(events)) in ("red", "green", "blue")
+    assert end.finish_reason == "stop" and end.completion_tokens < 50
+
+
+@pytest.mark.parametrize("spec, named", [
+    (p.JsonSchema(schema='{"type": "object", "properties": {"a": {"type": "strnig"}}}'), "strnig"),
+    (p.JsonSchema(schema='{"type": "object",'), "not valid JSON"),
+    (p.JsonSchema(schema='{"$ref": "#/$defs/missing"}'), "missing"),
+    (p.JsonSchema(schema='{"type": "string", "format": "no-such-format"}'), "no-such-format"),
+    (p.ToolCall(functions=TOOLS, mode="named", name="nope"), "nope"),
+    (p.ToolCall(functions=(), mode="required"), "tools"),
+    (p.LarkGrammar(lark="start: ("), "grammar"),
+])
+def test_an_invalid_constraint_fails_its_request_clearly_and_the_engine_serves_on(loaded, spec, named):
+    engine = _engine(loaded)
+    prompt = _prompts(engine, 1)[0]
+    engine.submit_generate(Generate(request_id="bad", prompt="Hello", max_tokens=8, constraint=spec))
+    engine.submit("good", prompt, max_tokens=8)
+    runs = _run(engine)
+    failed = _end(runs["bad"])
+    assert isinstance(failed, Failed) and failed.code == "invalid_request"
+    assert named in failed.message
+    assert isinstance(_end(runs["good"]), Finished)
+
+
+def test_unstrict_schema_ignores_what_it_cannot_enforce(loaded):
+    model, tokenizer = loaded
+    factory = ConstraintFactory(tokenizer, model.args.vocab_size)
+    with pytest.raises(ConstraintError):
+        factory.build(p.JsonSchema(schema='{"type": "string", "format": "no-such-format"}'), 16)
+    factory.build(p.JsonSchema(schema='{"type": "string", "format": "no-such-format"}', strict=False), 16)
+
+
+def test_an_unconstrained_request_beside_a_constrained_one_is_token_identical(loaded):
+    alone = _engine(loaded)
+    prompt = alone.encode_prompt("Once upon a time")
+    alone.submit("free", prompt, max_tokens=40)
+    expected = _run(alone)["free"]
+
+    engine = _engine(loaded)
+    spec = p.JsonSchema(schema=json.dumps(PERSON))
+    engine.submit("c1", _prompts(engine, 1)[0], max_tokens=60, temperature=1.0, seed=3, constraint=spec)
+    engine.submit("free", prompt, max_tokens=40)
+    engine.submit("c2", _prompts(engine, 2)[1], max_tokens=60, constraint=p.JsonObject())
+    runs = _run(engine)
+    tokens = [ev.token_id for ev in runs["free"] if isinstance(ev, TokenOut)]
+    assert tokens == [ev.token_id for ev in expected if isinstance(ev, TokenOut)]
+    assert _text(runs["free"]) == _text(expected)
+
+
+def test_a_lark_grammar_is_enforced(loaded):
+    engine = _engine(loaded)
+    spec = p.LarkGrammar(lark='start: ("yes" | "no") " " NUM\nNUM: /[0-9]{1,3}/')
+    for i, prompt in enumerate(_prompts(engine, 4)):
+        engine.submit(f"g{i}", prompt, max_tokens=20, temperature=1.0, seed=i, constraint=spec)
+    runs = _run(engine)
+    for i in range(4):
+        word, number = _text(runs[f"g{i}"]).split(" ")
+        assert word in ("yes", "no") and number.isdigit() and len(number) <= 3
+
+
+def test_constraint_rides_the_wire_and_is_a_cache_key():
+    codec = p.Codec(p.CommandMsg)
+    cmd = Generate(request_id="r", prompt="x", constraint=p.ToolCall(functions=TOOLS, mode="named", name="add"))
+    back = codec.decode(codec.encode(cmd))
+    assert back == cmd and hash(back.constraint) == hash(cmd.constraint)
+    assert codec.decode(codec.encode(Generate(request_id="r", prompt="x"))).constraint is None
+
+
+def test_parallel_required_tool_calls_allow_several_calls_named_exactly_one():
+    many, _ = tool_call_schema(p.ToolCall(functions=TOOLS, mode="required", parallel=True))
+    one, _ = tool_call_schema(p.ToolCall(functions=TOOLS, mode="named", name="add", parallel=True))
+    call = {"name": "add", "arguments": {"a": 1, "b": 2}}
+    jsonschema.validate([call, call], many)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([call, call], one)
+
+
+def test_a_refused_token_is_flagged_not_raised(loaded):
+    model, tokenizer = loaded
+    constraint = ConstraintFactory(tokenizer, model.args.vocab_size).build(p.JsonObject(), 16)
+    letter = tokenizer.encode("x", add_special_tokens=False)[0]
+    assert constraint.accept(letter) is False  # a JSON object cannot start with x
+    assert "broke the output constraint" in constraint.error and not constraint.done
+
+
+@pytest.mark.slow
+def test_a_worker_process_enforces_a_wire_constraint_and_refuses_a_bad_one(tiny_model, tmp_path):
+    from test_worker_process import FakeSupervisor
+
+    with FakeSupervisor(tmp_path, tiny_model, "w#c") as sup:
+        sup.recv(p.Loaded)
+        sup.send(Generate(request_id="bad", prompt="hi", max_tokens=8,
+                          constraint=p.JsonSchema(schema='{"type": "strnig"}')))
+        failed = sup.recv(Failed)
+        assert (failed.request_id, failed.code) == ("bad", "invalid_request") and "strnig" in failed.message
+        sup.send(Generate(request_id="call", prompt="hi", max_tokens=96, temperature=1.0, seed=7,
+                          constraint=p.ToolCall(functions=TOOLS, mode="named", name="get_weather")))
+        text = []
+        while True:
+            msg = sup.recv((TokenOut, Finished, Failed))
+            if not isinstance(msg, TokenOut):
+                break
+            text.append(msg.text)
+        assert isinstance(msg, Finished)
+        (call,) = json.loads("".join(text))
+        jsonschema.validate(call["arguments"], WEATHER)
+        assert sup.proc.is_alive()
