@@ -1,0 +1,293 @@
+"""Turn a GGUF file into an MLX model folder that `mlx_lm.load(DIR)` loads.
+
+`python -m worker.gguf_import FILE.gguf DIR [--force] [--json]`
+
+Why it lives in the worker room: reading GGUF tensors needs MLX (`mx.load`
+reads GGUF natively and hands Q4_0, Q4_1 and Q8_0 back as MLX's own affine
+quantized triples, group size 32), and the supervisor never imports MLX. The
+supervisor runs this module as a child process (`import-gguf`, and a
+`[[models]] path` ending in `.gguf`) and reads its progress, one JSON line a
+step (`shared.gguf.ImportLine`), from its stdout when `--json` is given.
+
+What it handles:
+  * weights MLX keeps quantized stay quantized; every other quantized type is
+    dequantized to float16 by `mx.load`, and a note says which and how big;
+  * llama.cpp stores the q and k projections' rows permuted for its rotary
+    layout (`convert_hf_to_gguf.py` `permute`); the rows are put back, for
+    the packed weights and their scales and biases alike (quantization runs
+    along the input dimension, so a row permutation keeps it intact);
+  * the tokenizer (GPT-2 style byte-level BPE) and the chat template are
+    built from the file's own metadata, so nothing is downloaded;
+  * anything it cannot carry over is a `GGUFError` naming the field or tensor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+
+from shared.gguf import (
+    MLX_GROUP_SIZE,
+    GGUFError,
+    GGUFHeader,
+    ImportDone,
+    ImportFailed,
+    ImportLine,
+    ImportNote,
+    ImportProgress,
+    read_header,
+)
+from shared.sizes import format_size
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+SHARD_BYTES = 2 * 1024**3
+Emit = Callable[[ImportLine], None]
+
+_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_TOP_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)$")
+_PARTS = ("weight", "scales", "biases", "bias")
+
+
+def mlx_name(gguf_name: str) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (unknown: GGUFError)."""
+    base, _, part = gguf_name.rpartition(".")
+    if part not in _PARTS:
+        raise GGUFError(f"tensor {gguf_name!r} is not supported (unexpected suffix {part!r})")
+    if base in _TOP_TENSORS:
+        return f"{_TOP_TENSORS[base]}.{part}"
+    match = _LAYER_RE.match(base)
+    if match and match[2] in _LAYER_TENSORS:
+        return f"model.layers.{match[1]}.{_LAYER_TENSORS[match[2]]}.{part}"
+    raise GGUFError(f"tensor {gguf_name!r} is not supported by the llama importer")
+
+
+def unpermute_rows(array, n_head: int):
+    """Undo llama.cpp's rotary row permutation (per head: halves interleaved back to blocks)."""
+    rows = array.shape[0]
+    if rows % (2 * n_head):
+        raise GGUFError(f"cannot undo the rotary permutation: {rows} rows for {n_head} heads")
+    shape = array.shape
+    return array.reshape(n_head, rows // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+# --------------------------------------------------------------------------- config
+
+
+def _int(header: GGUFHeader, key: str) -> int:
+    return int(header.field(key, (int, float)))
+
+
+def llama_config(header: GGUFHeader) -> dict:
+    """config.json for mlx_lm's llama from the `llama.*` metadata."""
+    arch = header.field("general.architecture", str)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise GGUFError(f"general.architecture {arch!r} is not supported "
+                        f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    meta = header.metadata
+    hidden = _int(header, "llama.embedding_length")
+    heads = _int(header, "llama.attention.head_count")
+    kv_heads = int(meta.get("llama.attention.head_count_kv", heads))
+    head_dim = int(meta.get("llama.attention.key_length", hidden // heads))
+    rope_dims = int(meta.get("llama.rope.dimension_count", head_dim))
+    if rope_dims != head_dim:
+        raise GGUFError(f"llama.rope.dimension_count {rope_dims} differs from the head size {head_dim} "
+                        "(partial rotary embeddings are not supported)")
+    names = {t.name for t in header.tensors}
+    if "rope_freqs.weight" in names:
+        raise GGUFError("tensor 'rope_freqs.weight' (llama 3.1 rope scaling factors) is not supported")
+    if "blk.0.ffn_gate_inp.weight" in names or "llama.expert_count" in meta:
+        raise GGUFError("llama.expert_count: mixture-of-experts llama files are not supported")
+    vocab = len(header.field("tokenizer.ggml.tokens", list))
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "num_hidden_layers": _int(header, "llama.block_count"),
+        "intermediate_size": _int(header, "llama.feed_forward_length"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": int(meta.get("llama.vocab_size", vocab)),
+        "rms_norm_eps": float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(meta.get("llama.context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "mlp_bias": "blk.0.ffn_up.bias" in names,
+    }
+    config.update(_rope_scaling(header))
+    if any(t.stays_quantized for t in header.tensors):
+        # mlx_lm reads each layer's bits from its own arrays; this is the default.
+        config["quantization"] = {"group_size": MLX_GROUP_SIZE, "bits": 4, "mode": "affine"}
+    return config
+
+
+def _rope_scaling(header: GGUFHeader) -> dict:
+    kind = header.metadata.get("llama.rope.scaling.type", "none")
+    if kind in ("none", ""):
+        return {}
+    if kind == "linear":
+        factor = float(header.field("llama.rope.scaling.factor", (int, float)))
+        return {"rope_scaling": {"type": "linear", "factor": factor}}
+    raise GGUFError(f"llama.rope.scaling.type {kind!r} is not supported (none and linear are)")
+
+
+# --------------------------------------------------------------------------- weights
+
+
+def _convert(header: GGUFHeader, arrays: dict, emit: Emit) -> dict:
+    """GGUF arrays -> MLX llama names, q/k rows restored, each evaluated as it goes."""
+    import mlx.core as mx
+
+    heads = int(header.metadata["llama.attention.head_count"])
+    kv_heads = int(header.metadata.get("llama.attention.head_count_kv", heads))
+    total = sum(a.nbytes for a in arrays.values())
+    out, done = {}, 0
+    for name in sorted(arrays):
+        array = arrays.pop(name)
+        base = name.rsplit(".", 1)[0]
+        if base.endswith(".attn_q"):
+            array = unpermute_rows(array, heads)
+        elif base.endswith(".attn_k"):
+            array = unpermute_rows(array, kv_heads)
+        mx.eval(array)
+        out[mlx_name(name)] = array
+        done += array.nbytes
+        emit(ImportProgress(phase="convert", done=done, total=total))
+    return out
+
+
+def _write_shards(weights: dict, out: Path, emit: Emit) -> int:
+    import mlx.core as mx
+
+    shards: list[dict] = [{}]
+    size = 0
+    for name in sorted(weights):
+        if size and size + weights[name].nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = weights[name]
+        size += weights[name].nbytes
+    total = sum(a.nbytes for a in weights.values())
+    done = 0
+    for index, shard in enumerate(shards, 1):
+        file = "model.safetensors" if len(shards) == 1 else f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        mx.save_safetensors(str(out / file), shard, metadata={"format": "mlx"})
+        done += sum(a.nbytes for a in shard.values())
+        emit(ImportProgress(phase="write", done=done, total=total))
+    return total
+
+
+def _dequantized_note(header: GGUFHeader) -> ImportNote | None:
+    lost = [t for t in header.tensors if t.dequantized]
+    if not lost:
+        return None
+    kinds = sorted({t.type_name for t in lost})
+    before = sum(t.file_bytes for t in lost)
+    after = sum(t.mlx_bytes for t in lost)
+    return ImportNote(
+        f"{len(lost)} tensors of type {', '.join(kinds)} are dequantized to float16 (MLX reads only "
+        f"Q4_0, Q4_1 and Q8_0 quantized): {format_size(before)} in the file become {format_size(after)}; "
+        f"the whole model takes {format_size(header.mlx_bytes)}"
+    )
+
+
+# --------------------------------------------------------------------------- the import
+
+
+def import_gguf(src: str | Path, dest: str | Path, emit: Emit = lambda line: None,
+                *, force: bool = False) -> ImportDone:
+    """Write the MLX folder for `src` into `dest`; built aside and moved in at the end."""
+    import mlx.core as mx
+
+    from worker.gguf_tokenizer import write_tokenizer
+
+    started = time.monotonic()
+    src, dest = Path(src), Path(dest)
+    header = read_header(src)
+    config = llama_config(header)
+    if dest.exists() and (not dest.is_dir() or (any(dest.iterdir()) and not force)):
+        raise GGUFError(f"{dest} exists and is not an empty directory (use --force to overwrite)")
+    note = _dequantized_note(header)
+    if note is not None:
+        emit(note)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        eos = write_tokenizer(header, staging)
+        config["eos_token_id"] = eos
+        emit(ImportProgress(phase="read", done=0, total=src.stat().st_size))
+        try:
+            arrays = mx.load(str(src))
+        except (RuntimeError, ValueError) as exc:
+            raise GGUFError(f"MLX cannot read the tensors of {src}: {exc}") from None
+        emit(ImportProgress(phase="read", done=src.stat().st_size, total=src.stat().st_size))
+        written = _write_shards(_convert(header, arrays, emit), staging, emit)
+        (staging / "config.json").write_text(json.dumps(config, indent=2))
+        dest.mkdir(exist_ok=True)
+        # config.json last: it is what makes the directory look like a model.
+        for file in sorted(staging.iterdir(), key=lambda f: f.name == "config.json"):
+            os.replace(file, dest / file.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return ImportDone(
+        out_dir=str(dest), bytes_written=written,
+        quantized_tensors=sum(t.stays_quantized for t in header.tensors),
+        dequantized_tensors=sum(t.dequantized for t in header.tensors),
+        seconds=time.monotonic() - started,
+    )
+
+
+def _printer(as_json: bool) -> Emit:
+    encoder = msgspec.json.Encoder()
+
+    def emit(line: ImportLine) -> None:
+        if as_json:
+            sys.stdout.buffer.write(encoder.encode(line) + b"\n")
+            sys.stdout.flush()
+        elif isinstance(line, ImportNote):
+            print(f"note: {line.text}", file=sys.stderr)
+
+    return emit
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m worker.gguf_import",
+                                     description="Write an MLX model folder from a GGUF file.")
+    parser.add_argument("gguf", help="the .gguf file")
+    parser.add_argument("dir", help="the folder to write")
+    parser.add_argument("--force", action="store_true", help="write into DIR even if it is not empty")
+    parser.add_argument("--json", action="store_true", help="progress as JSON lines on stdout")
+    args = parser.parse_args(argv)
+    emit = _printer(args.json)
+    try:
+        done = import_gguf(args.gguf, args.dir, emit, force=args.force)
+    except (GGUFError, OSError) as exc:
+        emit(ImportFailed(error=str(exc)))
+        if not args.json:
+            print(f"import-gguf: error: {exc}", file=sys.stderr)
+        return 2
+    emit(done)
+    if not args.json:
+        print(f"wrote {done.out_dir}: {format_size(done.bytes_written)} of weights in {done.seconds:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
