@@ -152,6 +152,7 @@ class ProgressLog:
 async def ensure_imported(gguf: str | Path, on_line: OnLine | None = None,
                           root: Path | None = None) -> Path:
     """The MLX folder for `gguf`, importing it first when the cache has none."""
+    gguf = Path(gguf).expanduser()
     try:
         folder = cache_folder(gguf, root)
     except OSError as exc:
