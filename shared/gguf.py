@@ -38,11 +38,11 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
     30: ("BF16", 1, 2),
 }
 
-# What MLX keeps quantized (affine, group 32): bits per weight it stores.
+# What stays quantized once imported (MLX affine, group 32): bits per weight it stores.
 MLX_QUANTIZED_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
 MLX_GROUP_SIZE = 32
-# Stored as they are; every other type is dequantized to float16 by mx.load.
-MLX_PLAIN_WIDTH = {"F32": 4, "F16": 2, "BF16": 2}
+# Stored as they are (BF16 widened to float32); other types are dequantized to float16.
+MLX_PLAIN_WIDTH = {"F32": 4, "F16": 2, "BF16": 4}
 DEQUANTIZED_WIDTH = 2
 
 # metadata value type id -> struct format (fixed-size types)
@@ -59,6 +59,7 @@ class TensorInfo(msgspec.Struct, frozen=True):
     name: str
     shape: tuple[int, ...]  # ggml order: innermost dimension first
     type_name: str
+    offset: int = 0  # of its data, from the file's start
 
     @property
     def elements(self) -> int:
@@ -189,10 +190,16 @@ def _parse(reader: _Reader) -> GGUFHeader:
             raise GGUFError(f"{reader.path}: tensor {name!r} claims {n_dims} dimensions")
         shape = tuple(reader.scalar("<Q") for _ in range(n_dims))
         type_id = reader.scalar("<I")
-        reader.scalar("<Q")  # offset in the data section: not needed to size or name it
+        offset = reader.scalar("<Q")  # within the data section
         if type_id not in GGML_TYPES:
             raise GGUFError(f"{reader.path}: tensor {name!r} has unknown ggml type {type_id}")
-        tensors.append(TensorInfo(name, shape, GGML_TYPES[type_id][0]))
+        tensors.append(TensorInfo(name, shape, GGML_TYPES[type_id][0], offset))
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment <= 0:
+        raise GGUFError(f"{reader.path}: general.alignment {alignment!r} is not a positive integer")
+    start = reader.handle.tell()
+    start += -start % alignment
+    tensors = [msgspec.structs.replace(t, offset=start + t.offset) for t in tensors]
     return GGUFHeader(version=version, metadata=metadata, tensors=tuple(tensors))
 
 
@@ -206,7 +213,7 @@ def is_gguf_path(path: str | Path) -> bool:
 class ImportProgress(msgspec.Struct, tag="progress", frozen=True):
     """One step of an import: `done` of `total` bytes through `phase`."""
 
-    phase: Literal["read", "convert", "write"]
+    phase: Literal["convert", "write"]
     done: int
     total: int
 

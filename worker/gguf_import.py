@@ -2,16 +2,17 @@
 
 `python -m worker.gguf_import FILE.gguf DIR [--force] [--json]`
 
-Why it lives in the worker room: reading GGUF tensors needs MLX (`mx.load`
-reads GGUF natively and hands Q4_0, Q4_1 and Q8_0 back as MLX's own affine
-quantized triples, group size 32), and the supervisor never imports MLX. The
-supervisor runs this module as a child process (`import-gguf`, and a
-`[[models]] path` ending in `.gguf`) and reads its progress, one JSON line a
-step (`shared.gguf.ImportLine`), from its stdout when `--json` is given.
+Why it lives in the worker room: it builds MLX arrays and writes them with
+MLX, and the supervisor never imports MLX. The supervisor runs this module as
+a child process (`import-gguf`, and a `[[models]] path` ending in `.gguf`)
+and reads its progress, one JSON line a step (`shared.gguf.ImportLine`),
+from its stdout when `--json` is given.
 
 What it handles:
-  * weights MLX keeps quantized stay quantized; every other quantized type is
-    dequantized to float16 by `mx.load`, and a note says which and how big;
+  * the tensors are read from the file's blocks by `worker.gguf_tensors`
+    (not `mx.load`, whose Q4_K is wrong: see there); Q4_0, Q4_1 and Q8_0
+    stay quantized as MLX affine triples (group 32), the K-quants and Q5_0/
+    Q5_1 are dequantized to float16, and a note says which and how big;
   * llama.cpp stores the q and k projections' rows permuted for its rotary
     layout (`convert_hf_to_gguf.py` `permute`); the rows are put back, for
     the packed weights and their scales and biases alike (quantization runs
@@ -35,6 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
+import numpy as np
 
 from shared.gguf import (
     MLX_GROUP_SIZE,
@@ -45,9 +47,11 @@ from shared.gguf import (
     ImportLine,
     ImportNote,
     ImportProgress,
+    TensorInfo,
     read_header,
 )
 from shared.sizes import format_size
+from worker.gguf_tensors import KEPT_QUANTIZED, affine_triple, check_supported, plain_or_dequantized
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 SHARD_BYTES = 2 * 1024**3
@@ -151,24 +155,37 @@ def _rope_scaling(header: GGUFHeader) -> dict:
 # --------------------------------------------------------------------------- weights
 
 
-def _convert(header: GGUFHeader, arrays: dict, emit: Emit) -> dict:
-    """GGUF arrays -> MLX llama names, q/k rows restored, each evaluated as it goes."""
+def _arrays_of(tensor: TensorInfo, raw: np.ndarray, heads: dict[str, int]) -> dict[str, np.ndarray]:
+    """One GGUF tensor as the MLX llama arrays it becomes, q/k rows put back in order."""
+    target = mlx_name(tensor.name)
+    if tensor.type_name in KEPT_QUANTIZED:
+        weight, scales, biases, _bits = affine_triple(tensor, raw)
+        base = target.removesuffix(".weight")
+        arrays = {target: weight, f"{base}.scales": scales, f"{base}.biases": biases}
+    else:
+        arrays = {target: plain_or_dequantized(tensor, raw)}
+    kind = tensor.name.split(".")[-2] if tensor.name.startswith("blk.") else ""
+    if kind in heads:
+        arrays = {name: unpermute_rows(array, heads[kind]) for name, array in arrays.items()}
+    return arrays
+
+
+def _convert(header: GGUFHeader, src: Path, emit: Emit) -> dict:
+    """Every tensor read from the file's blocks (`worker.gguf_tensors`), as MLX arrays."""
     import mlx.core as mx
 
-    heads = int(header.metadata["llama.attention.head_count"])
-    kv_heads = int(header.metadata.get("llama.attention.head_count_kv", heads))
-    total = sum(a.nbytes for a in arrays.values())
-    out, done = {}, 0
-    for name in sorted(arrays):
-        array = arrays.pop(name)
-        base = name.rsplit(".", 1)[0]
-        if base.endswith(".attn_q"):
-            array = unpermute_rows(array, heads)
-        elif base.endswith(".attn_k"):
-            array = unpermute_rows(array, kv_heads)
-        mx.eval(array)
-        out[mlx_name(name)] = array
-        done += array.nbytes
+    heads_q = int(header.metadata["llama.attention.head_count"])
+    heads = {"attn_q": heads_q,
+             "attn_k": int(header.metadata.get("llama.attention.head_count_kv", heads_q))}
+    data = np.memmap(src, dtype=np.uint8, mode="r")
+    total, done, out = header.mlx_bytes, 0, {}
+    for tensor in header.tensors:
+        raw = data[tensor.offset:tensor.offset + tensor.file_bytes]
+        if raw.size < tensor.file_bytes:
+            raise GGUFError(f"tensor {tensor.name!r}: the file ends inside its data (an incomplete copy?)")
+        for name, array in _arrays_of(tensor, raw, heads).items():
+            out[name] = mx.array(np.ascontiguousarray(array))
+        done += tensor.mlx_bytes
         emit(ImportProgress(phase="convert", done=done, total=total))
     return out
 
@@ -214,14 +231,13 @@ def _dequantized_note(header: GGUFHeader) -> ImportNote | None:
 def import_gguf(src: str | Path, dest: str | Path, emit: Emit = lambda line: None,
                 *, force: bool = False) -> ImportDone:
     """Write the MLX folder for `src` into `dest`; built aside and moved in at the end."""
-    import mlx.core as mx
-
     from worker.gguf_tokenizer import write_tokenizer
 
     started = time.monotonic()
     src, dest = Path(src), Path(dest)
     header = read_header(src)
     config = llama_config(header)
+    check_supported(header.tensors)
     if dest.exists() and (not dest.is_dir() or (any(dest.iterdir()) and not force)):
         raise GGUFError(f"{dest} exists and is not an empty directory (use --force to overwrite)")
     note = _dequantized_note(header)
@@ -232,13 +248,7 @@ def import_gguf(src: str | Path, dest: str | Path, emit: Emit = lambda line: Non
     try:
         eos = write_tokenizer(header, staging)
         config["eos_token_id"] = eos
-        emit(ImportProgress(phase="read", done=0, total=src.stat().st_size))
-        try:
-            arrays = mx.load(str(src))
-        except (RuntimeError, ValueError) as exc:
-            raise GGUFError(f"MLX cannot read the tensors of {src}: {exc}") from None
-        emit(ImportProgress(phase="read", done=src.stat().st_size, total=src.stat().st_size))
-        written = _write_shards(_convert(header, arrays, emit), staging, emit)
+        written = _write_shards(_convert(header, src, emit), staging, emit)
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         dest.mkdir(exist_ok=True)
         # config.json last: it is what makes the directory look like a model.
