@@ -44,6 +44,9 @@ MLX_GROUP_SIZE = 32
 # Stored as they are (BF16 widened to float32); other types are dequantized to float16.
 MLX_PLAIN_WIDTH = {"F32": 4, "F16": 2, "BF16": 4}
 DEQUANTIZED_WIDTH = 2
+# `--requantize BITS`: every other matrix is quantized by MLX (affine, this group, float16 scales).
+REQUANTIZE_BITS = (4, 8)
+REQUANTIZE_GROUP = 64
 
 # metadata value type id -> struct format (fixed-size types)
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
@@ -73,10 +76,20 @@ class TensorInfo(msgspec.Struct, frozen=True):
     @property
     def mlx_bytes(self) -> int:
         """Bytes this tensor takes once imported (see MLX_QUANTIZED_BITS)."""
+        return self.imported_bytes(0)
+
+    def requantized(self, bits: int) -> bool:
+        """Whether `--requantize bits` quantizes this tensor (a matrix not kept quantized)."""
+        return (bits > 0 and not self.stays_quantized and len(self.shape) == 2
+                and self.shape[0] % REQUANTIZE_GROUP == 0 and self.name.endswith(".weight"))
+
+    def imported_bytes(self, requantize: int = 0) -> int:
         n = self.elements
         bits = MLX_QUANTIZED_BITS.get(self.type_name)
         if bits is not None:  # packed weights + float16 scales and biases per group
             return n * bits // 8 + (n // MLX_GROUP_SIZE) * 2 * 2
+        if self.requantized(requantize):
+            return n * requantize // 8 + (n // REQUANTIZE_GROUP) * 2 * 2
         return n * MLX_PLAIN_WIDTH.get(self.type_name, DEQUANTIZED_WIDTH)
 
     @property
@@ -104,7 +117,11 @@ class GGUFHeader(msgspec.Struct, frozen=True):
 
     @property
     def mlx_bytes(self) -> int:
-        return sum(t.mlx_bytes for t in self.tensors)
+        """What the imported folder holds (SPEC A2's estimate for a `.gguf` model path)."""
+        return self.imported_bytes(0)
+
+    def imported_bytes(self, requantize: int = 0) -> int:
+        return sum(t.imported_bytes(requantize) for t in self.tensors)
 
     @property
     def file_tensor_bytes(self) -> int:
@@ -229,6 +246,7 @@ class ImportDone(msgspec.Struct, tag="done", frozen=True):
     bytes_written: int
     quantized_tensors: int
     dequantized_tensors: int
+    requantized_tensors: int
     seconds: float
 
 

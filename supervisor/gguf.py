@@ -65,8 +65,9 @@ def is_imported(folder: Path) -> bool:
     return (folder / "config.json").is_file()
 
 
-def importer_argv(src: str | Path, dest: str | Path, *, force: bool = False) -> list[str]:
+def importer_argv(src: str | Path, dest: str | Path, *, force: bool = False, requantize: int = 0) -> list[str]:
     argv = [sys.executable, "-m", "worker.gguf_import", "--json", str(src), str(dest)]
+    argv += ["--requantize", str(requantize)] if requantize else []
     return argv + ["--force"] if force else argv
 
 
@@ -86,12 +87,13 @@ def _outcome(lines: list[ImportLine], returncode: int, stderr: bytes) -> ImportD
     raise GGUFImportError(f"the importer exited with status {returncode}: " + " | ".join(tail))
 
 
-def run_import(src: str | Path, dest: str | Path, on_line: OnLine, *, force: bool = False) -> ImportDone:
+def run_import(src: str | Path, dest: str | Path, on_line: OnLine, *, force: bool = False,
+               requantize: int = 0) -> ImportDone:
     """Run the importer in the foreground, passing each progress line to `on_line`."""
     import subprocess
 
     lines: list[ImportLine] = []
-    with subprocess.Popen(importer_argv(src, dest, force=force), stdout=subprocess.PIPE,
+    with subprocess.Popen(importer_argv(src, dest, force=force, requantize=requantize), stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, env=_child_env()) as child:
         assert child.stdout is not None and child.stderr is not None
         for raw in child.stdout:

@@ -247,3 +247,25 @@ def test_config_accepts_a_gguf_model_path():
 
     config = parse_config(b'[[models]]\nid = "smol"\npath = "~/models/SmolLM2.Q4_1.gguf"\n')
     assert config.models[0].path.endswith(".gguf")
+
+
+def test_requantize_quantizes_the_float_matrices_and_the_estimate_follows(tiny_model, gguf_file, tmp_path):
+    """`--requantize 8`: every matrix not kept quantized becomes MLX 8-bit affine; the output barely moves."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx_lm
+
+    from worker.gguf_import import import_gguf
+
+    notes: list = []
+    done = import_gguf(gguf_file, tmp_path / "q8", notes.append, requantize=8)
+    model, tokenizer = mlx_lm.load(str(tmp_path / "q8"))
+    assert isinstance(model.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+    assert model.model.layers[0].self_attn.q_proj.bits == 8
+    assert done.requantized_tensors > 0 and done.bytes_written == read_header(gguf_file).imported_bytes(8)
+    assert estimate_weight_bytes(tmp_path / "q8") == done.bytes_written < estimate_weight_bytes(gguf_file)
+    original, _ = mlx_lm.load(str(tiny_model))
+    ids = mx.array([tokenizer.encode(PROMPT)])
+    a, b = original(ids).astype(mx.float32), model(ids).astype(mx.float32)
+    agree = (mx.argmax(a, axis=-1) == mx.argmax(b, axis=-1)).astype(mx.float32).mean().item()
+    assert agree >= 0.9, agree

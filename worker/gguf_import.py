@@ -40,6 +40,8 @@ import numpy as np
 
 from shared.gguf import (
     MLX_GROUP_SIZE,
+    REQUANTIZE_BITS,
+    REQUANTIZE_GROUP,
     GGUFError,
     GGUFHeader,
     ImportDone,
@@ -51,7 +53,12 @@ from shared.gguf import (
     read_header,
 )
 from shared.sizes import format_size
-from worker.gguf_tensors import KEPT_QUANTIZED, affine_triple, check_supported, plain_or_dequantized
+from worker.gguf_tensors import (
+    KEPT_QUANTIZED,
+    affine_triple,
+    check_supported,
+    plain_or_dequantized,
+)
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 SHARD_BYTES = 2 * 1024**3
@@ -155,12 +162,24 @@ def _rope_scaling(header: GGUFHeader) -> dict:
 # --------------------------------------------------------------------------- weights
 
 
-def _arrays_of(tensor: TensorInfo, raw: np.ndarray, heads: dict[str, int]) -> dict[str, np.ndarray]:
+def _requantize(values: np.ndarray, bits: int) -> tuple:
+    import mlx.core as mx
+
+    weight, scales, biases = mx.quantize(mx.array(values).astype(mx.float16), group_size=REQUANTIZE_GROUP,
+                                         bits=bits)
+    return np.array(weight), np.array(scales), np.array(biases)
+
+
+def _arrays_of(tensor: TensorInfo, raw: np.ndarray, heads: dict[str, int],
+               requantize: int = 0) -> dict[str, np.ndarray]:
     """One GGUF tensor as the MLX llama arrays it becomes, q/k rows put back in order."""
     target = mlx_name(tensor.name)
+    base = target.removesuffix(".weight")
     if tensor.type_name in KEPT_QUANTIZED:
         weight, scales, biases, _bits = affine_triple(tensor, raw)
-        base = target.removesuffix(".weight")
+        arrays = {target: weight, f"{base}.scales": scales, f"{base}.biases": biases}
+    elif tensor.requantized(requantize):
+        weight, scales, biases = _requantize(plain_or_dequantized(tensor, raw), requantize)
         arrays = {target: weight, f"{base}.scales": scales, f"{base}.biases": biases}
     else:
         arrays = {target: plain_or_dequantized(tensor, raw)}
@@ -170,7 +189,7 @@ def _arrays_of(tensor: TensorInfo, raw: np.ndarray, heads: dict[str, int]) -> di
     return arrays
 
 
-def _convert(header: GGUFHeader, src: Path, emit: Emit) -> dict:
+def _convert(header: GGUFHeader, src: Path, emit: Emit, requantize: int = 0) -> dict:
     """Every tensor read from the file's blocks (`worker.gguf_tensors`), as MLX arrays."""
     import mlx.core as mx
 
@@ -178,14 +197,14 @@ def _convert(header: GGUFHeader, src: Path, emit: Emit) -> dict:
     heads = {"attn_q": heads_q,
              "attn_k": int(header.metadata.get("llama.attention.head_count_kv", heads_q))}
     data = np.memmap(src, dtype=np.uint8, mode="r")
-    total, done, out = header.mlx_bytes, 0, {}
+    total, done, out = header.imported_bytes(requantize), 0, {}
     for tensor in header.tensors:
         raw = data[tensor.offset:tensor.offset + tensor.file_bytes]
         if raw.size < tensor.file_bytes:
             raise GGUFError(f"tensor {tensor.name!r}: the file ends inside its data (an incomplete copy?)")
-        for name, array in _arrays_of(tensor, raw, heads).items():
+        for name, array in _arrays_of(tensor, raw, heads, requantize).items():
             out[name] = mx.array(np.ascontiguousarray(array))
-        done += tensor.mlx_bytes
+        done += tensor.imported_bytes(requantize)
         emit(ImportProgress(phase="convert", done=done, total=total))
     return out
 
@@ -211,17 +230,19 @@ def _write_shards(weights: dict, out: Path, emit: Emit) -> int:
     return total
 
 
-def _dequantized_note(header: GGUFHeader) -> ImportNote | None:
+def _dequantized_note(header: GGUFHeader, requantize: int = 0) -> ImportNote | None:
     lost = [t for t in header.tensors if t.dequantized]
     if not lost:
         return None
     kinds = sorted({t.type_name for t in lost})
     before = sum(t.file_bytes for t in lost)
-    after = sum(t.mlx_bytes for t in lost)
+    after = sum(t.imported_bytes(requantize) for t in lost)
+    how = (f"requantized to {requantize}-bit affine (group {REQUANTIZE_GROUP})" if requantize else
+           "dequantized to float16 (only Q4_0, Q4_1 and Q8_0 map onto MLX's quantization; "
+           "--requantize 4|8 would quantize them again)")
     return ImportNote(
-        f"{len(lost)} tensors of type {', '.join(kinds)} are dequantized to float16 (MLX reads only "
-        f"Q4_0, Q4_1 and Q8_0 quantized): {format_size(before)} in the file become {format_size(after)}; "
-        f"the whole model takes {format_size(header.mlx_bytes)}"
+        f"{len(lost)} tensors of type {', '.join(kinds)} are {how}: {format_size(before)} in the file become "
+        f"{format_size(after)}; the whole model takes {format_size(header.imported_bytes(requantize))}"
     )
 
 
@@ -229,7 +250,7 @@ def _dequantized_note(header: GGUFHeader) -> ImportNote | None:
 
 
 def import_gguf(src: str | Path, dest: str | Path, emit: Emit = lambda line: None,
-                *, force: bool = False) -> ImportDone:
+                *, force: bool = False, requantize: int = 0) -> ImportDone:
     """Write the MLX folder for `src` into `dest`; built aside and moved in at the end."""
     from worker.gguf_tokenizer import write_tokenizer
 
@@ -238,9 +259,13 @@ def import_gguf(src: str | Path, dest: str | Path, emit: Emit = lambda line: Non
     header = read_header(src)
     config = llama_config(header)
     check_supported(header.tensors)
+    if requantize not in (0, *REQUANTIZE_BITS):
+        raise GGUFError(f"requantize must be one of {REQUANTIZE_BITS} (or 0), got {requantize}")
+    if requantize and any(t.requantized(requantize) for t in header.tensors):
+        config["quantization"] = {"group_size": REQUANTIZE_GROUP, "bits": requantize, "mode": "affine"}
     if dest.exists() and (not dest.is_dir() or (any(dest.iterdir()) and not force)):
         raise GGUFError(f"{dest} exists and is not an empty directory (use --force to overwrite)")
-    note = _dequantized_note(header)
+    note = _dequantized_note(header, requantize)
     if note is not None:
         emit(note)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -248,7 +273,7 @@ def import_gguf(src: str | Path, dest: str | Path, emit: Emit = lambda line: Non
     try:
         eos = write_tokenizer(header, staging)
         config["eos_token_id"] = eos
-        written = _write_shards(_convert(header, src, emit), staging, emit)
+        written = _write_shards(_convert(header, src, emit, requantize), staging, emit)
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         dest.mkdir(exist_ok=True)
         # config.json last: it is what makes the directory look like a model.
@@ -259,7 +284,8 @@ def import_gguf(src: str | Path, dest: str | Path, emit: Emit = lambda line: Non
     return ImportDone(
         out_dir=str(dest), bytes_written=written,
         quantized_tensors=sum(t.stays_quantized for t in header.tensors),
-        dequantized_tensors=sum(t.dequantized for t in header.tensors),
+        dequantized_tensors=sum(t.dequantized and not t.requantized(requantize) for t in header.tensors),
+        requantized_tensors=sum(t.requantized(requantize) for t in header.tensors),
         seconds=time.monotonic() - started,
     )
 
@@ -284,10 +310,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("dir", help="the folder to write")
     parser.add_argument("--force", action="store_true", help="write into DIR even if it is not empty")
     parser.add_argument("--json", action="store_true", help="progress as JSON lines on stdout")
+    parser.add_argument("--requantize", type=int, choices=REQUANTIZE_BITS, default=0, metavar="BITS",
+                        help="quantize every matrix not kept quantized (4 or 8 bits, affine, group 64)")
     args = parser.parse_args(argv)
     emit = _printer(args.json)
     try:
-        done = import_gguf(args.gguf, args.dir, emit, force=args.force)
+        done = import_gguf(args.gguf, args.dir, emit, force=args.force, requantize=args.requantize)
     except (GGUFError, OSError) as exc:
         emit(ImportFailed(error=str(exc)))
         if not args.json:

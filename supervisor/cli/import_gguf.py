@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 
-from shared.gguf import GGUFError, ImportLine, ImportNote, read_header
+from shared.gguf import REQUANTIZE_BITS, GGUFError, ImportLine, ImportNote, read_header
 from shared.sizes import format_size
 from supervisor.gguf import GGUFImportError, ProgressLog, TerminalBar, run_import
 
@@ -24,14 +24,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", type=Path, help="the MLX model folder to write")
     parser.add_argument("--force", action="store_true", help="write into DIR even if it is not empty")
     parser.add_argument("--json", action="store_true", help="progress and result as JSON lines")
+    parser.add_argument("--requantize", type=int, choices=REQUANTIZE_BITS, default=0, metavar="BITS",
+                        help="quantize the matrices that would be dequantized or are float (4 or 8 bits, "
+                             "affine, group 64) instead of keeping them float16/32")
 
 
-def _summary(path: Path) -> str:
+def _summary(path: Path, requantize: int) -> str:
     header = read_header(path)
     kept = sum(t.stays_quantized for t in header.tensors)
     lost = sum(t.dequantized for t in header.tensors)
+    again = sum(t.requantized(requantize) for t in header.tensors)
     return (f"{path.name}: {header.metadata.get('general.architecture', '?')}, {len(header.tensors)} tensors "
-            f"({kept} stay quantized, {lost} dequantized), {format_size(header.mlx_bytes)} once imported")
+            f"({kept} stay quantized, {lost} need dequantizing, {again} to requantize), "
+            f"{format_size(header.imported_bytes(requantize))} once imported")
 
 
 def _json_printer(line: ImportLine) -> None:
@@ -57,7 +62,7 @@ def _reporter(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     try:
-        summary = _summary(args.gguf)
+        summary = _summary(args.gguf, args.requantize)
     except GGUFError as exc:
         print(f"import-gguf: error: {exc}", file=sys.stderr)
         return 2
@@ -65,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         print(summary, file=sys.stderr)
     reporter = _reporter(args)
     try:
-        done = run_import(args.gguf, args.dir, reporter, force=args.force)
+        done = run_import(args.gguf, args.dir, reporter, force=args.force, requantize=args.requantize)
     except GGUFImportError as exc:
         print(f"import-gguf: error: {exc}", file=sys.stderr)
         return 2
@@ -74,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
             reporter.close()
     if not args.json:
         print(f"wrote {done.out_dir}: {format_size(done.bytes_written)} of weights "
-              f"({done.quantized_tensors} tensors kept quantized, {done.dequantized_tensors} dequantized) "
+              f"({done.quantized_tensors} tensors kept quantized, {done.dequantized_tensors} dequantized, "
+              f"{done.requantized_tensors} requantized) "
               f"in {done.seconds:.1f} s")
     return 0
