@@ -94,3 +94,33 @@ def test_make_model_cli_quantize_flag(tmp_path):
     bad = subprocess.run([sys.executable, str(REPO / "scripts" / "make_model.py"), str(tmp_path / "n"),
                           "--quantize", "3"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--quantize" in bad.stderr
+
+
+@pytest.mark.slow
+def test_quantized_model_serves_token_identical_to_mlx_lm_and_status_matches_estimate(quantized, tmp_path):
+    """Through a real supervisor and worker: greedy output equals mlx_lm in-process; the worker's
+    reported weights are the A2 estimate and its measured MLX bytes cover them."""
+    import asyncio
+
+    import mlx_lm
+    from test_http_harness import LiveServer, make_config
+
+    from supervisor.config import ModelConfig
+
+    path = quantized[4]
+    model, tokenizer = mlx_lm.load(str(path))
+    expected = mlx_lm.generate(model, tokenizer, "Once upon a time", max_tokens=8)
+    with LiveServer(make_config([ModelConfig(id="q4", path=str(path))]), tmp_path / "rt") as live:
+        async def main():
+            completion = await live.openai().completions.create(model="q4", prompt="Once upon a time",
+                                                                 max_tokens=8, temperature=0)
+            handle = live.arbiter.pool.worker_for("q4")
+            while handle.sample is None:
+                await asyncio.sleep(0.05)
+            return completion, handle
+
+        completion, handle = live.run(main())
+    estimate = estimate_weight_bytes(path)
+    assert completion.choices[0].text == expected
+    assert handle.weight_bytes == estimate
+    assert estimate <= handle.sample.mlx_active <= estimate * 1.5 + 4 * MiB
