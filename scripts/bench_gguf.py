@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from shared.gguf import read_header  # noqa: E402
-from shared.sizes import format_size  # noqa: E402
+from shared.gguf import read_header
+from shared.sizes import format_size
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
 
@@ -126,7 +126,6 @@ def main(argv: list[str] | None = None) -> int:
             import mlx_lm
 
             from supervisor.gguf import cache_folder
-            from supervisor.gguf import cache_root as _root  # noqa: F401 - the env decides the root
 
             os.environ["XDG_CACHE_HOME"] = str(Path(tmp) / "cache")
             model, tokenizer = mlx_lm.load(str(cache_folder(args.gguf.resolve())))

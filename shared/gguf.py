@@ -121,7 +121,8 @@ class GGUFHeader(msgspec.Struct, frozen=True):
         return self.imported_bytes(0)
 
     def imported_bytes(self, requantize: int = 0) -> int:
-        return sum(t.imported_bytes(requantize) for t in self.tensors)
+        # rope_freqs (Llama 3.1+) becomes config.json's rope_scaling, not a weight
+        return sum(t.imported_bytes(requantize) for t in self.tensors if t.name != "rope_freqs.weight")
 
     @property
     def file_tensor_bytes(self) -> int:

@@ -42,8 +42,12 @@ def _gguf_name(name: str) -> str:
 
 
 def write_gguf(model_dir: Path, out: Path, *, metadata_changes: dict | None = None,
-               extra_tensors: dict | None = None) -> None:
-    """A llama GGUF (float32 tensors) of a generated MLX model, as llama.cpp would write it."""
+               extra_tensors: dict | None = None, arch: str = "llama") -> None:
+    """A GGUF (float32 tensors) of a generated MLX model, as llama.cpp would write it.
+
+    `arch="qwen2"`: the same weights under qwen2's metadata, rows not permuted
+    (llama.cpp permutes only llama's), and the zero q/k/v biases qwen2 has.
+    """
     import mlx.core as mx
 
     config = json.loads((model_dir / "config.json").read_text())
@@ -58,13 +62,20 @@ def write_gguf(model_dir: Path, out: Path, *, metadata_changes: dict | None = No
     arrays = {}
     for name, w in weights.items():
         w = w.astype(mx.float32)
-        if "q_proj" in name:
+        if arch != "llama":
+            pass
+        elif "q_proj" in name:
             w = _permute(w, heads)
         elif "k_proj" in name:
             w = _permute(w, kv_heads)
         arrays[_gguf_name(name)] = w
+    if arch == "qwen2":
+        for layer in range(config["num_hidden_layers"]):
+            for part in ("q", "k", "v"):
+                rows = arrays[f"blk.{layer}.attn_{part}.weight"].shape[0]
+                arrays[f"blk.{layer}.attn_{part}.bias"] = mx.zeros((rows,))
     arrays.update(extra_tensors or {})
-    u32 = lambda v: mx.array(v, dtype=mx.uint32)  # noqa: E731
+    u32 = lambda v: mx.array(v, dtype=mx.uint32)
     metadata = {
         "general.architecture": "llama",
         "general.name": "tiny",
@@ -87,6 +98,8 @@ def write_gguf(model_dir: Path, out: Path, *, metadata_changes: dict | None = No
         "tokenizer.ggml.add_bos_token": mx.array(True),
         "tokenizer.chat_template": tok_config["chat_template"],
     }
+    metadata = {key.replace("llama.", f"{arch}.", 1): value for key, value in metadata.items()}
+    metadata["general.architecture"] = arch
     for key, value in (metadata_changes or {}).items():
         if value is None:
             metadata.pop(key, None)
@@ -210,11 +223,11 @@ def test_import_gguf_command_streams_progress_and_refuses_bad_input(gguf_file, t
     assert {"convert", "write"} <= set(phases)
     assert type(lines[-1]).__name__ == "ImportDone" and (tmp_path / "m" / "config.json").is_file()
     again = subprocess.run([sys.executable, "-m", "supervisor", "import-gguf", str(gguf_file),
-                            str(tmp_path / "m")], cwd=REPO, capture_output=True, text=True)
+                            str(tmp_path / "m")], cwd=REPO, capture_output=True, text=True, check=False)
     assert again.returncode == 2 and "--force" in again.stderr
     (tmp_path / "x.gguf").write_text("nope")
     bad = subprocess.run([sys.executable, "-m", "supervisor", "import-gguf", str(tmp_path / "x.gguf"),
-                          str(tmp_path / "n")], cwd=REPO, capture_output=True, text=True)
+                          str(tmp_path / "n")], cwd=REPO, capture_output=True, text=True, check=False)
     assert bad.returncode == 2 and "not a GGUF file" in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -252,8 +265,8 @@ def test_config_accepts_a_gguf_model_path():
 def test_requantize_quantizes_the_float_matrices_and_the_estimate_follows(tiny_model, gguf_file, tmp_path):
     """`--requantize 8`: every matrix not kept quantized becomes MLX 8-bit affine; the output barely moves."""
     import mlx.core as mx
-    import mlx.nn as nn
     import mlx_lm
+    from mlx import nn
 
     from worker.gguf_import import import_gguf
 
@@ -269,3 +282,57 @@ def test_requantize_quantizes_the_float_matrices_and_the_estimate_follows(tiny_m
     a, b = original(ids).astype(mx.float32), model(ids).astype(mx.float32)
     agree = (mx.argmax(a, axis=-1) == mx.argmax(b, axis=-1)).astype(mx.float32).mean().item()
     assert agree >= 0.9, agree
+
+
+def test_qwen2_gguf_keeps_its_rows_and_computes_as_the_original(tiny_model, tmp_path):
+    """qwen2 files are not permuted by llama.cpp: imported as they are, with zero biases
+    the model computes exactly what the original llama does."""
+    import mlx.core as mx
+    import mlx_lm
+
+    from worker.gguf_import import import_gguf
+
+    write_gguf(tiny_model, tmp_path / "q.gguf", arch="qwen2")
+    import_gguf(tmp_path / "q.gguf", tmp_path / "q")
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["model_type"] == "qwen2"
+    original, tokenizer = mlx_lm.load(str(tiny_model))
+    again, _ = mlx_lm.load(str(tmp_path / "q"))
+    ids = mx.array([tokenizer.encode(PROMPT)])
+    assert mx.allclose(original(ids).astype(mx.float32), again(ids).astype(mx.float32), atol=1e-2).item()
+
+
+def test_llama3_rope_freqs_become_the_rope_scaling_mlx_lm_computes_the_same_from(tmp_path):
+    """Llama 3.1+ files carry llama.cpp's per-frequency divisors; the recovered parameters make
+    mlx_lm's Llama3RoPE use exactly those frequencies."""
+    import mlx.core as mx
+    from mlx_lm.models.rope_utils import initialize_rope
+
+    from worker.gguf_import import llama3_factors, llama3_rope_scaling
+
+    base, head_dim = 500000.0, 64
+    for factor, original in ((8.0, 8192), (32.0, 8192)):
+        written = llama3_factors(base, head_dim, factor, 1.0, 4.0, original).astype("float32")
+        scaling = llama3_rope_scaling(written, base, head_dim)
+        assert scaling == {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": original}
+        rope = initialize_rope(head_dim, base, False, scaling, 131072)
+        plain = base ** (mx.arange(0, head_dim, 2) / head_dim)
+        assert mx.allclose(rope._freqs, plain * mx.array(written), rtol=1e-4).item()
+    with pytest.raises(GGUFError, match="rope_freqs.weight"):
+        llama3_rope_scaling([1.0] * 31 + [3.7], base, head_dim)
+
+
+def test_a_gguf_with_rope_freqs_imports_with_llama3_rope_scaling(tiny_model, tmp_path):
+    import mlx.core as mx
+    import mlx_lm
+
+    from worker.gguf_import import import_gguf, llama3_factors
+
+    config = json.loads((tiny_model / "config.json").read_text())
+    factors = llama3_factors(config["rope_theta"], config["head_dim"], 8.0, 1.0, 4.0, 8192)
+    write_gguf(tiny_model, tmp_path / "r.gguf", extra_tensors={"rope_freqs.weight": mx.array(factors.astype("float32"))})
+    done = import_gguf(tmp_path / "r.gguf", tmp_path / "r")
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["rope_scaling"]["rope_type"] == "llama3"
+    assert done.bytes_written == estimate_weight_bytes(tmp_path / "r.gguf")
+    model, tokenizer = mlx_lm.load(str(tmp_path / "r"))
+    assert isinstance(mlx_lm.generate(model, tokenizer, "Once", max_tokens=2), str)

@@ -152,7 +152,7 @@ def test_blocks_decode_as_ggml_defines_them(type_name):
 def write_raw_gguf(path, type_name: str, blocks: np.ndarray) -> TensorInfo:
     """A one-tensor GGUF with these raw blocks (what llama.cpp would have written)."""
     tensor = tensor_of(type_name, blocks)
-    text = lambda s: struct.pack("<Q", len(s.encode())) + s.encode()  # noqa: E731
+    text = lambda s: struct.pack("<Q", len(s.encode())) + s.encode()
     head = b"GGUF" + struct.pack("<IQQ", 3, 1, 1)
     head += text("general.architecture") + struct.pack("<I", 8) + text("llama")
     head += text("w") + struct.pack("<I", 2) + struct.pack("<QQ", *tensor.shape)

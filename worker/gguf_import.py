@@ -60,7 +60,7 @@ from worker.gguf_tensors import (
     plain_or_dequantized,
 )
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+ROPE_FREQS = "rope_freqs.weight"
 SHARD_BYTES = 2 * 1024**3
 Emit = Callable[[ImportLine], None]
 
@@ -104,62 +104,117 @@ def _int(header: GGUFHeader, key: str) -> int:
     return int(header.field(key, (int, float)))
 
 
-def llama_config(header: GGUFHeader) -> dict:
-    """config.json for mlx_lm's llama from the `llama.*` metadata."""
+class Architecture(msgspec.Struct, frozen=True):
+    """How one GGUF architecture maps onto an mlx_lm model."""
+
+    model_type: str
+    hf_class: str
+    rope_rows_permuted: bool  # llama.cpp's converter permutes q/k rows for this architecture
+
+
+ARCHITECTURES = {
+    "llama": Architecture("llama", "LlamaForCausalLM", rope_rows_permuted=True),
+    "qwen2": Architecture("qwen2", "Qwen2ForCausalLM", rope_rows_permuted=False),
+}
+
+
+def architecture(header: GGUFHeader) -> tuple[str, Architecture]:
     arch = header.field("general.architecture", str)
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in ARCHITECTURES:
         raise GGUFError(f"general.architecture {arch!r} is not supported "
-                        f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+                        f"(supported: {', '.join(ARCHITECTURES)})")
+    return arch, ARCHITECTURES[arch]
+
+
+def model_config(header: GGUFHeader, rope_freqs=None) -> dict:
+    """config.json for mlx_lm from the `<arch>.*` metadata (`rope_freqs`: that tensor's values)."""
+    arch, spec = architecture(header)
     meta = header.metadata
-    hidden = _int(header, "llama.embedding_length")
-    heads = _int(header, "llama.attention.head_count")
-    kv_heads = int(meta.get("llama.attention.head_count_kv", heads))
-    head_dim = int(meta.get("llama.attention.key_length", hidden // heads))
-    rope_dims = int(meta.get("llama.rope.dimension_count", head_dim))
+    hidden = _int(header, f"{arch}.embedding_length")
+    heads = _int(header, f"{arch}.attention.head_count")
+    kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+    rope_dims = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
     if rope_dims != head_dim:
-        raise GGUFError(f"llama.rope.dimension_count {rope_dims} differs from the head size {head_dim} "
+        raise GGUFError(f"{arch}.rope.dimension_count {rope_dims} differs from the head size {head_dim} "
                         "(partial rotary embeddings are not supported)")
     names = {t.name for t in header.tensors}
-    if "rope_freqs.weight" in names:
-        raise GGUFError("tensor 'rope_freqs.weight' (llama 3.1 rope scaling factors) is not supported")
-    if "blk.0.ffn_gate_inp.weight" in names or "llama.expert_count" in meta:
-        raise GGUFError("llama.expert_count: mixture-of-experts llama files are not supported")
+    if "blk.0.ffn_gate_inp.weight" in names or f"{arch}.expert_count" in meta:
+        raise GGUFError(f"{arch}.expert_count: mixture-of-experts files are not supported")
     vocab = len(header.field("tokenizer.ggml.tokens", list))
     config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [spec.hf_class],
+        "model_type": spec.model_type,
         "hidden_size": hidden,
-        "num_hidden_layers": _int(header, "llama.block_count"),
-        "intermediate_size": _int(header, "llama.feed_forward_length"),
+        "num_hidden_layers": _int(header, f"{arch}.block_count"),
+        "intermediate_size": _int(header, f"{arch}.feed_forward_length"),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "vocab_size": int(meta.get("llama.vocab_size", vocab)),
-        "rms_norm_eps": float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(meta.get("llama.context_length", 4096)),
+        "vocab_size": int(meta.get(f"{arch}.vocab_size", vocab)),
+        "rms_norm_eps": float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(meta.get(f"{arch}.context_length", 4096)),
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
         "mlp_bias": "blk.0.ffn_up.bias" in names,
     }
-    config.update(_rope_scaling(header))
+    config.update(_rope_scaling(header, arch))
+    if rope_freqs is not None:
+        config["rope_scaling"] = llama3_rope_scaling(rope_freqs, config["rope_theta"], head_dim)
     if any(t.stays_quantized for t in header.tensors):
         # mlx_lm reads each layer's bits from its own arrays; this is the default.
         config["quantization"] = {"group_size": MLX_GROUP_SIZE, "bits": 4, "mode": "affine"}
     return config
 
 
-def _rope_scaling(header: GGUFHeader) -> dict:
-    kind = header.metadata.get("llama.rope.scaling.type", "none")
+def _rope_scaling(header: GGUFHeader, arch: str) -> dict:
+    kind = header.metadata.get(f"{arch}.rope.scaling.type", "none")
     if kind in ("none", ""):
         return {}
     if kind == "linear":
-        factor = float(header.field("llama.rope.scaling.factor", (int, float)))
+        factor = float(header.field(f"{arch}.rope.scaling.factor", (int, float)))
         return {"rope_scaling": {"type": "linear", "factor": factor}}
-    raise GGUFError(f"llama.rope.scaling.type {kind!r} is not supported (none and linear are)")
+    raise GGUFError(f"{arch}.rope.scaling.type {kind!r} is not supported (none and linear are)")
+
+
+def llama3_factors(base: float, head_dim: int, factor: float, low: float, high: float, original: int):
+    """Per-frequency divisors as llama.cpp's converter writes them to `rope_freqs.weight`."""
+    freqs = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    wavelen = 2 * np.pi / freqs
+    smooth = (original / wavelen - low) / (high - low)
+    mid = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, mid))
+
+
+def llama3_rope_scaling(rope_freqs, base: float, head_dim: int) -> dict:
+    """Llama 3.1+ `rope_freqs.weight` back to mlx_lm's `rope_type: llama3` parameters.
+
+    The file keeps only the per-frequency factors; the parameters that made
+    them are found among the published ones and must reproduce every factor.
+    """
+    values = np.asarray(rope_freqs, dtype=np.float64).reshape(-1)
+    factor = float(values.max())
+    if values.size != head_dim // 2:
+        raise GGUFError(f"tensor 'rope_freqs.weight' has {values.size} values for head size {head_dim}")
+    for original in (8192, 4096, 2048, 16384, 32768, 131072):
+        for low in (1.0, 2.0):
+            for high in (4.0, 2.0, 8.0):
+                if high > low and np.allclose(llama3_factors(base, head_dim, factor, low, high, original), values, rtol=1e-4):
+                    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                            "high_freq_factor": high, "original_max_position_embeddings": original}
+    raise GGUFError("tensor 'rope_freqs.weight' does not match llama3 rope scaling for any known parameters")
 
 
 # --------------------------------------------------------------------------- weights
+
+
+def _rope_freqs(header: GGUFHeader, src: Path):
+    tensor = next((t for t in header.tensors if t.name == ROPE_FREQS), None)
+    if tensor is None:
+        return None
+    raw = np.fromfile(src, dtype=np.uint8, count=tensor.file_bytes, offset=tensor.offset)
+    return plain_or_dequantized(tensor, raw)
 
 
 def _requantize(values: np.ndarray, bits: int) -> tuple:
@@ -193,12 +248,17 @@ def _convert(header: GGUFHeader, src: Path, emit: Emit, requantize: int = 0) -> 
     """Every tensor read from the file's blocks (`worker.gguf_tensors`), as MLX arrays."""
     import mlx.core as mx
 
-    heads_q = int(header.metadata["llama.attention.head_count"])
+    arch, spec = architecture(header)
+    heads_q = int(header.metadata[f"{arch}.attention.head_count"])
     heads = {"attn_q": heads_q,
-             "attn_k": int(header.metadata.get("llama.attention.head_count_kv", heads_q))}
+             "attn_k": int(header.metadata.get(f"{arch}.attention.head_count_kv", heads_q))}
+    if not spec.rope_rows_permuted:
+        heads = {}
     data = np.memmap(src, dtype=np.uint8, mode="r")
     total, done, out = header.imported_bytes(requantize), 0, {}
     for tensor in header.tensors:
+        if tensor.name == ROPE_FREQS:  # folded into config.json's rope_scaling
+            continue
         raw = data[tensor.offset:tensor.offset + tensor.file_bytes]
         if raw.size < tensor.file_bytes:
             raise GGUFError(f"tensor {tensor.name!r}: the file ends inside its data (an incomplete copy?)")
@@ -257,7 +317,7 @@ def import_gguf(src: str | Path, dest: str | Path, emit: Emit = lambda line: Non
     started = time.monotonic()
     src, dest = Path(src), Path(dest)
     header = read_header(src)
-    config = llama_config(header)
+    config = model_config(header, _rope_freqs(header, src))
     check_supported(header.tensors)
     if requantize not in (0, *REQUANTIZE_BITS):
         raise GGUFError(f"requantize must be one of {REQUANTIZE_BITS} (or 0), got {requantize}")
