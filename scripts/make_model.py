@@ -1,4 +1,4 @@
-"""Write a small local MLX llama model: `python scripts/make_model.py DIR [--size SIZE] [--seed N]`.
+"""Write a small local MLX llama model: `python scripts/make_model.py DIR [--size SIZE] [--seed N] [--quantize 4|8]`.
 
 The model has random float16 weights of about SIZE bytes (same seed, same
 bytes), a BPE tokenizer trained offline, and a chat template; `mlx_lm.load(DIR)`
@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 
 try:
-    from worker.modelgen import DEFAULT_DTYPE, DTYPES, ModelGenError, make_model
+    from worker.modelgen import DEFAULT_DTYPE, DTYPES, QUANT_BITS, ModelGenError, make_model
 except ImportError:  # run as a file from a checkout: put the repo root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from worker.modelgen import DEFAULT_DTYPE, DTYPES, ModelGenError, make_model
+    from worker.modelgen import DEFAULT_DTYPE, DTYPES, QUANT_BITS, ModelGenError, make_model
 
 from shared.sizes import SizeError, format_size, parse_size
 
@@ -34,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="random seed for the weights (default 0)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=DEFAULT_DTYPE,
                         help=f"parameter type (default {DEFAULT_DTYPE}; float32 runs fastest on CPU)")
+    parser.add_argument("--quantize", type=int, choices=QUANT_BITS, default=0, metavar="BITS",
+                        help="write the matrices quantized as mlx_lm.convert -q does: affine, "
+                             "group size 64, BITS 4 or 8 (SIZE counts the packed bytes)")
     parser.add_argument("--force", action="store_true",
                         help="write into DIR even if it is not empty")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -48,7 +51,7 @@ def _run_with_bar(args, size: int):
         task = bar.add_task("weights", total=size)
         return make_model(args.dir, size, args.seed,
                           lambda done, total: bar.update(task, completed=done, total=total),
-                          force=args.force, dtype=args.dtype)
+                          force=args.force, dtype=args.dtype, bits=args.quantize)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         size = parse_size(args.size)
         if args.quiet or not sys.stderr.isatty():
-            dims = make_model(args.dir, size, args.seed, force=args.force, dtype=args.dtype)
+            dims = make_model(args.dir, size, args.seed, force=args.force, dtype=args.dtype, bits=args.quantize)
         else:
             dims = _run_with_bar(args, size)
     except (SizeError, ModelGenError) as exc:
@@ -67,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(
         f"wrote {args.dir}: {format_size(dims.weight_bytes)} of weights, "
-        f"{dims.param_count / 1e6:.1f}M {dims.dtype} parameters (hidden {dims.hidden_size}, "
+        f"{dims.param_count / 1e6:.1f}M {dims.dtype} parameters"
+        f"{f' ({dims.bits}-bit affine)' if dims.bits else ''} (hidden {dims.hidden_size}, "
         f"{dims.num_hidden_layers} layers, mlp {dims.intermediate_size}, vocab {dims.vocab_size})"
     )
     return 0

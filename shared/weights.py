@@ -12,6 +12,8 @@ import json
 import os
 from pathlib import Path
 
+from shared.gguf import GGUFError, is_gguf_path, read_header
+
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own cap
 
 
@@ -59,7 +61,16 @@ def tensor_bytes(file: str | os.PathLike[str]) -> int:
 
 
 def estimate_weight_bytes(path: str | os.PathLike[str]) -> int:
-    """Total tensor bytes of the model at `path` (what loading it will allocate)."""
+    """Total tensor bytes of the model at `path` (what loading it will allocate).
+
+    A `.gguf` file is sized as the MLX folder it imports to (its header states
+    each tensor's type and shape; see `shared.gguf.TensorInfo.mlx_bytes`).
+    """
+    if is_gguf_path(path):
+        try:
+            return read_header(path).mlx_bytes
+        except GGUFError as exc:
+            raise WeightsError(str(exc)) from None
     return sum(tensor_bytes(file) for file in weight_files(path))
 
 

@@ -335,7 +335,7 @@ class Arbiter:
                 handle = None
             if handle is None:
                 await self.enforcer.admit(model)
-                handle = self.pool.spawn(model)
+                handle = self.pool.spawn(await self._gguf_imported(model))
                 self.enforcer.note_load_started(handle)
                 self.wake()
             await handle.loaded
@@ -344,6 +344,23 @@ class Arbiter:
 
     def fit(self, name: str, context_tokens: int = 0) -> FitReport:
         return self.enforcer.fit(self.model_config(name), context_tokens)
+
+    async def _gguf_imported(self, model: ModelConfig) -> ModelConfig:
+        """A `.gguf` path loads from its imported MLX folder, imported on first load (issue 12)."""
+        from shared.gguf import is_gguf_path
+        from supervisor.gguf import GGUFImportError, cache_folder, ensure_imported, is_imported
+
+        if not is_gguf_path(model.path):
+            return model
+        try:
+            if not is_imported(cache_folder(model.path)):
+                self.emit("import", f"importing {model.path} into the cache (first load)", model_id=model.id)
+            folder = await ensure_imported(model.path)
+        except (GGUFImportError, OSError) as exc:
+            self.emit("refused", f"cannot import {model.path}: {exc}", model_id=model.id)
+            raise LoadError(f"model {model.id!r}: cannot import {model.path}: {exc}",
+                            code="model_unreadable", http_status=500) from None
+        return msgspec.structs.replace(model, path=str(folder))
 
     async def unload(self, name: str, reason: str = "unloaded on request") -> bool:
         model_id = self.model_config(name).id

@@ -100,6 +100,20 @@ def _guard_on(limits: Limits) -> bool:
     return limits.hard_limit > 0 or limits.abort_limit > 0 or limits.soft_limit > 0
 
 
+def _activation_width(model) -> int:
+    """Bytes per activation and KV element: the widest floating dtype among the parameters.
+
+    Why not the first parameter's: a quantized model's packed weights are
+    uint32 and say nothing about activations; and every layer mixes its
+    parameters into the activations, so MLX's type promotion carries the
+    widest floating type through (an imported GGUF's float32 norms make a
+    float16-scaled model compute, and cache, in float32).
+    """
+    widths = [v.dtype.size for _, v in tree_flatten(model.parameters())
+              if mx.issubdtype(v.dtype, mx.floating)]
+    return max(widths, default=2)
+
+
 def _prior_cost(model, max_chunk: int) -> guard.PrefillCost:
     """First guess of a prompt token's cost before anything was measured.
 
@@ -114,8 +128,7 @@ def _prior_cost(model, max_chunk: int) -> guard.PrefillCost:
     kv_heads = getattr(args, "num_key_value_heads", 0) or heads
     head_dim = getattr(args, "head_dim", None) or (hidden // heads if heads else 0)
     inter = getattr(args, "intermediate_size", 0) or 4 * hidden
-    weights = tree_flatten(model.parameters())
-    width = weights[0][1].dtype.size if weights else 2
+    width = _activation_width(model)
     kv = 2 * layers * kv_heads * head_dim * width
     activations = 4 * (6 * hidden + 3 * inter) + 4 * heads * max_chunk
     if kv == 0:

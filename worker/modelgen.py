@@ -23,7 +23,12 @@ Dims rule (documented contract of `choose_dims`):
     multiple of 16) absorbs the rest, so the weights land within about 1% of
     the requested size;
   * parameters are float16 by default (bfloat16 and float32 on request: MLX's
-    CPU backend runs float32 several times faster than either 16-bit type).
+    CPU backend runs float32 several times faster than either 16-bit type);
+  * `bits=4` or `8` writes the matrices (embedding included) quantized the way
+    `mlx_lm.convert -q` does: affine, group size 64, packed uint32 weights with
+    scales and biases in the model dtype, `"quantization"` in config.json; the
+    MLP width is then a multiple of the group size, and the size budget counts
+    the packed bytes. Norms stay in the model dtype.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ from shared.sizes import MiB, format_size
 
 DTYPES = {"float16": ("F16", 2), "bfloat16": ("BF16", 2), "float32": ("F32", 4)}
 DEFAULT_DTYPE = "float16"
+QUANT_BITS = (4, 8)
+QUANT_GROUP = 64
 HEAD_DIM = 64
 VOCAB_TARGET = 4096
 CORPUS_BUDGET_CHARS = 1_200_000
@@ -95,6 +102,7 @@ class Dims(msgspec.Struct, frozen=True):
     num_attention_heads: int
     num_key_value_heads: int
     dtype: str = DEFAULT_DTYPE
+    bits: int = 0  # 0: not quantized; 4 or 8: affine, group QUANT_GROUP
 
     @property
     def param_count(self) -> int:
@@ -105,7 +113,8 @@ class Dims(msgspec.Struct, frozen=True):
 
     @property
     def weight_bytes(self) -> int:
-        return self.param_count * DTYPES[self.dtype][1]
+        """Exact bytes of tensor data the safetensors file holds."""
+        return sum(entry.nbytes for entry in _file_entries(self))
 
 
 def _kv_heads(hidden: int) -> int:
@@ -133,21 +142,32 @@ def _dtype_width(dtype: str) -> int:
     return DTYPES[dtype][1]
 
 
-def smallest_weight_bytes(vocab_size: int, dtype: str = DEFAULT_DTYPE) -> int:
+def _bytes_per_param(dtype: str, bits: int) -> float:
+    """Storage per parameter: the dtype's width, or packed bits plus scale and bias per group."""
+    if bits == 0:
+        return float(_dtype_width(dtype))
+    if bits not in QUANT_BITS:
+        raise ModelGenError(f"bits must be one of {', '.join(map(str, QUANT_BITS))} (or 0), got {bits}")
+    return bits / 8 + 2 * _dtype_width(dtype) / QUANT_GROUP
+
+
+def smallest_weight_bytes(vocab_size: int, dtype: str = DEFAULT_DTYPE, bits: int = 0) -> int:
     """The smallest model the dims rule can build for this vocab."""
-    return _param_count(vocab_size, HEAD_DIM, 1, MIN_INTERMEDIATE, 1) * _dtype_width(dtype)
+    smallest = MIN_INTERMEDIATE if bits == 0 else QUANT_GROUP
+    return int(_param_count(vocab_size, HEAD_DIM, 1, smallest, 1) * _bytes_per_param(dtype, bits))
 
 
-def choose_dims(size_bytes: int, vocab_size: int, dtype: str = DEFAULT_DTYPE) -> Dims:
+def choose_dims(size_bytes: int, vocab_size: int, dtype: str = DEFAULT_DTYPE, bits: int = 0) -> Dims:
     """Pick llama dims whose weights come to about `size_bytes` (see module doc)."""
-    width = _dtype_width(dtype)
-    floor = smallest_weight_bytes(vocab_size, dtype)
+    width = _bytes_per_param(dtype, bits)
+    floor = smallest_weight_bytes(vocab_size, dtype, bits)
     if size_bytes < floor:
         raise ModelGenError(
             f"size {format_size(size_bytes)} is too small for a model: the smallest one "
             f"(vocab {vocab_size}, hidden {HEAD_DIM}, 1 layer) needs {format_size(floor)}"
         )
-    budget = size_bytes // width
+    budget = int(size_bytes / width)
+    step = 16 if bits == 0 else QUANT_GROUP  # a quantized down_proj's input splits into groups
     hidden = HEAD_DIM
     for candidate in range(HEAD_DIM, MAX_HIDDEN + 1, HEAD_DIM):
         layers = max(1, candidate // HEAD_DIM)
@@ -163,7 +183,7 @@ def choose_dims(size_bytes: int, vocab_size: int, dtype: str = DEFAULT_DTYPE) ->
     # The MLP width absorbs what is left so the total lands near the budget.
     per_layer_rest = _layer_params(hidden, 0, kv_heads)
     spare = (budget - fixed) // layers - per_layer_rest
-    intermediate = max(MIN_INTERMEDIATE, spare // (3 * hidden) // 16 * 16)
+    intermediate = max(max(MIN_INTERMEDIATE, step), spare // (3 * hidden) // step * step)
     return Dims(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -172,6 +192,7 @@ def choose_dims(size_bytes: int, vocab_size: int, dtype: str = DEFAULT_DTYPE) ->
         num_attention_heads=hidden // HEAD_DIM,
         num_key_value_heads=kv_heads,
         dtype=dtype,
+        bits=bits,
     )
 
 
@@ -280,14 +301,48 @@ def _tensor_shapes(d: Dims) -> list[tuple[str, tuple[int, ...], bool]]:
     return shapes
 
 
-def _safetensors_header(shapes, dtype: str) -> bytes:
-    code, width = DTYPES[dtype]
+class _Entry(msgspec.Struct, frozen=True):
+    """One tensor as stored: a plain matrix or norm, or one part of a quantized matrix."""
+
+    name: str
+    shape: tuple[int, ...]
+    code: str    # safetensors dtype
+    width: int   # bytes per stored element
+    kind: str    # norm | normal | packed | scales | biases
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * self.width
+
+
+def _file_entries(dims: Dims) -> list[_Entry]:
+    """Every tensor the safetensors file holds, in file order (quantized ones as three)."""
+    code, width = DTYPES[dims.dtype]
+    entries = []
+    for name, shape, is_norm in _tensor_shapes(dims):
+        if is_norm:
+            entries.append(_Entry(name, shape, code, width, "norm"))
+        elif dims.bits == 0:
+            entries.append(_Entry(name, shape, code, width, "normal"))
+        else:
+            rows, cols = shape
+            base = name.removesuffix(".weight")
+            groups = (rows, cols // QUANT_GROUP)
+            entries += [
+                _Entry(f"{base}.weight", (rows, cols * dims.bits // 32), "U32", 4, "packed"),
+                _Entry(f"{base}.scales", groups, code, width, "scales"),
+                _Entry(f"{base}.biases", groups, code, width, "biases"),
+            ]
+    return entries
+
+
+def _safetensors_header(entries: list[_Entry]) -> bytes:
     header: dict = {"__metadata__": {"format": "mlx"}}
     offset = 0
-    for name, shape, _ in shapes:
-        nbytes = int(np.prod(shape)) * width
-        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
+    for entry in entries:
+        header[entry.name] = {"dtype": entry.code, "shape": list(entry.shape),
+                              "data_offsets": [offset, offset + entry.nbytes]}
+        offset += entry.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # data must start 8-byte aligned
     return len(raw).to_bytes(8, "little") + raw
@@ -304,30 +359,37 @@ def _encode(block: np.ndarray, dtype: str) -> bytes:
     return rounded.astype("<u2").tobytes()
 
 
+def _block(entry: _Entry, n: int, rng: np.random.Generator, dims: Dims) -> bytes:
+    """`n` elements of `entry`: random codes with one scale and bias give uniform weights of std INIT_STD."""
+    if entry.kind == "packed":
+        return rng.integers(0, 1 << 32, n, dtype=np.uint32).astype("<u4", copy=False).tobytes()
+    if entry.kind == "normal":
+        return _encode(rng.standard_normal(n, dtype=np.float32) * np.float32(INIT_STD), dims.dtype)
+    half_range = INIT_STD * 3 ** 0.5
+    value = {"norm": 1.0, "scales": 2 * half_range / ((1 << max(dims.bits, 1)) - 1),
+             "biases": -half_range}[entry.kind]
+    return _encode(np.full(n, value, dtype=np.float32), dims.dtype)
+
+
 def write_weights(path: Path, dims: Dims, seed: int, progress: Progress | None = None) -> int:
     """Stream seeded weights into one safetensors file; return data bytes.
 
-    Norm weights are ones (as a trained model's start); matrices are N(0, 0.02).
-    One numpy PCG64 stream in file order makes the bytes a pure function of
-    (dims, dtype, seed).
+    Norm weights are ones (as a trained model's start); matrices are N(0, 0.02)
+    or, quantized, uniform codes of the same spread. One numpy PCG64 stream in
+    file order makes the bytes a pure function of (dims, seed).
     """
-    width = DTYPES[dims.dtype][1]
-    shapes = _tensor_shapes(dims)
+    entries = _file_entries(dims)
     rng = np.random.Generator(np.random.PCG64(seed))
-    total = dims.weight_bytes
+    total = sum(entry.nbytes for entry in entries)
     done = 0
     with open(path, "wb") as out:
-        out.write(_safetensors_header(shapes, dims.dtype))
-        for _, shape, is_norm in shapes:
-            count = int(np.prod(shape))
+        out.write(_safetensors_header(entries))
+        for entry in entries:
+            count = int(np.prod(entry.shape))
             for start in range(0, count, CHUNK_ELEMENTS):
                 n = min(CHUNK_ELEMENTS, count - start)
-                if is_norm:
-                    block = np.ones(n, dtype=np.float32)
-                else:
-                    block = rng.standard_normal(n, dtype=np.float32) * np.float32(INIT_STD)
-                out.write(_encode(block, dims.dtype))
-                done += n * width
+                out.write(_block(entry, n, rng, dims))
+                done += n * entry.width
                 if progress is not None:
                     progress(done, total)
     return done
@@ -337,7 +399,7 @@ def write_weights(path: Path, dims: Dims, seed: int, progress: Progress | None =
 
 
 def _model_config(dims: Dims, ids: dict[str, int]) -> dict:
-    return {
+    config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": dims.hidden_size,
@@ -356,6 +418,10 @@ def _model_config(dims: Dims, ids: dict[str, int]) -> dict:
         "eos_token_id": [ids[EOS], ids[IM_END]],
         "pad_token_id": ids[PAD],
     }
+    if dims.bits:
+        quantization = {"group_size": QUANT_GROUP, "bits": dims.bits, "mode": "affine"}
+        config["quantization"] = config["quantization_config"] = quantization
+    return config
 
 
 def check_target_dir(path: Path, force: bool) -> None:
@@ -374,6 +440,7 @@ def make_model(
     *,
     force: bool = False,
     dtype: str = DEFAULT_DTYPE,
+    bits: int = 0,
 ) -> Dims:
     """Write a loadable llama model of about `size_bytes` weights into `path`.
 
@@ -384,9 +451,9 @@ def make_model(
         raise ModelGenError(f"seed must be a non-negative integer, got {seed}")
     target = Path(path)
     check_target_dir(target, force)
-    _dtype_width(dtype)
+    _bytes_per_param(dtype, bits)
     tokenizer = train_tokenizer()
-    dims = choose_dims(size_bytes, tokenizer.get_vocab_size(), dtype)
+    dims = choose_dims(size_bytes, tokenizer.get_vocab_size(), dtype, bits)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:

@@ -31,6 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tiers": ("supervisor.cli.tiers", "preview every tier's ceiling now, or under what-if inputs"),
     "replay": ("supervisor.cli.replay", "feed recorded policy snapshots to the policy, print decisions"),
     "schema": ("supervisor.cli.schema", "print the JSON Schema of every wire message"),
+    "import-gguf": ("supervisor.cli.import_gguf", "write an MLX model folder from a GGUF file"),
 }
 
 
