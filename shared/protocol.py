@@ -252,7 +252,7 @@ class Sample(Msg, tag="sample", kw_only=True):
 # What a worker may report as an event. The supervisor's own lifecycle kinds
 # (crash, exit, need_memory ...) drive respawns and evictions, so a report
 # must not be able to pose as one; anything else is refused at decoding.
-WorkerEventKind = Literal["drill"]
+WorkerEventKind = Literal["drill", "wired_limit"]
 
 
 class WorkerEvent(Msg, tag="worker_event", kw_only=True):
