@@ -280,6 +280,8 @@ class CeilingMsg(Msg, tag="ceiling", kw_only=True):
     soft_bytes: int
     hard_bytes: int
     reserve: int
+    hot_cache_max: int = 0       # H2: the group's prompt-cache budget (watch shows the sum against it)
+    hot_cache_reserved: int = 0  # C12
 
 
 class PressureMsg(Msg, tag="pressure", kw_only=True):

@@ -47,6 +47,7 @@ from supervisor.openai_types import (
     ChunkChoice,
     CompletionRequest,
     Delta,
+    PromptTokensDetails,
     TextChoice,
     TextCompletion,
     Usage,
@@ -332,7 +333,8 @@ class Job:
 
 def _usage(msg: p.Finished) -> Usage:
     return Usage(prompt_tokens=msg.prompt_tokens, completion_tokens=msg.completion_tokens,
-                 total_tokens=msg.prompt_tokens + msg.completion_tokens)
+                 total_tokens=msg.prompt_tokens + msg.completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=msg.cached_tokens))
 
 
 async def handle(request: Request, arbiter, metrics, kind: str, body: bytes, started: float) -> Response:

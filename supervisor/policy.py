@@ -167,8 +167,11 @@ class _Tick:
         also gets them when it is new or its pid changed (a respawn).
         """
         g, prev, live = self.s.guard, self.prev, self.g.live
+        # H2: an equal share of the budget per live worker, recomputed as they come and go
+        cache_cap = g.hot_cache_max // len(live) if g.hot_cache_max > 0 and live else 0
         common = limits_for(self.c, admission_paused=paused, safe_zone_ratio=g.safe_zone_ratio,
-                            min_chunk_tokens=g.min_chunk_tokens)
+                            min_chunk_tokens=g.min_chunk_tokens, cache_cap=cache_cap,
+                            pool_max=g.pool_max)
         had = prev.limited
         if common != prev.limits:
             todo = live

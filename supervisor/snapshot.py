@@ -62,6 +62,7 @@ class GuardSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     hard_threshold: float | None = None
     idle_timeout: float = 0.0            # P10 global TTL, seconds, 0 = never
     hot_cache_max: int = 0               # C12 budget shared by all workers, 0 = none
+    pool_max: int = 0                    # M1: the MLX pool a worker may keep, 0 = MLX's default
     safe_zone_ratio: float = 0.89        # G2, handed through in Limits
     min_chunk_tokens: int = 256          # G2, handed through in Limits
     poll_interval: float = 1.0           # P9
@@ -155,6 +156,7 @@ def guard_settings(config, *, pressure_reclaim_disabled: bool = False) -> GuardS
         hard_threshold=g.hard_threshold,
         idle_timeout=config.supervisor.idle_timeout,
         hot_cache_max=g.hot_cache_max,
+        pool_max=g.pool_max,
         safe_zone_ratio=g.safe_zone_ratio,
         min_chunk_tokens=g.min_chunk_tokens,
         poll_interval=g.poll_interval,
