@@ -5,11 +5,11 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
+from test_engine import drive
 
 from shared.limits import Limits
 from shared.protocol import ChatMessage, Finished, Generate, NeedMemory
 from shared.sizes import GiB, MiB
-from tests.test_engine import drive
 from worker.engine import Engine
 from worker.prefill_guard import estimate_prefill_peak
 from worker.prompt_cache import PromptCache

@@ -9,7 +9,13 @@ from supervisor import decisions as d
 from supervisor.config import parse_config
 from supervisor.openai_types import PromptTokensDetails, Usage
 from supervisor.policy import tick
-from supervisor.snapshot import GuardSettings, HostCounters, Snapshot, WorkerRecord, guard_settings
+from supervisor.snapshot import (
+    GuardSettings,
+    HostCounters,
+    Snapshot,
+    WorkerRecord,
+    guard_settings,
+)
 from supervisor.status import build_status
 
 GUARD = GuardSettings(tier="custom", custom_ceiling=10 * GiB, soft_threshold=0.8, hard_threshold=0.9,
