@@ -1,7 +1,7 @@
 """Prompt cache (SPEC H1-H3): a growing chat's time to first token with and without it,
 and a mixed workload whose cache bytes must stay under a small budget.
 
-    python scripts/bench_prompt_cache.py [--size 400MB] [--turns 10] [--requests 200]
+    python scripts/bench_prompt_cache.py [--size 8MiB] [--turns 10] [--requests 200]
 
 One run starts two supervisors (`python -m supervisor serve`, the real HTTP
 front door, a worker process each) on the same generated model: one with
@@ -9,6 +9,10 @@ front door, a worker process each) on the same generated model: one with
 
 1. Chat: a ~1,700-token system prompt, then `--turns` turns; each adds a user
    message and the assistant's reply (~100 tokens together) to the history.
+   The model is small (8 MiB of float32 weights by default) because MLX's CPU
+   prefill on the 2-core CI-class machine takes 1-2 s per 512-token chunk
+   even so; a bigger model would spend more than the heartbeat timeout in one
+   step and be killed as wedged.
    Both supervisors get the same history every turn (the reply of the cached
    one is fed back to both), turns alternate between them so machine drift
    hits both alike, and TTFT is request sent -> first streamed token.
@@ -44,6 +48,11 @@ from shared.sizes import format_size, parse_size  # noqa: E402
 
 WORDS = ("memory pressure guard worker model cache prefix token budget ceiling supervisor "
          "allocator process prefill decode stream sample ledger policy tier reserve").split()
+
+
+# The generated tokenizer spends ~2.2 tokens on each of these words.
+SYSTEM_WORDS = 780   # ~1,700 tokens
+USER_WORDS = 36      # ~80 tokens, plus a ~20-token reply: ~100 tokens a turn
 
 
 def ensure_model(name: str, size: int, seed: int, dtype: str = "float32") -> Path:
@@ -103,7 +112,8 @@ class Server:
         with httpx.Client(timeout=600) as client:
             sent = time.perf_counter()
             with client.stream("POST", f"{self.base}/v1/chat/completions", json=body) as r:
-                r.raise_for_status()
+                if r.status_code != 200:
+                    raise SystemExit(f"{self.base}: HTTP {r.status_code}: {r.read().decode()}")
                 for line in r.iter_lines():
                     if not line.startswith("data: {"):
                         continue
@@ -141,10 +151,10 @@ class Server:
 
 def chat_bench(cached: Server, plain: Server, turns: int, reply_tokens: int) -> list[tuple[float, float, dict]]:
     rng = random.Random(10)
-    messages = [{"role": "system", "content": text(rng, 1700)}]
+    messages = [{"role": "system", "content": text(rng, SYSTEM_WORDS)}]
     rows = []
     for turn in range(1, turns + 1):
-        messages.append({"role": "user", "content": f"turn {turn}: " + text(rng, 80)})
+        messages.append({"role": "user", "content": f"turn {turn}: " + text(rng, USER_WORDS)})
         with_cache, reply, usage = cached.chat("chat", messages, reply_tokens)
         without, _, plain_usage = plain.chat("chat", messages, reply_tokens)
         rows.append((with_cache, without, usage))
@@ -161,7 +171,7 @@ def mixed_bench(server: Server, requests: int, budget: int) -> tuple[float, int,
     import httpx
 
     rng = random.Random(200)
-    prefixes = [text(rng, n) for n in (60, 150, 300, 40)]
+    prefixes = [text(rng, n) for n in (30, 80, 150, 20)]
     jobs = [(rng.choice(("m1", "m2")), rng.choice(prefixes) + " " + text(rng, rng.randint(5, 60)))
             for _ in range(requests)]
     seen = {"max": 0.0, "hits": 0}
@@ -195,16 +205,18 @@ def mixed_bench(server: Server, requests: int, budget: int) -> tuple[float, int,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", default="400MB", help="the chat model's weights (default ~100M float32 params)")
+    parser.add_argument("--size", default="8MiB", help="the chat model's float32 weights")
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--reply-tokens", type=int, default=20, help="assistant tokens per turn")
     parser.add_argument("--requests", type=int, default=200, help="mixed workload size (0: skip it)")
     parser.add_argument("--budget", default="4MiB", help="hot_cache_max of the mixed workload")
+    parser.add_argument("--workdir", default="", help="keep configs and supervisor logs here")
     args = parser.parse_args(argv)
     chat_model = ensure_model("prompt-cache-chat", parse_size(args.size), seed=11)
     budget = parse_size(args.budget)
     with tempfile.TemporaryDirectory(prefix="bench-pc-") as tmp:
-        work = Path(tmp)
+        work = Path(args.workdir or tmp)
+        work.mkdir(parents=True, exist_ok=True)
         cached = Server(work, "cached", {"chat": chat_model}, 'hot_cache_max = "1GiB"')
         plain = Server(work, "plain", {"chat": chat_model}, "hot_cache_max = 0")
         try:

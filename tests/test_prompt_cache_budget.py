@@ -76,3 +76,14 @@ def test_h1_usage_reports_cached_prompt_tokens_as_openai_does():
                   prompt_tokens_details=PromptTokensDetails(cached_tokens=8))
     body = msgspec.json.decode(msgspec.json.encode(usage))
     assert body["prompt_tokens_details"] == {"cached_tokens": 8}
+
+
+def test_p4_the_pool_threshold_is_pool_max():
+    """M1 gives MLX `pool_max` as its cache limit; P4 must call the same pool fat."""
+    guard = msgspec.structs.replace(GUARD, pool_max=GiB)
+    fat = WorkerRecord(worker="a", model="m-a", pid=1, state="busy", running=1, usage=int(8.5 * GiB),
+                       footprint=int(8.5 * GiB), mlx_pool=int(1.5 * GiB))
+    result = tick(Snapshot(now=1.0, guard=guard, host=HOST, workers=[fat]))
+    assert result.level == "soft" and [x.worker for x in result.decisions if isinstance(x, d.Reclaim)] == ["a"]
+    result = tick(Snapshot(now=1.0, guard=GUARD, host=HOST, workers=[fat]))  # 2 GiB: not fat
+    assert not [x for x in result.decisions if isinstance(x, d.Reclaim)]
