@@ -75,7 +75,9 @@ class Server:
     def __init__(self, workdir: Path, name: str, models: dict[str, Path], guard: str) -> None:
         self.runtime = workdir / f"rt-{name}"
         config = workdir / f"{name}.toml"
-        body = f"[guard]\n{guard}\n" + "".join(
+        # Pings are answered between engine steps, and on a busy 2-core machine one
+        # 512-token prefill chunk can outlast the default 5 s heartbeat timeout.
+        body = f"[guard]\n{guard}\n[supervisor]\nheartbeat_timeout = 120\n" + "".join(
             f'[[models]]\nid = "{mid}"\npath = "{path}"\npinned = true\nmax_concurrency = 4\n'
             for mid, path in models.items())
         config.write_text(body)

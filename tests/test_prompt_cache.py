@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
-from test_engine import drive
+from test_engine import Run, drive
 
 from shared.limits import Limits
 from shared.protocol import ChatMessage, Finished, Generate, NeedMemory
@@ -218,3 +218,21 @@ def test_h4_prefill_drops_own_unused_entries_before_asking_for_room(loaded):
     assert isinstance(run.terminal("new"), Finished)
     assert reclaims  # the dropped entries' memory went back to the OS, not only to the pool
     assert [key[:len(prompt)] for key in engine.prompt_cache._entries] == [tuple(prompt)]
+
+
+def test_h3_a_running_request_reads_its_own_copy_so_its_source_entry_may_go(loaded):
+    prompt = _engine(loaded).encode_prompt("the prompt both requests start with " * 10)
+    plain = _engine(loaded)
+    plain.submit("b", prompt + prompt[1:8], max_tokens=8)
+    expected = drive(plain, UNCACHED).tokens("b")
+    engine = _engine(loaded)
+    engine.submit("a", prompt, max_tokens=3)
+    drive(engine, CACHED)
+    engine.submit("b", prompt + prompt[1:8], max_tokens=8)
+    run = Run()
+    while not engine._decoding:  # prefilled from the cache, now decoding
+        run.add(engine.step(CACHED, lambda: 0))
+    assert engine.running == 1 and engine.cache_releasable == engine.cache_bytes > 0
+    assert engine.shrink_cache(0) > 0 and engine.cache_bytes == 0
+    run.add(drive(engine, CACHED).events)
+    assert run.terminal("b").cached_tokens == len(prompt) and run.tokens("b") == expected

@@ -450,6 +450,9 @@ class Engine:
         if seq.hit is not None:
             seq.cache = pc.PromptCache.fork(seq.hit)
             seq.cached = seq.pos = seq.hit.tokens
+            # The fork is a copy: from here on the entry is not in use (H3 may drop it).
+            self.prompt_cache.release(seq.hit)
+            seq.hit = None
         else:
             seq.cache = make_prompt_cache(self.model)
         seq.state = "prefill"
