@@ -87,3 +87,17 @@ def test_p4_the_pool_threshold_is_pool_max():
     assert result.level == "soft" and [x.worker for x in result.decisions if isinstance(x, d.Reclaim)] == ["a"]
     result = tick(Snapshot(now=1.0, guard=GUARD, host=HOST, workers=[fat]))  # 2 GiB: not fat
     assert not [x for x in result.decisions if isinstance(x, d.Reclaim)]
+
+
+def test_s1_status_command_shows_the_cache_per_worker_and_against_the_budget():
+    from supervisor.cli.status import render
+    from supervisor.status import ModelInfo, ServerStatus
+
+    s = Snapshot(now=1.0, guard=GUARD, host=HOST, workers=[worker("a", 100 * MiB)])
+    status = ServerStatus(pid=1, uptime=1.0, runtime_dir="rt", pub="ipc://pub", http="", guard=build_status(s, tick(s)),
+                          models=[ModelInfo(id="m-a", path="/m", pinned=False, state="ready", worker="a")],
+                          events=[], malformed_frames=0, counters={})
+    text = render(status)
+    assert "prompt cache 100 MiB of 3 GiB budget" in text
+    row = next(line for line in text.splitlines() if line.startswith(" m-a"))
+    assert "100 MiB" in row
