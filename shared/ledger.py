@@ -36,7 +36,7 @@ from shared.limits import BINDINGS, TIERS, Limits
 from shared.states import PHASES
 
 MAGIC = b"MVLEDGR1"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: cache bytes in samples; cache cap, pool max, residency in limits
 
 _HEADER = struct.Struct("<8sII")  # magic, layout version, n_slots
 _HEADER_BYTES = 64
@@ -44,8 +44,8 @@ _SUPS = struct.Struct("<qd")  # supervisor footprint, t
 _SLOT_HEAD = struct.Struct("<QII")  # seq, crc32, pad
 _SEQ = struct.Struct("<Q")
 
-_SAMPLE = struct.Struct("<qdqqqqqqqqqq")
-_LIMITS = struct.Struct("<qqqqdddqqqqqqqqq")
+_SAMPLE = struct.Struct("<qdqqqqqqqqqqqq")
+_LIMITS = struct.Struct("<qqqqdddqqqqqqqqqqqq")
 
 _SAMPLE_SLOT = _SLOT_HEAD.size + _SAMPLE.size
 _LIMITS_SLOT = _SLOT_HEAD.size + _LIMITS.size
@@ -69,6 +69,8 @@ class LedgerSample(msgspec.Struct, frozen=True, kw_only=True):
     queued: int
     tokens: int
     phase: str
+    cache_bytes: int = 0       # H2: prompt cache held (measured)
+    cache_releasable: int = 0  # H3: the part no running or queued request uses
 
 
 class LedgerError(RuntimeError):
@@ -177,11 +179,13 @@ class Ledger:
         queued: int = 0,
         tokens: int = 0,
         phase: str = "ready",
+        cache_bytes: int = 0,
+        cache_releasable: int = 0,
     ) -> None:
         self._check(slot)
         values = (
             pid, t, mlx_active, mlx_pool, mlx_peak, footprint, usage,
-            gpu_bytes, running, queued, tokens, PHASES.index(phase),
+            gpu_bytes, running, queued, tokens, PHASES.index(phase), cache_bytes, cache_releasable,
         )  # fmt: skip
         self._write(self._samples_at + slot * _SAMPLE_SLOT, _SAMPLE, values)
 
@@ -190,18 +194,20 @@ class Ledger:
         values = self._read(self._samples_at + slot * _SAMPLE_SLOT, _SAMPLE)
         if values is None or values[0] == 0:
             return None
-        (pid, t, active, pool, peak, footprint, usage, gpu, running, queued, tokens, phase) = values
+        (pid, t, active, pool, peak, footprint, usage, gpu, running, queued, tokens, phase,
+         cache_bytes, cache_releasable) = values
         return LedgerSample(
             pid=pid, t=t, mlx_active=active, mlx_pool=pool, mlx_peak=peak,
             footprint=footprint, usage=usage, gpu_bytes=gpu, running=running,
             queued=queued, tokens=tokens,
             phase=PHASES[phase] if 0 <= phase < len(PHASES) else "empty",
+            cache_bytes=cache_bytes, cache_releasable=cache_releasable,
         )  # fmt: skip
 
     def clear_slot(self, slot: int) -> None:
         """Forget a stopped worker's sample (and limits), so no sum counts it."""
         self._check(slot)
-        zero = (0,) * 12
+        zero = (0,) * 14
         self._write(self._samples_at + slot * _SAMPLE_SLOT, _SAMPLE, zero[:1] + (0.0,) + zero[2:])
         self.write_limits(slot, Limits())
 
@@ -215,6 +221,7 @@ class Ledger:
             limits.min_chunk_tokens, limits.ceiling, limits.static, limits.dynamic,
             limits.gpu_cap, _index(BINDINGS, limits.binding), _index(TIERS, limits.tier),
             int(limits.admission_paused), limits.max_concurrency,
+            limits.cache_cap, limits.pool_max, limits.residency,
         )  # fmt: skip
         self._write(self._limits_at + slot * _LIMITS_SLOT, _LIMITS, values)
 
@@ -224,7 +231,8 @@ class Ledger:
         if values is None:
             return None
         (soft, hard, hard_wm, abort, margin, headroom, safe_zone, min_chunk,
-         ceiling, static, dynamic, gpu_cap, binding, tier, paused, max_conc) = values  # fmt: skip
+         ceiling, static, dynamic, gpu_cap, binding, tier, paused, max_conc,
+         cache_cap, pool_max, residency) = values  # fmt: skip
         return Limits(
             soft_limit=soft, hard_limit=hard, hard_watermark=hard_wm, abort_limit=abort,
             abort_margin=margin, prefill_headroom_safety=headroom, safe_zone_ratio=safe_zone,
@@ -232,6 +240,7 @@ class Ledger:
             gpu_cap=gpu_cap, binding=BINDINGS[binding] if 0 <= binding < len(BINDINGS) else "",
             tier=TIERS[tier] if 0 <= tier < len(TIERS) else "balanced",
             admission_paused=bool(paused), max_concurrency=max_conc,
+            cache_cap=cache_cap, pool_max=pool_max, residency=residency,
         )  # fmt: skip
 
     # -- the supervisor's own footprint (U2) ----------------------------

@@ -34,3 +34,7 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     tier: str = "balanced"       # one of TIERS
     admission_paused: bool = False  # P3: take no new request while another runs
     max_concurrency: int = 1     # P8: the walked cap on concurrent sequences
+    # The worker's own allocator and prompt cache (SPEC H2, M1, M2); 0 = none / no limit.
+    cache_cap: int = 0           # H2: this worker's share of [guard] hot_cache_max
+    pool_max: int = 0            # M1: mx.set_cache_limit ([guard] pool_max, the P4 threshold)
+    residency: int = 0           # M2: C8 residency ceiling, what the worker may wire (macOS)

@@ -108,6 +108,7 @@ class Finished(Msg, tag="finished", kw_only=True):
     finish_reason: str  # "stop" | "length"
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # H1: prompt tokens reused from the worker's prompt cache
 
 
 class Failed(Msg, tag="failed", kw_only=True):
@@ -148,6 +149,15 @@ class Reclaim(Command, tag="reclaim", kw_only=True):
 
     reason: str = ""
     idle_only: bool = False
+
+
+class ShrinkCache(Command, tag="shrink_cache", kw_only=True):
+    """H3/P5: drop LRU prompt-cache entries no request uses until at most
+    `target_bytes` remain, return the pool, and report a sample at once.
+    Answered with `Reclaimed` (bytes the pool gave back)."""
+
+    target_bytes: int
+    reason: str = ""
 
 
 class AbortRequests(Command, tag="abort", kw_only=True):
@@ -260,7 +270,7 @@ class DrillStop(Command, tag="drill_stop", kw_only=True):
     pass
 
 
-CommandMsg = Union[SetLimits, Reclaim, AbortRequests, Generate, MemoryAnswer, Drain, Ping, Drill, DrillStop]
+CommandMsg = Union[SetLimits, Reclaim, ShrinkCache, AbortRequests, Generate, MemoryAnswer, Drain, Ping, Drill, DrillStop]
 
 
 # --------------------------------------------------------------------------
@@ -284,14 +294,18 @@ class Sample(Msg, tag="sample", kw_only=True):
     running: int = 0
     queued: int = 0
     tokens: int = 0
-    # Why it was sent now: "tick" (steady rate) or "watermark" (crossed one).
+    # H2/H3: prompt-cache bytes held (measured) and the part no request uses.
+    cache_bytes: int = 0
+    cache_releasable: int = 0
+    # Why it was sent now: "tick" (steady rate), "watermark" (crossed one) or
+    # "shrink" (a ShrinkCache was just obeyed, H3).
     why: str = "tick"
 
 
 # What a worker may report as an event. The supervisor's own lifecycle kinds
 # (crash, exit, need_memory ...) drive respawns and evictions, so a report
 # must not be able to pose as one; anything else is refused at decoding.
-WorkerEventKind = Literal["drill"]
+WorkerEventKind = Literal["drill", "wired_limit"]
 
 
 class WorkerEvent(Msg, tag="worker_event", kw_only=True):
@@ -319,6 +333,8 @@ class CeilingMsg(Msg, tag="ceiling", kw_only=True):
     soft_bytes: int
     hard_bytes: int
     reserve: int
+    hot_cache_max: int = 0       # H2: the group's prompt-cache budget (watch shows the sum against it)
+    hot_cache_reserved: int = 0  # C12
 
 
 class PressureMsg(Msg, tag="pressure", kw_only=True):

@@ -425,7 +425,8 @@ class Arbiter:
             id=m.id, path=m.path, pinned=m.pinned, state=view.state, worker=view.worker, pid=view.pid,
             failed_reason=view.reason, aliases=list(m.aliases), estimated_bytes=self._estimate(m),
             usage=sample.usage if sample else 0, mlx_active=sample.mlx_active if sample else 0,
-            mlx_pool=sample.mlx_pool if sample else 0, idle_seconds=idle, ttl=ttl, expires_in=expires,
+            mlx_pool=sample.mlx_pool if sample else 0, cache_bytes=sample.cache_bytes if sample else 0,
+            idle_seconds=idle, ttl=ttl, expires_in=expires,
             restarts=len(self.pool.restarts.get(m.id, ())),
         )
 

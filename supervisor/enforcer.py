@@ -97,6 +97,8 @@ class Enforcer:
             mlx_active=s.mlx_active if s else 0, mlx_pool=s.mlx_pool if s else 0, gpu_bytes=gpu,
             max_concurrency=h.model.max_concurrency, concurrency=h.concurrency, ttl=h.model.ttl,
             restarts=len(self.pool.restarts.get(h.model_id, ())),
+            hot_cache_used=s.cache_bytes if s else 0,  # H2: measured by the worker
+            hot_cache_releasable=s.cache_releasable if s else 0,
         )
 
     # -- the tick ---------------------------------------------------------------
@@ -180,9 +182,9 @@ class Enforcer:
             case d.ExpireTTL():
                 self.pool.stop(handle, f"TTL: {x.reason}", cause="ttl")
                 self.emit("ttl", x.reason, **about)
-            case d.ShrinkHotCache():
-                # Workers keep no prompt cache yet (issue 10 adds it); nothing to shrink.
-                log.info("worker %s keeps no prompt cache to shrink", handle.worker_id)
+            case d.ShrinkHotCache():  # H3: the worker drops, reclaims, reports at once
+                self.pool.command(handle, p.ShrinkCache(target_bytes=x.target_bytes, reason=x.reason))
+                self.emit("shrink_cache", x.reason, **about)
             case d.SetLimits() | d.SetConcurrency():
                 pass  # handled above
             case _:
@@ -211,12 +213,15 @@ class Enforcer:
     def publish(self, r: policy.TickResult) -> None:
         c = r.ceilings
         now = time.time()
-        key = (c.enabled, c.tier, c.ceiling, c.static, c.dynamic, c.gpu_cap, c.binding)
+        key = (c.enabled, c.tier, c.ceiling, c.static, c.dynamic, c.gpu_cap, c.binding,
+               c.hot_cache_reserved)
         if key != self._last_ceiling or self.ticks % 10 == 1:
             self._last_ceiling = key
             self.bus.publish(p.CeilingMsg(t=now, enabled=c.enabled, tier=c.tier, ceiling=c.ceiling, static=c.static,
                                           dynamic=c.dynamic, gpu_cap=c.gpu_cap, binding=c.binding,
-                                          soft_bytes=c.soft, hard_bytes=c.hard, reserve=c.reserve))
+                                          soft_bytes=c.soft, hard_bytes=c.hard, reserve=c.reserve,
+                                          hot_cache_max=self.settings.hot_cache_max,
+                                          hot_cache_reserved=c.hot_cache_reserved))
         self.bus.publish(p.PressureMsg(
             t=now, level=r.level, usage=r.usage, soft_bytes=c.soft, hard_bytes=c.hard, ceiling=c.ceiling,
             utilization=r.usage / c.ceiling if c.ceiling > 0 else 0.0, admission_paused=self.admission_paused,

@@ -333,8 +333,9 @@ class Pool:
                     return
                 self.counters["samples"] += 1
                 self.bus.publish(msg)
-                if msg.why == "watermark" and self.wake_on_watermark:
-                    self.on_change()  # P9: a watermark crossing is answered now, not at the next tick
+                if msg.why in ("watermark", "shrink") and self.wake_on_watermark:
+                    # P9: a watermark crossing is answered now, not at the next tick; H3: so is a shrink
+                    self.on_change()
             case p.WorkerEvent():
                 handle = self.handles.get(msg.worker_id)
                 if handle is not None:

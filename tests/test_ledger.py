@@ -3,7 +3,7 @@
 import multiprocess as mp
 import pytest
 
-from shared.ledger import Ledger, LedgerError
+from shared.ledger import LAYOUT_VERSION, Ledger, LedgerError
 from shared.limits import Limits
 
 
@@ -43,7 +43,7 @@ def test_u2_group_usage_sums_supervisor_and_live_slots(tmp_path):
 
 def test_attach_refuses_foreign_or_short_files(tmp_path):
     (tmp_path / "junk").write_bytes(b"x" * 200)
-    with pytest.raises(LedgerError, match="not a v1 memvisor ledger"):
+    with pytest.raises(LedgerError, match=f"not a v{LAYOUT_VERSION} memvisor ledger"):
         Ledger.attach(tmp_path / "junk")
     (tmp_path / "short").write_bytes(b"x")
     with pytest.raises(LedgerError, match="too short"):

@@ -36,7 +36,7 @@ from typing import Callable, Iterable, Union
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from shared.limits import Limits
 from shared.protocol import Constraint as ConstraintSpec
@@ -44,6 +44,7 @@ from shared.protocol import Failed, Finished, Generate, NeedMemory, TokenOut
 from shared.weights import WeightsError, estimate_weight_bytes
 from worker import memory
 from worker import prefill_guard as guard
+from worker import prompt_cache as pc
 from worker.constrain import Constraint, ConstraintError, ConstraintFactory
 from worker.sampling import make_request_sampler
 from worker.stops import StopMatcher
@@ -57,6 +58,7 @@ DEFAULT_MAX_CHUNK = 512
 CLEAR_CACHE_EVERY = 256  # decode steps between pool returns, as mlx_lm does
 MEMORY_WAIT_SECONDS = 10.0
 MIN_LEARN_TOKENS = 16  # shorter chunks do not update the per-token cost estimate
+MIN_REUSE_TOKENS = 16  # a shorter shared prefix (BOS, a template's first tokens) is no cache hit
 INVALID_REQUEST = "invalid_request"
 ENGINE_ERROR = "engine_error"
 
@@ -75,7 +77,7 @@ class _Seq:
 
     __slots__ = (
         "id", "prompt", "max_tokens", "sample", "stopper", "state", "cache", "pos",
-        "y", "detok", "generated", "retried", "deadline", "warned_soft", "constraint",
+        "y", "detok", "generated", "retried", "deadline", "warned_soft", "constraint", "hit", "cached", "out",
     )
 
     def __init__(self, request_id, prompt, max_tokens, sampler, stopper, constraint=None):
@@ -94,6 +96,9 @@ class _Seq:
         self.deadline = 0.0
         self.warned_soft = False
         self.constraint: Constraint | None = constraint  # issue 13: grammar of the output
+        self.hit: pc.Hit | None = None  # the prompt-cache entry it will reuse (pinned, H3)
+        self.cached = 0            # prompt tokens taken from the prompt cache (H1)
+        self.out: list[int] = []   # generated token ids (the cache key after the prompt)
 
 
 def _guard_on(limits: Limits) -> bool:
@@ -174,6 +179,8 @@ class Engine:
         self.tokens_total = 0
         self.prompt_tokens_processed = 0
         self._constraints: ConstraintFactory | None = None  # built on the first constrained request
+        self.prompt_cache = pc.PromptCache(0, min_reuse=MIN_REUSE_TOKENS)  # H2: cap comes with limits
+        self._cacheable = pc.supports(make_prompt_cache(model))
 
     # ------------------------------------------------------------------ loading
 
@@ -254,6 +261,8 @@ class Engine:
                    self._constraint(constraint, max_tokens) if constraint is not None else None)
         self._ids.add(request_id)
         self._queue.append(seq)
+        if self._cacheable:  # pinned while queued: a shrink must not take what it will reuse (H3)
+            seq.hit = self.prompt_cache.lookup(seq.prompt, len(seq.prompt) - 1)
 
     def submit_generate(self, cmd: Generate) -> None:
         """Queue a wire `Generate`; bad input becomes its one terminal `Failed` (next step)."""
@@ -345,6 +354,20 @@ class Engine:
             return head.state != "waiting" or self._clock() >= head.deadline
         return bool(self._queue)
 
+    @property
+    def cache_bytes(self) -> int:
+        """H2: bytes the prompt cache holds (measured array sizes)."""
+        return self.prompt_cache.nbytes
+
+    @property
+    def cache_releasable(self) -> int:
+        """H3: the part no running or queued request relies on."""
+        return self.prompt_cache.releasable
+
+    def shrink_cache(self, target_bytes: int) -> int:
+        """H3/P5: drop LRU unused entries toward `target_bytes`; bytes dropped (pool not yet returned)."""
+        return self.prompt_cache.drop_lru(max(0, target_bytes))
+
     def next_deadline(self) -> float | None:
         """Earliest time a request waiting for memory retries on its own (loop timeouts)."""
         deadlines = [seq.deadline for seq in self._prefill if seq.state == "waiting"]
@@ -356,6 +379,9 @@ class Engine:
         """Admit what the limits allow, then run one prefill chunk or one decode token each."""
         events = self._outbox
         self._outbox = []
+        if self._cacheable and (limits.cache_cap != self.prompt_cache.cap
+                                or self.prompt_cache.nbytes > limits.cache_cap):
+            self.prompt_cache.set_cap(limits.cache_cap)  # H2: over the cap, LRU goes
         self._admit(limits)
         if self._prefill and (self._prefill_turn or not self._decoding):
             try:
@@ -416,16 +442,20 @@ class Engine:
         return True
 
     def _preflight(self, seq: _Seq, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> bool:
-        """G1; True when the prefill may start now."""
-        if seq.cache is None:
-            seq.cache = make_prompt_cache(self.model)
+        """G1 (with H4 first); True when the prefill may start now."""
+        if self._cacheable:  # look again: a request that finished meanwhile may cover more
+            hit = self.prompt_cache.lookup(seq.prompt, len(seq.prompt) - 1)
+            self.prompt_cache.release(seq.hit)
+            seq.hit = hit
         if not _guard_on(limits):
-            seq.state = "prefill"
+            self._start_prefill(seq)
             return True
-        verdict = guard.preflight(limits, usage_fn(), len(seq.prompt), self.cost,
-                                  own_usage=self._own_usage(), retried=seq.retried)
+        verdict = self._verdict(seq, limits, usage_fn)
+        if verdict.verdict != "fits" and self.prompt_cache.drop_unused():
+            self._reclaim()  # H4: our own unused entries go before anyone else's model
+            verdict = self._verdict(seq, limits, usage_fn)
         if verdict.verdict == "fits":
-            seq.state = "prefill"
+            self._start_prefill(seq)
             return True
         if verdict.verdict == "evict":
             seq.state = "waiting"
@@ -436,6 +466,25 @@ class Engine:
         events.append(self._memory_failure(seq, verdict.estimated_bytes, verdict.limit_bytes,
                                            verdict.binding))
         return False
+
+    def _verdict(self, seq: _Seq, limits: Limits, usage_fn: UsageFn) -> guard.Preflight:
+        """G1 for the tokens still to run; a reused prefix costs only its copy (see prompt_cache)."""
+        reused = seq.hit.tokens if seq.hit is not None else 0
+        return guard.preflight(limits, usage_fn(), len(seq.prompt) - reused, self.cost,
+                               own_usage=self._own_usage(), retried=seq.retried,
+                               extra_bytes=int(reused * self.cost.kv_per_token))
+
+    def _start_prefill(self, seq: _Seq) -> None:
+        """The sequence's KV: a fork of its cache hit (H1), else empty."""
+        if seq.hit is not None:
+            seq.cache = pc.PromptCache.fork(seq.hit)
+            seq.cached = seq.pos = seq.hit.tokens
+            # The fork is a copy: from here on the entry is not in use (H3 may drop it).
+            self.prompt_cache.release(seq.hit)
+            seq.hit = None
+        else:
+            seq.cache = make_prompt_cache(self.model)
+        seq.state = "prefill"
 
     def _run_chunk(self, seq: _Seq, remaining: int, limits: Limits, usage_fn: UsageFn,
                    events: list[Event]) -> bool:
@@ -541,6 +590,7 @@ class Engine:
         for seq, nxt in zip(seqs, following):
             if self._emit(seq, seq.y.item(), events):
                 self._ids.discard(seq.id)
+                self._store(seq)
                 seq.cache = seq.y = None
             else:
                 seq.y = nxt
@@ -573,6 +623,7 @@ class Engine:
     def _emit(self, seq: _Seq, token: int, events: list[Event]) -> bool:
         """Turn one sampled token into events; True when the request finished."""
         seq.generated += 1
+        seq.out.append(token)
         self.tokens_total += 1
         detok = seq.detok
         if token in self._eos:
@@ -615,11 +666,24 @@ class Engine:
     # ------------------------------------------------------------------ endings
 
     def _finished(self, seq: _Seq, reason: str) -> Finished:
-        return Finished(request_id=seq.id, finish_reason=reason,
-                        prompt_tokens=len(seq.prompt), completion_tokens=seq.generated)
+        return Finished(request_id=seq.id, finish_reason=reason, prompt_tokens=len(seq.prompt),
+                        completion_tokens=seq.generated, cached_tokens=seq.cached)
+
+    def _store(self, seq: _Seq) -> None:
+        """H1: keep what the request computed (prompt and the tokens fed back) for the next one."""
+        self.prompt_cache.release(seq.hit)
+        seq.hit = None
+        if not self._cacheable or self.prompt_cache.cap <= 0 or not seq.cache:
+            return
+        first = seq.cache[0]
+        if not isinstance(first, KVCache):
+            return
+        self.prompt_cache.insert((seq.prompt + seq.out)[:first.offset], seq.cache)
 
     def _fail(self, seq: _Seq, code: str, message: str, **extra) -> Failed:
         self._ids.discard(seq.id)
+        self.prompt_cache.release(seq.hit)
+        seq.hit = None
         seq.cache = seq.y = None
         return Failed(request_id=seq.id, code=code, message=message, **extra)
 

@@ -89,6 +89,9 @@ class Worker:
         self.drill = None
         self.draining = False
         self.reclaim_pending: list[p.Reclaim] = []
+        self.shrink_pending: list[p.ShrinkCache] = []
+        self.allocator = None  # worker.allocator.AllocatorLimits once MLX is loaded (M1, M2)
+        self.send_now = ""     # a reason to publish the next sample at once ("shrink")
         self.seq = 0
         self.last_sent = 0.0
         self.last_level = 0
@@ -118,6 +121,7 @@ class Worker:
     def serve(self) -> int:
         import mlx.core as mx
 
+        from worker.allocator import AllocatorLimits
         from worker.engine import Engine, EngineError
         from worker.memory import MemorySampler
 
@@ -128,6 +132,9 @@ class Worker:
         self.reply(p.Hello(worker_id=self.spec.worker_id, model_id=self.spec.model_id, pid=os.getpid(),
                            device_info=info, slot=self.spec.slot))
         self.sampler = MemorySampler()
+        self.allocator = AllocatorLimits(mx, device_info=info,
+                                         advise=lambda text: self.event("wired_limit", text))
+        self.allocator.apply(self.limits)
         self.phase = "loading"
         self.write_sample(time.monotonic())
         started = time.monotonic()
@@ -151,6 +158,7 @@ class Worker:
                           self.spec.supervisor_pid)
                 return 0
             limits = self.ledger.read_limits(self.spec.slot) or self.limits
+            self.allocator.apply(limits)  # M1: only calls MLX when the limits changed
             for ev in self.engine.step(limits, self.group_usage):
                 self.reply(ev)  # engine events are the wire's own Structs
             self.step_boundary()
@@ -215,6 +223,8 @@ class Worker:
                     engine.abort(rid, msg.reason or "aborted by the supervisor", code=msg.code)
         elif isinstance(msg, p.Reclaim):
             self.reclaim_pending.append(msg)
+        elif isinstance(msg, p.ShrinkCache):
+            self.shrink_pending.append(msg)
         elif isinstance(msg, p.MemoryAnswer):
             engine.memory_answer(msg.request_id, msg.evicted)
         elif isinstance(msg, p.Drain):
@@ -241,6 +251,9 @@ class Worker:
     def step_boundary(self) -> None:
         if self.drill is not None:
             self.drill.advance(time.monotonic())
+        for shrink in self.shrink_pending:
+            self.shrink_cache(shrink)
+        self.shrink_pending.clear()
         if self.reclaim_pending:
             pending = [r for r in self.reclaim_pending if not (r.idle_only and self.engine.has_work)]
             if pending:
@@ -248,6 +261,15 @@ class Worker:
                 for r in pending:
                     self.reclaim_pending.remove(r)
                     self.reply(p.Reclaimed(cmd=r.cmd, freed_bytes=freed))
+
+    def shrink_cache(self, msg: p.ShrinkCache) -> None:
+        """H3: drop LRU entries no request uses, return the pool, report at once."""
+        dropped = self.engine.shrink_cache(msg.target_bytes)
+        freed = self.sampler.reclaim()
+        log.info("prompt cache shrunk by %d bytes toward %d (%s); pool returned %d bytes",
+                 dropped, msg.target_bytes, msg.reason or "asked by the supervisor", freed)
+        self.reply(p.Reclaimed(cmd=msg.cmd, freed_bytes=freed))
+        self.send_now = "shrink"
 
     def start_drill(self, msg: p.Drill) -> None:
         if not self.spec.allow_drills:
@@ -285,6 +307,8 @@ class Worker:
             self.spec.slot, pid=os.getpid(), t=now, mlx_active=s.mlx_active, mlx_pool=s.mlx_pool,
             mlx_peak=s.mlx_peak, footprint=s.footprint, usage=s.usage, running=running, queued=queued,
             tokens=engine.tokens_total if engine else 0, phase=self.phase,
+            cache_bytes=engine.cache_bytes if engine else 0,
+            cache_releasable=engine.cache_releasable if engine else 0,
         )
         self._last = s
         return s.usage
@@ -297,7 +321,9 @@ class Worker:
             level = (group >= limits.soft_limit) + (group >= limits.hard_watermark) + (group >= limits.hard_limit)
         crossed = level != self.last_level
         self.last_level = level
-        if not crossed and now - self.last_sent < self.spec.sample_interval:
+        why = "watermark" if crossed else self.send_now or "tick"
+        self.send_now = ""
+        if why == "tick" and now - self.last_sent < self.spec.sample_interval:
             return
         self.last_sent = now
         self.seq += 1
@@ -307,7 +333,9 @@ class Worker:
             worker_id=self.spec.worker_id, model_id=self.spec.model_id, pid=os.getpid(), seq=self.seq, t=now,
             mlx_active=s.mlx_active, mlx_pool=s.mlx_pool, mlx_peak=s.mlx_peak, footprint=s.footprint,
             usage=usage, running=engine.running if engine else 0, queued=engine.queued if engine else 0,
-            tokens=engine.tokens_total if engine else 0, why="watermark" if crossed else "tick",
+            tokens=engine.tokens_total if engine else 0, why=why,
+            cache_bytes=engine.cache_bytes if engine else 0,
+            cache_releasable=engine.cache_releasable if engine else 0,
         ))
 
     def close(self) -> None:

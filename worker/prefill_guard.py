@@ -124,6 +124,7 @@ def preflight(
     *,
     own_usage: int = 0,
     retried: bool = False,
+    extra_bytes: int = 0,
 ) -> Preflight:
     """G1: can a prefill of `tokens` fit on top of the group's `usage` at all?
 
@@ -136,11 +137,14 @@ def preflight(
     `own_usage` is this worker's part of `usage`. When the prefill would not
     fit even if every other model were stopped, eviction cannot help, so the
     request is rejected at once instead of costing other users their models.
+
+    `extra_bytes` is memory the prefill needs besides its tokens: the copy of
+    a prefix reused from the prompt cache (H1), whose tokens are not counted.
     """
     limit = prefill_limit(limits)
     if limit.bytes == 0:
         return Preflight("fits")
-    peak = estimate_prefill_peak(tokens, cost, limits.min_chunk_tokens)
+    peak = estimate_prefill_peak(tokens, cost, limits.min_chunk_tokens) + max(0, extra_bytes)
     if usage + peak <= limit.bytes:
         return Preflight("fits", usage + peak, limit.bytes, limit.binding)
     hopeless = own_usage + peak > limit.bytes

@@ -58,8 +58,11 @@ def render(st: ServerStatus) -> str:
         ]
     if g.warning:
         lines.append(f"  warning: {g.warning}")
+    lines.append(f"  prompt cache {size(g.hot_cache_used)} of {size(g.hot_cache_max)} budget"
+                 f" (reserved off the worker limits: {size(g.hot_cache_reserved)})"
+                 if g.hot_cache_max else "  prompt cache off (hot_cache_max = 0)")
     lines += ["", f"{'model':<20} {'state':<10} {'pid':>7} {'usage':>10} {'mlx active':>10} {'pool':>9} "
-                  f"{'run':>4} {'queue':>5} {'idle':>7} {'restarts':>8}"]
+                  f"{'cache':>9} {'run':>4} {'queue':>5} {'idle':>7} {'restarts':>8}"]
     workers = {w.model: w for w in g.workers if w.state not in ("stopped", "dead")}
     for m in st.models:
         w = workers.get(m.id)
@@ -69,7 +72,7 @@ def render(st: ServerStatus) -> str:
             continue
         lines.append(
             f"{pin}{m.id:<19} {w.state:<10} {w.pid:>7} {size(w.usage):>10} {size(w.mlx_active):>10} "
-            f"{size(w.mlx_pool):>9} {w.running:>4} {w.queued:>5} {w.idle_seconds:>6.0f}s {w.restarts:>8}"
+            f"{size(w.mlx_pool):>9} {size(w.cache_bytes):>9} {w.running:>4} {w.queued:>5} {w.idle_seconds:>6.0f}s {w.restarts:>8}"
         )
     lines.append("(* pinned)")
     if st.events:

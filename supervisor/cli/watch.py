@@ -108,13 +108,18 @@ class _View:
                 f"soft {format_size(pr.soft_bytes)}  hard {format_size(pr.hard_bytes)}  "
                 f"{'admission PAUSED  ' if pr.admission_paused else ''}tick {pr.interval:g}s"
             )
+        if c is not None and c.hot_cache_max:  # H2: the group's caches against the budget
+            cached = sum(s.cache_bytes for s in self.samples.values())
+            parts.append(f"prompt cache {format_size(cached)} / {format_size(c.hot_cache_max)} budget  "
+                         f"reserved {format_size(c.hot_cache_reserved)}")
         if not parts:
             parts.append("waiting for the supervisor's first tick ...")
-        workers = Table("worker", "pid", "usage", "mlx active", "pool", "running", "queued", "tokens",
-                        title="workers", expand=False)
+        workers = Table("worker", "pid", "usage", "mlx active", "pool", "cache", "running", "queued",
+                        "tokens", title="workers", expand=False)
         for s in sorted(self.samples.values(), key=lambda s: s.worker_id):
             workers.add_row(s.worker_id, str(s.pid), format_size(s.usage), format_size(s.mlx_active),
-                            format_size(s.mlx_pool), str(s.running), str(s.queued), str(s.tokens))
+                            format_size(s.mlx_pool), format_size(s.cache_bytes), str(s.running),
+                            str(s.queued), str(s.tokens))
         events = Table("time", "event", "model", "reason", title="guard events", expand=False)
         for e in self.events:
             events.add_row(time.strftime("%H:%M:%S", time.localtime(e.t)), e.kind, e.model_id or "-", e.reason)

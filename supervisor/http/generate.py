@@ -50,6 +50,7 @@ from supervisor.http.openai_types import (
     ChunkChoice,
     CompletionRequest,
     Delta,
+    PromptTokensDetails,
     TextChoice,
     TextCompletion,
     Usage,
@@ -339,7 +340,8 @@ class Job:
 
 def _usage(msg: p.Finished) -> Usage:
     return Usage(prompt_tokens=msg.prompt_tokens, completion_tokens=msg.completion_tokens,
-                 total_tokens=msg.prompt_tokens + msg.completion_tokens)
+                 total_tokens=msg.prompt_tokens + msg.completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=msg.cached_tokens))
 
 
 async def handle(request: Request, sup: Supervisor, metrics: Metrics, kind: str, body: bytes,

@@ -144,6 +144,9 @@ class GuardCollector:
                                  labels=labels)
         running = GaugeMetricFamily("memvisor_worker_running_requests", "Requests the worker runs",
                                     labels=labels)
+        cache = GaugeMetricFamily("memvisor_worker_prompt_cache_bytes",
+                                  "The worker's prompt cache, measured (SPEC H2)", labels=labels)
+        total = 0
         for h in handles:
             key = [h.model_id, h.worker_id]
             s = h.sample
@@ -151,7 +154,13 @@ class GuardCollector:
             active.add_metric(key, s.mlx_active if s else 0)
             pool.add_metric(key, s.mlx_pool if s else 0)
             running.add_metric(key, len(h.requests))
-        yield from (usage, active, pool, running)
+            cache.add_metric(key, s.cache_bytes if s else 0)
+            total += s.cache_bytes if s else 0
+        yield from (usage, active, pool, running, cache)
+        yield GaugeMetricFamily("memvisor_prompt_cache_bytes", "All workers' prompt caches together "
+                                "(SPEC H2)", value=total)
+        yield GaugeMetricFamily("memvisor_prompt_cache_budget_bytes", "[guard] hot_cache_max (SPEC H2)",
+                                value=int(self.sup.config.guard.hot_cache_max))
 
     def _counters(self, counters: dict[str, int], malformed: dict[tuple[str, str], int]):
         yield GaugeMetricFamily("memvisor_queue_depth", "Requests waiting while admission is paused (SPEC P3)",

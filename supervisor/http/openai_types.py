@@ -124,10 +124,15 @@ class GuardSettingsIn(Struct, kw_only=True, forbid_unknown_fields=True):
 # responses
 
 
+class PromptTokensDetails(Struct, kw_only=True):
+    cached_tokens: int = 0  # H1: prompt tokens the worker's prompt cache supplied
+
+
 class Usage(Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = msgspec.field(default_factory=PromptTokensDetails)
 
 
 class ChatMessageOut(Struct, kw_only=True):

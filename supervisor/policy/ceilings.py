@@ -245,6 +245,8 @@ def limits_for(
     safe_zone_ratio: float = 0.89,
     min_chunk_tokens: int = 256,
     max_concurrency: int = 0,
+    cache_cap: int = 0,
+    pool_max: int = 0,
 ) -> Limits:
     """Everything SPEC G needs inside a worker, from this tick's ceilings.
 
@@ -271,6 +273,9 @@ def limits_for(
         tier=c.tier,
         admission_paused=admission_paused,
         max_concurrency=max_concurrency,
+        cache_cap=cache_cap,
+        pool_max=pool_max,
+        residency=c.residency_ceiling,
     )
 
 

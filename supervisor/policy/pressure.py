@@ -167,8 +167,11 @@ class _Tick:
         also gets them when it is new or its pid changed (a respawn).
         """
         g, prev, live = self.s.guard, self.prev, self.g.live
+        # H2: an equal share of the budget per live worker, recomputed as they come and go
+        cache_cap = g.hot_cache_max // len(live) if g.hot_cache_max > 0 and live else 0
         common = limits_for(self.c, admission_paused=paused, safe_zone_ratio=g.safe_zone_ratio,
-                            min_chunk_tokens=g.min_chunk_tokens)
+                            min_chunk_tokens=g.min_chunk_tokens, cache_cap=cache_cap,
+                            pool_max=g.pool_max)
         had = prev.limited
         if common != prev.limits:
             todo = live
@@ -190,6 +193,11 @@ class _Tick:
 
     # -- P4 / P5 -------------------------------------------------------------------
 
+    @property
+    def pool_floor(self) -> int:
+        """P4's threshold: `[guard] pool_max` (M1 gives MLX the same figure), else 2 GiB."""
+        return self.s.guard.pool_max or POOL_RECLAIM_FLOOR
+
     def grace(self, level: Level, emergency: bool) -> bool:
         """P4: give fat allocator pools a chance to drain before anything destructive.
 
@@ -201,8 +209,8 @@ class _Tick:
             return False
         if self.prev.grace_ticks >= GRACE_TICKS_MAX:
             return False
-        fat = [w for w in self.g.live
-               if w.mlx_pool > POOL_RECLAIM_FLOOR and w.state != "draining"]
+        floor = self.pool_floor
+        fat = [w for w in self.g.live if w.mlx_pool > floor and w.state != "draining"]
         used = self.prev.grace_ticks + (0 if self.s.recheck else 1)
         for w in fat:
             self.out.append(Reclaim(worker=w.worker, model=w.model, reason=(
@@ -235,7 +243,7 @@ class _Tick:
         if self.s.guard.pressure_reclaim_disabled:
             return
         for w in self.g.live:
-            if w.worker in shrunk or (w.mlx_pool > POOL_RECLAIM_FLOOR and w.state != "draining"):
+            if w.worker in shrunk or (w.mlx_pool > self.pool_floor and w.state != "draining"):
                 self.out.append(Reclaim(worker=w.worker, model=w.model,
                                         reason="hard pressure: return freed memory to the OS"))
 

@@ -45,6 +45,7 @@ class GuardSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     hard_threshold: float | None = None
     idle_timeout: float = 0.0            # P10 global TTL, seconds, 0 = never
     hot_cache_max: int = 0               # C12 budget shared by all workers, 0 = none
+    pool_max: int = 0                    # M1: the MLX pool a worker may keep, 0 = MLX's default
     safe_zone_ratio: float = 0.89        # G2, handed through in Limits
     min_chunk_tokens: int = 256          # G2, handed through in Limits
     poll_interval: float = 1.0           # P9

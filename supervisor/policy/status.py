@@ -13,6 +13,7 @@ import msgspec
 
 from shared.protocol import GuardEvent
 from supervisor.policy.ceilings import remedy, reserve_message
+from supervisor.policy.group import WorkerGroup
 from supervisor.policy.pressure import TickResult
 from supervisor.policy.snapshot import Snapshot
 
@@ -38,6 +39,8 @@ class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
     max_concurrency: int
     restarts: int
     marked_for_unload: bool
+    cache_bytes: int = 0        # H2: the worker's prompt cache (measured)
+    cache_releasable: int = 0   # H3: the part no request uses
 
 
 class GuardStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -59,6 +62,8 @@ class GuardStatus(msgspec.Struct, frozen=True, kw_only=True):
     total: int
     other_app_ratio: float
     hot_cache_reserved: int
+    hot_cache_used: int        # H2: the group's prompt caches together (measured) ...
+    hot_cache_max: int         # ... against this budget ([guard] hot_cache_max)
     worker_ceiling: int
     worker_abort_limit: int
     abort_limit: int
@@ -98,6 +103,7 @@ def build_status(snapshot: Snapshot, result: TickResult) -> GuardStatus:
             concurrency=w.concurrency if w.concurrency > 0 else w.max_concurrency,
             max_concurrency=w.max_concurrency, restarts=w.restarts,
             marked_for_unload=w.marked_for_unload,
+            cache_bytes=w.hot_cache_used, cache_releasable=w.hot_cache_releasable,
         )
         for w in snapshot.workers
     ]
@@ -107,7 +113,8 @@ def build_status(snapshot: Snapshot, result: TickResult) -> GuardStatus:
         dynamic=c.dynamic, gpu_cap=c.gpu_cap, gpu_cap_raw=c.gpu_cap_raw, reserve=c.reserve,
         reserve_exceeds_total=c.reserve_exceeds_total, warning=_warning(snapshot, result),
         total=c.total, other_app_ratio=c.other_app_ratio,
-        hot_cache_reserved=c.hot_cache_reserved, worker_ceiling=c.worker_ceiling,
+        hot_cache_reserved=c.hot_cache_reserved, hot_cache_max=snapshot.guard.hot_cache_max,
+        hot_cache_used=WorkerGroup(snapshot).hot_used, worker_ceiling=c.worker_ceiling,
         worker_abort_limit=c.worker_abort_limit, abort_limit=c.abort_limit,
         admission_ceiling=c.admission_ceiling, residency_ceiling=c.residency_ceiling,
         soft_threshold=c.soft_threshold, hard_threshold=c.hard_threshold, soft_bytes=c.soft,

@@ -1,0 +1,98 @@
+"""The supervisor's side of the prompt cache (SPEC H2, C12, M1, S1): caps, defaults, reporting."""
+
+from __future__ import annotations
+
+import msgspec
+
+from shared.host import HostCounters
+from shared.sizes import GiB, MiB
+from supervisor.config import guard_settings, parse_config
+from supervisor.http.openai_types import PromptTokensDetails, Usage
+from supervisor.policy import decisions as d
+from supervisor.policy.pressure import tick
+from supervisor.policy.snapshot import GuardSettings, Snapshot, WorkerRecord
+from supervisor.policy.status import build_status
+
+GUARD = GuardSettings(tier="custom", custom_ceiling=10 * GiB, soft_threshold=0.8, hard_threshold=0.9,
+                      hot_cache_max=3 * GiB, pool_max=2 * GiB)
+HOST = HostCounters(total=64 * GiB)
+
+
+def worker(name: str, cached: int = 0) -> WorkerRecord:
+    return WorkerRecord(worker=name, model=f"m-{name}", pid=100 + len(name), usage=GiB, footprint=GiB,
+                        hot_cache_used=cached, hot_cache_releasable=cached)
+
+
+def caps(result) -> dict[str, int]:
+    return {x.worker: x.limits.cache_cap for x in result.decisions if isinstance(x, d.SetLimits)}
+
+
+def test_h2_each_live_worker_gets_an_equal_share_recomputed_as_workers_go():
+    three = tick(Snapshot(now=1.0, guard=GUARD, host=HOST, workers=[worker("a"), worker("bb"), worker("ccc")]))
+    assert caps(three) == {"a": GiB, "bb": GiB, "ccc": GiB}
+    two = tick(Snapshot(now=2.0, guard=GUARD, host=HOST, workers=[worker("a"), worker("bb")],
+                        state=three.state))
+    assert caps(two) == {"a": int(1.5 * GiB), "bb": int(1.5 * GiB)}
+
+
+def test_h2_no_budget_is_no_prompt_cache():
+    guard = msgspec.structs.replace(GUARD, hot_cache_max=0)
+    assert caps(tick(Snapshot(now=1.0, guard=guard, host=HOST, workers=[worker("a")]))) == {"a": 0}
+
+
+def test_m1_pool_max_and_m2_residency_ride_in_the_limits():
+    result = tick(Snapshot(now=1.0, guard=GUARD, host=HOST, workers=[worker("a")]))
+    limits = next(x.limits for x in result.decisions if isinstance(x, d.SetLimits))
+    assert limits.pool_max == 2 * GiB
+    assert limits.residency == result.ceilings.residency_ceiling > 0
+
+
+def test_c12_reservation_follows_the_measured_cache_bytes():
+    result = tick(Snapshot(now=1.0, guard=GUARD, host=HOST, workers=[worker("a", 600 * MiB)]))
+    assert result.ceilings.hot_cache_reserved == 600 * MiB + 512 * MiB
+
+
+def test_s1_status_shows_each_cache_and_the_group_total_against_the_budget():
+    s = Snapshot(now=1.0, guard=GUARD, host=HOST, workers=[worker("a", 100 * MiB), worker("bb", 50 * MiB)])
+    status = build_status(s, tick(s))
+    assert (status.hot_cache_used, status.hot_cache_max) == (150 * MiB, 3 * GiB)
+    assert [w.cache_bytes for w in status.workers] == [100 * MiB, 50 * MiB]
+
+
+def test_config_defaults_one_gib_of_prompt_cache_and_a_two_gib_pool():
+    config = parse_config("")
+    assert (config.guard.hot_cache_max, config.guard.pool_max) == (GiB, 2 * GiB)
+    assert guard_settings(config).pool_max == 2 * GiB
+    assert parse_config('[guard]\nhot_cache_max = 0\npool_max = "512MiB"').guard.pool_max == 512 * MiB
+
+
+def test_h1_usage_reports_cached_prompt_tokens_as_openai_does():
+    usage = Usage(prompt_tokens=10, completion_tokens=2, total_tokens=12,
+                  prompt_tokens_details=PromptTokensDetails(cached_tokens=8))
+    body = msgspec.json.decode(msgspec.json.encode(usage))
+    assert body["prompt_tokens_details"] == {"cached_tokens": 8}
+
+
+def test_p4_the_pool_threshold_is_pool_max():
+    """M1 gives MLX `pool_max` as its cache limit; P4 must call the same pool fat."""
+    guard = msgspec.structs.replace(GUARD, pool_max=GiB)
+    fat = WorkerRecord(worker="a", model="m-a", pid=1, state="busy", running=1, usage=int(8.5 * GiB),
+                       footprint=int(8.5 * GiB), mlx_pool=int(1.5 * GiB))
+    result = tick(Snapshot(now=1.0, guard=guard, host=HOST, workers=[fat]))
+    assert result.level == "soft" and [x.worker for x in result.decisions if isinstance(x, d.Reclaim)] == ["a"]
+    result = tick(Snapshot(now=1.0, guard=GUARD, host=HOST, workers=[fat]))  # 2 GiB: not fat
+    assert not [x for x in result.decisions if isinstance(x, d.Reclaim)]
+
+
+def test_s1_status_command_shows_the_cache_per_worker_and_against_the_budget():
+    from supervisor.cli.status import render
+    from supervisor.policy.status import ModelInfo, ServerStatus
+
+    s = Snapshot(now=1.0, guard=GUARD, host=HOST, workers=[worker("a", 100 * MiB)])
+    status = ServerStatus(pid=1, uptime=1.0, runtime_dir="rt", pub="ipc://pub", http="", guard=build_status(s, tick(s)),
+                          models=[ModelInfo(id="m-a", path="/m", pinned=False, state="ready", worker="a")],
+                          events=[], malformed_frames=0, counters={})
+    text = render(status)
+    assert "prompt cache 100 MiB of 3 GiB budget" in text
+    row = next(line for line in text.splitlines() if line.startswith(" m-a"))
+    assert "100 MiB" in row

@@ -1,0 +1,104 @@
+"""MLX's own allocator, told the limits the worker obeys (SPEC M1, M2).
+
+Why: the prefill guard checks limits before each chunk, but between two
+checks MLX allocates freely and keeps what it frees in its pool. Telling MLX
+itself closes that gap: with `set_memory_limit` at the hard limit MLX frees
+its pool before it grows past it, and `set_cache_limit` bounds the pool to
+`[guard] pool_max` (P4's threshold) so a fat pool does not wait for the
+supervisor to ask. On macOS the worker also wires what it may keep resident
+(`set_wired_limit`), never more than C13 allows, so a model's weights are not
+paged out under pressure from other apps.
+
+MLX is passed in (`mx`), so the rules are tested with a fake that records
+calls; the macOS part (M2) is written and tested that way only, on Linux it
+is never called. The C13 arithmetic is repeated here from the supervisor's
+ceilings (a worker never imports `supervisor`).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from shared.limits import Limits
+
+log = logging.getLogger("memvisor.worker.allocator")
+
+MiB = 1024 * 1024
+
+
+def wired_suggestion(desired: int, total: int) -> int:
+    """C13: never within 5% of RAM, floored to whole MiB (what `iogpu.wired_limit_mb` takes)."""
+    suggestion = max(0, desired)
+    if total > 0:
+        suggestion = min(suggestion, total - total // 20)
+    return suggestion // MiB * MiB
+
+
+class AllocatorLimits:
+    """Applies M1 whenever the limits change, and M2 once the residency ceiling is known."""
+
+    def __init__(self, mx: Any, *, device_info: dict | None = None, platform: str = sys.platform,
+                 advise: Callable[[str], None] | None = None):
+        self.mx = mx
+        self.info = device_info or {}
+        self.macos = platform == "darwin"
+        self.advise = advise or (lambda text: log.warning("%s", text))
+        self._applied: tuple[int, int] | None = None
+        self._default_memory: int | None = None
+        self._default_cache: int | None = None
+        self._wired_for = 0
+        self.wired = 0
+        self.advised = False
+
+    def apply(self, limits: Limits) -> None:
+        """M1 (and M2 on macOS); a no-op when nothing changed since the last call."""
+        key = (max(0, limits.hard_limit), max(0, limits.pool_max))
+        if key != self._applied:
+            self._applied = key
+            self._set_memory(key[0])
+            self._set_cache(key[1])
+        if self.macos and limits.residency > 0 and limits.residency != self._wired_for:
+            self._wired_for = limits.residency
+            self._wire(limits.residency)
+
+    def _set_memory(self, hard: int) -> None:
+        """0 (guard off) puts MLX's own default back."""
+        if hard > 0:
+            previous = self.mx.set_memory_limit(hard)
+            if self._default_memory is None:
+                self._default_memory = previous
+        elif self._default_memory is not None:
+            self.mx.set_memory_limit(self._default_memory)
+
+    def _set_cache(self, pool: int) -> None:
+        """The pool MLX may keep: pool_max, never above MLX's own default (Linux CPU: 32 MiB)."""
+        if pool > 0:
+            if self._default_cache is None:
+                self._default_cache = self.mx.set_cache_limit(pool)
+            self.mx.set_cache_limit(min(pool, self._default_cache))
+        elif self._default_cache is not None:
+            self.mx.set_cache_limit(self._default_cache)
+
+    def _wire(self, residency: int) -> None:
+        """M2: wire min(residency ceiling, C13 suggestion), within the kernel's cap."""
+        total = int(self.info.get("memory_size", 0) or 0)
+        kernel_cap = int(self.info.get("max_recommended_working_set_size", 0) or 0)
+        target = min(residency, wired_suggestion(residency, total))
+        if kernel_cap > 0 and kernel_cap < target:
+            if not self.advised:
+                self.advised = True
+                self.advise(
+                    f"the GPU cap ({kernel_cap // MiB} MiB) is below what this worker may keep "
+                    f"resident ({target // MiB} MiB); raise it with: "
+                    f"sudo sysctl iogpu.wired_limit_mb={target // MiB}")
+            target = kernel_cap
+        if target <= 0:
+            return
+        try:
+            self.mx.set_wired_limit(target)
+            self.wired = target
+        except (ValueError, RuntimeError) as exc:  # the kernel refused: keep serving unwired
+            log.warning("cannot wire %d bytes: %s", target, exc)
