@@ -11,9 +11,11 @@ def test_sample_round_trip_and_empty_slots(tmp_path):
     led = Ledger.create(tmp_path / "ledger", 4)
     assert led.read_sample(0) is None
     led.write_sample(2, pid=42, t=1.5, mlx_active=10, mlx_pool=3, mlx_peak=20, footprint=30,
-                     usage=27, gpu_bytes=0, running=1, queued=2, tokens=9, phase="busy")
+                     usage=27, gpu_bytes=0, running=1, queued=2, tokens=9, phase="busy",
+                     cache_bytes=11, cache_releasable=7)
     s = led.read_sample(2)
     assert (s.pid, s.usage, s.running, s.queued, s.tokens, s.phase) == (42, 27, 1, 2, 9, "busy")
+    assert (s.cache_bytes, s.cache_releasable) == (11, 7)  # H2/H3
     other = Ledger.attach(tmp_path / "ledger")
     assert other.read_sample(2) == s
     led.clear_slot(2)
@@ -26,7 +28,8 @@ def test_limits_round_trip(tmp_path):
     led = Ledger.create(tmp_path / "ledger", 2)
     limits = Limits(soft_limit=1, hard_limit=2, hard_watermark=3, abort_limit=4, abort_margin=0.93,
                     prefill_headroom_safety=0.92, ceiling=5, static=6, dynamic=5, gpu_cap=0,
-                    binding="dynamic", tier="aggressive", admission_paused=True, max_concurrency=3)
+                    binding="dynamic", tier="aggressive", admission_paused=True, max_concurrency=3,
+                    cache_cap=7, pool_max=8, residency=9)
     led.write_limits(1, limits)
     assert Ledger.attach(tmp_path / "ledger").read_limits(1) == limits
     assert led.read_limits(0) is None

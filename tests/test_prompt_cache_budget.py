@@ -96,3 +96,23 @@ def test_s1_status_command_shows_the_cache_per_worker_and_against_the_budget():
     assert "prompt cache 100 MiB of 3 GiB budget" in text
     row = next(line for line in text.splitlines() if line.startswith(" m-a"))
     assert "100 MiB" in row
+
+
+def test_h2_watch_shows_each_cache_and_the_group_total_against_the_budget():
+    from rich.console import Console
+
+    from shared import protocol as p
+    from supervisor.cli.watch import _View
+
+    view = _View()
+    view.take(p.CeilingMsg(t=0.0, enabled=True, tier="custom", ceiling=10 * GiB, static=10 * GiB, dynamic=0,
+                           gpu_cap=0, binding="static", soft_bytes=9 * GiB, hard_bytes=9 * GiB, reserve=0,
+                           hot_cache_max=GiB, hot_cache_reserved=600 * MiB))
+    for name, cached in (("a#1", 100 * MiB), ("b#1", 50 * MiB)):
+        view.take(p.Sample(worker_id=name, model_id=name[0], pid=1, seq=1, t=0.0, mlx_active=0, mlx_pool=0,
+                           mlx_peak=0, footprint=0, usage=GiB, cache_bytes=cached))
+    console = Console(width=200, record=True)
+    console.print(view.render())
+    text = console.export_text()
+    assert "prompt cache 150 MiB / 1 GiB budget" in text
+    assert "100 MiB" in text and "50 MiB" in text

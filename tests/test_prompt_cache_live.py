@@ -70,7 +70,7 @@ def test_p5_hard_pressure_shrinks_the_prompt_cache_before_any_abort(tiny_models,
                 _, end = await collect(stream)
                 assert isinstance(end, p.Finished)
             await until(lambda: handle.sample is not None and handle.sample.cache_bytes > 0, what="cache")
-            held = handle.sample.cache_bytes
+            held, active = handle.sample.cache_bytes, handle.sample.mlx_active
             arb.wake()
             await asyncio.sleep(0.3)
             # Custom tier: soft 0.90, hard 0.97 of the ceiling; usage sits at 0.975 of it.
@@ -84,6 +84,7 @@ def test_p5_hard_pressure_shrinks_the_prompt_cache_before_any_abort(tiny_models,
             event = arb.events[shrink]
             assert event.model_id == "a" and "prompt cache" in event.reason
             assert held > 0 and handle.state in ("ready", "busy")
+            assert active - handle.sample.mlx_active >= held * 0.9  # real bytes left MLX
             arb.enforcer.update_guard(p.GuardUpdate(enabled=False))
 
     asyncio.run(main())
