@@ -253,3 +253,10 @@ def test_a_worker_process_enforces_a_wire_constraint_and_refuses_a_bad_one(tiny_
         (call,) = json.loads("".join(text))
         jsonschema.validate(call["arguments"], WEATHER)
         assert sup.proc.is_alive()
+
+
+def test_a_one_token_budget_ends_with_length_and_a_valid_prefix(loaded):
+    engine = _engine(loaded)
+    engine.submit("one", _prompts(engine, 1)[0], max_tokens=1, constraint=p.JsonObject())
+    events = _run(engine)["one"]
+    assert _text(events) == "{" and _end(events).finish_reason == "length"
