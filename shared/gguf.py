@@ -175,8 +175,8 @@ class _Reader:
 
 
 def read_header(path: str | os.PathLike[str]) -> GGUFHeader:
-    """Parse a GGUF file's metadata and tensor table (versions 2 and 3)."""
-    path = Path(path)
+    """Parse a GGUF file's metadata and tensor table (versions 2 and 3); `~` is expanded."""
+    path = Path(path).expanduser()
     try:
         with open(path, "rb") as handle:
             return _parse(_Reader(handle, path))

@@ -602,3 +602,38 @@ def test_mlx_failure_fails_the_requests_involved_and_the_engine_keeps_serving(lo
     assert reclaims
     engine.submit("after", _prompt(engine), max_tokens=3)
     assert isinstance(drive(engine).terminal("after"), Finished)
+
+
+# ------------------------------------------------------------------ step length (issue 12)
+
+
+def test_prefill_chunks_are_capped_by_the_measured_speed(loaded):
+    """A slow machine (here: told 1 s a token) prefills in chunks that fit `step_seconds`,
+    so the worker answers heartbeats between them; the chunk grows once the speed is measured."""
+    engine = _engine(loaded, step_seconds=2.5)
+    engine.prefill_seconds_per_token = 1.0
+    prompt = _prompt(engine, "word " * 80)
+    engine.submit("r", prompt, max_tokens=1)
+    engine.step(OPEN, lambda: 0)
+    assert engine.prompt_tokens_processed == 2
+    assert engine.prefill_seconds_per_token < 1.0  # learned from the chunk it ran
+    engine.step(OPEN, lambda: 0)
+    assert engine.prompt_tokens_processed > 4
+    drive(engine)
+
+
+def test_time_capped_chunks_keep_greedy_output_identical(loaded):
+    from mlx_lm.generate import generate_step
+
+    model, _ = loaded
+    engine = _engine(loaded, step_seconds=1e-9)  # one token a chunk
+    engine.prefill_seconds_per_token = 1.0
+    prompt = _prompt(engine, "The memory guard watches every model and steps in early.")
+    expected = [tok for tok, _ in generate_step(mx.array(prompt), model, max_tokens=8)]
+    engine.submit("r", prompt, max_tokens=8)
+    assert drive(engine).tokens("r") == expected
+
+
+def test_load_measures_the_speed_before_the_first_request(tiny_model):
+    engine = Engine.load(tiny_model, own_usage_fn=lambda: 0)
+    assert engine.prefill_seconds_per_token > 0

@@ -336,3 +336,10 @@ def test_a_gguf_with_rope_freqs_imports_with_llama3_rope_scaling(tiny_model, tmp
     assert done.bytes_written == estimate_weight_bytes(tmp_path / "r.gguf")
     model, tokenizer = mlx_lm.load(str(tmp_path / "r"))
     assert isinstance(mlx_lm.generate(model, tokenizer, "Once", max_tokens=2), str)
+
+
+def test_a2_estimate_of_a_gguf_path_under_home_expands_the_tilde(gguf_file, tmp_path, monkeypatch):
+    """`path = "~/models/x.gguf"` in the config is sized (and imported) like any other path."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "x.gguf").write_bytes(gguf_file.read_bytes())
+    assert estimate_weight_bytes("~/x.gguf") == estimate_weight_bytes(gguf_file)

@@ -25,10 +25,10 @@ from shared import protocol as p
 from supervisor.arbiter import Arbiter
 from supervisor.bus import Endpoints
 from supervisor.config import Config, ModelConfig
+from supervisor.errors import LoadError
 from supervisor.policy.decisions import Stop
 from supervisor.policy.snapshot import Snapshot
 from supervisor.policy.status import ServerStatus
-from supervisor.pool import LoadError
 
 pytestmark = pytest.mark.slow
 

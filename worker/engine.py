@@ -59,6 +59,10 @@ CLEAR_CACHE_EVERY = 256  # decode steps between pool returns, as mlx_lm does
 MEMORY_WAIT_SECONDS = 10.0
 MIN_LEARN_TOKENS = 16  # shorter chunks do not update the per-token cost estimate
 MIN_REUSE_TOKENS = 16  # a shorter shared prefix (BOS, a template's first tokens) is no cache hit
+# A step (one prefill chunk) aims to take at most this long, so heartbeats are answered
+# (heartbeat_timeout defaults to 5 s) and running streams keep flowing, however slow the
+# machine: a quantized model on a busy CPU prefills a few tokens a second.
+STEP_SECONDS = 1.0
 INVALID_REQUEST = "invalid_request"
 ENGINE_ERROR = "engine_error"
 
@@ -156,6 +160,7 @@ class Engine:
         reclaim_fn: Callable[[], int] | None = None,
         clock: Callable[[], float] = time.monotonic,
         memory_wait: float = MEMORY_WAIT_SECONDS,
+        step_seconds: float = STEP_SECONDS,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -166,6 +171,8 @@ class Engine:
         self._reclaim = reclaim_fn or _default_reclaim
         self._clock = clock
         self._memory_wait = memory_wait
+        self.step_seconds = step_seconds
+        self.prefill_seconds_per_token = 0.0  # 0: not measured yet, chunks are not capped by time
         self._eos = frozenset(tokenizer.eos_token_ids)
         self.cost = _prior_cost(model, self.max_chunk)
         self._measured = False
@@ -199,7 +206,27 @@ class Engine:
             raise EngineError("load_failed", str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - any loader failure is a load error
             raise EngineError("load_failed", f"cannot load {directory}: {exc}") from exc
-        return cls(model, tokenizer, weight_bytes=weight_bytes, **kwargs)
+        engine = cls(model, tokenizer, weight_bytes=weight_bytes, **kwargs)
+        engine.measure_speed()
+        return engine
+
+    def measure_speed(self) -> float:
+        """Time one single-token forward pass: the first prefill chunk's size is set from it.
+
+        Why at load: before any request, nothing says whether this machine
+        prefills 5 or 5000 tokens a second, and a first chunk of 512 tokens
+        at 5 a second would hold the worker past its heartbeat timeout. A
+        one-token pass (with MLX's first-call warm-up in it) errs on the slow
+        side; the first real chunk then corrects it.
+        """
+        cache = make_prompt_cache(self.model)
+        started = time.perf_counter()
+        with mx.stream(generation_stream):
+            self.model(mx.array([[0]]), cache=cache)
+            mx.eval([c.state for c in cache])
+        self.prefill_seconds_per_token = time.perf_counter() - started
+        mx.clear_cache()
+        return self.prefill_seconds_per_token
 
     # ------------------------------------------------------------------ prompts
 
@@ -500,12 +527,15 @@ class Engine:
             n = plan.tokens
         else:
             n = min(self.max_chunk, remaining)
+        n = self._time_capped(n)
         chunk = mx.array(seq.prompt[seq.pos:seq.pos + n])[None]
         memory.reset_peak()
         before = mx.get_active_memory()
+        started = time.perf_counter()
         with mx.stream(generation_stream):
             self.model(chunk, cache=seq.cache)
             mx.eval([c.state for c in seq.cache])
+        self._learn_speed(time.perf_counter() - started, n)
         self._learn_cost(mx.get_peak_memory() - before, n)
         seq.pos += n
         self.prompt_tokens_processed += n
@@ -529,6 +559,17 @@ class Engine:
             seq.warned_soft = True
             log.info("request %s: prefill is above the soft limit", seq.id)
         return True
+
+    def _time_capped(self, tokens: int) -> int:
+        """At most as many tokens as fit in `step_seconds` at the measured prefill speed."""
+        if self.prefill_seconds_per_token <= 0:
+            return tokens
+        return max(1, min(tokens, int(self.step_seconds / self.prefill_seconds_per_token)))
+
+    def _learn_speed(self, seconds: float, tokens: int) -> None:
+        observed = seconds / max(1, tokens)
+        old = self.prefill_seconds_per_token
+        self.prefill_seconds_per_token = observed if old <= 0 else 0.5 * old + 0.5 * observed
 
     def _learn_cost(self, grown: int, tokens: int) -> None:
         """Running per-token estimate: jumps up at once, decays slowly (G2).
