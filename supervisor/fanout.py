@@ -8,8 +8,8 @@ queue of every subscriber that wants its topic.
 
 Why it is built this way:
 - **The guard never waits for a client.** `publish` runs in the enforcer's
-  call stack, so it only appends to deques and sets events: no await, no
-  write. A client whose queue is full is dropped on the spot (its queue is
+  call stack, so it only appends to deques (clients are woken once per loop
+  pass, after the guard's callback returns): no await, no write. A client whose queue is full is dropped on the spot (its queue is
   cleared and replaced by one final `dropped` frame), so one slow browser
   costs at most its bounded queue, and 50 of them cost 50 appends a message.
 - **JSON once per message, not once per client.** A `Frame` encodes lazily
@@ -35,6 +35,8 @@ from shared import protocol as p
 QUEUE_MAX = 512          # frames a client may lag behind before it is dropped
 EVENT_HISTORY = 500      # guard events kept for replay (the arbiter keeps as many)
 RECENT_HISTORY = 6000    # other frames kept for replay: minutes of samples for a few workers
+REPLAY_CHUNK = 512       # replayed frames written at once
+WAKE_DELAY = 0.05        # clients are woken at most this often (20 Hz): bursts become one write each
 
 
 class StatusJson(msgspec.Struct, tag="status", tag_field="type", kw_only=True):
@@ -89,20 +91,18 @@ class Subscription:
         self.hub = hub
         self.topics = topics
         self.queue_max = queue_max
-        self.queue: collections.deque[Frame] = collections.deque()
+        self.queue: collections.deque[Frame] = collections.deque()   # live frames: bounded by queue_max
+        self.backlog: collections.deque[Frame] = collections.deque()  # the replay: history's own frames
         self.ended = False
         self.end_reason = ""
         self._ready = asyncio.Event()
 
-    def offer(self, frame: Frame) -> None:
-        """Called by the hub in the publisher's stack: O(1), never blocks."""
-        if len(self.queue) >= self.queue_max:
+    def overflow(self, frame: Frame) -> None:
+        """The live queue is full: drop this client (the hub calls this instead of appending)."""
+        if not self.ended:
             self.hub.dropped += 1
             self.end(f"this client fell {self.queue_max} messages behind and was dropped "
                      "(reconnect with Last-Event-ID to resume from the history)", topic="dropped", last_id=frame.id)
-            return
-        self.queue.append(frame)
-        self._ready.set()
 
     def end(self, reason: str, *, topic: str = "closed", last_id: int = 0) -> None:
         """Stop queueing; the client gets one final `dropped`/`closed` frame, then the end."""
@@ -111,6 +111,7 @@ class Subscription:
         self.ended = True
         self.end_reason = reason
         self.queue.clear()
+        self.backlog.clear()
         notice = _json.encode(EndNotice(reason=reason, last_id=last_id or self.hub.next_id - 1))
         self.queue.append(Frame(0, topic, time.time(), None, notice))
         self.hub.forget(self)
@@ -119,6 +120,12 @@ class Subscription:
     async def get(self, timeout: float) -> list[Frame] | None:
         """Every frame waiting (at once, so a lagging client gets one write, not
         many); [] when `timeout` passed with none; None once the stream is over."""
+        if self.backlog:
+            frames = [self.backlog.popleft() for _ in range(min(REPLAY_CHUNK, len(self.backlog)))]
+            if not self.backlog:
+                frames += self.queue
+                self.queue.clear()
+            return frames
         if not self.queue:
             if self.ended:
                 return None
@@ -138,21 +145,25 @@ class Subscription:
         """The client left: forget it without a final frame."""
         self.ended = True
         self.queue.clear()
+        self.backlog.clear()
         self.hub.forget(self)
         self._ready.set()
 
 
 class Hub:
     def __init__(self, *, queue_max: int = QUEUE_MAX, event_history: int = EVENT_HISTORY,
-                 recent_history: int = RECENT_HISTORY) -> None:
+                 recent_history: int = RECENT_HISTORY, wake_delay: float = WAKE_DELAY) -> None:
         self.queue_max = queue_max
+        self.wake_delay = wake_delay
         self.next_id = 1
         self.events: collections.deque[Frame] = collections.deque(maxlen=event_history)
         self.recent: collections.deque[Frame] = collections.deque(maxlen=recent_history)
         self.latest: dict[str, Frame] = {}
         self.subscribers: set[Subscription] = set()
+        self._fanout: tuple[Subscription, ...] = ()   # the subscribers, as publish walks them
         self.dropped = 0      # clients dropped for lagging, since start
         self.closed = False
+        self._wake_due = False
 
     def publish(self, msg: p.Msg) -> None:
         """Called for every PUB message, in the loop; O(subscribers) appends."""
@@ -161,9 +172,32 @@ class Hub:
         self.next_id += 1
         (self.events if topic == "event" else self.recent).append(frame)
         self.latest[topic] = frame
-        for sub in list(self.subscribers):
+        if not self._fanout:
+            return
+        for sub in self._fanout:  # inlined: this loop is the guard's whole cost per client
             if topic in sub.topics:
-                sub.offer(frame)
+                if len(sub.queue) < sub.queue_max:
+                    sub.queue.append(frame)
+                else:
+                    sub.overflow(frame)
+        if not self._wake_due:
+            self._wake_due = True
+            try:
+                asyncio.get_running_loop().call_later(self.wake_delay, self._wake)
+            except RuntimeError:  # no loop running (a test driving the hub by hand)
+                self._wake()
+
+    def _wake(self) -> None:
+        """One wake-up per client for everything published in the last WAKE_DELAY.
+
+        Not at once: the message that wakes the guard (a sample over a
+        watermark) would otherwise wake every client in the same loop pass,
+        and the guard's tick would wait behind their writes. A burst of
+        samples costs each client one write, and the publisher none."""
+        self._wake_due = False
+        for sub in self.subscribers:
+            if sub.queue:
+                sub._ready.set()
 
     def subscribe(self, topics: Iterable[str], *, since: float | None = None, after_id: int | None = None,
                   queue_max: int | None = None) -> Subscription:
@@ -177,11 +211,9 @@ class Hub:
         if self.closed:
             sub.end("the supervisor is shutting down")
             return sub
-        for frame in self.replay(sub.topics, since, after_id):
-            sub.queue.append(frame)
-        if sub.queue:
-            sub._ready.set()
+        sub.backlog.extend(self.replay(sub.topics, since, after_id))
         self.subscribers.add(sub)
+        self._fanout = tuple(self.subscribers)
         return sub
 
     def replay(self, topics: frozenset[str], since: float | None, after_id: int | None) -> list[Frame]:
@@ -200,6 +232,7 @@ class Hub:
 
     def forget(self, sub: Subscription) -> None:
         self.subscribers.discard(sub)
+        self._fanout = tuple(self.subscribers)
 
     def close(self, reason: str) -> None:
         """Shutdown: every stream ends with a final frame, so the HTTP server can stop."""

@@ -88,6 +88,21 @@ def test_issue15_a_client_that_falls_behind_is_dropped_with_a_final_message():
     assert hub.dropped == 1 and slow not in hub.subscribers and fast in hub.subscribers
 
 
+def test_issue15_a_long_replay_does_not_count_as_lagging():
+    """The bound is on live messages: a dashboard asking for minutes of history
+    (more frames than queue_max) gets all of them, in order, then live ones."""
+    hub = Hub(queue_max=4)
+    for seq in range(20):
+        hub.publish(sample(seq))
+    sub = hub.subscribe(p.TOPICS, since=0)
+    hub.publish(sample(20))
+    got = []
+    while chunk := drain(sub):
+        got += chunk
+    assert [json.loads(f.data)["seq"] for f in got] == list(range(21))
+    assert hub.dropped == 0 and sub in hub.subscribers
+
+
 def test_issue15_topic_filter_applies_to_live_messages_and_replay():
     hub = Hub()
     hub.publish(event("evict"))

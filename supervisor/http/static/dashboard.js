@@ -101,7 +101,9 @@ function onEvent(ev) {
   S.seen.add(key);
   S.events.push(ev);
   if (S.events.length > 500) S.events.shift();
-  if (ACTIONS.has(ev.kind) || ev.kind === "level" || ev.kind === "drill") S.marks.push(ev);
+  const prev = S.marks[S.marks.length - 1];
+  const echo = prev && prev.kind === ev.kind && prev.model_id === ev.model_id && ev.t - prev.t < 1;
+  if ((ACTIONS.has(ev.kind) || ev.kind === "level" || ev.kind === "drill") && !echo) S.marks.push(ev);
   if (["exit", "crash", "evict", "unload"].includes(ev.kind) && ev.worker_id) S.latest.delete(ev.worker_id);
   S.dirty = S.tablesDirty = true;
 }
@@ -287,9 +289,12 @@ function drawChart() {
     ctx.strokeStyle = color; ctx.setLineDash([2, 3]); ctx.lineWidth = 1;
     ctx.beginPath(); ctx.moveTo(x(ev.t), T); ctx.lineTo(x(ev.t), T + ph); ctx.stroke();
     ctx.setLineDash([]);
-    ctx.fillStyle = color; ctx.textAlign = "right";
     const label = ev.kind === "level" ? ev.reason.split(":")[0] : ev.kind + (ev.model_id ? " " + ev.model_id : "");
-    ctx.fillText(label, x(ev.t) - 3, T + 12 + 13 * (row++ % 6));
+    const lw = ctx.measureText(label).width, ly = T + 12 + 15 * (row++ % 6);
+    ctx.fillStyle = "rgba(23, 30, 38, 0.85)";
+    ctx.fillRect(x(ev.t) - lw - 6, ly - 11, lw + 4, 14);
+    ctx.fillStyle = color; ctx.textAlign = "right";
+    ctx.fillText(label, x(ev.t) - 4, ly);
   }
   ctx.restore();
   legend();
@@ -317,10 +322,13 @@ function stepLine(ctx, pts, x, y, now, color, dash, width) {
 }
 
 function band(ctx, soft, hard, x, y, now) {
-  if (!soft.length || !hard.length) return;
-  ctx.fillStyle = "rgba(210, 153, 34, 0.10)";
-  const lo = soft[soft.length - 1][1], hi = hard[hard.length - 1][1];
-  ctx.fillRect(x(soft[0][0]), y(hi), x(now) - x(soft[0][0]), y(lo) - y(hi));
+  // soft and hard arrive together (ceiling and pressure messages carry both)
+  ctx.fillStyle = "rgba(210, 153, 34, 0.12)";
+  const n = Math.min(soft.length, hard.length);
+  for (let i = 0; i < n; i++) {
+    const end = i + 1 < n ? soft[i + 1][0] : now;
+    ctx.fillRect(x(soft[i][0]), y(hard[i][1]), x(end) - x(soft[i][0]), y(soft[i][1]) - y(hard[i][1]));
+  }
 }
 
 function legend() {
