@@ -6,15 +6,15 @@ is made busy, a fire drill grows real MLX allocations, and we measure the
 guard's decision latency (first sample at or over the hard watermark -> the
 decision sent, on the monotonic clock the worker and supervisor share).
 
-The trials run first with no event-stream client, then with 50 slow ones
-connected from another process: half never read a byte (their queues fill,
+The trials alternate, in rounds, between no event-stream client and 50 slow
+ones connected from another process: half never read a byte (their queues fill,
 they are dropped, their sockets stay open until the write timeout), half
 read 2 KiB a second and reconnect whenever the server ends their stream, so
 the load stays on for the whole phase. Each asks for every topic and the
 whole history (`?since=0`). Same supervisor, same run: compare the ratio,
 not the absolute figures (the machine is shared).
 
-    python scripts/bench_events.py [--trials 12] [--clients 50] [--rate 512MiB] [--headroom 512MiB]
+    python scripts/bench_events.py [--trials 12] [--rounds 3] [--clients 50] [--rate 512MiB] [--headroom 512MiB]
 
 Last line: `decision p50 X ms with 50 slow SSE clients vs Y ms with none (ratio R)`.
 """
@@ -124,27 +124,56 @@ class PublishTimer:
         self.calls, self.seconds = 0, 0.0
 
 
-async def phase(name: str, arb: Arbiter, samples: Samples, args, timer: PublishTimer) -> list[dict]:
-    timer.reset()
-    results, subscribers = [], []
-    for i in range(args.trials):
-        subscribers.append(len(arb.hub.subscribers))
-        r = await trial(arb, samples, args.rate, args.rate * 4)
-        if r:
-            results.append(r)
-            print(f"  {name} trial {i + 1:2d}: decision {r['decision_ms']:7.1f} ms, returned {r['returned_ms']:7.1f} ms, "
-                  f"overshoot {r['overshoot']:.1%} ({r['action']}); {subscribers[-1]} SSE subscribers attached")
-    dec = [r["decision_ms"] for r in results]
-    if dec:
-        print(f"{name}: {len(results)} trials; decision p50 {pct(dec, 50):.1f} ms p99 {pct(dec, 99):.1f} ms; "
-              f"hub publish {timer.mean_us():.1f} us/message over {timer.calls} messages; "
-              f"SSE subscribers attached {min(subscribers)}..{max(subscribers)}; dropped so far {arb.hub.dropped}")
-    return results
+class Mode:
+    """The trials of one mode (0 or N clients) across the rounds, and what the hub did meanwhile."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.results: list[dict] = []
+        self.subscribers: list[int] = []
+        self.publish_calls = 0
+        self.publish_seconds = 0.0
+
+    async def run(self, arb: Arbiter, samples: Samples, args, timer: PublishTimer, trials: int) -> None:
+        timer.reset()
+        for _ in range(trials):
+            self.subscribers.append(len(arb.hub.subscribers))
+            r = await trial(arb, samples, args.rate, args.rate * 4)
+            if r:
+                self.results.append(r)
+                print(f"  {self.name} trial {len(self.results):2d}: decision {r['decision_ms']:7.1f} ms, "
+                      f"returned {r['returned_ms']:7.1f} ms, overshoot {r['overshoot']:.1%} ({r['action']}); "
+                      f"{self.subscribers[-1]} SSE subscribers attached")
+        self.publish_calls += timer.calls
+        self.publish_seconds += timer.seconds
+
+    def summary(self, arb: Arbiter) -> None:
+        dec = [r["decision_ms"] for r in self.results]
+        if dec:
+            print(f"{self.name}: {len(dec)} trials; decision p50 {pct(dec, 50):.1f} ms p99 {pct(dec, 99):.1f} ms; "
+                  f"hub publish {self.publish_seconds / max(1, self.publish_calls) * 1e6:.1f} us/message over "
+                  f"{self.publish_calls} messages; SSE subscribers attached {min(self.subscribers)}.."
+                  f"{max(self.subscribers)}; clients dropped {arb.hub.dropped} in all")
+
+    def p(self, q: float) -> float:
+        return pct([r["decision_ms"] for r in self.results], q)
+
+
+async def with_clients(arb: Arbiter, port: int, count: int) -> subprocess.Popen:
+    clients = subprocess.Popen([sys.executable, __file__, "--clients-only", str(port), str(count)],
+                               stdout=subprocess.PIPE, text=True)
+    print("  " + (clients.stdout.readline().strip() if clients.stdout else ""))
+    deadline = time.monotonic() + 10
+    while len(arb.hub.subscribers) < count and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(1.0)
+    return clients
 
 
 async def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trials", type=int, default=12)
+    ap.add_argument("--trials", type=int, default=12, help="trials per mode, split over the rounds")
+    ap.add_argument("--rounds", type=int, default=3, help="alternations of the two modes")
     ap.add_argument("--clients", type=int, default=50)
     ap.add_argument("--rate", type=parse_size, default=parse_size("512MiB"), help="drill bytes per second")
     ap.add_argument("--headroom", type=parse_size, default=parse_size("512MiB"),
@@ -162,31 +191,29 @@ async def main() -> int:
         samples = Samples(arb.endpoints.pub)
         timer = PublishTimer(arb)
         port = int(arb.http_address.rsplit(":", 1)[1])
-        quiet = await phase("0 clients ", arb, samples, args, timer)
-        clients = subprocess.Popen([sys.executable, __file__, "--clients-only", str(port), str(args.clients)],
-                                   stdout=subprocess.PIPE, text=True)
-        print("  " + clients.stdout.readline().strip())
-        deadline = time.monotonic() + 10
-        while len(arb.hub.subscribers) < args.clients and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(1.0)
-        try:
-            busy = await phase(f"{args.clients} clients", arb, samples, args, timer)
-        finally:
-            clients.kill()
-            clients.wait()
+        quiet, busy = Mode("0 clients "), Mode(f"{args.clients} clients")
+        per_round = max(1, args.trials // args.rounds)
+        for _ in range(args.rounds):  # alternate, so drift on a shared machine hits both modes alike
+            await quiet.run(arb, samples, args, timer, per_round)
+            clients = await with_clients(arb, port, args.clients)
+            try:
+                await busy.run(arb, samples, args, timer, per_round)
+            finally:
+                clients.kill()
+                clients.wait()
+            while arb.hub.subscribers:  # the server notices the closed sockets
+                await asyncio.sleep(0.05)
+        quiet.summary(arb)
+        busy.summary(arb)
         arb.running = False
         arb.wake()
         await task
-    if not quiet or not busy:
+    if not quiet.results or not busy.results:
         print("not enough trials with a decision to compare")
         return 1
-    p_quiet = pct([r["decision_ms"] for r in quiet], 50)
-    p_busy = pct([r["decision_ms"] for r in busy], 50)
-    print(f"decision p99: {pct([r['decision_ms'] for r in busy], 99):.1f} ms with {args.clients} slow SSE clients, "
-          f"{pct([r['decision_ms'] for r in quiet], 99):.1f} ms with none")
-    print(f"decision p50 {p_busy:.1f} ms with {args.clients} slow SSE clients vs {p_quiet:.1f} ms with none "
-          f"(ratio {p_busy / max(1e-3, p_quiet):.2f})")
+    print(f"decision p99: {busy.p(99):.1f} ms with {args.clients} slow SSE clients, {quiet.p(99):.1f} ms with none")
+    print(f"decision p50 {busy.p(50):.1f} ms with {args.clients} slow SSE clients vs {quiet.p(50):.1f} ms with none "
+          f"(ratio {busy.p(50) / max(1e-3, quiet.p(50)):.2f})")
     return 0
 
 

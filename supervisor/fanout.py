@@ -37,6 +37,7 @@ EVENT_HISTORY = 500      # guard events kept for replay (the arbiter keeps as ma
 RECENT_HISTORY = 6000    # other frames kept for replay: minutes of samples for a few workers
 REPLAY_CHUNK = 512       # replayed frames written at once
 WAKE_DELAY = 0.05        # clients are woken at most this often (20 Hz): bursts become one write each
+WAKE_BATCH = 8           # clients woken per loop pass: the guard waits behind at most this many writes
 
 
 class StatusJson(msgspec.Struct, tag="status", tag_field="type", kw_only=True):
@@ -195,9 +196,18 @@ class Hub:
         and the guard's tick would wait behind their writes. A burst of
         samples costs each client one write, and the publisher none."""
         self._wake_due = False
-        for sub in self.subscribers:
-            if sub.queue:
-                sub._ready.set()
+        self._wake_some([sub for sub in self._fanout if sub.queue])
+
+    def _wake_some(self, waiting: list[Subscription]) -> None:
+        """WAKE_BATCH clients now, the rest in later passes of the loop: a guard
+        tick that becomes due meanwhile runs between the batches."""
+        for sub in waiting[:WAKE_BATCH]:
+            sub._ready.set()
+        if len(waiting) > WAKE_BATCH:
+            try:
+                asyncio.get_running_loop().call_soon(self._wake_some, waiting[WAKE_BATCH:])
+            except RuntimeError:
+                self._wake_some(waiting[WAKE_BATCH:])
 
     def subscribe(self, topics: Iterable[str], *, since: float | None = None, after_id: int | None = None,
                   queue_max: int | None = None) -> Subscription:
