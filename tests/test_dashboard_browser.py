@@ -124,6 +124,16 @@ def event_rows(driver) -> list[dict]:
 
 
 def test_issue15_dashboard_shows_a_fire_drill_live_with_the_guards_action_and_reason(supervisor, browser, tmp_path):
+    try:
+        drill_scenario(supervisor, browser, tmp_path)
+    except BaseException:
+        browser.save_screenshot(str(tmp_path / "failed.png"))
+        print(f"the page when it failed: {tmp_path / 'failed.png'}; the server's log: {tmp_path / 'serve.log'}")
+        print("browser console:", browser.get_log("browser"))
+        raise
+
+
+def drill_scenario(supervisor, browser, tmp_path) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
 

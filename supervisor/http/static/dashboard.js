@@ -17,7 +17,7 @@ const S = {
   latest: new Map(),             // worker id -> latest Sample
   own: 0,                        // group usage the samples do not cover (the supervisor itself)
   events: [], seen: new Set(), marks: [],
-  windowSec: 300, dirty: true, tablesDirty: true,
+  windowSec: 300, dirty: true, tablesDirty: true, formSynced: "",
   token: sessionStorage.getItem("memvisor-token") || "",
 };
 
@@ -102,7 +102,8 @@ function onEvent(ev) {
   S.events.push(ev);
   if (S.events.length > 500) S.events.shift();
   const prev = S.marks[S.marks.length - 1];
-  const echo = prev && prev.kind === ev.kind && prev.model_id === ev.model_id && ev.t - prev.t < 1;
+  // a drill is reported twice (the supervisor's order, the worker's start): one mark
+  const echo = ev.kind === "drill" && prev && prev.kind === "drill" && prev.model_id === ev.model_id && ev.t - prev.t < 1;
   if ((ACTIONS.has(ev.kind) || ev.kind === "level" || ev.kind === "drill") && !echo) S.marks.push(ev);
   if (["exit", "crash", "evict", "unload"].includes(ev.kind) && ev.worker_id) S.latest.delete(ev.worker_id);
   S.dirty = S.tablesDirty = true;
@@ -407,6 +408,16 @@ function wireForms() {
   }
 }
 
+function syncGuardForm() {
+  // follow the server only when its settings change, never over what the user is choosing
+  if (!S.ceiling) return;
+  const key = S.ceiling.tier + "|" + S.ceiling.enabled;
+  if (key === S.formSynced) return;
+  S.formSynced = key;
+  $("tier-select").value = S.ceiling.tier;
+  $("guard-enabled").checked = S.ceiling.enabled;
+}
+
 function frame() {
   if (S.dirty) { S.dirty = false; drawChart(); }
   requestAnimationFrame(frame);
@@ -425,7 +436,7 @@ async function start() {
     if (!S.tablesDirty) return;
     S.tablesDirty = false;
     renderCards(); renderEvents();
-    if (S.ceiling && document.activeElement !== $("tier-select")) $("tier-select").value = S.ceiling.tier;
+    syncGuardForm();
   }, 250);
   setInterval(renderModels, 1000);                         // idle clocks tick; a click survives a redraw
   requestAnimationFrame(frame);
