@@ -174,6 +174,8 @@ def drill_scenario(supervisor, browser, tmp_path) -> None:
     assert reason in browser.find_element(By.ID, "last-action").text
     levels = [r["cells"][3] for r in event_rows(browser) if r["kind"] == "level"]
     assert any("-> hard" in words for words in levels), levels
+    if actions[-1]["kind"] == "evict":  # the idle victim is stopped: its row says so
+        wait_for(lambda: model_row(browser, "victim")[1:2] == ["unloaded"], 10, "the evicted model's row")
 
     # the chart followed: samples over the soft watermark, drawn
     time.sleep(1.5)  # and the fall after the action

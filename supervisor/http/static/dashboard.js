@@ -15,6 +15,7 @@ const S = {
   models: new Map(),             // model id -> [[t, usage]]
   colors: new Map(),
   latest: new Map(),             // worker id -> latest Sample
+  gone: new Set(),               // workers whose exit came after the last status
   own: 0,                        // group usage the samples do not cover (the supervisor itself)
   events: [], seen: new Set(), marks: [],
   windowSec: 300, dirty: true, tablesDirty: true, formSynced: "",
@@ -106,12 +107,14 @@ function onEvent(ev) {
   const echo = ev.kind === "drill" && prev && prev.kind === "drill" && prev.model_id === ev.model_id && ev.t - prev.t < 1;
   if ((ACTIONS.has(ev.kind) || ev.kind === "level" || ev.kind === "drill") && !echo) S.marks.push(ev);
   if (["exit", "crash", "evict", "unload"].includes(ev.kind) && ev.worker_id) S.latest.delete(ev.worker_id);
+  if (["exit", "crash"].includes(ev.kind) && ev.worker_id) S.gone.add(ev.worker_id);
   S.dirty = S.tablesDirty = true;
 }
 
 function onStatus(st) {
   S.status = st;
   S.statusAt = Date.now() / 1000;
+  S.gone.clear();
   const live = new Set(st.guard.workers.map((w) => w.worker));
   for (const id of [...S.latest.keys()]) if (!live.has(id)) S.latest.delete(id);
   for (const ev of st.events) onEvent(ev);
@@ -183,6 +186,10 @@ function modelRows() {
       Object.assign(row, { usage: w.usage, active: w.mlx_active, pool: w.mlx_pool, running: w.running,
         queued: w.queued, idle: w.running || w.queued ? 0 : w.idle_seconds + since, cache: w.cache_bytes });
     }
+  }
+  for (const row of byId.values()) {   // an exit is shown at once, not at the next status
+    if (row.worker && S.gone.has(row.worker)) byId.set(row.id, { id: row.id, ttl: row.ttl, pinned: row.pinned,
+      state: "unloaded" });
   }
   for (const s of S.latest.values()) {
     const row = byId.get(s.model_id);
