@@ -96,7 +96,7 @@ class Arbiter:
         self.ctx = zmq.Context()
         self.endpoints = Endpoints.in_dir(self.runtime_dir, pid=os.getpid(), http=self.config.supervisor.http)
         self.bus = Bus(self.ctx, self.endpoints)
-        self.bus.listeners.append(self.hub.publish)  # issue 15
+        self.bus.add_listener(self.hub.publish)  # issue 15
         scfg = self.config.supervisor
         if scfg.pub_tcp:  # opt-in; the config refuses a non-loopback bind without CURVE keys
             try:

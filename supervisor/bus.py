@@ -314,6 +314,10 @@ class Bus:
             except Exception:  # a bug there must not stop the guard that publishes
                 log.exception("in-process subscriber %r failed", listener)
 
+    def add_listener(self, listener: Callable[[p.Msg], None]) -> None:
+        """issue 15: `listener(msg)` for every PUB message, in the loop, after the socket send."""
+        self.listeners.append(listener)
+
     def _rearm(self, sock: zmq.Socket) -> None:
         if self._loop is not None:
             self._loop.call_soon(self._drain, sock)
