@@ -38,6 +38,7 @@ from supervisor.bus import Bus, BusError, Endpoints, FrameTooLarge, claim_runtim
 from supervisor.config import Config, ConfigError, ModelConfig, guard_settings
 from supervisor.enforcer import Enforcer
 from supervisor.errors import LoadError, ServeError
+from supervisor.fanout import Hub, Subscription
 from supervisor.gate import Gate
 from supervisor.policy.admission import FitReport
 from supervisor.policy.status import ModelInfo, ServerStatus
@@ -79,6 +80,7 @@ class Arbiter:
         self.stop_reason = ""
         self.events: collections.deque[p.GuardEvent] = collections.deque(maxlen=EVENT_HISTORY)
         self.event_hooks: list[Callable[[p.GuardEvent], None]] = []  # e.g. the metrics' counters
+        self.hub = Hub(event_history=EVENT_HISTORY)  # issue 15: PUB topics for GET /v1/events
         self.started = time.monotonic()
         self._load_lock = asyncio.Lock()  # A5; binds to the running loop on first use
         self._loading: dict[str, asyncio.Task] = {}
@@ -98,6 +100,7 @@ class Arbiter:
         self.ctx = zmq.Context()
         self.endpoints = Endpoints.in_dir(self.runtime_dir, pid=os.getpid(), http=self.config.supervisor.http)
         self.bus = Bus(self.ctx, self.endpoints)
+        self.bus.add_listener(self.hub.publish)  # issue 15
         scfg = self.config.supervisor
         if scfg.pub_tcp:  # opt-in; the config refuses a non-loopback bind without CURVE keys
             try:
@@ -194,6 +197,7 @@ class Arbiter:
         log.info("stopping %d worker(s)", len(self.pool.handles))
         if self.http_server is not None:
             self.http_server.should_exit = True
+        self.hub.close("the supervisor is shutting down")  # issue 15: event streams end, uvicorn can stop
         await self.pool.shutdown(f"supervisor shutting down ({self.stop_reason or 'done'})")
         if self.http_server is not None and self.http_server.task is not None:
             await asyncio.wait([self.http_server.task], timeout=5)  # let uvicorn close its connections
@@ -472,6 +476,11 @@ class Arbiter:
 
     def add_event_hook(self, hook: Callable[[p.GuardEvent], None]) -> None:
         self.event_hooks.append(hook)
+
+    def subscribe(self, topics: frozenset[str], *, since: float | None = None,
+                  after_id: int | None = None) -> Subscription:
+        """issue 15: a bounded queue of PUB messages for one GET /v1/events client."""
+        return self.hub.subscribe(topics, since=since, after_id=after_id)
 
     def update_guard(self, update: p.GuardUpdate) -> None:
         self.enforcer.update_guard(update)

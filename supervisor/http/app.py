@@ -18,6 +18,8 @@ Endpoints (DESIGN.md contract):
   POST /v1/chat/completions, /v1/completions   (JSON or SSE with "stream": true)
   POST /v1/models/{id}/load|unload  admin
   POST /admin/guard                 admin; SPEC T6 (tier, custom ceiling, on/off)
+  GET  /v1/events                   the PUB topics as SSE (supervisor.http.events)
+  GET  /, /ui, /ui/*                the dashboard (supervisor.http.dashboard)
 
 Admin endpoints need `Authorization: Bearer <admin_token>` when a token is
 configured, and accept only loopback clients when none is.
@@ -49,7 +51,9 @@ from supervisor.config import parse_http
 from supervisor.errors import ServeError
 from supervisor.http import generate as http_generate
 from supervisor.http.body import Disconnected, read_body
+from supervisor.http.dashboard import Dashboard
 from supervisor.http.errors import ApiError, from_serve_error
+from supervisor.http.events import EventsEndpoint
 from supervisor.http.metrics import Metrics
 from supervisor.http.openai_types import BodyError, GuardSettingsIn, ModelCard, ModelList, decode_body
 
@@ -226,11 +230,26 @@ class FrontDoor:
     async def metrics_text(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    # -- access (issue 15) ----------------------------------------------------
+
+    def read_access(self, request: Request) -> None:
+        """Read-only endpoints (/status, /metrics, /v1/events) are open today;
+        per-client API keys, when they come, are checked here."""
+
+    def may_admin(self, request: Request) -> bool:
+        try:
+            require_admin(request, self.scfg.admin_token)
+        except ApiError:
+            return False
+        return True
+
     # -- wiring ---------------------------------------------------------------
 
     def routes(self) -> list[Route]:
         r = guarded
         return [
+            Route("/v1/events", EventsEndpoint(self.sup, self.read_access), methods=["GET"]),  # issue 15
+            *Dashboard(self.sup, self.may_admin).routes(r),  # issue 15
             Route("/health", r(self.health), methods=["GET"]),
             Route("/status", r(self.status), methods=["GET"]),
             Route("/metrics", r(self.metrics_text), methods=["GET"]),
@@ -306,7 +325,7 @@ class Instrumented:
 
 
 _FIXED = {"/health", "/status", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
-          "/admin/guard"}
+          "/admin/guard", "/v1/events", "/", "/ui"}
 
 
 def endpoint_label(path: str) -> str:
