@@ -474,3 +474,14 @@ def test_c2_no_reading_ever_holds_still():
 def test_tick_is_pure_same_snapshot_same_result():
     s = snap(w("a", 2.0, last_access=1), busy("b", 7.5, mlx_pool=GiB), w("c", state="loading"))
     assert msgspec.json.encode(tick(s)) == msgspec.json.encode(tick(s))
+
+
+def test_p5_then_p6_6_asks_a_shrunk_worker_to_reclaim_once():
+    """A pinned idle worker whose prompt cache P5 shrinks is asked to reclaim at its
+    next step boundary; P6 step 6 must not add a second, idle-time reclaim for it
+    (found by the property test `test_decisions_only_name_live_workers_once_per_kind`)."""
+    pinned = w("w0", 9.5, pinned=True, hot_cache_used=GiB // 4, hot_cache_releasable=GiB // 4)
+    r = tick(snap(pinned))
+    assert r.level == "hard"
+    kinds = [type(x) for x in r.decisions if getattr(x, "worker", None) == "w0"]
+    assert kinds.count(d.ShrinkHotCache) == 1 and kinds.count(d.Reclaim) == 1

@@ -311,9 +311,12 @@ class _Tick:
                     f"{format_size(c.ceiling)}; abort requests of {w.model}, keep it loaded")))
             if active:
                 return
-        for w in self.g.serving:  # step 6
-            out.append(Reclaim(worker=w.worker, model=w.model, idle_only=True, reason=(
-                "hard pressure, nothing to evict: return the allocator pool when idle")))
+        # step 6; a worker P5 already asked to reclaim at its next step boundary needs no second ask
+        asked = {x.worker for x in out if isinstance(x, Reclaim)}
+        for w in self.g.serving:
+            if w.worker not in asked:
+                out.append(Reclaim(worker=w.worker, model=w.model, idle_only=True, reason=(
+                    "hard pressure, nothing to evict: return the allocator pool when idle")))
 
     # -- P8 / P9 / P10 -------------------------------------------------------------
 
