@@ -79,10 +79,10 @@ class Enforcer:
         # One machine, one accelerator: any worker's device_info gives the cap
         # (read once a tick; on macOS it includes a sysctl the user may change).
         info = next((h.device_info for h in self.pool.handles.values() if h.device_info), None)
-        gpu_cap_raw = probe.gpu_cap_from_device_info(info) if info else 0
+        gpu_cap_raw, device_total = probe.host_gpu_cap(info) if info else (0, 0)
         return Snapshot(
             now=now, guard=self.settings, host=host, supervisor_footprint=own, gpu_cap_raw=gpu_cap_raw,
-            activity_hint=self.activity_hint, recheck=recheck, workers=workers, state=self.state,
+            device_total=device_total, activity_hint=self.activity_hint, recheck=recheck, workers=workers, state=self.state,
         )
 
     def _record(self, h: WorkerHandle) -> WorkerRecord:

@@ -51,6 +51,7 @@ class GuardSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     loaded_idle_interval: float = 10.0
     unloaded_idle_interval: float = 30.0
     pressure_reclaim_disabled: bool = False  # P4's environment switch
+    pool_max: int = 2 * 1024**3          # M1 / P4: a pool larger than this is worth a grace reclaim
 
 
 class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, gc=False):
@@ -102,6 +103,9 @@ class PolicyState(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     interval: float = 0.0           # P9 interval chosen by the last tick (S1)
     limits: Limits | None = None    # common limits last handed out (max_concurrency=0)
     limited: dict[str, int] = {}    # worker id -> pid that received `limits`
+    usage_seen: dict[str, int] = {}  # worker id -> usage at `seen_at` (growth estimate, P6 at hard)
+    seen_at: float = 0.0
+    growth: float = 0.0             # bytes/s the non-draining workers grew by, last estimate
 
 
 class Snapshot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -119,7 +123,8 @@ class Snapshot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     guard: GuardSettings = GuardSettings()
     host: HostCounters | None = None
     supervisor_footprint: int = 0
-    gpu_cap_raw: int = 0
+    gpu_cap_raw: int = 0                 # C: unified memory (Metal) only; 0 on CUDA and CPU
+    device_total: int = 0                # a discrete device's memory (CUDA): reported, never folded in (D)
     activity_hint: float | None = None   # P9: last "activity is coming" hint (monotonic)
     recheck: bool = False
     workers: list[WorkerRecord] = []
