@@ -103,6 +103,7 @@ class GuardConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     hard_threshold: float | None = None  # T5: absent/<=0/0.95 -> tier default
     budget: int | str = 0            # caps `total` (0 = none)
     hot_cache_max: int | str = 0     # C12: prompt/KV cache budget (0 = none)
+    pool_max: int | str = 2 * 1024**3  # M1 / P4: pool a worker may keep; above it, a grace reclaim
     safe_zone_ratio: float = 0.89    # G2
     min_chunk_tokens: int = 256      # G2
     poll_interval: float = 1.0       # P9 active cadence
@@ -113,6 +114,7 @@ class GuardConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         self.custom_ceiling = _size("custom_ceiling", self.custom_ceiling)
         self.budget = _size("budget", self.budget)
         self.hot_cache_max = _size("hot_cache_max", self.hot_cache_max)
+        self.pool_max = _size("pool_max", self.pool_max)
         try:
             check_thresholds(self.tier, self.soft_threshold, self.hard_threshold)
         except ThresholdError as exc:
@@ -276,6 +278,7 @@ def guard_settings(config: Config, *, pressure_reclaim_disabled: bool = False) -
         hard_threshold=g.hard_threshold,
         idle_timeout=config.supervisor.idle_timeout,
         hot_cache_max=int(g.hot_cache_max),
+        pool_max=int(g.pool_max),
         safe_zone_ratio=g.safe_zone_ratio,
         min_chunk_tokens=g.min_chunk_tokens,
         poll_interval=g.poll_interval,

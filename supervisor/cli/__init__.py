@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tiers": ("supervisor.cli.tiers", "preview every tier's ceiling now, or under what-if inputs"),
     "replay": ("supervisor.cli.replay", "feed recorded policy snapshots to the policy, print decisions"),
     "schema": ("supervisor.cli.schema", "print the JSON Schema of every wire message"),
+    "lab": ("supervisor.cli.lab", "run pressure scenarios on real workers; a verdict and a PNG each"),
 }
 
 
