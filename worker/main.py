@@ -240,6 +240,10 @@ class Worker:
 
     def step_boundary(self) -> None:
         if self.drill is not None:
+            # issue 9: obey what arrived during the step (an abort ends the drill)
+            # before the drill grows again, as a runaway request would stop
+            self.take_commands(block_ms=0)
+        if self.drill is not None:
             self.drill.advance(time.monotonic())
         if self.reclaim_pending:
             pending = [r for r in self.reclaim_pending if not (r.idle_only and self.engine.has_work)]

@@ -99,6 +99,20 @@ class Lab:
         assert self.arb.enforcer.last is not None
         return self.arb.enforcer.last.usage
 
+    def level(self) -> str:
+        last = self.arb.enforcer.last
+        return last.level if last is not None else "ok"
+
+    def last_usage(self) -> int:
+        last = self.arb.enforcer.last
+        return last.usage if last is not None else 0
+
+    def model_path(self, model_id: str) -> str:
+        model = self.arb.config.model(model_id)
+        if model is None:
+            raise KeyError(model_id)
+        return model.path
+
     def worker_usage(self, model_id: str) -> int:
         h = self.arb.pool.worker_for(model_id)
         s = self.arb.ledger.read_sample(h.slot) if h is not None else None

@@ -39,14 +39,14 @@ async def soft_two_idle(lab: Lab) -> None:
     u = await lab.usage()
     lab.set_ceiling(int(u / 0.935), "soft band: usage = 93.5 % of the ceiling")
     await lab.until(lambda: _gone(lab, "a"), 5, "a stopped")
-    await lab.until(lambda: lab.arb.enforcer.last.level == "ok", 5, "level ok")
+    await lab.until(lambda: lab.level() == "ok", 5, "level ok")
     await asyncio.sleep(0.3)
     t = lab.rec.timeline
     lab.check("P1 soft reached", any(pt.level == "soft" for pt in t.points))
     lab.check("P6.2 LRU idle model a stopped", bool(t.decisions("stop", "a")))
     lab.check("P6.2 b kept (soft stops only down to soft)", not t.decisions("stop", "b") and not _gone(lab, "b"))
     lab.check("nothing aborted", not t.decisions("abort_requests"))
-    lab.check("P7 back to ok", lab.arb.enforcer.last.level == "ok")
+    lab.check("P7 back to ok", lab.level() == "ok")
 
 
 async def soft_one_idle(lab: Lab) -> None:
@@ -77,7 +77,7 @@ async def hard_busy(lab: Lab) -> None:
     lab.arb.start_drill(p.DrillRequest(model="a", rate=256 * MiB, to=ceiling))
     lab.rec.note("drill", "a", "256 MiB/s")
     end = await lab.end(stream, 15)
-    await lab.until(lambda: lab.arb.enforcer.last.level == "ok", 5, "level ok")
+    await lab.until(lambda: lab.level() == "ok", 5, "level ok")
     t = lab.rec.timeline
     lab.check("P1 hard reached", any(pt.level == "hard" for pt in t.points))
     lab.check("P6.3 busy a aborted", bool(t.decisions("abort_requests", "a")))
@@ -136,16 +136,16 @@ async def pool_grace(lab: Lab) -> None:
     u = await lab.usage()
     lab.set_ceiling(int((u - pool // 2) / SOFT), "soft band, half the pool above soft")
     await lab.until(lambda: bool(lab.rec.timeline.decisions("reclaim")), 5, "reclaim")
-    await lab.until(lambda: lab.arb.enforcer.last.level == "ok", 5, "level ok")
+    await lab.until(lambda: lab.level() == "ok", 5, "level ok")
     await asyncio.sleep(0.3)
     t = lab.rec.timeline
-    after = lab.arb.enforcer.last.usage
+    after = lab.last_usage()
     lab.check("pool above pool_max", pool > lab.arb.enforcer.settings.pool_max, f"pool {pool // MiB} MiB")
     lab.check("P4 b's pool reclaimed", bool(t.decisions("reclaim", "b")))
     lab.check("P4 nothing destroyed", not t.decisions("stop") and not t.decisions("abort_requests"))
     lab.check("U1 the reclaim lowered the measured usage", after < u - pool // 2,
               f"{u // MiB} -> {after // MiB} MiB")
-    lab.check("back to ok", lab.arb.enforcer.last.level == "ok")
+    lab.check("back to ok", lab.level() == "ok")
 
 
 # -- G1 prefill ------------------------------------------------------------------------
@@ -191,7 +191,7 @@ async def g1_evict(lab: Lab) -> None:
     """
     await lab.load("idle")
     await lab.load("asker")
-    path = lab.arb.config.model("asker").path
+    path = lab.model_path("asker")
     prompt = _prompt_of(path, 250)
     peak = _prefill_peak(path, _prompt_tokens(path, prompt))
     u = await lab.usage()
@@ -201,7 +201,7 @@ async def g1_evict(lab: Lab) -> None:
                        idle_mib=lab.worker_usage("idle") / MiB)
     lab.set_ceiling(ceiling, "the prompt fits only without the idle model")
     await asyncio.sleep(0.3)
-    lab.check("setup: the group below hard", lab.arb.enforcer.last.level != "hard",
+    lab.check("setup: the group below hard", lab.level() != "hard",
               f"{u // MiB} MiB against a {ceiling // MiB} MiB ceiling")
     end = await lab.end(await lab.generate("asker", prompt, 2), 60)
     t = lab.rec.timeline
@@ -222,8 +222,8 @@ async def g1_too_large(lab: Lab) -> None:
     t = lab.rec.timeline
     ok = isinstance(end, p.Failed) and end.code == "prefill_memory_exceeded"
     lab.check("G1 rejected: prefill_memory_exceeded", ok, repr(end)[:300])
-    lab.check("G1 the rejection gives estimated and limit bytes",
-              ok and end.estimated_bytes > end.limit_bytes > 0 and "MiB" in end.message, repr(end)[:300])
+    figures = isinstance(end, p.Failed) and end.estimated_bytes > end.limit_bytes > 0 and "MiB" in end.message
+    lab.check("G1 the rejection gives estimated and limit bytes", figures, repr(end)[:300])
     lab.check("G1 no model stopped for a prompt that cannot fit", not t.events("evict") and not _gone(lab, "idle"))
 
 
@@ -270,9 +270,8 @@ async def load_refused(lab: Lab) -> None:
 
 async def ttl_expiry(lab: Lab) -> None:
     """An idle model past its TTL is stopped within a tick of its expiry."""
-    await lab.load("short")
+    h = await lab.load("short")
     await lab.load("pinned")
-    h = lab.arb.pool.worker_for("short")
     await lab.end(await lab.generate("short", "hello", 4), 20)
     done = time.monotonic()
     await lab.until(lambda: not h.live, 6, "short expired")
@@ -319,7 +318,7 @@ async def grow_while_stopping(lab: Lab) -> None:
     lab.rec.note("drill", "grower", "1 GiB/s")
     start = lab.rec.now()
     await lab.end(stream, 15)
-    await lab.until(lambda: lab.arb.enforcer.last.level == "ok", 8, "level ok")
+    await lab.until(lambda: lab.level() == "ok", 8, "level ok")
     await asyncio.sleep(0.2)
     t = lab.rec.timeline
     over = t.peak_over_ceiling(after=start)
