@@ -77,12 +77,14 @@ def _levels(ax, timeline: Timeline) -> None:
     pts = timeline.points
     top = _top(timeline) / MiB
     ax.set_ylim(0, top)
+    first = _start(timeline)
     start, level = pts[0].t, pts[0].level
     for pt in pts[1:] + [None]:
         if pt is None or pt.level != level:
             end = pt.t if pt is not None else pts[-1].t
             ax.axvspan(start, end, ymin=0.965, ymax=1.0, color=_LEVEL_COLOURS.get(level, "#dddddd"), lw=0)
-            ax.text(start, top * 0.985, level, fontsize=7, va="top")
+            if end >= first:
+                ax.text(max(start, first), top * 0.985, level, fontsize=7, va="top", clip_on=True)
             if pt is not None:
                 start, level = pt.t, pt.level
 
@@ -116,9 +118,10 @@ def _marks(ax, timeline: Timeline) -> None:
 
     row = 0
     start = _start(timeline)
+    end = pts[-1].t if pts else float("inf")
     for m in timeline.marks:
-        if m.t < start:
-            continue
+        if m.t < start or m.t > end:
+            continue  # setup before the scenario's ceiling; shutdown after the record
         if m.decision:
             shape, colour = _DECISION_STYLE.get(m.kind, ("s", "#333333"))
             y = usage_at(m.t)
@@ -129,5 +132,5 @@ def _marks(ax, timeline: Timeline) -> None:
         elif m.kind in _EVENT_KINDS_SHOWN:
             ax.axvline(m.t, color="#7f7f7f", lw=0.6, ls=":")
             ax.text(m.t, ymax * (0.90 - 0.05 * (row % 6)), f" {m.kind} {m.label}", fontsize=6.5,
-                    color="#404040", rotation=0)
+                    color="#404040", rotation=0, clip_on=True)
             row += 1

@@ -205,6 +205,7 @@ async def run_one(sc: Scenario, paths: dict[tuple[int, int], Path], out: Path | 
     except Exception as exc:  # a scenario that breaks is a failed verdict, not a crashed lab
         log.exception("scenario %s failed", sc.name)
         error = f"{type(exc).__name__}: {exc}"
+    await asyncio.sleep(0.4)  # the record shows the exits the last decisions caused
     timeline = await rec.stop()
     for t in lab.tasks:
         t.cancel()
