@@ -45,12 +45,12 @@ def test_p9_idle_cadence_is_applied_heartbeats_do_not_tick_the_policy(tiny_model
 
 def test_u1_a_workers_sample_on_the_wire_counts_its_pool(tiny_models, runtime_dir):
     """The pool is memory the OS sees as taken (U1 as changed 2026-12-01)."""
-    config = make_config([ModelConfig(id="a", path=str(tiny_models.small))])
+    config = make_config([ModelConfig(id="a", path=str(tiny_models.small))], heartbeat_timeout=30.0)
 
     async def main():
         async with Running(config, runtime_dir) as arb:
             handle = await arb.load("a")
-            stream = await arb.generate("a", p.Generate(request_id="r", prompt="the sea " * 300, max_tokens=2))
+            stream = await arb.generate("a", p.Generate(request_id="r", prompt="the sea " * 40, max_tokens=2))
             await collect(stream)
             deadline = time.monotonic() + 5
             while time.monotonic() < deadline:
