@@ -328,6 +328,9 @@ def test_p6_at_hard_a_growing_worker_is_acted_on_while_another_stop_is_under_way
     assert acts(r) == [("abort_requests", "grower")]
     still = run(first, snap(w("gone", 3.0, state="draining"), busy("grower", 6.2), now=NOW + 100))
     assert still.level == "hard" and acts(still) == []  # slow growth: the stop lands first
+    over = run(snap(w("gone", 3.0, state="draining"), busy("flat", 7.5)),
+               snap(w("gone", 3.0, state="draining"), busy("flat", 7.5), now=NOW + 1))
+    assert over.usage > CEIL and acts(over) == []  # over the ceiling but not growing: wait for the stop
 
 
 def test_p6_3_marked_worker_is_stopped_once_drained_even_after_pressure_ends():

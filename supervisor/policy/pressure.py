@@ -14,7 +14,8 @@ as it decides, from the worker records:
   second model for memory that is about to come back) -- except at hard
   when the stops under way cannot land in time: the group grows (the sum of
   the non-draining workers' growth since an earlier tick) fast enough to
-  reach the ceiling within STOP_SECONDS, the time a stop takes. Then the
+  go over the ceiling (or further over it) within STOP_SECONDS, the time a
+  stop takes, by more than GROWTH_TOLERANCE of it. Then the
   draining bytes are not counted as gone and the next victim is acted on at
   once (issue 9 measured 44-61 % over a 256 MiB ceiling while a 1 GiB/s
   grower waited for an idle model's exit);
@@ -85,6 +86,7 @@ POOL_RECLAIM_FLOOR = 2 * GiB     # P4 default ([guard] pool_max): a smaller pool
 GRACE_TICKS_MAX = 5              # P4: at 1 s a tick, covers one ~5 s prefill chunk
 STOP_SECONDS = 0.3               # P6 at hard: how long a stop under way takes (measured 0.13 s idle)
 GROWTH_WINDOW = 0.05             # shortest span a growth estimate is taken over (sample jitter)
+GROWTH_TOLERANCE = 0.01          # of the ceiling: growth during a stop below this is jitter, not a runaway
 
 
 class TickResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -225,7 +227,10 @@ class _Tick:
         if level != "hard" or not g.draining_usage:
             self.credited = g.draining_usage
             return
-        if g.usage + growth * STOP_SECONDS >= c.ceiling:
+        # Not in time: what the group grows by while the stop lands takes it over
+        # the ceiling (further over, if it is already) by more than a 1 % tolerance.
+        # Without growth, stopping more models would not bring the memory back sooner.
+        if growth * STOP_SECONDS > max(0, c.ceiling - g.usage) + c.ceiling * GROWTH_TOLERANCE:
             self.projected, self.credited = g.usage, 0
             return
         self.credited = g.draining_usage
@@ -434,7 +439,7 @@ def _hold_still(s: Snapshot, t: _Tick) -> TickResult:
     state = msgspec.structs.replace(prev, no_reading_warned=True, interval=s.guard.poll_interval)
     return TickResult(state=state, decisions=decisions, ceilings=t.c, level=prev.level,
                       usage=t.g.usage, projected_usage=t.projected, emergency=False,
-                      next_interval=s.guard.poll_interval)
+                      next_interval=s.guard.poll_interval, draining_credited=t.credited)
 
 
 def tick(s: Snapshot) -> TickResult:
