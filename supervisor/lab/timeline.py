@@ -113,6 +113,7 @@ class Recorder:
         else:
             label = ev.model_id
         self.timeline.marks.append(Mark(ev.t - self.wall0, ev.kind, label, ev.reason))
+        self.sample()  # a point at every event: a level that lasts a millisecond still shows
 
     def _take_decisions(self) -> None:
         fresh = [(t, x) for t, x in list(self.arb.enforcer.executed) if t > self._last_executed]
