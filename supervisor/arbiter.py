@@ -145,12 +145,20 @@ class Arbiter:
         return 0
 
     async def serve_forever(self) -> None:
-        next_beat = time.monotonic()
-        interval = self.enforcer.tick(time.monotonic())
+        """Heartbeats and housekeeping on their own clock; the policy at P9's.
+
+        The enforcer ticks when its interval is up or when an event that can
+        change its answer woke the loop (a sample over a watermark, a load, an
+        exit, a request); a heartbeat alone does not run the policy (P9).
+        """
+        now = time.monotonic()
+        next_beat = now
+        interval = self.enforcer.tick(now)
+        next_tick = now + interval
         while self.running:
             now = time.monotonic()
-            timeout = max(0.0, min(interval, next_beat - now, self._next_respawn(now) - now))
-            await self.sleep(timeout)
+            timeout = max(0.0, min(next_tick, next_beat, self._next_respawn(now)) - now)
+            woken = await self.sleep(timeout)
             if not self.running:
                 break
             now = time.monotonic()
@@ -160,18 +168,23 @@ class Arbiter:
                     self.on_wedged(handle)
             self.respawn_due(now)
             self.gate.expire(now)
-            interval = self.enforcer.tick(now)
+            if woken or now >= next_tick:
+                interval = self.enforcer.tick(now)
+                next_tick = now + interval
             self.gate.release(self.enforcer.admission_paused)
             if now - self._status_published >= STATUS_EVERY:
                 self._status_published = now
                 self.bus.publish(p.StatusMsg(t=time.time(), status=msgspec.json.encode(self.server_status())))
 
-    async def sleep(self, timeout: float) -> None:
+    async def sleep(self, timeout: float) -> bool:
+        """Wait for a wake-up or the timeout; True when something woke the loop."""
         try:
             await asyncio.wait_for(self.wake_event.wait(), timeout)
         except asyncio.TimeoutError:
             pass
+        woken = self.wake_event.is_set()
         self.wake_event.clear()
+        return woken
 
     def wake(self) -> None:
         """Something that can change the guard's answer happened (SPEC P9)."""
