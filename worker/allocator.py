@@ -18,6 +18,7 @@ ceilings (a worker never imports `supervisor`).
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,10 @@ from typing import Any
 from shared.limits import Limits
 
 log = logging.getLogger("memvisor.worker.allocator")
+
+# "1": leave MLX's cache limit alone (M1's pool bound). The pressure lab's P4
+# scenario sets it to stand for an allocator that does not honour its limit.
+NO_CACHE_LIMIT_ENV = "MEMVISOR_NO_CACHE_LIMIT"
 
 MiB = 1024 * 1024
 
@@ -75,6 +80,8 @@ class AllocatorLimits:
 
     def _set_cache(self, pool: int) -> None:
         """The pool MLX may keep: pool_max, never above MLX's own default (Linux CPU: 32 MiB)."""
+        if os.environ.get(NO_CACHE_LIMIT_ENV) == "1":
+            return
         if pool > 0:
             if self._default_cache is None:
                 self._default_cache = self.mx.set_cache_limit(pool)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -71,6 +72,8 @@ class Scenario:
     restart_max: int = 3
     soft_threshold: float | None = None  # T5 overrides; None: the custom tier's 0.90 / 0.97
     hard_threshold: float | None = None
+    # Environment for the scenario's workers (spawned processes inherit it).
+    worker_env: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass
@@ -193,6 +196,8 @@ def config_for(sc: Scenario, paths: dict[tuple[int, int], Path]) -> Config:
 async def run_one(sc: Scenario, paths: dict[tuple[int, int], Path], out: Path | None,
                   keep_timeline: bool = True) -> ScenarioResult:
     runtime = Path(tempfile.mkdtemp(prefix="mvlab-"))
+    saved = {key: os.environ.get(key) for key, _ in sc.worker_env}
+    os.environ.update(dict(sc.worker_env))
     arb = Arbiter(config_for(sc, paths), runtime, max_workers=8, http=False)
     started = time.monotonic()
     task = asyncio.get_running_loop().create_task(arb.run())
@@ -217,6 +222,11 @@ async def run_one(sc: Scenario, paths: dict[tuple[int, int], Path], out: Path | 
         await asyncio.wait_for(task, 30)
     finally:
         shutil.rmtree(runtime, ignore_errors=True)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     passed = not error and bool(lab.checks) and all(c.passed for c in lab.checks)
     result = ScenarioResult(name=sc.name, rules=sc.rules, passed=passed, seconds=time.monotonic() - started,
                             checks=lab.checks, figures=lab.figures, error=error,
