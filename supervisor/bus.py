@@ -7,7 +7,7 @@ per-message coroutine overhead. ZMQ_FD is edge-triggered, so after any send
 on a socket we also schedule a drain (a send can consume the edge).
 
 Every frame goes through a `Codec`; what cannot be decoded is counted per
-socket and cause, logged once per cause, and dropped. Nothing a peer sends can
+socket and fixed cause, logged at most once a minute per cause, and dropped. Nothing a peer sends can
 raise into the loop.
 """
 
@@ -16,9 +16,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections import Counter
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Literal
 
 import msgspec
 import zmq
@@ -28,6 +29,31 @@ from shared import protocol as p
 log = logging.getLogger("memvisor.bus")
 
 DRAIN_BATCH = 1000  # frames taken from one socket before the loop runs anything else
+# Messages queued per subscriber before PUB drops for it: a slow or stalled
+# subscriber costs at most this many frames of memory (status frames are the
+# largest, a few KiB), never 10,000 of them (issue 16).
+PUB_HWM = 1000
+BAD_LOG_EVERY = 60.0  # seconds between two log lines of one refused-frame cause
+
+# Why a frame was refused: a fixed set, so counters and logs stay bounded
+# whatever a peer sends.
+BadCause = Literal["too_large", "undecodable", "wrong_version", "invalid_message", "frame_count",
+                   "unknown_peer", "hello_mismatch", "other"]
+
+
+def classify_bad(reason: str) -> BadCause:
+    """The fixed cause of a refusal (the reason's wording comes from shared.protocol's Codec)."""
+    if reason.startswith("frame of"):
+        return "too_large"
+    if reason.startswith("undecodable"):
+        return "undecodable"
+    if reason.startswith("peer speaks protocol"):
+        return "wrong_version"
+    if reason.startswith("invalid "):
+        return "invalid_message"
+    if reason.startswith("expected "):
+        return "frame_count"
+    return "other"
 
 
 class Endpoints(msgspec.Struct, frozen=True, kw_only=True):
@@ -130,13 +156,13 @@ class Bus:
         self.ctx = ctx
         self.endpoints = endpoints
         self.malformed: Counter[tuple[str, str]] = Counter()
-        self._logged: set[tuple[str, str]] = set()
+        self._logged: dict[tuple[str, str], float] = {}  # (socket, cause) -> when last logged
         self.commands = self._bind(zmq.ROUTER, endpoints.commands)
         self.commands.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.commands.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting worker keeps its identity
         self.reports = self._bind(zmq.PULL, endpoints.reports)
         self.pub = self._bind(zmq.PUB, endpoints.pub)
-        self.pub.setsockopt(zmq.SNDHWM, 10_000)
+        self.pub.setsockopt(zmq.SNDHWM, PUB_HWM)
         self.control = self._bind(zmq.ROUTER, endpoints.control)
         self.pub_tcp: zmq.Socket | None = None
         self.command_codec = p.Codec(p.CommandMsg)
@@ -171,7 +197,7 @@ class Bus:
         host, port = _split_host_port(address)
         sock = self.ctx.socket(zmq.PUB)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 10_000)
+        sock.setsockopt(zmq.SNDHWM, PUB_HWM)
         public = b""
         if curve_key_file:
             try:
@@ -254,16 +280,25 @@ class Bus:
             return
         handler(msg)
 
-    def bad(self, socket_name: str, reason: str, peer: bytes = b"") -> None:
-        """Count a refused frame; log each distinct cause once."""
-        cause = reason.split(":")[0][:80]
+    def bad(self, socket_name: str, reason: str, peer: bytes = b"", cause: BadCause | None = None) -> None:
+        """Count a refused frame under a fixed cause; log each cause at most
+        once per BAD_LOG_EVERY seconds.
+
+        The key is never text the sender controls (a message type name, a
+        version number, a peer identity): keyed on that, 100k distinct garbage
+        frames grew the counter, the "logged once" set and the log without
+        bound (issue 16)."""
+        cause = cause or classify_bad(reason)
         key = (socket_name, cause)
         self.malformed[key] += 1
-        if key not in self._logged:
-            self._logged.add(key)
-            who = f" from {peer!r}" if peer else ""
-            log.warning("refused a frame on %s%s: %s (counted; further ones like it are not logged)",
-                        socket_name, who, reason)
+        now = time.monotonic()
+        last = self._logged.get(key)
+        if last is not None and now - last < BAD_LOG_EVERY:
+            return
+        self._logged[key] = now
+        who = f" from {peer[:64]!r}" if peer else ""
+        log.warning("refused a frame on %s%s: %s: %s (%d so far; next log of this cause in %.0f s at the earliest)",
+                    socket_name, who, cause, reason[:200], self.malformed[key], BAD_LOG_EVERY)
 
     @property
     def malformed_total(self) -> int:

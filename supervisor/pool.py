@@ -275,7 +275,7 @@ class Pool:
     def on_reply(self, identity: bytes, msg: p.WorkerReply) -> None:
         handle = self.by_identity.get(identity)
         if handle is None or not handle.live:
-            self.bus.bad("commands", "message from an unknown or stopped worker")
+            self.bus.bad("commands", "message from an unknown or stopped worker", cause="unknown_peer")
             return
         match msg:
             case p.TokenOut() | p.Finished() | p.Failed():
@@ -303,7 +303,7 @@ class Pool:
 
     def _on_hello(self, handle: WorkerHandle, msg: p.Hello) -> None:
         if msg.pid != handle.pid or msg.worker_id != handle.worker_id:
-            self.bus.bad("commands", "hello that does not match the spawned process")
+            self.bus.bad("commands", "hello that does not match the spawned process", cause="hello_mismatch")
             return
         handle.device_info = dict(msg.device_info)
         handle.move("hello")
@@ -329,7 +329,7 @@ class Pool:
             case p.Sample():
                 handle = self.handles.get(msg.worker_id)
                 if handle is None or msg.pid != handle.pid:
-                    self.bus.bad("reports", "sample from an unknown worker")
+                    self.bus.bad("reports", "sample from an unknown worker", cause="unknown_peer")
                     return
                 self.counters["samples"] += 1
                 self.bus.publish(msg)

@@ -25,10 +25,21 @@ import zmq
 from shared import protocol as p
 from shared.ledger import Ledger
 from shared.limits import Limits
+from worker.heartbeat import Heartbeat, StepClock
 
 log = logging.getLogger("memvisor.worker")
 
 PR_SET_PDEATHSIG = 1
+# Tests only: seconds every engine step with work sleeps first, standing in for
+# a prefill chunk that computes for a long time (issue 16's wedge tests).
+STEP_DELAY_ENV = "MEMVISOR_TEST_STEP_DELAY"
+
+
+def _test_step_delay() -> float:
+    try:
+        return max(0.0, float(os.environ.get(STEP_DELAY_ENV, "0")))
+    except ValueError:
+        return 0.0
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -93,6 +104,11 @@ class Worker:
         self.last_sent = 0.0
         self.last_level = 0
         self.phase = "starting"
+        # issue 16: the heartbeat thread reports the step loop's progress
+        self.clock = StepClock()
+        self.heartbeat = Heartbeat(self.ctx, spec.reports, spec.worker_id, self.clock,
+                                   interval=min(1.0, spec.heartbeat_timeout / 4))
+        self.step_delay = _test_step_delay()
         self.bad_frames = 0
         self._logged_bad: set[str] = set()
 
@@ -138,6 +154,7 @@ class Worker:
             self.reply(p.LoadFailed(error=str(exc)))
             return 2
         self.phase = "ready"
+        self.heartbeat.start()
         now = time.monotonic()
         self.reply(p.Loaded(weight_bytes=self.engine.weight_bytes, seconds=now - started,
                             usage=self.write_sample(now)))
@@ -151,7 +168,12 @@ class Worker:
                           self.spec.supervisor_pid)
                 return 0
             limits = self.ledger.read_limits(self.spec.slot) or self.limits
-            for ev in self.engine.step(limits, self.group_usage):
+            self.clock.enter_step()
+            if self.step_delay and self.engine.has_work:
+                time.sleep(self.step_delay)  # tests only: a long MLX step (the GIL released, as in eval)
+            events = self.engine.step(limits, self.group_usage)
+            self.clock.leave_step(self.engine.tokens_total)
+            for ev in events:
                 self.reply(ev)  # engine events are the wire's own Structs
             self.step_boundary()
             now = time.monotonic()
@@ -190,7 +212,7 @@ class Worker:
             msg = self.commands.decode(frame)
             if isinstance(msg, p.Malformed):
                 self.bad_frames += 1
-                cause = msg.reason.split(":")[0]
+                cause = "wrong_version" if msg.wrong_version else "invalid"  # issue 16: a fixed key
                 if cause not in self._logged_bad:
                     self._logged_bad.add(cause)
                     log.warning("ignored a bad command frame: %s", msg.reason)
@@ -311,6 +333,8 @@ class Worker:
         ))
 
     def close(self) -> None:
+        if self.heartbeat.is_alive():
+            self.heartbeat.stop()
         if self.drill is not None:
             self.drill.release()
         self.dealer.close()

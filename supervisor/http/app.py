@@ -169,7 +169,7 @@ class FrontDoor:
         return await self._generate(request, "text")
 
     async def _generate(self, request: Request, kind: str) -> Response:
-        body = await read_body(request, int(self.scfg.max_body))
+        body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
         started = request.scope.get("memvisor.started", time.monotonic())
         return await http_generate.handle(request, self.sup, self.metrics, kind, body, started)
 
@@ -182,7 +182,8 @@ class FrontDoor:
     async def guard(self, request: Request) -> Response:
         """SPEC T6: new settings take effect at once (the enforcer ticks)."""
         require_admin(request, self.scfg.admin_token)
-        new = decode_body(await read_body(request, int(self.scfg.max_body)), GuardSettingsIn)
+        body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
+        new = decode_body(body, GuardSettingsIn)
         ceiling = new.custom_ceiling
         if ceiling is not None:
             try:
