@@ -160,7 +160,8 @@ class GuardConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 _SUPERVISOR_RANGES = (
     ("queue_deadline", 0.01, 86400.0), ("restart_period", 0.1, 86400.0), ("stop_grace", 0.01, 3600.0),
     ("heartbeat_interval", 0.05, 3600.0), ("heartbeat_timeout", 0.1, 86400.0), ("load_timeout", 0.1, 86400.0),
-    ("step_timeout", 0.1, 86400.0), ("failed_retry_max", 0.1, 86400.0), ("body_timeout", 0.1, 3600.0),
+    ("step_timeout", 0.1, 86400.0), ("failed_retry_first", 0.1, 86400.0),
+    ("failed_retry_max", 0.1, 86400.0), ("body_timeout", 0.1, 3600.0),
 )
 
 
@@ -182,7 +183,9 @@ class SupervisorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     # A worker whose step loop is inside one engine step (its heartbeat thread
     # says so) is alive, not wedged, for up to this long (issue 16).
     step_timeout: float = 300.0
-    # A failed model is tried again after a backoff that doubles up to this.
+    # A failed model is tried again after failed_retry_first seconds, then after
+    # a backoff that doubles each time it fails again, up to failed_retry_max.
+    failed_retry_first: float = 10.0
     failed_retry_max: float = 300.0
     body_timeout: float = 30.0       # seconds a client has to send its whole request body
     max_tokens: int = 32768          # the most tokens one request may ask for

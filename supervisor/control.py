@@ -33,7 +33,7 @@ async def _answer(sup: Supervisor, msg: p.ControlRequest) -> p.ControlReply:
         case p.StatusRequest():
             return p.ControlOk(data=msgspec.json.encode(sup.server_status()))
         case p.LoadRequest():
-            handle = await sup.load(msg.model)
+            handle = await sup.load(msg.model, explicit=True)
             return p.ControlOk(detail=f"{msg.model} is loaded (worker {handle.worker_id}, pid {handle.pid})")
         case p.UnloadRequest():
             done = await sup.unload(msg.model)

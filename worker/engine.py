@@ -39,6 +39,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 from shared.limits import Limits
+from shared.modelinfo import context_length
 from shared.protocol import Failed, Finished, Generate, NeedMemory, TokenOut
 from shared.weights import WeightsError, estimate_weight_bytes
 from worker import memory
@@ -56,6 +57,7 @@ CLEAR_CACHE_EVERY = 256  # decode steps between pool returns, as mlx_lm does
 MEMORY_WAIT_SECONDS = 10.0
 MIN_LEARN_TOKENS = 16  # shorter chunks do not update the per-token cost estimate
 INVALID_REQUEST = "invalid_request"
+CONTEXT_EXCEEDED = "context_length_exceeded"  # issue 16
 ENGINE_ERROR = "engine_error"
 
 
@@ -140,6 +142,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.weight_bytes = weight_bytes
         self.max_chunk = max(1, max_chunk)
+        self.context_length: int | None = None  # tokens; set by load() from config.json (issue 16)
         self.max_concurrency = max(1, max_concurrency)
         self._own_usage = own_usage_fn or _default_own_usage
         self._reclaim = reclaim_fn or _default_reclaim
@@ -175,7 +178,9 @@ class Engine:
             raise EngineError("load_failed", str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - any loader failure is a load error
             raise EngineError("load_failed", f"cannot load {directory}: {exc}") from exc
-        return cls(model, tokenizer, weight_bytes=weight_bytes, **kwargs)
+        engine = cls(model, tokenizer, weight_bytes=weight_bytes, **kwargs)
+        engine.context_length = context_length(directory)  # issue 16
+        return engine
 
     # ------------------------------------------------------------------ prompts
 
@@ -222,6 +227,11 @@ class Engine:
             raise EngineError(INVALID_REQUEST, "prompt is empty")
         if max_tokens < 1:
             raise EngineError(INVALID_REQUEST, f"max_tokens must be at least 1, got {max_tokens}")
+        # issue 16: the prompt and the reply must fit the model's context window
+        if self.context_length and len(prompt_tokens) + max_tokens > self.context_length:
+            raise EngineError(CONTEXT_EXCEEDED, f"the prompt ({len(prompt_tokens)} tokens) plus max_tokens "
+                                                f"({max_tokens}) exceeds the model's context of "
+                                                f"{self.context_length} tokens; shorten the prompt or lower max_tokens")
         if not temperature >= 0:
             raise EngineError(INVALID_REQUEST, f"temperature must be >= 0, got {temperature}")
         if not 0 < top_p <= 1:

@@ -149,7 +149,7 @@ class FrontDoor:
         require_admin(request, self.scfg.admin_token)
         model = self._model_config(request.path_params["model_id"])
         try:
-            await http_generate.race_client(self.sup.load(model.id), request.receive)
+            await http_generate.race_client(self.sup.load(model.id, explicit=True), request.receive)
         except ServeError as exc:
             raise from_serve_error(exc) from None
         return json_response(self.card(model))
