@@ -52,6 +52,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     sample_interval: float = 0.25
     heartbeat_timeout: float = 5.0
     max_concurrency: int = 4
+    chunk_seconds: float = 1.0  # issue 16: the time one prefill chunk aims at
     allow_drills: bool = False
 
 

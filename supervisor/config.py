@@ -188,6 +188,9 @@ class SupervisorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     failed_retry_first: float = 10.0
     failed_retry_max: float = 300.0
     body_timeout: float = 30.0       # seconds a client has to send its whole request body
+    # The time one prefill chunk aims at: commands wait at most about this long
+    # for a step boundary (0 = chunks sized by memory only).
+    chunk_seconds: float = 1.0
     max_tokens: int = 32768          # the most tokens one request may ask for
     max_body: int | str = "1MiB"
     # PUB on TCP for dashboards on other hosts: opt-in, "HOST:PORT" ("" = ipc only).
@@ -223,6 +226,8 @@ class SupervisorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
             raise _FieldError("queue_size", f"must be 0..1000000, got {self.queue_size}")
         if not 0 <= self.restart_max <= 1000:
             raise _FieldError("restart_max", f"must be 0..1000, got {self.restart_max}")
+        if self.chunk_seconds != 0:
+            _between("chunk_seconds", self.chunk_seconds, 0.01, 600.0)
         if not 1 <= self.max_tokens <= 10_000_000:
             raise _FieldError("max_tokens", f"must be 1..10000000, got {self.max_tokens}")
         if self.heartbeat_timeout <= self.heartbeat_interval:

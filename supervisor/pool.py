@@ -280,6 +280,7 @@ class Pool:
             supervisor_pid=os.getpid(),
             heartbeat_timeout=scfg.heartbeat_timeout,
             max_concurrency=handle.concurrency,
+            chunk_seconds=scfg.chunk_seconds,
             allow_drills=scfg.allow_drills,
         )
         from worker.main import run as worker_main  # imports no MLX at module level

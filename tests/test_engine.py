@@ -602,3 +602,40 @@ def test_mlx_failure_fails_the_requests_involved_and_the_engine_keeps_serving(lo
     assert reclaims
     engine.submit("after", _prompt(engine), max_tokens=3)
     assert isinstance(drive(engine).terminal("after"), Finished)
+
+
+# ------------------------------------------------------------------ issue 16
+
+
+def test_issue16_prefill_chunks_are_sized_by_time_not_only_by_memory(loaded):
+    """A step is how long a command waits: chunks aim at chunk_seconds whatever
+    the memory plan allows (512 tokens took 4.7-12.2 s on a small CPU)."""
+    from worker.engine import FIRST_CHUNK, ChunkTimer
+
+    engine = _engine(loaded, max_chunk=512, chunk_seconds=1.0)
+    engine.chunk_timer.per_token = 0.1  # as if the last chunk took 0.1 s a token: 10 tokens fit 1 s
+    engine.submit("long", _prompt(engine, "word " * 300), max_tokens=1)
+    engine.step(OPEN, lambda: 0)
+    assert engine.prompt_tokens_processed == 16  # MIN_TIMED_CHUNK: never fewer
+    engine.abort_all("done")
+    drive(engine)
+    timer = ChunkTimer(0.5)
+    assert timer.cap(512) == FIRST_CHUNK  # nothing timed yet: a small first chunk
+    timer.learn(1.0, 100)  # 10 ms a token
+    assert timer.cap(512) == 50
+    timer.learn(4.0, 50)  # slower (attention grows): jumps up at once
+    assert timer.cap(512) == 16
+    timer.learn(0.1, 100)  # faster: decays slowly
+    assert 16 <= timer.cap(512) < 50
+    assert ChunkTimer(0).cap(512) == 512  # 0 = by memory only
+
+
+def test_issue16_a_prompt_that_leaves_no_room_for_max_tokens_fails_naming_both(loaded):
+    engine = _engine(loaded)
+    engine.context_length = 64
+    prompt = _prompt(engine, "word " * 60)
+    engine.submit_generate(Generate(request_id="r", prompt="word " * 60, max_tokens=16))
+    end = drive(engine).terminal("r")
+    assert isinstance(end, Failed) and end.code == "context_length_exceeded"
+    assert f"the prompt ({len(prompt)} tokens) plus max_tokens (16)" in end.message
+    assert "context of 64 tokens" in end.message

@@ -122,6 +122,41 @@ def _prior_cost(model, max_chunk: int) -> guard.PrefillCost:
     return guard.PrefillCost(kv_per_token=float(kv), chunk_per_token=float(kv + activations))
 
 
+# -- issue 16: prefill chunks sized by time ---------------------------------------
+CHUNK_SECONDS = 1.0     # the time one prefill chunk aims at
+FIRST_CHUNK = 64        # tokens of a chunk before any has been timed
+MIN_TIMED_CHUNK = 16    # never fewer per chunk (a chunk has a fixed cost too)
+
+
+class ChunkTimer:
+    """Sizes prefill chunks so one takes about `seconds`, whatever the machine.
+
+    Commands (abort, reclaim, drain) are obeyed at step boundaries, so a step's
+    length is how long they wait. Memory alone sized chunks at 512 tokens, and
+    one such chunk of a 300 MiB float16 model took 4.7-12.2 s on a small CPU.
+    The per-token time jumps up at once when a chunk is slower (attention
+    grows with the prompt) and decays slowly when faster, like the memory
+    estimate of G2."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.per_token = 0.0  # seconds per prompt token, 0 until a chunk has been timed
+
+    def cap(self, tokens: int) -> int:
+        if self.seconds <= 0:
+            return tokens
+        if self.per_token <= 0:
+            return min(tokens, FIRST_CHUNK)
+        return min(tokens, max(MIN_TIMED_CHUNK, int(self.seconds / self.per_token)))
+
+    def learn(self, elapsed: float, tokens: int) -> None:
+        if tokens < MIN_TIMED_CHUNK or elapsed <= 0:
+            return
+        observed = elapsed / tokens
+        self.per_token = observed if observed > self.per_token else 0.7 * self.per_token + 0.3 * observed
+# -- end issue 16 ------------------------------------------------------------------
+
+
 class Engine:
     """Continuous generation for one loaded model (see module doc)."""
 
@@ -137,12 +172,14 @@ class Engine:
         reclaim_fn: Callable[[], int] | None = None,
         clock: Callable[[], float] = time.monotonic,
         memory_wait: float = MEMORY_WAIT_SECONDS,
+        chunk_seconds: float = CHUNK_SECONDS,
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.weight_bytes = weight_bytes
         self.max_chunk = max(1, max_chunk)
         self.context_length: int | None = None  # tokens; set by load() from config.json (issue 16)
+        self.chunk_timer = ChunkTimer(chunk_seconds)  # issue 16: chunks sized by time too
         self.max_concurrency = max(1, max_concurrency)
         self._own_usage = own_usage_fn or _default_own_usage
         self._reclaim = reclaim_fn or _default_reclaim
@@ -432,12 +469,15 @@ class Engine:
             n = plan.tokens
         else:
             n = min(self.max_chunk, remaining)
+        n = self.chunk_timer.cap(n)  # issue 16: a chunk also fits its time budget
         chunk = mx.array(seq.prompt[seq.pos:seq.pos + n])[None]
         memory.reset_peak()
         before = mx.get_active_memory()
+        started = time.monotonic()
         with mx.stream(generation_stream):
             self.model(chunk, cache=seq.cache)
             mx.eval([c.state for c in seq.cache])
+        self.chunk_timer.learn(time.monotonic() - started, n)
         self._learn_cost(mx.get_peak_memory() - before, n)
         seq.pos += n
         self.prompt_tokens_processed += n

@@ -148,7 +148,8 @@ class Worker:
         self.write_sample(time.monotonic())
         started = time.monotonic()
         try:
-            self.engine = Engine.load(self.spec.model_path, max_concurrency=self.spec.max_concurrency)
+            self.engine = Engine.load(self.spec.model_path, max_concurrency=self.spec.max_concurrency,
+                                      chunk_seconds=self.spec.chunk_seconds)
         except (EngineError, OSError, ValueError) as exc:
             log.error("cannot load %s: %s", self.spec.model_path, exc)
             self.reply(p.LoadFailed(error=str(exc)))
