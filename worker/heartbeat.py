@@ -61,7 +61,7 @@ class Heartbeat(threading.Thread):
         self.worker_id = worker_id
         self.clock = clock
         self.interval = interval
-        self._stop = threading.Event()
+        self._halt = threading.Event()  # not `_stop`: threading.Thread has a method of that name
 
     def run(self) -> None:
         sock = self.ctx.socket(zmq.PUSH)
@@ -70,7 +70,7 @@ class Heartbeat(threading.Thread):
         sock.connect(self.endpoint)
         codec = p.Codec(p.WorkerReport)
         try:
-            while not self._stop.wait(self.interval):
+            while not self._halt.wait(self.interval):
                 try:
                     sock.send(codec.encode(self.clock.alive(self.worker_id, time.monotonic())), zmq.NOBLOCK)
                 except zmq.Again:
@@ -79,5 +79,5 @@ class Heartbeat(threading.Thread):
             sock.close(0)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join(timeout=2.0)
