@@ -193,8 +193,9 @@ async def one_stream(client: httpx.AsyncClient, model: str, row: Row, deadline: 
 
     try:
         status, text = await asyncio.wait_for(read(), deadline)
-    except (asyncio.TimeoutError, httpx.HTTPError):
+    except (asyncio.TimeoutError, httpx.HTTPError) as exc:
         row.hung += 1  # no answer in time, or a dropped connection: no clear answer either way
+        print(f"   hung: {model}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return
     if status >= 500 and status != 503:
         row.e5xx += 1
@@ -206,6 +207,7 @@ async def one_stream(client: httpx.AsyncClient, model: str, row: Row, deadline: 
         row.finished += 1
     else:
         row.hung += 1
+        print(f"   hung: {model}: a stream that ended without [DONE]: {text[-200:]!r}", file=sys.stderr)
 
 
 async def clients(serve: Serve, models: list[str], row: Row, seconds: float, n: int = 8,
@@ -660,6 +662,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=40.0, help="length of the streaming scenarios")
     parser.add_argument("--cycles", type=int, default=300, help="respawn cycles (bounded by --respawn-budget)")
     parser.add_argument("--respawn-budget", type=float, default=240.0, help="seconds the respawn scenario may take")
+    parser.add_argument("--keep", type=Path, metavar="DIR", help="keep models, configs and serve logs in DIR")
     parser.add_argument("--json", type=Path, help="also write the rows and figures as JSON here")
     args = parser.parse_args()
     if not sys.platform.startswith("linux"):
@@ -668,7 +671,9 @@ def main() -> int:
     started = time.monotonic()
     rows = []
     with tempfile.TemporaryDirectory(prefix="memvisor-chaos-") as tmp:
-        ctx = Context(args, Path(tmp))
+        work = args.keep or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        ctx = Context(args, work)
         for name in args.only or SCENARIOS:
             t0 = time.monotonic()
             print(f"-- {name} ...", file=sys.stderr, flush=True)

@@ -252,7 +252,10 @@ class Arbiter:
         loading = handle.state in LOADING_STATES
         silent = now - (handle.spawned_at if loading else handle.last_pong)
         step = self.pool.step_seconds(handle, now)
-        if loading:
+        if loading and self.pool.silent_while_loading(handle, now):
+            since = handle.last_alive or handle.spawned_at
+            what = f"no heartbeat for {now - since:.1f} s while starting or loading"
+        elif loading:
             what = f"still loading after {silent:.0f} s"
         elif step > 0:
             what = (f"one engine step has run for {step:.0f} s (supervisor.step_timeout "

@@ -38,6 +38,11 @@ log = logging.getLogger("memvisor.pool")
 StopCause = Literal["request", "evict", "ttl", "unload", "load_abort", "wedged", "shutdown"]
 
 
+# Seconds a new worker process has, beyond the heartbeat window, to start
+# Python and report for the first time (issue 16).
+STARTUP_GRACE = 20.0
+
+
 class WorkerHandle:
     """The supervisor's view of one worker process."""
 
@@ -427,7 +432,7 @@ class Pool:
         wedged = []
         for h in list(self.handles.values()):
             if h.state in LOADING_STATES and h.stopping is None:
-                if now - h.spawned_at > scfg.load_timeout:
+                if now - h.spawned_at > scfg.load_timeout or self.silent_while_loading(h, now):
                     wedged.append(h)
                 continue
             if not h.serving:
@@ -446,6 +451,16 @@ class Pool:
         if alive is None or alive.step_seconds <= 0 or now - handle.last_alive > self.config.supervisor.heartbeat_timeout:
             return 0.0
         return alive.step_seconds + (now - handle.last_alive)
+
+    def silent_while_loading(self, handle: WorkerHandle, now: float) -> bool:
+        """Issue 16: a loading worker's heartbeat thread runs from before its
+        Hello; once it has reported, silence past the heartbeat window means the
+        process is stopped or stuck (a SIGSTOP while loading waited out the
+        whole load_timeout, and every client waiting for the load with it)."""
+        window = self.config.supervisor.heartbeat_timeout
+        if handle.last_alive == 0:  # not a word yet: the interpreter and its imports get a grace
+            return now - handle.spawned_at > window + STARTUP_GRACE
+        return now - handle.last_alive > window
 
     def in_long_step(self, handle: WorkerHandle, now: float) -> bool:
         """Issue 16: silent on its command socket, yet provably alive: its

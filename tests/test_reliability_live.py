@@ -160,3 +160,29 @@ def test_issue16_prompt_plus_max_tokens_over_the_context_is_a_400_naming_both(ti
             assert "plus max_tokens (16)" in end.message and "context of 4096 tokens" in end.message
 
     asyncio.run(main())
+
+
+def test_issue16_a_worker_sigstopped_while_loading_is_caught_within_the_heartbeat_window(
+        tiny_models, runtime_dir, monkeypatch):
+    """Before: only load_timeout (600 s) caught it, and every load waited behind it (A5)."""
+    from worker.main import LOAD_DELAY_ENV
+
+    monkeypatch.setenv(LOAD_DELAY_ENV, "30.0")
+    config = make_config([ModelConfig(id="a", path=str(tiny_models.a))],
+                         heartbeat_interval=0.2, heartbeat_timeout=1.5, load_timeout=600.0)
+
+    async def main():
+        async with Running(config, runtime_dir) as arb:
+            loading = asyncio.get_running_loop().create_task(arb.load("a"))
+            await until(lambda: (w := arb.pool.worker_for("a")) is not None and w.last_alive > 0, timeout=30,
+                        what="first proof of life")
+            handle = arb.pool.worker_for("a")
+            stopped = time.monotonic()
+            os.kill(handle.pid, signal.SIGSTOP)
+            with pytest.raises(LoadError) as err:
+                await asyncio.wait_for(loading, 30)
+            assert time.monotonic() - stopped < 1.5 + 0.2 + 5.0 + 3.0  # window, beat, SIGTERM wait, slack
+            assert err.value.http_status == 503
+            assert any(e.kind == "wedged" and "while starting or loading" in e.reason for e in arb.events)
+
+    asyncio.run(main())

@@ -33,11 +33,12 @@ PR_SET_PDEATHSIG = 1
 # Tests only: seconds every engine step with work sleeps first, standing in for
 # a prefill chunk that computes for a long time (issue 16's wedge tests).
 STEP_DELAY_ENV = "MEMVISOR_TEST_STEP_DELAY"
+LOAD_DELAY_ENV = "MEMVISOR_TEST_LOAD_DELAY"  # the same, before the model loads
 
 
-def _test_step_delay() -> float:
+def _test_step_delay(name: str = STEP_DELAY_ENV) -> float:
     try:
-        return max(0.0, float(os.environ.get(STEP_DELAY_ENV, "0")))
+        return max(0.0, float(os.environ.get(name, "0")))
     except ValueError:
         return 0.0
 
@@ -109,6 +110,7 @@ class Worker:
         self.heartbeat = Heartbeat(self.ctx, spec.reports, spec.worker_id, self.clock,
                                    interval=min(1.0, spec.heartbeat_timeout / 4))
         self.step_delay = _test_step_delay()
+        self.heartbeat.start()  # before MLX is imported: a stopped or stuck start or load is seen too
         self.bad_frames = 0
         self._logged_bad: set[str] = set()
 
@@ -147,6 +149,7 @@ class Worker:
         self.phase = "loading"
         self.write_sample(time.monotonic())
         started = time.monotonic()
+        time.sleep(_test_step_delay(LOAD_DELAY_ENV))
         try:
             self.engine = Engine.load(self.spec.model_path, max_concurrency=self.spec.max_concurrency,
                                       chunk_seconds=self.spec.chunk_seconds)
@@ -155,7 +158,6 @@ class Worker:
             self.reply(p.LoadFailed(error=str(exc)))
             return 2
         self.phase = "ready"
-        self.heartbeat.start()
         now = time.monotonic()
         self.reply(p.Loaded(weight_bytes=self.engine.weight_bytes, seconds=now - started,
                             usage=self.write_sample(now)))
