@@ -627,7 +627,7 @@ class Context:
         self.respawn_budget = 60.0 if args.quick else args.respawn_budget
         self.zmq_frames = 5_000 if args.quick else 100_000
         self.subscribers = 16 if args.quick else 64
-        self.prompt_words = 600 if args.quick else 3000
+        self.prompt_words = 600 if args.quick else 1500
         self.figures: dict[str, float] = {}
         self._n = 0
         from worker.modelgen import make_model
@@ -636,7 +636,7 @@ class Context:
         self.model_a, self.model_b, self.model_big = models / "a", models / "b", models / "big"
         make_model(self.model_a, 2 * MiB, 0)
         make_model(self.model_b, 2 * MiB, 1)
-        make_model(self.model_big, (16 if args.quick else 96) * MiB, 2)
+        make_model(self.model_big, (8 if args.quick else 16) * MiB, 2)
 
     def runtime(self, tag: str) -> Path:
         self._n += 1
@@ -661,7 +661,7 @@ def main() -> int:
     parser.add_argument("--only", nargs="+", choices=sorted(SCENARIOS), help="run only these scenarios")
     parser.add_argument("--seconds", type=float, default=40.0, help="length of the streaming scenarios")
     parser.add_argument("--cycles", type=int, default=300, help="respawn cycles (bounded by --respawn-budget)")
-    parser.add_argument("--respawn-budget", type=float, default=240.0, help="seconds the respawn scenario may take")
+    parser.add_argument("--respawn-budget", type=float, default=180.0, help="seconds the respawn scenario may take")
     parser.add_argument("--keep", type=Path, metavar="DIR", help="keep models, configs and serve logs in DIR")
     parser.add_argument("--json", type=Path, help="also write the rows and figures as JSON here")
     args = parser.parse_args()

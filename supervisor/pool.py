@@ -40,7 +40,7 @@ StopCause = Literal["request", "evict", "ttl", "unload", "load_abort", "wedged",
 
 # Seconds a new worker process has, beyond the heartbeat window, to start
 # Python and report for the first time (issue 16).
-STARTUP_GRACE = 20.0
+STARTUP_GRACE = 10.0
 
 
 class WorkerHandle:

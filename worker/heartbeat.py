@@ -70,11 +70,13 @@ class Heartbeat(threading.Thread):
         sock.connect(self.endpoint)
         codec = p.Codec(p.WorkerReport)
         try:
-            while not self._halt.wait(self.interval):
+            while True:  # the first report at once: a new worker is judged from its first word
                 try:
                     sock.send(codec.encode(self.clock.alive(self.worker_id, time.monotonic())), zmq.NOBLOCK)
                 except zmq.Again:
                     pass
+                if self._halt.wait(self.interval):
+                    break
         finally:
             sock.close(0)
 
