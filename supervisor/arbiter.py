@@ -96,7 +96,7 @@ class Arbiter:
         self.wake_event = asyncio.Event()
         self.ctx = zmq.Context()
         self.endpoints = Endpoints.in_dir(self.runtime_dir, pid=os.getpid(), http=self.config.supervisor.http)
-        self.bus = Bus(self.ctx, self.endpoints)
+        self.bus = Bus(self.ctx, self.endpoints, self.config.supervisor.max_subscribers)
         scfg = self.config.supervisor
         if scfg.pub_tcp:  # opt-in; the config refuses a non-loopback bind without CURVE keys
             try:

@@ -25,6 +25,7 @@ import msgspec
 import zmq
 
 from shared import protocol as p
+from supervisor.subscribers import SubscriberCap
 
 log = logging.getLogger("memvisor.bus")
 
@@ -33,6 +34,7 @@ DRAIN_BATCH = 1000  # frames taken from one socket before the loop runs anything
 # subscriber costs at most this many frames of memory (status frames are the
 # largest, a few KiB), never 10,000 of them (issue 16).
 PUB_HWM = 1000
+MAX_SUBSCRIBERS = 64  # the default of [supervisor] max_subscribers
 BAD_LOG_EVERY = 60.0  # seconds between two log lines of one refused-frame cause
 
 # Why a frame was refused: a fixed set, so counters and logs stay bounded
@@ -152,16 +154,17 @@ def _ipc_path(endpoint: str) -> str | None:
 class Bus:
     """Binds the four sockets and dispatches decoded messages to handlers."""
 
-    def __init__(self, ctx: zmq.Context, endpoints: Endpoints) -> None:
+    def __init__(self, ctx: zmq.Context, endpoints: Endpoints, max_subscribers: int = MAX_SUBSCRIBERS) -> None:
         self.ctx = ctx
         self.endpoints = endpoints
+        self.subscribers = SubscriberCap(ctx, max_subscribers)  # issue 16: before the PUB sockets bind
         self.malformed: Counter[tuple[str, str]] = Counter()
         self._logged: dict[tuple[str, str], float] = {}  # (socket, cause) -> when last logged
         self.commands = self._bind(zmq.ROUTER, endpoints.commands)
         self.commands.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.commands.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting worker keeps its identity
         self.reports = self._bind(zmq.PULL, endpoints.reports)
-        self.pub = self._bind(zmq.PUB, endpoints.pub)
+        self.pub = self._bind(zmq.PUB, endpoints.pub, capped=True)
         self.pub.setsockopt(zmq.SNDHWM, PUB_HWM)
         self.control = self._bind(zmq.ROUTER, endpoints.control)
         self.pub_tcp: zmq.Socket | None = None
@@ -173,9 +176,11 @@ class Bus:
         self.control_reply_codec = p.Codec(p.ControlReply)
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def _bind(self, kind: int, endpoint: str) -> zmq.Socket:
+    def _bind(self, kind: int, endpoint: str, capped: bool = False) -> zmq.Socket:
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
+        if capped:
+            self.subscribers.guard(sock)
         sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
         path = _ipc_path(endpoint)
         if path and os.path.exists(path):
@@ -198,6 +203,7 @@ class Bus:
         sock = self.ctx.socket(zmq.PUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, PUB_HWM)
+        self.subscribers.guard(sock)
         public = b""
         if curve_key_file:
             try:
@@ -237,7 +243,10 @@ class Bus:
             self.commands: lambda frames: self._routed("commands", frames, self.reply_codec, on_reply),
             self.reports: lambda frames: self._plain("reports", frames, self.report_codec, on_report),
             self.control: lambda frames: self._routed("control", frames, self.control_codec, on_control),
+            self.subscribers.zap: self._zap,
         }
+        for index, monitor in enumerate(self.subscribers.monitors):
+            self._handlers[monitor] = lambda frames, index=index: self.subscribers.on_monitor(index, frames)
         for sock in self._handlers:
             loop.add_reader(sock.getsockopt(zmq.FD), self._drain, sock)  # type: ignore[arg-type]
             loop.call_soon(self._drain, sock)
@@ -259,6 +268,10 @@ class Bus:
                 log.exception("handler for %s failed", sock)
         assert self._loop is not None
         self._loop.call_soon(self._drain, sock)  # more may wait; the edge will not fire again
+
+    def _zap(self, frames: list[bytes]) -> None:
+        self.subscribers.on_zap(frames)
+        self._rearm(self.subscribers.zap)
 
     def _routed(self, name: str, frames: list[bytes], codec: p.Codec, handler) -> None:
         if len(frames) != 2:
@@ -356,6 +369,7 @@ class Bus:
         for open_sock in (self.commands, self.reports, self.pub, self.control, self.pub_tcp):
             if open_sock is not None:
                 open_sock.close(0)
+        self.subscribers.close()
         for endpoint in (self.endpoints.commands, self.endpoints.reports, self.endpoints.pub, self.endpoints.control):
             path = _ipc_path(endpoint)
             if path and os.path.exists(path):

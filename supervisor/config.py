@@ -192,6 +192,7 @@ class SupervisorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     # for a step boundary (0 = chunks sized by memory only).
     chunk_seconds: float = 1.0
     max_tokens: int = 32768          # the most tokens one request may ask for
+    max_subscribers: int = 64        # PUB subscribers at once (ipc and TCP together); more are refused
     max_body: int | str = "1MiB"
     # PUB on TCP for dashboards on other hosts: opt-in, "HOST:PORT" ("" = ipc only).
     pub_tcp: str = ""
@@ -228,6 +229,8 @@ class SupervisorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
             raise _FieldError("restart_max", f"must be 0..1000, got {self.restart_max}")
         if self.chunk_seconds != 0:
             _between("chunk_seconds", self.chunk_seconds, 0.01, 600.0)
+        if not 1 <= self.max_subscribers <= 10_000:
+            raise _FieldError("max_subscribers", f"must be 1..10000, got {self.max_subscribers}")
         if not 1 <= self.max_tokens <= 10_000_000:
             raise _FieldError("max_tokens", f"must be 1..10000000, got {self.max_tokens}")
         if self.heartbeat_timeout <= self.heartbeat_interval:

@@ -61,3 +61,33 @@ def test_issue16_refusal_causes_are_a_fixed_set():
     assert classify_bad("peer speaks protocol v7, this side v1") == "wrong_version"
     assert classify_bad("frame of 99 bytes exceeds 10") == "too_large"
     assert classify_bad("anything a peer made up") == "other"
+
+
+def test_issue16_subscribers_past_the_cap_are_refused_and_one_gets_in_when_a_place_frees(tmp_path):
+    """Any number could connect, each queueing up to the high-water mark."""
+
+    async def main():
+        ctx = zmq.Context()
+        bus = Bus(ctx, Endpoints.in_dir(tmp_path), max_subscribers=3)
+        bus.attach(asyncio.get_running_loop(), lambda *_: None, lambda *_: None, lambda *_: None)
+        subs = []
+        for _ in range(5):
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(bus.endpoints.pub)
+            subs.append(sub)
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(0.5)
+        bus.pub.send_multipart([b"event", b"x"])
+        await asyncio.sleep(0.3)
+        got = [bool(sub.poll(0)) for sub in subs]
+        refused, connected = bus.subscribers.refused, bus.subscribers.connected
+        for sub in subs:
+            sub.close(0)
+        bus.close()
+        ctx.term()
+        return got, refused, connected
+
+    got, refused, connected = asyncio.run(main())
+    assert got == [True, True, True, False, False]
+    assert refused >= 2 and connected <= 3 + 2  # refused peers come and go while they retry
