@@ -599,6 +599,7 @@ def slow_subs(ctx: "Context") -> Row:
                                text=True, timeout=30)
         asyncio.run(clients(serve, ["a"], row, min(ctx.seconds, 15.0), n=4))
         rss_after = proc_counts(serve.proc.pid)["rss_kib"]
+        counters = serve.get("/status").json()["counters"]
     finally:
         for sub in subs:
             sub.close(0)
@@ -606,7 +607,8 @@ def slow_subs(ctx: "Context") -> Row:
         serve.stop()
     row.false_kills = false_kills(serve.log_text(), set())
     row.leaks = f"RSS {rss_after - rss_before:+d} KiB"
-    row.note = f"{ctx.subscribers} subscribers that never read; drill rc {drill.returncode}"
+    row.note = (f"{ctx.subscribers} subscribers that never read ({counters.get('pub_subscribers_refused', 0)} "
+                f"connections refused past the cap of 64); drill rc {drill.returncode}")
     return row
 
 
@@ -626,7 +628,7 @@ class Context:
         self.cycles = 10 if args.quick else args.cycles
         self.respawn_budget = 60.0 if args.quick else args.respawn_budget
         self.zmq_frames = 5_000 if args.quick else 100_000
-        self.subscribers = 16 if args.quick else 64
+        self.subscribers = 16 if args.quick else 100
         self.prompt_words = 600 if args.quick else 1500
         self.figures: dict[str, float] = {}
         self._n = 0

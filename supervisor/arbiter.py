@@ -454,7 +454,9 @@ class Arbiter:
         """Pool, gate and guard counters, for status and metrics."""
         counters = dict(self.pool.counters)
         counters.update(gate_rejected_full=self.gate.rejected_full, gate_rejected_deadline=self.gate.rejected_deadline,
-                        gate_depth=self.gate.depth, guard_ticks=self.enforcer.ticks)
+                        gate_depth=self.gate.depth, guard_ticks=self.enforcer.ticks,
+                        pub_subscribers=self.bus.subscribers.connected,
+                        pub_subscribers_refused=self.bus.subscribers.refused)
         return counters
 
     def last_tick(self):
