@@ -462,6 +462,7 @@ def http_fuzz(ctx: "Context") -> Row:
         row.clear += _short_body(serve.port)
     finally:
         serve.stop()
+    row.false_kills = false_kills(serve.log_text(), set())
     row.note = "named attacks (nesting 3000, 200k-token prompt, max_tokens 10**6 and 10**20, short body) + random JSON"
     return row
 

@@ -220,7 +220,9 @@ class Worker:
                     self._logged_bad.add(cause)
                     log.warning("ignored a bad command frame: %s", msg.reason)
                 continue
+            self.clock.enter_step()  # tokenizing a long prompt is work too, not silence (issue 16)
             self.obey(msg)
+            self.clock.leave_step(self.engine.tokens_total if self.engine else 0)
 
     def obey(self, msg) -> None:
         engine = self.engine
