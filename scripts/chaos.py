@@ -306,6 +306,8 @@ async def _obedience_run(ctx: "Context", chunk_seconds: float, row: Row) -> tupl
     task = asyncio.get_running_loop().create_task(arb.run())
     try:
         while not arb.running:
+            if task.done():
+                task.result()  # it failed to start: say why rather than wait for ever
             await asyncio.sleep(0.01)
         handle = await arb.load("big")
         prompt = " ".join(f"w{i % 97}" for i in range(ctx.prompt_words))
