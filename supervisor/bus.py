@@ -14,6 +14,7 @@ raise into the loop.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -239,14 +240,14 @@ class Bus:
         on_control: Callable[[bytes, p.ControlRequest], None],
     ) -> None:
         self._loop = loop
-        self._handlers = {
+        self._handlers: dict[zmq.Socket, Callable[[list[bytes]], None]] = {
             self.commands: lambda frames: self._routed("commands", frames, self.reply_codec, on_reply),
             self.reports: lambda frames: self._plain("reports", frames, self.report_codec, on_report),
             self.control: lambda frames: self._routed("control", frames, self.control_codec, on_control),
             self.subscribers.zap: self._zap,
         }
         for index, monitor in enumerate(self.subscribers.monitors):
-            self._handlers[monitor] = lambda frames, index=index: self.subscribers.on_monitor(index, frames)
+            self._handlers[monitor] = functools.partial(self.subscribers.on_monitor, index)
         for sock in self._handlers:
             loop.add_reader(sock.getsockopt(zmq.FD), self._drain, sock)  # type: ignore[arg-type]
             loop.call_soon(self._drain, sock)
