@@ -52,6 +52,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     sample_interval: float = 0.25
     heartbeat_timeout: float = 5.0
     max_concurrency: int = 4
+    chunk_seconds: float = 1.0  # issue 16: the time one prefill chunk aims at
     allow_drills: bool = False
 
 
@@ -314,7 +315,24 @@ class WorkerEvent(Msg, tag="worker_event", kw_only=True):
     message: str
 
 
-WorkerReport = Union[Sample, WorkerEvent]
+# -- issue 16: liveness from the worker's heartbeat thread -------------------
+class Alive(Msg, tag="alive", kw_only=True):
+    """Pushed by a worker's heartbeat thread (its own socket) every fraction
+    of the heartbeat timeout, also while the step loop is inside one long
+    engine step (MLX computes with the GIL released). The supervisor decides:
+    a worker inside a step is alive until `step_timeout`; a worker whose loop
+    is stuck outside a step, or that sends nothing (SIGSTOP), is wedged."""
+
+    worker_id: str
+    pid: int
+    step_seconds: float  # how long the current engine step has run; 0 between steps
+    loop_seconds: float  # since the step loop last passed a step boundary
+    steps: int           # step boundaries passed so far (progress)
+    tokens: int = 0      # tokens generated so far (progress)
+
+
+WorkerReport = Union[Sample, WorkerEvent, Alive]
+# -- end issue 16 --------------------------------------------------------------
 
 
 # --------------------------------------------------------------------------

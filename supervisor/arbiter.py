@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import os
 import signal
 import time
@@ -32,6 +33,7 @@ from typing_extensions import assert_never
 
 from shared import protocol as p
 from shared.ledger import Ledger
+from shared.modelinfo import context_length
 from shared.sizes import format_size
 from shared.states import LOADING_STATES
 from supervisor.bus import Bus, BusError, Endpoints, FrameTooLarge, claim_runtime_dir, pid_alive
@@ -85,6 +87,7 @@ class Arbiter:
         self._load_lock = asyncio.Lock()  # A5; binds to the running loop on first use
         self._loading: dict[str, asyncio.Task] = {}
         self._respawn_due: dict[str, float] = {}
+        self._context: dict[str, int] = {}  # model id -> context tokens from config.json (-1: unknown)
         self._signals = 0
         self._status_published = 0.0
         self.http_server: EmbeddedServer | None = None
@@ -99,7 +102,7 @@ class Arbiter:
         self.wake_event = asyncio.Event()
         self.ctx = zmq.Context()
         self.endpoints = Endpoints.in_dir(self.runtime_dir, pid=os.getpid(), http=self.config.supervisor.http)
-        self.bus = Bus(self.ctx, self.endpoints)
+        self.bus = Bus(self.ctx, self.endpoints, self.config.supervisor.max_subscribers)
         self.bus.add_listener(self.hub.publish)  # issue 15
         scfg = self.config.supervisor
         if scfg.pub_tcp:  # opt-in; the config refuses a non-loopback bind without CURVE keys
@@ -266,9 +269,21 @@ class Arbiter:
     # -- crashes, wedges and respawns ------------------------------------------
 
     def on_wedged(self, handle: WorkerHandle) -> None:
+        now = time.monotonic()
         loading = handle.state in LOADING_STATES
-        silent = time.monotonic() - (handle.spawned_at if loading else handle.last_pong)
-        what = f"still loading after {silent:.0f} s" if loading else f"no heartbeat for {silent:.1f} s"
+        silent = now - (handle.spawned_at if loading else handle.last_pong)
+        step = self.pool.step_seconds(handle, now)
+        if loading and self.pool.silent_while_loading(handle, now):
+            since = handle.last_alive or handle.spawned_at
+            what = f"no heartbeat for {now - since:.1f} s while starting or loading"
+        elif loading:
+            what = f"still loading after {silent:.0f} s"
+        elif step > 0:
+            what = (f"one engine step has run for {step:.0f} s (supervisor.step_timeout "
+                    f"{self.config.supervisor.step_timeout:g} s)")
+        else:
+            what = f"no heartbeat for {silent:.1f} s"
+        self.pool.counters["wedged"] += 1
         log.error("Worker %s (pid %d): %s: wedged; killing it", handle.worker_id, handle.pid, what)
         handle.move("silent")
         self.emit("wedged", what, worker_id=handle.worker_id, model_id=handle.model_id)
@@ -287,20 +302,34 @@ class Arbiter:
         allowed, delay = self.pool.may_respawn(model_id, now)
         if not allowed:
             scfg = self.config.supervisor
-            why = (f"{scfg.restart_max} restarts within {scfg.restart_period:.0f} s; not respawning "
-                   f"(last: {cause})")
-            self.pool.mark_failed(model_id, why)
-            log.error("Model %s marked failed: %s", model_id, why)
-            self.emit("failed", why, model_id=model_id)
+            why = f"{scfg.restart_max} restarts within {scfg.restart_period:.0f} s (last: {cause})"
+            delay = self.pool.mark_failed(model_id, why, now)
+            log.error("Model %s marked failed: %s; next try in %.0f s", model_id, why, delay)
+            self.emit("failed", f"{why}; next try in {delay:.0f} s", model_id=model_id)
+            self.wake()
             return
         self._respawn_due[model_id] = now + delay
         log.info("Respawning pinned model %s in %.1f s", model_id, delay)
         self.wake()
 
     def _next_respawn(self, now: float) -> float:
-        return min(self._respawn_due.values(), default=now + 3600)
+        return min([*self._respawn_due.values(), *self.pool.retry_at.values()], default=now + 3600)
+
+    def retry_failed(self, model_id: str, why: str) -> None:
+        """failed -> stopped (issue 16); a pinned model is loaded again at once."""
+        if not self.pool.retry(model_id):
+            return
+        log.info("Model %s: trying again (%s)", model_id, why)
+        self.emit("retry", f"failed model tried again: {why}", model_id=model_id)
+        model = self.config.model(model_id)
+        if model is not None and model.pinned and why != "explicit load":
+            self.pool.record_restart(model_id, time.monotonic())
+            self.loop.create_task(self._load_quietly(model_id, "retry after failure"))
 
     def respawn_due(self, now: float) -> None:
+        for model_id, due in list(self.pool.retry_at.items()):
+            if due <= now:
+                self.retry_failed(model_id, "its backoff has passed")
         for model_id, due in list(self._respawn_due.items()):
             if due <= now:
                 del self._respawn_due[model_id]
@@ -325,16 +354,26 @@ class Arbiter:
             raise LoadError(f"the model {model_id!r} does not exist", code="model_not_found", http_status=404)
         return model
 
-    async def load(self, name: str) -> WorkerHandle:
-        """Ready worker for the model `name` (an id or alias); every concurrent caller shares one load (A5)."""
+    async def load(self, name: str, *, explicit: bool = False) -> WorkerHandle:
+        """Ready worker for the model `name` (an id or alias); every concurrent caller shares one load (A5).
+
+        A failed model refuses with when its next try is (Retry-After), except
+        to an explicit load (HTTP load route, `load` command): that is the
+        operator saying "try now" (issue 16)."""
         model = self.model_config(name)
         model_id = model.id
         handle = self.pool.worker_for(model_id)
         if handle is not None and handle.serving and not handle.marked_for_unload:
             return handle
         if model_id in self.pool.failed:
-            raise LoadError(f"model {model_id!r} is marked failed: {self.pool.failed[model_id]}",
-                            code="model_failed", http_status=503)
+            if explicit:
+                self.retry_failed(model_id, "explicit load")
+            else:
+                retry = self.pool.retry_in(model_id, time.monotonic())
+                raise LoadError(f"model {model_id!r} is marked failed: {self.pool.model_view(model_id).reason}",
+                                code="model_failed", http_status=503,
+                                retry_after=max(1, math.ceil(retry)) if retry is not None else None,
+                                permanent=retry is None)
         task = self._loading.get(model_id)
         if task is None:
             task = self.loop.create_task(self._load(model, handle))
@@ -394,7 +433,22 @@ class Arbiter:
         """SPEC P3: paused admission still lets an idle worker take one request."""
         return not self.enforcer.admission_paused or not handle.requests
 
+    def check_request(self, model: ModelConfig, gen: p.Generate) -> None:
+        """Issue 16: what can be refused before a worker exists (the prompt's
+        length in tokens is checked by the worker, which tokenizes it)."""
+        cap = self.config.supervisor.max_tokens
+        if gen.max_tokens > cap:
+            raise ServeError(f"max_tokens ({gen.max_tokens}) exceeds this server's cap of {cap} "
+                             "([supervisor] max_tokens)", code="invalid_request", http_status=400)
+        context = self._context.get(model.id, 0)
+        if context == 0:
+            context = self._context[model.id] = context_length(model.path) or -1
+        if context > 0 and gen.max_tokens >= context:
+            raise ServeError(f"max_tokens ({gen.max_tokens}) leaves no room for a prompt in the model's "
+                             f"context of {context} tokens", code="context_length_exceeded", http_status=400)
+
     async def generate(self, model_id: str, gen: p.Generate) -> RequestStream:
+        self.check_request(self.model_config(model_id), gen)
         handle = await self.load(model_id)
         if not self.admission_open(handle):
             await self.gate.wait(handle)
@@ -471,7 +525,9 @@ class Arbiter:
         """Pool, gate and guard counters, for status and metrics."""
         counters = dict(self.pool.counters)
         counters.update(gate_rejected_full=self.gate.rejected_full, gate_rejected_deadline=self.gate.rejected_deadline,
-                        gate_depth=self.gate.depth, guard_ticks=self.enforcer.ticks)
+                        gate_depth=self.gate.depth, guard_ticks=self.enforcer.ticks,
+                        pub_subscribers=self.bus.subscribers.connected,
+                        pub_subscribers_refused=self.bus.subscribers.refused)
         return counters
 
     def last_tick(self):

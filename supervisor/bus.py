@@ -7,27 +7,56 @@ per-message coroutine overhead. ZMQ_FD is edge-triggered, so after any send
 on a socket we also schedule a drain (a send can consume the edge).
 
 Every frame goes through a `Codec`; what cannot be decoded is counted per
-socket and cause, logged once per cause, and dropped. Nothing a peer sends can
+socket and fixed cause, logged at most once a minute per cause, and dropped. Nothing a peer sends can
 raise into the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
+import time
 from collections import Counter
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Literal
 
 import msgspec
 import zmq
 
 from shared import protocol as p
+from supervisor.subscribers import SubscriberCap
 
 log = logging.getLogger("memvisor.bus")
 
 DRAIN_BATCH = 1000  # frames taken from one socket before the loop runs anything else
+# Messages queued per subscriber before PUB drops for it: a slow or stalled
+# subscriber costs at most this many frames of memory (status frames are the
+# largest, a few KiB), never 10,000 of them (issue 16).
+PUB_HWM = 1000
+MAX_SUBSCRIBERS = 64  # the default of [supervisor] max_subscribers
+BAD_LOG_EVERY = 60.0  # seconds between two log lines of one refused-frame cause
+
+# Why a frame was refused: a fixed set, so counters and logs stay bounded
+# whatever a peer sends.
+BadCause = Literal["too_large", "undecodable", "wrong_version", "invalid_message", "frame_count",
+                   "unknown_peer", "hello_mismatch", "other"]
+
+
+def classify_bad(reason: str) -> BadCause:
+    """The fixed cause of a refusal (the reason's wording comes from shared.protocol's Codec)."""
+    if reason.startswith("frame of"):
+        return "too_large"
+    if reason.startswith("undecodable"):
+        return "undecodable"
+    if reason.startswith("peer speaks protocol"):
+        return "wrong_version"
+    if reason.startswith("invalid "):
+        return "invalid_message"
+    if reason.startswith("expected "):
+        return "frame_count"
+    return "other"
 
 
 class Endpoints(msgspec.Struct, frozen=True, kw_only=True):
@@ -126,17 +155,18 @@ def _ipc_path(endpoint: str) -> str | None:
 class Bus:
     """Binds the four sockets and dispatches decoded messages to handlers."""
 
-    def __init__(self, ctx: zmq.Context, endpoints: Endpoints) -> None:
+    def __init__(self, ctx: zmq.Context, endpoints: Endpoints, max_subscribers: int = MAX_SUBSCRIBERS) -> None:
         self.ctx = ctx
         self.endpoints = endpoints
+        self.subscribers = SubscriberCap(ctx, max_subscribers)  # issue 16: before the PUB sockets bind
         self.malformed: Counter[tuple[str, str]] = Counter()
-        self._logged: set[tuple[str, str]] = set()
+        self._logged: dict[tuple[str, str], float] = {}  # (socket, cause) -> when last logged
         self.commands = self._bind(zmq.ROUTER, endpoints.commands)
         self.commands.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.commands.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting worker keeps its identity
         self.reports = self._bind(zmq.PULL, endpoints.reports)
-        self.pub = self._bind(zmq.PUB, endpoints.pub)
-        self.pub.setsockopt(zmq.SNDHWM, 10_000)
+        self.pub = self._bind(zmq.PUB, endpoints.pub, capped=True)
+        self.pub.setsockopt(zmq.SNDHWM, PUB_HWM)
         self.control = self._bind(zmq.ROUTER, endpoints.control)
         self.pub_tcp: zmq.Socket | None = None
         self.command_codec = p.Codec(p.CommandMsg)
@@ -149,9 +179,11 @@ class Bus:
         # issue 15: in-process subscribers of every PUB message (the SSE hub); called, never awaited
         self.listeners: list[Callable[[p.Msg], None]] = []
 
-    def _bind(self, kind: int, endpoint: str) -> zmq.Socket:
+    def _bind(self, kind: int, endpoint: str, capped: bool = False) -> zmq.Socket:
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
+        if capped:
+            self.subscribers.guard(sock)
         sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
         path = _ipc_path(endpoint)
         if path and os.path.exists(path):
@@ -173,7 +205,8 @@ class Bus:
         host, port = _split_host_port(address)
         sock = self.ctx.socket(zmq.PUB)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 10_000)
+        sock.setsockopt(zmq.SNDHWM, PUB_HWM)
+        self.subscribers.guard(sock)
         public = b""
         if curve_key_file:
             try:
@@ -209,11 +242,14 @@ class Bus:
         on_control: Callable[[bytes, p.ControlRequest], None],
     ) -> None:
         self._loop = loop
-        self._handlers = {
+        self._handlers: dict[zmq.Socket, Callable[[list[bytes]], None]] = {
             self.commands: lambda frames: self._routed("commands", frames, self.reply_codec, on_reply),
             self.reports: lambda frames: self._plain("reports", frames, self.report_codec, on_report),
             self.control: lambda frames: self._routed("control", frames, self.control_codec, on_control),
+            self.subscribers.zap: self._zap,
         }
+        for index, monitor in enumerate(self.subscribers.monitors):
+            self._handlers[monitor] = functools.partial(self.subscribers.on_monitor, index)
         for sock in self._handlers:
             loop.add_reader(sock.getsockopt(zmq.FD), self._drain, sock)  # type: ignore[arg-type]
             loop.call_soon(self._drain, sock)
@@ -236,6 +272,10 @@ class Bus:
         assert self._loop is not None
         self._loop.call_soon(self._drain, sock)  # more may wait; the edge will not fire again
 
+    def _zap(self, frames: list[bytes]) -> None:
+        self.subscribers.on_zap(frames)
+        self._rearm(self.subscribers.zap)
+
     def _routed(self, name: str, frames: list[bytes], codec: p.Codec, handler) -> None:
         if len(frames) != 2:
             self.bad(name, f"expected 2 frames (identity, message), got {len(frames)}")
@@ -256,16 +296,25 @@ class Bus:
             return
         handler(msg)
 
-    def bad(self, socket_name: str, reason: str, peer: bytes = b"") -> None:
-        """Count a refused frame; log each distinct cause once."""
-        cause = reason.split(":")[0][:80]
+    def bad(self, socket_name: str, reason: str, peer: bytes = b"", cause: BadCause | None = None) -> None:
+        """Count a refused frame under a fixed cause; log each cause at most
+        once per BAD_LOG_EVERY seconds.
+
+        The key is never text the sender controls (a message type name, a
+        version number, a peer identity): keyed on that, 100k distinct garbage
+        frames grew the counter, the "logged once" set and the log without
+        bound (issue 16)."""
+        cause = cause or classify_bad(reason)
         key = (socket_name, cause)
         self.malformed[key] += 1
-        if key not in self._logged:
-            self._logged.add(key)
-            who = f" from {peer!r}" if peer else ""
-            log.warning("refused a frame on %s%s: %s (counted; further ones like it are not logged)",
-                        socket_name, who, reason)
+        now = time.monotonic()
+        last = self._logged.get(key)
+        if last is not None and now - last < BAD_LOG_EVERY:
+            return
+        self._logged[key] = now
+        who = f" from {peer[:64]!r}" if peer else ""
+        log.warning("refused a frame on %s%s: %s: %s (%d so far; next log of this cause in %.0f s at the earliest)",
+                    socket_name, who, cause, reason[:200], self.malformed[key], BAD_LOG_EVERY)
 
     @property
     def malformed_total(self) -> int:
@@ -332,6 +381,7 @@ class Bus:
         for open_sock in (self.commands, self.reports, self.pub, self.control, self.pub_tcp):
             if open_sock is not None:
                 open_sock.close(0)
+        self.subscribers.close()
         for endpoint in (self.endpoints.commands, self.endpoints.reports, self.endpoints.pub, self.endpoints.control):
             path = _ipc_path(endpoint)
             if path and os.path.exists(path):

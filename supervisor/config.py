@@ -24,7 +24,7 @@ import msgspec
 
 from shared.sizes import SizeError, parse_size
 from supervisor.policy.snapshot import GuardSettings
-from supervisor.policy.tiers import ThresholdError, check_thresholds
+from supervisor.policy.tiers import ThresholdError, check_thresholds, normalise_tier
 
 __all__ = [
     "Config",
@@ -57,14 +57,37 @@ def _size(field: str, value: int | str) -> int:
         raise _FieldError(field, str(exc)) from None
 
 
-def _positive(field: str, value: float) -> None:
-    if not (math.isfinite(value) and value > 0):
-        raise _FieldError(field, f"must be a positive number of seconds, got {value!r}")
-
-
 def _non_negative(field: str, value: float) -> None:
     if not (math.isfinite(value) and value >= 0):
         raise _FieldError(field, f"must be zero or a positive number of seconds, got {value!r}")
+
+
+def _between(field: str, value: float, low: float, high: float, unit: str = "seconds") -> None:
+    """A number in [low, high]: values that parse but break the system at run
+    time (a heartbeat every nanosecond, 10**20 concurrent requests) are refused
+    here, with the key path, not found by a traceback later (issue 16)."""
+    if not (math.isfinite(value) and low <= value <= high):
+        raise _FieldError(field, f"must be between {low:g} and {high:g} {unit}, got {value!r}")
+
+
+# Model ids travel in URL paths (`/v1/models/{id}/load`): letters, digits and
+# `._:@+-`, segments joined by `/` (Hugging Face style `org/name`), and no id
+# may end in a segment the routes use (`a/load` would be the load route of `a`).
+MODEL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]*(/[A-Za-z0-9][A-Za-z0-9._:@+-]*)*$")
+MODEL_ID_MAX = 128
+_ROUTE_WORDS = frozenset({"load", "unload"})
+
+
+def check_model_id(model_id: str) -> str | None:
+    """Why `model_id` cannot be carried by the routes, or None when it can."""
+    if not MODEL_ID_RE.match(model_id):
+        return (f"{model_id!r} is not a usable model id: use letters, digits and ._:@+- "
+                "(segments joined by /, each starting with a letter or digit)")
+    if len(model_id) > MODEL_ID_MAX:
+        return f"must be at most {MODEL_ID_MAX} characters, got {len(model_id)}"
+    if "/" in model_id and model_id.rsplit("/", 1)[1] in _ROUTE_WORDS:
+        return f"{model_id!r} ends in a route word (/load, /unload): the HTTP routes could not tell it apart"
+    return None
 
 
 _HTTP_RE = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(?P<port>[0-9]{1,5})$")
@@ -118,16 +141,33 @@ class GuardConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         self.budget = _size("budget", self.budget)
         self.hot_cache_max = _size("hot_cache_max", self.hot_cache_max)
         self.pool_max = _size("pool_max", self.pool_max)
+        if not normalise_tier(self.tier)[1]:
+            raise _FieldError("tier", f"unknown tier {self.tier!r}: choose safe, balanced, aggressive or custom")
+        for name in ("soft_threshold", "hard_threshold"):
+            value = getattr(self, name)
+            if value is not None and math.isfinite(value) and value < 0:
+                raise _FieldError(name, f"must not be negative, got {value!r} (leave it out or 0 for the "
+                                        "tier default)")
         try:
             check_thresholds(self.tier, self.soft_threshold, self.hard_threshold)
         except ThresholdError as exc:
             raise _FieldError(exc.key, exc.reason) from None
         if not (math.isfinite(self.safe_zone_ratio) and 0 < self.safe_zone_ratio <= 1):
             raise _FieldError("safe_zone_ratio", f"must be in (0, 1], got {self.safe_zone_ratio!r}")
-        if self.min_chunk_tokens < 1:
-            raise _FieldError("min_chunk_tokens", f"must be at least 1, got {self.min_chunk_tokens}")
+        if not 1 <= self.min_chunk_tokens <= 1_000_000:
+            raise _FieldError("min_chunk_tokens", f"must be 1..1000000, got {self.min_chunk_tokens}")
         for name in ("poll_interval", "loaded_idle_interval", "unloaded_idle_interval"):
-            _positive(name, getattr(self, name))
+            _between(name, getattr(self, name), 0.01, 3600.0)
+
+
+# (key, low, high) in seconds: below `low` a loop spins (a heartbeat every
+# nanosecond took 98% CPU and killed a pinned model 4 times in 12 s).
+_SUPERVISOR_RANGES = (
+    ("queue_deadline", 0.01, 86400.0), ("restart_period", 0.1, 86400.0), ("stop_grace", 0.01, 3600.0),
+    ("heartbeat_interval", 0.05, 3600.0), ("heartbeat_timeout", 0.1, 86400.0), ("load_timeout", 0.1, 86400.0),
+    ("step_timeout", 0.1, 86400.0), ("failed_retry_first", 0.1, 86400.0),
+    ("failed_retry_max", 0.1, 86400.0), ("body_timeout", 0.1, 3600.0),
+)
 
 
 class SupervisorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -145,6 +185,19 @@ class SupervisorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 5.0
     load_timeout: float = 600.0      # a worker still loading after this long is wedged
+    # A worker whose step loop is inside one engine step (its heartbeat thread
+    # says so) is alive, not wedged, for up to this long (issue 16).
+    step_timeout: float = 300.0
+    # A failed model is tried again after failed_retry_first seconds, then after
+    # a backoff that doubles each time it fails again, up to failed_retry_max.
+    failed_retry_first: float = 10.0
+    failed_retry_max: float = 300.0
+    body_timeout: float = 30.0       # seconds a client has to send its whole request body
+    # The time one prefill chunk aims at: commands wait at most about this long
+    # for a step boundary (0 = chunks sized by memory only).
+    chunk_seconds: float = 1.0
+    max_tokens: int = 32768          # the most tokens one request may ask for
+    max_subscribers: int = 64        # PUB subscribers at once (ipc and TCP together); more are refused
     max_body: int | str = "1MiB"
     # PUB on TCP for dashboards on other hosts: opt-in, "HOST:PORT" ("" = ipc only).
     pub_tcp: str = ""
@@ -176,19 +229,27 @@ class SupervisorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
         if self.max_body < 1:
             raise _FieldError("max_body", "must be at least 1 byte")
         _non_negative("idle_timeout", self.idle_timeout)
-        for name in ("queue_deadline", "restart_period", "stop_grace",
-                     "heartbeat_interval", "heartbeat_timeout", "load_timeout"):
-            _positive(name, getattr(self, name))
-        if self.queue_size < 0:
-            raise _FieldError("queue_size", f"must not be negative, got {self.queue_size}")
-        if self.restart_max < 0:
-            raise _FieldError("restart_max", f"must not be negative, got {self.restart_max}")
+        for name, low, high in _SUPERVISOR_RANGES:
+            _between(name, getattr(self, name), low, high)
+        if not 0 <= self.queue_size <= 1_000_000:
+            raise _FieldError("queue_size", f"must be 0..1000000, got {self.queue_size}")
+        if not 0 <= self.restart_max <= 1000:
+            raise _FieldError("restart_max", f"must be 0..1000, got {self.restart_max}")
+        if self.chunk_seconds != 0:
+            _between("chunk_seconds", self.chunk_seconds, 0.01, 600.0)
+        if not 1 <= self.max_subscribers <= 10_000:
+            raise _FieldError("max_subscribers", f"must be 1..10000, got {self.max_subscribers}")
+        if not 1 <= self.max_tokens <= 10_000_000:
+            raise _FieldError("max_tokens", f"must be 1..10000000, got {self.max_tokens}")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise _FieldError(
                 "heartbeat_timeout",
                 f"must be longer than heartbeat_interval ({self.heartbeat_interval}), "
                 f"got {self.heartbeat_timeout}",
             )
+
+
+MAX_CONCURRENCY = 1024  # requests one worker runs at once; far past what one model batches
 
 
 class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -204,17 +265,30 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if not self.id.strip():
             raise _FieldError("id", "must not be empty")
+        problem = check_model_id(self.id)
+        if problem:
+            raise _FieldError("id", problem)
         if not self.path.strip():
             raise _FieldError("path", "must not be empty")
         if self.ttl is not None:
             _non_negative("ttl", self.ttl)
-        if self.max_concurrency < 1:
-            raise _FieldError("max_concurrency", f"must be at least 1, got {self.max_concurrency}")
+        if not 1 <= self.max_concurrency <= MAX_CONCURRENCY:
+            raise _FieldError("max_concurrency", f"must be 1..{MAX_CONCURRENCY}, got {self.max_concurrency}")
         for j, alias in enumerate(self.aliases):
             if not alias.strip():
                 raise _FieldError(f"aliases[{j}]", "must not be empty")
             if alias == self.id:
                 raise _FieldError(f"aliases[{j}]", f"alias {alias!r} repeats the model's own id")
+
+    def path_problem(self) -> str | None:
+        """Why the model's path cannot be loaded (checked when serving starts,
+        not first found by a worker at load time), or None."""
+        path = Path(self.path).expanduser()
+        if not path.exists():
+            return f"{self.path}: no such file or folder"
+        if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
+            return None
+        return f"{self.path}: not a model folder (nor a .gguf file)"
 
 
 class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -235,6 +309,10 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                     raise _FieldError(f"models[{index}].aliases[{j}]",
                                       f"alias {alias!r} of model {model.id!r} collides with {owner[alias]}")
                 owner[alias] = f"an alias of models[{index}] ({model.id!r})"
+
+    def path_problems(self) -> list[str]:
+        """`models[i].path: why` for every model whose path cannot be loaded."""
+        return [f"models[{i}].path: {why}" for i, m in enumerate(self.models) if (why := m.path_problem())]
 
     def model(self, name: str) -> ModelConfig | None:
         """The model a request names, by id or by alias."""

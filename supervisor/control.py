@@ -36,7 +36,7 @@ async def _answer(sup: Supervisor, msg: p.ControlRequest) -> p.ControlReply:
             report = sup.fit(msg.model, msg.context)
             return p.ControlOk(detail=report.message, data=msgspec.json.encode(report))
         case p.LoadRequest():
-            handle = await sup.load(msg.model)
+            handle = await sup.load(msg.model, explicit=True)
             return p.ControlOk(detail=f"{msg.model} is loaded (worker {handle.worker_id}, pid {handle.pid})")
         case p.UnloadRequest():
             done = await sup.unload(msg.model)

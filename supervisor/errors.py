@@ -16,13 +16,16 @@ class ServeError(RuntimeError):
     http_status = 500
 
     def __init__(self, message: str, *, code: str | None = None, http_status: int | None = None,
-                 retry_after: int | None = None) -> None:
+                 retry_after: int | None = None, permanent: bool = False) -> None:
         super().__init__(message)
         if code is not None:
             self.code = code
         if http_status is not None:
             self.http_status = http_status
         self.retry_after = retry_after
+        # A 503 that a retry will not cure (the operator must act): it carries
+        # no Retry-After, which would invite clients to retry for ever.
+        self.permanent = permanent
 
 
 class LoadError(ServeError):

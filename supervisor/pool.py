@@ -38,6 +38,11 @@ log = logging.getLogger("memvisor.pool")
 StopCause = Literal["request", "evict", "ttl", "unload", "load_abort", "wedged", "shutdown"]
 
 
+# Seconds a new worker process has, beyond the heartbeat window, to start
+# Python and report for the first time (issue 16).
+STARTUP_GRACE = 10.0
+
+
 class WorkerHandle:
     """The supervisor's view of one worker process."""
 
@@ -54,6 +59,8 @@ class WorkerHandle:
         self.spawned_at = time.monotonic()
         self.last_access = self.spawned_at
         self.last_pong = self.spawned_at
+        self.last_alive = 0.0  # when the worker's heartbeat thread last reported (issue 16)
+        self.alive: p.Alive | None = None
         self.ping_seq = 0
         self.weight_bytes = 0
         self.device_info: dict = {}
@@ -171,6 +178,7 @@ class ModelView(msgspec.Struct, frozen=True, kw_only=True):
     worker: str = ""
     pid: int = 0
     reason: str = ""
+    retry_in: float = -1.0  # failed: seconds until the next try (-1: none scheduled)
 
 
 class Pool:
@@ -186,6 +194,8 @@ class Pool:
         self.restarts: dict[str, collections.deque] = collections.defaultdict(collections.deque)
         # model id -> its last worker that exited (or a Retired stand-in)
         self.last_exited: dict[str, WorkerHandle | Retired] = {}
+        self.retry_at: dict[str, float] = {}  # failed model id -> monotonic time of its next try
+        self.failures: dict[str, tuple[int, float]] = {}  # model id -> (times failed in a row, last time)
         self._generation = 0
         self._cmd = 0
         self._free_slots = list(range(ledger.n_slots))
@@ -209,11 +219,37 @@ class Pool:
         """Models whose last worker is in state `failed`, with why."""
         return {m: h.failed_reason for m, h in self.last_exited.items() if h.state == "failed"}
 
-    def mark_failed(self, model_id: str, reason: str) -> None:
-        """Restart intensity exhausted: the model's last worker moves to `failed`."""
+    def mark_failed(self, model_id: str, reason: str, now: float) -> float:
+        """Restart intensity exhausted: the model's last worker moves to `failed`
+        until a retry after a backoff that doubles up to `failed_retry_max`
+        (issue 16: a failed model stayed failed for ever). Returns the delay."""
+        scfg = self.config.supervisor
         last = self.last_exited.setdefault(model_id, Retired())
         last.move("give_up")
         last.failed_reason = reason
+        count, since = self.failures.get(model_id, (0, now))
+        if now - since > 2 * scfg.failed_retry_max:
+            count = 0  # it served long enough since its last failure: start the backoff over
+        delay = min(scfg.failed_retry_max, scfg.failed_retry_first * 2.0 ** count)
+        self.failures[model_id] = (count + 1, now)
+        self.retry_at[model_id] = now + delay
+        return delay
+
+    def retry(self, model_id: str) -> bool:
+        """failed --retry--> stopped: the model may be started again, with a fresh
+        restart history. False when it was not failed."""
+        last = self.last_exited.get(model_id)
+        if last is None or last.state != "failed":
+            return False
+        last.move("retry")
+        self.retry_at.pop(model_id, None)
+        self.restarts[model_id].clear()
+        return True
+
+    def retry_in(self, model_id: str, now: float) -> float | None:
+        """Seconds until a failed model's next try, or None when it is not failed."""
+        due = self.retry_at.get(model_id)
+        return None if due is None else max(0.0, due - now)
 
     def model_view(self, model_id: str) -> ModelView:
         handle = self.worker_for(model_id)
@@ -221,7 +257,10 @@ class Pool:
             return ModelView(id=model_id, state=handle.state, worker=handle.worker_id, pid=handle.pid)
         last = self.last_exited.get(model_id)
         if last is not None and last.state == "failed":
-            return ModelView(id=model_id, state="failed", reason=last.failed_reason)
+            retry = self.retry_in(model_id, time.monotonic())
+            after = f"; next try in {retry:.0f} s (or at once on an explicit load)" if retry is not None else ""
+            return ModelView(id=model_id, state="failed", reason=last.failed_reason + after,
+                             retry_in=retry if retry is not None else -1.0)
         return ModelView(id=model_id, state="unloaded")
 
     # -- spawning -------------------------------------------------------------
@@ -246,6 +285,7 @@ class Pool:
             supervisor_pid=os.getpid(),
             heartbeat_timeout=scfg.heartbeat_timeout,
             max_concurrency=handle.concurrency,
+            chunk_seconds=scfg.chunk_seconds,
             allow_drills=scfg.allow_drills,
         )
         from worker.main import run as worker_main  # imports no MLX at module level
@@ -275,7 +315,7 @@ class Pool:
     def on_reply(self, identity: bytes, msg: p.WorkerReply) -> None:
         handle = self.by_identity.get(identity)
         if handle is None or not handle.live:
-            self.bus.bad("commands", "message from an unknown or stopped worker")
+            self.bus.bad("commands", "message from an unknown or stopped worker", cause="unknown_peer")
             return
         match msg:
             case p.TokenOut() | p.Finished() | p.Failed():
@@ -290,8 +330,9 @@ class Pool:
             case p.Loaded():
                 self._on_loaded(handle, msg)
             case p.LoadFailed():
-                if not handle.loaded.done():
-                    handle.loaded.set_exception(LoadError(f"model {handle.model_id!r} failed to load: {msg.error}"))
+                if not handle.loaded.done():  # the files are unusable: retrying will not help
+                    handle.loaded.set_exception(LoadError(f"model {handle.model_id!r} failed to load: {msg.error}",
+                                                          http_status=503, permanent=True))
                 handle.marked_for_unload = True
                 self.on_event(LoadFailed(handle, msg.error))
             case p.NeedMemory():
@@ -303,7 +344,7 @@ class Pool:
 
     def _on_hello(self, handle: WorkerHandle, msg: p.Hello) -> None:
         if msg.pid != handle.pid or msg.worker_id != handle.worker_id:
-            self.bus.bad("commands", "hello that does not match the spawned process")
+            self.bus.bad("commands", "hello that does not match the spawned process", cause="hello_mismatch")
             return
         handle.device_info = dict(msg.device_info)
         handle.move("hello")
@@ -329,7 +370,7 @@ class Pool:
             case p.Sample():
                 handle = self.handles.get(msg.worker_id)
                 if handle is None or msg.pid != handle.pid:
-                    self.bus.bad("reports", "sample from an unknown worker")
+                    self.bus.bad("reports", "sample from an unknown worker", cause="unknown_peer")
                     return
                 self.counters["samples"] += 1
                 self.bus.publish(msg)
@@ -340,6 +381,12 @@ class Pool:
                 handle = self.handles.get(msg.worker_id)
                 if handle is not None:
                     self.on_event(Reported(handle, msg.kind, msg.message))
+            case p.Alive():
+                handle = self.handles.get(msg.worker_id)
+                if handle is None or msg.pid != handle.pid:
+                    return  # the last word of a worker that has just exited: it changes nothing
+                handle.last_alive = time.monotonic()
+                handle.alive = msg
             case _:
                 assert_never(msg)
 
@@ -385,17 +432,43 @@ class Pool:
         wedged = []
         for h in list(self.handles.values()):
             if h.state in LOADING_STATES and h.stopping is None:
-                if now - h.spawned_at > scfg.load_timeout:
+                if now - h.spawned_at > scfg.load_timeout or self.silent_while_loading(h, now):
                     wedged.append(h)
                 continue
             if not h.serving:
                 continue
-            if now - h.last_pong > scfg.heartbeat_timeout:
+            if now - h.last_pong > scfg.heartbeat_timeout and not self.in_long_step(h, now):
                 wedged.append(h)
                 continue
             h.ping_seq += 1
             self.command(h, p.Ping(seq=h.ping_seq))
         return wedged
+
+    def step_seconds(self, handle: WorkerHandle, now: float) -> float:
+        """How long the worker's current engine step has run, by its heartbeat
+        thread's last report (0 when it is between steps or the report is stale)."""
+        alive = handle.alive
+        if alive is None or alive.step_seconds <= 0 or now - handle.last_alive > self.config.supervisor.heartbeat_timeout:
+            return 0.0
+        return alive.step_seconds + (now - handle.last_alive)
+
+    def silent_while_loading(self, handle: WorkerHandle, now: float) -> bool:
+        """Issue 16: a loading worker's heartbeat thread runs from before its
+        Hello; once it has reported, silence past the heartbeat window means the
+        process is stopped or stuck (a SIGSTOP while loading waited out the
+        whole load_timeout, and every client waiting for the load with it)."""
+        window = self.config.supervisor.heartbeat_timeout
+        if handle.last_alive == 0:  # not a word yet: the interpreter and its imports get a grace
+            return now - handle.spawned_at > window + STARTUP_GRACE
+        return now - handle.last_alive > window
+
+    def in_long_step(self, handle: WorkerHandle, now: float) -> bool:
+        """Issue 16: silent on its command socket, yet provably alive: its
+        heartbeat thread reported within the window that the loop is inside
+        one engine step (MLX computing), for less than step_timeout. A
+        SIGSTOPped worker sends nothing; a loop stuck between steps says so."""
+        step = self.step_seconds(handle, now)
+        return 0 < step < self.config.supervisor.step_timeout
 
     async def ping(self, handle: WorkerHandle, timeout: float = 5.0) -> float:
         """Round trip of one command to the worker's step loop and back, in seconds."""
@@ -498,9 +571,10 @@ class Pool:
         log.log(level, "Worker %s (pid %d, model %s) %s%s", handle.worker_id, handle.pid, handle.model_id,
                 handle.exit_cause, f" [{handle.stop_reason}]" if handle.stop_reason else "")
         self.streams.fail_all(handle, "worker_exited", f"the worker serving {handle.model_id!r} {handle.exit_cause}")
-        if not handle.loaded.done():
+        if not handle.loaded.done():  # a death, as after loading: 503, retry (issue 16; was a 500)
             handle.loaded.set_exception(
-                LoadError(f"worker for {handle.model_id!r} {handle.exit_cause} before the model was loaded"))
+                LoadError(f"worker for {handle.model_id!r} {handle.exit_cause} before the model was loaded",
+                          code="worker_exited", http_status=503))
         if not handle.exited.done():
             handle.exited.set_result(code)
         self.handles.pop(handle.worker_id, None)

@@ -97,18 +97,18 @@ def test_config_full_file_round_trip(tmp_path):
         ('[guard]\nbudget = -5', "guard.budget: size must not be negative"),
         ('[guard]\nhot_cache_max = "1.5"', "guard.hot_cache_max: a byte count must be whole"),
         ('[guard]\npoll_interval = "fast"', "guard.poll_interval: Expected `float`, got `str`"),
-        ('[guard]\npoll_interval = 0', "guard.poll_interval: must be a positive number"),
-        ('[guard]\nloaded_idle_interval = -1', "guard.loaded_idle_interval: must be a positive"),
+        ('[guard]\npoll_interval = 0', "guard.poll_interval: must be between 0.01 and 3600 seconds"),
+        ('[guard]\nloaded_idle_interval = -1', "guard.loaded_idle_interval: must be between"),
         ('[guard]\nenabled = "yes"', "guard.enabled: Expected `bool`"),
         ('[guard]\nsafe_zone_ratio = 1.5', "guard.safe_zone_ratio: must be in (0, 1]"),
-        ('[guard]\nmin_chunk_tokens = 0', "guard.min_chunk_tokens: must be at least 1"),
+        ('[guard]\nmin_chunk_tokens = 0', "guard.min_chunk_tokens: must be 1..1000000"),
         ('[supervisor]\nhttp = "localhost"', "supervisor.http: expected HOST:PORT"),
         ('[supervisor]\nhttp = "127.0.0.1:99999"', "supervisor.http: port must be 1-65535"),
         ('[supervisor]\nidle_timeout = -1', "supervisor.idle_timeout: must be zero or a positive"),
         ('[supervisor]\nmax_body = 0', "supervisor.max_body: must be at least 1 byte"),
         ('[supervisor]\nheartbeat_timeout = 0.5', "supervisor.heartbeat_timeout: must be longer"),
         ('[[models]]\nid = "a"\npath = "/a"\n[[models]]\nid = ""\npath = "/b"', "models[1].id: must not be empty"),
-        ('[[models]]\nid = "a"\npath = "/a"\nmax_concurrency = 0', "models[0].max_concurrency: must be at least 1"),
+        ('[[models]]\nid = "a"\npath = "/a"\nmax_concurrency = 0', "models[0].max_concurrency: must be 1..1024"),
         ('[[models]]\nid = "a"\npath = "/a"\nttl = -3', "models[0].ttl: must be zero or a positive"),
         ('[[models]]\nid = "a"', "models[0]: Object missing required field `path`"),
         ('[[models]]\nid = "a"\npath = "/a"\n[[models]]\nid = "a"\npath = "/b"', "models[1].id: duplicate model id 'a'"),
@@ -145,8 +145,8 @@ def test_t5_bad_thresholds_are_config_errors(toml, fragment):
     [
         '[guard]\nsoft_threshold = 0.85\nhard_threshold = 0.95',  # legacy defaults: tier defaults
         '[guard]\ntier = "aggressive"\nsoft_threshold = 0.96',     # below aggressive's 0.98
-        '[guard]\nsoft_threshold = 0\nhard_threshold = -1',        # <= 0: tier defaults
-        '[guard]\ntier = "nonsense"',                                # T2: balanced, warned at runtime
+        '[guard]\nsoft_threshold = 0\nhard_threshold = 0',         # 0: tier defaults
+        '[guard]\ntier = " Safe "',                                  # T2: normalised
     ],
 )
 def test_t5_accepted_thresholds(toml):
@@ -177,3 +177,51 @@ def test_pub_tcp_is_opt_in_and_a_non_loopback_bind_requires_curve_keys():
     assert ok.supervisor.curve_key_file.endswith("key_secret")
     with pytest.raises(ConfigError, match=r"supervisor\.pub_tcp: expected HOST:PORT"):
         parse_config('[supervisor]\npub_tcp = "nowhere"\n')
+
+
+# Issue 16: configs that parsed but broke the system at run time are refused
+# at load, with the key path. Each of these was accepted before.
+@pytest.mark.parametrize(
+    "toml, fragment",
+    [
+        ('[[models]]\nid = "a"\npath = "/a"\nmax_concurrency = 99999999999999999999',
+         "models[0].max_concurrency"),
+        ('[[models]]\nid = "a"\npath = "/a"\nmax_concurrency = 100000', "models[0].max_concurrency: must be 1..1024"),
+        ('[supervisor]\nheartbeat_interval = 1e-9', "supervisor.heartbeat_interval: must be between 0.05"),
+        ('[guard]\npoll_interval = 1e-9', "guard.poll_interval: must be between 0.01"),
+        ('[guard]\ntier = "turbo"', "guard.tier: unknown tier 'turbo'"),
+        ('[guard]\nsoft_threshold = -0.5', "guard.soft_threshold: must not be negative"),
+        ('[guard]\nhard_threshold = -1', "guard.hard_threshold: must not be negative"),
+        ('[[models]]\nid = "a/load"\npath = "/a"', "models[0].id: 'a/load' ends in a route word"),
+        ('[[models]]\nid = "a/unload"\npath = "/a"', "models[0].id: 'a/unload' ends in a route word"),
+        ('[[models]]\nid = "a b"\npath = "/a"', "models[0].id: 'a b' is not a usable model id"),
+        ('[[models]]\nid = "a/../b"\npath = "/a"', "models[0].id: 'a/../b' is not a usable model id"),
+        ('[[models]]\nid = "/abs"\npath = "/a"', "models[0].id: '/abs' is not a usable model id"),
+        ('[supervisor]\nqueue_size = 99999999999', "supervisor.queue_size: must be 0..1000000"),
+        ('[supervisor]\nmax_tokens = 0', "supervisor.max_tokens: must be 1..10000000"),
+        ('[supervisor]\nbody_timeout = 0', "supervisor.body_timeout: must be between"),
+        ('[supervisor]\nstep_timeout = inf', "supervisor.step_timeout: must be between"),
+    ],
+)
+def test_issue16_runtime_breaking_values_are_refused_with_the_key_path(toml, fragment):
+    with pytest.raises(ConfigError) as info:
+        parse_config(toml, source="my.toml")
+    assert fragment in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("model_id", ["qwen", "mlx-community/Qwen2.5-0.5B-Instruct-4bit", "a:b@c+d", "loader"])
+def test_issue16_model_ids_the_routes_carry_are_accepted(model_id):
+    parse_config(f'[[models]]\nid = "{model_id}"\npath = "/a"')
+
+
+def test_issue16_model_paths_are_checked_at_start(tmp_path):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    afile = tmp_path / "weights.bin"
+    afile.write_bytes(b"x")
+    config = parse_config(f'[[models]]\nid = "ok"\npath = "{folder}"\n'
+                          f'[[models]]\nid = "gone"\npath = "{tmp_path / "absent"}"\n'
+                          f'[[models]]\nid = "file"\npath = "{afile}"')
+    problems = config.path_problems()
+    assert problems == [f"models[1].path: {tmp_path / 'absent'}: no such file or folder",
+                        f"models[2].path: {afile}: not a model folder (nor a .gguf file)"]

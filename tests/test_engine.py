@@ -604,36 +604,38 @@ def test_mlx_failure_fails_the_requests_involved_and_the_engine_keeps_serving(lo
     assert isinstance(drive(engine).terminal("after"), Finished)
 
 
-# ------------------------------------------------------------------ step length (issue 12)
+# ------------------------------------------------------------------ issue 16
 
 
-def test_prefill_chunks_are_capped_by_the_measured_speed(loaded):
-    """A slow machine (here: told 1 s a token) prefills in chunks that fit `step_seconds`,
-    so the worker answers heartbeats between them; the chunk grows once the speed is measured."""
-    engine = _engine(loaded, step_seconds=2.5)
-    engine.prefill_seconds_per_token = 1.0
-    prompt = _prompt(engine, "word " * 80)
-    engine.submit("r", prompt, max_tokens=1)
+def test_issue16_prefill_chunks_are_sized_by_time_not_only_by_memory(loaded):
+    """A step is how long a command waits: chunks aim at chunk_seconds whatever
+    the memory plan allows (512 tokens took 4.7-12.2 s on a small CPU)."""
+    from worker.engine import FIRST_CHUNK, ChunkTimer
+
+    engine = _engine(loaded, max_chunk=512, chunk_seconds=1.0)
+    engine.chunk_timer.per_token = 0.1  # as if the last chunk took 0.1 s a token: 10 tokens fit 1 s
+    engine.submit("long", _prompt(engine, "word " * 300), max_tokens=1)
     engine.step(OPEN, lambda: 0)
-    assert engine.prompt_tokens_processed == 2
-    assert engine.prefill_seconds_per_token < 1.0  # learned from the chunk it ran
-    engine.step(OPEN, lambda: 0)
-    assert engine.prompt_tokens_processed > 4
+    assert engine.prompt_tokens_processed == 16  # MIN_TIMED_CHUNK: never fewer
+    engine.abort_all("done")
     drive(engine)
+    timer = ChunkTimer(0.5)
+    assert timer.cap(512) == FIRST_CHUNK  # nothing timed yet: a small first chunk
+    timer.learn(1.0, 100)  # 10 ms a token
+    assert timer.cap(512) == 50
+    timer.learn(4.0, 50)  # slower (attention grows): jumps up at once
+    assert timer.cap(512) == 16
+    timer.learn(0.1, 100)  # faster: decays slowly
+    assert 16 <= timer.cap(512) < 50
+    assert ChunkTimer(0).cap(512) == 512  # 0 = by memory only
 
 
-def test_time_capped_chunks_keep_greedy_output_identical(loaded):
-    from mlx_lm.generate import generate_step
-
-    model, _ = loaded
-    engine = _engine(loaded, step_seconds=1e-9)  # one token a chunk
-    engine.prefill_seconds_per_token = 1.0
-    prompt = _prompt(engine, "The memory guard watches every model and steps in early.")
-    expected = [tok for tok, _ in generate_step(mx.array(prompt), model, max_tokens=8)]
-    engine.submit("r", prompt, max_tokens=8)
-    assert drive(engine).tokens("r") == expected
-
-
-def test_load_measures_the_speed_before_the_first_request(tiny_model):
-    engine = Engine.load(tiny_model, own_usage_fn=lambda: 0)
-    assert engine.prefill_seconds_per_token > 0
+def test_issue16_a_prompt_that_leaves_no_room_for_max_tokens_fails_naming_both(loaded):
+    engine = _engine(loaded)
+    engine.context_length = 64
+    prompt = _prompt(engine, "word " * 60)
+    engine.submit_generate(Generate(request_id="r", prompt="word " * 60, max_tokens=16))
+    end = drive(engine).terminal("r")
+    assert isinstance(end, Failed) and end.code == "context_length_exceeded"
+    assert f"the prompt ({len(prompt)} tokens) plus max_tokens (16)" in end.message
+    assert "context of 64 tokens" in end.message

@@ -49,7 +49,7 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("fd")
     models = [ModelConfig(id="huge", path=str(fake_huge_model(root / "huge", 1024 * GiB))),
               ModelConfig(id="org/never-loaded", path=str(root / "missing"))]
-    with LiveServer(make_config(models, max_body=MAX_BODY), tmp_path_factory.mktemp("rt")) as live:
+    with LiveServer(make_config(models, max_body=MAX_BODY, body_timeout=1.0), tmp_path_factory.mktemp("rt")) as live:
         yield live
 
 
@@ -303,3 +303,33 @@ def test_model_list_and_ids_with_slashes(server):
                                      "created": 0, "state": "unloaded", "pinned": False, "worker": None,
                                      "pid": None}
     assert details["id"] == "org/never-loaded" and details["state"] == "unloaded" and details["usage"] == 0
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/admin/guard"])
+def test_issue16_deeply_nested_json_is_400_not_a_500(server, path):
+    """Nesting 3,000 deep raised RecursionError inside the decoder (a 500)."""
+    nested = b'{"model": "huge", "extra": ' + b"[" * 3000 + b"]" * 3000 + b"}"
+
+    async def main():
+        async with server.client() as c:
+            return await c.post(path, content=nested), await c.get("/health")
+
+    refused, after = server.run(main())
+    assert "deeper than 64 levels" in assert_openai_error(refused, 400)["message"]
+    assert after.status_code == 200
+
+
+def test_issue16_a_body_shorter_than_its_content_length_is_408_within_the_deadline(server):
+    """It held its connection until the client gave up; now body_timeout (1 s here) ends it."""
+
+    async def main():
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"model\"")
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        writer.close()
+        return head
+
+    head = server.run(main())
+    assert head.startswith(b"HTTP/1.1 408"), head

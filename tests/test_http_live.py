@@ -8,7 +8,10 @@ pinned model and two on-demand ones. Tests that squeeze the guard through
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -30,15 +33,30 @@ def no_front_door_errors(caplog):
     assert front_door_errors(caplog.get_records("call")) == []
 
 
+def long_context(model: Path, target: Path, tokens: int = 1_000_000) -> Path:
+    """A copy of `model` whose config.json claims a context of `tokens` (its rotary
+    embeddings do not mind): these tests need 40k-token prompts (G1) and
+    generations that outlive them, which issue 16's context check refuses on the
+    tiny model's 4,096 tokens."""
+    shutil.copytree(model, target)
+    config = json.loads((target / "config.json").read_text())
+    config["max_position_embeddings"] = tokens
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
 @pytest.fixture(scope="module")
 def server(tiny_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("long")
+    a, b = long_context(tiny_models.a, root / "a"), long_context(tiny_models.b, root / "b")
     models = [
-        ModelConfig(id="pin", path=str(tiny_models.a), pinned=True),
-        ModelConfig(id="a", path=str(tiny_models.a)),
-        ModelConfig(id="b", path=str(tiny_models.b)),
+        ModelConfig(id="pin", path=str(a), pinned=True),
+        ModelConfig(id="a", path=str(a)),
+        ModelConfig(id="b", path=str(b)),
     ]
     # queue_size 1: the second request waiting under pressure is turned away (P3's bound)
-    with LiveServer(make_config(models, queue_size=1), tmp_path_factory.mktemp("rt")) as live:
+    config = make_config(models, queue_size=1, max_tokens=LONG)
+    with LiveServer(config, tmp_path_factory.mktemp("rt")) as live:
         live.health = live.run(_health_while_pinned_loads(live))
         yield live
 

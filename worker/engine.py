@@ -39,6 +39,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from shared.limits import Limits
+from shared.modelinfo import context_length
 from shared.protocol import Constraint as ConstraintSpec
 from shared.protocol import Failed, Finished, Generate, NeedMemory, TokenOut
 from shared.weights import WeightsError, estimate_weight_bytes
@@ -59,11 +60,8 @@ CLEAR_CACHE_EVERY = 256  # decode steps between pool returns, as mlx_lm does
 MEMORY_WAIT_SECONDS = 10.0
 MIN_LEARN_TOKENS = 16  # shorter chunks do not update the per-token cost estimate
 MIN_REUSE_TOKENS = 16  # a shorter shared prefix (BOS, a template's first tokens) is no cache hit
-# A step (one prefill chunk) aims to take at most this long, so heartbeats are answered
-# (heartbeat_timeout defaults to 5 s) and running streams keep flowing, however slow the
-# machine: a quantized model on a busy CPU prefills a few tokens a second.
-STEP_SECONDS = 1.0
 INVALID_REQUEST = "invalid_request"
+CONTEXT_EXCEEDED = "context_length_exceeded"  # issue 16
 ENGINE_ERROR = "engine_error"
 
 
@@ -145,6 +143,41 @@ def _prior_cost(model, max_chunk: int) -> guard.PrefillCost:
     return guard.PrefillCost(kv_per_token=float(kv), chunk_per_token=float(kv + activations))
 
 
+# -- issue 16: prefill chunks sized by time ---------------------------------------
+CHUNK_SECONDS = 1.0     # the time one prefill chunk aims at
+FIRST_CHUNK = 64        # tokens of a chunk before any has been timed
+MIN_TIMED_CHUNK = 16    # never fewer per chunk (a chunk has a fixed cost too)
+
+
+class ChunkTimer:
+    """Sizes prefill chunks so one takes about `seconds`, whatever the machine.
+
+    Commands (abort, reclaim, drain) are obeyed at step boundaries, so a step's
+    length is how long they wait. Memory alone sized chunks at 512 tokens, and
+    one such chunk of a 300 MiB float16 model took 4.7-12.2 s on a small CPU.
+    The per-token time jumps up at once when a chunk is slower (attention
+    grows with the prompt) and decays slowly when faster, like the memory
+    estimate of G2."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.per_token = 0.0  # seconds per prompt token, 0 until a chunk has been timed
+
+    def cap(self, tokens: int) -> int:
+        if self.seconds <= 0:
+            return tokens
+        if self.per_token <= 0:
+            return min(tokens, FIRST_CHUNK)
+        return min(tokens, max(MIN_TIMED_CHUNK, int(self.seconds / self.per_token)))
+
+    def learn(self, elapsed: float, tokens: int) -> None:
+        if tokens < MIN_TIMED_CHUNK or elapsed <= 0:
+            return
+        observed = elapsed / tokens
+        self.per_token = observed if observed > self.per_token else 0.7 * self.per_token + 0.3 * observed
+# -- end issue 16 ------------------------------------------------------------------
+
+
 class Engine:
     """Continuous generation for one loaded model (see module doc)."""
 
@@ -160,19 +193,19 @@ class Engine:
         reclaim_fn: Callable[[], int] | None = None,
         clock: Callable[[], float] = time.monotonic,
         memory_wait: float = MEMORY_WAIT_SECONDS,
-        step_seconds: float = STEP_SECONDS,
+        chunk_seconds: float = CHUNK_SECONDS,
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.weight_bytes = weight_bytes
         self.max_chunk = max(1, max_chunk)
+        self.context_length: int | None = None  # tokens; set by load() from config.json (issue 16)
+        self.chunk_timer = ChunkTimer(chunk_seconds)  # issue 16: chunks sized by time too
         self.max_concurrency = max(1, max_concurrency)
         self._own_usage = own_usage_fn or _default_own_usage
         self._reclaim = reclaim_fn or _default_reclaim
         self._clock = clock
         self._memory_wait = memory_wait
-        self.step_seconds = step_seconds
-        self.prefill_seconds_per_token = 0.0  # 0: not measured yet, chunks are not capped by time
         self._eos = frozenset(tokenizer.eos_token_ids)
         self.cost = _prior_cost(model, self.max_chunk)
         self._measured = False
@@ -207,26 +240,8 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - any loader failure is a load error
             raise EngineError("load_failed", f"cannot load {directory}: {exc}") from exc
         engine = cls(model, tokenizer, weight_bytes=weight_bytes, **kwargs)
-        engine.measure_speed()
+        engine.context_length = context_length(directory)  # issue 16
         return engine
-
-    def measure_speed(self) -> float:
-        """Time one single-token forward pass: the first prefill chunk's size is set from it.
-
-        Why at load: before any request, nothing says whether this machine
-        prefills 5 or 5000 tokens a second, and a first chunk of 512 tokens
-        at 5 a second would hold the worker past its heartbeat timeout. A
-        one-token pass (with MLX's first-call warm-up in it) errs on the slow
-        side; the first real chunk then corrects it.
-        """
-        cache = make_prompt_cache(self.model)
-        started = time.perf_counter()
-        with mx.stream(generation_stream):
-            self.model(mx.array([[0]]), cache=cache)
-            mx.eval([c.state for c in cache])
-        self.prefill_seconds_per_token = time.perf_counter() - started
-        mx.clear_cache()
-        return self.prefill_seconds_per_token
 
     # ------------------------------------------------------------------ prompts
 
@@ -274,6 +289,11 @@ class Engine:
             raise EngineError(INVALID_REQUEST, "prompt is empty")
         if max_tokens < 1:
             raise EngineError(INVALID_REQUEST, f"max_tokens must be at least 1, got {max_tokens}")
+        # issue 16: the prompt and the reply must fit the model's context window
+        if self.context_length and len(prompt_tokens) + max_tokens > self.context_length:
+            raise EngineError(CONTEXT_EXCEEDED, f"the prompt ({len(prompt_tokens)} tokens) plus max_tokens "
+                                                f"({max_tokens}) exceeds the model's context of "
+                                                f"{self.context_length} tokens; shorten the prompt or lower max_tokens")
         if not temperature >= 0:
             raise EngineError(INVALID_REQUEST, f"temperature must be >= 0, got {temperature}")
         if not 0 < top_p <= 1:
@@ -527,15 +547,15 @@ class Engine:
             n = plan.tokens
         else:
             n = min(self.max_chunk, remaining)
-        n = self._time_capped(n)
+        n = self.chunk_timer.cap(n)  # issue 16: a chunk also fits its time budget
         chunk = mx.array(seq.prompt[seq.pos:seq.pos + n])[None]
         memory.reset_peak()
         before = mx.get_active_memory()
-        started = time.perf_counter()
+        started = time.monotonic()
         with mx.stream(generation_stream):
             self.model(chunk, cache=seq.cache)
             mx.eval([c.state for c in seq.cache])
-        self._learn_speed(time.perf_counter() - started, n)
+        self.chunk_timer.learn(time.monotonic() - started, n)
         self._learn_cost(mx.get_peak_memory() - before, n)
         seq.pos += n
         self.prompt_tokens_processed += n
@@ -559,17 +579,6 @@ class Engine:
             seq.warned_soft = True
             log.info("request %s: prefill is above the soft limit", seq.id)
         return True
-
-    def _time_capped(self, tokens: int) -> int:
-        """At most as many tokens as fit in `step_seconds` at the measured prefill speed."""
-        if self.prefill_seconds_per_token <= 0:
-            return tokens
-        return max(1, min(tokens, int(self.step_seconds / self.prefill_seconds_per_token)))
-
-    def _learn_speed(self, seconds: float, tokens: int) -> None:
-        observed = seconds / max(1, tokens)
-        old = self.prefill_seconds_per_token
-        self.prefill_seconds_per_token = observed if old <= 0 else 0.5 * old + 0.5 * observed
 
     def _learn_cost(self, grown: int, tokens: int) -> None:
         """Running per-token estimate: jumps up at once, decays slowly (G2).

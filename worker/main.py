@@ -25,10 +25,22 @@ import zmq
 from shared import protocol as p
 from shared.ledger import Ledger
 from shared.limits import Limits
+from worker.heartbeat import Heartbeat, StepClock
 
 log = logging.getLogger("memvisor.worker")
 
 PR_SET_PDEATHSIG = 1
+# Tests only: seconds every engine step with work sleeps first, standing in for
+# a prefill chunk that computes for a long time (issue 16's wedge tests).
+STEP_DELAY_ENV = "MEMVISOR_TEST_STEP_DELAY"
+LOAD_DELAY_ENV = "MEMVISOR_TEST_LOAD_DELAY"  # the same, before the model loads
+
+
+def _test_step_delay(name: str = STEP_DELAY_ENV) -> float:
+    try:
+        return max(0.0, float(os.environ.get(name, "0")))
+    except ValueError:
+        return 0.0
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -96,6 +108,12 @@ class Worker:
         self.last_sent = 0.0
         self.last_level = 0
         self.phase = "starting"
+        # issue 16: the heartbeat thread reports the step loop's progress
+        self.clock = StepClock()
+        self.heartbeat = Heartbeat(self.ctx, spec.reports, spec.worker_id, self.clock,
+                                   interval=min(1.0, spec.heartbeat_timeout / 4))
+        self.step_delay = _test_step_delay()
+        self.heartbeat.start()  # before MLX is imported: a stopped or stuck start or load is seen too
         self.bad_frames = 0
         self._logged_bad: set[str] = set()
 
@@ -138,8 +156,10 @@ class Worker:
         self.phase = "loading"
         self.write_sample(time.monotonic())
         started = time.monotonic()
+        time.sleep(_test_step_delay(LOAD_DELAY_ENV))
         try:
-            self.engine = Engine.load(self.spec.model_path, max_concurrency=self.spec.max_concurrency)
+            self.engine = Engine.load(self.spec.model_path, max_concurrency=self.spec.max_concurrency,
+                                      chunk_seconds=self.spec.chunk_seconds)
         except (EngineError, OSError, ValueError) as exc:
             log.error("cannot load %s: %s", self.spec.model_path, exc)
             self.reply(p.LoadFailed(error=str(exc)))
@@ -159,7 +179,12 @@ class Worker:
                 return 0
             limits = self.ledger.read_limits(self.spec.slot) or self.limits
             self.allocator.apply(limits)  # M1: only calls MLX when the limits changed
-            for ev in self.engine.step(limits, self.group_usage):
+            self.clock.enter_step()
+            if self.step_delay and self.engine.has_work:
+                time.sleep(self.step_delay)  # tests only: a long MLX step (the GIL released, as in eval)
+            events = self.engine.step(limits, self.group_usage)
+            self.clock.leave_step(self.engine.tokens_total)
+            for ev in events:
                 self.reply(ev)  # engine events are the wire's own Structs
             self.step_boundary()
             now = time.monotonic()
@@ -198,12 +223,14 @@ class Worker:
             msg = self.commands.decode(frame)
             if isinstance(msg, p.Malformed):
                 self.bad_frames += 1
-                cause = msg.reason.split(":")[0]
+                cause = "wrong_version" if msg.wrong_version else "invalid"  # issue 16: a fixed key
                 if cause not in self._logged_bad:
                     self._logged_bad.add(cause)
                     log.warning("ignored a bad command frame: %s", msg.reason)
                 continue
+            self.clock.enter_step()  # tokenizing a long prompt is work too, not silence (issue 16)
             self.obey(msg)
+            self.clock.leave_step(self.engine.tokens_total if self.engine else 0)
 
     def obey(self, msg) -> None:
         engine = self.engine
@@ -343,6 +370,8 @@ class Worker:
         ))
 
     def close(self) -> None:
+        if self.heartbeat.is_alive():
+            self.heartbeat.stop()
         if self.drill is not None:
             self.drill.release()
         self.dealer.close()

@@ -75,6 +75,11 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"memvisor: configuration error: {exc}", file=sys.stderr)
         return 2
+    problems = config.path_problems()  # at start, not at the first load (issue 16)
+    if problems:
+        for problem in problems:
+            print(f"memvisor: configuration error: {args.config or 'demo'}: {problem}", file=sys.stderr)
+        return 2
     if not 1 <= args.max_workers <= 4096:
         print("memvisor: --max-workers must be 1..4096", file=sys.stderr)
         return 2

@@ -163,7 +163,7 @@ class FrontDoor:
             except ServeError as exc:
                 raise from_serve_error(exc) from None
         try:
-            await http_generate.race_client(self.sup.load(model.id), request.receive)
+            await http_generate.race_client(self.sup.load(model.id, explicit=True), request.receive)
         except ServeError as exc:
             raise from_serve_error(exc) from None
         return json_response(self.card(model))
@@ -183,7 +183,7 @@ class FrontDoor:
         return await self._generate(request, "text")
 
     async def _generate(self, request: Request, kind: str) -> Response:
-        body = await read_body(request, int(self.scfg.max_body))
+        body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
         started = request.scope.get("memvisor.started", time.monotonic())
         return await http_generate.handle(request, self.sup, self.metrics, kind, body, started)
 
@@ -196,7 +196,8 @@ class FrontDoor:
     async def guard(self, request: Request) -> Response:
         """SPEC T6: new settings take effect at once (the enforcer ticks)."""
         require_admin(request, self.scfg.admin_token)
-        new = decode_body(await read_body(request, int(self.scfg.max_body)), GuardSettingsIn)
+        body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
+        new = decode_body(body, GuardSettingsIn)
         ceiling = new.custom_ceiling
         if ceiling is not None:
             try:

@@ -13,6 +13,8 @@ connection reset; beyond that bound the connection is simply closed.
 
 from __future__ import annotations
 
+import asyncio
+
 from starlette.requests import ClientDisconnect, Request
 
 from shared.sizes import MiB, format_size
@@ -20,6 +22,8 @@ from supervisor.http.errors import ApiError
 
 # Discard at most this much of a refused body before answering.
 DRAIN_LIMIT = 16 * MiB
+# Seconds a client has to send its whole body (the default of [supervisor] body_timeout).
+BODY_DEADLINE = 30.0
 
 
 class Disconnected(Exception):
@@ -31,7 +35,10 @@ def too_large(limit: int, seen: str) -> ApiError:
                          "([supervisor] max_body)", code="request_too_large")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, deadline: float = BODY_DEADLINE) -> bytes:
+    """The whole body, or ApiError: 413 over `limit`, 408 when it has not all
+    arrived within `deadline` seconds (a body shorter than its Content-Length
+    held its connection until the client gave up; issue 16)."""
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -40,6 +47,18 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise ApiError(400, f"Content-Length {declared!r} is not a number", code="invalid_request") from None
         if length > limit and length > DRAIN_LIMIT:
             raise too_large(limit, format_size(length))
+    try:
+        size, chunks = await asyncio.wait_for(_read(request, limit), deadline)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {deadline:g} s "
+                            "([supervisor] body_timeout)", code="request_timeout",
+                       headers={"Connection": "close"}) from None
+    if size > limit:
+        raise too_large(limit, format_size(size) if declared is not None else f"at least {format_size(size)}")
+    return b"".join(chunks)
+
+
+async def _read(request: Request, limit: int) -> tuple[int, list[bytes]]:
     chunks: list[bytes] = []
     size = 0
     try:
@@ -51,6 +70,4 @@ async def read_body(request: Request, limit: int) -> bytes:
                 break  # refused; stop reading and let the connection close
     except ClientDisconnect:
         raise Disconnected() from None
-    if size > limit:
-        raise too_large(limit, format_size(size) if declared is not None else f"at least {format_size(size)}")
-    return b"".join(chunks)
+    return size, chunks

@@ -31,6 +31,7 @@ _TYPE_BY_STATUS = {
     403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
     500: "server_error",
@@ -42,6 +43,7 @@ _TYPE_BY_STATUS = {
 _FAILED_STATUS: dict[str, tuple[int, int | None]] = {
     "prefill_memory_exceeded": (400, None),  # SPEC G1: the prompt does not fit
     "invalid_request": (400, None),
+    "context_length_exceeded": (400, None),  # issue 16: prompt + max_tokens over the context
     "memory_pressure": (503, RETRY_AFTER_ABORT),  # P6.3/P6.5 aborted it
     "model_unloading": (503, RETRY_AFTER_ABORT),
     "worker_exited": (503, RETRY_AFTER_ABORT),
@@ -80,7 +82,7 @@ class ApiError(Exception):
 def from_serve_error(exc: ServeError) -> ApiError:
     """A refusal (load, queue, request size) -> its status; a 503 says when to retry."""
     retry = exc.retry_after
-    if retry is None and exc.http_status == 503:
+    if retry is None and exc.http_status == 503 and not exc.permanent:
         retry = RETRY_AFTER_ABORT
     return ApiError(exc.http_status, str(exc), code=exc.code, retry_after=retry)
 

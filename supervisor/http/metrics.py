@@ -172,7 +172,7 @@ class GuardCollector:
         yield rejected
         workers = CounterMetricFamily("memvisor_workers", "Worker processes by what happened to them",
                                       labels=["what"])
-        for what in ("spawned", "exits", "respawns"):
+        for what in ("spawned", "exits", "respawns", "wedged"):  # wedged: killed for silence (issue 16)
             workers.add_metric([what], counters.get(what, 0))
         yield workers
         yield CounterMetricFamily("memvisor_samples", "Worker memory samples received",

@@ -241,10 +241,37 @@ class ErrorBody(Struct, kw_only=True):
 _AT_PATH = re.compile(r"^(?P<reason>.*) - at `\$(?P<path>[^`]*)`$", re.S)
 
 
+# Deepest nesting of arrays and objects a body may have. No request shape
+# needs more than a handful; msgspec recurses per level, and a body nested
+# 3,000 deep raised RecursionError (a 500; issue 16).
+MAX_JSON_DEPTH = 64
+_BRACKETS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+
+def json_depth_exceeds(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """True when arrays/objects nest deeper than `limit` (strings skipped)."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return False  # the common case costs two C-speed counts
+    depth = 0
+    for match in _BRACKETS.finditer(body):
+        token = match[0]
+        if token in (b"[", b"{"):
+            depth += 1
+            if depth > limit:
+                return True
+        elif token in (b"]", b"}"):
+            depth -= 1
+    return False
+
+
 def decode_body(body: bytes, type_: type[T]) -> T:
     """Decode and validate a JSON body, or raise BodyError naming the field."""
+    if json_depth_exceeds(body):
+        raise BodyError(f"the request body nests arrays/objects deeper than {MAX_JSON_DEPTH} levels")
     try:
         return msgspec.json.decode(body, type=type_)
+    except RecursionError:  # a belt to the depth check's braces
+        raise BodyError(f"the request body nests too deeply (limit {MAX_JSON_DEPTH} levels)") from None
     except msgspec.ValidationError as exc:
         reason, path = _split_path(str(exc))
         raise BodyError(f"{path}: {reason}" if path else reason, param=path or None) from None

@@ -1,0 +1,700 @@
+"""Chaos suite (issue 16): abuse a real supervisor and count what it costs.
+
+Every scenario runs real processes on this machine, over loopback and ipc
+only, bounded in time and count:
+
+  stream-kill     streaming clients while workers are SIGKILLed and SIGSTOPped
+  long-steps      every engine step longer than the heartbeat window (no kill may follow)
+  obedience       how long a command waits for a step boundary during a long prefill
+  sup-kill        the supervisor SIGKILLed and restarted on the same runtime dir
+  respawn         workers SIGKILLed over and over: fd/thread/RSS/zombie counts per cycle
+  http-fuzz       random and hostile HTTP bodies (nesting, sizes, context, short bodies)
+  zmq-fuzz        distinct garbage frames on the ZeroMQ sockets
+  configs         configs that used to break the system at run time
+  slow-subs       subscribers that never read, during a fire drill
+
+and prints one table; the last line is the headline:
+
+  chaos: N requests, H hung, F false kills, E 5xx, O orphans
+
+    python scripts/chaos.py [--quick] [--only SCENARIO ...] [--cycles N] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+import zmq
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from supervisor.bus import Endpoints, NotRunning  # noqa: E402
+
+MiB = 1024 * 1024
+WEDGE_LINE = re.compile(r"Worker \S+ \(pid (\d+)\): .*: wedged; killing it")
+
+
+@dataclass
+class Row:
+    scenario: str
+    requests: int = 0
+    finished: int = 0
+    clear: int = 0       # a 4xx, or a 503/SSE error that says what happened
+    hung: int = 0        # no answer within the client's deadline (or a dropped connection)
+    e5xx: int = 0        # a 500 (or a crash, for the config scenario)
+    orphans: int = 0
+    false_kills: int = 0
+    leaks: str = "-"
+    note: str = ""
+
+
+# ---------------------------------------------------------------------------
+# a supervisor in a subprocess
+
+
+class Serve:
+    """`python -m supervisor serve` with a TOML config, its log in a file."""
+
+    def __init__(self, workdir: Path, config: str, runtime_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.config_path = workdir / f"chaos-{time.monotonic_ns()}.toml"
+        self.config_path.write_text(config)
+        self.runtime_dir = runtime_dir
+        self.log_path = workdir / f"{self.config_path.stem}.log"
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+
+    def start(self, timeout: float = 60.0) -> "Serve":
+        cmd = [sys.executable, "-m", "supervisor", "serve", "--config", str(self.config_path),
+               "--runtime-dir", str(self.runtime_dir), "--http", "127.0.0.1:0"]
+        self.log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"serve exited with {self.proc.returncode}: {self.log_path.read_text()[-2000:]}")
+            try:
+                endpoints = Endpoints.load(self.runtime_dir)
+                port = int(endpoints.http.rsplit(":", 1)[1]) if endpoints.http else 0
+                if endpoints.pid == self.proc.pid and port:  # 0 until the front door has bound
+                    self.port = port
+                    return self
+            except (NotRunning, ValueError):
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("serve did not start")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def get(self, path: str, timeout: float = 10.0) -> httpx.Response:
+        return httpx.get(self.url + path, timeout=timeout)
+
+    def wait_healthy(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if self.get("/health").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"not healthy after {timeout:.0f} s: {self.log_path.read_text()[-2000:]}")
+
+    def worker_pids(self) -> dict[str, int]:
+        return {m["id"]: m["pid"] for m in self.get("/status").json()["models"] if m.get("pid")}
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+
+
+def base_config(models: dict[str, Path], pinned: bool = True, **supervisor) -> str:
+    sup = {"heartbeat_interval": 0.25, "heartbeat_timeout": 2.0, "restart_max": 1000, "restart_period": 1.0,
+           "stop_grace": 3.0, "allow_drills": True, "failed_retry_first": 1.0, **supervisor}
+    lines = ["[supervisor]"] + [f"{k} = {json.dumps(v)}" for k, v in sup.items()]
+    for model_id, path in models.items():
+        lines += ["[[models]]", f'id = "{model_id}"', f'path = "{path}"', f"pinned = {str(pinned).lower()}"]
+    return "\n".join(lines) + "\n"
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def proc_counts(pid: int) -> dict[str, int]:
+    """fds, threads, RSS (KiB) and zombie children of `pid` (Linux /proc)."""
+    rss = 0
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1])
+    zombies = 0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] == "Z" and int(fields[1]) == pid:
+                zombies += 1
+    return {"fds": len(os.listdir(f"/proc/{pid}/fd")), "threads": len(os.listdir(f"/proc/{pid}/task")),
+            "rss_kib": rss, "zombies": zombies}
+
+
+def false_kills(log_text: str, stopped: set[int]) -> int:
+    """Wedge kills of workers nobody SIGSTOPped."""
+    return sum(1 for m in WEDGE_LINE.finditer(log_text) if int(m[1]) not in stopped)
+
+
+# ---------------------------------------------------------------------------
+# clients
+
+
+async def one_stream(client: httpx.AsyncClient, model: str, row: Row, deadline: float,
+                     prompt: str = "tell me a story", max_tokens: int = 24) -> None:
+    """One streamed chat request, classified."""
+    row.requests += 1
+    body = {"model": model, "stream": True, "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": prompt}]}
+
+    async def read() -> tuple[int, str]:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            return response.status_code, "".join([chunk async for chunk in response.aiter_text()])
+
+    try:
+        status, text = await asyncio.wait_for(read(), deadline)
+    except (asyncio.TimeoutError, httpx.HTTPError) as exc:
+        row.hung += 1  # no answer in time, or a dropped connection: no clear answer either way
+        print(f"   hung: {model}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return
+    if status >= 500 and status != 503:
+        row.e5xx += 1
+    elif status != 200:
+        row.clear += 1
+    elif '"error"' in text:
+        row.clear += 1
+    elif text.rstrip().endswith("data: [DONE]"):
+        row.finished += 1
+    else:
+        row.hung += 1
+        print(f"   hung: {model}: a stream that ended without [DONE]: {text[-200:]!r}", file=sys.stderr)
+
+
+async def clients(serve: Serve, models: list[str], row: Row, seconds: float, n: int = 8,
+                  deadline: float = 60.0, **kw) -> None:
+    end = time.monotonic() + seconds
+
+    async def loop(i: int) -> None:
+        async with httpx.AsyncClient(base_url=serve.url, timeout=deadline + 5) as client:
+            while time.monotonic() < end:
+                await one_stream(client, models[i % len(models)], row, deadline, **kw)
+
+    await asyncio.gather(*(loop(i) for i in range(n)))
+
+
+# ---------------------------------------------------------------------------
+# scenarios
+
+
+def stream_kill(ctx: "Context") -> Row:
+    row = Row("stream-kill")
+    serve = Serve(ctx.work, base_config({"a": ctx.model_a, "b": ctx.model_b}), ctx.runtime("sk")).start()
+    stopped: set[int] = set()
+    kills = 0
+    try:
+        serve.wait_healthy()
+
+        async def killer() -> None:
+            nonlocal kills
+            end = time.monotonic() + ctx.seconds
+            rng = random.Random(16)
+            while time.monotonic() < end:
+                await asyncio.sleep(rng.uniform(2.0, 4.0))
+                pids = await asyncio.to_thread(serve.worker_pids)
+                if not pids:
+                    continue
+                pid = rng.choice(sorted(pids.values()))
+                sig = signal.SIGSTOP if rng.random() < 0.33 else signal.SIGKILL
+                if sig == signal.SIGSTOP:
+                    stopped.add(pid)
+                try:
+                    os.kill(pid, sig)
+                    kills += 1
+                except ProcessLookupError:
+                    pass
+
+        async def main() -> None:
+            await asyncio.gather(clients(serve, ["a", "b"], row, ctx.seconds), killer())
+
+        asyncio.run(main())
+    finally:
+        serve.stop()
+    row.false_kills = false_kills(serve.log_text(), stopped)
+    row.note = f"{kills} signals ({len(stopped)} SIGSTOP) over {ctx.seconds:.0f} s, 8 clients"
+    return row
+
+
+def long_steps(ctx: "Context") -> Row:
+    """Each step 2.5 s against a 1.5 s heartbeat window (the worker's test-only delay
+    sleeps with the GIL released, as MLX does): before issue 16 every one was a kill."""
+    row = Row("long-steps")
+    config = base_config({"a": ctx.model_a}, heartbeat_timeout=1.5, heartbeat_interval=0.2)
+    serve = Serve(ctx.work, config, ctx.runtime("ls"), env={"MEMVISOR_TEST_STEP_DELAY": "2.5"}).start()
+    try:
+        serve.wait_healthy()
+        asyncio.run(clients(serve, ["a"], row, min(ctx.seconds, 20.0), n=3, deadline=90.0, max_tokens=3))
+    finally:
+        serve.stop()
+    row.false_kills = false_kills(serve.log_text(), set())
+    row.note = "every step 2.5 s, heartbeat window 1.5 s"
+    return row
+
+
+def obedience(ctx: "Context") -> Row:
+    """Ping round trips while a long prompt prefills, with chunks sized by time
+    (chunk_seconds 1.0) and by memory only (0): the bound a command waits."""
+    row = Row("obedience")
+    results = {}
+    for chunk_seconds in (1.0, 0.0):
+        results[chunk_seconds] = asyncio.run(_obedience_run(ctx, chunk_seconds, row))
+    timed, untimed = results[1.0], results[0.0]
+    row.note = (f"max ping during prefill: {timed[0]:.2f} s timed (chunk_seconds 1), "
+                f"{untimed[0]:.2f} s by memory only; prefill {timed[1]:.1f} s vs {untimed[1]:.1f} s")
+    ctx.figures["obedience_max_ping_s"] = timed[0]
+    ctx.figures["obedience_max_ping_untimed_s"] = untimed[0]
+    return row
+
+
+async def _obedience_run(ctx: "Context", chunk_seconds: float, row: Row) -> tuple[float, float]:
+    from shared import protocol as p
+    from supervisor.arbiter import Arbiter
+    from supervisor.config import parse_config
+
+    config = parse_config(base_config({"big": ctx.model_big}, pinned=False, chunk_seconds=chunk_seconds,
+                                      heartbeat_timeout=30.0))
+    arb = Arbiter(config, ctx.runtime(f"ob{int(chunk_seconds)}"), max_workers=4, http=False)
+    task = asyncio.get_running_loop().create_task(arb.run())
+    try:
+        while not arb.running:
+            if task.done():
+                task.result()  # it failed to start: say why rather than wait for ever
+            await asyncio.sleep(0.01)
+        handle = await arb.load("big")
+        prompt = " ".join(f"w{i % 97}" for i in range(ctx.prompt_words))
+        row.requests += 1
+        stream = await arb.generate("big", p.Generate(request_id=f"ob{chunk_seconds}", prompt=prompt, max_tokens=2))
+        started = time.monotonic()
+        worst = 0.0
+        while stream.queue.empty():
+            worst = max(worst, await arb.pool.ping(handle, timeout=120))
+        first = await stream.queue.get()
+        prefill = time.monotonic() - started
+        while not isinstance(first, (p.Finished, p.Failed)):
+            first = await stream.queue.get()
+        if isinstance(first, p.Finished):
+            row.finished += 1
+        else:
+            row.clear += 1
+            row.note = first.message
+        return worst, prefill
+    finally:
+        arb.running = False
+        arb.wake()
+        await asyncio.wait_for(task, 60)
+
+
+def sup_kill(ctx: "Context") -> Row:
+    row = Row("sup-kill")
+    runtime = ctx.runtime("sup")
+    config = base_config({"a": ctx.model_a, "b": ctx.model_b})
+    rounds = 2 if ctx.quick else 5
+    for _ in range(rounds):
+        serve = Serve(ctx.work, config, runtime).start()
+        serve.wait_healthy()
+        pids = list(serve.worker_pids().values())
+        assert serve.proc is not None
+        serve.proc.kill()
+        serve.proc.wait()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(alive(pid) for pid in pids):
+            time.sleep(0.05)
+        row.orphans += sum(1 for pid in pids if alive(pid))
+        row.requests += 1
+        serve.log.close()
+    serve = Serve(ctx.work, config, runtime).start()  # the same runtime dir serves again
+    serve.wait_healthy()
+    row.finished = rounds
+    serve.stop()
+    row.note = f"{rounds} supervisor SIGKILLs, restarted on the same runtime dir each time"
+    return row
+
+
+def respawn(ctx: "Context") -> Row:
+    row = Row("respawn")
+    serve = Serve(ctx.work, base_config({"a": ctx.model_a}), ctx.runtime("rs")).start()
+    try:
+        serve.wait_healthy()
+        assert serve.proc is not None
+        sup = serve.proc.pid
+        warm = min(5, ctx.cycles)
+        done = 0
+        before = proc_counts(sup)
+        end = time.monotonic() + ctx.respawn_budget
+        while done < ctx.cycles + warm and time.monotonic() < end:
+            if done == warm:
+                before = proc_counts(sup)
+            old = serve.worker_pids()["a"]
+            os.kill(old, signal.SIGKILL)
+            while True:
+                pid = serve.worker_pids().get("a", 0)
+                if pid and pid != old and serve.get("/health").status_code == 200:
+                    break
+                time.sleep(0.02)
+            done += 1
+        time.sleep(1.0)  # let the last exit be reaped
+        after = proc_counts(sup)
+    finally:
+        serve.stop()
+    cycles = max(1, done - warm)
+    row.requests = cycles
+    row.finished = cycles
+    per = {k: (after[k] - before[k]) / cycles for k in ("fds", "threads", "rss_kib")}
+    row.leaks = f"{per['fds']:+.2f} fd {per['threads']:+.2f} thr {per['rss_kib']:+.0f} KiB zomb {after['zombies']}"
+    row.note = f"{cycles} respawn cycles after {warm} warm-up: fds {before['fds']}->{after['fds']}, " \
+               f"threads {before['threads']}->{after['threads']}, RSS {before['rss_kib']}->{after['rss_kib']} KiB"
+    ctx.figures["respawn_cycles"] = cycles
+    return row
+
+
+def hostile_bodies(rng: random.Random, n: int) -> list[tuple[str, bytes, dict[str, str]]]:
+    """(path, body, headers): the named attacks, then random JSON of every shape."""
+    chat = "/v1/chat/completions"
+    named = [
+        (chat, b'{"model":"a","messages":' + b"[" * 3000 + b"]" * 3000 + b"}", {}),
+        ("/v1/completions", b'{"model":"a","prompt":' + b"[" * 3000 + b"]" * 3000 + b"}", {}),
+        ("/v1/completions", json.dumps({"model": "a", "prompt": "w " * 200_000, "max_tokens": 4}).encode(), {}),
+        (chat, json.dumps({"model": "a", "max_tokens": 1_000_000, "messages": [
+            {"role": "user", "content": "hi"}]}).encode(), {}),
+        (chat, json.dumps({"model": "a", "max_tokens": 99999999999999999999, "messages": []}).encode(), {}),
+        (chat, b"\xff\xfe garbage", {}),
+        (chat, b"", {}),
+        (chat, json.dumps({"model": "a/load", "messages": [{"role": "user", "content": "x"}]}).encode(), {}),
+        ("/admin/guard", json.dumps({"tier": "turbo"}).encode(), {}),
+        ("/admin/guard", json.dumps({"custom_ceiling": "1e400GiB"}).encode(), {}),
+        ("/v1/models/a%2Fload/load", b"", {}),
+    ]
+    scalars = [None, True, -1, 0, 2**70, 1e308, float("nan"), "", "a", "x" * 5000, "\u0000\udcff"]
+
+    def value(depth: int):
+        pick = rng.random()
+        if depth > 3 or pick < 0.5:
+            v = rng.choice(scalars)
+            return str(v) if isinstance(v, float) and v != v else v
+        if pick < 0.75:
+            return [value(depth + 1) for _ in range(rng.randint(0, 4))]
+        return {rng.choice(["model", "messages", "prompt", "max_tokens", "stream", "role", "content",
+                            "temperature", "stop", "seed", "n", "tools"]): value(depth + 1)
+                for _ in range(rng.randint(0, 5))}
+
+    fuzz = []
+    for _ in range(n):
+        extra = value(0)
+        body = {"model": rng.choice(["a", "b", "nope", 5]), **(extra if isinstance(extra, dict) else {})}
+        for key in ("messages", "prompt", "max_tokens", "stream", "temperature", "stop", "seed"):
+            if rng.random() < 0.4:
+                body[key] = value(1)
+        fuzz.append((rng.choice([chat, "/v1/completions"]),
+                     json.dumps(body, ensure_ascii=rng.random() < 0.5).encode("utf-8", "surrogatepass"), {}))
+    return named + fuzz
+
+
+def http_fuzz(ctx: "Context") -> Row:
+    row = Row("http-fuzz")
+    serve = Serve(ctx.work, base_config({"a": ctx.model_a, "b": ctx.model_b}, body_timeout=2.0),
+                  ctx.runtime("hf")).start()
+    try:
+        serve.wait_healthy()
+        bodies = hostile_bodies(random.Random(16), 60 if ctx.quick else 400)
+        with httpx.Client(base_url=serve.url, timeout=90) as client:
+            for path, body, headers in bodies:
+                row.requests += 1
+                try:
+                    status = client.post(path, content=body, headers={"content-type": "application/json",
+                                                                      **headers}).status_code
+                except httpx.HTTPError:
+                    row.hung += 1
+                    continue
+                if status == 200:
+                    row.finished += 1
+                elif status >= 500 and status != 503:
+                    row.e5xx += 1
+                else:
+                    row.clear += 1
+        row.requests += 1
+        row.clear += _short_body(serve.port)
+    finally:
+        serve.stop()
+    row.false_kills = false_kills(serve.log_text(), set())
+    row.note = "named attacks (nesting 3000, 200k-token prompt, max_tokens 10**6 and 10**20, short body) + random JSON"
+    return row
+
+
+def _short_body(port: int) -> int:
+    """A body shorter than its Content-Length: 1 when a 408 comes back within 10 s."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        try:
+            return int(sock.recv(64).startswith(b"HTTP/1.1 408"))
+        except TimeoutError:
+            return 0
+
+
+def zmq_fuzz(ctx: "Context") -> Row:
+    row = Row("zmq-fuzz")
+    serve = Serve(ctx.work, base_config({"a": ctx.model_a}), ctx.runtime("zf")).start()
+    try:
+        serve.wait_healthy()
+        assert serve.proc is not None
+        endpoints = Endpoints.load(serve.runtime_dir)
+        warnings_before = serve.log_text().count("refused a frame")
+        rss_before = proc_counts(serve.proc.pid)["rss_kib"]
+        frames = ctx.zmq_frames
+        worst = asyncio.run(_flood(endpoints, frames, serve))
+        time.sleep(1.0)
+        rss_after = proc_counts(serve.proc.pid)["rss_kib"]
+        lines = serve.log_text().count("refused a frame") - warnings_before
+        status = serve.get("/status").json()
+    finally:
+        serve.stop()
+    row.requests = frames
+    row.clear = status["malformed_frames"]
+    row.leaks = f"RSS {rss_after - rss_before:+d} KiB"
+    row.note = f"{frames} distinct garbage frames: {lines} log lines, /health worst {worst * 1000:.0f} ms during the flood"
+    return row
+
+
+async def _flood(endpoints: Endpoints, frames: int, serve: Serve) -> float:
+    import msgspec
+
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.connect(endpoints.reports)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.IDENTITY, b"chaos-intruder")
+    dealer.connect(endpoints.commands)
+    worst = 0.0
+
+    async def probe() -> None:
+        nonlocal worst
+        async with httpx.AsyncClient(base_url=serve.url, timeout=30) as client:
+            for _ in range(20):
+                started = time.monotonic()
+                await client.get("/health")
+                worst = max(worst, time.monotonic() - started)
+                await asyncio.sleep(0.1)
+
+    prober = asyncio.ensure_future(probe())
+    for i in range(frames):
+        frame = msgspec.msgpack.encode({"type": f"Evil{i}", "v": 1 + (i % 3) * 1000 + i, "x": i})
+        sock = push if i % 2 else dealer
+        while True:
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+                break
+            except zmq.Again:
+                await asyncio.sleep(0.001)
+        if i % 500 == 0:
+            await asyncio.sleep(0)
+    await prober
+    push.close(0)
+    dealer.close(0)
+    ctx.term()
+    return worst
+
+
+BROKEN_CONFIGS = {
+    "max_concurrency 1e20": '[[models]]\nid = "a"\npath = "{a}"\nmax_concurrency = 99999999999999999999',
+    "heartbeat_interval 1e-9": '[supervisor]\nheartbeat_interval = 1e-9',
+    "poll_interval 1e-9": '[guard]\npoll_interval = 1e-9',
+    "tier turbo": '[guard]\ntier = "turbo"',
+    "soft_threshold -0.5": '[guard]\nsoft_threshold = -0.5',
+    "missing path": '[[models]]\nid = "a"\npath = "{missing}"',
+    "path is a file": '[[models]]\nid = "a"\npath = "{file}"',
+    "id a/load": '[[models]]\nid = "a/load"\npath = "{a}"',
+    "unknown key": '[supervisor]\nheartbeat = 1',
+}
+
+
+def configs(ctx: "Context") -> Row:
+    row = Row("configs")
+    afile = ctx.work / "not-a-model.bin"
+    afile.write_bytes(b"x")
+    for name, text in BROKEN_CONFIGS.items():
+        path = ctx.work / f"broken-{len(name)}-{row.requests}.toml"
+        path.write_text(text.format(a=ctx.model_a, missing=ctx.work / "absent", file=afile))
+        row.requests += 1
+        try:
+            done = subprocess.run([sys.executable, "-m", "supervisor", "serve", "--config", str(path),
+                                   "--runtime-dir", str(ctx.runtime("cf")), "--http", "127.0.0.1:0"],
+                                  cwd=ROOT, capture_output=True, text=True, timeout=30)
+        except subprocess.TimeoutExpired:
+            row.hung += 1  # accepted: it served (before issue 16, most of these did)
+            continue
+        if done.returncode == 2 and "configuration error" in done.stderr and "Traceback" not in done.stderr:
+            row.clear += 1
+        else:
+            row.e5xx += 1
+            print(f"config {name!r}: rc {done.returncode}: {done.stderr[-500:]}", file=sys.stderr)
+    row.note = ", ".join(BROKEN_CONFIGS)
+    return row
+
+
+def slow_subs(ctx: "Context") -> Row:
+    row = Row("slow-subs")
+    serve = Serve(ctx.work, base_config({"a": ctx.model_a}), ctx.runtime("ss")).start()
+    zctx = zmq.Context()
+    subs = []
+    try:
+        serve.wait_healthy()
+        assert serve.proc is not None
+        endpoints = Endpoints.load(serve.runtime_dir)
+        for _ in range(ctx.subscribers):
+            sub = zctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.setsockopt(zmq.RCVHWM, 1)
+            sub.connect(endpoints.pub)
+            subs.append(sub)  # never read
+        rss_before = proc_counts(serve.proc.pid)["rss_kib"]
+        drill = subprocess.run([sys.executable, "-m", "supervisor", "drill", "a", "--rate", "64MiB/s", "--to",
+                                "128MiB", "--runtime-dir", str(serve.runtime_dir)], cwd=ROOT, capture_output=True,
+                               text=True, timeout=30)
+        asyncio.run(clients(serve, ["a"], row, min(ctx.seconds, 15.0), n=4))
+        rss_after = proc_counts(serve.proc.pid)["rss_kib"]
+        counters = serve.get("/status").json()["counters"]
+    finally:
+        for sub in subs:
+            sub.close(0)
+        zctx.term()
+        serve.stop()
+    row.false_kills = false_kills(serve.log_text(), set())
+    row.leaks = f"RSS {rss_after - rss_before:+d} KiB"
+    row.note = (f"{ctx.subscribers} subscribers that never read ({counters.get('pub_subscribers_refused', 0)} "
+                f"connections refused past the cap of 64); drill rc {drill.returncode}")
+    return row
+
+
+SCENARIOS = {"stream-kill": stream_kill, "long-steps": long_steps, "obedience": obedience, "sup-kill": sup_kill,
+             "respawn": respawn, "http-fuzz": http_fuzz, "zmq-fuzz": zmq_fuzz, "configs": configs,
+             "slow-subs": slow_subs}
+
+
+# ---------------------------------------------------------------------------
+
+
+class Context:
+    def __init__(self, args: argparse.Namespace, work: Path) -> None:
+        self.quick = args.quick
+        self.work = work
+        self.seconds = 10.0 if args.quick else args.seconds
+        self.cycles = 10 if args.quick else args.cycles
+        self.respawn_budget = 60.0 if args.quick else args.respawn_budget
+        self.zmq_frames = 5_000 if args.quick else 100_000
+        self.subscribers = 16 if args.quick else 100
+        self.prompt_words = 600 if args.quick else 1500
+        self.figures: dict[str, float] = {}
+        self._n = 0
+        from worker.modelgen import make_model
+
+        models = work / "models"
+        self.model_a, self.model_b, self.model_big = models / "a", models / "b", models / "big"
+        make_model(self.model_a, 2 * MiB, 0)
+        make_model(self.model_b, 2 * MiB, 1)
+        make_model(self.model_big, (8 if args.quick else 16) * MiB, 2)
+
+    def runtime(self, tag: str) -> Path:
+        self._n += 1
+        path = Path(tempfile.mkdtemp(prefix=f"mv{tag}{self._n}-", dir="/tmp"))  # ipc paths stay short
+        path.chmod(0o700)
+        return path
+
+
+def table(rows: list[Row]) -> str:
+    head = f"{'scenario':<12} {'requests':>8} {'finished':>8} {'clear':>6} {'hung':>5} {'5xx':>4} " \
+           f"{'orphans':>7} {'false kills':>11}  {'leaks per cycle':<36} note"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r.scenario:<12} {r.requests:>8} {r.finished:>8} {r.clear:>6} {r.hung:>5} {r.e5xx:>4} "
+                     f"{r.orphans:>7} {r.false_kills:>11}  {r.leaks:<36} {r.note}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a short smoke run (about a minute or two)")
+    parser.add_argument("--only", nargs="+", choices=sorted(SCENARIOS), help="run only these scenarios")
+    parser.add_argument("--seconds", type=float, default=40.0, help="length of the streaming scenarios")
+    parser.add_argument("--cycles", type=int, default=300, help="respawn cycles (bounded by --respawn-budget)")
+    parser.add_argument("--respawn-budget", type=float, default=180.0, help="seconds the respawn scenario may take")
+    parser.add_argument("--keep", type=Path, metavar="DIR", help="keep models, configs and serve logs in DIR")
+    parser.add_argument("--json", type=Path, help="also write the rows and figures as JSON here")
+    args = parser.parse_args()
+    if not sys.platform.startswith("linux"):
+        print("chaos.py reads /proc: Linux only", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="memvisor-chaos-") as tmp:
+        work = args.keep or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        ctx = Context(args, work)
+        for name in args.only or SCENARIOS:
+            t0 = time.monotonic()
+            print(f"-- {name} ...", file=sys.stderr, flush=True)
+            rows.append(SCENARIOS[name](ctx))
+            print(f"   {name}: {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+    wall = time.monotonic() - started
+    print(table(rows))
+    if args.json:
+        args.json.write_text(json.dumps({"rows": [asdict(r) for r in rows], "figures": ctx.figures,
+                                         "wall_s": wall}, indent=2))
+    total = sum(r.requests for r in rows if r.scenario not in ("zmq-fuzz", "respawn"))
+    print(f"wall time {wall:.0f} s")
+    print(f"chaos: {total} requests, {sum(r.hung for r in rows)} hung, {sum(r.false_kills for r in rows)} false kills, "
+          f"{sum(r.e5xx for r in rows)} 5xx, {sum(r.orphans for r in rows)} orphans")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
