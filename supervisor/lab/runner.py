@@ -13,6 +13,7 @@ Public names (stable): Check, ModelSpec, Scenario, ScenarioResult, Lab, run_scen
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import shutil
@@ -132,7 +133,7 @@ class Lab:
 
     async def busy(self, model_id: str, timeout: float = 20.0) -> RequestStream:
         """A long generation, running once this returns."""
-        stream = await self.generate(model_id, "tell me a long story about the sea", 1_000_000)
+        stream = await self.generate(model_id, "tell me a long story about the sea", LAB_MAX_TOKENS)
         handle = stream.worker
         await self.until(lambda: handle.sample is not None and handle.sample.running > 0, timeout,
                          f"{model_id} running")
@@ -173,8 +174,22 @@ def make_models(root: Path, scenarios: list[Scenario]) -> dict[tuple[int, int], 
             path = root / f"lab-{m.size_mib}mib-s{m.seed}"
             if key not in paths and not (path / "config.json").exists():
                 make_model(path, m.size_mib * MiB, m.seed)
+            _long_context(path)
             paths[key] = path
     return paths
+
+
+LAB_CONTEXT = 1 << 20  # tokens: the lab's prompts outgrow memory long before a context
+LAB_MAX_TOKENS = 100_000  # a "busy" generation that outlasts any scenario
+
+
+def _long_context(path: Path) -> None:
+    """The generated models claim 4,096 tokens of context; the lab's long prompts
+    (G1) and long generations (busy models) must meet the memory guard first."""
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text())
+    config["max_position_embeddings"] = LAB_CONTEXT
+    config_file.write_text(json.dumps(config))
 
 
 def config_for(sc: Scenario, paths: dict[tuple[int, int], Path]) -> Config:
@@ -188,6 +203,7 @@ def config_for(sc: Scenario, paths: dict[tuple[int, int], Path]) -> Config:
         # A worker's loop answers heartbeats between prefill chunks; on a busy
         # 2-core CI machine one CPU chunk can take seconds.
         supervisor=SupervisorConfig(heartbeat_interval=0.5, heartbeat_timeout=60.0, allow_drills=True,
+                                    max_tokens=LAB_MAX_TOKENS,
                                     restart_max=sc.restart_max, restart_period=60.0),
         models=models,
     )

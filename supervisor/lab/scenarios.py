@@ -20,7 +20,7 @@ from pathlib import Path
 from shared import protocol as p
 from shared.sizes import MiB
 from supervisor.errors import LoadError
-from supervisor.lab.runner import Lab, ModelSpec, Scenario
+from supervisor.lab.runner import LAB_MAX_TOKENS, Lab, ModelSpec, Scenario
 from worker.allocator import NO_CACHE_LIMIT_ENV
 
 SOFT, HARD = 0.90, 0.97  # the custom tier's thresholds (T4)
@@ -102,7 +102,7 @@ async def emergency_mark(lab: Lab) -> None:
             await lab.end(s, 10)
             if handle.marked_for_unload or not handle.live:
                 return
-            s = await lab.generate("a", "tell me a long story about the sea", 1_000_000)
+            s = await lab.generate("a", "tell me a long story about the sea", LAB_MAX_TOKENS)
 
     loop = asyncio.get_running_loop()
 
