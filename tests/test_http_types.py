@@ -56,9 +56,15 @@ def test_malformed_json_says_so(body, words):
         decode_body(body, ChatRequest)
 
 
-def test_unknown_fields_are_ignored_but_unknown_guard_keys_are_not():
-    """Clients send vendor extensions to /v1; /admin/guard is ours, so a typo there is an error."""
-    assert chat(parallel_tool_calls=False, metadata={"a": 1}).model == "m"
+def test_unknown_fields_are_refused_naming_them():
+    """Issue 13: nothing silently ignored, on /v1 as on /admin/guard; the field is the param."""
+    assert chat(parallel_tool_calls=False, metadata={"a": "1"}, user="u").model == "m"
+    for body, param in ((b'{"model": "m", "messages": [], "top_k": 5}', "top_k"),
+                        (b'{"model": "m", "messages": [{"role": "user", "content": "x", "colour": 1}]}',
+                         "messages[0].colour")):
+        with pytest.raises(BodyError) as err:
+            decode_body(body, ChatRequest)
+        assert err.value.param == param and "unknown field" in str(err.value)
     with pytest.raises(BodyError) as err:
         decode_body(b'{"teir": "safe"}', GuardSettingsIn)
     assert err.value.param == "teir"
@@ -97,7 +103,12 @@ def test_defaults_bound_the_generation():
     [
         ({"n": 2}, "n"),
         ({"logprobs": True}, "logprobs"),
-        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools[0].type"),
+        ({"logit_bias": {"42": 5}}, "logit_bias"),
+        ({"store": True}, "store"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"messages": []}, "messages"),

@@ -27,6 +27,7 @@ forward from.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import deque
@@ -103,6 +104,16 @@ class _Seq:
         self.hit: pc.Hit | None = None  # the prompt-cache entry it will reuse (pinned, H3)
         self.cached = 0            # prompt tokens taken from the prompt cache (H1)
         self.out: list[int] = []   # generated token ids (the cache key after the prompt)
+
+
+def _turn(m) -> dict:
+    """A wire ChatMessage as the dict HF chat templates read (issue 13: tool turns too)."""
+    turn: dict = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        turn["tool_calls"] = json.loads(m.tool_calls)
+    if m.tool_call_id:
+        turn["tool_call_id"] = m.tool_call_id
+    return turn
 
 
 def _guard_on(limits: Limits) -> bool:
@@ -230,19 +241,16 @@ class Engine:
 
     # ------------------------------------------------------------------ prompts
 
-    def encode_chat(self, messages: Iterable) -> list[int]:
+    def encode_chat(self, messages: Iterable, tools: str | None = None) -> list[int]:
         """Chat messages through the model's chat template, ready for the reply."""
         if not self.tokenizer.has_chat_template:
             raise EngineError(INVALID_REQUEST, "this model has no chat template; use completions")
-        turns = [
-            {"role": m["role"], "content": m["content"]} if isinstance(m, dict)
-            else {"role": m.role, "content": m.content}
-            for m in messages
-        ]
+        turns = [m if isinstance(m, dict) else _turn(m) for m in messages]
         if not turns:
             raise EngineError(INVALID_REQUEST, "messages must not be empty")
         try:
-            return list(self.tokenizer.apply_chat_template(turns, add_generation_prompt=True))
+            extra = {"tools": json.loads(tools)} if tools else {}  # issue 13: tools through the template
+            return list(self.tokenizer.apply_chat_template(turns, add_generation_prompt=True, **extra))
         except Exception as exc:  # noqa: BLE001 - jinja raises whatever the template says
             raise EngineError(INVALID_REQUEST, f"chat template rejected the messages: {exc}") from None
 
@@ -296,7 +304,7 @@ class Engine:
         try:
             if (cmd.messages is None) == (cmd.prompt is None):
                 raise EngineError(INVALID_REQUEST, "give exactly one of messages or prompt")
-            tokens = self.encode_chat(cmd.messages) if cmd.messages is not None \
+            tokens = self.encode_chat(cmd.messages, cmd.tools) if cmd.messages is not None \
                 else self.encode_prompt(cmd.prompt)
             self.submit(cmd.request_id, tokens, cmd.max_tokens, cmd.temperature, cmd.top_p,
                         cmd.stop, cmd.seed, cmd.constraint)
