@@ -163,3 +163,23 @@ def test_metric_labels_stay_bounded():
     assert endpoint_label("/v1/models/anything") == "/v1/models/{id}"
     assert endpoint_label("/wp-admin.php") == "other"
     assert endpoint_label("/v1/chat/completions") == "/v1/chat/completions"
+
+
+def test_a_tool_call_list_cut_by_max_tokens_keeps_its_whole_calls():
+    """Issue 13: the calls completed before the cut come back; a cut one is dropped."""
+    from supervisor.http.tools import parse_constrained
+
+    cut = '[{"name":"f","arguments":{"s":"a\\"}]"}},{"name":"f","arguments":{"s":"'
+    [call] = parse_constrained(cut)
+    assert call.name == "f" and msgspec.json.decode(call.arguments) == {"s": 'a"}]'}
+    assert parse_constrained('[{"name":"f","argu') is None
+    assert len(parse_constrained('[{"name":"f","arguments":{}},{"name":"g","arguments":{"x":1}}]')) == 2
+
+
+def test_tagged_tool_calls_are_read_only_when_the_reply_opens_with_one():
+    from supervisor.http.tools import opens_with_call, parse_tagged
+
+    text, calls = parse_tagged(' <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>\n')
+    assert text == "" and [(c.name, c.arguments) for c in calls] == [("f", '{"a":1}')]
+    assert parse_tagged('Sure. <tool_call>{"name": "f"}</tool_call>') == ('Sure. <tool_call>{"name": "f"}</tool_call>', [])
+    assert opens_with_call("<tool") is None and opens_with_call("<b>") is False

@@ -120,11 +120,40 @@ def _call(raw: _Raw) -> Call:
 
 
 def parse_constrained(text: str) -> list[Call] | None:
-    """The `ToolCall` constraint's output; None when it is not (cannot happen unless cut short)."""
-    try:
-        return [_call(r) for r in msgspec.json.decode(text, type=list[_Raw])]
-    except msgspec.DecodeError:
-        return None
+    """The `ToolCall` constraint's output: the calls, or None when not even one is whole.
+
+    Cut short by max_tokens (the worker's wrap-up cannot always close a
+    long call list in time), the calls completed before the cut are kept:
+    the finish_reason ("length") tells the client the list may go on."""
+    for candidate in (text, *_whole_prefixes(text)):
+        try:
+            calls = [_call(r) for r in msgspec.json.decode(candidate, type=list[_Raw])]
+        except msgspec.DecodeError:
+            continue
+        return calls or None
+    return None
+
+
+def _whole_prefixes(text: str) -> list[str]:
+    """`[a, b, <cut>` -> ["[a, b]", "[a]"]: the array closed after each whole element, longest first."""
+    ends, depth, in_str, escaped = [], 0, False, False
+    for i, ch in enumerate(text):
+        if in_str:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+            if depth == 1:
+                ends.append(i + 1)
+    return [text[:end] + "]" for end in reversed(ends)]
 
 
 def opens_with_call(text: str) -> bool | None:
