@@ -53,9 +53,9 @@ class Block(Struct, kw_only=True, forbid_unknown_fields=True):
     tool_use_id: Union[str, None] = None  # tool_result
     content: Union[str, list["Block"], None] = None
     is_error: Union[bool, None] = None
-    cache_control: Union[msgspec.Raw, None] = None  # a caching hint; our prompt cache is automatic (H1)
-    citations: Union[msgspec.Raw, None] = None  # refused when set
-    source: Union[msgspec.Raw, None] = None  # images, documents: refused by type
+    cache_control: Any = None  # a caching hint; our prompt cache is automatic (H1)
+    citations: Any = None  # refused when set
+    source: Any = None  # images, documents: refused by type
 
 
 class MessageIn(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -69,7 +69,7 @@ class AnthropicTool(Struct, kw_only=True, forbid_unknown_fields=True):
     description: Union[str, None] = None
     type: Union[str, None] = None  # "custom" or absent; server tools are refused
     strict: Union[bool, None] = None
-    cache_control: Union[msgspec.Raw, None] = None
+    cache_control: Any = None
 
 
 class AnthropicToolChoice(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -93,7 +93,7 @@ class MessagesRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     # Accepted with no effect on the output, truthfully:
     metadata: Union[dict[str, Any], None] = None  # user_id for abuse tracking; we keep no record
     service_tier: Union[str, None] = None  # one tier here; the output does not depend on it
-    cache_control: Union[msgspec.Raw, None] = None  # caching hint; our prompt cache is automatic
+    cache_control: Any = None  # caching hint; our prompt cache is automatic
     inference_geo: Union[str, None] = None  # where inference runs: on this machine, whatever is asked
     speed: Union[str, None] = None  # a latency class; same output
     user_profile_id: Union[str, None] = None  # account routing ids; nothing to route
@@ -101,8 +101,8 @@ class MessagesRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     # Refused unless null / disabled:
     thinking: Union[dict[str, Any], None] = None
     output_config: Union[dict[str, Any], None] = None
-    container: Union[msgspec.Raw, None] = None
-    diagnostics: Union[msgspec.Raw, None] = None
+    container: Any = None
+    diagnostics: Any = None
     # Per-request idle timers, as on /v1/chat/completions
     keep_alive: KeepAlive = None
     ttl: Union[int, None] = None

@@ -86,8 +86,8 @@ class ChatMessageIn(Struct, kw_only=True, forbid_unknown_fields=True):
     tool_calls: Union[list[ToolCallIn], None] = None  # assistant turns (issue 13)
     tool_call_id: Union[str, None] = None  # role "tool": the call it answers
     refusal: Union[str, None] = None  # an earlier assistant refusal: history only
-    function_call: Union[msgspec.Raw, None] = None  # deprecated; refused when set
-    audio: Union[msgspec.Raw, None] = None  # refused when set
+    function_call: Any = None  # deprecated; refused when set
+    audio: Any = None  # refused when set
 
 
 class StreamOptions(Struct, kw_only=True):
@@ -165,18 +165,18 @@ class ChatRequest(_Sampling, kw_only=True):
     safety_identifier: Union[str, None] = None  # abuse tracking id, like user
     prompt_cache_key: Union[str, None] = None  # routing hint; our prompt cache is automatic (H1)
     prompt_cache_retention: Union[str, None] = None  # ditto: the cache's lifetime is the guard's (H2)
-    prompt_cache_options: Union[msgspec.Raw, None] = None  # ditto
+    prompt_cache_options: Any = None  # ditto
     service_tier: Union[str, None] = None  # billing/latency class; one tier here, same output
-    prediction: Union[msgspec.Raw, None] = None  # a latency hint; OpenAI's output is the same with it
+    prediction: Any = None  # a latency hint; OpenAI's output is the same with it
     # Refused unless null (or their only neutral value, see generate.py):
     modalities: Union[list[str], None] = None  # ["text"] only
-    audio: Union[msgspec.Raw, None] = None
-    functions: Union[msgspec.Raw, None] = None  # deprecated for tools
-    function_call: Union[msgspec.Raw, None] = None  # deprecated for tool_choice
+    audio: Any = None
+    functions: Any = None  # deprecated for tools
+    function_call: Any = None  # deprecated for tool_choice
     reasoning_effort: Union[str, None] = None
     verbosity: Union[str, None] = None
-    web_search_options: Union[msgspec.Raw, None] = None
-    moderation: Union[msgspec.Raw, None] = None
+    web_search_options: Any = None
+    moderation: Any = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):

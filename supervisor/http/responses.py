@@ -101,7 +101,7 @@ class ResponsesRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     safety_identifier: Union[str, None] = None
     prompt_cache_key: Union[str, None] = None  # caching hints; our prompt cache is automatic (H1)
     prompt_cache_retention: Union[str, None] = None
-    prompt_cache_options: Union[msgspec.Raw, None] = None
+    prompt_cache_options: Any = None
     service_tier: Union[str, None] = None  # one tier here
     stream_options: Union[dict[str, Any], None] = None  # include_obfuscation: nothing to pad
     truncation: Union[str, None] = None  # "disabled" only (the default): too long is an error
@@ -109,17 +109,17 @@ class ResponsesRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     store: Union[bool, None] = None  # false/null only
     # Refused unless null:
     previous_response_id: Union[str, None] = None
-    conversation: Union[msgspec.Raw, None] = None
+    conversation: Any = None
     background: Union[bool, None] = None
-    background_options: Union[msgspec.Raw, None] = None
-    reasoning: Union[msgspec.Raw, None] = None
-    prompt: Union[msgspec.Raw, None] = None
+    background_options: Any = None
+    reasoning: Any = None
+    prompt: Any = None
     max_tool_calls: Union[int, None] = None
     top_logprobs: Union[int, None] = None
-    context_management: Union[msgspec.Raw, None] = None
-    moderation: Union[msgspec.Raw, None] = None
-    access_programs: Union[msgspec.Raw, None] = None
-    image: Union[msgspec.Raw, None] = None
+    context_management: Any = None
+    moderation: Any = None
+    access_programs: Any = None
+    image: Any = None
     keep_alive: KeepAlive = None
     ttl: Union[int, None] = None
 
