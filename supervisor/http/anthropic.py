@@ -171,7 +171,7 @@ def tool_plan(req: MessagesRequest) -> tools.ToolPlan | None:
                             param=f"tools[{i}].type")
         fns.append(tools.function(t.name, t.description, t.input_schema, t.strict, f"tools[{i}]"))
     tc = req.tool_choice or AnthropicToolChoice(type="auto")
-    choice = {"auto": "auto", "none": "none", "any": "required", "tool": "named"}[tc.type]
+    choice = tools.ANTHROPIC_CHOICES[tc.type]
     if choice == "named" and not tc.name:
         raise BodyError("tool_choice.name: required with type \"tool\"", param="tool_choice.name")
     plan = tools.ToolPlan(functions=fns, choice=choice, named=tc.name or "",

@@ -156,16 +156,7 @@ def chat_tool_plan(req: ChatRequest) -> ToolPlan | None:
                             param=f"tools[{i}].type")
         f = t.function
         fns.append(tools.function(f.name, f.description, f.parameters, f.strict, f"tools[{i}].function"))
-    choice = req.tool_choice or "auto"
-    named = ""
-    if isinstance(choice, dict):
-        fn = choice.get("function")
-        if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise BodyError("tool_choice: expected \"none\", \"auto\", \"required\" or "
-                            "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
-        choice, named = "named", fn["name"]
-    elif choice not in ("none", "auto", "required"):
-        raise BodyError(f"tool_choice: {choice!r} is not one of none, auto, required", param="tool_choice")
+    choice, named = tools.openai_choice(req.tool_choice, nested=True)
     plan = ToolPlan(functions=fns, choice=choice, named=named, parallel=req.parallel_tool_calls is not False)
     return tools.check_named(plan, "tool_choice")
 

@@ -194,14 +194,7 @@ def tool_plan(req: ResponsesRequest) -> tools.ToolPlan | None:
             raise BodyError(f"tools[{i}].type: only function tools are available here (got {t.type!r})",
                             param=f"tools[{i}].type")
         fns.append(tools.function(t.name, t.description, t.parameters, t.strict, f"tools[{i}]"))
-    choice, named = req.tool_choice or "auto", ""
-    if isinstance(choice, dict):
-        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-            raise BodyError("tool_choice: expected none, auto, required or {\"type\": \"function\", \"name\": ...}",
-                            param="tool_choice")
-        choice, named = "named", choice["name"]
-    elif choice not in ("none", "auto", "required"):
-        raise BodyError(f"tool_choice: {choice!r} is not one of none, auto, required", param="tool_choice")
+    choice, named = tools.openai_choice(req.tool_choice, nested=False)
     plan = tools.ToolPlan(functions=fns, choice=choice, named=named, parallel=req.parallel_tool_calls is not False)
     return tools.check_named(plan, "tool_choice")
 

@@ -86,6 +86,25 @@ def function(name: Any, description: Any, parameters: Any, strict: Any, where: s
                     parameters=_encoder.encode(parameters).decode(), strict=bool(strict))
 
 
+_CHOICES: dict[str, Choice] = {"auto": "auto", "none": "none", "required": "required"}
+ANTHROPIC_CHOICES: dict[str, Choice] = {"auto": "auto", "none": "none", "any": "required", "tool": "named"}
+
+
+def openai_choice(tool_choice: Any, nested: bool) -> tuple[Choice, str]:
+    """OpenAI's tool_choice -> (choice, named function). Chat nests the name under
+    `function` (`nested`); Responses puts it beside `type`."""
+    if tool_choice is None:
+        return "auto", ""
+    if isinstance(tool_choice, str) and tool_choice in _CHOICES:
+        return _CHOICES[tool_choice], ""
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        holder = tool_choice.get("function") if nested else tool_choice
+        if isinstance(holder, dict) and isinstance(holder.get("name"), str):
+            return "named", holder["name"]
+    shape = '{"type": "function", "function": {"name": ...}}' if nested else '{"type": "function", "name": ...}'
+    raise BodyError(f"tool_choice: expected none, auto, required or {shape}", param="tool_choice")
+
+
 def check_named(plan: ToolPlan, param: str) -> ToolPlan:
     if plan.choice == "named" and plan.named not in {f.name for f in plan.functions}:
         raise BodyError(f"{param}: names the function {plan.named!r}, which is not among the tools", param=param)
