@@ -322,3 +322,63 @@ def test_per_request_keep_alive_reaches_the_supervisor():
 
     asyncio.run(main())
     assert sup.kept == [600.0, 30.0, 1e-3]
+
+
+def test_a3_507_from_real_admission_reaches_the_anthropic_and_responses_sdks(tmp_path):
+    """SPEC A3 on a real supervisor (no worker is spawned: the model is refused from its
+    safetensors header): each SDK raises for the 507 and the message names what binds."""
+    from test_http_frontdoor import fake_huge_model
+    from test_http_harness import LiveServer, make_config
+
+    from shared.sizes import GiB
+
+    models = [ModelConfig(id="huge", path=str(fake_huge_model(tmp_path / "huge", 1024 * GiB)))]
+    with LiveServer(make_config(models, api_keys=["k1"]), tmp_path / "rt") as live:
+        async def main():
+            an = live.anthropic(api_key="k1")
+            oa = live.openai(api_key="k1")
+            with pytest.raises(anthropic.InternalServerError) as a_err:
+                await an.messages.create(model="huge", max_tokens=4, messages=MSG)
+            with pytest.raises(openai.InternalServerError) as r_err:
+                await oa.responses.create(model="huge", input="x", stream=True)
+            return a_err.value, r_err.value
+
+        a, r = live.run(main())
+    assert a.status_code == r.status_code == 507
+    assert a.body["error"]["code"] == "model_too_large" and a.body["error"]["message"] in a.message
+    assert "needs 1 TiB" in a.message and "ceiling" in a.message  # what binds, intact
+    assert r.code == "model_too_large" and "needs 1 TiB" in r.message and "ceiling" in r.message
+
+
+def tagged_call(rid):
+    pieces = [" <tool", "_call>", '{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}', "</tool_call>"]
+    return [p.TokenOut(request_id=rid, text=t) for t in pieces] + [
+        p.Finished(request_id=rid, finish_reason="stop", prompt_tokens=9, completion_tokens=5)]
+
+
+def test_auto_tool_choice_reads_a_reply_that_opens_with_a_tagged_call_streamed_and_not():
+    """The held-back text becomes delta.tool_calls / message.tool_calls; a plain reply is content."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+    async def main():
+        async with serving(StubSupervisor(tagged_call)) as (_, oa, an):
+            whole = await oa.chat.completions.create(model="m", messages=MSG, tools=tools)
+            chunks = [c async for c in await oa.chat.completions.create(model="m", messages=MSG, tools=tools,
+                                                                        stream=True)]
+            anth = await an.messages.create(model="m", max_tokens=9, messages=MSG,
+                                            tools=[{"name": "get_weather", "input_schema": {"type": "object"}}])
+        async with serving(StubSupervisor(hello)) as (_, oa, _an):
+            plain = [c async for c in await oa.chat.completions.create(model="m", messages=MSG, tools=tools,
+                                                                       stream=True)]
+        return whole, chunks, anth, plain
+
+    whole, chunks, anth, plain = asyncio.run(main())
+    [call] = whole.choices[0].message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_weather", '{"city":"Oslo"}')
+    assert whole.choices[0].finish_reason == "tool_calls" and whole.choices[0].message.content is None
+    deltas = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [d.function.name for d in deltas] == ["get_weather"]
+    assert not any(c.choices[0].delta.content for c in chunks) and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert anth.stop_reason == "tool_use" and anth.content[0].input == {"city": "Oslo"}
+    assert "".join(c.choices[0].delta.content or "" for c in plain) == "Hello"
+    assert plain[-1].choices[0].finish_reason == "stop"
