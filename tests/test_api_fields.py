@@ -382,3 +382,23 @@ def test_auto_tool_choice_reads_a_reply_that_opens_with_a_tagged_call_streamed_a
     assert anth.stop_reason == "tool_use" and anth.content[0].input == {"city": "Oslo"}
     assert "".join(c.choices[0].delta.content or "" for c in plain) == "Hello"
     assert plain[-1].choices[0].finish_reason == "stop"
+
+
+def aborted_mid_stream(rid):
+    return [p.TokenOut(request_id=rid, text="Hel"),
+            p.Failed(request_id=rid, code="memory_pressure", message="aborted: memory pressure (P6.3)")]
+
+
+def test_a_failure_after_the_first_token_is_an_error_event_each_sdk_sees():
+    async def main():
+        async with serving(StubSupervisor(aborted_mid_stream)) as (_, oa, an):
+            with pytest.raises(anthropic.APIStatusError) as a_err:
+                async with an.messages.stream(model="m", max_tokens=4, messages=MSG) as s:
+                    await s.get_final_message()
+            events = [e async for e in await oa.responses.create(model="m", input="x", stream=True)]
+        return a_err.value, events
+
+    a, events = asyncio.run(main())
+    assert "memory pressure" in str(a) and a.body["error"]["type"] == "overloaded_error"
+    assert [e.type for e in events][-2:] == ["error", "response.failed"]
+    assert events[-2].code == "memory_pressure" and events[-1].response.error.code == "memory_pressure"

@@ -282,7 +282,7 @@ class ResponseObject(Struct, kw_only=True):
     parallel_tool_calls: bool = True
     tool_choice: Any = "auto"
     tools: list = []
-    error: None = None
+    error: Union[dict, None] = None  # {"code", "message"} on a failed response
     metadata: dict = {}
     object: str = "response"
     store: bool = False
@@ -387,7 +387,8 @@ async def _events(job: g.Job, first, shell: Shell) -> AsyncIterator[bytes]:
                 case ApiError():
                     out.append(ev("error", code=piece.code, message=piece.message, param=piece.param))
                     failed = shell.build("failed", output)
-                    out.append(ev("response.failed", response=msgspec.structs.replace(failed)))
+                    failed.error = {"code": piece.code or "server_error", "message": piece.message}
+                    out.append(ev("response.failed", response=failed))
             if job.stream.queue.empty():
                 yield b"".join(out)
                 out = []
