@@ -116,6 +116,36 @@ def _turn(m) -> dict:
     return turn
 
 
+def _knows_tools(template) -> bool:
+    """A chat template that reads `tools` renders them itself (Qwen, Llama 3.1+, Hermes ...)."""
+    text = template if isinstance(template, str) else json.dumps(template)
+    return "tools" in text
+
+
+TOOLS_IN_WORDS = ("You can call these tools. To call one, answer with "
+                  '<tool_call>{"name": <name>, "arguments": <object>}</tool_call>\n<tools>\n{tools}</tools>')
+
+
+def _tools_in_words(turns: list[dict], tools: list) -> list[dict]:
+    """Issue 13: for a template with no place for tools, the Hermes wording the front door
+    parses, in the system turn; earlier calls and results become plain text turns."""
+    listing = TOOLS_IN_WORDS.replace("{tools}", "".join(json.dumps(t) + "\n" for t in tools))
+    out: list[dict] = []
+    for t in turns:
+        if t.get("tool_calls"):
+            calls = "".join("<tool_call>" + json.dumps({"name": c["function"]["name"],
+                                                         "arguments": c["function"]["arguments"]}) + "</tool_call>"
+                            for c in t["tool_calls"])
+            out.append({"role": "assistant", "content": calls})
+        elif t["role"] == "tool":
+            out.append({"role": "user", "content": f"<tool_response>{t['content']}</tool_response>"})
+        else:
+            out.append({"role": t["role"], "content": t["content"]})
+    if out and out[0]["role"] == "system":
+        return [{"role": "system", "content": listing + "\n\n" + out[0]["content"]}] + out[1:]
+    return [{"role": "system", "content": listing}] + out
+
+
 def _guard_on(limits: Limits) -> bool:
     return limits.hard_limit > 0 or limits.abort_limit > 0 or limits.soft_limit > 0
 
@@ -248,8 +278,14 @@ class Engine:
         turns = [m if isinstance(m, dict) else _turn(m) for m in messages]
         if not turns:
             raise EngineError(INVALID_REQUEST, "messages must not be empty")
+        extra: dict = {}
+        if tools:  # issue 13: tools through the template, or in words where it has no place for them
+            tool_list = json.loads(tools)
+            if _knows_tools(getattr(self.tokenizer, "chat_template", None)):
+                extra["tools"] = tool_list
+            else:
+                turns = _tools_in_words(turns, tool_list)
         try:
-            extra = {"tools": json.loads(tools)} if tools else {}  # issue 13: tools through the template
             return list(self.tokenizer.apply_chat_template(turns, add_generation_prompt=True, **extra))
         except Exception as exc:  # noqa: BLE001 - jinja raises whatever the template says
             raise EngineError(INVALID_REQUEST, f"chat template rejected the messages: {exc}") from None
