@@ -402,3 +402,21 @@ def test_a_failure_after_the_first_token_is_an_error_event_each_sdk_sees():
     assert "memory pressure" in str(a) and a.body["error"]["type"] == "overloaded_error"
     assert [e.type for e in events][-2:] == ["error", "response.failed"]
     assert events[-2].code == "memory_pressure" and events[-1].response.error.code == "memory_pressure"
+
+
+def test_api_keys_config_refuses_empty_keys_and_a_missing_file_and_reads_one_key_a_line(tmp_path):
+    from supervisor.config import ConfigError, load_config
+    from supervisor.http.auth import ApiKeys
+
+    keys = tmp_path / "keys"
+    keys.write_text("# team keys\nk-file-1\n\n  k-file-2  \n")
+    for body, words in (('api_keys = [""]', "api_keys"), (f'api_keys_file = "{tmp_path}/none"', "api_keys_file")):
+        path = tmp_path / "bad.toml"
+        path.write_text("[supervisor]\n" + body + "\n")
+        with pytest.raises(ConfigError, match=words):
+            load_config(path)
+    good = tmp_path / "good.toml"
+    good.write_text(f'[supervisor]\napi_keys = ["k-inline"]\napi_keys_file = "{keys}"\n')
+    api = ApiKeys.from_config(load_config(good).supervisor)
+    assert api.valid("k-inline") and api.valid("k-file-1") and api.valid("k-file-2") and not api.valid("k-file")
+    assert not ApiKeys([]).enabled
