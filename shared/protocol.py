@@ -109,6 +109,7 @@ class Finished(Msg, tag="finished", kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # H1: prompt tokens reused from the worker's prompt cache
+    stop_sequence: str = ""  # issue 13: the stop string that ended it ("" = EOS, length, grammar)
 
 
 class Failed(Msg, tag="failed", kw_only=True):

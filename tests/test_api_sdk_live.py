@@ -156,3 +156,24 @@ def test_responses_function_tool_required_streamed_and_json_schema_text(server):
     jsonschema.validate(json.loads(done[0].arguments), WEATHER)
     assert events[-1].type == "response.completed"
     jsonschema.validate(json.loads(shaped.output_text), WEATHER)
+
+
+def test_anthropic_stop_sequences_end_with_stop_reason_stop_sequence(server):
+    """Greedy, so the second reply repeats the first until the stop taken from it."""
+    kw = dict(model="a", messages=[{"role": "user", "content": "Hi"}], extra_body={"temperature": 0})
+
+    async def main():
+        client = server.anthropic()
+        free = await client.messages.create(max_tokens=24, **kw)
+        text = free.content[0].text
+        words = text.split()
+        stop = words[len(words) // 2][:3] if words else text[len(text) // 2:][:2]
+        stopped = await client.messages.create(max_tokens=24, stop_sequences=[stop], **kw)
+        async with client.messages.stream(max_tokens=24, stop_sequences=[stop], **kw) as s:
+            streamed = await s.get_final_message()
+        return text, stop, stopped, streamed
+
+    text, stop, stopped, streamed = server.run(main())
+    assert stop and stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == stop
+    assert stopped.content[0].text == text[:text.index(stop)]
+    assert streamed.stop_reason == "stop_sequence" and streamed.stop_sequence == stop

@@ -183,3 +183,11 @@ def test_tagged_tool_calls_are_read_only_when_the_reply_opens_with_one():
     assert text == "" and [(c.name, c.arguments) for c in calls] == [("f", '{"a":1}')]
     assert parse_tagged('Sure. <tool_call>{"name": "f"}</tool_call>') == ('Sure. <tool_call>{"name": "f"}</tool_call>', [])
     assert opens_with_call("<tool") is None and opens_with_call("<b>") is False
+
+
+def test_the_stop_matcher_remembers_which_stop_ended_the_text():
+    from worker.stops import StopMatcher
+
+    m = StopMatcher(["END", "STOP"])
+    assert m.feed("abc ST") == ("abc ", False) and m.hit == ""
+    assert m.feed("OP and END") == ("", True) and m.hit == "STOP"

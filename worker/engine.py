@@ -752,7 +752,8 @@ class Engine:
 
     def _finished(self, seq: _Seq, reason: str) -> Finished:
         return Finished(request_id=seq.id, finish_reason=reason, prompt_tokens=len(seq.prompt),
-                        completion_tokens=seq.generated, cached_tokens=seq.cached)
+                        completion_tokens=seq.generated, cached_tokens=seq.cached,
+                        stop_sequence=seq.stopper.hit if seq.stopper is not None else "")
 
     def _store(self, seq: _Seq) -> None:
         """H1: keep what the request computed (prompt and the tokens fed back) for the next one."""

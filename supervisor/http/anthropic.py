@@ -15,8 +15,8 @@ As on the OpenAI side nothing is silently ignored: unknown fields are 400s,
 and each field of the SDK's `MessageCreateParams` is honoured, refused
 unless neutral, or accepted where it truthfully changes nothing (comments).
 
-`stop_sequence` is never reported: the worker ends a request on a stop
-string with the same finish_reason as on EOS, so a stop is `end_turn`.
+A stop string ends the reply with `stop_reason: "stop_sequence"` and the
+string itself (the worker's `Finished.stop_sequence`).
 """
 
 from __future__ import annotations
@@ -223,12 +223,19 @@ class Message(Struct, kw_only=True):
     content: list[Union[TextBlock, ToolUseBlock]]
     usage: AnthropicUsage
     stop_reason: Union[str, None] = None
-    stop_sequence: None = None
+    stop_sequence: Union[str, None] = None
     type: str = "message"
     role: str = "assistant"
 
 
 _STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def _stop(end: g.End) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence): the worker says which stop string ended the reply."""
+    if end.reason == "stop" and end.finished.stop_sequence:
+        return "stop_sequence", end.finished.stop_sequence
+    return _STOP.get(end.reason, "end_turn"), None
 
 
 def _usage(fin: p.Finished | None) -> AnthropicUsage:
@@ -259,8 +266,9 @@ async def handle(request: Request, sup, metrics, body: bytes, started: float) ->
     text, calls, end = await job.collect(request.receive)
     content: list[Union[TextBlock, ToolUseBlock]] = [TextBlock(text=text)] if text or not calls else []
     content += [_tool_use(c) for c in calls]
+    reason, sequence = _stop(end)
     reply = Message(id=msg_id, model=req.model, content=content, usage=_usage(end.finished),
-                    stop_reason=_STOP.get(end.reason, "end_turn"))
+                    stop_reason=reason, stop_sequence=sequence)
     return Response(_encoder.encode(reply), media_type="application/json")
 
 
@@ -290,12 +298,13 @@ async def _events(job: g.Job, first, msg_id: str, model: str) -> AsyncIterator[b
                             "type": "input_json_delta", "partial_json": c.arguments}}))
                         out.append(_event("content_block_stop", {"index": index}))
                         index += 1
-                case g.End(finished=fin, reason=reason):
+                case g.End(finished=fin):
                     if text_open:
                         out.append(_event("content_block_stop", {"index": index}))
                     usage = _usage(fin)
+                    stop_reason, sequence = _stop(piece)
                     out.append(_event("message_delta", {
-                        "delta": {"stop_reason": _STOP.get(reason, "end_turn"), "stop_sequence": None},
+                        "delta": {"stop_reason": stop_reason, "stop_sequence": sequence},
                         "usage": {"output_tokens": usage.output_tokens, "input_tokens": usage.input_tokens,
                                   "cache_read_input_tokens": usage.cache_read_input_tokens}}))
                     out.append(_event("message_stop", {}))
