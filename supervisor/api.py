@@ -14,6 +14,7 @@ from shared import protocol as p
 
 if TYPE_CHECKING:
     from supervisor.config import Config, ModelConfig
+    from supervisor.fanout import Subscription
     from supervisor.policy.admission import FitReport
     from supervisor.policy.pressure import TickResult
     from supervisor.policy.status import ModelInfo, ServerStatus
@@ -67,6 +68,11 @@ class Supervisor(Protocol):
         ...
 
     def add_event_hook(self, hook: Callable[[p.GuardEvent], None]) -> None: ...
+
+    def subscribe(self, topics: frozenset[str], *, since: float | None = ...,
+                  after_id: int | None = ...) -> Subscription:
+        """A bounded queue of the PUB topics with its replay (supervisor.fanout; GET /v1/events)."""
+        ...
 
     # -- what the metrics read at scrape time --------------------------------
 

@@ -38,6 +38,7 @@ from supervisor.bus import Bus, BusError, Endpoints, FrameTooLarge, claim_runtim
 from supervisor.config import Config, ConfigError, ModelConfig, guard_settings
 from supervisor.enforcer import Enforcer
 from supervisor.errors import LoadError, ServeError
+from supervisor.fanout import Hub, Subscription
 from supervisor.gate import Gate
 from supervisor.policy.admission import FitReport
 from supervisor.policy.status import ModelInfo, ServerStatus
@@ -79,6 +80,7 @@ class Arbiter:
         self.stop_reason = ""
         self.events: collections.deque[p.GuardEvent] = collections.deque(maxlen=EVENT_HISTORY)
         self.event_hooks: list[Callable[[p.GuardEvent], None]] = []  # e.g. the metrics' counters
+        self.hub = Hub(event_history=EVENT_HISTORY)  # issue 15: PUB topics for GET /v1/events
         self.started = time.monotonic()
         self._load_lock = asyncio.Lock()  # A5; binds to the running loop on first use
         self._loading: dict[str, asyncio.Task] = {}
@@ -98,6 +100,7 @@ class Arbiter:
         self.ctx = zmq.Context()
         self.endpoints = Endpoints.in_dir(self.runtime_dir, pid=os.getpid(), http=self.config.supervisor.http)
         self.bus = Bus(self.ctx, self.endpoints)
+        self.bus.add_listener(self.hub.publish)  # issue 15
         scfg = self.config.supervisor
         if scfg.pub_tcp:  # opt-in; the config refuses a non-loopback bind without CURVE keys
             try:
@@ -142,12 +145,20 @@ class Arbiter:
         return 0
 
     async def serve_forever(self) -> None:
-        next_beat = time.monotonic()
-        interval = self.enforcer.tick(time.monotonic())
+        """Heartbeats and housekeeping on their own clock; the policy at P9's.
+
+        The enforcer ticks when its interval is up or when an event that can
+        change its answer woke the loop (a sample over a watermark, a load, an
+        exit, a request); a heartbeat alone does not run the policy (P9).
+        """
+        now = time.monotonic()
+        next_beat = now
+        interval = self.enforcer.tick(now)
+        next_tick = now + interval
         while self.running:
             now = time.monotonic()
-            timeout = max(0.0, min(interval, next_beat - now, self._next_respawn(now) - now))
-            await self.sleep(timeout)
+            timeout = max(0.0, min(next_tick, next_beat, self._next_respawn(now)) - now)
+            woken = await self.sleep(timeout)
             if not self.running:
                 break
             now = time.monotonic()
@@ -157,18 +168,23 @@ class Arbiter:
                     self.on_wedged(handle)
             self.respawn_due(now)
             self.gate.expire(now)
-            interval = self.enforcer.tick(now)
+            if woken or now >= next_tick:
+                interval = self.enforcer.tick(now)
+                next_tick = now + interval
             self.gate.release(self.enforcer.admission_paused)
             if now - self._status_published >= STATUS_EVERY:
                 self._status_published = now
                 self.bus.publish(p.StatusMsg(t=time.time(), status=msgspec.json.encode(self.server_status())))
 
-    async def sleep(self, timeout: float) -> None:
+    async def sleep(self, timeout: float) -> bool:
+        """Wait for a wake-up or the timeout; True when something woke the loop."""
         try:
             await asyncio.wait_for(self.wake_event.wait(), timeout)
         except asyncio.TimeoutError:
             pass
+        woken = self.wake_event.is_set()
         self.wake_event.clear()
+        return woken
 
     def wake(self) -> None:
         """Something that can change the guard's answer happened (SPEC P9)."""
@@ -194,6 +210,7 @@ class Arbiter:
         log.info("stopping %d worker(s)", len(self.pool.handles))
         if self.http_server is not None:
             self.http_server.should_exit = True
+        self.hub.close("the supervisor is shutting down")  # issue 15: event streams end, uvicorn can stop
         await self.pool.shutdown(f"supervisor shutting down ({self.stop_reason or 'done'})")
         if self.http_server is not None and self.http_server.task is not None:
             await asyncio.wait([self.http_server.task], timeout=5)  # let uvicorn close its connections
@@ -481,6 +498,11 @@ class Arbiter:
 
     def add_event_hook(self, hook: Callable[[p.GuardEvent], None]) -> None:
         self.event_hooks.append(hook)
+
+    def subscribe(self, topics: frozenset[str], *, since: float | None = None,
+                  after_id: int | None = None) -> Subscription:
+        """issue 15: a bounded queue of PUB messages for one GET /v1/events client."""
+        return self.hub.subscribe(topics, since=since, after_id=after_id)
 
     def update_guard(self, update: p.GuardUpdate) -> None:
         self.enforcer.update_guard(update)

@@ -146,6 +146,8 @@ class Bus:
         self.control_codec = p.Codec(p.ControlRequest)
         self.control_reply_codec = p.Codec(p.ControlReply)
         self._loop: asyncio.AbstractEventLoop | None = None
+        # issue 15: in-process subscribers of every PUB message (the SSE hub); called, never awaited
+        self.listeners: list[Callable[[p.Msg], None]] = []
 
     def _bind(self, kind: int, endpoint: str) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -306,6 +308,15 @@ class Bus:
                 sock.send_multipart(frames, zmq.NOBLOCK)
             except zmq.Again:
                 pass  # a slow subscriber loses messages; the guard does not wait
+        for listener in self.listeners:  # issue 15: the SSE hub (supervisor.fanout)
+            try:
+                listener(msg)
+            except Exception:  # a bug there must not stop the guard that publishes
+                log.exception("in-process subscriber %r failed", listener)
+
+    def add_listener(self, listener: Callable[[p.Msg], None]) -> None:
+        """issue 15: `listener(msg)` for every PUB message, in the loop, after the socket send."""
+        self.listeners.append(listener)
 
     def _rearm(self, sock: zmq.Socket) -> None:
         if self._loop is not None:

@@ -26,7 +26,7 @@ from typing_extensions import assert_never
 from shared import probe
 from shared import protocol as p
 from shared.ledger import Ledger
-from shared.sizes import MAX_SIZE
+from shared.sizes import MAX_SIZE, format_size
 from shared.weights import WeightsError, estimate_weight_bytes, kv_bytes_per_token
 from supervisor.config import ModelConfig, guard_settings
 from supervisor.errors import LoadError
@@ -80,10 +80,10 @@ class Enforcer:
         # One machine, one accelerator: any worker's device_info gives the cap
         # (read once a tick; on macOS it includes a sysctl the user may change).
         info = next((h.device_info for h in self.pool.handles.values() if h.device_info), None)
-        gpu_cap_raw = probe.gpu_cap_from_device_info(info) if info else 0
+        gpu_cap_raw, device_total = probe.host_gpu_cap(info) if info else (0, 0)
         return Snapshot(
             now=now, guard=self.settings, host=host, supervisor_footprint=own, gpu_cap_raw=gpu_cap_raw,
-            activity_hint=self.activity_hint, recheck=recheck, workers=workers, state=self.state,
+            device_total=device_total, activity_hint=self.activity_hint, recheck=recheck, workers=workers, state=self.state,
         )
 
     def _record(self, h: WorkerHandle) -> WorkerRecord:
@@ -305,11 +305,13 @@ class Enforcer:
         asyncio.get_running_loop().create_task(self._evict_for_prefill(handle, request_id, need_bytes))
 
     async def _evict_for_prefill(self, handle: WorkerHandle, request_id: str, need_bytes: int) -> None:
+        """G1: `need_bytes` is the worker's shortfall; the answer goes once the victims have exited."""
         victims = evict_for_prefill(self.snapshot(time.monotonic()), handle.worker_id, need_bytes)
         for worker_id in victims:
             h = self.pool.handles.get(worker_id)
             if h is not None:
-                self.emit("evict", f"prefill of {request_id} on {handle.model_id} needs {need_bytes} bytes",
+                self.emit("evict", (f"prefill of {request_id} on {handle.model_id} is {format_size(need_bytes)} "
+                                    f"short of its limit; stop idle {h.model_id} ({format_size(h.sample.usage if h.sample else 0)})"),
                           worker_id=h.worker_id, model_id=h.model_id)
                 await self.pool.stop(h, f"evicted for a prefill on {handle.model_id}", cause="evict")
         if handle.live:

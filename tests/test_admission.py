@@ -99,29 +99,34 @@ def test_a2_draining_workers_count_as_gone_and_are_waited_for():
     assert v.admitted and v.evict == [] and v.wait_for == ["gone"]
 
 
-def test_g1_evict_for_prefill_targets_the_hard_limit():
-    """A prefill that does not fit first costs idle models their place (P6 step
-    2), LRU first, stopping as soon as it fits under the worker ceiling."""
+def test_g1_need_bytes_is_the_shortfall_and_victims_cover_it():
+    """G1: `need_bytes` is usage + peak - hard limit. Read as the whole extra
+    (usage + need <= limit), a 1.14 GiB shortfall on a 10 GiB ceiling with the
+    group at 4 GiB evicted nothing and the retry was rejected (issue 9)."""
+    s = snap(w("me", 1.0, state="busy", running=1), w("old", 3.0, last_access=1))
+    assert evict_for_prefill(s, "me", int(1.14 * GiB)) == ["old"]
+
+
+def test_g1_evicts_idle_lru_until_their_usage_covers_the_shortfall():
     s = snap(w("me", 5.0, state="busy", running=1), w("old", 2.0, last_access=1),
              w("new", 2.0, last_access=2))
-    # usage 9, need 2 -> 11 > 10: stop "old" -> 9 <= 10
     assert evict_for_prefill(s, "me", 2 * GiB) == ["old"]
-    assert evict_for_prefill(s, "me", int(3.5 * GiB)) == ["old", "new"]
-    assert evict_for_prefill(s, "me", 1 * GiB) == []
+    assert evict_for_prefill(s, "me", int(2.5 * GiB)) == ["old", "new"]
+    assert evict_for_prefill(s, "me", 1) == ["old"]
+    assert evict_for_prefill(s, "me", 0) == []
+
+
+def test_g1_never_the_asking_worker_pinned_or_busy():
+    s = snap(w("me", 1.0, last_access=0), w("pinned", 2.0, pinned=True, last_access=0),
+             w("busy", 2.0, state="busy", running=1), w("idle", 1.0, last_access=9))
+    assert evict_for_prefill(s, "me", GiB) == ["idle"]
 
 
 def test_g1_evicts_nothing_when_it_cannot_fit_anyway_or_guard_off():
     s = snap(w("me", 5.0, state="busy", running=1), w("old", 2.0))
-    assert evict_for_prefill(s, "me", 20 * GiB) == []
+    assert evict_for_prefill(s, "me", 3 * GiB) == []
     off = msgspec.structs.replace(s, guard=GuardSettings(enabled=False))
-    assert evict_for_prefill(off, "me", 2 * GiB) == []
-
-
-def test_g1_hard_limit_excludes_the_hot_cache_reservation():
-    g = msgspec.structs.replace(GUARD, hot_cache_max=GiB)
-    s = snap(w("me", 5.0, state="busy", running=1, hot_cache_used=512 * MiB), w("old", 2.0), guard=g)
-    # worker ceiling = 10 - 1 GiB = 9; usage 7 + need 2.5 > 9 -> stop old
-    assert evict_for_prefill(s, "me", int(2.5 * GiB)) == ["old"]
+    assert evict_for_prefill(off, "me", 1 * GiB) == []
 
 
 @pytest.mark.parametrize("size", [0, 1, 4 * GiB])

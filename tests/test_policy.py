@@ -306,11 +306,41 @@ def test_p6_pinned_models_are_never_stopped_by_pressure():
 def test_p6_draining_workers_are_not_chosen_and_count_as_going():
     """A stop already under way frees its memory soon; counting it again made
     the guard stop a second model for the same bytes."""
-    r = tick(snap(w("gone", 3.0, state="draining"), w("idle", 1.0), busy("b", 6.0)))
-    assert r.level == "hard" and r.usage == 10 * GiB
-    assert acts(r) == []  # 10 - 3 = 7 GiB <= soft
-    more = tick(snap(w("gone", 1.0, state="draining"), w("idle", 1.0), busy("b", 8.0)))
+    r = tick(snap(w("gone", 3.0, state="draining"), w("idle", 1.0), w("still", 5.5)))
+    assert r.level == "hard" and r.usage == int(9.5 * GiB)
+    assert acts(r) == []  # 9.5 - 3 = 6.5 GiB <= soft, and nothing grows meanwhile
+    more = tick(snap(w("gone", 1.0, state="draining"), w("idle", 1.0), w("still", 7.5)))
     assert acts(more) == [("stop", "idle")]
+    soft = tick(snap(w("gone", 2.0, state="draining"), w("idle", 1.0), busy("b", 5.5)))
+    assert soft.level == "soft" and acts(soft) == []  # at soft the stop under way is enough
+
+
+def test_p6_at_hard_a_growing_worker_is_acted_on_while_another_stop_is_under_way():
+    """Issue 9: a 1 GiB/s grower while an idle model was being stopped went
+    44-61 % over the ceiling, because the draining model's bytes were counted
+    as gone and nothing else happened until it had exited. A stop takes
+    100-300 ms: when the group grows fast enough to reach the ceiling before
+    the stop lands, the next victim is acted on at once."""
+    first = snap(w("gone", 3.0, state="draining"), busy("grower", 4.0))
+    later = snap(w("gone", 3.0, state="draining"), busy("grower", 6.2), now=NOW + 0.1)
+    r = run(first, later)  # 2.2 GiB in 0.1 s: the ceiling is 0.03 s away
+    assert r.level == "hard" and r.draining_credited == 0
+    assert acts(r) == [("abort_requests", "grower")]
+    still = run(first, snap(w("gone", 3.0, state="draining"), busy("grower", 6.2), now=NOW + 100))
+    assert still.level == "hard" and acts(still) == []  # slow growth: the stop lands first
+    over = run(snap(w("gone", 3.0, state="draining"), busy("flat", 7.5)),
+               snap(w("gone", 3.0, state="draining"), busy("flat", 7.5), now=NOW + 1))
+    assert over.usage > CEIL and acts(over) == []  # over the ceiling but not growing: wait for the stop
+
+
+def test_p6_3_marked_worker_is_stopped_once_drained_even_after_pressure_ends():
+    """A marked model whose pressure had ended stayed loaded for ever: P6 step 1
+    ran only over soft, and TTL skips marked workers."""
+    r = tick(snap(w("marked", 1.0, marked_for_unload=True), w("other", 1.0)))
+    assert r.level == "ok"
+    assert acts(r) == [("stop", "marked")]
+    still_busy = tick(snap(busy("marked", 1.0, marked_for_unload=True)))
+    assert acts(still_busy) == []
 
 
 def test_p6_dead_and_stopped_workers_hold_no_memory():
@@ -357,6 +387,13 @@ def test_p8_recheck_does_not_walk():
 def test_p9_cadence(workers, extra, interval):
     r = tick(snap(*workers, **extra))
     assert r.next_interval == interval and r.state.interval == interval
+
+
+def test_p9_p10_a_quiet_cadence_still_wakes_for_the_next_ttl_expiry():
+    g = msgspec.structs.replace(GUARD, idle_timeout=100.0)
+    assert tick(snap(w("a", last_access=NOW - 96), guard=g)).next_interval == pytest.approx(4.01)
+    assert tick(snap(w("a", last_access=NOW - 99.5), guard=g)).next_interval == 1.0
+    assert tick(snap(w("a", last_access=NOW - 96, pinned=True), guard=g)).next_interval == 10.0
 
 
 def test_p9_hint_window_is_twice_the_interval_when_longer_than_2s():
@@ -474,3 +511,14 @@ def test_c2_no_reading_ever_holds_still():
 def test_tick_is_pure_same_snapshot_same_result():
     s = snap(w("a", 2.0, last_access=1), busy("b", 7.5, mlx_pool=GiB), w("c", state="loading"))
     assert msgspec.json.encode(tick(s)) == msgspec.json.encode(tick(s))
+
+
+def test_p5_then_p6_6_asks_a_shrunk_worker_to_reclaim_once():
+    """A pinned idle worker whose prompt cache P5 shrinks is asked to reclaim at its
+    next step boundary; P6 step 6 must not add a second, idle-time reclaim for it
+    (found by the property test `test_decisions_only_name_live_workers_once_per_kind`)."""
+    pinned = w("w0", 9.5, pinned=True, hot_cache_used=GiB // 4, hot_cache_releasable=GiB // 4)
+    r = tick(snap(pinned))
+    assert r.level == "hard"
+    kinds = [type(x) for x in r.decisions if getattr(x, "worker", None) == "w0"]
+    assert kinds.count(d.ShrinkHotCache) == 1 and kinds.count(d.Reclaim) == 1

@@ -118,7 +118,9 @@ def test_p6_eviction_stops_as_soon_as_projected_usage_is_at_or_below_soft(s):
     is stopped for memory that is not needed."""
     r = tick(s)
     usage = {w.worker: w.usage for w in s.workers}
-    projected = r.usage - sum(w.usage for w in s.workers if w.state == "draining")
+    draining = sum(w.usage for w in s.workers if w.state == "draining")
+    assert r.draining_credited in (0, draining)
+    projected = r.usage - r.draining_credited
     for x in r.decisions:
         if isinstance(x, d.ShrinkHotCache):
             record = next(w for w in s.workers if w.worker == x.worker)

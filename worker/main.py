@@ -250,6 +250,10 @@ class Worker:
 
     def step_boundary(self) -> None:
         if self.drill is not None:
+            # issue 9: obey what arrived during the step (an abort ends the drill)
+            # before the drill grows again, as a runaway request would stop
+            self.take_commands(block_ms=0)
+        if self.drill is not None:
             self.drill.advance(time.monotonic())
         for shrink in self.shrink_pending:
             self.shrink_cache(shrink)

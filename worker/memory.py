@@ -1,10 +1,16 @@
 """A worker's own memory, as SPEC U1 defines it.
 
-Why two numbers and a max: MLX's active bytes miss what lives outside MLX
-(the Python heap, tokenizer, ZeroMQ buffers), while the process footprint
-still counts MLX's allocator pool, which MLX can hand back at once. Usage is
-the larger of MLX active and footprint minus that pool: what the OS would
-really have to find if nothing were returned.
+Usage is the process footprint as the OS charges it, MLX's allocator pool
+included, and never below MLX's active bytes. The pool counts because the OS
+sees it as taken: a measure that left it out (the first wording of U1) could
+neither see a fat pool nor see a reclaim lower the level, so P4's grace
+reclaim looked like it did nothing. MLX active is the floor because the
+footprint can lag an allocation (or be unreadable: 0).
+
+macOS charges, for a moment, graphics memory MLX has already freed and the
+driver has not yet taken back; U1 allows subtracting it, but MLX does not
+report it, so nothing is subtracted here (on Linux there is nothing to
+subtract).
 
 The footprint comes from `shared.probe.footprint` (macOS phys_footprint,
 Linux private resident memory), the same reader the supervisor uses for
@@ -28,7 +34,7 @@ class MemorySample(msgspec.Struct, frozen=True):
     mlx_pool: int    # MLX allocator cache not yet returned to the OS
     mlx_peak: int    # MLX peak active since the process started
     footprint: int   # process footprint; 0 when unreadable
-    usage: int       # U1: max(mlx_active, footprint - mlx_pool)
+    usage: int       # U1: max(mlx_active, footprint), the pool included
 
 
 _peak_before_reset = 0
@@ -51,7 +57,12 @@ def sample(pid: int | None = None) -> MemorySample:
     pool = mx.get_cache_memory()
     peak = max(_peak_before_reset, mx.get_peak_memory())
     own = footprint(os.getpid() if pid is None else pid) or 0
-    return MemorySample(active, pool, peak, own, max(active, own - pool))
+    return MemorySample(active, pool, peak, own, u1_usage(active, own))
+
+
+def u1_usage(mlx_active: int, footprint: int) -> int:
+    """U1: the footprint, pool included, never below MLX active."""
+    return max(mlx_active, footprint)
 
 
 def usage() -> int:

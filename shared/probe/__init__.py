@@ -179,6 +179,20 @@ def gpu_cap_from_device_info(info: dict[str, Any]) -> int:
     return 0
 
 
+def host_gpu_cap(info: dict[str, Any]) -> tuple[int, int]:
+    """(gpu_cap_raw for the host formulas, device memory reported beside them).
+
+    SPEC C folds an accelerator cap into the host ceiling only for unified
+    memory (Metal). A CUDA device keeps its memory in a pool of its own (SPEC
+    D, a later rule set): folding it in made a 24 GiB GPU on a 256 GiB host a
+    24 GiB host ceiling. Its size is reported, and binds nothing here.
+    """
+    cap = gpu_cap_from_device_info(info)
+    if gpu_kind(info) == "cuda":
+        return 0, cap
+    return cap, 0
+
+
 def gpu_share_of_usage(info: dict[str, Any], mlx_active: int, mlx_cache: int) -> int:
     """SPEC C `own_gpu` for one worker: the part of its footprint the GPU holds.
 

@@ -32,6 +32,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("supervisor.cli.replay", "feed recorded policy snapshots to the policy, print decisions"),
     "schema": ("supervisor.cli.schema", "print the JSON Schema of every wire message"),
     "import-gguf": ("supervisor.cli.import_gguf", "write an MLX model folder from a GGUF file"),
+    "lab": ("supervisor.cli.lab", "run pressure scenarios on real workers; a verdict and a PNG each"),
 }
 
 

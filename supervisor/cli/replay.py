@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import msgspec
 
@@ -33,6 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--recorded-state", action="store_true",
         help="tick each line with its own recorded state instead of chaining",
     )
+    parser.add_argument(
+        "--plot", metavar="OUT.png", type=Path, default=None,
+        help="also draw the trace like a lab run: ceiling, watermarks, usage per worker, level, decisions",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,6 +57,19 @@ def run(args: argparse.Namespace) -> int:
                 continue
             out.write(encoder.encode(item) + b"\n")
     out.flush()
+    if args.plot is not None and args.trace != "-":
+        _plot(Path(args.trace), args.plot, chained=not args.recorded_state)
     if bad:
         print(f"replay: {bad} bad line(s) skipped", file=sys.stderr)
     return 1 if bad else 0
+
+
+def _plot(trace: Path, png: Path, *, chained: bool) -> None:
+    """The same picture as a lab scenario (supervisor/lab/plot.py), from a trace."""
+    from supervisor.lab.plot import draw
+    from supervisor.lab.timeline import timeline_from_trace
+
+    with open(trace, "rb") as lines:
+        timeline = timeline_from_trace(lines, trace.name, chained=chained)
+    draw(timeline, png, title=f"replay of {trace.name}")
+    print(f"replay: drew {len(timeline.points)} ticks to {png}", file=sys.stderr)

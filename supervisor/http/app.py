@@ -20,6 +20,8 @@ Endpoints (DESIGN.md contract):
   POST /v1/responses                OpenAI Responses (issue 13, http/responses.py)
   POST /v1/models/{id}/load|unload  admin
   POST /admin/guard                 admin; SPEC T6 (tier, custom ceiling, on/off)
+  GET  /v1/events                   the PUB topics as SSE (supervisor.http.events)
+  GET  /, /ui, /ui/*                the dashboard (supervisor.http.dashboard)
 
 Admin endpoints need `Authorization: Bearer <admin_token>` when a token is
 configured, and accept only loopback clients when none is. With
@@ -55,7 +57,9 @@ from supervisor.http import generate as http_generate
 from supervisor.http import responses as http_responses
 from supervisor.http.auth import ApiKeys
 from supervisor.http.body import Disconnected, read_body
+from supervisor.http.dashboard import Dashboard
 from supervisor.http.errors import ApiError, from_serve_error
+from supervisor.http.events import EventsEndpoint
 from supervisor.http.metrics import Metrics
 from supervisor.http.openai_types import BodyError, GuardSettingsIn, ModelCard, ModelList, decode_body
 
@@ -243,6 +247,20 @@ class FrontDoor:
     async def metrics_text(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    # -- access (issue 15) ----------------------------------------------------
+
+    def read_access(self, request: Request) -> None:
+        """/v1/events: a /v1 call, so it needs an API key when keys are set (issue 13);
+        /status and /metrics stay open, like /health."""
+        self.keys.check(request)
+
+    def may_admin(self, request: Request) -> bool:
+        try:
+            require_admin(request, self.scfg.admin_token)
+        except ApiError:
+            return False
+        return True
+
     # -- wiring ---------------------------------------------------------------
 
     def routes(self) -> list[Route]:
@@ -252,6 +270,8 @@ class FrontDoor:
             return guarded(self.keys.required(handler), shape)
 
         return [
+            Route("/v1/events", EventsEndpoint(self.sup, self.read_access), methods=["GET"]),  # issue 15
+            *Dashboard(self.sup, self.may_admin).routes(r),  # issue 15
             Route("/health", r(self.health), methods=["GET"]),
             Route("/status", r(self.status), methods=["GET"]),
             Route("/metrics", r(self.metrics_text), methods=["GET"]),
@@ -331,7 +351,7 @@ class Instrumented:
 
 
 _FIXED = {"/health", "/status", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
-          "/v1/messages", "/v1/responses", "/admin/guard"}
+          "/v1/messages", "/v1/responses", "/admin/guard", "/v1/events", "/", "/ui"}
 
 
 def endpoint_label(path: str) -> str:

@@ -112,20 +112,31 @@ def _refusal(model_id: str, c: Ceilings, size: int, after: int) -> tuple[str, st
 
 
 def evict_for_prefill(s: Snapshot, worker: str, need_bytes: int) -> list[str]:
-    """G1: idle LRU models to stop so `worker`'s prefill of `need_bytes` fits
-    under the hard limit (P6 step 2 targeting the worker ceiling).
+    """G1: idle LRU models to stop so that `worker`'s prefill fits.
 
-    Returns [] when the guard is off, when it already fits, or when stopping
-    every idle model would still not make room (the worker then rejects the
+    `need_bytes` is the worker's shortfall (usage + peak - its hard limit, as
+    SPEC G1 words it), not the prefill's whole size: the worker already counted
+    the group's usage against its own limit, so what is asked for is what the
+    victims must give back. Victims are idle, non-pinned, least recently used
+    first, never the asking worker; they are taken until the usage they held
+    covers the shortfall.
+
+    Returns [] when the guard is off, when nothing is short, or when stopping
+    every idle model would still not cover it (the worker then rejects the
     request instead of costing other models their place for nothing).
     """
     g = WorkerGroup(s)
-    limit = ceilings_for(s, g).worker_ceiling
-    usage, need = _projected(g), max(0, need_bytes)
-    if limit <= 0 or usage + need <= limit:
+    need = max(0, need_bytes)
+    if ceilings_for(s, g).worker_ceiling <= 0 or need == 0:
         return []
-    chosen, after = _take(_idle_victims(g, exclude_worker=worker), usage, need, limit)
-    return chosen if after + need <= limit else []
+    chosen: list[str] = []
+    freed = 0
+    for w in _idle_victims(g, exclude_worker=worker):
+        if freed >= need:
+            break
+        chosen.append(w.worker)
+        freed += w.usage
+    return chosen if freed >= need else []
 
 
 class FitReport(msgspec.Struct, frozen=True, kw_only=True):

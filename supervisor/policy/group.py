@@ -21,15 +21,20 @@ class WorkerGroup:
     Only workers whose process exists count (stopped, dead and failed ones
     hold no memory). `usage` is U2: supervisor footprint + each worker's U1
     usage; `own` is C2's group footprint; `draining_usage` is the part that a
-    stop already under way will give back.
+    stop already under way will give back, and `draining_idle_usage` the part
+    of it held by draining workers with nothing left to finish (they exit
+    within a fraction of a second; one with a running request may take as
+    long as the request does). `growing` says whether a worker that can grow
+    fast is there: one loading or running a request (an idle worker holds
+    still).
     """
 
-    __slots__ = ("usage", "own", "own_gpu", "hot_used", "draining_usage", "live",
-                 "serving", "loading", "active", "unknown")
+    __slots__ = ("usage", "own", "own_gpu", "hot_used", "draining_usage", "draining_idle_usage", "live",
+                 "serving", "loading", "active", "unknown", "growing")
 
     def __init__(self, s: Snapshot) -> None:
         usage = own = s.supervisor_footprint
-        own_gpu = hot_used = draining = 0
+        own_gpu = hot_used = draining = draining_idle = 0
         live: list[WorkerRecord] = []
         serving: list[WorkerRecord] = []
         loading: list[WorkerRecord] = []
@@ -51,13 +56,16 @@ class WorkerGroup:
                 loading.append(w)
             elif state == "draining":
                 draining += w.usage
+                if not (w.running or w.queued):
+                    draining_idle += w.usage
                 active = True
             else:  # wedged: no trustworthy activity reading
                 unknown = True
         self.usage, self.own, self.own_gpu, self.hot_used = usage, own, own_gpu, hot_used
-        self.draining_usage = draining
+        self.draining_usage, self.draining_idle_usage = draining, draining_idle
         self.live, self.serving, self.loading = live, serving, loading
         self.active, self.unknown = active, unknown
+        self.growing = bool(loading) or any(w.running or w.queued for w in serving)
 
 
 def snapshot_total(s: Snapshot) -> int:

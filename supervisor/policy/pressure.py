@@ -11,7 +11,14 @@ as it decides, from the worker records:
 
 - it starts from the measured group usage (U2) minus the usage of workers
   already `draining` (their stop is under way; counting them would evict a
-  second model for memory that is about to come back);
+  second model for memory that is about to come back) -- except at hard
+  when the stops under way cannot land in time: the group grows (the sum of
+  the non-draining workers' growth since an earlier tick) fast enough to
+  go over the ceiling (or further over it) within STOP_SECONDS, the time a
+  stop takes, by more than GROWTH_TOLERANCE of it. Then the
+  draining bytes are not counted as gone and the next victim is acted on at
+  once (issue 9 measured 44-61 % over a 256 MiB ceiling while a 1 GiB/s
+  grower waited for an idle model's exit);
 - a hot-cache shrink (P5) subtracts the bytes asked for, at most what each
   worker reports as releasable (blocks no request uses);
 - a Stop (P6 steps 1-2) or a TTL expiry subtracts the worker's usage (the OS
@@ -19,13 +26,17 @@ as it decides, from the worker records:
 - aborting requests or loads, marking for unload and reclaiming subtract
   nothing: how much they free is only known by measuring again.
 
+A worker marked for unload (P6.3) is stopped as soon as it is idle, at any
+level, even after the pressure has ended.
+
 Eviction stops as soon as projected usage is at or below soft (P6). Workers
 that are draining, stopped, dead or being loaded are never chosen as eviction
 victims. The pressure level, P2's emergency count and the admission pause are
 always decided on measured usage.
 
 Public names (stable): tick, TickResult, group_usage, EMERGENCY_MARGIN,
-EMERGENCY_TICKS, POOL_RECLAIM_FLOOR, GRACE_TICKS_MAX, plus the decisions
+EMERGENCY_TICKS, POOL_RECLAIM_FLOOR (the default of GuardSettings.pool_max),
+GRACE_TICKS_MAX, plus the decisions
 re-exported from supervisor.policy.decisions.
 """
 
@@ -71,8 +82,11 @@ __all__ = [
 
 EMERGENCY_MARGIN = 2 * GiB       # P2: this far over the ceiling is an emergency at once
 EMERGENCY_TICKS = 2              # P2: ... or this many consecutive ticks at or over it
-POOL_RECLAIM_FLOOR = 2 * GiB     # P4: a pool smaller than this is not worth a clear
+POOL_RECLAIM_FLOOR = 2 * GiB     # P4 default ([guard] pool_max): a smaller pool is not worth a clear
 GRACE_TICKS_MAX = 5              # P4: at 1 s a tick, covers one ~5 s prefill chunk
+STOP_SECONDS = 0.3               # P6 at hard: how long a stop under way takes (measured 0.13 s idle)
+GROWTH_WINDOW = 0.05             # shortest span a growth estimate is taken over (sample jitter)
+GROWTH_TOLERANCE = 0.01          # of the ceiling: growth during a stop below this is jitter, not a runaway
 
 
 class TickResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -86,6 +100,7 @@ class TickResult(msgspec.Struct, frozen=True, kw_only=True):
     projected_usage: int    # after the decisions, as projected (see module doc)
     emergency: bool
     next_interval: float    # P9
+    draining_credited: int = 0  # draining usage counted as already gone (module doc)
 
 
 def group_usage(s: Snapshot) -> int:
@@ -113,6 +128,7 @@ class _Tick:
         self.c = ceilings_for(s, self.g)
         self.stopped: set[str] = set()
         self.projected = self.g.usage - self.g.draining_usage
+        self.credited = self.g.draining_usage
 
     # -- warnings (T2, C1, C2) --------------------------------------------
 
@@ -191,6 +207,37 @@ class _Tick:
             return common, had
         return common, {w.worker: w.pid for w in live}
 
+    def growth(self) -> tuple[dict[str, int], float, float]:
+        """(usage_seen, seen_at, bytes/s): how fast the non-draining workers grow.
+
+        The estimate spans at least GROWTH_WINDOW; a tick sooner than that
+        (a P7 recheck, a burst of watermark wake-ups) keeps the older baseline
+        and the last estimate, so sample jitter over a few ms is not a rate.
+        """
+        prev, now = self.prev, self.s.now
+        current = {w.worker: w.usage for w in self.g.live if w.state != "draining"}
+        span = now - prev.seen_at
+        if prev.usage_seen and 0 <= span < GROWTH_WINDOW:
+            return prev.usage_seen, prev.seen_at, prev.growth
+        if not prev.usage_seen or span <= 0:
+            return current, now, 0.0
+        grew = sum(max(0, u - prev.usage_seen[k]) for k, u in current.items() if k in prev.usage_seen)
+        return current, now, grew / span
+
+    def discount_draining(self, level: Level, growth: float) -> None:
+        """At hard, stops under way count as done only when they land before the ceiling."""
+        c, g = self.c, self.g
+        if level != "hard" or not g.draining_usage:
+            self.credited = g.draining_usage
+            return
+        # Not in time: what the group grows by while the stop lands takes it over
+        # the ceiling (further over, if it is already) by more than a 1 % tolerance.
+        # Without growth, stopping more models would not bring the memory back sooner.
+        if growth * STOP_SECONDS > max(0, c.ceiling - g.usage) + c.ceiling * GROWTH_TOLERANCE:
+            self.projected, self.credited = g.usage, 0
+            return
+        self.credited = g.draining_usage
+
     # -- P4 / P5 -------------------------------------------------------------------
 
     @property
@@ -254,25 +301,35 @@ class _Tick:
         self.stopped.add(w.worker)
         self.projected -= w.usage
 
+    def stop_marked(self, level: Level) -> None:
+        """P6 step 1 at any level: a marked worker that has drained goes now.
+
+        A mark is a promise made in an emergency (P6.3); keeping the model
+        because the pressure it caused has ended would leave it loaded for
+        ever, since TTL skips marked workers and new requests avoid it.
+        """
+        if self.c.ceiling <= 0:
+            return  # the guard is off: it destroys nothing (a new request replaces the worker)
+        drained = (w for w in self.g.serving if w.marked_for_unload and not w.pinned and is_idle(w))
+        for w in sorted(drained, key=lru_key):
+            when = f"{level} pressure" if level != "ok" else "after the pressure"
+            self._stop(w, f"{when}: {w.model} was marked for unload in an emergency and has drained")
+
     def evict(self, level: Level, emergency: bool) -> None:
         """P6: act, in order, while projected usage is above soft.
 
-        Pinned models are never stopped or marked here; only step 5 touches
-        them, and it aborts requests while keeping the model loaded.
+        Step 1 (marked and drained) has run already, at every level
+        (`stop_marked`). Pinned models are never stopped or marked here; only
+        step 5 touches them, and it aborts requests while keeping the model
+        loaded.
         """
         c, soft = self.c, self.c.soft
         if self.projected <= soft:
             return
         serving = self.g.serving
-        unpinned = [w for w in serving if not w.pinned]
-        drained = sorted((w for w in unpinned if w.marked_for_unload and is_idle(w)), key=lru_key)
+        unpinned = [w for w in serving if not w.pinned and w.worker not in self.stopped]
         idle = sorted((w for w in unpinned if not w.marked_for_unload and is_idle(w)), key=lru_key)
         loaded_unpinned = len(unpinned)
-        for w in drained:  # step 1
-            if self.projected <= soft:
-                return
-            self._stop(w, f"{level} pressure: {w.model} was marked for unload and has drained")
-            loaded_unpinned -= 1
         for w in idle:  # step 2
             if self.projected <= soft:
                 return
@@ -311,9 +368,12 @@ class _Tick:
                     f"{format_size(c.ceiling)}; abort requests of {w.model}, keep it loaded")))
             if active:
                 return
-        for w in self.g.serving:  # step 6
-            out.append(Reclaim(worker=w.worker, model=w.model, idle_only=True, reason=(
-                "hard pressure, nothing to evict: return the allocator pool when idle")))
+        # step 6; a worker P5 already asked to reclaim at its next step boundary needs no second ask
+        asked = {x.worker for x in out if isinstance(x, Reclaim)}
+        for w in self.g.serving:
+            if w.worker not in asked:
+                out.append(Reclaim(worker=w.worker, model=w.model, idle_only=True, reason=(
+                    "hard pressure, nothing to evict: return the allocator pool when idle")))
 
     # -- P8 / P9 / P10 -------------------------------------------------------------
 
@@ -358,7 +418,19 @@ class _Tick:
         hinted = hint is not None and s.now < hint + max(2.0, 2 * g.poll_interval)
         if level != "ok" or self.g.loading or self.g.active or self.g.unknown or hinted:
             return g.poll_interval
-        return g.loaded_idle_interval if self.g.serving else g.unloaded_idle_interval
+        quiet = g.loaded_idle_interval if self.g.serving else g.unloaded_idle_interval
+        return min(quiet, self._until_expiry())
+
+    def _until_expiry(self) -> float:
+        """P10 at a slow cadence: wake for the next TTL expiry (a second at the finest), not 10 s late."""
+        now, default, fine = self.s.now, self.s.guard.idle_timeout, self.s.guard.poll_interval
+        soonest = float("inf")
+        for w in self.g.serving:
+            ttl = default if w.ttl is None else w.ttl
+            if w.pinned or w.marked_for_unload or ttl <= 0 or w.worker in self.stopped:
+                continue
+            soonest = min(soonest, max(fine, ttl - (now - w.last_access) + 0.01))
+        return soonest
 
 
 def _hold_still(s: Snapshot, t: _Tick) -> TickResult:
@@ -378,15 +450,15 @@ def _hold_still(s: Snapshot, t: _Tick) -> TickResult:
     state = msgspec.structs.replace(prev, no_reading_warned=True, interval=s.guard.poll_interval)
     return TickResult(state=state, decisions=decisions, ceilings=t.c, level=prev.level,
                       usage=t.g.usage, projected_usage=t.projected, emergency=False,
-                      next_interval=s.guard.poll_interval)
+                      next_interval=s.guard.poll_interval, draining_credited=t.credited)
 
 
 def tick(s: Snapshot) -> TickResult:
     """Decide one tick. Pure: the same snapshot always gives the same result.
 
     Order of the decisions: warnings, level change, admission pause/resume,
-    limits, P4 grace reclaim or P5/P6 pressure actions, P8 concurrency steps,
-    P10 TTL expiries.
+    limits, P6.1 stops of drained marked workers (any level), P4 grace
+    reclaim or P5/P6 pressure actions, P8 concurrency steps, P10 TTL expiries.
     """
     t = _Tick(s)
     if s.host is None and s.state.last_total <= 0 and s.guard.enabled:
@@ -401,6 +473,9 @@ def tick(s: Snapshot) -> TickResult:
             ceiling=c.ceiling, reason=_level_reason(level, t.g.usage, c)))
     paused = t.admission(level)
     common, limited = t.limits(paused)
+    seen, seen_at, growth = t.growth()
+    t.discount_draining(level, growth)
+    t.stop_marked(level)
     grace = 0 if level == "ok" else prev.grace_ticks
     if level != "ok":
         if t.grace(level, emergency):
@@ -417,9 +492,11 @@ def tick(s: Snapshot) -> TickResult:
     state = PolicyState(
         level=level, over_ceiling_ticks=over, grace_ticks=grace, admission_paused=paused,
         tier_warned=tier_warned, no_reading_warned=no_reading, reserve_warned=reserve_warned,
-        last_total=t.total, interval=interval, limits=common, limited=limited)
+        last_total=t.total, interval=interval, limits=common, limited=limited, usage_seen=seen,
+        seen_at=seen_at, growth=growth)
     return TickResult(state=state, decisions=t.out, ceilings=c, level=level, usage=t.g.usage,
-                      projected_usage=t.projected, emergency=emergency, next_interval=interval)
+                      projected_usage=t.projected, emergency=emergency, next_interval=interval,
+                      draining_credited=t.credited)
 
 
 def _level_reason(level: Level, usage: int, c: Ceilings) -> str:

@@ -45,13 +45,13 @@ class GuardSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     hard_threshold: float | None = None
     idle_timeout: float = 0.0            # P10 global TTL, seconds, 0 = never
     hot_cache_max: int = 0               # C12 budget shared by all workers, 0 = none
-    pool_max: int = 0                    # M1: the MLX pool a worker may keep, 0 = MLX's default
     safe_zone_ratio: float = 0.89        # G2, handed through in Limits
     min_chunk_tokens: int = 256          # G2, handed through in Limits
     poll_interval: float = 1.0           # P9
     loaded_idle_interval: float = 10.0
     unloaded_idle_interval: float = 30.0
     pressure_reclaim_disabled: bool = False  # P4's environment switch
+    pool_max: int = 2 * 1024**3          # M1: the pool a worker may keep; P4: larger is worth a grace reclaim
 
 
 class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, gc=False):
@@ -103,6 +103,9 @@ class PolicyState(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     interval: float = 0.0           # P9 interval chosen by the last tick (S1)
     limits: Limits | None = None    # common limits last handed out (max_concurrency=0)
     limited: dict[str, int] = {}    # worker id -> pid that received `limits`
+    usage_seen: dict[str, int] = {}  # worker id -> usage at `seen_at` (growth estimate, P6 at hard)
+    seen_at: float = 0.0
+    growth: float = 0.0             # bytes/s the non-draining workers grew by, last estimate
 
 
 class Snapshot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -120,7 +123,8 @@ class Snapshot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     guard: GuardSettings = GuardSettings()
     host: HostCounters | None = None
     supervisor_footprint: int = 0
-    gpu_cap_raw: int = 0
+    gpu_cap_raw: int = 0                 # C: unified memory (Metal) only; 0 on CUDA and CPU
+    device_total: int = 0                # a discrete device's memory (CUDA): reported, never folded in (D)
     activity_hint: float | None = None   # P9: last "activity is coming" hint (monotonic)
     recheck: bool = False
     workers: list[WorkerRecord] = []

@@ -80,6 +80,7 @@ class GuardStatus(msgspec.Struct, frozen=True, kw_only=True):
     utilization: float         # usage / ceiling, 0 when there is no ceiling
     poll_interval: float
     workers: list[WorkerStatus]
+    device_total: int = 0      # CUDA device memory: shown, not part of the host ceiling (SPEC C, D)
 
 
 def _warning(snapshot: Snapshot, result: TickResult) -> str:
@@ -121,7 +122,7 @@ def build_status(snapshot: Snapshot, result: TickResult) -> GuardStatus:
         hard_bytes=c.hard, usage=result.usage, pressure_level=result.level,
         emergency=result.emergency, admission_paused=result.state.admission_paused,
         utilization=result.usage / c.ceiling if c.ceiling > 0 else 0.0,
-        poll_interval=result.next_interval, workers=workers,
+        poll_interval=result.next_interval, workers=workers, device_total=snapshot.device_total,
     )
 
 
