@@ -297,9 +297,11 @@ def test_api_keys_401_in_each_apis_shape_health_open_and_keys_never_logged(caplo
             admin = await http.post("/v1/chat/completions", json={"model": "m", "messages": MSG},
                                     headers={"authorization": "Bearer admin-secret"})
             health = await http.get("/health")
-            return good_oa, good_an, errors, missing, models, admin, health
+            events = [(await http.get("/v1/events" + q)).status_code for q in ("", "?api_key=wrong")]
+            return good_oa, good_an, errors, missing, models, admin, health, events
 
-    good_oa, good_an, errors, missing, models, admin, health = asyncio.run(main())
+    good_oa, good_an, errors, missing, models, admin, health, events = asyncio.run(main())
+    assert events == [401, 401]  # /v1/events too (a key may come as ?api_key=: EventSource sends no headers)
     assert good_oa.choices[0].message.content == "Hello" and good_an.content[0].text == "Hello"
     assert [e.status_code for e in errors] == [401, 401, 401]
     assert errors[0].body["type"] == "authentication_error" and errors[0].code == "invalid_api_key"
@@ -307,7 +309,9 @@ def test_api_keys_401_in_each_apis_shape_health_open_and_keys_never_logged(caplo
                                                          "message": "the API key is not valid for this server"}}
     assert missing.status_code == 401 and missing.json()["error"]["code"] == "missing_api_key"
     assert models.status_code == 401 and admin.status_code == 200 and health.status_code == 200
-    logged = " ".join(r.getMessage() for r in caplog.records)
+    # the server's own logs (the test's HTTP client logs its URLs, ?api_key= included)
+    logged = " ".join(r.getMessage() for r in caplog.records if r.name.startswith(("memvisor", "uvicorn")))
+    assert "Shutting down" in logged
     assert "k1" not in logged and "wrong" not in logged
 
 

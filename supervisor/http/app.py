@@ -251,8 +251,9 @@ class FrontDoor:
 
     def read_access(self, request: Request) -> None:
         """/v1/events: a /v1 call, so it needs an API key when keys are set (issue 13);
-        /status and /metrics stay open, like /health."""
-        self.keys.check(request)
+        /status and /metrics stay open, like /health. EventSource sends no headers,
+        so `?api_key=` is taken here too."""
+        self.keys.check(request, from_query=True)
 
     def may_admin(self, request: Request) -> bool:
         try:

@@ -62,13 +62,18 @@ class ApiKeys:
             ok |= hmac.compare_digest(probe, d)
         return ok
 
-    def check(self, request: Request) -> None:
-        """401 unless the request carries a configured key (or keys are off)."""
+    def check(self, request: Request, from_query: bool = False) -> None:
+        """401 unless the request carries a configured key (or keys are off).
+
+        `from_query`: also `?api_key=` (only /v1/events: a browser's EventSource
+        cannot send headers)."""
         if not self._digests:
             return
         scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
         given = bearer.strip() if scheme.lower() == "bearer" else ""
         given = given or request.headers.get("x-api-key", "").strip()
+        if from_query and not given:
+            given = request.query_params.get("api_key", "").strip()
         if not given:
             raise ApiError(401, "this server needs an API key: send 'Authorization: Bearer <key>' "
                                 "(or 'x-api-key: <key>')", code="missing_api_key",
