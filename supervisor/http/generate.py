@@ -16,6 +16,13 @@ a failure is one `data: {"error": ...}` event, which the OpenAI SDK raises.
 A client that goes away is noticed while it waits (load, queue, generation)
 and its request is aborted in the worker (`Supervisor.cancel`), so nobody's
 memory keeps working for a reader who left.
+
+Issue 13: `Job.pieces` turns the worker's stream into API-neutral pieces
+(text, tool calls, the end, an error) that this module renders as OpenAI
+chat/completions and `anthropic.py` / `responses.py` render as theirs;
+`tools.py` holds the tool plan (template tools, ToolCall constraint,
+reading calls back). `response_format` maps to the worker's JSON
+constraints, and `keep_alive` / `ttl` set the model's idle timer.
 """
 
 from __future__ import annotations
