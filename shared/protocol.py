@@ -110,6 +110,7 @@ class Finished(Msg, tag="finished", kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # H1: prompt tokens reused from the worker's prompt cache
+    stop_sequence: str = ""  # issue 13: the stop string that ended it ("" = EOS, length, grammar)
 
 
 class Failed(Msg, tag="failed", kw_only=True):
@@ -172,6 +173,11 @@ class AbortRequests(Command, tag="abort", kw_only=True):
 class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     role: str
     content: str
+    # issue 13 (tool calling): an assistant turn's calls, as JSON text of
+    # `[{"id", "type": "function", "function": {"name", "arguments": {...}}}]`
+    # (the shape HF chat templates read), and the call a `tool` turn answers.
+    tool_calls: Union[str, None] = None
+    tool_call_id: Union[str, None] = None
 
 
 # --- constrained decoding (issue 13) -------------------------------------
@@ -241,6 +247,9 @@ class Generate(Command, tag="generate", kw_only=True):
     stop: list[str] = []
     seed: Union[int, None] = None
     constraint: Union[Constraint, None] = None  # issue 13: constrained decoding
+    # issue 13: JSON text of the tool list `[{"type": "function", "function": {...}}]`,
+    # handed to the model's chat template as `tools` (how the model learns of them)
+    tools: Union[str, None] = None
 
 
 class MemoryAnswer(Command, tag="memory_answer", kw_only=True):

@@ -52,6 +52,11 @@ class Supervisor(Protocol):
 
     def cancel(self, stream: RequestStream, reason: str = ...) -> None: ...
 
+    def keep_alive(self, model_id: str, seconds: float) -> None:
+        """Issue 13: a request's keep_alive/ttl becomes the loaded model's idle timer (P10;
+        0 = never expires) until its worker stops."""
+        ...
+
     def server_status(self, recent_events: int = ...) -> ServerStatus: ...
 
     def update_guard(self, update: p.GuardUpdate) -> None:

@@ -473,6 +473,14 @@ class Arbiter:
         self.pool.cancel_request(stream, reason)
         self.wake()
 
+    def keep_alive(self, model_id: str, seconds: float) -> None:
+        """Issue 13 (Ollama keep_alive, LM Studio ttl): the worker's own copy of its model's
+        config carries the TTL P10 reads, so it lasts until that worker stops."""
+        handle = self.pool.worker_for(self.model_config(model_id).id)
+        if handle is not None:
+            handle.model = msgspec.structs.replace(handle.model, ttl=seconds)
+            self.wake()
+
     # -- status ----------------------------------------------------------------------
 
     def model_view(self, name: str) -> ModelView:
@@ -488,7 +496,8 @@ class Arbiter:
         handle = self.pool.worker_for(m.id)
         sample = handle.sample if handle is not None else None
         idle = now - handle.last_access if handle is not None and not handle.requests else 0.0
-        ttl = m.ttl if m.ttl is not None else (self.config.supervisor.idle_timeout or None)
+        own = handle.model.ttl if handle is not None else m.ttl  # issue 13: keep_alive sets the handle's
+        ttl = own if own is not None else (self.config.supervisor.idle_timeout or None)
         expires = None
         if ttl and handle is not None and handle.serving and not m.pinned:
             expires = max(0.0, ttl - idle)

@@ -177,6 +177,9 @@ class SupervisorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     idle_timeout: float = 0.0        # P10 global TTL in seconds (0 = never)
     allow_drills: bool = False
     admin_token: str = ""
+    # issue 13: when any is set, /v1/* needs one (Bearer or x-api-key); a file has one a line
+    api_keys: list[str] = msgspec.field(default_factory=list)
+    api_keys_file: str = ""
     queue_size: int = 64
     queue_deadline: float = 60.0
     restart_max: int = 3
@@ -225,6 +228,10 @@ class SupervisorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
                     "set supervisor.curve_key_file to a secret certificate "
                     "(python -c \"import zmq.auth; zmq.auth.create_certificates('.', 'memvisor')\")",
                 )
+        if self.api_keys_file and not Path(self.api_keys_file).expanduser().is_file():
+            raise _FieldError("api_keys_file", f"{self.api_keys_file} is not a readable file")
+        if any(not k.strip() for k in self.api_keys):
+            raise _FieldError("api_keys", "keys must not be empty")
         self.max_body = _size("max_body", self.max_body)
         if self.max_body < 1:
             raise _FieldError("max_body", "must be at least 1 byte")

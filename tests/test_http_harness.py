@@ -76,6 +76,12 @@ class LiveServer:
         return openai.AsyncOpenAI(base_url=self.url() + "/v1", api_key=kw.pop("api_key", "unused"),
                                   max_retries=0, **kw)
 
+    def anthropic(self, **kw):
+        import anthropic
+
+        return anthropic.AsyncAnthropic(base_url=self.url(), api_key=kw.pop("api_key", "unused"),
+                                        max_retries=0, **kw)
+
 
 def front_door_errors(records) -> list[str]:
     """Errors the front door logged: each is a bug that a client saw as a 500."""

@@ -56,9 +56,15 @@ def test_malformed_json_says_so(body, words):
         decode_body(body, ChatRequest)
 
 
-def test_unknown_fields_are_ignored_but_unknown_guard_keys_are_not():
-    """Clients send vendor extensions to /v1; /admin/guard is ours, so a typo there is an error."""
-    assert chat(parallel_tool_calls=False, metadata={"a": 1}).model == "m"
+def test_unknown_fields_are_refused_naming_them():
+    """Issue 13: nothing silently ignored, on /v1 as on /admin/guard; the field is the param."""
+    assert chat(parallel_tool_calls=False, metadata={"a": "1"}, user="u").model == "m"
+    for body, param in ((b'{"model": "m", "messages": [], "top_k": 5}', "top_k"),
+                        (b'{"model": "m", "messages": [{"role": "user", "content": "x", "colour": 1}]}',
+                         "messages[0].colour")):
+        with pytest.raises(BodyError) as err:
+            decode_body(body, ChatRequest)
+        assert err.value.param == param and "unknown field" in str(err.value)
     with pytest.raises(BodyError) as err:
         decode_body(b'{"teir": "safe"}', GuardSettingsIn)
     assert err.value.param == "teir"
@@ -97,7 +103,12 @@ def test_defaults_bound_the_generation():
     [
         ({"n": 2}, "n"),
         ({"logprobs": True}, "logprobs"),
-        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools[0].type"),
+        ({"logit_bias": {"42": 5}}, "logit_bias"),
+        ({"store": True}, "store"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"messages": []}, "messages"),
@@ -152,3 +163,31 @@ def test_metric_labels_stay_bounded():
     assert endpoint_label("/v1/models/anything") == "/v1/models/{id}"
     assert endpoint_label("/wp-admin.php") == "other"
     assert endpoint_label("/v1/chat/completions") == "/v1/chat/completions"
+
+
+def test_a_tool_call_list_cut_by_max_tokens_keeps_its_whole_calls():
+    """Issue 13: the calls completed before the cut come back; a cut one is dropped."""
+    from supervisor.http.tools import parse_constrained
+
+    cut = '[{"name":"f","arguments":{"s":"a\\"}]"}},{"name":"f","arguments":{"s":"'
+    [call] = parse_constrained(cut)
+    assert call.name == "f" and msgspec.json.decode(call.arguments) == {"s": 'a"}]'}
+    assert parse_constrained('[{"name":"f","argu') is None
+    assert len(parse_constrained('[{"name":"f","arguments":{}},{"name":"g","arguments":{"x":1}}]')) == 2
+
+
+def test_tagged_tool_calls_are_read_only_when_the_reply_opens_with_one():
+    from supervisor.http.tools import opens_with_call, parse_tagged
+
+    text, calls = parse_tagged(' <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>\n')
+    assert text == "" and [(c.name, c.arguments) for c in calls] == [("f", '{"a":1}')]
+    assert parse_tagged('Sure. <tool_call>{"name": "f"}</tool_call>') == ('Sure. <tool_call>{"name": "f"}</tool_call>', [])
+    assert opens_with_call("<tool") is None and opens_with_call("<b>") is False
+
+
+def test_the_stop_matcher_remembers_which_stop_ended_the_text():
+    from worker.stops import StopMatcher
+
+    m = StopMatcher(["END", "STOP"])
+    assert m.feed("abc ST") == ("abc ", False) and m.hit == ""
+    assert m.feed("OP and END") == ("", True) and m.hit == "STOP"

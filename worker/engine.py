@@ -27,6 +27,7 @@ forward from.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import deque
@@ -101,6 +102,46 @@ class _Seq:
         self.hit: pc.Hit | None = None  # the prompt-cache entry it will reuse (pinned, H3)
         self.cached = 0            # prompt tokens taken from the prompt cache (H1)
         self.out: list[int] = []   # generated token ids (the cache key after the prompt)
+
+
+def _turn(m) -> dict:
+    """A wire ChatMessage as the dict HF chat templates read (issue 13: tool turns too)."""
+    turn: dict = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        turn["tool_calls"] = json.loads(m.tool_calls)
+    if m.tool_call_id:
+        turn["tool_call_id"] = m.tool_call_id
+    return turn
+
+
+def _knows_tools(template) -> bool:
+    """A chat template that reads `tools` renders them itself (Qwen, Llama 3.1+, Hermes ...)."""
+    text = template if isinstance(template, str) else json.dumps(template)
+    return "tools" in text
+
+
+TOOLS_IN_WORDS = ("You can call these tools. To call one, answer with "
+                  '<tool_call>{"name": <name>, "arguments": <object>}</tool_call>\n<tools>\n{tools}</tools>')
+
+
+def _tools_in_words(turns: list[dict], tools: list) -> list[dict]:
+    """Issue 13: for a template with no place for tools, the Hermes wording the front door
+    parses, in the system turn; earlier calls and results become plain text turns."""
+    listing = TOOLS_IN_WORDS.replace("{tools}", "".join(json.dumps(t) + "\n" for t in tools))
+    out: list[dict] = []
+    for t in turns:
+        if t.get("tool_calls"):
+            calls = "".join("<tool_call>" + json.dumps({"name": c["function"]["name"],
+                                                         "arguments": c["function"]["arguments"]}) + "</tool_call>"
+                            for c in t["tool_calls"])
+            out.append({"role": "assistant", "content": calls})
+        elif t["role"] == "tool":
+            out.append({"role": "user", "content": f"<tool_response>{t['content']}</tool_response>"})
+        else:
+            out.append({"role": t["role"], "content": t["content"]})
+    if out and out[0]["role"] == "system":
+        return [{"role": "system", "content": listing + "\n\n" + out[0]["content"]}] + out[1:]
+    return [{"role": "system", "content": listing}] + out
 
 
 def _guard_on(limits: Limits) -> bool:
@@ -245,19 +286,22 @@ class Engine:
 
     # ------------------------------------------------------------------ prompts
 
-    def encode_chat(self, messages: Iterable) -> list[int]:
+    def encode_chat(self, messages: Iterable, tools: str | None = None) -> list[int]:
         """Chat messages through the model's chat template, ready for the reply."""
         if not self.tokenizer.has_chat_template:
             raise EngineError(INVALID_REQUEST, "this model has no chat template; use completions")
-        turns = [
-            {"role": m["role"], "content": m["content"]} if isinstance(m, dict)
-            else {"role": m.role, "content": m.content}
-            for m in messages
-        ]
+        turns = [m if isinstance(m, dict) else _turn(m) for m in messages]
         if not turns:
             raise EngineError(INVALID_REQUEST, "messages must not be empty")
+        extra: dict = {}
+        if tools:  # issue 13: tools through the template, or in words where it has no place for them
+            tool_list = json.loads(tools)
+            if _knows_tools(getattr(self.tokenizer, "chat_template", None)):
+                extra["tools"] = tool_list
+            else:
+                turns = _tools_in_words(turns, tool_list)
         try:
-            return list(self.tokenizer.apply_chat_template(turns, add_generation_prompt=True))
+            return list(self.tokenizer.apply_chat_template(turns, add_generation_prompt=True, **extra))
         except Exception as exc:  # noqa: BLE001 - jinja raises whatever the template says
             raise EngineError(INVALID_REQUEST, f"chat template rejected the messages: {exc}") from None
 
@@ -316,7 +360,7 @@ class Engine:
         try:
             if (cmd.messages is None) == (cmd.prompt is None):
                 raise EngineError(INVALID_REQUEST, "give exactly one of messages or prompt")
-            tokens = self.encode_chat(cmd.messages) if cmd.messages is not None \
+            tokens = self.encode_chat(cmd.messages, cmd.tools) if cmd.messages is not None \
                 else self.encode_prompt(cmd.prompt)
             self.submit(cmd.request_id, tokens, cmd.max_tokens, cmd.temperature, cmd.top_p,
                         cmd.stop, cmd.seed, cmd.constraint)
@@ -717,7 +761,8 @@ class Engine:
 
     def _finished(self, seq: _Seq, reason: str) -> Finished:
         return Finished(request_id=seq.id, finish_reason=reason, prompt_tokens=len(seq.prompt),
-                        completion_tokens=seq.generated, cached_tokens=seq.cached)
+                        completion_tokens=seq.generated, cached_tokens=seq.cached,
+                        stop_sequence=seq.stopper.hit if seq.stopper is not None else "")
 
     def _store(self, seq: _Seq) -> None:
         """H1: keep what the request computed (prompt and the tokens fed back) for the next one."""

@@ -64,10 +64,20 @@ BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, IM_START, IM_END]
 
+# Tools (issue 13) in the Hermes/Qwen style: listed in a system turn, called as
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call>, which is what the
+# front door parses. Without tools the rendering is the plain ChatML of before.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}<|im_start|>system\nYou can call these tools. To call one, answer with "
+    "<tool_call>{\"name\": <name>, \"arguments\": <object>}</tool_call>\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools><|im_end|>\n{% endif %}"
     "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message.get('tool_calls') %}{% for call in message['tool_calls'] %}"
+    "<tool_call>{\"name\": {{ call['function']['name'] | tojson }}, "
+    "\"arguments\": {{ call['function']['arguments'] | tojson }}}</tool_call>"
+    "{% endfor %}{% else %}{{ message['content'] }}{% endif %}<|im_end|>\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

@@ -12,11 +12,12 @@ from __future__ import annotations
 class StopMatcher:
     """Feed text deltas; get back what may be shown now, and whether a stop hit."""
 
-    __slots__ = ("stops", "pending")
+    __slots__ = ("stops", "pending", "hit")
 
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
         self.pending = ""
+        self.hit = ""  # the stop that ended the text (issue 13: Anthropic's stop_sequence)
 
     def feed(self, delta: str) -> tuple[str, bool]:
         """Return (text safe to emit, stopped). After a stop, nothing more is emitted."""
@@ -25,7 +26,7 @@ class StopMatcher:
         for stop in self.stops:
             index = buf.find(stop)
             if index != -1 and (cut == -1 or index < cut):
-                cut = index
+                cut, self.hit = index, stop
         if cut != -1:
             self.pending = ""
             return buf[:cut], True

@@ -16,13 +16,16 @@ Endpoints (DESIGN.md contract):
   GET  /metrics                     Prometheus text
   GET  /v1/models, /v1/models/{id}
   POST /v1/chat/completions, /v1/completions   (JSON or SSE with "stream": true)
+  POST /v1/messages                 Anthropic Messages (issue 13, http/anthropic.py)
+  POST /v1/responses                OpenAI Responses (issue 13, http/responses.py)
   POST /v1/models/{id}/load|unload  admin
   POST /admin/guard                 admin; SPEC T6 (tier, custom ceiling, on/off)
   GET  /v1/events                   the PUB topics as SSE (supervisor.http.events)
   GET  /, /ui, /ui/*                the dashboard (supervisor.http.dashboard)
 
 Admin endpoints need `Authorization: Bearer <admin_token>` when a token is
-configured, and accept only loopback clients when none is.
+configured, and accept only loopback clients when none is. With
+`[supervisor] api_keys` every /v1 call needs a key (http/auth.py).
 """
 
 from __future__ import annotations
@@ -49,7 +52,10 @@ from shared.states import SERVING_STATES
 from supervisor.api import Supervisor
 from supervisor.config import parse_http
 from supervisor.errors import ServeError
+from supervisor.http import anthropic as http_anthropic
 from supervisor.http import generate as http_generate
+from supervisor.http import responses as http_responses
+from supervisor.http.auth import ApiKeys
 from supervisor.http.body import Disconnected, read_body
 from supervisor.http.dashboard import Dashboard
 from supervisor.http.errors import ApiError, from_serve_error
@@ -124,6 +130,7 @@ class FrontDoor:
         self.scfg = sup.config.supervisor
         self.metrics = Metrics(sup)
         self.created = int(time.time())
+        self.keys = ApiKeys.from_config(self.scfg)  # issue 13
 
     # -- models ---------------------------------------------------------------
 
@@ -187,6 +194,16 @@ class FrontDoor:
         started = request.scope.get("memvisor.started", time.monotonic())
         return await http_generate.handle(request, self.sup, self.metrics, kind, body, started)
 
+    async def messages(self, request: Request) -> Response:
+        body = await read_body(request, int(self.scfg.max_body))
+        started = request.scope.get("memvisor.started", time.monotonic())
+        return await http_anthropic.handle(request, self.sup, self.metrics, body, started)
+
+    async def responses(self, request: Request) -> Response:
+        body = await read_body(request, int(self.scfg.max_body))
+        started = request.scope.get("memvisor.started", time.monotonic())
+        return await http_responses.handle(request, self.sup, self.metrics, body, started)
+
     # -- guard ----------------------------------------------------------------
 
     async def status(self, request: Request) -> Response:
@@ -234,8 +251,10 @@ class FrontDoor:
     # -- access (issue 15) ----------------------------------------------------
 
     def read_access(self, request: Request) -> None:
-        """Read-only endpoints (/status, /metrics, /v1/events) are open today;
-        per-client API keys, when they come, are checked here."""
+        """/v1/events: a /v1 call, so it needs an API key when keys are set (issue 13);
+        /status and /metrics stay open, like /health. EventSource sends no headers,
+        so `?api_key=` is taken here too."""
+        self.keys.check(request, from_query=True)
 
     def may_admin(self, request: Request) -> bool:
         try:
@@ -248,38 +267,46 @@ class FrontDoor:
 
     def routes(self) -> list[Route]:
         r = guarded
+
+        def v(handler, shape=ApiError.response):  # issue 13: /v1 needs an API key when keys are set
+            return guarded(self.keys.required(handler), shape)
+
         return [
             Route("/v1/events", EventsEndpoint(self.sup, self.read_access), methods=["GET"]),  # issue 15
             *Dashboard(self.sup, self.may_admin).routes(r),  # issue 15
             Route("/health", r(self.health), methods=["GET"]),
             Route("/status", r(self.status), methods=["GET"]),
             Route("/metrics", r(self.metrics_text), methods=["GET"]),
-            Route("/v1/models", r(self.models), methods=["GET"]),
-            Route("/v1/models/{model_id:path}/load", r(self.load), methods=["POST"]),
-            Route("/v1/models/{model_id:path}/unload", r(self.unload), methods=["POST"]),
-            Route("/v1/models/{model_id:path}", r(self.model), methods=["GET"]),
-            Route("/v1/chat/completions", r(self.chat), methods=["POST"]),
-            Route("/v1/completions", r(self.completions), methods=["POST"]),
+            Route("/v1/models", v(self.models), methods=["GET"]),
+            Route("/v1/models/{model_id:path}/load", v(self.load), methods=["POST"]),
+            Route("/v1/models/{model_id:path}/unload", v(self.unload), methods=["POST"]),
+            Route("/v1/models/{model_id:path}", v(self.model), methods=["GET"]),
+            Route("/v1/chat/completions", v(self.chat), methods=["POST"]),
+            Route("/v1/completions", v(self.completions), methods=["POST"]),
+            Route("/v1/messages", v(self.messages, http_anthropic.error_response), methods=["POST"]),
+            Route("/v1/responses", v(self.responses), methods=["POST"]),
             Route("/admin/guard", r(self.guard), methods=["POST"]),
         ]
 
 
-def guarded(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
-    """Every failure becomes OpenAI-style JSON; a bug is logged here, never shown."""
+def guarded(handler: Callable[[Request], Awaitable[Response]],
+            shape: Callable[[ApiError], Response] = ApiError.response) -> Callable[[Request], Awaitable[Response]]:
+    """Every failure becomes JSON in the API's own error shape (OpenAI's unless `shape`
+    says otherwise, e.g. Anthropic's); a bug is logged here, never shown."""
 
     async def endpoint(request: Request) -> Response:
         try:
             return await handler(request)
         except ApiError as exc:
-            return exc.response()
+            return shape(exc)
         except BodyError as exc:
-            return ApiError(400, str(exc), code="invalid_request", param=exc.param).response()
+            return shape(ApiError(400, str(exc), code="invalid_request", param=exc.param))
         except Disconnected:
             return Response(status_code=499)  # nobody is listening; keeps the log honest
         except Exception:
             log.exception("unexpected error answering %s %s", request.method, request.url.path)
-            return ApiError(500, "internal error in the front door; the supervisor's log has the details",
-                            code="internal_error").response()
+            return shape(ApiError(500, "internal error in the front door; the supervisor's log has the details",
+                                  code="internal_error"))
 
     return endpoint
 
@@ -326,7 +353,7 @@ class Instrumented:
 
 
 _FIXED = {"/health", "/status", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
-          "/admin/guard", "/v1/events", "/", "/ui"}
+          "/v1/messages", "/v1/responses", "/admin/guard", "/v1/events", "/", "/ui"}
 
 
 def endpoint_label(path: str) -> str:

@@ -16,16 +16,24 @@ a failure is one `data: {"error": ...}` event, which the OpenAI SDK raises.
 A client that goes away is noticed while it waits (load, queue, generation)
 and its request is aborted in the worker (`Supervisor.cancel`), so nobody's
 memory keeps working for a reader who left.
+
+Issue 13: `Job.pieces` turns the worker's stream into API-neutral pieces
+(text, tool calls, the end, an error) that this module renders as OpenAI
+chat/completions and `anthropic.py` / `responses.py` render as theirs;
+`tools.py` holds the tool plan (template tools, ToolCall constraint,
+reading calls back). `response_format` maps to the worker's JSON
+constraints, and `keep_alive` / `ttl` set the model's idle timer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from collections.abc import MutableMapping
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, NamedTuple, TypeVar, Union
 
 import msgspec
 from starlette.requests import Request
@@ -34,8 +42,9 @@ from starlette.responses import Response, StreamingResponse
 from shared import protocol as p
 from supervisor.api import Supervisor
 from supervisor.errors import ServeError
+from supervisor.http import tools
 from supervisor.http.body import Disconnected
-from supervisor.http.errors import from_failed, from_serve_error
+from supervisor.http.errors import ApiError, from_failed, from_serve_error
 from supervisor.http.metrics import Metrics
 from supervisor.http.openai_types import (
     DEFAULT_CHAT_MAX_TOKENS,
@@ -50,12 +59,17 @@ from supervisor.http.openai_types import (
     ChunkChoice,
     CompletionRequest,
     Delta,
+    FunctionCallOut,
     PromptTokensDetails,
+    ResponseFormat,
     TextChoice,
     TextCompletion,
+    ToolCallDelta,
+    ToolCallOut,
     Usage,
     decode_body,
 )
+from supervisor.http.tools import ToolPlan
 from supervisor.streams import RequestStream, StreamReply
 
 log = logging.getLogger("memvisor.http")
@@ -80,9 +94,26 @@ def _refuse_unsupported(req, *names: str) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name) not in (None, 0, 0.0):
             raise BodyError(f"{name}: not supported (only 0)", param=name)
+    if req.logit_bias:
+        raise BodyError("logit_bias: not supported (only an empty map)", param="logit_bias")
     for name in names:
         if getattr(req, name):
             raise BodyError(f"{name}: not supported by this server", param=name)
+
+
+def _refuse_chat_extras(req: ChatRequest) -> None:
+    """Chat fields that would change the output in ways we cannot: a 400 naming each."""
+    if req.store:
+        raise BodyError("store: this server stores no completions (only false)", param="store")
+    if req.modalities not in (None, ["text"]):
+        raise BodyError("modalities: only [\"text\"] is supported", param="modalities")
+    for name, why in (("audio", "audio output"), ("functions", "the deprecated functions (use tools)"),
+                      ("function_call", "the deprecated function_call (use tool_choice)"),
+                      ("reasoning_effort", "reasoning effort (these models do not reason)"),
+                      ("verbosity", "verbosity"), ("web_search_options", "web search"),
+                      ("moderation", "moderation")):
+        if getattr(req, name) is not None:
+            raise BodyError(f"{name}: {why} is not supported by this server", param=name)
 
 
 def _stops(stop) -> list[str]:
@@ -108,26 +139,91 @@ def _sampling(req, max_tokens: int) -> dict:
                 top_p=1.0 if req.top_p is None else req.top_p, stop=_stops(req.stop), seed=_seed(req.seed))
 
 
+def response_format_constraint(fmt: ResponseFormat | None) -> p.Constraint | None:
+    """Structured output: enforced by the worker's constrained decoding, never hoped for."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return p.JsonObject()
+    js = fmt.json_schema
+    if js is None or js.schema is None:
+        raise BodyError("response_format.json_schema.schema: a json_schema format needs its schema",
+                        param="response_format.json_schema")
+    return p.JsonSchema(schema=_encoder.encode(js.schema).decode(), strict=bool(js.strict), name=js.name)
+
+
+def chat_tool_plan(req: ChatRequest) -> ToolPlan | None:
+    """tools + tool_choice + parallel_tool_calls (OpenAI chat spelling) -> the plan."""
+    if not req.tools and req.tool_choice in (None, "none", "auto"):
+        return None
+    fns = []
+    for i, t in enumerate(req.tools or []):
+        if t.type != "function" or t.function is None:
+            raise BodyError(f"tools[{i}].type: only function tools are supported (got {t.type!r})",
+                            param=f"tools[{i}].type")
+        f = t.function
+        fns.append(tools.function(f.name, f.description, f.parameters, f.strict, f"tools[{i}].function"))
+    choice, named = tools.openai_choice(req.tool_choice, nested=True)
+    plan = ToolPlan(functions=fns, choice=choice, named=named, parallel=req.parallel_tool_calls is not False)
+    return tools.check_named(plan, "tool_choice")
+
+
+def _chat_message(i: int, m) -> p.ChatMessage:
+    for name in ("function_call", "audio"):
+        if getattr(m, name) is not None:
+            raise BodyError(f"messages[{i}].{name}: not supported", param=f"messages[{i}].{name}")
+    if isinstance(m.content, list):
+        parts = []
+        for j, part in enumerate(m.content):
+            if part.type not in ("text", "input_text") or part.text is None:
+                raise BodyError(f"messages[{i}].content[{j}]: only text parts are supported "
+                                f"(got type {part.type!r})", param=f"messages[{i}].content[{j}].type")
+            parts.append(part.text)
+        text = "".join(parts)
+    else:
+        text = m.content or ""
+    calls = None
+    if m.tool_calls:
+        calls = []
+        for j, c in enumerate(m.tool_calls):
+            try:
+                args = msgspec.json.decode(c.function.arguments)
+            except msgspec.DecodeError:
+                where = f"messages[{i}].tool_calls[{j}].function.arguments"
+                raise BodyError(f"{where}: not valid JSON", param=where) from None
+            calls.append({"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": args}})
+    if m.role == "tool" and not m.tool_call_id:
+        raise BodyError(f"messages[{i}].tool_call_id: a tool message needs the id of the call it answers",
+                        param=f"messages[{i}].tool_call_id")
+    return p.ChatMessage(role="system" if m.role == "developer" else m.role, content=text,
+                         tool_calls=_encoder.encode(calls).decode() if calls else None,
+                         tool_call_id=m.tool_call_id)
+
+
 def chat_generate(req: ChatRequest) -> p.Generate:
     """OpenAI chat -> Generate with messages (the worker applies the model's chat template)."""
-    _refuse_unsupported(req, "tools", "top_logprobs")
+    _refuse_unsupported(req, "top_logprobs")
+    _refuse_chat_extras(req)
     if not req.messages:
         raise BodyError("messages: must contain at least one message", param="messages")
-    messages = []
-    for i, m in enumerate(req.messages):
-        if isinstance(m.content, list):
-            parts = []
-            for j, part in enumerate(m.content):
-                if part.type != "text" or part.text is None:
-                    raise BodyError(f"messages[{i}].content[{j}]: only text parts are supported "
-                                    f"(got type {part.type!r})", param=f"messages[{i}].content[{j}].type")
-                parts.append(part.text)
-            text = "".join(parts)
-        else:
-            text = m.content or ""
-        messages.append(p.ChatMessage(role="system" if m.role == "developer" else m.role, content=text))
+    messages = [_chat_message(i, m) for i, m in enumerate(req.messages)]
     max_tokens = req.max_completion_tokens or req.max_tokens or DEFAULT_CHAT_MAX_TOKENS
-    return p.Generate(messages=messages, **_sampling(req, max_tokens))
+    plan = chat_tool_plan(req)
+    fmt = response_format_constraint(req.response_format)
+    return with_tools(p.Generate(messages=messages, constraint=fmt, **_sampling(req, max_tokens)), plan)
+
+
+def with_tools(gen: p.Generate, plan: ToolPlan | None) -> p.Generate:
+    """The plan's tools for the template and, for required/named, its constraint."""
+    if plan is None:
+        return gen
+    call = plan.constraint()
+    if call is not None and gen.constraint is not None:
+        raise BodyError("tool_choice: a required tool call and a JSON output format cannot both be "
+                        "enforced on one reply; drop one", param="tool_choice")
+    gen.tools = plan.template_tools() if plan.functions else None
+    gen.constraint = call or gen.constraint
+    return gen
 
 
 def completion_generate(req: CompletionRequest) -> p.Generate:
@@ -175,9 +271,13 @@ async def race_client(coro: Awaitable[T], receive: Receive) -> T:
     raise Disconnected()
 
 
-async def open_stream(sup: Supervisor, model: str, gen: p.Generate, receive: Receive) -> RequestStream:
+async def open_stream(sup: Supervisor, model: str, gen: p.Generate, receive: Receive,
+                      keep_alive: float | None = None) -> RequestStream:
     try:
-        return await race_client(sup.generate(model, gen), receive)
+        stream = await race_client(sup.generate(model, gen), receive)
+        if keep_alive is not None:  # the model is loaded now: its idle timer is this request's
+            sup.keep_alive(model, keep_alive)
+        return stream
     except ServeError as exc:
         raise from_serve_error(exc) from None
 
@@ -193,8 +293,10 @@ class Job:
     """One generation as the front door sees it: ids, timing, the shape of its output."""
 
     def __init__(self, sup: Supervisor, metrics: Metrics, kind: str, model: str, gen: p.Generate,
-                 include_usage: bool, started: float, stream: RequestStream) -> None:
+                 include_usage: bool, started: float, stream: RequestStream,
+                 plan: ToolPlan | None = None) -> None:
         self.sup = sup
+        self.plan = plan  # issue 13: how to read tool calls out of the reply
         self.metrics = metrics
         self.kind = kind  # "chat" | "text"
         self.model = model
@@ -241,40 +343,94 @@ class Job:
                 self.metrics.failed(self.model, msg.code)
         return msg
 
-    # -- non-streamed ---------------------------------------------------------
+    # -- the reply as pieces, whatever the API -------------------------------
 
-    async def whole(self, receive: Receive) -> Response:
-        parts: list[str] = []
-        watcher = self.watch(receive)
-        try:
+    async def pieces(self, first: StreamReply) -> AsyncIterator[Piece]:
+        """Text, tool calls, then the end (or an error): what every API renders.
+
+        Text that may be a tool call is held back: all of it when the call
+        was required (the constraint's JSON array), and in `auto` mode until
+        the reply's first characters say whether it opens with a call."""
+        mode = self.plan.mode if self.plan else "text"
+        held: list[str] = []
+        msg = first
+        while isinstance(msg, p.TokenOut):
+            if not msg.text:
+                pass
+            elif mode == "text":
+                yield Text(msg.text)
+            else:
+                held.append(msg.text)
+                if mode == "auto":
+                    opens = tools.opens_with_call("".join(held))
+                    if opens is False:
+                        mode = "text"
+                        yield Text("".join(held))
+                        held = []
             msg = await self.next_message()
-            while isinstance(msg, p.TokenOut):
-                parts.append(msg.text)
-                msg = await self.next_message()
+        if isinstance(msg, p.Failed):
+            yield from_failed(msg)
+            return
+        reason, text, calls = msg.finish_reason, "".join(held), None
+        if mode == "constrained":
+            calls = tools.parse_constrained(text)
+            text = "" if calls is not None else text
+        elif mode == "auto" and text:
+            text, calls = tools.parse_tagged(text)
+        if text:
+            yield Text(text)
+        if calls:
+            yield Calls(calls)
+            reason = "tool_calls" if reason == "stop" else reason
+        yield End(msg, reason)
+
+    async def collect(self, receive: Receive) -> tuple[str, list[tools.Call], End]:
+        """The whole reply (non-streamed); a failure raises its ApiError."""
+        watcher = self.watch(receive)
+        text: list[str] = []
+        calls: list[tools.Call] = []
+        try:
+            first = await self.next_message()
+            async for piece in self.pieces(first):
+                match piece:
+                    case Text(text=t):
+                        text.append(t)
+                    case Calls(calls=c):
+                        calls.extend(c)
+                    case End():
+                        end = piece
+                    case ApiError():
+                        raise piece
         finally:
             watcher.cancel()
             self.cancel("the request ended before its generation")  # no-op once finished
-        if isinstance(msg, p.Failed):
-            raise from_failed(msg)
-        usage = _usage(msg)
-        text = "".join(parts)
+        return "".join(text), calls, end
+
+    # -- non-streamed ---------------------------------------------------------
+
+    async def whole(self, receive: Receive) -> Response:
+        text, calls, end = await self.collect(receive)
+        usage = _usage(end.finished)
         body: ChatCompletion | TextCompletion
         if self.kind == "chat":
+            message = ChatMessageOut(role="assistant", content=text or (None if calls else ""))
+            if calls:
+                message.tool_calls = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
+                                      for c in calls]
             body = ChatCompletion(id=self.id, created=self.created, model=self.model, usage=usage, choices=[
-                ChatChoice(index=0, message=ChatMessageOut(role="assistant", content=text),
-                           finish_reason=msg.finish_reason)])
+                ChatChoice(index=0, message=message, finish_reason=end.reason)])
         else:
             body = TextCompletion(id=self.id, created=self.created, model=self.model, usage=usage, choices=[
-                TextChoice(index=0, text=text, finish_reason=msg.finish_reason)])
+                TextChoice(index=0, text=text, finish_reason=end.reason)])
         return Response(_encoder.encode(body), media_type="application/json")
 
     # -- streamed -------------------------------------------------------------
 
-    async def streamed(self, receive: Receive) -> Response:
+    async def first(self, receive: Receive) -> StreamReply:
         """Wait for the first message, so early errors keep their HTTP status.
 
         Our watcher stops before the response starts: from then on Starlette
-        listens for the disconnect and cancels `events`."""
+        listens for the disconnect and cancels the events."""
         watcher = self.watch(receive)
         try:
             first = await self.next_message()
@@ -285,43 +441,50 @@ class Job:
             watcher.cancel()
         if isinstance(first, p.Failed):
             raise from_failed(first)
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        return StreamingResponse(self.events(first), media_type="text/event-stream", headers=headers)
+        return first
+
+    async def streamed(self, receive: Receive) -> Response:
+        first = await self.first(receive)
+        return sse_response(self.events(first))
 
     async def events(self, first: StreamReply) -> AsyncIterator[bytes]:
-        """SSE body; tokens that arrived together leave in one write."""
+        """SSE body; pieces that arrived together leave in one write."""
         try:
             out = [self.chunk(None, role=True)] if self.kind == "chat" else []
-            msg = first
-            while True:
-                out.append(self.render(msg))
-                if not isinstance(msg, p.TokenOut):
-                    break
+            async for piece in self.pieces(first):
+                out.append(self.render(piece))
                 if self.stream.queue.empty():
                     yield b"".join(out)
                     out = []
-                msg = await self.next_message()
             out.append(SSE_DONE)
             yield b"".join(out)
         finally:  # cancelled by Starlette when the client went away
             self.cancel("client disconnected")
 
-    def render(self, msg: StreamReply) -> bytes:
-        if isinstance(msg, p.TokenOut):
-            return self.chunk(msg.text) if msg.text else b""  # a token that ends mid-character
-        if isinstance(msg, p.Failed):
-            log.info("request %s failed mid-stream: %s: %s", self.id, msg.code, msg.message)
-            return b"data: " + from_failed(msg).body() + b"\n\n"
-        last = self.chunk(None, finish=msg.finish_reason)
-        if self.include_usage:
-            last += self.usage_chunk(_usage(msg))
-        return last
+    def render(self, piece: Piece) -> bytes:
+        match piece:
+            case Text(text=text):
+                return self.chunk(text)
+            case Calls(calls=calls):
+                deltas = [ToolCallDelta(index=i, id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
+                          for i, c in enumerate(calls)]
+                return self.chunk(None, calls=deltas)
+            case ApiError():
+                log.info("request %s failed mid-stream: %s: %s", self.id, piece.code, piece.message)
+                return b"data: " + piece.body() + b"\n\n"
+            case End(finished=fin, reason=reason):
+                last = self.chunk(None, finish=reason)
+                if self.include_usage:
+                    last += self.usage_chunk(_usage(fin))
+                return last
+        return b""
 
-    def chunk(self, text: str | None, *, role: bool = False, finish: str | None = None) -> bytes:
+    def chunk(self, text: str | None, *, role: bool = False, finish: str | None = None,
+              calls: list[ToolCallDelta] | None = None) -> bytes:
         usage = None if self.include_usage else msgspec.UNSET
         body: ChatChunk | TextCompletion
         if self.kind == "chat":
-            delta = Delta(role="assistant", content="") if role else Delta(content=text)
+            delta = Delta(role="assistant", content="") if role else Delta(content=text, tool_calls=calls)
             body = ChatChunk(id=self.id, created=self.created, model=self.model, usage=usage,
                              choices=[ChunkChoice(index=0, delta=delta, finish_reason=finish)])
         else:
@@ -338,25 +501,88 @@ class Job:
         return b"data: " + _encoder.encode(body) + b"\n\n"
 
 
+class Text(NamedTuple):
+    text: str
+
+
+class Calls(NamedTuple):
+    calls: list[tools.Call]
+
+
+class End(NamedTuple):
+    finished: p.Finished
+    reason: str  # the worker's finish_reason, or "tool_calls" when the reply was calls
+
+
+Piece = Union[Text, Calls, End, ApiError]
+
+
+def sse_response(events: AsyncIterator[bytes]) -> StreamingResponse:
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+
+
 def _usage(msg: p.Finished) -> Usage:
     return Usage(prompt_tokens=msg.prompt_tokens, completion_tokens=msg.completion_tokens,
                  total_tokens=msg.prompt_tokens + msg.completion_tokens,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=msg.cached_tokens))
 
 
+def keep_alive_seconds(keep_alive, ttl: int | None) -> float | None:
+    """Ollama's keep_alive / LM Studio's ttl -> the model's idle timer in seconds.
+
+    0 unloads right after the request; a negative value keeps it loaded (P10's
+    0 = never); None leaves the configured timer alone."""
+    if keep_alive is None and ttl is None:
+        return None
+    if keep_alive is None:
+        if ttl is None or ttl < 0:
+            raise BodyError("ttl: seconds, at least 0", param="ttl")
+        seconds: float = ttl
+    elif isinstance(keep_alive, (int, float)) and not isinstance(keep_alive, bool):
+        seconds = float(keep_alive)
+    else:
+        seconds = _duration(str(keep_alive))
+    if seconds < 0:
+        return 0.0  # never expires
+    return seconds if seconds > 0 else UNLOAD_NOW
+
+
+UNLOAD_NOW = 1e-3  # P10 expires an idle model whose idle time exceeds its TTL: at once
+_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION = re.compile(r"(-?\d+(?:\.\d+)?)(ms|s|m|h)")
+
+
+def _duration(text: str) -> float:
+    """"5m", "1h30m", "90s", "-1", "0" (Go durations, as Ollama takes them)."""
+    text = text.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    parts = _DURATION.findall(text)
+    if not parts or "".join(a + u for a, u in parts) != text:
+        raise BodyError(f"keep_alive: {text!r} is not a duration like \"5m\", \"1h\", \"0\" or \"-1\"",
+                        param="keep_alive")
+    return sum(float(a) * _UNITS[u] for a, u in parts)
+
+
 async def handle(request: Request, sup: Supervisor, metrics: Metrics, kind: str, body: bytes,
                  started: float) -> Response:
     """Decode, validate, route to the model's worker, answer (JSON or SSE)."""
     req: ChatRequest | CompletionRequest
+    plan = None
     if kind == "chat":
         req = decode_body(body, ChatRequest)
         gen = chat_generate(req)
+        plan = chat_tool_plan(req)
     else:
         req = decode_body(body, CompletionRequest)
         gen = completion_generate(req)
+    keep = keep_alive_seconds(req.keep_alive, req.ttl)
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
-    stream = await open_stream(sup, req.model, gen, request.receive)
-    job = Job(sup, metrics, kind, req.model, gen, include_usage, started, stream)
+    stream = await open_stream(sup, req.model, gen, request.receive, keep)
+    job = Job(sup, metrics, kind, req.model, gen, include_usage, started, stream, plan)
     if req.stream:
         return await job.streamed(request.receive)
     return await job.whole(request.receive)

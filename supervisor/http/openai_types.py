@@ -4,11 +4,14 @@ Bodies are decoded straight into these Structs by msgspec, so a wrong type is
 caught at the edge with the field path in the message (`max_tokens: Expected
 `int`, got `str``) and the handlers only ever see valid, typed values.
 
-What the front door accepts is deliberately lenient about *unknown* fields
-(tools send many vendor extensions and the OpenAI SDK adds new ones every
-release) but strict about known ones it cannot honour: `n > 1`, `logprobs`,
-`tools`, `echo`, `suffix` and `best_of` are refused with a 400 naming the
-parameter, rather than silently answered with something else.
+Nothing is silently ignored (issue 13): an unknown field is a 400 naming it
+(`forbid_unknown_fields`), and every field of the OpenAI SDK's request types
+is declared here and either honoured, refused with a 400 naming it unless it
+has its neutral value (`n > 1`, `logprobs`, `logit_bias`, `echo`, ...), or
+accepted with no effect where that is truthful (see the comments: ids for
+abuse tracking, caching hints, `store: false`). A client that asked for JSON
+must never silently get prose. `tests/test_api_fields.py` walks the SDK's
+TypedDicts to keep it so.
 
 Public names (stable): ChatRequest, CompletionRequest, ChatMessageIn,
 ContentPart, StreamOptions, Usage, ChatCompletion, ChatChunk,
@@ -19,7 +22,7 @@ GuardSettingsIn, BodyError, decode_body.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal, TypeVar, Union
+from typing import Annotated, Any, Literal, TypeVar, Union
 
 import msgspec
 
@@ -55,26 +58,49 @@ class BodyError(ValueError):
 
 
 class ContentPart(Struct, kw_only=True):
-    """One part of a multi-part message; only text parts can reach a text model."""
+    """One part of a multi-part message; only text parts can reach a text model.
+
+    Lenient about the part's other keys: a non-text part is refused by type."""
 
     type: str
     text: Union[str, None] = None
 
 
-class ChatMessageIn(Struct, kw_only=True):
+class FunctionCallIn(Struct, kw_only=True):
+    name: str
+    arguments: str = "{}"  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(Struct, kw_only=True):
+    """An assistant turn's earlier tool call, in the history."""
+
+    id: str
+    function: FunctionCallIn
+    type: str = "function"
+
+
+class ChatMessageIn(Struct, kw_only=True, forbid_unknown_fields=True):
     role: Role
     content: Union[str, list[ContentPart], None] = None
-    name: Union[str, None] = None
+    name: Union[str, None] = None  # a participant's name: templates do not render it
+    tool_calls: Union[list[ToolCallIn], None] = None  # assistant turns (issue 13)
+    tool_call_id: Union[str, None] = None  # role "tool": the call it answers
+    refusal: Union[str, None] = None  # an earlier assistant refusal: history only
+    function_call: Any = None  # deprecated; refused when set
+    audio: Any = None  # refused when set
 
 
 class StreamOptions(Struct, kw_only=True):
     include_usage: bool = False
+    include_obfuscation: Union[bool, None] = None  # padding against side channels: nothing to pad here
 
 
 StopField = Union[str, list[str], None]
+# Ollama's keep_alive: seconds, or a duration ("5m", "1h30m", "0", "-1").
+KeepAlive = Union[int, float, str, None]
 
 
-class _Sampling(Struct, kw_only=True):
+class _Sampling(Struct, kw_only=True, forbid_unknown_fields=True):
     """Fields shared by chat and completions."""
 
     model: str
@@ -85,11 +111,40 @@ class _Sampling(Struct, kw_only=True):
     n: Union[int, None] = None
     stop: StopField = None
     seed: Union[int, None] = None
+    # An end-user id for abuse tracking: it changes no output, we keep no record.
     user: Union[str, None] = None
-    # Accepted for compatibility; refused unless at their neutral value.
+    # Refused unless at their neutral value.
     logprobs: Union[bool, int, None] = None
     presence_penalty: Union[float, None] = None
     frequency_penalty: Union[float, None] = None
+    logit_bias: Union[dict[str, float], None] = None
+    # Per-request idle timers (issue 13): Ollama's keep_alive and LM Studio's ttl.
+    keep_alive: KeepAlive = None
+    ttl: Union[int, None] = None
+
+
+class FunctionDef(Struct, kw_only=True, forbid_unknown_fields=True):
+    name: str
+    description: Union[str, None] = None
+    parameters: Union[dict[str, Any], None] = None
+    strict: Union[bool, None] = None
+
+
+class ToolDef(Struct, kw_only=True):
+    type: str
+    function: Union[FunctionDef, None] = None
+
+
+class JsonSchemaFormat(Struct, kw_only=True, forbid_unknown_fields=True):
+    name: str
+    description: Union[str, None] = None
+    schema: Union[dict[str, Any], None] = None
+    strict: Union[bool, None] = None
+
+
+class ResponseFormat(Struct, kw_only=True, forbid_unknown_fields=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Union[JsonSchemaFormat, None] = None
 
 
 class ChatRequest(_Sampling, kw_only=True):
@@ -98,8 +153,30 @@ class ChatRequest(_Sampling, kw_only=True):
     messages: list[ChatMessageIn]
     max_tokens: Union[MaxTokens, None] = None
     max_completion_tokens: Union[MaxTokens, None] = None
-    tools: Union[list[msgspec.Raw], None] = None
     top_logprobs: Union[int, None] = None
+    # Honoured (issue 13): tool calling and structured output.
+    tools: Union[list[ToolDef], None] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: Union[bool, None] = None
+    response_format: Union[ResponseFormat, None] = None
+    # Accepted with no effect on the output, truthfully:
+    metadata: Union[dict[str, str], None] = None  # only kept with store=true, which is refused
+    store: Union[bool, None] = None  # false/null only: we store nothing
+    safety_identifier: Union[str, None] = None  # abuse tracking id, like user
+    prompt_cache_key: Union[str, None] = None  # routing hint; our prompt cache is automatic (H1)
+    prompt_cache_retention: Union[str, None] = None  # ditto: the cache's lifetime is the guard's (H2)
+    prompt_cache_options: Any = None  # ditto
+    service_tier: Union[str, None] = None  # billing/latency class; one tier here, same output
+    prediction: Any = None  # a latency hint; OpenAI's output is the same with it
+    # Refused unless null (or their only neutral value, see generate.py):
+    modalities: Union[list[str], None] = None  # ["text"] only
+    audio: Any = None
+    functions: Any = None  # deprecated for tools
+    function_call: Any = None  # deprecated for tool_choice
+    reasoning_effort: Union[str, None] = None
+    verbosity: Union[str, None] = None
+    web_search_options: Any = None
+    moderation: Any = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -135,9 +212,28 @@ class Usage(Struct, kw_only=True):
     prompt_tokens_details: PromptTokensDetails = msgspec.field(default_factory=PromptTokensDetails)
 
 
-class ChatMessageOut(Struct, kw_only=True):
+class FunctionCallOut(Struct, kw_only=True):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(Struct, kw_only=True):
+    id: str
+    function: FunctionCallOut
+    type: str = "function"
+
+
+class ChatMessageOut(Struct, kw_only=True, omit_defaults=True):
     role: str
-    content: str
+    content: Union[str, None]
+    tool_calls: Union[list[ToolCallOut], msgspec.UnsetType] = msgspec.UNSET
+
+
+class ToolCallDelta(Struct, kw_only=True):
+    index: int
+    id: str
+    function: FunctionCallOut
+    type: str = "function"
 
 
 class ChatChoice(Struct, kw_only=True):
@@ -160,6 +256,7 @@ class ChatCompletion(Struct, kw_only=True):
 class Delta(Struct, kw_only=True, omit_defaults=True):
     role: Union[str, None] = None
     content: Union[str, None] = None
+    tool_calls: Union[list[ToolCallDelta], None] = None
 
 
 class ChunkChoice(Struct, kw_only=True):
@@ -238,6 +335,7 @@ class ErrorBody(Struct, kw_only=True):
 # ---------------------------------------------------------------------------
 # decoding at the edge
 
+UNKNOWN = "unknown field: this server does not support it, and says so rather than ignore it"
 _AT_PATH = re.compile(r"^(?P<reason>.*) - at `\$(?P<path>[^`]*)`$", re.S)
 
 
@@ -285,9 +383,9 @@ def _split_path(text: str) -> tuple[str, str]:
     match = _AT_PATH.match(text)
     if match is None:
         unknown = re.match(r"Object contains unknown field `([^`]+)`", text)
-        return (("unknown field", unknown[1]) if unknown else (text, ""))
+        return ((UNKNOWN, unknown[1]) if unknown else (text, ""))
     reason, path = match["reason"], match["path"].lstrip(".")
     unknown = re.match(r"Object contains unknown field `([^`]+)`", reason)
     if unknown:
-        return "unknown field", f"{path}.{unknown[1]}" if path else unknown[1]
+        return UNKNOWN, f"{path}.{unknown[1]}" if path else unknown[1]
     return reason, path

@@ -1,0 +1,90 @@
+"""API keys for /v1/* (issue 13): `[supervisor] api_keys` and/or `api_keys_file`.
+
+When any key is configured, every /v1 call must carry one, as OpenAI clients
+send it (`Authorization: Bearer KEY`) or as Anthropic's do (`x-api-key: KEY`);
+anything else is a 401 in the calling API's error shape (the handler's
+`guarded` wrapper renders it). /health, /status, /metrics and the dashboard
+stay open: they are for the operator's tools, which carry no client key.
+
+Keys are compared in constant time: each given key and each configured key
+are hashed (SHA-256, so lengths leak nothing either) and every configured
+key is compared, with no early exit. Keys are kept only as digests and are
+never logged; a refusal names no key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from pathlib import Path
+from typing import Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from supervisor.http.errors import ApiError
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+def read_keys_file(path: str) -> list[str]:
+    """One key a line; blank lines and `#` comments skipped."""
+    lines = Path(path).expanduser().read_text().splitlines()
+    return [s for line in lines if (s := line.strip()) and not s.startswith("#")]
+
+
+class ApiKeys:
+    def __init__(self, keys: list[str], admin_token: str = "") -> None:
+        self._digests = [_digest(k) for k in keys if k]
+        # The admin token also opens /v1 (it already opens the admin endpoints there).
+        if admin_token and self._digests:
+            self._digests.append(_digest(admin_token))
+
+    @classmethod
+    def from_config(cls, scfg) -> "ApiKeys":
+        keys = list(scfg.api_keys)
+        if scfg.api_keys_file:
+            keys += read_keys_file(scfg.api_keys_file)
+        return cls(keys, scfg.admin_token)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._digests)
+
+    def valid(self, given: str) -> bool:
+        probe = _digest(given)
+        ok = False
+        for d in self._digests:  # no early exit: the time does not say which key matched
+            ok |= hmac.compare_digest(probe, d)
+        return ok
+
+    def check(self, request: Request, from_query: bool = False) -> None:
+        """401 unless the request carries a configured key (or keys are off).
+
+        `from_query`: also `?api_key=` (only /v1/events: a browser's EventSource
+        cannot send headers)."""
+        if not self._digests:
+            return
+        scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
+        given = bearer.strip() if scheme.lower() == "bearer" else ""
+        given = given or request.headers.get("x-api-key", "").strip()
+        if from_query and not given:
+            given = request.query_params.get("api_key", "").strip()
+        if not given:
+            raise ApiError(401, "this server needs an API key: send 'Authorization: Bearer <key>' "
+                                "(or 'x-api-key: <key>')", code="missing_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+        if not self.valid(given):
+            raise ApiError(401, "the API key is not valid for this server", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    def required(self, handler: Handler) -> Handler:
+        async def keyed(request: Request) -> Response:
+            self.check(request)
+            return await handler(request)
+
+        return keyed

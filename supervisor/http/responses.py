@@ -1,0 +1,428 @@
+"""`POST /v1/responses`: OpenAI's Responses API (issue 13), stateless.
+
+`input` as text or as items (messages with text parts, earlier
+`function_call`s and their `function_call_output`s), `instructions` as the
+system turn, `max_output_tokens`, function tools and tool_choice,
+`text.format` (json_object / json_schema by constrained decoding), and
+streaming as the typed events the openai SDK reads (`response.created`,
+`response.output_text.delta`, `response.function_call_arguments.delta`,
+`response.completed`, ...). Errors keep OpenAI's shape and status, so the
+guard's 507, 503 + Retry-After and 400 `prefill_memory_exceeded` reach
+`responses.create` as the SDK's exceptions, message intact.
+
+Nothing is stored: `store: true`, `previous_response_id`, `conversation`
+and `background` are refused rather than pretended.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator, Union
+
+import msgspec
+from msgspec import Struct
+from starlette.requests import Request
+from starlette.responses import Response
+
+from shared import protocol as p
+from supervisor.http import generate as g
+from supervisor.http import tools
+from supervisor.http.errors import ApiError
+from supervisor.http.openai_types import (
+    DEFAULT_CHAT_MAX_TOKENS,
+    BodyError,
+    JsonSchemaFormat,
+    KeepAlive,
+    MaxTokens,
+    Temperature,
+    TopP,
+    decode_body,
+)
+
+_encoder = msgspec.json.Encoder()
+
+
+class Part(Struct, kw_only=True):
+    type: str
+    text: Union[str, None] = None
+
+
+class Item(Struct, kw_only=True, forbid_unknown_fields=True):
+    """An input item: a message (role + content), a function_call or a function_call_output."""
+
+    type: str = "message"
+    role: Union[str, None] = None
+    content: Union[str, list[Part], None] = None
+    id: Union[str, None] = None
+    status: Union[str, None] = None
+    call_id: Union[str, None] = None
+    name: Union[str, None] = None
+    arguments: Union[str, None] = None
+    output: Union[str, list[Part], None] = None
+
+
+class FunctionTool(Struct, kw_only=True, forbid_unknown_fields=True):
+    type: str
+    name: Union[str, None] = None
+    description: Union[str, None] = None
+    parameters: Union[dict[str, Any], None] = None
+    strict: Union[bool, None] = None
+
+
+class TextFormat(Struct, kw_only=True, forbid_unknown_fields=True):
+    type: str
+    name: Union[str, None] = None
+    description: Union[str, None] = None
+    schema: Union[dict[str, Any], None] = None
+    strict: Union[bool, None] = None
+
+
+class TextConfig(Struct, kw_only=True, forbid_unknown_fields=True):
+    format: Union[TextFormat, None] = None
+    verbosity: Union[str, None] = None  # refused unless null
+
+
+class ResponsesRequest(Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str
+    input: Union[str, list[Item]]
+    instructions: Union[str, None] = None
+    max_output_tokens: Union[MaxTokens, None] = None
+    temperature: Union[Temperature, None] = None
+    top_p: Union[TopP, None] = None
+    stream: bool = False
+    tools: Union[list[FunctionTool], None] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: Union[bool, None] = None
+    text: Union[TextConfig, None] = None
+    # Accepted with no effect on the output, truthfully:
+    metadata: Union[dict[str, str], None] = None  # kept with stored responses; we store none
+    user: Union[str, None] = None  # abuse tracking ids
+    safety_identifier: Union[str, None] = None
+    prompt_cache_key: Union[str, None] = None  # caching hints; our prompt cache is automatic (H1)
+    prompt_cache_retention: Union[str, None] = None
+    prompt_cache_options: Any = None
+    service_tier: Union[str, None] = None  # one tier here
+    stream_options: Union[dict[str, Any], None] = None  # include_obfuscation: nothing to pad
+    truncation: Union[str, None] = None  # "disabled" only (the default): too long is an error
+    include: Union[list[str], None] = None  # empty only
+    store: Union[bool, None] = None  # false/null only
+    # Refused unless null:
+    previous_response_id: Union[str, None] = None
+    conversation: Any = None
+    background: Union[bool, None] = None
+    background_options: Any = None
+    reasoning: Any = None
+    prompt: Any = None
+    max_tool_calls: Union[int, None] = None
+    top_logprobs: Union[int, None] = None
+    context_management: Any = None
+    moderation: Any = None
+    access_programs: Any = None
+    image: Any = None
+    keep_alive: KeepAlive = None
+    ttl: Union[int, None] = None
+
+
+_REFUSED = ("previous_response_id", "conversation", "background", "background_options", "reasoning", "prompt",
+            "max_tool_calls", "top_logprobs", "context_management", "moderation", "access_programs", "image")
+
+
+def _refuse(req: ResponsesRequest) -> None:
+    if req.store:
+        raise BodyError("store: this server stores no responses (send store: false)", param="store")
+    if req.truncation not in (None, "disabled"):
+        raise BodyError("truncation: only \"disabled\"; a too-long input is an error", param="truncation")
+    if req.include:
+        raise BodyError("include: nothing extra can be included", param="include")
+    if req.text is not None and req.text.verbosity is not None:
+        raise BodyError("text.verbosity: not supported", param="text.verbosity")
+    for name in _REFUSED:
+        value = getattr(req, name)
+        if value is not None and value is not False:
+            raise BodyError(f"{name}: not supported by this (stateless) server", param=name)
+
+
+def _content(content: Union[str, list[Part], None], where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    out = []
+    for j, part in enumerate(content):
+        if part.type not in ("input_text", "output_text", "text") or part.text is None:
+            raise BodyError(f"{where}[{j}]: only text parts are supported (got {part.type!r})",
+                            param=f"{where}[{j}].type")
+        out.append(part.text)
+    return "".join(out)
+
+
+def _messages(req: ResponsesRequest) -> list[p.ChatMessage]:
+    turns = [p.ChatMessage(role="system", content=req.instructions)] if req.instructions else []
+    if isinstance(req.input, str):
+        return turns + [p.ChatMessage(role="user", content=req.input)]
+    for i, item in enumerate(req.input):
+        where = f"input[{i}]"
+        if item.type == "message":
+            if item.role not in ("user", "assistant", "system", "developer"):
+                raise BodyError(f"{where}.role: {item.role!r} is not a message role", param=f"{where}.role")
+            role = "system" if item.role == "developer" else item.role
+            turns.append(p.ChatMessage(role=role, content=_content(item.content, f"{where}.content")))
+        elif item.type == "function_call":
+            try:
+                args = msgspec.json.decode(item.arguments or "{}")
+            except msgspec.DecodeError:
+                raise BodyError(f"{where}.arguments: not valid JSON", param=f"{where}.arguments") from None
+            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": args}}
+            turns.append(p.ChatMessage(role="assistant", content="", tool_calls=_encoder.encode([call]).decode()))
+        elif item.type == "function_call_output":
+            if not item.call_id:
+                raise BodyError(f"{where}.call_id: required", param=f"{where}.call_id")
+            turns.append(p.ChatMessage(role="tool", content=_content(item.output, f"{where}.output"),
+                                       tool_call_id=item.call_id))
+        else:
+            raise BodyError(f"{where}.type: {item.type!r} items are not supported", param=f"{where}.type")
+    if not turns:
+        raise BodyError("input: must not be empty", param="input")
+    return turns
+
+
+def tool_plan(req: ResponsesRequest) -> tools.ToolPlan | None:
+    if not req.tools and req.tool_choice in (None, "none", "auto"):
+        return None
+    fns = []
+    for i, t in enumerate(req.tools or []):
+        if t.type != "function":
+            raise BodyError(f"tools[{i}].type: only function tools are available here (got {t.type!r})",
+                            param=f"tools[{i}].type")
+        fns.append(tools.function(t.name, t.description, t.parameters, t.strict, f"tools[{i}]"))
+    choice, named = tools.openai_choice(req.tool_choice, nested=False)
+    plan = tools.ToolPlan(functions=fns, choice=choice, named=named, parallel=req.parallel_tool_calls is not False)
+    return tools.check_named(plan, "tool_choice")
+
+
+def _format(req: ResponsesRequest) -> p.Constraint | None:
+    fmt = req.text.format if req.text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return p.JsonObject()
+    if fmt.type != "json_schema":
+        raise BodyError(f"text.format.type: {fmt.type!r} is not text, json_object or json_schema",
+                        param="text.format.type")
+    js = JsonSchemaFormat(name=fmt.name or "output", schema=fmt.schema, strict=fmt.strict)
+    if js.schema is None:
+        raise BodyError("text.format.schema: a json_schema format needs its schema", param="text.format.schema")
+    return p.JsonSchema(schema=_encoder.encode(js.schema).decode(), strict=bool(js.strict), name=js.name)
+
+
+def responses_generate(req: ResponsesRequest) -> p.Generate:
+    _refuse(req)
+    gen = p.Generate(request_id=uuid.uuid4().hex, messages=_messages(req),
+                     max_tokens=req.max_output_tokens or DEFAULT_CHAT_MAX_TOKENS,
+                     temperature=1.0 if req.temperature is None else req.temperature,
+                     top_p=1.0 if req.top_p is None else req.top_p, constraint=_format(req))
+    return g.with_tools(gen, tool_plan(req))
+
+
+# ---------------------------------------------------------------------------
+# response objects
+
+
+class OutputText(Struct, kw_only=True, tag="output_text", tag_field="type"):
+    text: str
+    annotations: list = []
+
+
+class MessageItem(Struct, kw_only=True, tag="message", tag_field="type"):
+    id: str
+    content: list[OutputText]
+    status: str = "completed"
+    role: str = "assistant"
+
+
+class FunctionCallItem(Struct, kw_only=True, tag="function_call", tag_field="type"):
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: str = "completed"
+
+
+class InputDetails(Struct, kw_only=True):
+    cached_tokens: int = 0
+
+
+class OutputDetails(Struct, kw_only=True):
+    reasoning_tokens: int = 0
+
+
+class ResponsesUsage(Struct, kw_only=True):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+    input_tokens_details: InputDetails
+    output_tokens_details: OutputDetails = msgspec.field(default_factory=OutputDetails)
+
+
+class Incomplete(Struct, kw_only=True):
+    reason: str
+
+
+class ResponseObject(Struct, kw_only=True):
+    id: str
+    created_at: int
+    model: str
+    status: str
+    output: list[Union[MessageItem, FunctionCallItem]]
+    usage: Union[ResponsesUsage, None] = None
+    incomplete_details: Union[Incomplete, None] = None
+    instructions: Union[str, None] = None
+    max_output_tokens: Union[int, None] = None
+    temperature: Union[float, None] = None
+    top_p: Union[float, None] = None
+    parallel_tool_calls: bool = True
+    tool_choice: Any = "auto"
+    tools: list = []
+    error: Union[dict, None] = None  # {"code", "message"} on a failed response
+    metadata: dict = {}
+    object: str = "response"
+    store: bool = False
+
+
+def _usage(fin: p.Finished) -> ResponsesUsage:
+    return ResponsesUsage(input_tokens=fin.prompt_tokens, output_tokens=fin.completion_tokens,
+                          total_tokens=fin.prompt_tokens + fin.completion_tokens,
+                          input_tokens_details=InputDetails(cached_tokens=fin.cached_tokens))
+
+
+def _call_item(c: tools.Call, arguments: str | None = None) -> FunctionCallItem:
+    return FunctionCallItem(id="fc_" + c.id.removeprefix("call_"), call_id=c.id, name=c.name,
+                            arguments=c.arguments if arguments is None else arguments,
+                            status="completed" if arguments is None else "in_progress")
+
+
+class Shell:
+    """The response's fixed fields, and the whole object at each stage."""
+
+    def __init__(self, req: ResponsesRequest, resp_id: str) -> None:
+        self.req, self.id, self.created = req, resp_id, int(time.time())
+
+    def build(self, status: str, output: list, fin: p.Finished | None = None, reason: str = "") -> ResponseObject:
+        req = self.req
+        return ResponseObject(
+            id=self.id, created_at=self.created, model=req.model, status=status, output=output,
+            usage=_usage(fin) if fin is not None else None,
+            incomplete_details=Incomplete(reason="max_output_tokens") if reason == "length" else None,
+            instructions=req.instructions, max_output_tokens=req.max_output_tokens, temperature=req.temperature,
+            top_p=req.top_p, parallel_tool_calls=req.parallel_tool_calls is not False,
+            tool_choice=req.tool_choice or "auto", metadata=req.metadata or {},
+            tools=[msgspec.to_builtins(t) for t in req.tools or []])
+
+
+def _status(reason: str) -> str:
+    return "incomplete" if reason == "length" else "completed"
+
+
+async def handle(request: Request, sup, metrics, body: bytes, started: float) -> Response:
+    req = decode_body(body, ResponsesRequest)
+    gen = responses_generate(req)
+    keep = g.keep_alive_seconds(req.keep_alive, req.ttl)
+    stream = await g.open_stream(sup, req.model, gen, request.receive, keep)
+    job = g.Job(sup, metrics, "chat", req.model, gen, False, started, stream, tool_plan(req))
+    shell = Shell(req, "resp_" + gen.request_id)
+    if req.stream:
+        first = await job.first(request.receive)
+        return g.sse_response(_events(job, first, shell))
+    text, calls, end = await job.collect(request.receive)
+    output: list[Union[MessageItem, FunctionCallItem]] = []
+    if text or not calls:
+        output.append(MessageItem(id="msg_" + gen.request_id, content=[OutputText(text=text)],
+                                  status=_status(end.reason)))
+    output += [_call_item(c) for c in calls]
+    reply = shell.build(_status(end.reason), output, end.finished, end.reason)
+    return Response(_encoder.encode(reply), media_type="application/json")
+
+
+class _Events:
+    def __init__(self) -> None:
+        self.seq = 0
+
+    def __call__(self, kind: str, **body) -> bytes:
+        data = _encoder.encode({"type": kind, "sequence_number": self.seq, **body})
+        self.seq += 1
+        return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
+
+
+async def _events(job: g.Job, first, shell: Shell) -> AsyncIterator[bytes]:
+    ev = _Events()
+    out = [ev("response.created", response=shell.build("in_progress", [])),
+           ev("response.in_progress", response=shell.build("in_progress", []))]
+    output: list[Union[MessageItem, FunctionCallItem]] = []
+    msg_id = "msg_" + job.gen.request_id
+    text: list[str] | None = None  # the open message item's text
+    try:
+        async for piece in job.pieces(first):
+            match piece:
+                case g.Text(text=t):
+                    if text is None:
+                        text = []
+                        out += _open_message(ev, len(output), msg_id)
+                    text.append(t)
+                    out.append(ev("response.output_text.delta", item_id=msg_id, output_index=len(output),
+                                  content_index=0, delta=t, logprobs=[]))
+                case g.Calls(calls=calls):
+                    if text is not None:
+                        output.append(_close_message(ev, out, len(output), msg_id, "".join(text), "completed"))
+                        text = None
+                    for c in calls:
+                        out += _call_events(ev, len(output), c)
+                        output.append(_call_item(c))
+                case g.End(finished=fin, reason=reason):
+                    if text is None and not output:
+                        text = []
+                        out += _open_message(ev, 0, msg_id)
+                    if text is not None:
+                        output.append(_close_message(ev, out, len(output), msg_id, "".join(text), _status(reason)))
+                    done = "response.incomplete" if reason == "length" else "response.completed"
+                    out.append(ev(done, response=shell.build(_status(reason), output, fin, reason)))
+                case ApiError():
+                    out.append(ev("error", code=piece.code, message=piece.message, param=piece.param))
+                    failed = shell.build("failed", output)
+                    failed.error = {"code": piece.code or "server_error", "message": piece.message}
+                    out.append(ev("response.failed", response=failed))
+            if job.stream.queue.empty():
+                yield b"".join(out)
+                out = []
+        if out:
+            yield b"".join(out)
+    finally:
+        job.cancel("client disconnected")
+
+
+def _open_message(ev: _Events, index: int, msg_id: str) -> list[bytes]:
+    item = MessageItem(id=msg_id, content=[], status="in_progress")
+    return [ev("response.output_item.added", output_index=index, item=item),
+            ev("response.content_part.added", item_id=msg_id, output_index=index, content_index=0,
+               part=OutputText(text=""))]
+
+
+def _close_message(ev: _Events, out: list[bytes], index: int, msg_id: str, text: str, status: str) -> MessageItem:
+    part = OutputText(text=text)
+    item = MessageItem(id=msg_id, content=[part], status=status)
+    out += [ev("response.output_text.done", item_id=msg_id, output_index=index, content_index=0, text=text,
+               logprobs=[]),
+            ev("response.content_part.done", item_id=msg_id, output_index=index, content_index=0, part=part),
+            ev("response.output_item.done", output_index=index, item=item)]
+    return item
+
+
+def _call_events(ev: _Events, index: int, c: tools.Call) -> list[bytes]:
+    item = _call_item(c)
+    return [ev("response.output_item.added", output_index=index, item=_call_item(c, arguments="")),
+            ev("response.function_call_arguments.delta", item_id=item.id, output_index=index, delta=c.arguments),
+            ev("response.function_call_arguments.done", item_id=item.id, output_index=index, name=c.name,
+               arguments=c.arguments),
+            ev("response.output_item.done", output_index=index, item=item)]
+
+
+def error_response(exc: ApiError) -> Response:
+    return exc.response()

@@ -1,0 +1,426 @@
+"""Issue 13: nothing silently ignored, and refusals in each API's own shape.
+
+The field walk: every field of the openai SDK's chat and completions request
+types and of the anthropic SDK's MessageCreateParams is classified here as
+honoured, accepted with no effect (only where that is truthful, see the
+request Structs' comments) or refused, and each refused one, sent with a
+value that is not neutral, is a 400 naming it. A field a future SDK adds
+fails the walk until someone decides what it means here.
+
+Then the refusals through the real SDKs against the real app (a stub
+supervisor behind it, no worker): the guard's 507, the 503 with
+Retry-After and the 400 prefill_memory_exceeded reach anthropic and the
+Responses API as the exceptions their SDKs raise, message intact; API keys
+are 401s in each API's shape, /health stays open, and no key is logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from types import SimpleNamespace
+
+import anthropic
+import httpx
+import msgspec
+import openai
+import pytest
+from anthropic.types.message_create_params import MessageCreateParamsBase
+from openai.types.chat.completion_create_params import CompletionCreateParamsBase as ChatParams
+from openai.types.completion_create_params import CompletionCreateParamsBase as CompletionParams
+from openai.types.responses.response_create_params import ResponseCreateParamsBase as ResponseParams
+
+from shared import protocol as p
+from supervisor.config import Config, ModelConfig, SupervisorConfig
+from supervisor.errors import GateClosed, LoadError
+from supervisor.http.anthropic import MessagesRequest, messages_generate
+from supervisor.http.app import start_http
+from supervisor.http.generate import chat_generate, completion_generate, keep_alive_seconds
+from supervisor.http.openai_types import BodyError, ChatRequest, CompletionRequest, decode_body
+from supervisor.http.responses import ResponsesRequest, responses_generate
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def _fields(typed_dict) -> set[str]:
+    return set(typed_dict.__required_keys__ | typed_dict.__optional_keys__)
+
+
+# Honoured: changes what is generated. Accepted: no effect on the output, truthfully.
+CHAT_HONOURED = {"messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed",
+                 "stream_options", "tools", "tool_choice", "parallel_tool_calls", "response_format", "n",
+                 "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "modalities"}
+CHAT_ACCEPTED = {"user", "metadata", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+                 "prompt_cache_options", "service_tier", "prediction", "store"}
+# Refused unless neutral: a non-neutral value each.
+CHAT_REFUSED = {
+    "audio": {"voice": "alloy", "format": "wav"},
+    "functions": [{"name": "f"}],
+    "function_call": "auto",
+    "logit_bias": {"42": 10},
+    "moderation": {"type": "auto"},
+    "reasoning_effort": "high",
+    "verbosity": "low",
+    "web_search_options": {},
+    "n": 2, "logprobs": True, "top_logprobs": 3, "presence_penalty": 1.0, "frequency_penalty": 0.5,
+    "store": True, "modalities": ["text", "audio"],
+    "tool_choice": {"type": "allowed_tools", "allowed_tools": {}},
+}
+COMPLETION_HONOURED = {"model", "prompt", "max_tokens", "temperature", "top_p", "stop", "seed", "stream_options",
+                       "n", "best_of", "echo", "suffix", "logprobs", "presence_penalty", "frequency_penalty"}
+COMPLETION_ACCEPTED = {"user"}
+COMPLETION_REFUSED = {"best_of": 2, "echo": True, "suffix": "end", "logprobs": 2, "logit_bias": {"1": -100},
+                      "n": 3, "presence_penalty": 0.1, "frequency_penalty": -0.1}
+ANTHROPIC_HONOURED = {"model", "max_tokens", "messages", "system", "stop_sequences", "tools", "tool_choice"}
+ANTHROPIC_ACCEPTED = {"metadata", "service_tier", "cache_control", "inference_geo", "speed", "user_profile_id",
+                      "workspace_id"}
+ANTHROPIC_REFUSED = {"thinking": {"type": "enabled", "budget_tokens": 1024},
+                     "output_config": {"effort": "high"}, "container": "c1",
+                     "diagnostics": {"x": 1}}
+RESPONSES_HONOURED = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools",
+                      "tool_choice", "parallel_tool_calls", "text", "store", "truncation", "include"}
+RESPONSES_ACCEPTED = {"metadata", "user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+                      "prompt_cache_options", "service_tier", "stream_options"}
+RESPONSES_REFUSED = {"previous_response_id": "resp_1", "conversation": "c", "background": True,
+                     "background_options": {}, "reasoning": {"effort": "low"}, "prompt": {"id": "p"},
+                     "max_tool_calls": 2, "top_logprobs": 2, "context_management": [{}], "moderation": {},
+                     "access_programs": {}, "image": {}, "store": True, "truncation": "auto",
+                     "include": ["reasoning.encrypted_content"]}
+
+
+def _chat(**kw):
+    return chat_generate(decode_body(msgspec.json.encode({"model": "m", "messages": MSG, **kw}), ChatRequest))
+
+
+def _completion(**kw):
+    return completion_generate(decode_body(msgspec.json.encode({"model": "m", "prompt": "x", **kw}),
+                                           CompletionRequest))
+
+
+def _anthropic(**kw):
+    body = {"model": "m", "max_tokens": 4, "messages": MSG, **kw}
+    return messages_generate(decode_body(msgspec.json.encode(body), MessagesRequest))
+
+
+def _responses(**kw):
+    return responses_generate(decode_body(msgspec.json.encode({"model": "m", "input": "x", **kw}), ResponsesRequest))
+
+
+WALKS = [
+    ("chat", ChatParams, ChatRequest, _chat, CHAT_HONOURED, CHAT_ACCEPTED, CHAT_REFUSED),
+    ("completions", CompletionParams, CompletionRequest, _completion, COMPLETION_HONOURED, COMPLETION_ACCEPTED,
+     COMPLETION_REFUSED),
+    ("anthropic", MessageCreateParamsBase, MessagesRequest, _anthropic, ANTHROPIC_HONOURED, ANTHROPIC_ACCEPTED,
+     ANTHROPIC_REFUSED),
+    ("responses", ResponseParams, ResponsesRequest, _responses, RESPONSES_HONOURED, RESPONSES_ACCEPTED,
+     RESPONSES_REFUSED),
+]
+
+
+@pytest.mark.parametrize("walk", WALKS, ids=[w[0] for w in WALKS])
+def test_every_sdk_request_field_is_honoured_accepted_or_refused_by_name(walk):
+    _, sdk, struct, send, honoured, accepted, refused = walk
+    sdk_fields = _fields(sdk)
+    declared = set(struct.__struct_fields__)
+    unclassified = sdk_fields - honoured - accepted - set(refused)
+    assert not unclassified, f"SDK fields nobody decided about: {sorted(unclassified)}"
+    assert sdk_fields <= declared, f"SDK fields the request Struct lacks: {sorted(sdk_fields - declared)}"
+    for name, value in refused.items():
+        with pytest.raises(BodyError) as err:
+            send(**{name: value})
+        assert err.value.param is not None and err.value.param.split(".")[0] == name, (name, err.value)
+
+
+def test_accepted_fields_decode_with_ordinary_values():
+    _chat(user="u", metadata={"k": "v"}, safety_identifier="s", prompt_cache_key="k", store=False,
+          service_tier="auto", prediction={"type": "content", "content": "x"}, prompt_cache_retention="24h")
+    _anthropic(metadata={"user_id": "u"}, service_tier="auto", inference_geo="us", speed="fast",
+               thinking={"type": "disabled"}, temperature=0.5)
+    _responses(metadata={"k": "v"}, store=False, truncation="disabled", include=[], user="u")
+
+
+@pytest.mark.parametrize("send", [_chat, _completion, _anthropic, _responses])
+def test_an_unknown_field_is_a_400_naming_it_on_every_api(send):
+    with pytest.raises(BodyError) as err:
+        send(top_k_typo=3)
+    assert err.value.param == "top_k_typo" and "unknown field" in str(err.value)
+
+
+def test_response_format_and_tool_choice_become_worker_constraints():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    gen = _chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema,
+                                                                         "strict": True}})
+    assert isinstance(gen.constraint, p.JsonSchema) and gen.constraint.strict
+    assert isinstance(_chat(response_format={"type": "json_object"}).constraint, p.JsonObject)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    named = _chat(tools=tools, tool_choice={"type": "function", "function": {"name": "f"}})
+    assert isinstance(named.constraint, p.ToolCall) and named.constraint.mode == "named" and named.tools
+    assert _chat(tools=tools).constraint is None and _chat(tools=tools, tool_choice="none").constraint is None
+    with pytest.raises(BodyError) as err:
+        _chat(tools=tools, tool_choice={"type": "function", "function": {"name": "g"}})
+    assert err.value.param == "tool_choice"
+    any_ = _anthropic(tools=[{"name": "f", "input_schema": schema}], tool_choice={"type": "any"})
+    assert any_.constraint.mode == "required" and any_.constraint.parallel
+
+
+@pytest.mark.parametrize("given, seconds", [({"keep_alive": "5m"}, 300.0), ({"keep_alive": "1h30m"}, 5400.0),
+                                            ({"keep_alive": -1}, 0.0), ({"keep_alive": "0"}, 1e-3),
+                                            ({"ttl": 60}, 60.0), ({}, None)])
+def test_keep_alive_and_ttl_become_an_idle_timer(given, seconds):
+    assert keep_alive_seconds(given.get("keep_alive"), given.get("ttl")) == seconds
+
+
+def test_a_bad_keep_alive_is_a_400_naming_it():
+    with pytest.raises(BodyError) as err:
+        keep_alive_seconds("soon", None)
+    assert err.value.param == "keep_alive"
+
+
+# ---------------------------------------------------------------------------
+# the real app, a stub supervisor: refusals and keys through the SDKs
+
+
+class StubSupervisor:
+    """What the front door needs of the arbiter; `generate` does what the test says."""
+
+    def __init__(self, outcome, **scfg) -> None:
+        self.outcome = outcome
+        self.config = Config(supervisor=SupervisorConfig(http="127.0.0.1:0", **scfg), models=[ModelConfig(id="m", path="/nonexistent")])
+        self.kept: list[float] = []
+
+    def model_config(self, model_id):
+        return self.config.models[0]
+
+    async def generate(self, model_id, gen):
+        if isinstance(self.outcome, Exception):
+            raise self.outcome
+        stream = SimpleNamespace(queue=asyncio.Queue(), request_id=gen.request_id)
+        for msg in self.outcome(gen.request_id):
+            stream.queue.put_nowait(msg)
+        return stream
+
+    def cancel(self, stream, reason=""):
+        pass
+
+    def keep_alive(self, model_id, seconds):
+        self.kept.append(seconds)
+
+    def model_info(self, model_id):
+        raise LoadError("no info in the stub", http_status=404)
+
+    def add_event_hook(self, hook):
+        pass
+
+
+NO_FIT = LoadError("model m needs 9.0 GiB but the ceiling leaves 2.0 GiB (binding: dynamic)",
+                   code="model_too_large", http_status=507)
+QUEUE_FULL = GateClosed("the queue is full while memory pressure pauses admission; retry later", retry_after=7)
+
+
+def prefill_refused(rid):
+    return [p.Failed(request_id=rid, code="prefill_memory_exceeded", message="the prompt's prefill needs 3 GiB",
+                     binding="hard", estimated_bytes=3 << 30, limit_bytes=1 << 30)]
+
+
+def hello(rid):
+    return [p.TokenOut(request_id=rid, text="Hello"),
+            p.Finished(request_id=rid, finish_reason="stop", prompt_tokens=3, completion_tokens=1)]
+
+
+@contextlib.asynccontextmanager
+async def serving(sup):
+    """The real front door (uvicorn, real HTTP) around the stub, and the three clients."""
+    server, address = await start_http(sup)
+    url = f"http://{address}"
+    try:
+        async with httpx.AsyncClient(base_url=url) as http:
+            yield (http, openai.AsyncOpenAI(base_url=url + "/v1", api_key="k1", max_retries=0),
+                   anthropic.AsyncAnthropic(base_url=url, api_key="k1", max_retries=0))
+    finally:
+        server.should_exit = True
+        await server.task
+
+
+@pytest.mark.parametrize("outcome, status, exc_oa, exc_an", [
+    (NO_FIT, 507, openai.InternalServerError, anthropic.InternalServerError),
+    (QUEUE_FULL, 503, openai.InternalServerError, anthropic.InternalServerError),
+    (prefill_refused, 400, openai.BadRequestError, anthropic.BadRequestError),
+], ids=["507-does-not-fit", "503-queue-full", "400-prefill"])
+def test_memory_refusals_reach_anthropic_and_responses_clients_with_the_message(outcome, status, exc_oa, exc_an):
+    async def main():
+        async with serving(StubSupervisor(outcome)) as (_, oa, an):
+            with pytest.raises(exc_an) as a_err:
+                await an.messages.create(model="m", max_tokens=4, messages=MSG)
+            with pytest.raises(exc_an) as a_stream_err:
+                async with an.messages.stream(model="m", max_tokens=4, messages=MSG) as s:
+                    await s.get_final_message()
+            with pytest.raises(exc_oa) as r_err:
+                await oa.responses.create(model="m", input="x")
+            with pytest.raises(exc_oa) as r_stream_err:
+                await oa.responses.create(model="m", input="x", stream=True)
+            return a_err.value, a_stream_err.value, r_err.value, r_stream_err.value
+
+    a, a_stream, r, r_stream = asyncio.run(main())
+    words = {507: "needs 9.0 GiB", 503: "queue is full", 400: "prefill needs 3 GiB"}[status]
+    for e in (a, a_stream):
+        assert e.status_code == status and words in e.message and e.body["type"] == "error"
+        assert e.body["error"]["message"].startswith(str(words).split()[0]) or words in e.body["error"]["message"]
+    for e in (r, r_stream):
+        assert e.status_code == status and words in e.message
+    if status == 503:
+        assert all(e.response.headers["retry-after"] == "7" for e in (a, r))
+    if status == 400:
+        assert a.body["error"]["code"] == "prefill_memory_exceeded" and a.body["error"]["binding"] == "hard"
+        assert r.code == "prefill_memory_exceeded"
+
+
+def test_api_keys_401_in_each_apis_shape_health_open_and_keys_never_logged(caplog):
+    caplog.set_level(logging.DEBUG)
+    sup = StubSupervisor(hello, api_keys=["k1"], admin_token="admin-secret")
+
+    async def main():
+        async with serving(sup) as (http, oa, an):
+            good_oa = await oa.chat.completions.create(model="m", messages=MSG)
+            good_an = await an.messages.create(model="m", max_tokens=4, messages=MSG)  # x-api-key
+            bad_oa = oa.with_options(api_key="wrong")
+            bad_an = an.with_options(api_key="wrong")
+            errors = []
+            for call in (lambda: bad_oa.chat.completions.create(model="m", messages=MSG),
+                         lambda: bad_oa.responses.create(model="m", input="x"),
+                         lambda: bad_an.messages.create(model="m", max_tokens=4, messages=MSG)):
+                with pytest.raises((openai.AuthenticationError, anthropic.AuthenticationError)) as err:
+                    await call()
+                errors.append(err.value)
+            missing = await http.post("/v1/chat/completions", json={"model": "m", "messages": MSG})
+            models = await http.get("/v1/models")
+            admin = await http.post("/v1/chat/completions", json={"model": "m", "messages": MSG},
+                                    headers={"authorization": "Bearer admin-secret"})
+            health = await http.get("/health")
+            events = [(await http.get("/v1/events" + q)).status_code for q in ("", "?api_key=wrong")]
+            return good_oa, good_an, errors, missing, models, admin, health, events
+
+    good_oa, good_an, errors, missing, models, admin, health, events = asyncio.run(main())
+    assert events == [401, 401]  # /v1/events too (a key may come as ?api_key=: EventSource sends no headers)
+    assert good_oa.choices[0].message.content == "Hello" and good_an.content[0].text == "Hello"
+    assert [e.status_code for e in errors] == [401, 401, 401]
+    assert errors[0].body["type"] == "authentication_error" and errors[0].code == "invalid_api_key"
+    assert errors[2].body == {"type": "error", "error": {"type": "authentication_error", "code": "invalid_api_key",
+                                                         "message": "the API key is not valid for this server"}}
+    assert missing.status_code == 401 and missing.json()["error"]["code"] == "missing_api_key"
+    assert models.status_code == 401 and admin.status_code == 200 and health.status_code == 200
+    # the server's own logs (the test's HTTP client logs its URLs, ?api_key= included)
+    logged = " ".join(r.getMessage() for r in caplog.records if r.name.startswith(("memvisor", "uvicorn")))
+    assert "Shutting down" in logged
+    assert "k1" not in logged and "wrong" not in logged
+
+
+def test_per_request_keep_alive_reaches_the_supervisor():
+    sup = StubSupervisor(hello)
+
+    async def main():
+        async with serving(sup) as (_, oa, an):
+            await oa.chat.completions.create(model="m", messages=MSG, extra_body={"keep_alive": "10m"})
+            await an.messages.create(model="m", max_tokens=4, messages=MSG, extra_body={"ttl": 30})
+            await oa.responses.create(model="m", input="x", extra_body={"keep_alive": 0})
+
+    asyncio.run(main())
+    assert sup.kept == [600.0, 30.0, 1e-3]
+
+
+def test_a3_507_from_real_admission_reaches_the_anthropic_and_responses_sdks(tmp_path):
+    """SPEC A3 on a real supervisor (no worker is spawned: the model is refused from its
+    safetensors header): each SDK raises for the 507 and the message names what binds."""
+    from test_http_frontdoor import fake_huge_model
+    from test_http_harness import LiveServer, make_config
+
+    from shared.sizes import GiB
+
+    models = [ModelConfig(id="huge", path=str(fake_huge_model(tmp_path / "huge", 1024 * GiB)))]
+    with LiveServer(make_config(models, api_keys=["k1"]), tmp_path / "rt") as live:
+        async def main():
+            an = live.anthropic(api_key="k1")
+            oa = live.openai(api_key="k1")
+            with pytest.raises(anthropic.InternalServerError) as a_err:
+                await an.messages.create(model="huge", max_tokens=4, messages=MSG)
+            with pytest.raises(openai.InternalServerError) as r_err:
+                await oa.responses.create(model="huge", input="x", stream=True)
+            return a_err.value, r_err.value
+
+        a, r = live.run(main())
+    assert a.status_code == r.status_code == 507
+    assert a.body["error"]["code"] == "model_too_large" and a.body["error"]["message"] in a.message
+    assert "needs 1 TiB" in a.message and "ceiling" in a.message  # what binds, intact
+    assert r.code == "model_too_large" and "needs 1 TiB" in r.message and "ceiling" in r.message
+
+
+def tagged_call(rid):
+    pieces = [" <tool", "_call>", '{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}', "</tool_call>"]
+    return [p.TokenOut(request_id=rid, text=t) for t in pieces] + [
+        p.Finished(request_id=rid, finish_reason="stop", prompt_tokens=9, completion_tokens=5)]
+
+
+def test_auto_tool_choice_reads_a_reply_that_opens_with_a_tagged_call_streamed_and_not():
+    """The held-back text becomes delta.tool_calls / message.tool_calls; a plain reply is content."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+    async def main():
+        async with serving(StubSupervisor(tagged_call)) as (_, oa, an):
+            whole = await oa.chat.completions.create(model="m", messages=MSG, tools=tools)
+            chunks = [c async for c in await oa.chat.completions.create(model="m", messages=MSG, tools=tools,
+                                                                        stream=True)]
+            anth = await an.messages.create(model="m", max_tokens=9, messages=MSG,
+                                            tools=[{"name": "get_weather", "input_schema": {"type": "object"}}])
+        async with serving(StubSupervisor(hello)) as (_, oa, _an):
+            plain = [c async for c in await oa.chat.completions.create(model="m", messages=MSG, tools=tools,
+                                                                       stream=True)]
+        return whole, chunks, anth, plain
+
+    whole, chunks, anth, plain = asyncio.run(main())
+    [call] = whole.choices[0].message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_weather", '{"city":"Oslo"}')
+    assert whole.choices[0].finish_reason == "tool_calls" and whole.choices[0].message.content is None
+    deltas = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [d.function.name for d in deltas] == ["get_weather"]
+    assert not any(c.choices[0].delta.content for c in chunks) and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert anth.stop_reason == "tool_use" and anth.content[0].input == {"city": "Oslo"}
+    assert "".join(c.choices[0].delta.content or "" for c in plain) == "Hello"
+    assert plain[-1].choices[0].finish_reason == "stop"
+
+
+def aborted_mid_stream(rid):
+    return [p.TokenOut(request_id=rid, text="Hel"),
+            p.Failed(request_id=rid, code="memory_pressure", message="aborted: memory pressure (P6.3)")]
+
+
+def test_a_failure_after_the_first_token_is_an_error_event_each_sdk_sees():
+    async def main():
+        async with serving(StubSupervisor(aborted_mid_stream)) as (_, oa, an):
+            with pytest.raises(anthropic.APIStatusError) as a_err:
+                async with an.messages.stream(model="m", max_tokens=4, messages=MSG) as s:
+                    await s.get_final_message()
+            events = [e async for e in await oa.responses.create(model="m", input="x", stream=True)]
+        return a_err.value, events
+
+    a, events = asyncio.run(main())
+    assert "memory pressure" in str(a) and a.body["error"]["type"] == "overloaded_error"
+    assert [e.type for e in events][-2:] == ["error", "response.failed"]
+    assert events[-2].code == "memory_pressure" and events[-1].response.error.code == "memory_pressure"
+
+
+def test_api_keys_config_refuses_empty_keys_and_a_missing_file_and_reads_one_key_a_line(tmp_path):
+    from supervisor.config import ConfigError, load_config
+    from supervisor.http.auth import ApiKeys
+
+    keys = tmp_path / "keys"
+    keys.write_text("# team keys\nk-file-1\n\n  k-file-2  \n")
+    for body, words in (('api_keys = [""]', "api_keys"), (f'api_keys_file = "{tmp_path}/none"', "api_keys_file")):
+        path = tmp_path / "bad.toml"
+        path.write_text("[supervisor]\n" + body + "\n")
+        with pytest.raises(ConfigError, match=words):
+            load_config(path)
+    good = tmp_path / "good.toml"
+    good.write_text(f'[supervisor]\napi_keys = ["k-inline"]\napi_keys_file = "{keys}"\n')
+    api = ApiKeys.from_config(load_config(good).supervisor)
+    assert api.valid("k-inline") and api.valid("k-file-1") and api.valid("k-file-2") and not api.valid("k-file")
+    assert not ApiKeys([]).enabled
