@@ -45,8 +45,9 @@ from shared.weights import WeightsError, estimate_weight_bytes
 from worker import memory
 from worker import prefill_guard as guard
 from worker import prompt_cache as pc
+from worker.batch import DecodeBatch
 from worker.constrain import Constraint, ConstraintError, ConstraintFactory
-from worker.sampling import make_request_sampler
+from worker.sampling import greedy, make_request_sampler
 from worker.stops import StopMatcher
 
 log = logging.getLogger("memvisor.worker.engine")
@@ -161,6 +162,7 @@ class Engine:
         clock: Callable[[], float] = time.monotonic,
         memory_wait: float = MEMORY_WAIT_SECONDS,
         step_seconds: float = STEP_SECONDS,
+        batch_decode: bool = True,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -188,6 +190,11 @@ class Engine:
         self._constraints: ConstraintFactory | None = None  # built on the first constrained request
         self.prompt_cache = pc.PromptCache(0, min_reuse=MIN_REUSE_TOKENS)  # H2: cap comes with limits
         self._cacheable = pc.supports(make_prompt_cache(model))
+        # issue 11: unconstrained sequences decode as rows of one batch; models whose KV is
+        # not plain attention (rotating, SSM) keep one forward pass per sequence.
+        self.batch_decode = batch_decode and self._cacheable
+        self._batch = DecodeBatch(greedy)
+        self._joining: list[_Seq] = []
 
     # ------------------------------------------------------------------ loading
 
@@ -329,9 +336,17 @@ class Engine:
         for seq in self._decoding:
             if seq.id == request_id:
                 self._decoding.remove(seq)
+                self._leave(seq)
                 self._outbox.append(self._fail(seq, code, reason))
                 return True
         return False
+
+    def _leave(self, seq: _Seq) -> None:
+        """Between steps: an aborted sequence's row goes out of the batch (issue 11)."""
+        if seq in self._joining:
+            self._joining.remove(seq)
+        else:
+            self._batch.remove(seq)
 
     def abort_all(self, reason: str, code: str = "aborted") -> int:
         """End every request, queued ones included (P6.3, P6.5); how many were ended."""
@@ -339,6 +354,8 @@ class Engine:
         self._queue.clear()
         self._prefill.clear()
         self._decoding.clear()
+        self._joining.clear()
+        self._batch.clear()
         self._outbox.extend(self._fail(seq, code, reason) for seq in seqs)
         return len(seqs)
 
@@ -425,6 +442,8 @@ class Engine:
             except Exception as exc:  # noqa: BLE001
                 alive = [seq for seq in self._decoding if seq.id in self._ids]
                 self._decoding = []
+                self._joining.clear()
+                self._batch.clear()
                 self._engine_failure(alive, exc, events)
             self._prefill_turn = True
         return events
@@ -604,18 +623,64 @@ class Engine:
         seq.detok = self.tokenizer.detokenizer
         seq.state = "decoding"
         self._decoding.append(seq)
+        if self.batch_decode and seq.constraint is None:
+            self._joining.append(seq)  # joins the batch at the next decode step (issue 11)
 
     # ------------------------------------------------------------------ decode
 
     def _decode_step(self, events: list[Event]) -> None:
         """One token for every decoding sequence, pipelined one step ahead like mlx_lm.
 
-        Constrained sequences (issue 13) cannot sample ahead: the mask of their
-        next token depends on the token still in flight. Their forward pass
-        still runs ahead (it needs only the lazy token) while the grammar
-        computes the mask; the free ones are queued first and keep their
-        look-ahead.
+        Issue 11: unconstrained sequences advance as rows of one batch, in one
+        forward pass (worker/batch.py); without batching (a model whose KV
+        cannot be batched) each takes its own pass.
+
+        Constrained sequences (issue 13) keep their own KV and pass, and cannot
+        sample ahead: the mask of their next token depends on the token still
+        in flight. Their forward pass still runs ahead (it needs only the lazy
+        token) while the grammar computes the mask; the free ones are queued
+        first and keep their look-ahead.
         """
+        if self.batch_decode:
+            survivors = self._batched_step(events)
+        else:
+            survivors = self._single_step(events)
+        self._decoding = survivors
+        self._decode_steps += 1
+        if self._decode_steps % CLEAR_CACHE_EVERY == 0:
+            mx.clear_cache()
+
+    def _batched_step(self, events: list[Event]) -> list[_Seq]:
+        """Joiners in, one batched pass queued, the previous tokens read at once, leavers out."""
+        batch = self._batch
+        for seq in self._joining:
+            batch.join(seq, seq.cache, seq.y)
+            seq.cache = seq.y = None  # the batch holds its KV and token now
+        self._joining = []
+        bound = [seq for seq in self._decoding if seq.constraint is not None]
+        following = None
+        if batch and any(seq.generated + 1 < seq.max_tokens for seq in batch.rows):
+            with mx.stream(generation_stream):
+                following = batch.forward(self.model)
+        survivors = self._constrained_step(bound, events) if bound else []
+        if not batch:
+            return survivors
+        keep = []
+        for i, (seq, token) in enumerate(zip(batch.rows, batch.y.tolist())):
+            if self._emit(seq, token, events):
+                self._ids.discard(seq.id)
+                if self._cacheable and self.prompt_cache.cap > 0:
+                    seq.cache = batch.extract(i)
+                self._store(seq)
+                seq.cache = None
+            else:
+                keep.append(i)
+                survivors.append(seq)
+        batch.keep(keep, following)
+        return survivors
+
+    def _single_step(self, events: list[Event]) -> list[_Seq]:
+        """One pass per sequence (no batching): the path before issue 11."""
         seqs = [seq for seq in self._decoding if seq.constraint is None]
         bound = [seq for seq in self._decoding if seq.constraint is not None]
         following = []
@@ -636,10 +701,7 @@ class Engine:
             else:
                 seq.y = nxt
                 survivors.append(seq)
-        self._decoding = survivors
-        self._decode_steps += 1
-        if self._decode_steps % CLEAR_CACHE_EVERY == 0:
-            mx.clear_cache()
+        return survivors
 
     def _constrained_step(self, seqs: list[_Seq], events: list[Event]) -> list[_Seq]:
         """Issue 13: queue the forward passes, then read each token and advance its grammar
