@@ -211,3 +211,29 @@ def test_engine_failure_in_a_batched_step_fails_every_row_and_the_engine_keeps_s
     assert all(isinstance(run.terminal(rid), Failed) for rid in ("a", "b"))
     engine.submit("after", engine.encode_prompt(PROMPTS["c"]), max_tokens=3)
     assert isinstance(drive(engine).terminal("after"), Finished)
+
+
+# ------------------------------------------------------------------ the wire (TokenBatch)
+
+
+def test_a_steps_tokens_leave_in_one_token_batch_before_each_requests_end():
+    from shared import protocol as p
+
+    events = [p.Failed(request_id="gone", code="aborted", message="x"),
+              TokenOut(request_id="a", text="He", token_id=1), TokenOut(request_id="b", text="llo", token_id=2),
+              Finished(request_id="b", finish_reason="stop", prompt_tokens=3, completion_tokens=4),
+              TokenOut(request_id="c", text="!", token_id=3)]
+    out = p.coalesce(events)
+    assert [type(e).__name__ for e in out] == ["Failed", "TokenBatch", "Finished"]
+    assert out[1].tokens() == [e for e in events if isinstance(e, TokenOut)]
+    codec = p.Codec(p.WorkerReply)
+    assert codec.decode(codec.encode(out[1])) == out[1]
+    single = [TokenOut(request_id="a", text="x"), events[3]]
+    assert p.coalesce(single) == single  # one token: no batch
+
+
+def test_a_token_batch_with_columns_of_unequal_length_yields_no_tokens():
+    from shared import protocol as p
+
+    bad = p.TokenBatch(request_ids=["a", "b"], texts=["x"], token_ids=[1, 2])
+    assert bad.tokens() == []

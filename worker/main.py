@@ -159,8 +159,9 @@ class Worker:
                 return 0
             limits = self.ledger.read_limits(self.spec.slot) or self.limits
             self.allocator.apply(limits)  # M1: only calls MLX when the limits changed
-            for ev in self.engine.step(limits, self.group_usage):
-                self.reply(ev)  # engine events are the wire's own Structs
+            # engine events are the wire's own Structs; a step's tokens leave in one frame (issue 11)
+            for ev in p.coalesce(self.engine.step(limits, self.group_usage)):
+                self.reply(ev)
             self.step_boundary()
             now = time.monotonic()
             usage = self.write_sample(now)
