@@ -237,3 +237,15 @@ def test_a_token_batch_with_columns_of_unequal_length_yields_no_tokens():
 
     bad = p.TokenBatch(request_ids=["a", "b"], texts=["x"], token_ids=[1, 2])
     assert bad.tokens() == []
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_sse_token_chunk_is_byte_identical_to_the_full_chunk(kind, include_usage):
+    """Issue 11: the per-token SSE chunk is encoded from a per-request frame, never differently."""
+    from shared import protocol as p
+    from supervisor.http.generate import Job
+
+    job = Job(None, None, kind, "m", p.Generate(prompt="x", request_id="r1"), include_usage, 0.0, None)
+    for text in ["hello", ' "quoted"\n', "ünï\u2028", "\x00memvisor-token", "\\"]:
+        assert job.token_chunk(text) == job.chunk(text)
