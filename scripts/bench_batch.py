@@ -1,7 +1,7 @@
 """Batched decode through the front door (issue 11): concurrent streams vs one at a time.
 
     python scripts/bench_batch.py [--model DIR | --size 100MB --dtype float32]
-                                  [--streams 1,4,8] [--tokens 64] [--runs 1]
+                                  [--streams 1,4,8] [--tokens 64] [--runs 3]
 
 One `python -m supervisor serve` in a subprocess with one pinned model
 (`max_concurrency` raised to the largest stream count), one worker. For each
@@ -135,6 +135,11 @@ class Result:
     def tps(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
+    @staticmethod
+    def median(runs: list["Result"]) -> "Result":
+        """The run of median throughput (its CPU and tokens come with it)."""
+        return sorted(runs, key=lambda r: r.tps)[len(runs) // 2]
+
 
 async def measure(server: Server, n: int, tokens: int, concurrent: bool) -> Result:
     import httpx
@@ -164,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     parser.add_argument("--streams", default="1,4,8", help="comma-separated stream counts (default 1,4,8)")
     parser.add_argument("--tokens", type=int, default=64, help="max tokens per stream (default 64)")
-    parser.add_argument("--runs", type=int, default=1, help="measured rounds per stream count (best kept)")
+    parser.add_argument("--runs", type=int, default=3, help="rounds per stream count (median kept)")
     args = parser.parse_args(argv)
     try:
         counts = sorted({int(s) for s in args.streams.split(",") if s.strip()})
@@ -182,14 +187,12 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(measure(server, 2, 8, concurrent=True))  # warm-up: compile, connections
             idle = idle_cpu_rate(server)
             for n in counts:
-                best: tuple[Result, Result] | None = None
-                for _ in range(args.runs):
-                    seq = asyncio.run(measure(server, n, args.tokens, concurrent=False))
-                    con = asyncio.run(measure(server, n, args.tokens, concurrent=True))
-                    if best is None or con.tps > best[1].tps:
-                        best = (seq, con)
-                results[n] = best
-                seq, con = best
+                # rounds alternate the two sides, so drift hits both alike; medians are kept
+                pairs = [(asyncio.run(measure(server, n, args.tokens, concurrent=False)),
+                          asyncio.run(measure(server, n, args.tokens, concurrent=True)))
+                         for _ in range(args.runs)]
+                seq, con = (Result.median([pair[k] for pair in pairs]) for k in (0, 1))
+                results[n] = seq, con
                 net = max(0.0, con.cpu - idle * con.seconds)
                 print(f"{n:>3} streams: {con.tps:8.1f} tok/s concurrent, {seq.tps:8.1f} tok/s sequential "
                       f"({con.tps / seq.tps if seq.tps else 0:.2f}x); supervisor CPU per token "
