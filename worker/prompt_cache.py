@@ -5,7 +5,7 @@ an entry on every fetch (a second full copy of the KV before the first new
 token is computed), has no notion of an entry a running or queued request
 relies on (H3 must never drop those), splits its LRU by message role, and it
 has moved (from `mlx_lm.server` to `mlx_lm.models.cache`, beside its
-`PromptTrie`) and changed shape between releases that our `mlx-lm>=0.28`
+`PromptTrie`) and changed shape between releases that our `mlx-lm>=0.30`
 floor admits. What we keep from mlx_lm is the
 KV cache class itself (`KVCache`: keys/values arrays plus an offset) and its
 trimming idea: a cached sequence serves any prefix of itself.
