@@ -155,8 +155,9 @@ async def measure(server: Server, n: int, tokens: int, concurrent: bool) -> Resu
         return Result(sum(counts), seconds, server.cpu() - cpu0)
 
 
-def idle_cpu_rate(server: Server, seconds: float = 3.0) -> float:
-    """Supervisor CPU seconds per second with no traffic (guard ticks, heartbeats)."""
+def idle_cpu_rate(server: Server, seconds: float = 10.0) -> float:
+    """Supervisor CPU seconds per second with no traffic (guard ticks, heartbeats); over 10 s,
+    since the OS counts CPU time in 10 ms ticks."""
     cpu0, t0 = server.cpu(), time.perf_counter()
     time.sleep(seconds)
     return (server.cpu() - cpu0) / (time.perf_counter() - t0)

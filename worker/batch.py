@@ -55,16 +55,23 @@ class DecodeBatch:
     def __contains__(self, row) -> bool:
         return any(r is row for r in self.rows)
 
-    def join(self, row, layers: Sequence[KVCache], y: mx.array) -> None:
-        """Add a prefilled sequence: its per-layer KV and its first (unemitted) token, shape (1,)."""
-        incoming = [BatchKVCache.merge([c]) for c in layers]
+    def join(self, rows: list, layers: Sequence[Sequence[KVCache]], ys: Sequence[mx.array]) -> None:
+        """Add prefilled sequences: per row its per-layer KV and its first (unemitted) token, shape (1,).
+
+        The newcomers are merged among themselves first, so the running batch's
+        KV is copied once per step however many join (`extend` copies it).
+        """
+        if not rows:
+            return
+        incoming = [BatchKVCache.merge([per_row[i] for per_row in layers]) for i in range(len(layers[0]))]
+        y = ys[0] if len(ys) == 1 else mx.concatenate(list(ys))
         if not self.rows:
             self.layers, self.y = incoming, y
         else:
             for mine, theirs in zip(self.layers, incoming):
                 mine.extend(theirs)
             self.y = mx.concatenate([self.y, y])
-        self.rows.append(row)
+        self.rows.extend(rows)
 
     def forward(self, model) -> mx.array:
         """Feed every row's token; the sampled successors (lazy, already queued)."""

@@ -11,6 +11,10 @@ one request OR one decode token for every running sequence. When both kinds
 of work wait, they alternate, so a long prompt never stalls the streams that
 are already running.
 
+Why batches (issue 11): every unconstrained decoding sequence is a row of one
+batched KV cache and advances in the same forward pass (worker/batch.py);
+sequences join after their own prefill and leave between steps.
+
 Why per-token care: a benchmark holds the whole path (engine + ZeroMQ + HTTP)
 to 90% of plain `mlx_lm` throughput. The decode step keeps mlx_lm's one-ahead
 pipelining (the next token is queued with `mx.async_eval` before the current
@@ -653,10 +657,10 @@ class Engine:
     def _batched_step(self, events: list[Event]) -> list[_Seq]:
         """Joiners in, one batched pass queued, the previous tokens read at once, leavers out."""
         batch = self._batch
-        for seq in self._joining:
-            batch.join(seq, seq.cache, seq.y)
+        joining, self._joining = self._joining, []
+        batch.join(joining, [seq.cache for seq in joining], [seq.y for seq in joining])
+        for seq in joining:
             seq.cache = seq.y = None  # the batch holds its KV and token now
-        self._joining = []
         bound = [seq for seq in self._decoding if seq.constraint is not None]
         following = None
         if batch and any(seq.generated + 1 < seq.max_tokens for seq in batch.rows):
