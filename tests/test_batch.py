@@ -249,3 +249,31 @@ def test_sse_token_chunk_is_byte_identical_to_the_full_chunk(kind, include_usage
     job = Job(None, None, kind, "m", p.Generate(prompt="x", request_id="r1"), include_usage, 0.0, None)
     for text in ["hello", ' "quoted"\n', "ünï\u2028", "\x00memvisor-token", "\\"]:
         assert job.token_chunk(text) == job.chunk(text)
+
+
+def test_h3_pinned_bytes_kept_up_to_date_equal_the_sum_over_pinned_entries():
+    """Issue 11 reads `releasable` once a decode step, so it is kept, not summed; it must not drift."""
+    import random
+
+    from tests.test_prompt_cache import kv
+    from worker.prompt_cache import PromptCache
+
+    rng = random.Random(3)
+    cache = PromptCache(6 * 2 * 2 * 4 * 64 * 4, min_reuse=1)
+    hits = []
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.4:
+            n = rng.randrange(2, 12)
+            tokens = [rng.randrange(3) for _ in range(n)]
+            cache.insert(tokens, kv(n))
+        elif op < 0.7:
+            hit = cache.lookup([rng.randrange(3) for _ in range(12)], 11)
+            if hit is not None:
+                hits.append(hit)
+        elif op < 0.9 and hits:
+            cache.release(hits.pop(rng.randrange(len(hits))))
+        else:
+            cache.drop_lru(rng.randrange(0, cache.cap))
+        assert cache.pinned_bytes == sum(e.nbytes for e in cache._entries.values() if e.pins)
+        assert cache.releasable == cache.nbytes - cache.pinned_bytes >= 0
