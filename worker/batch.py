@@ -76,11 +76,13 @@ class DecodeBatch:
     def forward(self, model) -> mx.array:
         """Feed every row's token; the sampled successors (lazy, already queued)."""
         logits = model(self.y[:, None], cache=self.layers)[:, -1, :]
-        samplers = [row.sample for row in self.rows]
-        if all(s is self._greedy for s in samplers):
-            following = mx.argmax(logits, axis=-1)
-        else:
-            following = mx.concatenate([s(logits[i:i + 1]) for i, s in enumerate(samplers)])
+        # Greedy rows share one argmax over the batch; a row with its own sampler (temperature,
+        # top_p, seed) samples from its own logits and overwrites its place.
+        following = mx.argmax(logits, axis=-1)
+        own = [(i, row.sample) for i, row in enumerate(self.rows) if row.sample is not self._greedy]
+        if own:
+            drawn = [sample(logits[i:i + 1]).astype(following.dtype) for i, sample in own]
+            following[mx.array([i for i, _ in own])] = mx.concatenate(drawn)
         mx.async_eval(following)
         return following
 
