@@ -277,3 +277,30 @@ def test_h3_pinned_bytes_kept_up_to_date_equal_the_sum_over_pinned_entries():
             cache.drop_lru(rng.randrange(0, cache.cap))
         assert cache.pinned_bytes == sum(e.nbytes for e in cache._entries.values() if e.pins)
         assert cache.releasable == cache.nbytes - cache.pinned_bytes >= 0
+
+
+def test_constrained_rows_join_the_batch_and_every_row_matches_its_request_alone(loaded):
+    """Issue 11 + 13: a grammar row samples after its mask, in the same batched pass as the rest."""
+    import json
+
+    from shared import protocol as p
+
+    model, tokenizer = loaded
+    counting = _Counting(model)
+    engine = Engine(counting, tokenizer, own_usage_fn=lambda: 0)
+    spec = p.JsonSchema(schema=json.dumps({"type": "object", "properties": {"name": {"type": "string"}},
+                                           "required": ["name"]}))
+    prompts = {rid: engine.encode_prompt(PROMPTS[rid]) for rid in ("a", "b", "c")}
+    asks = {"a": {}, "b": {"constraint": spec}, "c": {"constraint": p.JsonObject(), "temperature": 1.0, "seed": 5}}
+    alone = {}
+    for rid, prompt in prompts.items():
+        engine.submit(rid, prompt, max_tokens=24, **asks[rid])
+        alone[rid] = drive(engine).tokens(rid)
+    counting.batches.clear()
+    for rid, prompt in prompts.items():
+        engine.submit(rid, prompt, max_tokens=24, **asks[rid])
+    run = drive(engine)
+    for rid in prompts:
+        assert isinstance(run.terminal(rid), Finished)
+        assert run.tokens(rid) == alone[rid], rid
+    assert 3 in counting.batches, "the constrained rows never shared a pass with the free one"

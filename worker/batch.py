@@ -23,7 +23,9 @@ joining at different steps.
 
 The step keeps the engine's one-ahead pipelining: the next tokens of every
 row are queued (`mx.async_eval`) before the current ones are read, in one
-`tolist()` for the whole batch.
+`tolist()` for the whole batch. A row under a grammar (issue 13) shares the
+pass but not the look-ahead: its mask needs the token just read, so the
+engine samples it afterwards from the same logits and `place`s it.
 """
 
 from __future__ import annotations
@@ -73,18 +75,29 @@ class DecodeBatch:
             self.y = mx.concatenate([self.y, y])
         self.rows.extend(rows)
 
-    def forward(self, model) -> mx.array:
-        """Feed every row's token; the sampled successors (lazy, already queued)."""
+    def forward(self, model) -> tuple[mx.array, mx.array]:
+        """Feed every row's token: the logits and the sampled successors (lazy, already queued).
+
+        Greedy rows share one argmax over the batch; a row with its own sampler
+        (temperature, top_p, seed) samples from its own logits and overwrites its
+        place. A row with `constraint` set is left to `place` (its mask needs
+        the token this step reads).
+        """
         logits = model(self.y[:, None], cache=self.layers)[:, -1, :]
-        # Greedy rows share one argmax over the batch; a row with its own sampler (temperature,
-        # top_p, seed) samples from its own logits and overwrites its place.
         following = mx.argmax(logits, axis=-1)
-        own = [(i, row.sample) for i, row in enumerate(self.rows) if row.sample is not self._greedy]
+        own = [(i, row.sample(logits[i:i + 1])) for i, row in enumerate(self.rows)
+               if row.sample is not self._greedy and getattr(row, "constraint", None) is None]
         if own:
-            drawn = [sample(logits[i:i + 1]).astype(following.dtype) for i, sample in own]
-            following[mx.array([i for i, _ in own])] = mx.concatenate(drawn)
+            following = self.place(following, own)
         mx.async_eval(following)
-        return following
+        return logits, following
+
+    @staticmethod
+    def place(following: mx.array, drawn: list[tuple[int, mx.array]]) -> mx.array:
+        """`following` with row i's token replaced by each (i, token of shape (1,)) in `drawn`."""
+        out = mx.array(following)
+        out[mx.array([i for i, _ in drawn])] = mx.concatenate([t for _, t in drawn]).astype(out.dtype)
+        return out
 
     def extract(self, index: int) -> list[KVCache]:
         """Row `index`'s KV as plain per-layer caches (a copy), e.g. for the prompt cache."""

@@ -11,7 +11,7 @@ one request OR one decode token for every running sequence. When both kinds
 of work wait, they alternate, so a long prompt never stalls the streams that
 are already running.
 
-Why batches (issue 11): every unconstrained decoding sequence is a row of one
+Why batches (issue 11): every decoding sequence is a row of one
 batched KV cache and advances in the same forward pass (worker/batch.py);
 sequences join after their own prefill and leave between steps.
 
@@ -627,7 +627,7 @@ class Engine:
         seq.detok = self.tokenizer.detokenizer
         seq.state = "decoding"
         self._decoding.append(seq)
-        if self.batch_decode and seq.constraint is None:
+        if self.batch_decode:
             self._joining.append(seq)  # joins the batch at the next decode step (issue 11)
 
     # ------------------------------------------------------------------ decode
@@ -635,15 +635,15 @@ class Engine:
     def _decode_step(self, events: list[Event]) -> None:
         """One token for every decoding sequence, pipelined one step ahead like mlx_lm.
 
-        Issue 11: unconstrained sequences advance as rows of one batch, in one
-        forward pass (worker/batch.py); without batching (a model whose KV
-        cannot be batched) each takes its own pass.
+        Issue 11: every sequence advances as a row of one batch, in one forward
+        pass (worker/batch.py); without batching (a model whose KV cannot be
+        batched) each takes its own pass.
 
-        Constrained sequences (issue 13) keep their own KV and pass, and cannot
-        sample ahead: the mask of their next token depends on the token still
-        in flight. Their forward pass still runs ahead (it needs only the lazy
-        token) while the grammar computes the mask; the free ones are queued
-        first and keep their look-ahead.
+        Constrained sequences (issue 13) cannot sample ahead: the mask of their
+        next token depends on the token still in flight. Their forward pass
+        still runs ahead (it needs only the lazy token) while the grammar
+        computes the mask; the free ones are sampled first and keep their
+        look-ahead.
         """
         if self.batch_decode:
             survivors = self._batched_step(events)
@@ -655,21 +655,24 @@ class Engine:
             mx.clear_cache()
 
     def _batched_step(self, events: list[Event]) -> list[_Seq]:
-        """Joiners in, one batched pass queued, the previous tokens read at once, leavers out."""
+        """Joiners in, one batched pass queued, the previous tokens read at once, leavers out.
+
+        A constrained row's next token waits for its mask, which needs the
+        token just read: its sample is drawn after the read, from the same
+        logits, and written into its place; the free rows keep their look-ahead.
+        """
         batch = self._batch
         joining, self._joining = self._joining, []
         batch.join(joining, [seq.cache for seq in joining], [seq.y for seq in joining])
         for seq in joining:
             seq.cache = seq.y = None  # the batch holds its KV and token now
-        bound = [seq for seq in self._decoding if seq.constraint is not None]
-        following = None
+        logits = following = None
         if batch and any(seq.generated + 1 < seq.max_tokens for seq in batch.rows):
             with mx.stream(generation_stream):
-                following = batch.forward(self.model)
-        survivors = self._constrained_step(bound, events) if bound else []
+                logits, following = batch.forward(self.model)
         if not batch:
-            return survivors
-        keep = []
+            return []
+        keep, survivors, late = [], [], []
         for i, (seq, token) in enumerate(zip(batch.rows, batch.y.tolist())):
             if self._emit(seq, token, events):
                 self._ids.discard(seq.id)
@@ -677,9 +680,15 @@ class Engine:
                     seq.cache = batch.extract(i)
                 self._store(seq)
                 seq.cache = None
-            else:
-                keep.append(i)
-                survivors.append(seq)
+                continue
+            keep.append(i)
+            survivors.append(seq)
+            if seq.constraint is not None and logits is not None:
+                with mx.stream(generation_stream):
+                    late.append((i, seq.sample(seq.constraint.mask(logits[i:i + 1]))))
+        if late:
+            with mx.stream(generation_stream):
+                following = batch.place(following, late)
         batch.keep(keep, following)
         return survivors
 
