@@ -104,6 +104,51 @@ class TokenOut(Msg, tag="token", kw_only=True):
     token_id: int = -1
 
 
+# -- issue 11: batched decode ------------------------------------------------------
+class TokenBatch(Msg, tag="tokens", kw_only=True):
+    """The tokens of one decode step for several requests, in one frame (issue 11).
+
+    Why columns: a batched worker emits one token per sequence per step; one
+    frame (one send, one receive, one decode) for all of them instead of one
+    each keeps the supervisor's CPU per token down. Row i is one `TokenOut`;
+    `tokens()` gives them back. Lists of unequal length are malformed.
+    """
+
+    request_ids: list[str]
+    texts: list[str]
+    token_ids: list[int]
+
+    def tokens(self) -> list[TokenOut]:
+        """The rows as `TokenOut`s (none when the columns disagree in length)."""
+        if not len(self.request_ids) == len(self.texts) == len(self.token_ids):
+            return []
+        return [TokenOut(request_id=r, text=t, token_id=i)
+                for r, t, i in zip(self.request_ids, self.texts, self.token_ids)]
+
+
+def coalesce(events: list[Msg]) -> list[Msg]:
+    """A step's events with its `TokenOut`s folded into one `TokenBatch` (issue 11).
+
+    The batch takes the place of the first token; a request's tokens keep
+    their order and still come before its own terminal event, which always
+    follows its last token in a step's events.
+    """
+    tokens = [ev for ev in events if type(ev) is TokenOut]
+    if len(tokens) < 2:
+        return events
+    batch: TokenBatch | None = TokenBatch(request_ids=[t.request_id for t in tokens],
+                                          texts=[t.text for t in tokens], token_ids=[t.token_id for t in tokens])
+    out: list[Msg] = []
+    for ev in events:
+        if type(ev) is not TokenOut:
+            out.append(ev)
+        elif batch is not None:
+            out.append(batch)
+            batch = None
+    return out
+# -- end issue 11 -------------------------------------------------------------------
+
+
 class Finished(Msg, tag="finished", kw_only=True):
     request_id: str
     finish_reason: str  # "stop" | "length"
@@ -131,7 +176,8 @@ class NeedMemory(Msg, tag="need_memory", kw_only=True):
     need_bytes: int
 
 
-WorkerReply = Union[Hello, Loaded, LoadFailed, Ack, Pong, Reclaimed, TokenOut, Finished, Failed, NeedMemory]
+WorkerReply = Union[Hello, Loaded, LoadFailed, Ack, Pong, Reclaimed, TokenOut, TokenBatch, Finished, Failed,
+                    NeedMemory]
 
 
 # --------------------------------------------------------------------------

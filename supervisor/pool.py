@@ -320,6 +320,11 @@ class Pool:
         match msg:
             case p.TokenOut() | p.Finished() | p.Failed():
                 self.streams.deliver(msg)
+            case p.TokenBatch():  # issue 11: one decode step's tokens for several requests
+                if len(msg.request_ids) == len(msg.texts) == len(msg.token_ids):
+                    self.streams.deliver_batch(msg)
+                else:
+                    self.bus.bad("commands", "token batch with columns of unequal length")
             case p.Pong():
                 handle.last_pong = time.monotonic()
                 waiter = self._pings.pop((handle.worker_id, msg.seq), None)

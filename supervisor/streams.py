@@ -50,6 +50,7 @@ class Streams:
 
     def __init__(self) -> None:
         self.by_id: dict[str, RequestStream] = {}
+        self.batches = 0  # issue 11: TokenBatch frames delivered (a worker decoding in batches)
 
     def open(self, handle: WorkerHandle, request_id: str) -> RequestStream:
         stream = RequestStream(request_id, handle.model_id, handle)
@@ -65,6 +66,15 @@ class Streams:
             stream.put(msg)
             if stream.done:
                 self.close(stream)
+
+    def deliver_batch(self, msg: p.TokenBatch) -> None:
+        """Issue 11: a batched decode step's tokens, one per request, from one frame."""
+        self.batches += 1
+        by_id = self.by_id
+        for rid, text, token_id in zip(msg.request_ids, msg.texts, msg.token_ids):
+            stream = by_id.get(rid)
+            if stream is not None:
+                stream.put(p.TokenOut(request_id=rid, text=text, token_id=token_id))
 
     def close(self, stream: RequestStream) -> None:
         self.by_id.pop(stream.request_id, None)

@@ -11,6 +11,10 @@ one request OR one decode token for every running sequence. When both kinds
 of work wait, they alternate, so a long prompt never stalls the streams that
 are already running.
 
+Why batches (issue 11): every decoding sequence is a row of one
+batched KV cache and advances in the same forward pass (worker/batch.py);
+sequences join after their own prefill and leave between steps.
+
 Why per-token care: a benchmark holds the whole path (engine + ZeroMQ + HTTP)
 to 90% of plain `mlx_lm` throughput. The decode step keeps mlx_lm's one-ahead
 pipelining (the next token is queued with `mx.async_eval` before the current
@@ -47,8 +51,9 @@ from shared.weights import WeightsError, estimate_weight_bytes
 from worker import memory
 from worker import prefill_guard as guard
 from worker import prompt_cache as pc
+from worker.batch import DecodeBatch
 from worker.constrain import Constraint, ConstraintError, ConstraintFactory
-from worker.sampling import make_request_sampler
+from worker.sampling import greedy, make_request_sampler
 from worker.stops import StopMatcher
 
 log = logging.getLogger("memvisor.worker.engine")
@@ -235,6 +240,7 @@ class Engine:
         clock: Callable[[], float] = time.monotonic,
         memory_wait: float = MEMORY_WAIT_SECONDS,
         chunk_seconds: float = CHUNK_SECONDS,
+        batch_decode: bool = True,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -262,6 +268,11 @@ class Engine:
         self._constraints: ConstraintFactory | None = None  # built on the first constrained request
         self.prompt_cache = pc.PromptCache(0, min_reuse=MIN_REUSE_TOKENS)  # H2: cap comes with limits
         self._cacheable = pc.supports(make_prompt_cache(model))
+        # issue 11: unconstrained sequences decode as rows of one batch; models whose KV is
+        # not plain attention (rotating, SSM) keep one forward pass per sequence.
+        self.batch_decode = batch_decode and self._cacheable
+        self._batch = DecodeBatch(greedy)
+        self._joining: list[_Seq] = []
 
     # ------------------------------------------------------------------ loading
 
@@ -393,9 +404,17 @@ class Engine:
         for seq in self._decoding:
             if seq.id == request_id:
                 self._decoding.remove(seq)
+                self._leave(seq)
                 self._outbox.append(self._fail(seq, code, reason))
                 return True
         return False
+
+    def _leave(self, seq: _Seq) -> None:
+        """Between steps: an aborted sequence's row goes out of the batch (issue 11)."""
+        if seq in self._joining:
+            self._joining.remove(seq)
+        else:
+            self._batch.remove(seq)
 
     def abort_all(self, reason: str, code: str = "aborted") -> int:
         """End every request, queued ones included (P6.3, P6.5); how many were ended."""
@@ -403,6 +422,8 @@ class Engine:
         self._queue.clear()
         self._prefill.clear()
         self._decoding.clear()
+        self._joining.clear()
+        self._batch.clear()
         self._outbox.extend(self._fail(seq, code, reason) for seq in seqs)
         return len(seqs)
 
@@ -489,6 +510,8 @@ class Engine:
             except Exception as exc:  # noqa: BLE001
                 alive = [seq for seq in self._decoding if seq.id in self._ids]
                 self._decoding = []
+                self._joining.clear()
+                self._batch.clear()
                 self._engine_failure(alive, exc, events)
             self._prefill_turn = True
         return events
@@ -657,18 +680,73 @@ class Engine:
         seq.detok = self.tokenizer.detokenizer
         seq.state = "decoding"
         self._decoding.append(seq)
+        if self.batch_decode:
+            self._joining.append(seq)  # joins the batch at the next decode step (issue 11)
 
     # ------------------------------------------------------------------ decode
 
     def _decode_step(self, events: list[Event]) -> None:
         """One token for every decoding sequence, pipelined one step ahead like mlx_lm.
 
+        Issue 11: every sequence advances as a row of one batch, in one forward
+        pass (worker/batch.py); without batching (a model whose KV cannot be
+        batched) each takes its own pass.
+
         Constrained sequences (issue 13) cannot sample ahead: the mask of their
         next token depends on the token still in flight. Their forward pass
         still runs ahead (it needs only the lazy token) while the grammar
-        computes the mask; the free ones are queued first and keep their
+        computes the mask; the free ones are sampled first and keep their
         look-ahead.
         """
+        if self.batch_decode:
+            survivors = self._batched_step(events)
+        else:
+            survivors = self._single_step(events)
+        self._decoding = survivors
+        self._decode_steps += 1
+        if self._decode_steps % CLEAR_CACHE_EVERY == 0:
+            mx.clear_cache()
+
+    def _batched_step(self, events: list[Event]) -> list[_Seq]:
+        """Joiners in, one batched pass queued, the previous tokens read at once, leavers out.
+
+        A constrained row's next token waits for its mask, which needs the
+        token just read: its sample is drawn after the read, from the same
+        logits, and written into its place; the free rows keep their look-ahead.
+        """
+        batch = self._batch
+        joining, self._joining = self._joining, []
+        batch.join(joining, [seq.cache for seq in joining], [seq.y for seq in joining])
+        for seq in joining:
+            seq.cache = seq.y = None  # the batch holds its KV and token now
+        logits = following = None
+        if batch and any(seq.generated + 1 < seq.max_tokens for seq in batch.rows):
+            with mx.stream(generation_stream):
+                logits, following = batch.forward(self.model)
+        if not batch:
+            return []
+        keep, survivors, late = [], [], []
+        for i, (seq, token) in enumerate(zip(batch.rows, batch.y.tolist())):
+            if self._emit(seq, token, events):
+                self._ids.discard(seq.id)
+                if self._cacheable and self.prompt_cache.cap > 0:
+                    seq.cache = batch.extract(i)
+                self._store(seq)
+                seq.cache = None
+                continue
+            keep.append(i)
+            survivors.append(seq)
+            if seq.constraint is not None and logits is not None:
+                with mx.stream(generation_stream):
+                    late.append((i, seq.sample(seq.constraint.mask(logits[i:i + 1]))))
+        if late:
+            with mx.stream(generation_stream):
+                following = batch.place(following, late)
+        batch.keep(keep, following)
+        return survivors
+
+    def _single_step(self, events: list[Event]) -> list[_Seq]:
+        """One pass per sequence (no batching): the path before issue 11."""
         seqs = [seq for seq in self._decoding if seq.constraint is None]
         bound = [seq for seq in self._decoding if seq.constraint is not None]
         following = []
@@ -689,10 +767,7 @@ class Engine:
             else:
                 seq.y = nxt
                 survivors.append(seq)
-        self._decoding = survivors
-        self._decode_steps += 1
-        if self._decode_steps % CLEAR_CACHE_EVERY == 0:
-            mx.clear_cache()
+        return survivors
 
     def _constrained_step(self, seqs: list[_Seq], events: list[Event]) -> list[_Seq]:
         """Issue 13: queue the forward passes, then read each token and advance its grammar

@@ -182,7 +182,8 @@ class Worker:
             self.clock.enter_step()
             if self.step_delay and self.engine.has_work:
                 time.sleep(self.step_delay)  # tests only: a long MLX step (the GIL released, as in eval)
-            events = self.engine.step(limits, self.group_usage)
+            # a step's tokens leave in one frame (issue 11)
+            events = p.coalesce(self.engine.step(limits, self.group_usage))
             self.clock.leave_step(self.engine.tokens_total)
             for ev in events:
                 self.reply(ev)  # engine events are the wire's own Structs

@@ -16,7 +16,7 @@ from mlx_lm.sample_utils import apply_top_p, make_sampler
 Sampler = Callable[[mx.array], mx.array]
 
 
-def _greedy(logits: mx.array) -> mx.array:
+def greedy(logits: mx.array) -> mx.array:
     # argmax of logits equals argmax of log-probabilities: skip the logsumexp.
     return mx.argmax(logits, axis=-1)
 
@@ -44,7 +44,7 @@ class SeededSampler:
 def make_request_sampler(temperature: float, top_p: float, seed: int | None) -> Sampler:
     """Greedy at temperature 0; else mlx_lm's sampler, or a seeded one when asked."""
     if temperature == 0:
-        return _greedy
+        return greedy
     if seed is not None:
         return SeededSampler(seed, temperature, top_p)
     chain = make_sampler(temp=temperature, top_p=top_p if 0 < top_p < 1 else 0.0)
