@@ -15,7 +15,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from test_http_harness import LiveServer, make_config
+from test_http_harness import LiveServer, make_config, until
 
 from supervisor.config import ModelConfig
 
@@ -156,13 +156,11 @@ def test_real_gguf_a2_estimate_matches_measured_memory_and_the_import_is_reused(
     async def reload():
         await arbiter.unload("smol")
         handle = await arbiter.load("smol")
-        while handle.sample is None:
-            import asyncio
-
-            await asyncio.sleep(0.05)
+        await until(lambda: handle.sample is not None or not handle.live, timeout=60, what="a sample")
         return handle
 
-    handle = server.run(reload(), timeout=600)
+    handle = server.run(reload(), timeout=300)
+    assert handle.live, "the worker exited before its first sample"
     assert handle.weight_bytes == estimate
     assert estimate <= handle.sample.mlx_active <= estimate * 1.1, (estimate, handle.sample.mlx_active)
     kinds = [e.kind for e in arbiter.events if e.model_id == "smol"]
