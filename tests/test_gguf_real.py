@@ -81,18 +81,30 @@ def server(smollm2, gguf_cache, tmp_path_factory):
         yield live
 
 
-def _in_process_greedy(folder: Path, messages, max_tokens: int) -> tuple[str, list[int]]:
-    import mlx_lm
+_GREEDY = """
+import json, sys
+import mlx_lm
+model, tokenizer = mlx_lm.load(sys.argv[1])
+prompt = tokenizer.apply_chat_template(json.loads(sys.argv[2]), add_generation_prompt=True)
+tokens, text = [], ""
+for response in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=int(sys.argv[3])):
+    tokens.append(response.token)  # the end-of-turn token too: the server counts it as generated
+    if response.token in tokenizer.eos_token_ids:
+        break
+    text += response.text
+print(json.dumps({"text": text, "tokens": tokens}))
+"""
 
-    model, tokenizer = mlx_lm.load(str(folder))
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    tokens, text = [], ""
-    for response in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
-        tokens.append(response.token)  # the end-of-turn token too: the server counts it as generated
-        if response.token in tokenizer.eos_token_ids:
-            break
-        text += response.text
-    return text, tokens
+
+def _in_process_greedy(folder: Path, messages, max_tokens: int) -> tuple[str, list[int]]:
+    """mlx_lm.generate's greedy output, in a process of its own (mlx_lm in-process there): loading
+    the model into the test process would change the supervisor's own footprint for later tests."""
+    import json
+
+    out = subprocess.run([sys.executable, "-c", _GREEDY, str(folder), json.dumps(messages), str(max_tokens)],
+                         capture_output=True, text=True, check=True, timeout=600)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return result["text"], result["tokens"]
 
 
 def test_import_gguf_command_on_the_real_model_keeps_its_quantization(smollm2, tmp_path):
