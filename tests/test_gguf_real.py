@@ -75,7 +75,9 @@ def gguf_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(smollm2, gguf_cache, tmp_path_factory):
+def server(smollm2, gguf_cache, tiny_models, tmp_path_factory):
+    """`tiny_models` first: the session's tokenizer is trained before any live supervisor runs in
+    this process (training one after can deadlock on a leaked ZeroMQ context)."""
     models = [ModelConfig(id="smol", path=str(smollm2), max_concurrency=2)]
     with LiveServer(make_config(models, load_timeout=300), tmp_path_factory.mktemp("rt")) as live:
         yield live
