@@ -343,3 +343,21 @@ def test_a2_estimate_of_a_gguf_path_under_home_expands_the_tilde(gguf_file, tmp_
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "x.gguf").write_bytes(gguf_file.read_bytes())
     assert estimate_weight_bytes("~/x.gguf") == estimate_weight_bytes(gguf_file)
+
+
+def test_a_large_import_is_written_in_shards_that_mlx_lm_loads(tiny_model, gguf_file, tmp_path, monkeypatch):
+    """One shard in memory at a time; the folder holds model-0000i-of-0000n files mlx_lm reads."""
+    import mlx.core as mx
+    import mlx_lm
+
+    from worker import gguf_import
+
+    monkeypatch.setattr(gguf_import, "SHARD_BYTES", 1024 * 1024)
+    done = gguf_import.import_gguf(gguf_file, tmp_path / "s")
+    shards = sorted(p.name for p in (tmp_path / "s").glob("model-*.safetensors"))
+    assert len(shards) > 2 and shards[0].endswith(f"-of-{len(shards):05d}.safetensors")
+    assert estimate_weight_bytes(tmp_path / "s") == done.bytes_written == estimate_weight_bytes(gguf_file)
+    original, tokenizer = mlx_lm.load(str(tiny_model))
+    again, _ = mlx_lm.load(str(tmp_path / "s"))
+    ids = mx.array([tokenizer.encode(PROMPT)])
+    assert mx.allclose(original(ids).astype(mx.float32), again(ids).astype(mx.float32), atol=1e-2).item()

@@ -15,7 +15,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from test_http_harness import LiveServer, make_config
+from test_http_harness import LiveServer, make_config, until
 
 from supervisor.config import ModelConfig
 
@@ -75,24 +75,38 @@ def gguf_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(smollm2, gguf_cache, tmp_path_factory):
+def server(smollm2, gguf_cache, tiny_models, tmp_path_factory):
+    """`tiny_models` first: the session's tokenizer is trained before any live supervisor runs in
+    this process (training one after can deadlock on a leaked ZeroMQ context)."""
     models = [ModelConfig(id="smol", path=str(smollm2), max_concurrency=2)]
     with LiveServer(make_config(models, load_timeout=300), tmp_path_factory.mktemp("rt")) as live:
         yield live
 
 
-def _in_process_greedy(folder: Path, messages, max_tokens: int) -> tuple[str, list[int]]:
-    import mlx_lm
+_GREEDY = """
+import json, sys
+import mlx_lm
+model, tokenizer = mlx_lm.load(sys.argv[1])
+prompt = tokenizer.apply_chat_template(json.loads(sys.argv[2]), add_generation_prompt=True)
+tokens, text = [], ""
+for response in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=int(sys.argv[3])):
+    tokens.append(response.token)  # the end-of-turn token too: the server counts it as generated
+    if response.token in tokenizer.eos_token_ids:
+        break
+    text += response.text
+print(json.dumps({"text": text, "tokens": tokens}))
+"""
 
-    model, tokenizer = mlx_lm.load(str(folder))
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    tokens, text = [], ""
-    for response in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
-        tokens.append(response.token)  # the end-of-turn token too: the server counts it as generated
-        if response.token in tokenizer.eos_token_ids:
-            break
-        text += response.text
-    return text, tokens
+
+def _in_process_greedy(folder: Path, messages, max_tokens: int) -> tuple[str, list[int]]:
+    """mlx_lm.generate's greedy output, in a process of its own (mlx_lm in-process there): loading
+    the model into the test process would change the supervisor's own footprint for later tests."""
+    import json
+
+    out = subprocess.run([sys.executable, "-c", _GREEDY, str(folder), json.dumps(messages), str(max_tokens)],
+                         capture_output=True, text=True, check=True, timeout=600)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return result["text"], result["tokens"]
 
 
 def test_import_gguf_command_on_the_real_model_keeps_its_quantization(smollm2, tmp_path):
@@ -156,13 +170,11 @@ def test_real_gguf_a2_estimate_matches_measured_memory_and_the_import_is_reused(
     async def reload():
         await arbiter.unload("smol")
         handle = await arbiter.load("smol")
-        while handle.sample is None:
-            import asyncio
-
-            await asyncio.sleep(0.05)
+        await until(lambda: handle.sample is not None or not handle.live, timeout=60, what="a sample")
         return handle
 
-    handle = server.run(reload(), timeout=600)
+    handle = server.run(reload(), timeout=300)
+    assert handle.live, "the worker exited before its first sample"
     assert handle.weight_bytes == estimate
     assert estimate <= handle.sample.mlx_active <= estimate * 1.1, (estimate, handle.sample.mlx_active)
     kinds = [e.kind for e in arbiter.events if e.model_id == "smol"]

@@ -244,8 +244,26 @@ def _arrays_of(tensor: TensorInfo, raw: np.ndarray, heads: dict[str, int],
     return arrays
 
 
-def _convert(header: GGUFHeader, src: Path, emit: Emit, requantize: int = 0) -> dict:
-    """Every tensor read from the file's blocks (`worker.gguf_tensors`), as MLX arrays."""
+def _plan_shards(tensors: list[TensorInfo], requantize: int) -> list[list[TensorInfo]]:
+    """Tensors in file order, cut into shards of at most SHARD_BYTES (sizes known from the header)."""
+    shards: list[list[TensorInfo]] = [[]]
+    size = 0
+    for tensor in tensors:
+        nbytes = tensor.imported_bytes(requantize)
+        if size and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(tensor)
+        size += nbytes
+    return shards
+
+
+def _convert_and_write(header: GGUFHeader, src: Path, out: Path, emit: Emit, requantize: int = 0) -> int:
+    """Read every tensor from the file's blocks (`worker.gguf_tensors`) and write the shards.
+
+    One shard is held at a time, so a large file is imported in about
+    SHARD_BYTES of memory (plus the page cache of the mapped file).
+    """
     import mlx.core as mx
 
     arch, spec = architecture(header)
@@ -255,39 +273,24 @@ def _convert(header: GGUFHeader, src: Path, emit: Emit, requantize: int = 0) -> 
     if not spec.rope_rows_permuted:
         heads = {}
     data = np.memmap(src, dtype=np.uint8, mode="r")
-    total, done, out = header.imported_bytes(requantize), 0, {}
-    for tensor in header.tensors:
-        if tensor.name == ROPE_FREQS:  # folded into config.json's rope_scaling
-            continue
-        raw = data[tensor.offset:tensor.offset + tensor.file_bytes]
-        if raw.size < tensor.file_bytes:
-            raise GGUFError(f"tensor {tensor.name!r}: the file ends inside its data (an incomplete copy?)")
-        for name, array in _arrays_of(tensor, raw, heads, requantize).items():
-            out[name] = mx.array(np.ascontiguousarray(array))
-        done += tensor.imported_bytes(requantize)
-        emit(ImportProgress(phase="convert", done=done, total=total))
-    return out
-
-
-def _write_shards(weights: dict, out: Path, emit: Emit) -> int:
-    import mlx.core as mx
-
-    shards: list[dict] = [{}]
-    size = 0
-    for name in sorted(weights):
-        if size and size + weights[name].nbytes > SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][name] = weights[name]
-        size += weights[name].nbytes
-    total = sum(a.nbytes for a in weights.values())
-    done = 0
+    tensors = [t for t in header.tensors if t.name != ROPE_FREQS]  # rope_freqs went into config.json
+    shards = _plan_shards(tensors, requantize)
+    total, done, written = header.imported_bytes(requantize), 0, 0
     for index, shard in enumerate(shards, 1):
+        arrays = {}
+        for tensor in shard:
+            raw = data[tensor.offset:tensor.offset + tensor.file_bytes]
+            if raw.size < tensor.file_bytes:
+                raise GGUFError(f"tensor {tensor.name!r}: the file ends inside its data (an incomplete copy?)")
+            for name, array in _arrays_of(tensor, raw, heads, requantize).items():
+                arrays[name] = mx.array(np.ascontiguousarray(array))
+            done += tensor.imported_bytes(requantize)
+            emit(ImportProgress(phase="convert", done=done, total=total))
         file = "model.safetensors" if len(shards) == 1 else f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-        mx.save_safetensors(str(out / file), shard, metadata={"format": "mlx"})
-        done += sum(a.nbytes for a in shard.values())
-        emit(ImportProgress(phase="write", done=done, total=total))
-    return total
+        mx.save_safetensors(str(out / file), arrays, metadata={"format": "mlx"})
+        written += sum(a.nbytes for a in arrays.values())
+        emit(ImportProgress(phase="write", done=written, total=total))
+    return written
 
 
 def _dequantized_note(header: GGUFHeader, requantize: int = 0) -> ImportNote | None:
@@ -333,7 +336,7 @@ def import_gguf(src: str | Path, dest: str | Path, emit: Emit = lambda line: Non
     try:
         eos = write_tokenizer(header, staging)
         config["eos_token_id"] = eos
-        written = _write_shards(_convert(header, src, emit, requantize), staging, emit)
+        written = _convert_and_write(header, src, staging, emit, requantize)
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         dest.mkdir(exist_ok=True)
         # config.json last: it is what makes the directory look like a model.
