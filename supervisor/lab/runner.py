@@ -17,6 +17,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -164,16 +166,19 @@ class Lab:
 
 
 def make_models(root: Path, scenarios: list[Scenario]) -> dict[tuple[int, int], Path]:
-    """Generated models, one per (size, seed), cached under `root` between runs."""
-    from worker.modelgen import make_model  # numpy only, no MLX
+    """Generated models, one per (size, seed), cached under `root` between runs.
 
+    Each is made in a child process: training a tokenizer in a process where
+    a supervisor has run (its ZeroMQ context being torn down) was seen to hang."""
     paths: dict[tuple[int, int], Path] = {}
     for sc in scenarios:
         for m in sc.models:
             key = (m.size_mib, m.seed)
             path = root / f"lab-{m.size_mib}mib-s{m.seed}"
             if key not in paths and not (path / "config.json").exists():
-                make_model(path, m.size_mib * MiB, m.seed)
+                subprocess.run([sys.executable, "-c", "import sys; from worker.modelgen import make_model; "
+                                "make_model(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))",
+                                str(path), str(m.size_mib * MiB), str(m.seed)], check=True, timeout=600)
             _long_context(path)
             paths[key] = path
     return paths

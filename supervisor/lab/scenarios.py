@@ -278,7 +278,8 @@ async def load_refused(lab: Lab) -> None:
     await lab.load("a")
     stream = await lab.busy("a")
     u = await lab.usage()
-    lab.set_ceiling(int(u / 0.85), "usage = 85 % of the ceiling, a busy model")
+    # 32 MiB of room, whatever the supervisor's own size: the 64 MiB model cannot fit
+    lab.set_ceiling(u + 32 * MiB, "32 MiB of room, a busy model")
     await asyncio.sleep(0.3)
     error: LoadError | None = None
     try:
@@ -375,10 +376,14 @@ SCENARIOS: list[Scenario] = [
              soft_threshold=0.95, hard_threshold=0.99),
     Scenario("g1-too-large", "G1", "a prompt that cannot fit: 400 with figures",
              (ModelSpec("idle", 16, 1), ModelSpec("asker", 16, 0)), g1_too_large),
+    # thresholds near 1: with a ceiling sized in MiB above usage, the default soft (0.90)
+    # would already be under usage when the supervisor itself holds hundreds of MiB
     Scenario("load-evicts", "A1 A2 A3", "a load evicts the idle LRU model to fit",
-             (ModelSpec("a", 16, 0), ModelSpec("b", 16, 1), ModelSpec("big", 32, 2)), load_evicts),
+             (ModelSpec("a", 16, 0), ModelSpec("b", 16, 1), ModelSpec("big", 32, 2)), load_evicts,
+             soft_threshold=0.97, hard_threshold=0.99),
     Scenario("load-refused", "A3", "a load that cannot fit: 507",
-             (ModelSpec("a", 16, 0), ModelSpec("big", 64, 3)), load_refused),
+             (ModelSpec("a", 16, 0), ModelSpec("big", 64, 3)), load_refused,
+             soft_threshold=0.97, hard_threshold=0.99),
     Scenario("ttl", "P10 P9", "an idle model past its TTL is stopped on time",
              (ModelSpec("short", 16, 0, ttl=2.0), ModelSpec("pinned", 16, 1, pinned=True)), ttl_expiry),
     Scenario("pinned-respawn", "restart intensity", "a pinned model that crashes is respawned",
