@@ -21,6 +21,7 @@ import time
 
 import msgspec
 import zmq
+from typing_extensions import assert_never
 
 from shared import protocol as p
 from shared.ledger import Ledger
@@ -233,37 +234,40 @@ class Worker:
             self.obey(msg)
             self.clock.leave_step(self.engine.tokens_total if self.engine else 0)
 
-    def obey(self, msg) -> None:
+    def obey(self, msg: p.CommandMsg) -> None:
         engine = self.engine
-        if isinstance(msg, p.Ping):
-            self.reply(p.Pong(seq=msg.seq))
-        elif isinstance(msg, p.SetLimits):
-            self.limits = msg.limits
-        elif isinstance(msg, p.Generate):
-            self.submit(msg)
-        elif isinstance(msg, p.AbortRequests):
-            if msg.request_ids is None:
+        assert engine is not None  # commands are taken once the model is loaded
+        match msg:
+            case p.Ping():
+                self.reply(p.Pong(seq=msg.seq))
+            case p.SetLimits():
+                self.limits = msg.limits
+            case p.Generate():
+                self.submit(msg)
+            case p.AbortRequests(request_ids=None):
                 engine.abort_all(msg.reason or "aborted by the supervisor", code=msg.code)
                 # A drill stands in for a runaway request: aborting the work frees it too.
                 self.stop_drill(f"aborted: {msg.reason}")
-            else:
-                for rid in msg.request_ids:
+            case p.AbortRequests(request_ids=list(ids)):
+                for rid in ids:
                     engine.abort(rid, msg.reason or "aborted by the supervisor", code=msg.code)
-        elif isinstance(msg, p.Reclaim):
-            self.reclaim_pending.append(msg)
-        elif isinstance(msg, p.ShrinkCache):
-            self.shrink_pending.append(msg)
-        elif isinstance(msg, p.MemoryAnswer):
-            engine.memory_answer(msg.request_id, msg.evicted)
-        elif isinstance(msg, p.Drain):
-            log.info("draining: %s", msg.reason or "asked by the supervisor")
-            self.draining = True
-            self.phase = "draining"
-            engine.abort_queued("the model is being unloaded: " + (msg.reason or "drain"), code="model_unloading")
-        elif isinstance(msg, p.Drill):
-            self.start_drill(msg)
-        elif isinstance(msg, p.DrillStop):
-            self.stop_drill("stopped by command")
+            case p.Reclaim():
+                self.reclaim_pending.append(msg)
+            case p.ShrinkCache():
+                self.shrink_pending.append(msg)
+            case p.MemoryAnswer():
+                engine.memory_answer(msg.request_id, msg.evicted)
+            case p.Drain():
+                log.info("draining: %s", msg.reason or "asked by the supervisor")
+                self.draining = True
+                self.phase = "draining"
+                engine.abort_queued("the model is being unloaded: " + (msg.reason or "drain"), code="model_unloading")
+            case p.Drill():
+                self.start_drill(msg)
+            case p.DrillStop():
+                self.stop_drill("stopped by command")
+            case _:
+                assert_never(msg)
         if isinstance(msg, (p.Drain, p.AbortRequests)):
             self.reply(p.Ack(cmd=msg.cmd))
 
