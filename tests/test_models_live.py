@@ -101,7 +101,9 @@ def test_a2_estimate_is_within_25_percent_of_what_the_load_took(tiny_models, run
     async def main():
         async with Running(config, runtime_dir) as arb:
             await arb.load("b")
-            await until(lambda: arb.model_info("b").mlx_active > 0, what="first sample")
+            estimate = arb.model_info("b").estimated_bytes
+            # a sample taken once the weights are in (an early one may show a few bytes)
+            await until(lambda: arb.model_info("b").mlx_active > estimate // 2, what="a sample after the load")
             info = arb.model_info("b")
             error = abs(info.estimated_bytes - info.mlx_active) / info.mlx_active
             assert error <= 0.25, (info.estimated_bytes, info.mlx_active)
