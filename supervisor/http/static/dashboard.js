@@ -123,7 +123,10 @@ function onStatus(st) {
 
 function connect() {
   const since = Date.now() / 1000 - S.windowSec;
-  const es = new EventSource("/v1/events?since=" + since.toFixed(3));
+  // EventSource cannot send headers: with [supervisor] api_keys set, the key rides in the
+  // query (open the page as /?api_key=KEY, or type the admin token, which opens /v1 too)
+  const key = new URLSearchParams(location.search).get("api_key") || S.token;
+  const es = new EventSource("/v1/events?since=" + since.toFixed(3) + (key ? "&api_key=" + encodeURIComponent(key) : ""));
   const conn = $("conn");
   const on = (name, fn) => es.addEventListener(name, (e) => fn(JSON.parse(e.data)));
   on("hello", (h) => { S.offset = h.t - h.monotonic; conn.textContent = "live"; conn.className = "conn live"; });
