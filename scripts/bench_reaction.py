@@ -70,7 +70,7 @@ class Samples:
 async def trial(arb: Arbiter, samples: Samples, rate: int, to: int) -> dict | None:
     handle = await arb.load("victim")
     stream = await arb.generate("victim", p.Generate(request_id="", prompt="tell me a long story",
-                                                     max_tokens=1_000_000))
+                                                     max_tokens=3000))  # within the 4,096-token context (issue 16)
     deadline = time.monotonic() + 10
     while not (handle.sample and handle.sample.running) and time.monotonic() < deadline:
         arb.wake()
@@ -130,7 +130,10 @@ async def trial(arb: Arbiter, samples: Samples, rate: int, to: int) -> dict | No
 
 async def run_mode(model_dir: Path, runtime: Path, args, *, baseline: bool) -> list[dict]:
     config = Config(
-        guard=GuardConfig(tier="custom", custom_ceiling=0),
+        # hot_cache_max=0: the trial's ceiling is usage + a few hundred MiB, and C12's
+        # reservation (cache used + 512 MiB) would leave the worker 1-byte limits, so it
+        # could never report a watermark crossing and the guard would see it at the poll
+        guard=GuardConfig(tier="custom", custom_ceiling=0, hot_cache_max=0),
         supervisor=SupervisorConfig(heartbeat_interval=1.0, heartbeat_timeout=10.0, allow_drills=True),
         models=[ModelConfig(id="victim", path=str(model_dir), max_concurrency=1)],
     )
