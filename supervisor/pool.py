@@ -30,6 +30,7 @@ from shared.limits import Limits
 from shared.states import LIVE_STATES, LOADING_STATES, SERVING_STATES, WorkerEvent, WorkerState, transition
 from supervisor.errors import LoadError
 from supervisor.streams import RequestStream, Streams
+from worker.main import run as worker_main  # the spawn target; imports no MLX at module level
 
 log = logging.getLogger("memvisor.pool")
 
@@ -288,8 +289,6 @@ class Pool:
             chunk_seconds=scfg.chunk_seconds,
             allow_drills=scfg.allow_drills,
         )
-        from worker.main import run as worker_main  # imports no MLX at module level
-
         proc = self._mp.Process(
             target=worker_main, args=(msgspec.msgpack.encode(spec),), name=f"memvisor-{worker_id}", daemon=False
         )
