@@ -43,6 +43,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from _serve import wait_ready  # noqa: E402  (scripts/ is on sys.path as the script's folder)
+
 from shared.sizes import format_size, parse_size  # noqa: E402
 
 # Short on purpose: MLX's CPU prefill costs about as much per prompt token as a
@@ -139,20 +141,7 @@ class FrontDoor:
         self.tokens = 0
 
     def _wait_ready(self, timeout: float = 180.0) -> str:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"the supervisor exited ({self.proc.returncode}); see {self.log}")
-            try:
-                http = json.loads((self.runtime / "endpoints.json").read_text()).get("http", "")
-                if http and not http.endswith(":0") and httpx.get(f"http://{http}/health").status_code == 200:
-                    return f"http://{http}"
-            except (OSError, ValueError, httpx.HTTPError):
-                pass
-            time.sleep(0.2)
-        raise SystemExit(f"the supervisor did not become healthy in {timeout:.0f} s; see {self.log}")
+        return wait_ready(self.proc, self.runtime, self.log, timeout)
 
     def run(self, tokens: int) -> Run:
         import httpx

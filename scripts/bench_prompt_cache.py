@@ -44,6 +44,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from _serve import wait_ready  # noqa: E402  (scripts/ is on sys.path as the script's folder)
+
 from scripts.bench_frontdoor import cache_root  # noqa: E402
 from shared.sizes import format_size, parse_size  # noqa: E402
 
@@ -90,20 +92,7 @@ class Server:
         self.base = self._wait_ready()
 
     def _wait_ready(self, timeout: float = 300.0) -> str:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"a supervisor exited ({self.proc.returncode}); see {self.log}")
-            try:
-                http = json.loads((self.runtime / "endpoints.json").read_text()).get("http", "")
-                if http and not http.endswith(":0") and httpx.get(f"http://{http}/health").status_code == 200:
-                    return f"http://{http}"
-            except (OSError, ValueError, httpx.HTTPError):
-                pass
-            time.sleep(0.2)
-        raise SystemExit(f"a supervisor did not become healthy in {timeout:.0f} s; see {self.log}")
+        return wait_ready(self.proc, self.runtime, self.log, timeout)
 
     def chat(self, model: str, messages: list[dict], max_tokens: int) -> tuple[float, str, dict]:
         """Streamed greedy chat: (TTFT seconds, reply text, usage)."""
