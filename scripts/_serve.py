@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -25,3 +26,21 @@ def wait_ready(proc: subprocess.Popen, runtime: Path, log: Path, timeout: float)
             pass
         time.sleep(0.2)
     raise SystemExit(f"the supervisor did not become healthy in {timeout:.0f} s; see {log}")
+
+
+def cache_root() -> Path:
+    """Where the benchmarks keep the models they generate, between runs."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "memvisor" / "bench"
+
+
+def bench_model(name: str, size: int, seed: int, dtype: str) -> Path:
+    """A generated model at cache_root()/NAME (made once, with a line saying so)."""
+    from shared.sizes import format_size
+    from worker.modelgen import make_model
+
+    path = cache_root() / name
+    if not (path / "config.json").exists():
+        print(f"generating a {format_size(size)} {dtype} model in {path} (once)...", flush=True)
+        make_model(path, size, seed=seed, force=True, dtype=dtype)
+    return path

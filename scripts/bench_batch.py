@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -44,9 +43,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from _serve import wait_ready  # noqa: E402  (scripts/ is on sys.path as the script's folder)
+from _serve import bench_model, wait_ready  # noqa: E402  (scripts/ is on sys.path as the script's folder)
 
-from shared.sizes import format_size, parse_size  # noqa: E402
+from shared.sizes import parse_size  # noqa: E402
 
 TOPICS = ["the weather", "a ship at sea", "memory and machines", "an old library", "the city at night",
           "a garden", "mountains", "the first computer", "a long train ride", "the river"]
@@ -56,19 +55,8 @@ def prompt(i: int) -> str:
     return f"Story {i}: once upon a time, {TOPICS[i % len(TOPICS)]}"
 
 
-def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "memvisor" / "bench"
-
-
 def ensure_model(size: int, dtype: str) -> Path:
-    from worker.modelgen import make_model
-
-    path = cache_root() / f"batch-{size}-{dtype}"
-    if not (path / "config.json").exists():
-        print(f"generating a {format_size(size)} {dtype} model in {path} (once)...", flush=True)
-        make_model(path, size, seed=11, force=True, dtype=dtype)
-    return path
+    return bench_model(f"batch-{size}-{dtype}", size, 11, dtype)
 
 
 class Server:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -43,28 +42,17 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from _serve import wait_ready  # noqa: E402  (scripts/ is on sys.path as the script's folder)
+from _serve import bench_model, wait_ready  # noqa: E402  (scripts/ is on sys.path as the script's folder)
 
-from shared.sizes import format_size, parse_size  # noqa: E402
+from shared.sizes import parse_size  # noqa: E402
 
 # Short on purpose: MLX's CPU prefill costs about as much per prompt token as a
 # decode step, and a long prefill's jitter would drown the front door's TTFT.
 PROMPT = "Once upon a time, in a machine with little memory,"
 
 
-def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "memvisor" / "bench"
-
-
 def ensure_model(size: int, dtype: str) -> Path:
-    from worker.modelgen import make_model
-
-    path = cache_root() / f"frontdoor-{size}-{dtype}"
-    if not (path / "config.json").exists():
-        print(f"generating a {format_size(size)} {dtype} model in {path} (once)...", flush=True)
-        make_model(path, size, seed=7, force=True, dtype=dtype)
-    return path
+    return bench_model(f"frontdoor-{size}-{dtype}", size, 7, dtype)
 
 
 class Run:

@@ -44,9 +44,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from _serve import wait_ready  # noqa: E402  (scripts/ is on sys.path as the script's folder)
+from _serve import bench_model, wait_ready  # noqa: E402  (scripts/ is on sys.path as the script's folder)
 
-from scripts.bench_frontdoor import cache_root  # noqa: E402
 from shared.sizes import format_size, parse_size  # noqa: E402
 
 WORDS = ("memory pressure guard worker model cache prefix token budget ceiling supervisor "
@@ -59,13 +58,7 @@ USER_WORDS = 36      # ~80 tokens, plus a ~20-token reply: ~100 tokens a turn
 
 
 def ensure_model(name: str, size: int, seed: int, dtype: str = "float32") -> Path:
-    from worker.modelgen import make_model
-
-    path = cache_root() / f"{name}-{size}-{dtype}-seed{seed}"
-    if not (path / "config.json").exists():
-        print(f"generating a {format_size(size)} {dtype} model in {path} (once)...", flush=True)
-        make_model(path, size, seed=seed, force=True, dtype=dtype)
-    return path
+    return bench_model(f"{name}-{size}-{dtype}-seed{seed}", size, seed, dtype)
 
 
 def text(rng: random.Random, words: int) -> str:
