@@ -31,14 +31,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from shared import protocol as p  # noqa: E402
 from shared.ledger import Ledger  # noqa: E402
 from shared.limits import Limits  # noqa: E402
+from shared.memory import MemoryReading
 from shared.sizes import MiB  # noqa: E402
 from supervisor.bus import Bus, Endpoints  # noqa: E402
+
+READING = MemoryReading(usage=4, footprint=4, mlx_active=1, mlx_pool=2, mlx_peak=3)
 
 
 def sample(i: int = 0) -> p.Sample:
     return p.Sample(worker_id="model#1", model_id="model", pid=1234, seq=i, t=time.monotonic(),
-                    mlx_active=123 * MiB, mlx_pool=4 * MiB, mlx_peak=130 * MiB, footprint=150 * MiB,
-                    usage=146 * MiB, running=2, queued=1, tokens=5000)
+                    memory=MemoryReading(usage=146 * MiB, footprint=150 * MiB, mlx_active=123 * MiB,
+                                         mlx_pool=4 * MiB, mlx_peak=130 * MiB),
+                    running=2, queued=1, tokens=5000)
 
 
 def bench_codec() -> None:
@@ -55,11 +59,10 @@ def bench_codec() -> None:
 def bench_ledger(tmp: Path) -> None:
     led = Ledger.create(tmp / "ledger", 64)
     for slot in range(8):
-        led.write_sample(slot, pid=100 + slot, t=1.0, mlx_active=1, mlx_pool=2, mlx_peak=3, footprint=4, usage=4)
+        led.write_sample(slot, pid=100 + slot, t=1.0, memory=READING)
     n = 100_000
     read = timeit.timeit(lambda: led.read_sample(3), number=n) / n * 1e6
-    write = timeit.timeit(lambda: led.write_sample(3, pid=103, t=1.0, mlx_active=1, mlx_pool=2, mlx_peak=3,
-                                                   footprint=4, usage=4), number=n) / n * 1e6
+    write = timeit.timeit(lambda: led.write_sample(3, pid=103, t=1.0, memory=READING), number=n) / n * 1e6
     group = timeit.timeit(led.group_usage, number=5_000) / 5_000 * 1e6
     print(f"ledger: read one worker's sample {read:.2f} µs, write {write:.2f} µs, "
           f"group usage over 64 slots (8 live) {group:.1f} µs")

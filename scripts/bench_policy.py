@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import msgspec  # noqa: E402
 
 from shared.host import HostCounters
+from shared.memory import MemoryReading
 from shared.sizes import GiB, MiB  # noqa: E402
 from supervisor.policy.pressure import tick  # noqa: E402
 from supervisor.policy.snapshot import GuardSettings, PolicyState, Snapshot, WorkerRecord  # noqa: E402
@@ -45,12 +46,13 @@ def _workers(n: int, per_worker: int, pressure: bool) -> list[WorkerRecord]:
         running = 1 if state == "busy" else 0
         out.append(WorkerRecord(
             worker=f"w{i}", model=f"model-{i}", pid=1000 + i, state=state,
-            pinned=kind == 3, last_access=NOW - 100 - i, running=running, usage=per_worker,
-            footprint=per_worker + 16 * MiB, mlx_active=per_worker,
-            mlx_pool=3 * GiB if pressure and i == 0 else 64 * MiB,
+            pinned=kind == 3, last_access=NOW - 100 - i, running=running, memory=MemoryReading(
+                usage=per_worker, footprint=per_worker + 16 * MiB, mlx_active=per_worker,
+                mlx_pool=3 * GiB if pressure and i == 0 else 64 * MiB,
+                cache_bytes=256 * MiB if kind == 2 else 0,
+                cache_releasable=128 * MiB if kind == 2 else 0,
+            ),
             max_concurrency=4, concurrency=2, ttl=None if kind else 3600.0,
-            hot_cache_used=256 * MiB if kind == 2 else 0,
-            hot_cache_releasable=128 * MiB if kind == 2 else 0,
         ))
     return out
 

@@ -33,10 +33,11 @@ from typing import Any
 import msgspec
 
 from shared.limits import BINDINGS, TIERS, Limits
+from shared.memory import MemoryReading
 from shared.states import PHASES
 
 MAGIC = b"MVLEDGR1"
-LAYOUT_VERSION = 2  # 2: cache bytes in samples; cache cap, pool max, residency in limits
+LAYOUT_VERSION = 3  # 2: cache bytes in samples; cache cap, pool max, residency in limits; 3: samples are MemoryReading
 
 _HEADER = struct.Struct("<8sII")  # magic, layout version, n_slots
 _HEADER_BYTES = 64
@@ -44,7 +45,7 @@ _SUPS = struct.Struct("<qd")  # supervisor footprint, t
 _SLOT_HEAD = struct.Struct("<QII")  # seq, crc32, pad
 _SEQ = struct.Struct("<Q")
 
-_SAMPLE = struct.Struct("<qdqqqqqqqqqqqq")
+_SAMPLE = struct.Struct("<qdqqqqqqqqqqq")  # pid, t, MemoryReading (7), running, queued, tokens, phase
 _LIMITS = struct.Struct("<qqqqdddqqqqqqqqqqqq")
 
 _SAMPLE_SLOT = _SLOT_HEAD.size + _SAMPLE.size
@@ -55,22 +56,15 @@ _READ_TRIES = 64
 
 
 class LedgerSample(msgspec.Struct, frozen=True, kw_only=True):
-    """The latest sample of one worker (SPEC U1 inputs and its result)."""
+    """The latest slot of one worker: its reading (U1, H2) and its load."""
 
     pid: int
     t: float
-    mlx_active: int
-    mlx_pool: int
-    mlx_peak: int
-    footprint: int
-    usage: int
-    gpu_bytes: int
+    memory: MemoryReading
     running: int
     queued: int
     tokens: int
     phase: str
-    cache_bytes: int = 0       # H2: prompt cache held (measured)
-    cache_releasable: int = 0  # H3: the part no running or queued request uses
 
 
 class LedgerError(RuntimeError):
@@ -169,23 +163,17 @@ class Ledger:
         *,
         pid: int,
         t: float,
-        mlx_active: int,
-        mlx_pool: int,
-        mlx_peak: int,
-        footprint: int,
-        usage: int,
-        gpu_bytes: int = 0,
+        memory: MemoryReading,
         running: int = 0,
         queued: int = 0,
         tokens: int = 0,
         phase: str = "ready",
-        cache_bytes: int = 0,
-        cache_releasable: int = 0,
     ) -> None:
         self._check(slot)
+        m = memory
         values = (
-            pid, t, mlx_active, mlx_pool, mlx_peak, footprint, usage,
-            gpu_bytes, running, queued, tokens, PHASES.index(phase), cache_bytes, cache_releasable,
+            pid, t, m.usage, m.footprint, m.mlx_active, m.mlx_pool, m.mlx_peak, m.cache_bytes,
+            m.cache_releasable, running, queued, tokens, PHASES.index(phase),
         )  # fmt: skip
         self._write(self._samples_at + slot * _SAMPLE_SLOT, _SAMPLE, values)
 
@@ -194,20 +182,21 @@ class Ledger:
         values = self._read(self._samples_at + slot * _SAMPLE_SLOT, _SAMPLE)
         if values is None or values[0] == 0:
             return None
-        (pid, t, active, pool, peak, footprint, usage, gpu, running, queued, tokens, phase,
-         cache_bytes, cache_releasable) = values
-        return LedgerSample(
-            pid=pid, t=t, mlx_active=active, mlx_pool=pool, mlx_peak=peak,
-            footprint=footprint, usage=usage, gpu_bytes=gpu, running=running,
-            queued=queued, tokens=tokens,
-            phase=PHASES[phase] if 0 <= phase < len(PHASES) else "empty",
+        (pid, t, usage, footprint, active, pool, peak, cache_bytes, cache_releasable,
+         running, queued, tokens, phase) = values  # fmt: skip
+        memory = MemoryReading(
+            usage=usage, footprint=footprint, mlx_active=active, mlx_pool=pool, mlx_peak=peak,
             cache_bytes=cache_bytes, cache_releasable=cache_releasable,
-        )  # fmt: skip
+        )
+        return LedgerSample(
+            pid=pid, t=t, memory=memory, running=running, queued=queued, tokens=tokens,
+            phase=PHASES[phase] if 0 <= phase < len(PHASES) else "empty",
+        )
 
     def clear_slot(self, slot: int) -> None:
         """Forget a stopped worker's sample (and limits), so no sum counts it."""
         self._check(slot)
-        zero = (0,) * 14
+        zero = (0,) * len(_SAMPLE.format.lstrip("<"))
         self._write(self._samples_at + slot * _SAMPLE_SLOT, _SAMPLE, zero[:1] + (0.0,) + zero[2:])
         self.write_limits(slot, Limits())
 
@@ -262,7 +251,7 @@ class Ledger:
                 continue
             values = self._read(off, _SAMPLE)
             if values is not None and values[0] != 0:
-                total += values[6]  # usage
+                total += values[2]  # MemoryReading.usage
         return total
 
 

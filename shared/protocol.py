@@ -23,6 +23,7 @@ from typing import Any, Literal, Union
 import msgspec
 
 from shared.limits import Limits
+from shared.memory import MemoryReading
 
 PROTOCOL_VERSION = 1
 
@@ -334,25 +335,20 @@ CommandMsg = Union[SetLimits, Reclaim, ShrinkCache, AbortRequests, Generate, Mem
 
 
 class Sample(Msg, tag="sample", kw_only=True):
-    """One memory sample of a worker (SPEC U1); also published as `sample`."""
+    """One memory reading of a worker (SPEC U1, H2) with its load; also published as `sample`.
+
+    `memory` is the very struct the worker wrote into its ledger slot.
+    """
 
     worker_id: str
     model_id: str
     pid: int
     seq: int
     t: float  # time.monotonic() in the worker: shared clock on Linux and macOS
-    mlx_active: int
-    mlx_pool: int
-    mlx_peak: int
-    footprint: int
-    usage: int
-    gpu_bytes: int = 0
+    memory: MemoryReading
     running: int = 0
     queued: int = 0
     tokens: int = 0
-    # H2/H3: prompt-cache bytes held (measured) and the part no request uses.
-    cache_bytes: int = 0
-    cache_releasable: int = 0
     # Why it was sent now: "tick" (steady rate), "watermark" (crossed one) or
     # "shrink" (a ShrinkCache was just obeyed, H3).
     why: str = "tick"

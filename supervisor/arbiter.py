@@ -33,6 +33,7 @@ from typing_extensions import assert_never
 
 from shared import protocol as p
 from shared.ledger import Ledger
+from shared.memory import NO_READING
 from shared.modelinfo import context_length
 from shared.sizes import format_size
 from shared.states import LOADING_STATES
@@ -262,7 +263,7 @@ class Arbiter:
                 assert_never(ev)
         handle = ev.handle
         self.emit(kind, reason, worker_id=handle.worker_id, model_id=handle.model_id,
-                  usage=handle.sample.usage if handle.sample else 0)
+                  usage=handle.sample.memory.usage if handle.sample else 0)
         if isinstance(ev, Exited) and (not ev.expected or handle.stop_cause == "load_abort"):
             self.on_crash(handle)  # a pinned model whose load pressure aborted comes back too
 
@@ -495,6 +496,7 @@ class Arbiter:
         view = self.pool.model_view(m.id)
         handle = self.pool.worker_for(m.id)
         sample = handle.sample if handle is not None else None
+        memory = sample.memory if sample else NO_READING
         idle = now - handle.last_access if handle is not None and not handle.requests else 0.0
         own = handle.model.ttl if handle is not None else m.ttl  # issue 13: keep_alive sets the handle's
         ttl = own if own is not None else (self.config.supervisor.idle_timeout or None)
@@ -504,8 +506,8 @@ class Arbiter:
         return ModelInfo(
             id=m.id, path=m.path, pinned=m.pinned, state=view.state, worker=view.worker, pid=view.pid,
             failed_reason=view.reason, aliases=list(m.aliases), estimated_bytes=self._estimate(m),
-            usage=sample.usage if sample else 0, mlx_active=sample.mlx_active if sample else 0,
-            mlx_pool=sample.mlx_pool if sample else 0, cache_bytes=sample.cache_bytes if sample else 0,
+            usage=memory.usage, mlx_active=memory.mlx_active, mlx_pool=memory.mlx_pool,
+            cache_bytes=memory.cache_bytes,
             idle_seconds=idle, ttl=ttl, expires_in=expires,
             restarts=len(self.pool.restarts.get(m.id, ())),
         )
@@ -707,7 +709,7 @@ def returned(handle: WorkerHandle) -> str:
     The ledger slot is cleared at exit, so the group's usage no longer counts
     it; a pid that is still there (a zombie not reaped, or a process that
     ignored its kill) is said, because the OS has not taken its memory back."""
-    usage = handle.sample.usage if handle.sample is not None else 0
+    usage = handle.sample.memory.usage if handle.sample is not None else 0
     if pid_alive(handle.pid):
         return f"pid {handle.pid} is STILL PRESENT: its {format_size(usage)} may not have come back"
     return f"returned {format_size(usage)} (pid {handle.pid} gone)"

@@ -26,6 +26,7 @@ from typing_extensions import assert_never
 from shared import probe
 from shared import protocol as p
 from shared.ledger import Ledger
+from shared.memory import NO_READING
 from shared.sizes import MAX_SIZE, format_size
 from shared.weights import WeightsError, estimate_weight_bytes, kv_bytes_per_token
 from supervisor.config import ModelConfig, guard_settings
@@ -88,17 +89,15 @@ class Enforcer:
 
     def _record(self, h: WorkerHandle) -> WorkerRecord:
         s = h.sample
-        gpu = probe.gpu_share_of_usage(h.device_info, s.mlx_active, s.mlx_pool) if s and h.device_info else 0
+        memory = s.memory if s else NO_READING
+        gpu = probe.gpu_share_of_usage(h.device_info, memory.mlx_active, memory.mlx_pool) if h.device_info else 0
         return WorkerRecord(
             worker=h.worker_id, model=h.model_id, state=h.state, pid=h.pid, pinned=h.pinned,
             marked_for_unload=h.marked_for_unload, last_access=h.last_access,
             running=max(s.running if s else 0, len(h.requests)), queued=s.queued if s else 0,
-            usage=s.usage if s else 0, footprint=s.footprint if s else 0,
-            mlx_active=s.mlx_active if s else 0, mlx_pool=s.mlx_pool if s else 0, gpu_bytes=gpu,
+            memory=memory, gpu_bytes=gpu,
             max_concurrency=h.model.max_concurrency, concurrency=h.concurrency, ttl=h.model.ttl,
             restarts=len(self.pool.restarts.get(h.model_id, ())),
-            hot_cache_used=s.cache_bytes if s else 0,  # H2: measured by the worker
-            hot_cache_releasable=s.cache_releasable if s else 0,
         )
 
     # -- the tick ---------------------------------------------------------------
@@ -311,7 +310,7 @@ class Enforcer:
             h = self.pool.handles.get(worker_id)
             if h is not None:
                 self.emit("evict", (f"prefill of {request_id} on {handle.model_id} is {format_size(need_bytes)} "
-                                    f"short of its limit; stop idle {h.model_id} ({format_size(h.sample.usage if h.sample else 0)})"),
+                                    f"short of its limit; stop idle {h.model_id} ({format_size(h.sample.memory.usage if h.sample else 0)})"),
                           worker_id=h.worker_id, model_id=h.model_id)
                 await self.pool.stop(h, f"evicted for a prefill on {handle.model_id}", cause="evict")
         if handle.live:

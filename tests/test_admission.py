@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from records import record
 
 from shared.host import HostCounters
 from shared.sizes import GiB, MiB
@@ -21,7 +22,7 @@ HOST = HostCounters(total=64 * GiB)
 def w(name: str, gib: float, **kw) -> WorkerRecord:
     size = int(gib * GiB)
     kw.setdefault("model", f"m-{name}")
-    return WorkerRecord(worker=name, usage=size, footprint=size, **kw)
+    return record(worker=name, usage=size, footprint=size, **kw)
 
 
 def snap(*workers: WorkerRecord, guard: GuardSettings = GUARD, host=HOST, **kw) -> Snapshot:

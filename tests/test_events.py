@@ -16,6 +16,7 @@ import pytest
 from test_http_harness import LiveServer, front_door_errors, make_config, non_loopback_address
 
 from shared import protocol as p
+from shared.memory import MemoryReading
 from supervisor import fanout
 from supervisor.fanout import Hub
 
@@ -23,8 +24,7 @@ TOKEN = "dash-admin-token"
 
 
 def sample(seq: int, worker: str = "m#1") -> p.Sample:
-    return p.Sample(worker_id=worker, model_id="m", pid=1, seq=seq, t=float(seq), mlx_active=0, mlx_pool=0,
-                    mlx_peak=0, footprint=10, usage=10 + seq)
+    return p.Sample(worker_id=worker, model_id="m", pid=1, seq=seq, t=float(seq), memory=MemoryReading(footprint=10, usage=10 + seq))
 
 
 def event(kind: str, reason: str = "why") -> p.GuardEvent:

@@ -176,6 +176,6 @@ def test_real_gguf_a2_estimate_matches_measured_memory_and_the_import_is_reused(
     handle = server.run(reload(), timeout=300)
     assert handle.live, "the worker exited before its first sample"
     assert handle.weight_bytes == estimate
-    assert estimate <= handle.sample.mlx_active <= estimate * 1.1, (estimate, handle.sample.mlx_active)
+    assert estimate <= handle.sample.memory.mlx_active <= estimate * 1.1, (estimate, handle.sample.memory.mlx_active)
     kinds = [e.kind for e in arbiter.events if e.model_id == "smol"]
     assert kinds.count("import") == 1  # the cached folder served the second load

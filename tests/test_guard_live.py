@@ -57,10 +57,11 @@ def test_u1_a_workers_sample_on_the_wire_counts_its_pool(tiny_models, runtime_di
                 arb.wake()
                 await asyncio.sleep(0.1)
                 s = arb.ledger.read_sample(handle.slot)
-                if s is not None and s.mlx_pool > 0:
+                if s is not None and s.memory.mlx_pool > 0:
                     break
-            assert s is not None and s.mlx_pool > 0
-            assert s.usage == max(s.mlx_active, s.footprint) and s.usage >= s.mlx_pool
+            assert s is not None and s.memory.mlx_pool > 0
+            m = s.memory
+            assert m.usage == max(m.mlx_active, m.footprint) and m.usage >= m.mlx_pool
 
     asyncio.run(main())
 

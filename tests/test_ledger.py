@@ -1,21 +1,23 @@
 """The shared-memory ledger (DESIGN.md "Shared-memory ledger")."""
 
+import msgspec
 import multiprocess as mp
 import pytest
 
 from shared.ledger import LAYOUT_VERSION, Ledger, LedgerError
 from shared.limits import Limits
+from shared.memory import MemoryReading
 
 
 def test_sample_round_trip_and_empty_slots(tmp_path):
     led = Ledger.create(tmp_path / "ledger", 4)
     assert led.read_sample(0) is None
-    led.write_sample(2, pid=42, t=1.5, mlx_active=10, mlx_pool=3, mlx_peak=20, footprint=30,
-                     usage=27, gpu_bytes=0, running=1, queued=2, tokens=9, phase="busy",
-                     cache_bytes=11, cache_releasable=7)
+    reading = MemoryReading(usage=27, footprint=30, mlx_active=10, mlx_pool=3, mlx_peak=20,
+                            cache_bytes=11, cache_releasable=7)
+    led.write_sample(2, pid=42, t=1.5, memory=reading, running=1, queued=2, tokens=9, phase="busy")
     s = led.read_sample(2)
-    assert (s.pid, s.usage, s.running, s.queued, s.tokens, s.phase) == (42, 27, 1, 2, 9, "busy")
-    assert (s.cache_bytes, s.cache_releasable) == (11, 7)  # H2/H3
+    assert s.memory == reading  # the worker's reading comes back whole, cache bytes too (H2/H3)
+    assert (s.pid, s.running, s.queued, s.tokens, s.phase) == (42, 1, 2, 9, "busy")
     other = Ledger.attach(tmp_path / "ledger")
     assert other.read_sample(2) == s
     led.clear_slot(2)
@@ -39,8 +41,7 @@ def test_u2_group_usage_sums_supervisor_and_live_slots(tmp_path):
     led = Ledger.create(tmp_path / "ledger", 3)
     led.write_supervisor(100, 0.0)
     for slot, usage in ((0, 1000), (2, 20)):
-        led.write_sample(slot, pid=1 + slot, t=0.0, mlx_active=0, mlx_pool=0, mlx_peak=0,
-                         footprint=usage, usage=usage)
+        led.write_sample(slot, pid=1 + slot, t=0.0, memory=MemoryReading(footprint=usage, usage=usage))
     assert led.group_usage() == 1120
 
 
@@ -58,8 +59,9 @@ def test_attach_refuses_foreign_or_short_files(tmp_path):
 def _hammer(path, n):
     led = Ledger.attach(path)
     for i in range(1, n + 1):
-        led.write_sample(0, pid=i, t=float(i), mlx_active=i, mlx_pool=i, mlx_peak=i, footprint=i,
-                         usage=i, gpu_bytes=i, running=i, queued=i, tokens=i)
+        memory = MemoryReading(usage=i, footprint=i, mlx_active=i, mlx_pool=i, mlx_peak=i, cache_bytes=i,
+                               cache_releasable=i)
+        led.write_sample(0, pid=i, t=float(i), memory=memory, running=i, queued=i, tokens=i)
 
 
 def test_reader_never_sees_a_torn_sample_while_another_process_writes(tmp_path):
@@ -73,8 +75,7 @@ def test_reader_never_sees_a_torn_sample_while_another_process_writes(tmp_path):
         s = led.read_sample(0)
         if s is None:
             continue
-        fields = {s.pid, s.mlx_active, s.mlx_pool, s.mlx_peak, s.footprint, s.usage,
-                  s.gpu_bytes, s.running, s.queued, s.tokens, int(s.t)}
+        fields = {s.pid, *msgspec.structs.astuple(s.memory), s.running, s.queued, s.tokens, int(s.t)}
         assert len(fields) == 1, s
         assert s.pid >= last  # values only move forward
         last = s.pid

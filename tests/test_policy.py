@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from records import record
 
 from shared.host import HostCounters
 from shared.sizes import GiB
@@ -27,7 +28,7 @@ def w(name: str, gib: float = 1.0, **kw) -> WorkerRecord:
     size = int(gib * GiB)
     kw.setdefault("model", f"m-{name}")
     kw.setdefault("footprint", size)
-    return WorkerRecord(worker=name, usage=size, **kw)
+    return record(worker=name, usage=size, **kw)
 
 
 def busy(name: str, gib: float = 1.0, **kw) -> WorkerRecord:
@@ -199,8 +200,8 @@ def test_p5_hard_shrinks_hot_cache_lru_then_reclaims_and_stops_if_enough():
     follows, the bytes never left the process, usage did not drop, and the old
     enforcer concluded "nothing to evict" and livelocked until restart."""
     # 9.5 GiB, soft 8: need 1.5 GiB; "old" releases 1, "new" the rest.
-    old = busy("old", 5.0, last_access=10, hot_cache_used=2 * GiB, hot_cache_releasable=GiB)
-    new = busy("new", 4.5, last_access=20, hot_cache_used=2 * GiB, hot_cache_releasable=2 * GiB)
+    old = busy("old", 5.0, last_access=10, cache_bytes=2 * GiB, cache_releasable=GiB)
+    new = busy("new", 4.5, last_access=20, cache_bytes=2 * GiB, cache_releasable=2 * GiB)
     r = tick(snap(old, new))
     shrinks = of(r, d.ShrinkHotCache)
     assert [(x.worker, x.target_bytes) for x in shrinks] == [("old", GiB), ("new", int(1.5 * GiB))]
@@ -212,14 +213,14 @@ def test_p5_hard_shrinks_hot_cache_lru_then_reclaims_and_stops_if_enough():
 def test_p5_never_asks_for_blocks_requests_use_then_evicts():
     """Protected blocks cannot be freed; projecting them as freed would leave
     the guard waiting on memory that never comes back (livelock)."""
-    a = busy("a", 5.0, hot_cache_used=3 * GiB, hot_cache_releasable=0)
+    a = busy("a", 5.0, cache_bytes=3 * GiB, cache_releasable=0)
     r = tick(snap(a, w("idle", 4.5)))
     assert not of(r, d.ShrinkHotCache)
     assert ("stop", "idle") in acts(r)
 
 
 def test_p5_not_at_soft():
-    r = tick(snap(busy("a", 8.5, hot_cache_used=GiB, hot_cache_releasable=GiB)))
+    r = tick(snap(busy("a", 8.5, cache_bytes=GiB, cache_releasable=GiB)))
     assert r.level == "soft" and not of(r, d.ShrinkHotCache)
 
 
@@ -517,7 +518,7 @@ def test_p5_then_p6_6_asks_a_shrunk_worker_to_reclaim_once():
     """A pinned idle worker whose prompt cache P5 shrinks is asked to reclaim at its
     next step boundary; P6 step 6 must not add a second, idle-time reclaim for it
     (found by the property test `test_decisions_only_name_live_workers_once_per_kind`)."""
-    pinned = w("w0", 9.5, pinned=True, hot_cache_used=GiB // 4, hot_cache_releasable=GiB // 4)
+    pinned = w("w0", 9.5, pinned=True, cache_bytes=GiB // 4, cache_releasable=GiB // 4)
     r = tick(snap(pinned))
     assert r.level == "hard"
     kinds = [type(x) for x in r.decisions if getattr(x, "worker", None) == "w0"]

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.host import HostCounters
+from shared.memory import MemoryReading
 from shared.sizes import GiB
 from supervisor.policy import decisions as d
 from supervisor.policy.ceilings import compute_ceilings
@@ -41,11 +42,14 @@ def worker_lists(draw) -> list[WorkerRecord]:
             last_access=float(draw(st.integers(0, 100))),
             running=draw(st.integers(0, 2)) if serving else 0,
             queued=draw(st.integers(0, 1)) if serving else 0,
-            usage=usage, footprint=usage + draw(st.integers(0, 4)) * QUARTER,
-            mlx_pool=draw(st.integers(0, 16)) * QUARTER, gpu_bytes=draw(st.integers(0, 2)) * QUARTER,
+            memory=MemoryReading(
+                usage=usage, footprint=usage + draw(st.integers(0, 4)) * QUARTER,
+                mlx_pool=draw(st.integers(0, 16)) * QUARTER, cache_bytes=cached,
+                cache_releasable=draw(st.integers(0, 8)) * QUARTER if cached else 0,
+            ),
+            gpu_bytes=draw(st.integers(0, 2)) * QUARTER,
             max_concurrency=draw(st.integers(1, 4)), concurrency=draw(st.integers(0, 4)),
-            ttl=draw(st.none() | st.floats(0, 200)), hot_cache_used=cached,
-            hot_cache_releasable=draw(st.integers(0, 8)) * QUARTER if cached else 0,
+            ttl=draw(st.none() | st.floats(0, 200)),
         ))
     return out
 
@@ -125,7 +129,7 @@ def test_p6_eviction_stops_as_soon_as_projected_usage_is_at_or_below_soft(s):
     for x in r.decisions:
         if isinstance(x, d.ShrinkHotCache):
             record = next(w for w in s.workers if w.worker == x.worker)
-            projected -= record.hot_cache_used - x.target_bytes
+            projected -= record.memory.cache_bytes - x.target_bytes
         elif isinstance(x, d.Stop):
             if x.worker not in marked:  # P6.3: a marked worker goes once drained, whatever the level
                 assert projected > r.ceilings.soft

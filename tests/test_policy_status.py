@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from shared.host import HostCounters
+from shared.memory import MemoryReading
 from shared.sizes import GiB, MiB
 from supervisor.policy.pressure import tick
 from supervisor.policy.snapshot import GuardSettings, Snapshot, WorkerRecord
@@ -22,8 +23,8 @@ S1_WORKER_FIELDS = {"model", "pid", "state", "pinned", "last_access", "usage", "
 
 def _snap(**kw) -> Snapshot:
     worker = WorkerRecord(worker="w1", model="small", pid=42, state="busy", pinned=True,
-                          last_access=990.0, running=1, usage=6 * GiB, footprint=6 * GiB,
-                          mlx_active=5 * GiB, mlx_pool=GiB, restarts=2, concurrency=2)
+                          last_access=990.0, running=1, memory=MemoryReading(usage=6 * GiB, footprint=6 * GiB, mlx_active=5 * GiB, mlx_pool=GiB),
+                          restarts=2, concurrency=2)
     guard = GuardSettings(tier="custom", custom_ceiling=10 * GiB, hot_cache_max=GiB)
     kw.setdefault("guard", guard)
     return Snapshot(now=1000.0, host=HostCounters(total=64 * GiB), supervisor_footprint=GiB,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from shared.host import HostCounters
+from shared.memory import MemoryReading
 from shared.sizes import GiB, MiB
 from supervisor.config import guard_settings, parse_config
 from supervisor.http.openai_types import PromptTokensDetails, Usage
@@ -19,8 +20,8 @@ HOST = HostCounters(total=64 * GiB)
 
 
 def worker(name: str, cached: int = 0) -> WorkerRecord:
-    return WorkerRecord(worker=name, model=f"m-{name}", pid=100 + len(name), usage=GiB, footprint=GiB,
-                        hot_cache_used=cached, hot_cache_releasable=cached)
+    return WorkerRecord(worker=name, model=f"m-{name}", pid=100 + len(name), memory=MemoryReading(usage=GiB, footprint=GiB, cache_bytes=cached,
+                                                                        cache_releasable=cached))
 
 
 def caps(result) -> dict[str, int]:
@@ -76,8 +77,7 @@ def test_h1_usage_reports_cached_prompt_tokens_as_openai_does():
 def test_p4_the_pool_threshold_is_pool_max():
     """M1 gives MLX `pool_max` as its cache limit; P4 must call the same pool fat."""
     guard = msgspec.structs.replace(GUARD, pool_max=GiB)
-    fat = WorkerRecord(worker="a", model="m-a", pid=1, state="busy", running=1, usage=int(8.5 * GiB),
-                       footprint=int(8.5 * GiB), mlx_pool=int(1.5 * GiB))
+    fat = WorkerRecord(worker="a", model="m-a", pid=1, state="busy", running=1, memory=MemoryReading(usage=int(8.5 * GiB), footprint=int(8.5 * GiB), mlx_pool=int(1.5 * GiB)))
     result = tick(Snapshot(now=1.0, guard=guard, host=HOST, workers=[fat]))
     assert result.level == "soft" and [x.worker for x in result.decisions if isinstance(x, d.Reclaim)] == ["a"]
     result = tick(Snapshot(now=1.0, guard=GUARD, host=HOST, workers=[fat]))  # 2 GiB: not fat
@@ -109,8 +109,7 @@ def test_h2_watch_shows_each_cache_and_the_group_total_against_the_budget():
                            gpu_cap=0, binding="static", soft_bytes=9 * GiB, hard_bytes=9 * GiB, reserve=0,
                            hot_cache_max=GiB, hot_cache_reserved=600 * MiB))
     for name, cached in (("a#1", 100 * MiB), ("b#1", 50 * MiB)):
-        view.take(p.Sample(worker_id=name, model_id=name[0], pid=1, seq=1, t=0.0, mlx_active=0, mlx_pool=0,
-                           mlx_peak=0, footprint=0, usage=GiB, cache_bytes=cached))
+        view.take(p.Sample(worker_id=name, model_id=name[0], pid=1, seq=1, t=0.0, memory=MemoryReading(usage=GiB, cache_bytes=cached)))
     console = Console(width=200, record=True)
     console.print(view.render())
     text = console.export_text()

@@ -42,16 +42,15 @@ def test_h2_h3_worker_samples_carry_cache_bytes_and_a_shrink_frees_them(tiny_mod
         sup.send(p.Generate(request_id="r2", prompt=LONG + " and one more question", max_tokens=4))
         second = sup.recv(p.Finished)
         assert first.cached_tokens == 0 and second.cached_tokens >= first.prompt_tokens - 1
-        held = sup.ledger.read_sample(0)
+        held = sup.ledger.read_sample(0).memory
         assert held.cache_bytes > 0 and held.cache_releasable == held.cache_bytes
-        active = held.mlx_active
         sup.send(p.ShrinkCache(target_bytes=0, reason="test"))
         sup.recv(p.Reclaimed)
-        shrunk = next(s for s in _samples(sup) if s.why == "shrink")
+        shrunk = next(s for s in _samples(sup) if s.why == "shrink").memory
         assert shrunk.cache_bytes == 0 and shrunk.cache_releasable == 0
         # real bytes: MLX holds less by at least most of what the cache held
-        assert active - shrunk.mlx_active >= held.cache_bytes * 0.9
-        assert sup.ledger.read_sample(0).cache_bytes == 0
+        assert held.mlx_active - shrunk.mlx_active >= held.cache_bytes * 0.9
+        assert sup.ledger.read_sample(0).memory.cache_bytes == 0
         sup.send(p.Drain(reason="test over"))
         sup.proc.join(20)
 
@@ -69,14 +68,14 @@ def test_p5_hard_pressure_shrinks_the_prompt_cache_before_any_abort(tiny_models,
                                                             max_tokens=4))
                 _, end = await collect(stream)
                 assert isinstance(end, p.Finished)
-            await until(lambda: handle.sample is not None and handle.sample.cache_bytes > 0, what="cache")
-            held, active = handle.sample.cache_bytes, handle.sample.mlx_active
+            await until(lambda: handle.sample is not None and handle.sample.memory.cache_bytes > 0, what="cache")
+            held, active = handle.sample.memory.cache_bytes, handle.sample.memory.mlx_active
             arb.wake()
             await asyncio.sleep(0.3)
             # Custom tier: soft 0.90, hard 0.97 of the ceiling; usage sits at 0.975 of it.
             ceiling = int(arb.enforcer.last.usage / 0.975)
             arb.enforcer.update_guard(p.GuardUpdate(tier="custom", custom_ceiling=ceiling))
-            await until(lambda: handle.sample.cache_bytes == 0, what="the cache shrunk")
+            await until(lambda: handle.sample.memory.cache_bytes == 0, what="the cache shrunk")
             kinds = [e.kind for e in arb.events]
             assert "shrink_cache" in kinds
             shrink = kinds.index("shrink_cache")
@@ -84,7 +83,7 @@ def test_p5_hard_pressure_shrinks_the_prompt_cache_before_any_abort(tiny_models,
             event = arb.events[shrink]
             assert event.model_id == "a" and "prompt cache" in event.reason
             assert held > 0 and handle.state in ("ready", "busy")
-            assert active - handle.sample.mlx_active >= held * 0.9  # real bytes left MLX
+            assert active - handle.sample.memory.mlx_active >= held * 0.9  # real bytes left MLX
             arb.enforcer.update_guard(p.GuardUpdate(enabled=False))
 
     asyncio.run(main())
@@ -111,7 +110,7 @@ def test_h1_openai_usage_reports_cached_tokens_and_metrics_show_the_cache(tiny_m
             assert first.usage.prompt_tokens - 4 <= cached < second.usage.prompt_tokens
             async with server.client() as c:
                 await until(lambda: server.arbiter.pool.handles and all(
-                    h.sample and h.sample.cache_bytes for h in server.arbiter.pool.handles.values()),
+                    h.sample and h.sample.memory.cache_bytes for h in server.arbiter.pool.handles.values()),
                     what="a sample with cache bytes")
                 text = (await c.get("/metrics")).text
                 status = (await c.get("/status")).json()["guard"]

@@ -5,6 +5,7 @@ import pytest
 
 from shared import protocol as p
 from shared.limits import Limits
+from shared.memory import MemoryReading
 
 
 @pytest.mark.parametrize(
@@ -15,8 +16,8 @@ from shared.limits import Limits
         (p.WorkerReply, p.Hello(worker_id="w1", model_id="m", pid=3, device_info={"device_name": "cpu"})),
         (p.WorkerReply, p.Failed(request_id="r", code="prefill_memory_exceeded", message="x",
                                  estimated_bytes=5, limit_bytes=4, binding="static")),
-        (p.WorkerReport, p.Sample(worker_id="w", model_id="m", pid=1, seq=2, t=0.5, mlx_active=1,
-                                  mlx_pool=2, mlx_peak=3, footprint=4, usage=4)),
+        (p.WorkerReport, p.Sample(worker_id="w", model_id="m", pid=1, seq=2, t=0.5, memory=MemoryReading(usage=4, footprint=4, mlx_active=1, mlx_pool=2,
+                                                                          mlx_peak=3))),
         (p.Published, p.GuardEvent(t=1.0, kind="evict", reason="soft pressure")),
         (p.ControlRequest, p.GuardUpdate(tier="safe")),
         (p.ControlReply, p.ControlError(code="not_found", message="no model x", http_status=404)),

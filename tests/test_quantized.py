@@ -126,4 +126,4 @@ def test_quantized_model_serves_token_identical_to_mlx_lm_and_status_matches_est
     estimate = estimate_weight_bytes(path)
     assert completion.choices[0].text == expected
     assert handle.weight_bytes == estimate
-    assert estimate <= handle.sample.mlx_active <= estimate * 1.5 + 4 * MiB
+    assert estimate <= handle.sample.memory.mlx_active <= estimate * 1.5 + 4 * MiB

@@ -58,7 +58,7 @@ def test_replay_bad_lines_are_reported_with_their_number_and_the_rest_replays(ca
     assert code == 1
     assert [t["line"] for t in ticks] == [1, 2, 6]  # line 3 is blank, 4 and 5 are bad
     assert f"{BAD}:4: not a policy snapshot: JSON is malformed" in err
-    assert f"{BAD}:5: not a policy snapshot: Expected `int`, got `str` - at `$.workers[1].usage`" in err
+    assert f"{BAD}:5: not a policy snapshot: Expected `int`, got `str` - at `$.workers[1].memory.usage`" in err
     assert "2 bad line(s) skipped" in err
     assert "Traceback" not in err
 

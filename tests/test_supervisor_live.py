@@ -116,7 +116,7 @@ def test_subscriber_receives_ceiling_sample_and_status_messages(tiny_models, run
             assert isinstance(seen.get("ceiling"), p.CeilingMsg), seen
             assert seen["ceiling"].ceiling > 0
             sample = seen.get("sample")
-            assert isinstance(sample, p.Sample) and sample.model_id == "a" and sample.footprint > 0
+            assert isinstance(sample, p.Sample) and sample.model_id == "a" and sample.memory.footprint > 0
             status = seen.get("status")
             assert isinstance(status, p.StatusMsg)
             decoded = msgspec.json.decode(status.status, type=ServerStatus)
@@ -202,7 +202,7 @@ def test_custom_ceiling_below_two_models_stops_the_idle_lru_one(tiny_models, run
             # A soft watermark (0.90 of the custom ceiling) half a model below usage:
             # stopping one idle model is enough, whatever the supervisor's own footprint
             # (in a long test session this process holds hundreds of MiB).
-            ceiling = int((usage - min(a.sample.usage, b.sample.usage) // 2) / 0.90)
+            ceiling = int((usage - min(a.sample.memory.usage, b.sample.memory.usage) // 2) / 0.90)
             arb.enforcer.update_guard(p.GuardUpdate(tier="custom", custom_ceiling=ceiling))
             await until(lambda: a.state in ("draining", "stopped"), what="LRU model a evicted")
             assert b.state in ("ready", "busy")

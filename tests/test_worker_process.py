@@ -127,7 +127,7 @@ def test_drain_finishes_a_request_that_waits_for_memory_before_the_worker_exits(
 
     with FakeSupervisor(tmp_path, tiny_model, "w#3") as sup:
         sup.recv(p.Loaded)
-        own = sup.ledger.read_sample(0).usage
+        own = sup.ledger.read_sample(0).memory.usage
         # Room for this worker's prefill, but not beside 2 GiB of "other models": G1 asks to evict.
         sup.ledger.write_limits(0, Limits(hard_limit=own + GiB, soft_limit=own + GiB, hard_watermark=own + GiB,
                                           max_concurrency=4))

@@ -26,6 +26,7 @@ from typing_extensions import assert_never
 from shared import protocol as p
 from shared.ledger import Ledger
 from shared.limits import Limits
+from shared.memory import NO_READING
 from worker.heartbeat import Heartbeat, StepClock
 
 log = logging.getLogger("memvisor.worker")
@@ -107,6 +108,7 @@ class Worker:
         self.send_now = ""     # a reason to publish the next sample at once ("shrink")
         self.seq = 0
         self.last_sent = 0.0
+        self._last = NO_READING  # the latest reading, sent as is in the next Sample
         self.last_level = 0
         self.phase = "starting"
         # issue 16: the heartbeat thread reports the step loop's progress
@@ -329,22 +331,23 @@ class Worker:
         """SPEC U2 seen from here: fresh own usage + the others' latest samples."""
         s = self.sampler.sample()
         mine = self.ledger.read_sample(self.spec.slot)
-        others = self.ledger.group_usage() - (mine.usage if mine else 0)
+        others = self.ledger.group_usage() - (mine.memory.usage if mine else 0)
         return others + s.usage
 
     def write_sample(self, now: float) -> int:
-        s = self.sampler.sample()
+        """Measure once (U1, H2) and put the reading where the supervisor reads it."""
         engine = self.engine
+        if engine is None:
+            s = self.sampler.sample()
+        else:
+            s = self.sampler.sample(engine.cache_bytes, engine.cache_releasable)
         running = engine.running if engine else 0
         queued = engine.queued if engine else 0
         if self.phase in ("ready", "busy"):
             self.phase = "busy" if running else "ready"
         self.ledger.write_sample(
-            self.spec.slot, pid=os.getpid(), t=now, mlx_active=s.mlx_active, mlx_pool=s.mlx_pool,
-            mlx_peak=s.mlx_peak, footprint=s.footprint, usage=s.usage, running=running, queued=queued,
+            self.spec.slot, pid=os.getpid(), t=now, memory=s, running=running, queued=queued,
             tokens=engine.tokens_total if engine else 0, phase=self.phase,
-            cache_bytes=engine.cache_bytes if engine else 0,
-            cache_releasable=engine.cache_releasable if engine else 0,
         )
         self._last = s
         return s.usage
@@ -363,15 +366,11 @@ class Worker:
             return
         self.last_sent = now
         self.seq += 1
-        s = self._last
         engine = self.engine
         self._push(p.Sample(
             worker_id=self.spec.worker_id, model_id=self.spec.model_id, pid=os.getpid(), seq=self.seq, t=now,
-            mlx_active=s.mlx_active, mlx_pool=s.mlx_pool, mlx_peak=s.mlx_peak, footprint=s.footprint,
-            usage=usage, running=engine.running if engine else 0, queued=engine.queued if engine else 0,
+            memory=self._last, running=engine.running if engine else 0, queued=engine.queued if engine else 0,
             tokens=engine.tokens_total if engine else 0, why=why,
-            cache_bytes=engine.cache_bytes if engine else 0,
-            cache_releasable=engine.cache_releasable if engine else 0,
         ))
 
     def close(self) -> None:

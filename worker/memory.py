@@ -22,20 +22,9 @@ from __future__ import annotations
 import os
 
 import mlx.core as mx
-import msgspec
 
+from shared.memory import MemoryReading
 from shared.probe import footprint
-
-
-class MemorySample(msgspec.Struct, frozen=True):
-    """One reading of this process (bytes)."""
-
-    mlx_active: int  # MLX arrays alive now
-    mlx_pool: int    # MLX allocator cache not yet returned to the OS
-    mlx_peak: int    # MLX peak active since the process started
-    footprint: int   # process footprint; 0 when unreadable
-    usage: int       # U1: max(mlx_active, footprint), the pool included
-
 
 _peak_before_reset = 0
 
@@ -51,13 +40,16 @@ def reset_peak() -> None:
     mx.reset_peak_memory()
 
 
-def sample(pid: int | None = None) -> MemorySample:
-    """Read MLX's counters and the process footprint (U1)."""
+def sample(pid: int | None = None, cache_bytes: int = 0, cache_releasable: int = 0) -> MemoryReading:
+    """Read MLX's counters and the process footprint (U1); the caller knows its cache (H2)."""
     active = mx.get_active_memory()
     pool = mx.get_cache_memory()
     peak = max(_peak_before_reset, mx.get_peak_memory())
     own = footprint(os.getpid() if pid is None else pid) or 0
-    return MemorySample(active, pool, peak, own, u1_usage(active, own))
+    return MemoryReading(
+        usage=u1_usage(active, own), footprint=own, mlx_active=active, mlx_pool=pool, mlx_peak=peak,
+        cache_bytes=cache_bytes, cache_releasable=cache_releasable,
+    )
 
 
 def u1_usage(mlx_active: int, footprint: int) -> int:
@@ -89,8 +81,8 @@ class MemorySampler:
     def __init__(self, pid: int | None = None):
         self.pid = os.getpid() if pid is None else pid
 
-    def sample(self) -> MemorySample:
-        return sample(self.pid)
+    def sample(self, cache_bytes: int = 0, cache_releasable: int = 0) -> MemoryReading:
+        return sample(self.pid, cache_bytes, cache_releasable)
 
     def usage(self) -> int:
         return sample(self.pid).usage

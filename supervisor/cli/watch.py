@@ -109,7 +109,7 @@ class _View:
                 f"{'admission PAUSED  ' if pr.admission_paused else ''}tick {pr.interval:g}s"
             )
         if c is not None and c.hot_cache_max:  # H2: the group's caches against the budget
-            cached = sum(s.cache_bytes for s in self.samples.values())
+            cached = sum(s.memory.cache_bytes for s in self.samples.values())
             parts.append(f"prompt cache {format_size(cached)} / {format_size(c.hot_cache_max)} budget  "
                          f"reserved {format_size(c.hot_cache_reserved)}")
         if not parts:
@@ -117,8 +117,9 @@ class _View:
         workers = Table("worker", "pid", "usage", "mlx active", "pool", "cache", "running", "queued",
                         "tokens", title="workers", expand=False)
         for s in sorted(self.samples.values(), key=lambda s: s.worker_id):
-            workers.add_row(s.worker_id, str(s.pid), format_size(s.usage), format_size(s.mlx_active),
-                            format_size(s.mlx_pool), format_size(s.cache_bytes), str(s.running),
+            m = s.memory
+            workers.add_row(s.worker_id, str(s.pid), format_size(m.usage), format_size(m.mlx_active),
+                            format_size(m.mlx_pool), format_size(m.cache_bytes), str(s.running),
                             str(s.queued), str(s.tokens))
         events = Table("time", "event", "model", "reason", title="guard events", expand=False)
         for e in self.events:

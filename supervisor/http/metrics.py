@@ -22,6 +22,7 @@ import logging
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from shared.memory import NO_READING
 from supervisor.api import Supervisor
 
 log = logging.getLogger("memvisor.metrics")
@@ -149,13 +150,13 @@ class GuardCollector:
         total = 0
         for h in handles:
             key = [h.model_id, h.worker_id]
-            s = h.sample
-            usage.add_metric(key, s.usage if s else 0)
-            active.add_metric(key, s.mlx_active if s else 0)
-            pool.add_metric(key, s.mlx_pool if s else 0)
+            m = h.sample.memory if h.sample else NO_READING
+            usage.add_metric(key, m.usage)
+            active.add_metric(key, m.mlx_active)
+            pool.add_metric(key, m.mlx_pool)
             running.add_metric(key, len(h.requests))
-            cache.add_metric(key, s.cache_bytes if s else 0)
-            total += s.cache_bytes if s else 0
+            cache.add_metric(key, m.cache_bytes)
+            total += m.cache_bytes
         yield from (usage, active, pool, running, cache)
         yield GaugeMetricFamily("memvisor_prompt_cache_bytes", "All workers' prompt caches together "
                                 "(SPEC H2)", value=total)

@@ -122,7 +122,7 @@ class Lab:
     def worker_usage(self, model_id: str) -> int:
         h = self.arb.pool.worker_for(model_id)
         s = self.arb.ledger.read_sample(h.slot) if h is not None else None
-        return s.usage if s is not None else 0
+        return s.memory.usage if s is not None else 0
 
     def set_ceiling(self, ceiling: int, why: str = "") -> None:
         self.rec.note("ceiling", "", why or f"custom ceiling {ceiling // MiB} MiB")

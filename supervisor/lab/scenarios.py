@@ -146,7 +146,7 @@ async def pool_grace(lab: Lab) -> None:
     await asyncio.sleep(0.4)
     h = lab.arb.pool.worker_for("b")
     sample = lab.arb.ledger.read_sample(h.slot) if h is not None else None
-    pool = sample.mlx_pool if sample is not None else 0
+    pool = sample.memory.mlx_pool if sample is not None else 0
     lab.figures["pool_mib"] = pool / MiB
     u = await lab.usage()
     set_at = lab.rec.now()
@@ -160,7 +160,7 @@ async def pool_grace(lab: Lab) -> None:
     first_reclaim = next((m.t for m in acts if m.kind == "reclaim" and m.label == "b"), None)
     lab.figures["usage_drop_mib"] = (u - lab.last_usage()) / MiB
     lab.check("setup: b's pool above pool_max", pool > lab.arb.enforcer.settings.pool_max, f"{pool / MiB:.1f} MiB")
-    lab.check("U1 the pool counts as usage", sample is not None and sample.usage >= sample.footprint >= pool)
+    lab.check("U1 the pool counts as usage", sample is not None and sample.memory.usage >= sample.memory.footprint >= pool)
     # every worker with a pool over pool_max is asked (a's may be fat too: no M1 bound here)
     opening = [m for m in acts if m.t <= (first_reclaim or 0)]
     lab.check("P4 the first actions are reclaims, b's among them",

@@ -141,8 +141,8 @@ class Recorder:
             if s is None or s.pid != h.pid:
                 continue
             label = h.model_id if h.model_id not in workers else f"{h.model_id}#{h.worker_id}"
-            workers[label] = s.usage
-            total += s.usage
+            workers[label] = s.memory.usage
+            total += s.memory.usage
         c = last.ceilings
         point = Point(self.now(), total, workers, c.ceiling, c.soft, c.hard, last.level)
         points = self.timeline.points

@@ -45,9 +45,9 @@ class WorkerGroup:
                 continue
             live.append(w)
             usage += w.usage
-            own += w.footprint
+            own += w.memory.footprint
             own_gpu += w.gpu_bytes
-            hot_used += w.hot_cache_used
+            hot_used += w.memory.cache_bytes
             if state in _SERVING:
                 serving.append(w)
                 if w.running or w.queued:

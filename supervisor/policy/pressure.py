@@ -257,11 +257,11 @@ class _Tick:
         if self.prev.grace_ticks >= GRACE_TICKS_MAX:
             return False
         floor = self.pool_floor
-        fat = [w for w in self.g.live if w.mlx_pool > floor and w.state != "draining"]
+        fat = [w for w in self.g.live if w.memory.mlx_pool > floor and w.state != "draining"]
         used = self.prev.grace_ticks + (0 if self.s.recheck else 1)
         for w in fat:
             self.out.append(Reclaim(worker=w.worker, model=w.model, reason=(
-                f"{level} pressure: return the {format_size(w.mlx_pool)} allocator pool "
+                f"{level} pressure: return the {format_size(w.memory.mlx_pool)} allocator pool "
                 f"(grace {used}/{GRACE_TICKS_MAX}, nothing destroyed)")))
         return bool(fat)
 
@@ -275,12 +275,12 @@ class _Tick:
         need = self.projected - self.c.soft
         shrunk: set[str] = set()
         if need > 0:
-            for w in sorted((w for w in self.g.serving if w.hot_cache_releasable > 0), key=lru_key):
-                take = min(w.hot_cache_releasable, w.hot_cache_used, need)
+            for w in sorted((w for w in self.g.serving if w.memory.cache_releasable > 0), key=lru_key):
+                take = min(w.memory.cache_releasable, w.memory.cache_bytes, need)
                 if take <= 0:
                     continue
                 self.out.append(ShrinkHotCache(
-                    worker=w.worker, model=w.model, target_bytes=w.hot_cache_used - take,
+                    worker=w.worker, model=w.model, target_bytes=w.memory.cache_bytes - take,
                     reason=f"hard pressure: free {format_size(take)} of prompt cache"))
                 need -= take
                 self.projected -= take
@@ -290,7 +290,7 @@ class _Tick:
         if self.s.guard.pressure_reclaim_disabled:
             return
         for w in self.g.live:
-            if w.worker in shrunk or (w.mlx_pool > self.pool_floor and w.state != "draining"):
+            if w.worker in shrunk or (w.memory.mlx_pool > self.pool_floor and w.state != "draining"):
                 self.out.append(Reclaim(worker=w.worker, model=w.model,
                                         reason="hard pressure: return freed memory to the OS"))
 

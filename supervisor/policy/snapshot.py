@@ -21,6 +21,7 @@ import msgspec
 
 from shared.host import HostCounters
 from shared.limits import Limits
+from shared.memory import NO_READING, MemoryReading
 from shared.states import WorkerState
 
 # ---------------------------------------------------------------------------
@@ -57,14 +58,14 @@ class GuardSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, gc=False):
     """One worker process as the enforcer sees it this tick.
 
-    `usage` is U1, computed by the worker/enforcer: max(mlx_active, footprint -
-    mlx_pool). `footprint` is the process's private resident memory (USS on
-    Linux, phys_footprint on macOS). `last_access` is the monotonic time the
-    model last finished or started a request (the pool restarts it while busy,
-    P10). `concurrency` is the walked cap now applied (0 = not set yet: the
-    configured maximum). `hot_cache_releasable` is the part of the worker's
-    prompt/KV cache that no running or queued request uses (P5 never asks for
-    more). A worker id names one process: a respawn gets a new id or pid.
+    `memory` is the worker's own latest reading (U1's usage, the footprint,
+    MLX's counters, its prompt cache: `shared.memory.MemoryReading`), passed
+    through unchanged from its ledger slot. `gpu_bytes` is the part of usage
+    the unified-memory GPU holds (Metal; 0 elsewhere), worked out by the
+    enforcer. `last_access` is the monotonic time the model last finished or
+    started a request (the pool restarts it while busy, P10). `concurrency` is
+    the walked cap now applied (0 = not set yet: the configured maximum). A
+    worker id names one process: a respawn gets a new id or pid.
     """
 
     worker: str
@@ -76,17 +77,17 @@ class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     last_access: float = 0.0
     running: int = 0
     queued: int = 0
-    usage: int = 0
-    footprint: int = 0
-    mlx_active: int = 0
-    mlx_pool: int = 0
+    memory: MemoryReading = NO_READING
     gpu_bytes: int = 0
     max_concurrency: int = 4
     concurrency: int = 0
     ttl: float | None = None
-    hot_cache_used: int = 0
-    hot_cache_releasable: int = 0
     restarts: int = 0
+
+    @property
+    def usage(self) -> int:
+        """U1, the figure every rule compares (the reading's `usage`)."""
+        return self.memory.usage
 
 
 class PolicyState(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

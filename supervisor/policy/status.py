@@ -99,12 +99,12 @@ def build_status(snapshot: Snapshot, result: TickResult) -> GuardStatus:
         WorkerStatus(
             worker=w.worker, model=w.model, pid=w.pid, state=w.state, pinned=w.pinned,
             last_access=w.last_access, idle_seconds=max(0.0, now - w.last_access),
-            usage=w.usage, mlx_active=w.mlx_active, mlx_pool=w.mlx_pool,
-            footprint=w.footprint, running=w.running, queued=w.queued,
+            usage=w.usage, mlx_active=w.memory.mlx_active, mlx_pool=w.memory.mlx_pool,
+            footprint=w.memory.footprint, running=w.running, queued=w.queued,
             concurrency=w.concurrency if w.concurrency > 0 else w.max_concurrency,
             max_concurrency=w.max_concurrency, restarts=w.restarts,
             marked_for_unload=w.marked_for_unload,
-            cache_bytes=w.hot_cache_used, cache_releasable=w.hot_cache_releasable,
+            cache_bytes=w.memory.cache_bytes, cache_releasable=w.memory.cache_releasable,
         )
         for w in snapshot.workers
     ]

@@ -73,7 +73,7 @@ function onCeiling(m) {
 
 function samplesTotal() {
   let total = 0;
-  for (const s of S.latest.values()) total += s.usage;
+  for (const s of S.latest.values()) total += s.memory.usage;
   return total;
 }
 
@@ -91,7 +91,7 @@ function onSample(m) {
   const t = m.t + S.offset;
   S.latest.set(m.worker_id, m);
   if (!S.models.has(m.model_id)) S.models.set(m.model_id, []);
-  push(S.models.get(m.model_id), t, m.usage);
+  push(S.models.get(m.model_id), t, m.memory.usage);
   if (S.pressure) push(S.lines.group, t, S.own + samplesTotal());
   S.dirty = S.tablesDirty = true;
 }
@@ -196,8 +196,9 @@ function modelRows() {
   }
   for (const s of S.latest.values()) {
     const row = byId.get(s.model_id);
-    if (row && row.worker === s.worker_id) Object.assign(row, { usage: s.usage, active: s.mlx_active,
-      pool: s.mlx_pool, running: s.running, queued: s.queued, cache: s.cache_bytes ?? row.cache });
+    const m = s.memory;   // the worker's MemoryReading, as it wrote it into the ledger
+    if (row && row.worker === s.worker_id) Object.assign(row, { usage: m.usage, active: m.mlx_active,
+      pool: m.mlx_pool, running: s.running, queued: s.queued, cache: m.cache_bytes });
   }
   return [...byId.values()];
 }
