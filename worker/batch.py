@@ -31,6 +31,7 @@ engine samples it afterwards from the same logits and `place`s it.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
@@ -72,7 +73,7 @@ class DecodeBatch:
         else:
             for mine, theirs in zip(self.layers, incoming):
                 mine.extend(theirs)
-            self.y = mx.concatenate([self.y, y])
+            self.y = mx.concatenate([self._in_flight(), y])
         self.rows.extend(rows)
 
     def forward(self, model) -> tuple[mx.array, mx.array]:
@@ -83,7 +84,7 @@ class DecodeBatch:
         place. A row with `constraint` set is left to `place` (its mask needs
         the token this step reads).
         """
-        logits = model(self.y[:, None], cache=self.layers)[:, -1, :]
+        logits = model(self._in_flight()[:, None], cache=self.layers)[:, -1, :]
         following = mx.argmax(logits, axis=-1)
         own = [(i, row.sample(logits[i:i + 1])) for i, row in enumerate(self.rows)
                if row.sample is not self._greedy and getattr(row, "constraint", None) is None]
@@ -91,6 +92,16 @@ class DecodeBatch:
             following = self.place(following, own)
         mx.async_eval(following)
         return logits, following
+
+    def _in_flight(self) -> mx.array:
+        """`y`, which a batch with rows always has (None only while it is empty)."""
+        assert self.y is not None, "the batch has no rows"
+        return self.y
+
+    def tokens(self) -> list[int]:
+        """Every row's token in flight as ints, in one read (it waits for the step that sampled them)."""
+        # y is 1-D of integer ids, so tolist() is a list of ints (MLX types it as any nesting)
+        return cast(list[int], self._in_flight().tolist())
 
     @staticmethod
     def place(following: mx.array, drawn: list[tuple[int, mx.array]]) -> mx.array:

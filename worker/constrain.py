@@ -330,9 +330,9 @@ def _parse_schema(text: str, where: str) -> dict:
 
 
 def _json_grammar(schema: dict, strict: bool) -> str:
-    options = {"whitespace_flexible": False, "lenient": not strict}
     try:
-        return llg.LLMatcher.grammar_from_json_schema(schema, overrides=options)
+        return llg.LLMatcher.grammar_from_json_schema(
+            schema, overrides={"whitespace_flexible": False, "lenient": not strict})
     except ValueError as exc:
         raise ConstraintError(f"schema rejected: {exc}") from None
 

@@ -36,7 +36,7 @@ import logging
 import time
 from collections import deque
 from pathlib import Path
-from typing import Callable, Iterable, Union
+from typing import Any, Callable, Iterable, Protocol, Union, cast
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -53,13 +53,26 @@ from worker import prefill_guard as guard
 from worker import prompt_cache as pc
 from worker.batch import DecodeBatch
 from worker.constrain import Constraint, ConstraintError, ConstraintFactory
-from worker.sampling import greedy, make_request_sampler
+from worker.sampling import Sampler, greedy, make_request_sampler
 from worker.stops import StopMatcher
 
 log = logging.getLogger("memvisor.worker.engine")
 
 Event = Union[TokenOut, Finished, Failed, NeedMemory]
 UsageFn = Callable[[], int]
+LayerCaches = list[Any]  # one mlx_lm cache per layer (KVCache, rotating, ...): mlx_lm types it List[Any] too
+
+
+class Detokenizer(Protocol):
+    """What the engine uses of mlx_lm's streaming detokenizer (its classes are untyped)."""
+
+    @property
+    def last_segment(self) -> str: ...
+
+    def add_token(self, token: int) -> None: ...
+
+    def finalize(self) -> None: ...
+
 
 DEFAULT_MAX_CHUNK = 512
 CLEAR_CACHE_EVERY = 256  # decode steps between pool returns, as mlx_lm does
@@ -88,17 +101,18 @@ class _Seq:
         "y", "detok", "generated", "retried", "deadline", "warned_soft", "constraint", "hit", "cached", "out",
     )
 
-    def __init__(self, request_id, prompt, max_tokens, sampler, stopper, constraint=None):
+    def __init__(self, request_id: str, prompt: list[int], max_tokens: int, sampler: Sampler,
+                 stopper: StopMatcher | None, constraint: Constraint | None = None):
         self.id = request_id
         self.prompt = prompt
         self.max_tokens = max_tokens
         self.sample = sampler
         self.stopper = stopper
         self.state = "preflight"   # preflight | waiting | prefill | decoding
-        self.cache = None
+        self.cache: LayerCaches | None = None  # own KV while prefilling or decoding alone (not in a batch)
         self.pos = 0               # prompt tokens already in the KV cache
-        self.y = None              # next token (lazy / in flight)
-        self.detok = None
+        self.y: mx.array | None = None  # next token (lazy / in flight); a batch row's is the batch's
+        self.detok: Detokenizer | None = None  # from the first output token on
         self.generated = 0
         self.retried = False
         self.deadline = 0.0
@@ -107,6 +121,20 @@ class _Seq:
         self.hit: pc.Hit | None = None  # the prompt-cache entry it will reuse (pinned, H3)
         self.cached = 0            # prompt tokens taken from the prompt cache (H1)
         self.out: list[int] = []   # generated token ids (the cache key after the prompt)
+
+    def kv(self) -> LayerCaches:
+        """The sequence's own KV, which it has from its prefill until it joins a batch or ends."""
+        assert self.cache is not None, f"request {self.id} has no KV cache ({self.state})"
+        return self.cache
+
+    def token(self) -> mx.array:
+        """The token in flight, which a sequence decoding outside a batch always has."""
+        assert self.y is not None, f"request {self.id} has no token in flight ({self.state})"
+        return self.y
+
+    def token_id(self) -> int:
+        """The token in flight read as an id (this waits for it); MLX types item() as int | float | complex."""
+        return cast(int, self.token().item())
 
 
 def _turn(m) -> dict:
@@ -162,7 +190,9 @@ def _activation_width(model) -> int:
     widest floating type through (an imported GGUF's float32 norms make a
     float16-scaled model compute, and cache, in float32).
     """
-    widths = [v.dtype.size for _, v in tree_flatten(model.parameters())
+    # without `destination`, tree_flatten returns a list of (name, leaf) pairs (its type says list or dict)
+    parameters = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+    widths = [v.dtype.size for _, v in parameters
               if mx.issubdtype(v.dtype, mx.floating)]
     return max(widths, default=2)
 
@@ -286,7 +316,8 @@ class Engine:
             raise EngineError("load_failed", f"no model at {directory}: config.json not found")
         try:
             weight_bytes = estimate_weight_bytes(directory)
-            model, tokenizer = mlx_lm.load(str(directory))
+            # without return_config, load returns (model, tokenizer) (its type also allows a config)
+            model, tokenizer = cast(tuple[Any, Any], mlx_lm.load(str(directory)))
         except WeightsError as exc:
             raise EngineError("load_failed", str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - any loader failure is a load error
@@ -369,10 +400,12 @@ class Engine:
     def submit_generate(self, cmd: Generate) -> None:
         """Queue a wire `Generate`; bad input becomes its one terminal `Failed` (next step)."""
         try:
-            if (cmd.messages is None) == (cmd.prompt is None):
+            if cmd.messages is not None and cmd.prompt is None:
+                tokens = self.encode_chat(cmd.messages, cmd.tools)
+            elif cmd.prompt is not None and cmd.messages is None:
+                tokens = self.encode_prompt(cmd.prompt)
+            else:
                 raise EngineError(INVALID_REQUEST, "give exactly one of messages or prompt")
-            tokens = self.encode_chat(cmd.messages, cmd.tools) if cmd.messages is not None \
-                else self.encode_prompt(cmd.prompt)
             self.submit(cmd.request_id, tokens, cmd.max_tokens, cmd.temperature, cmd.top_p,
                         cmd.stop, cmd.seed, cmd.constraint)
         except EngineError as exc:
@@ -621,7 +654,7 @@ class Engine:
         started = time.monotonic()
         with mx.stream(generation_stream):
             self.model(chunk, cache=seq.cache)
-            mx.eval([c.state for c in seq.cache])
+            mx.eval([c.state for c in seq.kv()])
         self.chunk_timer.learn(time.monotonic() - started, n)
         self._learn_cost(mx.get_peak_memory() - before, n)
         seq.pos += n
@@ -716,7 +749,7 @@ class Engine:
         """
         batch = self._batch
         joining, self._joining = self._joining, []
-        batch.join(joining, [seq.cache for seq in joining], [seq.y for seq in joining])
+        batch.join(joining, [seq.kv() for seq in joining], [seq.token() for seq in joining])
         for seq in joining:
             seq.cache = seq.y = None  # the batch holds its KV and token now
         logits = following = None
@@ -726,7 +759,7 @@ class Engine:
         if not batch:
             return []
         keep, survivors, late = [], [], []
-        for i, (seq, token) in enumerate(zip(batch.rows, batch.y.tolist())):
+        for i, (seq, token) in enumerate(zip(batch.rows, batch.tokens())):
             if self._emit(seq, token, events):
                 self._ids.discard(seq.id)
                 if self._cacheable and self.prompt_cache.cap > 0:
@@ -740,6 +773,7 @@ class Engine:
                 with mx.stream(generation_stream):
                     late.append((i, seq.sample(seq.constraint.mask(logits[i:i + 1]))))
         if late:
+            assert following is not None  # a late row had logits, so the pass ran
             with mx.stream(generation_stream):
                 following = batch.place(following, late)
         batch.keep(keep, following)
@@ -749,18 +783,18 @@ class Engine:
         """One pass per sequence (no batching): the path before issue 11."""
         seqs = [seq for seq in self._decoding if seq.constraint is None]
         bound = [seq for seq in self._decoding if seq.constraint is not None]
-        following = []
+        following: list[mx.array | None] = []
         with mx.stream(generation_stream):
             for seq in seqs:
                 if seq.generated + 1 < seq.max_tokens:
-                    logits = self.model(seq.y[None], cache=seq.cache)[:, -1, :]
+                    logits = self.model(seq.token()[None], cache=seq.cache)[:, -1, :]
                     following.append(seq.sample(logits))
                 else:
                     following.append(None)
         mx.async_eval([y for y in following if y is not None])
         survivors = self._constrained_step(bound, events) if bound else []
         for seq, nxt in zip(seqs, following):
-            if self._emit(seq, seq.y.item(), events):
+            if self._emit(seq, seq.token_id(), events):
                 self._ids.discard(seq.id)
                 self._store(seq)
                 seq.cache = seq.y = None
@@ -773,15 +807,17 @@ class Engine:
         """Issue 13: queue the forward passes, then read each token and advance its grammar
         while they run, then queue the masked samples (only sampling waits for the mask)."""
         with mx.stream(generation_stream):
-            ahead = [self.model(seq.y[None], cache=seq.cache)[:, -1, :]
+            ahead = [self.model(seq.token()[None], cache=seq.cache)[:, -1, :]
                      if seq.generated + 1 < seq.max_tokens else None for seq in seqs]
         mx.async_eval([logits for logits in ahead if logits is not None])
         survivors, following = [], []
         for seq, logits in zip(seqs, ahead):
-            if self._emit(seq, seq.y.item(), events):
+            if self._emit(seq, seq.token_id(), events):
                 self._ids.discard(seq.id)
                 seq.cache = seq.y = None
                 continue
+            # a constrained sequence that did not end had room for one more token: its pass ran
+            assert seq.constraint is not None and logits is not None
             with mx.stream(generation_stream):
                 seq.y = seq.sample(seq.constraint.mask(logits))
             following.append(seq.y)
@@ -795,6 +831,7 @@ class Engine:
         seq.out.append(token)
         self.tokens_total += 1
         detok = seq.detok
+        assert detok is not None  # set when the sequence started decoding
         if token in self._eos:
             detok.finalize()
             text = detok.last_segment
@@ -827,7 +864,7 @@ class Engine:
         events.append(TokenOut(request_id=seq.id, text=text, token_id=token))
         if last:
             # a grammar the budget had to wrap up ends as "length", though its output is complete
-            wrapped = complete and seq.constraint.wrapped
+            wrapped = complete and seq.constraint is not None and seq.constraint.wrapped
             events.append(self._finished(seq, "stop" if complete and not wrapped else "length"))
             return True
         return False

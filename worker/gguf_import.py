@@ -100,8 +100,22 @@ def unpermute_rows(array, n_head: int):
 # --------------------------------------------------------------------------- config
 
 
-def _int(header: GGUFHeader, key: str) -> int:
+def _int(header: GGUFHeader, key: str, default: int | None = None) -> int:
+    """A numeric metadata value as an int; `default` when the key is absent (None: it must exist).
+
+    Why a helper: metadata values are `object` until checked, and a value of
+    the wrong type is a GGUFError naming its key rather than a bare TypeError.
+    """
+    if default is not None and key not in header.metadata:
+        return default
     return int(header.field(key, (int, float)))
+
+
+def _float(header: GGUFHeader, key: str, default: float) -> float:
+    """A numeric metadata value as a float, `default` when the key is absent."""
+    if key not in header.metadata:
+        return default
+    return float(header.field(key, (int, float)))
 
 
 class Architecture(msgspec.Struct, frozen=True):
@@ -132,9 +146,9 @@ def model_config(header: GGUFHeader, rope_freqs=None) -> dict:
     meta = header.metadata
     hidden = _int(header, f"{arch}.embedding_length")
     heads = _int(header, f"{arch}.attention.head_count")
-    kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
-    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
-    rope_dims = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    kv_heads = _int(header, f"{arch}.attention.head_count_kv", heads)
+    head_dim = _int(header, f"{arch}.attention.key_length", hidden // heads)
+    rope_dims = _int(header, f"{arch}.rope.dimension_count", head_dim)
     if rope_dims != head_dim:
         raise GGUFError(f"{arch}.rope.dimension_count {rope_dims} differs from the head size {head_dim} "
                         "(partial rotary embeddings are not supported)")
@@ -142,7 +156,8 @@ def model_config(header: GGUFHeader, rope_freqs=None) -> dict:
     if "blk.0.ffn_gate_inp.weight" in names or f"{arch}.expert_count" in meta:
         raise GGUFError(f"{arch}.expert_count: mixture-of-experts files are not supported")
     vocab = len(header.field("tokenizer.ggml.tokens", list))
-    config = {
+    rope_theta = _float(header, f"{arch}.rope.freq_base", 10000.0)
+    config: dict[str, object] = {
         "architectures": [spec.hf_class],
         "model_type": spec.model_type,
         "hidden_size": hidden,
@@ -151,17 +166,17 @@ def model_config(header: GGUFHeader, rope_freqs=None) -> dict:
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "vocab_size": int(meta.get(f"{arch}.vocab_size", vocab)),
-        "rms_norm_eps": float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(meta.get(f"{arch}.context_length", 4096)),
+        "vocab_size": _int(header, f"{arch}.vocab_size", vocab),
+        "rms_norm_eps": _float(header, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": rope_theta,
+        "max_position_embeddings": _int(header, f"{arch}.context_length", 4096),
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
         "mlp_bias": "blk.0.ffn_up.bias" in names,
     }
     config.update(_rope_scaling(header, arch))
     if rope_freqs is not None:
-        config["rope_scaling"] = llama3_rope_scaling(rope_freqs, config["rope_theta"], head_dim)
+        config["rope_scaling"] = llama3_rope_scaling(rope_freqs, rope_theta, head_dim)
     if any(t.stays_quantized for t in header.tensors):
         # mlx_lm reads each layer's bits from its own arrays; this is the default.
         config["quantization"] = {"group_size": MLX_GROUP_SIZE, "bits": 4, "mode": "affine"}
@@ -267,9 +282,9 @@ def _convert_and_write(header: GGUFHeader, src: Path, out: Path, emit: Emit, req
     import mlx.core as mx
 
     arch, spec = architecture(header)
-    heads_q = int(header.metadata[f"{arch}.attention.head_count"])
+    heads_q = _int(header, f"{arch}.attention.head_count")
     heads = {"attn_q": heads_q,
-             "attn_k": int(header.metadata.get(f"{arch}.attention.head_count_kv", heads_q))}
+             "attn_k": _int(header, f"{arch}.attention.head_count_kv", heads_q)}
     if not spec.rope_rows_permuted:
         heads = {}
     data = np.memmap(src, dtype=np.uint8, mode="r")

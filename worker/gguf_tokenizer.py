@@ -60,6 +60,13 @@ def _token_id(header: GGUFHeader, key: str, count: int) -> int | None:
     return value
 
 
+def _context_length(header: GGUFHeader, default: int = 4096) -> int:
+    """`llama.context_length` (a number when present: metadata values are unchecked `object`s)."""
+    if "llama.context_length" not in header.metadata:
+        return default
+    return int(header.field("llama.context_length", (int, float)))
+
+
 def build_tokenizer(header: GGUFHeader):
     """A `tokenizers.Tokenizer` equal to the file's vocabulary (gpt2 kind only)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, processors
@@ -69,7 +76,8 @@ def build_tokenizer(header: GGUFHeader):
         raise GGUFError(f"tokenizer.ggml.model {kind!r} is not supported (gpt2 byte-level BPE is)")
     tokens = header.field("tokenizer.ggml.tokens", list)
     merges = [tuple(m.split(" ", 1)) for m in header.field("tokenizer.ggml.merges", list)]
-    types = header.metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    types = (header.field("tokenizer.ggml.token_type", list)
+             if header.metadata.get("tokenizer.ggml.token_type") else [1] * len(tokens))
     if len(types) != len(tokens):
         raise GGUFError(f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
     vocab = {token: index for index, token in enumerate(tokens)}
@@ -91,7 +99,7 @@ def build_tokenizer(header: GGUFHeader):
 def write_tokenizer(header: GGUFHeader, out: Path) -> list[int]:
     """tokenizer.json, tokenizer_config.json (chat template) and the special tokens; returns the EOS ids."""
     tokenizer = build_tokenizer(header)
-    tokens = header.metadata["tokenizer.ggml.tokens"]
+    tokens = header.field("tokenizer.ggml.tokens", list)
     count = len(tokens)
     ids = {role: _token_id(header, f"tokenizer.ggml.{role}_token_id", count)
            for role in ("bos", "eos", "unknown", "padding", "eot")}
@@ -105,7 +113,7 @@ def write_tokenizer(header: GGUFHeader, out: Path) -> list[int]:
         "tokenizer_class": "PreTrainedTokenizerFast",
         "add_bos_token": bool(header.metadata.get("tokenizer.ggml.add_bos_token", False)),
         "clean_up_tokenization_spaces": False,
-        "model_max_length": int(header.metadata.get("llama.context_length", 4096)),
+        "model_max_length": _context_length(header),
         **special,
     }
     template = header.metadata.get("tokenizer.chat_template")

@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -28,6 +29,11 @@ from shared.ledger import Ledger
 from shared.limits import Limits
 from shared.memory import NO_READING
 from worker.heartbeat import Heartbeat, StepClock
+
+if TYPE_CHECKING:  # types only: these import MLX, which loads in serve(), never at module level
+    from worker.allocator import AllocatorLimits
+    from worker.drill import Drill
+    from worker.engine import Engine
 
 log = logging.getLogger("memvisor.worker")
 
@@ -99,12 +105,12 @@ class Worker:
         self.reports = p.Codec(p.WorkerReport)
         self.ledger = Ledger.attach(spec.ledger_path)
         self.limits = Limits()
-        self.engine = None
-        self.drill = None
+        self.engine: Engine | None = None
+        self.drill: Drill | None = None
         self.draining = False
         self.reclaim_pending: list[p.Reclaim] = []
         self.shrink_pending: list[p.ShrinkCache] = []
-        self.allocator = None  # worker.allocator.AllocatorLimits once MLX is loaded (M1, M2)
+        self.allocator: AllocatorLimits | None = None  # once MLX is loaded (M1, M2)
         self.send_now = ""     # a reason to publish the next sample at once ("shrink")
         self.seq = 0
         self.last_sent = 0.0
@@ -128,7 +134,7 @@ class Worker:
         except zmq.Again:
             log.warning("supervisor not reading; dropped %s", type(msg).__name__)
 
-    def event(self, kind: str, message: str) -> None:
+    def event(self, kind: p.WorkerEventKind, message: str) -> None:
         self._push(p.WorkerEvent(worker_id=self.spec.worker_id, kind=kind, message=message))
 
     def _push(self, msg: p.Msg) -> None:
@@ -147,7 +153,8 @@ class Worker:
         from worker.memory import MemorySampler
 
         try:
-            info = {k: v for k, v in mx.device_info().items() if isinstance(v, (int, float, str))}
+            info: dict[str, int | float | str] = {
+                k: v for k, v in mx.device_info().items() if isinstance(v, (int, float, str))}
         except Exception:  # older MLX
             info = {}
         self.reply(p.Hello(worker_id=self.spec.worker_id, model_id=self.spec.model_id, pid=os.getpid(),
@@ -174,6 +181,7 @@ class Worker:
         return self.loop()
 
     def loop(self) -> int:
+        assert self.engine is not None and self.allocator is not None  # serve() set both up
         while True:
             self.take_commands(block_ms=self.idle_wait_ms())
             if os.getppid() != self.spec.supervisor_pid:
@@ -185,8 +193,9 @@ class Worker:
             self.clock.enter_step()
             if self.step_delay and self.engine.has_work:
                 time.sleep(self.step_delay)  # tests only: a long MLX step (the GIL released, as in eval)
-            # a step's tokens leave in one frame (issue 11)
-            events = p.coalesce(self.engine.step(limits, self.group_usage))
+            # a step's tokens leave in one frame (issue 11); a shallow copy types the engine's
+            # events as the list[Msg] coalesce takes (a list of a narrower type is not one)
+            events = p.coalesce([*self.engine.step(limits, self.group_usage)])
             self.clock.leave_step(self.engine.tokens_total)
             for ev in events:
                 self.reply(ev)  # engine events are the wire's own Structs
@@ -203,6 +212,7 @@ class Worker:
     def idle_wait_ms(self) -> int:
         """How long the loop may block on its socket: not at all while the
         engine has work, else until the next sample, drill piece or retry."""
+        assert self.engine is not None  # called from loop(), once the model is loaded
         if self.engine.has_work:
             return 0
         now = time.monotonic()
@@ -250,8 +260,8 @@ class Worker:
                 engine.abort_all(msg.reason or "aborted by the supervisor", code=msg.code)
                 # A drill stands in for a runaway request: aborting the work frees it too.
                 self.stop_drill(f"aborted: {msg.reason}")
-            case p.AbortRequests(request_ids=list(ids)):
-                for rid in ids:
+            case p.AbortRequests():  # a list of ids: None matched above (mypy cannot tell the two cover it)
+                for rid in msg.request_ids or ():
                     engine.abort(rid, msg.reason or "aborted by the supervisor", code=msg.code)
             case p.Reclaim():
                 self.reclaim_pending.append(msg)
@@ -278,6 +288,7 @@ class Worker:
             self.reply(p.Failed(request_id=msg.request_id, code="model_unloading",
                                 message="the model is being unloaded; retry to load it again"))
             return
+        assert self.engine is not None  # commands are taken once the model is loaded
         self.engine.submit_generate(msg)  # a bad prompt fails through the next step()
 
     # -- memory ---------------------------------------------------------------
@@ -293,6 +304,7 @@ class Worker:
             self.shrink_cache(shrink)
         self.shrink_pending.clear()
         if self.reclaim_pending:
+            assert self.engine is not None  # called from loop(), once the model is loaded
             pending = [r for r in self.reclaim_pending if not (r.idle_only and self.engine.has_work)]
             if pending:
                 freed = self.sampler.reclaim()
@@ -302,6 +314,7 @@ class Worker:
 
     def shrink_cache(self, msg: p.ShrinkCache) -> None:
         """H3: drop LRU entries no request uses, return the pool, report at once."""
+        assert self.engine is not None  # commands are taken once the model is loaded
         dropped = self.engine.shrink_cache(msg.target_bytes)
         freed = self.sampler.reclaim()
         log.info("prompt cache shrunk by %d bytes toward %d (%s); pool returned %d bytes",

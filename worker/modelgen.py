@@ -293,7 +293,7 @@ def _tensor_shapes(d: Dims) -> list[tuple[str, tuple[int, ...], bool]]:
     """(name, shape, is_norm) for every weight of mlx_lm's llama, in file order."""
     kv_dim = d.num_key_value_heads * HEAD_DIM
     h, i = d.hidden_size, d.intermediate_size
-    shapes = [("model.embed_tokens.weight", (d.vocab_size, h), False)]
+    shapes: list[tuple[str, tuple[int, ...], bool]] = [("model.embed_tokens.weight", (d.vocab_size, h), False)]
     for n in range(d.num_hidden_layers):
         p = f"model.layers.{n}"
         shapes += [

@@ -138,6 +138,8 @@ class PromptCache:
         out: list[KVCache] = []
         for layer in hit.entry.layers:
             fresh = KVCache()
+            # a stored entry's layers are filled (mlx_lm types an empty KVCache's arrays as None)
+            assert layer.keys is not None and layer.values is not None
             keys, values = layer.keys[..., :n, :], layer.values[..., :n, :]
             room = KVCache.step
             fresh.keys = mx.concatenate(
