@@ -116,12 +116,18 @@ def parse_http(text: str) -> tuple[str, int]:
     return match["host"].strip("[]"), port
 
 
+# A device ceiling below this is a unit slip (`custom_device_ceiling = 20` meant
+# GiB) that would refuse every load, not a choice.
+MIN_DEVICE_CEILING = 1024 ** 2
+
+
 class GuardConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """`[guard]`: the memory guard (SPEC T, C, P). Sizes in bytes once built."""
 
     enabled: bool = True
     tier: str = "balanced"           # T2: normalised by the policy; unknown -> balanced
     custom_ceiling: int | str = 0    # C3: 0 = unset (not a candidate)
+    custom_device_ceiling: int | str = 0  # D2: the device ceiling on the custom tier (0 = unset)
     soft_threshold: float | None = None  # T5: absent/<=0/0.85 -> tier default
     hard_threshold: float | None = None  # T5: absent/<=0/0.95 -> tier default
     budget: int | str = 0            # caps `total` (0 = none)
@@ -138,6 +144,10 @@ class GuardConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         self.custom_ceiling = _size("custom_ceiling", self.custom_ceiling)
+        self.custom_device_ceiling = _size("custom_device_ceiling", self.custom_device_ceiling)
+        if 0 < self.custom_device_ceiling < MIN_DEVICE_CEILING:
+            raise _FieldError("custom_device_ceiling", f"must be 0 (unset) or at least 1MiB, got "
+                              f"{self.custom_device_ceiling} bytes (a bare number is bytes: write e.g. \"20GiB\")")
         self.budget = _size("budget", self.budget)
         self.hot_cache_max = _size("hot_cache_max", self.hot_cache_max)
         self.pool_max = _size("pool_max", self.pool_max)
@@ -386,6 +396,7 @@ def guard_settings(config: Config, *, pressure_reclaim_disabled: bool = False) -
         enabled=g.enabled,
         tier=g.tier,
         custom_ceiling=int(g.custom_ceiling),  # sizes are int bytes once built
+        custom_device_ceiling=int(g.custom_device_ceiling),
         soft_threshold=g.soft_threshold,
         hard_threshold=g.hard_threshold,
         idle_timeout=config.supervisor.idle_timeout,

@@ -42,6 +42,7 @@ class GuardSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     enabled: bool = True
     tier: str = "balanced"
     custom_ceiling: int = 0              # C3 bytes, 0 = unset
+    custom_device_ceiling: int = 0       # D2 bytes, 0 = unset (custom: balanced's device reserve)
     soft_threshold: float | None = None  # T5 raw overrides
     hard_threshold: float | None = None
     idle_timeout: float = 0.0            # P10 global TTL, seconds, 0 = never

@@ -7,7 +7,7 @@ small a reserve on `aggressive` jetsammed the server during model loads,
 thresholds that ignored the tier made `safe` evict at the same point as
 `aggressive`. Pure functions only; nothing here reads the machine.
 
-Public names (stable): TIERS, TierParams, TIER_PARAMS, normalise_tier,
+Public names (stable): TIERS, TierParams, TIER_PARAMS, normalise_tier, clamp,
 reserve_bytes, other_app_ratio, resolve_thresholds, check_thresholds,
 ThresholdError, LEGACY_SOFT, LEGACY_HARD.
 """
@@ -63,12 +63,17 @@ def normalise_tier(name: str | None) -> tuple[str, bool]:
     return DEFAULT_TIER, False
 
 
+def clamp(x: float, lo: int, hi: int) -> int:
+    """T1: `int(min(hi, max(lo, x)))` (also D2's device reserve)."""
+    return int(min(hi, max(lo, x)))
+
+
 def reserve_bytes(tier: str, total: int) -> int:
     """T1: memory `tier` leaves for the OS and other apps on a `total`-byte machine."""
     params = TIER_PARAMS[tier]
     if tier == "custom":
         return CUSTOM_RESERVE
-    return int(min(params.reserve_max, max(params.reserve_min, total * params.share)))
+    return clamp(total * params.share, params.reserve_min, params.reserve_max)
 
 
 def other_app_ratio(tier: str, compressor: bool) -> float:

@@ -1,0 +1,477 @@
+"""The discrete device pool (SPEC D2-D5): reserve, ceiling, level, admission.
+
+On a discrete GPU (CUDA) device memory is a second pool beside host RAM. The
+host rules (T, C, P, A) stay as they are; this module gives the device pool
+rules of the same shape, as pure functions of numbers the caller read (D1:
+NVML, or `mx.device_info()` and MLX active + pool per worker). Nothing here
+reads a clock, a file, NVML or MLX.
+
+No device. `compute_device_ceilings` returns **None** when the device total
+is 0 (unified memory, CPU only, or no reading): there is no device pool to
+guard. Every other function here takes `DeviceCeilings | None` and reads None
+as "no device": level ok, no emergency, every load admitted, an empty tier
+preview. So the tick can call them unconditionally.
+
+Inputs per tick (D1):
+
+- `total`, `free`: the device's memory and what is free on it now. `free`
+  None means "no free reading": the dynamic term falls back to static, as C2
+  does without host counters. `free` 0 is a real reading (the device is full).
+- `group_bytes`: the device bytes the guarded group holds (sum of the
+  workers' device bytes; `group_device_bytes` computes it). The supervisor
+  holds none: it never imports MLX.
+- per worker: a mapping worker id -> device bytes (NVML per-process used
+  memory, else MLX active + pool), passed beside the existing `WorkerRecord`
+  list. A worker missing from the mapping holds 0 device bytes.
+
+The rules:
+
+- D2 `device_reserve`: safe clamp(0.10 x total, 1 GiB, 8 GiB), balanced
+  clamp(0.05 x, 512 MiB, 4 GiB), aggressive clamp(0.02 x, 256 MiB, 2 GiB).
+  custom with `[guard] custom_device_ceiling` set: reserve = max(0, total -
+  custom_device_ceiling), so device static *is* the custom value (capped at
+  the device); custom unset: balanced's reserve.
+- D3 `compute_device_ceilings`: static = total - reserve (floored to 1 byte
+  when the reserve takes the whole device: every load is refused, never "no
+  limit"); dynamic = free + group_bytes - reserve, floored to 1; ceiling =
+  min(static, dynamic); binding "device_static" or "device_others" (other
+  processes on the GPU hold what is missing), first equal in that order.
+  The dynamic term applies on every tier, custom included: device memory held
+  by another process cannot be compressed or swapped away. Guard off: ceiling
+  0 ("no limit", as C5), binding "", watermarks 0; admission still uses static
+  (C7). Watermarks: soft/hard = T4/T5 thresholds of the tier x ceiling (C11).
+- D4 `device_level` (P1), `device_emergency` (P2: returns the new
+  over-ceiling count for the tick to store, mutates nothing), `worse_level`
+  (the group's level is the worse of the two pools).
+- D5 `admit_device_load`: A1-A4 on device bytes, victims ordered as
+  admission.py orders them (idle, non-pinned, not the model being loaded,
+  least recently used first by `group.lru_key`), skipping workers that hold no
+  device bytes (stopping them frees nothing in this pool). It answers for the
+  device pool only; the host half of the load (what it holds in RAM) still
+  goes through `admission.admit_load`, and a load is admitted when both are
+  (evict the union, wait for the union).
+- C14's shape for the device: `device_tier_preview`.
+
+Public names (stable): DeviceReserveParams, DEVICE_RESERVE_PARAMS,
+DEVICE_BINDINGS, DEVICE_EMERGENCY_MARGIN, DEVICE_EMERGENCY_TICKS,
+MODEL_TOO_LARGE, INSUFFICIENT_MEMORY, device_reserve, DeviceCeilings,
+compute_device_ceilings, device_remedy, device_reserve_message,
+group_device_bytes, device_level, DeviceEmergency, device_emergency,
+worse_level, DeviceLoadVerdict, admit_device_load, DeviceTierPreview,
+device_tier_preview.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import NamedTuple
+
+import msgspec
+
+from shared.sizes import GiB, MiB, format_size
+from shared.states import LIVE_STATES
+from supervisor.policy.group import is_idle, lru_key
+from supervisor.policy.snapshot import Level, WorkerRecord
+from supervisor.policy.tiers import TIERS, clamp, normalise_tier, resolve_thresholds
+
+__all__ = [
+    "DEVICE_BINDINGS",
+    "DEVICE_EMERGENCY_MARGIN",
+    "DEVICE_EMERGENCY_TICKS",
+    "DEVICE_RESERVE_PARAMS",
+    "INSUFFICIENT_MEMORY",
+    "MODEL_TOO_LARGE",
+    "DeviceCeilings",
+    "DeviceEmergency",
+    "DeviceLoadVerdict",
+    "DeviceReserveParams",
+    "DeviceTierPreview",
+    "admit_device_load",
+    "compute_device_ceilings",
+    "device_emergency",
+    "device_level",
+    "device_remedy",
+    "device_reserve",
+    "device_reserve_message",
+    "device_tier_preview",
+    "group_device_bytes",
+    "worse_level",
+]
+
+# P2's numbers, for the device pool. Kept here (not imported from pressure.py)
+# so that pressure.py and admission.py can import this module without a cycle;
+# tests/test_device_policy.py pins them equal to the host's.
+DEVICE_EMERGENCY_MARGIN = 2 * GiB
+DEVICE_EMERGENCY_TICKS = 2
+
+# A3's error codes (equal to admission.py's): a 507 keeps one vocabulary of
+# errors; `DeviceLoadVerdict.pool` and the "device_*" binding say which pool.
+MODEL_TOO_LARGE = "model_too_large"
+INSUFFICIENT_MEMORY = "insufficient_memory"
+
+DEVICE_BINDINGS = ("", "device_static", "device_others")
+
+
+class DeviceReserveParams(NamedTuple):
+    """D2: the reserve is clamp(share x device total, reserve_min, reserve_max)."""
+
+    share: float
+    reserve_min: int
+    reserve_max: int
+
+
+DEVICE_RESERVE_PARAMS: dict[str, DeviceReserveParams] = {
+    "safe": DeviceReserveParams(0.10, 1 * GiB, 8 * GiB),
+    "balanced": DeviceReserveParams(0.05, 512 * MiB, 4 * GiB),
+    "aggressive": DeviceReserveParams(0.02, 256 * MiB, 2 * GiB),
+}
+
+
+def device_reserve(tier: str, device_total: int, custom_device_ceiling: int = 0) -> int:
+    """D2: device memory `tier` leaves free on a `device_total`-byte device.
+
+    `tier` is normalised here (T2: unknown -> balanced; reporting an unknown
+    name once is the host tick's job). On `custom` a set
+    `custom_device_ceiling` is the device static ceiling, so the reserve is
+    what the device has beyond it, floored at 0 (a custom value above the
+    device caps at the device); unset (0) falls back to balanced's reserve.
+    `custom_device_ceiling` is ignored on the other tiers.
+    """
+    name, _ = normalise_tier(tier)
+    total = max(0, device_total)
+    if name == "custom":
+        if custom_device_ceiling > 0:
+            return max(0, total - custom_device_ceiling)
+        name = "balanced"
+    params = DEVICE_RESERVE_PARAMS[name]
+    return clamp(total * params.share, params.reserve_min, params.reserve_max)
+
+
+class DeviceCeilings(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """Every device-pool number of one tick (D3), beside the host's `Ceilings`.
+
+    `ceiling` 0 means the guard is off (as C5); with the guard on it is at
+    least 1 byte. `others` is what other processes (and the driver) hold:
+    total - free - group_bytes, 0 without a free reading.
+    """
+
+    enabled: bool
+    tier: str                    # normalised (T2)
+    total: int
+    free: int                    # 0 when unknown (see free_known)
+    free_known: bool             # False: no free reading, dynamic = static
+    group_bytes: int             # the group's device bytes
+    others: int
+    reserve: int                 # D2
+    reserve_exceeds_total: bool  # static had to be floored to 1 byte
+    static: int                  # D3 device static
+    dynamic: int                 # D3 device dynamic
+    ceiling: int                 # D3; 0 = guard off
+    binding: str                 # "device_static" | "device_others" | "" (guard off)
+    admission_ceiling: int       # C7 on the device: ceiling, or static with the guard off
+    admission_binding: str
+    admission_soft_target: int   # C9 on the device
+    soft_threshold: float        # T4/T5 in force for the tier
+    hard_threshold: float
+    soft: int                    # C11 on the device
+    hard: int
+
+
+def compute_device_ceilings(
+    *,
+    tier: str,
+    total: int,
+    free: int | None,
+    group_bytes: int,
+    enabled: bool = True,
+    custom_device_ceiling: int = 0,
+    soft_threshold: float | None = None,
+    hard_threshold: float | None = None,
+) -> DeviceCeilings | None:
+    """D2-D3 for one tick; None when there is no device (`total` <= 0).
+
+    `tier` is normalised here (T2). `soft_threshold`/`hard_threshold` are the
+    guard's raw overrides (GuardSettings), resolved per T5 as for the host.
+    """
+    if total <= 0:
+        return None
+    name, _ = normalise_tier(tier)
+    reserve = device_reserve(name, total, custom_device_ceiling)
+    static = total - reserve
+    exceeds = static <= 0
+    if exceeds:
+        static = 1  # never 0, which would read as "no limit"
+    group = max(0, group_bytes)
+    if free is None:
+        free_now, others, dynamic = 0, 0, static
+    else:
+        free_now = max(0, free)
+        others = max(0, total - free_now - group)
+        dynamic = max(1, free_now + group - reserve)
+    best = min(static, dynamic)
+    ceiling = best if enabled else 0
+    binding = _binding(ceiling, static)
+    admission_ceiling = ceiling if enabled else static
+    soft_t, hard_t = resolve_thresholds(name, soft_threshold, hard_threshold)
+    return DeviceCeilings(
+        enabled=enabled,
+        tier=name,
+        total=total,
+        free=free_now,
+        free_known=free is not None,
+        group_bytes=group,
+        others=others,
+        reserve=reserve,
+        reserve_exceeds_total=exceeds,
+        static=static,
+        dynamic=dynamic,
+        ceiling=ceiling,
+        binding=binding,
+        admission_ceiling=admission_ceiling,
+        admission_binding=binding if enabled else "device_static",
+        admission_soft_target=int(admission_ceiling * soft_t),
+        soft_threshold=soft_t,
+        hard_threshold=hard_t,
+        soft=int(ceiling * soft_t) if ceiling > 0 else 0,
+        hard=int(ceiling * hard_t) if ceiling > 0 else 0,
+    )
+
+
+def _binding(ceiling: int, static: int) -> str:
+    """D3 (C6's order): device_static when it equals the ceiling, else device_others."""
+    if ceiling <= 0:
+        return ""
+    return "device_static" if ceiling == static else "device_others"
+
+
+_REMEDY = {
+    "device_others": "free device memory held by other processes on the GPU (nvidia-smi lists "
+    "them), or use a smaller model or a shorter context",
+    "device_static": "choose a tier that keeps less device memory in reserve (e.g. aggressive "
+    "instead of balanced), or use a smaller model or a shorter context",
+}
+
+
+def device_remedy(binding: str, tier: str = "") -> str:
+    """D3: what a person can do about the device constraint that binds ("" if none).
+
+    On the custom tier device static is the user's `custom_device_ceiling`
+    (D2), so the remedy is to set or raise it.
+    """
+    if binding == "device_static" and normalise_tier(tier)[0] == "custom":
+        return ("set or raise [guard] custom_device_ceiling, or use a smaller model or a "
+                "shorter context")
+    return _REMEDY.get(binding, "")
+
+
+def device_reserve_message(c: DeviceCeilings | None) -> str:
+    """C1 on the device: the words for a reserve that takes the whole device ("" otherwise)."""
+    if c is None or not c.reserve_exceeds_total:
+        return ""
+    return (
+        f"tier {c.tier!r} reserves {format_size(c.reserve)} of device memory but the device "
+        f"has only {format_size(c.total)}; every model load is refused until you choose a "
+        "tier that reserves less"
+    )
+
+
+def _held(device_bytes: Mapping[str, int], w: WorkerRecord) -> int:
+    return max(0, device_bytes.get(w.worker, 0))
+
+
+def group_device_bytes(workers: Iterable[WorkerRecord], device_bytes: Mapping[str, int]) -> int:
+    """U2 on the device: the device bytes of every worker whose process exists.
+
+    `device_bytes` maps worker id -> bytes it holds on the device (D1); a
+    worker missing from it counts 0, and so does one that is stopped or dead.
+    """
+    return sum(_held(device_bytes, w) for w in workers if w.state in LIVE_STATES)
+
+
+def device_level(usage: int, c: DeviceCeilings | None) -> Level:
+    """P1 on the device: ok below soft, soft below hard, else hard.
+
+    No device or the guard off (ceiling 0): always ok.
+    """
+    if c is None or c.ceiling <= 0 or usage < c.soft:
+        return "ok"
+    return "soft" if usage < c.hard else "hard"
+
+
+class DeviceEmergency(NamedTuple):
+    """P2 on the device: the count to carry to the next tick, and the verdict."""
+
+    over_ceiling_ticks: int
+    emergency: bool
+
+
+def device_emergency(
+    usage: int, c: DeviceCeilings | None, over_ceiling_ticks: int, *, recheck: bool = False
+) -> DeviceEmergency:
+    """P2 on the device, as pressure.py's tick does it for the host.
+
+    `over_ceiling_ticks` is the count the previous tick returned. Below the
+    ceiling (or no device, or guard off) the count resets to 0. At or over it
+    the count goes up by one, except on a `recheck` (P7: the re-evaluation
+    right after acting is not a new tick: it may reset the count, never
+    advance it). Emergency when usage >= ceiling + 2 GiB or the count reaches 2.
+    """
+    if c is None or c.ceiling <= 0 or usage < c.ceiling:
+        return DeviceEmergency(0, False)
+    over = over_ceiling_ticks + (0 if recheck else 1)
+    emergency = usage >= c.ceiling + DEVICE_EMERGENCY_MARGIN or over >= DEVICE_EMERGENCY_TICKS
+    return DeviceEmergency(over, emergency)
+
+
+_LEVEL_RANK: dict[Level, int] = {"ok": 0, "soft": 1, "hard": 2}
+
+
+def worse_level(a: Level, b: Level) -> Level:
+    """D4: the group's level is the worse of the host's and the device's."""
+    return a if _LEVEL_RANK[a] >= _LEVEL_RANK[b] else b
+
+
+class DeviceLoadVerdict(msgspec.Struct, frozen=True, kw_only=True):
+    """D5: A3's answer for the device pool (admission.LoadVerdict's shape, plus `pool`).
+
+    A refused load maps to HTTP 507 with `error`, `binding`, `remedy` and a
+    `message` that names the device pool.
+    """
+
+    admitted: bool
+    pool: str = "device"
+    evict: list[str] = []      # worker ids to stop first, least recently used first
+    wait_for: list[str] = []   # draining workers whose device bytes the verdict counts as free
+    error: str = ""            # "" | "model_too_large" | "insufficient_memory"
+    binding: str = ""          # "device_static" | "device_others"
+    remedy: str = ""
+    message: str = ""
+    usage: int = 0             # projected device usage before the load
+    size: int = 0              # the load's device bytes
+    ceiling: int = 0           # device admission ceiling (C7)
+    target: int = 0            # A1 evict target
+
+
+def admit_device_load(
+    c: DeviceCeilings | None,
+    workers: Iterable[WorkerRecord],
+    device_bytes: Mapping[str, int],
+    model_id: str,
+    size_bytes: int,
+) -> DeviceLoadVerdict:
+    """D5: A1-A4 on device bytes for loading `model_id` (`size_bytes` on the device).
+
+    `workers` are the tick's `WorkerRecord`s and `device_bytes` maps worker id
+    -> its device bytes (D1). Usage is projected as admission.py does it: the
+    live workers' device bytes less those of workers already draining (listed
+    in `wait_for`). A1: evict target = min(device admission soft target,
+    device admission ceiling). A2: while usage + size > target, stop the least
+    recently used idle non-pinned worker that holds device bytes (never one
+    serving `model_id`), counting the device bytes it holds as freed. A3:
+    admit when usage + size <= the device admission ceiling, else refuse
+    (evicting nothing) naming the device pool, the binding and its remedy.
+    A4: guard off, the admission ceiling is device static and nothing is
+    refused. No device (`c` None): admitted, nothing to evict.
+    """
+    size = max(0, size_bytes)
+    live = [w for w in workers if w.state in LIVE_STATES]
+    draining = [w for w in live if w.state == "draining"]
+    usage = sum(_held(device_bytes, w) for w in live) - sum(_held(device_bytes, w) for w in draining)
+    if c is None:
+        return DeviceLoadVerdict(admitted=True, usage=usage, size=size,
+                                 message=f"load {model_id}: no discrete device, nothing to guard")
+    ceiling = c.admission_ceiling
+    target = min(c.admission_soft_target, ceiling)  # A1
+    victims = sorted(
+        (w for w in live
+         if is_idle(w) and not w.pinned and w.model != model_id and _held(device_bytes, w) > 0),
+        key=lru_key,
+    )
+    evict: list[str] = []
+    after = usage
+    for w in victims:  # A2
+        if after + size <= target:
+            break
+        evict.append(w.worker)
+        after -= _held(device_bytes, w)
+    verdict = DeviceLoadVerdict(
+        admitted=True, evict=evict, wait_for=[w.worker for w in draining], binding=c.admission_binding,
+        usage=usage, size=size, ceiling=ceiling, target=target)
+    if after + size <= ceiling:  # A3 admit
+        return msgspec.structs.replace(verdict, message=(
+            f"load {model_id} ({format_size(size)} of device memory): fits under the "
+            f"{c.admission_binding} device ceiling {format_size(ceiling)} after stopping "
+            f"{len(evict)} idle model(s)"))
+    if not c.enabled:  # A4 never refuse
+        return msgspec.structs.replace(verdict, message=(
+            f"load {model_id} ({format_size(size)} of device memory): the guard is off, "
+            f"admitted over the device static ceiling {format_size(ceiling)}"))
+    error, text = _refusal(model_id, c, size, after)
+    fix = device_remedy("device_static" if c.reserve_exceeds_total else c.admission_binding, c.tier)
+    return msgspec.structs.replace(verdict, admitted=False, evict=[], error=error, remedy=fix,
+                                   message=f"{text}; {fix}")
+
+
+def _refusal(model_id: str, c: DeviceCeilings, size: int, after: int) -> tuple[str, str]:
+    """A3 on the device: (error code, words naming the device pool and the binding)."""
+    ceiling, binding = c.admission_ceiling, c.admission_binding
+    if c.reserve_exceeds_total:
+        return MODEL_TOO_LARGE, f"model too large for the device pool: {device_reserve_message(c)}"
+    if size > ceiling:
+        return MODEL_TOO_LARGE, (
+            f"model too large for the device pool: {model_id} needs {format_size(size)} of "
+            f"device memory, more than the whole {binding} device ceiling of {format_size(ceiling)}")
+    return INSUFFICIENT_MEMORY, (
+        f"insufficient device memory: {model_id} needs {format_size(size)} of device memory but "
+        f"only {format_size(max(0, ceiling - after))} of the {binding} device ceiling "
+        f"{format_size(ceiling)} is free after stopping every idle model")
+
+
+class DeviceTierPreview(msgspec.Struct, frozen=True, kw_only=True):
+    """C14 on the device: one tier's device ceiling right now (TierPreview's naming)."""
+
+    reserve_bytes: int
+    free_bytes: int
+    others_bytes: int
+    static_bytes: int
+    dynamic_bytes: int
+    ceiling_bytes: int
+    binding: str
+    soft_bytes: int
+    hard_bytes: int
+
+
+def device_tier_preview(
+    device_total: int,
+    device_free: int | None,
+    group_bytes: int,
+    custom_device_ceiling: int = 0,
+    soft_threshold: float | None = None,
+    hard_threshold: float | None = None,
+) -> dict[str, DeviceTierPreview]:
+    """C14 for the device pool: every tier's device ceiling on these readings.
+
+    Empty when there is no device (`device_total` 0), so `tiers` shows the
+    host pool alone. Thresholds follow T5 per tier, as for the host preview.
+    """
+    out: dict[str, DeviceTierPreview] = {}
+    for tier in TIERS:
+        c = compute_device_ceilings(
+            tier=tier, total=device_total, free=device_free, group_bytes=group_bytes,
+            custom_device_ceiling=custom_device_ceiling,
+            soft_threshold=soft_threshold, hard_threshold=hard_threshold,
+        )
+        if c is None:
+            return {}
+        out[tier] = DeviceTierPreview(
+            reserve_bytes=c.reserve,
+            free_bytes=c.free,
+            others_bytes=c.others,
+            static_bytes=c.static,
+            dynamic_bytes=c.dynamic,
+            ceiling_bytes=c.ceiling,
+            binding=c.binding,
+            soft_bytes=c.soft,
+            hard_bytes=c.hard,
+        )
+    return out
