@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from shared.memory import MemoryReading
 from shared.sizes import GiB, MiB
 from supervisor.config import ConfigError, guard_settings, parse_config
 from supervisor.policy import admission, pressure
@@ -45,7 +46,12 @@ def dev(tier="balanced", *, total=TOTAL, group=4 * GiB, others=0, free="auto", *
 
 def w(name: str, **kw) -> WorkerRecord:
     kw.setdefault("model", f"m-{name}")
-    return WorkerRecord(worker=name, usage=256 * MiB, footprint=256 * MiB, **kw)
+    return WorkerRecord(worker=name, memory=MemoryReading(usage=256 * MiB, footprint=256 * MiB), **kw)
+
+
+def held_by(workers: list[WorkerRecord], held: dict[str, int]) -> list[WorkerRecord]:
+    """The same workers, each holding `held[id]` device bytes (D1; 0 when absent)."""
+    return [msgspec.structs.replace(x, device_bytes=held.get(x.worker, 0)) for x in workers]
 
 
 CUSTOM20 = {"custom_device_ceiling": 20 * GiB}
@@ -111,7 +117,7 @@ def test_d3_no_device_is_none_and_every_helper_reads_it_as_no_device():
     assert dev(total=0, free=0, group=0) is None
     assert device_level(99 * GiB, None) == "ok"
     assert device_emergency(99 * GiB, None, 5) == (0, False)
-    assert admit_device_load(None, [w("a")], {"a": GiB}, "m", 99 * GiB).admitted
+    assert admit_device_load(None, held_by([w("a")], {"a": GiB}), "m", 99 * GiB).admitted
     assert device_reserve_message(None) == ""
 
 
@@ -269,7 +275,7 @@ def test_d4_group_device_bytes_counts_live_workers_only():
     workers = [w("ready"), w("draining", state="draining"), w("loading", state="loading"),
                w("dead", state="dead"), w("stopped", state="stopped"), w("unmapped")]
     held = {"ready": 1 * GiB, "draining": 2 * GiB, "loading": 4 * GiB, "dead": 8 * GiB, "stopped": 16 * GiB}
-    assert group_device_bytes(workers, held) == 7 * GiB
+    assert group_device_bytes(held_by(workers, held)) == 7 * GiB
 
 
 # -- D5 admission on device bytes ------------------------------------------------
@@ -278,7 +284,7 @@ def test_d4_group_device_bytes_counts_live_workers_only():
 def test_d5_a1_a2_evicts_lru_idle_by_device_bytes_down_to_the_device_soft_target():
     workers = [w("old", last_access=1), w("mid", last_access=2), w("new", last_access=3)]
     held = {"old": 6 * GiB, "mid": 6 * GiB, "new": 4 * GiB}
-    v = admit_device_load(custom(group=16 * GiB), workers, held, "big", 4 * GiB)
+    v = admit_device_load(custom(group=16 * GiB), held_by(workers, held), "big", 4 * GiB)
     # 16 + 4 = 20 > 18: stop "old" (6 GiB on the device) -> 14 + 4 = 18 <= 18
     assert v.admitted and v.evict == ["old"] and v.pool == "device"
     assert (v.usage, v.target, v.ceiling) == (16 * GiB, 18 * GiB, 20 * GiB)
@@ -289,32 +295,31 @@ def test_d5_a2_never_evicts_pinned_busy_loading_or_the_model_itself():
                w("queued", queued=1), w("loading", state="loading"), w("self", model="big"),
                w("idle", last_access=5)]
     held = {name.worker: 3 * GiB for name in workers}
-    v = admit_device_load(custom(group=18 * GiB), workers, held, "big", 2 * GiB)
+    v = admit_device_load(custom(group=18 * GiB), held_by(workers, held), "big", 2 * GiB)
     assert v.evict == ["idle"] and v.admitted
 
 
 def test_d5_a2_skips_idle_workers_that_hold_no_device_bytes():
     """Stopping a worker with nothing on the device frees nothing in this pool."""
     workers = [w("cpu", last_access=1), w("gpu", last_access=2)]
-    v = admit_device_load(custom(group=16 * GiB), workers, {"gpu": 16 * GiB}, "big", 4 * GiB)
+    v = admit_device_load(custom(group=16 * GiB), held_by(workers, {"gpu": 16 * GiB}), "big", 4 * GiB)
     assert v.evict == ["gpu"]
 
 
 def test_d5_draining_device_bytes_count_as_gone_and_are_waited_for():
     workers = [w("leaving", state="draining"), w("idle", last_access=1)]
     held = {"leaving": 10 * GiB, "idle": 6 * GiB}
-    v = admit_device_load(custom(group=16 * GiB), workers, held, "big", 10 * GiB)
+    v = admit_device_load(custom(group=16 * GiB), held_by(workers, held), "big", 10 * GiB)
     assert v.usage == 6 * GiB and v.wait_for == ["leaving"] and v.evict == []
 
 
 def test_d5_a3_admits_above_the_target_when_under_the_device_ceiling():
-    v = admit_device_load(custom(group=15 * GiB), [w("busy", state="busy", running=1)],
-                          {"busy": 15 * GiB}, "m", 5 * GiB)
+    v = admit_device_load(custom(group=15 * GiB), held_by([w("busy", state="busy", running=1)], {"busy": 15 * GiB}), "m", 5 * GiB)
     assert v.admitted and v.evict == [] and v.error == ""
 
 
 def test_d5_refuses_naming_device_pool():
-    v = admit_device_load(custom(group=1 * GiB), [w("idle")], {"idle": 1 * GiB}, "huge", 21 * GiB)
+    v = admit_device_load(custom(group=1 * GiB), held_by([w("idle")], {"idle": 1 * GiB}), "huge", 21 * GiB)
     assert not v.admitted and v.error == MODEL_TOO_LARGE and v.pool == "device"
     assert v.message.startswith("model too large for the device pool: huge needs 21 GiB")
     assert v.binding == "device_static" and "custom_device_ceiling" in v.remedy
@@ -325,7 +330,7 @@ def test_d5_refuses_naming_device_pool():
 def test_d5_refuses_insufficient_device_memory_naming_device_others():
     c = custom(group=8 * GiB, others=4 * GiB)  # ceiling 20 - 4 = 16
     workers = [w("busy", state="busy", running=1), w("idle")]
-    v = admit_device_load(c, workers, {"busy": 6 * GiB, "idle": 2 * GiB}, "m", 12 * GiB)
+    v = admit_device_load(c, held_by(workers, {"busy": 6 * GiB, "idle": 2 * GiB}), "m", 12 * GiB)
     assert not v.admitted and v.error == INSUFFICIENT_MEMORY and v.evict == []
     assert v.message.startswith("insufficient device memory: m needs 12 GiB")
     assert "10 GiB of the device_others device ceiling 16 GiB" in v.message  # 16 - 6 busy
@@ -334,7 +339,7 @@ def test_d5_refuses_insufficient_device_memory_naming_device_others():
 
 def test_d5_reserve_as_large_as_the_device_refuses_every_load():
     c = dev("safe", total=768 * MiB, group=0)
-    v = admit_device_load(c, [], {}, "tiny", 1 * MiB)
+    v = admit_device_load(c, held_by([], {}), "tiny", 1 * MiB)
     assert not v.admitted and v.error == MODEL_TOO_LARGE
     assert "reserves 1 GiB of device memory" in v.message and "choose a tier" in v.remedy
 
@@ -343,9 +348,9 @@ def test_d5_a4_guard_off_evicts_toward_device_static_and_never_refuses():
     c = custom(group=18 * GiB, enabled=False)  # admission ceiling: static 20, target 18
     workers = [w("a", last_access=1), w("b", last_access=2)]
     held = {"a": 10 * GiB, "b": 8 * GiB}
-    fits = admit_device_load(c, workers, held, "m", 12 * GiB)
+    fits = admit_device_load(c, held_by(workers, held), "m", 12 * GiB)
     assert fits.admitted and fits.evict == ["a", "b"] and fits.ceiling == 20 * GiB
-    over = admit_device_load(c, workers, held, "m", 25 * GiB)
+    over = admit_device_load(c, held_by(workers, held), "m", 25 * GiB)
     assert over.admitted and over.error == "" and "the guard is off" in over.message
 
 

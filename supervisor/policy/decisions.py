@@ -33,7 +33,7 @@ class Warn(_Base, tag="warn", frozen=True, kw_only=True, gc=False):
 
 
 class LevelChanged(_Base, tag="level_changed", frozen=True, kw_only=True, gc=False):
-    """P1: the pressure level moved; carries the figures that moved it."""
+    """P1: the pressure level moved; carries the figures (of `pool`, D4) that moved it."""
 
     from_level: str = msgspec.field(name="from")
     to_level: str = msgspec.field(name="to")
@@ -41,6 +41,7 @@ class LevelChanged(_Base, tag="level_changed", frozen=True, kw_only=True, gc=Fal
     soft: int
     hard: int
     ceiling: int
+    pool: str = "host"  # D4: "host" or "device", the pool that sets the group's level
 
 
 class PauseAdmission(_Base, tag="pause_admission", frozen=True, kw_only=True, gc=False):

@@ -20,9 +20,8 @@ Inputs per tick (D1):
 - `group_bytes`: the device bytes the guarded group holds (sum of the
   workers' device bytes; `group_device_bytes` computes it). The supervisor
   holds none: it never imports MLX.
-- per worker: a mapping worker id -> device bytes (NVML per-process used
-  memory, else MLX active + pool), passed beside the existing `WorkerRecord`
-  list. A worker missing from the mapping holds 0 device bytes.
+- per worker: `WorkerRecord.device_bytes` (NVML per-process used memory,
+  else MLX active + pool), filled in by the enforcer.
 
 The rules:
 
@@ -63,15 +62,15 @@ device_tier_preview.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import msgspec
 
 from shared.sizes import GiB, MiB, format_size
 from shared.states import LIVE_STATES
-from supervisor.policy.group import is_idle, lru_key
-from supervisor.policy.snapshot import Level, WorkerRecord
+from supervisor.policy.group import WorkerGroup, is_idle, lru_key
+from supervisor.policy.snapshot import Level, Snapshot, WorkerRecord
 from supervisor.policy.tiers import TIERS, clamp, normalise_tier, resolve_thresholds
 
 __all__ = [
@@ -94,6 +93,7 @@ __all__ = [
     "device_reserve",
     "device_reserve_message",
     "device_tier_preview",
+    "device_ceilings_for",
     "group_device_bytes",
     "worse_level",
 ]
@@ -275,17 +275,13 @@ def device_reserve_message(c: DeviceCeilings | None) -> str:
     )
 
 
-def _held(device_bytes: Mapping[str, int], w: WorkerRecord) -> int:
-    return max(0, device_bytes.get(w.worker, 0))
+def _held(w: WorkerRecord) -> int:
+    return max(0, w.device_bytes)
 
 
-def group_device_bytes(workers: Iterable[WorkerRecord], device_bytes: Mapping[str, int]) -> int:
-    """U2 on the device: the device bytes of every worker whose process exists.
-
-    `device_bytes` maps worker id -> bytes it holds on the device (D1); a
-    worker missing from it counts 0, and so does one that is stopped or dead.
-    """
-    return sum(_held(device_bytes, w) for w in workers if w.state in LIVE_STATES)
+def group_device_bytes(workers: Iterable[WorkerRecord]) -> int:
+    """U2 on the device: the device bytes (D1) of every worker whose process exists."""
+    return sum(_held(w) for w in workers if w.state in LIVE_STATES)
 
 
 def device_level(usage: int, c: DeviceCeilings | None) -> Level:
@@ -355,14 +351,12 @@ class DeviceLoadVerdict(msgspec.Struct, frozen=True, kw_only=True):
 def admit_device_load(
     c: DeviceCeilings | None,
     workers: Iterable[WorkerRecord],
-    device_bytes: Mapping[str, int],
     model_id: str,
     size_bytes: int,
 ) -> DeviceLoadVerdict:
     """D5: A1-A4 on device bytes for loading `model_id` (`size_bytes` on the device).
 
-    `workers` are the tick's `WorkerRecord`s and `device_bytes` maps worker id
-    -> its device bytes (D1). Usage is projected as admission.py does it: the
+    `workers` are the tick's `WorkerRecord`s, each with its device bytes (D1). Usage is projected as admission.py does it: the
     live workers' device bytes less those of workers already draining (listed
     in `wait_for`). A1: evict target = min(device admission soft target,
     device admission ceiling). A2: while usage + size > target, stop the least
@@ -376,7 +370,7 @@ def admit_device_load(
     size = max(0, size_bytes)
     live = [w for w in workers if w.state in LIVE_STATES]
     draining = [w for w in live if w.state == "draining"]
-    usage = sum(_held(device_bytes, w) for w in live) - sum(_held(device_bytes, w) for w in draining)
+    usage = sum(_held(w) for w in live) - sum(_held(w) for w in draining)
     if c is None:
         return DeviceLoadVerdict(admitted=True, usage=usage, size=size,
                                  message=f"load {model_id}: no discrete device, nothing to guard")
@@ -384,7 +378,7 @@ def admit_device_load(
     target = min(c.admission_soft_target, ceiling)  # A1
     victims = sorted(
         (w for w in live
-         if is_idle(w) and not w.pinned and w.model != model_id and _held(device_bytes, w) > 0),
+         if is_idle(w) and not w.pinned and w.model != model_id and _held(w) > 0),
         key=lru_key,
     )
     evict: list[str] = []
@@ -393,7 +387,7 @@ def admit_device_load(
         if after + size <= target:
             break
         evict.append(w.worker)
-        after -= _held(device_bytes, w)
+        after -= _held(w)
     verdict = DeviceLoadVerdict(
         admitted=True, evict=evict, wait_for=[w.worker for w in draining], binding=c.admission_binding,
         usage=usage, size=size, ceiling=ceiling, target=target)
@@ -475,3 +469,13 @@ def device_tier_preview(
             hard_bytes=c.hard,
         )
     return out
+
+
+def device_ceilings_for(s: Snapshot, g: WorkerGroup) -> DeviceCeilings | None:
+    """D3 for this snapshot (None: no discrete device)."""
+    guard = s.guard
+    return compute_device_ceilings(
+        tier=guard.tier, total=s.device_total, free=s.device_free, group_bytes=g.device_bytes,
+        enabled=guard.enabled, custom_device_ceiling=guard.custom_device_ceiling,
+        soft_threshold=guard.soft_threshold, hard_threshold=guard.hard_threshold,
+    )

@@ -26,15 +26,17 @@ class WorkerGroup:
     within a fraction of a second; one with a running request may take as
     long as the request does). `growing` says whether a worker that can grow
     fast is there: one loading or running a request (an idle worker holds
-    still).
+    still). `device_bytes` and `draining_device_bytes` are the same sums on a
+    discrete device's pool (D1, D4; the supervisor holds nothing there).
     """
 
     __slots__ = ("usage", "own", "own_gpu", "hot_used", "draining_usage", "draining_idle_usage", "live",
-                 "serving", "loading", "active", "unknown", "growing")
+                 "serving", "loading", "active", "unknown", "growing", "device_bytes",
+                 "draining_device_bytes")
 
     def __init__(self, s: Snapshot) -> None:
         usage = own = s.supervisor_footprint
-        own_gpu = hot_used = draining = draining_idle = 0
+        own_gpu = hot_used = draining = draining_idle = device = draining_device = 0
         live: list[WorkerRecord] = []
         serving: list[WorkerRecord] = []
         loading: list[WorkerRecord] = []
@@ -48,6 +50,7 @@ class WorkerGroup:
             own += w.memory.footprint
             own_gpu += w.gpu_bytes
             hot_used += w.memory.cache_bytes
+            device += w.device_bytes
             if state in _SERVING:
                 serving.append(w)
                 if w.running or w.queued:
@@ -56,6 +59,7 @@ class WorkerGroup:
                 loading.append(w)
             elif state == "draining":
                 draining += w.usage
+                draining_device += w.device_bytes
                 if not (w.running or w.queued):
                     draining_idle += w.usage
                 active = True
@@ -65,6 +69,7 @@ class WorkerGroup:
         self.draining_usage, self.draining_idle_usage = draining, draining_idle
         self.live, self.serving, self.loading = live, serving, loading
         self.active, self.unknown = active, unknown
+        self.device_bytes, self.draining_device_bytes = device, draining_device
         self.growing = bool(loading) or any(w.running or w.queued for w in serving)
 
 

@@ -42,6 +42,8 @@ re-exported from supervisor.policy.decisions.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgspec
 
 from shared.limits import Limits
@@ -63,6 +65,14 @@ from supervisor.policy.decisions import (
     ShrinkHotCache,
     Stop,
     Warn,
+)
+from supervisor.policy.device import (
+    DeviceCeilings,
+    device_ceilings_for,
+    device_emergency,
+    device_level,
+    device_reserve_message,
+    worse_level,
 )
 from supervisor.policy.group import WorkerGroup, ceilings_for, is_idle, lru_key, snapshot_total
 from supervisor.policy.snapshot import Level, PolicyState, Snapshot, WorkerRecord
@@ -101,6 +111,12 @@ class TickResult(msgspec.Struct, frozen=True, kw_only=True):
     emergency: bool
     next_interval: float    # P9
     draining_credited: int = 0  # draining usage counted as already gone (module doc)
+    # D4: the discrete device pool (None: no device); `level` above is the worse of the two pools
+    device: DeviceCeilings | None = None
+    device_usage: int = 0
+    device_level: Level = "ok"
+    device_emergency: bool = False
+    host_level: Level = "ok"
 
 
 def group_usage(s: Snapshot) -> int:
@@ -115,6 +131,38 @@ def _classify(usage: int, c: Ceilings) -> Level:
     return "soft" if usage < c.hard else "hard"
 
 
+class _Pool:
+    """One memory pool as this tick projects it: host RAM, or a discrete device (D4).
+
+    P5 and P6 run on whichever pool is under pressure, with that pool's
+    watermarks, choosing victims by the bytes they `held` there.
+    """
+
+    __slots__ = ("name", "soft", "hard", "ceiling", "projected", "held")
+
+    def __init__(self, name: str, soft: int, hard: int, ceiling: int, projected: int,
+                 held: Callable[[WorkerRecord], int]) -> None:
+        self.name, self.soft, self.hard, self.ceiling = name, soft, hard, ceiling
+        self.projected, self.held = projected, held
+
+    @property
+    def usage_words(self) -> str:
+        return "usage" if self.name == "host" else "device usage"
+
+    def classify(self) -> Level:
+        if self.ceiling <= 0 or self.projected < self.soft:
+            return "ok"
+        return "soft" if self.projected < self.hard else "hard"
+
+
+def _host_bytes(w: WorkerRecord) -> int:
+    return w.usage
+
+
+def _device_bytes(w: WorkerRecord) -> int:
+    return w.device_bytes
+
+
 class _Tick:
     """The working state of one tick; methods are the rules, in SPEC order."""
 
@@ -127,8 +175,17 @@ class _Tick:
         self.total = snapshot_total(s)
         self.c = ceilings_for(s, self.g)
         self.stopped: set[str] = set()
-        self.projected = self.g.usage - self.g.draining_usage
+        c, g = self.c, self.g
+        self.host = _Pool("host", c.soft, c.hard, c.ceiling, g.usage - g.draining_usage, _host_bytes)
+        self.dc = device_ceilings_for(s, g)
+        dc = self.dc
+        self.device = None if dc is None else _Pool(
+            "device", dc.soft, dc.hard, dc.ceiling, g.device_bytes - g.draining_device_bytes, _device_bytes)
         self.credited = self.g.draining_usage
+
+    @property
+    def projected(self) -> int:
+        return self.host.projected
 
     # -- warnings (T2, C1, C2) --------------------------------------------
 
@@ -149,7 +206,10 @@ class _Tick:
                 f"the static one ({format_size(c.static)})")))
         if c.reserve_exceeds_total and not prev.reserve_warned:
             out.append(Warn(reason="C1", message=reserve_message(c)))
-        return tier_warned, no_reading, c.reserve_exceeds_total
+        device_short = self.dc is not None and self.dc.reserve_exceeds_total
+        if device_short and not prev.reserve_warned:
+            out.append(Warn(reason="D2", message=device_reserve_message(self.dc)))
+        return tier_warned, no_reading, c.reserve_exceeds_total or device_short
 
     # -- P1 / P2 ----------------------------------------------------------------
 
@@ -234,7 +294,7 @@ class _Tick:
         # the ceiling (further over, if it is already) by more than a 1 % tolerance.
         # Without growth, stopping more models would not bring the memory back sooner.
         if growth * STOP_SECONDS > max(0, c.ceiling - g.usage) + c.ceiling * GROWTH_TOLERANCE:
-            self.projected, self.credited = g.usage, 0
+            self.host.projected, self.credited = g.usage, 0
             return
         self.credited = g.draining_usage
 
@@ -265,14 +325,14 @@ class _Tick:
                 f"(grace {used}/{GRACE_TICKS_MAX}, nothing destroyed)")))
         return bool(fat)
 
-    def shrink_hot_cache(self) -> None:
+    def shrink_hot_cache(self, pool: _Pool) -> None:
         """P5 at hard: shrink prompt caches by LRU toward soft, then reclaim.
 
         The freed cache blocks land in the allocator pool; without the reclaim
         that follows, the bytes never left the process and the old enforcer
         concluded "nothing to evict" and livelocked until restart.
         """
-        need = self.projected - self.c.soft
+        need = pool.projected - pool.soft
         shrunk: set[str] = set()
         if need > 0:
             for w in sorted((w for w in self.g.serving if w.memory.cache_releasable > 0), key=lru_key):
@@ -281,9 +341,9 @@ class _Tick:
                     continue
                 self.out.append(ShrinkHotCache(
                     worker=w.worker, model=w.model, target_bytes=w.memory.cache_bytes - take,
-                    reason=f"hard pressure: free {format_size(take)} of prompt cache"))
+                    reason=f"hard {_pressure(pool)}: free {format_size(take)} of prompt cache"))
                 need -= take
-                self.projected -= take
+                pool.projected -= take
                 shrunk.add(w.worker)
                 if need <= 0:
                     break
@@ -292,14 +352,20 @@ class _Tick:
         for w in self.g.live:
             if w.worker in shrunk or (w.memory.mlx_pool > self.pool_floor and w.state != "draining"):
                 self.out.append(Reclaim(worker=w.worker, model=w.model,
-                                        reason="hard pressure: return freed memory to the OS"))
+                                        reason=f"hard {_pressure(pool)}: return freed memory to the OS"))
 
     # -- P6 ------------------------------------------------------------------------
 
+    def _gone(self, w: WorkerRecord) -> None:
+        """A stopped process gives back what it held in every pool."""
+        self.stopped.add(w.worker)
+        self.host.projected -= w.usage
+        if self.device is not None:
+            self.device.projected -= w.device_bytes
+
     def _stop(self, w: WorkerRecord, reason: str) -> None:
         self.out.append(Stop(worker=w.worker, model=w.model, reason=reason))
-        self.stopped.add(w.worker)
-        self.projected -= w.usage
+        self._gone(w)
 
     def stop_marked(self, level: Level) -> None:
         """P6 step 1 at any level: a marked worker that has drained goes now.
@@ -315,7 +381,7 @@ class _Tick:
             when = f"{level} pressure" if level != "ok" else "after the pressure"
             self._stop(w, f"{when}: {w.model} was marked for unload in an emergency and has drained")
 
-    def evict(self, level: Level, emergency: bool) -> None:
+    def evict(self, pool: _Pool, level: Level, emergency: bool) -> None:
         """P6: act, in order, while projected usage is above soft.
 
         Step 1 (marked and drained) has run already, at every level
@@ -323,33 +389,35 @@ class _Tick:
         step 5 touches them, and it aborts requests while keeping the model
         loaded.
         """
-        c, soft = self.c, self.c.soft
-        if self.projected <= soft:
+        soft = pool.soft
+        if pool.projected <= soft:
             return
         serving = self.g.serving
         unpinned = [w for w in serving if not w.pinned and w.worker not in self.stopped]
         idle = sorted((w for w in unpinned if not w.marked_for_unload and is_idle(w)), key=lru_key)
         loaded_unpinned = len(unpinned)
         for w in idle:  # step 2
-            if self.projected <= soft:
+            if pool.projected <= soft:
                 return
             if level != "hard" and loaded_unpinned <= 1:
                 return  # soft: keep the last non-pinned model; the pause is enough
-            self._stop(w, (f"{level} pressure: stop idle {w.model} (least recently used), "
-                           f"usage {format_size(self.projected)} > soft {format_size(soft)}"))
+            if pool.held(w) <= 0:
+                continue  # D4: stopping it frees nothing in this pool
+            self._stop(w, (f"{level} {_pressure(pool)}: stop idle {w.model} (least recently used), "
+                           f"{pool.usage_words} {format_size(pool.projected)} > soft {format_size(soft)}"))
             loaded_unpinned -= 1
-        if self.projected <= soft or level != "hard":
+        if pool.projected <= soft or level != "hard":
             return
-        self._hard_steps(emergency, c, unpinned)
+        self._hard_steps(pool, emergency, unpinned)
 
-    def _hard_steps(self, emergency: bool, c: Ceilings, unpinned: list[WorkerRecord]) -> None:
+    def _hard_steps(self, pool: _Pool, emergency: bool, unpinned: list[WorkerRecord]) -> None:
         """P6 steps 3-6: at hard with no idle victim left; one step per tick."""
         out = self.out
-        busy = [w for w in unpinned if not is_idle(w)]
+        busy = [w for w in unpinned if not is_idle(w) and pool.held(w) > 0]
         if busy:  # step 3
             w = min(busy, key=lru_key)
             out.append(AbortRequests(worker=w.worker, model=w.model, reason=(
-                f"hard pressure, no idle model to stop: abort requests of {w.model} "
+                f"hard {_pressure(pool)}, no idle model to stop: abort requests of {w.model} "
                 "(least recently used)" + ("" if emergency else ", keep it loaded"))))
             if emergency:
                 out.append(MarkForUnload(worker=w.worker, model=w.model, reason=(
@@ -358,14 +426,14 @@ class _Tick:
         if self.g.loading:  # step 4
             for w in self.g.loading:
                 out.append(AbortLoad(worker=w.worker, model=w.model,
-                                     reason=f"hard pressure: abort loading {w.model}"))
+                                     reason=f"hard {_pressure(pool)}: abort loading {w.model}"))
             return
-        if emergency and self.projected >= c.ceiling:  # step 5
+        if emergency and pool.projected >= pool.ceiling:  # step 5
             active = [w for w in self.g.serving if w.running or w.queued]
             for w in active:
                 out.append(AbortRequests(worker=w.worker, model=w.model, reason=(
-                    f"memory emergency: usage {format_size(self.projected)} >= ceiling "
-                    f"{format_size(c.ceiling)}; abort requests of {w.model}, keep it loaded")))
+                    f"memory emergency: {pool.usage_words} {format_size(pool.projected)} >= ceiling "
+                    f"{format_size(pool.ceiling)}; abort requests of {w.model}, keep it loaded")))
             if active:
                 return
         # step 6; a worker P5 already asked to reclaim at its next step boundary needs no second ask
@@ -373,7 +441,7 @@ class _Tick:
         for w in self.g.serving:
             if w.worker not in asked:
                 out.append(Reclaim(worker=w.worker, model=w.model, idle_only=True, reason=(
-                    "hard pressure, nothing to evict: return the allocator pool when idle")))
+                    f"hard {_pressure(pool)}, nothing to evict: return the allocator pool when idle")))
 
     # -- P8 / P9 / P10 -------------------------------------------------------------
 
@@ -408,8 +476,7 @@ class _Tick:
             if ttl > 0 and idle_for > ttl:
                 self.out.append(ExpireTTL(worker=w.worker, model=w.model, reason=(
                     f"{w.model} idle for {idle_for:.0f} s, longer than its TTL of {ttl:g} s")))
-                self.stopped.add(w.worker)
-                self.projected -= w.usage
+                self._gone(w)
 
     def interval(self, level: Level) -> float:
         """P9: fast while anything can change the answer, slow when all is quiet."""
@@ -458,34 +525,43 @@ def tick(s: Snapshot) -> TickResult:
 
     Order of the decisions: warnings, level change, admission pause/resume,
     limits, P6.1 stops of drained marked workers (any level), P4 grace
-    reclaim or P5/P6 pressure actions, P8 concurrency steps, P10 TTL expiries.
+    reclaim or P5/P6 pressure actions (host pool, then device pool: D4), P8
+    concurrency steps, P10 TTL expiries.
     """
     t = _Tick(s)
     if s.host is None and s.state.last_total <= 0 and s.guard.enabled:
         return _hold_still(s, t)
-    c = t.c
+    c, dc, prev = t.c, t.dc, s.state
     tier_warned, no_reading, reserve_warned = t.warnings()
-    level, over, emergency = t.pressure()
-    prev = s.state
+    host_level, over, host_emergency = t.pressure()
+    dev_usage = t.g.device_bytes
+    dev_level = device_level(dev_usage, dc)
+    dev_over, dev_emergency = device_emergency(dev_usage, dc, prev.device_over_ceiling_ticks, recheck=s.recheck)
+    level = worse_level(host_level, dev_level)  # D4: the group's level is the worse pool's
+    emergency = host_emergency or dev_emergency
     if level != prev.level:
-        t.out.append(LevelChanged(
-            from_level=prev.level, to_level=level, usage=t.g.usage, soft=c.soft, hard=c.hard,
-            ceiling=c.ceiling, reason=_level_reason(level, t.g.usage, c)))
+        t.out.append(_level_changed(prev.level, level, t, host_level, dev_usage))
     paused = t.admission(level)
     common, limited = t.limits(paused)
     seen, seen_at, growth = t.growth()
-    t.discount_draining(level, growth)
+    t.discount_draining(host_level, growth)
     t.stop_marked(level)
     grace = 0 if level == "ok" else prev.grace_ticks
     if level != "ok":
         if t.grace(level, emergency):
             grace += 0 if s.recheck else 1
         else:
-            acting: Level = level
-            if level == "hard":
-                t.shrink_hot_cache()
-                acting = _classify(t.projected, c)
-            t.evict(acting, emergency)
+            pools = [(t.host, host_level, host_emergency)]
+            if t.device is not None:
+                pools.append((t.device, dev_level, dev_emergency))
+            for pool, pool_level, pool_emergency in pools:
+                if pool_level == "ok":
+                    continue
+                acting: Level = pool_level
+                if pool_level == "hard":
+                    t.shrink_hot_cache(pool)
+                    acting = pool.classify()
+                t.evict(pool, acting, pool_emergency)
     t.walk_concurrency(level)
     t.expire_ttl()
     interval = t.interval(level)
@@ -493,10 +569,28 @@ def tick(s: Snapshot) -> TickResult:
         level=level, over_ceiling_ticks=over, grace_ticks=grace, admission_paused=paused,
         tier_warned=tier_warned, no_reading_warned=no_reading, reserve_warned=reserve_warned,
         last_total=t.total, interval=interval, limits=common, limited=limited, usage_seen=seen,
-        seen_at=seen_at, growth=growth)
+        seen_at=seen_at, growth=growth, device_over_ceiling_ticks=dev_over)
     return TickResult(state=state, decisions=t.out, ceilings=c, level=level, usage=t.g.usage,
                       projected_usage=t.projected, emergency=emergency, next_interval=interval,
-                      draining_credited=t.credited)
+                      draining_credited=t.credited, device=dc, device_usage=dev_usage,
+                      device_level=dev_level, device_emergency=dev_emergency, host_level=host_level)
+
+
+def _pressure(pool: _Pool) -> str:
+    return "pressure" if pool.name == "host" else "device memory pressure"
+
+
+def _level_changed(before: Level, level: Level, t: _Tick, host_level: Level, dev_usage: int) -> LevelChanged:
+    """P1/D4: the figures of the pool that sets the group's level (the host on a tie)."""
+    c, dc = t.c, t.dc
+    if dc is None or level == host_level:
+        return LevelChanged(from_level=before, to_level=level, usage=t.g.usage, soft=c.soft, hard=c.hard,
+                            ceiling=c.ceiling, reason=_level_reason(level, t.g.usage, c))
+    return LevelChanged(
+        from_level=before, to_level=level, usage=dev_usage, soft=dc.soft, hard=dc.hard, ceiling=dc.ceiling,
+        pool="device", reason=(
+            f"device usage {format_size(dev_usage)} against soft {format_size(dc.soft)}, hard "
+            f"{format_size(dc.hard)}, device ceiling {format_size(dc.ceiling)} ({dc.binding})"))
 
 
 def _level_reason(level: Level, usage: int, c: Ceilings) -> str:

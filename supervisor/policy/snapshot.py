@@ -80,6 +80,7 @@ class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     queued: int = 0
     memory: MemoryReading = NO_READING
     gpu_bytes: int = 0
+    device_bytes: int = 0   # D1: held on a discrete device (NVML per process, else MLX active + pool)
     max_concurrency: int = 4
     concurrency: int = 0
     ttl: float | None = None
@@ -108,6 +109,7 @@ class PolicyState(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     usage_seen: dict[str, int] = {}  # worker id -> usage at `seen_at` (growth estimate, P6 at hard)
     seen_at: float = 0.0
     growth: float = 0.0             # bytes/s the non-draining workers grew by, last estimate
+    device_over_ceiling_ticks: int = 0  # D4: P2's count on the device pool
 
 
 class Snapshot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -126,7 +128,8 @@ class Snapshot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     host: HostCounters | None = None
     supervisor_footprint: int = 0
     gpu_cap_raw: int = 0                 # C: unified memory (Metal) only; 0 on CUDA and CPU
-    device_total: int = 0                # a discrete device's memory (CUDA): reported, never folded in (D)
+    device_total: int = 0                # a discrete device's memory (CUDA): its own pool (D), never folded in
+    device_free: int | None = None       # D1: free on that device now; None: no reading (dynamic = static)
     activity_hint: float | None = None   # P9: last "activity is coming" hint (monotonic)
     recheck: bool = False
     workers: list[WorkerRecord] = []
