@@ -69,6 +69,7 @@ class Hello(Msg, tag="hello", kw_only=True):
     pid: int
     # mx.device_info() as the worker saw it (the supervisor never imports MLX).
     device_info: dict[str, Union[int, float, str]] = {}
+    device: str = ""  # D1: where its arrays live, mx.default_device() ("Device(gpu, 0)")
     slot: int = -1
 
 

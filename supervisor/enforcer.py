@@ -27,13 +27,14 @@ from shared import probe
 from shared import protocol as p
 from shared.ledger import Ledger
 from shared.memory import NO_READING
+from shared.probe import nvml
 from shared.sizes import MAX_SIZE, format_size
 from shared.weights import WeightsError, estimate_weight_bytes, kv_bytes_per_token
 from supervisor.config import ModelConfig, guard_settings
 from supervisor.errors import LoadError
 from supervisor.policy import decisions as d
 from supervisor.policy import pressure as policy
-from supervisor.policy.admission import FitReport, admit_load, evict_for_prefill, fit_report
+from supervisor.policy.admission import FitReport, admit, evict_for_prefill, fit_report
 from supervisor.policy.snapshot import PolicyState, Snapshot, WorkerRecord
 from supervisor.policy.status import GuardStatus, build_status
 from supervisor.policy.tiers import ThresholdError, check_thresholds, normalise_tier
@@ -69,6 +70,7 @@ class Enforcer:
         self._acted: set[tuple[type, str]] = set()
         # (monotonic time, decision) of every action carried out, for benchmarks and tests
         self.executed: collections.deque = collections.deque(maxlen=1000)
+        self.device_info: dict = {}  # the last CUDA/Metal device_info a worker's hello gave
 
     # -- inputs -----------------------------------------------------------------
 
@@ -77,25 +79,42 @@ class Enforcer:
         host = probe.read_host_counters(self.config.guard.budget)
         own = probe.own_footprint() or 0
         self.ledger.write_supervisor(own, now)
-        workers = [self._record(h) for h in self.pool.handles.values()]
         # One machine, one accelerator: any worker's device_info gives the cap
         # (read once a tick; on macOS it includes a sysctl the user may change).
         info = next((h.device_info for h in self.pool.handles.values() if h.device_info), None)
+        if info:
+            self.device_info = info  # remembered: the next load is admitted on the device (D5)
+        info = info or self.device_info
         gpu_cap_raw, device_total = probe.host_gpu_cap(info) if info else (0, 0)
+        device = self.read_device(info) if device_total else None
+        workers = [self._record(h, device) for h in self.pool.handles.values()]
         return Snapshot(
             now=now, guard=self.settings, host=host, supervisor_footprint=own, gpu_cap_raw=gpu_cap_raw,
-            device_total=device_total, activity_hint=self.activity_hint, recheck=recheck, workers=workers, state=self.state,
+            device_total=device.total if device else 0, device_free=device.free if device else None,
+            activity_hint=self.activity_hint, recheck=recheck, workers=workers, state=self.state,
         )
 
-    def _record(self, h: WorkerHandle) -> WorkerRecord:
+    def read_device(self, info: dict) -> nvml.DeviceReading | None:
+        """D1: the device the workers run on, from NVML where it can be read, else
+        from a worker's hello (its total and the free memory it saw then)."""
+        uuid = info.get("uuid")
+        reading = nvml.read_device(uuid=uuid if isinstance(uuid, str) and uuid else None)
+        return reading if reading is not None else nvml.reading_from_device_info(info)
+
+    def _record(self, h: WorkerHandle, device: nvml.DeviceReading | None) -> WorkerRecord:
         s = h.sample
         memory = s.memory if s else NO_READING
         gpu = probe.gpu_share_of_usage(h.device_info, memory.mlx_active, memory.mlx_pool) if h.device_info else 0
+        on_device = 0
+        if device is not None and probe.gpu_kind(h.device_info) == "cuda":
+            # D1: NVML's per-process bytes; else MLX active + pool as the worker measured them
+            by_pid = nvml.device_bytes_for(device, h.pid) if h.pid else None
+            on_device = by_pid if by_pid is not None else memory.mlx_active + memory.mlx_pool
         return WorkerRecord(
             worker=h.worker_id, model=h.model_id, state=h.state, pid=h.pid, pinned=h.pinned,
             marked_for_unload=h.marked_for_unload, last_access=h.last_access,
             running=max(s.running if s else 0, len(h.requests)), queued=s.queued if s else 0,
-            memory=memory, gpu_bytes=gpu,
+            memory=memory, gpu_bytes=gpu, device_bytes=on_device,
             max_concurrency=h.model.max_concurrency, concurrency=h.concurrency, ttl=h.model.ttl,
             restarts=len(self.pool.restarts.get(h.model_id, ())),
         )
@@ -282,7 +301,7 @@ class Enforcer:
         """SPEC A1-A4: evict LRU idle models to make room, then admit or refuse."""
         size = self.weight_bytes(model)
         for _round in range(8):
-            verdict = admit_load(self.snapshot(time.monotonic()), model.id, size)
+            verdict = admit(self.snapshot(time.monotonic()), model.id, size)
             if verdict.evict:
                 for worker_id in verdict.evict:
                     h = self.pool.handles.get(worker_id)

@@ -350,7 +350,12 @@ class Pool:
         if msg.pid != handle.pid or msg.worker_id != handle.worker_id:
             self.bus.bad("commands", "hello that does not match the spawned process", cause="hello_mismatch")
             return
-        handle.device_info = dict(msg.device_info)
+        # D1: a worker whose arrays live on the CPU holds nothing on the accelerator
+        # its MLX can see (an empty `device` is an older worker: trust its info)
+        on_cpu = msg.device.startswith("Device(cpu")
+        handle.device_info = {} if on_cpu else dict(msg.device_info)
+        log.info("Worker %s (%s) runs on %s %s", handle.worker_id, handle.model_id, msg.device or "an unnamed device",
+                 msg.device_info.get("device_name", ""))
         handle.move("hello")
         handle.last_pong = time.monotonic()
         if handle.last_limits is not None:

@@ -148,17 +148,20 @@ class Worker:
     def serve(self) -> int:
         import mlx.core as mx
 
+        from shared.probe import gpu_kind
         from worker.allocator import AllocatorLimits
         from worker.engine import Engine, EngineError
-        from worker.memory import MemorySampler
+        from worker.memory import MemorySampler, set_discrete_device
 
         try:
             info: dict[str, int | float | str] = {
                 k: v for k, v in mx.device_info().items() if isinstance(v, (int, float, str))}
         except Exception:  # older MLX
             info = {}
+        device = str(mx.default_device())
+        set_discrete_device(gpu_kind(info) == "cuda" and "gpu" in device)
         self.reply(p.Hello(worker_id=self.spec.worker_id, model_id=self.spec.model_id, pid=os.getpid(),
-                           device_info=info, slot=self.spec.slot))
+                           device_info=info, device=device, slot=self.spec.slot))
         self.sampler = MemorySampler()
         self.allocator = AllocatorLimits(mx, device_info=info,
                                          advise=lambda text: self.event("wired_limit", text))

@@ -27,6 +27,18 @@ from shared.memory import MemoryReading
 from shared.probe import footprint
 
 _peak_before_reset = 0
+_discrete = False  # MLX runs on a discrete device (CUDA): its arrays live outside host RAM
+
+
+def set_discrete_device(discrete: bool) -> None:
+    """Say once, at start, whether MLX's arrays live on a discrete device.
+
+    On CUDA, MLX active and pool bytes are device memory (SPEC D1 counts them
+    there); taking them as the floor of host usage would charge the host pool
+    for memory it does not hold, so U1 is then the host footprint alone.
+    """
+    global _discrete
+    _discrete = discrete
 
 
 def reset_peak() -> None:
@@ -53,8 +65,8 @@ def sample(pid: int | None = None, cache_bytes: int = 0, cache_releasable: int =
 
 
 def u1_usage(mlx_active: int, footprint: int) -> int:
-    """U1: the footprint, pool included, never below MLX active."""
-    return max(mlx_active, footprint)
+    """U1: the footprint, pool included, never below MLX active (host-side MLX only)."""
+    return footprint if _discrete else max(mlx_active, footprint)
 
 
 def usage() -> int:

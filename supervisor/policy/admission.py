@@ -19,30 +19,15 @@ import msgspec
 
 from shared.sizes import format_size
 from supervisor.policy.ceilings import Ceilings, remedy, reserve_message
+from supervisor.policy.device import admit_device_load, device_ceilings_for
 from supervisor.policy.group import WorkerGroup, ceilings_for, is_idle, lru_key
 from supervisor.policy.snapshot import Snapshot, WorkerRecord
+from supervisor.policy.verdict import INSUFFICIENT_MEMORY, MODEL_TOO_LARGE, LoadVerdict
 
-__all__ = ["INSUFFICIENT_MEMORY", "MODEL_TOO_LARGE", "FitReport", "LoadVerdict", "admit_load", "evict_for_prefill", "fit_report"]
-
-MODEL_TOO_LARGE = "model_too_large"
-INSUFFICIENT_MEMORY = "insufficient_memory"
-
-
-class LoadVerdict(msgspec.Struct, frozen=True, kw_only=True):
-    """A3's answer. Refused loads map to HTTP 507 with `error`, `binding`, `remedy`."""
-
-    admitted: bool
-    evict: list[str] = []      # worker ids to stop first, least recently used first
-    wait_for: list[str] = []   # draining workers whose memory the verdict counts as free
-    error: str = ""            # "" | "model_too_large" | "insufficient_memory"
-    binding: str = ""          # C6 binding of the admission ceiling
-    remedy: str = ""
-    message: str = ""
-    usage: int = 0             # projected group usage before the load
-    size: int = 0
-    ceiling: int = 0           # C7 admission ceiling
-    target: int = 0            # A1 evict target
-
+__all__ = [
+    "INSUFFICIENT_MEMORY", "MODEL_TOO_LARGE", "FitReport", "LoadVerdict", "admit", "admit_load", "evict_for_prefill",
+    "fit_report",
+]
 
 def _projected(g: WorkerGroup) -> int:
     return g.usage - g.draining_usage
@@ -94,6 +79,31 @@ def admit_load(s: Snapshot, model_id: str, size_bytes: int) -> LoadVerdict:
     fix = remedy("static" if c.reserve_exceeds_total else c.admission_binding, c.tier)
     return msgspec.structs.replace(verdict, admitted=False, evict=[], error=error, remedy=fix,
                                    message=f"{text}; {fix}")
+
+
+def admit(s: Snapshot, model_id: str, size_bytes: int) -> LoadVerdict:
+    """A and D5 together: where the weights go decides which pool they count against.
+
+    With a discrete device (`s.device_total` > 0: a worker said hello from
+    CUDA) MLX copies the weights to the device, so they count against the
+    device pool (A1-A4 on device bytes) and nothing of them against host RAM;
+    the host rules still run (with size 0) so a host already over its target
+    evicts too. The load goes ahead only when both pools admit it; the victims
+    and the draining workers to wait for are the union of the two answers.
+    Without a device this is `admit_load`.
+    """
+    if s.device_total <= 0:
+        return admit_load(s, model_id, size_bytes)
+    device = admit_device_load(device_ceilings_for(s, WorkerGroup(s)), s.workers, model_id, size_bytes)
+    host = admit_load(s, model_id, 0)
+    if not device.admitted:
+        return device
+    if not host.admitted:
+        return host
+    evict = device.evict + [w for w in host.evict if w not in device.evict]
+    wait_for = device.wait_for + [w for w in host.wait_for if w not in device.wait_for]
+    message = device.message if not host.evict else f"{device.message}; host RAM: {host.message}"
+    return msgspec.structs.replace(device, evict=evict, wait_for=wait_for, message=message)
 
 
 def _refusal(model_id: str, c: Ceilings, size: int, after: int) -> tuple[str, str]:

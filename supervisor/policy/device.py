@@ -56,7 +56,7 @@ DEVICE_BINDINGS, DEVICE_EMERGENCY_MARGIN, DEVICE_EMERGENCY_TICKS,
 MODEL_TOO_LARGE, INSUFFICIENT_MEMORY, device_reserve, DeviceCeilings,
 compute_device_ceilings, device_remedy, device_reserve_message,
 group_device_bytes, device_level, DeviceEmergency, device_emergency,
-worse_level, DeviceLoadVerdict, admit_device_load, DeviceTierPreview,
+worse_level, admit_device_load, DeviceTierPreview,
 device_tier_preview.
 """
 
@@ -72,6 +72,7 @@ from shared.states import LIVE_STATES
 from supervisor.policy.group import WorkerGroup, is_idle, lru_key
 from supervisor.policy.snapshot import Level, Snapshot, WorkerRecord
 from supervisor.policy.tiers import TIERS, clamp, normalise_tier, resolve_thresholds
+from supervisor.policy.verdict import INSUFFICIENT_MEMORY, MODEL_TOO_LARGE, LoadVerdict
 
 __all__ = [
     "DEVICE_BINDINGS",
@@ -82,7 +83,6 @@ __all__ = [
     "MODEL_TOO_LARGE",
     "DeviceCeilings",
     "DeviceEmergency",
-    "DeviceLoadVerdict",
     "DeviceReserveParams",
     "DeviceTierPreview",
     "admit_device_load",
@@ -103,11 +103,6 @@ __all__ = [
 # tests/test_device_policy.py pins them equal to the host's.
 DEVICE_EMERGENCY_MARGIN = 2 * GiB
 DEVICE_EMERGENCY_TICKS = 2
-
-# A3's error codes (equal to admission.py's): a 507 keeps one vocabulary of
-# errors; `DeviceLoadVerdict.pool` and the "device_*" binding say which pool.
-MODEL_TOO_LARGE = "model_too_large"
-INSUFFICIENT_MEMORY = "insufficient_memory"
 
 DEVICE_BINDINGS = ("", "device_static", "device_others")
 
@@ -327,33 +322,12 @@ def worse_level(a: Level, b: Level) -> Level:
     return a if _LEVEL_RANK[a] >= _LEVEL_RANK[b] else b
 
 
-class DeviceLoadVerdict(msgspec.Struct, frozen=True, kw_only=True):
-    """D5: A3's answer for the device pool (admission.LoadVerdict's shape, plus `pool`).
-
-    A refused load maps to HTTP 507 with `error`, `binding`, `remedy` and a
-    `message` that names the device pool.
-    """
-
-    admitted: bool
-    pool: str = "device"
-    evict: list[str] = []      # worker ids to stop first, least recently used first
-    wait_for: list[str] = []   # draining workers whose device bytes the verdict counts as free
-    error: str = ""            # "" | "model_too_large" | "insufficient_memory"
-    binding: str = ""          # "device_static" | "device_others"
-    remedy: str = ""
-    message: str = ""
-    usage: int = 0             # projected device usage before the load
-    size: int = 0              # the load's device bytes
-    ceiling: int = 0           # device admission ceiling (C7)
-    target: int = 0            # A1 evict target
-
-
 def admit_device_load(
     c: DeviceCeilings | None,
     workers: Iterable[WorkerRecord],
     model_id: str,
     size_bytes: int,
-) -> DeviceLoadVerdict:
+) -> LoadVerdict:
     """D5: A1-A4 on device bytes for loading `model_id` (`size_bytes` on the device).
 
     `workers` are the tick's `WorkerRecord`s, each with its device bytes (D1). Usage is projected as admission.py does it: the
@@ -372,7 +346,7 @@ def admit_device_load(
     draining = [w for w in live if w.state == "draining"]
     usage = sum(_held(w) for w in live) - sum(_held(w) for w in draining)
     if c is None:
-        return DeviceLoadVerdict(admitted=True, usage=usage, size=size,
+        return LoadVerdict(pool="device", admitted=True, usage=usage, size=size,
                                  message=f"load {model_id}: no discrete device, nothing to guard")
     ceiling = c.admission_ceiling
     target = min(c.admission_soft_target, ceiling)  # A1
@@ -388,7 +362,7 @@ def admit_device_load(
             break
         evict.append(w.worker)
         after -= _held(w)
-    verdict = DeviceLoadVerdict(
+    verdict = LoadVerdict(pool="device", 
         admitted=True, evict=evict, wait_for=[w.worker for w in draining], binding=c.admission_binding,
         usage=usage, size=size, ceiling=ceiling, target=target)
     if after + size <= ceiling:  # A3 admit
