@@ -2,6 +2,10 @@
 
 Tiny models are generated once per test session (seconds, no download) so
 every test that needs a real MLX model uses the same few files.
+
+The live front-door modules (a real supervisor and its HTTP server, see
+test_http_harness.py) share `server`, `token_server` and
+`no_front_door_errors` from here.
 """
 
 from __future__ import annotations
@@ -44,3 +48,43 @@ def tiny_model(tiny_models) -> Path:
 def runtime_dir(tmp_path_factory) -> Path:
     # ipc:// paths must stay short (108 bytes on Linux)
     return Path(tmp_path_factory.mktemp("rt", numbered=True))
+
+
+# ---------------------------------------------------------------------------
+# live front door (test_http_harness.LiveServer)
+
+
+@pytest.fixture
+def no_front_door_errors(caplog):
+    """No test may leave a bug behind that a client would have seen as a 500.
+
+    A live front-door module takes it for all its tests:
+    `pytestmark = pytest.mark.usefixtures("no_front_door_errors")`."""
+    from test_http_harness import front_door_errors
+
+    yield
+    assert front_door_errors(caplog.get_records("call")) == []
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models, tmp_path_factory):
+    """A real supervisor serving the tiny model as "a", one per test module.
+
+    A module that needs other models or settings defines its own `server`
+    fixture, which pytest uses there instead of this one."""
+    from test_http_harness import LiveServer, make_config
+
+    from supervisor.config import ModelConfig
+
+    models = [ModelConfig(id="a", path=str(tiny_models.a))]
+    with LiveServer(make_config(models), tmp_path_factory.mktemp("rt")) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def token_server(tmp_path_factory):
+    """A real supervisor with no models whose admin routes need test_http_harness.ADMIN_TOKEN."""
+    from test_http_harness import ADMIN_TOKEN, LiveServer, make_config
+
+    with LiveServer(make_config([], admin_token=ADMIN_TOKEN), tmp_path_factory.mktemp("rt")) as live:
+        yield live

@@ -10,28 +10,13 @@ import json
 
 import jsonschema
 import pytest
-from test_http_harness import LiveServer, front_door_errors, make_config
 
-from supervisor.config import ModelConfig
-
-pytestmark = pytest.mark.slow
+# `server` (the tiny model as "a") and no_front_door_errors are conftest.py's
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_front_door_errors")]
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
            "required": ["city", "days"], "additionalProperties": False}
-
-
-@pytest.fixture(autouse=True)
-def no_front_door_errors(caplog):
-    yield
-    assert front_door_errors(caplog.get_records("call")) == []
-
-
-@pytest.fixture(scope="module")
-def server(tiny_models, tmp_path_factory):
-    models = [ModelConfig(id="a", path=str(tiny_models.a))]
-    with LiveServer(make_config(models), tmp_path_factory.mktemp("rt")) as live:
-        yield live
 
 
 def test_anthropic_create_with_system_multi_turn_and_max_tokens(server):

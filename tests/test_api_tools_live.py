@@ -12,11 +12,10 @@ import json
 import jsonschema
 import openai
 import pytest
-from test_http_harness import LiveServer, front_door_errors, make_config, until
+from test_http_harness import until
 
-from supervisor.config import ModelConfig
-
-pytestmark = pytest.mark.slow
+# `server` (the tiny model as "a") and no_front_door_errors are conftest.py's
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_front_door_errors")]
 
 WEATHER = {
     "type": "object",
@@ -37,19 +36,6 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
           "required": ["name", "age"], "additionalProperties": False}
-
-
-@pytest.fixture(autouse=True)
-def no_front_door_errors(caplog):
-    yield
-    assert front_door_errors(caplog.get_records("call")) == []
-
-
-@pytest.fixture(scope="module")
-def server(tiny_models, tmp_path_factory):
-    models = [ModelConfig(id="a", path=str(tiny_models.a))]
-    with LiveServer(make_config(models), tmp_path_factory.mktemp("rt")) as live:
-        yield live
 
 
 def test_named_tool_choice_returns_a_call_that_validates_against_its_schema(server):

@@ -13,14 +13,14 @@ import json
 
 import msgspec
 import pytest
-from test_http_harness import LiveServer, front_door_errors, make_config, non_loopback_address
+from test_http_harness import ADMIN_TOKEN, LiveServer, make_config, non_loopback_address
 
 from shared import protocol as p
 from shared.memory import MemoryReading
 from supervisor import fanout
 from supervisor.fanout import Hub
 
-TOKEN = "dash-admin-token"
+pytestmark = pytest.mark.usefixtures("no_front_door_errors")
 
 
 def sample(seq: int, worker: str = "m#1") -> p.Sample:
@@ -163,21 +163,9 @@ def test_issue15_closing_the_hub_ends_every_stream_with_a_reason():
 # GET /v1/events and the dashboard, on a real server
 
 
-@pytest.fixture(autouse=True)
-def no_front_door_errors(caplog):
-    yield
-    assert front_door_errors(caplog.get_records("call")) == []
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     with LiveServer(make_config([]), tmp_path_factory.mktemp("rt")) as live:
-        yield live
-
-
-@pytest.fixture(scope="module")
-def token_server(tmp_path_factory):
-    with LiveServer(make_config([], admin_token=TOKEN), tmp_path_factory.mktemp("rt")) as live:
         yield live
 
 
@@ -339,7 +327,7 @@ def test_issue15_session_needs_the_admin_token_when_one_is_set(token_server):
         async with token_server.client() as c:
             without = (await c.get("/ui/session")).json()
             wrong = (await c.get("/ui/session", headers={"Authorization": "Bearer nope"})).json()
-            right = (await c.get("/ui/session", headers={"Authorization": f"Bearer {TOKEN}"})).json()
+            right = (await c.get("/ui/session", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})).json()
         return without, wrong, right
 
     without, wrong, right = token_server.run(main())

@@ -14,12 +14,13 @@ import json
 from pathlib import Path
 
 import pytest
-from test_http_harness import LiveServer, front_door_errors, make_config, metric, non_loopback_address
+from test_http_harness import ADMIN_TOKEN, LiveServer, make_config, metric, non_loopback_address
 
 from shared.sizes import GiB
 from supervisor.config import ModelConfig
 
-TOKEN = "s3cret-admin-token"
+pytestmark = pytest.mark.usefixtures("no_front_door_errors")
+
 MAX_BODY = 64 * 1024
 
 
@@ -37,13 +38,6 @@ def fake_huge_model(root: Path, claimed_bytes: int) -> Path:
     return root
 
 
-@pytest.fixture(autouse=True)
-def no_front_door_errors(caplog):
-    """No test may leave a bug behind that a client would have seen as a 500."""
-    yield
-    assert front_door_errors(caplog.get_records("call")) == []
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("fd")
@@ -53,10 +47,18 @@ def server(tmp_path_factory):
         yield live
 
 
-@pytest.fixture(scope="module")
-def token_server(tmp_path_factory):
-    with LiveServer(make_config([], admin_token=TOKEN), tmp_path_factory.mktemp("rt")) as live:
-        yield live
+def response_head(server, request: bytes) -> bytes:
+    """Send `request` (raw HTTP) and nothing more; the status line and headers that come back."""
+
+    async def main():
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(request)
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        writer.close()
+        return head
+
+    return server.run(main())
 
 
 def assert_openai_error(response, status: int, code: str | None = None) -> dict:
@@ -127,17 +129,8 @@ def test_oversized_bodies_are_413_whether_declared_or_chunked(server):
 def test_a_1gb_content_length_is_refused_before_any_body_is_sent(server):
     """The guard's own front door must not buffer a huge upload: the 413 comes back
     while the client has sent nothing but headers."""
-
-    async def main():
-        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 1000000000\r\n\r\n")
-        await writer.drain()
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-        writer.close()
-        return head
-
-    head = server.run(main())
+    head = response_head(server, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                                 b"Content-Type: application/json\r\nContent-Length: 1000000000\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 413"), head
 
 
@@ -260,12 +253,12 @@ def test_admin_token_is_required_when_configured_from_anywhere(token_server):
             missing = await c.post("/admin/guard", json={"tier": "safe"})
             wrong = await c.post("/admin/guard", json={"tier": "safe"}, headers={"Authorization": "Bearer nope"})
             right = await c.post("/admin/guard", json={"tier": "safe"},
-                                 headers={"Authorization": f"Bearer {TOKEN}"})
+                                 headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
         remote = None
         if address is not None:
             async with token_server.client(host=address) as c:
                 remote = await c.post("/admin/guard", json={"tier": "aggressive"},
-                                      headers={"Authorization": f"Bearer {TOKEN}"})
+                                      headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
         return missing, wrong, right, remote
 
     missing, wrong, right, remote = token_server.run(main())
@@ -321,15 +314,6 @@ def test_issue16_deeply_nested_json_is_400_not_a_500(server, path):
 
 def test_issue16_a_body_shorter_than_its_content_length_is_408_within_the_deadline(server):
     """It held its connection until the client gave up; now body_timeout (1 s here) ends it."""
-
-    async def main():
-        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 100\r\n\r\n{\"model\"")
-        await writer.drain()
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-        writer.close()
-        return head
-
-    head = server.run(main())
+    head = response_head(server, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                                 b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\"")
     assert head.startswith(b"HTTP/1.1 408"), head

@@ -1,10 +1,13 @@
-"""A real supervisor with its HTTP front door, for the test_http_* modules (no tests here).
+"""A real supervisor with its HTTP front door, for the live front-door modules (no tests here).
 
 The Arbiter must run in the main thread (it owns the signal handlers), so a
 module-scoped server lives on an event loop that this thread drives: each
 test hands its coroutine to `server.run(...)`, and the arbiter, uvicorn and
 the workers' sockets progress while it runs. Clients are the real async
 `openai` client and httpx, on the same loop.
+
+The fixtures built on it (`server`, `token_server`, `no_front_door_errors`)
+are in conftest.py.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import psutil
 
 from supervisor.arbiter import Arbiter
 from supervisor.config import Config, GuardConfig, SupervisorConfig
+
+ADMIN_TOKEN = "s3cret-admin-token"  # conftest's token_server wants it on /admin and /ui/session
 
 
 def make_config(models, *, guard=None, **sup) -> Config:

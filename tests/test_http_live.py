@@ -15,22 +15,15 @@ from pathlib import Path
 
 import openai
 import pytest
-from test_http_harness import LiveServer, front_door_errors, make_config, metric, parse_sse, until
+from test_http_harness import LiveServer, make_config, metric, parse_sse, until
 
 from shared import protocol as p
 from supervisor.config import ModelConfig
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_front_door_errors")]
 
 CHAT = [{"role": "user", "content": "Say something."}]
 LONG = 100_000  # tokens: a generation that outlives any test unless aborted
-
-
-@pytest.fixture(autouse=True)
-def no_front_door_errors(caplog):
-    """No test may leave a bug behind that a client would have seen as a 500."""
-    yield
-    assert front_door_errors(caplog.get_records("call")) == []
 
 
 def long_context(model: Path, target: Path, tokens: int = 1_000_000) -> Path:

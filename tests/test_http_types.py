@@ -121,6 +121,58 @@ def test_known_parameters_we_cannot_honour_are_refused_not_ignored(fields, param
     assert err.value.param == param
 
 
+def _generate(api: str, body: dict) -> p.Generate:
+    from supervisor.http.anthropic import MessagesRequest, messages_generate
+    from supervisor.http.responses import ResponsesRequest, responses_generate
+
+    raw = msgspec.json.encode({"model": "m", **body})
+    if api == "chat":
+        return chat_generate(decode_body(raw, ChatRequest))
+    if api == "anthropic":
+        return messages_generate(decode_body(raw, MessagesRequest))
+    return responses_generate(decode_body(raw, ResponsesRequest))
+
+
+_TEXT = {"type": "text", "text": "a"}
+
+
+@pytest.mark.parametrize(
+    "api, body, param",
+    [
+        ("chat", {"messages": [{"role": "user", "content": [_TEXT, {"type": "text"}]}]}, "messages[0].content[1].text"),
+        ("anthropic", {"max_tokens": 5, "messages": [{"role": "user", "content": [_TEXT, {"type": "image"}]}]},
+         "messages[0].content[1].type"),
+        ("anthropic", {"max_tokens": 5, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "a", "citations": [{"type": "x"}]}]}]}, "messages[0].content[0].citations"),
+        ("anthropic", {"max_tokens": 5, "system": [_TEXT, {"type": "document"}], "messages": [
+            {"role": "user", "content": "hi"}]}, "system[1].type"),
+        ("anthropic", {"max_tokens": 5, "messages": [{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image"}]}]}]},
+         "messages[0].content[0].content[0].type"),
+        ("responses", {"input": [{"role": "user", "content": [{"type": "input_text", "text": "a"},
+                                                             {"type": "input_image"}]}]}, "input[0].content[1].type"),
+        ("responses", {"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "x"}]}]},
+         "input[0].output[0].type"),
+    ],
+)
+def test_content_that_is_not_text_is_refused_at_its_own_path(api, body, param):
+    """One reader (supervisor/http/content.py) for all three APIs: a part that is not text,
+    or a text part with no text, is a 400 naming that part, never dropped."""
+    with pytest.raises(BodyError) as err:
+        _generate(api, body)
+    assert err.value.param == param and str(err.value).startswith(param.rsplit(".", 1)[0])
+
+
+@pytest.mark.parametrize("api, body", [
+    ("chat", {"messages": [{"role": "user", "content": [_TEXT, {"type": "input_text", "text": "b"}]}]}),
+    ("anthropic", {"max_tokens": 5, "messages": [{"role": "user", "content": [_TEXT, {"type": "text", "text": "b"}]}]}),
+    ("responses", {"input": [{"role": "user", "content": [{"type": "input_text", "text": "a"},
+                                                         {"type": "output_text", "text": "b"}]}]}),
+])
+def test_text_parts_are_joined_in_every_api(api, body):
+    assert [(m.role, m.content) for m in _generate(api, body).messages] == [("user", "ab")]
+
+
 @pytest.mark.parametrize("fields, param", [({"echo": True}, "echo"), ({"prompt": ["a", "b"]}, "prompt"),
                                            ({"prompt": ""}, "prompt"), ({"best_of": 3}, "best_of")])
 def test_completion_refusals_name_the_parameter(fields, param):

@@ -32,6 +32,7 @@ from starlette.responses import Response
 from shared import protocol as p
 from supervisor.http import generate as g
 from supervisor.http import tools
+from supervisor.http.content import part_text, text_of
 from supervisor.http.errors import ApiError
 from supervisor.http.openai_types import MAX_STOP_SEQUENCES, BodyError, KeepAlive, decode_body
 
@@ -121,18 +122,18 @@ def _refuse(req: MessagesRequest) -> None:
             raise BodyError(f"{name}: not supported by this server", param=name)
 
 
+def _block_text(b: Block, where: str) -> str:
+    """The text of a text block at `where`; citations are refused."""
+    if b.citations is not None:
+        raise BodyError(f"{where}.citations: not supported", param=f"{where}.citations")
+    return part_text(b, where, noun="blocks")
+
+
 def _text_of(content: Union[str, list[Block], None], where: str) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    out = []
-    for j, b in enumerate(content):
-        if b.type != "text" or b.text is None:
-            raise BodyError(f"{where}[{j}]: only text blocks are supported here (got {b.type!r})",
-                            param=f"{where}[{j}].type")
-        if b.citations is not None:
-            raise BodyError(f"{where}[{j}].citations: not supported", param=f"{where}[{j}].citations")
-        out.append(b.text)
-    return "".join(out)
+    """`system` or a tool_result's content: a string or text blocks."""
+    if isinstance(content, list):
+        return "".join(_block_text(b, f"{where}[{j}]") for j, b in enumerate(content))
+    return text_of(content, where)
 
 
 def _turns(i: int, m: MessageIn) -> list[p.ChatMessage]:
@@ -154,7 +155,7 @@ def _turns(i: int, m: MessageIn) -> list[p.ChatMessage]:
                 raise BodyError(f"{where}[{j}]: a tool_use block needs id and name", param=f"{where}[{j}]")
             calls.append({"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input or {}}})
         else:
-            text.append(_text_of([b], where))
+            text.append(_block_text(b, f"{where}[{j}]"))
     if text or calls:
         turns.append(p.ChatMessage(role=m.role, content="".join(text),
                                    tool_calls=_encoder.encode(calls).decode() if calls else None))
@@ -256,13 +257,10 @@ def _event(name: str, body: dict) -> bytes:
 async def handle(request: Request, sup, metrics, body: bytes, started: float) -> Response:
     req = decode_body(body, MessagesRequest)
     gen = messages_generate(req)
-    keep = g.keep_alive_seconds(req.keep_alive, req.ttl)
-    stream = await g.open_stream(sup, req.model, gen, request.receive, keep)
-    job = g.Job(sup, metrics, "chat", req.model, gen, False, started, stream, tool_plan(req))
+    job = await g.open_job(request, sup, metrics, req, gen, started, plan=tool_plan(req))
     msg_id = "msg_" + gen.request_id
     if req.stream:
-        first = await job.first(request.receive)
-        return g.sse_response(_events(job, first, msg_id, req.model))
+        return await job.streamed(request.receive, lambda first: _events(job, first, msg_id, req.model))
     text, calls, end = await job.collect(request.receive)
     content: list[Union[TextBlock, ToolUseBlock]] = [TextBlock(text=text)] if text or not calls else []
     content += [_tool_use(c) for c in calls]
@@ -272,51 +270,46 @@ async def handle(request: Request, sup, metrics, body: bytes, started: float) ->
     return Response(_encoder.encode(reply), media_type="application/json")
 
 
-async def _events(job: g.Job, first, msg_id: str, model: str) -> AsyncIterator[bytes]:
-    """Anthropic's event sequence; a text block opens at the first text, a tool_use block per call."""
+async def _events(job: g.Job, first, msg_id: str, model: str) -> AsyncIterator[list[bytes]]:
+    """Anthropic's event sequence, a list per piece for `Job.streamed`; a text block opens at
+    the first text, a tool_use block per call."""
     start = Message(id=msg_id, model=model, content=[], usage=_usage(None))
     out = [_event("message_start", {"message": start}), _event("ping", {})]
     index, text_open = 0, False
-    try:
-        async for piece in job.pieces(first):
-            match piece:
-                case g.Text(text=t):
-                    if not text_open:
-                        out.append(_event("content_block_start", {"index": index, "content_block": TextBlock(text="")}))
-                        text_open = True
-                    out.append(_event("content_block_delta", {"index": index,
-                                                              "delta": {"type": "text_delta", "text": t}}))
-                case g.Calls(calls=calls):
-                    if text_open:
-                        out.append(_event("content_block_stop", {"index": index}))
-                        index, text_open = index + 1, False
-                    for c in calls:
-                        block = _tool_use(c)
-                        out.append(_event("content_block_start", {"index": index, "content_block": {
-                            "type": "tool_use", "id": block.id, "name": c.name, "input": {}}}))
-                        out.append(_event("content_block_delta", {"index": index, "delta": {
-                            "type": "input_json_delta", "partial_json": c.arguments}}))
-                        out.append(_event("content_block_stop", {"index": index}))
-                        index += 1
-                case g.End(finished=fin):
-                    if text_open:
-                        out.append(_event("content_block_stop", {"index": index}))
-                    usage = _usage(fin)
-                    stop_reason, sequence = _stop(piece)
-                    out.append(_event("message_delta", {
-                        "delta": {"stop_reason": stop_reason, "stop_sequence": sequence},
-                        "usage": {"output_tokens": usage.output_tokens, "input_tokens": usage.input_tokens,
-                                  "cache_read_input_tokens": usage.cache_read_input_tokens}}))
-                    out.append(_event("message_stop", {}))
-                case ApiError():
-                    out.append(_event("error", {"error": error_detail(piece)}))
-            if job.stream.queue.empty():
-                yield b"".join(out)
-                out = []
-        if out:
-            yield b"".join(out)
-    finally:
-        job.cancel("client disconnected")
+    async for piece in job.pieces(first):
+        match piece:
+            case g.Text(text=t):
+                if not text_open:
+                    out.append(_event("content_block_start", {"index": index, "content_block": TextBlock(text="")}))
+                    text_open = True
+                out.append(_event("content_block_delta", {"index": index,
+                                                          "delta": {"type": "text_delta", "text": t}}))
+            case g.Calls(calls=calls):
+                if text_open:
+                    out.append(_event("content_block_stop", {"index": index}))
+                    index, text_open = index + 1, False
+                for c in calls:
+                    block = _tool_use(c)
+                    out.append(_event("content_block_start", {"index": index, "content_block": {
+                        "type": "tool_use", "id": block.id, "name": c.name, "input": {}}}))
+                    out.append(_event("content_block_delta", {"index": index, "delta": {
+                        "type": "input_json_delta", "partial_json": c.arguments}}))
+                    out.append(_event("content_block_stop", {"index": index}))
+                    index += 1
+            case g.End(finished=fin):
+                if text_open:
+                    out.append(_event("content_block_stop", {"index": index}))
+                usage = _usage(fin)
+                stop_reason, sequence = _stop(piece)
+                out.append(_event("message_delta", {
+                    "delta": {"stop_reason": stop_reason, "stop_sequence": sequence},
+                    "usage": {"output_tokens": usage.output_tokens, "input_tokens": usage.input_tokens,
+                              "cache_read_input_tokens": usage.cache_read_input_tokens}}))
+                out.append(_event("message_stop", {}))
+            case ApiError():
+                out.append(_event("error", {"error": error_detail(piece)}))
+        yield out
+        out = []
 
 
 # ---------------------------------------------------------------------------

@@ -44,6 +44,7 @@ from supervisor.api import Supervisor
 from supervisor.errors import ServeError
 from supervisor.http import tools
 from supervisor.http.body import Disconnected
+from supervisor.http.content import text_of
 from supervisor.http.errors import ApiError, from_failed, from_serve_error
 from supervisor.http.metrics import Metrics
 from supervisor.http.openai_types import (
@@ -59,13 +60,12 @@ from supervisor.http.openai_types import (
     ChunkChoice,
     CompletionRequest,
     Delta,
-    FunctionCallOut,
+    FunctionCall,
     PromptTokensDetails,
     ResponseFormat,
     TextChoice,
     TextCompletion,
-    ToolCallDelta,
-    ToolCallOut,
+    ToolCall,
     Usage,
     decode_body,
 )
@@ -76,6 +76,8 @@ log = logging.getLogger("memvisor.http")
 
 T = TypeVar("T")
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+# An API's SSE rendering of a stream, from its first message: a list of events per piece.
+Events = Callable[[StreamReply], AsyncIterator[list[bytes]]]
 
 _encoder = msgspec.json.Encoder()
 SSE_DONE = b"data: [DONE]\n\n"
@@ -172,16 +174,7 @@ def _chat_message(i: int, m) -> p.ChatMessage:
     for name in ("function_call", "audio"):
         if getattr(m, name) is not None:
             raise BodyError(f"messages[{i}].{name}: not supported", param=f"messages[{i}].{name}")
-    if isinstance(m.content, list):
-        parts = []
-        for j, part in enumerate(m.content):
-            if part.type not in ("text", "input_text") or part.text is None:
-                raise BodyError(f"messages[{i}].content[{j}]: only text parts are supported "
-                                f"(got type {part.type!r})", param=f"messages[{i}].content[{j}].type")
-            parts.append(part.text)
-        text = "".join(parts)
-    else:
-        text = m.content or ""
+    text = text_of(m.content, f"messages[{i}].content", ("text", "input_text"))
     calls = None
     if m.tool_calls:
         calls = []
@@ -269,6 +262,15 @@ async def race_client(coro: Awaitable[T], receive: Receive) -> T:
     if task in done:
         return task.result()
     raise Disconnected()
+
+
+async def open_job(request: Request, sup: Supervisor, metrics: Metrics, req, gen: p.Generate, started: float, *,
+                   kind: str = "chat", plan: ToolPlan | None = None, include_usage: bool = False) -> Job:
+    """`gen` routed to `req.model` under the request's keep_alive / ttl (`open_stream`:
+    a load, the queue), and the Job that reads its stream."""
+    keep = keep_alive_seconds(req.keep_alive, req.ttl)
+    stream = await open_stream(sup, req.model, gen, request.receive, keep)
+    return Job(sup, metrics, kind, req.model, gen, include_usage, started, stream, plan)
 
 
 async def open_stream(sup: Supervisor, model: str, gen: p.Generate, receive: Receive,
@@ -416,7 +418,7 @@ class Job:
         if self.kind == "chat":
             message = ChatMessageOut(role="assistant", content=text or (None if calls else ""))
             if calls:
-                message.tool_calls = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
+                message.tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
                                       for c in calls]
             body = ChatCompletion(id=self.id, created=self.created, model=self.model, usage=usage, choices=[
                 ChatChoice(index=0, message=message, finish_reason=end.reason)])
@@ -444,22 +446,36 @@ class Job:
             raise from_failed(first)
         return first
 
-    async def streamed(self, receive: Receive) -> Response:
+    async def streamed(self, receive: Receive, events: Events | None = None) -> Response:
+        """The SSE response, once the first message is in: `events` renders the
+        pieces (OpenAI's chunks unless given: see anthropic.py, responses.py)."""
         first = await self.first(receive)
-        return sse_response(self.events(first))
+        return sse_response(self.sse_body((events or self.chunks)(first)))
 
-    async def events(self, first: StreamReply) -> AsyncIterator[bytes]:
-        """SSE body; pieces that arrived together leave in one write."""
+    async def chunks(self, first: StreamReply) -> AsyncIterator[list[bytes]]:
+        """A streamed chat or text completion's SSE events, a list per piece."""
+        out = [self.chunk(None, role=True)] if self.kind == "chat" else []
+        async for piece in self.pieces(first):
+            out.append(self.render(piece))
+            yield out
+            out = []
+        yield [SSE_DONE]
+
+    async def sse_body(self, rendered: AsyncIterator[list[bytes]]) -> AsyncIterator[bytes]:
+        """An SSE body from what an API renders of each piece (a list of events per
+        piece): the events of pieces that arrived together leave in one write. Ends
+        the request with the body, or when the client went away (Starlette then
+        cancels the body)."""
+        out: list[bytes] = []
         try:
-            out = [self.chunk(None, role=True)] if self.kind == "chat" else []
-            async for piece in self.pieces(first):
-                out.append(self.render(piece))
+            async for events in rendered:
+                out += events
                 if self.stream.queue.empty():
                     yield b"".join(out)
                     out = []
-            out.append(SSE_DONE)
-            yield b"".join(out)
-        finally:  # cancelled by Starlette when the client went away
+            if out:
+                yield b"".join(out)
+        finally:
             self.cancel("client disconnected")
 
     def render(self, piece: Piece) -> bytes:
@@ -467,7 +483,7 @@ class Job:
             case Text(text=text):
                 return self.token_chunk(text) if text else b""  # the hot path (issue 11)
             case Calls(calls=calls):
-                deltas = [ToolCallDelta(index=i, id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
+                deltas = [ToolCall(index=i, id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
                           for i, c in enumerate(calls)]
                 return self.chunk(None, calls=deltas)
             case ApiError():
@@ -481,7 +497,7 @@ class Job:
         return b""
 
     def chunk(self, text: str | None, *, role: bool = False, finish: str | None = None,
-              calls: list[ToolCallDelta] | None = None) -> bytes:
+              calls: list[ToolCall] | None = None) -> bytes:
         usage = None if self.include_usage else msgspec.UNSET
         body: ChatChunk | TextCompletion
         if self.kind == "chat":
@@ -599,10 +615,8 @@ async def handle(request: Request, sup: Supervisor, metrics: Metrics, kind: str,
     else:
         req = decode_body(body, CompletionRequest)
         gen = completion_generate(req)
-    keep = keep_alive_seconds(req.keep_alive, req.ttl)
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
-    stream = await open_stream(sup, req.model, gen, request.receive, keep)
-    job = Job(sup, metrics, kind, req.model, gen, include_usage, started, stream, plan)
+    job = await open_job(request, sup, metrics, req, gen, started, kind=kind, plan=plan, include_usage=include_usage)
     if req.stream:
         return await job.streamed(request.receive)
     return await job.whole(request.receive)

@@ -22,14 +22,15 @@ GuardSettingsIn, BodyError, decode_body.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, TypeVar, Union
+from typing import Annotated, Any, Generic, Literal, TypeVar, Union
 
 import msgspec
+from msgspec import Meta, Struct
 
 from supervisor.policy.status import ModelInfo
 
 T = TypeVar("T")
-from msgspec import Meta, Struct
+C = TypeVar("C")  # the choice type of a completion
 
 # OpenAI's own bounds; the worker gets nothing outside them.
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
@@ -66,16 +67,18 @@ class ContentPart(Struct, kw_only=True):
     text: Union[str, None] = None
 
 
-class FunctionCallIn(Struct, kw_only=True):
+class FunctionCall(Struct, kw_only=True):
     name: str
     arguments: str = "{}"  # JSON text, as OpenAI sends it
 
 
-class ToolCallIn(Struct, kw_only=True):
-    """An assistant turn's earlier tool call, in the history."""
+class ToolCall(Struct, kw_only=True):
+    """One tool call, the same object both ways: an assistant turn's earlier call in
+    the history, a reply's call, and (with its `index`) a streamed delta's call."""
 
+    index: Union[int, msgspec.UnsetType] = msgspec.UNSET  # its place in a streamed delta's list
     id: str
-    function: FunctionCallIn
+    function: FunctionCall
     type: str = "function"
 
 
@@ -83,7 +86,7 @@ class ChatMessageIn(Struct, kw_only=True, forbid_unknown_fields=True):
     role: Role
     content: Union[str, list[ContentPart], None] = None
     name: Union[str, None] = None  # a participant's name: templates do not render it
-    tool_calls: Union[list[ToolCallIn], None] = None  # assistant turns (issue 13)
+    tool_calls: Union[list[ToolCall], None] = None  # assistant turns (issue 13)
     tool_call_id: Union[str, None] = None  # role "tool": the call it answers
     refusal: Union[str, None] = None  # an earlier assistant refusal: history only
     function_call: Any = None  # deprecated; refused when set
@@ -212,28 +215,10 @@ class Usage(Struct, kw_only=True):
     prompt_tokens_details: PromptTokensDetails = msgspec.field(default_factory=PromptTokensDetails)
 
 
-class FunctionCallOut(Struct, kw_only=True):
-    name: str
-    arguments: str
-
-
-class ToolCallOut(Struct, kw_only=True):
-    id: str
-    function: FunctionCallOut
-    type: str = "function"
-
-
 class ChatMessageOut(Struct, kw_only=True, omit_defaults=True):
     role: str
     content: Union[str, None]
-    tool_calls: Union[list[ToolCallOut], msgspec.UnsetType] = msgspec.UNSET
-
-
-class ToolCallDelta(Struct, kw_only=True):
-    index: int
-    id: str
-    function: FunctionCallOut
-    type: str = "function"
+    tool_calls: Union[list[ToolCall], msgspec.UnsetType] = msgspec.UNSET
 
 
 class ChatChoice(Struct, kw_only=True):
@@ -243,11 +228,16 @@ class ChatChoice(Struct, kw_only=True):
     logprobs: None = None
 
 
-class ChatCompletion(Struct, kw_only=True):
+class _Completion(Struct, Generic[C], kw_only=True):
+    """What every completion and streamed chunk opens with."""
+
     id: str
     created: int
     model: str
-    choices: list[ChatChoice]
+    choices: list[C]
+
+
+class ChatCompletion(_Completion[ChatChoice], kw_only=True):
     usage: Usage
     object: str = "chat.completion"
     system_fingerprint: Union[str, None] = None
@@ -256,7 +246,7 @@ class ChatCompletion(Struct, kw_only=True):
 class Delta(Struct, kw_only=True, omit_defaults=True):
     role: Union[str, None] = None
     content: Union[str, None] = None
-    tool_calls: Union[list[ToolCallDelta], None] = None
+    tool_calls: Union[list[ToolCall], None] = None  # each with its index
 
 
 class ChunkChoice(Struct, kw_only=True):
@@ -266,17 +256,19 @@ class ChunkChoice(Struct, kw_only=True):
     logprobs: None = None
 
 
-class ChatChunk(Struct, kw_only=True):
-    """One SSE event of a streamed chat completion. With `include_usage` every
-    chunk carries `usage: null` and one last chunk (no choices) the counts, as
-    OpenAI does; without it the field is left out."""
+class _Chunk(_Completion[C], kw_only=True):
+    """A streamed chunk. With `include_usage` every chunk carries `usage: null`
+    and one last chunk (no choices) the counts, as OpenAI does; without it the
+    field is left out."""
 
-    id: str
-    created: int
-    model: str
-    choices: list[ChunkChoice]
-    object: str = "chat.completion.chunk"
+    object: str  # each kind sets its own as the default
     usage: Union[Usage, None, msgspec.UnsetType] = msgspec.UNSET
+
+
+class ChatChunk(_Chunk[ChunkChoice], kw_only=True):
+    """One SSE event of a streamed chat completion."""
+
+    object: str = "chat.completion.chunk"
 
 
 class TextChoice(Struct, kw_only=True):
@@ -286,15 +278,10 @@ class TextChoice(Struct, kw_only=True):
     logprobs: None = None
 
 
-class TextCompletion(Struct, kw_only=True):
+class TextCompletion(_Chunk[TextChoice], kw_only=True):
     """Both the whole legacy completion and each of its streamed chunks."""
 
-    id: str
-    created: int
-    model: str
-    choices: list[TextChoice]
     object: str = "text_completion"
-    usage: Union[Usage, None, msgspec.UnsetType] = msgspec.UNSET
 
 
 class ModelCard(Struct, kw_only=True):

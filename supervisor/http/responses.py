@@ -28,10 +28,12 @@ from starlette.responses import Response
 from shared import protocol as p
 from supervisor.http import generate as g
 from supervisor.http import tools
+from supervisor.http.content import text_of
 from supervisor.http.errors import ApiError
 from supervisor.http.openai_types import (
     DEFAULT_CHAT_MAX_TOKENS,
     BodyError,
+    ContentPart,
     JsonSchemaFormat,
     KeepAlive,
     MaxTokens,
@@ -43,23 +45,18 @@ from supervisor.http.openai_types import (
 _encoder = msgspec.json.Encoder()
 
 
-class Part(Struct, kw_only=True):
-    type: str
-    text: Union[str, None] = None
-
-
 class Item(Struct, kw_only=True, forbid_unknown_fields=True):
     """An input item: a message (role + content), a function_call or a function_call_output."""
 
     type: str = "message"
     role: Union[str, None] = None
-    content: Union[str, list[Part], None] = None
+    content: Union[str, list[ContentPart], None] = None
     id: Union[str, None] = None
     status: Union[str, None] = None
     call_id: Union[str, None] = None
     name: Union[str, None] = None
     arguments: Union[str, None] = None
-    output: Union[str, list[Part], None] = None
+    output: Union[str, list[ContentPart], None] = None
 
 
 class FunctionTool(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -143,16 +140,7 @@ def _refuse(req: ResponsesRequest) -> None:
             raise BodyError(f"{name}: not supported by this (stateless) server", param=name)
 
 
-def _content(content: Union[str, list[Part], None], where: str) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    out = []
-    for j, part in enumerate(content):
-        if part.type not in ("input_text", "output_text", "text") or part.text is None:
-            raise BodyError(f"{where}[{j}]: only text parts are supported (got {part.type!r})",
-                            param=f"{where}[{j}].type")
-        out.append(part.text)
-    return "".join(out)
+_TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 def _messages(req: ResponsesRequest) -> list[p.ChatMessage]:
@@ -165,7 +153,7 @@ def _messages(req: ResponsesRequest) -> list[p.ChatMessage]:
             if item.role not in ("user", "assistant", "system", "developer"):
                 raise BodyError(f"{where}.role: {item.role!r} is not a message role", param=f"{where}.role")
             role = "system" if item.role == "developer" else item.role
-            turns.append(p.ChatMessage(role=role, content=_content(item.content, f"{where}.content")))
+            turns.append(p.ChatMessage(role=role, content=text_of(item.content, f"{where}.content", _TEXT_PARTS)))
         elif item.type == "function_call":
             try:
                 args = msgspec.json.decode(item.arguments or "{}")
@@ -176,7 +164,7 @@ def _messages(req: ResponsesRequest) -> list[p.ChatMessage]:
         elif item.type == "function_call_output":
             if not item.call_id:
                 raise BodyError(f"{where}.call_id: required", param=f"{where}.call_id")
-            turns.append(p.ChatMessage(role="tool", content=_content(item.output, f"{where}.output"),
+            turns.append(p.ChatMessage(role="tool", content=text_of(item.output, f"{where}.output", _TEXT_PARTS),
                                        tool_call_id=item.call_id))
         else:
             raise BodyError(f"{where}.type: {item.type!r} items are not supported", param=f"{where}.type")
@@ -325,13 +313,10 @@ def _status(reason: str) -> str:
 async def handle(request: Request, sup, metrics, body: bytes, started: float) -> Response:
     req = decode_body(body, ResponsesRequest)
     gen = responses_generate(req)
-    keep = g.keep_alive_seconds(req.keep_alive, req.ttl)
-    stream = await g.open_stream(sup, req.model, gen, request.receive, keep)
-    job = g.Job(sup, metrics, "chat", req.model, gen, False, started, stream, tool_plan(req))
+    job = await g.open_job(request, sup, metrics, req, gen, started, plan=tool_plan(req))
     shell = Shell(req, "resp_" + gen.request_id)
     if req.stream:
-        first = await job.first(request.receive)
-        return g.sse_response(_events(job, first, shell))
+        return await job.streamed(request.receive, lambda first: _events(job, first, shell))
     text, calls, end = await job.collect(request.receive)
     output: list[Union[MessageItem, FunctionCallItem]] = []
     if text or not calls:
@@ -352,50 +337,45 @@ class _Events:
         return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
 
 
-async def _events(job: g.Job, first, shell: Shell) -> AsyncIterator[bytes]:
+async def _events(job: g.Job, first, shell: Shell) -> AsyncIterator[list[bytes]]:
+    """The Responses event sequence, a list per piece for `Job.streamed`."""
     ev = _Events()
     out = [ev("response.created", response=shell.build("in_progress", [])),
            ev("response.in_progress", response=shell.build("in_progress", []))]
     output: list[Union[MessageItem, FunctionCallItem]] = []
     msg_id = "msg_" + job.gen.request_id
     text: list[str] | None = None  # the open message item's text
-    try:
-        async for piece in job.pieces(first):
-            match piece:
-                case g.Text(text=t):
-                    if text is None:
-                        text = []
-                        out += _open_message(ev, len(output), msg_id)
-                    text.append(t)
-                    out.append(ev("response.output_text.delta", item_id=msg_id, output_index=len(output),
-                                  content_index=0, delta=t, logprobs=[]))
-                case g.Calls(calls=calls):
-                    if text is not None:
-                        output.append(_close_message(ev, out, len(output), msg_id, "".join(text), "completed"))
-                        text = None
-                    for c in calls:
-                        out += _call_events(ev, len(output), c)
-                        output.append(_call_item(c))
-                case g.End(finished=fin, reason=reason):
-                    if text is None and not output:
-                        text = []
-                        out += _open_message(ev, 0, msg_id)
-                    if text is not None:
-                        output.append(_close_message(ev, out, len(output), msg_id, "".join(text), _status(reason)))
-                    done = "response.incomplete" if reason == "length" else "response.completed"
-                    out.append(ev(done, response=shell.build(_status(reason), output, fin, reason)))
-                case ApiError():
-                    out.append(ev("error", code=piece.code, message=piece.message, param=piece.param))
-                    failed = shell.build("failed", output)
-                    failed.error = {"code": piece.code or "server_error", "message": piece.message}
-                    out.append(ev("response.failed", response=failed))
-            if job.stream.queue.empty():
-                yield b"".join(out)
-                out = []
-        if out:
-            yield b"".join(out)
-    finally:
-        job.cancel("client disconnected")
+    async for piece in job.pieces(first):
+        match piece:
+            case g.Text(text=t):
+                if text is None:
+                    text = []
+                    out += _open_message(ev, len(output), msg_id)
+                text.append(t)
+                out.append(ev("response.output_text.delta", item_id=msg_id, output_index=len(output),
+                              content_index=0, delta=t, logprobs=[]))
+            case g.Calls(calls=calls):
+                if text is not None:
+                    output.append(_close_message(ev, out, len(output), msg_id, "".join(text), "completed"))
+                    text = None
+                for c in calls:
+                    out += _call_events(ev, len(output), c)
+                    output.append(_call_item(c))
+            case g.End(finished=fin, reason=reason):
+                if text is None and not output:
+                    text = []
+                    out += _open_message(ev, 0, msg_id)
+                if text is not None:
+                    output.append(_close_message(ev, out, len(output), msg_id, "".join(text), _status(reason)))
+                done = "response.incomplete" if reason == "length" else "response.completed"
+                out.append(ev(done, response=shell.build(_status(reason), output, fin, reason)))
+            case ApiError():
+                out.append(ev("error", code=piece.code, message=piece.message, param=piece.param))
+                failed = shell.build("failed", output)
+                failed.error = {"code": piece.code or "server_error", "message": piece.message}
+                out.append(ev("response.failed", response=failed))
+        yield out
+        out = []
 
 
 def _open_message(ev: _Events, index: int, msg_id: str) -> list[bytes]:
