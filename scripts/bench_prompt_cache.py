@@ -170,7 +170,7 @@ def mixed_bench(server: Server, requests: int, budget: int) -> tuple[float, int,
         try:
             while not done.is_set():
                 samples = (ledger.read_sample(slot) for slot in range(ledger.n_slots))
-                total = sum(s.cache_bytes for s in samples if s is not None)
+                total = sum(s.memory.cache_bytes for s in samples if s is not None)
                 seen["max"] = max(seen["max"], total)
                 seen["polls"] += 1
                 time.sleep(0.001)

@@ -78,7 +78,7 @@ async def trial(arb: Arbiter, samples: Samples, rate: int, to: int) -> dict | No
     arb.wake()
     await asyncio.sleep(0.2)
     c = arb.enforcer.last.ceilings
-    others = arb.enforcer.last.usage - handle.sample.usage
+    others = arb.enforcer.last.usage - handle.sample.memory.usage
     soft, hard, ceiling = c.soft, c.hard, c.ceiling
     samples.drain()
     samples.items.clear()
@@ -91,14 +91,14 @@ async def trial(arb: Arbiter, samples: Samples, rate: int, to: int) -> dict | No
         await asyncio.sleep(0.002)
         samples.drain()
         done = stream.done or not handle.live
-        if done and (exited_at or any(s.usage + others < soft for s in samples.items if s.t > start + 0.05)):
+        if done and (exited_at or any(s.memory.usage + others < soft for s in samples.items if s.t > start + 0.05)):
             break
     arb.pool.command(handle, p.DrillStop())
     if not stream.done:
         arb.cancel(stream)
     samples.drain()
     mine = [s for s in samples.items if s.worker_id == handle.worker_id and s.t >= start]
-    over_hard = [s for s in mine if s.usage + others >= hard]
+    over_hard = [s for s in mine if s.memory.usage + others >= hard]
     actions = [(t, x) for t, x in list(arb.enforcer.executed)[mark:]
                if isinstance(x, ACTIONS) and x.worker == handle.worker_id]
     if not over_hard or not actions:
@@ -106,12 +106,12 @@ async def trial(arb: Arbiter, samples: Samples, rate: int, to: int) -> dict | No
         return None
     t_hard = over_hard[0].t
     t_decision = actions[0][0]
-    back = [s.t for s in mine if s.t > t_decision and s.usage + others < soft]
+    back = [s.t for s in mine if s.t > t_decision and s.memory.usage + others < soft]
     t_back = min(back + exited_at) if (back or exited_at) else float("nan")
-    peak = max(s.usage for s in mine) + others
+    peak = max(s.memory.usage for s in mine) + others
     first = mine[0]
     grown = [s for s in mine if s.t <= t_decision]
-    drill_rate = ((grown[-1].usage - first.usage) / (grown[-1].t - first.t)
+    drill_rate = ((grown[-1].memory.usage - first.memory.usage) / (grown[-1].t - first.t)
                   if len(grown) > 1 and grown[-1].t > first.t else float("nan"))
     # wait for the episode to end before the next trial
     for _ in range(500):

@@ -37,7 +37,8 @@ from shared.memory import MemoryReading
 from shared.states import PHASES
 
 MAGIC = b"MVLEDGR1"
-LAYOUT_VERSION = 3  # 2: cache bytes in samples; cache cap, pool max, residency in limits; 3: samples are MemoryReading
+LAYOUT_VERSION = 3  # 2: cache bytes in samples; cache cap, pool max, residency in limits;
+# 3: samples are MemoryReading, device watermarks in limits
 
 _HEADER = struct.Struct("<8sII")  # magic, layout version, n_slots
 _HEADER_BYTES = 64
@@ -46,7 +47,7 @@ _SLOT_HEAD = struct.Struct("<QII")  # seq, crc32, pad
 _SEQ = struct.Struct("<Q")
 
 _SAMPLE = struct.Struct("<qdqqqqqqqqqqq")  # pid, t, MemoryReading (7), running, queued, tokens, phase
-_LIMITS = struct.Struct("<qqqqdddqqqqqqqqqqqq")
+_LIMITS = struct.Struct("<qqqqdddqqqqqqqqqqqqqq")
 
 _SAMPLE_SLOT = _SLOT_HEAD.size + _SAMPLE.size
 _LIMITS_SLOT = _SLOT_HEAD.size + _LIMITS.size
@@ -210,7 +211,7 @@ class Ledger:
             limits.min_chunk_tokens, limits.ceiling, limits.static, limits.dynamic,
             limits.gpu_cap, _index(BINDINGS, limits.binding), _index(TIERS, limits.tier),
             int(limits.admission_paused), limits.max_concurrency,
-            limits.cache_cap, limits.pool_max, limits.residency,
+            limits.cache_cap, limits.pool_max, limits.residency, limits.device_soft, limits.device_hard,
         )  # fmt: skip
         self._write(self._limits_at + slot * _LIMITS_SLOT, _LIMITS, values)
 
@@ -221,7 +222,7 @@ class Ledger:
             return None
         (soft, hard, hard_wm, abort, margin, headroom, safe_zone, min_chunk,
          ceiling, static, dynamic, gpu_cap, binding, tier, paused, max_conc,
-         cache_cap, pool_max, residency) = values  # fmt: skip
+         cache_cap, pool_max, residency, device_soft, device_hard) = values  # fmt: skip
         return Limits(
             soft_limit=soft, hard_limit=hard, hard_watermark=hard_wm, abort_limit=abort,
             abort_margin=margin, prefill_headroom_safety=headroom, safe_zone_ratio=safe_zone,
@@ -230,6 +231,7 @@ class Ledger:
             tier=TIERS[tier] if 0 <= tier < len(TIERS) else "balanced",
             admission_paused=bool(paused), max_concurrency=max_conc,
             cache_cap=cache_cap, pool_max=pool_max, residency=residency,
+            device_soft=device_soft, device_hard=device_hard,
         )  # fmt: skip
 
     # -- the supervisor's own footprint (U2) ----------------------------
@@ -240,6 +242,19 @@ class Ledger:
 
     def read_supervisor(self) -> int:
         return int(_SUPS.unpack_from(self._mm, self._sups_at)[0])
+
+    def group_device_bytes(self) -> int:
+        """D1's fallback as a worker can see it: every live slot's MLX active + pool.
+
+        Only meaningful where every worker's arrays live on the device (CUDA);
+        the worker asks only when its limits carry device watermarks.
+        """
+        total = 0
+        for slot in range(self.n_slots):
+            values = self._read(self._samples_at + slot * _SAMPLE_SLOT, _SAMPLE)
+            if values is not None and values[0] != 0:
+                total += values[4] + values[5]  # MemoryReading.mlx_active + mlx_pool
+        return total
 
     def group_usage(self) -> int:
         """SPEC U2 as a worker can see it: supervisor + every live slot."""

@@ -38,3 +38,7 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     cache_cap: int = 0           # H2: this worker's share of [guard] hot_cache_max
     pool_max: int = 0            # M1: mx.set_cache_limit ([guard] pool_max, the P4 threshold)
     residency: int = 0           # M2: C8 residency ceiling, what the worker may wire (macOS)
+    # D4: the discrete device pool's watermarks (group device bytes); 0 = no device pool.
+    # A worker reports at once when the group's device bytes cross one (P9's wake-up).
+    device_soft: int = 0
+    device_hard: int = 0

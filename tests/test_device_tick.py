@@ -130,3 +130,11 @@ def test_d5_a_load_on_the_device_takes_nothing_from_host_ram():
 def test_d5_without_a_device_the_host_rules_answer():
     v = admit(snap(w("a", 0), device_total=0, device_free=None), "big", 12 * GiB)
     assert not v.admitted and v.pool == "host" and v.error == "model_too_large"
+
+
+def test_d4_limits_carry_the_device_watermarks_so_workers_report_crossings_at_once():
+    r = tick(snap(w("a", 1)))
+    [limits] = {x.limits for x in kinds(r, d.SetLimits)}
+    assert (limits.device_soft, limits.device_hard) == (16 * GiB, 18 * GiB)
+    without = tick(snap(w("a", 0), device_total=0, device_free=None))
+    assert {(x.limits.device_soft, x.limits.device_hard) for x in kinds(without, d.SetLimits)} == {(0, 0)}

@@ -31,7 +31,7 @@ def test_limits_round_trip(tmp_path):
     limits = Limits(soft_limit=1, hard_limit=2, hard_watermark=3, abort_limit=4, abort_margin=0.93,
                     prefill_headroom_safety=0.92, ceiling=5, static=6, dynamic=5, gpu_cap=0,
                     binding="dynamic", tier="aggressive", admission_paused=True, max_concurrency=3,
-                    cache_cap=7, pool_max=8, residency=9)
+                    cache_cap=7, pool_max=8, residency=9, device_soft=10, device_hard=11)
     led.write_limits(1, limits)
     assert Ledger.attach(tmp_path / "ledger").read_limits(1) == limits
     assert led.read_limits(0) is None

@@ -143,3 +143,34 @@ def test_drain_finishes_a_request_that_waits_for_memory_before_the_worker_exits(
         assert sup.recv(p.Finished).completion_tokens == 3
         sup.proc.join(20)
         assert sup.proc.exitcode == 0
+
+
+def test_d4_worker_reports_a_device_watermark_crossing_at_once(tiny_model, tmp_path):
+    """The supervisor hands the device pool's watermarks in the limits (D4); the
+    worker measures the group's device bytes (D1's fallback: MLX active + pool)
+    and sends a `watermark` sample as soon as they cross one, so the enforcer
+    ticks at once instead of at its next poll (P9). On this CPU machine MLX's
+    bytes stand in for device bytes; the arithmetic on both ends is the same."""
+    from shared.limits import Limits
+
+    with FakeSupervisor(tmp_path, tiny_model, "w#4") as sup:
+        sup.recv(p.Loaded)
+        held = sup.ledger.read_sample(0).memory
+        on_device = held.mlx_active + held.mlx_pool
+        assert on_device > 0
+        assert sup.ledger.group_device_bytes() == on_device
+        limits = Limits(device_soft=on_device // 2, device_hard=on_device * 4, max_concurrency=1)
+        sup.ledger.write_limits(0, limits)
+        sup.send(p.SetLimits(limits=limits))
+        reports = p.Codec(p.WorkerReport)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if sup.pull.poll(100):
+                msg = reports.decode(sup.pull.recv())
+                if isinstance(msg, p.Sample) and msg.why == "watermark":
+                    assert msg.memory.mlx_active + msg.memory.mlx_pool >= limits.device_soft
+                    break
+        else:
+            raise AssertionError("no watermark sample after the device soft watermark was crossed")
+        sup.send(p.Drain(reason="test over"))
+        sup.proc.join(20)

@@ -374,6 +374,9 @@ class Worker:
         if limits.hard_limit > 0:
             group = self.ledger.group_usage()
             level = (group >= limits.soft_limit) + (group >= limits.hard_watermark) + (group >= limits.hard_limit)
+        if limits.device_hard > 0:  # D4: the device pool's watermarks, on the group's device bytes
+            on_device = self.ledger.group_device_bytes()
+            level += 4 * ((on_device >= limits.device_soft) + (on_device >= limits.device_hard))
         crossed = level != self.last_level
         self.last_level = level
         why = "watermark" if crossed else self.send_now or "tick"

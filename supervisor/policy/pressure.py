@@ -248,6 +248,8 @@ class _Tick:
         common = limits_for(self.c, admission_paused=paused, safe_zone_ratio=g.safe_zone_ratio,
                             min_chunk_tokens=g.min_chunk_tokens, cache_cap=cache_cap,
                             pool_max=g.pool_max)
+        if self.dc is not None and self.dc.ceiling > 0:  # D4: workers report device crossings at once
+            common = msgspec.structs.replace(common, device_soft=self.dc.soft, device_hard=self.dc.hard)
         had = prev.limited
         if common != prev.limits:
             todo = live
