@@ -25,7 +25,8 @@ DEVICE = 80 * GiB
 
 def w(name: str, device_gib: float, **kw) -> WorkerRecord:
     kw.setdefault("model", f"m-{name}")
-    return record(worker=name, usage=GiB, footprint=GiB, device_bytes=int(device_gib * GiB), **kw)
+    held = int(device_gib * GiB)  # all of it MLX's (no NVML context on top)
+    return record(worker=name, usage=GiB, footprint=GiB, device_bytes=held, mlx_active=held, **kw)
 
 
 def busy(name: str, device_gib: float, **kw) -> WorkerRecord:
@@ -138,3 +139,13 @@ def test_d4_limits_carry_the_device_watermarks_so_workers_report_crossings_at_on
     assert (limits.device_soft, limits.device_hard) == (16 * GiB, 18 * GiB)
     without = tick(snap(w("a", 0), device_total=0, device_free=None))
     assert {(x.limits.device_soft, x.limits.device_hard) for x in kinds(without, d.SetLimits)} == {(0, 0)}
+
+
+def test_d4_device_watermarks_go_out_in_the_workers_own_measure():
+    """NVML counts a CUDA context MLX cannot see: the watermarks a worker checks
+    against its MLX bytes are lowered by that overhead, in 256 MiB steps."""
+    a = record(worker="a", model="m-a", usage=GiB, device_bytes=3 * GiB, mlx_active=2 * GiB, mlx_pool=300 * 2**20)
+    r = tick(snap(a))
+    [limits] = {x.limits for x in kinds(r, d.SetLimits)}
+    overhead = 512 * 2**20  # 3 GiB - 2.29 GiB = 724 MiB, down to a 256 MiB step
+    assert (limits.device_soft, limits.device_hard) == (16 * GiB - overhead, 18 * GiB - overhead)

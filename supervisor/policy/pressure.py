@@ -47,7 +47,7 @@ from collections.abc import Callable
 import msgspec
 
 from shared.limits import Limits
-from shared.sizes import GiB, format_size
+from shared.sizes import GiB, MiB, format_size
 from supervisor.policy.ceilings import Ceilings, limits_for, reserve_message
 from supervisor.policy.decisions import (
     DESTRUCTIVE,
@@ -96,6 +96,7 @@ POOL_RECLAIM_FLOOR = 2 * GiB     # P4 default ([guard] pool_max): a smaller pool
 GRACE_TICKS_MAX = 5              # P4: at 1 s a tick, covers one ~5 s prefill chunk
 STOP_SECONDS = 0.3               # P6 at hard: how long a stop under way takes (measured 0.13 s idle)
 GROWTH_WINDOW = 0.05             # shortest span a growth estimate is taken over (sample jitter)
+DEVICE_OVERHEAD_STEP = 256 * MiB  # D4: the device watermarks handed to workers move in these steps
 GROWTH_TOLERANCE = 0.01          # of the ceiling: growth during a stop below this is jitter, not a runaway
 
 
@@ -249,7 +250,7 @@ class _Tick:
                             min_chunk_tokens=g.min_chunk_tokens, cache_cap=cache_cap,
                             pool_max=g.pool_max)
         if self.dc is not None and self.dc.ceiling > 0:  # D4: workers report device crossings at once
-            common = msgspec.structs.replace(common, device_soft=self.dc.soft, device_hard=self.dc.hard)
+            common = self._device_watermarks(common, self.dc)
         had = prev.limited
         if common != prev.limits:
             todo = live
@@ -268,6 +269,21 @@ class _Tick:
         if not todo and len(had) == len(live):
             return common, had
         return common, {w.worker: w.pid for w in live}
+
+    def _device_watermarks(self, common: Limits, dc: DeviceCeilings) -> Limits:
+        """The device pool's watermarks in the workers' own measure (D1's fallback).
+
+        A worker can only sum MLX active + pool from the ledger; NVML also
+        counts each process's CUDA context (about half a GiB), which MLX does
+        not see. The watermarks go out lowered by that overhead, so a worker's
+        report comes at the crossing the enforcer will see, not half a GiB
+        late. Rounded down to DEVICE_OVERHEAD_STEP so the limits (and a
+        SetLimits to every worker) do not change with every tick's jitter.
+        """
+        mlx = sum(w.memory.mlx_active + w.memory.mlx_pool for w in self.g.live if w.device_bytes)
+        overhead = max(0, self.g.device_bytes - mlx) // DEVICE_OVERHEAD_STEP * DEVICE_OVERHEAD_STEP
+        return msgspec.structs.replace(common, device_soft=max(1, dc.soft - overhead),
+                                       device_hard=max(1, dc.hard - overhead))
 
     def growth(self) -> tuple[dict[str, int], float, float]:
         """(usage_seen, seen_at, bytes/s): how fast the non-draining workers grow.
