@@ -1,0 +1,106 @@
+"""The device pool's rules across real processes (SPEC D1, D4), rehearsed on the CPU.
+
+CI has no GPU. These tests give a real worker's hello a CUDA-shaped
+`device_info` (an 80 GiB device), so the supervisor guards a device pool whose
+bytes are the worker's MLX active + pool (D1's fallback when NVML has no
+figure) -- on this machine CPU memory standing in for device memory. What
+crosses the wire is the same as on a GPU: the device watermarks in the limits,
+the worker's at-once watermark sample, the enforcer's decision on the device
+pool. The same path ran on an NVIDIA H200 with real device memory
+(`scripts/bench_device_drill.py`, README).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+import pytest
+from test_supervisor_live import Running, make_config
+
+from shared import protocol as p
+from shared.sizes import GiB, MiB
+from supervisor.config import GuardConfig, ModelConfig
+from supervisor.errors import LoadError
+from supervisor.policy import decisions as d
+
+pytestmark = pytest.mark.slow
+
+PRETEND = {"device_name": "stand-in", "architecture": "cpu", "total_memory": 80 * GiB, "free_memory": 80 * GiB}
+
+
+async def _load_on_pretend_device(arb, model_id: str):
+    handle = await arb.load(model_id)
+    handle.device_info = dict(PRETEND)
+    for _ in range(100):
+        arb.wake()
+        await asyncio.sleep(0.05)
+        last = arb.enforcer.last
+        if last is not None and last.device is not None and last.device_usage > 0:
+            return handle
+    raise AssertionError("the device pool never showed the worker's bytes")
+
+
+def test_d4_device_drill_is_stopped_by_the_guard_on_the_device_pool(tiny_models, runtime_dir):
+    """A busy worker grows on the device past the device hard watermark: the
+    guard aborts its requests naming the device pool (P6 step 3 there), in well
+    under a second, while the host pool (64 GiB custom ceiling) stays ok."""
+    config = make_config([ModelConfig(id="a", path=str(tiny_models.a), max_concurrency=1)], allow_drills=True,
+                         guard=GuardConfig(tier="custom", custom_ceiling=64 * GiB, hot_cache_max=0))
+
+    async def main():
+        async with Running(config, runtime_dir) as arb:
+            handle = await _load_on_pretend_device(arb, "a")
+            held = arb.enforcer.last.device_usage
+            arb.enforcer.settings = msgspec.structs.replace(arb.enforcer.settings,
+                                                            custom_device_ceiling=held + 256 * MiB)
+            arb.enforcer.tick(time.monotonic())
+            dc = arb.enforcer.last.device
+            assert dc is not None and dc.ceiling == held + 256 * MiB and dc.binding == "device_static"
+            stream = await arb.generate("a", p.Generate(request_id="r", prompt="tell me a story", max_tokens=3000))
+            while not (handle.sample and handle.sample.running):
+                await asyncio.sleep(0.01)
+            mark = len(arb.enforcer.executed)
+            start = time.monotonic()
+            arb.pool.command(handle, p.Drill(rate=GiB, to=GiB))
+            deadline = start + 20
+            acted = []
+            while time.monotonic() < deadline and not acted:
+                await asyncio.sleep(0.01)
+                acted = [(t, x) for t, x in list(arb.enforcer.executed)[mark:]
+                         if isinstance(x, d.AbortRequests) and x.worker == handle.worker_id]
+            arb.pool.command(handle, p.DrillStop())
+            assert acted, "the guard never acted on the device pool"
+            t, abort = acted[0]
+            assert "device memory pressure" in abort.reason
+            # 256 MiB of headroom at 1 GiB/s is ~0.25 s to the ceiling; a 1 s poll would be too late
+            assert t - start < 1.0
+            assert arb.enforcer.last.host_level == "ok"
+            if not stream.done:
+                arb.cancel(stream)
+
+    asyncio.run(main())
+
+
+def test_d5_a_load_refused_by_the_device_pool_names_it(tiny_models, runtime_dir):
+    """A second model that does not fit the device ceiling is refused with 507
+    naming the device pool, although host RAM has room for it."""
+    config = make_config([ModelConfig(id="a", path=str(tiny_models.a)), ModelConfig(id="b", path=str(tiny_models.b))],
+                         guard=GuardConfig(tier="custom", custom_ceiling=64 * GiB, hot_cache_max=0))
+
+    async def main():
+        async with Running(config, runtime_dir) as arb:
+            handle = await _load_on_pretend_device(arb, "a")
+            await arb.generate("a", p.Generate(request_id="r", prompt="hi", max_tokens=2000))  # busy: no victim
+            while not (handle.sample and handle.sample.running):
+                await asyncio.sleep(0.01)
+            held = arb.enforcer.last.device_usage
+            arb.enforcer.settings = msgspec.structs.replace(arb.enforcer.settings, custom_device_ceiling=held + MiB)
+            arb.enforcer.tick(time.monotonic())
+            with pytest.raises(LoadError) as refused:
+                await arb.load("b")
+            assert refused.value.http_status == 507
+            assert "device" in str(refused.value) and refused.value.code in ("insufficient_memory", "model_too_large")
+
+    asyncio.run(main())
