@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The GPU runs of issue 17 on a lent NVIDIA H200 (no package registry there).
+#
+#   scripts/h200_run.sh parts    copy the first half of the mlx-cuda-13 wheel to /tmp/parts
+#   scripts/h200_run.sh install  join the halves, check the md5, install every wheel into /tmp/site
+#   scripts/h200_run.sh tests    the slow real-process tests that matter on a GPU
+#   scripts/h200_run.sh drill    the device fire drill (scripts/bench_device_drill.py)
+#   scripts/h200_run.sh batch    scripts/bench_batch.py on a 2 GiB bf16 model
+#
+# Wheels travel in .whl/ (Python 3.12 manylinux), the ~90 MB mlx-cuda-13 wheel
+# in two halves (.gpu1/, .gpu2/, `split -b 46000000`) because one transfer is
+# capped at 64 MiB; ../shared/device-cuda.md says why. Logs go to $OUT.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+SITE=/tmp/site
+export PYTHONPATH="$SITE:$PWD"
+export PYTHONUNBUFFERED=1
+PY=python3
+
+case "${1:-}" in
+parts)
+    mkdir -p /tmp/parts
+    cp .gpu1/mlxcuda.part.* /tmp/parts/ 2>/dev/null || true
+    cp .gpu2/mlxcuda.part.* /tmp/parts/ 2>/dev/null || true
+    ls -la /tmp/parts
+    ;;
+install)
+    mkdir -p /tmp/parts "$SITE"
+    cp .gpu2/mlxcuda.part.* /tmp/parts/ 2>/dev/null || true
+    cat /tmp/parts/mlxcuda.part.* > /tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
+    md5sum /tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
+    $PY -m pip install -q --no-index --no-deps --target "$SITE" .whl/*.whl 2>&1 | tail -3
+    # mlx and mlx-cuda-13 share the top-level mlx/ folder: pip --target would skip it, so unzip
+    $PY -m zipfile -e /tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl "$SITE"
+    $PY - <<'EOF'
+import mlx.core as mx, pynvml
+print("mlx", mx.__version__, mx.default_device(), {k: v for k, v in mx.device_info().items()})
+from shared.probe import nvml
+print(nvml.read_device())
+EOF
+    nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv
+    ;;
+tests)
+    timeout "${2:-540}" $PY -m pytest -p no:cacheprovider -q -m slow --durations=15 \
+        tests/test_device_live.py tests/test_supervisor_live.py tests/test_worker_process.py \
+        tests/test_guard_live.py tests/test_reliability_live.py tests/test_models_live.py \
+        2>&1 | grep -v " INFO " | tee "$OUT/tests.log" | tail -40
+    ;;
+drill)
+    timeout "${2:-300}" $PY scripts/bench_device_drill.py --trials "${3:-10}" --rate 8GiB --headroom 4GiB \
+        2>&1 | grep -v " INFO " | tee "$OUT/drill.log" | tail -20
+    ;;
+batch)
+    timeout "${2:-400}" $PY scripts/bench_batch.py --size 2GiB --dtype bfloat16 --streams 1,8,32 --tokens 64 \
+        --runs 1 2>&1 | grep -v " INFO " | tee "$OUT/batch.log" | tail -20
+    ;;
+*)
+    echo "usage: $0 parts|install|tests|drill|batch" >&2
+    exit 2
+    ;;
+esac
