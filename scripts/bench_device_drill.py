@@ -112,6 +112,10 @@ async def trial(arb: Arbiter, samples: Samples, rate: int, to: int, pretend: boo
     mine_now = next((w.device_bytes for w in arb.enforcer.last_snapshot.workers
                      if w.worker == handle.worker_id), 0)
     others = last.device_usage - mine_now
+    # the CUDA context NVML counts and MLX does not: the worker's samples plus this are
+    # what the enforcer compares (NVML per process), measured before the drill grows
+    before = handle.sample.memory if handle.sample else None
+    context = max(0, mine_now - (before.mlx_active + before.mlx_pool)) if before else 0
     samples.drain()
     samples.items.clear()
     mark = len(arb.enforcer.executed)
@@ -132,16 +136,17 @@ async def trial(arb: Arbiter, samples: Samples, rate: int, to: int, pretend: boo
     poller.join()
     samples.drain()
     mine = [s for s in samples.items if s.worker_id == handle.worker_id and s.t >= start]
-    # the hard watermark in the worker's measure (what its samples carry): the enforcer's
-    # device hard less the CUDA context NVML counts and MLX does not (pressure.py)
-    context = max(0, mine_now - (on_device(mine[0]) if mine else 0))
-    over_hard = [s for s in mine if on_device(s) + context + others >= dc.hard]
+    # the first moment the group's device bytes reached the device hard watermark, from the
+    # worker's samples (MLX bytes + context) or NVML's 5 ms polls, whichever saw it first
+    crossings = [s.t for s in mine if on_device(s) + context + others >= dc.hard]
+    crossings += [t for t, b in poller.points if t >= start and b + others >= dc.hard]
     actions = [(t, x) for t, x in list(arb.enforcer.executed)[mark:]
                if isinstance(x, ACTIONS) and x.worker == handle.worker_id]
-    if not over_hard or not actions:
-        print(f"  trial: no hard crossing or no action (samples {len(mine)}, actions {len(actions)})")
+    if not crossings or not actions:
+        print(f"  trial: no hard crossing or no action (samples {len(mine)}, NVML points {len(poller.points)}, "
+              f"actions {[(round((t - start) * 1000, 1), type(x).__name__) for t, x in actions]})")
         return None
-    t_hard, t_decision = over_hard[0].t, actions[0][0]
+    t_hard, t_decision = min(crossings), actions[0][0]
     peak = max(on_device(s) for s in mine) + context + others
     nvml_peak = max((b for _t, b in poller.points), default=0) + others
     for _ in range(500):  # the episode ends before the next trial
@@ -153,6 +158,7 @@ async def trial(arb: Arbiter, samples: Samples, rate: int, to: int, pretend: boo
         "overshoot": max(0, peak - dc.ceiling) / dc.ceiling,
         "nvml_overshoot": max(0, nvml_peak - dc.ceiling) / dc.ceiling if poller.points else float("nan"),
         "action": type(actions[0][1]).__name__,
+        "after_start_ms": (t_decision - start) * 1000,
         "reason": actions[0][1].reason,
         "ceiling": dc.ceiling,
     }
@@ -204,7 +210,8 @@ async def main() -> int:
             r = await trial(arb, samples, args.rate, args.headroom * 3, args.pretend_cuda)
             if r:
                 results.append(r)
-                print(f"  trial {i + 1:2d}: decision {r['decision_ms']:7.1f} ms, overshoot {r['overshoot']:.2%} "
+                print(f"  trial {i + 1:2d}: decision {r['decision_ms']:7.1f} ms after the hard crossing "
+                      f"({r['after_start_ms']:.0f} ms after the drill began), overshoot {r['overshoot']:.2%} "
                       f"(NVML {r['nvml_overshoot']:.2%}), {r['action']}: {r['reason']}")
         arb.running = False
         arb.wake()
