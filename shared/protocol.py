@@ -391,6 +391,36 @@ WorkerReport = Union[Sample, WorkerEvent, Alive]
 # supervisor -> anyone, on PUB (first frame: topic)
 
 
+class DevicePool(msgspec.Struct, frozen=True, kw_only=True):
+    """SPEC D6: a discrete device's pool (D2-D4), shown beside the host's.
+
+    One struct for one fact, carried by `CeilingMsg.device`, `PressureMsg.device`
+    and the status (`GuardStatus.device`). Those fields are None where there is
+    no discrete device (unified memory, CPU only): every surface then shows the
+    host pool alone, as before.
+    """
+
+    name: str = ""                # the device's name ("" when unknown)
+    total: int                    # device memory
+    free: Union[int, None]        # free on the device now; None: no reading (dynamic = static)
+    usage: int                    # the group's device bytes (D1): the pool's usage
+    others: int                   # held by other processes on the GPU (0 without a free reading)
+    reserve: int                  # D2
+    reserve_exceeds_total: bool   # static floored to 1 byte: every load is refused
+    static: int                   # D3 device static
+    dynamic: int                  # D3 device dynamic
+    ceiling: int                  # D3; 0 = guard off (no limit)
+    binding: str                  # "device_static" | "device_others" | "" (guard off)
+    remedy: str                   # what a person can do about the binding ("" if none)
+    soft_threshold: float
+    hard_threshold: float
+    soft_bytes: int               # C11 on the device
+    hard_bytes: int
+    level: str                    # D4: this pool's level ("ok" | "soft" | "hard")
+    emergency: bool               # P2 on the device
+    utilization: float            # usage / ceiling, 0 when there is no ceiling
+
+
 class CeilingMsg(Msg, tag="ceiling", kw_only=True):
     t: float
     enabled: bool
@@ -405,11 +435,12 @@ class CeilingMsg(Msg, tag="ceiling", kw_only=True):
     reserve: int
     hot_cache_max: int = 0       # H2: the group's prompt-cache budget (watch shows the sum against it)
     hot_cache_reserved: int = 0  # C12
+    device: Union[DevicePool, None] = None  # D6: the discrete device's pool (None: no device)
 
 
 class PressureMsg(Msg, tag="pressure", kw_only=True):
     t: float
-    level: str
+    level: str                   # the group's: the worse of host and device (D4)
     usage: int
     soft_bytes: int
     hard_bytes: int
@@ -417,6 +448,7 @@ class PressureMsg(Msg, tag="pressure", kw_only=True):
     utilization: float
     admission_paused: bool
     interval: float
+    device: Union[DevicePool, None] = None  # D6: the device pool's usage and level (None: no device)
 
 
 class GuardEvent(Msg, tag="event", kw_only=True):
@@ -471,11 +503,12 @@ class DrillRequest(Msg, tag="drill_request", kw_only=True):
 
 
 class GuardUpdate(Msg, tag="guard_update", kw_only=True):
-    """SPEC T6: change tier, custom ceiling or the on/off switch at runtime."""
+    """SPEC T6: change tier, custom ceiling(s) or the on/off switch at runtime."""
 
     tier: Union[str, None] = None
     custom_ceiling: Union[int, None] = None
     enabled: Union[bool, None] = None
+    custom_device_ceiling: Union[int, None] = None  # D2: the device ceiling on the custom tier (0 = unset)
 
 
 class ReloadRequest(Msg, tag="reload_request", kw_only=True):

@@ -30,13 +30,13 @@ from shared.memory import NO_READING
 from shared.probe import nvml
 from shared.sizes import MAX_SIZE, format_size
 from shared.weights import WeightsError, estimate_weight_bytes, kv_bytes_per_token
-from supervisor.config import ModelConfig, guard_settings
+from supervisor.config import MIN_DEVICE_CEILING, ModelConfig, guard_settings
 from supervisor.errors import LoadError
 from supervisor.policy import decisions as d
 from supervisor.policy import pressure as policy
 from supervisor.policy.admission import FitReport, admit, evict_for_prefill, fit_report
 from supervisor.policy.snapshot import PolicyState, Snapshot, WorkerRecord
-from supervisor.policy.status import GuardStatus, build_status
+from supervisor.policy.status import GuardStatus, build_status, device_pool
 from supervisor.policy.tiers import ThresholdError, check_thresholds, normalise_tier
 from supervisor.pool import Pool, WorkerHandle
 
@@ -228,29 +228,40 @@ class Enforcer:
 
     # -- outputs ------------------------------------------------------------------
 
+    def device_name(self) -> str:
+        """The discrete device's name as a worker's hello gave it ("" when none did)."""
+        for h in self.pool.handles.values():
+            name = h.device_info.get("device_name") if h.device_info else None
+            if isinstance(name, str) and name:
+                return name
+        return ""
+
     def publish(self, r: policy.TickResult) -> None:
         c = r.ceilings
         now = time.time()
+        # D6: the device pool rides beside the host's (None without a device)
+        device = device_pool(r, self.device_name()) if r.device is not None else None
+        dk = None if device is None else (device.ceiling, device.static, device.dynamic, device.binding)
         key = (c.enabled, c.tier, c.ceiling, c.static, c.dynamic, c.gpu_cap, c.binding,
-               c.hot_cache_reserved)
+               c.hot_cache_reserved, dk)
         if key != self._last_ceiling or self.ticks % 10 == 1:
             self._last_ceiling = key
             self.bus.publish(p.CeilingMsg(t=now, enabled=c.enabled, tier=c.tier, ceiling=c.ceiling, static=c.static,
                                           dynamic=c.dynamic, gpu_cap=c.gpu_cap, binding=c.binding,
                                           soft_bytes=c.soft, hard_bytes=c.hard, reserve=c.reserve,
                                           hot_cache_max=self.settings.hot_cache_max,
-                                          hot_cache_reserved=c.hot_cache_reserved))
+                                          hot_cache_reserved=c.hot_cache_reserved, device=device))
         self.bus.publish(p.PressureMsg(
             t=now, level=r.level, usage=r.usage, soft_bytes=c.soft, hard_bytes=c.hard, ceiling=c.ceiling,
             utilization=r.usage / c.ceiling if c.ceiling > 0 else 0.0, admission_paused=self.admission_paused,
-            interval=self.fixed_interval or r.next_interval,
+            interval=self.fixed_interval or r.next_interval, device=device,
         ))
 
     def status(self) -> GuardStatus:
         if self.last_snapshot is None or self.last is None:
             self.tick(time.monotonic())
         assert self.last_snapshot is not None and self.last is not None
-        return build_status(self.last_snapshot, self.last)
+        return build_status(self.last_snapshot, self.last, self.device_name())
 
     # -- runtime changes (T6) -----------------------------------------------------
 
@@ -269,6 +280,13 @@ class Enforcer:
             if not 0 <= update.custom_ceiling <= MAX_SIZE:
                 raise ValueError(f"custom ceiling must be 0..{MAX_SIZE} bytes, got {update.custom_ceiling}")
             changes["custom_ceiling"] = update.custom_ceiling
+        if update.custom_device_ceiling is not None:  # D2
+            value = update.custom_device_ceiling
+            if not 0 <= value <= MAX_SIZE:
+                raise ValueError(f"custom device ceiling must be 0..{MAX_SIZE} bytes, got {value}")
+            if 0 < value < MIN_DEVICE_CEILING:
+                raise ValueError(f"custom device ceiling must be 0 (unset) or at least 1MiB, got {value} bytes")
+            changes["custom_device_ceiling"] = value
         if update.enabled is not None:
             changes["enabled"] = update.enabled
         if not changes:

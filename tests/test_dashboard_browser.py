@@ -145,6 +145,8 @@ def drill_scenario(supervisor, browser, tmp_path) -> None:
     wait_for(lambda: "GiB" in browser.find_element(By.ID, "ceiling").text, 20, "the ceiling")
     assert browser.find_element(By.ID, "binding").text.startswith("bound by ")
     assert "live" in browser.find_element(By.ID, "conn").text
+    # SPEC D6: no discrete device here, so no device pool on the page
+    assert not browser.find_element(By.ID, "device-card").is_displayed()
 
     # admin from the page (loopback): load the victim, then a small custom ceiling
     browser.execute_script("document.querySelector(`#models tr[data-model='victim'] button`).click()")
@@ -196,3 +198,24 @@ def drill_scenario(supervisor, browser, tmp_path) -> None:
     target = os.environ.get("MEMVISOR_DASHBOARD_PNG")
     if target:
         shutil.copyfile(shot, ROOT / target)
+    device_card(browser)
+
+
+def device_card(browser) -> None:
+    """SPEC D6: a pressure message with a device pool shows its card (drawn in one script: the
+    page redraws its cards from the live messages, which carry no device here)."""
+    seen = browser.execute_script("""
+        renderDevice({name: "NVIDIA H200", total: 24 * GiB, free: 3 * GiB, usage: 21 * GiB, ceiling: 22 * GiB,
+          binding: "device_static", soft_bytes: 20 * GiB, hard_bytes: 21.5 * GiB, level: "soft",
+          emergency: false, utilization: 21 / 22});
+        const card = document.getElementById("device-card");
+        return {hidden: card.hidden, usage: document.getElementById("device-usage").textContent,
+          level: document.getElementById("device-level").className,
+          sub: document.getElementById("device-sub").textContent,
+          fill: document.getElementById("device-fill").style.width,
+          name: document.getElementById("device-name").textContent};
+    """)
+    assert not seen["hidden"] and seen["name"] == "NVIDIA H200"
+    assert seen["usage"] == "21.00 GiB / 22.00 GiB" and seen["level"] == "badge level-soft"
+    assert "bound by device_static" in seen["sub"] and seen["fill"] == "95.5%"
+    assert browser.execute_script("renderDevice(null); return document.getElementById('device-card').hidden")

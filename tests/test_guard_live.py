@@ -88,6 +88,8 @@ def test_cuda_device_memory_is_reported_not_folded_into_the_host_ceiling(tiny_mo
             arb.enforcer.tick(time.monotonic())
             status = arb.enforcer.status()
             assert status.binding == "static" and status.gpu_cap == 0
-            assert status.ceiling > 1 * GiB and status.device_total == 1 * GiB
+            assert status.ceiling > 1 * GiB
+            assert status.device is not None and status.device.total == 1 * GiB  # D6: its own pool
+            assert status.device.name == "NVIDIA H200"
 
     asyncio.run(main())

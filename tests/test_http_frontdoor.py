@@ -224,6 +224,23 @@ def test_t6_admin_guard_changes_tier_and_ceiling_at_runtime(server):
     assert back.json()["guard"]["tier"] == "balanced"
 
 
+def test_d6_t6_admin_guard_changes_the_custom_device_ceiling_at_runtime(server):
+    async def main():
+        async with server.client() as c:
+            changed = await c.post("/admin/guard", json={"custom_device_ceiling": "60GiB"})
+            bad_size = await c.post("/admin/guard", json={"custom_device_ceiling": "60 parsecs"})
+            slip = await c.post("/admin/guard", json={"custom_device_ceiling": 60})
+            back = await c.post("/admin/guard", json={"custom_device_ceiling": 0})
+        return changed, bad_size, slip, back
+
+    changed, bad_size, slip, back = server.run(main())
+    assert changed.status_code == 200 and changed.json()["guard"]["custom_device_ceiling"] == 60 * GiB
+    assert changed.json()["guard"]["device"] is None  # no discrete device here: no device pool shown
+    assert assert_openai_error(bad_size, 400)["param"] == "custom_device_ceiling"
+    assert "at least 1MiB" in assert_openai_error(slip, 400, "invalid_guard_settings")["message"]
+    assert back.json()["guard"]["custom_device_ceiling"] == 0
+
+
 def test_admin_without_token_refuses_non_loopback_clients(server):
     """No token configured: anyone who can reach the port must not retune the guard."""
     address = non_loopback_address()

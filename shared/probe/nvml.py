@@ -95,13 +95,21 @@ class _Session:
 
 _session: _Session | None = None
 _lock = threading.Lock()
+_why = ""  # why the last read_device answered None ("" after a reading)
+
+
+def unavailable_reason() -> str:
+    """Why the last `read_device` in this process answered None, in words
+    ("" when it gave a reading): `probe` shows it beside "no NVIDIA device"."""
+    return _why
 
 
 def _reset() -> None:
     """Forget the session (tests; a later reading imports and initialises again)."""
-    global _session
+    global _session, _why
     with _lock:
         _session = None
+        _why = ""
 
 
 def _open() -> _Session | None:
@@ -186,10 +194,12 @@ def read_device(index: int = 0, *, uuid: str | None = None) -> DeviceReading | N
     NVML numbers devices its own way and ignores CUDA_VISIBLE_DEVICES, so a
     worker's device 0 need not be NVML's 0: the `uuid` from the worker's
     `mx.device_info()` names the device unambiguously. None when there is no
-    reading (the cause is logged once).
+    reading (the cause is logged once; `unavailable_reason` gives it every time).
     """
+    global _why
     session = _open()
     if session is None:
+        _why = (_session.failed if _session is not None else None) or "NVML unavailable"
         return None
     nvml = session.nvml
     what = f"uuid {uuid}" if uuid is not None else f"index {index}"
@@ -197,11 +207,11 @@ def read_device(index: int = 0, *, uuid: str | None = None) -> DeviceReading | N
         if uuid is None:
             count = int(nvml.nvmlDeviceGetCount())
             if count <= 0:
-                warn_once("nvml:no-device", "NVML sees no NVIDIA device; no device readings")
+                _why = warn_once("nvml:no-device", "NVML sees no NVIDIA device; no device readings")
                 return None
             if not 0 <= index < count:
-                warn_once(f"nvml:no-device:{index}",
-                          f"NVML has no device {index} (it sees {count}); no device reading")
+                _why = warn_once(f"nvml:no-device:{index}",
+                                 f"NVML has no device {index} (it sees {count}); no device reading")
                 return None
         handle = _handle(session, index, uuid)
         memory = nvml.nvmlDeviceGetMemoryInfo(handle)
@@ -215,9 +225,10 @@ def read_device(index: int = 0, *, uuid: str | None = None) -> DeviceReading | N
     except Exception as exc:  # noqa: BLE001 - GPU lost, NotFound, a driver hiccup
         with _lock:
             session.handles.clear()
-        warn_once(f"nvml:read:{what}:{type(exc).__name__}",
-                  f"NVML reading of device {what} failed ({exc!r}); no device reading")
+        _why = warn_once(f"nvml:read:{what}:{type(exc).__name__}",
+                         f"NVML reading of device {what} failed ({exc!r}); no device reading")
         return None
+    _why = ""
     per_process, unknown, warnings = _processes(nvml, handle)
     return DeviceReading(
         index=index, name=name, total=total, free=free, used=used,

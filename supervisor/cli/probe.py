@@ -2,19 +2,23 @@
 
 Reads this machine the way the running guard would (no supervisor needed)
 and says where every number came from, so a surprising ceiling can be traced
-to the file or call behind it.
+to the file or call behind it. With an NVIDIA device (NVML, the `cuda`
+extra) its memory follows as a pool of its own (SPEC D1, D6); without one a
+single line says why there is none.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 
 import msgspec
 
 from shared.probe import HostReading, Psi, exact_footprint, own_footprint, read_host
+from shared.probe.nvml import DeviceReading
 from shared.sizes import format_size
 from supervisor.cli._args import size_arg
 
@@ -86,9 +90,46 @@ def _rows(r: HostReading, own: dict[str, object]) -> list[tuple[str, str, str]]:
     ]
 
 
-def _print_table(r: HostReading, own: dict[str, object]) -> None:
+def read_device_quietly() -> tuple[DeviceReading | None, str]:
+    """NVML's device 0 (SPEC D1) and, when there is none, why.
+
+    The reason is shown where the caller shows the device, so the one-time
+    log warning of `shared.probe.nvml` is held back here (no pynvml on a Mac
+    or a CPU-only machine is normal, not something to warn about).
+    """
+    from shared.probe import nvml
+
+    logger = logging.getLogger("memvisor.probe")
+    before = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        reading = nvml.read_device()
+    finally:
+        logger.setLevel(before)
+    return reading, "" if reading is not None else nvml.unavailable_reason()
+
+
+def _device_rows(d: DeviceReading | None, why: str) -> list[tuple[str, str, str]]:
+    if d is None:
+        return [("device", "no NVIDIA device", f"({why or 'no reading'})")]
+    source = "NVML" if d.source == "nvml" else "a worker's mx.device_info()"
+    rows = [
+        ("device", f"{d.index}: {d.name}", source + (f", {d.uuid}" if d.uuid else "")),
+        ("device total", _bytes(d.total), "nvmlDeviceGetMemoryInfo total"),
+        ("device free", _bytes(d.free), "nvmlDeviceGetMemoryInfo free"),
+        ("device used", _bytes(d.used), "nvmlDeviceGetMemoryInfo used"),
+    ]
+    for pid, amount in sorted(d.per_process.items()):
+        rows.append((f"device pid {pid}", _bytes(amount), "nvmlDeviceGet{Compute,Graphics}RunningProcesses"))
+    for pid in d.unknown_pids:
+        rows.append((f"device pid {pid}", "unknown", "NVML lists it without a figure (container, MIG)"))
+    return rows
+
+
+def _print_table(r: HostReading, own: dict[str, object],
+                 device: tuple[DeviceReading | None, str] = (None, "")) -> None:
     print(f"memvisor probe: {r.platform}, pid {own['pid']}")
-    rows = _rows(r, own)
+    rows = _rows(r, own) + _device_rows(*device)
     w0 = max(len(row[0]) for row in rows)
     w1 = max(len(row[1]) for row in rows if len(row[1]) < 60)
     for name, value, source in rows:
@@ -98,20 +139,23 @@ def _print_table(r: HostReading, own: dict[str, object]) -> None:
         for key, amount in r.detail.items():
             shown = str(amount) if key == "memorystatus_level" else _bytes(amount)
             print(f"  {key:<{w0}}  {shown}")
-    for warning in r.warnings:
+    for warning in r.warnings + (device[0].warnings if device[0] is not None else []):
         print(f"warning: {warning}")
 
 
 def run(args: argparse.Namespace) -> int:
     reading = read_host(budget=args.budget)
     own = _own()
+    device, why = read_device_quietly()
     try:
         if args.json:
             payload = msgspec.to_builtins(reading)
             payload["own"] = own
+            payload["device"] = msgspec.to_builtins(device)  # D6: null without a device ...
+            payload["device_unavailable"] = why              # ... and why
             print(json.dumps(payload, indent=2))
         else:
-            _print_table(reading, own)
+            _print_table(reading, own, (device, why))
         sys.stdout.flush()
     except BrokenPipeError:  # `probe | head`: the reader left, not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

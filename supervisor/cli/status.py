@@ -54,6 +54,7 @@ def render(st: ServerStatus) -> str:
             f"  usage {size(g.usage)} = {g.utilization:.0%} of the ceiling;"
             f" soft {size(g.soft_bytes)} ({g.soft_threshold:g}), hard {size(g.hard_bytes)} ({g.hard_threshold:g})",
             f"  pressure {g.pressure_level.upper()}{' EMERGENCY' if g.emergency else ''}"
+            f"{' (the worse of host and device)' if g.device is not None else ''}"
             f"{', admission paused' if g.admission_paused else ''}; next check in {g.poll_interval:g} s",
         ]
     if g.warning:
@@ -61,8 +62,11 @@ def render(st: ServerStatus) -> str:
     lines.append(f"  prompt cache {size(g.hot_cache_used)} of {size(g.hot_cache_max)} budget"
                  f" (reserved off the worker limits: {size(g.hot_cache_reserved)})"
                  if g.hot_cache_max else "  prompt cache off (hot_cache_max = 0)")
-    lines += ["", f"{'model':<20} {'state':<10} {'pid':>7} {'usage':>10} {'mlx active':>10} {'pool':>9} "
-                  f"{'cache':>9} {'run':>4} {'queue':>5} {'idle':>7} {'restarts':>8}"]
+    if g.device is not None:
+        lines += _device_lines(g.device, g.enabled)
+    dev = g.device is not None  # D6: a device column beside usage
+    lines += ["", f"{'model':<20} {'state':<10} {'pid':>7} {'usage':>10} " + (f"{'device':>10} " if dev else "")
+              + f"{'mlx active':>10} {'pool':>9} {'cache':>9} {'run':>4} {'queue':>5} {'idle':>7} {'restarts':>8}"]
     workers = {w.model: w for w in g.workers if w.state not in ("stopped", "dead")}
     for m in st.models:
         w = workers.get(m.id)
@@ -71,7 +75,8 @@ def render(st: ServerStatus) -> str:
             lines.append(f"{pin}{m.id:<19} {m.state:<10}" + (f"  {m.failed_reason}" if m.failed_reason else ""))
             continue
         lines.append(
-            f"{pin}{m.id:<19} {w.state:<10} {w.pid:>7} {size(w.usage):>10} {size(w.mlx_active):>10} "
+            f"{pin}{m.id:<19} {w.state:<10} {w.pid:>7} {size(w.usage):>10} "
+            + (f"{size(w.device_bytes):>10} " if dev else "") + f"{size(w.mlx_active):>10} "
             f"{size(w.mlx_pool):>9} {size(w.cache_bytes):>9} {w.running:>4} {w.queued:>5} {w.idle_seconds:>6.0f}s {w.restarts:>8}"
         )
     lines.append("(* pinned)")
@@ -84,3 +89,25 @@ def render(st: ServerStatus) -> str:
     if st.malformed_frames:
         lines.append(f"\n{st.malformed_frames} malformed frame(s) refused since start")
     return "\n".join(lines)
+
+
+def _device_lines(d: p.DevicePool, enabled: bool) -> list[str]:
+    """D6: the discrete device's pool, beside the host's block above."""
+    size = format_size
+    name = f" {d.name}" if d.name else ""
+    free = "free unknown" if d.free is None else f"free {size(d.free)}"
+    head = [f"device{name}: {size(d.total)}, {free}, other processes {size(d.others)}"]
+    if not enabled:
+        return head + [f"  guard OFF: no device limit; usage {size(d.usage)}, loads still fit the device "
+                       f"static ceiling {size(d.static)}"]
+    lines = head + [
+        f"  device ceiling {size(d.ceiling)} bound by {d.binding}" + (f" — to raise it: {d.remedy}" if d.remedy else ""),
+        f"  static {size(d.static)}  dynamic {size(d.dynamic)}  reserve {size(d.reserve)} of {size(d.total)}",
+        f"  usage {size(d.usage)} = {d.utilization:.0%} of the device ceiling;"
+        f" soft {size(d.soft_bytes)} ({d.soft_threshold:g}), hard {size(d.hard_bytes)} ({d.hard_threshold:g})",
+        f"  device pressure {d.level.upper()}{' EMERGENCY' if d.emergency else ''}",
+    ]
+    if d.reserve_exceeds_total:
+        lines.append(f"  warning: the tier reserves {size(d.reserve)} of device memory but the device has only "
+                     f"{size(d.total)}; every model load is refused")
+    return lines

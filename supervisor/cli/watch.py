@@ -108,6 +108,9 @@ class _View:
                 f"soft {format_size(pr.soft_bytes)}  hard {format_size(pr.hard_bytes)}  "
                 f"{'admission PAUSED  ' if pr.admission_paused else ''}tick {pr.interval:g}s"
             )
+        device = (pr.device if pr is not None else None) or (c.device if c is not None else None)
+        if device is not None:  # D6: the discrete device's pool under the host's
+            parts.append(_device_line(device))
         if c is not None and c.hot_cache_max:  # H2: the group's caches against the budget
             cached = sum(s.memory.cache_bytes for s in self.samples.values())
             parts.append(f"prompt cache {format_size(cached)} / {format_size(c.hot_cache_max)} budget  "
@@ -125,6 +128,20 @@ class _View:
         for e in self.events:
             events.add_row(time.strftime("%H:%M:%S", time.localtime(e.t)), e.kind, e.model_id or "-", e.reason)
         return Panel(Group(*parts, workers, events), title="memvisor watch", subtitle="^C to leave")
+
+
+def _device_line(d: p.DevicePool, width: int = 40) -> str:
+    """D6: the device pool's usage against its ceiling, level and binding (rich markup)."""
+    name = f" {d.name}" if d.name else ""
+    if d.ceiling <= 0:
+        return f"device{name}  guard off: {format_size(d.usage)} of {format_size(d.total)}"
+    colour = {"ok": "green", "soft": "yellow", "hard": "red"}.get(d.level, "white")
+    fill = min(width, int(width * d.utilization))
+    bar = "█" * fill + "·" * (width - fill)
+    return (f"device{name} [bold {colour}]{d.level.upper()}[/]{' [bold red]EMERGENCY[/]' if d.emergency else ''}  "
+            f"[{colour}]{bar}[/] {format_size(d.usage)} / {format_size(d.ceiling)} ({d.utilization:.0%})  "
+            f"soft {format_size(d.soft_bytes)}  hard {format_size(d.hard_bytes)}  "
+            f"binding: [bold]{d.binding or '-'}[/]  of {format_size(d.total)}")
 
 
 def _live(args) -> int:

@@ -215,14 +215,16 @@ class FrontDoor:
         require_admin(request, self.scfg.admin_token)
         body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
         new = decode_body(body, GuardSettingsIn)
-        ceiling = new.custom_ceiling
-        if ceiling is not None:
+        sizes: dict[str, int | None] = {}
+        for name in ("custom_ceiling", "custom_device_ceiling"):
+            value = getattr(new, name)
             try:
-                ceiling = parse_size(ceiling)
+                sizes[name] = None if value is None else parse_size(value)
             except SizeError as exc:
-                raise BodyError(f"custom_ceiling: {exc}", param="custom_ceiling") from None
+                raise BodyError(f"{name}: {exc}", param=name) from None
         try:
-            self.sup.update_guard(p.GuardUpdate(tier=new.tier, custom_ceiling=ceiling, enabled=new.enabled))
+            self.sup.update_guard(p.GuardUpdate(tier=new.tier, enabled=new.enabled, custom_ceiling=sizes["custom_ceiling"],
+                                                custom_device_ceiling=sizes["custom_device_ceiling"]))
         except ValueError as exc:
             raise ApiError(400, str(exc), code="invalid_guard_settings") from None
         return json_response(self.sup.server_status())

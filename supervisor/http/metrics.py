@@ -4,7 +4,10 @@ Two kinds of figures, gathered two ways:
 
 - current values (ceiling and its components, usage, pressure level,
   per-worker memory, queue depth) are read from the arbiter when Prometheus
-  scrapes, by `GuardCollector`; nothing is copied on every tick;
+  scrapes, by `GuardCollector`; nothing is copied on every tick. With a
+  discrete device (SPEC D6) its pool has series of its own
+  (`memvisor_device_*`, `memvisor_worker_device_bytes`); without one they
+  are absent, not 0;
 - things that happen (guard events, requests, tokens, time to first token)
   are counted where they happen: the front door calls `Metrics` directly and
   the arbiter's guard events (SPEC S2) arrive through `on_event`.
@@ -104,7 +107,10 @@ class GuardCollector:
 
     def collect(self):
         sup = self.sup
-        yield from self._guard(sup.last_tick(), sup.admission_paused)
+        last = sup.last_tick()
+        yield from self._guard(last, sup.admission_paused)
+        if last is not None and last.device is not None:
+            yield from self._device(last)
         yield from self._workers(sup.workers())
         yield from self._counters(sup.counters(), sup.malformed_frames())
 
@@ -136,6 +142,32 @@ class GuardCollector:
                 value=LEVELS.get(last.level, 2))
         yield g("memvisor_emergency", "1 while in emergency (SPEC P2)", value=int(last.emergency))
         yield g("memvisor_admission_paused", "1 while new requests wait in the queue (SPEC P3)", value=int(paused))
+
+    def _device(self, last):
+        """D6: the discrete device's pool (only called when there is one)."""
+        d, g = last.device, GaugeMetricFamily
+        yield g("memvisor_device_total_bytes", "Memory of the discrete device (SPEC D1)", value=d.total)
+        yield g("memvisor_device_ceiling_bytes", "The device ceiling in force (SPEC D3); 0 = no limit",
+                value=d.ceiling)
+        comp = g("memvisor_device_ceiling_component_bytes", "Candidates of the device ceiling (SPEC D3)",
+                 labels=["component"])
+        comp.add_metric(["device_static"], d.static)
+        comp.add_metric(["device_dynamic"], d.dynamic)
+        yield comp
+        yield g("memvisor_device_reserve_bytes", "Device memory the tier leaves free (SPEC D2)", value=d.reserve)
+        yield g("memvisor_device_usage_bytes", "The group's device bytes (SPEC D1)", value=last.device_usage)
+        yield g("memvisor_device_soft_bytes", "Device soft watermark (SPEC D4)", value=d.soft)
+        yield g("memvisor_device_hard_bytes", "Device hard watermark (SPEC D4)", value=d.hard)
+        yield g("memvisor_device_level", "Device pressure level (SPEC D4): 0 ok, 1 soft, 2 hard",
+                value=LEVELS.get(last.device_level, 2))
+        yield g("memvisor_device_emergency", "1 while the device pool is in emergency (SPEC D4, P2)",
+                value=int(last.device_emergency))
+        per_worker = g("memvisor_worker_device_bytes", "Device bytes a worker holds (SPEC D1)",
+                       labels=["model", "worker"])
+        for w in self.sup.server_status(recent_events=1).guard.workers:
+            if w.state not in ("stopped", "dead"):
+                per_worker.add_metric([w.model, w.worker], w.device_bytes)
+        yield per_worker
 
     def _workers(self, handles):
         labels = ["model", "worker"]

@@ -198,6 +198,7 @@ class GuardSettingsIn(Struct, kw_only=True, forbid_unknown_fields=True):
     tier: Union[str, None] = None
     custom_ceiling: Union[int, str, None] = None
     enabled: Union[bool, None] = None
+    custom_device_ceiling: Union[int, str, None] = None  # D2
 
 
 # ---------------------------------------------------------------------------

@@ -4,15 +4,22 @@
 `status` topic show. It is derived, never stored: the enforcer builds it from
 the last snapshot and TickResult whenever someone asks.
 
-Public names (stable): GuardStatus, WorkerStatus, build_status.
+With a discrete device (SPEC D) the status holds its pool beside the host's:
+`GuardStatus.device` (a `shared.protocol.DevicePool`, None without a device)
+and each worker's `device_bytes`. `device_pool` builds that struct from a tick
+result; the enforcer publishes the same struct on the ceiling and pressure
+topics (D6), so every surface shows one set of figures.
+
+Public names (stable): GuardStatus, WorkerStatus, build_status, device_pool.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from shared.protocol import GuardEvent
+from shared.protocol import DevicePool, GuardEvent
 from supervisor.policy.ceilings import remedy, reserve_message
+from supervisor.policy.device import device_remedy
 from supervisor.policy.group import WorkerGroup
 from supervisor.policy.pressure import TickResult
 from supervisor.policy.snapshot import Snapshot
@@ -41,6 +48,7 @@ class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
     marked_for_unload: bool
     cache_bytes: int = 0        # H2: the worker's prompt cache (measured)
     cache_releasable: int = 0   # H3: the part no request uses
+    device_bytes: int = 0       # D1: held on the discrete device (0 without one)
 
 
 class GuardStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -80,7 +88,11 @@ class GuardStatus(msgspec.Struct, frozen=True, kw_only=True):
     utilization: float         # usage / ceiling, 0 when there is no ceiling
     poll_interval: float
     workers: list[WorkerStatus]
-    device_total: int = 0      # CUDA device memory: shown, not part of the host ceiling (SPEC C, D)
+    # D6: the discrete device's pool beside the host's (None: no device). The
+    # figures above are the host pool's; `pressure_level` and `emergency` are
+    # the group's, the worse of the two pools (D4).
+    device: DevicePool | None = None
+    custom_device_ceiling: int = 0   # D2: [guard] custom_device_ceiling (0 = unset)
 
 
 def _warning(snapshot: Snapshot, result: TickResult) -> str:
@@ -92,8 +104,29 @@ def _warning(snapshot: Snapshot, result: TickResult) -> str:
     return ""
 
 
-def build_status(snapshot: Snapshot, result: TickResult) -> GuardStatus:
-    """S1 from the snapshot a tick saw and what it decided."""
+def device_pool(result: TickResult, name: str = "") -> DevicePool | None:
+    """D6: the device pool's figures of one tick (None when there is no device).
+
+    `name` is the device's name where the caller knows it (NVML, or the
+    worker's `mx.device_info()`); the tick does not carry it.
+    """
+    dc = result.device
+    if dc is None:
+        return None
+    usage = result.device_usage
+    return DevicePool(
+        name=name, total=dc.total, free=dc.free if dc.free_known else None, usage=usage,
+        others=dc.others, reserve=dc.reserve, reserve_exceeds_total=dc.reserve_exceeds_total,
+        static=dc.static, dynamic=dc.dynamic, ceiling=dc.ceiling, binding=dc.binding,
+        remedy=device_remedy(dc.binding, dc.tier), soft_threshold=dc.soft_threshold,
+        hard_threshold=dc.hard_threshold, soft_bytes=dc.soft, hard_bytes=dc.hard,
+        level=result.device_level, emergency=result.device_emergency,
+        utilization=usage / dc.ceiling if dc.ceiling > 0 else 0.0,
+    )
+
+
+def build_status(snapshot: Snapshot, result: TickResult, device_name: str = "") -> GuardStatus:
+    """S1 from the snapshot a tick saw and what it decided (D6: with its device pool)."""
     c, now = result.ceilings, snapshot.now
     workers = [
         WorkerStatus(
@@ -105,6 +138,7 @@ def build_status(snapshot: Snapshot, result: TickResult) -> GuardStatus:
             max_concurrency=w.max_concurrency, restarts=w.restarts,
             marked_for_unload=w.marked_for_unload,
             cache_bytes=w.memory.cache_bytes, cache_releasable=w.memory.cache_releasable,
+            device_bytes=w.device_bytes,
         )
         for w in snapshot.workers
     ]
@@ -122,7 +156,8 @@ def build_status(snapshot: Snapshot, result: TickResult) -> GuardStatus:
         hard_bytes=c.hard, usage=result.usage, pressure_level=result.level,
         emergency=result.emergency, admission_paused=result.state.admission_paused,
         utilization=result.usage / c.ceiling if c.ceiling > 0 else 0.0,
-        poll_interval=result.next_interval, workers=workers, device_total=snapshot.device_total,
+        poll_interval=result.next_interval, workers=workers,
+        device=device_pool(result, device_name), custom_device_ceiling=snapshot.guard.custom_device_ceiling,
     )
 
 

@@ -165,12 +165,30 @@ function renderCards() {
       (g.hard_threshold * 100).toFixed(0) + " % of the ceiling";
     $("remedy").textContent = g.warning || (g.remedy ? "if the ceiling is too low: " + g.remedy : "");
   }
+  renderDevice(p ? p.device : c ? c.device : g ? g.device : null);
   const last = [...S.events].reverse().find((e) => ACTIONS.has(e.kind));
   if (last) {
     const box = $("last-action");
     box.replaceChildren(el("span", last.kind, "kind"),
       el("span", (last.model_id ? last.model_id + ": " : "") + last.reason + " (" + clock(last.t) + ")"));
   }
+}
+
+// SPEC D6: a discrete device's pool beside the host's; nothing at all without one
+function renderDevice(d) {
+  $("device-card").hidden = !d;
+  if (!d) return;
+  const level = d.ceiling > 0 ? d.level : "unknown";
+  $("device-name").textContent = d.name || "";
+  $("device-level").textContent = d.ceiling > 0 ? d.level + (d.emergency ? " !" : "") : "off";
+  $("device-level").className = "badge level-" + level;
+  $("device-usage").textContent = fmt(d.usage) + " / " + (d.ceiling > 0 ? fmt(d.ceiling) : "no limit");
+  const fill = $("device-fill");
+  fill.style.width = (d.ceiling > 0 ? Math.min(100, d.utilization * 100) : 0).toFixed(1) + "%";
+  fill.className = "level-" + level;
+  $("device-sub").textContent = (d.ceiling > 0 ? (d.utilization * 100).toFixed(1) + " % · bound by " + d.binding +
+    " · soft " + fmt(d.soft_bytes) + " / hard " + fmt(d.hard_bytes) + " · " : "") + "device " + fmt(d.total) +
+    (d.free !== null && d.free !== undefined ? ", free " + fmt(d.free) : "");
 }
 
 function modelRows() {
