@@ -12,6 +12,7 @@ from test_supervisor_live import Running, collect, make_config
 
 from shared import probe
 from shared import protocol as p
+from shared.probe import nvml
 from shared.sizes import GiB
 from supervisor.config import GuardConfig, ModelConfig
 
@@ -72,9 +73,12 @@ def test_u1_a_workers_sample_on_the_wire_counts_its_pool(tiny_models, runtime_di
     asyncio.run(main())
 
 
-def test_cuda_device_memory_is_reported_not_folded_into_the_host_ceiling(tiny_models, runtime_dir):
+def test_cuda_device_memory_is_reported_not_folded_into_the_host_ceiling(tiny_models, runtime_dir, monkeypatch):
     """A 24 GiB GPU on a bigger host made a 24 GiB host ceiling. The worker's
-    hello is replaced by what MLX's CUDA backend reports (no CUDA here)."""
+    hello is replaced by what MLX's CUDA backend reports, and NVML is made
+    unreadable so the hello is the reading (D1's fallback; on a real GPU NVML
+    would give the real device instead)."""
+    monkeypatch.setattr(nvml, "read_device", lambda *a, **k: None)
     config = make_config([ModelConfig(id="a", path=str(tiny_models.a))],
                          guard=GuardConfig(tier="custom", custom_ceiling=0))
 
