@@ -149,3 +149,13 @@ def test_d4_device_watermarks_go_out_in_the_workers_own_measure():
     [limits] = {x.limits for x in kinds(r, d.SetLimits)}
     overhead = 512 * 2**20  # 3 GiB - 2.29 GiB = 724 MiB, down to a 256 MiB step
     assert (limits.device_soft, limits.device_hard) == (16 * GiB - overhead, 18 * GiB - overhead)
+
+
+def test_d5_a_dry_run_gives_the_real_loads_verdict_on_the_device():
+    from supervisor.policy.admission import fit_report
+
+    s = snap(busy("a", 15))
+    report = fit_report(s, "big", 8 * GiB, kv_per_token=0, context_tokens=0)
+    verdict = admit(s, "big", 8 * GiB)
+    assert (report.fits, report.pool, report.error, report.message) == (
+        verdict.admitted, "device", verdict.error, verdict.message)

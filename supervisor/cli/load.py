@@ -47,7 +47,8 @@ def describe(r: FitReport) -> str:
         parts += f" + KV for {r.context_tokens} tokens {format_size(r.kv_bytes)}"
     lines = [
         f"{r.model}: {'fits' if r.fits else 'does NOT fit'} ({need}: {parts})",
-        f"  usage now {format_size(r.usage)}; ceiling {format_size(r.ceiling)} (binding: {r.binding or 'none'})",
+        f"  {'device ' if r.pool == 'device' else ''}usage now {format_size(r.usage)}; "
+        f"{'device ' if r.pool == 'device' else ''}ceiling {format_size(r.ceiling)} (binding: {r.binding or 'none'})",
     ]
     if r.evict:
         lines.append(f"  would stop first: {', '.join(r.evict)}")

@@ -169,17 +169,19 @@ class FitReport(msgspec.Struct, frozen=True, kw_only=True):
     evict: list[str]
     message: str
     error: str = ""
+    pool: str = "host"  # D5: the pool the load counts against ("device" on a discrete GPU)
 
 
 def fit_report(s: Snapshot, model_id: str, weight_bytes: int, kv_per_token: int,
                context_tokens: int) -> FitReport:
-    """A dry run of `admit_load` for the weights plus `context_tokens` of KV cache."""
+    """A dry run of `admit` (the real load's rules, host or device) for the weights
+    plus `context_tokens` of KV cache."""
     kv = max(0, kv_per_token) * max(0, context_tokens)
-    verdict = admit_load(s, model_id, weight_bytes + kv)
+    verdict = admit(s, model_id, weight_bytes + kv)
     by_worker = {w.worker: w.model for w in s.workers}
     return FitReport(
         model=model_id, fits=verdict.admitted, estimated_bytes=weight_bytes + kv, weight_bytes=weight_bytes,
         kv_bytes=kv, context_tokens=max(0, context_tokens), usage=verdict.usage, ceiling=verdict.ceiling,
         binding=verdict.binding, evict=[by_worker.get(w, w) for w in verdict.evict], message=verdict.message,
-        error=verdict.error,
+        error=verdict.error, pool=verdict.pool,
     )
