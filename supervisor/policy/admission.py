@@ -22,7 +22,7 @@ from supervisor.policy.ceilings import Ceilings, remedy, reserve_message
 from supervisor.policy.device import admit_device_load, device_ceilings_for
 from supervisor.policy.group import WorkerGroup, ceilings_for, is_idle, lru_key
 from supervisor.policy.snapshot import Snapshot, WorkerRecord
-from supervisor.policy.verdict import INSUFFICIENT_MEMORY, MODEL_TOO_LARGE, LoadVerdict
+from supervisor.policy.verdict import HOST_TERMS, INSUFFICIENT_MEMORY, MODEL_TOO_LARGE, LoadVerdict, decide_load
 
 __all__ = [
     "INSUFFICIENT_MEMORY", "MODEL_TOO_LARGE", "FitReport", "LoadVerdict", "admit", "admit_load", "evict_for_prefill",
@@ -63,22 +63,15 @@ def admit_load(s: Snapshot, model_id: str, size_bytes: int) -> LoadVerdict:
     c = ceilings_for(s, g)
     usage, size, ceiling = _projected(g), max(0, size_bytes), c.admission_ceiling
     target = min(c.admission_soft_target, ceiling)  # A1
-    evict, after = _take(_idle_victims(g, exclude_model=model_id), usage, size, target)  # A2
-    verdict = LoadVerdict(
-        admitted=True, evict=evict, wait_for=[w.worker for w in g.live if w.state == "draining"],
-        binding=c.admission_binding, usage=usage, size=size, ceiling=ceiling, target=target)
-    if after + size <= ceiling:  # A3 admit
-        return msgspec.structs.replace(verdict, message=(
-            f"load {model_id} ({format_size(size)}): fits under the {c.admission_binding} "
-            f"ceiling {format_size(ceiling)} after stopping {len(evict)} idle model(s)"))
-    if not c.enabled:  # A4 never refuse
-        return msgspec.structs.replace(verdict, message=(
-            f"load {model_id} ({format_size(size)}): the guard is off, admitted over the "
-            f"static ceiling {format_size(ceiling)}"))
-    error, text = _refusal(model_id, c, size, after)
-    fix = remedy("static" if c.reserve_exceeds_total else c.admission_binding, c.tier)
-    return msgspec.structs.replace(verdict, admitted=False, evict=[], error=error, remedy=fix,
-                                   message=f"{text}; {fix}")
+
+    def refuse(after: int) -> tuple[str, str, str]:
+        error, text = _refusal(model_id, c, size, after)
+        return error, text, remedy("static" if c.reserve_exceeds_total else c.admission_binding, c.tier)
+
+    return decide_load(
+        HOST_TERMS, model_id, size=size, usage=usage, ceiling=ceiling, target=target, binding=c.admission_binding,
+        enabled=c.enabled, victims=((w.worker, w.usage) for w in _idle_victims(g, exclude_model=model_id)),
+        wait_for=[w.worker for w in g.live if w.state == "draining"], refuse=refuse)
 
 
 def admit(s: Snapshot, model_id: str, size_bytes: int) -> LoadVerdict:

@@ -72,7 +72,7 @@ from shared.states import LIVE_STATES
 from supervisor.policy.group import WorkerGroup, is_idle, lru_key
 from supervisor.policy.snapshot import Level, Snapshot, WorkerRecord
 from supervisor.policy.tiers import TIERS, clamp, normalise_tier, resolve_thresholds
-from supervisor.policy.verdict import INSUFFICIENT_MEMORY, MODEL_TOO_LARGE, LoadVerdict
+from supervisor.policy.verdict import DEVICE_TERMS, INSUFFICIENT_MEMORY, MODEL_TOO_LARGE, LoadVerdict, decide_load
 
 __all__ = [
     "DEVICE_BINDINGS",
@@ -330,8 +330,8 @@ def admit_device_load(
 ) -> LoadVerdict:
     """D5: A1-A4 on device bytes for loading `model_id` (`size_bytes` on the device).
 
-    `workers` are the tick's `WorkerRecord`s, each with its device bytes (D1). Usage is projected as admission.py does it: the
-    live workers' device bytes less those of workers already draining (listed
+    `workers` are the tick's `WorkerRecord`s, each with its device bytes (D1).
+    Usage is projected as admission.py does it: the live workers' device bytes less those of workers already draining (listed
     in `wait_for`). A1: evict target = min(device admission soft target,
     device admission ceiling). A2: while usage + size > target, stop the least
     recently used idle non-pinned worker that holds device bytes (never one
@@ -347,7 +347,7 @@ def admit_device_load(
     usage = sum(_held(w) for w in live) - sum(_held(w) for w in draining)
     if c is None:
         return LoadVerdict(pool="device", admitted=True, usage=usage, size=size,
-                                 message=f"load {model_id}: no discrete device, nothing to guard")
+                           message=f"load {model_id}: no discrete device, nothing to guard")
     ceiling = c.admission_ceiling
     target = min(c.admission_soft_target, ceiling)  # A1
     victims = sorted(
@@ -355,29 +355,15 @@ def admit_device_load(
          if is_idle(w) and not w.pinned and w.model != model_id and _held(w) > 0),
         key=lru_key,
     )
-    evict: list[str] = []
-    after = usage
-    for w in victims:  # A2
-        if after + size <= target:
-            break
-        evict.append(w.worker)
-        after -= _held(w)
-    verdict = LoadVerdict(pool="device", 
-        admitted=True, evict=evict, wait_for=[w.worker for w in draining], binding=c.admission_binding,
-        usage=usage, size=size, ceiling=ceiling, target=target)
-    if after + size <= ceiling:  # A3 admit
-        return msgspec.structs.replace(verdict, message=(
-            f"load {model_id} ({format_size(size)} of device memory): fits under the "
-            f"{c.admission_binding} device ceiling {format_size(ceiling)} after stopping "
-            f"{len(evict)} idle model(s)"))
-    if not c.enabled:  # A4 never refuse
-        return msgspec.structs.replace(verdict, message=(
-            f"load {model_id} ({format_size(size)} of device memory): the guard is off, "
-            f"admitted over the device static ceiling {format_size(ceiling)}"))
-    error, text = _refusal(model_id, c, size, after)
-    fix = device_remedy("device_static" if c.reserve_exceeds_total else c.admission_binding, c.tier)
-    return msgspec.structs.replace(verdict, admitted=False, evict=[], error=error, remedy=fix,
-                                   message=f"{text}; {fix}")
+
+    def refuse(after: int) -> tuple[str, str, str]:
+        error, text = _refusal(model_id, c, size, after)
+        return error, text, device_remedy("device_static" if c.reserve_exceeds_total else c.admission_binding, c.tier)
+
+    return decide_load(
+        DEVICE_TERMS, model_id, size=size, usage=usage, ceiling=ceiling, target=target,
+        binding=c.admission_binding, enabled=c.enabled, victims=((w.worker, _held(w)) for w in victims),
+        wait_for=[w.worker for w in draining], refuse=refuse)
 
 
 def _refusal(model_id: str, c: DeviceCeilings, size: int, after: int) -> tuple[str, str]:
