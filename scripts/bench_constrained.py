@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         if path is None:
             path = Path(tmp) / "bench-model"
             make_model(path, parse_size(args.size), 0, dtype=args.dtype)
-        model, tokenizer = mlx_lm.load(str(path))
+        loaded = mlx_lm.load(str(path))  # (model, tokenizer): no config asked
+        model, tokenizer = loaded[0], loaded[1]
     engine = Engine(model, tokenizer, own_usage_fn=_zero)
     prompt = engine.encode_prompt(PROMPT)
     run_engine(engine, prompt, 8, 1, False)  # warm up both paths (and compile the grammar once)

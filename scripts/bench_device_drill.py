@@ -41,7 +41,7 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_reaction import Samples, pct  # noqa: E402
+from bench_reaction import Samples, last_tick, pct  # noqa: E402
 
 from shared import protocol as p  # noqa: E402
 from shared.probe import nvml  # noqa: E402
@@ -49,6 +49,7 @@ from shared.sizes import GiB, MiB, format_size, parse_size  # noqa: E402
 from supervisor.arbiter import Arbiter  # noqa: E402
 from supervisor.config import Config, GuardConfig, ModelConfig, SupervisorConfig  # noqa: E402
 from supervisor.policy import decisions as d  # noqa: E402
+from supervisor.policy.pressure import TickResult  # noqa: E402
 
 ACTIONS = (d.AbortRequests, d.Stop, d.MarkForUnload)
 
@@ -81,9 +82,11 @@ def set_device_ceiling(arb: Arbiter, ceiling: int) -> None:
     arb.enforcer.tick(time.monotonic())
 
 
-async def settle(arb: Arbiter, seconds: float = 0.3) -> None:
+async def settle(arb: Arbiter, seconds: float = 0.3) -> TickResult:
+    """Wake the guard, wait, and return its latest tick."""
     arb.wake()
     await asyncio.sleep(seconds)
+    return last_tick(arb)
 
 
 PRETEND = {"device_name": "pretend", "architecture": "cpu", "total_memory": 80 * GiB, "free_memory": 80 * GiB}
@@ -103,13 +106,14 @@ async def trial(arb: Arbiter, samples: Samples, rate: int, to: int, pretend: boo
     deadline = time.monotonic() + 10
     while not (handle.sample and handle.sample.running) and time.monotonic() < deadline:
         await settle(arb, 0.01)
-    await settle(arb, 0.2)
-    last = arb.enforcer.last
+    last = await settle(arb, 0.2)
     dc = last.device
     if dc is None:
         print("  trial: no device pool in the tick (no CUDA worker?)")
         return None
-    mine_now = next((w.device_bytes for w in arb.enforcer.last_snapshot.workers
+    snapshot = arb.enforcer.last_snapshot
+    assert snapshot is not None  # set with `last`, on every tick
+    mine_now = next((w.device_bytes for w in snapshot.workers
                      if w.worker == handle.worker_id), 0)
     others = last.device_usage - mine_now
     # the CUDA context NVML counts and MLX does not: the worker's samples plus this are
@@ -150,7 +154,7 @@ async def trial(arb: Arbiter, samples: Samples, rate: int, to: int, pretend: boo
     peak = max(on_device(s) for s in mine) + context + others
     nvml_peak = max((b for _t, b in poller.points), default=0) + others
     for _ in range(500):  # the episode ends before the next trial
-        if arb.enforcer.last.device_level == "ok" and not handle.requests:
+        if last_tick(arb).device_level == "ok" and not handle.requests:
             break
         await settle(arb, 0.01)
     return {
@@ -190,8 +194,7 @@ async def main() -> int:
             await asyncio.sleep(0.01)
         samples = Samples(arb.endpoints.pub)
         handle = await load(arb, args.pretend_cuda)
-        await settle(arb, 0.5)
-        last = arb.enforcer.last
+        last = await settle(arb, 0.5)
         if last.device is None:
             print(f"no CUDA device under the guard (worker device_info: {handle.device_info}); nothing to measure")
             arb.running = False
@@ -200,8 +203,9 @@ async def main() -> int:
             return 2
         ceiling = last.device_usage + args.headroom
         set_device_ceiling(arb, ceiling)
-        await settle(arb)
-        dc = arb.enforcer.last.device
+        dc = (await settle(arb)).device
+        if dc is None:
+            raise RuntimeError("the device pool left the guard's tick after the ceiling was set")
         print(f"device {handle.device_info.get('device_name', '?')}: total {format_size(dc.total)}, group holds "
               f"{format_size(last.device_usage)}; custom device ceiling {format_size(dc.ceiling)} "
               f"(soft {format_size(dc.soft)}, hard {format_size(dc.hard)}); drill {format_size(args.rate)}/s")

@@ -82,7 +82,8 @@ def _zero() -> int:
 def compare(path: Path, tokens: int, repeats: int) -> float:
     import mlx_lm
 
-    model, tokenizer = mlx_lm.load(str(path))
+    loaded = mlx_lm.load(str(path))  # (model, tokenizer): no config asked
+    model, tokenizer = loaded[0], loaded[1]
     prompt = tokenizer.encode(PROMPT)
     bench_mlx_lm(model, tokenizer, prompt, 8)  # warm up both paths
     bench_engine(model, tokenizer, prompt, 8)

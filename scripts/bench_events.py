@@ -35,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from bench_reaction import Samples, pct, trial  # noqa: E402
+from bench_reaction import Samples, last_tick, pct, trial  # noqa: E402
 
 from shared import protocol as p  # noqa: E402
 from shared.sizes import MiB, format_size, parse_size  # noqa: E402
@@ -98,7 +98,7 @@ async def start(model_dir: Path, runtime: Path, headroom: int) -> tuple[Arbiter,
     await asyncio.sleep(0.5)
     arb.wake()
     await asyncio.sleep(0.2)
-    arb.enforcer.update_guard(p.GuardUpdate(tier="custom", custom_ceiling=arb.enforcer.last.usage + headroom))
+    arb.enforcer.update_guard(p.GuardUpdate(tier="custom", custom_ceiling=last_tick(arb).usage + headroom))
     return arb, task
 
 

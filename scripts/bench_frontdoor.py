@@ -71,7 +71,8 @@ class InProcess:
         import mlx_lm
 
         self.mlx_lm = mlx_lm
-        self.model, self.tokenizer = mlx_lm.load(str(path))
+        loaded = mlx_lm.load(str(path))  # (model, tokenizer): no config asked
+        self.model, self.tokenizer = loaded[0], loaded[1]
 
     def bare_first_token(self) -> float:
         """Prefill + one greedy step with no generation loop around it: the floor any

@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
             from supervisor.gguf import cache_folder
 
             os.environ["XDG_CACHE_HOME"] = str(Path(tmp) / "cache")
-            model, tokenizer = mlx_lm.load(str(cache_folder(args.gguf.resolve())))
+            loaded = mlx_lm.load(str(cache_folder(args.gguf.resolve())))  # (model, tokenizer): no config asked
+            model, tokenizer = loaded[0], loaded[1]
             served_rates, local_rates = [], []
             for _ in range(args.runs):
                 served_rates.append(served.decode_rate(args.tokens))

@@ -22,6 +22,7 @@ import tempfile
 import time
 import timeit
 from pathlib import Path
+from typing import Any
 
 import multiprocess
 import zmq
@@ -46,14 +47,17 @@ def sample(i: int = 0) -> p.Sample:
 
 
 def bench_codec() -> None:
-    for name, union, msg in (("Sample", p.WorkerReport, sample()),
-                             ("SetLimits", p.CommandMsg, p.SetLimits(cmd=1, limits=Limits(hard_limit=1)))):
-        codec = p.Codec(union)
-        frame = codec.encode(msg)
-        n = 200_000
-        enc = timeit.timeit(lambda c=codec, m=msg: c.encode(m), number=n) / n * 1e6
-        dec = timeit.timeit(lambda c=codec, f=frame: c.decode(f), number=n) / n * 1e6
-        print(f"codec {name:9s}: encode {enc:.2f} µs, decode {dec:.2f} µs ({len(frame)} bytes)")
+    bench_one_codec("Sample", p.WorkerReport, sample())
+    bench_one_codec("SetLimits", p.CommandMsg, p.SetLimits(cmd=1, limits=Limits(hard_limit=1)))
+
+
+def bench_one_codec(name: str, union: Any, msg: p.Msg) -> None:
+    codec = p.Codec(union)
+    frame = codec.encode(msg)
+    n = 200_000
+    enc = timeit.timeit(lambda: codec.encode(msg), number=n) / n * 1e6
+    dec = timeit.timeit(lambda: codec.decode(frame), number=n) / n * 1e6
+    print(f"codec {name:9s}: encode {enc:.2f} µs, decode {dec:.2f} µs ({len(frame)} bytes)")
 
 
 def bench_ledger(tmp: Path) -> None:
@@ -140,8 +144,8 @@ async def main() -> int:
     ap.add_argument("--pings", type=int, default=2000)
     args = ap.parse_args()
     logging.basicConfig(level=logging.ERROR)
-    with tempfile.TemporaryDirectory(prefix="mv-ipc-") as tmp:
-        tmp = Path(tmp)
+    with tempfile.TemporaryDirectory(prefix="mv-ipc-") as tmp_name:
+        tmp = Path(tmp_name)
         bench_codec()
         bench_ledger(tmp)
         (tmp / "bus").mkdir()

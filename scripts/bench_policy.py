@@ -31,6 +31,7 @@ import msgspec  # noqa: E402
 from shared.host import HostCounters
 from shared.memory import MemoryReading
 from shared.sizes import GiB, MiB  # noqa: E402
+from shared.states import WorkerState  # noqa: E402
 from supervisor.policy.pressure import tick  # noqa: E402
 from supervisor.policy.snapshot import GuardSettings, PolicyState, Snapshot, WorkerRecord  # noqa: E402
 
@@ -42,7 +43,7 @@ def _workers(n: int, per_worker: int, pressure: bool) -> list[WorkerRecord]:
     out = []
     for i in range(n):
         kind = i % 8
-        state = "loading" if pressure and kind == 7 else ("busy" if kind in (1, 2, 5) else "ready")
+        state: WorkerState = "loading" if pressure and kind == 7 else ("busy" if kind in (1, 2, 5) else "ready")
         running = 1 if state == "busy" else 0
         out.append(WorkerRecord(
             worker=f"w{i}", model=f"model-{i}", pid=1000 + i, state=state,

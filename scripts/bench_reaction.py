@@ -40,8 +40,17 @@ from shared.sizes import MiB, format_size, parse_size  # noqa: E402
 from supervisor.arbiter import Arbiter  # noqa: E402
 from supervisor.config import Config, GuardConfig, ModelConfig, SupervisorConfig  # noqa: E402
 from supervisor.policy import decisions as d  # noqa: E402
+from supervisor.policy.pressure import TickResult  # noqa: E402
 
 ACTIONS = (d.AbortRequests, d.Stop, d.MarkForUnload)
+
+
+def last_tick(arb: Arbiter) -> TickResult:
+    """The guard's latest tick; a running arbiter has ticked by the time a model is loaded."""
+    last = arb.enforcer.last
+    if last is None:
+        raise RuntimeError("the guard has not ticked yet")
+    return last
 
 
 def pct(values: list[float], q: float) -> float:
@@ -53,7 +62,7 @@ class Samples:
     """Every sample the supervisor publishes, as (t, usage), read off the PUB socket."""
 
     def __init__(self, endpoint: str) -> None:
-        self.sock = zmq.Context.instance().socket(zmq.SUB)
+        self.sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"sample")
         self.sock.connect(endpoint)
         self.codec = p.Codec(p.Published)
@@ -77,8 +86,11 @@ async def trial(arb: Arbiter, samples: Samples, rate: int, to: int) -> dict | No
         await asyncio.sleep(0.01)
     arb.wake()
     await asyncio.sleep(0.2)
-    c = arb.enforcer.last.ceilings
-    others = arb.enforcer.last.usage - handle.sample.memory.usage
+    if handle.sample is None:
+        raise RuntimeError(f"{handle.worker_id} sent no sample in 10 s")
+    last = last_tick(arb)
+    c = last.ceilings
+    others = last.usage - handle.sample.memory.usage
     soft, hard, ceiling = c.soft, c.hard, c.ceiling
     samples.drain()
     samples.items.clear()
@@ -115,7 +127,7 @@ async def trial(arb: Arbiter, samples: Samples, rate: int, to: int) -> dict | No
                   if len(grown) > 1 and grown[-1].t > first.t else float("nan"))
     # wait for the episode to end before the next trial
     for _ in range(500):
-        if arb.enforcer.last.level == "ok" and not arb.pool.handles.get(handle.worker_id, handle).requests:
+        if last_tick(arb).level == "ok" and not arb.pool.handles.get(handle.worker_id, handle).requests:
             break
         arb.wake()
         await asyncio.sleep(0.01)
@@ -146,7 +158,7 @@ async def run_mode(model_dir: Path, runtime: Path, args, *, baseline: bool) -> l
     await asyncio.sleep(0.5)
     arb.wake()
     await asyncio.sleep(0.2)
-    ceiling = arb.enforcer.last.usage + args.headroom
+    ceiling = last_tick(arb).usage + args.headroom
     arb.enforcer.update_guard(p.GuardUpdate(tier="custom", custom_ceiling=ceiling))
     if baseline:
         arb.pool.wake_on_watermark = False

@@ -399,7 +399,7 @@ def respawn(ctx: "Context") -> Row:
 def hostile_bodies(rng: random.Random, n: int) -> list[tuple[str, bytes, dict[str, str]]]:
     """(path, body, headers): the named attacks, then random JSON of every shape."""
     chat = "/v1/chat/completions"
-    named = [
+    named: list[tuple[str, bytes, dict[str, str]]] = [
         (chat, b'{"model":"a","messages":' + b"[" * 3000 + b"]" * 3000 + b"}", {}),
         ("/v1/completions", b'{"model":"a","prompt":' + b"[" * 3000 + b"]" * 3000 + b"}", {}),
         ("/v1/completions", json.dumps({"model": "a", "prompt": "w " * 200_000, "max_tokens": 4}).encode(), {}),
@@ -426,7 +426,7 @@ def hostile_bodies(rng: random.Random, n: int) -> list[tuple[str, bytes, dict[st
                             "temperature", "stop", "seed", "n", "tools"]): value(depth + 1)
                 for _ in range(rng.randint(0, 5))}
 
-    fuzz = []
+    fuzz: list[tuple[str, bytes, dict[str, str]]] = []
     for _ in range(n):
         extra = value(0)
         body = {"model": rng.choice(["a", "b", "nope", 5]), **(extra if isinstance(extra, dict) else {})}

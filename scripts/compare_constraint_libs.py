@@ -233,7 +233,8 @@ def run_sequences(lib: Lib, schema: dict, vocab: int, eos: set[int], sequences: 
             t2 = time.perf_counter()
             fill_us.append((t1 - t0) * 1e6)
             apply_us.append((t2 - t1) * 1e6)
-            token = int(mx.argmax(logits, axis=-1).item())
+            token = mx.argmax(logits, axis=-1).item()
+            assert isinstance(token, int)  # an index
             if token in eos:
                 break
             if not lib.accept(matcher, token):
@@ -289,10 +290,17 @@ def main(argv: list[str] | None = None) -> int:
             hf = PreTrainedTokenizerFast(tokenizer_file=str(model / "tokenizer.json"), eos_token="</s>")
         vocab = hf.backend_tokenizer.get_vocab_size(with_added_tokens=True)
         eos = [hf.eos_token_id]
-        _DECODE = hf.decode
+
+        def decode(ids: list[int]) -> str:
+            text = hf.decode(ids)
+            assert isinstance(text, str)  # one sequence in, one string out
+            return text
+
+        _DECODE = decode
         libs: list[Lib] = []
-        for make in (lambda: LLGuidance(hf.backend_tokenizer.to_str(), vocab, eos),
-                     lambda: XGrammar(hf, vocab, eos), lambda: OutlinesCore(hf, vocab, eos)):
+        makers: list[Callable[[], Lib]] = [lambda: LLGuidance(hf.backend_tokenizer.to_str(), vocab, eos),
+                                           lambda: XGrammar(hf, vocab, eos), lambda: OutlinesCore(hf, vocab, eos)]
+        for make in makers:
             try:
                 start = time.perf_counter()
                 lib = make()
