@@ -85,7 +85,9 @@ def slow_clients(port: int, count: int) -> None:
 
 async def start(model_dir: Path, runtime: Path, headroom: int) -> tuple[Arbiter, asyncio.Task]:
     config = Config(
-        guard=GuardConfig(tier="custom", custom_ceiling=0),
+        # hot_cache_max=0: C12 reserves cache used + 512 MiB; on a ceiling of usage + a few hundred MiB
+        # that leaves the worker 1-byte limits, so it never reports a watermark crossing (bench_reaction)
+        guard=GuardConfig(tier="custom", custom_ceiling=0, hot_cache_max=0),
         supervisor=SupervisorConfig(http="127.0.0.1:0", heartbeat_interval=1.0, heartbeat_timeout=10.0,
                                     allow_drills=True),
         models=[ModelConfig(id="victim", path=str(model_dir), max_concurrency=1)],
