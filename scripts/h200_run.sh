@@ -9,7 +9,8 @@
 #
 # Wheels travel in .whl/ (Python 3.12 manylinux), the ~90 MB mlx-cuda-13 wheel
 # in two halves (.gpu1/, .gpu2/, `split -b 46000000`) because one transfer is
-# capped at 64 MiB; ../shared/device-cuda.md says why. Logs go to $OUT.
+# capped at 64 MiB; ../shared/device-cuda.md says why. Carry .whl in every call
+# that installs (a path not carried is gone there). Logs go to $OUT.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -26,6 +27,8 @@ parts)
     ls -la /tmp/parts
     ;;
 install)
+    # from scratch: pip --target skips a top-level folder that exists (a half install's mlx/)
+    rm -rf "$SITE"
     mkdir -p /tmp/parts "$SITE"
     cp .gpu2/mlxcuda.part.* /tmp/parts/ 2>/dev/null || true
     cat /tmp/parts/mlxcuda.part.* > /tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
