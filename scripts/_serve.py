@@ -5,8 +5,36 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class ServeProcess:
+    """`python -m supervisor serve` as a child process, on a config the benchmark writes.
+
+    The front door binds a free port (`--http 127.0.0.1:0`); `base` is its URL
+    once `/health` answers. The supervisor's log goes to `log`.
+    """
+
+    def __init__(self, config_text: str, *, config: Path, runtime: Path, log: Path, timeout: float,
+                 env: dict[str, str] | None = None, stop_grace: float = 30.0) -> None:
+        config.write_text(config_text)
+        self.runtime, self.log, self.stop_grace = runtime, log, stop_grace
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "supervisor", "serve", "--config", str(config), "--runtime-dir",
+             str(runtime), "--http", "127.0.0.1:0"],
+            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "wb"))  # noqa: SIM115
+        self.base = wait_ready(self.proc, runtime, log, timeout)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(self.stop_grace)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
 
 
 def wait_ready(proc: subprocess.Popen, runtime: Path, log: Path, timeout: float) -> str:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from _serve import bench_model, wait_ready  # noqa: E402  (scripts/ is on sys.path as the script's folder)
+from _serve import ServeProcess, bench_model  # noqa: E402  (scripts/ is on sys.path as the script's folder)
 
 from shared.sizes import parse_size  # noqa: E402
 
@@ -59,37 +58,21 @@ def ensure_model(size: int, dtype: str) -> Path:
     return bench_model(f"batch-{size}-{dtype}", size, 11, dtype)
 
 
-class Server:
+class Server(ServeProcess):
     """`serve` with one pinned model and room for `concurrency` streams."""
 
     def __init__(self, model: Path, workdir: Path, concurrency: int) -> None:
         import psutil
 
-        self.runtime = workdir / "rt"
-        config = workdir / "bench.toml"
-        config.write_text(f'[[models]]\nid = "bench"\npath = "{model}"\npinned = true\n'
-                          f"max_concurrency = {concurrency}\n")
-        self.log = workdir / "serve.log"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "supervisor", "serve", "--config", str(config), "--runtime-dir",
-             str(self.runtime), "--http", "127.0.0.1:0"],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(self.log, "wb"))
-        self.base = self._wait_ready()
+        super().__init__(f'[[models]]\nid = "bench"\npath = "{model}"\npinned = true\n'
+                         f"max_concurrency = {concurrency}\n",
+                         config=workdir / "bench.toml", runtime=workdir / "rt", log=workdir / "serve.log",
+                         timeout=300.0)
         self.ps = psutil.Process(self.proc.pid)
-
-    def _wait_ready(self, timeout: float = 300.0) -> str:
-        return wait_ready(self.proc, self.runtime, self.log, timeout)
 
     def cpu(self) -> float:
         times = self.ps.cpu_times()
         return times.user + times.system
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 async def one_stream(client, base: str, i: int, tokens: int) -> int:

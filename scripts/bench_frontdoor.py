@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from _serve import bench_model, wait_ready  # noqa: E402  (scripts/ is on sys.path as the script's folder)
+from _serve import ServeProcess, bench_model  # noqa: E402  (scripts/ is on sys.path as the script's folder)
 
 from shared.sizes import parse_size  # noqa: E402
 
@@ -115,22 +114,13 @@ class BareFirstToken:
 # through the front door
 
 
-class FrontDoor:
+class FrontDoor(ServeProcess):
     def __init__(self, path: Path, workdir: Path) -> None:
-        self.runtime = workdir / "rt"
-        config = workdir / "bench.toml"
-        config.write_text(f'[[models]]\nid = "bench"\npath = "{path}"\npinned = true\n')
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "supervisor", "serve", "--config", str(config), "--runtime-dir",
-             str(self.runtime), "--http", "127.0.0.1:0"],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(workdir / "serve.log", "wb"))
-        self.log = workdir / "serve.log"
-        self.base = self._wait_ready()
+        super().__init__(f'[[models]]\nid = "bench"\npath = "{path}"\npinned = true\n',
+                         config=workdir / "bench.toml", runtime=workdir / "rt", log=workdir / "serve.log",
+                         timeout=180.0)
         self.cpu_seconds = 0.0  # the supervisor's own CPU (not its workers') during runs
         self.tokens = 0
-
-    def _wait_ready(self, timeout: float = 180.0) -> str:
-        return wait_ready(self.proc, self.runtime, self.log, timeout)
 
     def run(self, tokens: int) -> Run:
         import httpx
@@ -161,13 +151,6 @@ class FrontDoor:
         self.cpu_seconds += sum(supervisor.cpu_times()[:2]) - cpu_before
         self.tokens += count
         return Run(sent, first, last, count)
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 def measure(sides, runs: int, tokens: int, verbose: bool) -> dict[str, list[Run]]:

@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from _serve import wait_ready  # noqa: E402  (scripts/ is on sys.path as the script's folder)
+from _serve import ServeProcess  # noqa: E402  (scripts/ is on sys.path as the script's folder)
 
 from shared.gguf import read_header
 from shared.sizes import format_size
@@ -35,23 +34,13 @@ from shared.sizes import format_size
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
 
 
-class Served:
+class Served(ServeProcess):
     """`python -m supervisor serve` on a config whose one model is the .gguf path."""
 
     def __init__(self, gguf: Path, workdir: Path) -> None:
-        self.runtime = workdir / "rt"
-        config = workdir / "bench.toml"
-        config.write_text(f'[[models]]\nid = "gguf"\npath = "{gguf}"\n')
         env = dict(os.environ, XDG_CACHE_HOME=str(workdir / "cache"))  # a fresh import cache
-        self.log = workdir / "serve.log"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "supervisor", "serve", "--config", str(config), "--runtime-dir",
-             str(self.runtime), "--http", "127.0.0.1:0"],
-            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(self.log, "wb"))  # noqa: SIM115
-        self.base = self._wait_ready()
-
-    def _wait_ready(self, timeout: float = 120.0) -> str:
-        return wait_ready(self.proc, self.runtime, self.log, timeout)
+        super().__init__(f'[[models]]\nid = "gguf"\npath = "{gguf}"\n', config=workdir / "bench.toml",
+                         runtime=workdir / "rt", log=workdir / "serve.log", timeout=120.0, env=env)
 
     def post(self, path: str) -> float:
         import httpx
@@ -80,13 +69,6 @@ class Served:
                 if line.startswith("data: {") and json.loads(line[6:])["choices"][0].get("text"):
                     stamps.append(time.perf_counter())
         return (len(stamps) - 1) / (stamps[-1] - stamps[0])
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 def in_process_rate(model, tokenizer, tokens: int) -> float:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
 import sys
 import tempfile
 import threading
@@ -44,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from _serve import bench_model, wait_ready  # noqa: E402  (scripts/ is on sys.path as the script's folder)
+from _serve import ServeProcess, bench_model  # noqa: E402  (scripts/ is on sys.path as the script's folder)
 
 from shared.sizes import format_size, parse_size  # noqa: E402
 
@@ -65,27 +64,17 @@ def text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-class Server:
+class Server(ServeProcess):
     """`python -m supervisor serve` in a subprocess, with its own config and runtime dir."""
 
     def __init__(self, workdir: Path, name: str, models: dict[str, Path], guard: str) -> None:
-        self.runtime = workdir / f"rt-{name}"
-        config = workdir / f"{name}.toml"
         # Pings are answered between engine steps, and on a busy 2-core machine one
         # 512-token prefill chunk can outlast the default 5 s heartbeat timeout.
         body = f"[guard]\n{guard}\n[supervisor]\nheartbeat_timeout = 120\n" + "".join(
             f'[[models]]\nid = "{mid}"\npath = "{path}"\npinned = true\nmax_concurrency = 4\n'
             for mid, path in models.items())
-        config.write_text(body)
-        self.log = workdir / f"{name}.log"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "supervisor", "serve", "--config", str(config), "--runtime-dir",
-             str(self.runtime), "--http", "127.0.0.1:0"],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(self.log, "wb"))
-        self.base = self._wait_ready()
-
-    def _wait_ready(self, timeout: float = 300.0) -> str:
-        return wait_ready(self.proc, self.runtime, self.log, timeout)
+        super().__init__(body, config=workdir / f"{name}.toml", runtime=workdir / f"rt-{name}",
+                         log=workdir / f"{name}.log", timeout=300.0, stop_grace=60.0)
 
     def chat(self, model: str, messages: list[dict], max_tokens: int) -> tuple[float, str, dict]:
         """Streamed greedy chat: (TTFT seconds, reply text, usage)."""
@@ -125,13 +114,6 @@ class Server:
                 if sample.name == name:
                     return sample.value
         return 0.0
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 def chat_bench(cached: Server, plain: Server, turns: int, reply_tokens: int) -> list[tuple]:
