@@ -44,6 +44,14 @@ def tiny_model(tiny_models) -> Path:
     return tiny_models.a
 
 
+@pytest.fixture(scope="module")
+def loaded(tiny_model):
+    """`tiny_model` loaded in this process by mlx-lm: (model, tokenizer), once per test module."""
+    import mlx_lm
+
+    return mlx_lm.load(str(tiny_model))
+
+
 @pytest.fixture
 def runtime_dir(tmp_path_factory) -> Path:
     # ipc:// paths must stay short (108 bytes on Linux)

@@ -47,13 +47,6 @@ TOOLS = (p.ToolFunction(name="get_weather", parameters=json.dumps(WEATHER)),
          p.ToolFunction(name="add", parameters=json.dumps(ADD)))
 
 
-@pytest.fixture(scope="module")
-def loaded(tiny_model):
-    import mlx_lm
-
-    return mlx_lm.load(str(tiny_model))
-
-
 def _engine(loaded) -> Engine:
     model, tokenizer = loaded
     return Engine(model, tokenizer, own_usage_fn=lambda: 0)

@@ -16,13 +16,6 @@ from worker.stops import StopMatcher
 OPEN = Limits(max_concurrency=8)  # guard off, room for everyone
 
 
-@pytest.fixture(scope="module")
-def loaded(tiny_model):
-    import mlx_lm
-
-    return mlx_lm.load(str(tiny_model))
-
-
 def _engine(loaded, **kwargs) -> Engine:
     model, tokenizer = loaded
     kwargs.setdefault("own_usage_fn", lambda: 0)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import mlx.core as mx
-import pytest
 from mlx_lm.models.cache import KVCache
 from test_engine import Run, drive
+from test_engine import _engine as engine_for
 
 from shared.limits import Limits
 from shared.protocol import ChatMessage, Finished, Generate, NeedMemory
@@ -114,18 +114,9 @@ CACHED = Limits(max_concurrency=8, cache_cap=GiB)
 UNCACHED = Limits(max_concurrency=8, cache_cap=0)
 
 
-@pytest.fixture(scope="module")
-def loaded(tiny_model):
-    import mlx_lm
-
-    return mlx_lm.load(str(tiny_model))
-
-
 def _engine(loaded, **kwargs) -> Engine:
-    model, tokenizer = loaded
-    kwargs.setdefault("own_usage_fn", lambda: 0)
     kwargs.setdefault("max_chunk", 64)  # several chunks per prompt, as real prompts have
-    return Engine(model, tokenizer, **kwargs)
+    return engine_for(loaded, **kwargs)
 
 
 def _chat(engine: Engine, limits: Limits, turns: int) -> list[tuple[list[int], Finished]]:

@@ -28,7 +28,7 @@ from pathlib import Path
 import msgspec
 
 from shared import protocol as p
-from shared.sizes import MiB
+from shared.sizes import MiB, format_size
 from supervisor.arbiter import Arbiter
 from supervisor.config import Config, GuardConfig, ModelConfig, SupervisorConfig
 from supervisor.lab.timeline import Recorder, Timeline
@@ -127,6 +127,11 @@ class Lab:
     def set_ceiling(self, ceiling: int, why: str = "") -> None:
         self.rec.note("ceiling", "", why or f"custom ceiling {ceiling // MiB} MiB")
         self.arb.update_guard(p.GuardUpdate(tier="custom", custom_ceiling=int(ceiling)))
+
+    def drill(self, model_id: str, rate: int, to: int) -> None:
+        """A fire drill in the model's worker (real MLX allocations), marked on the timeline."""
+        self.arb.start_drill(p.DrillRequest(model=model_id, rate=rate, to=to))
+        self.rec.note("drill", model_id, f"{format_size(rate)}/s")
 
     async def generate(self, model_id: str, prompt: str, max_tokens: int) -> RequestStream:
         stream = await self.arb.generate(model_id, p.Generate(request_id="", prompt=prompt, max_tokens=max_tokens))
