@@ -26,11 +26,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -59,6 +56,7 @@ from worker.gguf_tensors import (
     check_supported,
     plain_or_dequantized,
 )
+from worker.staging import staged_model_dir
 
 ROPE_FREQS = "rope_freqs.weight"
 SHARD_BYTES = 2 * 1024**3
@@ -346,19 +344,11 @@ def import_gguf(src: str | Path, dest: str | Path, emit: Emit = lambda line: Non
     note = _dequantized_note(header, requantize)
     if note is not None:
         emit(note)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-    try:
+    with staged_model_dir(dest) as staging:
         eos = write_tokenizer(header, staging)
         config["eos_token_id"] = eos
         written = _convert_and_write(header, src, staging, emit, requantize)
         (staging / "config.json").write_text(json.dumps(config, indent=2))
-        dest.mkdir(exist_ok=True)
-        # config.json last: it is what makes the directory look like a model.
-        for file in sorted(staging.iterdir(), key=lambda f: f.name == "config.json"):
-            os.replace(file, dest / file.name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return ImportDone(
         out_dir=str(dest), bytes_written=written,
         quantized_tensors=sum(t.stays_quantized for t in header.tensors),

@@ -37,9 +37,7 @@ import ast
 import functools
 import json
 import os
-import shutil
 import sysconfig
-import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -47,6 +45,7 @@ import msgspec
 import numpy as np
 
 from shared.sizes import MiB, format_size
+from worker.staging import staged_model_dir
 
 DTYPES = {"float16": ("F16", 2), "bfloat16": ("BF16", 2), "float32": ("F32", 4)}
 DEFAULT_DTYPE = "float16"
@@ -464,9 +463,7 @@ def make_model(
     _bytes_per_param(dtype, bits)
     tokenizer = train_tokenizer()
     dims = choose_dims(size_bytes, tokenizer.get_vocab_size(), dtype, bits)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
+    with staged_model_dir(target) as staging:
         ids = _write_tokenizer_files(tokenizer, staging)
         config = _model_config(dims, ids)
         (staging / "generation_config.json").write_text(json.dumps(
@@ -474,10 +471,4 @@ def make_model(
              "pad_token_id": ids[PAD]}, indent=2))
         write_weights(staging / "model.safetensors", dims, seed, progress)
         (staging / "config.json").write_text(json.dumps(config, indent=2))
-        target.mkdir(exist_ok=True)
-        # config.json last: it is what makes the directory look like a model.
-        for file in sorted(staging.iterdir(), key=lambda f: f.name == "config.json"):
-            os.replace(file, target / file.name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return dims
