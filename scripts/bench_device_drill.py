@@ -197,8 +197,7 @@ async def main() -> int:
         last = await settle(arb, 0.5)
         if last.device is None:
             print(f"no CUDA device under the guard (worker device_info: {handle.device_info}); nothing to measure")
-            arb.running = False
-            arb.wake()
+            arb.stop()
             await task
             return 2
         ceiling = last.device_usage + args.headroom
@@ -217,8 +216,7 @@ async def main() -> int:
                 print(f"  trial {i + 1:2d}: decision {r['decision_ms']:7.1f} ms after the hard crossing "
                       f"({r['after_start_ms']:.0f} ms after the drill began), overshoot {r['overshoot']:.2%} "
                       f"(NVML {r['nvml_overshoot']:.2%}), {r['action']}: {r['reason']}")
-        arb.running = False
-        arb.wake()
+        arb.stop()
         await task
     if not results:
         print("no trial crossed the device hard watermark with an action")

@@ -207,8 +207,7 @@ async def main() -> int:
                 await asyncio.sleep(0.05)
         quiet.summary(arb)
         busy.summary(arb)
-        arb.running = False
-        arb.wake()
+        arb.stop()
         await task
     if not quiet.results or not busy.results:
         print("not enough trials with a decision to compare")

@@ -130,8 +130,7 @@ async def bench_round_trip(tmp: Path, pings: int) -> tuple[float, float]:
     for _ in range(200):  # warm up
         await arb.pool.ping(handle)
     rtts = sorted([await arb.pool.ping(handle) for _ in range(pings)])
-    arb.running = False
-    arb.wake()
+    arb.stop()
     await task
     p50, p99 = rtts[len(rtts) // 2] * 1e3, rtts[int(len(rtts) * 0.99)] * 1e3
     print(f"round trip: Ping -> Pong with a real idle worker, {pings} pings: p50 {p50:.3f} ms, p99 {p99:.3f} ms")

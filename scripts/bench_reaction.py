@@ -171,8 +171,7 @@ async def run_mode(model_dir: Path, runtime: Path, args, *, baseline: bool) -> l
             results.append(r)
             print(f"  {'1 s poll' if baseline else 'event   '} trial {i + 1:2d}: decision {r['decision_ms']:7.1f} ms, "
                   f"returned {r['returned_ms']:7.1f} ms, overshoot {r['overshoot']:.1%} ({r['action']})")
-    arb.running = False
-    arb.wake()
+    arb.stop()
     await task
     return results
 

@@ -328,8 +328,7 @@ async def _obedience_run(ctx: "Context", chunk_seconds: float, row: Row) -> tupl
             row.note = first.message
         return worst, prefill
     finally:
-        arb.running = False
-        arb.wake()
+        arb.stop()
         await asyncio.wait_for(task, 60)
 
 

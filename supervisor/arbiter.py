@@ -206,7 +206,11 @@ class Arbiter:
                 self.pool.kill(handle, f"second {name}", cause="shutdown")
             return
         log.info("%s: shutting down (press ^C again to stop without draining)", name)
-        self.stop_reason = name
+        self.stop(name)
+
+    def stop(self, reason: str = "done") -> None:
+        """Leave the loop at its next turn and drain every worker (a signal, a test, a benchmark)."""
+        self.stop_reason = reason
         self.running = False
         self.wake()
 

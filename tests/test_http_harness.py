@@ -57,8 +57,7 @@ class LiveServer:
             await asyncio.sleep(0.01)
 
     def __exit__(self, *exc) -> None:
-        self.arbiter.running = False
-        self.arbiter.wake()
+        self.arbiter.stop()
         self.loop.run_until_complete(asyncio.wait_for(self.task, 60))
         http = self.arbiter.http_server
         if http is not None and not http.task.done():  # uvicorn closes its connections

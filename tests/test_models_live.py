@@ -195,8 +195,7 @@ def test_reload_adds_removes_and_changes_models_while_another_streams(tiny_model
             exits = [e for e in arb.events if e.kind == "exit" and e.model_id == "b"]
             assert exits and "returned" in exits[-1].reason and "gone" in exits[-1].reason, exits
         finally:
-            arb.running = False
-            arb.wake()
+            arb.stop()
             await asyncio.wait_for(task, 30)
 
     asyncio.run(main())

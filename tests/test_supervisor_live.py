@@ -57,8 +57,7 @@ class Running:
         raise RuntimeError("arbiter did not start")
 
     async def __aexit__(self, *exc) -> None:
-        self.arbiter.running = False
-        self.arbiter.wake()
+        self.arbiter.stop()
         await asyncio.wait_for(self.task, 30)
 
 
@@ -330,8 +329,7 @@ def test_a_recorded_trace_replays_to_the_same_decisions(tiny_models, runtime_dir
         await until(lambda: all(h.sample for h in arb.pool.handles.values()), what="samples")
         arb.enforcer.update_guard(p.GuardUpdate(tier="custom", custom_ceiling=arb.enforcer.last.usage // 2))
         await until(lambda: len(arb.pool.handles) < 2, what="an eviction")
-        arb.running = False
-        arb.wake()
+        arb.stop()
         await task
         return [e.worker_id for e in arb.events if e.kind == "evict"]
 
@@ -492,8 +490,7 @@ def test_a_trace_that_cannot_be_written_stops_tracing_not_the_guard(tiny_models,
         assert not task.done() and arb.running
         assert arb.enforcer.trace is None
         assert any("tracing stops" in r.getMessage() for r in caplog.records)
-        arb.running = False
-        arb.wake()
+        arb.stop()
         assert await asyncio.wait_for(task, 30) == 0
 
     asyncio.run(main())

@@ -242,8 +242,7 @@ async def run_one(sc: Scenario, paths: dict[tuple[int, int], Path], out: Path | 
     timeline = await rec.stop()
     for t in lab.tasks:
         t.cancel()
-    arb.running = False
-    arb.wake()
+    arb.stop()
     try:
         await asyncio.wait_for(task, 30)
     finally:
