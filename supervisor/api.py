@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from supervisor.fanout import Subscription
     from supervisor.policy.admission import FitReport
     from supervisor.policy.pressure import TickResult
+    from supervisor.policy.snapshot import Snapshot
     from supervisor.policy.status import ModelInfo, ServerStatus
     from supervisor.pool import ModelView, WorkerHandle
     from supervisor.streams import RequestStream
@@ -77,6 +78,9 @@ class Supervisor(Protocol):
     # -- what the metrics read at scrape time --------------------------------
 
     def last_tick(self) -> TickResult | None: ...
+
+    def last_snapshot(self) -> Snapshot | None:
+        """The inputs of that tick: per worker, the figures the policy decided with."""
 
     @property
     def admission_paused(self) -> bool: ...

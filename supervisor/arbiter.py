@@ -548,6 +548,9 @@ class Arbiter:
     def last_tick(self):
         return self.enforcer.last
 
+    def last_snapshot(self):
+        return self.enforcer.last_snapshot
+
     @property
     def admission_paused(self) -> bool:
         return self.enforcer.admission_paused

@@ -437,11 +437,9 @@ def _metrics_text(snapshot: Snapshot) -> str:
     from supervisor.http.metrics import GuardCollector
 
     result = tick(snapshot)
-    status = build_status(snapshot, result)
     sup = SimpleNamespace(
         last_tick=lambda: result, admission_paused=False, workers=lambda: [], counters=lambda: {},
-        malformed_frames=lambda: {}, config=Config(), server_status=lambda recent_events=20: SimpleNamespace(
-            guard=status))
+        malformed_frames=lambda: {}, config=Config(), last_snapshot=lambda: snapshot)
     registry = CollectorRegistry()
     registry.register(GuardCollector(sup))  # type: ignore[arg-type]
     return generate_latest(registry).decode()

@@ -164,7 +164,8 @@ class GuardCollector:
                 value=int(last.device_emergency))
         per_worker = g("memvisor_worker_device_bytes", "Device bytes a worker holds (SPEC D1)",
                        labels=["model", "worker"])
-        for w in self.sup.server_status(recent_events=1).guard.workers:
+        snapshot = self.sup.last_snapshot()  # the records the tick decided with (D1's bytes)
+        for w in snapshot.workers if snapshot is not None else ():
             if w.state not in ("stopped", "dead"):
                 per_worker.add_metric([w.model, w.worker], w.device_bytes)
         yield per_worker
