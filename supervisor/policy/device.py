@@ -69,7 +69,15 @@ import msgspec
 
 from shared.sizes import GiB, MiB, format_size
 from shared.states import LIVE_STATES
-from supervisor.policy.group import WorkerGroup, is_idle, lru_key
+from supervisor.policy.group import (
+    EMERGENCY_MARGIN,
+    EMERGENCY_TICKS,
+    WorkerGroup,
+    classify,
+    is_idle,
+    lru_key,
+    over_ceiling,
+)
 from supervisor.policy.snapshot import Level, Snapshot, WorkerRecord
 from supervisor.policy.tiers import TIERS, clamp, normalise_tier, resolve_thresholds
 from supervisor.policy.verdict import DEVICE_TERMS, INSUFFICIENT_MEMORY, MODEL_TOO_LARGE, LoadVerdict, decide_load
@@ -98,11 +106,9 @@ __all__ = [
     "worse_level",
 ]
 
-# P2's numbers, for the device pool. Kept here (not imported from pressure.py)
-# so that pressure.py and admission.py can import this module without a cycle;
-# tests/test_device_policy.py pins them equal to the host's.
-DEVICE_EMERGENCY_MARGIN = 2 * GiB
-DEVICE_EMERGENCY_TICKS = 2
+# P2's numbers: the device pool counts as the host's does (group.over_ceiling).
+DEVICE_EMERGENCY_MARGIN = EMERGENCY_MARGIN
+DEVICE_EMERGENCY_TICKS = EMERGENCY_TICKS
 
 DEVICE_BINDINGS = ("", "device_static", "device_others")
 
@@ -284,9 +290,7 @@ def device_level(usage: int, c: DeviceCeilings | None) -> Level:
 
     No device or the guard off (ceiling 0): always ok.
     """
-    if c is None or c.ceiling <= 0 or usage < c.soft:
-        return "ok"
-    return "soft" if usage < c.hard else "hard"
+    return "ok" if c is None else classify(usage, c.ceiling, c.soft, c.hard)
 
 
 class DeviceEmergency(NamedTuple):
@@ -307,11 +311,9 @@ def device_emergency(
     right after acting is not a new tick: it may reset the count, never
     advance it). Emergency when usage >= ceiling + 2 GiB or the count reaches 2.
     """
-    if c is None or c.ceiling <= 0 or usage < c.ceiling:
+    if c is None:
         return DeviceEmergency(0, False)
-    over = over_ceiling_ticks + (0 if recheck else 1)
-    emergency = usage >= c.ceiling + DEVICE_EMERGENCY_MARGIN or over >= DEVICE_EMERGENCY_TICKS
-    return DeviceEmergency(over, emergency)
+    return DeviceEmergency(*over_ceiling(usage, c.ceiling, over_ceiling_ticks, recheck))
 
 
 _LEVEL_RANK: dict[Level, int] = {"ok": 0, "soft": 1, "hard": 2}

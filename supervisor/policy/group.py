@@ -2,16 +2,21 @@
 worker buckets the rules choose from. Shared by the policy, admission and
 status so all three count memory the same way.
 
-Public names (stable): WorkerGroup, ceilings_for, is_idle, lru_key.
+Also P1 and P2 as pure arithmetic on one pool's figures, so host RAM and a
+discrete device (D4) classify and count alike.
+
+Public names (stable): WorkerGroup, ceilings_for, is_idle, lru_key, classify,
+over_ceiling, EMERGENCY_MARGIN, EMERGENCY_TICKS.
 """
 
 from __future__ import annotations
 
+from shared.sizes import GiB
 from shared.states import LIVE_STATES as _LIVE
 from shared.states import LOADING_STATES as _LOADING
 from shared.states import SERVING_STATES as _SERVING
 from supervisor.policy.ceilings import Ceilings, compute_ceilings
-from supervisor.policy.snapshot import Snapshot, WorkerRecord
+from supervisor.policy.snapshot import Level, Snapshot, WorkerRecord
 from supervisor.policy.tiers import normalise_tier
 
 
@@ -99,3 +104,28 @@ def is_idle(w: WorkerRecord) -> bool:
 def lru_key(w: WorkerRecord) -> tuple[float, str]:
     """Least recently used first; the worker id breaks ties so order is deterministic."""
     return (w.last_access, w.worker)
+
+
+EMERGENCY_MARGIN = 2 * GiB       # P2: this far over the ceiling is an emergency at once
+EMERGENCY_TICKS = 2              # P2: ... or this many consecutive ticks at or over it
+
+
+def classify(usage: int, ceiling: int, soft: int, hard: int) -> Level:
+    """P1 on one pool: ok below soft, soft below hard, else hard (ceiling 0: the guard is off, ok)."""
+    if ceiling <= 0 or usage < soft:
+        return "ok"
+    return "soft" if usage < hard else "hard"
+
+
+def over_ceiling(usage: int, ceiling: int, count: int, recheck: bool) -> tuple[int, bool]:
+    """P2 on one pool: (the over-ceiling count to carry, emergency).
+
+    Below the ceiling (or the guard off) the count resets. At or over it the
+    count goes up by one, except on a recheck (P7: the re-evaluation right
+    after acting is not a new tick; it may reset the count, never advance it).
+    Emergency at ceiling + EMERGENCY_MARGIN, or when the count reaches EMERGENCY_TICKS.
+    """
+    if ceiling <= 0 or usage < ceiling:
+        return 0, False
+    over = count + (0 if recheck else 1)
+    return over, usage >= ceiling + EMERGENCY_MARGIN or over >= EMERGENCY_TICKS

@@ -74,7 +74,17 @@ from supervisor.policy.device import (
     device_reserve_message,
     worse_level,
 )
-from supervisor.policy.group import WorkerGroup, ceilings_for, is_idle, lru_key, snapshot_total
+from supervisor.policy.group import (
+    EMERGENCY_MARGIN,
+    EMERGENCY_TICKS,
+    WorkerGroup,
+    ceilings_for,
+    classify,
+    is_idle,
+    lru_key,
+    over_ceiling,
+    snapshot_total,
+)
 from supervisor.policy.snapshot import Level, PolicyState, Snapshot, WorkerRecord
 from supervisor.policy.tiers import normalise_tier
 
@@ -90,8 +100,6 @@ __all__ = [
     "tick",
 ]
 
-EMERGENCY_MARGIN = 2 * GiB       # P2: this far over the ceiling is an emergency at once
-EMERGENCY_TICKS = 2              # P2: ... or this many consecutive ticks at or over it
 POOL_RECLAIM_FLOOR = 2 * GiB     # P4 default ([guard] pool_max): a smaller pool is not worth a clear
 GRACE_TICKS_MAX = 5              # P4: at 1 s a tick, covers one ~5 s prefill chunk
 STOP_SECONDS = 0.3               # P6 at hard: how long a stop under way takes (measured 0.13 s idle)
@@ -125,13 +133,6 @@ def group_usage(s: Snapshot) -> int:
     return WorkerGroup(s).usage
 
 
-def _classify(usage: int, c: Ceilings) -> Level:
-    """P1 (guard off: always ok)."""
-    if c.ceiling <= 0 or usage < c.soft:
-        return "ok"
-    return "soft" if usage < c.hard else "hard"
-
-
 class _Pool:
     """One memory pool as this tick projects it: host RAM, or a discrete device (D4).
 
@@ -151,9 +152,8 @@ class _Pool:
         return "usage" if self.name == "host" else "device usage"
 
     def classify(self) -> Level:
-        if self.ceiling <= 0 or self.projected < self.soft:
-            return "ok"
-        return "soft" if self.projected < self.hard else "hard"
+        """P1 on the projected usage (after P5's shrink, before P6 acts)."""
+        return classify(self.projected, self.ceiling, self.soft, self.hard)
 
 
 def _host_bytes(w: WorkerRecord) -> int:
@@ -215,15 +215,9 @@ class _Tick:
     # -- P1 / P2 ----------------------------------------------------------------
 
     def pressure(self) -> tuple[Level, int, bool]:
-        c, usage, prev = self.c, self.g.usage, self.prev
-        level = _classify(usage, c)
-        if c.ceiling <= 0 or usage < c.ceiling:
-            return level, 0, False
-        # P2/P7: a recheck right after acting is not a new tick; it may reset
-        # the count (above) but never advances it.
-        over = prev.over_ceiling_ticks + (0 if self.s.recheck else 1)
-        emergency = usage >= c.ceiling + EMERGENCY_MARGIN or over >= EMERGENCY_TICKS
-        return level, over, emergency
+        c, usage = self.c, self.g.usage
+        over, emergency = over_ceiling(usage, c.ceiling, self.prev.over_ceiling_ticks, self.s.recheck)
+        return classify(usage, c.ceiling, c.soft, c.hard), over, emergency
 
     # -- P3 and limits (T6) -----------------------------------------------------
 
