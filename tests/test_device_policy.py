@@ -28,10 +28,10 @@ from supervisor.policy.device import (
     device_reserve,
     device_reserve_message,
     device_tier_preview,
-    group_device_bytes,
     worse_level,
 )
-from supervisor.policy.snapshot import GuardSettings, WorkerRecord
+from supervisor.policy.group import WorkerGroup
+from supervisor.policy.snapshot import GuardSettings, Snapshot, WorkerRecord
 from supervisor.policy.tiers import TIERS
 
 TOTAL = 24 * GiB
@@ -49,9 +49,10 @@ def w(name: str, **kw) -> WorkerRecord:
     return WorkerRecord(worker=name, memory=MemoryReading(usage=256 * MiB, footprint=256 * MiB), **kw)
 
 
-def held_by(workers: list[WorkerRecord], held: dict[str, int]) -> list[WorkerRecord]:
-    """The same workers, each holding `held[id]` device bytes (D1; 0 when absent)."""
-    return [msgspec.structs.replace(x, device_bytes=held.get(x.worker, 0)) for x in workers]
+def held_by(workers: list[WorkerRecord], held: dict[str, int]) -> WorkerGroup:
+    """The group of these workers, each holding `held[id]` device bytes (D1; 0 when absent)."""
+    return WorkerGroup(Snapshot(now=0.0, workers=[msgspec.structs.replace(x, device_bytes=held.get(x.worker, 0))
+                                                  for x in workers]))
 
 
 CUSTOM20 = {"custom_device_ceiling": 20 * GiB}
@@ -275,7 +276,7 @@ def test_d4_group_device_bytes_counts_live_workers_only():
     workers = [w("ready"), w("draining", state="draining"), w("loading", state="loading"),
                w("dead", state="dead"), w("stopped", state="stopped"), w("unmapped")]
     held = {"ready": 1 * GiB, "draining": 2 * GiB, "loading": 4 * GiB, "dead": 8 * GiB, "stopped": 16 * GiB}
-    assert group_device_bytes(held_by(workers, held)) == 7 * GiB
+    assert held_by(workers, held).device_bytes == 7 * GiB
 
 
 # -- D5 admission on device bytes ------------------------------------------------

@@ -87,7 +87,8 @@ def admit(s: Snapshot, model_id: str, size_bytes: int) -> LoadVerdict:
     """
     if s.device_total <= 0:
         return admit_load(s, model_id, size_bytes)
-    device = admit_device_load(device_ceilings_for(s, WorkerGroup(s)), s.workers, model_id, size_bytes)
+    g = WorkerGroup(s)
+    device = admit_device_load(device_ceilings_for(s, g), g, model_id, size_bytes)
     host = admit_load(s, model_id, 0)
     if not device.admitted:
         return device

@@ -18,7 +18,7 @@ Inputs per tick (D1):
   None means "no free reading": the dynamic term falls back to static, as C2
   does without host counters. `free` 0 is a real reading (the device is full).
 - `group_bytes`: the device bytes the guarded group holds (sum of the
-  workers' device bytes; `group_device_bytes` computes it). The supervisor
+  workers' device bytes; `WorkerGroup.device_bytes`). The supervisor
   holds none: it never imports MLX.
 - per worker: `WorkerRecord.device_bytes` (NVML per-process used memory,
   else MLX active + pool), filled in by the enforcer.
@@ -55,20 +55,18 @@ Public names (stable): DeviceReserveParams, DEVICE_RESERVE_PARAMS,
 DEVICE_BINDINGS, DEVICE_EMERGENCY_MARGIN, DEVICE_EMERGENCY_TICKS,
 MODEL_TOO_LARGE, INSUFFICIENT_MEMORY, device_reserve, DeviceCeilings,
 compute_device_ceilings, device_remedy, device_reserve_message,
-group_device_bytes, device_level, DeviceEmergency, device_emergency,
+device_level, DeviceEmergency, device_emergency,
 worse_level, admit_device_load, DeviceTierPreview,
 device_tier_preview.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import NamedTuple
 
 import msgspec
 
 from shared.sizes import GiB, MiB, format_size
-from shared.states import LIVE_STATES
 from supervisor.policy.group import (
     EMERGENCY_MARGIN,
     EMERGENCY_TICKS,
@@ -102,7 +100,6 @@ __all__ = [
     "device_reserve_message",
     "device_tier_preview",
     "device_ceilings_for",
-    "group_device_bytes",
     "worse_level",
 ]
 
@@ -280,11 +277,6 @@ def _held(w: WorkerRecord) -> int:
     return max(0, w.device_bytes)
 
 
-def group_device_bytes(workers: Iterable[WorkerRecord]) -> int:
-    """U2 on the device: the device bytes (D1) of every worker whose process exists."""
-    return sum(_held(w) for w in workers if w.state in LIVE_STATES)
-
-
 def device_level(usage: int, c: DeviceCeilings | None) -> Level:
     """P1 on the device: ok below soft, soft below hard, else hard.
 
@@ -326,15 +318,15 @@ def worse_level(a: Level, b: Level) -> Level:
 
 def admit_device_load(
     c: DeviceCeilings | None,
-    workers: Iterable[WorkerRecord],
+    g: WorkerGroup,
     model_id: str,
     size_bytes: int,
 ) -> LoadVerdict:
     """D5: A1-A4 on device bytes for loading `model_id` (`size_bytes` on the device).
 
-    `workers` are the tick's `WorkerRecord`s, each with its device bytes (D1).
-    Usage is projected as admission.py does it: the live workers' device bytes less those of workers already draining (listed
-    in `wait_for`). A1: evict target = min(device admission soft target,
+    `g` is the tick's group, each worker with its device bytes (D1). Usage is
+    projected as admission.py does it: the group's device bytes less those of
+    workers already draining (listed in `wait_for`). A1: evict target = min(device admission soft target,
     device admission ceiling). A2: while usage + size > target, stop the least
     recently used idle non-pinned worker that holds device bytes (never one
     serving `model_id`), counting the device bytes it holds as freed. A3:
@@ -344,16 +336,15 @@ def admit_device_load(
     refused. No device (`c` None): admitted, nothing to evict.
     """
     size = max(0, size_bytes)
-    live = [w for w in workers if w.state in LIVE_STATES]
-    draining = [w for w in live if w.state == "draining"]
-    usage = sum(_held(w) for w in live) - sum(_held(w) for w in draining)
+    draining = [w for w in g.live if w.state == "draining"]
+    usage = g.device_bytes - g.draining_device_bytes
     if c is None:
         return LoadVerdict(pool="device", admitted=True, usage=usage, size=size,
                            message=f"load {model_id}: no discrete device, nothing to guard")
     ceiling = c.admission_ceiling
     target = min(c.admission_soft_target, ceiling)  # A1
     victims = sorted(
-        (w for w in live
+        (w for w in g.live
          if is_idle(w) and not w.pinned and w.model != model_id and _held(w) > 0),
         key=lru_key,
     )
