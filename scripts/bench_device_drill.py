@@ -37,8 +37,6 @@ import threading
 import time
 from pathlib import Path
 
-import msgspec
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_reaction import Samples, last_tick, pct  # noqa: E402
@@ -74,12 +72,6 @@ class NvmlPoller(threading.Thread):
             held = nvml.device_bytes_for(reading, self.pid)
             if held is not None:
                 self.points.append((time.monotonic(), held))
-
-
-def set_device_ceiling(arb: Arbiter, ceiling: int) -> None:
-    """T6 at runtime: the custom device ceiling, applied by the next tick."""
-    arb.enforcer.settings = msgspec.structs.replace(arb.enforcer.settings, custom_device_ceiling=ceiling)
-    arb.enforcer.tick(time.monotonic())
 
 
 async def settle(arb: Arbiter, seconds: float = 0.3) -> TickResult:
@@ -201,7 +193,7 @@ async def main() -> int:
             await task
             return 2
         ceiling = last.device_usage + args.headroom
-        set_device_ceiling(arb, ceiling)
+        arb.update_guard(p.GuardUpdate(custom_device_ceiling=ceiling))  # T6: applied by the tick it runs
         dc = (await settle(arb)).device
         if dc is None:
             raise RuntimeError("the device pool left the guard's tick after the ceiling was set")

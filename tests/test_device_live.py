@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import msgspec
 import pytest
 from test_supervisor_live import Running, make_config
 
@@ -56,9 +55,7 @@ def test_d4_device_drill_is_stopped_by_the_guard_on_the_device_pool(tiny_models,
             # on a real GPU NVML's free leaves out what the driver keeps (D3 counts it as
             # others'): the custom value covers it, so the ceiling is 256 MiB over the group
             others = dc.others
-            arb.enforcer.settings = msgspec.structs.replace(arb.enforcer.settings,
-                                                            custom_device_ceiling=held + others + 256 * MiB)
-            arb.enforcer.tick(time.monotonic())
+            arb.update_guard(p.GuardUpdate(custom_device_ceiling=held + others + 256 * MiB))  # T6: ticks now
             dc = arb.enforcer.last.device
             assert dc is not None and held < dc.ceiling <= held + others + 256 * MiB
             stream = await arb.generate("a", p.Generate(request_id="r", prompt="tell me a story", max_tokens=3000))
@@ -99,8 +96,7 @@ def test_d5_a_load_refused_by_the_device_pool_names_it(tiny_models, runtime_dir)
             while not (handle.sample and handle.sample.running):
                 await asyncio.sleep(0.01)
             held = arb.enforcer.last.device_usage
-            arb.enforcer.settings = msgspec.structs.replace(arb.enforcer.settings, custom_device_ceiling=held + MiB)
-            arb.enforcer.tick(time.monotonic())
+            arb.update_guard(p.GuardUpdate(custom_device_ceiling=held + MiB))
             with pytest.raises(LoadError) as refused:
                 await arb.load("b")
             assert refused.value.http_status == 507
