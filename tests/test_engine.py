@@ -511,7 +511,7 @@ def test_g2_measured_cost_replaces_the_prior(loaded):
 
 
 def prior_of(engine: Engine):
-    from worker.engine import _prior_cost
+    from worker.prefill_cost import prior_cost as _prior_cost
 
     return _prior_cost(engine.model, engine.max_chunk)
 

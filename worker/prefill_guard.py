@@ -40,6 +40,7 @@ class PrefillCost(msgspec.Struct, frozen=True):
 
     kv_per_token: float
     chunk_per_token: float
+    measured: bool = False  # False: still the prior (worker.prefill_cost), nothing learned yet
 
 
 class Limit(msgspec.Struct, frozen=True):
@@ -160,6 +161,8 @@ def next_chunk(
     remaining: int,
     cost: PrefillCost,
     max_chunk: int,
+    *,
+    done: int = 0,
 ) -> ChunkPlan:
     """G2: size the next prefill chunk from the headroom left under the chunk target.
 
@@ -167,7 +170,8 @@ def next_chunk(
     shrinks in proportion to the headroom left, and never beyond what the
     padded per-token cost says fits. The floor is `min_chunk_tokens` (or the
     tokens left, if fewer); when even the floor does not fit, the answer is 0
-    tokens: abort the request rather than push the machine over.
+    tokens: abort the request rather than push the machine over. `done` is
+    how many prompt tokens the sequence's cache already holds.
     """
     if remaining <= 0:
         return ChunkPlan(0)
