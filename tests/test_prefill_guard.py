@@ -10,9 +10,11 @@ from worker.prefill_guard import (
     COST_PAD,
     PrefillCost,
     after_chunk,
+    chunk_bytes,
     chunk_target,
     estimate_prefill_peak,
     next_chunk,
+    padded_chunk_bytes,
     prefill_limit,
     preflight,
     rejection_message,
@@ -33,7 +35,7 @@ LIMITS = Limits(
     dynamic=10 * GiB,
     binding="dynamic",
 )
-COST = PrefillCost(kv_per_token=64 * 1024, chunk_per_token=256 * 1024)  # 64 KiB KV, 256 KiB in flight
+COST = PrefillCost(kv_per_token=64 * 1024, chunk_per_token=192 * 1024)  # 64 KiB KV, 192 KiB more in flight
 MAX_CHUNK = 2048
 
 
@@ -60,10 +62,10 @@ def test_g1_fits_under_hard_limit():
 def test_g1_peak_counts_kv_for_every_token_but_activations_for_one_floor_chunk():
     """A chunked prefill holds one chunk's activations at a time, and G2 can shrink chunks
     down to the floor, so feasibility is judged at the floor chunk size."""
-    tokens = 10_000
     floor = LIMITS.min_chunk_tokens
-    expected = (tokens - floor) * COST.kv_per_token + floor * COST.chunk_per_token
-    assert _peak(tokens) == pytest.approx(expected * COST_PAD, abs=1)
+    tokens = 40 * floor
+    expected = tokens * COST.kv_per_token + floor * COST.chunk_per_token
+    assert _peak(tokens) == pytest.approx(expected, abs=1)
 
 
 def test_g1_prompt_that_fits_only_in_small_chunks_needs_no_eviction():
@@ -169,14 +171,13 @@ def test_g2_chunk_never_exceeds_what_padded_cost_says_fits():
     heavy = PrefillCost(kv_per_token=1 * MiB, chunk_per_token=8 * MiB)
     plan = next_chunk(LIMITS, usage=usage, remaining=10_000, cost=heavy, max_chunk=MAX_CHUNK)
     assert LIMITS.min_chunk_tokens <= plan.tokens < MAX_CHUNK
-    assert plan.tokens * 8 * MiB * COST_PAD <= target - usage
-    assert (plan.tokens + 1) * 8 * MiB * COST_PAD > target - usage
+    assert chunk_bytes(heavy, 0, plan.tokens) * COST_PAD <= target - usage
+    assert chunk_bytes(heavy, 0, plan.tokens + 1) * COST_PAD > target - usage
 
 
 def test_g2_floor_is_min_chunk_tokens_when_it_still_fits():
     target = chunk_target(LIMITS).bytes
-    per = COST.chunk_per_token * COST_PAD
-    usage = target - int(300 * per)  # room for 300 tokens: proportional shrink says fewer
+    usage = target - padded_chunk_bytes(COST, 0, 300)  # room for 300 tokens: proportional shrink says fewer
     plan = next_chunk(LIMITS, usage=usage, remaining=10_000, cost=COST, max_chunk=MAX_CHUNK)
     assert plan.tokens == LIMITS.min_chunk_tokens
 
@@ -184,8 +185,7 @@ def test_g2_floor_is_min_chunk_tokens_when_it_still_fits():
 def test_g2_floor_that_does_not_fit_aborts():
     """Below the floor, tiny chunks would crawl toward the limit; abort instead of pushing over."""
     target = chunk_target(LIMITS).bytes
-    per = COST.chunk_per_token * COST_PAD
-    usage = target - int(100 * per)  # room for 100 tokens, floor is 256
+    usage = target - padded_chunk_bytes(COST, 0, 100)  # room for 100 tokens, floor is 256
     plan = next_chunk(LIMITS, usage=usage, remaining=10_000, cost=COST, max_chunk=MAX_CHUNK)
     assert plan.tokens == 0
     assert plan.limit_bytes == target
@@ -194,8 +194,7 @@ def test_g2_floor_that_does_not_fit_aborts():
 
 def test_g2_floor_shrinks_to_the_tokens_left():
     target = chunk_target(LIMITS).bytes
-    per = COST.chunk_per_token * COST_PAD
-    usage = target - int(100 * per)
+    usage = target - padded_chunk_bytes(COST, 0, 100)
     plan = next_chunk(LIMITS, usage=usage, remaining=50, cost=COST, max_chunk=MAX_CHUNK)
     assert plan.tokens == 50
 

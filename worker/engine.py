@@ -578,7 +578,7 @@ class Engine:
         reused = seq.hit.tokens if seq.hit is not None else 0
         return guard.preflight(limits, usage_fn(), len(seq.prompt) - reused, self.cost,
                                own_usage=self._own_usage(), retried=seq.retried,
-                               extra_bytes=int(reused * self.cost.kv_per_token))
+                               extra_bytes=int(reused * self.cost.kv_per_token), done=reused)
 
     def _start_prefill(self, seq: _Seq) -> None:
         """The sequence's KV: a fork of its cache hit (H1), else empty."""
