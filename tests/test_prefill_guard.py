@@ -9,6 +9,7 @@ from shared.sizes import GiB, MiB
 from worker.prefill_guard import (
     COST_PAD,
     PrefillCost,
+    admission_peak,
     after_chunk,
     chunk_bytes,
     chunk_target,
@@ -40,7 +41,8 @@ MAX_CHUNK = 2048
 
 
 def _peak(tokens: int) -> int:
-    return estimate_prefill_peak(tokens, COST, LIMITS.min_chunk_tokens)
+    """What G1 compares with its limit (the estimate, the chunk in flight padded as G2 pads it)."""
+    return admission_peak(tokens, COST, LIMITS.min_chunk_tokens)
 
 
 # ---------------------------------------------------------------- G1 preflight
@@ -65,7 +67,7 @@ def test_g1_peak_counts_kv_for_every_token_but_activations_for_one_floor_chunk()
     floor = LIMITS.min_chunk_tokens
     tokens = 40 * floor
     expected = tokens * COST.kv_per_token + floor * COST.chunk_per_token
-    assert _peak(tokens) == pytest.approx(expected, abs=1)
+    assert estimate_prefill_peak(tokens, COST, floor) == pytest.approx(expected, abs=1)
 
 
 def test_g1_prompt_that_fits_only_in_small_chunks_needs_no_eviction():
@@ -75,6 +77,20 @@ def test_g1_prompt_that_fits_only_in_small_chunks_needs_no_eviction():
     usage = 10 * GiB - (full_chunks + _peak(tokens)) // 2  # between the two estimates
     verdict = preflight(LIMITS, usage=usage, tokens=tokens, cost=COST, own_usage=1 * GiB)
     assert verdict.verdict == "fits"
+
+
+def test_g1_admits_only_what_g2_will_run_under_the_same_limit():
+    """G1 counts the chunk in flight as G2 counts it (padded): a prompt G1 lets in right at
+    the limit gets its chunks from G2 instead of an abort at the first one."""
+    limits = Limits(hard_limit=1 * GiB, abort_limit=1 * GiB, abort_margin=1.0, prefill_headroom_safety=1.0,
+                    min_chunk_tokens=256, static=1 * GiB)
+    for tokens in (10, 256, 3000):
+        usage = 1 * GiB - admission_peak(tokens, COST, 256)
+        assert preflight(limits, usage=usage, tokens=tokens, cost=COST).verdict == "fits"
+        assert next_chunk(limits, usage=usage, remaining=tokens, cost=COST, max_chunk=256).tokens > 0
+    # ... and asks no more than the pad on one floor chunk beyond the estimate
+    extra = admission_peak(3000, COST, 256) - estimate_prefill_peak(3000, COST, 256)
+    assert 0 < extra <= (COST_PAD - 1) * chunk_bytes(COST, 2560, 256) + 1
 
 
 def test_g1_over_hard_limit_asks_for_eviction_first():

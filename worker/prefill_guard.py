@@ -19,7 +19,7 @@ lets the prefill run at full chunk size.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Callable, Literal
 
 import msgspec
 
@@ -164,17 +164,28 @@ def estimate_prefill_peak(tokens: int, cost: PrefillCost, chunk_tokens: int, *, 
     already cached (a prompt-cache hit): their KV is in the usage already,
     but the new chunks attend to them.
     """
+    def own(start: int, n: int) -> float:
+        return kv_bytes(cost, start + n) - kv_bytes(cost, start) + transient_bytes(cost, start, n)
+
+    return _peak(tokens, cost, chunk_tokens, done, own)
+
+
+def admission_peak(tokens: int, cost: PrefillCost, chunk_tokens: int, *, done: int = 0) -> int:
+    """What G1 compares with its limit: the estimate, with the chunk in flight counted as G2
+    will count it (`padded_chunk_bytes`), so a prompt G1 lets in is not aborted by G2's pad
+    at its last chunk under the same limit. At most COST_PAD x one chunk above the estimate."""
+    return _peak(tokens, cost, chunk_tokens, done, lambda start, n: padded_chunk_bytes(cost, start, n))
+
+
+def _peak(tokens: int, cost: PrefillCost, chunk_tokens: int, done: int,
+          own: Callable[[int, int], float]) -> int:
     if tokens <= 0:
         return 0
     chunk = max(1, min(chunk_tokens, tokens))
     base = kv_bytes(cost, done)
     last_start = done + (tokens - 1) // chunk * chunk
-    peaks = []
-    for start in {last_start, max(done, last_start - chunk)}:
-        n = min(chunk, done + tokens - start)
-        earlier = (kv_bytes(cost, start) - base) * (1.0 + cost.kv_slack)
-        own = kv_bytes(cost, start + n) - kv_bytes(cost, start)
-        peaks.append(earlier + own + transient_bytes(cost, start, n))
+    peaks = [(kv_bytes(cost, start) - base) * (1.0 + cost.kv_slack) + own(start, min(chunk, done + tokens - start))
+             for start in {last_start, max(done, last_start - chunk)}]
     return math.ceil(max(peaks))
 
 
@@ -205,14 +216,15 @@ def preflight(
     a prefix reused from the prompt cache (H1), whose tokens are not counted;
     `done` is that prefix's length (the new tokens attend to it).
 
-    The estimate is not padded: it is built to stay at or above the measured
-    peak (within 25 %, issue 21), and padding it again would refuse, or cost
-    someone their idle model for, prompts that fit. G2 pads its chunks.
+    The estimate is not padded as a whole: it is built to stay at or above
+    the measured peak (within 25 %, issue 21), and padding all of it would
+    refuse, or cost someone their idle model for, prompts that fit. Only the
+    chunk in flight is counted padded, as G2 will count it (`admission_peak`).
     """
     limit = prefill_limit(limits)
     if limit.bytes == 0:
         return Preflight("fits")
-    peak = estimate_prefill_peak(tokens, cost, limits.min_chunk_tokens, done=done) + max(0, extra_bytes)
+    peak = admission_peak(tokens, cost, limits.min_chunk_tokens, done=done) + max(0, extra_bytes)
     if usage + peak <= limit.bytes:
         return Preflight("fits", usage + peak, limit.bytes, limit.binding)
     hopeless = own_usage + peak > limit.bytes
