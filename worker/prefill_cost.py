@@ -45,7 +45,7 @@ ACT_WIDTH = 16     # ... per byte of the activation dtype
 # bytes per chunk token x context token (scores, mask and softmax of MLX's unfused CPU attention),
 SCORE_PER_HEAD = 1.0   # ... per head and byte of the dtype
 SCORE_FIXED = 1.5      # ... whatever the heads and dtype (the boolean causal mask and its like)
-KV_SLACK = 0.9        # footprint beyond MLX's peak, per byte of KV before the last chunk (measured 0.46-0.67)
+KV_SLACK = 0.8        # footprint beyond MLX's peak per byte of KV before the last chunk (MLX's pool; measured 0-0.9)
 UNKNOWN_KV = 64 * 1024      # unknown architecture: a cautious 64 KiB of KV per token ...
 UNKNOWN_CHUNK = 64 * 1024   # ... and as much in flight; the first chunk measured corrects it
 KV_STEP = 256               # mlx_lm's KVCache grows by this many tokens (read from it when loaded)
