@@ -196,7 +196,7 @@ def connection_cap(configured: int, soft_limit: int) -> int:
     if soft_limit == resource.RLIM_INFINITY:
         return configured
     reserve = max(FD_RESERVE, soft_limit // 4)
-    return max(8, min(configured, soft_limit - reserve))
+    return min(configured, max(8, soft_limit - reserve))
 
 
 # ---------------------------------------------------------------------------
