@@ -202,3 +202,57 @@ def test_issue21_host_names_that_are_this_server():
     assert not loopback.allowed("localhost.evil.example") and not loopback.allowed("a b")
     assert everywhere.allowed("192.168.1.5:8000") and not everywhere.allowed("evil.example:8000")
     assert named.allowed("BOX.lan:8000") and not named.allowed("evil.example")
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tmp_path_factory):
+    with LiveServer(make_config([], http="127.0.0.1:0", api_keys=["k-123"]), tmp_path_factory.mktemp("rt")) as live:
+        yield live
+
+
+def test_issue21_the_dashboard_puts_no_secret_in_a_url():
+    """The page put the admin token (or an API key) in its EventSource URL: in the history, in logs."""
+    from supervisor.http.dashboard import read_static
+
+    script = read_static("dashboard.js").decode()
+    assert "api_key=" not in script and "location.search" not in script
+    assert 'new EventSource("/v1/events?since=" + since.toFixed(3))' in script
+    assert '"/ui/ticket"' in script and "Authorization" in script
+
+
+def test_issue21_a_ticket_cookie_opens_the_event_stream_for_the_dashboard(keyed_server):
+    """EventSource sends no headers: the key goes once, as a header, to POST /ui/ticket, and
+    an HttpOnly SameSite=Strict cookie scoped to /v1/events opens the stream."""
+
+    async def first_line(c, **kw):
+        async with c.stream("GET", "/v1/events", params={"topic": "ceiling"}, **kw) as r:
+            if r.status_code != 200:
+                await r.aread()
+                return r.status_code, ""
+            async for line in r.aiter_lines():
+                return r.status_code, line
+        return 0, ""
+
+    async def main():
+        async with keyed_server.client() as c:
+            page = {"Origin": keyed_server.url(), "Content-Type": "application/json"}
+            session = (await c.get("/ui/session")).json()
+            without = await first_line(c)
+            refused = await c.post("/ui/ticket", headers=page)
+            wrong = await c.post("/ui/ticket", headers={**page, "Authorization": "Bearer nope"})
+            given = await c.post("/ui/ticket", headers={**page, "Authorization": "Bearer k-123"})
+            opened = await first_line(c, cookies={"memvisor_events": given.cookies["memvisor_events"]})
+            forged = await first_line(c, cookies={"memvisor_events": "guess"})
+        return session, without, refused, wrong, given, opened, forged
+
+    session, without, refused, wrong, given, opened, forged = keyed_server.run(main())
+    assert session["key_required"] is True
+    assert without[0] == 401 and forged[0] == 401
+    assert_openai_error(refused, 401, "missing_api_key")
+    assert_openai_error(wrong, 401, "invalid_api_key")
+    assert given.status_code == 204
+    cookie = given.headers["set-cookie"]
+    for part in ("HttpOnly", "SameSite=Strict", "Path=/v1/events"):
+        assert part in cookie
+    assert "k-123" not in cookie
+    assert opened[0] == 200 and opened[1].startswith(("event:", "id:", "retry:", ":", "data:"))
