@@ -11,14 +11,17 @@ opens the library, sets its thread count and logs one line saying what the
 worker uses. Nothing here ever stops a worker: a failure logs a warning and
 the worker goes on with MLX's own BLAS, only slower.
 
-Threads: OpenBLAS gets every CPU of the worker's affinity mask unless
-OPENBLAS_NUM_THREADS is set. MLX runs one op at a time on its CPU stream and
-waits inside sgemm, so within a worker the two do not compete; the heavy
-phase (prefill) of one worker at a time gets the whole machine, and decode's
-small matmuls stay under OpenBLAS's own threading threshold. Several workers
-prefilling at once do oversubscribe (OpenBLAS's threads spin while waiting);
-a machine that serves many busy models at once should set
-OPENBLAS_NUM_THREADS=1 (measured in scripts/bench_blas.py and the README).
+Threads: OpenBLAS gets one thread fewer than the CPUs of the worker's
+affinity mask (at least one) unless OPENBLAS_NUM_THREADS is set. MLX runs one
+op at a time on its CPU stream and waits inside sgemm, so within a worker the
+two do not compete; but a gemm split over every CPU waits for its slowest
+part, and any other busy process (the supervisor streaming tokens, another
+worker's step) makes that part slow: on the 2-core CI-class machine, shared,
+1 thread beat 2 in every run (one process 12.7 vs 9.5 GFLOP/s, two at once
+15.8 vs 13.0 together; scripts/bench_blas.py). One CPU is left to the rest;
+on a many-core machine that costs one thread in many. Several workers
+prefilling at once still share the cores: OPENBLAS_NUM_THREADS=1 is the
+setting for a machine that serves many busy float32 models at once.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ class BlasInfo(msgspec.Struct, frozen=True, kw_only=True):
 
     def line(self) -> str:
         if self.kind == "stock":
-            return "MLX's bundled BLAS" + (f" ({self.warning})" if self.warning else "")
+            return (self.origin or "MLX's bundled BLAS") + (f" ({self.warning})" if self.warning else "")
         return f"{self.config or 'BLAS'}, {self.threads} threads, {self.path} ({self.origin})"
 
 
@@ -80,7 +83,7 @@ def preload() -> BlasInfo:
 
 def _preload() -> BlasInfo:
     if not found.applies():
-        return BlasInfo(kind="stock")
+        return BlasInfo(kind="stock", origin="MLX's own (Accelerate on macOS)")
     if "mlx.core" in sys.modules:
         return BlasInfo(kind="stock", warning="mlx.core was imported before worker.blas.preload(); "
                                               "its BLAS is already bound")
@@ -104,11 +107,11 @@ def _preload() -> BlasInfo:
 
 
 def _threads() -> int:
-    """OPENBLAS_NUM_THREADS when the user set it, else every CPU this process may run on."""
+    """OPENBLAS_NUM_THREADS when the user set it, else one fewer than the CPUs this process may use."""
     try:
         return max(1, int(os.environ["OPENBLAS_NUM_THREADS"]))
     except (KeyError, ValueError):
-        return max(1, len(os.sched_getaffinity(0)))
+        return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
 def _open(plan: found.BlasPlan) -> BlasInfo:

@@ -139,7 +139,7 @@ def system_library(dirs: tuple[str, ...] = SYSTEM_DIRS) -> Path | None:
 
 
 def plan() -> BlasPlan:
-    """What a worker started now would load (SPEC-free: a speed matter, not a memory rule)."""
+    """What a worker started now would load: the first of ENV's choice, the package, the system's."""
     if not applies():
         return BlasPlan(kind="stock", reason=f"{sys.platform}: MLX uses the system's BLAS")
     choice = os.environ.get(ENV, "auto").strip()
