@@ -57,7 +57,8 @@ class BlasInfo(msgspec.Struct, frozen=True, kw_only=True):
     def line(self) -> str:
         if self.kind == "stock":
             return (self.origin or "MLX's bundled BLAS") + (f" ({self.warning})" if self.warning else "")
-        return f"{self.config or 'BLAS'}, {self.threads} threads, {self.path} ({self.origin})"
+        threads = f"{self.threads} thread" + ("" if self.threads == 1 else "s")
+        return f"{self.config or 'BLAS'}, {threads}, {self.path} ({self.origin})"
 
 
 _info: BlasInfo | None = None
