@@ -58,6 +58,19 @@ def test_stock_chosen_or_no_library_is_stock_and_says_why(monkeypatch, tmp_path)
     assert plan.kind == "stock" and "no such file" in plan.reason
 
 
+@linux_only
+def test_a_library_that_will_not_load_leaves_the_stock_blas_and_a_warning(tmp_path):
+    """A worker never fails to start over its BLAS: it says what failed and runs on MLX's own."""
+    bogus = tmp_path / "libnot-a-blas.so"
+    bogus.write_text("not an ELF file")
+    code = "from worker import blas; import json; i = blas.preload(); print(json.dumps([i.kind, i.line()]))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                         env=os.environ | {found.ENV: str(bogus)})
+    kind, line = json.loads(out.stdout)
+    assert kind == "stock" and "could not load a fast BLAS" in line and str(bogus) in line
+    assert line in out.stderr  # the warning in the log
+
+
 def test_system_openblas_is_found_in_the_debian_folders(tmp_path):
     pthread = tmp_path / "x-linux-gnu" / "openblas-pthread"
     pthread.mkdir(parents=True)

