@@ -18,7 +18,11 @@ as it decides, from the worker records:
   stop takes, by more than GROWTH_TOLERANCE of it. Then the
   draining bytes are not counted as gone and the next victim is acted on at
   once (issue 9 measured 44-61 % over a 256 MiB ceiling while a 1 GiB/s
-  grower waited for an idle model's exit);
+  grower waited for an idle model's exit). Nor are they when a worker is a
+  runaway grower (more than min(1 % of the ceiling, 64 MiB) per STOP_SECONDS):
+  how long a stop takes depends on the size of what is stopped, so that
+  grower is acted on first, at once (issue 21: a 300 MiB model's exit let a
+  grower go 14.1 % over);
 - a hot-cache shrink (P5) subtracts the bytes asked for, at most what each
   worker reports as releasable (blocks no request uses);
 - a Stop (P6 steps 1-2) or a TTL expiry subtracts the worker's usage (the OS
@@ -48,6 +52,7 @@ import msgspec
 
 from shared.limits import Limits
 from shared.sizes import GiB, MiB, format_size
+from shared.states import LOADING_STATES as _LOADING_STATES
 from supervisor.policy.ceilings import Ceilings, limits_for, reserve_message
 from supervisor.policy.decisions import (
     DESTRUCTIVE,
@@ -106,6 +111,7 @@ STOP_SECONDS = 0.3               # P6 at hard: how long a stop under way takes (
 GROWTH_WINDOW = 0.05             # shortest span a growth estimate is taken over (sample jitter)
 DEVICE_OVERHEAD_STEP = 256 * MiB  # D4: the device watermarks handed to workers move in these steps
 GROWTH_TOLERANCE = 0.01          # of the ceiling: growth during a stop below this is jitter, not a runaway
+GROWER_BYTES = 64 * MiB          # ... and at most this much: on a large ceiling 1 % is a lot of growth
 
 
 class TickResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -183,6 +189,8 @@ class _Tick:
         self.device = None if dc is None else _Pool(
             "device", dc.soft, dc.hard, dc.ceiling, g.device_bytes - g.draining_device_bytes, _device_bytes)
         self.credited = self.g.draining_usage
+        self.rates: dict[str, float] = {}  # bytes/s of each worker that grew (growth)
+        self.growers: list[WorkerRecord] = []  # runaway growers at hard (discount_draining)
 
     @property
     def projected(self) -> int:
@@ -282,33 +290,88 @@ class _Tick:
     def growth(self) -> tuple[dict[str, int], float, float]:
         """(usage_seen, seen_at, bytes/s): how fast the non-draining workers grow.
 
-        The estimate spans at least GROWTH_WINDOW; a tick sooner than that
-        (a P7 recheck, a burst of watermark wake-ups) keeps the older baseline
-        and the last estimate, so sample jitter over a few ms is not a rate.
+        The rate is taken against a baseline at least GROWTH_WINDOW old when
+        there is one: a tick sooner than that (a P7 recheck, a burst of
+        watermark wake-ups) measures from the older baseline and keeps it.
+        The span is floored at GROWTH_WINDOW, so sample jitter over a few ms
+        is never read as a fast rate -- but a real burst is measured at
+        once. (Issue 21: keeping the previous estimate instead let a 1 GiB/s
+        grower that crossed soft and hard within 50 ms ride on the rate
+        measured before it started, and the stop under way was credited.)
+        Sets `self.rates`: each non-draining worker's own rate (grower_first).
         """
         prev, now = self.prev, self.s.now
         current = {w.worker: w.usage for w in self.g.live if w.state != "draining"}
-        span = now - prev.seen_at
-        if prev.usage_seen and 0 <= span < GROWTH_WINDOW:
-            return prev.usage_seen, prev.seen_at, prev.growth
-        if not prev.usage_seen or span <= 0:
+        seen, span = prev.usage_seen, now - prev.seen_at
+        if not seen or span < 0:
             return current, now, 0.0
-        grew = sum(max(0, u - prev.usage_seen[k]) for k, u in current.items() if k in prev.usage_seen)
-        return current, now, grew / span
+        per = max(span, GROWTH_WINDOW)
+        rates = {k: (u - seen[k]) / per for k, u in current.items() if k in seen and u > seen[k]}
+        self.rates = rates
+        grew = sum(rates.values())
+        if span < GROWTH_WINDOW:
+            return seen, prev.seen_at, grew
+        return current, now, grew
 
     def discount_draining(self, level: Level, growth: float) -> None:
-        """At hard, stops under way count as done only when they land before the ceiling."""
+        """At hard, stops under way count as done only when they land before the ceiling.
+
+        (Without a stop under way, P4-P6 apply as written.) They do not when the group grows fast enough to pass the ceiling
+        (further, if it is over) within STOP_SECONDS by more than a 1 %
+        tolerance, nor when any worker is a runaway grower (`_growers`):
+        how long a stop takes depends on the size of what is stopped and on
+        the machine, so no guess of it may let a grower run on (issue 21).
+        Without growth, stopping more models would not bring the memory back sooner.
+        """
         c, g = self.c, self.g
         if level != "hard" or not g.draining_usage:
             self.credited = g.draining_usage
             return
-        # Not in time: what the group grows by while the stop lands takes it over
-        # the ceiling (further over, if it is already) by more than a 1 % tolerance.
-        # Without growth, stopping more models would not bring the memory back sooner.
-        if growth * STOP_SECONDS > max(0, c.ceiling - g.usage) + c.ceiling * GROWTH_TOLERANCE:
+        self.growers = self._growers()
+        room = max(0, c.ceiling - g.usage) + c.ceiling * GROWTH_TOLERANCE
+        if growth * STOP_SECONDS > room or self.growers:
             self.host.projected, self.credited = g.usage, 0
             return
         self.credited = g.draining_usage
+
+    def _growers(self) -> list[WorkerRecord]:
+        """Workers that grow by more than GROWER_BYTES within STOP_SECONDS, fastest first."""
+        rates = self.rates
+        if not rates:
+            return []
+        floor = min(self.c.ceiling * GROWTH_TOLERANCE, GROWER_BYTES) / STOP_SECONDS
+        fast = [w for w in self.g.live if rates.get(w.worker, 0.0) > floor]
+        return sorted(fast, key=lambda w: (-rates[w.worker], w.worker))
+
+    def grower_first(self, emergency: bool) -> bool:
+        """P6 at hard with a runaway grower: act on it before anything else.
+
+        Whatever else is being stopped, and whatever the sizes: its requests
+        are aborted (that also ends a fire drill standing in for one), an idle
+        one is stopped (P6.2), a loading one's load is aborted (P6.4), a busy
+        one is marked for unload in an emergency (P6.3). Pinned growers are
+        left to step 5. True when it acted (P6's steps 3-6 then wait a tick).
+        """
+        acted = False
+        out = self.out
+        for w in self.growers:
+            if w.pinned or w.worker in self.stopped or w.state == "draining":
+                continue
+            rate = format_size(int(self.rates[w.worker]))
+            why = f"hard pressure and {w.model} grows {rate}/s"
+            if w.state in _LOADING_STATES:
+                out.append(AbortLoad(worker=w.worker, model=w.model, reason=f"{why}: abort its load"))
+                acted = True
+                continue
+            out.append(AbortRequests(worker=w.worker, model=w.model, reason=(
+                f"{why}: abort its requests now, whatever else is being stopped")))
+            if is_idle(w):
+                self._stop(w, f"{why}: stop it (idle, nothing to finish)")
+            elif emergency:
+                out.append(MarkForUnload(worker=w.worker, model=w.model, reason=(
+                    f"memory emergency: unload {w.model} once its requests have ended")))
+            acted = True
+        return acted
 
     # -- P4 / P5 -------------------------------------------------------------------
 
@@ -393,13 +456,14 @@ class _Tick:
             when = f"{level} pressure" if level != "ok" else "after the pressure"
             self._stop(w, f"{when}: {w.model} was marked for unload in an emergency and has drained")
 
-    def evict(self, pool: _Pool, level: Level, emergency: bool) -> None:
+    def evict(self, pool: _Pool, level: Level, emergency: bool, stepped: bool = False) -> None:
         """P6: act, in order, while projected usage is above soft.
 
         Step 1 (marked and drained) has run already, at every level
         (`stop_marked`). Pinned models are never stopped or marked here; only
         step 5 touches them, and it aborts requests while keeping the model
-        loaded.
+        loaded. `stepped`: a runaway grower was acted on this tick
+        (`grower_first`), which stands for this tick's step of 3-6.
         """
         soft = pool.soft
         if pool.projected <= soft:
@@ -418,7 +482,7 @@ class _Tick:
             self._stop(w, (f"{level} {_pressure(pool)}: stop idle {w.model} (least recently used), "
                            f"{pool.usage_words} {format_size(pool.projected)} > soft {format_size(soft)}"))
             loaded_unpinned -= 1
-        if pool.projected <= soft or level != "hard":
+        if pool.projected <= soft or level != "hard" or stepped:
             return
         self._hard_steps(pool, emergency, unpinned)
 
@@ -560,7 +624,8 @@ def tick(s: Snapshot) -> TickResult:
     t.stop_marked(level)
     grace = 0 if level == "ok" else prev.grace_ticks
     if level != "ok":
-        if t.grace(level, emergency):
+        # a runaway grower at hard is not given a grace tick: it would grow through it
+        if not t.growers and t.grace(level, emergency):
             grace += 0 if s.recheck else 1
         else:
             pools = [(t.host, host_level, host_emergency)]
@@ -570,10 +635,11 @@ def tick(s: Snapshot) -> TickResult:
                 if pool_level == "ok":
                     continue
                 acting: Level = pool_level
+                stepped = pool is t.host and t.grower_first(pool_emergency)
                 if pool_level == "hard":
                     t.shrink_hot_cache(pool)
                     acting = pool.classify()
-                t.evict(pool, acting, pool_emergency)
+                t.evict(pool, acting, pool_emergency, stepped=stepped)
     t.walk_concurrency(level)
     t.expire_ttl()
     interval = t.interval(level)
