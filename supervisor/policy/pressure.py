@@ -53,7 +53,7 @@ import msgspec
 from shared.limits import Limits
 from shared.sizes import GiB, MiB, format_size
 from shared.states import LOADING_STATES as _LOADING_STATES
-from supervisor.policy.ceilings import Ceilings, limits_for, reserve_message
+from supervisor.policy.ceilings import Ceilings, limits_for, reserve_message, worker_limit
 from supervisor.policy.decisions import (
     DESTRUCTIVE,
     AbortLoad,
@@ -190,6 +190,8 @@ class _Tick:
             "device", dc.soft, dc.hard, dc.ceiling, g.device_bytes - g.draining_device_bytes, _device_bytes)
         self.credited = self.g.draining_usage
         self.rates: dict[str, float] = {}  # bytes/s of each worker that grew (growth)
+        self.cache_dropped: set[str] = set()  # workers told to drop their caches for C12
+        self.cache_drop_bytes = 0  # ... and the bytes that takes off the projection
         self.growers: list[WorkerRecord] = []  # runaway growers at hard (discount_draining)
 
     @property
@@ -239,38 +241,106 @@ class _Tick:
                 self.out.append(ResumeAdmission(reason="memory pressure is over"))
         return paused
 
-    def limits(self, paused: bool) -> tuple[Limits, dict[str, int]]:
+    def limits(self, paused: bool, level: Level) -> tuple[Limits, dict[str, int], dict[str, int]]:
         """Hand every worker the limits it does not have yet (T6: next tick at the latest).
 
-        The common limits are compared with the last ones handed out; a worker
-        also gets them when it is new or its pid changed (a respawn).
+        The common limits (nothing subtracted) are compared with the last ones
+        handed out; a worker also gets its limits when it is new, its pid
+        changed (a respawn) or the other workers' cache bytes subtracted from
+        them changed (C12). Returns (common, worker -> pid, worker -> bytes
+        subtracted) for the next tick.
         """
-        g, prev, live = self.s.guard, self.prev, self.g.live
-        # H2: an equal share of the budget per live worker, recomputed as they come and go
-        cache_cap = g.hot_cache_max // len(live) if g.hot_cache_max > 0 and live else 0
-        common = limits_for(self.c, admission_paused=paused, safe_zone_ratio=g.safe_zone_ratio,
+        g, prev, live, c = self.s.guard, self.prev, self.g.live, self.c
+        # H2: an equal share of the budget in force per worker that keeps a cache
+        # (a draining worker is on its way out), recomputed as they come and go
+        keepers = sum(1 for w in live if w.state != "draining")
+        cache_cap = c.hot_cache_budget // keepers if c.hot_cache_budget > 0 and keepers else 0
+        common = limits_for(c, admission_paused=paused, safe_zone_ratio=g.safe_zone_ratio,
                             min_chunk_tokens=g.min_chunk_tokens, cache_cap=cache_cap,
-                            pool_max=g.pool_max)
+                            pool_max=g.pool_max, others_cache=0)
         if self.dc is not None and self.dc.ceiling > 0:  # D4: workers report device crossings at once
             common = self._device_watermarks(common, self.dc)
-        had = prev.limited
-        if common != prev.limits:
-            todo = live
-            why = "first limits" if prev.limits is None else "limits changed"
-        else:
-            todo = [w for w in live if had.get(w.worker) != w.pid]
-            why = "new worker"
-        by_cap: dict[int, Limits] = {}
+        had, had_less = prev.limited, prev.reduced
+        less = self._cache_reductions(level)
+        changed = common != prev.limits
+        why = ("first limits" if prev.limits is None else "limits changed") if changed else "new worker"
+        by_key: dict[tuple[int, int], Limits] = {}
         out = self.out
-        for w in todo:
+        sent = False
+        for w in live:
+            minus = less.get(w.worker, 0)
+            if not changed and had.get(w.worker) == w.pid and had_less.get(w.worker, 0) == minus:
+                continue
             cap = w.concurrency or w.max_concurrency
-            limits = by_cap.get(cap)
+            limits = by_key.get((cap, minus))
             if limits is None:
-                limits = by_cap[cap] = msgspec.structs.replace(common, max_concurrency=cap)
-            out.append(SetLimits(worker=w.worker, model=w.model, reason=why, limits=limits))
-        if not todo and len(had) == len(live):
-            return common, had
-        return common, {w.worker: w.pid for w in live}
+                limits = by_key[(cap, minus)] = self._worker_limits(common, cap, minus)
+            out.append(SetLimits(worker=w.worker, model=w.model, limits=limits, reason=(
+                why if changed or had.get(w.worker) != w.pid else "other workers' prompt caches changed")))
+            sent = True
+        if not sent and len(had) == len(live) and len(had_less) == len(less):
+            return common, had, had_less
+        return common, {w.worker: w.pid for w in live}, less
+
+    def _cache_reductions(self, level: Level) -> dict[str, int]:
+        """C12: per worker, the other workers' cache bytes its limits subtract (0s left out).
+
+        When the caches leave no room under the ceiling for the group's next
+        step (ceiling - every cache <= usage), they give way (H3): at hard P5
+        shrinks them this tick; below hard the least recently used entries no
+        request uses are dropped now (`ShrinkHotCache`; the worker then
+        reports at once) until there is room. What is asked to go is not
+        subtracted, and a limit is never brought down to a meaningless value
+        (`worker_limit`).
+        """
+        c, g = self.c, self.g
+        used = g.hot_used
+        if used <= 0 or c.ceiling <= 0:
+            return {}
+        keeps = {w.worker: max(0, w.memory.cache_bytes) for w in g.live}
+        if c.ceiling - used <= g.usage:
+            keeps = self._give_way(keeps, level)
+            used = sum(keeps.values())
+        less: dict[str, int] = {}
+        for worker, own in keeps.items():
+            if used - own > 0:
+                less[worker] = used - own
+        return less
+
+    def _give_way(self, keeps: dict[str, int], level: Level) -> dict[str, int]:
+        """H3 for C12: the cache bytes each worker keeps once the caches have made room."""
+        g = self.g
+        # dropping x bytes lowers usage and the caches alike: room once x > (caches + usage - ceiling) / 2
+        need = (sum(keeps.values()) + g.usage - self.c.ceiling) // 2 + 1 if level != "hard" else None
+        for w in sorted(g.live, key=lru_key):
+            m = w.memory
+            free = min(max(0, m.cache_releasable), keeps[w.worker])
+            if free <= 0 or w.state == "draining":
+                continue
+            if need is None:  # at hard P5 shrinks toward soft this tick (H3)
+                keeps[w.worker] -= free
+                continue
+            take = min(free, need)
+            keeps[w.worker] -= take
+            self.out.append(ShrinkHotCache(
+                worker=w.worker, model=w.model, target_bytes=keeps[w.worker], reason=(
+                    f"the prompt caches ({format_size(g.hot_used)}) leave no room under the ceiling "
+                    f"({format_size(self.c.ceiling)}) for the next step: drop {format_size(take)}")))
+            self.cache_dropped.add(w.worker)
+            self.cache_drop_bytes += take
+            need -= take
+            if need <= 0:
+                break
+        return keeps
+
+    @staticmethod
+    def _worker_limits(common: Limits, cap: int, others: int) -> Limits:
+        """One worker's limits: the common ones, its concurrency cap, less `others` (C12)."""
+        if not others:
+            return msgspec.structs.replace(common, max_concurrency=cap)
+        return msgspec.structs.replace(common, max_concurrency=cap,
+                                       hard_limit=worker_limit(common.hard_limit, others),
+                                       abort_limit=worker_limit(common.abort_limit, others))
 
     def _device_watermarks(self, common: Limits, dc: DeviceCeilings) -> Limits:
         """The device pool's watermarks in the workers' own measure (D1's fallback).
@@ -410,7 +480,10 @@ class _Tick:
         need = pool.projected - pool.soft
         shrunk: set[str] = set()
         if need > 0:
-            for w in sorted((w for w in self.g.serving if w.memory.cache_releasable > 0), key=lru_key):
+            dropped = self.cache_dropped if pool is self.host else set()  # C12 asked already
+            shrunk |= dropped
+            for w in sorted((w for w in self.g.serving if w.memory.cache_releasable > 0
+                             and w.worker not in dropped), key=lru_key):
                 take = min(w.memory.cache_releasable, w.memory.cache_bytes, need)
                 if take <= 0:
                     continue
@@ -618,9 +691,10 @@ def tick(s: Snapshot) -> TickResult:
     if level != prev.level:
         t.out.append(_level_changed(prev.level, level, t, host_level, dev_usage))
     paused = t.admission(level)
-    common, limited = t.limits(paused)
+    common, limited, reduced = t.limits(paused, host_level)
     seen, seen_at, growth = t.growth()
     t.discount_draining(host_level, growth)
+    t.host.projected -= t.cache_drop_bytes  # C12's cache drop, asked in t.limits
     t.stop_marked(level)
     grace = 0 if level == "ok" else prev.grace_ticks
     if level != "ok":
@@ -646,7 +720,7 @@ def tick(s: Snapshot) -> TickResult:
     state = PolicyState(
         level=level, over_ceiling_ticks=over, grace_ticks=grace, admission_paused=paused,
         tier_warned=tier_warned, no_reading_warned=no_reading, reserve_warned=reserve_warned,
-        last_total=t.total, interval=interval, limits=common, limited=limited, usage_seen=seen,
+        last_total=t.total, interval=interval, limits=common, limited=limited, reduced=reduced, usage_seen=seen,
         seen_at=seen_at, growth=growth, device_over_ceiling_ticks=dev_over)
     return TickResult(state=state, decisions=t.out, ceilings=c, level=level, usage=t.g.usage,
                       projected_usage=t.projected, emergency=emergency, next_interval=interval,
