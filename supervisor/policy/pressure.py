@@ -241,49 +241,52 @@ class _Tick:
                 self.out.append(ResumeAdmission(reason="memory pressure is over"))
         return paused
 
-    def limits(self, paused: bool, level: Level) -> tuple[Limits, dict[str, int], dict[str, int]]:
+    def limits(self, paused: bool, level: Level) -> tuple[Limits, dict[str, int], int, dict[str, int]]:
         """Hand every worker the limits it does not have yet (T6: next tick at the latest).
 
-        The common limits (nothing subtracted) are compared with the last ones
-        handed out; a worker also gets its limits when it is new, its pid
-        changed (a respawn) or the other workers' cache bytes subtracted from
-        them changed (C12). Returns (common, worker -> pid, worker -> bytes
-        subtracted) for the next tick.
+        The common limits (nothing subtracted) and the caches' total are
+        compared with the last ones handed out; a worker also gets its limits
+        when it is new, its pid changed (a respawn) or the other workers'
+        cache bytes (the total less its own) changed: its limits subtract them (C12).
+        Returns (common, worker -> pid, caches' total, worker -> own cache
+        bytes) for the next tick.
         """
         g, prev, live, c = self.s.guard, self.prev, self.g.live, self.c
         # H2: an equal share of the budget in force per worker that keeps a cache
         # (a draining worker is on its way out), recomputed as they come and go
-        keepers = sum(1 for w in live if w.state != "draining")
+        keepers = len(live) - self.g.draining_count
         cache_cap = c.hot_cache_budget // keepers if c.hot_cache_budget > 0 and keepers else 0
         common = limits_for(c, admission_paused=paused, safe_zone_ratio=g.safe_zone_ratio,
                             min_chunk_tokens=g.min_chunk_tokens, cache_cap=cache_cap,
                             pool_max=g.pool_max, others_cache=0)
         if self.dc is not None and self.dc.ceiling > 0:  # D4: workers report device crossings at once
             common = self._device_watermarks(common, self.dc)
-        had, had_less = prev.limited, prev.reduced
-        less = self._cache_reductions(level)
+        had, had_own = prev.limited, prev.reduced
+        total, own = self._cache_reductions(level)
         changed = common != prev.limits
-        why = ("first limits" if prev.limits is None else "limits changed") if changed else "new worker"
+        why = ("first limits" if prev.limits is None else "limits changed") if changed else ""
         by_key: dict[tuple[int, int], Limits] = {}
         out = self.out
         sent = False
+        before = prev.cache_kept
         for w in live:
-            minus = less.get(w.worker, 0)
-            if not changed and had.get(w.worker) == w.pid and had_less.get(w.worker, 0) == minus:
+            mine = own.get(w.worker, 0)
+            if (not changed and had.get(w.worker) == w.pid
+                    and total - mine == before - had_own.get(w.worker, 0)):
                 continue
             cap = w.concurrency or w.max_concurrency
-            limits = by_key.get((cap, minus))
+            limits = by_key.get((cap, mine))
             if limits is None:
-                limits = by_key[(cap, minus)] = self._worker_limits(common, cap, minus)
+                limits = by_key[(cap, mine)] = self._worker_limits(common, cap, total - mine)
             out.append(SetLimits(worker=w.worker, model=w.model, limits=limits, reason=(
-                why if changed or had.get(w.worker) != w.pid else "other workers' prompt caches changed")))
+                why or ("new worker" if had.get(w.worker) != w.pid else "other workers' prompt caches changed"))))
             sent = True
-        if not sent and len(had) == len(live) and len(had_less) == len(less):
-            return common, had, had_less
-        return common, {w.worker: w.pid for w in live}, less
+        if not sent and len(had) == len(live) and total == before and own == had_own:
+            return common, had, total, had_own
+        return common, {w.worker: w.pid for w in live}, total, own
 
-    def _cache_reductions(self, level: Level) -> dict[str, int]:
-        """C12: per worker, the other workers' cache bytes its limits subtract (0s left out).
+    def _cache_reductions(self, level: Level) -> tuple[int, dict[str, int]]:
+        """C12: (the caches' bytes, each worker's own): its limits subtract the difference.
 
         When the caches leave no room under the ceiling for the group's next
         step (ceiling - every cache <= usage), they give way (H3): at hard P5
@@ -296,31 +299,27 @@ class _Tick:
         c, g = self.c, self.g
         used = g.hot_used
         if used <= 0 or c.ceiling <= 0:
-            return {}
-        keeps = {w.worker: max(0, w.memory.cache_bytes) for w in g.live}
+            return 0, {}
+        own = {w.worker: w.memory.cache_bytes for w in g.cached}
         if c.ceiling - used <= g.usage:
-            keeps = self._give_way(keeps, level)
-            used = sum(keeps.values())
-        less: dict[str, int] = {}
-        for worker, own in keeps.items():
-            if used - own > 0:
-                less[worker] = used - own
-        return less
+            self._give_way(own, level)
+            used = sum(own.values())
+        return used, own
 
-    def _give_way(self, keeps: dict[str, int], level: Level) -> dict[str, int]:
-        """H3 for C12: the cache bytes each worker keeps once the caches have made room."""
+    def _give_way(self, keeps: dict[str, int], level: Level) -> None:
+        """H3 for C12: lower `keeps` to the cache bytes each worker keeps once the caches make room."""
         g = self.g
+        movable = [w for w in g.cached if w.memory.cache_releasable > 0 and w.state != "draining"]
+        if level == "hard":  # P5 shrinks toward soft this tick (H3)
+            for w in movable:
+                keeps[w.worker] -= min(w.memory.cache_releasable, keeps[w.worker])
+            return
         # dropping x bytes lowers usage and the caches alike: room once x > (caches + usage - ceiling) / 2
-        need = (sum(keeps.values()) + g.usage - self.c.ceiling) // 2 + 1 if level != "hard" else None
-        for w in sorted(g.live, key=lru_key):
-            m = w.memory
-            free = min(max(0, m.cache_releasable), keeps[w.worker])
-            if free <= 0 or w.state == "draining":
+        need = (sum(keeps.values()) + g.usage - self.c.ceiling) // 2 + 1
+        for w in sorted(movable, key=lru_key):
+            take = min(w.memory.cache_releasable, keeps[w.worker], need)
+            if take <= 0:
                 continue
-            if need is None:  # at hard P5 shrinks toward soft this tick (H3)
-                keeps[w.worker] -= free
-                continue
-            take = min(free, need)
             keeps[w.worker] -= take
             self.out.append(ShrinkHotCache(
                 worker=w.worker, model=w.model, target_bytes=keeps[w.worker], reason=(
@@ -330,8 +329,7 @@ class _Tick:
             self.cache_drop_bytes += take
             need -= take
             if need <= 0:
-                break
-        return keeps
+                return
 
     @staticmethod
     def _worker_limits(common: Limits, cap: int, others: int) -> Limits:
@@ -371,7 +369,7 @@ class _Tick:
         Sets `self.rates`: each non-draining worker's own rate (grower_first).
         """
         prev, now = self.prev, self.s.now
-        current = {w.worker: w.usage for w in self.g.live if w.state != "draining"}
+        current = {w.worker: w.memory.usage for w in self.g.live if w.state != "draining"}
         seen, span = prev.usage_seen, now - prev.seen_at
         if not seen or span < 0:
             return current, now, 0.0
@@ -545,6 +543,7 @@ class _Tick:
         unpinned = [w for w in serving if not w.pinned and w.worker not in self.stopped]
         idle = sorted((w for w in unpinned if not w.marked_for_unload and is_idle(w)), key=lru_key)
         loaded_unpinned = len(unpinned)
+        soft_words = ""
         for w in idle:  # step 2
             if pool.projected <= soft:
                 return
@@ -552,8 +551,10 @@ class _Tick:
                 return  # soft: keep the last non-pinned model; the pause is enough
             if pool.held(w) <= 0:
                 continue  # D4: stopping it frees nothing in this pool
+            if not soft_words:
+                soft_words = format_size(soft)
             self._stop(w, (f"{level} {_pressure(pool)}: stop idle {w.model} (least recently used), "
-                           f"{pool.usage_words} {format_size(pool.projected)} > soft {format_size(soft)}"))
+                           f"{pool.usage_words} {format_size(pool.projected)} > soft {soft_words}"))
             loaded_unpinned -= 1
         if pool.projected <= soft or level != "hard" or stepped:
             return
@@ -618,14 +619,15 @@ class _Tick:
         """P10: unload idle models past their TTL; pinned models never expire."""
         now, default = self.s.now, self.s.guard.idle_timeout
         for w in self.g.serving:
+            ttl = default if w.ttl is None else w.ttl
+            if ttl <= 0 or now - w.last_access <= ttl:  # cheapest test first: most never expire
+                continue
             if w.pinned or w.marked_for_unload or not is_idle(w) or w.worker in self.stopped:
                 continue
-            ttl = default if w.ttl is None else w.ttl
             idle_for = now - w.last_access
-            if ttl > 0 and idle_for > ttl:
-                self.out.append(ExpireTTL(worker=w.worker, model=w.model, reason=(
-                    f"{w.model} idle for {idle_for:.0f} s, longer than its TTL of {ttl:g} s")))
-                self._gone(w)
+            self.out.append(ExpireTTL(worker=w.worker, model=w.model, reason=(
+                f"{w.model} idle for {idle_for:.0f} s, longer than its TTL of {ttl:g} s")))
+            self._gone(w)
 
     def interval(self, level: Level) -> float:
         """P9: fast while anything can change the answer, slow when all is quiet."""
@@ -691,7 +693,7 @@ def tick(s: Snapshot) -> TickResult:
     if level != prev.level:
         t.out.append(_level_changed(prev.level, level, t, host_level, dev_usage))
     paused = t.admission(level)
-    common, limited, reduced = t.limits(paused, host_level)
+    common, limited, cache_kept, reduced = t.limits(paused, host_level)
     seen, seen_at, growth = t.growth()
     t.discount_draining(host_level, growth)
     t.host.projected -= t.cache_drop_bytes  # C12's cache drop, asked in t.limits
@@ -720,7 +722,8 @@ def tick(s: Snapshot) -> TickResult:
     state = PolicyState(
         level=level, over_ceiling_ticks=over, grace_ticks=grace, admission_paused=paused,
         tier_warned=tier_warned, no_reading_warned=no_reading, reserve_warned=reserve_warned,
-        last_total=t.total, interval=interval, limits=common, limited=limited, reduced=reduced, usage_seen=seen,
+        last_total=t.total, interval=interval, limits=common, limited=limited, cache_kept=cache_kept, reduced=reduced,
+        usage_seen=seen,
         seen_at=seen_at, growth=growth, device_over_ceiling_ticks=dev_over)
     return TickResult(state=state, decisions=t.out, ceilings=c, level=level, usage=t.g.usage,
                       projected_usage=t.projected, emergency=emergency, next_interval=interval,
