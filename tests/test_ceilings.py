@@ -7,8 +7,8 @@ import pytest
 from shared.host import HostCounters
 from shared.sizes import GiB, MiB
 from supervisor.policy.ceilings import (
-    HOT_CACHE_SLACK,
     compute_ceilings,
+    hot_cache_budget,
     limits_for,
     remedy,
     reserve_message,
@@ -189,30 +189,48 @@ def test_c11_watermarks():
     assert c.soft == int(10 * GiB * 0.8) and c.hard == int(10 * GiB * 0.9)
 
 
-def test_c12_hot_cache_reservation_and_worker_limits():
+def test_c12_empty_cache_reserves_nothing():
+    """Issue 21: the seed's rule reserved cache used + 512 MiB, so an empty cache
+    took 512 MiB off every worker's limits (1 byte under a 511 MiB ceiling)."""
+    empty = ceil("custom", custom_ceiling=511 * MiB, hot_cache_max=GiB, hot_cache_used=0)
+    assert empty.hot_cache_reserved == 0
+    assert empty.worker_ceiling == empty.ceiling == 511 * MiB
+    assert empty.worker_abort_limit == empty.abort_limit
+
+
+def test_c12_reservation_is_the_bytes_the_caches_hold():
     c = ceil("custom", custom_ceiling=10 * GiB, hot_cache_max=2 * GiB, hot_cache_used=GiB)
-    assert c.hot_cache_reserved == GiB + HOT_CACHE_SLACK
-    assert c.worker_ceiling == 10 * GiB - c.hot_cache_reserved
-    full = ceil("custom", custom_ceiling=10 * GiB, hot_cache_max=2 * GiB, hot_cache_used=2 * GiB)
-    assert full.hot_cache_reserved == 2 * GiB  # capped at max
+    assert c.hot_cache_reserved == GiB
+    assert c.worker_ceiling == 9 * GiB
     assert ceil("custom", custom_ceiling=10 * GiB).hot_cache_reserved == 0
 
 
+def test_h2_budget_in_force_is_bounded_by_a_quarter_of_soft():
+    """Issue 21: the default 1 GiB budget under a 511 MiB ceiling; 2026-12-01 H2."""
+    small = ceil("custom", custom_ceiling=511 * MiB, hot_cache_max=GiB)
+    assert small.hot_cache_budget == small.soft // 4 == int(511 * MiB * 0.90) // 4
+    large = ceil("custom", custom_ceiling=64 * GiB, hot_cache_max=GiB)
+    assert large.hot_cache_budget == GiB
+    assert ceil("custom", custom_ceiling=10 * GiB, hot_cache_max=0).hot_cache_budget == 0
+    assert hot_cache_budget(GiB, 0) == GiB  # guard off: no watermark bounds it
+
+
 @pytest.mark.parametrize(
-    "limit, reserved, expected",
-    [(10, 0, 10), (10, 4, 6), (10, 10, 1), (10, 99, 1), (0, 5, 0)],
+    "limit, others, expected",
+    [(10, 0, 10), (10, 4, 6), (10, 9, 1), (10, 10, 10), (10, 99, 10), (0, 5, 0)],
 )
-def test_c12_worker_limit_never_zero_unless_no_limit(limit, reserved, expected):
-    assert worker_limit(limit, reserved) == expected
+def test_c12_worker_limit_subtracts_the_others_caches_never_down_to_nothing(limit, others, expected):
+    """A cache as large as the limit itself is not subtracted (it is dropped, H3)."""
+    assert worker_limit(limit, others) == expected
 
 
 def test_limits_for_hands_every_g_value():
-    c = ceil("aggressive", gpu_cap_raw=20 * GiB, hot_cache_max=GiB)
+    c = ceil("aggressive", gpu_cap_raw=20 * GiB, hot_cache_max=GiB, hot_cache_used=100 * MiB)
     limits = limits_for(c, admission_paused=True, safe_zone_ratio=0.8, min_chunk_tokens=128,
                         max_concurrency=3)
     assert limits.hard_limit == c.worker_ceiling == c.ceiling - c.hot_cache_reserved
-    assert limits.soft_limit == int(c.worker_ceiling * 0.95)
-    assert limits.hard_watermark == int(c.worker_ceiling * 0.98)
+    assert limits.soft_limit == c.soft == int(c.ceiling * 0.95)  # the group's watermarks (P9)
+    assert limits.hard_watermark == c.hard == int(c.ceiling * 0.98)
     assert limits.abort_limit == c.worker_abort_limit
     assert (limits.abort_margin, limits.prefill_headroom_safety) == (0.97, 0.97)
     assert (limits.safe_zone_ratio, limits.min_chunk_tokens) == (0.8, 128)

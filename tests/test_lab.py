@@ -28,3 +28,21 @@ def test_lab_scenario(name, lab_models, tmp_path):
     failed = [f"{c.name}: {c.detail}" for c in result.checks if not c.passed]
     assert result.passed, f"{name}: {failed or result.error}"
     assert (tmp_path / f"{name}.png").stat().st_size > 10_000  # the picture was drawn
+
+
+def test_p6_a_grower_at_hard_is_acted_on_before_a_big_idle_model_exits(lab_models, tmp_path):
+    """Issue 21: at hard the guard waited for a 300 MiB idle model's exit (which
+    takes hundreds of ms) before acting on a grower, because the stop under way
+    was guessed to land in time. Here the grower (256 MiB/s asked) stops short of the
+    ceiling, at 92 % of it, with hard at 85 %: only a guard that acts on the
+    growth itself acts on it before that exit."""
+    from dataclasses import replace
+
+    from supervisor.lab.scenarios import grow_while_big_stops
+
+    base = by_name(["grow-while-big-stops"])[0]
+    sc = replace(base, name="grow-while-big-stops-short", soft_threshold=0.80, hard_threshold=0.85,
+                 run=grow_while_big_stops(rate=256 * 2**20, soft=0.80, drill_to=0.92))
+    result = asyncio.run(run_one(sc, lab_models, None))
+    failed = [f"{c.name}: {c.detail}" for c in result.checks if not c.passed]
+    assert result.passed, f"{failed or result.error} {result.figures}"

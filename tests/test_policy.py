@@ -334,6 +334,43 @@ def test_p6_at_hard_a_growing_worker_is_acted_on_while_another_stop_is_under_way
     assert over.usage > CEIL and acts(over) == []  # over the ceiling but not growing: wait for the stop
 
 
+
+def test_p6_a_grower_that_crosses_soft_and_hard_within_50_ms_is_acted_on_at_hard():
+    """Issue 21: soft stopped the idle model; the grower reached hard 30 ms
+    later, within GROWTH_WINDOW, and the tick kept the rate measured before the
+    burst (0.2 GiB/s): the stop under way was credited and nothing was done
+    until the idle model had exited (14.1 % over the ceiling)."""
+    before = snap(w("big", 3.0), busy("grower", 4.9), now=NOW - 1)
+    at_soft = snap(w("big", 3.0), busy("grower", 5.1))
+    at_hard = snap(w("big", 3.0, state="draining"), busy("grower", 6.1), now=NOW + 0.03)
+    soft = run(before, at_soft)
+    assert soft.level == "soft" and acts(soft) == [("stop", "big")]
+    r = run(before, at_soft, at_hard)
+    assert r.level == "hard" and r.draining_credited == 0
+    assert acts(r)[0] == ("abort_requests", "grower")
+
+
+def test_p6_at_hard_the_grower_is_acted_on_first_whatever_the_sizes():
+    """The stop under way (a big idle model: its exit takes hundreds of ms) would
+    land before the ceiling by STOP_SECONDS' guess, yet the grower keeps
+    growing: it is acted on at once, before another idle model is stopped."""
+    first = snap(w("big", 3.0, state="draining"), w("idle", 0.5, last_access=1.0), busy("grower", 5.0))
+    later = snap(w("big", 3.0, state="draining"), w("idle", 0.5, last_access=1.0), busy("grower", 5.55),
+                 now=NOW + 1)  # 0.55 GiB/s: 0.9 GiB of room lasts 1.6 s
+    r = run(first, later)
+    assert r.level == "hard" and r.draining_credited == 0
+    assert acts(r)[0] == ("abort_requests", "grower")
+    idle_grower = run(snap(w("big", 3.0, state="draining"), w("drill", 5.5)),
+                      snap(w("big", 3.0, state="draining"), w("drill", 6.05), now=NOW + 1))
+    assert acts(idle_grower)[:2] == [("abort_requests", "drill"), ("stop", "drill")]
+    pinned = run(snap(w("big", 3.0, state="draining"), busy("pin", 5.5, pinned=True)),
+                 snap(w("big", 3.0, state="draining"), busy("pin", 6.05, pinned=True), now=NOW + 1))
+    assert not [a for a in acts(pinned) if a[1] == "pin" and a[0] != "reclaim"]  # pinned: step 5 only
+    slow = run(snap(w("big", 3.0, state="draining"), busy("grower", 6.0)),
+               snap(w("big", 3.0, state="draining"), busy("grower", 6.01), now=NOW + 1))
+    assert acts(slow) == []  # 10 MiB/s (a decode's KV): not a runaway, the stop lands first
+
+
 def test_p6_3_marked_worker_is_stopped_once_drained_even_after_pressure_ends():
     """A marked model whose pressure had ended stayed loaded for ever: P6 step 1
     ran only over soft, and TTL skips marked workers."""

@@ -6,14 +6,14 @@ import msgspec
 
 from shared.host import HostCounters
 from shared.memory import MemoryReading
-from shared.sizes import GiB, MiB
+from shared.sizes import GiB
 from supervisor.policy.pressure import tick
 from supervisor.policy.snapshot import GuardSettings, Snapshot, WorkerRecord
 from supervisor.policy.status import GuardStatus, build_status
 
 S1_FIELDS = {
     "enabled", "tier", "custom_ceiling", "ceiling", "static", "dynamic", "gpu_cap", "gpu_cap_raw",
-    "reserve", "other_app_ratio", "hot_cache_reserved", "worker_ceiling", "worker_abort_limit",
+    "reserve", "other_app_ratio", "hot_cache_reserved", "hot_cache_budget", "worker_ceiling", "worker_abort_limit",
     "soft_threshold", "hard_threshold", "soft_bytes", "hard_bytes", "usage", "pressure_level",
     "utilization", "poll_interval", "workers",
 }
@@ -40,8 +40,9 @@ def test_s1_status_holds_every_field():
     assert status.usage == 7 * GiB and status.ceiling == 10 * GiB
     assert status.utilization == 0.7 and status.pressure_level == "ok"
     assert status.gpu_cap_raw == 20 * GiB and status.gpu_cap == 20 * GiB
-    assert status.hot_cache_reserved == 512 * MiB  # nothing cached yet: the slack only (C12)
-    assert status.worker_ceiling == 10 * GiB - 512 * MiB
+    assert status.hot_cache_reserved == 0  # nothing cached yet: nothing reserved (C12, 2026-12-01)
+    assert status.worker_ceiling == 10 * GiB
+    assert status.hot_cache_budget == GiB  # min(hot_cache_max, soft 9 GiB // 4) (H2)
     assert status.binding == "dynamic" and "raise the custom ceiling" in status.remedy
     (ws,) = status.workers
     assert (ws.model, ws.pid, ws.state, ws.pinned, ws.restarts) == ("small", 42, "busy", True, 2)

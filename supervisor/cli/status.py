@@ -59,8 +59,10 @@ def render(st: ServerStatus) -> str:
         ]
     if g.warning:
         lines.append(f"  warning: {g.warning}")
-    lines.append(f"  prompt cache {size(g.hot_cache_used)} of {size(g.hot_cache_max)} budget"
-                 f" (reserved off the worker limits: {size(g.hot_cache_reserved)})"
+    budget = (f"{size(g.hot_cache_budget)} budget in force (hot_cache_max {size(g.hot_cache_max)}, at most "
+              "a quarter of soft)" if g.hot_cache_budget != g.hot_cache_max else f"{size(g.hot_cache_max)} budget")
+    lines.append(f"  prompt cache {size(g.hot_cache_used)} of {budget}"
+                 f" (reserved off the other workers' limits: {size(g.hot_cache_reserved)})"
                  if g.hot_cache_max else "  prompt cache off (hot_cache_max = 0)")
     if g.device is not None:
         lines += _device_lines(g.device, g.enabled)

@@ -77,6 +77,7 @@ class Scenario:
     hard_threshold: float | None = None
     # Environment for the scenario's workers (spawned processes inherit it).
     worker_env: tuple[tuple[str, str], ...] = ()
+    hot_cache_max: int = 0  # H2's budget ([guard] hot_cache_max); 0: no prompt cache
 
 
 @dataclass
@@ -206,9 +207,7 @@ def config_for(sc: Scenario, paths: dict[tuple[int, int], Path]) -> Config:
     models = [ModelConfig(id=m.id, path=str(paths[(m.size_mib, m.seed)]), pinned=m.pinned, ttl=m.ttl,
                           max_concurrency=1) for m in sc.models]
     return Config(
-        # hot_cache_max=0: the lab's ceilings are a few hundred MiB, and C12's reservation
-        # (cache used + 512 MiB) would leave the workers no room at all.
-        guard=GuardConfig(tier="custom", custom_ceiling=0, pool_max=sc.pool_max, hot_cache_max=0,
+        guard=GuardConfig(tier="custom", custom_ceiling=0, pool_max=sc.pool_max, hot_cache_max=sc.hot_cache_max,
                           soft_threshold=sc.soft_threshold, hard_threshold=sc.hard_threshold),
         # A worker's loop answers heartbeats between prefill chunks; on a busy
         # 2-core CI machine one CPU chunk can take seconds.

@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from shared import protocol as p
@@ -355,6 +356,70 @@ async def grow_while_stopping(lab: Lab) -> None:
     lab.check("overshoot <= 2 % of the ceiling", over <= 0.02, f"{over:.1%}")
 
 
+def grow_while_big_stops(rate: int = 1024 * MiB, soft: float = SOFT,
+                         drill_to: float = 0.0) -> Callable[[Lab], Awaitable[None]]:
+    """Issue 21: a 1 GiB/s grower while a much larger idle model is being stopped.
+
+    The group sits just under soft; the drill takes it over soft, where the
+    guard stops the idle model (P6.2), which at this size takes hundreds of
+    ms to exit. The grower reaches hard long before that exit: the guard must
+    act on the grower at once (P6), not wait for memory it has counted as
+    coming back. `drill_to` > 0 ends the drill with the group at that
+    fraction of the ceiling (else the drill would go on past it), so only a
+    guard that acts on the growth itself, not on the ceiling coming near,
+    acts on the grower before the exit. `soft`: the scenario's soft threshold.
+    """
+
+    async def run(lab: Lab) -> None:
+        await lab.load("idle")
+        await lab.load("grower")
+        # no request runs on the grower: its loop then keeps up with the drill's rate
+        # on a busy machine; one short request makes it the most recently used
+        await lab.end(await lab.generate("grower", "hello", 2), 30)
+        u = await lab.usage()
+        ceiling = int(u / (soft - 0.005))
+        lab.set_ceiling(ceiling, "usage just under soft")
+        await asyncio.sleep(0.3)
+        u = await lab.usage(0.0)
+        lab.drill("grower", rate, int(ceiling * drill_to) - u if drill_to else ceiling)
+        start = lab.rec.now()
+        await lab.until(lambda: bool(lab.rec.timeline.events("exit", "idle")), 15, "the idle model's exit")
+        if (grower := lab.arb.pool.worker_for("grower")) is not None and grower.serving:
+            lab.arb.start_drill(p.DrillRequest(model="grower", rate=0, to=0, stop=True))
+        await lab.until(lambda: lab.level() == "ok", 8, "level ok")
+        await asyncio.sleep(0.2)
+        _judge_big_stop(lab, start)
+
+    return run
+
+
+def _judge_big_stop(lab: Lab, start: float) -> None:
+    t = lab.rec.timeline
+    over = t.peak_over_ceiling(after=start)
+    hard_at = next((pt.t for pt in t.points if pt.t >= start and pt.usage >= pt.hard > 0), None)
+    acted = [m for m in t.decisions() if m.label == "grower" and m.t >= start
+             and m.kind in ("abort_requests", "stop", "mark_for_unload")]
+    exits = [m.t for m in t.events("exit", "idle")]
+    acted_at = acted[0].t if acted else None
+    exit_at = exits[0] if exits else None
+    lab.figures["overshoot"] = over
+    grower = [(pt.t, pt.workers.get("grower", 0)) for pt in t.points if pt.t >= start]
+    if len(grower) >= 2:  # the drill's real rate, from its start to the grower's peak
+        peak = max(grower, key=lambda g: g[1])
+        if peak[0] > grower[0][0]:
+            lab.figures["grower_mib_per_s"] = (peak[1] - grower[0][1]) / MiB / (peak[0] - grower[0][0])
+    if hard_at is not None and acted_at is not None:
+        lab.figures["acted_after_hard_ms"] = (acted_at - hard_at) * 1000
+    if acted_at is not None and exit_at is not None:
+        lab.figures["acted_before_exit_ms"] = (exit_at - acted_at) * 1000
+    lab.check("setup: hard reached while the idle model was being stopped",
+              hard_at is not None and bool(t.decisions("stop", "idle")) and (exit_at is None or hard_at < exit_at),
+              f"hard at {hard_at}, exit at {exit_at}")
+    lab.check("P6 the grower acted on", acted_at is not None, acted[0].reason if acted else "")
+    lab.check("P6 ... before the big idle model had exited", acted_at is not None and exit_at is not None
+              and acted_at < exit_at, f"acted at {acted_at}, exit at {exit_at}")
+    lab.check("overshoot <= 2 % of the ceiling", over <= 0.02, f"{over:.1%}")
+
 SCENARIOS: list[Scenario] = [
     Scenario("soft-two-idle", "P6.2", "two idle models in the soft band: the LRU one goes",
              (ModelSpec("a", 16, 0), ModelSpec("b", 16, 1)), soft_two_idle),
@@ -388,6 +453,8 @@ SCENARIOS: list[Scenario] = [
              (ModelSpec("pin", 16, 0, pinned=True),), pinned_respawn),
     Scenario("grow-while-stopping", "P6 issue 9", "a 1 GiB/s grower while an idle model is stopped",
              (ModelSpec("idle", 64, 3), ModelSpec("grower", 16, 0)), grow_while_stopping),
+    Scenario("grow-while-big-stops", "P6 issue 21", "a 1 GiB/s grower while a 300 MiB idle model is stopped",
+             (ModelSpec("idle", 300, 4), ModelSpec("grower", 20, 0)), grow_while_big_stops()),
 ]
 
 

@@ -13,8 +13,8 @@ A value of 0 for a limit means "no limit" to every consumer, which is why the
 floors below are 1 byte and never 0 where a limit exists.
 
 Public names (stable): Ceilings, TierPreview, compute_ceilings, limits_for,
-worker_limit, tier_preview, remedy, reserve_message, wired_limit_suggestion,
-wired_limit_advice, HOT_CACHE_SLACK, BINDINGS.
+worker_limit, hot_cache_budget, tier_preview, remedy, reserve_message,
+wired_limit_suggestion, wired_limit_advice, BINDINGS.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from supervisor.policy.tiers import TIER_PARAMS, TIERS, other_app_ratio, reserve
 __all__ = [
     "BINDINGS",
     "Ceilings",
-    "HOT_CACHE_SLACK",
     "TierPreview",
     "compute_ceilings",
+    "hot_cache_budget",
     "limits_for",
     "remedy",
     "reserve_message",
@@ -43,9 +43,9 @@ __all__ = [
     "worker_limit",
 ]
 
-# C12: headroom above the cache's current size, so a growing cache does not
-# push a prefill past its limit between two ticks.
-HOT_CACHE_SLACK = 512 * MiB
+# H2 (2026-12-01): the prompt caches together never hold more than this share
+# of the soft watermark, so the default budget works under any ceiling.
+HOT_CACHE_SOFT_SHARE = 4
 
 Reading = Literal["counters", "available", "none"]
 
@@ -86,9 +86,10 @@ class Ceilings(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     abort_margin: float          # T4
     soft: int                    # C11
     hard: int
-    hot_cache_reserved: int      # C12
-    worker_ceiling: int          # ceiling minus the reservation (C12)
-    worker_abort_limit: int      # abort limit minus the reservation (C12)
+    hot_cache_reserved: int      # C12: the bytes the prompt caches hold now (measured)
+    hot_cache_budget: int        # H2: min(hot_cache_max, soft // 4), the budget in force
+    worker_ceiling: int          # ceiling minus every cache (C12): a worker that holds none gets this
+    worker_abort_limit: int      # abort limit minus every cache (C12)
 
 
 def _reading_kind(host: HostCounters | None) -> Reading:
@@ -127,17 +128,27 @@ def _dynamic_terms(
     return "counters", free, inactive_term, other_apps, dynamic
 
 
-def worker_limit(limit: int, reserved: int) -> int:
-    """C12: a limit handed to a worker, less the hot-cache reservation.
+def worker_limit(limit: int, others: int) -> int:
+    """C12: a limit handed to a worker, less the other workers' cache bytes.
 
-    The reservation is memory the prompt cache may grow into, so a prefill must
-    not plan on it; a limit never drops to 0 (that would read as "no limit").
+    Its own cache is not subtracted: it gives way first (H4). The limit is
+    never clamped to a meaningless value: when the caches hold as much as the
+    limit itself (a ceiling lowered under them), nothing is subtracted -- the
+    caches are then dropped (H3, `cache_room`) and the worker keeps the
+    group's real limit rather than 1 byte that no watermark could cross.
+    0 stays 0 ("no limit").
     """
-    if limit <= 0:
+    if limit <= 0 or others <= 0:
+        return max(0, limit)
+    left = limit - others
+    return left if left > 0 else limit
+
+
+def hot_cache_budget(hot_cache_max: int, soft: int) -> int:
+    """H2 (2026-12-01): min(hot_cache_max, soft watermark // 4); hot_cache_max alone with no watermark (guard off)."""
+    if hot_cache_max <= 0:
         return 0
-    if reserved <= 0:
-        return limit
-    return max(1, limit - reserved)
+    return min(hot_cache_max, soft // HOT_CACHE_SOFT_SHARE) if soft > 0 else hot_cache_max
 
 
 def _binding(ceiling: int, static: int, dynamic: int, gpu_cap: int) -> str:
@@ -199,9 +210,9 @@ def compute_ceilings(
     admission_ceiling = ceiling if enabled else static
     residency = (min(static, gpu_cap_raw) if gpu_cap_raw > 0 else static) if enabled else 0
     abort_limit = (min(static, gpu_cap) if gpu_cap_raw > 0 else static) if enabled else 0
-    reserved = min(hot_cache_max, hot_cache_used + HOT_CACHE_SLACK) if hot_cache_max > 0 else 0
-    if ceiling <= 0 and abort_limit <= 0:
-        reserved = 0
+    # C12 (2026-12-01): what the caches hold now, never room they might grow into
+    reserved = max(0, hot_cache_used) if ceiling > 0 or abort_limit > 0 else 0
+    soft = int(ceiling * soft_t) if ceiling > 0 else 0
     return Ceilings(
         enabled=enabled,
         tier=tier,
@@ -230,9 +241,10 @@ def compute_ceilings(
         hard_threshold=hard_t,
         headroom_safety=params.headroom_safety,
         abort_margin=params.abort_margin,
-        soft=int(ceiling * soft_t) if ceiling > 0 else 0,
+        soft=soft,
         hard=int(ceiling * hard_t) if ceiling > 0 else 0,
         hot_cache_reserved=reserved,
+        hot_cache_budget=hot_cache_budget(hot_cache_max, soft),
         worker_ceiling=worker_limit(ceiling, reserved),
         worker_abort_limit=worker_limit(abort_limit, reserved),
     )
@@ -247,20 +259,25 @@ def limits_for(
     max_concurrency: int = 0,
     cache_cap: int = 0,
     pool_max: int = 0,
+    others_cache: int | None = None,
 ) -> Limits:
     """Everything SPEC G needs inside a worker, from this tick's ceilings.
 
-    The byte limits are the worker ceiling/abort limit (C12: less the hot-cache
-    reservation); the component ceilings ride along so a rejected prefill can
-    name what binds (C6). `max_concurrency` 0 means "the policy's
-    SetConcurrency decisions carry the cap" (P8).
+    The soft limit and the hard watermark are the group's own watermarks (C11),
+    so the sample a worker sends at once when the group crosses one (P9)
+    comes at the crossing the guard acts on. The hard limit and the abort
+    limit are the ceiling and C10 less the other workers' cache bytes
+    (`others_cache`, C12; None: every cache, as for a worker holding none);
+    the component ceilings ride along so a rejected prefill can name what
+    binds (C6). `max_concurrency` 0 means "the policy's SetConcurrency
+    decisions carry the cap" (P8).
     """
-    wc = c.worker_ceiling
+    others = c.hot_cache_reserved if others_cache is None else others_cache
     return Limits(
-        soft_limit=int(wc * c.soft_threshold) if wc > 0 else 0,
-        hard_limit=wc,
-        hard_watermark=int(wc * c.hard_threshold) if wc > 0 else 0,
-        abort_limit=c.worker_abort_limit,
+        soft_limit=c.soft,
+        hard_limit=worker_limit(c.ceiling, others),
+        hard_watermark=c.hard,
+        abort_limit=worker_limit(c.abort_limit, others),
         abort_margin=c.abort_margin,
         prefill_headroom_safety=c.headroom_safety,
         safe_zone_ratio=safe_zone_ratio,

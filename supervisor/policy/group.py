@@ -37,45 +37,51 @@ class WorkerGroup:
 
     __slots__ = ("usage", "own", "own_gpu", "hot_used", "draining_usage", "draining_idle_usage", "live",
                  "serving", "loading", "active", "unknown", "growing", "device_bytes",
-                 "draining_device_bytes")
+                 "draining_device_bytes", "cached", "draining_count")
 
     def __init__(self, s: Snapshot) -> None:
         usage = own = s.supervisor_footprint
-        own_gpu = hot_used = draining = draining_idle = device = draining_device = 0
+        own_gpu = hot_used = draining = draining_idle = device = draining_device = n_draining = 0
         live: list[WorkerRecord] = []
         serving: list[WorkerRecord] = []
         loading: list[WorkerRecord] = []
-        active = unknown = False
+        cached: list[WorkerRecord] = []
+        active = unknown = busy = False
         for w in s.workers:
             state = w.state
             if state not in _LIVE:
                 continue
             live.append(w)
-            usage += w.usage
-            own += w.memory.footprint
+            m = w.memory
+            usage += m.usage
+            own += m.footprint
             own_gpu += w.gpu_bytes
-            hot_used += w.memory.cache_bytes
             device += w.device_bytes
+            if m.cache_bytes:
+                hot_used += m.cache_bytes
+                cached.append(w)
             if state in _SERVING:
                 serving.append(w)
                 if w.running or w.queued:
-                    active = True
+                    active = busy = True
             elif state in _LOADING:
                 loading.append(w)
             elif state == "draining":
-                draining += w.usage
+                n_draining += 1
+                draining += m.usage
                 draining_device += w.device_bytes
                 if not (w.running or w.queued):
-                    draining_idle += w.usage
+                    draining_idle += m.usage
                 active = True
             else:  # wedged: no trustworthy activity reading
                 unknown = True
         self.usage, self.own, self.own_gpu, self.hot_used = usage, own, own_gpu, hot_used
         self.draining_usage, self.draining_idle_usage = draining, draining_idle
-        self.live, self.serving, self.loading = live, serving, loading
+        self.live, self.serving, self.loading, self.cached = live, serving, loading, cached
         self.active, self.unknown = active, unknown
         self.device_bytes, self.draining_device_bytes = device, draining_device
-        self.growing = bool(loading) or any(w.running or w.queued for w in serving)
+        self.draining_count = n_draining
+        self.growing = bool(loading) or busy
 
 
 def snapshot_total(s: Snapshot) -> int:

@@ -18,7 +18,11 @@ as it decides, from the worker records:
   stop takes, by more than GROWTH_TOLERANCE of it. Then the
   draining bytes are not counted as gone and the next victim is acted on at
   once (issue 9 measured 44-61 % over a 256 MiB ceiling while a 1 GiB/s
-  grower waited for an idle model's exit);
+  grower waited for an idle model's exit). Nor are they when a worker is a
+  runaway grower (more than min(1 % of the ceiling, 64 MiB) per STOP_SECONDS):
+  how long a stop takes depends on the size of what is stopped, so that
+  grower is acted on first, at once (issue 21: a 300 MiB model's exit let a
+  grower go 14.1 % over);
 - a hot-cache shrink (P5) subtracts the bytes asked for, at most what each
   worker reports as releasable (blocks no request uses);
 - a Stop (P6 steps 1-2) or a TTL expiry subtracts the worker's usage (the OS
@@ -48,7 +52,8 @@ import msgspec
 
 from shared.limits import Limits
 from shared.sizes import GiB, MiB, format_size
-from supervisor.policy.ceilings import Ceilings, limits_for, reserve_message
+from shared.states import LOADING_STATES as _LOADING_STATES
+from supervisor.policy.ceilings import Ceilings, limits_for, reserve_message, worker_limit
 from supervisor.policy.decisions import (
     DESTRUCTIVE,
     AbortLoad,
@@ -106,6 +111,7 @@ STOP_SECONDS = 0.3               # P6 at hard: how long a stop under way takes (
 GROWTH_WINDOW = 0.05             # shortest span a growth estimate is taken over (sample jitter)
 DEVICE_OVERHEAD_STEP = 256 * MiB  # D4: the device watermarks handed to workers move in these steps
 GROWTH_TOLERANCE = 0.01          # of the ceiling: growth during a stop below this is jitter, not a runaway
+GROWER_BYTES = 64 * MiB          # ... and at most this much: on a large ceiling 1 % is a lot of growth
 
 
 class TickResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -183,6 +189,10 @@ class _Tick:
         self.device = None if dc is None else _Pool(
             "device", dc.soft, dc.hard, dc.ceiling, g.device_bytes - g.draining_device_bytes, _device_bytes)
         self.credited = self.g.draining_usage
+        self.rates: dict[str, float] = {}  # bytes/s of each worker that grew (growth)
+        self.cache_dropped: set[str] = set()  # workers told to drop their caches for C12
+        self.cache_drop_bytes = 0  # ... and the bytes that takes off the projection
+        self.growers: list[WorkerRecord] = []  # runaway growers at hard (discount_draining)
 
     @property
     def projected(self) -> int:
@@ -231,38 +241,104 @@ class _Tick:
                 self.out.append(ResumeAdmission(reason="memory pressure is over"))
         return paused
 
-    def limits(self, paused: bool) -> tuple[Limits, dict[str, int]]:
+    def limits(self, paused: bool, level: Level) -> tuple[Limits, dict[str, int], int, dict[str, int]]:
         """Hand every worker the limits it does not have yet (T6: next tick at the latest).
 
-        The common limits are compared with the last ones handed out; a worker
-        also gets them when it is new or its pid changed (a respawn).
+        The common limits (nothing subtracted) and the caches' total are
+        compared with the last ones handed out; a worker also gets its limits
+        when it is new, its pid changed (a respawn) or the other workers'
+        cache bytes (the total less its own) changed: its limits subtract them (C12).
+        Returns (common, worker -> pid, caches' total, worker -> own cache
+        bytes) for the next tick.
         """
-        g, prev, live = self.s.guard, self.prev, self.g.live
-        # H2: an equal share of the budget per live worker, recomputed as they come and go
-        cache_cap = g.hot_cache_max // len(live) if g.hot_cache_max > 0 and live else 0
-        common = limits_for(self.c, admission_paused=paused, safe_zone_ratio=g.safe_zone_ratio,
+        g, prev, live, c = self.s.guard, self.prev, self.g.live, self.c
+        # H2: an equal share of the budget in force per worker that keeps a cache
+        # (a draining worker is on its way out), recomputed as they come and go
+        keepers = len(live) - self.g.draining_count
+        cache_cap = c.hot_cache_budget // keepers if c.hot_cache_budget > 0 and keepers else 0
+        common = limits_for(c, admission_paused=paused, safe_zone_ratio=g.safe_zone_ratio,
                             min_chunk_tokens=g.min_chunk_tokens, cache_cap=cache_cap,
-                            pool_max=g.pool_max)
+                            pool_max=g.pool_max, others_cache=0)
         if self.dc is not None and self.dc.ceiling > 0:  # D4: workers report device crossings at once
             common = self._device_watermarks(common, self.dc)
-        had = prev.limited
-        if common != prev.limits:
-            todo = live
-            why = "first limits" if prev.limits is None else "limits changed"
-        else:
-            todo = [w for w in live if had.get(w.worker) != w.pid]
-            why = "new worker"
-        by_cap: dict[int, Limits] = {}
+        had, had_own = prev.limited, prev.reduced
+        total, own = self._cache_reductions(level)
+        changed = common != prev.limits
+        why = ("first limits" if prev.limits is None else "limits changed") if changed else ""
+        by_key: dict[tuple[int, int], Limits] = {}
         out = self.out
-        for w in todo:
+        sent = False
+        before = prev.cache_kept
+        for w in live:
+            mine = own.get(w.worker, 0)
+            if (not changed and had.get(w.worker) == w.pid
+                    and total - mine == before - had_own.get(w.worker, 0)):
+                continue
             cap = w.concurrency or w.max_concurrency
-            limits = by_cap.get(cap)
+            limits = by_key.get((cap, mine))
             if limits is None:
-                limits = by_cap[cap] = msgspec.structs.replace(common, max_concurrency=cap)
-            out.append(SetLimits(worker=w.worker, model=w.model, reason=why, limits=limits))
-        if not todo and len(had) == len(live):
-            return common, had
-        return common, {w.worker: w.pid for w in live}
+                limits = by_key[(cap, mine)] = self._worker_limits(common, cap, total - mine)
+            out.append(SetLimits(worker=w.worker, model=w.model, limits=limits, reason=(
+                why or ("new worker" if had.get(w.worker) != w.pid else "other workers' prompt caches changed"))))
+            sent = True
+        if not sent and len(had) == len(live) and total == before and own == had_own:
+            return common, had, total, had_own
+        return common, {w.worker: w.pid for w in live}, total, own
+
+    def _cache_reductions(self, level: Level) -> tuple[int, dict[str, int]]:
+        """C12: (the caches' bytes, each worker's own): its limits subtract the difference.
+
+        When the caches leave no room under the ceiling for the group's next
+        step (ceiling - every cache <= usage), they give way (H3): at hard P5
+        shrinks them this tick; below hard the least recently used entries no
+        request uses are dropped now (`ShrinkHotCache`; the worker then
+        reports at once) until there is room. What is asked to go is not
+        subtracted, and a limit is never brought down to a meaningless value
+        (`worker_limit`).
+        """
+        c, g = self.c, self.g
+        used = g.hot_used
+        if used <= 0 or c.ceiling <= 0:
+            return 0, {}
+        own = {w.worker: w.memory.cache_bytes for w in g.cached}
+        if c.ceiling - used <= g.usage:
+            self._give_way(own, level)
+            used = sum(own.values())
+        return used, own
+
+    def _give_way(self, keeps: dict[str, int], level: Level) -> None:
+        """H3 for C12: lower `keeps` to the cache bytes each worker keeps once the caches make room."""
+        g = self.g
+        movable = [w for w in g.cached if w.memory.cache_releasable > 0 and w.state != "draining"]
+        if level == "hard":  # P5 shrinks toward soft this tick (H3)
+            for w in movable:
+                keeps[w.worker] -= min(w.memory.cache_releasable, keeps[w.worker])
+            return
+        # dropping x bytes lowers usage and the caches alike: room once x > (caches + usage - ceiling) / 2
+        need = (sum(keeps.values()) + g.usage - self.c.ceiling) // 2 + 1
+        for w in sorted(movable, key=lru_key):
+            take = min(w.memory.cache_releasable, keeps[w.worker], need)
+            if take <= 0:
+                continue
+            keeps[w.worker] -= take
+            self.out.append(ShrinkHotCache(
+                worker=w.worker, model=w.model, target_bytes=keeps[w.worker], reason=(
+                    f"the prompt caches ({format_size(g.hot_used)}) leave no room under the ceiling "
+                    f"({format_size(self.c.ceiling)}) for the next step: drop {format_size(take)}")))
+            self.cache_dropped.add(w.worker)
+            self.cache_drop_bytes += take
+            need -= take
+            if need <= 0:
+                return
+
+    @staticmethod
+    def _worker_limits(common: Limits, cap: int, others: int) -> Limits:
+        """One worker's limits: the common ones, its concurrency cap, less `others` (C12)."""
+        if not others:
+            return msgspec.structs.replace(common, max_concurrency=cap)
+        return msgspec.structs.replace(common, max_concurrency=cap,
+                                       hard_limit=worker_limit(common.hard_limit, others),
+                                       abort_limit=worker_limit(common.abort_limit, others))
 
     def _device_watermarks(self, common: Limits, dc: DeviceCeilings) -> Limits:
         """The device pool's watermarks in the workers' own measure (D1's fallback).
@@ -282,33 +358,88 @@ class _Tick:
     def growth(self) -> tuple[dict[str, int], float, float]:
         """(usage_seen, seen_at, bytes/s): how fast the non-draining workers grow.
 
-        The estimate spans at least GROWTH_WINDOW; a tick sooner than that
-        (a P7 recheck, a burst of watermark wake-ups) keeps the older baseline
-        and the last estimate, so sample jitter over a few ms is not a rate.
+        The rate is taken against a baseline at least GROWTH_WINDOW old when
+        there is one: a tick sooner than that (a P7 recheck, a burst of
+        watermark wake-ups) measures from the older baseline and keeps it.
+        The span is floored at GROWTH_WINDOW, so sample jitter over a few ms
+        is never read as a fast rate -- but a real burst is measured at
+        once. (Issue 21: keeping the previous estimate instead let a 1 GiB/s
+        grower that crossed soft and hard within 50 ms ride on the rate
+        measured before it started, and the stop under way was credited.)
+        Sets `self.rates`: each non-draining worker's own rate (grower_first).
         """
         prev, now = self.prev, self.s.now
-        current = {w.worker: w.usage for w in self.g.live if w.state != "draining"}
-        span = now - prev.seen_at
-        if prev.usage_seen and 0 <= span < GROWTH_WINDOW:
-            return prev.usage_seen, prev.seen_at, prev.growth
-        if not prev.usage_seen or span <= 0:
+        current = {w.worker: w.memory.usage for w in self.g.live if w.state != "draining"}
+        seen, span = prev.usage_seen, now - prev.seen_at
+        if not seen or span < 0:
             return current, now, 0.0
-        grew = sum(max(0, u - prev.usage_seen[k]) for k, u in current.items() if k in prev.usage_seen)
-        return current, now, grew / span
+        per = max(span, GROWTH_WINDOW)
+        rates = {k: (u - seen[k]) / per for k, u in current.items() if k in seen and u > seen[k]}
+        self.rates = rates
+        grew = sum(rates.values())
+        if span < GROWTH_WINDOW:
+            return seen, prev.seen_at, grew
+        return current, now, grew
 
     def discount_draining(self, level: Level, growth: float) -> None:
-        """At hard, stops under way count as done only when they land before the ceiling."""
+        """At hard, stops under way count as done only when they land before the ceiling.
+
+        (Without a stop under way, P4-P6 apply as written.) They do not when the group grows fast enough to pass the ceiling
+        (further, if it is over) within STOP_SECONDS by more than a 1 %
+        tolerance, nor when any worker is a runaway grower (`_growers`):
+        how long a stop takes depends on the size of what is stopped and on
+        the machine, so no guess of it may let a grower run on (issue 21).
+        Without growth, stopping more models would not bring the memory back sooner.
+        """
         c, g = self.c, self.g
         if level != "hard" or not g.draining_usage:
             self.credited = g.draining_usage
             return
-        # Not in time: what the group grows by while the stop lands takes it over
-        # the ceiling (further over, if it is already) by more than a 1 % tolerance.
-        # Without growth, stopping more models would not bring the memory back sooner.
-        if growth * STOP_SECONDS > max(0, c.ceiling - g.usage) + c.ceiling * GROWTH_TOLERANCE:
+        self.growers = self._growers()
+        room = max(0, c.ceiling - g.usage) + c.ceiling * GROWTH_TOLERANCE
+        if growth * STOP_SECONDS > room or self.growers:
             self.host.projected, self.credited = g.usage, 0
             return
         self.credited = g.draining_usage
+
+    def _growers(self) -> list[WorkerRecord]:
+        """Workers that grow by more than GROWER_BYTES within STOP_SECONDS, fastest first."""
+        rates = self.rates
+        if not rates:
+            return []
+        floor = min(self.c.ceiling * GROWTH_TOLERANCE, GROWER_BYTES) / STOP_SECONDS
+        fast = [w for w in self.g.live if rates.get(w.worker, 0.0) > floor]
+        return sorted(fast, key=lambda w: (-rates[w.worker], w.worker))
+
+    def grower_first(self, emergency: bool) -> bool:
+        """P6 at hard with a runaway grower: act on it before anything else.
+
+        Whatever else is being stopped, and whatever the sizes: its requests
+        are aborted (that also ends a fire drill standing in for one), an idle
+        one is stopped (P6.2), a loading one's load is aborted (P6.4), a busy
+        one is marked for unload in an emergency (P6.3). Pinned growers are
+        left to step 5. True when it acted (P6's steps 3-6 then wait a tick).
+        """
+        acted = False
+        out = self.out
+        for w in self.growers:
+            if w.pinned or w.worker in self.stopped or w.state == "draining":
+                continue
+            rate = format_size(int(self.rates[w.worker]))
+            why = f"hard pressure and {w.model} grows {rate}/s"
+            if w.state in _LOADING_STATES:
+                out.append(AbortLoad(worker=w.worker, model=w.model, reason=f"{why}: abort its load"))
+                acted = True
+                continue
+            out.append(AbortRequests(worker=w.worker, model=w.model, reason=(
+                f"{why}: abort its requests now, whatever else is being stopped")))
+            if is_idle(w):
+                self._stop(w, f"{why}: stop it (idle, nothing to finish)")
+            elif emergency:
+                out.append(MarkForUnload(worker=w.worker, model=w.model, reason=(
+                    f"memory emergency: unload {w.model} once its requests have ended")))
+            acted = True
+        return acted
 
     # -- P4 / P5 -------------------------------------------------------------------
 
@@ -347,7 +478,10 @@ class _Tick:
         need = pool.projected - pool.soft
         shrunk: set[str] = set()
         if need > 0:
-            for w in sorted((w for w in self.g.serving if w.memory.cache_releasable > 0), key=lru_key):
+            dropped = self.cache_dropped if pool is self.host else set()  # C12 asked already
+            shrunk |= dropped
+            for w in sorted((w for w in self.g.serving if w.memory.cache_releasable > 0
+                             and w.worker not in dropped), key=lru_key):
                 take = min(w.memory.cache_releasable, w.memory.cache_bytes, need)
                 if take <= 0:
                     continue
@@ -393,13 +527,14 @@ class _Tick:
             when = f"{level} pressure" if level != "ok" else "after the pressure"
             self._stop(w, f"{when}: {w.model} was marked for unload in an emergency and has drained")
 
-    def evict(self, pool: _Pool, level: Level, emergency: bool) -> None:
+    def evict(self, pool: _Pool, level: Level, emergency: bool, stepped: bool = False) -> None:
         """P6: act, in order, while projected usage is above soft.
 
         Step 1 (marked and drained) has run already, at every level
         (`stop_marked`). Pinned models are never stopped or marked here; only
         step 5 touches them, and it aborts requests while keeping the model
-        loaded.
+        loaded. `stepped`: a runaway grower was acted on this tick
+        (`grower_first`), which stands for this tick's step of 3-6.
         """
         soft = pool.soft
         if pool.projected <= soft:
@@ -408,6 +543,7 @@ class _Tick:
         unpinned = [w for w in serving if not w.pinned and w.worker not in self.stopped]
         idle = sorted((w for w in unpinned if not w.marked_for_unload and is_idle(w)), key=lru_key)
         loaded_unpinned = len(unpinned)
+        soft_words = ""
         for w in idle:  # step 2
             if pool.projected <= soft:
                 return
@@ -415,10 +551,12 @@ class _Tick:
                 return  # soft: keep the last non-pinned model; the pause is enough
             if pool.held(w) <= 0:
                 continue  # D4: stopping it frees nothing in this pool
+            if not soft_words:
+                soft_words = format_size(soft)
             self._stop(w, (f"{level} {_pressure(pool)}: stop idle {w.model} (least recently used), "
-                           f"{pool.usage_words} {format_size(pool.projected)} > soft {format_size(soft)}"))
+                           f"{pool.usage_words} {format_size(pool.projected)} > soft {soft_words}"))
             loaded_unpinned -= 1
-        if pool.projected <= soft or level != "hard":
+        if pool.projected <= soft or level != "hard" or stepped:
             return
         self._hard_steps(pool, emergency, unpinned)
 
@@ -481,14 +619,15 @@ class _Tick:
         """P10: unload idle models past their TTL; pinned models never expire."""
         now, default = self.s.now, self.s.guard.idle_timeout
         for w in self.g.serving:
+            ttl = default if w.ttl is None else w.ttl
+            if ttl <= 0 or now - w.last_access <= ttl:  # cheapest test first: most never expire
+                continue
             if w.pinned or w.marked_for_unload or not is_idle(w) or w.worker in self.stopped:
                 continue
-            ttl = default if w.ttl is None else w.ttl
             idle_for = now - w.last_access
-            if ttl > 0 and idle_for > ttl:
-                self.out.append(ExpireTTL(worker=w.worker, model=w.model, reason=(
-                    f"{w.model} idle for {idle_for:.0f} s, longer than its TTL of {ttl:g} s")))
-                self._gone(w)
+            self.out.append(ExpireTTL(worker=w.worker, model=w.model, reason=(
+                f"{w.model} idle for {idle_for:.0f} s, longer than its TTL of {ttl:g} s")))
+            self._gone(w)
 
     def interval(self, level: Level) -> float:
         """P9: fast while anything can change the answer, slow when all is quiet."""
@@ -554,13 +693,15 @@ def tick(s: Snapshot) -> TickResult:
     if level != prev.level:
         t.out.append(_level_changed(prev.level, level, t, host_level, dev_usage))
     paused = t.admission(level)
-    common, limited = t.limits(paused)
+    common, limited, cache_kept, reduced = t.limits(paused, host_level)
     seen, seen_at, growth = t.growth()
     t.discount_draining(host_level, growth)
+    t.host.projected -= t.cache_drop_bytes  # C12's cache drop, asked in t.limits
     t.stop_marked(level)
     grace = 0 if level == "ok" else prev.grace_ticks
     if level != "ok":
-        if t.grace(level, emergency):
+        # a runaway grower at hard is not given a grace tick: it would grow through it
+        if not t.growers and t.grace(level, emergency):
             grace += 0 if s.recheck else 1
         else:
             pools = [(t.host, host_level, host_emergency)]
@@ -570,17 +711,19 @@ def tick(s: Snapshot) -> TickResult:
                 if pool_level == "ok":
                     continue
                 acting: Level = pool_level
+                stepped = pool is t.host and t.grower_first(pool_emergency)
                 if pool_level == "hard":
                     t.shrink_hot_cache(pool)
                     acting = pool.classify()
-                t.evict(pool, acting, pool_emergency)
+                t.evict(pool, acting, pool_emergency, stepped=stepped)
     t.walk_concurrency(level)
     t.expire_ttl()
     interval = t.interval(level)
     state = PolicyState(
         level=level, over_ceiling_ticks=over, grace_ticks=grace, admission_paused=paused,
         tier_warned=tier_warned, no_reading_warned=no_reading, reserve_warned=reserve_warned,
-        last_total=t.total, interval=interval, limits=common, limited=limited, usage_seen=seen,
+        last_total=t.total, interval=interval, limits=common, limited=limited, cache_kept=cache_kept, reduced=reduced,
+        usage_seen=seen,
         seen_at=seen_at, growth=growth, device_over_ceiling_ticks=dev_over)
     return TickResult(state=state, decisions=t.out, ceilings=c, level=level, usage=t.g.usage,
                       projected_usage=t.projected, emergency=emergency, next_interval=interval,

@@ -106,6 +106,8 @@ class PolicyState(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     interval: float = 0.0           # P9 interval chosen by the last tick (S1)
     limits: Limits | None = None    # common limits last handed out (max_concurrency=0)
     limited: dict[str, int] = {}    # worker id -> pid that received `limits`
+    cache_kept: int = 0             # C12: the caches' bytes the limits handed out were built on ...
+    reduced: dict[str, int] = {}    # ... and each worker's own share of them (its limits subtract the rest)
     usage_seen: dict[str, int] = {}  # worker id -> usage at `seen_at` (growth estimate, P6 at hard)
     seen_at: float = 0.0
     growth: float = 0.0             # bytes/s the non-draining workers grew by, last estimate

@@ -18,9 +18,9 @@ from __future__ import annotations
 import msgspec
 
 from shared.protocol import DevicePool, GuardEvent
+from shared.states import LIVE_STATES
 from supervisor.policy.ceilings import remedy, reserve_message
 from supervisor.policy.device import device_remedy
-from supervisor.policy.group import WorkerGroup
 from supervisor.policy.pressure import TickResult
 from supervisor.policy.snapshot import Snapshot
 
@@ -69,9 +69,10 @@ class GuardStatus(msgspec.Struct, frozen=True, kw_only=True):
     warning: str               # C1/C2 words when the guard runs on a fallback
     total: int
     other_app_ratio: float
-    hot_cache_reserved: int
+    hot_cache_reserved: int    # C12: the bytes the caches hold now, off the other workers' limits
     hot_cache_used: int        # H2: the group's prompt caches together (measured) ...
-    hot_cache_max: int         # ... against this budget ([guard] hot_cache_max)
+    hot_cache_max: int         # ... against this budget ([guard] hot_cache_max) ...
+    hot_cache_budget: int      # ... bounded by a quarter of soft: the budget in force (H2)
     worker_ceiling: int
     worker_abort_limit: int
     abort_limit: int
@@ -149,7 +150,9 @@ def build_status(snapshot: Snapshot, result: TickResult, device_name: str = "") 
         reserve_exceeds_total=c.reserve_exceeds_total, warning=_warning(snapshot, result),
         total=c.total, other_app_ratio=c.other_app_ratio,
         hot_cache_reserved=c.hot_cache_reserved, hot_cache_max=snapshot.guard.hot_cache_max,
-        hot_cache_used=WorkerGroup(snapshot).hot_used, worker_ceiling=c.worker_ceiling,
+        hot_cache_budget=c.hot_cache_budget,
+        hot_cache_used=sum(w.memory.cache_bytes for w in snapshot.workers if w.state in LIVE_STATES),
+        worker_ceiling=c.worker_ceiling,
         worker_abort_limit=c.worker_abort_limit, abort_limit=c.abort_limit,
         admission_ceiling=c.admission_ceiling, residency_ceiling=c.residency_ceiling,
         soft_threshold=c.soft_threshold, hard_threshold=c.hard_threshold, soft_bytes=c.soft,
