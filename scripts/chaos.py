@@ -948,7 +948,7 @@ def hostile_files(ctx: "Context") -> Row:
         assert serve.proc is not None
         base = rss_kib(serve.proc.pid)
         watcher.start()
-        with httpx.Client(base_url=serve.url, timeout=10) as client:
+        with httpx.Client(base_url=serve.url, timeout=30) as client:  # a load may take a while; /health may not
             for fifo in (False, True):
                 found = _hostile_folder(ctx, folder, fifo)
                 kinds.update(found)
@@ -961,7 +961,10 @@ def hostile_files(ctx: "Context") -> Row:
                     {"role": "user", "content": "hi"}]}), ("GET", "/health", None)]
                 for i, (method, path, body) in enumerate(requests):
                     try:
-                        classify(row, client.request(method, path, json=body).status_code)
+                        status = client.request(method, path, json=body, timeout=30 if body is not None else 5)
+                        classify(row, status.status_code)
+                        if status.status_code >= 500 and status.status_code != 503:
+                            print(f"   hostile-files: {path}: {status.status_code} {status.text[:300]}", file=sys.stderr)
                     except httpx.HTTPError:
                         row.requests += 1
                         row.hung += 1
