@@ -196,6 +196,7 @@ class Bus:
         # asked for since the last replay (a flood of subscriptions costs one replay per drain)
         self.latest: dict[str, list[bytes]] = {}
         self._wanted: dict[zmq.Socket, set[str]] = {}
+        self._pub_rearmed: set[zmq.Socket] = set()
         self.replays = 0
 
     def _bind(self, kind: int, endpoint: str, capped: bool = False) -> zmq.Socket:
@@ -321,6 +322,10 @@ class Bus:
                 pass  # a slow subscriber loses messages; the guard does not wait
         self._rearm(sock)
 
+    def _rearmed_drain(self, sock: zmq.Socket) -> None:
+        self._pub_rearmed.discard(sock)
+        self._drain(sock)
+
     def _zap(self, frames: list[bytes]) -> None:
         self.subscribers.on_zap(frames)
         self._rearm(self.subscribers.zap)
@@ -409,8 +414,9 @@ class Bus:
                 sock.send_multipart(frames, zmq.NOBLOCK)
             except zmq.Again:
                 pass  # a slow subscriber loses messages; the guard does not wait
-            if int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # the send may have taken the FD's edge
-                self._rearm(sock)
+            if sock not in self._pub_rearmed and self._loop is not None:  # the send may have taken the
+                self._pub_rearmed.add(sock)  # FD's edge: look once this loop turn (an EVENTS read a send costs 3 us)
+                self._loop.call_soon(self._rearmed_drain, sock)
         for listener in self.listeners:  # issue 15: the SSE hub (supervisor.fanout)
             try:
                 listener(msg)
