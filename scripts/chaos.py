@@ -926,18 +926,24 @@ def hostile_files(ctx: "Context") -> Row:
     folder = ctx.work / "hostile"
     folder.mkdir(exist_ok=True)
     serve = Serve(ctx.work, base_config({"a": ctx.model_a}, models_dirs=[str(folder)]), ctx.runtime("hf")).start()
-    peak = 0
+    peak = worker_peak = 0
+    runaway: list[str] = []
     done = threading.Event()
 
     def watch_rss() -> None:  # a runaway read must not take the shared machine with it
-        nonlocal peak
+        nonlocal peak, worker_peak
         assert serve.proc is not None
         while not done.is_set():
-            peak = max(peak, rss_kib(serve.proc.pid))
-            if peak > 3 * 1024 * 1024:
-                serve.proc.kill()
-                return
-            time.sleep(0.1)
+            for pid in [serve.proc.pid, *children(serve.proc.pid)]:
+                rss = rss_kib(pid)
+                if pid == serve.proc.pid:
+                    peak = max(peak, rss)
+                else:
+                    worker_peak = max(worker_peak, rss)
+                if rss > 3 * 1024 * 1024:
+                    runaway.append("the supervisor" if pid == serve.proc.pid else f"worker {pid}")
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.2)
 
     watcher = threading.Thread(target=watch_rss, daemon=True)
     said = ""
@@ -976,10 +982,10 @@ def hostile_files(ctx: "Context") -> Row:
         done.set()
         said = terminate(serve, row)
     row.false_kills = false_kills(serve.log_text(), set())
-    row.leaks = f"RSS peak +{max(0, peak - base) // 1024} MiB" if peak else "-"
+    row.leaks = f"RSS peak +{max(0, peak - base) // 1024} MiB, worker {worker_peak // 1024} MiB" if peak else "-"
     frozen = f"; loop frozen: the next {unsent} requests not sent" if unsent else ""
-    runaway = "; SIGKILLed at 3 GiB RSS" if peak > 3 * 1024 * 1024 else ""
-    row.note = f"{', '.join(kinds.values()) or 'folder not built'}{frozen}{runaway}; {said}"
+    killed = f"; SIGKILLed past 3 GiB RSS: {', '.join(runaway)}" if runaway else ""
+    row.note = f"{', '.join(kinds.values()) or 'folder not built'}{frozen}{killed}; {said}"
     return row
 
 
