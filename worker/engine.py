@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol, Union, cast
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
@@ -48,7 +47,7 @@ from shared.modelinfo import context_length
 from shared.protocol import Constraint as ConstraintSpec
 from shared.protocol import Failed, Finished, Generate, NeedMemory, TokenOut
 from shared.weights import WeightsError, estimate_weight_bytes
-from worker import memory
+from worker import memory, prefill_cost
 from worker import prefill_guard as guard
 from worker import prompt_cache as pc
 from worker.batch import DecodeBatch
@@ -77,7 +76,6 @@ class Detokenizer(Protocol):
 DEFAULT_MAX_CHUNK = 512
 CLEAR_CACHE_EVERY = 256  # decode steps between pool returns, as mlx_lm does
 MEMORY_WAIT_SECONDS = 10.0
-MIN_LEARN_TOKENS = 16  # shorter chunks do not update the per-token cost estimate
 MIN_REUSE_TOKENS = 16  # a shorter shared prefix (BOS, a template's first tokens) is no cache hit
 INVALID_REQUEST = "invalid_request"
 CONTEXT_EXCEEDED = "context_length_exceeded"  # issue 16
@@ -181,44 +179,6 @@ def _guard_on(limits: Limits) -> bool:
     return limits.hard_limit > 0 or limits.abort_limit > 0 or limits.soft_limit > 0
 
 
-def _activation_width(model) -> int:
-    """Bytes per activation and KV element: the widest floating dtype among the parameters.
-
-    Why not the first parameter's: a quantized model's packed weights are
-    uint32 and say nothing about activations; and every layer mixes its
-    parameters into the activations, so MLX's type promotion carries the
-    widest floating type through (an imported GGUF's float32 norms make a
-    float16-scaled model compute, and cache, in float32).
-    """
-    # without `destination`, tree_flatten returns a list of (name, leaf) pairs (its type says list or dict)
-    parameters = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
-    widths = [v.dtype.size for _, v in parameters
-              if mx.issubdtype(v.dtype, mx.floating)]
-    return max(widths, default=2)
-
-
-def _prior_cost(model, max_chunk: int) -> guard.PrefillCost:
-    """First guess of a prompt token's cost before anything was measured.
-
-    KV bytes are exact for standard attention models (2 x layers x kv heads x
-    head dim x dtype width); activations are a rough multiple of the widths,
-    replaced by measurements after the first chunk.
-    """
-    args = getattr(model, "args", None)
-    layers = len(getattr(model, "layers", []) or [])
-    hidden = getattr(args, "hidden_size", 0) or 0
-    heads = getattr(args, "num_attention_heads", 0) or 0
-    kv_heads = getattr(args, "num_key_value_heads", 0) or heads
-    head_dim = getattr(args, "head_dim", None) or (hidden // heads if heads else 0)
-    inter = getattr(args, "intermediate_size", 0) or 4 * hidden
-    width = _activation_width(model)
-    kv = 2 * layers * kv_heads * head_dim * width
-    activations = 4 * (6 * hidden + 3 * inter) + 4 * heads * max_chunk
-    if kv == 0:
-        kv = 64 * 1024  # unknown architecture: a cautious 64 KiB per token
-    return guard.PrefillCost(kv_per_token=float(kv), chunk_per_token=float(kv + activations))
-
-
 # -- issue 16: prefill chunks sized by time ---------------------------------------
 CHUNK_SECONDS = 1.0     # the time one prefill chunk aims at
 FIRST_CHUNK = 64        # tokens of a chunk before any has been timed
@@ -284,8 +244,7 @@ class Engine:
         self._clock = clock
         self._memory_wait = memory_wait
         self._eos = frozenset(tokenizer.eos_token_ids)
-        self.cost = _prior_cost(model, self.max_chunk)
-        self._measured = False
+        self.cost = prefill_cost.prior_cost(model, self.max_chunk)
         self._queue: deque[_Seq] = deque()
         self._prefill: deque[_Seq] = deque()
         self._decoding: list[_Seq] = []
@@ -619,7 +578,7 @@ class Engine:
         reused = seq.hit.tokens if seq.hit is not None else 0
         return guard.preflight(limits, usage_fn(), len(seq.prompt) - reused, self.cost,
                                own_usage=self._own_usage(), retried=seq.retried,
-                               extra_bytes=int(reused * self.cost.kv_per_token))
+                               extra_bytes=int(reused * self.cost.kv_per_token), done=reused)
 
     def _start_prefill(self, seq: _Seq) -> None:
         """The sequence's KV: a fork of its cache hit (H1), else empty."""
@@ -638,7 +597,8 @@ class Engine:
         """G2 size, run, measure, G3 check; False when the request was failed."""
         guarded = _guard_on(limits)
         if guarded:
-            plan = guard.next_chunk(limits, usage_fn(), remaining, self.cost, self.max_chunk)
+            plan = guard.next_chunk(limits, usage_fn(), remaining, self.cost, self.max_chunk,
+                                    done=seq.pos)
             if plan.tokens == 0:
                 self._prefill.popleft()
                 events.append(self._memory_failure(seq, plan.estimated_bytes, plan.limit_bytes,
@@ -656,7 +616,7 @@ class Engine:
             self.model(chunk, cache=seq.cache)
             mx.eval([c.state for c in seq.kv()])
         self.chunk_timer.learn(time.monotonic() - started, n)
-        self._learn_cost(mx.get_peak_memory() - before, n)
+        self.cost = prefill_cost.learn(self.cost, mx.get_peak_memory() - before, n, done=seq.pos)
         seq.pos += n
         self.prompt_tokens_processed += n
         mx.clear_cache()  # as mlx_lm does after every chunk: transient buffers go back
@@ -679,25 +639,6 @@ class Engine:
             seq.warned_soft = True
             log.info("request %s: prefill is above the soft limit", seq.id)
         return True
-
-    def _learn_cost(self, grown: int, tokens: int) -> None:
-        """Running per-token estimate: jumps up at once, decays slowly (G2).
-
-        Chunks shorter than MIN_LEARN_TOKENS are skipped: their peak is mostly
-        fixed per-call buffers, and dividing that by a handful of tokens would
-        make the next long prompt look far more expensive than it is.
-        """
-        if tokens < MIN_LEARN_TOKENS:
-            return
-        observed = max(0.0, grown / tokens)
-        old = self.cost.chunk_per_token
-        if not self._measured:
-            new = observed
-            self._measured = True
-        else:
-            new = max(observed, 0.7 * old + 0.3 * observed)
-        new = max(new, self.cost.kv_per_token)
-        self.cost = guard.PrefillCost(kv_per_token=self.cost.kv_per_token, chunk_per_token=new)
 
     def _start_decoding(self, seq: _Seq) -> None:
         """Feed the last prompt token; its sampled successor is the first output token."""
