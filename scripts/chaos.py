@@ -12,10 +12,14 @@ only, bounded in time and count:
   zmq-fuzz        distinct garbage frames on the ZeroMQ sockets
   configs         configs that used to break the system at run time
   slow-subs       subscribers that never read, during a fire drill
+  cross-site      a web page's POSTs (text/plain, foreign Origin) and DNS-rebinding Host headers
+  slow-loris      connections whose headers never end, past the descriptor limit; /health, SIGTERM
+  slow-reload     SIGHUP over a models folder of many thousands of empty folders, streams running
+  hostile-files   a FIFO as model.safetensors, a sparse multi-GB config.json, GGUFs that lie
 
 and prints one table; the last line is the headline:
 
-  chaos: N requests, H hung, F false kills, E 5xx, O orphans
+  chaos: N requests, H hung, F false kills, E 5xx, O orphans, X changed from a foreign origin
 
     python scripts/chaos.py [--quick] [--only SCENARIO ...] [--cycles N] [--json OUT]
 """
@@ -58,6 +62,7 @@ class Row:
     e5xx: int = 0        # a 500 (or a crash, for the config scenario)
     orphans: int = 0
     false_kills: int = 0
+    foreign: int = 0     # issue 21: a foreign origin or Host changed the guard / what is loaded, or read state
     leaks: str = "-"
     note: str = ""
 
@@ -69,7 +74,9 @@ class Row:
 class Serve:
     """`python -m supervisor serve` with a TOML config, its log in a file."""
 
-    def __init__(self, workdir: Path, config: str, runtime_dir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, workdir: Path, config: str, runtime_dir: Path, env: dict[str, str] | None = None,
+                 nofile: int = 0) -> None:
+        self.nofile = nofile  # RLIMIT_NOFILE of the supervisor (0: inherited)
         self.config_path = workdir / f"chaos-{time.monotonic_ns()}.toml"
         self.config_path.write_text(config)
         self.runtime_dir = runtime_dir
@@ -82,7 +89,8 @@ class Serve:
         cmd = [sys.executable, "-m", "supervisor", "serve", "--config", str(self.config_path),
                "--runtime-dir", str(self.runtime_dir), "--http", "127.0.0.1:0"]
         self.log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     preexec_fn=self._limits if self.nofile else None)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -97,6 +105,12 @@ class Serve:
                 pass
             time.sleep(0.1)
         raise RuntimeError("serve did not start")
+
+    def _limits(self) -> None:
+        import resource
+
+        # the soft limit only: mlx_lm raises its own to 2048 in each worker, the supervisor keeps this one
+        resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 
     @property
     def url(self) -> str:
@@ -614,9 +628,371 @@ def slow_subs(ctx: "Context") -> Row:
     return row
 
 
+# ---------------------------------------------------------------------------
+# issue 21: the browser, the half-sent request, the slow disk, the hostile file
+
+FOREIGN = "http://evil.example"
+
+
+def children(pid: int) -> list[int]:
+    """Live child processes of `pid` (its workers), from /proc: works while it is frozen."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.append(int(entry))
+    return found
+
+
+def rss_kib(pid: int) -> int:
+    try:
+        return proc_counts(pid)["rss_kib"]
+    except OSError:
+        return 0
+
+
+def terminate(serve: Serve, row: Row, grace: float = 15.0) -> str:
+    """SIGTERM, bounded: a supervisor that ignores it is hung (+1), then SIGKILLed;
+    workers alive 5 s after it are orphans (killed too). Says what happened."""
+    assert serve.proc is not None
+    workers = children(serve.proc.pid)
+    started = time.monotonic()
+    said = ""
+    if serve.proc.poll() is None:
+        serve.proc.send_signal(signal.SIGTERM)
+        try:
+            serve.proc.wait(grace)
+            said = f"SIGTERM: exit in {time.monotonic() - started:.1f} s"
+        except subprocess.TimeoutExpired:
+            row.hung += 1
+            serve.proc.send_signal(signal.SIGTERM)  # a second one, as a user would
+            try:
+                serve.proc.wait(5)
+                said = f"SIGTERM ignored for {grace:.0f} s, the second one worked"
+            except subprocess.TimeoutExpired:
+                serve.proc.kill()
+                serve.proc.wait(10)
+                said = f"SIGTERM ignored twice ({grace + 5:.0f} s): SIGKILLed"
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(alive(pid) for pid in workers):
+        time.sleep(0.05)
+    left = [pid for pid in workers if alive(pid)]
+    row.orphans += len(left)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    serve.log.close()
+    return said
+
+
+def classify(row: Row, status: int) -> None:
+    row.requests += 1
+    if 200 <= status < 300:
+        row.finished += 1
+    elif status >= 500 and status != 503:
+        row.e5xx += 1
+    else:
+        row.clear += 1
+
+
+def _guard_state(serve: Serve) -> tuple:
+    """What a cross-site attack could change: the guard's settings and what is loaded."""
+    st = serve.get("/status").json()
+    g = st["guard"]
+    return (g["enabled"], g["tier"], g.get("custom_ceiling")), tuple(sorted(
+        (m["id"], bool(m.get("pid"))) for m in st["models"]))
+
+
+# (what, method, path, body, headers); {host} is this server's 127.0.0.1:PORT
+CROSS_SITE: list[tuple[str, str, str, bytes, dict[str, str]]] = [
+    ("text/plain guard off from a foreign Origin", "POST", "/admin/guard", b'{"enabled": false}',
+     {"content-type": "text/plain", "origin": FOREIGN}),
+    ("form-encoded guard off from a foreign Origin", "POST", "/admin/guard", b'{"enabled": false}',
+     {"content-type": "application/x-www-form-urlencoded", "origin": FOREIGN}),
+    ("JSON tier change from a foreign Origin", "POST", "/admin/guard", b'{"tier": "safe"}',
+     {"content-type": "application/json", "origin": FOREIGN}),
+    ("text/plain guard off with no Origin", "POST", "/admin/guard", b'{"enabled": false}',
+     {"content-type": "text/plain"}),
+    ("rebinding Host: tier change", "POST", "/admin/guard", b'{"tier": "safe"}',
+     {"content-type": "application/json", "host": "evil.example:{port}", "origin": "http://evil.example:{port}"}),
+    ("rebinding Host: guard off, no Origin", "POST", "/admin/guard", b'{"enabled": false}',
+     {"content-type": "application/json", "host": "evil.example:{port}"}),
+    ("text/plain unload from a foreign Origin", "POST", "/v1/models/b/unload", b"{}",
+     {"content-type": "text/plain", "origin": FOREIGN}),
+    ("rebinding Host: unload", "POST", "/v1/models/b/unload", b"{}",
+     {"content-type": "application/json", "host": "evil.example:{port}"}),
+    ("rebinding Host reads /status", "GET", "/status", b"", {"host": "evil.example:{port}"}),
+    ("rebinding Host reads /metrics", "GET", "/metrics", b"", {"host": "evil.example:{port}"}),
+]
+
+
+def cross_site(ctx: "Context") -> Row:
+    """A web page's requests: state changes from a foreign Origin (text/plain needs no preflight)
+    and a DNS-rebinding Host. `foreign` counts each that changed the guard or what is loaded,
+    or read state under a foreign Host."""
+    row = Row("cross-site")
+    config = base_config({"a": ctx.model_a}) + f'[[models]]\nid = "b"\npath = "{ctx.model_b}"\n'
+    serve = Serve(ctx.work, config, ctx.runtime("xs")).start()
+    got = []
+    try:
+        serve.wait_healthy()
+        with httpx.Client(base_url=serve.url, timeout=30) as client:
+            client.post("/v1/models/b/load", json={})  # the unload attacks need it loaded
+            for what, method, path, body, headers in CROSS_SITE:
+                before = _guard_state(serve)
+                sent = {k: v.format(port=serve.port) for k, v in headers.items()}
+                try:
+                    response = client.request(method, path, content=body or None, headers=sent)
+                except httpx.HTTPError:
+                    row.requests += 1
+                    row.hung += 1
+                    continue
+                classify(row, response.status_code)
+                changed = _guard_state(serve) != before
+                read = method == "GET" and response.status_code == 200
+                if changed or read:
+                    row.foreign += 1
+                    got.append(what)
+                if changed:  # put it back, as the machine's own user
+                    client.post("/admin/guard", json={"enabled": before[0][0], "tier": before[0][1]})
+                    client.post("/v1/models/b/load", json={})
+    finally:
+        said = terminate(serve, row)
+    row.false_kills = false_kills(serve.log_text(), set())
+    row.note = (f"{len(CROSS_SITE)} attacks, through: {', '.join(got)}" if got else
+                f"{len(CROSS_SITE)} attacks (foreign Origin, text/plain, rebinding Host), none through") + f"; {said}"
+    return row
+
+
+def slow_loris(ctx: "Context") -> Row:
+    """Connections whose headers never end, more than the supervisor has descriptors
+    (RLIMIT_NOFILE 256 here); meanwhile /health every 0.5 s, a worker SIGKILLed halfway
+    (must be reaped and respawned), then SIGTERM with every connection still open."""
+    import socket
+
+    row = Row("slow-loris")
+    serve = Serve(ctx.work, base_config({"a": ctx.model_a}), ctx.runtime("sl"), nofile=256).start()
+    socks: list[socket.socket] = []
+    health = healthy = closed = zombies = log_growth = 0
+    respawned: list[int] = []
+    try:
+        serve.wait_healthy()
+        assert serve.proc is not None
+        worker = serve.worker_pids()["a"]
+        log_before = serve.log_path.stat().st_size
+        for _ in range(ctx.loris):
+            try:
+                sock = socket.create_connection(("127.0.0.1", serve.port), timeout=2)
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+                sock.setblocking(False)
+                socks.append(sock)
+            except OSError:
+                break
+        started = time.monotonic()
+        seconds = 15.0 if ctx.quick else 25.0  # past the default header_timeout (10 s)
+        killed = False
+        old = children(serve.proc.pid)  # the worker and its helpers (a resource tracker)
+        while time.monotonic() - started < seconds:
+            health += 1
+            try:
+                status = httpx.get(serve.url + "/health", timeout=3).status_code
+                healthy += status == 200
+                classify(row, status)
+            except httpx.HTTPError:
+                row.requests += 1
+                row.hung += 1
+            for sock in list(socks):  # a byte now and then: a per-read timeout alone never fires
+                try:
+                    sock.send(b"a")
+                    if sock.recv(64, socket.MSG_PEEK) == b"":
+                        raise ConnectionResetError
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    closed += 1
+                    socks.remove(sock)
+                    sock.close()
+            if not killed and time.monotonic() - started > seconds / 2:
+                os.kill(worker, signal.SIGKILL)  # its exit must be reaped, and it respawned (pinned)
+                killed = True
+            time.sleep(0.5)
+        zombies = proc_counts(serve.proc.pid)["zombies"]
+        respawned = [pid for pid in children(serve.proc.pid) if pid not in old]
+        log_growth = serve.log_path.stat().st_size - log_before
+    finally:
+        said = terminate(serve, row)
+        for sock in socks:
+            sock.close()
+    row.false_kills = false_kills(serve.log_text(), set())
+    row.leaks = f"zomb {zombies} log +{log_growth // 1024} KiB"
+    row.note = (f"{len(socks) + closed} connections with endless headers ({closed} closed by the server), "
+                f"/health 200 {healthy}/{health}; worker SIGKILLed: {'respawned' if respawned else 'NOT respawned'}; "
+                f"{said}")
+    return row
+
+
+def slow_reload(ctx: "Context") -> Row:
+    """SIGHUP with a models folder of many thousands of empty folders, a pinned worker
+    serving streams meanwhile: the rescan must not stall the loop into a mass 'wedged' kill."""
+    import shutil
+
+    row = Row("slow-reload")
+    shm = Path("/dev/shm")  # tmpfs: making and removing 150k folders on a disk takes minutes
+    folder = Path(tempfile.mkdtemp(prefix="memvisor-chaos-many-", dir=shm if shm.is_dir() else ctx.work))
+    config = base_config({"a": ctx.model_a}, models_dirs=[str(folder)], heartbeat_timeout=2.0)
+    serve = Serve(ctx.work, config, ctx.runtime("sr")).start()
+    worst = 0.0
+    try:
+        serve.wait_healthy()
+        assert serve.proc is not None
+        made = time.monotonic()
+        for i in range(ctx.empty_folders):
+            (folder / f"empty-{i:06d}").mkdir()
+        made = time.monotonic() - made
+
+        async def main() -> None:
+            nonlocal worst
+
+            async def hup_and_probe() -> None:
+                nonlocal worst
+                await asyncio.sleep(1.0)
+                assert serve.proc is not None
+                serve.proc.send_signal(signal.SIGHUP)
+                async with httpx.AsyncClient(base_url=serve.url, timeout=30) as client:
+                    end = time.monotonic() + 10
+                    while time.monotonic() < end:
+                        t0 = time.monotonic()
+                        try:
+                            await client.get("/health")
+                        except httpx.HTTPError:
+                            row.hung += 1
+                        worst = max(worst, time.monotonic() - t0)
+                        await asyncio.sleep(0.2)
+
+            await asyncio.gather(clients(serve, ["a"], row, 12.0, n=2, deadline=60.0), hup_and_probe())
+
+        asyncio.run(main())
+    finally:
+        said = terminate(serve, row)
+        shutil.rmtree(folder, ignore_errors=True)
+    row.false_kills = false_kills(serve.log_text(), set())
+    row.note = (f"SIGHUP over {ctx.empty_folders} empty folders (made in {made:.0f} s), heartbeat window 2 s: "
+                f"/health worst {worst:.2f} s; {said}")
+    return row
+
+
+def _hostile_folder(ctx: "Context", root: Path, fifo: bool) -> dict[str, str]:
+    """Files that are not what they say in the models folder `root`: the FIFO alone
+    (`fifo`), else the sparse ones and the liar. Returns each model's id and what it is."""
+    import shutil
+    import struct
+
+    if fifo:
+        folder = root / "fifo-model"
+        folder.mkdir(exist_ok=True)
+        shutil.copy(ctx.model_a / "config.json", folder / "config.json")
+        if not (folder / "model.safetensors").exists():  # (--keep: a second run finds it)
+            os.mkfifo(folder / "model.safetensors")
+        return {"fifo-model": "FIFO as model.safetensors"}
+    sparse = root / "sparse-config"
+    sparse.mkdir(exist_ok=True)
+    shutil.copy(ctx.model_a / "model.safetensors", sparse / "model.safetensors")
+    with open(sparse / "config.json", "wb") as f:
+        f.write(b'{"model_type": "llama", "pad": "')
+        f.truncate(ctx.sparse_bytes)  # zeros the disk does not hold
+    with open(root / "sparse.gguf", "wb") as f:  # a GGUF v3 header, then gigabytes of nothing
+        f.write(b"GGUF" + struct.pack("<IQQ", 3, 0, 1))
+        f.truncate(ctx.sparse_bytes)
+    with open(root / "liar.gguf", "wb") as f:  # 4 KiB that claim 2**40 tensors and 2**40 keys
+        f.write(b"GGUF" + struct.pack("<IQQ", 3, 1 << 40, 1 << 40))
+        f.write(struct.pack("<Q", 1 << 40) + b"k" * 64)
+        f.truncate(4096)
+    gib = ctx.sparse_bytes / (1 << 30)
+    return {"sparse-config": f"{gib:g} GiB sparse config.json", "sparse": f"{gib:g} GiB sparse GGUF",
+            "liar": "4 KiB GGUF claiming 2**40 entries"}
+
+
+def hostile_files(ctx: "Context") -> Row:
+    """A models folder that a reload finds full of files that are not what they say (first the
+    sparse ones and the liar, then a FIFO); after each reload /v1/models, /status and a load of
+    each: the loop must keep answering, stay small, and stop on SIGTERM."""
+    import threading
+
+    row = Row("hostile-files")
+    folder = ctx.work / "hostile"
+    folder.mkdir(exist_ok=True)
+    serve = Serve(ctx.work, base_config({"a": ctx.model_a}, models_dirs=[str(folder)]), ctx.runtime("hf")).start()
+    peak = worker_peak = 0
+    runaway: list[str] = []
+    done = threading.Event()
+
+    def watch_rss() -> None:  # a runaway read must not take the shared machine with it
+        nonlocal peak, worker_peak
+        assert serve.proc is not None
+        while not done.is_set():
+            for pid in [serve.proc.pid, *children(serve.proc.pid)]:
+                rss = rss_kib(pid)
+                if pid == serve.proc.pid:
+                    peak = max(peak, rss)
+                else:
+                    worker_peak = max(worker_peak, rss)
+                if rss > 3 * 1024 * 1024:
+                    runaway.append("the supervisor" if pid == serve.proc.pid else f"worker {pid}")
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch_rss, daemon=True)
+    said = ""
+    kinds: dict[str, str] = {}
+    base = unsent = 0
+    try:
+        serve.wait_healthy()
+        assert serve.proc is not None
+        base = rss_kib(serve.proc.pid)
+        watcher.start()
+        with httpx.Client(base_url=serve.url, timeout=30) as client:  # a load may take a while; /health may not
+            for fifo in (False, True):
+                found = _hostile_folder(ctx, folder, fifo)
+                kinds.update(found)
+                serve.proc.send_signal(signal.SIGHUP)
+                time.sleep(1.0)
+                requests: list[tuple[str, str, dict | None]] = [("GET", "/health", None), ("GET", "/v1/models", None),
+                                                                ("GET", "/status", None)]
+                requests += [("POST", f"/v1/models/{name}/load", {}) for name in found]
+                requests += [("POST", "/v1/chat/completions", {"model": "a", "max_tokens": 4, "messages": [
+                    {"role": "user", "content": "hi"}]}), ("GET", "/health", None)]
+                for i, (method, path, body) in enumerate(requests):
+                    try:
+                        status = client.request(method, path, json=body, timeout=30 if body is not None else 5)
+                        classify(row, status.status_code)
+                        if status.status_code >= 500 and status.status_code != 503:
+                            print(f"   hostile-files: {path}: {status.status_code} {status.text[:300]}", file=sys.stderr)
+                    except httpx.HTTPError:
+                        row.requests += 1
+                        row.hung += 1
+                        unsent = len(requests) - i - 1  # a frozen loop answers none of the rest: bounded
+                        break
+                if unsent or serve.proc.poll() is not None:
+                    break
+    finally:
+        done.set()
+        said = terminate(serve, row)
+    row.false_kills = false_kills(serve.log_text(), set())
+    row.leaks = f"RSS peak +{max(0, peak - base) // 1024} MiB, worker {worker_peak // 1024} MiB" if peak else "-"
+    frozen = f"; loop frozen: the next {unsent} requests not sent" if unsent else ""
+    killed = f"; SIGKILLed past 3 GiB RSS: {', '.join(runaway)}" if runaway else ""
+    row.note = f"{', '.join(kinds.values()) or 'folder not built'}{frozen}{killed}; {said}"
+    return row
+
+
 SCENARIOS = {"stream-kill": stream_kill, "long-steps": long_steps, "obedience": obedience, "sup-kill": sup_kill,
              "respawn": respawn, "http-fuzz": http_fuzz, "zmq-fuzz": zmq_fuzz, "configs": configs,
-             "slow-subs": slow_subs}
+             "slow-subs": slow_subs, "cross-site": cross_site, "slow-loris": slow_loris, "slow-reload": slow_reload,
+             "hostile-files": hostile_files}
 
 
 # ---------------------------------------------------------------------------
@@ -632,6 +1008,9 @@ class Context:
         self.zmq_frames = 5_000 if args.quick else 100_000
         self.subscribers = 16 if args.quick else 100
         self.prompt_words = 600 if args.quick else 1500
+        self.loris = 300 if args.quick else 600  # past the supervisor's 256 descriptors either way
+        self.empty_folders = 60_000 if args.quick else 150_000
+        self.sparse_bytes = (1 if args.quick else 2) << 30
         self.figures: dict[str, float] = {}
         self._n = 0
         from worker.modelgen import make_model
@@ -650,12 +1029,12 @@ class Context:
 
 
 def table(rows: list[Row]) -> str:
-    head = f"{'scenario':<12} {'requests':>8} {'finished':>8} {'clear':>6} {'hung':>5} {'5xx':>4} " \
-           f"{'orphans':>7} {'false kills':>11}  {'leaks per cycle':<36} note"
+    head = f"{'scenario':<13} {'requests':>8} {'finished':>8} {'clear':>6} {'hung':>5} {'5xx':>4} " \
+           f"{'orphans':>7} {'false kills':>11} {'foreign':>7}  {'leaks per cycle':<36} note"
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r.scenario:<12} {r.requests:>8} {r.finished:>8} {r.clear:>6} {r.hung:>5} {r.e5xx:>4} "
-                     f"{r.orphans:>7} {r.false_kills:>11}  {r.leaks:<36} {r.note}")
+        lines.append(f"{r.scenario:<13} {r.requests:>8} {r.finished:>8} {r.clear:>6} {r.hung:>5} {r.e5xx:>4} "
+                     f"{r.orphans:>7} {r.false_kills:>11} {r.foreign:>7}  {r.leaks:<36} {r.note}")
     return "\n".join(lines)
 
 
@@ -691,7 +1070,8 @@ def main() -> int:
     total = sum(r.requests for r in rows if r.scenario not in ("zmq-fuzz", "respawn"))
     print(f"wall time {wall:.0f} s")
     print(f"chaos: {total} requests, {sum(r.hung for r in rows)} hung, {sum(r.false_kills for r in rows)} false kills, "
-          f"{sum(r.e5xx for r in rows)} 5xx, {sum(r.orphans for r in rows)} orphans")
+          f"{sum(r.e5xx for r in rows)} 5xx, {sum(r.orphans for r in rows)} orphans, "
+          f"{sum(r.foreign for r in rows)} changed from a foreign origin")
     return 0
 
 

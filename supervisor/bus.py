@@ -9,6 +9,13 @@ on a socket we also schedule a drain (a send can consume the edge).
 Every frame goes through a `Codec`; what cannot be decoded is counted per
 socket and fixed cause, logged at most once a minute per cause, and dropped. Nothing a peer sends can
 raise into the loop.
+
+The PUB sockets are XPUBs with a last-value cache (issue 21): a new
+subscriber's subscription reaches the loop, which sends it the latest
+ceiling, pressure and status at once instead of letting it wait up to one
+slow tick (10-30 s) for the next. ZeroMQ filters by topic only, so that
+repeat also reaches the subscribers already on those topics: they see the
+same state twice, which for state topics changes nothing.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ DRAIN_BATCH = 1000  # frames taken from one socket before the loop runs anything
 PUB_HWM = 1000
 MAX_SUBSCRIBERS = 64  # the default of [supervisor] max_subscribers
 BAD_LOG_EVERY = 60.0  # seconds between two log lines of one refused-frame cause
+LATEST_TOPICS = ("ceiling", "pressure", "status")  # state topics a new subscriber gets at once
 
 # Why a frame was refused: a fixed set, so counters and logs stay bounded
 # whatever a peer sends.
@@ -148,6 +156,12 @@ def _split_host_port(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _xpub(sock: zmq.Socket) -> None:
+    """A PUB socket that also hands every subscription to the loop (for `_replay`)."""
+    sock.setsockopt(zmq.SNDHWM, PUB_HWM)
+    sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscriber's subscription, not only a topic's first
+
+
 def _ipc_path(endpoint: str) -> str | None:
     return endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else None
 
@@ -165,8 +179,8 @@ class Bus:
         self.commands.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.commands.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting worker keeps its identity
         self.reports = self._bind(zmq.PULL, endpoints.reports)
-        self.pub = self._bind(zmq.PUB, endpoints.pub, capped=True)
-        self.pub.setsockopt(zmq.SNDHWM, PUB_HWM)
+        self.pub = self._bind(zmq.XPUB, endpoints.pub, capped=True)
+        _xpub(self.pub)
         self.control = self._bind(zmq.ROUTER, endpoints.control)
         self.pub_tcp: zmq.Socket | None = None
         self.command_codec = p.Codec(p.CommandMsg)
@@ -178,6 +192,12 @@ class Bus:
         self._loop: asyncio.AbstractEventLoop | None = None
         # issue 15: in-process subscribers of every PUB message (the SSE hub); called, never awaited
         self.listeners: list[Callable[[p.Msg], None]] = []
+        # issue 21: the last frames published per state topic, and the topics a new subscriber
+        # asked for since the last replay (a flood of subscriptions costs one replay per drain)
+        self.latest: dict[str, list[bytes]] = {}
+        self._wanted: dict[zmq.Socket, set[str]] = {}
+        self._pub_rearmed: set[zmq.Socket] = set()
+        self.replays = 0
 
     def _bind(self, kind: int, endpoint: str, capped: bool = False) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -203,9 +223,9 @@ class Bus:
         import zmq.auth
 
         host, port = _split_host_port(address)
-        sock = self.ctx.socket(zmq.PUB)
+        sock = self.ctx.socket(zmq.XPUB)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, PUB_HWM)
+        _xpub(sock)
         self.subscribers.guard(sock)
         public = b""
         if curve_key_file:
@@ -247,7 +267,10 @@ class Bus:
             self.reports: lambda frames: self._plain("reports", frames, self.report_codec, on_report),
             self.control: lambda frames: self._routed("control", frames, self.control_codec, on_control),
             self.subscribers.zap: self._zap,
+            self.pub: functools.partial(self._subscription, self.pub),
         }
+        if self.pub_tcp is not None:
+            self._handlers[self.pub_tcp] = functools.partial(self._subscription, self.pub_tcp)
         for index, monitor in enumerate(self.subscribers.monitors):
             self._handlers[monitor] = functools.partial(self.subscribers.on_monitor, index)
         for sock in self._handlers:
@@ -271,6 +294,37 @@ class Bus:
                 log.exception("handler for %s failed", sock)
         assert self._loop is not None
         self._loop.call_soon(self._drain, sock)  # more may wait; the edge will not fire again
+
+    def _subscription(self, sock: zmq.Socket, frames: list[bytes]) -> None:
+        """An XPUB's (un)subscription frame: b"\\x01" + prefix subscribes. The state topics
+        that prefix covers are replayed once this drain is over (`_replay`)."""
+        if len(frames) != 1 or not frames[0] or frames[0][0] != 1:
+            return  # an unsubscription, or nothing a SUB socket sends
+        prefix = frames[0][1:]
+        topics = {topic for topic in LATEST_TOPICS if topic.encode().startswith(prefix)}
+        if not topics:
+            return
+        if sock not in self._wanted:
+            assert self._loop is not None
+            self._loop.call_soon(self._replay, sock)
+        self._wanted.setdefault(sock, set()).update(topics)
+
+    def _replay(self, sock: zmq.Socket) -> None:
+        """The latest frames of the topics new subscribers asked for, sent on `sock`."""
+        for topic in sorted(self._wanted.pop(sock, ()), key=LATEST_TOPICS.index):
+            frames = self.latest.get(topic)
+            if frames is None:
+                continue
+            try:
+                sock.send_multipart(frames, zmq.NOBLOCK)
+                self.replays += 1
+            except zmq.ZMQError:
+                pass  # a slow subscriber loses messages; the guard does not wait
+        self._rearm(sock)
+
+    def _rearmed_drain(self, sock: zmq.Socket) -> None:
+        self._pub_rearmed.discard(sock)
+        self._drain(sock)
 
     def _zap(self, frames: list[bytes]) -> None:
         self.subscribers.on_zap(frames)
@@ -349,7 +403,10 @@ class Bus:
             self._rearm(self.control)
 
     def publish(self, msg: p.Msg) -> None:
-        frames = [p.TOPIC_OF[type(msg)].encode(), self.pub_codec.encode(msg)]
+        topic = p.TOPIC_OF[type(msg)]
+        frames = [topic.encode(), self.pub_codec.encode(msg)]
+        if topic in LATEST_TOPICS:
+            self.latest[topic] = frames
         for sock in (self.pub, self.pub_tcp):
             if sock is None:
                 continue
@@ -357,6 +414,9 @@ class Bus:
                 sock.send_multipart(frames, zmq.NOBLOCK)
             except zmq.Again:
                 pass  # a slow subscriber loses messages; the guard does not wait
+            if sock not in self._pub_rearmed and self._loop is not None:  # the send may have taken the
+                self._pub_rearmed.add(sock)  # FD's edge: look once this loop turn (an EVENTS read a send costs 3 us)
+                self._loop.call_soon(self._rearmed_drain, sock)
         for listener in self.listeners:  # issue 15: the SSE hub (supervisor.fanout)
             try:
                 listener(msg)

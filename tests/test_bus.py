@@ -91,3 +91,52 @@ def test_issue16_subscribers_past_the_cap_are_refused_and_one_gets_in_when_a_pla
     got, refused, connected = asyncio.run(main())
     assert got == [True, True, True, False, False]
     assert refused >= 2 and connected <= 3 + 2  # refused peers come and go while they retry
+
+
+def _state(t: float) -> list:
+    from shared import protocol as p
+
+    return [p.CeilingMsg(t=t, enabled=True, tier="balanced", ceiling=1 << 30, static=0, dynamic=0, gpu_cap=0,
+                         binding="static", soft_bytes=1 << 29, hard_bytes=3 << 28, reserve=0),
+            p.PressureMsg(t=t, level="ok", usage=1 << 20, soft_bytes=1 << 29, hard_bytes=3 << 28, ceiling=1 << 30,
+                          utilization=0.001, admission_paused=False, interval=10.0),
+            p.StatusMsg(t=t, status=b"{}")]
+
+
+def test_i21_a_new_subscriber_gets_the_latest_ceiling_pressure_and_status_at_once(tmp_path):
+    """`watch --topic ceiling --count 1` waited up to one slow tick (9.7 s measured) for its first
+    message: a subscriber that connects between two ticks now gets the latest state topics at once
+    (XPUB last-value cache), each subscription for the topics it covers."""
+    from shared import protocol as p
+
+    async def main():
+        ctx = zmq.Context()
+        bus = Bus(ctx, Endpoints.in_dir(tmp_path))
+        bus.attach(asyncio.get_running_loop(), lambda *_: None, lambda *_: None, lambda *_: None)
+        for msg in _state(1.0) + _state(2.0):  # nobody listens yet; the second round is the latest
+            bus.publish(msg)
+        codec = p.Codec(p.Published)
+        got: dict[str, list] = {}
+        for topics in ([b"ceiling"], [b""], [b"pressure", b"status"], [b"sample"]):
+            sub = ctx.socket(zmq.SUB)
+            for topic in topics:
+                sub.setsockopt(zmq.SUBSCRIBE, topic)
+            sub.connect(bus.endpoints.pub)
+            seen = []
+            deadline = asyncio.get_running_loop().time() + 1.0  # nothing is published meanwhile
+            while asyncio.get_running_loop().time() < deadline:
+                while sub.poll(0):
+                    name, frame = sub.recv_multipart()
+                    seen.append((name.decode(), codec.decode(frame).t))
+                await asyncio.sleep(0.01)
+            got[b",".join(topics).decode()] = seen
+            sub.close(0)
+        bus.close()
+        ctx.term()
+        return got
+
+    got = asyncio.run(main())
+    assert got["ceiling"] == [("ceiling", 2.0)]
+    assert sorted(got[""]) == [("ceiling", 2.0), ("pressure", 2.0), ("status", 2.0)]
+    assert sorted(got["pressure,status"]) == [("pressure", 2.0), ("status", 2.0)]
+    assert got["sample"] == []  # samples and events are not state: no replay

@@ -11,18 +11,35 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+HEADLINE = re.compile(r"chaos: (\d+) requests, (\d+) hung, (\d+) false kills, (\d+) 5xx, (\d+) orphans, "
+                      r"(\d+) changed from a foreign origin")
 
 pytestmark = pytest.mark.slow
 
 
-def test_issue16_chaos_smoke_prints_a_table_and_a_clean_headline():
-    out = subprocess.run([sys.executable, "scripts/chaos.py", "--quick", "--only", "configs", "http-fuzz"],
+def _chaos(*scenarios: str) -> tuple[list[str], tuple[int, ...]]:
+    out = subprocess.run([sys.executable, "scripts/chaos.py", "--quick", "--only", *scenarios],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.strip().splitlines()
-    assert lines[0].startswith("scenario") and any(line.startswith("configs") for line in lines)
-    headline = re.fullmatch(r"chaos: (\d+) requests, (\d+) hung, (\d+) false kills, (\d+) 5xx, (\d+) orphans",
-                            lines[-1])
+    assert lines[0].startswith("scenario")
+    for name in scenarios:
+        assert any(line.startswith(name + " ") for line in lines), name
+    headline = HEADLINE.fullmatch(lines[-1])
     assert headline is not None, lines[-1]
-    requests, hung, false_kills, e5xx, orphans = map(int, headline.groups())
-    assert requests > 50 and (hung, false_kills, e5xx, orphans) == (0, 0, 0, 0)
+    return lines, tuple(map(int, headline.groups()))
+
+
+def test_issue16_chaos_smoke_prints_a_table_and_a_clean_headline():
+    _, (requests, *failures) = _chaos("configs", "http-fuzz")
+    assert requests > 50 and failures == [0, 0, 0, 0, 0]
+
+
+def test_i21_chaos_browser_and_hostile_files_report_in_the_table_within_bounds():
+    """Issue 21's attacks run, bounded, and report in the table. The fixes they pin land on other
+    branches (i21-http: Origin/Host/content type; i21-loop: bounded reads off the loop): until
+    those are merged the counts are not zero, and this test says so instead of failing."""
+    lines, (requests, *failures) = _chaos("cross-site", "hostile-files")
+    assert requests >= 10
+    if failures != [0, 0, 0, 0, 0]:
+        pytest.xfail("issue 21's fixes are not on this branch yet:\n" + "\n".join(lines))

@@ -158,7 +158,7 @@ def test_an_invalid_constraint_fails_its_request_clearly_and_the_engine_serves_o
     engine.submit("good", prompt, max_tokens=8)
     runs = _run(engine)
     failed = _end(runs["bad"])
-    assert isinstance(failed, Failed) and failed.code == "invalid_request"
+    assert isinstance(failed, Failed) and failed.code == "invalid_constraint"
     assert named in failed.message
     assert isinstance(_end(runs["good"]), Finished)
 
@@ -233,7 +233,7 @@ def test_a_worker_process_enforces_a_wire_constraint_and_refuses_a_bad_one(tiny_
         sup.send(Generate(request_id="bad", prompt="hi", max_tokens=8,
                           constraint=p.JsonSchema(schema='{"type": "strnig"}')))
         failed = sup.recv(Failed)
-        assert (failed.request_id, failed.code) == ("bad", "invalid_request") and "strnig" in failed.message
+        assert (failed.request_id, failed.code) == ("bad", "invalid_constraint") and "strnig" in failed.message
         sup.send(Generate(request_id="call", prompt="hi", max_tokens=96, temperature=1.0, seed=7,
                           constraint=p.ToolCall(functions=TOOLS, mode="named", name="get_weather")))
         text = []
@@ -253,3 +253,63 @@ def test_a_one_token_budget_ends_with_length_and_a_valid_prefix(loaded):
     engine.submit("one", _prompts(engine, 1)[0], max_tokens=1, constraint=p.JsonObject())
     events = _run(engine)["one"]
     assert _text(events) == "{" and _end(events).finish_reason == "length"
+
+
+# ---------------------------------------------------------------------------
+# issue 21: a constraint that cannot be enforced is refused before any token
+
+EXPLODING = "^(a|aa){1000}$"  # llguidance's lexer runs out of fuel the moment it enters this string
+
+
+@pytest.mark.parametrize("spec, where", [
+    (p.JsonSchema(schema=json.dumps({"type": "string", "pattern": EXPLODING})), "pattern"),
+    (p.JsonSchema(schema=json.dumps({"type": "object", "properties": {"id": {"type": "string", "pattern": EXPLODING}},
+                                     "required": ["id"]})), "pattern"),
+    (p.JsonSchema(schema=json.dumps({"type": "object", "properties": {"n": {"type": "integer"},
+                                     "id": {"type": "string", "pattern": EXPLODING}}})), "pattern"),  # optional
+    (p.ToolCall(functions=(p.ToolFunction(name="f", parameters=json.dumps(
+        {"type": "object", "properties": {"v": {"type": "string", "pattern": EXPLODING}}})),),
+        mode="required"), "tools[f].parameters"),
+])
+def test_i21_an_exploding_pattern_is_refused_at_compile_not_mid_stream(loaded, spec, where):
+    model, tokenizer = loaded
+    factory = ConstraintFactory(tokenizer, model.args.vocab_size)
+    with pytest.raises(ConstraintError) as refused:
+        factory.build(spec, 64)
+    assert refused.value.code == "invalid_constraint"
+    assert where in refused.value.message and EXPLODING in refused.value.message
+    with pytest.raises(ConstraintError):  # the refusal is cached, and still raised
+        factory.build(spec, 64)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "string", "minLength": 5, "maxLength": 2},
+    {"allOf": [{"type": "string"}, {"type": "integer"}]},
+])
+def test_i21_an_unsatisfiable_schema_fails_before_any_token(loaded, schema):
+    engine = _engine(loaded)
+    engine.submit_generate(Generate(request_id="u", prompt="Hello", max_tokens=8,
+                                    constraint=p.JsonSchema(schema=json.dumps(schema))))
+    events = _run(engine)["u"]
+    assert len(events) == 1 and isinstance(events[0], Failed) and events[0].code == "invalid_constraint"
+    assert "Unsatisfiable" in events[0].message
+
+
+def test_i21_an_exploding_pattern_fails_its_request_before_any_token(loaded):
+    engine = _engine(loaded)
+    spec = p.JsonSchema(schema=json.dumps({"type": "object", "properties": {"x": {"type": "string",
+                                                                                  "pattern": EXPLODING}},
+                                           "required": ["x"]}))
+    engine.submit_generate(Generate(request_id="x", prompt="Hello", max_tokens=32, constraint=spec))
+    events = _run(engine)["x"]
+    assert [type(ev) for ev in events] == [Failed] and events[0].code == "invalid_constraint"
+
+
+def test_i21_patterns_that_work_still_compile(loaded):
+    model, tokenizer = loaded
+    factory = ConstraintFactory(tokenizer, model.args.vocab_size)
+    many = {"type": "object", "properties": {f"f{i}": {"type": "string", "pattern": "^[a-z]{2,8}-[0-9]{1,4}$"}
+                                             for i in range(30)},
+            "patternProperties": {"^x-": {"type": "string", "pattern": "^(a|aa){200}$"}}}
+    for schema in (PERSON, many):
+        factory.build(p.JsonSchema(schema=json.dumps(schema)), 64)

@@ -334,3 +334,43 @@ def test_issue15_session_needs_the_admin_token_when_one_is_set(token_server):
     assert (without["admin"], without["token_required"]) == (False, True)
     assert (wrong["admin"], wrong["token_required"]) == (False, True)
     assert (right["admin"], right["token_required"]) == (True, False)
+
+
+# ---------------------------------------------------------------------------
+# issue 21: a ZeroMQ subscriber gets the latest state at once, as /v1/events does
+
+
+def test_i21_watch_gets_the_latest_ceiling_at_once_not_at_the_next_slow_tick(server, tmp_path):
+    """No model: the supervisor ticks every 30 s (unloaded_idle_interval). Measured before:
+    `watch --topic ceiling --count 1` waited up to one slow tick (9.7 s) for its first message."""
+    import os
+    import sys
+    import time
+
+    from supervisor.client import subscribe
+
+    runtime_dir = server.arbiter.runtime_dir
+
+    def first(topics: list[str]) -> tuple[float, list[str]]:
+        started = time.monotonic()
+        seen: set[str] = set()
+        for topic, _msg in subscribe(runtime_dir, topics, timeout=3.0):  # TimeoutError: the bug
+            seen.add(topic)
+            if seen == set(topics):
+                break
+        return time.monotonic() - started, sorted(seen)
+
+    async def main():
+        await asyncio.sleep(1.0)  # the first tick is out: the next is ~29 s away
+        waited, seen = await asyncio.to_thread(first, ["ceiling", "pressure", "status"])
+        watch = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "supervisor", "watch", "--runtime-dir", str(runtime_dir), "--topic", "ceiling",
+            "--count", "1", "--json", "--timeout", "5", stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, env=dict(os.environ))
+        out, err = await asyncio.wait_for(watch.communicate(), 60)
+        return waited, seen, watch.returncode, out, err
+
+    waited, seen, rc, out, err = server.run(main())
+    assert seen == ["ceiling", "pressure", "status"] and waited < 3.0
+    assert rc == 0, err.decode()
+    assert json.loads(out)["topic"] == "ceiling"

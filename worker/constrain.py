@@ -68,6 +68,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any
 
 import llguidance as llg
@@ -77,15 +78,21 @@ import numpy as np
 from shared.protocol import Constraint as ConstraintSpec
 from shared.protocol import JsonObject, JsonSchema, LarkGrammar, ToolCall
 
-INVALID_REQUEST = "invalid_request"
+INVALID_CONSTRAINT = "invalid_constraint"  # issue 21: the front door names its param (a 400)
 CACHE_SIZE = 64  # compiled grammars kept per tokenizer
 WRAP_WINDOW = 256  # tokens before max_tokens where the wrap-up starts checking (see Constraint)
+PROBE_TOKENS = 32  # issue 21: tokens of the closing policy's dry run at compile (see _probe)
+# issue 21: every mask and every probe step is bounded by llguidance's lexer fuel (its defaults:
+# 1M initial, 200k a step, 250k lexer states): `(a|aa){1000}` exhausts them in ~60 ms and is
+# refused; tighter bounds also refused `(a|aa){200}`, a pattern that works.
+# llguidance's error texts when a grammar exceeds a bound rather than the model misbehaving
+_LIMIT_ERRORS = ("lexer error", "fuel", "too many", "limit", "too large", "too big")
 
 
 class ConstraintError(ValueError):
     """A constraint the worker cannot enforce; `code` goes on the wire."""
 
-    def __init__(self, message: str, code: str = INVALID_REQUEST):
+    def __init__(self, message: str, code: str = INVALID_CONSTRAINT):
         super().__init__(message)
         self.code = code
         self.message = message
@@ -145,7 +152,7 @@ class Constraint:
     budget shaped the output (it then finishes with "length").
     """
 
-    __slots__ = ("_closers", "_left", "_matcher", "_next_check", "_words", "error", "wrapped")
+    __slots__ = ("_closers", "_left", "_matcher", "_next_check", "_words", "error", "error_code", "wrapped")
 
     def __init__(self, matcher: llg.LLMatcher, vocab: int, closers: Closers, max_tokens: int):
         self._matcher = matcher
@@ -154,6 +161,7 @@ class Constraint:
         self._left = max_tokens
         self._next_check = WRAP_WINDOW
         self.error = ""
+        self.error_code = "engine_error"  # a refused token is our bug unless a grammar bound was hit
         self.wrapped = False
 
     def mask(self, logits: mx.array) -> mx.array:
@@ -165,7 +173,7 @@ class Constraint:
             self.wrapped = margin <= 1
             self._next_check = self._left - max(1, margin // 3)
         if self.wrapped:
-            token = self._pick(words)
+            token = _pick(self._closers, words)
             if token is not None:
                 words[:] = 0
                 words[token >> 5] = np.uint32(1 << (token & 31)).view(np.int32)
@@ -179,42 +187,23 @@ class Constraint:
             if sim.is_stopped():
                 return used
             sim.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
-            token = self._pick(words)
+            token = _pick(self._closers, words)
             if token is None or not sim.consume_token(token):
                 return limit + 1
             if token in self._closers.eos:
                 return used + 1
         return limit if sim.is_stopped() else limit + 1
 
-    def _pick(self, words: np.ndarray) -> int | None:
-        """The closing policy's token in the state whose mask is `words`."""
-        closers = self._closers
-
-        def allowed(token: int) -> bool:
-            return token >= 0 and (int(words[token >> 5]) >> (token & 31)) & 1 == 1
-
-        for token in closers.eos:
-            if allowed(token):
-                return token
-        in_string = allowed(closers.probe)
-        if in_string and allowed(closers.quote):
-            return closers.quote
-        if not in_string:
-            for token in closers.outside:
-                if allowed(token):
-                    return token
-        bits = np.unpackbits(words.view(np.uint8), bitorder="little", count=closers.lengths.size)
-        scores = np.where(bits.astype(bool), closers.lengths, -1)
-        best = int(scores.argmax())
-        return best if scores[best] >= 0 else None
-
     def accept(self, token: int) -> bool:
         """Advance by one token; False (and `error` set) when the grammar refuses it."""
         self._left -= 1
         if self._matcher.consume_token(token):
             return True
-        reason = self._matcher.get_error().split("\n", 1)[0]  # the rest dumps the whole grammar
+        reason = _first_line(self._matcher.get_error())
         self.error = f"token {token} broke the output constraint: {reason}"
+        if any(word in reason.lower() for word in _LIMIT_ERRORS):
+            self.error = f"the output constraint is too complex to enforce: {reason}"
+            self.error_code = INVALID_CONSTRAINT
         return False
 
     @property
@@ -235,30 +224,146 @@ class ConstraintFactory:
         eos = sorted(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
         self.vocab_size = vocab_size
         self._tokenizer = llg.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos)
+        self._limits = llg.LLParserLimits()
         self.closers = _closers(backend, eos, self._tokenizer, vocab_size)
-        self._cache: OrderedDict[ConstraintSpec, llg.LLMatcher] = OrderedDict()
+        self._cache: OrderedDict[ConstraintSpec, llg.LLMatcher | ConstraintError] = OrderedDict()
         self._cache_size = cache_size
         self.compiles = 0
 
     def build(self, spec: ConstraintSpec, max_tokens: int) -> Constraint:
-        """A fresh constraint for one request; ConstraintError names what is wrong."""
+        """A fresh constraint for one request; ConstraintError names what is wrong.
+
+        A refusal is cached like a grammar: a client resending a schema whose
+        probe exhausts the lexer fuel costs the worker that probe once."""
         proto = self._cache.get(spec)
         if proto is None:
-            proto = self._compile(spec)
+            try:
+                proto = self._compile(spec)
+            except ConstraintError as exc:
+                proto = exc
             self._cache[spec] = proto
             if len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(spec)
+        if isinstance(proto, ConstraintError):
+            raise ConstraintError(proto.message, proto.code)
         return Constraint(proto.deep_copy(), self.vocab_size, self.closers, max_tokens)
 
     def _compile(self, spec: ConstraintSpec) -> llg.LLMatcher:
+        """The spec's matcher, refused here (before any token) when it cannot be enforced.
+
+        Issue 21: llguidance builds its lexer lazily, so a pattern whose regex
+        explodes (`(a|aa){1000}`) compiled fine and failed on the first token
+        inside it, mid-stream. So each regex of a JSON Schema is entered once
+        on its own, and the whole grammar is walked a few tokens by the closing
+        policy; a state that allows no token at all is an unsatisfiable spec.
+        Each step is bounded by the lexer fuel above, so the probe is too."""
         grammar = grammar_for(spec)
-        matcher = llg.LLMatcher(self._tokenizer, grammar, log_level=0)
-        if matcher.is_error():
-            raise ConstraintError(f"{_describe(spec)} cannot be enforced: {matcher.get_error()}")
+        matcher = self._matcher(grammar, spec)
+        patterns = dict(_patterns(spec))  # regex -> where
+        try:  # all at once (one matcher); one by one only to name the culprit
+            self._probe_patterns(list(patterns), spec)
+        except ConstraintError:
+            for pattern, where in patterns.items():
+                self._probe_patterns([pattern], spec, f"{where} {pattern!r}")
+            raise
+        self._probe(matcher.deep_copy(), f"{_describe(spec)} cannot be enforced")
         self.compiles += 1
         return matcher
+
+    def _probe_patterns(self, patterns: list[str], spec: ConstraintSpec, where: str = "a pattern") -> None:
+        """Enter the lexer of a string matching any of `patterns` (where a regex explodes)."""
+        if patterns:
+            schema = {"anyOf": [{"type": "string", "pattern": pattern} for pattern in patterns]}
+            probe = self._matcher(_json_grammar(schema, strict=False), spec)
+            self._probe(probe, f"{_describe(spec)} cannot be enforced: {where}")
+
+    def _matcher(self, grammar: str, spec: ConstraintSpec) -> llg.LLMatcher:
+        matcher = llg.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._limits)
+        if matcher.is_error():
+            raise ConstraintError(f"{_describe(spec)} cannot be enforced: {_first_line(matcher.get_error())}")
+        return matcher
+
+    def _probe(self, sim: llg.LLMatcher, what: str) -> None:
+        """Dry-run the closing policy for PROBE_TOKENS tokens; ConstraintError on a dead end."""
+        words = np.zeros((self.vocab_size + 31) // 32, dtype=np.int32)
+        for _ in range(PROBE_TOKENS):
+            if sim.is_stopped():
+                break
+            sim.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+            if sim.is_error():
+                raise ConstraintError(f"{what}: {_first_line(sim.get_error())}")
+            if not words.any():
+                raise ConstraintError(f"{what}: no output satisfies it (no token is allowed"
+                                      f"{' at the start' if not sim.is_accepting() else ''})")
+            token = _pick(self.closers, words)
+            if token is None:
+                return  # only tokens the policy does not rank: nothing known to be wrong
+            if not sim.consume_token(token):
+                raise ConstraintError(f"{what}: {_first_line(sim.get_error())}")
+
+
+def _pick(closers: Closers, words: np.ndarray) -> int | None:
+    """The closing policy's token in the state whose mask is `words` (see `Constraint`)."""
+
+    def allowed(token: int) -> bool:
+        return token >= 0 and (int(words[token >> 5]) >> (token & 31)) & 1 == 1
+
+    for token in closers.eos:
+        if allowed(token):
+            return token
+    in_string = allowed(closers.probe)
+    if in_string and allowed(closers.quote):
+        return closers.quote
+    if not in_string:
+        for token in closers.outside:
+            if allowed(token):
+                return token
+    bits = np.unpackbits(words.view(np.uint8), bitorder="little", count=closers.lengths.size)
+    scores = np.where(bits.astype(bool), closers.lengths, -1)
+    best = int(scores.argmax())
+    return best if scores[best] >= 0 else None
+
+
+def _first_line(error: str) -> str:
+    """llguidance's error without the grammar dump that follows its first line."""
+    return error.split("\n", 1)[0]
+
+
+def _patterns(spec: ConstraintSpec) -> list[tuple[str, str]]:
+    """(regex, where it is) for every regex in the spec's JSON Schemas."""
+    match spec:
+        case JsonSchema(schema=text):
+            return list(_schema_patterns(_parse_schema(text, "response_format.json_schema.schema"), "pattern"))
+        case ToolCall(functions=functions):
+            return [found for fn in functions
+                    for found in _schema_patterns(_parse_schema(fn.parameters, f"tools[{fn.name}].parameters"),
+                                                  f"tools[{fn.name}].parameters pattern")]
+        case _:
+            return []
+
+
+_VALUES = frozenset({"enum", "const", "default", "examples"})  # JSON values, not schemas
+_NAMED = frozenset({"properties", "$defs", "definitions", "dependentSchemas"})  # name -> schema
+
+
+def _schema_patterns(node: object, where: str) -> Iterator[tuple[str, str]]:
+    """(regex, where) for each `pattern` and `patternProperties` name below `node`."""
+    if isinstance(node, list):
+        for item in node:
+            yield from _schema_patterns(item, where)
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            if key == "pattern" and isinstance(value, str):
+                yield value, where
+            elif key in _NAMED and isinstance(value, dict):
+                yield from _schema_patterns(list(value.values()), where)
+            elif key == "patternProperties" and isinstance(value, dict):
+                yield from ((name, where) for name in value)
+                yield from _schema_patterns(list(value.values()), where)
+            elif key not in _VALUES:
+                yield from _schema_patterns(value, where)
 
 
 def _closers(backend, eos: list[int], tokenizer: llg.LLTokenizer, vocab: int) -> Closers:

@@ -787,7 +787,7 @@ class Engine:
         complete = False  # issue 13: the grammar of a constrained output is satisfied
         if seq.constraint is not None:
             if not seq.constraint.accept(token):
-                events.append(self._fail(seq, ENGINE_ERROR, seq.constraint.error))
+                events.append(self._fail(seq, seq.constraint.error_code, seq.constraint.error))
                 return True
             complete = seq.constraint.done
         last = seq.generated >= seq.max_tokens or complete

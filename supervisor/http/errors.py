@@ -21,6 +21,8 @@ from supervisor.http.openai_types import ErrorBody, ErrorDetail
 
 _encoder = msgspec.json.Encoder()
 
+INVALID_CONSTRAINT = "invalid_constraint"  # a worker's Failed code: the output constraint is refused
+
 # How long a client should wait before retrying a request the guard turned
 # away mid-flight (pressure aborts, a model being unloaded).
 RETRY_AFTER_ABORT = 2
@@ -45,6 +47,7 @@ _TYPE_BY_STATUS = {
 _FAILED_STATUS: dict[str, tuple[int, int | None]] = {
     "prefill_memory_exceeded": (400, None),  # SPEC G1: the prompt does not fit
     "invalid_request": (400, None),
+    INVALID_CONSTRAINT: (400, None),  # issue 21: a schema or grammar the worker cannot enforce
     "context_length_exceeded": (400, None),  # issue 16: prompt + max_tokens over the context
     "memory_pressure": (503, RETRY_AFTER_ABORT),  # P6.3/P6.5 aborted it
     "model_unloading": (503, RETRY_AFTER_ABORT),

@@ -46,7 +46,7 @@ from supervisor.errors import ServeError
 from supervisor.http import tools
 from supervisor.http.body import Disconnected
 from supervisor.http.content import text_of
-from supervisor.http.errors import ApiError, from_failed, from_serve_error
+from supervisor.http.errors import INVALID_CONSTRAINT, ApiError, from_failed, from_serve_error
 from supervisor.http.metrics import Metrics
 from supervisor.http.openai_types import (
     DEFAULT_CHAT_MAX_TOKENS,
@@ -266,12 +266,13 @@ async def race_client(coro: Awaitable[T], receive: Receive) -> T:
 
 
 async def open_job(request: Request, sup: Supervisor, metrics: Metrics, req, gen: p.Generate, started: float, *,
-                   kind: str = "chat", plan: ToolPlan | None = None, include_usage: bool = False) -> Job:
+                   kind: str = "chat", plan: ToolPlan | None = None, include_usage: bool = False,
+                   format_param: str = "response_format") -> Job:
     """`gen` routed to `req.model` under the request's keep_alive / ttl (`open_stream`:
     a load, the queue), and the Job that reads its stream."""
     keep = keep_alive_seconds(req.keep_alive, req.ttl)
     stream = await open_stream(sup, req.model, gen, request.receive, keep)
-    return Job(sup, metrics, kind, req.model, gen, include_usage, started, stream, plan)
+    return Job(sup, metrics, kind, req.model, gen, include_usage, started, stream, plan, format_param)
 
 
 async def open_stream(sup: Supervisor, model: str, gen: p.Generate, receive: Receive,
@@ -297,8 +298,9 @@ class Job:
 
     def __init__(self, sup: Supervisor, metrics: Metrics, kind: str, model: str, gen: p.Generate,
                  include_usage: bool, started: float, stream: RequestStream,
-                 plan: ToolPlan | None = None) -> None:
+                 plan: ToolPlan | None = None, format_param: str = "response_format") -> None:
         self.sup = sup
+        self.format_param = format_param  # issue 21: where this API carries an output format
         self.plan = plan  # issue 13: how to read tool calls out of the reply
         self.metrics = metrics
         self.kind = kind  # "chat" | "text"
@@ -373,7 +375,7 @@ class Job:
                         held = []
             msg = await self.next_message()
         if isinstance(msg, p.Failed):
-            yield from_failed(msg)
+            yield self.failure(msg)
             return
         reason, text, calls = msg.finish_reason, "".join(held), None
         if mode == "constrained":
@@ -444,8 +446,15 @@ class Job:
         finally:
             watcher.cancel()
         if isinstance(first, p.Failed):
-            raise from_failed(first)
+            raise self.failure(first)
         return first
+
+    def failure(self, msg: p.Failed) -> ApiError:
+        """The worker's terminal error; a constraint it refused names the field that carried it."""
+        error = from_failed(msg)
+        if msg.code == INVALID_CONSTRAINT:
+            error.param = "tools" if isinstance(self.gen.constraint, p.ToolCall) else self.format_param
+        return error
 
     async def streamed(self, receive: Receive, events: Events | None = None) -> Response:
         """The SSE response, once the first message is in: `events` renders the

@@ -313,7 +313,7 @@ def _status(reason: str) -> str:
 async def handle(request: Request, sup, metrics, body: bytes, started: float) -> Response:
     req = decode_body(body, ResponsesRequest)
     gen = responses_generate(req)
-    job = await g.open_job(request, sup, metrics, req, gen, started, plan=tool_plan(req))
+    job = await g.open_job(request, sup, metrics, req, gen, started, plan=tool_plan(req), format_param="text.format")
     shell = Shell(req, "resp_" + gen.request_id)
     if req.stream:
         return await job.streamed(request.receive, lambda first: _events(job, first, shell))
