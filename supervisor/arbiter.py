@@ -167,7 +167,10 @@ class Arbiter:
                 break
             now = time.monotonic()
             if now >= next_beat:
+                late = now - next_beat
                 next_beat = now + self.config.supervisor.heartbeat_interval
+                if late > self.stall_threshold():
+                    self.on_stall(late, now)
                 for handle in self.pool.heartbeat(now):
                     self.on_wedged(handle)
             self.respawn_due(now)
@@ -179,6 +182,23 @@ class Arbiter:
             if now - self._status_published >= STATUS_EVERY:
                 self._status_published = now
                 self.bus.publish(p.StatusMsg(t=time.time(), status=msgspec.json.encode(self.server_status())))
+
+    def stall_threshold(self) -> float:
+        """How late a beat may be before the loop counts as stalled: a silence can
+        only be judged on time the loop could observe (issue 21). Half the
+        window at most, so a stall just short of it is still forgiven."""
+        scfg = self.config.supervisor
+        return min(scfg.heartbeat_timeout / 2, max(0.5, scfg.heartbeat_interval))
+
+    def on_stall(self, late: float, now: float) -> None:
+        """The loop itself did not run for `late` seconds (a callback that blocked,
+        a machine that froze): judge every worker afresh instead of killing them all."""
+        self.pool.counters["loop_stalls"] += 1
+        what = (f"the supervisor's loop was stalled for {late:.1f} s; every worker gets a fresh "
+                f"heartbeat window (no silence during a stall counts)")
+        log.warning("%s", what)
+        self.pool.forgive(now, late)
+        self.emit("stall", what)
 
     async def sleep(self, timeout: float) -> bool:
         """Wait for a wake-up or the timeout; True when something woke the loop."""

@@ -453,6 +453,18 @@ class Pool:
             self.command(h, p.Ping(seq=h.ping_seq))
         return wedged
 
+    def forgive(self, now: float, stalled: float) -> None:
+        """Issue 21: the supervisor's own loop could not run for `stalled` seconds,
+        so no worker's silence over that time is evidence (its heartbeats may be
+        sitting in the socket unread). Every worker gets a fresh window from
+        `now`; a loading one's load timeout is pushed back by the stall."""
+        for h in self.handles.values():
+            h.last_pong = max(h.last_pong, now)
+            if h.last_alive:
+                h.last_alive = max(h.last_alive, now)
+            if h.state in LOADING_STATES:
+                h.spawned_at += stalled
+
     def step_seconds(self, handle: WorkerHandle, now: float) -> float:
         """How long the worker's current engine step has run, by its heartbeat
         thread's last report (0 when it is between steps or the report is stale)."""
