@@ -73,6 +73,7 @@ STATUS_EVERY = 2.0  # seconds between `status` messages on PUB
 READ_TIMEOUT = 10.0  # one model's headers and config.json
 RELOAD_TIMEOUT = 60.0  # the config file and every models folder
 CONFIG_FILE_MAX = 16 * 1024 * 1024  # a config file larger than this is refused, not read
+ACCEPT_LOG_EVERY = 5.0  # seconds between log lines about failing accept() calls
 
 
 class Arbiter:
@@ -101,6 +102,7 @@ class Arbiter:
         self._respawn_due: dict[str, float] = {}
         self._context: dict[str, int] = {}  # model id -> context tokens from config.json (-1: unknown)
         self._signals = 0
+        self._accept_logged = -ACCEPT_LOG_EVERY
         self._status_published = 0.0
         self.http_server: EmbeddedServer | None = None
         self.http_address = ""  # HOST:PORT the front door bound ("" while it serves none)
@@ -111,6 +113,7 @@ class Arbiter:
         ensure_private_dir(self.runtime_dir)
         claim_runtime_dir(self.runtime_dir)
         self.loop = asyncio.get_running_loop()
+        self.loop.set_exception_handler(self._loop_exception)
         self.wake_event = asyncio.Event()
         self.ctx = zmq.Context()
         self.endpoints = Endpoints.in_dir(self.runtime_dir, pid=os.getpid(), http=self.config.supervisor.http)
@@ -194,6 +197,22 @@ class Arbiter:
             if now - self._status_published >= STATUS_EVERY:
                 self._status_published = now
                 self.bus.publish(p.StatusMsg(t=time.time(), status=msgspec.json.encode(self.server_status())))
+
+    def _loop_exception(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        """asyncio's own errors, with the one that floods rate-limited (issue 21): out of
+        descriptors, its accept loop logs a traceback per refused connection (thousands a
+        second, 50-90 MB of log a minute) and the loop spends its time writing them."""
+        exc = context.get("exception")
+        if isinstance(exc, OSError) and "accept" in str(context.get("message", "")):
+            self.pool.counters["accept_errors"] += 1
+            now = time.monotonic()
+            if now - self._accept_logged >= ACCEPT_LOG_EVERY:
+                self._accept_logged = now
+                log.error("the front door cannot accept connections: %s (%d times so far; said at most "
+                          "once every %.0f s)", exc.strerror or exc, self.pool.counters["accept_errors"],
+                          ACCEPT_LOG_EVERY)
+            return
+        loop.default_exception_handler(context)
 
     def stall_threshold(self) -> float:
         """How late a beat may be before the loop counts as stalled: a silence can

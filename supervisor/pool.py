@@ -22,6 +22,7 @@ from typing import Callable, Literal, Union
 
 import msgspec
 import multiprocess
+import multiprocess.connection  # noqa: F401  (issue 21: Process.join imports it lazily; out of fds that failed)
 from typing_extensions import assert_never
 
 from shared import protocol as p
@@ -574,7 +575,13 @@ class Pool:
         kernel has its exit status; poll briefly rather than block the loop."""
         proc = handle.proc
         assert proc is not None
-        proc.join(0)
+        try:
+            proc.join(0)
+        except OSError as exc:  # out of descriptors (issue 21): keep trying, never lose the exit
+            if tries % 200 == 0:
+                log.warning("Reaping worker %s (pid %d) failed: %s; trying again", handle.worker_id, handle.pid, exc)
+            asyncio.get_running_loop().call_later(0.05, self._reap, handle, tries + 1)
+            return
         if proc.exitcode is None and tries < 200:
             asyncio.get_running_loop().call_later(0.005, self._reap, handle, tries + 1)
             return
