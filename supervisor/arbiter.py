@@ -626,24 +626,33 @@ class Arbiter:
         before anything on the loop needs them (shared.weights answers from what was
         read after that). Concurrent callers share one read; LoadError when refused."""
         task = self._reads.get(model.path)
+        joined = task is not None
         if task is None:
             task = self.loop.create_task(self._read_files(model))
             self._reads[model.path] = task
             task.add_done_callback(lambda _t: self._reads.pop(model.path, None))
-        await asyncio.shield(task)
+        try:
+            await asyncio.shield(task)
+        except _ReadFailed:
+            if not joined:
+                raise
+            await self.read_model_files(model)  # a read begun earlier failed for a passing reason: read anew
 
     async def _read_files(self, model: ModelConfig) -> None:
         def read() -> tuple[int | None, int | str]:
             context = context_length(model.path)
             try:
                 return context, estimate_weight_bytes(model.path)
-            except (WeightsError, OSError) as exc:
+            except (WeightsError, FileRefused) as exc:  # the files themselves are refused
                 return context, str(exc)
 
         try:
             context, size = await off_loop(read, READ_TIMEOUT, f"reading {model.id}'s files")
         except OffLoopTimeout as exc:
             size, context = f"{exc} (a slow disk, or not a plain file?)", None
+        except OSError as exc:  # out of descriptors, a vanished folder: not the files' fault
+            raise _ReadFailed(f"model {model.id!r}: cannot read {model.path}: {exc}", code="model_unreadable",
+                              http_status=503, retry_after=1) from None
         self._context[model.id] = context or -1
         if isinstance(size, int):
             self._estimates[model.path] = size
@@ -887,6 +896,11 @@ class Arbiter:
             log.warning("reload: %s take effect only after a restart", ", ".join(f"supervisor.{k}" for k in stale))
             changes.append("needs a restart for " + ", ".join(f"supervisor.{k}" for k in stale))
         return changes
+
+
+class _ReadFailed(LoadError):
+    """A model's files could not be read for a passing reason (an OSError such as
+    EMFILE), as opposed to files that were read and refused."""
 
 
 def returned(handle: WorkerHandle) -> str:
