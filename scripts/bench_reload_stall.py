@@ -7,7 +7,7 @@ reload at a models folder of N empty folders (plus one model), and measures,
 with a ticker task that sleeps 20 ms at a time, the longest the loop went
 without running while the reload ran, against how long the reload took.
 
-    python scripts/bench_reload_stall.py [--folders 150000]
+    python scripts/bench_reload_stall.py [--folders 150000] [--model-name NAME]
 """
 
 from __future__ import annotations
@@ -67,13 +67,14 @@ async def measure(folder: Path, runtime: Path) -> tuple[float, float, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--folders", type=int, default=150_000)
+    parser.add_argument("--model-name", default="My Model (4bit)", help="the one model folder's name")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "models"
         folder.mkdir()
         for i in range(args.folders):
             (folder / f"empty-{i:06d}").mkdir()
-        model = folder / "My Model (4bit)"
+        model = folder / args.model_name
         model.mkdir()
         (model / "config.json").write_text("{}")
         (model / "model.safetensors").write_bytes(b"\0" * 8)
