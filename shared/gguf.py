@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import struct
+import sys
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
@@ -24,7 +25,14 @@ import msgspec
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 MAX_STRING_BYTES = 64 * 1024 * 1024  # a longer key or value is a corrupt file, not a model
-MAX_COUNT = 1 << 32
+# Bounds on what a header may claim (issue 21: a 4 KB sparse file claiming
+# billions of empty keys kept the supervisor parsing for 15.6 s). Real models
+# have tens of keys, thousands of tensors, vocabularies of a few 100k tokens
+# and tokenizer metadata of tens of MB.
+MAX_KEYS = 1 << 16
+MAX_TENSORS = 1 << 17
+MAX_COUNT = 1 << 22  # items in one metadata array
+MAX_HEADER_BYTES = 512 * 1024 * 1024  # metadata and tensor table together
 
 # ggml type id -> (name, elements per block, bytes per block)
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
@@ -141,8 +149,12 @@ class _Reader:
     def __init__(self, handle: BinaryIO, path: Path):
         self.handle = handle
         self.path = path
+        self.consumed = 0
 
     def take(self, n: int) -> bytes:
+        self.consumed += n
+        if self.consumed > MAX_HEADER_BYTES:
+            raise GGUFError(f"{self.path}: GGUF header larger than {MAX_HEADER_BYTES} bytes; refused")
         data = self.handle.read(n)
         if len(data) != n:
             raise GGUFError(f"{self.path}: truncated GGUF header")
@@ -176,14 +188,18 @@ class _Reader:
 
 def read_header(path: str | os.PathLike[str]) -> GGUFHeader:
     """Parse a GGUF file's metadata and tensor table (versions 2 and 3); `~` is expanded."""
+    from shared.modelinfo import FileRefused, open_regular
+
     path = Path(path).expanduser()
     try:
-        with open(path, "rb") as handle:
+        with open_regular(path, sys.maxsize) as handle:  # a FIFO or a device is refused, never waited on
             return _parse(_Reader(handle, path))
     except FileNotFoundError:
         raise GGUFError(f"GGUF file not found: {path}") from None
     except IsADirectoryError:
         raise GGUFError(f"{path} is a directory, not a GGUF file") from None
+    except FileRefused as exc:
+        raise GGUFError(str(exc)) from None
     except (struct.error, UnicodeDecodeError, MemoryError) as exc:
         raise GGUFError(f"{path}: unreadable GGUF header ({exc})") from None
 
@@ -195,7 +211,7 @@ def _parse(reader: _Reader) -> GGUFHeader:
     if version not in (2, 3):
         raise GGUFError(f"{reader.path}: GGUF version {version} is not supported (2 and 3 are)")
     n_tensors, n_kv = reader.scalar("<Q"), reader.scalar("<Q")
-    if n_tensors > MAX_COUNT or n_kv > MAX_COUNT:
+    if n_tensors > MAX_TENSORS or n_kv > MAX_KEYS:
         raise GGUFError(f"{reader.path}: implausible GGUF counts ({n_tensors} tensors, {n_kv} keys)")
     metadata: dict[str, object] = {}
     for _ in range(n_kv):

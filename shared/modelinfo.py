@@ -1,34 +1,92 @@
-"""What a model folder's config.json says about its context window, read without MLX.
+"""What a model folder's config.json says about its context window, read without MLX;
+and the one bounded way the supervisor reads a small file from a models folder.
 
 Why: the supervisor refuses a request whose `max_tokens` cannot fit the
 model's context before any worker exists (it never imports MLX), and the
 worker refuses a prompt that, tokenized, leaves no room for `max_tokens`
 (issue 16: a 200k-token prompt, 49x the context, was accepted).
+
+Why the bounds (issue 21): a models folder is input. A named pipe called
+`config.json` or `model.safetensors` froze the supervisor for good at its
+`open()`, and a 1 GiB sparse config.json took it to 2.2 GB. Every read of a
+model's files goes through `open_regular`: it refuses what is not a regular
+file (checked on the opened descriptor, opened with O_NONBLOCK so a FIFO never
+blocks the open) and what is larger than the caller's cap.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 from pathlib import Path
+from typing import Any, BinaryIO
 
 # Where model families keep their context length, most common first.
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx",
                  "max_seq_len")
-_CONFIG_MAX_BYTES = 4 * 1024 * 1024
+CONFIG_MAX_BYTES = 4 * 1024 * 1024  # a real config.json is a few KB; tokenizer-sized ones are not read here
+
+
+class FileRefused(OSError):
+    """A model file that is not read: not a regular file, or over its size cap."""
+
+
+def open_regular(path: str | os.PathLike[str], max_bytes: int) -> BinaryIO:
+    """`path` opened for reading, when it is a regular file of at most `max_bytes`.
+
+    The check is on the descriptor itself (fstat after an O_NONBLOCK open), so
+    a file swapped for a pipe between a check and the open is still refused."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):  # as open() says it
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", str(path))
+        if not stat.S_ISREG(info.st_mode):
+            raise FileRefused(f"{path}: not a regular file ({_kind(info.st_mode)}); refused")
+        if info.st_size > max_bytes:
+            raise FileRefused(f"{path}: {info.st_size} bytes, over the {max_bytes}-byte cap for this file; refused")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_small(path: str | os.PathLike[str], max_bytes: int = CONFIG_MAX_BYTES) -> bytes:
+    """The whole of a regular file of at most `max_bytes` (never more is read,
+    even when the file grows after the check)."""
+    with open_regular(path, max_bytes) as handle:
+        data = handle.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise FileRefused(f"{path}: grew past the {max_bytes}-byte cap while being read; refused")
+    return data
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a plain file"
+
+
+def read_config_json(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The model folder's config.json as an object, or None when it is missing,
+    refused, unreadable or not an object."""
+    try:
+        data = json.loads(read_small(Path(path) / "config.json"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def context_length(path: str | os.PathLike[str]) -> int | None:
     """The model's context window in tokens, or None when its folder does not say
     (a missing or unreadable config.json, a GGUF file, no known key)."""
-    config = Path(path) / "config.json"
-    try:
-        if config.stat().st_size > _CONFIG_MAX_BYTES:
-            return None
-        data = json.loads(config.read_bytes())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict):
+    data = read_config_json(path)
+    if data is None:
         return None
     for section in (data, data.get("text_config")):
         if not isinstance(section, dict):

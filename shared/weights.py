@@ -4,15 +4,24 @@ Why: SPEC A2 estimates a model's size from its weight files *before* loading
 it, and that estimate is made in the supervisor, which never imports MLX. The
 safetensors header states every tensor's byte range, so the sum is exact and
 costs one small read per file (no tensor data is touched).
+
+Why a cache (issue 21): the supervisor's loop must never wait on the disk. The
+arbiter reads a model's headers on a worker thread, with a time bound, before
+anything on the loop asks; `estimate_weight_bytes` then answers from what was
+read, as long as the files have not changed since (their sizes and mtimes). A
+read still under way answers "still being read" instead of reading again.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
+import threading
 from pathlib import Path
 
 from shared.gguf import GGUFError, is_gguf_path, read_header
+from shared.modelinfo import FileRefused, open_regular, read_config_json
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own cap
 
@@ -34,17 +43,23 @@ def weight_files(path: str | os.PathLike[str]) -> list[Path]:
 
 def tensor_bytes(file: str | os.PathLike[str]) -> int:
     """Bytes of tensor data one safetensors file declares in its header."""
-    with open(file, "rb") as handle:
+    try:
+        handle = open_regular(file, sys.maxsize)
+    except FileRefused as exc:
+        raise WeightsError(str(exc)) from None
+    with handle:
+        size = os.fstat(handle.fileno()).st_size
         head = handle.read(8)
         if len(head) < 8:
             raise WeightsError(f"{file}: too short to be a safetensors file")
         length = int.from_bytes(head, "little")
-        if length > MAX_HEADER_BYTES:
-            raise WeightsError(f"{file}: implausible safetensors header length {length}")
+        if length > MAX_HEADER_BYTES or length > size - 8:
+            raise WeightsError(f"{file}: implausible safetensors header length {length} "
+                               f"(file of {size} bytes, cap {MAX_HEADER_BYTES})")
         raw = handle.read(length)
     try:
         header = json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise WeightsError(f"{file}: unreadable safetensors header ({exc})") from None
     if not isinstance(header, dict):
         raise WeightsError(f"{file}: safetensors header is not an object")
@@ -60,12 +75,69 @@ def tensor_bytes(file: str | os.PathLike[str]) -> int:
     return total
 
 
+_PENDING = object()
+Signature = tuple[tuple[str, int, int, int], ...]
+_lock = threading.Lock()
+_known: dict[str, tuple[Signature, object]] = {}  # path -> (files' signature, bytes | error words | _PENDING)
+
+
+def _signature(path: str | os.PathLike[str]) -> Signature:
+    """What identifies the weight files as read: names, sizes and mtimes (stat only)."""
+    if is_gguf_path(path):
+        try:
+            info = os.stat(Path(path).expanduser())
+        except FileNotFoundError:
+            raise WeightsError(f"GGUF file not found: {path}") from None
+        return ((str(path), info.st_ino, info.st_size, info.st_mtime_ns),)
+    out = []
+    for file in weight_files(path):
+        info = file.stat()
+        out.append((file.name, info.st_ino, info.st_size, info.st_mtime_ns))
+    return tuple(out)
+
+
 def estimate_weight_bytes(path: str | os.PathLike[str]) -> int:
     """Total tensor bytes of the model at `path` (what loading it will allocate).
 
     A `.gguf` file is sized as the MLX folder it imports to (its header states
     each tensor's type and shape; see `shared.gguf.TensorInfo.mlx_bytes`).
+    Answered from the last read of the same unchanged files when there is one.
     """
+    key = str(path)
+    signature = _signature(path)
+    with _lock:
+        known = _known.get(key)
+        if known is None or known[0] != signature:
+            _known[key] = (signature, _PENDING)
+            known = None
+    if known is not None:
+        value = known[1]
+        if value is _PENDING:
+            raise WeightsError(f"{path}: its headers are still being read (a slow disk?); try again")
+        if isinstance(value, str):
+            raise WeightsError(value)
+        assert isinstance(value, int)
+        return value
+    try:
+        total = _read_weight_bytes(path)
+    except WeightsError as exc:
+        _remember(key, signature, str(exc))
+        raise
+    except BaseException:
+        with _lock:
+            _known.pop(key, None)  # transient (an OSError): read again next time
+        raise
+    _remember(key, signature, total)
+    return total
+
+
+def _remember(key: str, signature: Signature, value: object) -> None:
+    with _lock:
+        if _known.get(key, (None,))[0] == signature:
+            _known[key] = (signature, value)
+
+
+def _read_weight_bytes(path: str | os.PathLike[str]) -> int:
     if is_gguf_path(path):
         try:
             return read_header(path).mlx_bytes
@@ -85,11 +157,8 @@ def kv_bytes_per_token(path: str | os.PathLike[str]) -> int:
     it fit with N tokens of context?" needs before anything is loaded. A model
     whose config does not say is costed at 0 (weights only) rather than guessed.
     """
-    try:
-        config = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return 0
-    if not isinstance(config, dict):
+    config = read_config_json(path)  # bounded: a regular file of at most a few MB (issue 21)
+    if config is None:
         return 0
     text = config.get("text_config")
     if isinstance(text, dict):

@@ -34,15 +34,17 @@ from typing_extensions import assert_never
 from shared import protocol as p
 from shared.ledger import Ledger
 from shared.memory import NO_READING
-from shared.modelinfo import context_length
+from shared.modelinfo import FileRefused, context_length, open_regular
 from shared.sizes import format_size
 from shared.states import LOADING_STATES
+from shared.weights import WeightsError, estimate_weight_bytes
 from supervisor.bus import Bus, BusError, Endpoints, FrameTooLarge, claim_runtime_dir, pid_alive
 from supervisor.config import Config, ConfigError, ModelConfig, guard_settings
 from supervisor.enforcer import Enforcer
 from supervisor.errors import LoadError, ServeError
 from supervisor.fanout import Hub, Subscription
 from supervisor.gate import Gate
+from supervisor.offloop import OffLoopTimeout, off_loop
 from supervisor.policy.admission import FitReport
 from supervisor.policy.status import ModelInfo, ServerStatus
 from supervisor.pool import (
@@ -67,13 +69,23 @@ log = logging.getLogger("memvisor.arbiter")
 
 EVENT_HISTORY = 500
 STATUS_EVERY = 2.0  # seconds between `status` messages on PUB
+# Issue 21: what the loop hands to a thread, and how long it waits for it.
+READ_TIMEOUT = 10.0  # one model's headers and config.json
+RELOAD_TIMEOUT = 60.0  # the config file and every models folder
+CONFIG_FILE_MAX = 16 * 1024 * 1024  # a config file larger than this is refused, not read
+ACCEPT_LOG_EVERY = 5.0  # seconds between log lines about failing accept() calls
 
 
 class Arbiter:
     def __init__(self, config: Config, runtime_dir: Path, *, max_workers: int = 64, http: bool = True,
-                 trace: Path | None = None, reload_config: Callable[[], Config] | None = None) -> None:
+                 trace: Path | None = None, reload_config: Callable[[], Config] | None = None,
+                 config_file: str | Path | None = None) -> None:
         self.config = config
         self.reload_config = reload_config  # re-reads the file and the models folders (SIGHUP, `reload`)
+        self.config_file = Path(config_file) if config_file else None  # checked before a reload reads it
+        self._reload_since: float | None = None  # a reload's thread is reading (issue 21)
+        self._reads: dict[str, asyncio.Task] = {}  # model path -> its files being read off the loop
+        self._refused: set[tuple[str, str]] = set()  # (path, why) already said as an event
         self._estimates: dict[str, int] = {}  # model path -> A2 weight estimate
         self.trace_path = trace
         self.runtime_dir = runtime_dir
@@ -90,6 +102,7 @@ class Arbiter:
         self._respawn_due: dict[str, float] = {}
         self._context: dict[str, int] = {}  # model id -> context tokens from config.json (-1: unknown)
         self._signals = 0
+        self._accept_logged = -ACCEPT_LOG_EVERY
         self._status_published = 0.0
         self.http_server: EmbeddedServer | None = None
         self.http_address = ""  # HOST:PORT the front door bound ("" while it serves none)
@@ -100,6 +113,7 @@ class Arbiter:
         ensure_private_dir(self.runtime_dir)
         claim_runtime_dir(self.runtime_dir)
         self.loop = asyncio.get_running_loop()
+        self.loop.set_exception_handler(self._loop_exception)
         self.wake_event = asyncio.Event()
         self.ctx = zmq.Context()
         self.endpoints = Endpoints.in_dir(self.runtime_dir, pid=os.getpid(), http=self.config.supervisor.http)
@@ -143,6 +157,7 @@ class Arbiter:
             for model in self.config.models:
                 if model.pinned:
                     self.loop.create_task(self._load_quietly(model.id, "pinned model"))
+            self._read_all(self.config)
             await self.serve_forever()
         finally:
             await self.shutdown()
@@ -167,7 +182,10 @@ class Arbiter:
                 break
             now = time.monotonic()
             if now >= next_beat:
+                late = now - next_beat
                 next_beat = now + self.config.supervisor.heartbeat_interval
+                if late > self.stall_threshold():
+                    self.on_stall(late, now)
                 for handle in self.pool.heartbeat(now):
                     self.on_wedged(handle)
             self.respawn_due(now)
@@ -179,6 +197,39 @@ class Arbiter:
             if now - self._status_published >= STATUS_EVERY:
                 self._status_published = now
                 self.bus.publish(p.StatusMsg(t=time.time(), status=msgspec.json.encode(self.server_status())))
+
+    def _loop_exception(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        """asyncio's own errors, with the one that floods rate-limited (issue 21): out of
+        descriptors, its accept loop logs a traceback per refused connection (thousands a
+        second, 50-90 MB of log a minute) and the loop spends its time writing them."""
+        exc = context.get("exception")
+        if isinstance(exc, OSError) and "accept" in str(context.get("message", "")):
+            self.pool.counters["accept_errors"] += 1
+            now = time.monotonic()
+            if now - self._accept_logged >= ACCEPT_LOG_EVERY:
+                self._accept_logged = now
+                log.error("the front door cannot accept connections: %s (%d times so far; said at most "
+                          "once every %.0f s)", exc.strerror or exc, self.pool.counters["accept_errors"],
+                          ACCEPT_LOG_EVERY)
+            return
+        loop.default_exception_handler(context)
+
+    def stall_threshold(self) -> float:
+        """How late a beat may be before the loop counts as stalled: a silence can
+        only be judged on time the loop could observe (issue 21). Half the
+        window at most, so a stall just short of it is still forgiven."""
+        scfg = self.config.supervisor
+        return min(scfg.heartbeat_timeout / 2, max(0.5, scfg.heartbeat_interval))
+
+    def on_stall(self, late: float, now: float) -> None:
+        """The loop itself did not run for `late` seconds (a callback that blocked,
+        a machine that froze): judge every worker afresh instead of killing them all."""
+        self.pool.counters["loop_stalls"] += 1
+        what = (f"the supervisor's loop was stalled for {late:.1f} s; every worker gets a fresh "
+                f"heartbeat window (no silence during a stall counts)")
+        log.warning("%s", what)
+        self.pool.forgive(now, late)
+        self.emit("stall", what)
 
     async def sleep(self, timeout: float) -> bool:
         """Wait for a wake-up or the timeout; True when something woke the loop."""
@@ -348,8 +399,21 @@ class Arbiter:
         except LoadError as exc:
             log.error("could not load %s (%s): %s", model_id, why, exc)
             # a pinned model that cannot come up is tried again, within the
-            # restart intensity, and then marked failed with the reason
-            self.schedule_respawn(model_id, f"load failed: {exc}")
+            # restart intensity, and then marked failed with the reason; any
+            # other waits for demand (issue 21: one reloaded with a new path
+            # was respawned like a pinned one)
+            model = self.config.model(model_id)
+            if model is not None and model.pinned:
+                self.schedule_respawn(model_id, f"load failed: {exc}")
+
+    def give_up(self, model_id: str, why: str) -> None:
+        """Issue 21: a model whose files its worker could not load is marked failed
+        with the backoff of issue 16, pinned or not, so requests are refused at
+        once with when the next try is, instead of each paying for a spawn."""
+        delay = self.pool.mark_failed(model_id, why, time.monotonic())
+        log.error("Model %s marked failed: %s; next try in %.0f s", model_id, why, delay)
+        self.emit("failed", f"{why}; next try in {delay:.0f} s", model_id=model_id)
+        self.wake()
 
     # -- loads (SPEC A) ------------------------------------------------------------
 
@@ -359,7 +423,7 @@ class Arbiter:
             raise LoadError(f"the model {model_id!r} does not exist", code="model_not_found", http_status=404)
         return model
 
-    async def load(self, name: str, *, explicit: bool = False) -> WorkerHandle:
+    async def load(self, name: str, *, explicit: bool = False, _moved: int = 0) -> WorkerHandle:
         """Ready worker for the model `name` (an id or alias); every concurrent caller shares one load (A5).
 
         A failed model refuses with when its next try is (Retry-After), except
@@ -384,9 +448,28 @@ class Arbiter:
             task = self.loop.create_task(self._load(model, handle))
             self._loading[model_id] = task
             task.add_done_callback(lambda _t: self._loading.pop(model_id, None))
-        return await asyncio.shield(task)
+        try:
+            return await asyncio.shield(task)
+        except LoadError:
+            current = self.config.model(name)
+            if current is None or current.path == model.path or _moved > 2:
+                raise
+        # issue 21: a reload changed the model's path while we waited; its old
+        # worker was stopped on purpose, so the request waits for the new path's
+        log.info("Model %s moved to %s while a request waited for its load; loading that", model_id, current.path)
+        return await self.load(name, explicit=explicit, _moved=_moved + 1)
 
     async def _load(self, model: ModelConfig, handle: WorkerHandle | None) -> WorkerHandle:
+        try:
+            return await self._load_locked(model, handle)
+        except LoadError as exc:
+            if exc.permanent and not model.pinned and self.config.model(model.id) == model:
+                self.give_up(model.id, str(exc))  # a pinned one goes through its restart intensity
+            raise
+
+    async def _load_locked(self, model: ModelConfig, handle: WorkerHandle | None) -> WorkerHandle:
+        if self.pool.worker_for(model.id) is None:
+            await self.read_model_files(model)  # off the loop, bounded, before the lock (issue 21)
         async with self._load_lock:  # A5: one model load at a time
             if handle is None or not handle.live:
                 handle = self.pool.worker_for(model.id)
@@ -517,13 +600,71 @@ class Arbiter:
         )
 
     def _estimate(self, m: ModelConfig) -> int:
-        """A2's weight estimate, read once per path (0 when the files cannot be read)."""
-        if m.path not in self._estimates:
+        """A2's weight estimate as last read off the loop (0 until it has been, or when
+        the files cannot be read); status never reads a model's files itself (issue 21)."""
+        if m.path not in self._estimates and m.path not in self._reads:
+            self._read_soon(m)
+        return self._estimates.get(m.path, 0)
+
+    # -- model files, read off the loop (issue 21) ----------------------------------------
+
+    def _read_all(self, config: Config) -> None:
+        for model in config.models:
+            self._read_soon(model)
+
+    def _read_soon(self, model: ModelConfig) -> None:
+        async def quietly() -> None:
             try:
-                self._estimates[m.path] = self.enforcer.weight_bytes(m)
+                await self.read_model_files(model)
             except LoadError:
-                self._estimates[m.path] = 0
-        return self._estimates[m.path]
+                pass  # said as an event by the read
+
+        self.loop.create_task(quietly())
+
+    async def read_model_files(self, model: ModelConfig) -> None:
+        """A2's estimate and the context window, read on a thread with a time bound,
+        before anything on the loop needs them (shared.weights answers from what was
+        read after that). Concurrent callers share one read; LoadError when refused."""
+        task = self._reads.get(model.path)
+        joined = task is not None
+        if task is None:
+            task = self.loop.create_task(self._read_files(model))
+            self._reads[model.path] = task
+            task.add_done_callback(lambda _t: self._reads.pop(model.path, None))
+        try:
+            await asyncio.shield(task)
+        except _ReadFailed:
+            if not joined:
+                raise
+            await self.read_model_files(model)  # a read begun earlier failed for a passing reason: read anew
+
+    async def _read_files(self, model: ModelConfig) -> None:
+        def read() -> tuple[int | None, int | str]:
+            context = context_length(model.path)
+            try:
+                return context, estimate_weight_bytes(model.path)
+            except (WeightsError, FileRefused) as exc:  # the files themselves are refused
+                return context, str(exc)
+
+        try:
+            context, size = await off_loop(read, READ_TIMEOUT, f"reading {model.id}'s files")
+        except OffLoopTimeout as exc:
+            size, context = f"{exc} (a slow disk, or not a plain file?)", None
+        except OSError as exc:  # out of descriptors, a vanished folder: not the files' fault
+            raise _ReadFailed(f"model {model.id!r}: cannot read {model.path}: {exc}", code="model_unreadable",
+                              http_status=503, retry_after=1) from None
+        self._context[model.id] = context or -1
+        if isinstance(size, int):
+            self._estimates[model.path] = size
+            return
+        self._estimates[model.path] = 0
+        if (model.path, size) not in self._refused:  # said once, counted once
+            self._refused.add((model.path, size))
+            self.pool.counters["model_files_refused"] += 1
+            log.error("Model %s: cannot read %s: %s", model.id, model.path, size)
+            self.emit("refused", f"cannot read {model.path}: {size}", model_id=model.id)
+        raise LoadError(f"model {model.id!r} cannot be loaded from {model.path}: {size}",
+                        code="model_unreadable", http_status=500)
 
     def server_status(self, recent_events: int = 20) -> ServerStatus:
         now = time.monotonic()
@@ -620,6 +761,8 @@ class Arbiter:
             log.info("SIGHUP: %s", await self.reload("SIGHUP"))
         except ServeError as exc:
             log.error("SIGHUP: %s", exc)
+        except Exception:  # never a reload that vanishes without a word
+            log.exception("SIGHUP: the reload failed")
 
     async def reload(self, why: str) -> str:
         """Re-read the config and the models folders; apply what changed, keep what runs.
@@ -631,21 +774,66 @@ class Arbiter:
         if self.reload_config is None:
             raise ServeError("this supervisor has no config file to re-read", code="reload_unsupported",
                              http_status=409)
-        try:
-            new = self.reload_config()
-        except ConfigError as exc:
-            self.emit("reload_refused", f"{why}: {exc}; the running config stays")
-            raise ServeError(f"configuration refused, the running one stays: {exc}", code="invalid_config",
-                             http_status=400) from None
+        if self._reload_since is not None:
+            raise ServeError(f"a reload is still reading the config and the models folders (for "
+                             f"{time.monotonic() - self._reload_since:.0f} s); try again when it has finished",
+                             code="reload_busy", http_status=409)
+        new = await self._read_config(why)
         changes = self._apply_models(new) + self._apply_settings(new)
         self.config = new
         self.pool.config = new
         self.enforcer.config = new
         self._estimates.clear()
+        self._context.clear()
         summary = "; ".join(changes) if changes else "no change"
         self.emit("reload", f"{why}: {summary}")
+        self._read_all(new)
         self.wake()
         return f"configuration reloaded: {summary}"
+
+    async def _read_config(self, why: str) -> Config:
+        """The new config, read and scanned on a thread (issue 21: a rescan of
+        150,000 folders on the loop blocked it past the heartbeat window). The
+        loop runs on meanwhile; the reload is applied when the read completes,
+        or refused, the running config kept, past RELOAD_TIMEOUT."""
+        assert self.reload_config is not None
+        build = self.reload_config
+        config_file = self.config_file
+
+        def read() -> Config:
+            if config_file is not None:  # bounded here; the parser reads what it is given
+                try:
+                    open_regular(config_file, CONFIG_FILE_MAX).close()
+                except FileRefused as exc:
+                    raise ConfigError(str(exc)) from None
+                except OSError:
+                    pass  # missing or unreadable: the loader says so in its own words
+            return build()
+
+        def ended_late() -> None:
+            self._reload_since = None
+
+        self._reload_since = time.monotonic()
+        late = False
+        try:
+            return await off_loop(read, RELOAD_TIMEOUT, "re-reading the config", on_late=ended_late)
+        except OffLoopTimeout as exc:
+            late = True
+            words = f"{exc}; the running config stays"
+            code, status = "reload_timeout", 504
+        except ConfigError as exc:
+            words = f"{exc}; the running config stays"
+            code, status = "invalid_config", 400
+        except Exception as exc:  # a bug or an unforeseen file: refused, said, never dropped
+            log.exception("reload: reading the config failed")
+            words = f"reading it failed: {exc!r}; the running config stays"
+            code, status = "invalid_config", 400
+        finally:
+            if not late:
+                self._reload_since = None
+        self.pool.counters["reloads_refused"] += 1
+        self.emit("reload_refused", f"{why}: {words}")
+        raise ServeError(f"configuration refused: {words}", code=code, http_status=status)
 
     def _apply_models(self, new: Config) -> list[str]:
         old = {m.id: m for m in self.config.models}
@@ -708,6 +896,11 @@ class Arbiter:
             log.warning("reload: %s take effect only after a restart", ", ".join(f"supervisor.{k}" for k in stale))
             changes.append("needs a restart for " + ", ".join(f"supervisor.{k}" for k in stale))
         return changes
+
+
+class _ReadFailed(LoadError):
+    """A model's files could not be read for a passing reason (an OSError such as
+    EMFILE), as opposed to files that were read and refused."""
 
 
 def returned(handle: WorkerHandle) -> str:

@@ -18,6 +18,10 @@ from supervisor.errors import ServeError
 
 log = logging.getLogger("memvisor.control")
 
+# No model has a context near this; a count past it is a typo or an attack,
+# and one past 2**64 could not even be encoded in the answer (issue 21).
+MAX_CONTEXT_TOKENS = (1 << 31) - 1
+
 
 async def handle_control(sup: Supervisor, msg: p.ControlRequest) -> p.ControlReply:
     try:
@@ -33,6 +37,9 @@ async def _answer(sup: Supervisor, msg: p.ControlRequest) -> p.ControlReply:
         case p.StatusRequest():
             return p.ControlOk(data=msgspec.json.encode(sup.server_status()))
         case p.LoadRequest(dry_run=True):
+            if not 0 <= msg.context <= MAX_CONTEXT_TOKENS:
+                return p.ControlError(code="invalid_request", http_status=400,
+                                      message=f"context must be 0..{MAX_CONTEXT_TOKENS} tokens, got {msg.context}")
             report = sup.fit(msg.model, msg.context)
             return p.ControlOk(detail=report.message, data=msgspec.json.encode(report))
         case p.LoadRequest():

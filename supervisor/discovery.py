@@ -8,8 +8,12 @@ model whose id is its folder (or file) name; the Hugging Face cache layout
 `refs/main` points to (else the newest snapshot). Entries of the config file
 win over discovered ones with the same id.
 
-The scan is bounded (depth and count) so a models folder pointed at a home
-directory cannot stall the start; what it skips is said in a warning.
+The scan is bounded (depth, models and entries looked at) so a models folder
+pointed at a home directory cannot stall the start; what it skips is said in a
+warning. A reload runs it on a worker thread, never on the supervisor's loop
+(issue 21). A folder name that is not a usable model id (`My Model (4bit)`)
+is served under a sanitised id (`My-Model-4bit`), said in a warning, or
+skipped with a warning when even that is not usable; it never stops `serve`.
 """
 
 from __future__ import annotations
@@ -20,11 +24,15 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from shared.modelinfo import read_small
+
 if TYPE_CHECKING:
     from supervisor.config import Config
 
 MAX_DEPTH = 4
 MAX_MODELS = 1000
+MAX_ENTRIES = 100_000  # folder entries looked at, all levels together
+REF_MAX_BYTES = 4096  # refs/main holds one commit hash
 _HF_DIR = re.compile(r"^models--(?P<org>[^/]+?)--(?P<name>[^/]+)$")
 _SKIP = {".git", "__pycache__", ".cache", "node_modules"}
 
@@ -44,8 +52,12 @@ def _hf_snapshot(repo: Path) -> Path | None:
     """The snapshot `refs/main` names, else the most recently changed one."""
     snapshots = repo / "snapshots"
     ref = repo / "refs" / "main"
-    if ref.is_file():
-        chosen = snapshots / ref.read_text().strip()
+    try:
+        name = read_small(ref, REF_MAX_BYTES).decode("utf-8", "replace").strip()
+    except OSError:  # missing, a pipe, too large: fall back to the newest snapshot
+        name = ""
+    if name and "/" not in name and name not in (".", ".."):
+        chosen = snapshots / name
         if chosen.is_dir():
             return chosen
     candidates = [d for d in snapshots.iterdir() if d.is_dir()] if snapshots.is_dir() else []
@@ -59,6 +71,7 @@ def scan(root: Path, warnings: list[str]) -> list[Found]:
         warnings.append(f"models folder {root} does not exist or is not a folder")
         return found
     level = [root]
+    seen = 0
     for depth in range(MAX_DEPTH + 1):
         below: list[Path] = []
         for folder in level:
@@ -70,7 +83,15 @@ def scan(root: Path, warnings: list[str]) -> list[Found]:
             for entry in entries:
                 if entry.name in _SKIP or entry.name.startswith("."):
                     continue
-                model = _model_at(entry, root)
+                seen += 1
+                if seen > MAX_ENTRIES:
+                    warnings.append(f"stopped scanning {root} after {MAX_ENTRIES} entries")
+                    return found
+                try:
+                    model = _model_at(entry, warnings)
+                except OSError as exc:  # vanished, unreadable: the rest of the folder still counts
+                    warnings.append(f"cannot read {entry}: {exc.strerror or exc}")
+                    continue
                 if model is not None:
                     found.append(model)
                 elif entry.is_dir() and depth < MAX_DEPTH:
@@ -82,20 +103,46 @@ def scan(root: Path, warnings: list[str]) -> list[Found]:
     return found
 
 
-def _model_at(entry: Path, root: Path) -> Found | None:
-    if entry.is_file() and entry.suffix == ".gguf":
-        return Found(id=entry.stem, path=str(entry))
+def _model_at(entry: Path, warnings: list[str]) -> Found | None:
+    if entry.suffix == ".gguf" and entry.is_file():
+        return _found(entry.stem, entry, entry, warnings)
     if not entry.is_dir():
         return None
     hf = _HF_DIR.match(entry.name)
     if hf is not None:
         snapshot = _hf_snapshot(entry)
         if snapshot is not None and is_mlx_model_dir(snapshot):
-            return Found(id=f"{hf['org']}/{hf['name']}", path=str(snapshot))
+            return _found(f"{_sanitise(hf['org'])}/{_sanitise(hf['name'])}", entry, snapshot, warnings,
+                          named=f"{hf['org']}/{hf['name']}")
         return None
     if is_mlx_model_dir(entry):
-        return Found(id=entry.name, path=str(entry))
+        return _found(entry.name, entry, entry, warnings)
     return None
+
+
+_NOT_ID = re.compile(r"[^A-Za-z0-9._:@+-]+")
+
+
+def _sanitise(name: str) -> str:
+    """Runs of characters a model id cannot hold become one `-`; what cannot start or end one goes."""
+    return _NOT_ID.sub("-", name).strip("-._:@+")
+
+
+def _found(name: str, entry: Path, path: Path, warnings: list[str], named: str = "") -> Found | None:
+    """A model under `name` when it is a usable id; else under its sanitised form, said
+    in a warning; else nothing, said in a warning (issue 21: `My Model (4bit)` made
+    `serve` exit with a traceback, and a reload was silently dropped)."""
+    from supervisor.config import check_model_id
+
+    model_id = name if "/" in name else _sanitise(name)
+    original = named or name
+    problem = check_model_id(model_id)
+    if problem is not None:
+        warnings.append(f"{entry}: skipped, its name {original!r} gives no usable model id ({problem})")
+        return None
+    if model_id != original:
+        warnings.append(f"{entry}: {original!r} is not a usable model id; served as {model_id!r}")
+    return Found(id=model_id, path=str(path))
 
 
 def discover(dirs: list[str], known: set[str]) -> tuple[list[Found], list[str]]:

@@ -22,6 +22,7 @@ from typing import Callable, Literal, Union
 
 import msgspec
 import multiprocess
+import multiprocess.connection  # noqa: F401  (issue 21: Process.join imports it lazily; out of fds that failed)
 from typing_extensions import assert_never
 
 from shared import protocol as p
@@ -453,6 +454,18 @@ class Pool:
             self.command(h, p.Ping(seq=h.ping_seq))
         return wedged
 
+    def forgive(self, now: float, stalled: float) -> None:
+        """Issue 21: the supervisor's own loop could not run for `stalled` seconds,
+        so no worker's silence over that time is evidence (its heartbeats may be
+        sitting in the socket unread). Every worker gets a fresh window from
+        `now`; a loading one's load timeout is pushed back by the stall."""
+        for h in self.handles.values():
+            h.last_pong = max(h.last_pong, now)
+            if h.last_alive:
+                h.last_alive = max(h.last_alive, now)
+            if h.state in LOADING_STATES:
+                h.spawned_at += stalled
+
     def step_seconds(self, handle: WorkerHandle, now: float) -> float:
         """How long the worker's current engine step has run, by its heartbeat
         thread's last report (0 when it is between steps or the report is stale)."""
@@ -562,7 +575,13 @@ class Pool:
         kernel has its exit status; poll briefly rather than block the loop."""
         proc = handle.proc
         assert proc is not None
-        proc.join(0)
+        try:
+            proc.join(0)
+        except OSError as exc:  # out of descriptors (issue 21): keep trying, never lose the exit
+            if tries % 200 == 0:
+                log.warning("Reaping worker %s (pid %d) failed: %s; trying again", handle.worker_id, handle.pid, exc)
+            asyncio.get_running_loop().call_later(0.05, self._reap, handle, tries + 1)
+            return
         if proc.exitcode is None and tries < 200:
             asyncio.get_running_loop().call_later(0.005, self._reap, handle, tries + 1)
             return

@@ -20,6 +20,15 @@ def default_runtime_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"memvisor-{os.getuid()}"
 
 
+def runtime_dir_problem(path: Path) -> str | None:
+    """Why a client cannot look for a supervisor in `path` (it is a file, say), or None.
+
+    Issue 21: `status --runtime-dir FILE` printed a NotADirectoryError traceback."""
+    if path.exists() and not path.is_dir():
+        return f"--runtime-dir {path} is not a folder (a supervisor's runtime dir is one)"
+    return None
+
+
 def ensure_private_dir(path: Path) -> Path:
     """Create `path` with mode 0700, or refuse one another user could enter."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -7,6 +7,20 @@ import argparse
 from shared.sizes import SizeError, parse_size
 
 
+def context_arg(text: str) -> int:
+    """argparse type for a count of context tokens: 0 .. MAX_CONTEXT_TOKENS (issue 21:
+    one over 2**64 could not be sent and printed a traceback)."""
+    from supervisor.control import MAX_CONTEXT_TOKENS
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens") from None
+    if not 0 <= value <= MAX_CONTEXT_TOKENS:
+        raise argparse.ArgumentTypeError(f"must be 0..{MAX_CONTEXT_TOKENS} tokens, got {value}")
+    return value
+
+
 def size_arg(text: str) -> int:
     """argparse type for a SIZE flag: argparse prints the parser's own reason."""
     try:

@@ -10,6 +10,7 @@ import msgspec
 
 from shared import protocol as p
 from shared.sizes import format_size
+from supervisor.cli._args import context_arg
 from supervisor.cli._control import call
 from supervisor.policy.admission import FitReport
 
@@ -17,15 +18,12 @@ from supervisor.policy.admission import FitReport
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="model id (or alias) from the config")
     parser.add_argument("--dry-run", action="store_true", help="say whether it fits; load nothing")
-    parser.add_argument("--context", type=int, default=0, metavar="TOKENS",
+    parser.add_argument("--context", type=context_arg, default=0, metavar="TOKENS",
                         help="with --dry-run: count the KV cache of this many tokens too")
     parser.add_argument("--json", action="store_true", help="with --dry-run: the answer as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.context < 0:
-        print("memvisor: --context must not be negative")
-        return 2
     request = p.LoadRequest(model=args.model, dry_run=args.dry_run, context=args.context)
     if not args.dry_run:
         return call(args, request)[0]

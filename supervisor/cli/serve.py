@@ -88,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
     from supervisor.http.app import FrontDoorError
 
     arbiter = Arbiter(config, args.runtime_dir, max_workers=args.max_workers, http=args.http != "off",
-                      trace=args.trace, reload_config=lambda: build_config(args))
+                      trace=args.trace, reload_config=lambda: build_config(args),
+                      config_file=args.config)
     try:
         return asyncio.run(arbiter.run())
     except (FrontDoorError, RuntimeDirBusy, BusError, PermissionError) as exc:

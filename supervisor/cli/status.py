@@ -9,7 +9,8 @@ import msgspec
 
 from shared import protocol as p
 from shared.sizes import format_size
-from supervisor.client import ControlClient, NotRunning
+from supervisor.cli._control import connect
+from supervisor.client import NotRunning
 from supervisor.policy.status import ServerStatus
 
 
@@ -20,7 +21,7 @@ def add_arguments(parser):
 
 def run(args) -> int:
     try:
-        with ControlClient(args.runtime_dir, timeout=args.timeout) as client:
+        with connect(args.runtime_dir, timeout=args.timeout) as client:
             reply = client.call(p.StatusRequest())
     except NotRunning as exc:
         print(f"memvisor: {exc}", file=sys.stderr)
