@@ -304,3 +304,85 @@ def test_constrained_rows_join_the_batch_and_every_row_matches_its_request_alone
         assert isinstance(run.terminal(rid), Finished)
         assert run.tokens(rid) == alone[rid], rid
     assert 3 in counting.batches, "the constrained rows never shared a pass with the free one"
+
+
+# ------------------------------------------------------------------ issue 22: rows in place
+
+
+def _kv(length: int, seed: int, layers: int = 3, heads: int = 4, dim: int = 32) -> list:
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    out = []
+    for layer in range(layers):
+        cache = KVCache()
+        key = mx.random.key(seed * 100 + layer)
+        cache.update_and_fetch(mx.random.normal((1, heads, length, dim), key=key),
+                               mx.random.normal((1, heads, length, dim), key=mx.random.split(key)[0]))
+        out.append(cache)
+    mx.eval([(c.keys, c.values) for c in out])
+    return out
+
+
+class _Row:
+    sample = None
+
+
+def test_issue22_join_and_leave_copy_the_rows_that_move_never_the_running_batch():
+    """`BatchKVCache.extend`/`filter` copied the whole batch's KV on every join and leave (issue 22).
+
+    A newcomer is written into a free row and a leaver's hole is filled by
+    the last row: the peak of either is a row's worth, far under one layer of
+    the batch; every row still holds exactly its own KV afterwards.
+    """
+    import mlx.core as mx
+
+    from worker.batch import DecodeBatch
+
+    batch = DecodeBatch(max_rows=64)
+    rows = [_Row() for _ in range(20)]
+    kvs = {i: _kv(40 + 9 * i, i) for i in range(20)}
+    for i in range(16):
+        batch.join([rows[i]], [kvs[i]], [mx.array([i])])
+    batch.keep([i for i in range(len(batch)) if i not in (2, 5, 9)], batch.y)  # free rows to reuse
+    one_layer = batch.nbytes // len(batch.layers)
+    relayouts = batch.relayouts
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    batch.join([rows[16], rows[17]], [kvs[16], kvs[17]], [mx.array([16]), mx.array([17])])
+    mx.eval([(layer.keys, layer.values) for layer in batch.layers])
+    join_peak = mx.get_peak_memory() - before
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    batch.keep([i for i in range(len(batch)) if i not in (0, 7)], batch.y)
+    mx.eval([(layer.keys, layer.values) for layer in batch.layers])
+    leave_peak = mx.get_peak_memory() - before
+    assert batch.relayouts == relayouts, "joining free rows must not grow the buffers"
+    assert join_peak < one_layer / 4, (join_peak, one_layer)
+    assert leave_peak < one_layer / 4, (leave_peak, one_layer)
+    for slot, row in enumerate(batch.rows):
+        mine = kvs[rows.index(row)]
+        for layer, theirs in zip(batch.extract(slot), mine):
+            assert mx.array_equal(layer.keys, theirs.keys[..., :theirs.offset, :]).item()
+            assert mx.array_equal(layer.values, theirs.values[..., :theirs.offset, :]).item()
+    assert sorted(batch.tokens()) == sorted(rows.index(row) for row in batch.rows)
+
+
+def test_issue22_greedy_output_is_identical_through_joins_leaves_and_buffer_growth(loaded):
+    """Eight requests of different lengths join and leave at different steps while the rows are
+    full (capacity grows), a newcomer is longer than the room in front (the front grows) and the
+    positions run out (the window moves): every stream is token-identical to its request alone."""
+    engine = _engine(loaded, max_chunk=8)
+    engine._batch.step = 4  # grow often: every kind of relayout happens in a short run
+    texts = list(PROMPTS.values())
+    prompts = {f"r{i}": engine.encode_prompt(texts[i % 5] + " " + texts[(i * 3) % 5][: 2 + 5 * i])
+               for i in range(8)}
+    lengths = {rid: 6 + (5 * i) % 23 for i, rid in enumerate(prompts)}
+    alone = {rid: _alone(engine, {rid: p}, lengths[rid])[rid] for rid, p in prompts.items()}
+    relayouts = engine._batch.relayouts
+    joins = {rid: 3 * i + (i % 3) for i, rid in enumerate(prompts)}
+    run = _staggered(engine, prompts, joins, lengths)
+    for rid in prompts:
+        assert isinstance(run.terminal(rid), Finished)
+        assert run.tokens(rid) == alone[rid], rid
+    assert engine._batch.relayouts - relayouts >= 3, "the run never grew the buffers"

@@ -301,7 +301,7 @@ class Engine:
         # issue 11: unconstrained sequences decode as rows of one batch; models whose KV is
         # not plain attention (rotating, SSM) keep one forward pass per sequence.
         self.batch_decode = batch_decode and self._cacheable
-        self._batch = DecodeBatch(greedy)
+        self._batch = DecodeBatch(greedy, max_rows=self.max_concurrency)
         self._joining: list[_Seq] = []
 
     # ------------------------------------------------------------------ loading
