@@ -13,7 +13,10 @@ are already running.
 
 Why batches (issue 11): every decoding sequence is a row of one
 batched KV cache and advances in the same forward pass (worker/batch.py);
-sequences join after their own prefill and leave between steps.
+sequences join after their prefill and leave between steps, each copying
+only its own row (issue 22). Requests that wait together at the front of
+the prefill line are prefilled together in one pass per chunk
+(worker/group_prefill.py), the guard checking each and their sum.
 
 Why per-token care: a benchmark holds the whole path (engine + ZeroMQ + HTTP)
 to 90% of plain `mlx_lm` throughput. The decode step keeps mlx_lm's one-ahead
@@ -53,6 +56,7 @@ from worker import prefill_guard as guard
 from worker import prompt_cache as pc
 from worker.batch import DecodeBatch
 from worker.constrain import Constraint, ConstraintError, ConstraintFactory
+from worker.group_prefill import PrefillGroup, worth_padding
 from worker.sampling import Sampler, greedy, make_request_sampler
 from worker.stops import StopMatcher
 
@@ -297,12 +301,15 @@ class Engine:
         self.prompt_tokens_processed = 0
         self._constraints: ConstraintFactory | None = None  # built on the first constrained request
         self.prompt_cache = pc.PromptCache(0, min_reuse=MIN_REUSE_TOKENS)  # H2: cap comes with limits
-        self._cacheable = pc.supports(make_prompt_cache(model))
+        layers = make_prompt_cache(model)
+        self._cacheable = pc.supports(layers)
+        self._layer_count = len(layers)
         # issue 11: unconstrained sequences decode as rows of one batch; models whose KV is
         # not plain attention (rotating, SSM) keep one forward pass per sequence.
         self.batch_decode = batch_decode and self._cacheable
         self._batch = DecodeBatch(greedy, max_rows=self.max_concurrency)
         self._joining: list[_Seq] = []
+        self._group: PrefillGroup | None = None  # issue 22: requests prefilled together
 
     # ------------------------------------------------------------------ loading
 
@@ -434,6 +441,15 @@ class Engine:
                     line.remove(seq)
                     self._outbox.append(self._fail(seq, code, reason))
                     return True
+        group = self._group
+        if group is not None:
+            for i, seq in enumerate(group.rows):
+                if seq is not None and seq.id == request_id:
+                    group.rows[i] = None  # its row is still computed; nobody else's KV moves
+                    if not group.live:
+                        self._group = None
+                    self._outbox.append(self._fail(seq, code, reason))
+                    return True
         for seq in self._decoding:
             if seq.id == request_id:
                 self._decoding.remove(seq)
@@ -451,7 +467,8 @@ class Engine:
 
     def abort_all(self, reason: str, code: str = "aborted") -> int:
         """End every request, queued ones included (P6.3, P6.5); how many were ended."""
-        seqs = [*self._queue, *self._prefill, *self._decoding]
+        seqs = [*self._queue, *self._prefill, *self._grouped(), *self._decoding]
+        self._group = None
         self._queue.clear()
         self._prefill.clear()
         self._decoding.clear()
@@ -481,7 +498,10 @@ class Engine:
 
     @property
     def running(self) -> int:
-        return len(self._prefill) + len(self._decoding)
+        return len(self._prefill) + len(self._grouped()) + len(self._decoding)
+
+    def _grouped(self) -> list[_Seq]:
+        return self._group.live if self._group is not None else []
 
     @property
     def queued(self) -> int:
@@ -490,7 +510,7 @@ class Engine:
     @property
     def has_work(self) -> bool:
         """False when `step()` would do nothing (the loop may then block on its sockets)."""
-        if self._decoding or self._outbox:
+        if self._decoding or self._outbox or self._group is not None:
             return True
         if self._prefill:
             # Only the head of the prefill line can move; while it waits for the
@@ -528,12 +548,16 @@ class Engine:
                                 or self.prompt_cache.nbytes > limits.cache_cap):
             self.prompt_cache.set_cap(limits.cache_cap)  # H2: over the cap, LRU goes
         self._admit(limits)
-        if self._prefill and (self._prefill_turn or not self._decoding):
+        if (self._prefill or self._group is not None) and (self._prefill_turn or not self._decoding):
             try:
                 ran = self._prefill_step(limits, usage_fn, events)
             except Exception as exc:  # noqa: BLE001 - one request fails, the worker lives
                 ran = True
-                self._engine_failure([self._prefill.popleft()], exc, events)
+                if self._group is not None:
+                    failed, self._group = self._group.live, None
+                else:
+                    failed = [self._prefill.popleft()]
+                self._engine_failure(failed, exc, events)
             if ran:
                 self._prefill_turn = False
                 return events
@@ -572,7 +596,12 @@ class Engine:
     # ------------------------------------------------------------------ prefill
 
     def _prefill_step(self, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> bool:
-        """Advance the head of the prefill line; True when a chunk ran."""
+        """Advance the prefill group, else the head of the prefill line; True when a chunk ran."""
+        if self._group is None and self.batch_decode:
+            self._group = self._form_group(limits, usage_fn)
+        if self._group is not None:
+            self._group_step(self._group, limits, usage_fn, events)
+            return True
         seq = self._prefill[0]
         if seq.state == "waiting":
             if self._clock() < seq.deadline:
@@ -587,6 +616,130 @@ class Engine:
         if seq.pos == len(seq.prompt) - 1:
             self._start_decoding(seq)
         return True
+
+    # -- issue 22: prefilled together ---------------------------------------------------
+
+    def _form_group(self, limits: Limits, usage_fn: UsageFn) -> PrefillGroup | None:
+        """The requests at the front of the prefill line to prefill in one pass, or None.
+
+        A member has not started, reuses no prompt-cache entry (a fork is its
+        own KV), fits G1 alone, and does not make the group mostly padding; the
+        group must fit G1 as the sum of its members' estimates, else it loses
+        members from the back. The head of the line is always a member, so no
+        request is passed over; with fewer than two members the head goes alone.
+        """
+        head = self._prefill[0]
+        if head.state != "preflight" or head.hit is not None:
+            return None
+        if sum(1 for seq in self._prefill if seq.state == "preflight" and seq.hit is None) < 2:
+            return None  # alone: no usage read here, the usual path reads it (G1 once)
+        guarded = _guard_on(limits)
+        members: list[_Seq] = []
+        for seq in self._prefill:
+            if len(members) >= self.max_chunk:
+                break
+            if seq.state != "preflight" or seq.hit is not None:
+                continue
+            if members and not worth_padding([len(m.prompt) for m in members], len(seq.prompt)):
+                continue
+            if guarded and self._verdict(seq, limits, usage_fn).verdict != "fits":
+                if seq is head:
+                    return None  # the head's own G1 (NeedMemory, reject) goes the usual way
+                continue
+            members.append(seq)
+        if guarded:
+            while len(members) > 1 and not self._group_fits(members, limits, usage_fn()):
+                members.pop()
+        if len(members) < 2:
+            return None
+        for seq in members:
+            self._prefill.remove(seq)
+            seq.state = "prefill"
+        return PrefillGroup(members, [seq.prompt for seq in members], self._layer_count)
+
+    def _group_fits(self, members: list[_Seq], limits: Limits, usage: int) -> bool:
+        """G1 for the group: usage plus the sum of each member's estimate, its KV padded to the longest."""
+        limit = guard.prefill_limit(limits)
+        if limit.bytes == 0:
+            return True
+        padded = max(len(seq.prompt) for seq in members)
+        peak = sum(guard.estimate_prefill_peak(padded, self.cost, limits.min_chunk_tokens) for _ in members)
+        return usage + peak <= limit.bytes
+
+    def _group_step(self, group: PrefillGroup, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> None:
+        """One chunk of columns for every row (G2 for the group's tokens, G3 after), or the first tokens."""
+        rows = len(group)
+        if group.remaining > 0:
+            columns = max(1, self.max_chunk // rows)
+            guarded = _guard_on(limits)
+            if guarded:
+                plan = guard.next_chunk(limits, usage_fn(), group.remaining * rows, self.cost, self.max_chunk)
+                columns = plan.tokens // rows
+                if columns == 0:
+                    self._split(group)  # a step for the group does not fit: each goes on alone (G2)
+                    return
+            columns = min(columns, group.remaining, max(1, self.chunk_timer.cap(columns * rows) // rows))
+            real = group.real_tokens(columns)
+            memory.reset_peak()
+            before = mx.get_active_memory()
+            started = time.monotonic()
+            group.run_chunk(self.model, columns)
+            self.chunk_timer.learn(time.monotonic() - started, columns * rows)
+            self._learn_cost(mx.get_peak_memory() - before, columns * rows)
+            self.prompt_tokens_processed += real
+            mx.clear_cache()
+            if guarded and not self._group_after_chunk(group, limits, usage_fn, events):
+                return
+            if group.remaining > 0:
+                return
+        self._start_group_decoding(group)
+
+    def _group_after_chunk(self, group: PrefillGroup, limits: Limits, usage_fn: UsageFn,
+                           events: list[Event]) -> bool:
+        """G3 for the group: over the abort limit reclaim and re-check; still over fails its members."""
+        level = guard.after_chunk(limits, usage_fn())
+        if level == "over_abort":
+            self._reclaim()
+            usage = usage_fn()
+            if guard.after_chunk(limits, usage) == "over_abort":
+                self._group = None
+                for seq in group.live:
+                    events.append(self._memory_failure(seq, usage, limits.abort_limit,
+                                                       guard.abort_binding(limits)))
+                return False
+        elif level == "over_soft":
+            for seq in group.live:
+                if not seq.warned_soft:
+                    seq.warned_soft = True
+                    log.info("request %s: prefill is above the soft limit", seq.id)
+        return True
+
+    def _split(self, group: PrefillGroup) -> None:
+        """The group's requests back at the front of the line, each with its own KV so far."""
+        self._group = None
+        for seq, layers, held in reversed(group.split()):
+            seq.cache = layers if layers is not None else make_prompt_cache(self.model)
+            seq.pos = held
+            seq.state = "prefill"
+            self._prefill.appendleft(seq)
+
+    def _start_group_decoding(self, group: PrefillGroup) -> None:
+        """Every row's last prompt token in one pass: the first tokens; the rows join the batch."""
+        live = [(i, seq) for i, seq in enumerate(group.rows) if seq is not None]
+        with mx.stream(generation_stream):
+            logits = group.last_logits(self.model)
+            for i, seq in live:
+                row = logits[i:i + 1]
+                seq.y = seq.sample(seq.constraint.mask(row) if seq.constraint is not None else row)
+        mx.async_eval([seq.y for _, seq in live])
+        self._group = None
+        self.prompt_tokens_processed += len(live)
+        for i, seq in live:
+            seq.cache = group.row_kv(i)  # views: the batch copies the row in when it joins
+            seq.detok = self.tokenizer.detokenizer
+            seq.state = "decoding"
+            self._decoding.append(seq)
+            self._joining.append(seq)
 
     def _preflight(self, seq: _Seq, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> bool:
         """G1 (with H4 first); True when the prefill may start now."""
