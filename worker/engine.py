@@ -34,12 +34,11 @@ forward from.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable, Iterable, Protocol, Union, cast
+from typing import Any, Callable, Iterable, Union, cast
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -51,31 +50,20 @@ from shared.modelinfo import context_length
 from shared.protocol import Constraint as ConstraintSpec
 from shared.protocol import Failed, Finished, Generate, NeedMemory, TokenOut
 from shared.weights import WeightsError, estimate_weight_bytes
-from worker import memory
+from worker import memory, prompts
 from worker import prefill_guard as guard
 from worker import prompt_cache as pc
 from worker.batch import DecodeBatch
 from worker.constrain import Constraint, ConstraintError, ConstraintFactory
 from worker.group_prefill import PrefillGroup, worth_padding
-from worker.sampling import Sampler, greedy, make_request_sampler
+from worker.request import CONTEXT_EXCEEDED, ENGINE_ERROR, INVALID_REQUEST, EngineError, Seq
+from worker.sampling import greedy, make_request_sampler
 from worker.stops import StopMatcher
 
 log = logging.getLogger("memvisor.worker.engine")
 
 Event = Union[TokenOut, Finished, Failed, NeedMemory]
 UsageFn = Callable[[], int]
-LayerCaches = list[Any]  # one mlx_lm cache per layer (KVCache, rotating, ...): mlx_lm types it List[Any] too
-
-
-class Detokenizer(Protocol):
-    """What the engine uses of mlx_lm's streaming detokenizer (its classes are untyped)."""
-
-    @property
-    def last_segment(self) -> str: ...
-
-    def add_token(self, token: int) -> None: ...
-
-    def finalize(self) -> None: ...
 
 
 DEFAULT_MAX_CHUNK = 512
@@ -83,104 +71,6 @@ CLEAR_CACHE_EVERY = 256  # decode steps between pool returns, as mlx_lm does
 MEMORY_WAIT_SECONDS = 10.0
 MIN_LEARN_TOKENS = 16  # shorter chunks do not update the per-token cost estimate
 MIN_REUSE_TOKENS = 16  # a shorter shared prefix (BOS, a template's first tokens) is no cache hit
-INVALID_REQUEST = "invalid_request"
-CONTEXT_EXCEEDED = "context_length_exceeded"  # issue 16
-ENGINE_ERROR = "engine_error"
-
-
-class EngineError(ValueError):
-    """A request or model the engine cannot take; `code` goes on the wire."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-class _Seq:
-    """One request's state; slots keep per-token attribute access cheap."""
-
-    __slots__ = (
-        "id", "prompt", "max_tokens", "sample", "stopper", "state", "cache", "pos",
-        "y", "detok", "generated", "retried", "deadline", "warned_soft", "constraint", "hit", "cached", "out",
-    )
-
-    def __init__(self, request_id: str, prompt: list[int], max_tokens: int, sampler: Sampler,
-                 stopper: StopMatcher | None, constraint: Constraint | None = None):
-        self.id = request_id
-        self.prompt = prompt
-        self.max_tokens = max_tokens
-        self.sample = sampler
-        self.stopper = stopper
-        self.state = "preflight"   # preflight | waiting | prefill | decoding
-        self.cache: LayerCaches | None = None  # own KV while prefilling or decoding alone (not in a batch)
-        self.pos = 0               # prompt tokens already in the KV cache
-        self.y: mx.array | None = None  # next token (lazy / in flight); a batch row's is the batch's
-        self.detok: Detokenizer | None = None  # from the first output token on
-        self.generated = 0
-        self.retried = False
-        self.deadline = 0.0
-        self.warned_soft = False
-        self.constraint: Constraint | None = constraint  # issue 13: grammar of the output
-        self.hit: pc.Hit | None = None  # the prompt-cache entry it will reuse (pinned, H3)
-        self.cached = 0            # prompt tokens taken from the prompt cache (H1)
-        self.out: list[int] = []   # generated token ids (the cache key after the prompt)
-
-    def kv(self) -> LayerCaches:
-        """The sequence's own KV, which it has from its prefill until it joins a batch or ends."""
-        assert self.cache is not None, f"request {self.id} has no KV cache ({self.state})"
-        return self.cache
-
-    def token(self) -> mx.array:
-        """The token in flight, which a sequence decoding outside a batch always has."""
-        assert self.y is not None, f"request {self.id} has no token in flight ({self.state})"
-        return self.y
-
-    def token_id(self) -> int:
-        """The token in flight read as an id (this waits for it); MLX types item() as int | float | complex."""
-        return cast(int, self.token().item())
-
-
-def _turn(m) -> dict:
-    """A wire ChatMessage as the dict HF chat templates read (issue 13: tool turns too)."""
-    turn: dict = {"role": m.role, "content": m.content}
-    if m.tool_calls:
-        turn["tool_calls"] = json.loads(m.tool_calls)
-    if m.tool_call_id:
-        turn["tool_call_id"] = m.tool_call_id
-    return turn
-
-
-def _knows_tools(template) -> bool:
-    """A chat template that reads `tools` renders them itself (Qwen, Llama 3.1+, Hermes ...)."""
-    text = template if isinstance(template, str) else json.dumps(template)
-    return "tools" in text
-
-
-TOOLS_IN_WORDS = ("You can call these tools. To call one, answer with "
-                  '<tool_call>{"name": <name>, "arguments": <object>}</tool_call>\n<tools>\n{tools}</tools>')
-
-
-def _tools_in_words(turns: list[dict], tools: list) -> list[dict]:
-    """Issue 13: for a template with no place for tools, the Hermes wording the front door
-    parses, in the system turn; earlier calls and results become plain text turns."""
-    listing = TOOLS_IN_WORDS.replace("{tools}", "".join(json.dumps(t) + "\n" for t in tools))
-    out: list[dict] = []
-    for t in turns:
-        if t.get("tool_calls"):
-            calls = "".join("<tool_call>" + json.dumps({"name": c["function"]["name"],
-                                                         "arguments": c["function"]["arguments"]}) + "</tool_call>"
-                            for c in t["tool_calls"])
-            out.append({"role": "assistant", "content": calls})
-        elif t["role"] == "tool":
-            out.append({"role": "user", "content": f"<tool_response>{t['content']}</tool_response>"})
-        else:
-            out.append({"role": t["role"], "content": t["content"]})
-    if out and out[0]["role"] == "system":
-        return [{"role": "system", "content": listing + "\n\n" + out[0]["content"]}] + out[1:]
-    return [{"role": "system", "content": listing}] + out
-
-
 def _guard_on(limits: Limits) -> bool:
     return limits.hard_limit > 0 or limits.abort_limit > 0 or limits.soft_limit > 0
 
@@ -290,9 +180,9 @@ class Engine:
         self._eos = frozenset(tokenizer.eos_token_ids)
         self.cost = _prior_cost(model, self.max_chunk)
         self._measured = False
-        self._queue: deque[_Seq] = deque()
-        self._prefill: deque[_Seq] = deque()
-        self._decoding: list[_Seq] = []
+        self._queue: deque[Seq] = deque()
+        self._prefill: deque[Seq] = deque()
+        self._decoding: list[Seq] = []
         self._ids: set[str] = set()
         self._outbox: list[Event] = []
         self._prefill_turn = True
@@ -308,7 +198,7 @@ class Engine:
         # not plain attention (rotating, SSM) keep one forward pass per sequence.
         self.batch_decode = batch_decode and self._cacheable
         self._batch = DecodeBatch(greedy, max_rows=self.max_concurrency)
-        self._joining: list[_Seq] = []
+        self._joining: list[Seq] = []
         self._group: PrefillGroup | None = None  # issue 22: requests prefilled together
 
     # ------------------------------------------------------------------ loading
@@ -336,29 +226,12 @@ class Engine:
     # ------------------------------------------------------------------ prompts
 
     def encode_chat(self, messages: Iterable, tools: str | None = None) -> list[int]:
-        """Chat messages through the model's chat template, ready for the reply."""
-        if not self.tokenizer.has_chat_template:
-            raise EngineError(INVALID_REQUEST, "this model has no chat template; use completions")
-        turns = [m if isinstance(m, dict) else _turn(m) for m in messages]
-        if not turns:
-            raise EngineError(INVALID_REQUEST, "messages must not be empty")
-        extra: dict = {}
-        if tools:  # issue 13: tools through the template, or in words where it has no place for them
-            tool_list = json.loads(tools)
-            if _knows_tools(getattr(self.tokenizer, "chat_template", None)):
-                extra["tools"] = tool_list
-            else:
-                turns = _tools_in_words(turns, tool_list)
-        try:
-            return list(self.tokenizer.apply_chat_template(turns, add_generation_prompt=True, **extra))
-        except Exception as exc:  # noqa: BLE001 - jinja raises whatever the template says
-            raise EngineError(INVALID_REQUEST, f"chat template rejected the messages: {exc}") from None
+        """Chat messages through the model's chat template, ready for the reply (worker/prompts.py)."""
+        return prompts.encode_chat(self.tokenizer, messages, tools)
 
     def encode_prompt(self, text: str) -> list[int]:
         """A raw completion prompt; BOS added unless the text already starts with it."""
-        bos = self.tokenizer.bos_token
-        add_special = bos is None or not text.startswith(bos)
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special))
+        return prompts.encode_prompt(self.tokenizer, text)
 
     # ------------------------------------------------------------------ requests
 
@@ -395,7 +268,7 @@ class Engine:
         if vocab is not None and not all(0 <= t < vocab for t in prompt_tokens):
             raise EngineError(INVALID_REQUEST, f"prompt has token ids outside [0, {vocab})")
         stops = [s for s in stop if s]
-        seq = _Seq(request_id, list(prompt_tokens), max_tokens,
+        seq = Seq(request_id, list(prompt_tokens), max_tokens,
                    make_request_sampler(temperature, top_p, seed),
                    StopMatcher(stops) if stops else None,
                    self._constraint(constraint, max_tokens) if constraint is not None else None)
@@ -458,7 +331,7 @@ class Engine:
                 return True
         return False
 
-    def _leave(self, seq: _Seq) -> None:
+    def _leave(self, seq: Seq) -> None:
         """Between steps: an aborted sequence's row goes out of the batch (issue 11)."""
         if seq in self._joining:
             self._joining.remove(seq)
@@ -500,7 +373,7 @@ class Engine:
     def running(self) -> int:
         return len(self._prefill) + len(self._grouped()) + len(self._decoding)
 
-    def _grouped(self) -> list[_Seq]:
+    def _grouped(self) -> list[Seq]:
         return self._group.live if self._group is not None else []
 
     @property
@@ -573,7 +446,7 @@ class Engine:
             self._prefill_turn = True
         return events
 
-    def _engine_failure(self, seqs: list[_Seq], exc: Exception, events: list[Event]) -> None:
+    def _engine_failure(self, seqs: list[Seq], exc: Exception, events: list[Event]) -> None:
         """MLX raised (allocation failure, bad model code): fail these requests, keep serving.
 
         A worker that died here would take every other request and its loaded
@@ -634,7 +507,7 @@ class Engine:
         if sum(1 for seq in self._prefill if seq.state == "preflight" and seq.hit is None) < 2:
             return None  # alone: no usage read here, the usual path reads it (G1 once)
         guarded = _guard_on(limits)
-        members: list[_Seq] = []
+        members: list[Seq] = []
         for seq in self._prefill:
             if len(members) >= self.max_chunk:
                 break
@@ -657,7 +530,7 @@ class Engine:
             seq.state = "prefill"
         return PrefillGroup(members, [seq.prompt for seq in members], self._layer_count)
 
-    def _group_fits(self, members: list[_Seq], limits: Limits, usage: int) -> bool:
+    def _group_fits(self, members: list[Seq], limits: Limits, usage: int) -> bool:
         """G1 for the group: usage plus the sum of each member's estimate, its KV padded to the longest."""
         limit = guard.prefill_limit(limits)
         if limit.bytes == 0:
@@ -741,7 +614,7 @@ class Engine:
             self._decoding.append(seq)
             self._joining.append(seq)
 
-    def _preflight(self, seq: _Seq, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> bool:
+    def _preflight(self, seq: Seq, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> bool:
         """G1 (with H4 first); True when the prefill may start now."""
         if self._cacheable:  # look again: a request that finished meanwhile may cover more
             hit = self.prompt_cache.lookup(seq.prompt, len(seq.prompt) - 1)
@@ -767,14 +640,14 @@ class Engine:
                                            verdict.binding))
         return False
 
-    def _verdict(self, seq: _Seq, limits: Limits, usage_fn: UsageFn) -> guard.Preflight:
+    def _verdict(self, seq: Seq, limits: Limits, usage_fn: UsageFn) -> guard.Preflight:
         """G1 for the tokens still to run; a reused prefix costs only its copy (see prompt_cache)."""
         reused = seq.hit.tokens if seq.hit is not None else 0
         return guard.preflight(limits, usage_fn(), len(seq.prompt) - reused, self.cost,
                                own_usage=self._own_usage(), retried=seq.retried,
                                extra_bytes=int(reused * self.cost.kv_per_token))
 
-    def _start_prefill(self, seq: _Seq) -> None:
+    def _start_prefill(self, seq: Seq) -> None:
         """The sequence's KV: a fork of its cache hit (H1), else empty."""
         if seq.hit is not None:
             seq.cache = pc.PromptCache.fork(seq.hit)
@@ -786,7 +659,7 @@ class Engine:
             seq.cache = make_prompt_cache(self.model)
         seq.state = "prefill"
 
-    def _run_chunk(self, seq: _Seq, remaining: int, limits: Limits, usage_fn: UsageFn,
+    def _run_chunk(self, seq: Seq, remaining: int, limits: Limits, usage_fn: UsageFn,
                    events: list[Event]) -> bool:
         """G2 size, run, measure, G3 check; False when the request was failed."""
         guarded = _guard_on(limits)
@@ -817,7 +690,7 @@ class Engine:
             return self._after_chunk(seq, limits, usage_fn, events)
         return True
 
-    def _after_chunk(self, seq: _Seq, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> bool:
+    def _after_chunk(self, seq: Seq, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> bool:
         """G3: over the abort limit reclaim and re-check; still over fails the request."""
         level = guard.after_chunk(limits, usage_fn())
         if level == "over_abort":
@@ -852,7 +725,7 @@ class Engine:
         new = max(new, self.cost.kv_per_token)
         self.cost = guard.PrefillCost(kv_per_token=self.cost.kv_per_token, chunk_per_token=new)
 
-    def _start_decoding(self, seq: _Seq) -> None:
+    def _start_decoding(self, seq: Seq) -> None:
         """Feed the last prompt token; its sampled successor is the first output token."""
         last = mx.array(seq.prompt[-1:])[None]
         with mx.stream(generation_stream):
@@ -893,7 +766,7 @@ class Engine:
         if self._decode_steps % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
 
-    def _batched_step(self, events: list[Event]) -> list[_Seq]:
+    def _batched_step(self, events: list[Event]) -> list[Seq]:
         """Joiners in, one batched pass queued, the previous tokens read at once, leavers out.
 
         A constrained row's next token waits for its mask, which needs the
@@ -932,7 +805,7 @@ class Engine:
         batch.keep(keep, following)
         return survivors
 
-    def _single_step(self, events: list[Event]) -> list[_Seq]:
+    def _single_step(self, events: list[Event]) -> list[Seq]:
         """One pass per sequence (no batching): the path before issue 11."""
         seqs = [seq for seq in self._decoding if seq.constraint is None]
         bound = [seq for seq in self._decoding if seq.constraint is not None]
@@ -956,7 +829,7 @@ class Engine:
                 survivors.append(seq)
         return survivors
 
-    def _constrained_step(self, seqs: list[_Seq], events: list[Event]) -> list[_Seq]:
+    def _constrained_step(self, seqs: list[Seq], events: list[Event]) -> list[Seq]:
         """Issue 13: queue the forward passes, then read each token and advance its grammar
         while they run, then queue the masked samples (only sampling waits for the mask)."""
         with mx.stream(generation_stream):
@@ -978,7 +851,7 @@ class Engine:
         mx.async_eval(following)
         return survivors
 
-    def _emit(self, seq: _Seq, token: int, events: list[Event]) -> bool:
+    def _emit(self, seq: Seq, token: int, events: list[Event]) -> bool:
         """Turn one sampled token into events; True when the request finished."""
         seq.generated += 1
         seq.out.append(token)
@@ -1024,12 +897,12 @@ class Engine:
 
     # ------------------------------------------------------------------ endings
 
-    def _finished(self, seq: _Seq, reason: str) -> Finished:
+    def _finished(self, seq: Seq, reason: str) -> Finished:
         return Finished(request_id=seq.id, finish_reason=reason, prompt_tokens=len(seq.prompt),
                         completion_tokens=seq.generated, cached_tokens=seq.cached,
                         stop_sequence=seq.stopper.hit if seq.stopper is not None else "")
 
-    def _store(self, seq: _Seq) -> None:
+    def _store(self, seq: Seq) -> None:
         """H1: keep what the request computed (prompt and the tokens fed back) for the next one."""
         self.prompt_cache.release(seq.hit)
         seq.hit = None
@@ -1040,14 +913,14 @@ class Engine:
             return
         self.prompt_cache.insert((seq.prompt + seq.out)[:first.offset], seq.cache)
 
-    def _fail(self, seq: _Seq, code: str, message: str, **extra) -> Failed:
+    def _fail(self, seq: Seq, code: str, message: str, **extra) -> Failed:
         self._ids.discard(seq.id)
         self.prompt_cache.release(seq.hit)
         seq.hit = None
         seq.cache = seq.y = None
         return Failed(request_id=seq.id, code=code, message=message, **extra)
 
-    def _memory_failure(self, seq: _Seq, estimated: int, limit: int, binding: str) -> Failed:
+    def _memory_failure(self, seq: Seq, estimated: int, limit: int, binding: str) -> Failed:
         """G1-G3 refusal; the KV memory the request held goes back to the OS at once."""
         event = self._fail(seq, guard.PREFILL_MEMORY_EXCEEDED,
                            guard.rejection_message(estimated, limit, binding),
