@@ -361,7 +361,7 @@ class Engine:
         """The supervisor's reply to `NeedMemory`: retry the preflight once (G1)."""
         for seq in self._prefill:
             if seq.id == request_id and seq.state == "waiting":
-                seq.state = "preflight"
+                seq.move("retry")
                 seq.retried = True
                 if not evicted:
                     log.info("request %s: supervisor found nothing to evict", request_id)
@@ -464,7 +464,9 @@ class Engine:
         while self._queue and self.running < cap:
             if limits.admission_paused and self.running > 0:
                 return
-            self._prefill.append(self._queue.popleft())
+            seq = self._queue.popleft()
+            seq.move("admit")
+            self._prefill.append(seq)
 
     # ------------------------------------------------------------------ prefill
 
@@ -479,7 +481,8 @@ class Engine:
         if seq.state == "waiting":
             if self._clock() < seq.deadline:
                 return False
-            seq.state, seq.retried = "preflight", True
+            seq.move("retry")
+            seq.retried = True
         if seq.state == "preflight":
             if not self._preflight(seq, limits, usage_fn, events):
                 return False
@@ -527,7 +530,7 @@ class Engine:
             return None
         for seq in members:
             self._prefill.remove(seq)
-            seq.state = "prefill"
+            seq.move("group")
         return PrefillGroup(members, [seq.prompt for seq in members], self._layer_count)
 
     def _group_fits(self, members: list[Seq], limits: Limits, usage: int) -> bool:
@@ -593,7 +596,7 @@ class Engine:
         for seq, layers, held in reversed(group.split()):
             seq.cache = layers if layers is not None else make_prompt_cache(self.model)
             seq.pos = held
-            seq.state = "prefill"
+            seq.move("split")
             self._prefill.appendleft(seq)
 
     def _start_group_decoding(self, group: PrefillGroup) -> None:
@@ -610,7 +613,7 @@ class Engine:
         for i, seq in live:
             seq.cache = group.row_kv(i)  # views: the batch copies the row in when it joins
             seq.detok = self.tokenizer.detokenizer
-            seq.state = "decoding"
+            seq.move("first_token")
             self._decoding.append(seq)
             self._joining.append(seq)
 
@@ -631,7 +634,7 @@ class Engine:
             self._start_prefill(seq)
             return True
         if verdict.verdict == "evict":
-            seq.state = "waiting"
+            seq.move("need_memory")
             seq.deadline = self._clock() + self._memory_wait
             events.append(NeedMemory(request_id=seq.id, need_bytes=verdict.need_bytes))
             return False
@@ -657,7 +660,7 @@ class Engine:
             seq.hit = None
         else:
             seq.cache = make_prompt_cache(self.model)
-        seq.state = "prefill"
+        seq.move("start")
 
     def _run_chunk(self, seq: Seq, remaining: int, limits: Limits, usage_fn: UsageFn,
                    events: list[Event]) -> bool:
@@ -737,7 +740,7 @@ class Engine:
         self._prefill.popleft()
         self.prompt_tokens_processed += 1
         seq.detok = self.tokenizer.detokenizer
-        seq.state = "decoding"
+        seq.move("first_token")
         self._decoding.append(seq)
         if self.batch_decode:
             self._joining.append(seq)  # joins the batch at the next decode step (issue 11)
@@ -898,6 +901,7 @@ class Engine:
     # ------------------------------------------------------------------ endings
 
     def _finished(self, seq: Seq, reason: str) -> Finished:
+        seq.move("end")
         return Finished(request_id=seq.id, finish_reason=reason, prompt_tokens=len(seq.prompt),
                         completion_tokens=seq.generated, cached_tokens=seq.cached,
                         stop_sequence=seq.stopper.hit if seq.stopper is not None else "")
@@ -914,6 +918,7 @@ class Engine:
         self.prompt_cache.insert((seq.prompt + seq.out)[:first.offset], seq.cache)
 
     def _fail(self, seq: Seq, code: str, message: str, **extra) -> Failed:
+        seq.move("end")
         self._ids.discard(seq.id)
         self.prompt_cache.release(seq.hit)
         seq.hit = None
