@@ -48,7 +48,7 @@ from supervisor.config import Config, GuardConfig, ModelConfig, SupervisorConfig
 
 def slow_clients(port: int, count: int) -> None:
     """Half never read; half read 2 KiB/s and reconnect when their stream ends."""
-    request = b"GET /v1/events?since=0 HTTP/1.1\r\nHost: bench\r\nAccept: text/event-stream\r\n\r\n"
+    request = b"GET /v1/events?since=0 HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept: text/event-stream\r\n\r\n"
 
     def connect() -> socket.socket:
         sock = socket.socket()

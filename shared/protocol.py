@@ -71,6 +71,7 @@ class Hello(Msg, tag="hello", kw_only=True):
     device_info: dict[str, Union[int, float, str]] = {}
     device: str = ""  # D1: where its arrays live, mx.default_device() ("Device(gpu, 0)")
     slot: int = -1
+    blas: str = ""    # issue 22: the BLAS its MLX computes with (worker.blas), "" from older workers
 
 
 class Loaded(Msg, tag="loaded", kw_only=True):

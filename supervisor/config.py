@@ -105,6 +105,21 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+# issue 21: `[supervisor] cors_origins` by default: local pages on any port, as Ollama's OLLAMA_ORIGINS.
+DEFAULT_CORS_ORIGINS = [f"{scheme}://{host}:*" for scheme in ("http", "https")
+                        for host in ("localhost", "127.0.0.1", "[::1]")]
+_ORIGIN_PATTERN_RE = re.compile(r"^(?:\*|null|[a-z][a-z0-9+.-]*://(?:\[[0-9a-fA-F:.*]+\]|[^:/\[\]\s]+)"
+                                r"(?::(?:\*|[0-9]{1,5}))?)$")
+
+
+def check_origin_pattern(pattern: str) -> str | None:
+    """Why `pattern` is not a valid `cors_origins` entry (None when it is)."""
+    if not _ORIGIN_PATTERN_RE.match(pattern):
+        return (f"{pattern!r} is not an origin: write SCHEME://HOST[:PORT] with no path, "
+                "'*' for a wildcard part (e.g. http://localhost:*), or '*' for every origin")
+    return None
+
+
 def parse_http(text: str) -> tuple[str, int]:
     """Split `HOST:PORT` (IPv6 as `[::1]:8000`); ValueError says what is wrong."""
     match = _HTTP_RE.match(text.strip())
@@ -176,7 +191,7 @@ _SUPERVISOR_RANGES = (
     ("queue_deadline", 0.01, 86400.0), ("restart_period", 0.1, 86400.0), ("stop_grace", 0.01, 3600.0),
     ("heartbeat_interval", 0.05, 3600.0), ("heartbeat_timeout", 0.1, 86400.0), ("load_timeout", 0.1, 86400.0),
     ("step_timeout", 0.1, 86400.0), ("failed_retry_first", 0.1, 86400.0),
-    ("failed_retry_max", 0.1, 86400.0), ("body_timeout", 0.1, 3600.0),
+    ("failed_retry_max", 0.1, 86400.0), ("body_timeout", 0.1, 3600.0), ("header_timeout", 0.1, 3600.0),
 )
 
 
@@ -206,6 +221,14 @@ class SupervisorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     failed_retry_first: float = 10.0
     failed_retry_max: float = 300.0
     body_timeout: float = 30.0       # seconds a client has to send its whole request body
+    # issue 21: seconds a client has to send its request line and headers (a slow-loris
+    # connection is closed after this), and the most HTTP connections open at once
+    # (beyond it the oldest one still sending headers is closed, or the new one gets a 503).
+    header_timeout: float = 10.0
+    max_connections: int = 1024
+    # issue 21: the pages (origins) that may call /v1/* (and /api/*) from a browser:
+    # SCHEME://HOST[:PORT], '*' for a wildcard part, ':*' for any port, or '*' for every origin.
+    cors_origins: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_CORS_ORIGINS))
     # The time one prefill chunk aims at: commands wait at most about this long
     # for a step boundary (0 = chunks sized by memory only).
     chunk_seconds: float = 1.0
@@ -256,6 +279,12 @@ class SupervisorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
             _between("chunk_seconds", self.chunk_seconds, 0.01, 600.0)
         if not 1 <= self.max_subscribers <= 10_000:
             raise _FieldError("max_subscribers", f"must be 1..10000, got {self.max_subscribers}")
+        if not 1 <= self.max_connections <= 1_000_000:
+            raise _FieldError("max_connections", f"must be 1..1000000, got {self.max_connections}")
+        for origin in self.cors_origins:
+            problem = check_origin_pattern(origin)
+            if problem is not None:
+                raise _FieldError("cors_origins", problem)
         if not 1 <= self.max_tokens <= 10_000_000:
             raise _FieldError("max_tokens", f"must be 1..10000000, got {self.max_tokens}")
         if self.heartbeat_timeout <= self.heartbeat_interval:

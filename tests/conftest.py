@@ -16,6 +16,11 @@ import msgspec
 import pytest
 
 from shared.sizes import MiB
+from worker import blas
+
+# issue 22: the tests that run MLX in this process get the workers' OpenBLAS too; it must be
+# opened before any test module imports mlx.core (MEMVISOR_BLAS=stock keeps MLX's own).
+blas.preload()
 
 
 class TinyModels(msgspec.Struct, frozen=True):

@@ -457,7 +457,8 @@ def _group_limits(engine: Engine, prompts: dict[str, list[int]], fit: int) -> tu
 
     limits = _tight_limits()
     padded = max(len(p) for p in prompts.values())
-    one = guard.estimate_prefill_peak(padded, engine.cost, limits.min_chunk_tokens)
+    one = max(guard.admission_peak(padded, engine.cost, limits.min_chunk_tokens),
+              guard.padded_chunk_bytes(engine.cost, 0, 1))  # G1's estimate, or the first step's (G2)
     return limits, guard.prefill_limit(limits).bytes - one * fit - one // 2
 
 
@@ -494,8 +495,8 @@ def test_issue22_g2_a_group_step_that_does_not_fit_is_split_and_each_goes_on_alo
     readings = iter([1 * GiB] * 7)  # G1 (four members, the sum), the first chunk and its G3; then...
 
     def usage():
-        per_token = max(engine.cost.chunk_per_token, engine.cost.kv_per_token) * guard.COST_PAD
-        tight = guard.chunk_target(limits).bytes - int(3.5 * per_token)  # ...3 tokens: not one per row
+        # ...room for one row's 3-token chunk, less than one column for each of the 4 rows
+        tight = guard.chunk_target(limits).bytes - guard.padded_chunk_bytes(engine.cost, 8, 3)
         return next(readings, tight)
 
     shapes.calls.clear()
@@ -513,7 +514,7 @@ def test_issue22_a_request_that_alone_does_not_fit_is_rejected_and_the_others_ar
     shapes = _Shapes(model)
     engine = Engine(shapes, tokenizer, own_usage_fn=lambda: 10 * GiB, max_chunk=16)
     prompts = {rid: engine.encode_prompt(text) for rid, text in GROUP.items()}
-    big = engine.encode_prompt("word " * 200)
+    big = engine.encode_prompt("word " * 2000)  # several KV blocks: far over the room
     limits, usage = _group_limits(engine, prompts, 3)
     shapes.calls.clear()
     engine.submit("big", big, max_tokens=4)

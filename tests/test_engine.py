@@ -11,6 +11,7 @@ from shared.limits import Limits
 from shared.protocol import ChatMessage, Failed, Finished, Generate, NeedMemory, TokenOut
 from shared.sizes import GiB
 from worker.engine import Engine, EngineError
+from worker.prefill_guard import padded_chunk_bytes
 from worker.stops import StopMatcher
 
 OPEN = Limits(max_concurrency=8)  # guard off, room for everyone
@@ -462,9 +463,9 @@ def test_g2_chunks_shrink_near_the_target(loaded):
     engine = _engine(loaded, max_chunk=64)
     prompt = _prompt(engine, "word " * 80)
     engine.submit("r", prompt, max_tokens=1)
-    per_token = engine.cost.chunk_per_token * 1.3
     target = int(GUARDED.hard_limit * GUARDED.prefill_headroom_safety)
-    tight = lambda: target - int(20 * per_token)  # noqa: E731  room for ~20 tokens
+    room = padded_chunk_bytes(engine.cost, 0, 20)  # a chunk's padded cost (G2), KV steps included
+    tight = lambda: target - room  # noqa: E731  room for ~20 tokens
     engine.step(GUARDED, tight)
     assert 4 <= engine.prompt_tokens_processed <= 20
     engine.abort_all("done")
@@ -511,7 +512,7 @@ def test_g2_measured_cost_replaces_the_prior(loaded):
 
 
 def prior_of(engine: Engine):
-    from worker.engine import _prior_cost
+    from worker.prefill_cost import prior_cost as _prior_cost
 
     return _prior_cost(engine.model, engine.max_chunk)
 

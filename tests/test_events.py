@@ -260,7 +260,7 @@ def test_issue15_a_client_that_reads_nothing_is_dropped_and_then_told_why(server
 
     async def main():
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        writer.write(b"GET /v1/events?topic=event HTTP/1.1\r\nHost: t\r\n\r\n")
+        writer.write(b"GET /v1/events?topic=event HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         await writer.drain()
         await asyncio.sleep(0.2)
         before = arb.hub.dropped

@@ -22,6 +22,7 @@ from supervisor.config import ModelConfig
 pytestmark = pytest.mark.usefixtures("no_front_door_errors")
 
 MAX_BODY = 64 * 1024
+JSON = {"content-type": "application/json"}
 
 
 def fake_huge_model(root: Path, claimed_bytes: int) -> Path:
@@ -95,7 +96,7 @@ def test_unknown_model_is_404_on_every_door(server):
 def test_malformed_json_and_wrong_types_are_400_naming_the_field(server):
     async def main():
         async with server.client() as c:
-            bad_json = await c.post("/v1/chat/completions", content=b'{"model": "huge", "messages": [')
+            bad_json = await c.post("/v1/chat/completions", content=b'{"model": "huge", "messages": [', headers=JSON)
             wrong = await c.post("/v1/chat/completions", json={"model": "huge", "messages": [
                 {"role": "user", "content": "x"}], "max_tokens": "lots"})
             no_messages = await c.post("/v1/chat/completions", json={"model": "huge", "messages": []})
@@ -116,8 +117,8 @@ def test_oversized_bodies_are_413_whether_declared_or_chunked(server):
 
     async def main():
         async with server.client() as c:
-            declared = await c.post("/v1/chat/completions", content=b"{" + b" " * (MAX_BODY + 10) + b"}")
-            chunked = await c.post("/v1/completions", content=chunks())
+            declared = await c.post("/v1/chat/completions", content=b"{" + b" " * (MAX_BODY + 10) + b"}", headers=JSON)
+            chunked = await c.post("/v1/completions", content=chunks(), headers=JSON)
             after = await c.get("/health")
         assert "exceeds the limit of 64 KiB" in assert_openai_error(declared, 413, "request_too_large")["message"]
         assert_openai_error(chunked, 413, "request_too_large")
@@ -129,7 +130,7 @@ def test_oversized_bodies_are_413_whether_declared_or_chunked(server):
 def test_a_1gb_content_length_is_refused_before_any_body_is_sent(server):
     """The guard's own front door must not buffer a huge upload: the 413 comes back
     while the client has sent nothing but headers."""
-    head = response_head(server, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+    head = response_head(server, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                                  b"Content-Type: application/json\r\nContent-Length: 1000000000\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 413"), head
 
@@ -322,7 +323,7 @@ def test_issue16_deeply_nested_json_is_400_not_a_500(server, path):
 
     async def main():
         async with server.client() as c:
-            return await c.post(path, content=nested), await c.get("/health")
+            return await c.post(path, content=nested, headers=JSON), await c.get("/health")
 
     refused, after = server.run(main())
     assert "deeper than 64 levels" in assert_openai_error(refused, 400)["message"]
@@ -331,6 +332,6 @@ def test_issue16_deeply_nested_json_is_400_not_a_500(server, path):
 
 def test_issue16_a_body_shorter_than_its_content_length_is_408_within_the_deadline(server):
     """It held its connection until the client gave up; now body_timeout (1 s here) ends it."""
-    head = response_head(server, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+    head = response_head(server, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                                  b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\"")
     assert head.startswith(b"HTTP/1.1 408"), head

@@ -9,10 +9,13 @@ from shared.sizes import GiB, MiB
 from worker.prefill_guard import (
     COST_PAD,
     PrefillCost,
+    admission_peak,
     after_chunk,
+    chunk_bytes,
     chunk_target,
     estimate_prefill_peak,
     next_chunk,
+    padded_chunk_bytes,
     prefill_limit,
     preflight,
     rejection_message,
@@ -33,12 +36,13 @@ LIMITS = Limits(
     dynamic=10 * GiB,
     binding="dynamic",
 )
-COST = PrefillCost(kv_per_token=64 * 1024, chunk_per_token=256 * 1024)  # 64 KiB KV, 256 KiB in flight
+COST = PrefillCost(kv_per_token=64 * 1024, chunk_per_token=192 * 1024)  # 64 KiB KV, 192 KiB more in flight
 MAX_CHUNK = 2048
 
 
 def _peak(tokens: int) -> int:
-    return estimate_prefill_peak(tokens, COST, LIMITS.min_chunk_tokens)
+    """What G1 compares with its limit (the estimate, the chunk in flight padded as G2 pads it)."""
+    return admission_peak(tokens, COST, LIMITS.min_chunk_tokens)
 
 
 # ---------------------------------------------------------------- G1 preflight
@@ -60,10 +64,10 @@ def test_g1_fits_under_hard_limit():
 def test_g1_peak_counts_kv_for_every_token_but_activations_for_one_floor_chunk():
     """A chunked prefill holds one chunk's activations at a time, and G2 can shrink chunks
     down to the floor, so feasibility is judged at the floor chunk size."""
-    tokens = 10_000
     floor = LIMITS.min_chunk_tokens
-    expected = (tokens - floor) * COST.kv_per_token + floor * COST.chunk_per_token
-    assert _peak(tokens) == pytest.approx(expected * COST_PAD, abs=1)
+    tokens = 40 * floor
+    expected = tokens * COST.kv_per_token + floor * COST.chunk_per_token
+    assert estimate_prefill_peak(tokens, COST, floor) == pytest.approx(expected, abs=1)
 
 
 def test_g1_prompt_that_fits_only_in_small_chunks_needs_no_eviction():
@@ -73,6 +77,20 @@ def test_g1_prompt_that_fits_only_in_small_chunks_needs_no_eviction():
     usage = 10 * GiB - (full_chunks + _peak(tokens)) // 2  # between the two estimates
     verdict = preflight(LIMITS, usage=usage, tokens=tokens, cost=COST, own_usage=1 * GiB)
     assert verdict.verdict == "fits"
+
+
+def test_g1_admits_only_what_g2_will_run_under_the_same_limit():
+    """G1 counts the chunk in flight as G2 counts it (padded): a prompt G1 lets in right at
+    the limit gets its chunks from G2 instead of an abort at the first one."""
+    limits = Limits(hard_limit=1 * GiB, abort_limit=1 * GiB, abort_margin=1.0, prefill_headroom_safety=1.0,
+                    min_chunk_tokens=256, static=1 * GiB)
+    for tokens in (10, 256, 3000):
+        usage = 1 * GiB - admission_peak(tokens, COST, 256)
+        assert preflight(limits, usage=usage, tokens=tokens, cost=COST).verdict == "fits"
+        assert next_chunk(limits, usage=usage, remaining=tokens, cost=COST, max_chunk=256).tokens > 0
+    # ... and asks no more than the pad on one floor chunk beyond the estimate
+    extra = admission_peak(3000, COST, 256) - estimate_prefill_peak(3000, COST, 256)
+    assert 0 < extra <= (COST_PAD - 1) * chunk_bytes(COST, 2560, 256) + 1
 
 
 def test_g1_over_hard_limit_asks_for_eviction_first():
@@ -169,14 +187,13 @@ def test_g2_chunk_never_exceeds_what_padded_cost_says_fits():
     heavy = PrefillCost(kv_per_token=1 * MiB, chunk_per_token=8 * MiB)
     plan = next_chunk(LIMITS, usage=usage, remaining=10_000, cost=heavy, max_chunk=MAX_CHUNK)
     assert LIMITS.min_chunk_tokens <= plan.tokens < MAX_CHUNK
-    assert plan.tokens * 8 * MiB * COST_PAD <= target - usage
-    assert (plan.tokens + 1) * 8 * MiB * COST_PAD > target - usage
+    assert chunk_bytes(heavy, 0, plan.tokens) * COST_PAD <= target - usage
+    assert chunk_bytes(heavy, 0, plan.tokens + 1) * COST_PAD > target - usage
 
 
 def test_g2_floor_is_min_chunk_tokens_when_it_still_fits():
     target = chunk_target(LIMITS).bytes
-    per = COST.chunk_per_token * COST_PAD
-    usage = target - int(300 * per)  # room for 300 tokens: proportional shrink says fewer
+    usage = target - padded_chunk_bytes(COST, 0, 300)  # room for 300 tokens: proportional shrink says fewer
     plan = next_chunk(LIMITS, usage=usage, remaining=10_000, cost=COST, max_chunk=MAX_CHUNK)
     assert plan.tokens == LIMITS.min_chunk_tokens
 
@@ -184,8 +201,7 @@ def test_g2_floor_is_min_chunk_tokens_when_it_still_fits():
 def test_g2_floor_that_does_not_fit_aborts():
     """Below the floor, tiny chunks would crawl toward the limit; abort instead of pushing over."""
     target = chunk_target(LIMITS).bytes
-    per = COST.chunk_per_token * COST_PAD
-    usage = target - int(100 * per)  # room for 100 tokens, floor is 256
+    usage = target - padded_chunk_bytes(COST, 0, 100)  # room for 100 tokens, floor is 256
     plan = next_chunk(LIMITS, usage=usage, remaining=10_000, cost=COST, max_chunk=MAX_CHUNK)
     assert plan.tokens == 0
     assert plan.limit_bytes == target
@@ -194,8 +210,7 @@ def test_g2_floor_that_does_not_fit_aborts():
 
 def test_g2_floor_shrinks_to_the_tokens_left():
     target = chunk_target(LIMITS).bytes
-    per = COST.chunk_per_token * COST_PAD
-    usage = target - int(100 * per)
+    usage = target - padded_chunk_bytes(COST, 0, 100)
     plan = next_chunk(LIMITS, usage=usage, remaining=50, cost=COST, max_chunk=MAX_CHUNK)
     assert plan.tokens == 50
 

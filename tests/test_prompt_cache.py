@@ -11,7 +11,7 @@ from shared.limits import Limits
 from shared.protocol import ChatMessage, Finished, Generate, NeedMemory
 from shared.sizes import GiB, MiB
 from worker.engine import Engine
-from worker.prefill_guard import estimate_prefill_peak
+from worker.prefill_guard import admission_peak
 from worker.prompt_cache import PromptCache
 
 
@@ -201,7 +201,7 @@ def test_h4_prefill_drops_own_unused_entries_before_asking_for_room(loaded):
                     hard_watermark=62 * MiB, abort_limit=64 * MiB, abort_margin=1.0,
                     min_chunk_tokens=16, static=64 * MiB)
     prompt = engine.encode_prompt("something else entirely")
-    peak = estimate_prefill_peak(len(prompt), engine.cost, limits.min_chunk_tokens)
+    peak = admission_peak(len(prompt), engine.cost, limits.min_chunk_tokens)  # what G1 compares
     base = 64 * MiB - peak - held // 2  # fits without our cache, not with it
     engine.submit("new", prompt, max_tokens=3)
     run = drive(engine, limits, usage_fn=lambda: base + engine.cache_bytes)

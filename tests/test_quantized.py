@@ -69,7 +69,7 @@ def test_g1_prior_cost_of_a_quantized_model_uses_the_activation_width(quantized)
     """The packed weights are uint32; KV and activations are in the scales' float16."""
     import mlx_lm
 
-    from worker.engine import _prior_cost
+    from worker.prefill_cost import prior_cost as _prior_cost
 
     model, _ = mlx_lm.load(str(quantized[4]))
     args = model.args

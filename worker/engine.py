@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Union, cast
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
@@ -50,7 +49,7 @@ from shared.modelinfo import context_length
 from shared.protocol import Constraint as ConstraintSpec
 from shared.protocol import Failed, Finished, Generate, NeedMemory, TokenOut
 from shared.weights import WeightsError, estimate_weight_bytes
-from worker import memory, prompts
+from worker import memory, prefill_cost, prompts
 from worker import prefill_guard as guard
 from worker import prompt_cache as pc
 from worker.batch import DecodeBatch
@@ -69,48 +68,9 @@ UsageFn = Callable[[], int]
 DEFAULT_MAX_CHUNK = 512
 CLEAR_CACHE_EVERY = 256  # decode steps between pool returns, as mlx_lm does
 MEMORY_WAIT_SECONDS = 10.0
-MIN_LEARN_TOKENS = 16  # shorter chunks do not update the per-token cost estimate
 MIN_REUSE_TOKENS = 16  # a shorter shared prefix (BOS, a template's first tokens) is no cache hit
 def _guard_on(limits: Limits) -> bool:
     return limits.hard_limit > 0 or limits.abort_limit > 0 or limits.soft_limit > 0
-
-
-def _activation_width(model) -> int:
-    """Bytes per activation and KV element: the widest floating dtype among the parameters.
-
-    Why not the first parameter's: a quantized model's packed weights are
-    uint32 and say nothing about activations; and every layer mixes its
-    parameters into the activations, so MLX's type promotion carries the
-    widest floating type through (an imported GGUF's float32 norms make a
-    float16-scaled model compute, and cache, in float32).
-    """
-    # without `destination`, tree_flatten returns a list of (name, leaf) pairs (its type says list or dict)
-    parameters = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
-    widths = [v.dtype.size for _, v in parameters
-              if mx.issubdtype(v.dtype, mx.floating)]
-    return max(widths, default=2)
-
-
-def _prior_cost(model, max_chunk: int) -> guard.PrefillCost:
-    """First guess of a prompt token's cost before anything was measured.
-
-    KV bytes are exact for standard attention models (2 x layers x kv heads x
-    head dim x dtype width); activations are a rough multiple of the widths,
-    replaced by measurements after the first chunk.
-    """
-    args = getattr(model, "args", None)
-    layers = len(getattr(model, "layers", []) or [])
-    hidden = getattr(args, "hidden_size", 0) or 0
-    heads = getattr(args, "num_attention_heads", 0) or 0
-    kv_heads = getattr(args, "num_key_value_heads", 0) or heads
-    head_dim = getattr(args, "head_dim", None) or (hidden // heads if heads else 0)
-    inter = getattr(args, "intermediate_size", 0) or 4 * hidden
-    width = _activation_width(model)
-    kv = 2 * layers * kv_heads * head_dim * width
-    activations = 4 * (6 * hidden + 3 * inter) + 4 * heads * max_chunk
-    if kv == 0:
-        kv = 64 * 1024  # unknown architecture: a cautious 64 KiB per token
-    return guard.PrefillCost(kv_per_token=float(kv), chunk_per_token=float(kv + activations))
 
 
 # -- issue 16: prefill chunks sized by time ---------------------------------------
@@ -178,8 +138,7 @@ class Engine:
         self._clock = clock
         self._memory_wait = memory_wait
         self._eos = frozenset(tokenizer.eos_token_ids)
-        self.cost = _prior_cost(model, self.max_chunk)
-        self._measured = False
+        self.cost = prefill_cost.prior_cost(model, self.max_chunk)
         self._queue: deque[Seq] = deque()
         self._prefill: deque[Seq] = deque()
         self._decoding: list[Seq] = []
@@ -534,34 +493,37 @@ class Engine:
         return PrefillGroup(members, [seq.prompt for seq in members], self._layer_count)
 
     def _group_fits(self, members: list[Seq], limits: Limits, usage: int) -> bool:
-        """G1 for the group: usage plus the sum of each member's estimate, its KV padded to the longest."""
-        limit = guard.prefill_limit(limits)
-        if limit.bytes == 0:
-            return True
+        """G1 for the group: usage plus the sum of each member's estimate, its KV padded to the
+        longest; and G2's view of the group's first step (one column each) under the chunk target,
+        since a group that cannot take its first step would only be split again."""
+        limit, target = guard.prefill_limit(limits), guard.chunk_target(limits)
         padded = max(len(seq.prompt) for seq in members)
-        peak = sum(guard.estimate_prefill_peak(padded, self.cost, limits.min_chunk_tokens) for _ in members)
-        return usage + peak <= limit.bytes
+        peak = sum(guard.admission_peak(padded, self.cost, limits.min_chunk_tokens) for _ in members)
+        first = len(members) * guard.padded_chunk_bytes(self.cost, 0, 1)
+        return ((limit.bytes == 0 or usage + peak <= limit.bytes)
+                and (target.bytes == 0 or usage + first <= target.bytes))
 
     def _group_step(self, group: PrefillGroup, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> None:
         """One chunk of columns for every row (G2 for the group's tokens, G3 after), or the first tokens."""
         rows = len(group)
         if group.remaining > 0:
-            columns = max(1, self.max_chunk // rows)
+            columns = min(group.remaining, max(1, self.max_chunk // rows))
             guarded = _guard_on(limits)
             if guarded:
-                plan = guard.next_chunk(limits, usage_fn(), group.remaining * rows, self.cost, self.max_chunk)
-                columns = plan.tokens // rows
+                columns = self._group_columns(group, limits, usage_fn(), columns)
                 if columns == 0:
                     self._split(group)  # a step for the group does not fit: each goes on alone (G2)
                     return
-            columns = min(columns, group.remaining, max(1, self.chunk_timer.cap(columns * rows) // rows))
+            columns = min(columns, max(1, self.chunk_timer.cap(columns * rows) // rows))
+            done = group.pos
             real = group.real_tokens(columns)
             memory.reset_peak()
             before = mx.get_active_memory()
             started = time.monotonic()
             group.run_chunk(self.model, columns)
             self.chunk_timer.learn(time.monotonic() - started, columns * rows)
-            self._learn_cost(mx.get_peak_memory() - before, columns * rows)
+            # the rows are alike (same columns on the same positions): each grew the peak by its share
+            self.cost = prefill_cost.learn(self.cost, (mx.get_peak_memory() - before) // rows, columns, done=done)
             self.prompt_tokens_processed += real
             mx.clear_cache()
             if guarded and not self._group_after_chunk(group, limits, usage_fn, events):
@@ -569,6 +531,17 @@ class Engine:
             if group.remaining > 0:
                 return
         self._start_group_decoding(group)
+
+    def _group_columns(self, group: PrefillGroup, limits: Limits, usage: int, columns: int) -> int:
+        """G2 for the group: G2's plan for one row, then as many columns as fit for every row
+        (the group's chunk is its rows' padded chunk costs summed); 0 when not one column fits."""
+        rows = len(group)
+        plan = guard.next_chunk(limits, usage, group.remaining, self.cost, columns, done=group.pos)
+        target = guard.chunk_target(limits).bytes
+        columns = min(columns, plan.tokens)
+        while target and columns > 0 and usage + rows * guard.padded_chunk_bytes(self.cost, group.pos, columns) > target:
+            columns //= 2
+        return columns
 
     def _group_after_chunk(self, group: PrefillGroup, limits: Limits, usage_fn: UsageFn,
                            events: list[Event]) -> bool:
@@ -648,7 +621,7 @@ class Engine:
         reused = seq.hit.tokens if seq.hit is not None else 0
         return guard.preflight(limits, usage_fn(), len(seq.prompt) - reused, self.cost,
                                own_usage=self._own_usage(), retried=seq.retried,
-                               extra_bytes=int(reused * self.cost.kv_per_token))
+                               extra_bytes=int(reused * self.cost.kv_per_token), done=reused)
 
     def _start_prefill(self, seq: Seq) -> None:
         """The sequence's KV: a fork of its cache hit (H1), else empty."""
@@ -667,7 +640,8 @@ class Engine:
         """G2 size, run, measure, G3 check; False when the request was failed."""
         guarded = _guard_on(limits)
         if guarded:
-            plan = guard.next_chunk(limits, usage_fn(), remaining, self.cost, self.max_chunk)
+            plan = guard.next_chunk(limits, usage_fn(), remaining, self.cost, self.max_chunk,
+                                    done=seq.pos)
             if plan.tokens == 0:
                 self._prefill.popleft()
                 events.append(self._memory_failure(seq, plan.estimated_bytes, plan.limit_bytes,
@@ -685,7 +659,7 @@ class Engine:
             self.model(chunk, cache=seq.cache)
             mx.eval([c.state for c in seq.kv()])
         self.chunk_timer.learn(time.monotonic() - started, n)
-        self._learn_cost(mx.get_peak_memory() - before, n)
+        self.cost = prefill_cost.learn(self.cost, mx.get_peak_memory() - before, n, done=seq.pos)
         seq.pos += n
         self.prompt_tokens_processed += n
         mx.clear_cache()  # as mlx_lm does after every chunk: transient buffers go back
@@ -708,25 +682,6 @@ class Engine:
             seq.warned_soft = True
             log.info("request %s: prefill is above the soft limit", seq.id)
         return True
-
-    def _learn_cost(self, grown: int, tokens: int) -> None:
-        """Running per-token estimate: jumps up at once, decays slowly (G2).
-
-        Chunks shorter than MIN_LEARN_TOKENS are skipped: their peak is mostly
-        fixed per-call buffers, and dividing that by a handful of tokens would
-        make the next long prompt look far more expensive than it is.
-        """
-        if tokens < MIN_LEARN_TOKENS:
-            return
-        observed = max(0.0, grown / tokens)
-        old = self.cost.chunk_per_token
-        if not self._measured:
-            new = observed
-            self._measured = True
-        else:
-            new = max(observed, 0.7 * old + 0.3 * observed)
-        new = max(new, self.cost.kv_per_token)
-        self.cost = guard.PrefillCost(kv_per_token=self.cost.kv_per_token, chunk_per_token=new)
 
     def _start_decoding(self, seq: Seq) -> None:
         """Feed the last prompt token; its sampled successor is the first output token."""

@@ -28,6 +28,7 @@ from shared import protocol as p
 from shared.ledger import Ledger
 from shared.limits import Limits
 from shared.memory import NO_READING
+from worker import blas
 from worker.heartbeat import Heartbeat, StepClock
 
 if TYPE_CHECKING:  # types only: these import MLX, which loads in serve(), never at module level
@@ -76,6 +77,7 @@ def run(spec_bytes: bytes) -> None:
         level=logging.INFO,
         format=f"%(asctime)s %(levelname)s worker {spec.worker_id}[{os.getpid()}]: %(message)s",
     )
+    blas.preload()  # issue 22: OpenBLAS before the first `import mlx.core`, so libmlx binds to it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C in the terminal is the supervisor's to handle
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     worker = Worker(spec)
@@ -161,7 +163,7 @@ class Worker:
         device = str(mx.default_device())
         set_discrete_device(gpu_kind(info) == "cuda" and "gpu" in device)
         self.reply(p.Hello(worker_id=self.spec.worker_id, model_id=self.spec.model_id, pid=os.getpid(),
-                           device_info=info, device=device, slot=self.spec.slot))
+                           device_info=info, device=device, slot=self.spec.slot, blas=blas.preload().line()))
         self.sampler = MemorySampler()
         self.allocator = AllocatorLimits(mx, device_info=info,
                                          advise=lambda text: self.event("wired_limit", text))

@@ -19,27 +19,50 @@ lets the prefill run at full chunk size.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Callable, Literal
 
 import msgspec
 
 from shared.limits import Limits
 
-COST_PAD = 1.3  # G2: the running per-token estimate is padded by 30%
+COST_PAD = 1.3  # G2: the running estimate of a chunk's cost is padded by 30%
 PREFILL_MEMORY_EXCEEDED = "prefill_memory_exceeded"
 
 
 class PrefillCost(msgspec.Struct, frozen=True):
-    """What one more prompt token costs, as the engine currently estimates it.
+    """What a chunk of prompt tokens costs, as the engine currently estimates it.
 
-    `kv_per_token` stays for the life of the sequence (its KV cache);
-    `chunk_per_token` is the peak growth per token *while a chunk runs*
-    (KV plus the transient activations of that chunk), measured by the engine
-    from MLX's peak counter and kept as a running estimate.
+    Why more than a per-token figure: the first model (KV plus a per-token
+    activation cost) barely followed the prompt, because what a chunk
+    allocates besides its KV grows with the context it attends to. Measured
+    with `scripts/bench_prefill_peak.py`, a chunk of `n` tokens that brings
+    the cache to `c` tokens adds, above the usage before it:
+
+    * the KV cache's growth: `kv_per_token` for every token, allocated in
+      blocks of `kv_step` tokens (mlx_lm's KVCache grows by 256);
+    * `n x chunk_per_token`: the activations of one layer at a time (the
+      residual stream, q/k/v, the MLP's intermediate), not kept;
+    * `n x c x score_per_pair`: the attention scores (MLX's CPU attention is
+      not fused: scores, mask and softmax are arrays of heads x n x c);
+    * `c x context_per_token`: a layer's KV copied while the cache grows;
+    * `kv_slack x` the KV's growth: what the process footprint (SPEC U1, what
+      the guard compares) holds beyond MLX's own peak as the cache grows by
+      copies (freed buffers the allocator keeps resident).
+
+    `scale` is what the running estimate learned (G2): measured / modelled
+    transient bytes, never below 1, so an architecture the model does not
+    know is corrected by its first chunk. `measured` is False while the cost
+    is still the prior (`worker.prefill_cost`).
     """
 
     kv_per_token: float
     chunk_per_token: float
+    score_per_pair: float = 0.0
+    context_per_token: float = 0.0
+    kv_slack: float = 0.0
+    kv_step: int = 1
+    scale: float = 1.0
+    measured: bool = False
 
 
 class Limit(msgspec.Struct, frozen=True):
@@ -106,14 +129,64 @@ def chunk_target(limits: Limits) -> Limit:
     return min(candidates, key=lambda limit: limit.bytes)
 
 
-def estimate_prefill_peak(tokens: int, cost: PrefillCost, chunk_tokens: int) -> int:
-    """Peak bytes a chunked prefill of `tokens` adds: KV for all, activations for one chunk."""
+def kv_bytes(cost: PrefillCost, tokens: int) -> float:
+    """Bytes of KV cache allocated for `tokens` tokens (whole `kv_step` blocks)."""
+    step = max(1, cost.kv_step)
+    return -(-max(0, tokens) // step) * step * cost.kv_per_token
+
+
+def transient_bytes(cost: PrefillCost, done: int, tokens: int, *, scaled: bool = True) -> float:
+    """Bytes a chunk of `tokens` allocates and frees again, on top of `done` cached tokens."""
+    if tokens <= 0:
+        return 0.0
+    context = done + tokens
+    raw = (tokens * cost.chunk_per_token + tokens * context * cost.score_per_pair
+           + context * cost.context_per_token)
+    return raw * max(1.0, cost.scale) if scaled else raw
+
+
+def chunk_bytes(cost: PrefillCost, done: int, tokens: int) -> int:
+    """Peak bytes one chunk adds above the usage before it (G2): its KV growth, with the
+    footprint's slack on it, plus its transient."""
     if tokens <= 0:
         return 0
-    in_chunk = min(tokens, max(1, chunk_tokens))
-    raw = (tokens - in_chunk) * cost.kv_per_token + in_chunk * max(cost.chunk_per_token,
-                                                                   cost.kv_per_token)
-    return math.ceil(raw * COST_PAD)
+    grown = kv_bytes(cost, done + tokens) - kv_bytes(cost, done)
+    return math.ceil(grown * (1.0 + cost.kv_slack) + transient_bytes(cost, done, tokens))
+
+
+def estimate_prefill_peak(tokens: int, cost: PrefillCost, chunk_tokens: int, *, done: int = 0) -> int:
+    """G1: peak bytes a prefill of `tokens` in chunks of `chunk_tokens` adds (no padding).
+
+    The KV of every earlier chunk stays (with the footprint's slack: the
+    cache grew by copies); the chunk running adds its own KV and transient.
+    The transient grows with the context, so the peak is at the last full
+    chunk or the last (shorter) one: both are computed. `done` tokens are
+    already cached (a prompt-cache hit): their KV is in the usage already,
+    but the new chunks attend to them.
+    """
+    def own(start: int, n: int) -> float:
+        return kv_bytes(cost, start + n) - kv_bytes(cost, start) + transient_bytes(cost, start, n)
+
+    return _peak(tokens, cost, chunk_tokens, done, own)
+
+
+def admission_peak(tokens: int, cost: PrefillCost, chunk_tokens: int, *, done: int = 0) -> int:
+    """What G1 compares with its limit: the estimate, with the chunk in flight counted as G2
+    will count it (`padded_chunk_bytes`), so a prompt G1 lets in is not aborted by G2's pad
+    at its last chunk under the same limit. At most COST_PAD x one chunk above the estimate."""
+    return _peak(tokens, cost, chunk_tokens, done, lambda start, n: padded_chunk_bytes(cost, start, n))
+
+
+def _peak(tokens: int, cost: PrefillCost, chunk_tokens: int, done: int,
+          own: Callable[[int, int], float]) -> int:
+    if tokens <= 0:
+        return 0
+    chunk = max(1, min(chunk_tokens, tokens))
+    base = kv_bytes(cost, done)
+    last_start = done + (tokens - 1) // chunk * chunk
+    peaks = [(kv_bytes(cost, start) - base) * (1.0 + cost.kv_slack) + own(start, min(chunk, done + tokens - start))
+             for start in {last_start, max(done, last_start - chunk)}]
+    return math.ceil(max(peaks))
 
 
 def preflight(
@@ -125,6 +198,7 @@ def preflight(
     own_usage: int = 0,
     retried: bool = False,
     extra_bytes: int = 0,
+    done: int = 0,
 ) -> Preflight:
     """G1: can a prefill of `tokens` fit on top of the group's `usage` at all?
 
@@ -139,12 +213,18 @@ def preflight(
     request is rejected at once instead of costing other users their models.
 
     `extra_bytes` is memory the prefill needs besides its tokens: the copy of
-    a prefix reused from the prompt cache (H1), whose tokens are not counted.
+    a prefix reused from the prompt cache (H1), whose tokens are not counted;
+    `done` is that prefix's length (the new tokens attend to it).
+
+    The estimate is not padded as a whole: it is built to stay at or above
+    the measured peak (within 25 %, issue 21), and padding all of it would
+    refuse, or cost someone their idle model for, prompts that fit. Only the
+    chunk in flight is counted padded, as G2 will count it (`admission_peak`).
     """
     limit = prefill_limit(limits)
     if limit.bytes == 0:
         return Preflight("fits")
-    peak = estimate_prefill_peak(tokens, cost, limits.min_chunk_tokens) + max(0, extra_bytes)
+    peak = admission_peak(tokens, cost, limits.min_chunk_tokens, done=done) + max(0, extra_bytes)
     if usage + peak <= limit.bytes:
         return Preflight("fits", usage + peak, limit.bytes, limit.binding)
     hopeless = own_usage + peak > limit.bytes
@@ -160,12 +240,15 @@ def next_chunk(
     remaining: int,
     cost: PrefillCost,
     max_chunk: int,
+    *,
+    done: int = 0,
 ) -> ChunkPlan:
     """G2: size the next prefill chunk from the headroom left under the chunk target.
 
     Below soft x safe-zone ratio a chunk is full size; above it the chunk
     shrinks in proportion to the headroom left, and never beyond what the
-    padded per-token cost says fits. The floor is `min_chunk_tokens` (or the
+    padded cost of a chunk (`chunk_bytes` x COST_PAD, on top of the `done`
+    tokens already cached) says fits. The floor is `min_chunk_tokens` (or the
     tokens left, if fewer); when even the floor does not fit, the answer is 0
     tokens: abort the request rather than push the machine over.
     """
@@ -175,22 +258,45 @@ def next_chunk(
     target = chunk_target(limits)
     if target.bytes == 0:
         return ChunkPlan(full)
-    per_token = max(cost.chunk_per_token, cost.kv_per_token) * COST_PAD
     room = target.bytes - usage
     safe = int(limits.soft_limit * limits.safe_zone_ratio) if limits.soft_limit > 0 else target.bytes
     chunk = full
     if usage > safe:
         span = target.bytes - safe
         chunk = int(full * max(0, room) / span) if span > 0 else 0
-    fits = int(room // per_token) if per_token > 0 and room > 0 else (full if room > 0 else 0)
-    chunk = min(chunk, fits, full)
+    chunk = min(chunk, _most_that_fit(cost, done, full, room))
     floor = min(max(1, limits.min_chunk_tokens), remaining)
     if chunk >= floor:
-        return ChunkPlan(chunk, usage + math.ceil(chunk * per_token), target.bytes, target.binding)
-    floor_bytes = math.ceil(floor * per_token)
+        return ChunkPlan(chunk, usage + padded_chunk_bytes(cost, done, chunk), target.bytes, target.binding)
+    floor_bytes = padded_chunk_bytes(cost, done, floor)
     if floor_bytes <= room:
         return ChunkPlan(floor, usage + floor_bytes, target.bytes, target.binding)
     return ChunkPlan(0, usage + floor_bytes, target.bytes, target.binding)
+
+
+def padded_chunk_bytes(cost: PrefillCost, done: int, tokens: int) -> int:
+    """G2's view of a chunk: the running estimate x COST_PAD."""
+    return math.ceil(chunk_bytes(cost, done, tokens) * COST_PAD)
+
+
+def _most_that_fit(cost: PrefillCost, done: int, most: int, room: int) -> int:
+    """The largest chunk (<= `most`) whose padded cost fits in `room`; 0 if none.
+
+    A chunk's cost only grows with its size, so a bisection finds it in a
+    dozen steps whatever the cost model's terms.
+    """
+    if room <= 0:
+        return 0
+    if padded_chunk_bytes(cost, done, most) <= room:
+        return most
+    low, high = 0, most  # padded(low) fits (or low is 0), padded(high) does not
+    while high - low > 1:
+        middle = (low + high) // 2
+        if padded_chunk_bytes(cost, done, middle) <= room:
+            low = middle
+        else:
+            high = middle
+    return low
 
 
 def after_chunk(limits: Limits, usage: int) -> AfterChunk:

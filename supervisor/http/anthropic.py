@@ -317,8 +317,8 @@ async def _events(job: g.Job, first, msg_id: str, model: str) -> AsyncIterator[l
 
 
 _ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
-               429: "rate_limit_error", 503: "overloaded_error"}
+               404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
+               413: "request_too_large", 415: "invalid_request_error", 421: "permission_error", 429: "rate_limit_error", 503: "overloaded_error"}
 
 
 def error_detail(exc: ApiError) -> dict:

@@ -23,8 +23,14 @@ Endpoints (DESIGN.md contract):
   GET  /v1/events                   the PUB topics as SSE (supervisor.http.events)
   GET  /, /ui, /ui/*                the dashboard (supervisor.http.dashboard)
 
-Admin endpoints need `Authorization: Bearer <admin_token>` when a token is
-configured, and accept only loopback clients when none is. With
+Who may administer (load, unload, /admin/guard), issue 21: with
+`[supervisor] admin_token` set, whoever sends `Authorization: Bearer <token>`;
+with none, a loopback client that sends no `Origin` (curl, scripts, SDKs) or
+this server's own dashboard (its Origin is this server). A page from any other
+origin, even one in `cors_origins` and even on loopback, needs the token: a
+browser is a client, not an admin. Every request first passes the gate
+(http/gate.py: Host, Origin, Content-Type, CORS) and the connection limits
+(http/limits.py: header/body deadlines, a connection cap). With
 `[supervisor] api_keys` every /v1 call needs a key (http/auth.py).
 """
 
@@ -55,11 +61,13 @@ from supervisor.errors import ServeError
 from supervisor.http import anthropic as http_anthropic
 from supervisor.http import generate as http_generate
 from supervisor.http import responses as http_responses
-from supervisor.http.auth import ApiKeys
+from supervisor.http.auth import ApiKeys, EventTickets
 from supervisor.http.body import Disconnected, read_body
 from supervisor.http.dashboard import Dashboard
 from supervisor.http.errors import ApiError, from_serve_error
 from supervisor.http.events import EventsEndpoint
+from supervisor.http.gate import Gate, HostCheck, OriginAllowlist, same_origin
+from supervisor.http.limits import GuardedH11, connection_cap, limit_logs, raise_fd_limit
 from supervisor.http.metrics import Metrics
 from supervisor.http.openai_types import BodyError, GuardSettingsIn, ModelCard, ModelList, decode_body
 
@@ -104,7 +112,8 @@ def is_loopback(host: str | None) -> bool:
 
 
 def require_admin(request: Request, token: str) -> None:
-    """Bearer token when configured; otherwise loopback clients only."""
+    """Bearer token when configured; otherwise loopback clients that are not a foreign page
+    (no Origin, or this server's own origin: the dashboard), issue 21."""
     if token:
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
@@ -115,6 +124,12 @@ def require_admin(request: Request, token: str) -> None:
     if not is_loopback(client):
         raise ApiError(403, f"admin endpoints accept only loopback clients (this one is {client}); "
                             "set [supervisor] admin_token to allow remote administration",
+                       code="forbidden")
+    origin = request.headers.get("origin")
+    if origin is not None and not same_origin(request.scope):
+        raise ApiError(403, f"a page from {origin} may not administer this server: with no [supervisor] "
+                            "admin_token only loopback tools (which send no Origin) and this server's own "
+                            "dashboard may; set admin_token and send 'Authorization: Bearer <token>'",
                        code="forbidden")
 
 
@@ -131,6 +146,7 @@ class FrontDoor:
         self.metrics = Metrics(sup)
         self.created = int(time.time())
         self.keys = ApiKeys.from_config(self.scfg)  # issue 13
+        self.tickets = EventTickets()  # issue 21: the dashboard's EventSource, with no key in its URL
 
     # -- models ---------------------------------------------------------------
 
@@ -195,12 +211,12 @@ class FrontDoor:
         return await http_generate.handle(request, self.sup, self.metrics, kind, body, started)
 
     async def messages(self, request: Request) -> Response:
-        body = await read_body(request, int(self.scfg.max_body))
+        body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
         started = request.scope.get("memvisor.started", time.monotonic())
         return await http_anthropic.handle(request, self.sup, self.metrics, body, started)
 
     async def responses(self, request: Request) -> Response:
-        body = await read_body(request, int(self.scfg.max_body))
+        body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
         started = request.scope.get("memvisor.started", time.monotonic())
         return await http_responses.handle(request, self.sup, self.metrics, body, started)
 
@@ -254,8 +270,11 @@ class FrontDoor:
 
     def read_access(self, request: Request) -> None:
         """/v1/events: a /v1 call, so it needs an API key when keys are set (issue 13);
-        /status and /metrics stay open, like /health. EventSource sends no headers,
-        so `?api_key=` is taken here too."""
+        /status and /metrics stay open, like /health. EventSource sends no headers: the
+        dashboard's ticket cookie (issue 21, set by POST /ui/ticket) opens it, and
+        `?api_key=` still does for older clients (the dashboard never sends it)."""
+        if self.keys.enabled and self.tickets.valid(request.cookies.get(EventTickets.COOKIE, "")):
+            return
         self.keys.check(request, from_query=True)
 
     def may_admin(self, request: Request) -> bool:
@@ -275,7 +294,7 @@ class FrontDoor:
 
         return [
             Route("/v1/events", EventsEndpoint(self.sup, self.read_access), methods=["GET"]),  # issue 15
-            *Dashboard(self.sup, self.may_admin).routes(r),  # issue 15
+            *Dashboard(self.sup, self.may_admin, self.keys, self.tickets).routes(r),  # issue 15
             Route("/health", r(self.health), methods=["GET"]),
             Route("/status", r(self.status), methods=["GET"]),
             Route("/metrics", r(self.metrics_text), methods=["GET"]),
@@ -370,11 +389,18 @@ def endpoint_label(path: str) -> str:
     return "other"
 
 
+def error_shape(path: str) -> Callable[[ApiError], Response]:
+    """How a refusal before any route (the gate's) is rendered: in the calling API's shape."""
+    return http_anthropic.error_response if path == "/v1/messages" else ApiError.response
+
+
 def build_app(sup: Supervisor):
-    """The ASGI app: Starlette routes inside the metrics wrapper."""
+    """The ASGI app: Starlette routes behind the gate, inside the metrics wrapper."""
     door = FrontDoor(sup)
     app = Starlette(routes=door.routes(), exception_handlers={HTTPException: _http_exception})
-    return Instrumented(app, door.metrics)
+    host, _port = parse_http(sup.config.supervisor.http)
+    gate = Gate(app, HostCheck(host), OriginAllowlist(sup.config.supervisor.cors_origins), error_shape)
+    return Instrumented(gate, door.metrics)
 
 
 # ---------------------------------------------------------------------------
@@ -419,10 +445,18 @@ def format_address(sock: socket.socket) -> str:
 async def start_http(sup: Supervisor) -> tuple[EmbeddedServer, str]:
     """Serve the front door as a task of the running loop; returns once it accepts,
     with the "HOST:PORT" actually bound (port 0 picks a free one)."""
-    host, port = parse_http(sup.config.supervisor.http)
+    scfg = sup.config.supervisor
+    host, port = parse_http(scfg.http)
+    limit_logs()
+    soft, _hard = raise_fd_limit()
+    cap = connection_cap(scfg.max_connections, soft)
+    if cap < scfg.max_connections:
+        log.warning("max_connections lowered from %d to %d: the open-file limit is %d", scfg.max_connections,
+                    cap, soft)
     sock = bind(host, port)
+    protocol = GuardedH11.configured(scfg.header_timeout, scfg.body_timeout, cap)
     config = uvicorn.Config(build_app(sup), lifespan="off", log_config=None, access_log=False,
-                            server_header=False, timeout_graceful_shutdown=5)
+                            server_header=False, timeout_graceful_shutdown=5, http=protocol)
     server = EmbeddedServer(config)
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]), name="memvisor-http")
     server.task = task

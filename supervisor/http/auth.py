@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import secrets
+import time
 from pathlib import Path
 from typing import Awaitable, Callable
 
@@ -88,3 +90,40 @@ class ApiKeys:
             return await handler(request)
 
         return keyed
+
+
+class EventTickets:
+    """Cookies that open GET /v1/events for the dashboard (issue 21: no secret in any URL).
+
+    EventSource cannot send headers, and a key in `?api_key=` lands in the
+    browser's history and in any proxy's log. So the page trades the key it
+    holds (sent as a header to POST /ui/ticket) for a random ticket in an
+    HttpOnly, SameSite=Strict cookie scoped to /v1/events: it opens only that
+    read-only stream, is never sent cross-site, and lives in memory only (a
+    restart forgets it; the page asks again)."""
+
+    COOKIE = "memvisor_events"
+    TTL = 12 * 3600.0
+    MAX = 256  # live tickets; the oldest is dropped beyond it
+
+    def __init__(self) -> None:
+        self._expiry: dict[bytes, float] = {}  # digest -> monotonic expiry
+
+    def issue(self) -> str:
+        now = time.monotonic()
+        self._expiry = {d: t for d, t in self._expiry.items() if t > now}
+        while len(self._expiry) >= self.MAX:
+            del self._expiry[next(iter(self._expiry))]
+        ticket = secrets.token_urlsafe(32)
+        self._expiry[_digest(ticket)] = now + self.TTL
+        return ticket
+
+    def valid(self, ticket: str) -> bool:
+        if not ticket:
+            return False
+        expiry = self._expiry.get(_digest(ticket))
+        return expiry is not None and expiry > time.monotonic()
+
+    def cookie(self, ticket: str) -> str:
+        return (f"{self.COOKIE}={ticket}; Path=/v1/events; Max-Age={int(self.TTL)}; HttpOnly; "
+                "SameSite=Strict")

@@ -8,8 +8,11 @@ event marks is ~200 lines of canvas; a vendored library would be more code
 than that to keep up to date, and still need our own event marks).
 
 `GET /ui/session` tells the page what this client may do: load, unload and
-the guard switch need admin (loopback, or the admin token when one is set;
-the page sends the token the user typed as a Bearer header).
+the guard switch need admin (this page from a loopback client, or the admin
+token when one is set; the page sends the token the user typed as a Bearer
+header, never in a URL). With `[supervisor] api_keys` the event stream needs
+a key too: the page trades the key it was given (as a header) for a ticket
+cookie at `POST /ui/ticket`, since EventSource cannot send headers (issue 21).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from starlette.routing import Route
 
 from shared.protocol import TOPICS
 from supervisor.api import Supervisor
+from supervisor.http.auth import ApiKeys, EventTickets
 from supervisor.http.errors import ApiError
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -55,6 +59,7 @@ class ModelEntry(msgspec.Struct, kw_only=True):
 class Session(msgspec.Struct, kw_only=True):
     admin: bool            # this client may load, unload and switch the guard
     token_required: bool   # admin needs the admin token (none given, or a wrong one)
+    key_required: bool     # the event stream needs an API key (or the admin token) and has no ticket yet
     drills: bool
     tiers: list[str]
     topics: list[str]
@@ -66,9 +71,12 @@ def read_static(name: str) -> bytes:
 
 
 class Dashboard:
-    def __init__(self, sup: Supervisor, may_admin: Callable[[Request], bool]) -> None:
+    def __init__(self, sup: Supervisor, may_admin: Callable[[Request], bool], keys: ApiKeys,
+                 tickets: EventTickets) -> None:
         self.sup = sup
         self.may_admin = may_admin
+        self.keys = keys
+        self.tickets = tickets
         self.files = {name: read_static(name) for name in STATIC}  # a handful of KB, read once
 
     async def page(self, request: Request) -> Response:
@@ -90,11 +98,28 @@ class Dashboard:
                              ttl=0.0 if m.pinned else (m.ttl if m.ttl is not None else cfg.supervisor.idle_timeout))
                   for m in cfg.models]
         body = Session(admin=admin, token_required=bool(cfg.supervisor.admin_token) and not admin,
+                       key_required=self.keys.enabled and not self._keyed(request),
                        drills=cfg.supervisor.allow_drills, tiers=TIERS, topics=list(TOPICS), models=models)
         return Response(_encoder.encode(body), media_type="application/json", headers={"Cache-Control": "no-store"})
 
+    def _keyed(self, request: Request) -> bool:
+        try:
+            self.keys.check(request)
+        except ApiError:
+            return False
+        return True
+
+    async def ticket(self, request: Request) -> Response:
+        """POST /ui/ticket with the key as a header -> 204 and the /v1/events cookie (EventTickets)."""
+        if not self.keys.enabled:
+            return Response(status_code=204, headers={"Cache-Control": "no-store"})
+        self.keys.check(request)
+        return Response(status_code=204, headers={"Cache-Control": "no-store",
+                                                  "Set-Cookie": self.tickets.cookie(self.tickets.issue())})
+
     def routes(self, wrap: Callable[[Handler], Handler]) -> list[Route]:
         return [
+            Route("/ui/ticket", wrap(self.ticket), methods=["POST"]),
             Route("/", wrap(self.page), methods=["GET"]),
             Route("/ui", wrap(self.page), methods=["GET"]),
             Route("/ui/session", wrap(self.session), methods=["GET"]),

@@ -34,6 +34,8 @@ _TYPE_BY_STATUS = {
     408: "invalid_request_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
+    421: "permission_error",
     500: "server_error",
     503: "overloaded_error",
     507: "insufficient_memory_error",

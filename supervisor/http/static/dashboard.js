@@ -10,6 +10,7 @@ const GiB = 1024 ** 3, MiB = 1024 ** 2;
 
 const S = {
   offset: 0,                     // wall - monotonic: places a sample's t (worker monotonic clock)
+  es: null,                      // the EventSource of /v1/events
   session: null, ceiling: null, pressure: null, status: null, statusAt: 0,
   lines: { group: [], ceiling: [], soft: [], hard: [] },   // [wall seconds, bytes]
   models: new Map(),             // model id -> [[t, usage]]
@@ -121,12 +122,20 @@ function onStatus(st) {
   S.tablesDirty = true;
 }
 
-function connect() {
+// EventSource cannot send headers, and no secret goes in a URL: with [supervisor] api_keys
+// set, the key the user typed (an API key or the admin token) is traded, as a header, for a
+// same-origin HttpOnly cookie that opens /v1/events only (POST /ui/ticket).
+async function ticket() {
+  if (!S.token) return;
+  await fetch("/ui/ticket", { method: "POST", headers: authHeaders() }).catch(() => null);
+}
+
+async function connect() {
+  if (S.es) S.es.close();
+  await ticket();
   const since = Date.now() / 1000 - S.windowSec;
-  // EventSource cannot send headers: with [supervisor] api_keys set, the key rides in the
-  // query (open the page as /?api_key=KEY, or type the admin token, which opens /v1 too)
-  const key = new URLSearchParams(location.search).get("api_key") || S.token;
-  const es = new EventSource("/v1/events?since=" + since.toFixed(3) + (key ? "&api_key=" + encodeURIComponent(key) : ""));
+  const es = new EventSource("/v1/events?since=" + since.toFixed(3));
+  S.es = es;
   const conn = $("conn");
   const on = (name, fn) => es.addEventListener(name, (e) => fn(JSON.parse(e.data)));
   on("hello", (h) => { S.offset = h.t - h.monotonic; conn.textContent = "live"; conn.className = "conn live"; });
@@ -137,7 +146,11 @@ function connect() {
   on("status", (m) => onStatus(m.status));
   on("dropped", (d) => { conn.textContent = "dropped: " + d.reason; conn.className = "conn down"; });
   on("closed", (d) => { conn.textContent = d.reason; conn.className = "conn down"; });
-  es.onerror = () => { conn.textContent = "reconnecting…"; conn.className = "conn down"; };
+  es.onerror = () => {
+    conn.textContent = "reconnecting…"; conn.className = "conn down";
+    // refused (no key yet, or the server restarted and forgot the ticket): ask again, later
+    if (es.readyState === EventSource.CLOSED && S.es === es) setTimeout(connect, 3000);
+  };
 }
 
 // -- the header, the cards and the tables --------------------------------------------
@@ -400,7 +413,7 @@ async function loadSession() {
   const r = await fetch("/ui/session", { headers: authHeaders() });
   S.session = await r.json();
   document.body.classList.toggle("admin", S.session.admin);
-  $("token-box").hidden = !S.session.token_required;
+  $("token-box").hidden = !(S.session.token_required || S.session.key_required);
   const select = $("tier-select");
   if (!select.options.length) for (const t of S.session.tiers) select.append(new Option(t, t));
   S.tablesDirty = true;
@@ -426,7 +439,10 @@ function wireForms() {
     S.token = $("token").value.trim();
     sessionStorage.setItem("memvisor-token", S.token);
     const session = await loadSession();
-    $("token-result").textContent = session.admin ? "unlocked" : "that token is not the admin token";
+    $("token-result").textContent = session.admin ? "unlocked"
+      : !session.key_required && session.token_required ? "events unlocked; that is not the admin token"
+      : "that is not the admin token or an API key";
+    if (!session.key_required) connect();
   });
   for (const b of document.querySelectorAll("[data-window]")) {
     b.addEventListener("click", () => {

@@ -1,0 +1,150 @@
+"""Issue 22: Linux CPU workers compute with OpenBLAS, not MLX's bundled reference BLAS.
+
+MLX's Linux CPU wheel links netlib's libblas (~2 GFLOP/s float32 matmul);
+worker.blas opens OpenBLAS (scipy-openblas32 with its names renamed, or the
+system's) with RTLD_GLOBAL before MLX loads, so libmlx binds to it. The speed
+itself is measured by scripts/bench_blas.py, never asserted here: these tests
+pin that the library is really in the worker (its memory map), that it is the
+one probe names, and that greedy output does not change with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shared import protocol as p
+from shared.probe import blas as found
+from worker import blas
+
+ROOT = Path(__file__).resolve().parent.parent
+linux_only = pytest.mark.skipif(not found.applies(), reason="MLX on macOS uses Accelerate; nothing to load")
+
+
+def _mapped(pid: int | str) -> set[str]:
+    with open(f"/proc/{pid}/maps") as maps:
+        return {line.split()[-1] for line in maps if len(line.split()) >= 6}
+
+
+@linux_only
+def test_renamed_copy_exports_the_plain_names_mlx_binds_to(tmp_path, monkeypatch):
+    """scipy-openblas32 prefixes every name (`scipy_cblas_sgemm`), which libmlx never asks for."""
+    monkeypatch.setenv(found.CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv(found.ENV, raising=False)
+    plan = found.plan()
+    assert plan.kind == "renamed" and not plan.ready, plan  # a fresh cache: made at the first start
+    before = blas.dynamic_names(Path(plan.source))
+    assert "scipy_cblas_sgemm" in before and "cblas_sgemm" not in before
+    blas.make_renamed_copy(Path(plan.source), Path(plan.load_path))
+    after = set(blas.dynamic_names(Path(plan.load_path)))
+    needed = {"cblas_sgemm", "cblas_dgemm", "cblas_cgemm", "sgesdd_", "spotrf_", "sgetrf_", "ssyevd_",
+              "openblas_get_config"}
+    assert needed <= after
+    assert not {n for n in after if n.startswith(found.PREFIX)}
+    assert found.plan() == found.BlasPlan(kind="renamed", source=plan.source, load_path=plan.load_path,
+                                          origin=plan.origin, ready=True)
+
+
+def test_stock_chosen_or_no_library_is_stock_and_says_why(monkeypatch, tmp_path):
+    monkeypatch.setenv(found.ENV, "stock")
+    assert found.plan().kind == "stock"
+    monkeypatch.setenv(found.ENV, str(tmp_path / "missing.so"))
+    plan = found.plan()
+    assert plan.kind == "stock" and "no such file" in plan.reason
+
+
+@linux_only
+def test_a_library_that_will_not_load_leaves_the_stock_blas_and_a_warning(tmp_path):
+    """A worker never fails to start over its BLAS: it says what failed and runs on MLX's own."""
+    bogus = tmp_path / "libnot-a-blas.so"
+    bogus.write_text("not an ELF file")
+    code = "from worker import blas; import json; i = blas.preload(); print(json.dumps([i.kind, i.line()]))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                         env=os.environ | {found.ENV: str(bogus)})
+    kind, line = json.loads(out.stdout)
+    assert kind == "stock" and "could not load a fast BLAS" in line and str(bogus) in line
+    assert line in out.stderr  # the warning in the log
+
+
+def test_system_openblas_is_found_in_the_debian_folders(tmp_path):
+    pthread = tmp_path / "x-linux-gnu" / "openblas-pthread"
+    pthread.mkdir(parents=True)
+    assert found.system_library((str(tmp_path / "{arch}-linux-gnu/openblas-pthread"),)) is None
+    (pthread / "libopenblas.so.0").write_bytes(b"")
+    arch_dir = str(tmp_path / "x-linux-gnu/openblas-pthread")
+    assert found.system_library((arch_dir,)) == pthread / "libopenblas.so.0"
+
+
+@linux_only
+def test_the_test_process_computes_with_openblas():
+    """conftest opens the workers' BLAS before any test imports MLX, so in-process tests are fast too."""
+    if found.stock_chosen():
+        pytest.skip("MEMVISOR_BLAS=stock")
+    info = blas.current()
+    assert info is not None and info.kind != "stock", info
+    import mlx.core  # noqa: F401  (the map must still hold it once MLX is in)
+
+    assert info.path in _mapped("self")
+    assert "OpenBLAS" in info.config and info.threads >= 1
+
+
+@linux_only
+def test_probe_names_the_blas_workers_get():
+    out = subprocess.run([sys.executable, "-m", "supervisor", "probe", "--json"], cwd=ROOT,
+                         capture_output=True, text=True, check=True, env=os.environ | {found.ENV: "auto"})
+    shown = json.loads(out.stdout)["blas"]
+    assert shown["kind"] in ("renamed", "system"), shown
+    assert shown["load_path"] and shown["load_path"] in shown["line"]
+
+
+@pytest.mark.slow
+@linux_only
+def test_worker_hello_names_openblas_and_the_worker_maps_it(tiny_model, tmp_path):
+    from test_worker_process import FakeSupervisor
+
+    with FakeSupervisor(tmp_path, tiny_model, "w#blas") as sup:
+        hello = sup.recv(p.Hello)
+        sup.recv(p.Loaded)
+        mapped = _mapped(hello.pid)
+    plan = found.plan()
+    assert plan.kind in ("renamed", "system") and plan.ready
+    assert plan.load_path in mapped, sorted(m for m in mapped if "blas" in m)
+    assert "OpenBLAS" in hello.blas and plan.load_path in hello.blas
+
+
+GREEDY = """
+import json, sys
+from worker import blas
+info = blas.preload()
+import mlx.core as mx
+import mlx_lm
+from mlx_lm.generate import generate_step
+model, tok = mlx_lm.load(sys.argv[1])
+out = {}
+for prompt in ("the quick brown fox", "memory is a budget " * 12):
+    ids = mx.array(tok.encode(prompt))
+    out[prompt] = [int(t) for t, _ in generate_step(ids, model, max_tokens=24)]
+print(json.dumps({"blas": info.kind, "tokens": out}))
+"""
+
+
+@pytest.mark.slow
+@linux_only
+def test_greedy_tokens_are_identical_with_openblas_and_with_the_stock_blas(tmp_path):
+    """float32 sums in another order differ in the last bits; greedy tokens of the test models must not."""
+    from worker.modelgen import make_model
+
+    model = tmp_path / "f32"
+    make_model(model, 4 * 2**20, 5, dtype="float32")
+    runs = {}
+    for choice in ("stock", "auto"):
+        out = subprocess.run([sys.executable, "-c", GREEDY, str(model)], cwd=ROOT, capture_output=True,
+                             text=True, check=True, env=os.environ | {found.ENV: choice}, timeout=300)
+        runs[choice] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert runs["stock"]["blas"] == "stock" and runs["auto"]["blas"] in ("renamed", "system")
+    assert runs["auto"]["tokens"] == runs["stock"]["tokens"]
