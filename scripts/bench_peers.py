@@ -289,8 +289,9 @@ def main(argv: list[str] | None = None) -> int:
                         proc.kill()
                 print(theirs[n].line("mlx_lm.server", n), flush=True)
     print(f"model: {model}; {args.tokens} max tokens per stream")
-    print(f"memvisor one stream: {ours[counts[0]].decode / single:.0%} of stream_generate "
-          f"({ours[counts[0]].decode:.1f} vs {single:.1f} tok/s decode)")
+    if 1 in ours:
+        print(f"memvisor one stream: {ours[1].decode / single:.0%} of stream_generate "
+              f"({ours[1].decode:.1f} vs {single:.1f} tok/s decode)")
     for n in counts:
         vs = f", {ours[n].tps / theirs[n].tps:.2f}x mlx_lm.server" if n in theirs and theirs[n].tps else ""
         print(f"memvisor @{n}: {ours[n].tps / raw[n]:.0%} of raw batched{vs}; max TTFT "
