@@ -299,8 +299,10 @@ async def load_refused(lab: Lab) -> None:
 
 async def ttl_expiry(lab: Lab) -> None:
     """An idle model past its TTL is stopped within a tick of its expiry."""
-    h = await lab.load("short")
+    # the pinned model first: a worker start can take longer than the 2 s TTL on a
+    # loaded machine, and "short" must not expire before its request is sent
     await lab.load("pinned")
+    h = await lab.load("short")
     await lab.end(await lab.generate("short", "hello", 4), 20)
     done = time.monotonic()
     await lab.until(lambda: not h.live, 6, "short expired")
