@@ -99,3 +99,17 @@ def test_ollama_ps_lists_the_loaded_model_with_expiry(server):
     ps = server.run(main())
     [entry] = ps.models
     assert entry.model == "a" and entry.size > 0 and entry.size_vram in (0, entry.size) and entry.expires_at is not None
+
+
+def test_ollama_empty_request_loads_and_keep_alive_zero_unloads(server):
+    """Open WebUI preloads with an empty request and unloads with keep_alive 0, as Ollama defines."""
+    async def main():
+        c = client(server)
+        loaded = await c.generate(model="a")
+        ps_loaded = await c.ps()
+        unloaded = await c.chat(model="a", messages=[], keep_alive=0)
+        return loaded, ps_loaded, unloaded, await c.ps()
+
+    loaded, ps_loaded, unloaded, ps_after = server.run(main())
+    assert loaded.done and loaded.done_reason == "load" and [m.model for m in ps_loaded.models] == ["a"]
+    assert unloaded.done and unloaded.done_reason == "unload" and ps_after.models == []
