@@ -106,3 +106,9 @@ def test_model_facts_from_config_and_tokenizer_config(tmp_path):
 
 def test_digest_is_stable_per_id_and_path():
     assert digest("a", "/m") == digest("a", "/m") != digest("a", "/n")
+
+
+def test_ollama_hub_routes_say_there_is_no_hub():
+    exc = ollama.no_hub("/api/pull")
+    assert exc.status == 501 and "pull" in exc.message and "models_dirs" in exc.message
+    assert "upload blobs" in ollama.no_hub("/api/blobs/sha256:abc").message

@@ -113,3 +113,14 @@ def test_ollama_empty_request_loads_and_keep_alive_zero_unloads(server):
     loaded, ps_loaded, unloaded, ps_after = server.run(main())
     assert loaded.done and loaded.done_reason == "load" and [m.model for m in ps_loaded.models] == ["a"]
     assert unloaded.done and unloaded.done_reason == "unload" and ps_after.models == []
+
+
+def test_ollama_pull_answers_501_saying_there_is_no_hub(server):
+    async def main():
+        try:
+            await client(server).pull("llama3")
+        except ollama.ResponseError as exc:
+            return exc
+
+    refused = server.run(main())
+    assert refused.status_code == 501 and "no model store or hub" in refused.error

@@ -264,6 +264,9 @@ class FrontDoor:
         started = request.scope.get("memvisor.started", time.monotonic())
         return await http_ollama.handle_generate(request, self.sup, self.metrics, body, started)
 
+    async def ollama_no_hub(self, request: Request) -> Response:
+        raise http_ollama.no_hub(request.url.path)
+
     # -- guard ----------------------------------------------------------------
 
     async def status(self, request: Request) -> Response:
@@ -368,6 +371,9 @@ class FrontDoor:
             Route("/api/show", o(self.ollama_show), methods=["POST"]),
             Route("/api/chat", o(self.ollama_chat), methods=["POST"]),
             Route("/api/generate", o(self.ollama_generate), methods=["POST"]),
+            *[Route(path, o(self.ollama_no_hub), methods=["POST", "DELETE", "HEAD"])
+              for path in ("/api/pull", "/api/push", "/api/create", "/api/copy", "/api/delete",
+                           "/api/blobs/{digest}")],
             Route("/admin/guard", r(self.guard), methods=["POST"]),
         ]
 

@@ -512,6 +512,19 @@ async def show(sup: Supervisor, body: bytes) -> dict[str, Any]:
             "capabilities": capabilities(facts), "modified_at": now_rfc3339()}
 
 
+# Ollama's routes that manage a model store; memvisor serves folders on disk.
+NO_HUB = {"/api/pull": "pull", "/api/push": "push", "/api/create": "create", "/api/copy": "copy",
+          "/api/delete": "delete", "/api/blobs": "upload blobs"}
+
+
+def no_hub(path: str) -> ApiError:
+    """A clear 501 for routes that need Ollama's model store or hub."""
+    what = next((v for k, v in NO_HUB.items() if path == k or path.startswith(k + "/")), "manage models")
+    return ApiError(501, f"memvisor cannot {what} models: it has no model store or hub. It serves model "
+                         "folders on disk: add one under [[models]] or a models_dirs folder (then `python -m supervisor "
+                         "reload`), and it appears in /api/tags", code="not_implemented")
+
+
 # ---------------------------------------------------------------------------
 # errors
 
