@@ -21,7 +21,7 @@ def chat(**body) -> p.Generate:
 
 def test_ollama_options_map_to_sampling():
     gen = chat(options={"temperature": 0, "top_p": 0.5, "num_predict": 7, "stop": ["\n"], "seed": 3,
-                        "num_ctx": 4096})
+                        "num_ctx": 4096, "num_thread": 8, "num_gpu": 99})
     assert (gen.temperature, gen.top_p, gen.max_tokens, gen.stop, gen.seed) == (0.0, 0.5, 7, ["\n"], 3)
     assert chat(options={"num_predict": -1}).max_tokens == ollama.DEFAULT_CHAT_MAX_TOKENS
 

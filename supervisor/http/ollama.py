@@ -14,9 +14,10 @@ spelled Ollama's way:
   `eval_count`;
 - `options` map to the same sampling settings (`temperature`, `top_p`,
   `num_predict`, `stop`, `seed`); an option the worker cannot honour is a 400
-  naming it, never ignored (as on the OpenAI routes). `num_ctx` is accepted:
-  the model always runs with its whole context and the guard, not a window
-  size, bounds its memory;
+  naming it, never ignored (as on the OpenAI routes). `num_ctx` and the
+  placement options (`num_thread`, `num_gpu`, ...) are accepted: the model
+  always runs with its whole context, the guard bounds its memory and the
+  worker places the work, none of which changes the tokens;
 - `format` ("json" or a JSON schema) is the worker's constrained decoding;
   `tools` go to the chat template and calls come back as Ollama's
   `tool_calls` with `arguments` as an object;
@@ -134,9 +135,12 @@ class ShowRequest(Struct, kw_only=True, forbid_unknown_fields=True):
 # options -> sampling
 
 
-# Accepted with no effect, truthfully: the model runs with its whole context, and
-# the guard (not a window size) bounds its memory.
-NEUTRAL_OPTIONS = frozenset({"num_ctx"})
+# Accepted with no effect on the output, truthfully: the model runs with its whole
+# context and the guard (not a window size) bounds its memory; the others place or
+# pace the work (threads, batches, GPUs, mmap), which the worker decides, and leave
+# the tokens as they are. Continue and Open WebUI send some of them.
+NEUTRAL_OPTIONS = frozenset({"num_ctx", "num_thread", "num_batch", "num_gpu", "main_gpu", "low_vram", "numa",
+                             "use_mmap", "use_mlock"})
 
 
 class Sampling(Struct, kw_only=True):
@@ -179,7 +183,8 @@ def sampling(options: dict[str, Any] | None) -> Sampling:
             out.seed = value
         else:
             raise BodyError(f"{where}: not supported by this server (it honours temperature, top_p, "
-                            "num_predict, stop and seed; num_ctx is accepted)", param=where)
+                            "num_predict, stop and seed, and accepts num_ctx and the thread/GPU "
+                            "placement options, which change no output)", param=where)
     return out
 
 
