@@ -26,6 +26,10 @@ H200: `--model DIR --streams 1,8,32`). Figures on a shared 2-core machine
 are noisy; compare the ratios within one run. Last line:
 
     batch decode @N: X tok/s vs Y tok/s sequential (Z×)
+
+`--peers` runs scripts/bench_peers.py instead (issue 22): in one run the raw
+in-process batched loop, `stream_generate`, memvisor and `mlx_lm.server`
+with the same client, TTFT and peak RSS per server (see that file).
 """
 
 from __future__ import annotations
@@ -124,6 +128,11 @@ def idle_cpu_rate(server: Server, seconds: float = 10.0) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--peers" in argv:  # issue 22: raw batched loop, memvisor and mlx_lm.server side by side
+        from bench_peers import main as peers
+
+        return peers([a for a in argv if a != "--peers"])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, help="a local MLX model folder (default: a generated one)")
     parser.add_argument("--size", default="100MB", help="weights of the generated model (default 100MB)")

@@ -142,9 +142,9 @@ async def trial(arb: Arbiter, samples: Samples, rate: int, to: int) -> dict | No
 
 async def run_mode(model_dir: Path, runtime: Path, args, *, baseline: bool) -> list[dict]:
     config = Config(
-        # hot_cache_max=0: the trial's ceiling is usage + a few hundred MiB, and C12's
-        # reservation (cache used + 512 MiB) would leave the worker 1-byte limits, so it
-        # could never report a watermark crossing and the guard would see it at the poll
+        # hot_cache_max=0: the trial measures the reaction to growth, not the prompt cache;
+        # before issue 21 this was also needed because C12 reserved cache used + 512 MiB
+        # (1-byte limits: no watermark crossing was ever reported)
         guard=GuardConfig(tier="custom", custom_ceiling=0, hot_cache_max=0),
         supervisor=SupervisorConfig(heartbeat_interval=1.0, heartbeat_timeout=10.0, allow_drills=True),
         models=[ModelConfig(id="victim", path=str(model_dir), max_concurrency=1)],

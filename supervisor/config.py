@@ -147,8 +147,9 @@ class GuardConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     hard_threshold: float | None = None  # T5: absent/<=0/0.95 -> tier default
     budget: int | str = 0            # caps `total` (0 = none)
     # H2/C12: the prompt caches of all workers together (0 = no prompt cache).
-    # 1 GiB: a long system prompt plus a few chats on a 7-8B model, while C12's
-    # reservation (used + 512 MiB) costs an idle group only 512 MiB of headroom.
+    # 1 GiB: a long system prompt plus a few chats on a 7-8B model. C12 (2026-12-01)
+    # reserves only what the caches hold, and H2 bounds the budget by a quarter of the
+    # soft watermark, so the default also works under a small custom ceiling.
     hot_cache_max: int | str = 1024 ** 3
     pool_max: int | str = 2 * 1024 ** 3  # M1: MLX pool a worker may keep (mx.set_cache_limit)
     safe_zone_ratio: float = 0.89    # G2

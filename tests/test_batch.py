@@ -10,7 +10,7 @@ import pytest
 
 from shared.limits import Limits
 from shared.protocol import Failed, Finished, TokenOut
-from shared.sizes import MiB
+from shared.sizes import GiB, MiB
 from tests.test_engine import OPEN, Run, drive
 from worker.engine import Engine
 
@@ -304,3 +304,224 @@ def test_constrained_rows_join_the_batch_and_every_row_matches_its_request_alone
         assert isinstance(run.terminal(rid), Finished)
         assert run.tokens(rid) == alone[rid], rid
     assert 3 in counting.batches, "the constrained rows never shared a pass with the free one"
+
+
+# ------------------------------------------------------------------ issue 22: rows in place
+
+
+def _kv(length: int, seed: int, layers: int = 3, heads: int = 4, dim: int = 32) -> list:
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    out = []
+    for layer in range(layers):
+        cache = KVCache()
+        key = mx.random.key(seed * 100 + layer)
+        cache.update_and_fetch(mx.random.normal((1, heads, length, dim), key=key),
+                               mx.random.normal((1, heads, length, dim), key=mx.random.split(key)[0]))
+        out.append(cache)
+    mx.eval([(c.keys, c.values) for c in out])
+    return out
+
+
+class _Row:
+    sample = None
+
+
+def test_issue22_join_and_leave_copy_the_rows_that_move_never_the_running_batch():
+    """`BatchKVCache.extend`/`filter` copied the whole batch's KV on every join and leave (issue 22).
+
+    A newcomer is written into a free row and a leaver's hole is filled by
+    the last row: the peak of either is a row's worth, far under one layer of
+    the batch; every row still holds exactly its own KV afterwards.
+    """
+    import mlx.core as mx
+
+    from worker.batch import DecodeBatch
+
+    batch = DecodeBatch(max_rows=64)
+    rows = [_Row() for _ in range(20)]
+    kvs = {i: _kv(40 + 9 * i, i) for i in range(20)}
+    for i in range(16):
+        batch.join([rows[i]], [kvs[i]], [mx.array([i])])
+    batch.keep([i for i in range(len(batch)) if i not in (2, 5, 9)], batch.y)  # free rows to reuse
+    one_layer = batch.nbytes // len(batch.layers)
+    relayouts = batch.relayouts
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    batch.join([rows[16], rows[17]], [kvs[16], kvs[17]], [mx.array([16]), mx.array([17])])
+    mx.eval([(layer.keys, layer.values) for layer in batch.layers])
+    join_peak = mx.get_peak_memory() - before
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    batch.keep([i for i in range(len(batch)) if i not in (0, 7)], batch.y)
+    mx.eval([(layer.keys, layer.values) for layer in batch.layers])
+    leave_peak = mx.get_peak_memory() - before
+    assert batch.relayouts == relayouts, "joining free rows must not grow the buffers"
+    assert join_peak < one_layer / 4, (join_peak, one_layer)
+    assert leave_peak < one_layer / 4, (leave_peak, one_layer)
+    for slot, row in enumerate(batch.rows):
+        mine = kvs[rows.index(row)]
+        for layer, theirs in zip(batch.extract(slot), mine):
+            assert mx.array_equal(layer.keys, theirs.keys[..., :theirs.offset, :]).item()
+            assert mx.array_equal(layer.values, theirs.values[..., :theirs.offset, :]).item()
+    assert sorted(batch.tokens()) == sorted(rows.index(row) for row in batch.rows)
+
+
+def test_issue22_greedy_output_is_identical_through_joins_leaves_and_buffer_growth(loaded):
+    """Eight requests of different lengths join and leave at different steps while the rows are
+    full (capacity grows), a newcomer is longer than the room in front (the front grows) and the
+    positions run out (the window moves): every stream is token-identical to its request alone."""
+    engine = _engine(loaded, max_chunk=8)
+    engine._batch.step = 4  # grow often: every kind of relayout happens in a short run
+    texts = list(PROMPTS.values())
+    prompts = {f"r{i}": engine.encode_prompt(texts[i % 5] + " " + texts[(i * 3) % 5][: 2 + 5 * i])
+               for i in range(8)}
+    lengths = {rid: 6 + (5 * i) % 23 for i, rid in enumerate(prompts)}
+    alone = {rid: _alone(engine, {rid: p}, lengths[rid])[rid] for rid, p in prompts.items()}
+    relayouts = engine._batch.relayouts
+    joins = {rid: 3 * i + (i % 3) for i, rid in enumerate(prompts)}
+    run = _staggered(engine, prompts, joins, lengths)
+    for rid in prompts:
+        assert isinstance(run.terminal(rid), Finished)
+        assert run.tokens(rid) == alone[rid], rid
+    assert engine._batch.relayouts - relayouts >= 3, "the run never grew the buffers"
+
+
+# ------------------------------------------------------------------ issue 22: prefilled together
+
+
+def _prefill_passes(shapes: "_Shapes") -> list[int]:
+    """Rows of every prefill pass (any pass not on the decode batch's own cache)."""
+    return [rows for rows, decode in shapes.calls if not decode]
+
+
+class _Shapes(_Counting):
+    """The real model, recording (rows, whether it was a decode-batch step) of every forward pass."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.calls: list[tuple[int, bool]] = []
+
+    def __call__(self, inputs, *args, **kwargs):
+        from worker.batch import SlotKVCache
+
+        self.calls.append((inputs.shape[0], isinstance(kwargs["cache"][0], SlotKVCache)))
+        return self.model(inputs, *args, **kwargs)
+
+
+GROUP = {"g1": "The memory guard watches every model", "g2": "A worker holds one model and more",
+         "g3": "Once upon a time there was a", "g4": "def main(): return the answer"}
+
+
+def test_issue22_requests_arriving_together_are_prefilled_in_one_pass_token_identical(loaded):
+    """Four requests submitted at once share their prefill passes, get their first tokens in the
+    same step (fair first-token times) and stream exactly what each gives alone."""
+    model, tokenizer = loaded
+    shapes = _Shapes(model)
+    engine = Engine(shapes, tokenizer, own_usage_fn=lambda: 0, max_chunk=16)
+    prompts = {rid: engine.encode_prompt(text) for rid, text in GROUP.items()}
+    alone = _alone(engine, prompts, 12)
+    shapes.calls.clear()
+    for rid, prompt in prompts.items():
+        engine.submit(rid, prompt, max_tokens=12)
+    run = Run()
+    first: dict[str, int] = {}
+    for step in range(400):
+        events = engine.step(OPEN, lambda: 0)
+        run.add(events)
+        for ev in events:
+            if isinstance(ev, TokenOut):
+                first.setdefault(ev.request_id, step)
+        if not engine.has_work:
+            break
+    assert 4 in _prefill_passes(shapes), shapes.calls
+    assert len(set(first.values())) == 1, first
+    for rid in prompts:
+        assert run.tokens(rid) == alone[rid], rid
+
+
+def _tight_limits() -> Limits:
+    """GUARDED with G2's target at the hard limit, no soft zone and a 1-token floor: the room
+    left is exactly what the tests below give."""
+    import msgspec
+
+    from tests.test_engine import GUARDED
+
+    return msgspec.structs.replace(GUARDED, prefill_headroom_safety=1.0, soft_limit=0, min_chunk_tokens=1)
+
+
+def _group_limits(engine: Engine, prompts: dict[str, list[int]], fit: int) -> tuple[Limits, int]:
+    """Limits and a usage under which `fit` of the prompts' G1 estimates fit as a sum, not one more."""
+    from worker import prefill_guard as guard
+
+    limits = _tight_limits()
+    padded = max(len(p) for p in prompts.values())
+    one = max(guard.admission_peak(padded, engine.cost, limits.min_chunk_tokens),
+              guard.padded_chunk_bytes(engine.cost, 0, 1))  # G1's estimate, or the first step's (G2)
+    return limits, guard.prefill_limit(limits).bytes - one * fit - one // 2
+
+
+def test_issue22_g1_a_group_over_the_limit_as_a_sum_is_split(loaded):
+    """Each of four requests fits G1 alone, only two fit as a sum: the group is two, the rest
+    follow, and every stream is identical to its request alone."""
+    model, tokenizer = loaded
+    shapes = _Shapes(model)
+    engine = Engine(shapes, tokenizer, own_usage_fn=lambda: 0, max_chunk=16)
+    prompts = {rid: engine.encode_prompt(text) for rid, text in GROUP.items()}
+    alone = _alone(engine, prompts, 8)
+    limits, usage = _group_limits(engine, prompts, 2)
+    shapes.calls.clear()
+    for rid, prompt in prompts.items():
+        engine.submit(rid, prompt, max_tokens=8)
+    run = drive(engine, limits, lambda: usage)
+    assert max(_prefill_passes(shapes)) == 2, shapes.calls
+    for rid in prompts:
+        assert isinstance(run.terminal(rid), Finished), run.terminal(rid)
+        assert run.tokens(rid) == alone[rid], rid
+
+
+def test_issue22_g2_a_group_step_that_does_not_fit_is_split_and_each_goes_on_alone(loaded):
+    """Mid-prefill the room shrinks so that a chunk cannot give every row one token: the group
+    splits, each request keeps the KV it has and finishes alone, token-identical."""
+    model, tokenizer = loaded
+    shapes = _Shapes(model)
+    engine = Engine(shapes, tokenizer, own_usage_fn=lambda: 0, max_chunk=16)
+    prompts = {rid: engine.encode_prompt(text) for rid, text in GROUP.items()}
+    alone = _alone(engine, prompts, 6)
+    from worker import prefill_guard as guard
+
+    limits = _tight_limits()
+    readings = iter([1 * GiB] * 7)  # G1 (four members, the sum), the first chunk and its G3; then...
+
+    def usage():
+        # ...room for one row's 3-token chunk, less than one column for each of the 4 rows
+        tight = guard.chunk_target(limits).bytes - guard.padded_chunk_bytes(engine.cost, 8, 3)
+        return next(readings, tight)
+
+    shapes.calls.clear()
+    for rid, prompt in prompts.items():
+        engine.submit(rid, prompt, max_tokens=6)
+    run = drive(engine, limits, usage)
+    assert 4 in _prefill_passes(shapes) and 1 in _prefill_passes(shapes), shapes.calls
+    for rid in prompts:
+        assert isinstance(run.terminal(rid), Finished), run.terminal(rid)
+        assert run.tokens(rid) == alone[rid], rid
+
+
+def test_issue22_a_request_that_alone_does_not_fit_is_rejected_and_the_others_are_grouped(loaded):
+    model, tokenizer = loaded
+    shapes = _Shapes(model)
+    engine = Engine(shapes, tokenizer, own_usage_fn=lambda: 10 * GiB, max_chunk=16)
+    prompts = {rid: engine.encode_prompt(text) for rid, text in GROUP.items()}
+    big = engine.encode_prompt("word " * 2000)  # several KV blocks: far over the room
+    limits, usage = _group_limits(engine, prompts, 3)
+    shapes.calls.clear()
+    engine.submit("big", big, max_tokens=4)
+    for rid, prompt in list(prompts.items())[:3]:
+        engine.submit(rid, prompt, max_tokens=4)
+    run = drive(engine, limits, lambda: usage)
+    end = run.terminal("big")
+    assert isinstance(end, Failed) and end.code == "prefill_memory_exceeded"
+    assert 3 in _prefill_passes(shapes), shapes.calls
+    assert all(isinstance(run.terminal(rid), Finished) for rid in list(prompts)[:3])

@@ -33,7 +33,7 @@ def make_config(models, *, guard=None, **sup) -> Config:
     sup.setdefault("heartbeat_timeout", 10.0)
     sup.setdefault("stop_grace", 3.0)
     # No prompt cache unless a test asks: these tests squeeze the ceiling to a few hundred
-    # MiB, where C12's 512 MiB reservation for the default 1 GiB budget leaves no room.
+    # MiB and count bytes exactly; cached prompts would move the figures they compare.
     guard = guard or GuardConfig(hot_cache_max=0)
     return Config(guard=guard, supervisor=SupervisorConfig(**sup), models=models)
 

@@ -6,20 +6,37 @@ sequences in one pass cost little more than one (an H200 went from ~300
 tokens/s at batch 1 to ~6,000 at batch 32). On a CPU the pass is
 compute-bound and the gain is small, but nothing is lost.
 
-How sequences get in and out. Each request is prefilled alone, in its own
-per-layer `KVCache` (which may be a fork of a prompt-cache entry, H1), so
-the prefill guard (G1-G3) still sizes and checks one request's chunks. When
-its first token is sampled it *joins*: its KV is left-padded into mlx-lm's
-`BatchKVCache` (`merge`, then `extend` onto the running batch). A sequence
-that ends *leaves* between steps: its rows are cut out (`filter`), and its KV
-can first be copied out (`extract`) for the prompt cache. Aborts and reclaims
-are obeyed at step boundaries, where the batch is consistent.
+Why rows in place (issue 22). Issue 11 joined with mlx-lm's `BatchKVCache`:
+`extend` concatenates the newcomer onto the running batch and `filter`
+gathers the rows that stay, so every join and every leave copied the whole
+batch's KV, and for a moment held it twice. On an H200 at 64 streams that
+peaked at 87-91 GiB for ~3.5 GB of KV. Here each layer's KV is one buffer
+of `capacity` rows by `length` positions, allocated once and grown in large
+steps, and a row is a slot:
+
+- **join**: the newcomer's prefilled KV is written into a free row, right
+  aligned at the shared write position `idx` (left padding masks the rest);
+  only the newcomer's tokens are copied.
+- **leave**: the last row moves into the hole (one row's tokens copied) so
+  the live rows stay `0..n-1` and the forward pass is a slice, not a gather.
+- **growth** (a *relayout*, the one copy of the batch): when the rows are
+  full (capacity grows by half), when a newcomer is longer than the room in front
+  of `idx` (the front grows to its length, rounded up to `STEP`), or when
+  the positions run out (the live window moves to the front of a buffer with
+  as much room again behind it, so a relayout comes at most once per window
+  of steps). Each layer is copied and evaluated in turn, so a relayout holds
+  at most one layer twice.
+
+So the batch's memory is its buffers (`nbytes`: capacity x length, what
+`status` reports) and a step allocates only the one token it writes.
 
 Why greedy output stays token-identical to one request alone: padding
 positions are masked out of attention (their weight is exactly zero), each
 row's RoPE offset is its own length, and every other op works row by row.
+The attention window is `[start, idx)` with `start` the smallest left
+padding, so the empty front costs memory, not compute.
 `tests/test_batch.py` checks identity with requests of different lengths
-joining at different steps.
+joining and leaving at different steps.
 
 The step keeps the engine's one-ahead pipelining: the next tokens of every
 row are queued (`mx.async_eval`) before the current ones are read, in one
@@ -34,9 +51,58 @@ from collections.abc import Callable, Sequence
 from typing import cast
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import KVCache
 
 Sampler = Callable[[mx.array], mx.array]
+STEP = 256  # positions are allocated in multiples of this, as mlx-lm's caches do
+
+
+def _round_up(n: int, step: int = STEP) -> int:
+    return max(step, -(-n // step) * step)
+
+
+class SlotKVCache:
+    """One layer's KV for the whole batch: rows `0..n-1` live, positions `[start, idx)` in use.
+
+    The model sees what an mlx-lm cache offers: `update_and_fetch`, a per-row
+    `offset` (each row's length, for RoPE) and `make_mask`. Everything that
+    changes rows goes through `DecodeBatch`, which keeps every layer in step.
+    """
+
+    def __init__(self) -> None:
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.n = 0           # live rows
+        self.idx = 0         # next write position, shared by every row
+        self.start = 0       # smallest left padding: the attention window starts here
+        self.offset = mx.array([], mx.int32)        # per row: tokens it holds (its RoPE position)
+        self.window_padding = mx.array([], mx.int32)  # per row: left padding inside the window
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        assert self.keys is not None and self.values is not None, "the batch has no rows"
+        tokens = keys.shape[2]
+        end = self.idx + tokens
+        assert keys.shape[0] == self.n and end <= self.keys.shape[2], "the batch did not reserve room"
+        self.keys[: self.n, :, self.idx:end, :] = keys
+        self.values[: self.n, :, self.idx:end, :] = values
+        self.idx = end
+        self.offset = self.offset + tokens
+        return self.keys[: self.n, :, self.start:end, :], self.values[: self.n, :, self.start:end, :]
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **_) -> mx.array:
+        return create_causal_mask(N, offset=self.idx - self.start, window_size=window_size,
+                                  left_padding=self.window_padding)
+
+    @property
+    def state(self) -> tuple:
+        return self.keys, self.values
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None or self.values is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes
 
 
 class DecodeBatch:
@@ -44,13 +110,18 @@ class DecodeBatch:
 
     `rows[i]` is any object with a `sample` attribute (the request's sampler);
     `y[i]` is row i's next token: sampled, not yet emitted, not yet fed back.
+    Row order is not join order: a leave moves the last row into the hole.
     """
 
-    def __init__(self, greedy: Sampler | None = None) -> None:
+    def __init__(self, greedy: Sampler | None = None, *, max_rows: int = 64, step: int = STEP) -> None:
         self.rows: list = []
-        self.layers: list[BatchKVCache] = []
+        self.layers: list[SlotKVCache] = []
         self.y: mx.array | None = None
-        self._greedy = greedy  # the sampler that is a plain argmax: all-greedy batches take one op
+        self.pads: list[int] = []  # per row: absolute left padding (first position it holds)
+        self.relayouts = 0         # copies of the whole batch so far (growth), for tests and benches
+        self._greedy = greedy      # the sampler that is a plain argmax: all-greedy batches take one op
+        self._max_rows = max(1, max_rows)
+        self.step = max(1, step)  # positions are allocated in multiples of this
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -58,23 +129,174 @@ class DecodeBatch:
     def __contains__(self, row) -> bool:
         return any(r is row for r in self.rows)
 
+    # -- shape -------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        """Rows the buffers hold (live or free)."""
+        keys = self.layers[0].keys if self.layers else None
+        return keys.shape[0] if keys is not None else 0
+
+    @property
+    def length(self) -> int:
+        """Positions the buffers hold."""
+        keys = self.layers[0].keys if self.layers else None
+        return keys.shape[2] if keys is not None else 0
+
+    @property
+    def idx(self) -> int:
+        return self.layers[0].idx if self.layers else 0
+
+    def _sync(self) -> None:
+        """Every layer's per-row arrays from `pads` (after a join, a leave or a relayout)."""
+        idx = self.idx
+        start = min(self.pads) if self.pads else idx
+        offset = mx.array([idx - p for p in self.pads], mx.int32)
+        window = mx.array([p - start for p in self.pads], mx.int32)
+        for layer in self.layers:
+            layer.n, layer.start = len(self.rows), start
+            layer.offset, layer.window_padding = offset, window
+
+    def _relayout(self, rows: int, front: int) -> None:
+        """The one whole-batch copy: new buffers of `rows` rows with `front` positions before `idx`."""
+        n, idx = len(self.rows), self.idx
+        start = min(self.pads) if self.pads else idx
+        window = idx - start
+        new_idx = _round_up(max(window, front), self.step)
+        length = new_idx + _round_up(window // 2, self.step)  # room behind: a relayout per window/2 steps
+        shift = new_idx - idx
+        for layer in self.layers:
+            assert layer.keys is not None and layer.values is not None
+            for name in ("keys", "values"):
+                old = getattr(layer, name)
+                fresh = mx.zeros((rows, old.shape[1], length, old.shape[3]), old.dtype)
+                if n and window:
+                    fresh[:n, :, new_idx - window:new_idx, :] = old[:n, :, start:idx, :]
+                mx.eval(fresh)
+                setattr(layer, name, fresh)
+                del old
+            layer.idx = new_idx
+        self.pads = [p + shift for p in self.pads]
+        self.relayouts += 1
+
+    def _reserve(self, rows: int, front: int, tokens: int) -> None:
+        """Room for `rows` live rows, `front` positions before `idx` and `tokens` after it."""
+        capacity = self.capacity
+        if rows <= capacity and front <= self.idx and self.idx + tokens <= self.length:
+            return
+        if rows > capacity:
+            capacity = max(rows, min(-(-3 * capacity // 2), self._max_rows))  # grows by half
+        self._relayout(capacity, front)
+
+    # -- joining and leaving ---------------------------------------------------------
+
     def join(self, rows: list, layers: Sequence[Sequence[KVCache]], ys: Sequence[mx.array]) -> None:
         """Add prefilled sequences: per row its per-layer KV and its first (unemitted) token, shape (1,).
 
-        The newcomers are merged among themselves first, so the running batch's
-        KV is copied once per step however many join (`extend` copies it).
+        Each newcomer's tokens are written into a free row in place; the running
+        rows are not copied (unless the buffers must grow, see module doc).
         """
         if not rows:
             return
-        incoming = [BatchKVCache.merge([per_row[i] for per_row in layers]) for i in range(len(layers[0]))]
+        lengths = [per_row[0].offset for per_row in layers]
+        if not self.layers:
+            self._create(layers[0], len(rows))
+        self._reserve(len(self.rows) + len(rows), max(lengths), 1)
+        idx = self.idx
+        written = []
+        for row, per_row, length in zip(rows, layers, lengths):
+            slot = len(self.rows)
+            for mine, theirs in zip(self.layers, per_row):
+                assert mine.keys is not None and mine.values is not None
+                assert theirs.keys is not None and theirs.values is not None
+                mine.keys[slot:slot + 1, :, idx - length:idx, :] = theirs.keys[..., :length, :]
+                mine.values[slot:slot + 1, :, idx - length:idx, :] = theirs.values[..., :length, :]
+                written += [mine.keys, mine.values]
+            self.rows.append(row)
+            self.pads.append(idx - length)
+        mx.eval(written)  # the newcomers' own buffers can go now
         y = ys[0] if len(ys) == 1 else mx.concatenate(list(ys))
-        if not self.rows:
-            self.layers, self.y = incoming, y
-        else:
-            for mine, theirs in zip(self.layers, incoming):
-                mine.extend(theirs)
-            self.y = mx.concatenate([self._in_flight(), y])
-        self.rows.extend(rows)
+        self.y = y if self.y is None else mx.concatenate([self.y, y])
+        self._sync()
+
+    def _create(self, like: Sequence[KVCache], rows: int) -> None:
+        """Empty layers shaped like a newcomer's KV (dtype, heads, head sizes), no positions yet."""
+        self.layers = []
+        for theirs in like:
+            assert theirs.keys is not None and theirs.values is not None
+            layer = SlotKVCache()
+            keys, values = theirs.keys, theirs.values
+            layer.keys = mx.zeros((rows, keys.shape[1], 0, keys.shape[3]), keys.dtype)
+            layer.values = mx.zeros((rows, values.shape[1], 0, values.shape[3]), values.dtype)
+            self.layers.append(layer)
+
+    def keep(self, indices: list[int], y: mx.array | None) -> None:
+        """Only rows `indices` go on, with `y` (one token per current row) as their next tokens.
+
+        Rows that stay beyond the new count move into the holes, one row's
+        positions `[its padding, idx)` each; nothing else is copied.
+        """
+        n = len(indices)
+        if n == len(self.rows):
+            self.y = y
+            return
+        if not indices:
+            self.clear()
+            return
+        kept = set(indices)
+        holes = [i for i in range(n) if i not in kept]
+        movers = [i for i in indices if i >= n]
+        order = list(range(n))
+        for hole, mover in zip(holes, movers):
+            self._move(mover, hole)
+            order[hole] = mover
+        self.rows = [self.rows[i] for i in order]
+        self.pads = [self.pads[i] for i in order]
+        self.y = y[mx.array(order)] if y is not None else None
+        self._sync()
+
+    def _move(self, source: int, target: int) -> None:
+        """Row `source`'s positions into row `target`, in place.
+
+        The copy is evaluated before it is written: a slice of the buffer that
+        is still alive when the write runs would make MLX copy the whole buffer.
+        """
+        pad, idx = self.pads[source], self.idx
+        for layer in self.layers:
+            for name in ("keys", "values"):
+                buffer = getattr(layer, name)
+                row = mx.contiguous(buffer[source:source + 1, :, pad:idx, :])
+                mx.eval(row)
+                buffer[target:target + 1, :, pad:idx, :] = row
+            mx.eval(layer.keys, layer.values)
+
+    def remove(self, row) -> bool:
+        """Drop one row between steps (abort); False when it is not in the batch."""
+        for i, r in enumerate(self.rows):
+            if r is row:
+                self.keep([j for j in range(len(self.rows)) if j != i], self.y)
+                return True
+        return False
+
+    def clear(self) -> None:
+        """No rows: the buffers go too (their memory returns with the pool)."""
+        self.rows, self.layers, self.y, self.pads = [], [], None, []
+
+    def extract(self, index: int) -> list[KVCache]:
+        """Row `index`'s KV as plain per-layer caches (a copy, evaluated), e.g. for the prompt cache."""
+        pad, idx = self.pads[index], self.idx
+        out = []
+        for layer in self.layers:
+            assert layer.keys is not None and layer.values is not None
+            cache = KVCache()
+            cache.keys = mx.contiguous(layer.keys[index:index + 1, :, pad:idx, :])
+            cache.values = mx.contiguous(layer.values[index:index + 1, :, pad:idx, :])
+            cache.offset = idx - pad
+            out.append(cache)
+        mx.eval([(c.keys, c.values) for c in out])  # no slice of the buffers stays alive (see _move)
+        return out
+
+    # -- the step --------------------------------------------------------------------
 
     def forward(self, model) -> tuple[mx.array, mx.array]:
         """Feed every row's token: the logits and the sampled successors (lazy, already queued).
@@ -84,6 +306,7 @@ class DecodeBatch:
         place. A row with `constraint` set is left to `place` (its mask needs
         the token this step reads).
         """
+        self._reserve(len(self.rows), 0, 1)
         logits = model(self._in_flight()[:, None], cache=self.layers)[:, -1, :]
         following = mx.argmax(logits, axis=-1)
         own = [(i, row.sample(logits[i:i + 1])) for i, row in enumerate(self.rows)
@@ -110,35 +333,7 @@ class DecodeBatch:
         out[mx.array([i for i, _ in drawn])] = mx.concatenate([t for _, t in drawn]).astype(out.dtype)
         return out
 
-    def extract(self, index: int) -> list[KVCache]:
-        """Row `index`'s KV as plain per-layer caches (a copy), e.g. for the prompt cache."""
-        return [layer.extract(index) for layer in self.layers]
-
-    def keep(self, indices: list[int], y: mx.array | None) -> None:
-        """Only rows `indices` go on, with `y` (one token per current row) as their next tokens."""
-        if len(indices) == len(self.rows):
-            self.y = y
-            return
-        if not indices:
-            self.clear()
-            return
-        picked = mx.array(indices)
-        for layer in self.layers:
-            layer.filter(picked)
-        self.y = y[picked] if y is not None else None
-        self.rows = [self.rows[i] for i in indices]
-
-    def remove(self, row) -> bool:
-        """Drop one row between steps (abort); False when it is not in the batch."""
-        for i, r in enumerate(self.rows):
-            if r is row:
-                self.keep([j for j in range(len(self.rows)) if j != i], self.y)
-                return True
-        return False
-
-    def clear(self) -> None:
-        self.rows, self.layers, self.y = [], [], None
-
     @property
     def nbytes(self) -> int:
+        """What the buffers hold, live rows or not (capacity x length): the batch's real memory."""
         return sum(layer.nbytes for layer in self.layers)

@@ -13,7 +13,10 @@ are already running.
 
 Why batches (issue 11): every decoding sequence is a row of one
 batched KV cache and advances in the same forward pass (worker/batch.py);
-sequences join after their own prefill and leave between steps.
+sequences join after their prefill and leave between steps, each copying
+only its own row (issue 22). Requests that wait together at the front of
+the prefill line are prefilled together in one pass per chunk
+(worker/group_prefill.py), the guard checking each and their sum.
 
 Why per-token care: a benchmark holds the whole path (engine + ZeroMQ + HTTP)
 to 90% of plain `mlx_lm` throughput. The decode step keeps mlx_lm's one-ahead
@@ -31,12 +34,11 @@ forward from.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable, Iterable, Protocol, Union, cast
+from typing import Any, Callable, Iterable, Union, cast
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
@@ -47,134 +49,26 @@ from shared.modelinfo import context_length
 from shared.protocol import Constraint as ConstraintSpec
 from shared.protocol import Failed, Finished, Generate, NeedMemory, TokenOut
 from shared.weights import WeightsError, estimate_weight_bytes
-from worker import memory, prefill_cost
+from worker import memory, prefill_cost, prompts
 from worker import prefill_guard as guard
 from worker import prompt_cache as pc
 from worker.batch import DecodeBatch
 from worker.constrain import Constraint, ConstraintError, ConstraintFactory
-from worker.sampling import Sampler, greedy, make_request_sampler
+from worker.group_prefill import PrefillGroup, worth_padding
+from worker.request import CONTEXT_EXCEEDED, ENGINE_ERROR, INVALID_REQUEST, EngineError, Seq
+from worker.sampling import greedy, make_request_sampler
 from worker.stops import StopMatcher
 
 log = logging.getLogger("memvisor.worker.engine")
 
 Event = Union[TokenOut, Finished, Failed, NeedMemory]
 UsageFn = Callable[[], int]
-LayerCaches = list[Any]  # one mlx_lm cache per layer (KVCache, rotating, ...): mlx_lm types it List[Any] too
-
-
-class Detokenizer(Protocol):
-    """What the engine uses of mlx_lm's streaming detokenizer (its classes are untyped)."""
-
-    @property
-    def last_segment(self) -> str: ...
-
-    def add_token(self, token: int) -> None: ...
-
-    def finalize(self) -> None: ...
 
 
 DEFAULT_MAX_CHUNK = 512
 CLEAR_CACHE_EVERY = 256  # decode steps between pool returns, as mlx_lm does
 MEMORY_WAIT_SECONDS = 10.0
 MIN_REUSE_TOKENS = 16  # a shorter shared prefix (BOS, a template's first tokens) is no cache hit
-INVALID_REQUEST = "invalid_request"
-CONTEXT_EXCEEDED = "context_length_exceeded"  # issue 16
-ENGINE_ERROR = "engine_error"
-
-
-class EngineError(ValueError):
-    """A request or model the engine cannot take; `code` goes on the wire."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-class _Seq:
-    """One request's state; slots keep per-token attribute access cheap."""
-
-    __slots__ = (
-        "id", "prompt", "max_tokens", "sample", "stopper", "state", "cache", "pos",
-        "y", "detok", "generated", "retried", "deadline", "warned_soft", "constraint", "hit", "cached", "out",
-    )
-
-    def __init__(self, request_id: str, prompt: list[int], max_tokens: int, sampler: Sampler,
-                 stopper: StopMatcher | None, constraint: Constraint | None = None):
-        self.id = request_id
-        self.prompt = prompt
-        self.max_tokens = max_tokens
-        self.sample = sampler
-        self.stopper = stopper
-        self.state = "preflight"   # preflight | waiting | prefill | decoding
-        self.cache: LayerCaches | None = None  # own KV while prefilling or decoding alone (not in a batch)
-        self.pos = 0               # prompt tokens already in the KV cache
-        self.y: mx.array | None = None  # next token (lazy / in flight); a batch row's is the batch's
-        self.detok: Detokenizer | None = None  # from the first output token on
-        self.generated = 0
-        self.retried = False
-        self.deadline = 0.0
-        self.warned_soft = False
-        self.constraint: Constraint | None = constraint  # issue 13: grammar of the output
-        self.hit: pc.Hit | None = None  # the prompt-cache entry it will reuse (pinned, H3)
-        self.cached = 0            # prompt tokens taken from the prompt cache (H1)
-        self.out: list[int] = []   # generated token ids (the cache key after the prompt)
-
-    def kv(self) -> LayerCaches:
-        """The sequence's own KV, which it has from its prefill until it joins a batch or ends."""
-        assert self.cache is not None, f"request {self.id} has no KV cache ({self.state})"
-        return self.cache
-
-    def token(self) -> mx.array:
-        """The token in flight, which a sequence decoding outside a batch always has."""
-        assert self.y is not None, f"request {self.id} has no token in flight ({self.state})"
-        return self.y
-
-    def token_id(self) -> int:
-        """The token in flight read as an id (this waits for it); MLX types item() as int | float | complex."""
-        return cast(int, self.token().item())
-
-
-def _turn(m) -> dict:
-    """A wire ChatMessage as the dict HF chat templates read (issue 13: tool turns too)."""
-    turn: dict = {"role": m.role, "content": m.content}
-    if m.tool_calls:
-        turn["tool_calls"] = json.loads(m.tool_calls)
-    if m.tool_call_id:
-        turn["tool_call_id"] = m.tool_call_id
-    return turn
-
-
-def _knows_tools(template) -> bool:
-    """A chat template that reads `tools` renders them itself (Qwen, Llama 3.1+, Hermes ...)."""
-    text = template if isinstance(template, str) else json.dumps(template)
-    return "tools" in text
-
-
-TOOLS_IN_WORDS = ("You can call these tools. To call one, answer with "
-                  '<tool_call>{"name": <name>, "arguments": <object>}</tool_call>\n<tools>\n{tools}</tools>')
-
-
-def _tools_in_words(turns: list[dict], tools: list) -> list[dict]:
-    """Issue 13: for a template with no place for tools, the Hermes wording the front door
-    parses, in the system turn; earlier calls and results become plain text turns."""
-    listing = TOOLS_IN_WORDS.replace("{tools}", "".join(json.dumps(t) + "\n" for t in tools))
-    out: list[dict] = []
-    for t in turns:
-        if t.get("tool_calls"):
-            calls = "".join("<tool_call>" + json.dumps({"name": c["function"]["name"],
-                                                         "arguments": c["function"]["arguments"]}) + "</tool_call>"
-                            for c in t["tool_calls"])
-            out.append({"role": "assistant", "content": calls})
-        elif t["role"] == "tool":
-            out.append({"role": "user", "content": f"<tool_response>{t['content']}</tool_response>"})
-        else:
-            out.append({"role": t["role"], "content": t["content"]})
-    if out and out[0]["role"] == "system":
-        return [{"role": "system", "content": listing + "\n\n" + out[0]["content"]}] + out[1:]
-    return [{"role": "system", "content": listing}] + out
-
-
 def _guard_on(limits: Limits) -> bool:
     return limits.hard_limit > 0 or limits.abort_limit > 0 or limits.soft_limit > 0
 
@@ -245,9 +139,9 @@ class Engine:
         self._memory_wait = memory_wait
         self._eos = frozenset(tokenizer.eos_token_ids)
         self.cost = prefill_cost.prior_cost(model, self.max_chunk)
-        self._queue: deque[_Seq] = deque()
-        self._prefill: deque[_Seq] = deque()
-        self._decoding: list[_Seq] = []
+        self._queue: deque[Seq] = deque()
+        self._prefill: deque[Seq] = deque()
+        self._decoding: list[Seq] = []
         self._ids: set[str] = set()
         self._outbox: list[Event] = []
         self._prefill_turn = True
@@ -256,12 +150,15 @@ class Engine:
         self.prompt_tokens_processed = 0
         self._constraints: ConstraintFactory | None = None  # built on the first constrained request
         self.prompt_cache = pc.PromptCache(0, min_reuse=MIN_REUSE_TOKENS)  # H2: cap comes with limits
-        self._cacheable = pc.supports(make_prompt_cache(model))
+        layers = make_prompt_cache(model)
+        self._cacheable = pc.supports(layers)
+        self._layer_count = len(layers)
         # issue 11: unconstrained sequences decode as rows of one batch; models whose KV is
         # not plain attention (rotating, SSM) keep one forward pass per sequence.
         self.batch_decode = batch_decode and self._cacheable
-        self._batch = DecodeBatch(greedy)
-        self._joining: list[_Seq] = []
+        self._batch = DecodeBatch(greedy, max_rows=self.max_concurrency)
+        self._joining: list[Seq] = []
+        self._group: PrefillGroup | None = None  # issue 22: requests prefilled together
 
     # ------------------------------------------------------------------ loading
 
@@ -288,29 +185,12 @@ class Engine:
     # ------------------------------------------------------------------ prompts
 
     def encode_chat(self, messages: Iterable, tools: str | None = None) -> list[int]:
-        """Chat messages through the model's chat template, ready for the reply."""
-        if not self.tokenizer.has_chat_template:
-            raise EngineError(INVALID_REQUEST, "this model has no chat template; use completions")
-        turns = [m if isinstance(m, dict) else _turn(m) for m in messages]
-        if not turns:
-            raise EngineError(INVALID_REQUEST, "messages must not be empty")
-        extra: dict = {}
-        if tools:  # issue 13: tools through the template, or in words where it has no place for them
-            tool_list = json.loads(tools)
-            if _knows_tools(getattr(self.tokenizer, "chat_template", None)):
-                extra["tools"] = tool_list
-            else:
-                turns = _tools_in_words(turns, tool_list)
-        try:
-            return list(self.tokenizer.apply_chat_template(turns, add_generation_prompt=True, **extra))
-        except Exception as exc:  # noqa: BLE001 - jinja raises whatever the template says
-            raise EngineError(INVALID_REQUEST, f"chat template rejected the messages: {exc}") from None
+        """Chat messages through the model's chat template, ready for the reply (worker/prompts.py)."""
+        return prompts.encode_chat(self.tokenizer, messages, tools)
 
     def encode_prompt(self, text: str) -> list[int]:
         """A raw completion prompt; BOS added unless the text already starts with it."""
-        bos = self.tokenizer.bos_token
-        add_special = bos is None or not text.startswith(bos)
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special))
+        return prompts.encode_prompt(self.tokenizer, text)
 
     # ------------------------------------------------------------------ requests
 
@@ -347,7 +227,7 @@ class Engine:
         if vocab is not None and not all(0 <= t < vocab for t in prompt_tokens):
             raise EngineError(INVALID_REQUEST, f"prompt has token ids outside [0, {vocab})")
         stops = [s for s in stop if s]
-        seq = _Seq(request_id, list(prompt_tokens), max_tokens,
+        seq = Seq(request_id, list(prompt_tokens), max_tokens,
                    make_request_sampler(temperature, top_p, seed),
                    StopMatcher(stops) if stops else None,
                    self._constraint(constraint, max_tokens) if constraint is not None else None)
@@ -393,6 +273,15 @@ class Engine:
                     line.remove(seq)
                     self._outbox.append(self._fail(seq, code, reason))
                     return True
+        group = self._group
+        if group is not None:
+            for i, seq in enumerate(group.rows):
+                if seq is not None and seq.id == request_id:
+                    group.rows[i] = None  # its row is still computed; nobody else's KV moves
+                    if not group.live:
+                        self._group = None
+                    self._outbox.append(self._fail(seq, code, reason))
+                    return True
         for seq in self._decoding:
             if seq.id == request_id:
                 self._decoding.remove(seq)
@@ -401,7 +290,7 @@ class Engine:
                 return True
         return False
 
-    def _leave(self, seq: _Seq) -> None:
+    def _leave(self, seq: Seq) -> None:
         """Between steps: an aborted sequence's row goes out of the batch (issue 11)."""
         if seq in self._joining:
             self._joining.remove(seq)
@@ -410,7 +299,8 @@ class Engine:
 
     def abort_all(self, reason: str, code: str = "aborted") -> int:
         """End every request, queued ones included (P6.3, P6.5); how many were ended."""
-        seqs = [*self._queue, *self._prefill, *self._decoding]
+        seqs = [*self._queue, *self._prefill, *self._grouped(), *self._decoding]
+        self._group = None
         self._queue.clear()
         self._prefill.clear()
         self._decoding.clear()
@@ -430,7 +320,7 @@ class Engine:
         """The supervisor's reply to `NeedMemory`: retry the preflight once (G1)."""
         for seq in self._prefill:
             if seq.id == request_id and seq.state == "waiting":
-                seq.state = "preflight"
+                seq.move("retry")
                 seq.retried = True
                 if not evicted:
                     log.info("request %s: supervisor found nothing to evict", request_id)
@@ -440,7 +330,10 @@ class Engine:
 
     @property
     def running(self) -> int:
-        return len(self._prefill) + len(self._decoding)
+        return len(self._prefill) + len(self._grouped()) + len(self._decoding)
+
+    def _grouped(self) -> list[Seq]:
+        return self._group.live if self._group is not None else []
 
     @property
     def queued(self) -> int:
@@ -449,7 +342,7 @@ class Engine:
     @property
     def has_work(self) -> bool:
         """False when `step()` would do nothing (the loop may then block on its sockets)."""
-        if self._decoding or self._outbox:
+        if self._decoding or self._outbox or self._group is not None:
             return True
         if self._prefill:
             # Only the head of the prefill line can move; while it waits for the
@@ -487,12 +380,16 @@ class Engine:
                                 or self.prompt_cache.nbytes > limits.cache_cap):
             self.prompt_cache.set_cap(limits.cache_cap)  # H2: over the cap, LRU goes
         self._admit(limits)
-        if self._prefill and (self._prefill_turn or not self._decoding):
+        if (self._prefill or self._group is not None) and (self._prefill_turn or not self._decoding):
             try:
                 ran = self._prefill_step(limits, usage_fn, events)
             except Exception as exc:  # noqa: BLE001 - one request fails, the worker lives
                 ran = True
-                self._engine_failure([self._prefill.popleft()], exc, events)
+                if self._group is not None:
+                    failed, self._group = self._group.live, None
+                else:
+                    failed = [self._prefill.popleft()]
+                self._engine_failure(failed, exc, events)
             if ran:
                 self._prefill_turn = False
                 return events
@@ -508,7 +405,7 @@ class Engine:
             self._prefill_turn = True
         return events
 
-    def _engine_failure(self, seqs: list[_Seq], exc: Exception, events: list[Event]) -> None:
+    def _engine_failure(self, seqs: list[Seq], exc: Exception, events: list[Event]) -> None:
         """MLX raised (allocation failure, bad model code): fail these requests, keep serving.
 
         A worker that died here would take every other request and its loaded
@@ -526,17 +423,25 @@ class Engine:
         while self._queue and self.running < cap:
             if limits.admission_paused and self.running > 0:
                 return
-            self._prefill.append(self._queue.popleft())
+            seq = self._queue.popleft()
+            seq.move("admit")
+            self._prefill.append(seq)
 
     # ------------------------------------------------------------------ prefill
 
     def _prefill_step(self, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> bool:
-        """Advance the head of the prefill line; True when a chunk ran."""
+        """Advance the prefill group, else the head of the prefill line; True when a chunk ran."""
+        if self._group is None and self.batch_decode:
+            self._group = self._form_group(limits, usage_fn)
+        if self._group is not None:
+            self._group_step(self._group, limits, usage_fn, events)
+            return True
         seq = self._prefill[0]
         if seq.state == "waiting":
             if self._clock() < seq.deadline:
                 return False
-            seq.state, seq.retried = "preflight", True
+            seq.move("retry")
+            seq.retried = True
         if seq.state == "preflight":
             if not self._preflight(seq, limits, usage_fn, events):
                 return False
@@ -547,7 +452,145 @@ class Engine:
             self._start_decoding(seq)
         return True
 
-    def _preflight(self, seq: _Seq, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> bool:
+    # -- issue 22: prefilled together ---------------------------------------------------
+
+    def _form_group(self, limits: Limits, usage_fn: UsageFn) -> PrefillGroup | None:
+        """The requests at the front of the prefill line to prefill in one pass, or None.
+
+        A member has not started, reuses no prompt-cache entry (a fork is its
+        own KV), fits G1 alone, and does not make the group mostly padding; the
+        group must fit G1 as the sum of its members' estimates, else it loses
+        members from the back. The head of the line is always a member, so no
+        request is passed over; with fewer than two members the head goes alone.
+        """
+        head = self._prefill[0]
+        if head.state != "preflight" or head.hit is not None:
+            return None
+        if sum(1 for seq in self._prefill if seq.state == "preflight" and seq.hit is None) < 2:
+            return None  # alone: no usage read here, the usual path reads it (G1 once)
+        guarded = _guard_on(limits)
+        members: list[Seq] = []
+        for seq in self._prefill:
+            if len(members) >= self.max_chunk:
+                break
+            if seq.state != "preflight" or seq.hit is not None:
+                continue
+            if members and not worth_padding([len(m.prompt) for m in members], len(seq.prompt)):
+                continue
+            if guarded and self._verdict(seq, limits, usage_fn).verdict != "fits":
+                if seq is head:
+                    return None  # the head's own G1 (NeedMemory, reject) goes the usual way
+                continue
+            members.append(seq)
+        if guarded:
+            while len(members) > 1 and not self._group_fits(members, limits, usage_fn()):
+                members.pop()
+        if len(members) < 2:
+            return None
+        for seq in members:
+            self._prefill.remove(seq)
+            seq.move("group")
+        return PrefillGroup(members, [seq.prompt for seq in members], self._layer_count)
+
+    def _group_fits(self, members: list[Seq], limits: Limits, usage: int) -> bool:
+        """G1 for the group: usage plus the sum of each member's estimate, its KV padded to the
+        longest; and G2's view of the group's first step (one column each) under the chunk target,
+        since a group that cannot take its first step would only be split again."""
+        limit, target = guard.prefill_limit(limits), guard.chunk_target(limits)
+        padded = max(len(seq.prompt) for seq in members)
+        peak = sum(guard.admission_peak(padded, self.cost, limits.min_chunk_tokens) for _ in members)
+        first = len(members) * guard.padded_chunk_bytes(self.cost, 0, 1)
+        return ((limit.bytes == 0 or usage + peak <= limit.bytes)
+                and (target.bytes == 0 or usage + first <= target.bytes))
+
+    def _group_step(self, group: PrefillGroup, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> None:
+        """One chunk of columns for every row (G2 for the group's tokens, G3 after), or the first tokens."""
+        rows = len(group)
+        if group.remaining > 0:
+            columns = min(group.remaining, max(1, self.max_chunk // rows))
+            guarded = _guard_on(limits)
+            if guarded:
+                columns = self._group_columns(group, limits, usage_fn(), columns)
+                if columns == 0:
+                    self._split(group)  # a step for the group does not fit: each goes on alone (G2)
+                    return
+            columns = min(columns, max(1, self.chunk_timer.cap(columns * rows) // rows))
+            done = group.pos
+            real = group.real_tokens(columns)
+            memory.reset_peak()
+            before = mx.get_active_memory()
+            started = time.monotonic()
+            group.run_chunk(self.model, columns)
+            self.chunk_timer.learn(time.monotonic() - started, columns * rows)
+            # the rows are alike (same columns on the same positions): each grew the peak by its share
+            self.cost = prefill_cost.learn(self.cost, (mx.get_peak_memory() - before) // rows, columns, done=done)
+            self.prompt_tokens_processed += real
+            mx.clear_cache()
+            if guarded and not self._group_after_chunk(group, limits, usage_fn, events):
+                return
+            if group.remaining > 0:
+                return
+        self._start_group_decoding(group)
+
+    def _group_columns(self, group: PrefillGroup, limits: Limits, usage: int, columns: int) -> int:
+        """G2 for the group: G2's plan for one row, then as many columns as fit for every row
+        (the group's chunk is its rows' padded chunk costs summed); 0 when not one column fits."""
+        rows = len(group)
+        plan = guard.next_chunk(limits, usage, group.remaining, self.cost, columns, done=group.pos)
+        target = guard.chunk_target(limits).bytes
+        columns = min(columns, plan.tokens)
+        while target and columns > 0 and usage + rows * guard.padded_chunk_bytes(self.cost, group.pos, columns) > target:
+            columns //= 2
+        return columns
+
+    def _group_after_chunk(self, group: PrefillGroup, limits: Limits, usage_fn: UsageFn,
+                           events: list[Event]) -> bool:
+        """G3 for the group: over the abort limit reclaim and re-check; still over fails its members."""
+        level = guard.after_chunk(limits, usage_fn())
+        if level == "over_abort":
+            self._reclaim()
+            usage = usage_fn()
+            if guard.after_chunk(limits, usage) == "over_abort":
+                self._group = None
+                for seq in group.live:
+                    events.append(self._memory_failure(seq, usage, limits.abort_limit,
+                                                       guard.abort_binding(limits)))
+                return False
+        elif level == "over_soft":
+            for seq in group.live:
+                if not seq.warned_soft:
+                    seq.warned_soft = True
+                    log.info("request %s: prefill is above the soft limit", seq.id)
+        return True
+
+    def _split(self, group: PrefillGroup) -> None:
+        """The group's requests back at the front of the line, each with its own KV so far."""
+        self._group = None
+        for seq, layers, held in reversed(group.split()):
+            seq.cache = layers if layers is not None else make_prompt_cache(self.model)
+            seq.pos = held
+            seq.move("split")
+            self._prefill.appendleft(seq)
+
+    def _start_group_decoding(self, group: PrefillGroup) -> None:
+        """Every row's last prompt token in one pass: the first tokens; the rows join the batch."""
+        live = [(i, seq) for i, seq in enumerate(group.rows) if seq is not None]
+        with mx.stream(generation_stream):
+            logits = group.last_logits(self.model)
+            for i, seq in live:
+                row = logits[i:i + 1]
+                seq.y = seq.sample(seq.constraint.mask(row) if seq.constraint is not None else row)
+        mx.async_eval([seq.y for _, seq in live])
+        self._group = None
+        self.prompt_tokens_processed += len(live)
+        for i, seq in live:
+            seq.cache = group.row_kv(i)  # views: the batch copies the row in when it joins
+            seq.detok = self.tokenizer.detokenizer
+            seq.move("first_token")
+            self._decoding.append(seq)
+            self._joining.append(seq)
+
+    def _preflight(self, seq: Seq, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> bool:
         """G1 (with H4 first); True when the prefill may start now."""
         if self._cacheable:  # look again: a request that finished meanwhile may cover more
             hit = self.prompt_cache.lookup(seq.prompt, len(seq.prompt) - 1)
@@ -564,7 +607,7 @@ class Engine:
             self._start_prefill(seq)
             return True
         if verdict.verdict == "evict":
-            seq.state = "waiting"
+            seq.move("need_memory")
             seq.deadline = self._clock() + self._memory_wait
             events.append(NeedMemory(request_id=seq.id, need_bytes=verdict.need_bytes))
             return False
@@ -573,14 +616,14 @@ class Engine:
                                            verdict.binding))
         return False
 
-    def _verdict(self, seq: _Seq, limits: Limits, usage_fn: UsageFn) -> guard.Preflight:
+    def _verdict(self, seq: Seq, limits: Limits, usage_fn: UsageFn) -> guard.Preflight:
         """G1 for the tokens still to run; a reused prefix costs only its copy (see prompt_cache)."""
         reused = seq.hit.tokens if seq.hit is not None else 0
         return guard.preflight(limits, usage_fn(), len(seq.prompt) - reused, self.cost,
                                own_usage=self._own_usage(), retried=seq.retried,
                                extra_bytes=int(reused * self.cost.kv_per_token), done=reused)
 
-    def _start_prefill(self, seq: _Seq) -> None:
+    def _start_prefill(self, seq: Seq) -> None:
         """The sequence's KV: a fork of its cache hit (H1), else empty."""
         if seq.hit is not None:
             seq.cache = pc.PromptCache.fork(seq.hit)
@@ -590,9 +633,9 @@ class Engine:
             seq.hit = None
         else:
             seq.cache = make_prompt_cache(self.model)
-        seq.state = "prefill"
+        seq.move("start")
 
-    def _run_chunk(self, seq: _Seq, remaining: int, limits: Limits, usage_fn: UsageFn,
+    def _run_chunk(self, seq: Seq, remaining: int, limits: Limits, usage_fn: UsageFn,
                    events: list[Event]) -> bool:
         """G2 size, run, measure, G3 check; False when the request was failed."""
         guarded = _guard_on(limits)
@@ -624,7 +667,7 @@ class Engine:
             return self._after_chunk(seq, limits, usage_fn, events)
         return True
 
-    def _after_chunk(self, seq: _Seq, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> bool:
+    def _after_chunk(self, seq: Seq, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> bool:
         """G3: over the abort limit reclaim and re-check; still over fails the request."""
         level = guard.after_chunk(limits, usage_fn())
         if level == "over_abort":
@@ -640,7 +683,7 @@ class Engine:
             log.info("request %s: prefill is above the soft limit", seq.id)
         return True
 
-    def _start_decoding(self, seq: _Seq) -> None:
+    def _start_decoding(self, seq: Seq) -> None:
         """Feed the last prompt token; its sampled successor is the first output token."""
         last = mx.array(seq.prompt[-1:])[None]
         with mx.stream(generation_stream):
@@ -652,7 +695,7 @@ class Engine:
         self._prefill.popleft()
         self.prompt_tokens_processed += 1
         seq.detok = self.tokenizer.detokenizer
-        seq.state = "decoding"
+        seq.move("first_token")
         self._decoding.append(seq)
         if self.batch_decode:
             self._joining.append(seq)  # joins the batch at the next decode step (issue 11)
@@ -681,7 +724,7 @@ class Engine:
         if self._decode_steps % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
 
-    def _batched_step(self, events: list[Event]) -> list[_Seq]:
+    def _batched_step(self, events: list[Event]) -> list[Seq]:
         """Joiners in, one batched pass queued, the previous tokens read at once, leavers out.
 
         A constrained row's next token waits for its mask, which needs the
@@ -720,7 +763,7 @@ class Engine:
         batch.keep(keep, following)
         return survivors
 
-    def _single_step(self, events: list[Event]) -> list[_Seq]:
+    def _single_step(self, events: list[Event]) -> list[Seq]:
         """One pass per sequence (no batching): the path before issue 11."""
         seqs = [seq for seq in self._decoding if seq.constraint is None]
         bound = [seq for seq in self._decoding if seq.constraint is not None]
@@ -744,7 +787,7 @@ class Engine:
                 survivors.append(seq)
         return survivors
 
-    def _constrained_step(self, seqs: list[_Seq], events: list[Event]) -> list[_Seq]:
+    def _constrained_step(self, seqs: list[Seq], events: list[Event]) -> list[Seq]:
         """Issue 13: queue the forward passes, then read each token and advance its grammar
         while they run, then queue the masked samples (only sampling waits for the mask)."""
         with mx.stream(generation_stream):
@@ -766,7 +809,7 @@ class Engine:
         mx.async_eval(following)
         return survivors
 
-    def _emit(self, seq: _Seq, token: int, events: list[Event]) -> bool:
+    def _emit(self, seq: Seq, token: int, events: list[Event]) -> bool:
         """Turn one sampled token into events; True when the request finished."""
         seq.generated += 1
         seq.out.append(token)
@@ -812,12 +855,13 @@ class Engine:
 
     # ------------------------------------------------------------------ endings
 
-    def _finished(self, seq: _Seq, reason: str) -> Finished:
+    def _finished(self, seq: Seq, reason: str) -> Finished:
+        seq.move("end")
         return Finished(request_id=seq.id, finish_reason=reason, prompt_tokens=len(seq.prompt),
                         completion_tokens=seq.generated, cached_tokens=seq.cached,
                         stop_sequence=seq.stopper.hit if seq.stopper is not None else "")
 
-    def _store(self, seq: _Seq) -> None:
+    def _store(self, seq: Seq) -> None:
         """H1: keep what the request computed (prompt and the tokens fed back) for the next one."""
         self.prompt_cache.release(seq.hit)
         seq.hit = None
@@ -828,14 +872,15 @@ class Engine:
             return
         self.prompt_cache.insert((seq.prompt + seq.out)[:first.offset], seq.cache)
 
-    def _fail(self, seq: _Seq, code: str, message: str, **extra) -> Failed:
+    def _fail(self, seq: Seq, code: str, message: str, **extra) -> Failed:
+        seq.move("end")
         self._ids.discard(seq.id)
         self.prompt_cache.release(seq.hit)
         seq.hit = None
         seq.cache = seq.y = None
         return Failed(request_id=seq.id, code=code, message=message, **extra)
 
-    def _memory_failure(self, seq: _Seq, estimated: int, limit: int, binding: str) -> Failed:
+    def _memory_failure(self, seq: Seq, estimated: int, limit: int, binding: str) -> Failed:
         """G1-G3 refusal; the KV memory the request held goes back to the OS at once."""
         event = self._fail(seq, guard.PREFILL_MEMORY_EXCEEDED,
                            guard.rejection_message(estimated, limit, binding),

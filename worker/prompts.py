@@ -1,0 +1,79 @@
+"""Prompt rendering (issue 22: out of engine.py): chat turns through the model's template, tools, BOS.
+
+Nothing here runs the model; the engine calls these to turn a wire
+`Generate` into prompt tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+
+from worker.request import INVALID_REQUEST, EngineError
+
+
+def _turn(m) -> dict:
+    """A wire ChatMessage as the dict HF chat templates read (issue 13: tool turns too)."""
+    turn: dict = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        turn["tool_calls"] = json.loads(m.tool_calls)
+    if m.tool_call_id:
+        turn["tool_call_id"] = m.tool_call_id
+    return turn
+
+
+def _knows_tools(template) -> bool:
+    """A chat template that reads `tools` renders them itself (Qwen, Llama 3.1+, Hermes ...)."""
+    text = template if isinstance(template, str) else json.dumps(template)
+    return "tools" in text
+
+
+TOOLS_IN_WORDS = ("You can call these tools. To call one, answer with "
+                  '<tool_call>{"name": <name>, "arguments": <object>}</tool_call>\n<tools>\n{tools}</tools>')
+
+
+def _tools_in_words(turns: list[dict], tools: list) -> list[dict]:
+    """Issue 13: for a template with no place for tools, the Hermes wording the front door
+    parses, in the system turn; earlier calls and results become plain text turns."""
+    listing = TOOLS_IN_WORDS.replace("{tools}", "".join(json.dumps(t) + "\n" for t in tools))
+    out: list[dict] = []
+    for t in turns:
+        if t.get("tool_calls"):
+            calls = "".join("<tool_call>" + json.dumps({"name": c["function"]["name"],
+                                                         "arguments": c["function"]["arguments"]}) + "</tool_call>"
+                            for c in t["tool_calls"])
+            out.append({"role": "assistant", "content": calls})
+        elif t["role"] == "tool":
+            out.append({"role": "user", "content": f"<tool_response>{t['content']}</tool_response>"})
+        else:
+            out.append({"role": t["role"], "content": t["content"]})
+    if out and out[0]["role"] == "system":
+        return [{"role": "system", "content": listing + "\n\n" + out[0]["content"]}] + out[1:]
+    return [{"role": "system", "content": listing}] + out
+
+
+def encode_chat(tokenizer, messages: Iterable, tools: str | None = None) -> list[int]:
+    """Chat messages through the model's chat template, ready for the reply."""
+    if not tokenizer.has_chat_template:
+        raise EngineError(INVALID_REQUEST, "this model has no chat template; use completions")
+    turns = [m if isinstance(m, dict) else _turn(m) for m in messages]
+    if not turns:
+        raise EngineError(INVALID_REQUEST, "messages must not be empty")
+    extra: dict = {}
+    if tools:  # issue 13: tools through the template, or in words where it has no place for them
+        tool_list = json.loads(tools)
+        if _knows_tools(getattr(tokenizer, "chat_template", None)):
+            extra["tools"] = tool_list
+        else:
+            turns = _tools_in_words(turns, tool_list)
+    try:
+        return list(tokenizer.apply_chat_template(turns, add_generation_prompt=True, **extra))
+    except Exception as exc:  # noqa: BLE001 - jinja raises whatever the template says
+        raise EngineError(INVALID_REQUEST, f"chat template rejected the messages: {exc}") from None
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """A raw completion prompt; BOS added unless the text already starts with it."""
+    bos = tokenizer.bos_token
+    add_special = bos is None or not text.startswith(bos)
+    return list(tokenizer.encode(text, add_special_tokens=add_special))
