@@ -63,7 +63,7 @@ def test_ollama_tool_turns_answer_their_calls_by_made_up_ids():
 
 @pytest.mark.parametrize("body, param", [({"suffix": "x"}, "suffix"), ({"template": "{{ .Prompt }}"}, "template"),
                                          ({"context": [1, 2]}, "context"), ({"think": True}, "think"),
-                                         ({"images": ["aGk="]}, "images")])
+                                         ({"images": ["aGk="]}, "images"), ({"width": 64}, "width")])
 def test_ollama_generate_refuses_what_it_cannot_honour(body, param):
     req = decode_body(msgspec.json.encode({"model": "a", "prompt": "Hi", **body}), ollama.OllamaGenerateRequest)
     with pytest.raises(BodyError) as err:
@@ -112,3 +112,20 @@ def test_ollama_hub_routes_say_there_is_no_hub():
     exc = ollama.no_hub("/api/pull")
     assert exc.status == 501 and "pull" in exc.message and "models_dirs" in exc.message
     assert "upload blobs" in ollama.no_hub("/api/blobs/sha256:abc").message
+
+
+def test_ollama_sdk_request_fields_are_all_declared():
+    """Every field the official client can send is declared (honoured or refused by name),
+    so no SDK call meets a bare 'unknown field'."""
+    from ollama import _types as sdk
+
+    for theirs, ours in ((sdk.ChatRequest, ollama.OllamaChatRequest), (sdk.GenerateRequest, ollama.OllamaGenerateRequest),
+                         (sdk.Message, ollama.OllamaMessage), (sdk.ShowRequest, ollama.ShowRequest)):
+        assert set(theirs.model_fields) <= set(ours.__struct_fields__), theirs.__name__
+
+
+def test_ollama_calls_come_back_with_object_arguments():
+    from supervisor.http import tools
+
+    [out] = ollama._calls_out([tools.Call(id="call_1", name="w", arguments='{"c": "x"}')])
+    assert out == {"id": "call_1", "function": {"index": 0, "name": "w", "arguments": {"c": "x"}}}

@@ -123,6 +123,9 @@ class OllamaGenerateRequest(_Common, kw_only=True):
     context: Union[list[int], None] = None  # refused: send the conversation instead
     raw: Union[bool, None] = None  # true: the prompt goes to the model as is
     images: Union[list[Any], None] = None
+    width: Union[int, None] = None  # image generation: refused when set
+    height: Union[int, None] = None
+    steps: Union[int, None] = None
 
 
 class ShowRequest(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -286,6 +289,9 @@ def generate_generate(req: OllamaGenerateRequest) -> p.Generate:
                         param="context")
     if req.images:
         raise BodyError("images: these are text models", param="images")
+    for name in ("width", "height", "steps"):
+        if getattr(req, name) is not None:
+            raise BodyError(f"{name}: image generation is not supported (these are text models)", param=name)
     s = sampling(req.options)
     common = dict(request_id=uuid.uuid4().hex, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
                   stop=s.stop, seed=s.seed, constraint=format_constraint(req.format))
