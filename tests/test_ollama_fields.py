@@ -99,6 +99,8 @@ def test_model_facts_from_config_and_tokenizer_config(tmp_path):
     assert (facts.family, facts.context_length, facts.quantization_level) == ("qwen2", 32768, "Q4")
     assert ollama.capabilities(facts) == ["completion", "tools", "insert"]
     assert parameter_size(500_000_000, facts) == "1.0B"
+    assert facts.modified == (tmp_path / "config.json").stat().st_mtime
+    assert ollama.modified_at(facts).endswith("Z")
     bare = read_facts(str(tmp_path / "missing"))
     assert ollama.capabilities(bare) == ["completion"] and bare.context_length is None
     assert read_facts(str(tmp_path / "m.gguf")).format == "gguf"

@@ -38,6 +38,7 @@ class ModelFacts(msgspec.Struct, kw_only=True):
     quantization_level: str = ""  # "Q4", "Q8", "F16", "BF16", "F32"
     bytes_per_parameter: float = 0.0  # from the dtype or quantization bits (0: unknown)
     file_bytes: int = 0  # a .gguf file's own size
+    modified: float = 0.0  # mtime of config.json (a .gguf file's own); 0: unknown
 
 
 def digest(model_id: str, path: str) -> str:
@@ -52,11 +53,16 @@ def read_facts(path: str) -> ModelFacts:
     if folder.suffix.lower() == ".gguf":
         facts = ModelFacts(format="gguf", quantization_level="")
         try:
-            facts.file_bytes = folder.stat().st_size
+            info = folder.stat()
+            facts.file_bytes, facts.modified = info.st_size, info.st_mtime
         except OSError:
             pass
         return facts
     facts = ModelFacts(context_length=context_length(folder))
+    try:
+        facts.modified = (folder / "config.json").stat().st_mtime
+    except OSError:
+        pass
     config = read_config_json(folder) or {}
     _dtype_facts(facts, config)
     model_type = config.get("model_type")

@@ -468,7 +468,7 @@ def size_of(info, facts: ModelFacts) -> int:
 
 
 def _entry(info, facts: ModelFacts) -> dict[str, Any]:
-    return {"name": info.id, "model": info.id, "modified_at": now_rfc3339(), "size": size_of(info, facts),
+    return {"name": info.id, "model": info.id, "modified_at": modified_at(facts), "size": size_of(info, facts),
             "digest": digest(info.id, info.path), "details": details(facts, info.estimated_bytes)}
 
 
@@ -491,6 +491,13 @@ async def ps(sup: Supervisor) -> dict[str, Any]:
                      context_length=facts[i.path].context_length or 0)
         out.append(entry)
     return {"models": out}
+
+
+def modified_at(facts: ModelFacts) -> str:
+    """When the model's files last changed (config.json's mtime); now when unknown."""
+    if not facts.modified:
+        return now_rfc3339()
+    return rfc3339(datetime.fromtimestamp(facts.modified, timezone.utc))
 
 
 def capabilities(facts: ModelFacts) -> list[str]:
@@ -520,7 +527,7 @@ async def show(sup: Supervisor, body: bytes) -> dict[str, Any]:
         model_info["general.parameter_count"] = int(info.estimated_bytes / facts.bytes_per_parameter)
     return {"license": "", "modelfile": "", "parameters": "", "template": facts.template,
             "details": details(facts, info.estimated_bytes), "model_info": model_info,
-            "capabilities": capabilities(facts), "modified_at": now_rfc3339()}
+            "capabilities": capabilities(facts), "modified_at": modified_at(facts)}
 
 
 # Ollama's routes that manage a model store; memvisor serves folders on disk.
