@@ -312,7 +312,7 @@ def test_model_list_and_ids_with_slashes(server):
     details = card.pop("memvisor")
     assert card | {"created": 0} == {"id": "org/never-loaded", "object": "model", "owned_by": "memvisor",
                                      "created": 0, "state": "unloaded", "pinned": False, "worker": None,
-                                     "pid": None}
+                                     "pid": None, "context_length": None}  # issue 23: not known here
     assert details["id"] == "org/never-loaded" and details["state"] == "unloaded" and details["usage"] == 0
 
 
@@ -335,3 +335,27 @@ def test_issue16_a_body_shorter_than_its_content_length_is_408_within_the_deadli
     head = response_head(server, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                                  b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\"")
     assert head.startswith(b"HTTP/1.1 408"), head
+
+
+def test_ollama_a3_refusal_keeps_507_and_its_words_in_ollama_shape(server):
+    """Issue 23: a memory refusal through /api/chat is the same 507 naming what binds,
+    as Ollama's `{"error": ...}` (the official client raises it with the status); the
+    gate's refusals on /api/* come in that shape too."""
+    import ollama
+
+    async def main():
+        try:
+            await ollama.AsyncClient(host=server.url()).chat(model="huge", messages=[{"role": "user", "content": "hi"}])
+        except ollama.ResponseError as exc:
+            refused = exc
+        async with server.client() as c:
+            plain = await c.post("/api/chat", content=b'{"model": "huge"}', headers={"content-type": "text/plain"})
+            forever = await c.post("/api/generate", json={"model": "huge", "prompt": "hi", "keep_alive": "inf"})
+        return refused, plain, forever
+
+    refused, plain, forever = server.run(main())
+    binding = server.arbiter.enforcer.last.ceilings.binding
+    assert refused.status_code == 507 and binding and binding in refused.error
+    assert plain.status_code == 415 and isinstance(plain.json()["error"], str)
+    assert forever.status_code == 400 and forever.json()["param"] == "keep_alive"
+    assert server.arbiter.pool.counters["spawned"] == 0

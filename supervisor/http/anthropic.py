@@ -257,10 +257,14 @@ def _event(name: str, body: dict) -> bytes:
 async def handle(request: Request, sup, metrics, body: bytes, started: float) -> Response:
     req = decode_body(body, MessagesRequest)
     gen = messages_generate(req)
+    # issue 23: message_start must carry the real input_tokens, but the worker reports the
+    # prompt's length only when a request finishes; a streamed request is counted first.
+    input_tokens = await prompt_tokens(request, sup, metrics, req, gen, started) if req.stream else 0
     job = await g.open_job(request, sup, metrics, req, gen, started, plan=tool_plan(req))
     msg_id = "msg_" + gen.request_id
     if req.stream:
-        return await job.streamed(request.receive, lambda first: _events(job, first, msg_id, req.model))
+        return await job.streamed(request.receive,
+                                  lambda first: _events(job, first, msg_id, req.model, input_tokens))
     text, calls, end = await job.collect(request.receive)
     content: list[Union[TextBlock, ToolUseBlock]] = [TextBlock(text=text)] if text or not calls else []
     content += [_tool_use(c) for c in calls]
@@ -270,10 +274,12 @@ async def handle(request: Request, sup, metrics, body: bytes, started: float) ->
     return Response(_encoder.encode(reply), media_type="application/json")
 
 
-async def _events(job: g.Job, first, msg_id: str, model: str) -> AsyncIterator[list[bytes]]:
+async def _events(job: g.Job, first, msg_id: str, model: str, input_tokens: int = 0) -> AsyncIterator[list[bytes]]:
     """Anthropic's event sequence, a list per piece for `Job.streamed`; a text block opens at
-    the first text, a tool_use block per call."""
-    start = Message(id=msg_id, model=model, content=[], usage=_usage(None))
+    the first text, a tool_use block per call. message_start reports the prompt's tokens
+    (counted before the stream, issue 23) and one output token, as Anthropic's does."""
+    start = Message(id=msg_id, model=model, content=[],
+                    usage=AnthropicUsage(input_tokens=input_tokens, output_tokens=1))
     out = [_event("message_start", {"message": start}), _event("ping", {})]
     index, text_open = 0, False
     async for piece in job.pieces(first):
@@ -310,6 +316,53 @@ async def _events(job: g.Job, first, msg_id: str, model: str) -> AsyncIterator[l
                 out.append(_event("error", {"error": error_detail(piece)}))
         yield out
         out = []
+
+
+# ---------------------------------------------------------------------------
+# token counting (issue 23)
+
+
+class CountTokensRequest(Struct, kw_only=True, forbid_unknown_fields=True):
+    """`POST /v1/messages/count_tokens`: the Messages request less what only shapes the
+    output (max_tokens, sampling, stop sequences, stream)."""
+
+    model: str
+    messages: list[MessageIn]
+    system: Union[str, list[Block], None] = None
+    tools: Union[list[AnthropicTool], None] = None
+    tool_choice: Union[AnthropicToolChoice, None] = None
+    thinking: Union[dict[str, Any], None] = None
+    cache_control: Any = None  # a caching hint, as on /v1/messages
+    output_config: Union[dict[str, Any], None] = None
+    keep_alive: KeepAlive = None
+    ttl: Union[int, None] = None
+
+
+async def prompt_tokens(request: Request, sup, metrics, req, gen: p.Generate, started: float) -> int:
+    """How many tokens the worker's chat template makes of `gen`'s prompt.
+
+    Why a one-token generation: only the worker holds the tokenizer and the chat
+    template (the supervisor never imports MLX, nor the tokenizer stack), and the
+    protocol has no tokenize command yet; the worker's `Finished.prompt_tokens` is
+    the exact count. It runs greedy, unconstrained and under the guard like any
+    request, and with the prompt cache on it leaves the prefix cached for the
+    request that follows."""
+    probe = p.Generate(request_id=uuid.uuid4().hex, messages=gen.messages, prompt=gen.prompt, max_tokens=1,
+                       temperature=0.0, tools=gen.tools)
+    job = await g.open_job(request, sup, metrics, req, probe, started)
+    _text, _calls, end = await job.collect(request.receive)
+    return end.finished.prompt_tokens
+
+
+async def count_tokens(request: Request, sup, metrics, body: bytes, started: float) -> Response:
+    """`{"input_tokens": N}`: the prompt's tokens under the model's chat template."""
+    c = decode_body(body, CountTokensRequest)
+    req = MessagesRequest(model=c.model, max_tokens=1, messages=c.messages, system=c.system, tools=c.tools,
+                          tool_choice=c.tool_choice, thinking=c.thinking, output_config=c.output_config,
+                          keep_alive=c.keep_alive, ttl=c.ttl)
+    gen = messages_generate(req)
+    tokens = await prompt_tokens(request, sup, metrics, req, gen, started)
+    return Response(_encoder.encode({"input_tokens": tokens}), media_type="application/json")
 
 
 # ---------------------------------------------------------------------------

@@ -22,6 +22,11 @@ Endpoints (DESIGN.md contract):
   POST /admin/guard                 admin; SPEC T6 (tier, custom ceiling, on/off)
   GET  /v1/events                   the PUB topics as SSE (supervisor.http.events)
   GET  /, /ui, /ui/*                the dashboard (supervisor.http.dashboard)
+  POST /v1/messages/count_tokens    Anthropic token counting (issue 23)
+  GET  /api/version, /api/tags, /api/ps; POST /api/show, /api/chat, /api/generate
+                                    the Ollama API (issue 23, http/ollama.py)
+  /chat/completions, /completions, /models, /messages: the /v1 routes for clients
+  that leave the prefix out (issue 23)
 
 Who may administer (load, unload, /admin/guard), issue 21: with
 `[supervisor] admin_token` set, whoever sends `Authorization: Bearer <token>`;
@@ -60,6 +65,7 @@ from supervisor.config import parse_http
 from supervisor.errors import ServeError
 from supervisor.http import anthropic as http_anthropic
 from supervisor.http import generate as http_generate
+from supervisor.http import ollama as http_ollama
 from supervisor.http import responses as http_responses
 from supervisor.http.auth import ApiKeys, EventTickets
 from supervisor.http.body import Disconnected, read_body
@@ -150,13 +156,20 @@ class FrontDoor:
 
     # -- models ---------------------------------------------------------------
 
-    def card(self, model) -> ModelCard:
+    def card(self, model, context: int | None = None) -> ModelCard:
         info = self.sup.model_info(model.id)
         return ModelCard(id=model.id, created=self.created, state=info.state, pinned=model.pinned,
-                         worker=info.worker or None, pid=info.pid or None, memvisor=info)
+                         worker=info.worker or None, pid=info.pid or None, context_length=context, memvisor=info)
+
+    async def contexts(self, models) -> dict[str, int | None]:
+        """Issue 23: each model's context length (config.json), read off the loop."""
+        facts = await http_ollama.facts_of([m.path for m in models])
+        return {m.path: facts[m.path].context_length for m in models}
 
     async def models(self, request: Request) -> Response:
-        return json_response(ModelList(data=[self.card(m) for m in self.sup.config.models]))
+        models = self.sup.config.models
+        contexts = await self.contexts(models)
+        return json_response(ModelList(data=[self.card(m, contexts[m.path]) for m in models]))
 
     async def model(self, request: Request) -> Response:
         model_id = request.path_params["model_id"]
@@ -164,7 +177,8 @@ class FrontDoor:
         if action in ("load", "unload") and self.sup.config.model(model_id) is None:
             raise ApiError(405, f"{action} takes POST, not {request.method}", code="method_not_allowed",
                            headers={"Allow": "POST"})
-        return json_response(self.card(self._model_config(model_id)))
+        model = self._model_config(model_id)
+        return json_response(self.card(model, (await self.contexts([model]))[model.path]))
 
     def _model_config(self, model_id: str):
         try:
@@ -219,6 +233,39 @@ class FrontDoor:
         body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
         started = request.scope.get("memvisor.started", time.monotonic())
         return await http_responses.handle(request, self.sup, self.metrics, body, started)
+
+    async def count_tokens(self, request: Request) -> Response:
+        body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
+        started = request.scope.get("memvisor.started", time.monotonic())
+        return await http_anthropic.count_tokens(request, self.sup, self.metrics, body, started)
+
+    # -- the Ollama API (issue 23) ----------------------------------------------
+
+    async def ollama_version(self, request: Request) -> Response:
+        return json_response({"version": http_ollama.VERSION})
+
+    async def ollama_tags(self, request: Request) -> Response:
+        return json_response(await http_ollama.tags(self.sup))
+
+    async def ollama_ps(self, request: Request) -> Response:
+        return json_response(await http_ollama.ps(self.sup))
+
+    async def ollama_show(self, request: Request) -> Response:
+        body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
+        return json_response(await http_ollama.show(self.sup, body))
+
+    async def ollama_chat(self, request: Request) -> Response:
+        body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
+        started = request.scope.get("memvisor.started", time.monotonic())
+        return await http_ollama.handle_chat(request, self.sup, self.metrics, body, started)
+
+    async def ollama_generate(self, request: Request) -> Response:
+        body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
+        started = request.scope.get("memvisor.started", time.monotonic())
+        return await http_ollama.handle_generate(request, self.sup, self.metrics, body, started)
+
+    async def ollama_no_hub(self, request: Request) -> Response:
+        raise http_ollama.no_hub(request.url.path)
 
     # -- guard ----------------------------------------------------------------
 
@@ -292,6 +339,10 @@ class FrontDoor:
         def v(handler, shape=ApiError.response):  # issue 13: /v1 needs an API key when keys are set
             return guarded(self.keys.required(handler), shape)
 
+        def o(handler):  # issue 23: the Ollama API, keyed like /v1, errors in Ollama's shape
+            return v(handler, http_ollama.error_response)
+
+        anthropic = http_anthropic.error_response
         return [
             Route("/v1/events", EventsEndpoint(self.sup, self.read_access), methods=["GET"]),  # issue 15
             *Dashboard(self.sup, self.may_admin, self.keys, self.tickets).routes(r),  # issue 15
@@ -304,8 +355,25 @@ class FrontDoor:
             Route("/v1/models/{model_id:path}", v(self.model), methods=["GET"]),
             Route("/v1/chat/completions", v(self.chat), methods=["POST"]),
             Route("/v1/completions", v(self.completions), methods=["POST"]),
-            Route("/v1/messages", v(self.messages, http_anthropic.error_response), methods=["POST"]),
+            Route("/v1/messages", v(self.messages, anthropic), methods=["POST"]),
+            Route("/v1/messages/count_tokens", v(self.count_tokens, anthropic), methods=["POST"]),
             Route("/v1/responses", v(self.responses), methods=["POST"]),
+            # issue 23: clients that leave out /v1 reach the same handlers
+            Route("/models", v(self.models), methods=["GET"]),
+            Route("/chat/completions", v(self.chat), methods=["POST"]),
+            Route("/completions", v(self.completions), methods=["POST"]),
+            Route("/messages", v(self.messages, anthropic), methods=["POST"]),
+            Route("/messages/count_tokens", v(self.count_tokens, anthropic), methods=["POST"]),
+            # issue 23: the Ollama API (its version check carries no data, so it needs no key)
+            Route("/api/version", guarded(self.ollama_version, http_ollama.error_response), methods=["GET"]),
+            Route("/api/tags", o(self.ollama_tags), methods=["GET"]),
+            Route("/api/ps", o(self.ollama_ps), methods=["GET"]),
+            Route("/api/show", o(self.ollama_show), methods=["POST"]),
+            Route("/api/chat", o(self.ollama_chat), methods=["POST"]),
+            Route("/api/generate", o(self.ollama_generate), methods=["POST"]),
+            *[Route(path, o(self.ollama_no_hub), methods=["POST", "DELETE", "HEAD"])
+              for path in ("/api/pull", "/api/push", "/api/create", "/api/copy", "/api/delete",
+                           "/api/blobs/{digest}")],
             Route("/admin/guard", r(self.guard), methods=["POST"]),
         ]
 
@@ -374,7 +442,10 @@ class Instrumented:
 
 
 _FIXED = {"/health", "/status", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
-          "/v1/messages", "/v1/responses", "/admin/guard", "/v1/events", "/", "/ui"}
+          "/v1/messages", "/v1/responses", "/admin/guard", "/v1/events", "/", "/ui",
+          "/v1/messages/count_tokens", "/chat/completions", "/completions", "/models", "/messages",
+          "/messages/count_tokens", "/api/version", "/api/tags", "/api/ps", "/api/show", "/api/chat",
+          "/api/generate"}
 
 
 def endpoint_label(path: str) -> str:
@@ -391,7 +462,11 @@ def endpoint_label(path: str) -> str:
 
 def error_shape(path: str) -> Callable[[ApiError], Response]:
     """How a refusal before any route (the gate's) is rendered: in the calling API's shape."""
-    return http_anthropic.error_response if path == "/v1/messages" else ApiError.response
+    if path in ("/v1/messages", "/v1/messages/count_tokens", "/messages", "/messages/count_tokens"):
+        return http_anthropic.error_response
+    if path.startswith("/api/"):
+        return http_ollama.error_response  # issue 23
+    return ApiError.response
 
 
 def build_app(sup: Supervisor):

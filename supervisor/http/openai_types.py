@@ -296,6 +296,8 @@ class ModelCard(Struct, kw_only=True):
     pinned: bool = False
     worker: Union[str, None] = None
     pid: Union[int, None] = None
+    # issue 23: the model's context window in tokens (config.json), where known
+    context_length: Union[int, None] = None
     # Everything `ps` shows: aliases, estimated vs measured bytes, idle time, expiry ...
     memvisor: Union[ModelInfo, None] = None
 

@@ -1,0 +1,580 @@
+"""The Ollama API on the same port (issue 23): `/api/version`, `/api/tags`, `/api/ps`,
+`/api/show`, `/api/chat`, `/api/generate`.
+
+Why: Open WebUI's Ollama connection, Continue, VS Code's Ollama provider and the
+official `ollama` Python client speak this API and not OpenAI's. It is the same
+path as `/v1/chat/completions` (http/generate.py: `open_stream`, `Job.pieces`),
+spelled Ollama's way:
+
+- streaming is the default and is NDJSON (one JSON object a line), not SSE;
+  `"stream": false` gives one object. The last object carries `done: true`,
+  `done_reason`, and the timings in nanoseconds (`total_duration`,
+  `load_duration`: the load and queue wait, `prompt_eval_duration`: to the
+  first token, `eval_duration`: the rest) with `prompt_eval_count` /
+  `eval_count`;
+- `options` map to the same sampling settings (`temperature`, `top_p`,
+  `num_predict`, `stop`, `seed`); an option the worker cannot honour is a 400
+  naming it, never ignored (as on the OpenAI routes). `num_ctx` and the
+  placement options (`num_thread`, `num_gpu`, ...) are accepted: the model
+  always runs with its whole context, the guard bounds its memory and the
+  worker places the work, none of which changes the tokens;
+- `format` ("json" or a JSON schema) is the worker's constrained decoding;
+  `tools` go to the chat template and calls come back as Ollama's
+  `tool_calls` with `arguments` as an object;
+- `keep_alive` is Ollama's (the strict parser of generate.py); an empty
+  `prompt` / `messages` only loads the model (`done_reason: "load"`), or with
+  `keep_alive: 0` unloads it (`"unload"`), as Ollama does;
+- errors are `{"error": "..."}` with the status kept: 404 for an unknown model,
+  400 for bad input (and SPEC G1's `prefill_memory_exceeded`), 507 when the
+  model does not fit, 503 with Retry-After under pressure; memvisor's figures
+  (`code`, `binding`, bytes) ride along as extra keys.
+
+A model may be named with Ollama's `:latest` tag ("a:latest" is "a"), since
+clients append it.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+from datetime import datetime, timedelta, timezone
+from typing import Any, AsyncIterator, Literal, Union
+
+import msgspec
+from msgspec import Struct
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from shared import protocol as p
+from shared.states import SERVING_STATES
+from supervisor.api import Supervisor
+from supervisor.errors import ServeError
+from supervisor.http import generate as g
+from supervisor.http import tools
+from supervisor.http.errors import ApiError, from_serve_error
+from supervisor.http.metrics import Metrics
+from supervisor.http.modelfacts import ModelFacts, digest, parameter_size, read_facts
+from supervisor.http.openai_types import (
+    DEFAULT_CHAT_MAX_TOKENS,
+    MAX_STOP_SEQUENCES,
+    BodyError,
+    KeepAlive,
+    decode_body,
+)
+from supervisor.offloop import OffLoopTimeout, off_loop
+
+# Why 0.6.4: VS Code's Ollama provider (and Open WebUI's version check) refuse a server
+# older than 0.6.4, the release whose /api/show reports `capabilities`; we serve that shape.
+VERSION = "0.6.4"
+READ_TIMEOUT = 10.0  # a model's small files, read off the loop
+NEVER = datetime(9999, 12, 31, 23, 59, 59, tzinfo=timezone.utc)  # expires_at of a model that never expires
+
+_encoder = msgspec.json.Encoder()
+
+
+# ---------------------------------------------------------------------------
+# requests
+
+
+class OllamaFunctionCall(Struct, kw_only=True):
+    name: str
+    arguments: Union[dict[str, Any], str] = {}
+    index: Union[int, None] = None
+
+
+class OllamaToolCall(Struct, kw_only=True):
+    function: OllamaFunctionCall
+    id: Union[str, None] = None
+    type: Union[str, None] = None
+
+
+class OllamaMessage(Struct, kw_only=True, forbid_unknown_fields=True):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: Union[str, None] = ""
+    images: Union[list[Any], None] = None  # refused when set: text models
+    thinking: Union[str, None] = None  # an earlier turn's reasoning: history only, templates do not render it
+    tool_calls: Union[list[OllamaToolCall], None] = None
+    tool_name: Union[str, None] = None  # a tool turn: the function it answers
+    tool_call_id: Union[str, None] = None
+
+
+class _Common(Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str
+    stream: bool = True
+    options: Union[dict[str, Any], None] = None
+    format: Union[str, dict[str, Any], None] = None
+    keep_alive: KeepAlive = None
+    think: Union[bool, str, None] = None  # refused unless false: these models do not reason
+    logprobs: Union[bool, None] = None  # refused unless false (a later session's sampling work)
+    top_logprobs: Union[int, None] = None
+
+
+class OllamaChatRequest(_Common, kw_only=True):
+    messages: Union[list[OllamaMessage], None] = None
+    tools: Union[list[dict[str, Any]], None] = None
+
+
+class OllamaGenerateRequest(_Common, kw_only=True):
+    prompt: Union[str, None] = None
+    system: Union[str, None] = None
+    suffix: Union[str, None] = None  # fill-in-the-middle: refused for now
+    template: Union[str, None] = None  # refused: the model's own template is used
+    context: Union[list[int], None] = None  # refused: send the conversation instead
+    raw: Union[bool, None] = None  # true: the prompt goes to the model as is
+    images: Union[list[Any], None] = None
+    width: Union[int, None] = None  # image generation: refused when set
+    height: Union[int, None] = None
+    steps: Union[int, None] = None
+
+
+class ShowRequest(Struct, kw_only=True, forbid_unknown_fields=True):
+    model: Union[str, None] = None
+    name: Union[str, None] = None  # the older spelling
+    verbose: Union[bool, None] = None
+
+
+# ---------------------------------------------------------------------------
+# options -> sampling
+
+
+# Accepted with no effect on the output, truthfully: the model runs with its whole
+# context and the guard (not a window size) bounds its memory; the others place or
+# pace the work (threads, batches, GPUs, mmap), which the worker decides, and leave
+# the tokens as they are. Continue and Open WebUI send some of them.
+NEUTRAL_OPTIONS = frozenset({"num_ctx", "num_thread", "num_batch", "num_gpu", "main_gpu", "low_vram", "numa",
+                             "use_mmap", "use_mlock"})
+
+
+class Sampling(Struct, kw_only=True):
+    max_tokens: int = DEFAULT_CHAT_MAX_TOKENS
+    temperature: float = 0.8  # Ollama's default
+    top_p: float = 0.9  # Ollama's default
+    stop: list[str] = []
+    seed: Union[int, None] = None
+
+
+def sampling(options: dict[str, Any] | None) -> Sampling:
+    """Ollama `options` -> the worker's sampling settings; any other option with a value
+    is a 400 naming it (`options.top_k`), never silently dropped."""
+    out = Sampling()
+    for key, value in (options or {}).items():
+        where = f"options.{key}"
+        if value is None or key in NEUTRAL_OPTIONS:
+            continue
+        if key == "temperature":
+            out.temperature = _number(value, where, 0.0, 2.0)
+        elif key == "top_p":
+            out.top_p = _number(value, where, 0.0, 1.0)
+            if out.top_p == 0.0:
+                raise BodyError(f"{where}: must be above 0", param=where)
+        elif key == "num_predict":
+            if isinstance(value, bool) or not isinstance(value, int) or not (value in (-1, -2) or 1 <= value <= 1_000_000):
+                raise BodyError(f"{where}: a whole number of tokens from 1 to 1000000, or -1 (the default "
+                                f"limit, {DEFAULT_CHAT_MAX_TOKENS})", param=where)
+            out.max_tokens = value if value > 0 else DEFAULT_CHAT_MAX_TOKENS
+        elif key == "stop":
+            stops = [value] if isinstance(value, str) else value
+            if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+                raise BodyError(f"{where}: a list of non-empty strings", param=where)
+            if len(stops) > MAX_STOP_SEQUENCES:
+                raise BodyError(f"{where}: at most {MAX_STOP_SEQUENCES} sequences", param=where)
+            out.stop = list(stops)
+        elif key == "seed":
+            if isinstance(value, bool) or not isinstance(value, int) or not -(2**63) <= value < 2**64:
+                raise BodyError(f"{where}: a whole number that fits in 64 bits", param=where)
+            out.seed = value
+        else:
+            raise BodyError(f"{where}: not supported by this server (it honours temperature, top_p, "
+                            "num_predict, stop and seed, and accepts num_ctx and the thread/GPU "
+                            "placement options, which change no output)", param=where)
+    return out
+
+
+def _number(value: Any, where: str, low: float, high: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise BodyError(f"{where}: a number from {low:g} to {high:g}, got {value!r}", param=where)
+    return float(value)
+
+
+def format_constraint(fmt: str | dict[str, Any] | None) -> p.Constraint | None:
+    """Ollama's `format`: "json" or a JSON schema -> the worker's constrained decoding."""
+    if fmt is None or fmt == "":
+        return None
+    if fmt == "json":
+        return p.JsonObject()
+    if isinstance(fmt, dict):
+        return p.JsonSchema(schema=_encoder.encode(fmt).decode(), strict=True, name="format")
+    raise BodyError(f"format: \"json\" or a JSON schema object, got {fmt!r}", param="format")
+
+
+def _refuse_common(req: _Common) -> None:
+    if req.think not in (None, False, "", "false"):
+        raise BodyError("think: these models do not reason (only false)", param="think")
+    if req.logprobs:
+        raise BodyError("logprobs: log probabilities are not supported yet", param="logprobs")
+    if req.top_logprobs:
+        raise BodyError("top_logprobs: log probabilities are not supported yet", param="top_logprobs")
+
+
+def tool_plan(raw: list[dict[str, Any]] | None) -> tools.ToolPlan | None:
+    """Ollama's tools are OpenAI's chat tools; Ollama has no tool_choice (always auto)."""
+    if not raw:
+        return None
+    fns = []
+    for i, t in enumerate(raw):
+        fn = t.get("function")
+        if t.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise BodyError(f"tools[{i}]: only function tools ({{\"type\": \"function\", \"function\": "
+                            "{...}}) are supported", param=f"tools[{i}]")
+        fns.append(tools.function(fn.get("name"), fn.get("description"), fn.get("parameters"), False,
+                                  f"tools[{i}].function"))
+    return tools.ToolPlan(functions=fns, choice="auto")
+
+
+def chat_messages(messages: list[OllamaMessage]) -> list[p.ChatMessage]:
+    """Ollama turns -> chat turns. Ollama's calls have no ids and a tool turn names its
+    function, not its call: ids are made up and a tool turn answers the oldest open call."""
+    out: list[p.ChatMessage] = []
+    open_calls: list[tuple[str, str]] = []  # (id, function name) of calls not answered yet
+    for i, m in enumerate(messages):
+        if m.images:
+            raise BodyError(f"messages[{i}].images: these are text models", param=f"messages[{i}].images")
+        calls = None
+        if m.tool_calls:
+            calls = []
+            for j, c in enumerate(m.tool_calls):
+                args: Any = c.function.arguments
+                if isinstance(args, str):
+                    try:
+                        args = msgspec.json.decode(args)
+                    except msgspec.DecodeError:
+                        where = f"messages[{i}].tool_calls[{j}].function.arguments"
+                        raise BodyError(f"{where}: not valid JSON", param=where) from None
+                call_id = c.id or f"call_{i}_{j}"
+                open_calls.append((call_id, c.function.name))
+                calls.append({"id": call_id, "type": "function",
+                              "function": {"name": c.function.name, "arguments": args}})
+        answers = None
+        if m.role == "tool":
+            answers = m.tool_call_id
+            if answers is None and open_calls:
+                match = next((k for k, (_, name) in enumerate(open_calls) if name == m.tool_name), 0)
+                answers = open_calls.pop(match)[0]
+            answers = answers or m.tool_name or "call_0"
+        out.append(p.ChatMessage(role=m.role, content=m.content or "",
+                                 tool_calls=_encoder.encode(calls).decode() if calls else None,
+                                 tool_call_id=answers))
+    return out
+
+
+def chat_generate(req: OllamaChatRequest) -> p.Generate:
+    _refuse_common(req)
+    s = sampling(req.options)
+    gen = p.Generate(request_id=uuid.uuid4().hex, messages=chat_messages(req.messages or []),
+                     max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, stop=s.stop, seed=s.seed,
+                     constraint=format_constraint(req.format))
+    return g.with_tools(gen, tool_plan(req.tools))
+
+
+def generate_generate(req: OllamaGenerateRequest) -> p.Generate:
+    _refuse_common(req)
+    if req.suffix:
+        raise BodyError("suffix: fill-in-the-middle is not supported yet", param="suffix")
+    if req.template:
+        raise BodyError("template: the model's own chat template is used; send raw=true to skip it",
+                        param="template")
+    if req.context:
+        raise BodyError("context: token contexts are not kept; send the conversation to /api/chat",
+                        param="context")
+    if req.images:
+        raise BodyError("images: these are text models", param="images")
+    for name in ("width", "height", "steps"):
+        if getattr(req, name) is not None:
+            raise BodyError(f"{name}: image generation is not supported (these are text models)", param=name)
+    s = sampling(req.options)
+    common = dict(request_id=uuid.uuid4().hex, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+                  stop=s.stop, seed=s.seed, constraint=format_constraint(req.format))
+    if req.raw:
+        if req.system:
+            raise BodyError("system: raw prompts go to the model as they are; put the system text in the prompt",
+                            param="system")
+        return p.Generate(prompt=req.prompt or "", **common)  # type: ignore[arg-type]
+    turns = [p.ChatMessage(role="system", content=req.system)] if req.system else []
+    turns.append(p.ChatMessage(role="user", content=req.prompt or ""))
+    return p.Generate(messages=turns, **common)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------
+# responses
+
+
+def now_rfc3339() -> str:
+    return rfc3339(datetime.now(timezone.utc))
+
+
+def rfc3339(when: datetime) -> str:
+    return when.astimezone(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+class Timings:
+    """Ollama's durations (ns), from the request's arrival, the stream's opening (the
+    load and queue are behind it) and its first token."""
+
+    def __init__(self, started: float, opened: float) -> None:
+        self.started = started
+        self.opened = opened
+
+    def stats(self, job: g.Job, fin: p.Finished) -> dict[str, int]:
+        end = time.monotonic()
+        first = job.stream.first_token or end
+        ns = 1_000_000_000
+        return {"total_duration": int((end - self.started) * ns),
+                "load_duration": int(max(0.0, self.opened - self.started) * ns),
+                "prompt_eval_count": fin.prompt_tokens,
+                "prompt_eval_duration": int(max(0.0, first - job.stream.created) * ns),
+                "eval_count": fin.completion_tokens,
+                "eval_duration": int(max(0.0, end - first) * ns)}
+
+
+def _calls_out(calls: list[tools.Call]) -> list[dict]:
+    out = []
+    for i, c in enumerate(calls):
+        try:
+            args = msgspec.json.decode(c.arguments)
+        except msgspec.DecodeError:
+            args = {}
+        out.append({"id": c.id, "function": {"index": i, "name": c.name, "arguments": args}})
+    return out
+
+
+def _line(body: dict) -> bytes:
+    return _encoder.encode(body) + b"\n"
+
+
+def done_reason(end: g.End) -> str:
+    """Ollama's done_reason: "stop" (also when the reply was tool calls) or "length"."""
+    return "length" if end.reason == "length" else "stop"
+
+
+async def _run(request: Request, sup: Supervisor, metrics: Metrics, req: _Common, gen: p.Generate,
+               started: float, *, chat: bool, empty: bool) -> Response:
+    """One Ollama generation; `empty` (no messages, no prompt) only loads or unloads."""
+    model = resolve(sup, req.model)
+    keep = g.keep_alive_seconds(req.keep_alive, None)
+    if empty:
+        return await _load_only(request, sup, req.model, model, keep, chat)
+    plan = tool_plan(req.tools) if isinstance(req, OllamaChatRequest) else None
+    stream = await g.open_stream(sup, model, gen, request.receive, keep)
+    timings = Timings(started, time.monotonic())
+    job = g.Job(sup, metrics, "chat" if chat else "text", model, gen, False, started, stream, plan, "format")
+    if req.stream:
+        first = await job.first(request.receive)
+        return StreamingResponse(job.sse_body(_lines(job, first, req.model, chat, timings)),
+                                 media_type="application/x-ndjson")
+    text, calls, end = await job.collect(request.receive)
+    body: dict[str, Any] = {"model": req.model, "created_at": now_rfc3339()}
+    if chat:
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if calls:
+            message["tool_calls"] = _calls_out(calls)
+        body["message"] = message
+    else:
+        body["response"] = text
+    body.update(done=True, done_reason=done_reason(end), **timings.stats(job, end.finished))
+    return Response(_encoder.encode(body), media_type="application/json")
+
+
+async def _load_only(request: Request, sup: Supervisor, name: str, model: str, keep: float | None,
+                     chat: bool) -> Response:
+    """Ollama's empty request: load the model (or, with keep_alive 0, unload it)."""
+    if keep == g.UNLOAD_NOW:
+        sup.model_config(model)  # an unknown model is still a 404
+        await sup.unload(model, "unloaded by an Ollama keep_alive: 0 request")
+        reason = "unload"
+    else:
+        try:
+            await g.race_client(sup.load(model, explicit=True), request.receive)
+        except ServeError as exc:
+            raise from_serve_error(exc) from None
+        if keep is not None:
+            sup.keep_alive(model, keep)
+        reason = "load"
+    body: dict[str, Any] = {"model": name, "created_at": now_rfc3339(), "done": True, "done_reason": reason}
+    if chat:
+        body["message"] = {"role": "assistant", "content": ""}
+    else:
+        body["response"] = ""
+    return Response(_encoder.encode(body), media_type="application/json")
+
+
+async def _lines(job: g.Job, first, name: str, chat: bool, timings: Timings) -> AsyncIterator[list[bytes]]:
+    """The NDJSON objects of a streamed reply, a list per piece (for `Job.sse_body`,
+    which writes bytes whatever their framing)."""
+    async for piece in job.pieces(first):
+        head: dict[str, Any] = {"model": name, "created_at": now_rfc3339()}
+        match piece:
+            case g.Text(text=t):
+                if not t:
+                    continue
+                head.update({"message": {"role": "assistant", "content": t}} if chat else {"response": t})
+                yield [_line({**head, "done": False})]
+            case g.Calls(calls=calls):
+                head.update({"message": {"role": "assistant", "content": "", "tool_calls": _calls_out(calls)}}
+                            if chat else {"response": ""})
+                yield [_line({**head, "done": False})]
+            case g.End(finished=fin):
+                head.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
+                yield [_line({**head, "done": True, "done_reason": done_reason(piece), **timings.stats(job, fin)})]
+            case ApiError():
+                yield [_line(error_body(piece))]
+
+
+# ---------------------------------------------------------------------------
+# models
+
+
+def resolve(sup: Supervisor, name: str) -> str:
+    """The model id a request names: an id or alias, also with Ollama's ":latest" tag."""
+    if sup.config.model(name) is None and name.endswith(":latest"):
+        name = name.removesuffix(":latest")
+    try:
+        return sup.model_config(name).id
+    except ServeError as exc:
+        raise ApiError(404, f"model '{name}' not found: {exc}", code=exc.code) from None
+
+
+async def facts_of(paths: list[str]) -> dict[str, ModelFacts]:
+    """Each path's facts, read off the loop (empty facts when the read takes too long)."""
+    def read() -> dict[str, ModelFacts]:
+        return {path: read_facts(path) for path in paths}
+
+    try:
+        return await off_loop(read, READ_TIMEOUT, "reading model cards")
+    except (OffLoopTimeout, OSError):
+        return {path: ModelFacts() for path in paths}
+
+
+def details(facts: ModelFacts, estimated_bytes: int) -> dict[str, Any]:
+    return {"parent_model": "", "format": facts.format, "family": facts.family,
+            "families": [facts.family] if facts.family else None,
+            "parameter_size": parameter_size(estimated_bytes, facts),
+            "quantization_level": facts.quantization_level}
+
+
+def size_of(info, facts: ModelFacts) -> int:
+    """Bytes: measured when loaded, else A2's estimate (a .gguf file's size before it is read)."""
+    return info.usage or info.estimated_bytes or facts.file_bytes
+
+
+def _entry(info, facts: ModelFacts) -> dict[str, Any]:
+    return {"name": info.id, "model": info.id, "modified_at": modified_at(facts), "size": size_of(info, facts),
+            "digest": digest(info.id, info.path), "details": details(facts, info.estimated_bytes)}
+
+
+async def tags(sup: Supervisor) -> dict[str, Any]:
+    infos = [sup.model_info(m.id) for m in sup.config.models]
+    facts = await facts_of([i.path for i in infos])
+    return {"models": [_entry(i, facts[i.path]) for i in infos]}
+
+
+async def ps(sup: Supervisor) -> dict[str, Any]:
+    """Loaded models. size_vram: all of it on Apple's unified memory, 0 elsewhere (the CPU;
+    a discrete GPU's share is not in ModelInfo yet)."""
+    infos = [i for i in (sup.model_info(m.id) for m in sup.config.models) if i.state in SERVING_STATES]
+    facts = await facts_of([i.path for i in infos])
+    out = []
+    for i in infos:
+        entry = _entry(i, facts[i.path])
+        expires = NEVER if i.expires_in is None else datetime.now(timezone.utc) + timedelta(seconds=i.expires_in)
+        entry.update(expires_at=rfc3339(expires), size_vram=entry["size"] if sys.platform == "darwin" else 0,
+                     context_length=facts[i.path].context_length or 0)
+        out.append(entry)
+    return {"models": out}
+
+
+def modified_at(facts: ModelFacts) -> str:
+    """When the model's files last changed (config.json's mtime); now when unknown."""
+    if not facts.modified:
+        return now_rfc3339()
+    return rfc3339(datetime.fromtimestamp(facts.modified, timezone.utc))
+
+
+def capabilities(facts: ModelFacts) -> list[str]:
+    """completion always; tools with a chat template (one that takes `tools` renders them,
+    another gets them in words from the worker, and required calls are constrained
+    decoding either way); insert when the tokenizer has fill-in-the-middle tokens."""
+    caps = ["completion"]
+    if facts.has_template:
+        caps.append("tools")
+    if facts.fim:
+        caps.append("insert")
+    return caps
+
+
+async def show(sup: Supervisor, body: bytes) -> dict[str, Any]:
+    req = decode_body(body, ShowRequest)
+    name = req.model or req.name
+    if not name:
+        raise BodyError("model: required (the model to show)", param="model")
+    info = sup.model_info(resolve(sup, name))
+    facts = (await facts_of([info.path]))[info.path]
+    arch = facts.family or "unknown"
+    model_info: dict[str, Any] = {"general.architecture": arch, "general.basename": info.id}
+    if facts.context_length:
+        model_info[f"{arch}.context_length"] = facts.context_length
+    if info.estimated_bytes and facts.bytes_per_parameter:
+        model_info["general.parameter_count"] = int(info.estimated_bytes / facts.bytes_per_parameter)
+    return {"license": "", "modelfile": "", "parameters": "", "template": facts.template,
+            "details": details(facts, info.estimated_bytes), "model_info": model_info,
+            "capabilities": capabilities(facts), "modified_at": modified_at(facts)}
+
+
+# Ollama's routes that manage a model store; memvisor serves folders on disk.
+NO_HUB = {"/api/pull": "pull", "/api/push": "push", "/api/create": "create", "/api/copy": "copy",
+          "/api/delete": "delete", "/api/blobs": "upload blobs"}
+
+
+def no_hub(path: str) -> ApiError:
+    """A clear 501 for routes that need Ollama's model store or hub."""
+    what = next((v for k, v in NO_HUB.items() if path == k or path.startswith(k + "/")), "manage models")
+    return ApiError(501, f"memvisor cannot {what} models: it has no model store or hub. It serves model "
+                         "folders on disk: add one under [[models]] or a models_dirs folder (then `python -m supervisor "
+                         "reload`), and it appears in /api/tags", code="not_implemented")
+
+
+# ---------------------------------------------------------------------------
+# errors
+
+
+def error_body(exc: ApiError) -> dict[str, Any]:
+    """Ollama's `{"error": "..."}`, with memvisor's code and figures as extra keys."""
+    body: dict[str, Any] = {"error": exc.message}
+    if exc.code:
+        body["code"] = exc.code
+    if exc.param:
+        body["param"] = exc.param
+    body.update(exc.extra)
+    return body
+
+
+def error_response(exc: ApiError) -> Response:
+    return Response(_encoder.encode(error_body(exc)), status_code=exc.status, headers=exc.headers,
+                    media_type="application/json")
+
+
+# ---------------------------------------------------------------------------
+# handlers (bound by app.py)
+
+
+async def handle_chat(request: Request, sup: Supervisor, metrics: Metrics, body: bytes, started: float) -> Response:
+    req = decode_body(body, OllamaChatRequest)
+    return await _run(request, sup, metrics, req, chat_generate(req), started, chat=True, empty=not req.messages)
+
+
+async def handle_generate(request: Request, sup: Supervisor, metrics: Metrics, body: bytes,
+                          started: float) -> Response:
+    req = decode_body(body, OllamaGenerateRequest)
+    return await _run(request, sup, metrics, req, generate_generate(req), started, chat=False,
+                      empty=not req.prompt and not req.system)
+

@@ -1,0 +1,66 @@
+"""Issue 23: what llama.cpp's server test suite found, pointed at memvisor, each pinned
+against a real supervisor and worker: Anthropic's streamed message_start carried
+input_tokens 0, /v1/messages/count_tokens was a 404, clients that leave out /v1 got
+404s, and the model card had no context length."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_front_door_errors")]
+
+HI = [{"role": "user", "content": "Hi"}]
+
+
+def test_anthropic_message_start_reports_real_input_tokens(server):
+    async def main():
+        client = server.anthropic()
+        whole = await client.messages.create(model="a", max_tokens=3, messages=HI)
+        async with client.messages.stream(model="a", max_tokens=3, messages=HI) as stream:
+            start = [e async for e in stream if e.type == "message_start"]
+        return whole, start
+
+    whole, [start] = server.run(main())
+    assert whole.usage.input_tokens > 0
+    assert start.message.usage.input_tokens == whole.usage.input_tokens
+
+
+def test_anthropic_count_tokens_matches_the_messages_usage(server):
+    async def main():
+        client = server.anthropic()
+        counted = await client.messages.count_tokens(model="a", messages=HI, system="Be brief.")
+        whole = await client.messages.create(model="a", max_tokens=2, messages=HI, system="Be brief.")
+        async with server.client() as h:
+            unknown = await h.post("/v1/messages/count_tokens", json={"model": "nope", "messages": HI})
+        return counted, whole, unknown
+
+    counted, whole, unknown = server.run(main())
+    assert counted.input_tokens == whole.usage.input_tokens > 0
+    assert unknown.status_code == 404 and unknown.json()["type"] == "error"
+
+
+def test_routes_without_v1_prefix_reach_the_same_handlers(server):
+    chat = {"model": "a", "messages": HI, "max_tokens": 2}
+
+    async def main():
+        async with server.client() as h:
+            return (await h.get("/models"), await h.post("/chat/completions", json=chat),
+                    await h.post("/completions", json={"model": "a", "prompt": "Hi", "max_tokens": 2}),
+                    await h.post("/messages", json=chat))
+
+    models, completion, text, message = server.run(main())
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == "a"
+    assert completion.status_code == 200 and completion.json()["object"] == "chat.completion"
+    assert text.status_code == 200 and text.json()["object"] == "text_completion"
+    assert message.status_code == 200 and message.json()["type"] == "message"
+
+
+def test_model_card_carries_context_length(server):
+    async def main():
+        client = server.openai()
+        listed = await client.models.list()
+        one = await client.models.retrieve("a")
+        return listed, one
+
+    listed, one = server.run(main())
+    assert listed.data[0].context_length == one.context_length > 0

@@ -1,0 +1,133 @@
+"""Issue 23: the Ollama request fields mapped to the worker's Generate, and the model
+facts behind /api/tags and /api/show, without a server."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from shared import protocol as p
+from supervisor.http import ollama
+from supervisor.http.errors import ApiError
+from supervisor.http.modelfacts import digest, parameter_size, read_facts
+from supervisor.http.openai_types import BodyError, decode_body
+
+
+def chat(**body) -> p.Generate:
+    body.setdefault("model", "a")
+    body.setdefault("messages", [{"role": "user", "content": "Hi"}])
+    return ollama.chat_generate(decode_body(msgspec.json.encode(body), ollama.OllamaChatRequest))
+
+
+def test_ollama_options_map_to_sampling():
+    gen = chat(options={"temperature": 0, "top_p": 0.5, "num_predict": 7, "stop": ["\n"], "seed": 3,
+                        "num_ctx": 4096, "num_thread": 8, "num_gpu": 99})
+    assert (gen.temperature, gen.top_p, gen.max_tokens, gen.stop, gen.seed) == (0.0, 0.5, 7, ["\n"], 3)
+    assert chat(options={"num_predict": -1}).max_tokens == ollama.DEFAULT_CHAT_MAX_TOKENS
+
+
+@pytest.mark.parametrize("option", [{"top_k": 40}, {"repeat_penalty": 1.1}, {"mirostat": 1},
+                                    {"temperature": 3}, {"num_predict": 0}, {"seed": 2**64}, {"stop": [""]}])
+def test_ollama_option_we_cannot_honour_is_a_400_naming_it(option):
+    with pytest.raises(BodyError) as err:
+        chat(options=option)
+    assert err.value.param == f"options.{next(iter(option))}"
+
+
+def test_ollama_format_maps_to_constrained_decoding():
+    assert isinstance(chat(format="json").constraint, p.JsonObject)
+    schema = chat(format={"type": "object", "properties": {"x": {"type": "integer"}}}).constraint
+    assert isinstance(schema, p.JsonSchema) and msgspec.json.decode(schema.schema)["type"] == "object"
+    with pytest.raises(BodyError):
+        chat(format="yaml")
+
+
+def test_ollama_keep_alive_uses_the_strict_parser():
+    req = decode_body(b'{"model": "a", "keep_alive": "inf"}', ollama.OllamaChatRequest)
+    with pytest.raises(BodyError):
+        ollama.g.keep_alive_seconds(req.keep_alive, None)
+
+
+def test_ollama_tool_turns_answer_their_calls_by_made_up_ids():
+    gen = chat(messages=[
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "w", "arguments": {"c": "x"}}}]},
+        {"role": "tool", "content": "sunny", "tool_name": "w"}],
+        tools=[{"type": "function", "function": {"name": "w", "parameters": {"type": "object"}}}])
+    assistant, tool = gen.messages[1], gen.messages[2]
+    [call] = msgspec.json.decode(assistant.tool_calls)
+    assert call["function"] == {"name": "w", "arguments": {"c": "x"}}
+    assert tool.role == "tool" and tool.tool_call_id == call["id"]
+    assert gen.tools and gen.constraint is None  # Ollama's tools are always "auto"
+
+
+@pytest.mark.parametrize("body, param", [({"suffix": "x"}, "suffix"), ({"template": "{{ .Prompt }}"}, "template"),
+                                         ({"context": [1, 2]}, "context"), ({"think": True}, "think"),
+                                         ({"images": ["aGk="]}, "images"), ({"width": 64}, "width")])
+def test_ollama_generate_refuses_what_it_cannot_honour(body, param):
+    req = decode_body(msgspec.json.encode({"model": "a", "prompt": "Hi", **body}), ollama.OllamaGenerateRequest)
+    with pytest.raises(BodyError) as err:
+        ollama.generate_generate(req)
+    assert err.value.param == param
+
+
+def test_ollama_generate_raw_skips_the_template():
+    req = decode_body(b'{"model": "a", "prompt": "Hi", "raw": true}', ollama.OllamaGenerateRequest)
+    gen = ollama.generate_generate(req)
+    assert gen.prompt == "Hi" and gen.messages is None
+    req = decode_body(b'{"model": "a", "prompt": "Hi", "system": "S"}', ollama.OllamaGenerateRequest)
+    assert [m.role for m in ollama.generate_generate(req).messages] == ["system", "user"]
+
+
+def test_ollama_error_shape_keeps_status_retry_after_and_figures():
+    exc = ApiError(507, "does not fit", code="model_too_large", retry_after=None,
+                   extra={"binding": "ceiling", "estimated_bytes": 5})
+    reply = ollama.error_response(exc)
+    body = msgspec.json.decode(reply.body)
+    assert reply.status_code == 507 and body["error"] == "does not fit" and body["binding"] == "ceiling"
+    busy = ollama.error_response(ApiError(503, "pressure", retry_after=2))
+    assert busy.status_code == 503 and busy.headers["retry-after"] == "2"
+
+
+def test_model_facts_from_config_and_tokenizer_config(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2", "max_position_embeddings": 32768, '
+                                          '"quantization": {"bits": 4, "group_size": 64}}')
+    (tmp_path / "tokenizer_config.json").write_text(
+        '{"chat_template": "{% if tools %}x{% endif %}", '
+        '"added_tokens_decoder": {"1": {"content": "<|fim_prefix|>"}}}')
+    facts = read_facts(str(tmp_path))
+    assert (facts.family, facts.context_length, facts.quantization_level) == ("qwen2", 32768, "Q4")
+    assert ollama.capabilities(facts) == ["completion", "tools", "insert"]
+    assert parameter_size(500_000_000, facts) == "1.0B"
+    assert facts.modified == (tmp_path / "config.json").stat().st_mtime
+    assert ollama.modified_at(facts).endswith("Z")
+    bare = read_facts(str(tmp_path / "missing"))
+    assert ollama.capabilities(bare) == ["completion"] and bare.context_length is None
+    assert read_facts(str(tmp_path / "m.gguf")).format == "gguf"
+
+
+def test_digest_is_stable_per_id_and_path():
+    assert digest("a", "/m") == digest("a", "/m") != digest("a", "/n")
+
+
+def test_ollama_hub_routes_say_there_is_no_hub():
+    exc = ollama.no_hub("/api/pull")
+    assert exc.status == 501 and "pull" in exc.message and "models_dirs" in exc.message
+    assert "upload blobs" in ollama.no_hub("/api/blobs/sha256:abc").message
+
+
+def test_ollama_sdk_request_fields_are_all_declared():
+    """Every field the official client can send is declared (honoured or refused by name),
+    so no SDK call meets a bare 'unknown field'."""
+    from ollama import _types as sdk
+
+    for theirs, ours in ((sdk.ChatRequest, ollama.OllamaChatRequest), (sdk.GenerateRequest, ollama.OllamaGenerateRequest),
+                         (sdk.Message, ollama.OllamaMessage), (sdk.ShowRequest, ollama.ShowRequest)):
+        assert set(theirs.model_fields) <= set(ours.__struct_fields__), theirs.__name__
+
+
+def test_ollama_calls_come_back_with_object_arguments():
+    from supervisor.http import tools
+
+    [out] = ollama._calls_out([tools.Call(id="call_1", name="w", arguments='{"c": "x"}')])
+    assert out == {"id": "call_1", "function": {"index": 0, "name": "w", "arguments": {"c": "x"}}}
