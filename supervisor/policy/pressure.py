@@ -268,28 +268,24 @@ class _Tick:
         had, had_own = prev.limited, prev.reduced
         total, own = self._cache_reductions(level)
         changed = common != prev.limits
-        pids = self.g.pids
-        if not changed and pids == had and total == prev.cache_kept and own == had_own:
+        pids, before = self.g.pids, prev.cache_kept
+        if not changed and pids == had and total == before and own == had_own:
             return common, had, total, had_own
         why = ("first limits" if prev.limits is None else "limits changed") if changed else ""
+        needing = live if changed else [  # the common limits changed: every worker needs them
+            w for w in live if had.get(w.worker) != w.pid
+            or total - own.get(w.worker, 0) != before - had_own.get(w.worker, 0)]
+        if not needing and len(had) == len(live) and total == before and own == had_own:
+            return common, had, total, had_own
         by_key: dict[tuple[int, int], Limits] = {}
         out = self.out
-        sent = False
-        before = prev.cache_kept
-        for w in live:
-            mine = own.get(w.worker, 0)
-            if (not changed and had.get(w.worker) == w.pid
-                    and total - mine == before - had_own.get(w.worker, 0)):
-                continue
-            cap = w.concurrency or w.max_concurrency
+        for w in needing:
+            cap, mine = w.concurrency or w.max_concurrency, own.get(w.worker, 0)
             limits = by_key.get((cap, mine))
             if limits is None:
                 limits = by_key[(cap, mine)] = self._worker_limits(common, cap, total - mine)
             out.append(SetLimits(worker=w.worker, model=w.model, limits=limits, reason=(
                 why or ("new worker" if had.get(w.worker) != w.pid else "other workers' prompt caches changed"))))
-            sent = True
-        if not sent and len(had) == len(live) and total == before and own == had_own:
-            return common, had, total, had_own
         return common, pids, total, own
 
     def _cache_reductions(self, level: Level) -> tuple[int, dict[str, int]]:
@@ -323,15 +319,17 @@ class _Tick:
             return
         # dropping x bytes lowers usage and the caches alike: room once x > (caches + usage - ceiling) / 2
         need = (sum(keeps.values()) + g.usage - self.c.ceiling) // 2 + 1
+        why = ""
         for w in sorted(movable, key=lru_key):
             take = min(w.memory.cache_releasable, keeps[w.worker], need)
             if take <= 0:
                 continue
             keeps[w.worker] -= take
+            why = why or (f"the prompt caches ({format_size(g.hot_used)}) leave no room under the ceiling "
+                          f"({format_size(self.c.ceiling)}) for the next step")
             self.out.append(ShrinkHotCache(
-                worker=w.worker, model=w.model, target_bytes=keeps[w.worker], reason=(
-                    f"the prompt caches ({format_size(g.hot_used)}) leave no room under the ceiling "
-                    f"({format_size(self.c.ceiling)}) for the next step: drop {format_size(take)}")))
+                worker=w.worker, model=w.model, target_bytes=keeps[w.worker],
+                reason=f"{why}: drop {format_size(take)}"))
             self.cache_dropped.add(w.worker)
             self.cache_drop_bytes += take
             need -= take
