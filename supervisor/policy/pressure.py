@@ -528,7 +528,7 @@ class _Tick:
         """
         if self.c.ceiling <= 0:
             return  # the guard is off: it destroys nothing (a new request replaces the worker)
-        drained = (w for w in self.g.serving if w.marked_for_unload and not w.pinned and is_idle(w))
+        drained = (w for w in self.g.idle if w.marked_for_unload and not w.pinned)
         for w in sorted(drained, key=lru_key):
             when = f"{level} pressure" if level != "ok" else "after the pressure"
             self._stop(w, f"{when}: {w.model} was marked for unload in an emergency and has drained")
