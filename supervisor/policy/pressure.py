@@ -250,6 +250,10 @@ class _Tick:
         cache bytes (the total less its own) changed: its limits subtract them (C12).
         Returns (common, worker -> pid, caches' total, worker -> own cache
         bytes) for the next tick.
+
+        When none of those changed (the common case: a quiet tick), no worker
+        needs anything, and that is told by comparing the records whole
+        rather than worker by worker.
         """
         g, prev, live, c = self.s.guard, self.prev, self.g.live, self.c
         # H2: an equal share of the budget in force per worker that keeps a cache
@@ -264,26 +268,25 @@ class _Tick:
         had, had_own = prev.limited, prev.reduced
         total, own = self._cache_reductions(level)
         changed = common != prev.limits
+        pids, before = self.g.pids, prev.cache_kept
+        if not changed and pids == had and total == before and own == had_own:
+            return common, had, total, had_own
         why = ("first limits" if prev.limits is None else "limits changed") if changed else ""
+        needing = live if changed else [  # the common limits changed: every worker needs them
+            w for w in live if had.get(w.worker) != w.pid
+            or total - own.get(w.worker, 0) != before - had_own.get(w.worker, 0)]
+        if not needing and len(had) == len(live) and total == before and own == had_own:
+            return common, had, total, had_own
         by_key: dict[tuple[int, int], Limits] = {}
         out = self.out
-        sent = False
-        before = prev.cache_kept
-        for w in live:
-            mine = own.get(w.worker, 0)
-            if (not changed and had.get(w.worker) == w.pid
-                    and total - mine == before - had_own.get(w.worker, 0)):
-                continue
-            cap = w.concurrency or w.max_concurrency
+        for w in needing:
+            cap, mine = w.concurrency or w.max_concurrency, own.get(w.worker, 0)
             limits = by_key.get((cap, mine))
             if limits is None:
                 limits = by_key[(cap, mine)] = self._worker_limits(common, cap, total - mine)
             out.append(SetLimits(worker=w.worker, model=w.model, limits=limits, reason=(
                 why or ("new worker" if had.get(w.worker) != w.pid else "other workers' prompt caches changed"))))
-            sent = True
-        if not sent and len(had) == len(live) and total == before and own == had_own:
-            return common, had, total, had_own
-        return common, {w.worker: w.pid for w in live}, total, own
+        return common, pids, total, own
 
     def _cache_reductions(self, level: Level) -> tuple[int, dict[str, int]]:
         """C12: (the caches' bytes, each worker's own): its limits subtract the difference.
@@ -316,15 +319,17 @@ class _Tick:
             return
         # dropping x bytes lowers usage and the caches alike: room once x > (caches + usage - ceiling) / 2
         need = (sum(keeps.values()) + g.usage - self.c.ceiling) // 2 + 1
+        why = ""
         for w in sorted(movable, key=lru_key):
             take = min(w.memory.cache_releasable, keeps[w.worker], need)
             if take <= 0:
                 continue
             keeps[w.worker] -= take
+            why = why or (f"the prompt caches ({format_size(g.hot_used)}) leave no room under the ceiling "
+                          f"({format_size(self.c.ceiling)}) for the next step")
             self.out.append(ShrinkHotCache(
-                worker=w.worker, model=w.model, target_bytes=keeps[w.worker], reason=(
-                    f"the prompt caches ({format_size(g.hot_used)}) leave no room under the ceiling "
-                    f"({format_size(self.c.ceiling)}) for the next step: drop {format_size(take)}")))
+                worker=w.worker, model=w.model, target_bytes=keeps[w.worker],
+                reason=f"{why}: drop {format_size(take)}"))
             self.cache_dropped.add(w.worker)
             self.cache_drop_bytes += take
             need -= take
@@ -369,12 +374,13 @@ class _Tick:
         Sets `self.rates`: each non-draining worker's own rate (grower_first).
         """
         prev, now = self.prev, self.s.now
-        current = {w.worker: w.memory.usage for w in self.g.live if w.state != "draining"}
+        current = self.g.usage_now
         seen, span = prev.usage_seen, now - prev.seen_at
         if not seen or span < 0:
             return current, now, 0.0
         per = max(span, GROWTH_WINDOW)
-        rates = {k: (u - seen[k]) / per for k, u in current.items() if k in seen and u > seen[k]}
+        rates = {} if current == seen else {  # nothing moved (a quiet tick): no rate to work out
+            k: (u - seen[k]) / per for k, u in current.items() if k in seen and u > seen[k]}
         self.rates = rates
         grew = sum(rates.values())
         if span < GROWTH_WINDOW:
@@ -522,7 +528,7 @@ class _Tick:
         """
         if self.c.ceiling <= 0:
             return  # the guard is off: it destroys nothing (a new request replaces the worker)
-        drained = (w for w in self.g.serving if w.marked_for_unload and not w.pinned and is_idle(w))
+        drained = (w for w in self.g.idle if w.marked_for_unload and not w.pinned)
         for w in sorted(drained, key=lru_key):
             when = f"{level} pressure" if level != "ok" else "after the pressure"
             self._stop(w, f"{when}: {w.model} was marked for unload in an emergency and has drained")
@@ -539,10 +545,11 @@ class _Tick:
         soft = pool.soft
         if pool.projected <= soft:
             return
-        serving = self.g.serving
-        unpinned = [w for w in serving if not w.pinned and w.worker not in self.stopped]
-        idle = sorted((w for w in unpinned if not w.marked_for_unload and is_idle(w)), key=lru_key)
-        loaded_unpinned = len(unpinned)
+        stopped = self.stopped
+        idle = sorted((w for w in self.g.idle if not w.pinned and not w.marked_for_unload
+                       and w.worker not in stopped), key=lru_key)
+        # every worker stopped so far this tick was serving and unpinned (P6.1, the grower, step 2)
+        loaded_unpinned = self.g.unpinned - len(stopped)
         soft_words = ""
         for w in idle:  # step 2
             if pool.projected <= soft:
@@ -558,12 +565,13 @@ class _Tick:
             loaded_unpinned -= 1
         if pool.projected <= soft or level != "hard" or stepped:
             return
-        self._hard_steps(pool, emergency, unpinned)
+        self._hard_steps(pool, emergency)
 
-    def _hard_steps(self, pool: _Pool, emergency: bool, unpinned: list[WorkerRecord]) -> None:
+    def _hard_steps(self, pool: _Pool, emergency: bool) -> None:
         """P6 steps 3-6: at hard with no idle victim left; one step per tick."""
-        out = self.out
-        busy = [w for w in unpinned if not is_idle(w) and pool.held(w) > 0]
+        out, stopped = self.out, self.stopped
+        busy = [w for w in self.g.serving if not w.pinned and w.worker not in stopped
+                and not is_idle(w) and pool.held(w) > 0]
         if busy:  # step 3
             w = min(busy, key=lru_key)
             out.append(AbortRequests(worker=w.worker, model=w.model, reason=(
