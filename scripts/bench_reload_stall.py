@@ -77,7 +77,8 @@ def main() -> None:
         model = folder / args.model_name
         model.mkdir()
         (model / "config.json").write_text("{}")
-        (model / "model.safetensors").write_bytes(b"\0" * 8)
+        header = b'{"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}'  # discovery reads it (issue 21)
+        (model / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 16)
         took, worst, summary = asyncio.run(measure(folder, Path(tmp) / "rt"))
     print(f"{args.folders} empty folders: reload took {took:.2f} s; longest loop stall during it "
           f"{worst * 1000:.0f} ms ({worst / took:.1%} of the reload)")

@@ -948,7 +948,7 @@ def hostile_files(ctx: "Context") -> Row:
     watcher = threading.Thread(target=watch_rss, daemon=True)
     said = ""
     kinds: dict[str, str] = {}
-    base = unsent = 0
+    base = unsent = said_refused = 0
     try:
         serve.wait_healthy()
         assert serve.proc is not None
@@ -969,6 +969,8 @@ def hostile_files(ctx: "Context") -> Row:
                     try:
                         status = client.request(method, path, json=body, timeout=30 if body is not None else 5)
                         classify(row, status.status_code)
+                        if status.status_code == 404 and "were refused" in status.text:
+                            said_refused += 1  # issue 21: no model, and the 404 says why
                         if status.status_code >= 500 and status.status_code != 503:
                             print(f"   hostile-files: {path}: {status.status_code} {status.text[:300]}", file=sys.stderr)
                     except httpx.HTTPError:
@@ -985,7 +987,8 @@ def hostile_files(ctx: "Context") -> Row:
     row.leaks = f"RSS peak +{max(0, peak - base) // 1024} MiB, worker {worker_peak // 1024} MiB" if peak else "-"
     frozen = f"; loop frozen: the next {unsent} requests not sent" if unsent else ""
     killed = f"; SIGKILLed past 3 GiB RSS: {', '.join(runaway)}" if runaway else ""
-    row.note = f"{', '.join(kinds.values()) or 'folder not built'}{frozen}{killed}; {said}"
+    refused = f"; {said_refused} of {len(kinds)} loads a 404 saying the files were refused"
+    row.note = f"{', '.join(kinds.values()) or 'folder not built'}{refused}{frozen}{killed}; {said}"
     return row
 
 

@@ -82,6 +82,31 @@ def read_config_json(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def config_refusal(path: str | os.PathLike[str]) -> str | None:
+    """Why the model folder's config.json is refused (not a regular file, over
+    CONFIG_MAX_BYTES, not a JSON object), or None when it is fine or absent.
+
+    Issue 21: `read_config_json` answers None for a refused file as for a
+    missing one, so a 1 GiB sparse config.json passed every check and the
+    worker read it (2 GiB RSS, killed as wedged). Whoever decides whether a
+    model can be loaded asks this instead. A passing failure (EMFILE) is
+    raised, not taken for the file's fault."""
+    file = Path(path) / "config.json"
+    try:
+        data = json.loads(read_small(file))
+    except FileNotFoundError:
+        return None
+    except IsADirectoryError:
+        return f"{file}: a folder, not a file; refused"
+    except FileRefused as exc:
+        return str(exc)
+    except (ValueError, RecursionError) as exc:
+        return f"{file}: not valid JSON ({str(exc)[:200]}); refused"
+    if not isinstance(data, dict):
+        return f"{file}: not a JSON object; refused"
+    return None
+
+
 def context_length(path: str | os.PathLike[str]) -> int | None:
     """The model's context window in tokens, or None when its folder does not say
     (a missing or unreadable config.json, a GGUF file, no known key)."""

@@ -39,8 +39,9 @@ class Supervisor(Protocol):
 
     async def load(self, model_id: str, *, explicit: bool = ...) -> WorkerHandle: ...
 
-    def fit(self, model_id: str, context_tokens: int = ...) -> FitReport:
-        """"Will it fit?" without spawning anything (LoadError 404 for an unknown model)."""
+    async def fit(self, model_id: str, context_tokens: int = ...) -> FitReport:
+        """"Will it fit?" without spawning anything (LoadError 404 for an unknown model,
+        422 for one whose files are refused); the files are read off the loop."""
         ...
 
     async def reload(self, why: str) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import logging
 import math
 import os
@@ -37,15 +38,16 @@ from shared.memory import NO_READING
 from shared.modelinfo import FileRefused, context_length, open_regular
 from shared.sizes import format_size
 from shared.states import LOADING_STATES
-from shared.weights import WeightsError, estimate_weight_bytes
+from shared.weights import WeightsError, estimate_weight_bytes, kv_bytes_per_token
 from supervisor.bus import Bus, BusError, Endpoints, FrameTooLarge, claim_runtime_dir, pid_alive
 from supervisor.config import Config, ConfigError, ModelConfig, guard_settings
+from supervisor.discovery import last_refused, refusal
 from supervisor.enforcer import Enforcer
-from supervisor.errors import LoadError, ServeError
+from supervisor.errors import LoadError, ModelUnreadable, ServeError
 from supervisor.fanout import Hub, Subscription
 from supervisor.gate import Gate
 from supervisor.offloop import OffLoopTimeout, off_loop
-from supervisor.policy.admission import FitReport
+from supervisor.policy.admission import FitReport, fit_report
 from supervisor.policy.status import ModelInfo, ServerStatus
 from supervisor.pool import (
     Exited,
@@ -74,6 +76,8 @@ READ_TIMEOUT = 10.0  # one model's headers and config.json
 RELOAD_TIMEOUT = 60.0  # the config file and every models folder
 CONFIG_FILE_MAX = 16 * 1024 * 1024  # a config file larger than this is refused, not read
 ACCEPT_LOG_EVERY = 5.0  # seconds between log lines about failing accept() calls
+# An OSError that says nothing about the file (out of descriptors or memory): 503, retry.
+_PASSING_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM, errno.EINTR})
 
 
 class Arbiter:
@@ -87,6 +91,9 @@ class Arbiter:
         self._reads: dict[str, asyncio.Task] = {}  # model path -> its files being read off the loop
         self._refused: set[tuple[str, str]] = set()  # (path, why) already said as an event
         self._estimates: dict[str, int] = {}  # model path -> A2 weight estimate
+        self._kv: dict[str, int] = {}  # model path -> KV bytes per token of context (fit)
+        # id -> (path, why): models in a models folder whose files discovery refused (issue 21)
+        self._discovered_refused = last_refused() if reload_config is not None else {}
         self.trace_path = trace
         self.runtime_dir = runtime_dir
         self.max_workers = max_workers
@@ -157,6 +164,7 @@ class Arbiter:
             for model in self.config.models:
                 if model.pinned:
                     self.loop.create_task(self._load_quietly(model.id, "pinned model"))
+            self._say_refused()
             self._read_all(self.config)
             await self.serve_forever()
         finally:
@@ -420,8 +428,22 @@ class Arbiter:
     def model_config(self, model_id: str) -> ModelConfig:
         model = self.config.model(model_id)
         if model is None:
+            refused = self._discovered_refused.get(model_id)
+            if refused is not None:  # issue 21: not a model, and the 404 says why
+                raise LoadError(f"the model {model_id!r} is not served: its files in {refused[0]} were refused "
+                                f"when the models folder was scanned: {refused[1]}", code="model_not_found",
+                                http_status=404)
             raise LoadError(f"the model {model_id!r} does not exist", code="model_not_found", http_status=404)
         return model
+
+    def _say_refused(self) -> None:
+        """A `refused` event (and a count) for each model discovery refused, once per file and reason."""
+        for model_id, (path, why) in self._discovered_refused.items():
+            if (path, why) not in self._refused:
+                self._refused.add((path, why))
+                self.pool.counters["model_files_refused"] += 1
+                log.warning("Models folder: %s (%s) is not served: %s", model_id, path, why)
+                self.emit("refused", f"not a model, not served: {why}", model_id=model_id)
 
     async def load(self, name: str, *, explicit: bool = False, _moved: int = 0) -> WorkerHandle:
         """Ready worker for the model `name` (an id or alias); every concurrent caller shares one load (A5).
@@ -486,8 +508,13 @@ class Arbiter:
         self.wake()
         return handle
 
-    def fit(self, name: str, context_tokens: int = 0) -> FitReport:
-        return self.enforcer.fit(self.model_config(name), context_tokens)
+    async def fit(self, name: str, context_tokens: int = 0) -> FitReport:
+        """"Will it fit?": the files are read off the loop first (issue 21: a dry run
+        read the headers and config.json on the loop when nothing was cached)."""
+        model = self.model_config(name)
+        await self.read_model_files(model)
+        return fit_report(self.enforcer.snapshot(time.monotonic()), model.id, self._estimates.get(model.path, 0),
+                          self._kv.get(model.path, 0), context_tokens)
 
     async def _gguf_imported(self, model: ModelConfig) -> ModelConfig:
         """A `.gguf` path loads from its imported MLX folder, imported on first load (issue 12)."""
@@ -502,8 +529,10 @@ class Arbiter:
             folder = await ensure_imported(model.path)
         except (GGUFImportError, OSError) as exc:
             self.emit("refused", f"cannot import {model.path}: {exc}", model_id=model.id)
-            raise LoadError(f"model {model.id!r}: cannot import {model.path}: {exc}",
-                            code="model_unreadable", http_status=500) from None
+            words = f"model {model.id!r}: cannot import {model.path}: {exc}"
+            if isinstance(exc, OSError) and exc.errno in _PASSING_ERRNOS:
+                raise LoadError(words, code="model_unreadable", http_status=503, retry_after=1) from None
+            raise ModelUnreadable(words) from None
         return msgspec.structs.replace(model, path=str(folder))
 
     async def unload(self, name: str, reason: str = "unloaded on request") -> bool:
@@ -528,15 +557,19 @@ class Arbiter:
         if gen.max_tokens > cap:
             raise ServeError(f"max_tokens ({gen.max_tokens}) exceeds this server's cap of {cap} "
                              "([supervisor] max_tokens)", code="invalid_request", http_status=400)
-        context = self._context.get(model.id, 0)
-        if context == 0:
-            context = self._context[model.id] = context_length(model.path) or -1
+        context = self._context.get(model.id, 0)  # read off the loop by generate (issue 21); 0: unknown
         if context > 0 and gen.max_tokens >= context:
             raise ServeError(f"max_tokens ({gen.max_tokens}) leaves no room for a prompt in the model's "
                              f"context of {context} tokens", code="context_length_exceeded", http_status=400)
 
     async def generate(self, model_id: str, gen: p.Generate) -> RequestStream:
-        self.check_request(self.model_config(model_id), gen)
+        model = self.model_config(model_id)
+        if model.id not in self._context:  # its config.json is read off the loop, never here (issue 21)
+            if self.pool.worker_for(model.id) is None:
+                await self.read_model_files(model)  # the load needs it anyway
+            else:  # loaded: its worker checks the context itself (issue 16); read it for the next one
+                self._read_soon(model)
+        self.check_request(model, gen)
         handle = await self.load(model_id)
         if not self.admission_open(handle):
             await self.gate.wait(handle)
@@ -639,21 +672,25 @@ class Arbiter:
             await self.read_model_files(model)  # a read begun earlier failed for a passing reason: read anew
 
     async def _read_files(self, model: ModelConfig) -> None:
-        def read() -> tuple[int | None, int | str]:
-            context = context_length(model.path)
+        def read() -> tuple[int | None, int | str, int]:
+            why = refusal(model.path)  # discovery's test: what it refuses in a folder is refused here too
+            if why is not None:  # the files themselves are refused
+                return None, why, 0
+            context, kv = context_length(model.path), kv_bytes_per_token(model.path)
             try:
-                return context, estimate_weight_bytes(model.path)
-            except (WeightsError, FileRefused) as exc:  # the files themselves are refused
-                return context, str(exc)
+                return context, estimate_weight_bytes(model.path), kv
+            except (WeightsError, FileRefused) as exc:  # changed since refusal() looked
+                return context, str(exc), kv
 
         try:
-            context, size = await off_loop(read, READ_TIMEOUT, f"reading {model.id}'s files")
+            context, size, kv = await off_loop(read, READ_TIMEOUT, f"reading {model.id}'s files")
         except OffLoopTimeout as exc:
-            size, context = f"{exc} (a slow disk, or not a plain file?)", None
+            size, context, kv = f"{exc} (a slow disk, or not a plain file?)", None, 0
         except OSError as exc:  # out of descriptors, a vanished folder: not the files' fault
             raise _ReadFailed(f"model {model.id!r}: cannot read {model.path}: {exc}", code="model_unreadable",
                               http_status=503, retry_after=1) from None
         self._context[model.id] = context or -1
+        self._kv[model.path] = kv
         if isinstance(size, int):
             self._estimates[model.path] = size
             return
@@ -663,8 +700,7 @@ class Arbiter:
             self.pool.counters["model_files_refused"] += 1
             log.error("Model %s: cannot read %s: %s", model.id, model.path, size)
             self.emit("refused", f"cannot read {model.path}: {size}", model_id=model.id)
-        raise LoadError(f"model {model.id!r} cannot be loaded from {model.path}: {size}",
-                        code="model_unreadable", http_status=500)
+        raise ModelUnreadable(f"model {model.id!r} cannot be loaded from {model.path}: {size}")
 
     def server_status(self, recent_events: int = 20) -> ServerStatus:
         now = time.monotonic()
@@ -779,12 +815,15 @@ class Arbiter:
                              f"{time.monotonic() - self._reload_since:.0f} s); try again when it has finished",
                              code="reload_busy", http_status=409)
         new = await self._read_config(why)
+        self._discovered_refused = last_refused()  # what that build's scan refused
         changes = self._apply_models(new) + self._apply_settings(new)
         self.config = new
         self.pool.config = new
         self.enforcer.config = new
         self._estimates.clear()
+        self._kv.clear()
         self._context.clear()
+        self._say_refused()
         summary = "; ".join(changes) if changes else "no change"
         self.emit("reload", f"{why}: {summary}")
         self._read_all(new)

@@ -40,7 +40,7 @@ async def _answer(sup: Supervisor, msg: p.ControlRequest) -> p.ControlReply:
             if not 0 <= msg.context <= MAX_CONTEXT_TOKENS:
                 return p.ControlError(code="invalid_request", http_status=400,
                                       message=f"context must be 0..{MAX_CONTEXT_TOKENS} tokens, got {msg.context}")
-            report = sup.fit(msg.model, msg.context)
+            report = await sup.fit(msg.model, msg.context)
             return p.ControlOk(detail=report.message, data=msgspec.json.encode(report))
         case p.LoadRequest():
             handle = await sup.load(msg.model, explicit=True)

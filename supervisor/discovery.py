@@ -14,17 +14,26 @@ warning. A reload runs it on a worker thread, never on the supervisor's loop
 (issue 21). A folder name that is not a usable model id (`My Model (4bit)`)
 is served under a sanitised id (`My-Model-4bit`), said in a warning, or
 skipped with a warning when even that is not usable; it never stops `serve`.
+
+A model whose files are refused (issue 21: a named pipe as model.safetensors,
+a sparse GGUF or one claiming 2**40 keys, a 1 GiB config.json) is not a model:
+it is skipped with a warning, and its id and the reason are kept
+(`last_refused`) so the supervisor says so in a `refused` event and a request
+for it is a 404 naming why, instead of a load that fails as if it were our bug.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
 
-from shared.modelinfo import read_small
+from shared.gguf import is_gguf_path
+from shared.modelinfo import FileRefused, config_refusal, read_small
+from shared.weights import WeightsError, estimate_weight_bytes
 
 if TYPE_CHECKING:
     from supervisor.config import Config
@@ -35,6 +44,9 @@ MAX_ENTRIES = 100_000  # folder entries looked at, all levels together
 REF_MAX_BYTES = 4096  # refs/main holds one commit hash
 _HF_DIR = re.compile(r"^models--(?P<org>[^/]+?)--(?P<name>[^/]+)$")
 _SKIP = {".git", "__pycache__", ".cache", "node_modules"}
+
+_refused_lock = threading.Lock()
+_last_refused: dict[str, tuple[str, str]] = {}  # id -> (path, why), from the last with_discovered
 
 
 class Found(msgspec.Struct, frozen=True, kw_only=True):
@@ -145,10 +157,34 @@ def _found(name: str, entry: Path, path: Path, warnings: list[str], named: str =
     return Found(id=model_id, path=str(path))
 
 
-def discover(dirs: list[str], known: set[str]) -> tuple[list[Found], list[str]]:
+def refusal(path: str) -> str | None:
+    """Why the model files at `path` cannot be a model, or None when they can.
+
+    Bounded reads only (shared.modelinfo, shared.weights, shared.gguf): the
+    config.json (a regular file of at most a few MB, a JSON object) and every
+    weight file's header, which must declare some tensor data. The estimate read here is remembered, so the first
+    load does not read the headers again. A passing failure (EMFILE) is raised."""
+    if not is_gguf_path(path):
+        why = config_refusal(path)
+        if why is not None:
+            return why
+    try:
+        size = estimate_weight_bytes(path)
+    except (WeightsError, FileRefused) as exc:
+        return str(exc)
+    if size == 0:  # a header and gigabytes of nothing: there is nothing to load
+        return f"{path}: its weight files declare no tensor data; refused"
+    return None
+
+
+def discover(dirs: list[str], known: set[str],
+             refused: dict[str, tuple[str, str]] | None = None) -> tuple[list[Found], list[str]]:
     """Models in `dirs` whose id is not in `known` (config entries win); plus warnings.
 
-    Two folders offering the same id: the first one scanned keeps it.
+    Two folders offering the same id: the first one scanned keeps it. A model
+    whose files are refused is left out, said in a warning and put in `refused`
+    (id -> (path, why)); one whose files cannot be read for a passing reason
+    (out of descriptors) is kept: its load will say.
     """
     warnings: list[str] = []
     taken = set(known)
@@ -158,17 +194,46 @@ def discover(dirs: list[str], known: set[str]) -> tuple[list[Found], list[str]]:
             if model.id in taken:
                 continue
             taken.add(model.id)
+            try:
+                why = refusal(model.path)
+            except OSError as exc:
+                warnings.append(f"{model.path}: cannot check its files now ({exc.strerror or exc}); kept")
+                why = None
+            if why is not None:
+                warnings.append(f"{model.path}: skipped, not a model: {why}")
+                if refused is not None:
+                    refused[model.id] = (model.path, why)
+                continue
             out.append(model)
     return out, warnings
 
 
 def with_discovered(config: Config) -> tuple[Config, list[str]]:
-    """`config` plus the models its `models_dirs` hold (config entries win)."""
+    """`config` plus the models its `models_dirs` hold (config entries win).
+    What it refused is kept for `last_refused`."""
     from supervisor.config import ModelConfig
 
     dirs = config.supervisor.models_dirs
+    refused: dict[str, tuple[str, str]] = {}
+    found: list[Found] = []
+    warnings: list[str] = []
+    if dirs:
+        found, warnings = discover(dirs, config.names(), refused)
+    with _refused_lock:
+        _last_refused.clear()
+        _last_refused.update(refused)
     if not dirs:
         return config, []
-    found, warnings = discover(dirs, config.names())
     models = [*config.models, *(ModelConfig(id=f.id, path=f.path) for f in found)]
     return msgspec.structs.replace(config, models=models), warnings
+
+
+def last_refused() -> dict[str, tuple[str, str]]:
+    """The models the last `with_discovered` refused: id -> (path, why).
+
+    Why a record here: `serve` builds its Config (at start and on each reload)
+    through `with_discovered`, and a refused model is not config; the
+    supervisor reads this right after each build to say why such an id is
+    not served."""
+    with _refused_lock:
+        return dict(_last_refused)

@@ -31,7 +31,7 @@ from shared.probe import nvml
 from shared.sizes import MAX_SIZE, format_size
 from shared.weights import WeightsError, estimate_weight_bytes, kv_bytes_per_token
 from supervisor.config import MIN_DEVICE_CEILING, ModelConfig, guard_settings
-from supervisor.errors import LoadError
+from supervisor.errors import LoadError, ModelUnreadable
 from supervisor.policy import decisions as d
 from supervisor.policy import pressure as policy
 from supervisor.policy.admission import FitReport, admit, evict_for_prefill, fit_report
@@ -306,9 +306,8 @@ class Enforcer:
         """A2's estimate, read from the weight files before loading (no MLX)."""
         try:
             return estimate_weight_bytes(model.path)
-        except (WeightsError, OSError) as exc:
-            raise LoadError(f"model {model.id!r} cannot be loaded from {model.path}: {exc}",
-                            code="model_unreadable", http_status=500) from None
+        except (WeightsError, OSError) as exc:  # 422, not "our bug" (issue 21; see ModelUnreadable)
+            raise ModelUnreadable(f"model {model.id!r} cannot be loaded from {model.path}: {exc}") from None
 
     def fit(self, model: ModelConfig, context_tokens: int = 0) -> FitReport:
         """"Will it fit?": the load's verdict now, nothing spawned or stopped."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import model_files
 import pytest
 
 from supervisor.config import Config, ConfigError, ModelConfig, SupervisorConfig, parse_config
@@ -15,7 +16,7 @@ from supervisor.discovery import discover, with_discovered
 def _fake_model(folder: Path) -> Path:
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    (folder / "model.safetensors").write_bytes(b"\0" * 8)
+    model_files.safetensors(folder / "model.safetensors")
     return folder
 
 
@@ -32,7 +33,7 @@ def _fake_hf_repo(cache: Path, org: str, name: str, revisions: list[str], main: 
 def test_models_folder_ids_come_from_folder_and_file_names(tmp_path):
     _fake_model(tmp_path / "llama-small")
     _fake_model(tmp_path / "nested" / "coder")
-    (tmp_path / "SmolLM2.Q4_1.gguf").write_bytes(b"GGUF")
+    model_files.gguf(tmp_path / "SmolLM2.Q4_1.gguf")
     (tmp_path / "not-a-model").mkdir()
     (tmp_path / "not-a-model" / "readme.txt").write_text("hi")
     found, warnings = discover([str(tmp_path)], known=set())

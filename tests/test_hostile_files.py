@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import model_files
 import pytest
 
 from shared.gguf import GGUFError, read_header
@@ -139,7 +140,7 @@ def test_issue21_a_folder_name_that_is_no_model_id_is_served_sanitised_not_a_tra
         folder = tmp_path / name
         folder.mkdir()
         (folder / "config.json").write_text("{}")
-        (folder / "model.safetensors").write_bytes(b"\0" * 8)
+        model_files.safetensors(folder / "model.safetensors")
     config, warnings = with_discovered(Config(supervisor=SupervisorConfig(models_dirs=[str(tmp_path)])))
     assert {m.id for m in config.models} == {"My-Model-4bit", "ok-model"}
     assert any("'My Model (4bit)'" in w and "'My-Model-4bit'" in w for w in warnings)

@@ -74,12 +74,12 @@ def test_dry_runs_agree_with_the_real_load_decisions(tiny_models, medium_model, 
             await asyncio.sleep(0.5)  # both past their first allocations
             arb.enforcer.tick(time.monotonic())
             usage = arb.enforcer.last.usage
-            size_small = arb.fit("small").weight_bytes
+            size_small = (await arb.fit("small")).weight_bytes
             # room for what runs plus the small model only if one idle model goes first
             ceiling = usage + size_small // 2
             arb.update_guard(p.GuardUpdate(tier="custom", custom_ceiling=int(ceiling / 0.9) + 1))
             before = set(arb.pool.handles)
-            report = arb.fit("small")
+            report = await arb.fit("small")
             assert set(arb.pool.handles) == before, "a dry run spawned or stopped something"
             assert report.fits and report.evict == ["a"], report
             await arb.load("small")
@@ -87,13 +87,13 @@ def test_dry_runs_agree_with_the_real_load_decisions(tiny_models, medium_model, 
             # now a model larger than the whole ceiling: refused the same way, dry or not
             arb.update_guard(p.GuardUpdate(tier="custom", custom_ceiling=size_small // 4))
             await until(lambda: arb.pool.worker_for("small") is None, what="pressure stops small")
-            refused = arb.fit("small", context_tokens=100)
+            refused = await arb.fit("small", context_tokens=100)
             assert not refused.fits and refused.error == "model_too_large"
             assert refused.kv_bytes > 0 and refused.estimated_bytes == refused.weight_bytes + refused.kv_bytes
             with pytest.raises(LoadError) as err:
                 await arb.load("small")
             assert err.value.http_status == 507 and err.value.code == refused.error
-            assert str(err.value) == arb.fit("small").message  # the same words, dry or not
+            assert str(err.value) == (await arb.fit("small")).message  # the same words, dry or not
 
     asyncio.run(main())
 

@@ -28,6 +28,7 @@ from shared import protocol as p
 from shared.ledger import Ledger
 from shared.limits import Limits
 from shared.memory import NO_READING
+from shared.modelinfo import config_refusal
 from worker import blas
 from worker.heartbeat import Heartbeat, StepClock
 
@@ -172,6 +173,17 @@ class Worker:
         self.write_sample(time.monotonic())
         started = time.monotonic()
         time.sleep(_test_step_delay(LOAD_DELAY_ENV))
+        # Defence in depth (issue 21): mlx_lm reads config.json whole, and a 1 GiB sparse
+        # one took this worker to 2 GiB before it was killed as wedged; the supervisor
+        # refuses such a model before a spawn, and so does the worker, before mlx_lm.
+        try:
+            refused = config_refusal(self.spec.model_path)
+        except OSError:
+            refused = None  # a passing failure: the loader below says it in its own words
+        if refused is not None:
+            log.error("cannot load %s: %s", self.spec.model_path, refused)
+            self.reply(p.LoadFailed(error=refused))
+            return 2
         try:
             self.engine = Engine.load(self.spec.model_path, max_concurrency=self.spec.max_concurrency,
                                       chunk_seconds=self.spec.chunk_seconds)

@@ -62,6 +62,7 @@ from shared.sizes import SizeError, parse_size
 from shared.states import SERVING_STATES
 from supervisor.api import Supervisor
 from supervisor.config import parse_http
+from supervisor.control import MAX_CONTEXT_TOKENS
 from supervisor.errors import ServeError
 from supervisor.http import anthropic as http_anthropic
 from supervisor.http import generate as http_generate
@@ -192,11 +193,11 @@ class FrontDoor:
         model = self._model_config(request.path_params["model_id"])
         if request.query_params.get("dry_run", "").lower() in ("1", "true", "yes"):
             raw = request.query_params.get("context", "0")
-            if not raw.isdigit() or int(raw) > 10**9:
-                raise ApiError(400, f"context must be a whole number of tokens, got {raw!r}", code="invalid_request",
-                               param="context")
+            if not raw.isdigit() or len(raw) > 10 or int(raw) > MAX_CONTEXT_TOKENS:  # as the CLI's (issue 21)
+                raise ApiError(400, f"context must be a whole number of tokens, 0..{MAX_CONTEXT_TOKENS}, got "
+                               f"{raw[:40]!r}", code="invalid_request", param="context")
             try:
-                return json_response(self.sup.fit(model.id, int(raw)))
+                return json_response(await self.sup.fit(model.id, int(raw)))
             except ServeError as exc:
                 raise from_serve_error(exc) from None
         try:

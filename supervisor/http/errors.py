@@ -1,7 +1,8 @@
 """The front door's error model: every failure is OpenAI-style JSON.
 
 `{"error": {"message", "type", "param", "code"}}` with a status that says
-who should act: 4xx the client (fix the request), 503 retry later (pressure,
+who should act: 4xx the client (fix the request; 422: the model's files are
+refused, the operator must fix them), 503 retry later (pressure,
 a worker going away), 507 the operator (the model does not fit, SPEC A3),
 500 us. oMLX users complained that memory refusals read like crashes; here a
 refusal names the binding constraint and the remedy (the message comes from
@@ -38,6 +39,7 @@ _TYPE_BY_STATUS = {
     413: "invalid_request_error",
     415: "invalid_request_error",
     421: "permission_error",
+    422: "invalid_request_error",
     500: "server_error",
     503: "overloaded_error",
     507: "insufficient_memory_error",
