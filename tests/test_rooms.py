@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # What a module under supervisor/policy/ may import besides its own package:
 # pure standard-library modules, msgspec, and the wire's pure types.
 POLICY_MAY_IMPORT = {
-    "__future__", "typing", "math", "enum", "collections.abc", "msgspec",
+    "__future__", "typing", "math", "enum", "operator", "collections.abc", "msgspec",
     "shared.sizes", "shared.limits", "shared.protocol", "shared.host", "shared.states", "shared.memory",
 }
 
