@@ -47,8 +47,10 @@ def ttft(base: str, path: str, body: dict) -> float:
             if r.status_code != 200:
                 raise SystemExit(f"{path}: HTTP {r.status_code}: {r.read().decode()}")
             for line in r.iter_lines():
-                if line.startswith("data: ") and ('"text_delta"' in line or '"content":"' in line
-                                                  and '"content":""' not in line):
+                # the first text, or the end when a reply has none (an empty first token, EOS)
+                if line.startswith("data: ") and ('"text_delta"' in line or '"message_delta"' in line
+                                                  or '"content":"' in line and '"content":""' not in line
+                                                  or '"finish_reason":"' in line):
                     return time.perf_counter() - sent
     raise SystemExit(f"{path}: no token came")
 
