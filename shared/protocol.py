@@ -152,6 +152,21 @@ def coalesce(events: list[Msg]) -> list[Msg]:
 # -- end issue 11 -------------------------------------------------------------------
 
 
+class Prompted(Msg, tag="prompted", kw_only=True):
+    """A request's prompt is final: its length and what the prompt cache gave (issue 23).
+
+    Why: `Finished` says the same only at the end, but a front door may need the
+    count at the start (Anthropic's streamed `message_start` carries `input_tokens`).
+    The worker sends it once per request when its prefill starts (after the cache
+    lookup, so `cached_tokens` is what `Finished` will report), always before the
+    request's first token; a request refused before its prefill gets none.
+    """
+
+    request_id: str
+    prompt_tokens: int
+    cached_tokens: int = 0
+
+
 class Finished(Msg, tag="finished", kw_only=True):
     request_id: str
     finish_reason: str  # "stop" | "length"
@@ -180,7 +195,7 @@ class NeedMemory(Msg, tag="need_memory", kw_only=True):
 
 
 WorkerReply = Union[Hello, Loaded, LoadFailed, Ack, Pong, Reclaimed, TokenOut, TokenBatch, Finished, Failed,
-                    NeedMemory]
+                    NeedMemory, Prompted]
 
 
 # --------------------------------------------------------------------------

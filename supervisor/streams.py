@@ -5,6 +5,10 @@ its one terminal message (`Finished` or `Failed`) land in the stream's queue,
 where the front door reads them. The router knows streams by request id and
 by worker, so a worker that exits can end every stream it was serving with a
 clear error, and no stream is ever left waiting for a reply that cannot come.
+
+A worker's `Prompted` (issue 23) does not go into the queue: it is kept on the
+stream, where a front door that needs the prompt's length early reads it (it
+always arrives before the first token) or awaits it (`prompt_known`).
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ StreamReply = Union[p.TokenOut, p.Finished, p.Failed]
 class RequestStream:
     """One generation in flight: replies from the worker land in `queue`."""
 
-    __slots__ = ("request_id", "model_id", "worker", "queue", "created", "first_token", "done")
+    __slots__ = ("request_id", "model_id", "worker", "queue", "created", "first_token", "done", "prompted",
+                 "prompt_known")
 
     def __init__(self, request_id: str, model_id: str, worker: WorkerHandle) -> None:
         self.request_id = request_id
@@ -34,10 +39,17 @@ class RequestStream:
         self.created = time.monotonic()
         self.first_token: float | None = None
         self.done = False
+        self.prompted: p.Prompted | None = None  # issue 23: the prompt's length, once the worker says
+        self.prompt_known = asyncio.Event()  # set by Prompted, or by the end of a request that had none
 
-    def put(self, msg: StreamReply) -> None:
+    def put(self, msg: StreamReply | p.Prompted) -> None:
         if self.done:
             return
+        if isinstance(msg, p.Prompted):
+            self.prompted = msg
+            self.prompt_known.set()
+            return
+        self.prompt_known.set()  # a token or the end: no Prompted is coming after it
         if isinstance(msg, p.TokenOut) and self.first_token is None:
             self.first_token = time.monotonic()
         if isinstance(msg, (p.Finished, p.Failed)):
@@ -59,7 +71,7 @@ class Streams:
         handle.last_access = time.monotonic()
         return stream
 
-    def deliver(self, msg: StreamReply) -> None:
+    def deliver(self, msg: StreamReply | p.Prompted) -> None:
         """A worker's reply for one request; a reply for a forgotten request is dropped."""
         stream = self.by_id.get(msg.request_id)
         if stream is not None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from types import SimpleNamespace
 
 import anthropic
 import httpx
@@ -39,6 +38,7 @@ from supervisor.http.app import start_http
 from supervisor.http.generate import chat_generate, completion_generate, keep_alive_seconds
 from supervisor.http.openai_types import BodyError, ChatRequest, CompletionRequest, decode_body
 from supervisor.http.responses import ResponsesRequest, responses_generate
+from supervisor.streams import RequestStream
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -195,9 +195,9 @@ class StubSupervisor:
     async def generate(self, model_id, gen):
         if isinstance(self.outcome, Exception):
             raise self.outcome
-        stream = SimpleNamespace(queue=asyncio.Queue(), request_id=gen.request_id)
+        stream = RequestStream(gen.request_id, model_id, worker=None)  # type: ignore[arg-type]
         for msg in self.outcome(gen.request_id):
-            stream.queue.put_nowait(msg)
+            stream.put(msg)  # as the pool delivers them: a Prompted is held, the rest queued
         return stream
 
     def cancel(self, stream, reason=""):

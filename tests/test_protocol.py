@@ -14,6 +14,7 @@ from shared.memory import MemoryReading
         (p.CommandMsg, p.SetLimits(cmd=7, limits=Limits(hard_limit=9, tier="safe"))),
         (p.CommandMsg, p.Generate(cmd=1, request_id="r", messages=[p.ChatMessage(role="user", content="hi")])),
         (p.WorkerReply, p.Hello(worker_id="w1", model_id="m", pid=3, device_info={"device_name": "cpu"})),
+        (p.WorkerReply, p.Prompted(request_id="r", prompt_tokens=12, cached_tokens=8)),  # issue 23
         (p.WorkerReply, p.Failed(request_id="r", code="prefill_memory_exceeded", message="x",
                                  estimated_bytes=5, limit_bytes=4, binding="static")),
         (p.WorkerReport, p.Sample(worker_id="w", model_id="m", pid=1, seq=2, t=0.5, memory=MemoryReading(usage=4, footprint=4, mlx_active=1, mlx_pool=2,
@@ -77,3 +78,9 @@ def test_every_message_type_has_a_json_schema_and_a_version_field():
 
 def test_every_published_message_has_a_topic():
     assert set(p.TOPIC_OF.values()) == set(p.TOPICS)
+
+
+def test_the_schema_names_prompted_among_the_worker_replies():
+    """Issue 23: `python -m supervisor schema` documents the worker's early prompt count."""
+    defs = msgspec.json.schema(p.all_message_types()["WorkerReply"])["$defs"]
+    assert defs["Prompted"]["properties"]["type"] == {"enum": ["prompted"]}

@@ -14,6 +14,7 @@ import zmq
 
 from shared import protocol as p
 from shared.ledger import Ledger
+from shared.limits import Limits
 from worker.main import run as worker_main
 
 pytestmark = pytest.mark.slow
@@ -174,3 +175,49 @@ def test_d4_worker_reports_a_device_watermark_crossing_at_once(tiny_model, tmp_p
             raise AssertionError("no watermark sample after the device soft watermark was crossed")
         sup.send(p.Drain(reason="test over"))
         sup.proc.join(20)
+
+
+def _replies_until_finished(sup: FakeSupervisor, ids: set[str], timeout: float = 60.0) -> list[p.Msg]:
+    """Every reply for `ids` in arrival order (token batches unfolded) until each has finished."""
+    out: list[p.Msg] = []
+    waiting, deadline = set(ids), time.monotonic() + timeout
+    while waiting and time.monotonic() < deadline:
+        if not sup.router.poll(100):
+            continue
+        msg = sup.replies.decode(sup.router.recv_multipart()[1])
+        rows = msg.tokens() if isinstance(msg, p.TokenBatch) else [msg]
+        for row in rows:
+            if getattr(row, "request_id", None) in ids:
+                out.append(row)
+                if isinstance(row, (p.Finished, p.Failed)):
+                    waiting.discard(row.request_id)
+    assert not waiting, f"no Finished for {waiting}"
+    return out
+
+
+def test_prompted_comes_before_the_first_token_and_agrees_with_finished(tiny_model, tmp_path):
+    """Issue 23: the worker's `Prompted` arrives before a request's first token, with the
+    prompt length and prompt-cache reuse its `Finished` reports at the end (prefilled
+    together, alone, and a repeated prompt served from the prompt cache)."""
+    chat = [p.ChatMessage(role="user", content="memory pressure guard worker model cache " * 6)]
+    with FakeSupervisor(tmp_path, tiny_model, "w#1") as sup:
+        sup.recv(p.Loaded)
+        sup.send(p.SetLimits(cmd=1, limits=Limits(cache_cap=64 * 1024 * 1024)))
+        sup.send(p.Generate(request_id="a", messages=chat, max_tokens=3, temperature=0.0))
+        sup.send(p.Generate(request_id="b", prompt="supervisor prefill budget ceiling " * 5, max_tokens=3,
+                            temperature=0.0))
+        first = _replies_until_finished(sup, {"a", "b"})
+        sup.send(p.Generate(request_id="c", messages=chat, max_tokens=3, temperature=0.0))
+        again = _replies_until_finished(sup, {"c"})
+        sup.send(p.Drain(reason="test over"))
+        sup.proc.join(20)
+    for rid, replies in (("a", first), ("b", first), ("c", again)):
+        mine = [m for m in replies if m.request_id == rid]  # type: ignore[attr-defined]
+        assert isinstance(mine[0], p.Prompted), [type(m).__name__ for m in mine]
+        assert sum(isinstance(m, p.Prompted) for m in mine) == 1
+        prompted, finished = mine[0], mine[-1]
+        assert isinstance(finished, p.Finished) and finished.completion_tokens == 3
+        assert prompted.prompt_tokens == finished.prompt_tokens > 0
+        assert prompted.cached_tokens == finished.cached_tokens
+    c_prompted = next(m for m in again if isinstance(m, p.Prompted))
+    assert c_prompted.cached_tokens > 0  # the repeat reused the prompt cache, and says so up front

@@ -47,7 +47,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from shared.limits import Limits
 from shared.modelinfo import context_length
 from shared.protocol import Constraint as ConstraintSpec
-from shared.protocol import Failed, Finished, Generate, NeedMemory, TokenOut
+from shared.protocol import Failed, Finished, Generate, NeedMemory, Prompted, TokenOut
 from shared.weights import WeightsError, estimate_weight_bytes
 from worker import memory, prefill_cost, prompts
 from worker import prefill_guard as guard
@@ -61,7 +61,7 @@ from worker.stops import StopMatcher
 
 log = logging.getLogger("memvisor.worker.engine")
 
-Event = Union[TokenOut, Finished, Failed, NeedMemory]
+Event = Union[TokenOut, Finished, Failed, NeedMemory, Prompted]
 UsageFn = Callable[[], int]
 
 
@@ -433,6 +433,8 @@ class Engine:
         """Advance the prefill group, else the head of the prefill line; True when a chunk ran."""
         if self._group is None and self.batch_decode:
             self._group = self._form_group(limits, usage_fn)
+            if self._group is not None:  # issue 23: a member's prompt is final (none reuses the cache)
+                events.extend(self._prompted(seq) for seq in self._group.live)
         if self._group is not None:
             self._group_step(self._group, limits, usage_fn, events)
             return True
@@ -598,6 +600,7 @@ class Engine:
             seq.hit = hit
         if not _guard_on(limits):
             self._start_prefill(seq)
+            events.append(self._prompted(seq))
             return True
         verdict = self._verdict(seq, limits, usage_fn)
         if verdict.verdict != "fits" and self.prompt_cache.drop_unused():
@@ -605,6 +608,7 @@ class Engine:
             verdict = self._verdict(seq, limits, usage_fn)
         if verdict.verdict == "fits":
             self._start_prefill(seq)
+            events.append(self._prompted(seq))
             return True
         if verdict.verdict == "evict":
             seq.move("need_memory")
@@ -854,6 +858,10 @@ class Engine:
         return False
 
     # ------------------------------------------------------------------ endings
+
+    def _prompted(self, seq: Seq) -> Prompted:
+        """Issue 23: the prompt's length and cache reuse, final once its prefill starts."""
+        return Prompted(request_id=seq.id, prompt_tokens=len(seq.prompt), cached_tokens=seq.cached)
 
     def _finished(self, seq: Seq, reason: str) -> Finished:
         seq.move("end")

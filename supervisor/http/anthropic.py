@@ -257,14 +257,10 @@ def _event(name: str, body: dict) -> bytes:
 async def handle(request: Request, sup, metrics, body: bytes, started: float) -> Response:
     req = decode_body(body, MessagesRequest)
     gen = messages_generate(req)
-    # issue 23: message_start must carry the real input_tokens, but the worker reports the
-    # prompt's length only when a request finishes; a streamed request is counted first.
-    input_tokens = await prompt_tokens(request, sup, metrics, req, gen, started) if req.stream else 0
     job = await g.open_job(request, sup, metrics, req, gen, started, plan=tool_plan(req))
     msg_id = "msg_" + gen.request_id
     if req.stream:
-        return await job.streamed(request.receive,
-                                  lambda first: _events(job, first, msg_id, req.model, input_tokens))
+        return await job.streamed(request.receive, lambda first: _events(job, first, msg_id, req.model))
     text, calls, end = await job.collect(request.receive)
     content: list[Union[TextBlock, ToolUseBlock]] = [TextBlock(text=text)] if text or not calls else []
     content += [_tool_use(c) for c in calls]
@@ -274,12 +270,15 @@ async def handle(request: Request, sup, metrics, body: bytes, started: float) ->
     return Response(_encoder.encode(reply), media_type="application/json")
 
 
-async def _events(job: g.Job, first, msg_id: str, model: str, input_tokens: int = 0) -> AsyncIterator[list[bytes]]:
+async def _events(job: g.Job, first, msg_id: str, model: str) -> AsyncIterator[list[bytes]]:
     """Anthropic's event sequence, a list per piece for `Job.streamed`; a text block opens at
-    the first text, a tool_use block per call. message_start reports the prompt's tokens
-    (counted before the stream, issue 23) and one output token, as Anthropic's does."""
-    start = Message(id=msg_id, model=model, content=[],
-                    usage=AnthropicUsage(input_tokens=input_tokens, output_tokens=1))
+    the first text, a tool_use block per call. message_start reports the prompt's tokens and
+    one output token, as Anthropic's does: the worker's `Prompted` (issue 23) always comes
+    before the first token, so by `first` the stream holds the count."""
+    prompted = job.stream.prompted
+    start = Message(id=msg_id, model=model, content=[], usage=AnthropicUsage(
+        input_tokens=prompted.prompt_tokens if prompted else 0, output_tokens=1,
+        cache_read_input_tokens=prompted.cached_tokens if prompted else 0))
     out = [_event("message_start", {"message": start}), _event("ping", {})]
     index, text_open = 0, False
     async for piece in job.pieces(first):
@@ -341,17 +340,20 @@ class CountTokensRequest(Struct, kw_only=True, forbid_unknown_fields=True):
 async def prompt_tokens(request: Request, sup, metrics, req, gen: p.Generate, started: float) -> int:
     """How many tokens the worker's chat template makes of `gen`'s prompt.
 
-    Why a one-token generation: only the worker holds the tokenizer and the chat
-    template (the supervisor never imports MLX, nor the tokenizer stack), and the
-    protocol has no tokenize command yet; the worker's `Finished.prompt_tokens` is
-    the exact count. It runs greedy, unconstrained and under the guard like any
-    request, and with the prompt cache on it leaves the prefix cached for the
-    request that follows."""
+    Why a generation: only the worker holds the tokenizer and the chat template (the
+    supervisor never imports MLX, nor the tokenizer stack), and the protocol has no
+    tokenize command; the worker's `Prompted` (issue 23) is the exact count. The probe
+    runs under the guard like any request and is aborted as soon as the count is in,
+    when its prefill starts: no output token is made and at most one chunk prefilled."""
     probe = p.Generate(request_id=uuid.uuid4().hex, messages=gen.messages, prompt=gen.prompt, max_tokens=1,
                        temperature=0.0, tools=gen.tools)
     job = await g.open_job(request, sup, metrics, req, probe, started)
-    _text, _calls, end = await job.collect(request.receive)
-    return end.finished.prompt_tokens
+    prompted = await job.prompt(request.receive)
+    if prompted is None:  # refused before its prefill (G1, context): collect raises the worker's error
+        _text, _calls, end = await job.collect(request.receive)
+        return end.finished.prompt_tokens
+    job.cancel("count_tokens: the prompt is counted")
+    return prompted.prompt_tokens
 
 
 async def count_tokens(request: Request, sup, metrics, body: bytes, started: float) -> Response:

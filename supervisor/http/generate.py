@@ -449,6 +449,17 @@ class Job:
             raise self.failure(first)
         return first
 
+    async def prompt(self, receive: Receive) -> p.Prompted | None:
+        """Issue 23: the worker's `Prompted` (the prompt's length once its prefill starts), or
+        None when the request ended without one (refused or failed first: its error stays in
+        the queue for `first`/`collect`). A client that goes away cancels the request."""
+        try:
+            await race_client(self.stream.prompt_known.wait(), receive)
+        except BaseException:
+            self.cancel("the request ended before its prompt was counted")
+            raise
+        return self.stream.prompted
+
     def failure(self, msg: p.Failed) -> ApiError:
         """The worker's terminal error; a constraint it refused names the field that carried it."""
         error = from_failed(msg)
