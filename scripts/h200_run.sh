@@ -6,6 +6,7 @@
 #   scripts/h200_run.sh tests    the slow real-process tests that matter on a GPU
 #   scripts/h200_run.sh drill    the device fire drill (scripts/bench_device_drill.py)
 #   scripts/h200_run.sh batch    scripts/bench_batch.py on a 2 GiB bf16 model
+#   scripts/h200_run.sh peers    scripts/bench_peers.py: stream_generate, raw loop, memvisor, mlx_lm.server (issue 22)
 #
 # Wheels travel in .whl/ (Python 3.12 manylinux), the ~90 MB mlx-cuda-13 wheel
 # in two halves (.gpu1/, .gpu2/, `split -b 46000000`) because one transfer is
@@ -58,8 +59,12 @@ batch)
     timeout "${2:-400}" $PY scripts/bench_batch.py --size 2GiB --dtype bfloat16 --streams 1,8,32 --tokens 64 \
         --runs 1 2>&1 | grep -v " INFO " | tee "$OUT/batch.log" | tail -20
     ;;
+peers)
+    timeout "${2:-540}" $PY scripts/bench_peers.py --size 2GiB --dtype bfloat16 --streams 1,8,32,64 --tokens 128 \
+        --runs 1 2>&1 | grep -v " INFO " | tee "$OUT/peers.log" | tail -30
+    ;;
 *)
-    echo "usage: $0 parts|install|tests|drill|batch" >&2
+    echo "usage: $0 parts|install|tests|drill|batch|peers" >&2
     exit 2
     ;;
 esac
