@@ -164,14 +164,9 @@ def alive(pid: int) -> bool:
         return False
 
 
-def proc_counts(pid: int) -> dict[str, int]:
-    """fds, threads, RSS (KiB) and zombie children of `pid` (Linux /proc)."""
-    rss = 0
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                rss = int(line.split()[1])
-    zombies = 0
+def child_states(pid: int) -> list[tuple[int, str]]:
+    """(pid, /proc state letter) of every child of `pid`, read from /proc (no signal sent)."""
+    found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
@@ -179,8 +174,19 @@ def proc_counts(pid: int) -> dict[str, int]:
                     fields = f.read().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if fields[0] == "Z" and int(fields[1]) == pid:
-                zombies += 1
+            if int(fields[1]) == pid:
+                found.append((int(entry), fields[0]))
+    return found
+
+
+def proc_counts(pid: int) -> dict[str, int]:
+    """fds, threads, RSS (KiB) and zombie children of `pid` (Linux /proc)."""
+    rss = 0
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1])
+    zombies = sum(1 for _, state in child_states(pid) if state == "Z")
     return {"fds": len(os.listdir(f"/proc/{pid}/fd")), "threads": len(os.listdir(f"/proc/{pid}/task")),
             "rss_kib": rss, "zombies": zombies}
 
@@ -636,17 +642,7 @@ FOREIGN = "http://evil.example"
 
 def children(pid: int) -> list[int]:
     """Live child processes of `pid` (its workers), from /proc: works while it is frozen."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                found.append(int(entry))
-    return found
+    return [child for child, state in child_states(pid) if state != "Z"]
 
 
 def rss_kib(pid: int) -> int:
