@@ -378,13 +378,7 @@ _ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "
 
 def error_detail(exc: ApiError) -> dict:
     """Anthropic's error object; memvisor's figures (binding, bytes) ride along as extra keys."""
-    detail: dict = {"type": _ERROR_TYPE.get(exc.status, "api_error"), "message": exc.message}
-    if exc.code:
-        detail["code"] = exc.code
-    if exc.param:
-        detail["param"] = exc.param
-    detail.update(exc.extra)
-    return detail
+    return {"type": _ERROR_TYPE.get(exc.status, "api_error"), "message": exc.message, **exc.tagged()}
 
 
 def error_response(exc: ApiError) -> Response:

@@ -78,6 +78,17 @@ class ApiError(Exception):
         return ErrorDetail(message=self.message, type=_TYPE_BY_STATUS.get(self.status, "server_error"),
                            param=self.param, code=self.code, **self.extra)
 
+    def tagged(self) -> dict:
+        """`code` and `param` when set, then the extra figures: what the Ollama and Anthropic
+        error shapes carry beside their message (the OpenAI shape has its own struct)."""
+        fields: dict = {}
+        if self.code:
+            fields["code"] = self.code
+        if self.param:
+            fields["param"] = self.param
+        fields.update(self.extra)
+        return fields
+
     def body(self) -> bytes:
         return _encoder.encode(ErrorBody(error=self.detail()))
 

@@ -549,13 +549,7 @@ def no_hub(path: str) -> ApiError:
 
 def error_body(exc: ApiError) -> dict[str, Any]:
     """Ollama's `{"error": "..."}`, with memvisor's code and figures as extra keys."""
-    body: dict[str, Any] = {"error": exc.message}
-    if exc.code:
-        body["code"] = exc.code
-    if exc.param:
-        body["param"] = exc.param
-    body.update(exc.extra)
-    return body
+    return {"error": exc.message, **exc.tagged()}
 
 
 def error_response(exc: ApiError) -> Response:
