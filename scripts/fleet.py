@@ -249,11 +249,15 @@ async def fault_on(kind: str, host: Host, client: httpx.AsyncClient) -> dict:
         await client.post(f"{host.url}/admin/guard", json={"tier": "custom", "custom_ceiling": "1MiB"})
         return {}
     if kind == "sigstop":
-        card = (await client.get(f"{host.url}/v1/models/{MODEL}")).json()
+        for _ in range(40):  # a worker to stop: the router's traffic reloads it after the last fault
+            card = (await client.get(f"{host.url}/v1/models/{MODEL}")).json()
+            if card["readiness"]["loaded"]:
+                break
+            await asyncio.sleep(0.25)
         pid = card.get("pid")
         if pid:
             os.kill(pid, signal.SIGSTOP)
-        return {"pid": pid}
+        return {"pid": pid, "stopped": bool(pid)}
     raise ValueError(kind)
 
 
@@ -286,6 +290,7 @@ class Outcome:
     window: str  # "steady" or the fault's name
     host: str = ""
     error: str = ""
+    retries: int = 0  # LiteLLM's tries on other hosts before this answer (x-litellm-attempted-retries)
 
 
 @dataclass
@@ -303,7 +308,9 @@ async def client_loop(run: Run, client: httpx.AsyncClient, url: str, key: str, t
             r = await client.post(url, json=body, headers={"authorization": f"Bearer {key}"})
             host = r.headers.get("llm_provider-x-memvisor-host") or r.headers.get("x-memvisor-host", "")
             error = "" if r.status_code == 200 else r.text[:300]
-            run.outcomes.append(Outcome(began, time.monotonic() - began, r.status_code, window, host, error))
+            retries = int(r.headers.get("x-litellm-attempted-retries") or 0)
+            run.outcomes.append(Outcome(began, time.monotonic() - began, r.status_code, window, host, error,
+                                        retries))
         except httpx.HTTPError as exc:
             run.outcomes.append(Outcome(began, time.monotonic() - began, 0, window, "", repr(exc)))
 
@@ -365,8 +372,14 @@ def summarise(run: Run, served: dict[str, int], refusals: dict, timeline: list, 
         by_window[o.window] = by_window.get(o.window, 0) + 1
         if o.status == 200:
             by_header[o.host or "?"] = by_header.get(o.host or "?", 0) + 1
+    windows = {}
+    for name in ("steady", *[f["fault"] for f in timeline]):
+        done = [o.seconds for o in ok if o.window == name]
+        windows[name] = {"requests": by_window.get(name, 0), "p50_ms": ms(done, 50), "p99_ms": ms(done, 99),
+                         "retried": sum(1 for o in run.outcomes if o.window == name and o.retries)}
     return {
         "requests": len(run.outcomes), "failed": len(failed), "served": served, "victim": victim,
+        "windows": windows, "retried": sum(1 for o in run.outcomes if o.retries),
         "refusals": refusals, "requests_by_window": by_window, "served_by_header": by_header,
         "p50_ms_steady": ms(steady, 50), "p99_ms_steady": ms(steady, 99),
         "p50_ms_fault": ms(faulty, 50), "p99_ms_fault": ms(faulty, 99),
@@ -381,12 +394,16 @@ def report(summary: dict) -> None:
         mark = "  <- faults" if name == summary["victim"] else ""
         ref = ", ".join(f"{k}: {v}" for k, v in sorted(summary["refusals"].get(name, {}).items())) or "-"
         print(f"{name:10} {count:7}  {ref}{mark}")
-    for f in summary["faults"]:
-        extra = f" (ceiling {format_size(f['ceiling'])})" if "ceiling" in f else ""
-        print(f"fault {f['fault']:8} on {f['host']} for {f['seconds']} s{extra}: "
-              f"{summary['requests_by_window'].get(f['fault'], 0)} requests began during it")
-    print(f"latency p50/p99: steady {summary['p50_ms_steady']}/{summary['p99_ms_steady']} ms, "
-          f"during faults {summary['p50_ms_fault']}/{summary['p99_ms_fault']} ms")
+    print(f"{'window':10} {'requests':>8} {'retried':>8} {'p50 ms':>8} {'p99 ms':>8}")
+    faults = {f["fault"]: f for f in summary["faults"]}
+    for name, w in summary["windows"].items():
+        f = faults.get(name)
+        note = ""
+        if f is not None:
+            note = f"  {f['seconds']} s on {f['host']}"
+            note += f", ceiling {format_size(f['ceiling'])}" if "ceiling" in f else ""
+            note += "" if f.get("stopped", True) else ", no worker to stop"
+        print(f"{name:10} {w['requests']:8} {w['retried']:8} {w['p50_ms']:8} {w['p99_ms']:8}{note}")
     for f in summary["failures"]:
         print(f"failed: {f['status']} during {f['window']}: {f['error'][:200]}")
     split = ", ".join(f"{k} {v}" for k, v in summary["served"].items())
