@@ -1,4 +1,4 @@
-"""What a model folder says about sentence embeddings, read without MLX (issue 23).
+"""What a model folder says about sentence embeddings, read without MLX.
 
 Why in `shared/`: the supervisor must know, before any worker exists, whether a
 model embeds or chats (a chat request to an embedder, or the reverse, is a 400

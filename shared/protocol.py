@@ -195,7 +195,7 @@ class NeedMemory(Msg, tag="need_memory", kw_only=True):
 
 
 class Embedded(Msg, tag="embedded", kw_only=True):
-    """The vectors of one `Embed`, its terminal reply (issue 23).
+    """The vectors of one `Embed`, its terminal reply.
 
     Why bytes: a request may embed thousands of inputs, and float32 in one
     buffer is a quarter of msgpack's floats and what OpenAI's base64 encoding
@@ -333,7 +333,7 @@ class Generate(Command, tag="generate", kw_only=True):
 
 
 class Embed(Command, tag="embed", kw_only=True):
-    """Embed each input with the worker's embedding model (issue 23); answered by one
+    """Embed each input with the worker's embedding model; answered by one
     `Embedded` or one `Failed`. Exactly one of `texts` and `token_ids` is given.
 
     `truncate`: an input longer than the model's limit is cut to it (else the

@@ -109,7 +109,7 @@ class Arbiter:
         self._loading: dict[str, asyncio.Task] = {}
         self._respawn_due: dict[str, float] = {}
         self._context: dict[str, int] = {}  # model id -> context tokens from config.json (-1: unknown)
-        self._embedding: dict[str, EmbeddingSpec | None] = {}  # model id -> how it embeds (None: it chats), issue 23
+        self._embedding: dict[str, EmbeddingSpec | None] = {}  # model id -> how it embeds (None: it chats)
         self._signals = 0
         self._accept_logged = -ACCEPT_LOG_EVERY
         self._status_published = 0.0
@@ -555,7 +555,7 @@ class Arbiter:
     def check_request(self, model: ModelConfig, gen: p.Generate) -> None:
         """Issue 16: what can be refused before a worker exists (the prompt's
         length in tokens is checked by the worker, which tokenizes it)."""
-        if self._embedding.get(model.id) is not None:  # issue 23
+        if self._embedding.get(model.id) is not None:  # an embedder has no chat to give
             raise ServeError(f"model {model.id!r} is an embedding model: it serves /v1/embeddings and /api/embed, "
                              "not chat, completions or generation", code=WRONG_MODEL_KIND, http_status=400)
         cap = self.config.supervisor.max_tokens
@@ -700,7 +700,7 @@ class Arbiter:
             if why is not None:  # the files themselves are refused
                 return None, why, 0, None
             context, kv = context_length(model.path), kv_bytes_per_token(model.path)
-            embedding = read_embedding_spec(model.path)  # issue 23
+            embedding = read_embedding_spec(model.path)
             if embedding is not None:
                 context = embedding.max_tokens
             try:

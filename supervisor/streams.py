@@ -2,7 +2,7 @@
 
 Every generation in flight has one `RequestStream`: the worker's tokens and
 its one terminal message (`Finished` or `Failed`; an embedding request's
-`Embedded` or `Failed`, issue 23) land in the stream's queue,
+`Embedded` or `Failed`) land in the stream's queue,
 where the front door reads them. The router knows streams by request id and
 by worker, so a worker that exits can end every stream it was serving with a
 clear error, and no stream is ever left waiting for a reply that cannot come.

@@ -1,4 +1,4 @@
-"""An independent sentence embedding for tests: numpy, not MLX (issue 23).
+"""An independent sentence embedding for tests: numpy, not MLX.
 
 The reference that memvisor's vectors are checked against shares nothing with
 worker/bert.py but the weights file: the weights are read with

@@ -1,4 +1,4 @@
-"""A BERT encoder in MLX, with sentence-transformers' pooling (issue 23).
+"""A BERT encoder in MLX, with sentence-transformers' pooling.
 
 Why written here rather than taken from mlx-embeddings: that package's every
 import goes through `mlx_embeddings.utils`, which imports `mlx_vlm`, and

@@ -1,4 +1,4 @@
-"""The prefill guard (SPEC G1-G3) for a batch of inputs to embed, as pure arithmetic (issue 23).
+"""The prefill guard (SPEC G1-G3) for a batch of inputs to embed, as pure arithmetic.
 
 Why its own figures: an embedding model keeps no KV cache, so the prefill
 estimate of worker/prefill_guard.py (KV growth plus a chunk's transient) does

@@ -1,4 +1,4 @@
-"""An embedding model in a worker: what the loop drives in place of the chat engine (issue 23).
+"""An embedding model in a worker: what the loop drives in place of the chat engine.
 
 Why the same shape as worker/engine.py's `Engine`: the worker's loop, its
 commands (abort, drain, reclaim, the memory answer), its samples and its
@@ -43,14 +43,13 @@ from worker import embed_guard as eg
 from worker import memory
 from worker import prefill_guard as guard
 from worker.bert import Bert, BertError, normalize
-from worker.engine import CHUNK_SECONDS, ChunkTimer
+from worker.prefill import CHUNK_SECONDS, MEMORY_WAIT_SECONDS, ChunkTimer
 from worker.request import CONTEXT_EXCEEDED, ENGINE_ERROR, INVALID_REQUEST, EngineError
 
 log = logging.getLogger("memvisor.worker.embedder")
 
 Event = Union[Embedded, Failed, NeedMemory]
 UsageFn = Callable[[], int]
-MEMORY_WAIT_SECONDS = 10.0
 MAX_STEP_TOKENS = 16384  # padded tokens in one step at most, whatever the timer learned
 JobState = Literal["queued", "running", "waiting"]
 
@@ -276,7 +275,7 @@ class Embedder:
             self._running.append(job)
 
     def _step(self, job: Job, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> None:
-        guarded = _guard_on(limits)
+        guarded = guard.guard_on(limits)
         usage = usage_fn() if guarded else 0
         head = len(job.tokens[job.left[0]])
         verdict = (eg.first_row(limits, usage, self._own_usage(), self.cost, head, retried=job.retried)
@@ -365,10 +364,6 @@ class Embedder:
                            estimated_bytes=estimated, limit_bytes=limit, binding=binding or "static")
         self._reclaim()
         return event
-
-
-def _guard_on(limits: Limits) -> bool:
-    return limits.hard_limit > 0 or limits.abort_limit > 0 or limits.soft_limit > 0
 
 
 def _plain(tokenizer: Tokenizer) -> Tokenizer:

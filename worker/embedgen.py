@@ -1,4 +1,4 @@
-"""Generate a tiny sentence-embedding model folder, as sentence-transformers lays one out (issue 23).
+"""Generate a tiny sentence-embedding model folder, as sentence-transformers lays one out.
 
 Why: the real all-MiniLM-L6-v2 (90 MB, from a PyPI package) proves the vectors;
 the fast tests and the guard's edge cases want an embedding model that loads

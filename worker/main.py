@@ -110,7 +110,7 @@ class Worker:
         self.reports = p.Codec(p.WorkerReport)
         self.ledger = Ledger.attach(spec.ledger_path)
         self.limits = Limits()
-        self.engine: Engine | Embedder | None = None  # issue 23: an embedding model runs an Embedder
+        self.engine: Engine | Embedder | None = None  # an embedding model runs an Embedder
         self.drill: Drill | None = None
         self.draining = False
         self.reclaim_pending: list[p.Reclaim] = []
@@ -199,7 +199,7 @@ class Worker:
         return self.loop()
 
     def load_model(self) -> Engine | Embedder:
-        """A sentence-embedding folder gets the Embedder (issue 23), any other the chat engine."""
+        """A sentence-embedding folder gets the Embedder, any other the chat engine."""
         from worker.embedder import Embedder
         from worker.engine import Engine
 

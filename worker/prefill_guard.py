@@ -316,7 +316,7 @@ def after_chunk(limits: Limits, usage: int) -> AfterChunk:
 def rejection_message(estimated: int, limit: int, binding: str, *, what: str = "prompt",
                       during: str = "prefill") -> str:
     """The 400 `prefill_memory_exceeded` text: numbers plus the remedy that fits (C6);
-    `what` and `during` name the work (an embedding batch says so, issue 23)."""
+    `what` and `during` name the work (an embedding batch says so)."""
     from shared.sizes import format_size
 
     remedy = {

@@ -28,7 +28,7 @@ Endpoints (DESIGN.md contract):
   /chat/completions, /completions, /models, /messages: the /v1 routes for clients
   that leave the prefix out (issue 23)
   POST /v1/embeddings (and /embeddings), /api/embed, /api/embeddings
-                                    embeddings (issue 23, http/embeddings.py)
+                                    embeddings (http/embeddings.py)
 
 Who may administer (load, unload, /admin/guard), issue 21: with
 `[supervisor] admin_token` set, whoever sends `Authorization: Bearer <token>`;
@@ -377,7 +377,7 @@ class FrontDoor:
             Route("/v1/messages", v(self.messages, anthropic), methods=["POST"]),
             Route("/v1/messages/count_tokens", v(self.count_tokens, anthropic), methods=["POST"]),
             Route("/v1/responses", v(self.responses), methods=["POST"]),
-            Route("/v1/embeddings", v(self.embeddings), methods=["POST"]),  # issue 23
+            Route("/v1/embeddings", v(self.embeddings), methods=["POST"]),
             Route("/embeddings", v(self.embeddings), methods=["POST"]),
             # issue 23: clients that leave out /v1 reach the same handlers
             Route("/models", v(self.models), methods=["GET"]),

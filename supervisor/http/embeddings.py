@@ -1,4 +1,4 @@
-"""Embeddings on the same port (issue 23): OpenAI's `POST /v1/embeddings` (also
+"""Embeddings on the same port: OpenAI's `POST /v1/embeddings` (also
 `/embeddings`) and Ollama's `POST /api/embed` and older `POST /api/embeddings`.
 
 Why one module for the three: they are one request (inputs in, one vector

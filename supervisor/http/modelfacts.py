@@ -40,7 +40,7 @@ class ModelFacts(msgspec.Struct, kw_only=True):
     bytes_per_parameter: float = 0.0  # from the dtype or quantization bits (0: unknown)
     file_bytes: int = 0  # a .gguf file's own size
     modified: float = 0.0  # mtime of config.json (a .gguf file's own); 0: unknown
-    embedding: EmbeddingSpec | None = None  # issue 23: a sentence-embedding model's facts (None: it generates)
+    embedding: EmbeddingSpec | None = None  # a sentence-embedding model's facts (None: it generates)
 
 
 def digest(model_id: str, path: str) -> str:

@@ -470,7 +470,7 @@ def size_of(info, facts: ModelFacts) -> int:
 def _entry(info, facts: ModelFacts) -> dict[str, Any]:
     return {"name": info.id, "model": info.id, "modified_at": modified_at(facts), "size": size_of(info, facts),
             "digest": digest(info.id, info.path), "details": details(facts, info.estimated_bytes),
-            "capabilities": capabilities(facts)}  # issue 23: an embedding model says so in the list
+            "capabilities": capabilities(facts)}  # an embedding model says so in the list
 
 
 async def tags(sup: Supervisor) -> dict[str, Any]:
@@ -512,7 +512,7 @@ async def show(sup: Supervisor, body: bytes) -> dict[str, Any]:
     model_info: dict[str, Any] = {"general.architecture": arch, "general.basename": info.id}
     if facts.context_length:
         model_info[f"{arch}.context_length"] = facts.context_length
-    if facts.embedding is not None:  # issue 23: Ollama's key for a vector's length
+    if facts.embedding is not None:  # Ollama's key for a vector's length
         model_info[f"{arch}.embedding_length"] = facts.embedding.dims
         model_info[f"{arch}.pooling_type"] = facts.embedding.pooling
     if info.estimated_bytes and facts.bytes_per_parameter:
