@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import importlib.util
+import time
 from pathlib import Path
 
 import anthropic
@@ -254,3 +255,104 @@ def test_an_embedding_worker_is_guarded_like_a_chat_model(server):
     # MLX holds what the estimate counts but the pooler head (0.65 % of it), which sentence vectors never use
     assert 0.99 * info.estimated_bytes < info.mlx_active <= info.estimated_bytes < info.usage
     assert info.cache_bytes == 0  # no prompt cache on an embedding worker
+
+
+def test_a_client_that_leaves_has_its_batch_aborted_in_the_worker(server):
+    """A batch of about 30 s of forwards: the client gives up after one; the worker, told at
+    its next step boundary (a step is about `chunk_seconds`), stops within seconds."""
+    import httpx
+
+    sup = server.arbiter
+    texts = [f"{' '.join(SENTENCES)} number {i}" for i in range(2000)]
+
+    def running() -> int:
+        handle = next(h for h in sup.workers() if h.model_id == "minilm")
+        return handle.sample.running if handle.sample else 0
+
+    async def main():
+        await server.openai().embeddings.create(model="minilm", input="warm")
+        async with server.client(timeout=1.0) as h:
+            with pytest.raises(httpx.TimeoutException):
+                await h.post("/v1/embeddings", json={"model": "minilm", "input": texts})
+        left = time.monotonic()
+        await until(lambda: running() == 0 and not sup.pool.streams.by_id, 20, "the batch aborted")
+        return time.monotonic() - left
+
+    assert server.run(main(), timeout=120) < 10
+
+
+# ---------------------------------------------------------------- the worker's end, through a real process
+
+
+@pytest.fixture(scope="module")
+def tiny_embedder(tmp_path_factory):
+    from worker.embedgen import make_embedding_model
+
+    return make_embedding_model(tmp_path_factory.mktemp("emb") / "tiny-embed", max_seq_length=32)
+
+
+def test_a_real_embedding_worker_embeds_and_refuses_generation_itself(tiny_embedder, tmp_path):
+    """The Embed / Embedded pair from both ends: the worker's vectors, decoded as the front door
+    decodes them, equal the numpy reference; a Generate the supervisor let through (its
+    files unread after a reload) is still the worker's own `wrong_model_kind`."""
+    from test_worker_process import FakeSupervisor
+
+    from shared import protocol as p
+
+    with FakeSupervisor(tmp_path, tiny_embedder, "e#1") as sup:
+        loaded = sup.recv(p.Loaded)
+        assert loaded.weight_bytes > 0
+        sup.send(p.Embed(request_id="e", texts=SENTENCES[:3]))
+        out = sup.recv(p.Embedded)
+        sup.send(p.Generate(request_id="g", prompt="hi", max_tokens=2))
+        refused = sup.recv(p.Failed)
+        sup.send(p.Drain(reason="test over"))
+        sup.proc.join(20)
+    ref = NumpyBert(tiny_embedder)
+    rows = np.frombuffer(out.vectors, "<f4").reshape(3, out.dimensions)
+    assert out.request_id == "e" and out.token_counts == [len(ref.tokens(s)) for s in SENTENCES[:3]]
+    assert all(cosine(row, ref.embed(s)) > 0.9999 for row, s in zip(rows, SENTENCES[:3]))
+    assert refused.request_id == "g" and refused.code == "wrong_model_kind"
+    assert sup.proc.exitcode == 0
+
+
+def test_a_real_chat_worker_answers_an_embed_with_wrong_model_kind(tiny_model, tmp_path):
+    from test_worker_process import FakeSupervisor
+
+    from shared import protocol as p
+
+    with FakeSupervisor(tmp_path, tiny_model, "c#1") as sup:
+        sup.recv(p.Loaded)
+        sup.send(p.Embed(request_id="e", texts=["hi"]))
+        refused = sup.recv(p.Failed)
+        sup.send(p.Drain(reason="test over"))
+        sup.proc.join(20)
+    assert refused.request_id == "e" and refused.code == "wrong_model_kind" and "not an embedding" in refused.message
+
+
+def test_g1_an_embedding_worker_asks_for_room_beside_other_models_then_refuses(tiny_embedder, tmp_path):
+    """G1's contract from the worker's end: with other models' usage in the ledger the
+    batch does not fit, so the worker asks for `need_bytes` (the shortfall); told nothing
+    could be evicted, it refuses with `prefill_memory_exceeded` naming the limit."""
+    from test_worker_process import FakeSupervisor
+
+    from shared import protocol as p
+    from shared.limits import Limits
+    from shared.sizes import GiB
+
+    with FakeSupervisor(tmp_path, tiny_embedder, "e#2") as sup:
+        sup.recv(p.Loaded)
+        own = sup.ledger.read_sample(0).memory.usage
+        limit = own + GiB  # room for this worker's batch, but not beside 2 GiB of "other models"
+        sup.ledger.write_limits(0, Limits(hard_limit=limit, soft_limit=limit, hard_watermark=limit,
+                                          abort_limit=4 * limit, max_concurrency=4, binding="static"))
+        sup.ledger.write_supervisor(2 * GiB, 0.0)
+        sup.send(p.Embed(request_id="r", texts=["memory " * 20], truncate=True))
+        need = sup.recv(p.NeedMemory)
+        sup.send(p.MemoryAnswer(request_id="r", evicted=False))
+        refused = sup.recv(p.Failed)
+        sup.send(p.Drain(reason="test over"))
+        sup.proc.join(20)
+    assert need.request_id == "r" and 1 * GiB < need.need_bytes < 2 * GiB
+    assert refused.code == "prefill_memory_exceeded" and refused.limit_bytes == limit
+    assert refused.binding == "static" and "input batch" in refused.message
