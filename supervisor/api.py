@@ -54,11 +54,11 @@ class Supervisor(Protocol):
     async def generate(self, model_id: str, gen: p.Generate) -> RequestStream: ...
 
     async def embedding_spec(self, model_id: str) -> EmbeddingSpec | None:
-        """Issue 23: how the model embeds (its folder's files, read off the loop), None for a chat model."""
+        """How the model embeds (its folder's files, read off the loop), None for a chat model."""
         ...
 
     async def embed(self, model_id: str, cmd: p.Embed) -> RequestStream:
-        """Issue 23: like `generate`; the stream gets one `Embedded` or one `Failed`."""
+        """Like `generate`; the stream gets one `Embedded` or one `Failed`."""
         ...
 
     def cancel(self, stream: RequestStream, reason: str = ...) -> None: ...

@@ -578,7 +578,7 @@ class Arbiter:
         return await self._submit(model_id, gen)
 
     async def embedding_spec(self, model_id: str) -> EmbeddingSpec | None:
-        """Issue 23: how the model embeds (its folder's sentence-transformers files, read off
+        """How the model embeds (its folder's sentence-transformers files, read off
         the loop once), or None for a model that generates text."""
         model = self.model_config(model_id)
         if model.id not in self._context:
@@ -586,7 +586,7 @@ class Arbiter:
         return self._embedding.get(model.id)
 
     async def embed(self, model_id: str, cmd: p.Embed) -> RequestStream:
-        """Issue 23: an embedding request, under the same load, admission and gate as a generation."""
+        """An embedding request, under the same load, admission and gate as a generation."""
         if await self.embedding_spec(model_id) is None:
             raise ServeError(f"model {model_id!r} generates text; it is not an embedding model (serve a "
                              "sentence-transformers folder for embeddings)", code=WRONG_MODEL_KIND, http_status=400)

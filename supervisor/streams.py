@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from supervisor.pool import WorkerHandle
 
 StreamReply = Union[p.TokenOut, p.Finished, p.Failed]
-# Issue 23: an embedding request's stream gets one message, its vectors or its error.
+# An embedding request's stream gets one message, its vectors or its error.
 EmbedReply = Union[p.Embedded, p.Failed]
 
 

@@ -1,4 +1,4 @@
-"""Issue 23, embeddings in one process: the folder's facts (shared.embedding), the guard's
+"""Embeddings in one process: the folder's facts (shared.embedding), the guard's
 arithmetic for a batch of inputs (worker.embed_guard, SPEC G1-G3), the worker's Embedder
 on a generated tiny BERT with real MLX, checked against the numpy reference
 (tests/bert_reference.py), and the front door's reading of OpenAI's `input`.

@@ -1,4 +1,4 @@
-"""Issue 23: embeddings through a real supervisor, its HTTP server and real worker processes,
+"""Embeddings through a real supervisor, its HTTP server and real worker processes,
 with the official clients (openai's `client.embeddings.create`, ollama's `embed` and
 `embeddings`) and raw HTTP where the wire is the point.
 

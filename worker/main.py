@@ -322,7 +322,7 @@ class Worker:
         self.engine.submit_generate(msg)  # a bad prompt fails through the next step()
 
     def submit_embed(self, msg: p.Embed) -> None:
-        """Issue 23: an Embed for an embedding model; a chat model answers that it has none."""
+        """An Embed for an embedding model; a chat model answers that it has none."""
         from worker.embedder import Embedder
 
         if self.draining:

@@ -169,7 +169,7 @@ class FrontDoor:
                          capabilities=capabilities(facts) if facts else None, memvisor=info)
 
     async def facts_of(self, models) -> dict[str, ModelFacts]:
-        """Issue 23: each model's facts (context length, what it does), read off the loop."""
+        """Each model's facts (context length, what it does), read off the loop."""
         return await http_ollama.facts_of([m.path for m in models])
 
     async def models(self, request: Request) -> Response:
