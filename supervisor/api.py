@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 from shared import protocol as p
 
 if TYPE_CHECKING:
+    from shared.embedding import EmbeddingSpec
     from supervisor.config import Config, ModelConfig
     from supervisor.fanout import Subscription
     from supervisor.policy.admission import FitReport
@@ -54,6 +55,14 @@ class Supervisor(Protocol):
     async def generate(self, model_id: str, gen: p.Generate, max_wait: float | None = ...) -> RequestStream:
         """`max_wait`: the most seconds the request may wait for a load, the memory
         queue or a silent worker before it is refused (None: as long as they take)."""
+        ...
+
+    async def embedding_spec(self, model_id: str) -> EmbeddingSpec | None:
+        """How the model embeds (its folder's files, read off the loop), None for a chat model."""
+        ...
+
+    async def embed(self, model_id: str, cmd: p.Embed) -> RequestStream:
+        """Like `generate`; the stream gets one `Embedded` or one `Failed`."""
         ...
 
     def cancel(self, stream: RequestStream, reason: str = ...) -> None: ...

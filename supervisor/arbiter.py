@@ -34,6 +34,7 @@ from typing_extensions import assert_never
 
 from shared import probe
 from shared import protocol as p
+from shared.embedding import WRONG_MODEL_KIND, EmbeddingSpec, read_embedding_spec
 from shared.ledger import Ledger
 from shared.memory import NO_READING
 from shared.modelinfo import FileRefused, context_length, open_regular
@@ -114,6 +115,7 @@ class Arbiter:
         self._load_began: dict[str, float] = {}  # model id -> when its load in flight began (issue 24)
         self._respawn_due: dict[str, float] = {}
         self._context: dict[str, int] = {}  # model id -> context tokens from config.json (-1: unknown)
+        self._embedding: dict[str, EmbeddingSpec | None] = {}  # model id -> how it embeds (None: it chats)
         self._signals = 0
         self._accept_logged = -ACCEPT_LOG_EVERY
         self._status_published = 0.0
@@ -560,6 +562,9 @@ class Arbiter:
     def check_request(self, model: ModelConfig, gen: p.Generate) -> None:
         """Issue 16: what can be refused before a worker exists (the prompt's
         length in tokens is checked by the worker, which tokenizes it)."""
+        if self._embedding.get(model.id) is not None:  # an embedder has no chat to give
+            raise ServeError(f"model {model.id!r} is an embedding model: it serves /v1/embeddings and /api/embed, "
+                             "not chat, completions or generation", code=WRONG_MODEL_KIND, http_status=400)
         cap = self.config.supervisor.max_tokens
         if gen.max_tokens > cap:
             raise ServeError(f"max_tokens ({gen.max_tokens}) exceeds this server's cap of {cap} "
@@ -580,6 +585,26 @@ class Arbiter:
             else:  # loaded: its worker checks the context itself (issue 16); read it for the next one
                 self._read_soon(model)
         self.check_request(model, gen)
+        return await self._submit(model, gen, max_wait)
+
+    async def embedding_spec(self, model_id: str) -> EmbeddingSpec | None:
+        """How the model embeds (its folder's sentence-transformers files, read off
+        the loop once), or None for a model that generates text."""
+        model = self.model_config(model_id)
+        if model.id not in self._context:
+            await self.read_model_files(model)
+        return self._embedding.get(model.id)
+
+    async def embed(self, model_id: str, cmd: p.Embed) -> RequestStream:
+        """An embedding request, under the same load, admission and gate as a generation."""
+        if await self.embedding_spec(model_id) is None:
+            raise ServeError(f"model {model_id!r} generates text; it is not an embedding model (serve a "
+                             "sentence-transformers folder for embeddings)", code=WRONG_MODEL_KIND, http_status=400)
+        return await self._submit(self.model_config(model_id), cmd)
+
+    async def _submit(self, model: ModelConfig, gen: p.Generate | p.Embed,
+                      max_wait: float | None = None) -> RequestStream:
+        model_id = model.id
         handle = await self._loaded(model, max_wait)
         self._check_room(model, handle, max_wait)
         if not self.admission_open(handle):
@@ -757,24 +782,28 @@ class Arbiter:
             await self.read_model_files(model)  # a read begun earlier failed for a passing reason: read anew
 
     async def _read_files(self, model: ModelConfig) -> None:
-        def read() -> tuple[int | None, int | str, int]:
+        def read() -> tuple[int | None, int | str, int, EmbeddingSpec | None]:
             why = refusal(model.path)  # discovery's test: what it refuses in a folder is refused here too
             if why is not None:  # the files themselves are refused
-                return None, why, 0
+                return None, why, 0, None
             context, kv = context_length(model.path), kv_bytes_per_token(model.path)
+            embedding = read_embedding_spec(model.path)
+            if embedding is not None:
+                context = embedding.max_tokens
             try:
-                return context, estimate_weight_bytes(model.path), kv
+                return context, estimate_weight_bytes(model.path), kv, embedding
             except (WeightsError, FileRefused) as exc:  # changed since refusal() looked
-                return context, str(exc), kv
+                return context, str(exc), kv, embedding
 
         try:
-            context, size, kv = await off_loop(read, READ_TIMEOUT, f"reading {model.id}'s files")
+            context, size, kv, embedding = await off_loop(read, READ_TIMEOUT, f"reading {model.id}'s files")
         except OffLoopTimeout as exc:
-            size, context, kv = f"{exc} (a slow disk, or not a plain file?)", None, 0
+            size, context, kv, embedding = f"{exc} (a slow disk, or not a plain file?)", None, 0, None
         except OSError as exc:  # out of descriptors, a vanished folder: not the files' fault
             raise _ReadFailed(f"model {model.id!r}: cannot read {model.path}: {exc}", code="model_unreadable",
                               http_status=503, retry_after=1) from None
         self._context[model.id] = context or -1
+        self._embedding[model.id] = embedding
         self._kv[model.path] = kv
         if isinstance(size, int):
             self._estimates[model.path] = size
@@ -908,6 +937,7 @@ class Arbiter:
         self._estimates.clear()
         self._kv.clear()
         self._context.clear()
+        self._embedding.clear()
         self._say_refused()
         summary = "; ".join(changes) if changes else "no change"
         self.emit("reload", f"{why}: {summary}")

@@ -28,6 +28,8 @@ Endpoints (DESIGN.md contract):
                                     the Ollama API (issue 23, http/ollama.py)
   /chat/completions, /completions, /models, /messages: the /v1 routes for clients
   that leave the prefix out (issue 23)
+  POST /v1/embeddings (and /embeddings), /api/embed, /api/embeddings
+                                    embeddings (http/embeddings.py)
 
 Who may administer (load, unload, /admin/guard), issue 21: with
 `[supervisor] admin_token` set, whoever sends `Authorization: Bearer <token>`;
@@ -66,6 +68,7 @@ from supervisor.config import host_name, parse_http
 from supervisor.control import MAX_CONTEXT_TOKENS
 from supervisor.errors import ServeError
 from supervisor.http import anthropic as http_anthropic
+from supervisor.http import embeddings as http_embeddings
 from supervisor.http import generate as http_generate
 from supervisor.http import ollama as http_ollama
 from supervisor.http import responses as http_responses
@@ -78,6 +81,7 @@ from supervisor.http.events import EventsEndpoint
 from supervisor.http.gate import Gate, HostCheck, OriginAllowlist, same_origin
 from supervisor.http.limits import GuardedH11, connection_cap, limit_logs, raise_fd_limit
 from supervisor.http.metrics import Metrics
+from supervisor.http.modelfacts import ModelFacts, capabilities
 from supervisor.http.openai_types import BodyError, GuardSettingsIn, ModelCard, ModelList, decode_body
 
 log = logging.getLogger("memvisor.http")
@@ -159,21 +163,22 @@ class FrontDoor:
 
     # -- models ---------------------------------------------------------------
 
-    def card(self, model, context: int | None = None) -> ModelCard:
+    def card(self, model, facts: ModelFacts | None = None) -> ModelCard:
         info = self.sup.model_info(model.id)
         return ModelCard(id=model.id, created=self.created, state=info.state, pinned=model.pinned,
-                         worker=info.worker or None, pid=info.pid or None, context_length=context, memvisor=info,
+                         worker=info.worker or None, pid=info.pid or None,
+                         context_length=facts.context_length if facts else None,
+                         capabilities=capabilities(facts) if facts else None, memvisor=info,
                          readiness=self.sup.readiness(model.id))
 
-    async def contexts(self, models) -> dict[str, int | None]:
-        """Issue 23: each model's context length (config.json), read off the loop."""
-        facts = await http_ollama.facts_of([m.path for m in models])
-        return {m.path: facts[m.path].context_length for m in models}
+    async def facts_of(self, models) -> dict[str, ModelFacts]:
+        """Each model's facts (context length, what it does), read off the loop."""
+        return await http_ollama.facts_of([m.path for m in models])
 
     async def models(self, request: Request) -> Response:
         models = self.sup.config.models
-        contexts = await self.contexts(models)
-        return json_response(ModelList(data=[self.card(m, contexts[m.path]) for m in models]))
+        facts = await self.facts_of(models)
+        return json_response(ModelList(data=[self.card(m, facts[m.path]) for m in models]))
 
     async def model(self, request: Request) -> Response:
         model_id = request.path_params["model_id"]
@@ -182,7 +187,7 @@ class FrontDoor:
             raise ApiError(405, f"{action} takes POST, not {request.method}", code="method_not_allowed",
                            headers={"Allow": "POST"})
         model = self._model_config(model_id)
-        return json_response(self.card(model, (await self.contexts([model]))[model.path]))
+        return json_response(self.card(model, (await self.facts_of([model]))[model.path]))
 
     def _model_config(self, model_id: str):
         try:
@@ -237,6 +242,19 @@ class FrontDoor:
         body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
         started = request.scope.get("memvisor.started", time.monotonic())
         return await http_responses.handle(request, self.sup, self.metrics, body, started)
+
+    async def embeddings(self, request: Request) -> Response:
+        body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
+        return await http_embeddings.handle_openai(request, self.sup, self.metrics, body)
+
+    async def ollama_embed(self, request: Request) -> Response:
+        body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
+        started = request.scope.get("memvisor.started", time.monotonic())
+        return await http_embeddings.handle_embed(request, self.sup, self.metrics, body, started)
+
+    async def ollama_embeddings(self, request: Request) -> Response:
+        body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
+        return await http_embeddings.handle_embeddings(request, self.sup, self.metrics, body)
 
     async def count_tokens(self, request: Request) -> Response:
         body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
@@ -376,6 +394,8 @@ class FrontDoor:
             Route("/v1/messages", v(self.messages, anthropic), methods=["POST"]),
             Route("/v1/messages/count_tokens", v(self.count_tokens, anthropic), methods=["POST"]),
             Route("/v1/responses", v(self.responses), methods=["POST"]),
+            Route("/v1/embeddings", v(self.embeddings), methods=["POST"]),
+            Route("/embeddings", v(self.embeddings), methods=["POST"]),
             # issue 23: clients that leave out /v1 reach the same handlers
             Route("/models", v(self.models), methods=["GET"]),
             Route("/chat/completions", v(self.chat), methods=["POST"]),
@@ -389,6 +409,8 @@ class FrontDoor:
             Route("/api/show", o(self.ollama_show), methods=["POST"]),
             Route("/api/chat", o(self.ollama_chat), methods=["POST"]),
             Route("/api/generate", o(self.ollama_generate), methods=["POST"]),
+            Route("/api/embed", o(self.ollama_embed), methods=["POST"]),
+            Route("/api/embeddings", o(self.ollama_embeddings), methods=["POST"]),
             *[Route(path, o(self.ollama_no_hub), methods=["POST", "DELETE", "HEAD"])
               for path in ("/api/pull", "/api/push", "/api/create", "/api/copy", "/api/delete",
                            "/api/blobs/{digest}")],
@@ -468,7 +490,7 @@ _FIXED = {"/health", "/status", "/metrics", "/v1/models", "/v1/chat/completions"
           "/v1/messages", "/v1/responses", "/admin/guard", "/v1/events", "/", "/ui",
           "/v1/messages/count_tokens", "/chat/completions", "/completions", "/models", "/messages",
           "/messages/count_tokens", "/api/version", "/api/tags", "/api/ps", "/api/show", "/api/chat",
-          "/api/generate"}
+          "/api/generate", "/v1/embeddings", "/embeddings", "/api/embed", "/api/embeddings"}
 
 
 def endpoint_label(path: str) -> str:
