@@ -12,6 +12,7 @@ The front door sees the supervisor only through `supervisor.api.Supervisor`.
 
 Endpoints (DESIGN.md contract):
   GET  /health                      200, or 503 while a pinned model is not ready
+  GET  /health?model=ID             that model's readiness, status as a request would get (issue 24)
   GET  /status                      SPEC S1 + the PUB endpoint
   GET  /metrics                     Prometheus text
   GET  /v1/models, /v1/models/{id}
@@ -63,7 +64,7 @@ from shared import protocol as p
 from shared.sizes import SizeError, parse_size
 from shared.states import SERVING_STATES
 from supervisor.api import Supervisor
-from supervisor.config import parse_http
+from supervisor.config import host_name, parse_http
 from supervisor.control import MAX_CONTEXT_TOKENS
 from supervisor.errors import ServeError
 from supervisor.http import anthropic as http_anthropic
@@ -71,6 +72,7 @@ from supervisor.http import embeddings as http_embeddings
 from supervisor.http import generate as http_generate
 from supervisor.http import ollama as http_ollama
 from supervisor.http import responses as http_responses
+from supervisor.http import routing
 from supervisor.http.auth import ApiKeys, EventTickets
 from supervisor.http.body import Disconnected, read_body
 from supervisor.http.dashboard import Dashboard
@@ -166,7 +168,8 @@ class FrontDoor:
         return ModelCard(id=model.id, created=self.created, state=info.state, pinned=model.pinned,
                          worker=info.worker or None, pid=info.pid or None,
                          context_length=facts.context_length if facts else None,
-                         capabilities=capabilities(facts) if facts else None, memvisor=info)
+                         capabilities=capabilities(facts) if facts else None, memvisor=info,
+                         readiness=self.sup.readiness(model.id))
 
     async def facts_of(self, models) -> dict[str, ModelFacts]:
         """Each model's facts (context length, what it does), read off the loop."""
@@ -312,7 +315,12 @@ class FrontDoor:
         return json_response(self.sup.server_status())
 
     async def health(self, request: Request) -> Response:
-        """503 while a pinned model is not serving: `failed` when one gave up, else `loading`."""
+        """503 while a pinned model is not serving: `failed` when one gave up, else `loading`.
+
+        `?model=ID` (issue 24): that model's readiness, with the status a request for it
+        would get now (200, 429, 503 or 507) and its Retry-After: a router's cheap probe."""
+        if "model" in request.query_params:
+            return self.model_health(request.query_params["model"])
         waiting: dict[str, str] = {}
         failed = False
         for model in self.sup.config.models:
@@ -328,6 +336,15 @@ class FrontDoor:
                 waiting[model.id] = view.state
         status = "failed" if failed else "loading" if waiting else "ok"
         return json_response(HealthBody(status=status, waiting=waiting), 503 if waiting else 200)
+
+    def model_health(self, name: str) -> Response:
+        try:
+            ready = self.sup.readiness(name)
+        except ServeError as exc:
+            raise from_serve_error(exc) from None
+        headers = {"Retry-After": str(ready.retry_after)} if ready.retry_after is not None else None
+        return Response(_encoder.encode(ready), status_code=ready.status, headers=headers,
+                        media_type="application/json")
 
     async def metrics_text(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -434,11 +451,13 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
 
 
 class Instrumented:
-    """ASGI wrapper: stamps the arrival time, counts every answer and its latency."""
+    """ASGI wrapper: stamps the arrival time, counts every answer and its latency, and
+    names this host (and the worker that served) on every response (issue 24)."""
 
-    def __init__(self, app, metrics: Metrics) -> None:
+    def __init__(self, app, metrics: Metrics, host: Callable[[], str]) -> None:
         self.app = app
         self.metrics = metrics
+        self.host = host  # read per response: a reload may rename the host
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -446,12 +465,15 @@ class Instrumented:
             return
         started = time.monotonic()
         scope["memvisor.started"] = started
+        served = routing.begin(scope.get("headers", []))
         status, complete = 0, False
 
         async def tracked(message) -> None:
             nonlocal status, complete
             if message["type"] == "http.response.start":
                 status = message["status"]
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  *routing.response_headers(served, self.host())]}
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 complete = True
             await send(message)
@@ -498,7 +520,7 @@ def build_app(sup: Supervisor):
     app = Starlette(routes=door.routes(), exception_handlers={HTTPException: _http_exception})
     host, _port = parse_http(sup.config.supervisor.http)
     gate = Gate(app, HostCheck(host), OriginAllowlist(sup.config.supervisor.cors_origins), error_shape)
-    return Instrumented(gate, door.metrics)
+    return Instrumented(gate, door.metrics, lambda: host_name(sup.config))
 
 
 # ---------------------------------------------------------------------------
