@@ -20,9 +20,9 @@ if TYPE_CHECKING:
     from supervisor.policy.pressure import TickResult
     from supervisor.policy.snapshot import Snapshot
     from supervisor.policy.status import ModelInfo, ServerStatus
-    from supervisor.pool import ModelView, WorkerHandle
     from supervisor.readiness import Readiness
     from supervisor.streams import RequestStream
+    from supervisor.views import ModelView, WorkerView
 
 
 class Supervisor(Protocol):
@@ -39,7 +39,7 @@ class Supervisor(Protocol):
         """What `ps` shows of one model (by id or alias)."""
         ...
 
-    async def load(self, model_id: str, *, explicit: bool = ...) -> WorkerHandle: ...
+    async def load(self, model_id: str, *, explicit: bool = ...) -> WorkerView: ...
 
     async def fit(self, model_id: str, context_tokens: int = ...) -> FitReport:
         """"Will it fit?" without spawning anything (LoadError 404 for an unknown model,
@@ -105,7 +105,7 @@ class Supervisor(Protocol):
     @property
     def admission_paused(self) -> bool: ...
 
-    def workers(self) -> list[WorkerHandle]: ...
+    def workers(self) -> list[WorkerView]: ...
 
     def counters(self) -> dict[str, int]: ...
 

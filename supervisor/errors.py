@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from supervisor.readiness import LoadProgress
+    from supervisor.views import LoadProgress
 
 
 class ServeError(RuntimeError):

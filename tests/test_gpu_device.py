@@ -33,7 +33,7 @@ def test_d1_a_cuda_worker_names_its_device_and_nvml_counts_its_bytes(tiny_models
 
     async def main():
         async with Running(config, runtime_dir) as arb:
-            handle = await arb.load("a")
+            handle = await arb.models.load("a")
             assert probe.gpu_kind(handle.device_info) == "cuda", handle.device_info
             for _ in range(100):
                 arb.wake()

@@ -16,7 +16,7 @@ from supervisor.http.openai_types import BodyError, decode_body
 def chat(**body) -> p.Generate:
     body.setdefault("model", "a")
     body.setdefault("messages", [{"role": "user", "content": "Hi"}])
-    return ollama.chat_generate(decode_body(msgspec.json.encode(body), ollama.OllamaChatRequest))
+    return ollama.chat_generate(decode_body(msgspec.json.encode(body), ollama.OllamaChatRequest)).gen
 
 
 def test_ollama_options_map_to_sampling():
@@ -45,7 +45,7 @@ def test_ollama_format_maps_to_constrained_decoding():
 def test_ollama_keep_alive_uses_the_strict_parser():
     req = decode_body(b'{"model": "a", "keep_alive": "inf"}', ollama.OllamaChatRequest)
     with pytest.raises(BodyError):
-        ollama.g.keep_alive_seconds(req.keep_alive, None)
+        ollama.keep_alive_seconds(req.keep_alive, None)
 
 
 def test_ollama_tool_turns_answer_their_calls_by_made_up_ids():
@@ -73,10 +73,10 @@ def test_ollama_generate_refuses_what_it_cannot_honour(body, param):
 
 def test_ollama_generate_raw_skips_the_template():
     req = decode_body(b'{"model": "a", "prompt": "Hi", "raw": true}', ollama.OllamaGenerateRequest)
-    gen = ollama.generate_generate(req)
+    gen = ollama.generate_generate(req).gen
     assert gen.prompt == "Hi" and gen.messages is None
     req = decode_body(b'{"model": "a", "prompt": "Hi", "system": "S"}', ollama.OllamaGenerateRequest)
-    assert [m.role for m in ollama.generate_generate(req).messages] == ["system", "user"]
+    assert [m.role for m in ollama.generate_generate(req).gen.messages] == ["system", "user"]
 
 
 def test_ollama_error_shape_keeps_status_retry_after_and_figures():

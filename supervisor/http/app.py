@@ -79,6 +79,7 @@ from supervisor.http.dashboard import Dashboard
 from supervisor.http.errors import ApiError, from_serve_error
 from supervisor.http.events import EventsEndpoint
 from supervisor.http.gate import Gate, HostCheck, OriginAllowlist, same_origin
+from supervisor.http.job import race_client
 from supervisor.http.limits import GuardedH11, connection_cap, limit_logs, raise_fd_limit
 from supervisor.http.metrics import Metrics
 from supervisor.http.modelfacts import ModelFacts, capabilities
@@ -209,7 +210,7 @@ class FrontDoor:
             except ServeError as exc:
                 raise from_serve_error(exc) from None
         try:
-            await http_generate.race_client(self.sup.load(model.id, explicit=True), request.receive)
+            await race_client(self.sup.load(model.id, explicit=True), request.receive)
         except ServeError as exc:
             raise from_serve_error(exc) from None
         return json_response(self.card(model))

@@ -25,9 +25,9 @@ import logging
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from shared.memory import NO_READING
 from supervisor.api import Supervisor
 from supervisor.readiness import kv_utilization, share
+from supervisor.views import WorkerView
 
 log = logging.getLogger("memvisor.metrics")
 
@@ -172,7 +172,7 @@ class GuardCollector:
                 per_worker.add_metric([w.model, w.worker], w.device_bytes)
         yield per_worker
 
-    def _workers(self, handles):
+    def _workers(self, workers: list[WorkerView]):
         labels = ["model", "worker"]
         usage = GaugeMetricFamily("memvisor_worker_usage_bytes", "Worker usage (SPEC U1)", labels=labels)
         active = GaugeMetricFamily("memvisor_worker_mlx_active_bytes", "MLX active memory", labels=labels)
@@ -183,13 +183,13 @@ class GuardCollector:
         cache = GaugeMetricFamily("memvisor_worker_prompt_cache_bytes",
                                   "The worker's prompt cache, measured (SPEC H2)", labels=labels)
         total = 0
-        for h in handles:
+        for h in workers:
             key = [h.model_id, h.worker_id]
-            m = h.sample.memory if h.sample else NO_READING
+            m = h.memory
             usage.add_metric(key, m.usage)
             active.add_metric(key, m.mlx_active)
             pool.add_metric(key, m.mlx_pool)
-            running.add_metric(key, len(h.requests))
+            running.add_metric(key, h.running)
             cache.add_metric(key, m.cache_bytes)
             total += m.cache_bytes
         yield from (usage, active, pool, running, cache)
@@ -226,11 +226,10 @@ class GuardCollector:
             queued.add_metric(key, r.queued)
             running.add_metric(key, r.running)
             ready.add_metric(key, int(r.accepting))
-            m = h.sample.memory if h.sample else NO_READING
+            m = h.memory
             kv_bytes = m.mlx_active - h.weight_bytes - m.cache_bytes if h.serving else 0
             kv.add_metric(key, kv_utilization(kv_bytes, room))
-            cap = h.last_limits.cache_cap if h.last_limits is not None else 0
-            prompt.add_metric(key, share(m.cache_bytes, cap))
+            prompt.add_metric(key, share(m.cache_bytes, h.cache_cap))
         yield from (queued, running, ready, kv, prompt)
         headroom = g("memvisor_memory_headroom_bytes", "Ceiling less usage, per memory pool (negative: over "
                      "the ceiling); absent while the guard sets no ceiling", labels=["pool"])

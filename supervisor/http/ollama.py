@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import sys
 import time
-import uuid
 from datetime import datetime, timedelta, timezone
 from typing import Any, AsyncIterator, Literal, Union
 
@@ -50,9 +49,10 @@ from shared import protocol as p
 from shared.states import SERVING_STATES
 from supervisor.api import Supervisor
 from supervisor.errors import ServeError
-from supervisor.http import generate as g
 from supervisor.http import tools
 from supervisor.http.errors import ApiError, from_serve_error
+from supervisor.http.job import Calls, End, Job, Text, open_stream, race_client
+from supervisor.http.keepalive import UNLOAD_NOW, keep_alive_seconds
 from supervisor.http.metrics import Metrics
 from supervisor.http.modelfacts import ModelFacts, capabilities, digest, parameter_size, read_facts
 from supervisor.http.openai_types import (
@@ -268,16 +268,16 @@ def chat_messages(messages: list[OllamaMessage]) -> list[p.ChatMessage]:
     return out
 
 
-def chat_generate(req: OllamaChatRequest) -> p.Generate:
+def chat_generate(req: OllamaChatRequest) -> tools.Planned:
     _refuse_common(req)
     s = sampling(req.options)
-    gen = p.Generate(request_id=uuid.uuid4().hex, messages=chat_messages(req.messages or []),
+    gen = p.Generate(request_id="", messages=chat_messages(req.messages or []),
                      max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, stop=s.stop, seed=s.seed,
                      constraint=format_constraint(req.format))
-    return g.with_tools(gen, tool_plan(req.tools))
+    return tools.planned(gen, tool_plan(req.tools))
 
 
-def generate_generate(req: OllamaGenerateRequest) -> p.Generate:
+def generate_generate(req: OllamaGenerateRequest) -> tools.Planned:
     _refuse_common(req)
     if req.suffix:
         raise BodyError("suffix: fill-in-the-middle is not supported yet", param="suffix")
@@ -293,16 +293,16 @@ def generate_generate(req: OllamaGenerateRequest) -> p.Generate:
         if getattr(req, name) is not None:
             raise BodyError(f"{name}: image generation is not supported (these are text models)", param=name)
     s = sampling(req.options)
-    common = dict(request_id=uuid.uuid4().hex, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+    common = dict(request_id="", max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
                   stop=s.stop, seed=s.seed, constraint=format_constraint(req.format))
     if req.raw:
         if req.system:
             raise BodyError("system: raw prompts go to the model as they are; put the system text in the prompt",
                             param="system")
-        return p.Generate(prompt=req.prompt or "", **common)  # type: ignore[arg-type]
+        return tools.Planned(p.Generate(prompt=req.prompt or "", **common))  # type: ignore[arg-type]
     turns = [p.ChatMessage(role="system", content=req.system)] if req.system else []
     turns.append(p.ChatMessage(role="user", content=req.prompt or ""))
-    return p.Generate(messages=turns, **common)  # type: ignore[arg-type]
+    return tools.Planned(p.Generate(messages=turns, **common))  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------
@@ -325,7 +325,7 @@ class Timings:
         self.started = started
         self.opened = opened
 
-    def stats(self, job: g.Job, fin: p.Finished) -> dict[str, int]:
+    def stats(self, job: Job, fin: p.Finished) -> dict[str, int]:
         end = time.monotonic()
         first = job.stream.first_token or end
         ns = 1_000_000_000
@@ -352,22 +352,21 @@ def _line(body: dict) -> bytes:
     return _encoder.encode(body) + b"\n"
 
 
-def done_reason(end: g.End) -> str:
+def done_reason(end: End) -> str:
     """Ollama's done_reason: "stop" (also when the reply was tool calls) or "length"."""
     return "length" if end.reason == "length" else "stop"
 
 
-async def _run(request: Request, sup: Supervisor, metrics: Metrics, req: _Common, gen: p.Generate,
+async def _run(request: Request, sup: Supervisor, metrics: Metrics, req: _Common, work: tools.Planned,
                started: float, *, chat: bool, empty: bool) -> Response:
     """One Ollama generation; `empty` (no messages, no prompt) only loads or unloads."""
     model = resolve(sup, req.model)
-    keep = g.keep_alive_seconds(req.keep_alive, None)
+    keep = keep_alive_seconds(req.keep_alive, None)
     if empty:
         return await _load_only(request, sup, req.model, model, keep, chat)
-    plan = tool_plan(req.tools) if isinstance(req, OllamaChatRequest) else None
-    stream = await g.open_stream(sup, model, gen, request.receive, keep)
+    stream = await open_stream(sup, model, work.gen, request.receive, keep)
     timings = Timings(started, time.monotonic())
-    job = g.Job(sup, metrics, "chat" if chat else "text", model, gen, False, started, stream, plan, "format")
+    job = Job(sup, metrics, model, work.gen, started, stream, work.plan, "format")
     if req.stream:
         first = await job.first(request.receive)
         return StreamingResponse(job.sse_body(_lines(job, first, req.model, chat, timings)),
@@ -388,13 +387,13 @@ async def _run(request: Request, sup: Supervisor, metrics: Metrics, req: _Common
 async def _load_only(request: Request, sup: Supervisor, name: str, model: str, keep: float | None,
                      chat: bool) -> Response:
     """Ollama's empty request: load the model (or, with keep_alive 0, unload it)."""
-    if keep == g.UNLOAD_NOW:
+    if keep == UNLOAD_NOW:
         sup.model_config(model)  # an unknown model is still a 404
         await sup.unload(model, "unloaded by an Ollama keep_alive: 0 request")
         reason = "unload"
     else:
         try:
-            await g.race_client(sup.load(model, explicit=True), request.receive)
+            await race_client(sup.load(model, explicit=True), request.receive)
         except ServeError as exc:
             raise from_serve_error(exc) from None
         if keep is not None:
@@ -408,22 +407,22 @@ async def _load_only(request: Request, sup: Supervisor, name: str, model: str, k
     return Response(_encoder.encode(body), media_type="application/json")
 
 
-async def _lines(job: g.Job, first, name: str, chat: bool, timings: Timings) -> AsyncIterator[list[bytes]]:
+async def _lines(job: Job, first, name: str, chat: bool, timings: Timings) -> AsyncIterator[list[bytes]]:
     """The NDJSON objects of a streamed reply, a list per piece (for `Job.sse_body`,
     which writes bytes whatever their framing)."""
     async for piece in job.pieces(first):
         head: dict[str, Any] = {"model": name, "created_at": now_rfc3339()}
         match piece:
-            case g.Text(text=t):
+            case Text(text=t):
                 if not t:
                     continue
                 head.update({"message": {"role": "assistant", "content": t}} if chat else {"response": t})
                 yield [_line({**head, "done": False})]
-            case g.Calls(calls=calls):
+            case Calls(calls=calls):
                 head.update({"message": {"role": "assistant", "content": "", "tool_calls": _calls_out(calls)}}
                             if chat else {"response": ""})
                 yield [_line({**head, "done": False})]
-            case g.End(finished=fin):
+            case End(finished=fin):
                 head.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
                 yield [_line({**head, "done": True, "done_reason": done_reason(piece), **timings.stats(job, fin)})]
             case ApiError():

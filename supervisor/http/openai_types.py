@@ -28,7 +28,8 @@ import msgspec
 from msgspec import Meta, Struct
 
 from supervisor.policy.status import ModelInfo
-from supervisor.readiness import LoadProgress, Readiness
+from supervisor.readiness import Readiness
+from supervisor.views import LoadProgress
 
 T = TypeVar("T")
 C = TypeVar("C")  # the choice type of a completion

@@ -1,0 +1,100 @@
+"""One worker process as the supervisor holds it: its handle, its state, how it ended.
+
+A `WorkerHandle` is live state, and only the pool changes it (spawn, the
+worker's messages, liveness, stops, exits): everyone else reads it, and the
+doors see frozen `WorkerView`s. Its state moves only through the table in
+shared.states (`move`), so a late message cannot undo a decision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from typing import TYPE_CHECKING, Literal
+
+from shared.ledger import LedgerSample
+from shared.limits import Limits
+from shared.states import LIVE_STATES, SERVING_STATES, WorkerEvent, WorkerState, transition
+from supervisor.liveness import Beats
+
+if TYPE_CHECKING:
+    import multiprocess.process
+
+    from supervisor.config import ModelConfig
+
+# Why a stop was asked for; the arbiter respawns a pinned model whose load the
+# guard aborted (P6 step 4) as it would after a crash.
+StopCause = Literal["request", "evict", "ttl", "unload", "load_abort", "wedged", "shutdown"]
+
+
+class WorkerHandle:
+    """The supervisor's view of one worker process."""
+
+    def __init__(self, worker_id: str, model: ModelConfig, slot: int, generation: int) -> None:
+        self.worker_id = worker_id
+        self.identity = worker_id.encode()
+        self.model = model
+        self.model_id: str = model.id
+        self.slot = slot
+        self.generation = generation
+        self.proc: multiprocess.process.BaseProcess | None = None
+        self.pid: int = 0
+        self.state: WorkerState = "starting"
+        now = time.monotonic()
+        self.beats = Beats(spawned_at=now, last_pong=now)  # supervisor.liveness reads them
+        self.last_access = now
+        self.ping_seq = 0
+        self.weight_bytes = 0
+        self.device_info: dict = {}
+        self.loaded: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.exited: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.marked_for_unload = False
+        self.stop_reason = ""
+        self.stop_cause: StopCause | None = None
+        self.stopping: asyncio.Task | None = None
+        self.exit_cause = ""
+        self.concurrency = max(1, model.max_concurrency)
+        self.sample: LedgerSample | None = None
+        self.last_limits: Limits | None = None
+        self.signals_sent: list[int] = []
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self.model.pinned)
+
+    @property
+    def live(self) -> bool:
+        return self.state in LIVE_STATES
+
+    @property
+    def serving(self) -> bool:
+        return self.state in SERVING_STATES
+
+    def move(self, event: WorkerEvent) -> WorkerState:
+        """The one place a worker's state changes (illegal moves raise)."""
+        self.state = transition(self.state, event)
+        return self.state
+
+    def __repr__(self) -> str:
+        return f"<worker {self.worker_id} pid={self.pid} {self.state}>"
+
+
+def describe_exit(code: int | None, expected: bool, signals_sent: list[int]) -> str:
+    """gunicorn-style cause of a worker's exit, with a hint where one helps."""
+    if code is None:
+        return "exited (status unknown)"
+    if code == 0:
+        return "exited cleanly" if expected else "exited without being asked to"
+    if code > 0:
+        return f"exited with code {code}"
+    sig = -code
+    try:
+        name = signal.Signals(sig).name
+    except ValueError:
+        name = f"signal {sig}"
+    if sig in signals_sent:
+        return f"was stopped with {name}"
+    if sig == signal.SIGKILL:
+        return f"was sent {name}! Perhaps out of memory?"
+    return f"was killed by {name}"
