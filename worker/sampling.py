@@ -177,6 +177,8 @@ class TokenPicker:
         self.pending: deque[Pending] = deque()
 
     def __call__(self, logits: mx.array) -> mx.array:
+        if self.processors:
+            logits = mx.array(logits)  # mlx_lm's repetition penalty writes into its logits: not the caller's
         for processor in self.processors:
             logits = processor(self.history, logits)
         token = self._choose(logits)
