@@ -99,6 +99,11 @@ class ChunkPlan(msgspec.Struct, frozen=True):
 AfterChunk = Literal["ok", "over_soft", "over_abort"]
 
 
+def guard_on(limits: Limits) -> bool:
+    """False when every byte limit is 0 (guard off, C5): prefills then run unchecked."""
+    return limits.hard_limit > 0 or limits.abort_limit > 0 or limits.soft_limit > 0
+
+
 def abort_binding(limits: Limits) -> str:
     """C10: the abort limit is static, or the GPU cap plus CPU side when smaller."""
     return "gpu_cap" if 0 < limits.gpu_cap < limits.static else "static"
