@@ -16,7 +16,7 @@ import msgspec
 import pytest
 
 from shared.protocol import Failed, Generate, TokenOut
-from tests.test_engine import OPEN, Run, drive
+from tests.test_engine import Run, drive
 from worker.engine import Engine
 from worker.sampling import Settings
 
@@ -93,12 +93,13 @@ def test_the_penalties_change_what_repeats(engine):
 
 def test_min_p_keeps_only_tokens_near_the_top(engine):
     """Against the reported logprobs (taken before the filters): a sampled token's probability is
-    at least min_p times the most likely one's."""
-    floor = math.log(0.3)
+    at least min_p times the most likely one's (to float16's rounding: mlx_lm filters the model's
+    float16 logprobs, the report is float32)."""
+    floor = math.log(0.3) - 0.01
     hot = Settings(temperature=3.0, seed=5, logprobs=True, top_logprobs=1)
     run = _together(engine, {"min_p": msgspec.structs.replace(hot, min_p=0.3), "free": hot})
     kept = [lp.logprob - lp.top[0].logprob for lp in _logprobs(run, "min_p")]
-    assert len(kept) == N and all(gap >= floor - 1e-4 for gap in kept)
+    assert len(kept) == N and all(gap >= floor for gap in kept), min(kept)
     assert any(lp.logprob - lp.top[0].logprob < floor for lp in _logprobs(run, "free")), "the control"
 
 
