@@ -102,14 +102,14 @@ class Reclaimed(Msg, tag="reclaimed", kw_only=True):
 
 
 class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
-    """One of the most likely tokens at a position: its text and log-probability (issue 23)."""
+    """One of the most likely tokens at a position: its text and log-probability."""
 
     token: str
     logprob: float
 
 
 class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
-    """A generated token's log-probability and the `top` alternatives, most likely first (issue 23).
+    """A generated token's log-probability and the `top` alternatives, most likely first.
 
     Why the token's own text: `TokenOut.text` is what the detokenizer and the stop
     strings let out at this step, which need not be this token's piece; the APIs'
@@ -126,7 +126,7 @@ class TokenOut(Msg, tag="token", kw_only=True):
     request_id: str
     text: str
     token_id: int = -1
-    # issue 23: only for a request that asked for logprobs; UNSET is left off the frame,
+    # only for a request that asked for logprobs; UNSET is left off the frame,
     # so a token of any other request costs not one byte more
     logprobs: Union[TokenLogprobs, msgspec.UnsetType] = msgspec.UNSET
 
@@ -144,7 +144,7 @@ class TokenBatch(Msg, tag="tokens", kw_only=True):
     request_ids: list[str]
     texts: list[str]
     token_ids: list[int]
-    # issue 23: a column only when some row asked for logprobs (None in the rows that did not)
+    # a column only when some row asked for logprobs (None in the rows that did not)
     logprobs: Union[list[Union[TokenLogprobs, None]], msgspec.UnsetType] = msgspec.UNSET
 
     def well_formed(self) -> bool:
@@ -352,7 +352,7 @@ class Generate(Command, tag="generate", kw_only=True):
     # issue 13: JSON text of the tool list `[{"type": "function", "function": {...}}]`,
     # handed to the model's chat template as `tools` (how the model learns of them)
     tools: Union[str, None] = None
-    # issue 23: the rest of the sampling settings (worker/sampling.py); each default leaves
+    # the rest of the sampling settings (worker/sampling.py); each default leaves
     # the logits as they are. Penalties look back over the last `*_context_size` tokens
     # (prompt and reply), as mlx_lm's server does; 0 switches a penalty off.
     top_k: int = 0  # 0: no top-k

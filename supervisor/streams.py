@@ -85,7 +85,7 @@ class Streams:
         """Issue 11: a batched decode step's tokens, one per request, from one frame."""
         self.batches += 1
         by_id = self.by_id
-        if msg.logprobs is not msgspec.UNSET:  # issue 23: some row asked for logprobs
+        if msg.logprobs is not msgspec.UNSET:  # some row asked for logprobs
             for token in msg.tokens():
                 stream = by_id.get(token.request_id)
                 if stream is not None:

@@ -146,7 +146,7 @@ def test_an_unknown_field_is_a_400_naming_it_on_every_api(send):
     assert err.value.param == "top_k_typo" and "unknown field" in str(err.value)
 
 
-# -- issue 23: the sampling options -------------------------------------------------------
+# -- the sampling options -------------------------------------------------------
 
 EXTRAS = {"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.2, "repetition_context_size": 32,
           "presence_penalty": 0.5, "presence_context_size": 8, "frequency_penalty": -0.5,
@@ -477,7 +477,7 @@ def test_api_keys_config_refuses_empty_keys_and_a_missing_file_and_reads_one_key
     assert not ApiKeys([]).enabled
 
 
-# -- issue 23: logprobs in each API's shape, read back by the SDKs -----------------------
+# -- logprobs in each API's shape, read back by the SDKs -----------------------
 
 def _lp(token: str, logprob: float) -> p.TokenLogprobs:
     return p.TokenLogprobs(token=token, logprob=logprob,

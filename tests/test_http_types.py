@@ -102,10 +102,10 @@ def test_defaults_bound_the_generation():
     "fields, param",
     [
         ({"n": 2}, "n"),
-        ({"logprobs": 3}, "logprobs"),  # issue 23: chat's is true/false
+        ({"logprobs": 3}, "logprobs"),  # chat's is true/false
         ({"top_logprobs": 2}, "top_logprobs"),  # ... and top_logprobs needs it
         ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools[0].type"),
-        ({"logit_bias": {"42": 500}}, "logit_bias[...]"),  # issue 23: honoured within -100..100
+        ({"logit_bias": {"42": 500}}, "logit_bias[...]"),  # honoured within -100..100
         ({"store": True}, "store"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"tool_choice": "required"}, "tool_choice"),

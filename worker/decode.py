@@ -44,7 +44,7 @@ class DecodeStep:
         self.steps = 0
         self.tokens_total = 0
         self._eos = frozenset(tokenizer.eos_token_ids)
-        self.texts = TokenTexts(tokenizer)  # issue 23: the logprobs name tokens by their text
+        self.texts = TokenTexts(tokenizer)  # the logprobs name tokens by their text
 
     def join(self, seq: Seq) -> None:
         """A request that has its first token decodes from the next step on."""
@@ -154,7 +154,7 @@ class DecodeStep:
         return survivors
 
     def _token(self, seq: Seq, text: str, token: int) -> TokenOut:
-        """The token's event, with its logprobs when its request asked (issue 23)."""
+        """The token's event, with its logprobs when its request asked."""
         picker = seq.sample
         if type(picker) is TokenPicker and picker.top >= 0:
             return TokenOut(request_id=seq.id, text=text, token_id=token, logprobs=picker.take(token, self.texts))

@@ -203,7 +203,7 @@ class Engine:
     ) -> None:
         """Queue a request; it is admitted by a later `step()` (SPEC P3, P8).
 
-        `sampling` is the whole of its sampling settings (issue 23: top_k, penalties,
+        `sampling` is the whole of its sampling settings (top_k, penalties,
         logit_bias, logprobs ...); without it, temperature, top_p and seed make them."""
         if not request_id:
             raise EngineError(INVALID_REQUEST, "request id must not be empty")

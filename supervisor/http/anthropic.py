@@ -88,7 +88,7 @@ class MessagesRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     stream: bool = False
     temperature: Union[Annotated[float, Meta(ge=0.0, le=1.0)], None] = None
     top_p: Union[Annotated[float, Meta(gt=0.0, le=1.0)], None] = None
-    top_k: Union[TopK, None] = None  # issue 23: honoured (0 or null: off)
+    top_k: Union[TopK, None] = None  # honoured (0 or null: off)
     tools: Union[list[AnthropicTool], None] = None
     tool_choice: Union[AnthropicToolChoice, None] = None
     # Accepted with no effect on the output, truthfully:

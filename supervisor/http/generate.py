@@ -134,7 +134,7 @@ def _sampling(req, max_tokens: int) -> dict:
     return dict(request_id=uuid.uuid4().hex, max_tokens=max_tokens,
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p, stop=_stops(req.stop), seed=_seed(req.seed),
-                **sampling.generate_fields(req))  # issue 23: top_k, min_p, penalties, logit_bias
+                **sampling.generate_fields(req))  # top_k, min_p, penalties, logit_bias
 
 
 def response_format_constraint(fmt: ResponseFormat | None) -> p.Constraint | None:
@@ -199,7 +199,7 @@ def chat_generate(req: ChatRequest) -> p.Generate:
     max_tokens = req.max_completion_tokens or req.max_tokens or DEFAULT_CHAT_MAX_TOKENS
     plan = chat_tool_plan(req)
     fmt = response_format_constraint(req.response_format)
-    logprobs = sampling.chat_logprobs(req.logprobs, req.top_logprobs)  # issue 23
+    logprobs = sampling.chat_logprobs(req.logprobs, req.top_logprobs)
     return with_tools(p.Generate(messages=messages, constraint=fmt, **_sampling(req, max_tokens), **logprobs), plan)
 
 
@@ -229,7 +229,7 @@ def completion_generate(req: CompletionRequest) -> p.Generate:
     if not prompt:
         raise BodyError("prompt: must not be empty", param="prompt")
     return p.Generate(prompt=prompt, **_sampling(req, req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS),
-                      **sampling.completion_logprobs(req.logprobs))  # issue 23
+                      **sampling.completion_logprobs(req.logprobs))
 
 
 # ---------------------------------------------------------------------------
@@ -311,7 +311,7 @@ class Job:
         self.finished = False
         self.tokens = 0
         self._token_frame: tuple[bytes, bytes] | None = None  # issue 11: see token_chunk
-        self.logprobs: list[p.TokenLogprobs] = []  # issue 23: each token's, when the request asked
+        self.logprobs: list[p.TokenLogprobs] = []  # each token's, when the request asked
         self._reported = 0  # how many of them streamed chunks have carried
         self._offset = 0  # completions' text_offset of the next token reported
 
@@ -522,7 +522,7 @@ class Job:
     def render(self, piece: Piece) -> bytes:
         match piece:
             case Text(text=text):
-                if self.gen.logprobs:  # issue 23: the tokens' logprobs ride with their text
+                if self.gen.logprobs:  # the tokens' logprobs ride with their text
                     return self.chunk(text, logprobs=self.take_logprobs())
                 return self.token_chunk(text) if text else b""  # the hot path (issue 11)
             case Calls(calls=calls):

@@ -113,7 +113,7 @@ class _Common(Struct, kw_only=True, forbid_unknown_fields=True):
     format: Union[str, dict[str, Any], None] = None
     keep_alive: KeepAlive = None
     think: Union[bool, str, None] = None  # refused unless false: these models do not reason
-    logprobs: Union[bool, None] = None  # issue 23: honoured
+    logprobs: Union[bool, None] = None  # honoured
     top_logprobs: Union[int, None] = None
 
 
@@ -162,7 +162,7 @@ class Sampling(Struct, kw_only=True):
     top_p: float = 0.9  # Ollama's default
     stop: list[str] = []
     seed: Union[int, None] = None
-    # issue 23. The penalties are off unless asked for: Ollama's documented repeat_penalty
+    # The penalties are off unless asked for: Ollama's documented repeat_penalty
     # default (1.1) is not what its newer engine applies, and a default that changes
     # the tokens is one a client cannot see.
     top_k: int = 40  # Ollama's default
@@ -208,7 +208,7 @@ def sampling(options: dict[str, Any] | None) -> Sampling:
             if isinstance(value, bool) or not isinstance(value, int) or not -(2**63) <= value < 2**64:
                 raise BodyError(f"{where}: a whole number that fits in 64 bits", param=where)
             out.seed = value
-        elif key in _PENALTIES:  # issue 23
+        elif key in _PENALTIES:
             setattr(out, _PENALTIES[key], _penalty(key, value, where))
         elif key == "top_k":
             out.top_k = max(0, _whole(value, where, -1, WHOLE_CONTEXT))  # Ollama: 0 or less is off
@@ -268,7 +268,7 @@ def _refuse_common(req: _Common) -> None:
 
 
 def _sampling(req: _Common) -> dict[str, Any]:
-    """The Generate fields of the request's options and its logprobs (issue 23)."""
+    """The Generate fields of the request's options and its logprobs."""
     return {**msgspec.structs.asdict(sampling(req.options)),
             **openai_sampling.chat_logprobs(bool(req.logprobs), req.top_logprobs)}
 
@@ -434,7 +434,7 @@ async def _run(request: Request, sup: Supervisor, metrics: Metrics, req: _Common
     else:
         body["response"] = text
     body.update(done=True, done_reason=done_reason(end), **timings.stats(job, end.finished))
-    if gen.logprobs:  # issue 23
+    if gen.logprobs:
         body["logprobs"] = _logprobs(job.logprobs)
     return Response(_encoder.encode(body), media_type="application/json")
 

@@ -103,7 +103,7 @@ StopField = Union[str, list[str], None]
 KeepAlive = Union[int, float, str, None]
 
 
-# -- issue 23: the sampling options (mapped to Generate by http/sampling.py) --------------
+# -- the sampling options (mapped to Generate by http/sampling.py) --------------
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound (chat top_logprobs); completions' logprobs and Ollama's take the same
 MAX_LOGIT_BIAS = 1024  # entries; far past any real use, and keeps the worker's command frame small
 WHOLE_CONTEXT = 1 << 30  # a look-back longer than any context (Ollama's repeat_last_n -1)
@@ -130,7 +130,7 @@ class SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
     repetition_context_size: Union[ContextSize, None] = None
     presence_context_size: Union[ContextSize, None] = None
     frequency_context_size: Union[ContextSize, None] = None
-# -- end issue 23 ------------------------------------------------------------------------
+# -- end of the sampling options ---------------------------------------------------------
 
 
 class _Sampling(SamplingFields, kw_only=True, forbid_unknown_fields=True):
@@ -146,7 +146,7 @@ class _Sampling(SamplingFields, kw_only=True, forbid_unknown_fields=True):
     seed: Union[int, None] = None
     # An end-user id for abuse tracking: it changes no output, we keep no record.
     user: Union[str, None] = None
-    # issue 23: chat's true/false (with top_logprobs), completions' count; the penalties,
+    # chat's true/false (with top_logprobs), completions' count; the penalties,
     # logit_bias and the extra sampling fields come from SamplingFields
     logprobs: Union[bool, int, None] = None
     # Per-request idle timers (issue 13): Ollama's keep_alive and LM Studio's ttl.
@@ -250,7 +250,7 @@ class ChatMessageOut(Struct, kw_only=True, omit_defaults=True):
     tool_calls: Union[list[ToolCall], msgspec.UnsetType] = msgspec.UNSET
 
 
-# -- issue 23: logprobs, as OpenAI shapes them (http/sampling.py fills them) --------------
+# -- logprobs, as OpenAI shapes them (http/sampling.py fills them) --------------
 class TopLogprobOut(Struct, kw_only=True):
     token: str
     logprob: float
@@ -280,7 +280,7 @@ class CompletionLogprobs(Struct, kw_only=True):
     token_logprobs: list[float]
     top_logprobs: list[dict[str, float]]
     text_offset: list[int]
-# -- end issue 23 ------------------------------------------------------------------------
+# -- end of logprobs -------------------------------------------------------------------
 
 
 class ChatChoice(Struct, kw_only=True):
@@ -436,7 +436,7 @@ def _split_path(text: str) -> tuple[str, str]:
         unknown = re.match(r"Object contains unknown field `([^`]+)`", text)
         return ((UNKNOWN, unknown[1]) if unknown else (text, ""))
     reason, path = match["reason"], match["path"].lstrip(".")
-    if match["key"]:  # a map's key (logit_bias' token ids, issue 23)
+    if match["key"]:  # a map's key (logit_bias' token ids)
         reason = f"a key: {reason}"
     unknown = re.match(r"Object contains unknown field `([^`]+)`", reason)
     if unknown:

@@ -104,7 +104,7 @@ class ResponsesRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True)
     service_tier: Union[str, None] = None  # one tier here
     stream_options: Union[dict[str, Any], None] = None  # include_obfuscation: nothing to pad
     truncation: Union[str, None] = None  # "disabled" only (the default): too long is an error
-    include: Union[list[str], None] = None  # only "message.output_text.logprobs" (issue 23)
+    include: Union[list[str], None] = None  # only "message.output_text.logprobs"
     store: Union[bool, None] = None  # false/null only
     # Refused unless null:
     previous_response_id: Union[str, None] = None
@@ -114,7 +114,7 @@ class ResponsesRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True)
     reasoning: Any = None
     prompt: Any = None
     max_tool_calls: Union[int, None] = None
-    top_logprobs: Union[int, None] = None  # issue 23: honoured (0-20 alternatives per token)
+    top_logprobs: Union[int, None] = None  # honoured (0-20 alternatives per token)
     context_management: Any = None
     moderation: Any = None
     access_programs: Any = None
@@ -219,7 +219,7 @@ def responses_generate(req: ResponsesRequest) -> p.Generate:
                      max_tokens=req.max_output_tokens or DEFAULT_CHAT_MAX_TOKENS,
                      temperature=1.0 if req.temperature is None else req.temperature,
                      top_p=1.0 if req.top_p is None else req.top_p, constraint=_format(req),
-                     **sampling.generate_fields(req), **_logprobs(req))  # issue 23
+                     **sampling.generate_fields(req), **_logprobs(req))
     return g.with_tools(gen, tool_plan(req))
 
 
@@ -230,7 +230,7 @@ def responses_generate(req: ResponsesRequest) -> p.Generate:
 class OutputText(Struct, kw_only=True, tag="output_text", tag_field="type"):
     text: str
     annotations: list = []
-    logprobs: Union[list[LogprobOut], msgspec.UnsetType] = msgspec.UNSET  # issue 23: when asked for
+    logprobs: Union[list[LogprobOut], msgspec.UnsetType] = msgspec.UNSET  # when asked for
 
 
 class MessageItem(Struct, kw_only=True, tag="message", tag_field="type"):

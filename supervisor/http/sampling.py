@@ -1,4 +1,4 @@
-"""The sampling options every API takes, as the worker's `Generate` fields (issue 23).
+"""The sampling options every API takes, as the worker's `Generate` fields.
 
 Why one module: OpenAI's chat, completions and Responses bodies, Anthropic's
 `top_k` and Ollama's `options` spell the same few settings differently; each
