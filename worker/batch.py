@@ -77,7 +77,9 @@ class Growth(msgspec.Struct, frozen=True):
     step: int = 32          # positions are allocated in multiples of this
     tail: int = 4           # room behind `idx` after a relayout: window // tail (at least one step)
     rows: int = 4           # full rows grow by capacity // rows (at least the rows needed)
-    shrink_at: float = 2.0  # compact when the buffers hold more than this x what the rows fit in (0: never)
+    # compact when the buffers hold more than this x what the rows fit in; 0: never, and a
+    # relayout for positions keeps its free rows (the first cut)
+    shrink_at: float = 2.0
 
 
 NOW = Growth()
@@ -224,7 +226,7 @@ class DecodeBatch:
             return
         if rows > capacity:
             capacity = max(rows, min(self._grown(capacity), self._max_rows))
-        else:  # a copy for positions: free rows beyond the growth step go too
+        elif self.growth.shrink_at > 0:  # a copy for positions: free rows beyond the growth step go too
             capacity = min(capacity, self._grown(rows))
         self._relayout(capacity, front)
 

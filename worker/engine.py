@@ -173,6 +173,12 @@ class Engine:
         """H3: the part no running or queued request relies on."""
         return self.prompt_cache.releasable
 
+    def held(self) -> memory.Held:
+        """What the prompt cache and the decode batch hold, for the worker's memory sample."""
+        batch = self.decode.batch
+        return memory.Held(self.prompt_cache.nbytes, self.prompt_cache.releasable, batch.nbytes,
+                           batch.live_nbytes, batch.relayouts)
+
     def shrink_cache(self, target_bytes: int) -> int:
         """H3/P5: drop LRU unused entries toward `target_bytes`; bytes dropped (pool not yet returned)."""
         return self.prompt_cache.drop_lru(max(0, target_bytes))

@@ -311,6 +311,8 @@ class Worker:
     # -- memory ---------------------------------------------------------------
 
     def step_boundary(self) -> None:
+        if self.allocator is not None:
+            self.allocator.hold_pool()  # M1 where MLX's allocator does not bound its own pool (CUDA)
         if self.drill is not None:
             # issue 9: obey what arrived during the step (an abort ends the drill)
             # before the drill grows again, as a runaway request would stop
@@ -367,10 +369,11 @@ class Worker:
     def write_sample(self, now: float) -> int:
         """Measure once (U1, H2) and put the reading where the supervisor reads it."""
         engine = self.engine
-        if engine is None:
+        allocator = self.allocator
+        if engine is None or allocator is None:
             s = self.sampler.sample()
         else:
-            s = self.sampler.sample(engine.cache_bytes, engine.cache_releasable)
+            s = self.sampler.sample(engine.held(), allocator.pool_returns, allocator.pool_returned)
         running = engine.running if engine else 0
         queued = engine.queued if engine else 0
         if self.phase in ("ready", "busy"):
