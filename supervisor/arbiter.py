@@ -310,7 +310,7 @@ class Arbiter:
         """What happened to a worker: published as an S2 event; crashes may respawn."""
         match ev:
             case NeedMemory():
-                self.enforcer.on_need_memory(ev.handle, ev.request_id, ev.need_bytes)
+                self.enforcer.on_need_memory(ev.handle, ev.request_id, ev.need_bytes, ev.pool)
                 return
             case Spawned():
                 kind, reason = "spawn", ev.reason

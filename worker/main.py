@@ -154,7 +154,8 @@ class Worker:
         from shared.probe import gpu_kind
         from worker.allocator import AllocatorLimits
         from worker.engine import Engine, EngineError
-        from worker.memory import MemorySampler, set_discrete_device
+        from worker.memory import MemorySampler, device_bytes, set_discrete_device
+        from worker.prefill import DeviceUsage
 
         try:
             info: dict[str, int | float | str] = {
@@ -162,7 +163,8 @@ class Worker:
         except Exception:  # older MLX
             info = {}
         device = str(mx.default_device())
-        set_discrete_device(gpu_kind(info) == "cuda" and "gpu" in device)
+        discrete = gpu_kind(info) == "cuda" and "gpu" in device
+        set_discrete_device(discrete)
         self.reply(p.Hello(worker_id=self.spec.worker_id, model_id=self.spec.model_id, pid=os.getpid(),
                            device_info=info, device=device, slot=self.spec.slot, blas=blas.preload().line()))
         self.sampler = MemorySampler()
@@ -185,8 +187,10 @@ class Worker:
             self.reply(p.LoadFailed(error=refused))
             return 2
         try:
+            # on a discrete device a prefill's peak is device memory: G1-G3 hold it to the device pool
+            on_device = DeviceUsage(self.group_device_bytes, device_bytes) if discrete else None
             self.engine = Engine.load(self.spec.model_path, max_concurrency=self.spec.max_concurrency,
-                                      chunk_seconds=self.spec.chunk_seconds)
+                                      chunk_seconds=self.spec.chunk_seconds, device=on_device)
         except (EngineError, OSError, ValueError) as exc:
             log.error("cannot load %s: %s", self.spec.model_path, exc)
             self.reply(p.LoadFailed(error=str(exc)))
@@ -365,6 +369,14 @@ class Worker:
         mine = self.ledger.read_sample(self.spec.slot)
         others = self.ledger.group_usage() - (mine.memory.usage if mine else 0)
         return others + s.usage
+
+    def group_device_bytes(self) -> int:
+        """D1's fallback for the group seen from here: fresh own MLX active + pool + the others'."""
+        from worker.memory import device_bytes
+
+        mine = self.ledger.read_sample(self.spec.slot)
+        others = self.ledger.group_device_bytes() - (mine.memory.mlx_active + mine.memory.mlx_pool if mine else 0)
+        return others + device_bytes()
 
     def write_sample(self, now: float) -> int:
         """Measure once (U1, H2) and put the reading where the supervisor reads it."""

@@ -91,6 +91,11 @@ def u1_usage(mlx_active: int, footprint: int) -> int:
     return footprint if _discrete else max(mlx_active, footprint)
 
 
+def device_bytes() -> int:
+    """D1's fallback for this worker on a discrete device: MLX active + pool."""
+    return mx.get_active_memory() + mx.get_cache_memory()
+
+
 def usage() -> int:
     """U1 usage alone (the prefill guard's view of this worker's own share)."""
     return sample().usage
