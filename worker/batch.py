@@ -11,8 +11,8 @@ Why rows in place (issue 22). Issue 11 joined with mlx-lm's `BatchKVCache`:
 gathers the rows that stay, so every join and every leave copied the whole
 batch's KV, and for a moment held it twice. On an H200 at 64 streams that
 peaked at 87-91 GiB for ~3.5 GB of KV. Here each layer's KV is one buffer
-of `capacity` rows by `length` positions, allocated once and grown in large
-steps, and a row is a slot:
+of `capacity` rows by `length` positions, grown and shrunk in steps, and a
+row is a slot:
 
 - **join**: the newcomer's prefilled KV is written into a free row, right
   aligned at the shared write position `idx` (left padding masks the rest);
