@@ -25,6 +25,7 @@ import zmq
 from typing_extensions import assert_never
 
 from shared import protocol as p
+from shared.embedding import WRONG_MODEL_KIND, read_embedding_spec
 from shared.ledger import Ledger
 from shared.limits import Limits
 from shared.memory import NO_READING
@@ -35,7 +36,10 @@ from worker.heartbeat import Heartbeat, StepClock
 if TYPE_CHECKING:  # types only: these import MLX, which loads in serve(), never at module level
     from worker.allocator import AllocatorLimits
     from worker.drill import Drill
+    from worker.embedder import Embedder
     from worker.engine import Engine
+    from worker.memory import Held
+    from worker.prefill import DeviceUsage
 
 log = logging.getLogger("memvisor.worker")
 
@@ -108,7 +112,7 @@ class Worker:
         self.reports = p.Codec(p.WorkerReport)
         self.ledger = Ledger.attach(spec.ledger_path)
         self.limits = Limits()
-        self.engine: Engine | None = None
+        self.engine: Engine | Embedder | None = None  # an embedding model runs an Embedder
         self.drill: Drill | None = None
         self.draining = False
         self.reclaim_pending: list[p.Reclaim] = []
@@ -153,7 +157,7 @@ class Worker:
 
         from shared.probe import gpu_kind
         from worker.allocator import AllocatorLimits
-        from worker.engine import Engine, EngineError
+        from worker.engine import EngineError
         from worker.memory import MemorySampler, device_bytes, set_discrete_device
         from worker.prefill import DeviceUsage
 
@@ -188,9 +192,7 @@ class Worker:
             return 2
         try:
             # on a discrete device a prefill's peak is device memory: G1-G3 hold it to the device pool
-            on_device = DeviceUsage(self.group_device_bytes, device_bytes) if discrete else None
-            self.engine = Engine.load(self.spec.model_path, max_concurrency=self.spec.max_concurrency,
-                                      chunk_seconds=self.spec.chunk_seconds, device=on_device)
+            self.engine = self.load_model(DeviceUsage(self.group_device_bytes, device_bytes) if discrete else None)
         except (EngineError, OSError, ValueError) as exc:
             log.error("cannot load %s: %s", self.spec.model_path, exc)
             self.reply(p.LoadFailed(error=str(exc)))
@@ -200,6 +202,17 @@ class Worker:
         self.reply(p.Loaded(weight_bytes=self.engine.weight_bytes, seconds=now - started,
                             usage=self.write_sample(now)))
         return self.loop()
+
+    def load_model(self, device: DeviceUsage | None) -> Engine | Embedder:
+        """A sentence-embedding folder gets the Embedder, any other the chat engine (which holds
+        its prefills to the device pool on a discrete device)."""
+        from worker.embedder import Embedder
+        from worker.engine import Engine
+
+        kwargs = dict(max_concurrency=self.spec.max_concurrency, chunk_seconds=self.spec.chunk_seconds)
+        if read_embedding_spec(self.spec.model_path) is not None:
+            return Embedder.load(self.spec.model_path, **kwargs)
+        return Engine.load(self.spec.model_path, device=device, **kwargs)
 
     def loop(self) -> int:
         assert self.engine is not None and self.allocator is not None  # serve() set both up
@@ -277,6 +290,8 @@ class Worker:
                 self.limits = msg.limits
             case p.Generate():
                 self.submit(msg)
+            case p.Embed():
+                self.submit_embed(msg)
             case p.AbortRequests(request_ids=None):
                 engine.abort_all(msg.reason or "aborted by the supervisor", code=msg.code)
                 # A drill stands in for a runaway request: aborting the work frees it too.
@@ -311,6 +326,19 @@ class Worker:
             return
         assert self.engine is not None  # commands are taken once the model is loaded
         self.engine.submit_generate(msg)  # a bad prompt fails through the next step()
+
+    def submit_embed(self, msg: p.Embed) -> None:
+        """An Embed for an embedding model; a chat model answers that it has none."""
+        from worker.embedder import Embedder
+
+        if self.draining:
+            self.reply(p.Failed(request_id=msg.request_id, code="model_unloading",
+                                message="the model is being unloaded; retry to load it again"))
+        elif isinstance(self.engine, Embedder):
+            self.engine.submit_embed(msg)
+        else:
+            self.reply(p.Failed(request_id=msg.request_id, code=WRONG_MODEL_KIND,
+                                message="this model generates text; it is not an embedding model"))
 
     # -- memory ---------------------------------------------------------------
 
@@ -385,7 +413,7 @@ class Worker:
         if engine is None or allocator is None:
             s = self.sampler.sample()
         else:
-            s = self.sampler.sample(engine.held(), allocator.pool_returns, allocator.pool_returned)
+            s = self.sampler.sample(_held(engine), allocator.pool_returns, allocator.pool_returned)
         running = engine.running if engine else 0
         queued = engine.queued if engine else 0
         if self.phase in ("ready", "busy"):
@@ -430,3 +458,11 @@ class Worker:
         self.push.close()
         self.ctx.term()
         self.ledger.close()
+
+
+def _held(engine: Engine | Embedder) -> Held:
+    """What the model's engine holds for the sample: the chat engine names its decode batch too."""
+    from worker.engine import Engine  # imported with MLX in serve(); a cached lookup here
+    from worker.memory import Held
+
+    return engine.held() if isinstance(engine, Engine) else Held(engine.cache_bytes, engine.cache_releasable)
