@@ -123,11 +123,12 @@ class LoadFailed(_News):
 
 @dataclass(frozen=True, slots=True)
 class NeedMemory:
-    """SPEC G1: the worker's prefill needs `need_bytes` more (the shortfall)."""
+    """SPEC G1: the worker's prefill needs `need_bytes` more (the shortfall) in `pool`."""
 
     handle: WorkerHandle
     request_id: str
     need_bytes: int
+    pool: str = "host"
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,7 +342,7 @@ class Pool:
                 handle.marked_for_unload = True
                 self.on_event(LoadFailed(handle, msg.error))
             case p.NeedMemory():
-                self.on_event(NeedMemory(handle, msg.request_id, msg.need_bytes))
+                self.on_event(NeedMemory(handle, msg.request_id, msg.need_bytes, msg.pool))
             case p.Ack() | p.Reclaimed():
                 pass  # informational; the sample that follows carries the effect
             case _:
