@@ -64,3 +64,30 @@ def test_model_card_carries_context_length(server):
 
     listed, one = server.run(main())
     assert listed.data[0].context_length == one.context_length > 0
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_cut_required_tool_call_from_a_real_worker_is_an_empty_tool_calls_answer(server):
+    """A real worker's call list cut after 3 tokens (no call can close that soon): finish
+    "length" and no calls, streamed or not; never the partial JSON as content."""
+    kw = dict(model="a", messages=HI, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=3, temperature=0)
+
+    async def main():
+        client = server.openai()
+        whole = await client.chat.completions.create(**kw)
+        chunks = [c async for c in await client.chat.completions.create(stream=True, **kw)]
+        anth = await server.anthropic().messages.create(
+            model="a", max_tokens=3, messages=HI, tool_choice={"type": "any"},
+            tools=[{"name": "get_weather", "input_schema": WEATHER_TOOL["function"]["parameters"]}])
+        return whole, chunks, anth
+
+    whole, chunks, anth = server.run(main())
+    choice = whole.choices[0]
+    assert choice.finish_reason == "length" and whole.usage.completion_tokens == 3
+    assert choice.message.tool_calls == [] and choice.message.content is None
+    assert not any(c.choices[0].delta.content or c.choices[0].delta.tool_calls for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert anth.stop_reason == "max_tokens" and anth.content == []

@@ -379,8 +379,10 @@ class Job:
             return
         reason, text, calls = msg.finish_reason, "".join(held), None
         if mode == "constrained":
-            calls = tools.parse_constrained(text)
-            text = "" if calls is not None else text
+            # Issue 23: the reply is the call list and nothing else. Cut by max_tokens before
+            # its first call closed it holds no call: an empty answer with the worker's
+            # finish_reason ("length"), never the partial JSON as text.
+            calls, text = tools.parse_constrained(text), ""
         elif mode == "auto" and text:
             text, calls = tools.parse_tagged(text)
         if text:
@@ -389,6 +391,12 @@ class Job:
             yield Calls(calls)
             reason = "tool_calls" if reason == "stop" else reason
         yield End(msg, reason)
+
+    @property
+    def calls_only(self) -> bool:
+        """Issue 23: a call was required (tool_choice required or named): the reply is its
+        call list, empty when max_tokens cut the first call, and never text."""
+        return self.plan is not None and self.plan.mode == "constrained"
 
     async def collect(self, receive: Receive) -> tuple[str, list[tools.Call], End]:
         """The whole reply (non-streamed); a failure raises its ApiError."""
@@ -419,8 +427,8 @@ class Job:
         usage = _usage(end.finished)
         body: ChatCompletion | TextCompletion
         if self.kind == "chat":
-            message = ChatMessageOut(role="assistant", content=text or (None if calls else ""))
-            if calls:
+            message = ChatMessageOut(role="assistant", content=text or (None if calls or self.calls_only else ""))
+            if calls or self.calls_only:
                 message.tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
                                       for c in calls]
             body = ChatCompletion(id=self.id, created=self.created, model=self.model, usage=usage, choices=[
