@@ -52,6 +52,10 @@ class Supervisor(Protocol):
 
     async def generate(self, model_id: str, gen: p.Generate) -> RequestStream: ...
 
+    async def tokens(self, model_id: str, cmd: p.Tokenize | p.Detokenize) -> p.TokensReply:
+        """Issue 23: the model's tokenizer, asked through its worker (loaded on demand)."""
+        ...
+
     def cancel(self, stream: RequestStream, reason: str = ...) -> None: ...
 
     def keep_alive(self, model_id: str, seconds: float) -> None:

@@ -295,10 +295,21 @@ class Worker:
                 self.start_drill(msg)
             case p.DrillStop():
                 self.stop_drill("stopped by command")
+            case p.Tokenize() | p.Detokenize():  # issue 23: answered now, between two steps
+                self.answer_tokens(msg)
             case _:
                 assert_never(msg)
         if isinstance(msg, (p.Drain, p.AbortRequests)):
             self.reply(p.Ack(cmd=msg.cmd))
+
+    def answer_tokens(self, msg: p.Tokenize | p.Detokenize) -> None:
+        """Issue 23: the model's tokenizer on request (worker/tokens.py; it never raises)."""
+        from worker import tokens  # imports MLX (worker.request), which serve() has loaded by now
+
+        assert self.engine is not None  # commands are taken once the model is loaded
+        tokenizer = self.engine.tokenizer
+        self.reply(tokens.tokenize(tokenizer, msg) if isinstance(msg, p.Tokenize)
+                   else tokens.detokenize(tokenizer, msg))
 
     def submit(self, msg: p.Generate) -> None:
         if self.draining:

@@ -27,6 +27,7 @@ Endpoints (DESIGN.md contract):
                                     the Ollama API (issue 23, http/ollama.py)
   /chat/completions, /completions, /models, /messages: the /v1 routes for clients
   that leave the prefix out (issue 23)
+  POST /tokenize, /detokenize       llama.cpp's token routes (issue 23, http/tokenize.py)
 
 Who may administer (load, unload, /admin/guard), issue 21: with
 `[supervisor] admin_token` set, whoever sends `Authorization: Bearer <token>`;
@@ -68,6 +69,7 @@ from supervisor.http import anthropic as http_anthropic
 from supervisor.http import generate as http_generate
 from supervisor.http import ollama as http_ollama
 from supervisor.http import responses as http_responses
+from supervisor.http import tokenize as http_tokenize
 from supervisor.http.auth import ApiKeys, EventTickets
 from supervisor.http.body import Disconnected, read_body
 from supervisor.http.dashboard import Dashboard
@@ -240,6 +242,16 @@ class FrontDoor:
         started = request.scope.get("memvisor.started", time.monotonic())
         return await http_anthropic.count_tokens(request, self.sup, self.metrics, body, started)
 
+    # -- llama.cpp's token routes (issue 23, http/tokenize.py) ------------------
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
+        return await http_tokenize.tokenize(self.sup, body)
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
+        return await http_tokenize.detokenize(self.sup, body)
+
     # -- the Ollama API (issue 23) ----------------------------------------------
 
     async def ollama_version(self, request: Request) -> Response:
@@ -365,6 +377,8 @@ class FrontDoor:
             Route("/completions", v(self.completions), methods=["POST"]),
             Route("/messages", v(self.messages, anthropic), methods=["POST"]),
             Route("/messages/count_tokens", v(self.count_tokens, anthropic), methods=["POST"]),
+            Route("/tokenize", v(self.tokenize), methods=["POST"]),  # issue 23: llama.cpp's
+            Route("/detokenize", v(self.detokenize), methods=["POST"]),
             # issue 23: the Ollama API (its version check carries no data, so it needs no key)
             Route("/api/version", guarded(self.ollama_version, http_ollama.error_response), methods=["GET"]),
             Route("/api/tags", o(self.ollama_tags), methods=["GET"]),
@@ -446,7 +460,7 @@ _FIXED = {"/health", "/status", "/metrics", "/v1/models", "/v1/chat/completions"
           "/v1/messages", "/v1/responses", "/admin/guard", "/v1/events", "/", "/ui",
           "/v1/messages/count_tokens", "/chat/completions", "/completions", "/models", "/messages",
           "/messages/count_tokens", "/api/version", "/api/tags", "/api/ps", "/api/show", "/api/chat",
-          "/api/generate"}
+          "/api/generate", "/tokenize", "/detokenize"}
 
 
 def endpoint_label(path: str) -> str:
