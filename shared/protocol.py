@@ -333,6 +333,9 @@ class Generate(Command, tag="generate", kw_only=True):
     # issue 13: JSON text of the tool list `[{"type": "function", "function": {...}}]`,
     # handed to the model's chat template as `tools` (how the model learns of them)
     tools: Union[str, None] = None
+    # issue 23: fill in the middle: `prompt` is the text before, this the text after
+    # (the worker builds the prompt from its tokenizer's FIM tokens; prompt only)
+    suffix: Union[str, None] = None
 
 
 # -- issue 23: the worker's tokenizer on request --------------------------------------

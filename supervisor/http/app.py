@@ -78,6 +78,7 @@ from supervisor.http.events import EventsEndpoint
 from supervisor.http.gate import Gate, HostCheck, OriginAllowlist, same_origin
 from supervisor.http.limits import GuardedH11, connection_cap, limit_logs, raise_fd_limit
 from supervisor.http.metrics import Metrics
+from supervisor.http.modelfacts import ModelFacts, facts_of
 from supervisor.http.openai_types import BodyError, GuardSettingsIn, ModelCard, ModelList, decode_body
 
 log = logging.getLogger("memvisor.http")
@@ -159,20 +160,19 @@ class FrontDoor:
 
     # -- models ---------------------------------------------------------------
 
-    def card(self, model, context: int | None = None) -> ModelCard:
+    def card(self, model, facts: ModelFacts) -> ModelCard:
+        """Issue 23: with the context length and the capabilities its files show (as /api/show's)."""
         info = self.sup.model_info(model.id)
         return ModelCard(id=model.id, created=self.created, state=info.state, pinned=model.pinned,
-                         worker=info.worker or None, pid=info.pid or None, context_length=context, memvisor=info)
+                         worker=info.worker or None, pid=info.pid or None, context_length=facts.context_length,
+                         capabilities=card_capabilities(facts), memvisor=info)
 
-    async def contexts(self, models) -> dict[str, int | None]:
-        """Issue 23: each model's context length (config.json), read off the loop."""
-        facts = await http_ollama.facts_of([m.path for m in models])
-        return {m.path: facts[m.path].context_length for m in models}
+    async def cards(self, models) -> list[ModelCard]:
+        facts = await facts_of([m.path for m in models])  # the model's small files, read off the loop
+        return [self.card(m, facts[m.path]) for m in models]
 
     async def models(self, request: Request) -> Response:
-        models = self.sup.config.models
-        contexts = await self.contexts(models)
-        return json_response(ModelList(data=[self.card(m, contexts[m.path]) for m in models]))
+        return json_response(ModelList(data=await self.cards(self.sup.config.models)))
 
     async def model(self, request: Request) -> Response:
         model_id = request.path_params["model_id"]
@@ -181,7 +181,7 @@ class FrontDoor:
             raise ApiError(405, f"{action} takes POST, not {request.method}", code="method_not_allowed",
                            headers={"Allow": "POST"})
         model = self._model_config(model_id)
-        return json_response(self.card(model, (await self.contexts([model]))[model.path]))
+        return json_response((await self.cards([model]))[0])
 
     def _model_config(self, model_id: str):
         try:
@@ -206,7 +206,7 @@ class FrontDoor:
             await http_generate.race_client(self.sup.load(model.id, explicit=True), request.receive)
         except ServeError as exc:
             raise from_serve_error(exc) from None
-        return json_response(self.card(model))
+        return json_response((await self.cards([model]))[0])
 
     async def unload(self, request: Request) -> Response:
         require_admin(request, self.scfg.admin_token)
@@ -391,6 +391,13 @@ class FrontDoor:
                            "/api/blobs/{digest}")],
             Route("/admin/guard", r(self.guard), methods=["POST"]),
         ]
+
+
+def card_capabilities(facts: ModelFacts) -> list[str]:
+    """/api/show's capabilities (http/ollama.py), with `chat` where a chat template makes
+    /v1/chat/completions usable: one list for both APIs, so they never disagree."""
+    caps = http_ollama.capabilities(facts)
+    return [*caps, "chat"] if facts.has_template and "chat" not in caps else caps
 
 
 def guarded(handler: Callable[[Request], Awaitable[Response]],

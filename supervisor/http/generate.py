@@ -41,6 +41,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from shared import protocol as p
+from shared.fim import FIM_UNSUPPORTED
 from supervisor.api import Supervisor
 from supervisor.errors import ServeError
 from supervisor.http import tools
@@ -48,6 +49,7 @@ from supervisor.http.body import Disconnected
 from supervisor.http.content import text_of
 from supervisor.http.errors import INVALID_CONSTRAINT, ApiError, from_failed, from_serve_error
 from supervisor.http.metrics import Metrics
+from supervisor.http.modelfacts import require_fim
 from supervisor.http.openai_types import (
     DEFAULT_CHAT_MAX_TOKENS,
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -222,7 +224,7 @@ def with_tools(gen: p.Generate, plan: ToolPlan | None) -> p.Generate:
 
 def completion_generate(req: CompletionRequest) -> p.Generate:
     """Legacy completions: the prompt goes to the model as is, no template."""
-    _refuse_unsupported(req, "echo", "suffix")
+    _refuse_unsupported(req, "echo")
     if req.best_of not in (None, 1):
         raise BodyError("best_of: only 1 is supported", param="best_of")
     prompt = req.prompt
@@ -230,9 +232,10 @@ def completion_generate(req: CompletionRequest) -> p.Generate:
         if len(prompt) != 1:
             raise BodyError("prompt: exactly one prompt per request is supported", param="prompt")
         prompt = prompt[0]
-    if not prompt:
+    if not prompt and req.suffix is None:  # fill in the middle may start at the top of a file
         raise BodyError("prompt: must not be empty", param="prompt")
-    return p.Generate(prompt=prompt, **_sampling(req, req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS))
+    return p.Generate(prompt=prompt, suffix=req.suffix,
+                      **_sampling(req, req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS))
 
 
 # ---------------------------------------------------------------------------
@@ -473,6 +476,8 @@ class Job:
         error = from_failed(msg)
         if msg.code == INVALID_CONSTRAINT:
             error.param = "tools" if isinstance(self.gen.constraint, p.ToolCall) else self.format_param
+        elif msg.code == FIM_UNSUPPORTED:
+            error.param = "suffix"
         return error
 
     async def streamed(self, receive: Receive, events: Events | None = None) -> Response:
@@ -649,6 +654,13 @@ def _duration(text: str) -> float:
     return -total if match[1] == "-" else total
 
 
+def _model(sup: Supervisor, name: str):
+    try:
+        return sup.model_config(name)
+    except ServeError as exc:
+        raise from_serve_error(exc) from None
+
+
 async def handle(request: Request, sup: Supervisor, metrics: Metrics, kind: str, body: bytes,
                  started: float) -> Response:
     """Decode, validate, route to the model's worker, answer (JSON or SSE)."""
@@ -661,6 +673,9 @@ async def handle(request: Request, sup: Supervisor, metrics: Metrics, kind: str,
     else:
         req = decode_body(body, CompletionRequest)
         gen = completion_generate(req)
+        if req.suffix is not None:  # issue 23: refused before any load where the card says no insert
+            model = _model(sup, req.model)
+            await require_fim(model.id, model.path)
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
     job = await open_job(request, sup, metrics, req, gen, started, kind=kind, plan=plan, include_usage=include_usage)
     if req.stream:

@@ -298,6 +298,9 @@ class ModelCard(Struct, kw_only=True):
     pid: Union[int, None] = None
     # issue 23: the model's context window in tokens (config.json), where known
     context_length: Union[int, None] = None
+    # issue 23: what it can do, as far as its files tell: completion, chat (a chat template),
+    # tools, insert (fill in the middle), ...; /api/show's list plus chat
+    capabilities: list[str] = []
     # Everything `ps` shows: aliases, estimated vs measured bytes, idle time, expiry ...
     memvisor: Union[ModelInfo, None] = None
 
