@@ -70,7 +70,7 @@ CHAT_REFUSED = {
 COMPLETION_HONOURED = {"model", "prompt", "max_tokens", "temperature", "top_p", "stop", "seed", "stream_options",
                        "n", "best_of", "echo", "suffix", "logprobs", "presence_penalty", "frequency_penalty"}
 COMPLETION_ACCEPTED = {"user"}
-COMPLETION_REFUSED = {"best_of": 2, "echo": True, "suffix": "end", "logprobs": 2, "logit_bias": {"1": -100},
+COMPLETION_REFUSED = {"best_of": 2, "echo": True, "logprobs": 2, "logit_bias": {"1": -100},
                       "n": 3, "presence_penalty": 0.1, "frequency_penalty": -0.1}
 ANTHROPIC_HONOURED = {"model", "max_tokens", "messages", "system", "stop_sequences", "tools", "tool_choice"}
 ANTHROPIC_ACCEPTED = {"metadata", "service_tier", "cache_control", "inference_geo", "speed", "user_profile_id",

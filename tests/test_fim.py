@@ -93,3 +93,22 @@ def test_model_facts_say_insert_exactly_where_the_worker_builds_a_fim_prompt(fim
     import_gguf(tmp_path / "fim.gguf", tmp_path / "imported")
     assert "added_tokens_decoder" not in json.loads((tmp_path / "imported" / "tokenizer_config.json").read_text())
     assert read_facts(str(tmp_path / "imported")).fim
+
+
+def test_completions_and_ollama_generate_carry_the_suffix_to_the_worker_untemplated():
+    import msgspec
+
+    from supervisor.http.generate import completion_generate
+    from supervisor.http.ollama import OllamaGenerateRequest, generate_generate
+    from supervisor.http.openai_types import BodyError, CompletionRequest, decode_body
+
+    def body(**kw):
+        return msgspec.json.encode({"model": "m", **kw})
+
+    gen = completion_generate(decode_body(body(prompt="", suffix="tail"), CompletionRequest))
+    assert (gen.prompt, gen.suffix, gen.messages) == ("", "tail", None)  # an empty prefix is a file's top
+    gen = generate_generate(decode_body(body(prompt="head", suffix="tail"), OllamaGenerateRequest))
+    assert (gen.prompt, gen.suffix, gen.messages) == ("head", "tail", None)
+    with pytest.raises(BodyError) as err:
+        generate_generate(decode_body(body(prompt="head", suffix="tail", system="s"), OllamaGenerateRequest))
+    assert err.value.param == "system"

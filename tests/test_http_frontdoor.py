@@ -312,7 +312,8 @@ def test_model_list_and_ids_with_slashes(server):
     details = card.pop("memvisor")
     assert card | {"created": 0} == {"id": "org/never-loaded", "object": "model", "owned_by": "memvisor",
                                      "created": 0, "state": "unloaded", "pinned": False, "worker": None,
-                                     "pid": None, "context_length": None}  # issue 23: not known here
+                                     "pid": None, "context_length": None,  # issue 23: not known here
+                                     "capabilities": ["completion"]}
     assert details["id"] == "org/never-loaded" and details["state"] == "unloaded" and details["usage"] == 0
 
 
