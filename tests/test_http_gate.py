@@ -290,3 +290,18 @@ def test_issue21_a_ticket_cookie_opens_the_event_stream_for_the_dashboard(keyed_
         assert part in cookie
     assert "k-123" not in cookie
     assert opened[0] == 200 and opened[1].startswith(("event:", "id:", "retry:", ":", "data:"))
+
+
+def test_issue23_routes_without_v1_and_the_token_routes_need_the_api_key(keyed_server):
+    """Keyed like /v1: no key is a 401; with it the request reaches its handler (no models
+    here: `model` is then required, a 400 naming it)."""
+    async def main():
+        async with keyed_server.client() as c:
+            bare = [await c.post(path, json={"content": "x"}) for path in ("/tokenize", "/detokenize")]
+            bare.append(await c.get("/models"))
+            keyed = await c.post("/tokenize", json={"content": "x"}, headers={"Authorization": "Bearer k-123"})
+        return bare, keyed
+
+    bare, keyed = keyed_server.run(main())
+    assert [r.status_code for r in bare] == [401, 401, 401]
+    assert keyed.status_code == 400 and keyed.json()["error"]["param"] == "model"
