@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     ids = engine.encode_prompt("Once upon a time there was a memory guard that " * 4)
     for i in range(args.requests):
         engine.submit(f"r{i}", ids[: 10 + 3 * i], max_tokens=200 + 7 * i)
-    batch = engine._batch
+    batch = engine.decode.batch
     worst = largest = 0
     while engine.has_work:
         mx.reset_peak_memory()

@@ -324,7 +324,7 @@ class Pool:
                 self._answer(msg)
             case p.Failed() if msg.request_id in self._calls:  # ... or its refusal
                 self._answer(msg)
-            case p.TokenOut() | p.Finished() | p.Failed() | p.Prompted():  # Prompted: issue 23
+            case p.TokenOut() | p.Finished() | p.Failed() | p.Prompted() | p.Embedded():  # Prompted: issue 23
                 self.streams.deliver(msg)
             case p.TokenBatch():  # issue 11: one decode step's tokens for several requests
                 if len(msg.request_ids) == len(msg.texts) == len(msg.token_ids):

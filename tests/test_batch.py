@@ -102,7 +102,7 @@ def test_decoding_sequences_advance_in_one_forward_pass_per_step(loaded):
     for rid in rids:
         engine.submit(rid, engine.encode_prompt(PROMPTS[rid]), max_tokens=12)
     run = Run()
-    while len(engine._batch) < 4:
+    while len(engine.decode.batch) < 4:
         run.add(engine.step(OPEN, lambda: 0))
     for _ in range(3):
         before = len(counting.batches)
@@ -172,7 +172,7 @@ def test_abort_between_steps_takes_one_row_out_and_the_rest_stay_identical(loade
     end = run.terminal("b")
     assert isinstance(end, Failed) and end.code == "aborted"
     assert run.tokens("a") == alone["a"] and run.tokens("c") == alone["c"]
-    assert len(engine._batch) == 0
+    assert len(engine.decode.batch) == 0
 
 
 def test_h1_a_sequence_leaving_the_batch_feeds_the_prompt_cache(loaded):
@@ -373,19 +373,19 @@ def test_issue22_greedy_output_is_identical_through_joins_leaves_and_buffer_grow
     full (capacity grows), a newcomer is longer than the room in front (the front grows) and the
     positions run out (the window moves): every stream is token-identical to its request alone."""
     engine = _engine(loaded, max_chunk=8)
-    engine._batch.step = 4  # grow often: every kind of relayout happens in a short run
+    engine.decode.batch.step = 4  # grow often: every kind of relayout happens in a short run
     texts = list(PROMPTS.values())
     prompts = {f"r{i}": engine.encode_prompt(texts[i % 5] + " " + texts[(i * 3) % 5][: 2 + 5 * i])
                for i in range(8)}
     lengths = {rid: 6 + (5 * i) % 23 for i, rid in enumerate(prompts)}
     alone = {rid: _alone(engine, {rid: p}, lengths[rid])[rid] for rid, p in prompts.items()}
-    relayouts = engine._batch.relayouts
+    relayouts = engine.decode.batch.relayouts
     joins = {rid: 3 * i + (i % 3) for i, rid in enumerate(prompts)}
     run = _staggered(engine, prompts, joins, lengths)
     for rid in prompts:
         assert isinstance(run.terminal(rid), Finished)
         assert run.tokens(rid) == alone[rid], rid
-    assert engine._batch.relayouts - relayouts >= 3, "the run never grew the buffers"
+    assert engine.decode.batch.relayouts - relayouts >= 3, "the run never grew the buffers"
 
 
 # ------------------------------------------------------------------ issue 22: prefilled together

@@ -604,7 +604,7 @@ def test_mlx_failure_fails_the_requests_involved_and_the_engine_keeps_serving(lo
 def test_issue16_prefill_chunks_are_sized_by_time_not_only_by_memory(loaded):
     """A step is how long a command waits: chunks aim at chunk_seconds whatever
     the memory plan allows (512 tokens took 4.7-12.2 s on a small CPU)."""
-    from worker.engine import FIRST_CHUNK, ChunkTimer
+    from worker.prefill import FIRST_CHUNK, ChunkTimer
 
     engine = _engine(loaded, max_chunk=512, chunk_seconds=1.0)
     engine.chunk_timer.per_token = 0.1  # as if the last chunk took 0.1 s a token: 10 tokens fit 1 s

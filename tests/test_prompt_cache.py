@@ -221,7 +221,7 @@ def test_h3_a_running_request_reads_its_own_copy_so_its_source_entry_may_go(load
     drive(engine, CACHED)
     engine.submit("b", prompt + prompt[1:8], max_tokens=8)
     run = Run()
-    while not engine._decoding:  # prefilled from the cache, now decoding
+    while not engine.scheduler.decoding:  # prefilled from the cache, now decoding
         run.add(engine.step(CACHED, lambda: 0))
     assert engine.running == 1 and engine.cache_releasable == engine.cache_bytes > 0
     assert engine.shrink_cache(0) > 0 and engine.cache_bytes == 0

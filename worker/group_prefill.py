@@ -18,7 +18,7 @@ The guard's rules stay per request and hold for the group: the engine
 checks G1 for each member and for the sum of their estimates, sizes each
 chunk with G2 for the group's tokens, and checks G3 after it; a group whose
 step would not fit is `split` back into requests that go on alone with their
-own KV (see worker/engine.py). Everything here is MLX mechanics; the engine
+own KV (see worker/prefill.py). Everything here is MLX mechanics; the engine
 decides who joins and what the guard allows.
 """
 

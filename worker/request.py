@@ -12,7 +12,7 @@ request:
     grouped --split--> prefill                                (a group step did not fit: alone)
     any state but ended --end--> ended                        (Finished or Failed, exactly once)
 
-The engine's lines hold the states: the queue `queued`; the prefill line
+The scheduler's lines (worker/scheduler.py) hold the states: the queue `queued`; the prefill line
 `preflight`, `waiting` and `prefill`; the prefill group `grouped`; the
 decode list (and the batch) `decoding`.
 """

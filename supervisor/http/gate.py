@@ -51,7 +51,7 @@ CORS_PREFIXES = ("/v1/", "/api/")
 # out the prefix reach too, and llama.cpp's token routes. A browser client of them
 # needs the same CORS as /v1 gives, and gets no more.
 CORS_PATHS = frozenset({"/models", "/chat/completions", "/completions", "/messages", "/messages/count_tokens",
-                        "/tokenize", "/detokenize"})
+                        "/embeddings", "/tokenize", "/detokenize"})
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 ALLOW_METHODS = "GET, POST, DELETE, OPTIONS"
 # What the OpenAI and Anthropic browser SDKs send; a preflight's own list is echoed too.

@@ -181,7 +181,7 @@ def _prompt_tokens(model_dir: str, text: str) -> int:
 
 
 def _prefill_peak(model_dir: str, tokens: int, min_chunk: int = 256, max_chunk: int = 512) -> int:
-    """The worker's first estimate of a prefill peak (worker.engine._prior_cost
+    """The worker's first estimate of a prefill peak (worker.prefill_cost.prior_cost
     and worker.prefill_guard.estimate_prefill_peak, restated: no MLX here)."""
     from worker.prefill_guard import PrefillCost, estimate_prefill_peak
 

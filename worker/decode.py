@@ -1,0 +1,197 @@
+"""The decode step: one token for every decoding request, and what each token says.
+
+Why one step for all (issue 11): every unconstrained request is a row of one
+batch (worker/batch.py) and advances in the same forward pass; a model whose
+KV cannot be batched (rotating, state-space caches) takes one pass per
+request instead (`_single`). A request joins the batch at the first decode
+step after its prefill gave it its first token, and leaves between steps.
+
+Why one step ahead: a benchmark holds the whole path (engine + ZeroMQ +
+HTTP) to plain `mlx_lm` throughput, so the step keeps mlx_lm's pipelining:
+the next tokens are queued (`mx.async_eval`) before the current ones are
+read, greedy sampling skips the log-softmax, and events are the wire Structs
+themselves so the worker loop encodes them without copying.
+
+Constrained requests (issue 13) cannot sample ahead: the mask of their next
+token depends on the token still in flight. Their forward pass still runs
+ahead (it needs only the lazy token) while the grammar computes the mask;
+the free ones are sampled first and keep their look-ahead.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+
+from shared.protocol import TokenOut
+from worker.batch import DecodeBatch
+from worker.endings import Endings, Event
+from worker.request import Seq
+from worker.sampling import greedy
+
+CLEAR_CACHE_EVERY = 256  # decode steps between pool returns, as mlx_lm does
+
+
+class DecodeStep:
+    """The decode batch and the requests about to join it; `run` is one step."""
+
+    def __init__(self, model, tokenizer, endings: Endings, *, batched: bool, max_rows: int) -> None:
+        self.model = model
+        self.endings = endings
+        self.batched = batched
+        self.batch = DecodeBatch(greedy, max_rows=max_rows)
+        self.joining: list[Seq] = []  # first token sampled, KV not yet in the batch
+        self.steps = 0
+        self.tokens_total = 0
+        self._eos = frozenset(tokenizer.eos_token_ids)
+
+    def join(self, seq: Seq) -> None:
+        """A request that has its first token decodes from the next step on."""
+        if self.batched:
+            self.joining.append(seq)
+
+    def leave(self, seq: Seq) -> None:
+        """Between steps: an aborted request's row goes out of the batch."""
+        if seq in self.joining:
+            self.joining.remove(seq)
+        else:
+            self.batch.remove(seq)
+
+    def clear(self) -> None:
+        """Nobody decodes any more (abort all, or the step raised)."""
+        self.joining.clear()
+        self.batch.clear()
+
+    def run(self, decoding: list[Seq], events: list[Event]) -> list[Seq]:
+        """One token for every request in `decoding`; the ones that go on."""
+        survivors = self._batched(events) if self.batched else self._single(decoding, events)
+        self.steps += 1
+        if self.steps % CLEAR_CACHE_EVERY == 0:
+            mx.clear_cache()
+        return survivors
+
+    def _batched(self, events: list[Event]) -> list[Seq]:
+        """Joiners in, one batched pass queued, the previous tokens read at once, leavers out.
+
+        A constrained row's next token waits for its mask, which needs the
+        token just read: its sample is drawn after the read, from the same
+        logits, and written into its place; the free rows keep their look-ahead.
+        """
+        batch = self.batch
+        joining, self.joining = self.joining, []
+        batch.join(joining, [seq.kv() for seq in joining], [seq.token() for seq in joining])
+        for seq in joining:
+            seq.cache = seq.y = None  # the batch holds its KV and token now
+        logits = following = None
+        if batch and any(seq.generated + 1 < seq.max_tokens for seq in batch.rows):
+            with mx.stream(generation_stream):
+                logits, following = batch.forward(self.model)
+        if not batch:
+            return []
+        keep, survivors, late = [], [], []
+        for i, (seq, token) in enumerate(zip(batch.rows, batch.tokens())):
+            if self.emit(seq, token, events):
+                if self.endings.keeps_kv:
+                    seq.cache = batch.extract(i)
+                self.endings.store(seq)
+                seq.cache = None
+                continue
+            keep.append(i)
+            survivors.append(seq)
+            if seq.constraint is not None and logits is not None:
+                with mx.stream(generation_stream):
+                    late.append((i, seq.sample(seq.constraint.mask(logits[i:i + 1]))))
+        if late:
+            assert following is not None  # a late row had logits, so the pass ran
+            with mx.stream(generation_stream):
+                following = batch.place(following, late)
+        batch.keep(keep, following)
+        return survivors
+
+    def _single(self, decoding: list[Seq], events: list[Event]) -> list[Seq]:
+        """One pass per request (no batching): the path before issue 11."""
+        seqs = [seq for seq in decoding if seq.constraint is None]
+        bound = [seq for seq in decoding if seq.constraint is not None]
+        following: list[mx.array | None] = []
+        with mx.stream(generation_stream):
+            for seq in seqs:
+                if seq.generated + 1 < seq.max_tokens:
+                    logits = self.model(seq.token()[None], cache=seq.cache)[:, -1, :]
+                    following.append(seq.sample(logits))
+                else:
+                    following.append(None)
+        mx.async_eval([y for y in following if y is not None])
+        survivors = self._constrained(bound, events) if bound else []
+        for seq, nxt in zip(seqs, following):
+            if self.emit(seq, seq.token_id(), events):
+                self.endings.store(seq)
+                seq.cache = seq.y = None
+            else:
+                seq.y = nxt
+                survivors.append(seq)
+        return survivors
+
+    def _constrained(self, seqs: list[Seq], events: list[Event]) -> list[Seq]:
+        """Issue 13: queue the forward passes, then read each token and advance its grammar
+        while they run, then queue the masked samples (only sampling waits for the mask)."""
+        with mx.stream(generation_stream):
+            ahead = [self.model(seq.token()[None], cache=seq.cache)[:, -1, :]
+                     if seq.generated + 1 < seq.max_tokens else None for seq in seqs]
+        mx.async_eval([logits for logits in ahead if logits is not None])
+        survivors, following = [], []
+        for seq, logits in zip(seqs, ahead):
+            if self.emit(seq, seq.token_id(), events):
+                seq.cache = seq.y = None
+                continue
+            # a constrained request that did not end had room for one more token: its pass ran
+            assert seq.constraint is not None and logits is not None
+            with mx.stream(generation_stream):
+                seq.y = seq.sample(seq.constraint.mask(logits))
+            following.append(seq.y)
+            survivors.append(seq)
+        mx.async_eval(following)
+        return survivors
+
+    def emit(self, seq: Seq, token: int, events: list[Event]) -> bool:
+        """Turn one sampled token into events; True when the request ended."""
+        seq.generated += 1
+        seq.out.append(token)
+        self.tokens_total += 1
+        detok = seq.detok
+        assert detok is not None  # set when the request got its first token
+        if token in self._eos:
+            detok.finalize()
+            text = detok.last_segment
+            if seq.stopper is not None:
+                text, hit = seq.stopper.feed(text)
+                text = text if hit else text + seq.stopper.flush()
+            if text:
+                events.append(TokenOut(request_id=seq.id, text=text))
+            events.append(self.endings.finished(seq, "stop"))
+            return True
+        detok.add_token(token)
+        complete = False  # issue 13: the grammar of a constrained output is satisfied
+        if seq.constraint is not None:
+            if not seq.constraint.accept(token):
+                events.append(self.endings.fail(seq, seq.constraint.error_code, seq.constraint.error))
+                return True
+            complete = seq.constraint.done
+        last = seq.generated >= seq.max_tokens or complete
+        if last:
+            detok.finalize()
+        text = detok.last_segment
+        if seq.stopper is not None:
+            text, hit = seq.stopper.feed(text)
+            if hit:
+                events.append(TokenOut(request_id=seq.id, text=text, token_id=token))
+                events.append(self.endings.finished(seq, "stop"))
+                return True
+            if last:
+                text += seq.stopper.flush()
+        events.append(TokenOut(request_id=seq.id, text=text, token_id=token))
+        if last:
+            # a grammar the budget had to wrap up ends as "length", though its output is complete
+            wrapped = complete and seq.constraint is not None and seq.constraint.wrapped
+            events.append(self.endings.finished(seq, "stop" if complete and not wrapped else "length"))
+            return True
+        return False

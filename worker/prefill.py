@@ -1,0 +1,315 @@
+"""Prefill: a prompt into the KV cache, chunk by chunk, each chunk checked by the guard.
+
+One request alone (`step`), or a group of requests in one pass per chunk
+(`group_step`, worker/group_prefill.py for the MLX mechanics). Around every
+chunk the prefill guard (SPEC G1-G3, worker/prefill_guard.py, pure) decides:
+
+- **G1** before the first chunk: does the whole prefill fit on top of the
+  group's usage? If not, the worker's own unused prompt-cache entries go
+  first (H4), then the supervisor is asked for room (`NeedMemory`, the
+  request waits), then the request is refused (`prefill_memory_exceeded`).
+- **G2** for every chunk: how many tokens fit under the chunk target; a
+  group that cannot give every row a token is split, each request going on
+  alone with its KV so far.
+- **G3** after every chunk: over the abort limit the pool is returned and,
+  still over, the request (or the group) is refused.
+
+A chunk is also sized by time (`ChunkTimer`): commands wait for the step to
+end. The last prompt token's logits give the first output token; the
+request is then `decoding` and worker/scheduler.py hands it to the decode
+step. Nothing here moves a request between the scheduler's lines: its state
+(worker/request.py) says where it goes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import make_prompt_cache
+
+from shared.limits import Limits
+from shared.protocol import NeedMemory
+from worker import memory, prefill_cost
+from worker import prefill_guard as guard
+from worker import prompt_cache as pc
+from worker.endings import Endings, Event, prompted
+from worker.group_prefill import PrefillGroup
+from worker.request import Seq
+
+log = logging.getLogger("memvisor.worker.engine")
+
+UsageFn = Callable[[], int]
+
+DEFAULT_MAX_CHUNK = 512
+MEMORY_WAIT_SECONDS = 10.0
+
+# issue 16: prefill chunks sized by time
+CHUNK_SECONDS = 1.0     # the time one prefill chunk aims at
+FIRST_CHUNK = 64        # tokens of a chunk before any has been timed
+MIN_TIMED_CHUNK = 16    # never fewer per chunk (a chunk has a fixed cost too)
+
+
+class ChunkTimer:
+    """Sizes prefill chunks so one takes about `seconds`, whatever the machine.
+
+    Commands (abort, reclaim, drain) are obeyed at step boundaries, so a step's
+    length is how long they wait. Memory alone sized chunks at 512 tokens, and
+    one such chunk of a 300 MiB float16 model took 4.7-12.2 s on a small CPU.
+    The per-token time jumps up at once when a chunk is slower (attention
+    grows with the prompt) and decays slowly when faster, like the memory
+    estimate of G2."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.per_token = 0.0  # seconds per prompt token, 0 until a chunk has been timed
+
+    def cap(self, tokens: int) -> int:
+        if self.seconds <= 0:
+            return tokens
+        if self.per_token <= 0:
+            return min(tokens, FIRST_CHUNK)
+        return min(tokens, max(MIN_TIMED_CHUNK, int(self.seconds / self.per_token)))
+
+    def learn(self, elapsed: float, tokens: int) -> None:
+        if tokens < MIN_TIMED_CHUNK or elapsed <= 0:
+            return
+        observed = elapsed / tokens
+        self.per_token = observed if observed > self.per_token else 0.7 * self.per_token + 0.3 * observed
+
+
+class Prefill:
+    """Runs prefill chunks under G1-G3 and learns what a chunk costs (G2's running estimate)."""
+
+    def __init__(self, model, tokenizer, endings: Endings, *, layers: int, max_chunk: int,
+                 chunk_seconds: float, own_usage: UsageFn, reclaim: Callable[[], int],
+                 clock: Callable[[], float], memory_wait: float) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.endings = endings
+        self.prompt_cache = endings.prompt_cache
+        self.layers = layers
+        self.max_chunk = max(1, max_chunk)
+        self.cost = prefill_cost.prior_cost(model, self.max_chunk)
+        self.chunk_timer = ChunkTimer(chunk_seconds)  # issue 16: chunks sized by time too
+        self.tokens = 0  # prompt tokens run through the model so far
+        self._own_usage = own_usage
+        self._reclaim = reclaim
+        self._clock = clock
+        self._memory_wait = memory_wait
+
+    # -- one request ---------------------------------------------------------------------
+
+    def step(self, seq: Seq, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> bool:
+        """Advance the request at the head of the prefill line; True when a chunk ran.
+
+        Afterwards its state says where it goes: still `waiting` or `prefill`
+        (it stays at the head), `decoding` (its first token is sampled) or
+        `ended` (the guard refused it).
+        """
+        if seq.state == "waiting":
+            if self._clock() < seq.deadline:
+                return False
+            seq.move("retry")
+            seq.retried = True
+        if seq.state == "preflight" and not self._preflight(seq, limits, usage_fn, events):
+            return False
+        remaining = len(seq.prompt) - 1 - seq.pos
+        if remaining > 0 and not self._run_chunk(seq, remaining, limits, usage_fn, events):
+            return True
+        if seq.pos == len(seq.prompt) - 1:
+            self._first_token(seq)
+        return True
+
+    def _preflight(self, seq: Seq, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> bool:
+        """G1 (with H4 first); True when the prefill may start now."""
+        if self.endings.cacheable:  # look again: a request that finished meanwhile may cover more
+            hit = self.prompt_cache.lookup(seq.prompt, len(seq.prompt) - 1)
+            self.prompt_cache.release(seq.hit)
+            seq.hit = hit
+        if not guard.guard_on(limits):
+            self._start(seq)
+            events.append(prompted(seq))
+            return True
+        verdict = self.verdict(seq, limits, usage_fn)
+        if verdict.verdict != "fits" and self.prompt_cache.drop_unused():
+            self._reclaim()  # H4: our own unused entries go before anyone else's model
+            verdict = self.verdict(seq, limits, usage_fn)
+        if verdict.verdict == "fits":
+            self._start(seq)
+            events.append(prompted(seq))
+            return True
+        if verdict.verdict == "evict":
+            seq.move("need_memory")
+            seq.deadline = self._clock() + self._memory_wait
+            events.append(NeedMemory(request_id=seq.id, need_bytes=verdict.need_bytes))
+            return False
+        events.append(self.endings.memory_failure(seq, verdict.estimated_bytes, verdict.limit_bytes,
+                                                  verdict.binding))
+        return False
+
+    def verdict(self, seq: Seq, limits: Limits, usage_fn: UsageFn) -> guard.Preflight:
+        """G1 for the tokens still to run; a reused prefix costs only its copy (see prompt_cache)."""
+        reused = seq.hit.tokens if seq.hit is not None else 0
+        return guard.preflight(limits, usage_fn(), len(seq.prompt) - reused, self.cost,
+                               own_usage=self._own_usage(), retried=seq.retried,
+                               extra_bytes=int(reused * self.cost.kv_per_token), done=reused)
+
+    def _start(self, seq: Seq) -> None:
+        """The request's KV: a fork of its cache hit (H1), else empty."""
+        if seq.hit is not None:
+            seq.cache = pc.PromptCache.fork(seq.hit)
+            seq.cached = seq.pos = seq.hit.tokens
+            # The fork is a copy: from here on the entry is not in use (H3 may drop it).
+            self.prompt_cache.release(seq.hit)
+            seq.hit = None
+        else:
+            seq.cache = make_prompt_cache(self.model)
+        seq.move("start")
+
+    def _run_chunk(self, seq: Seq, remaining: int, limits: Limits, usage_fn: UsageFn,
+                   events: list[Event]) -> bool:
+        """G2 size, run, measure, G3 check; False when the request was refused."""
+        guarded = guard.guard_on(limits)
+        if guarded:
+            plan = guard.next_chunk(limits, usage_fn(), remaining, self.cost, self.max_chunk, done=seq.pos)
+            if plan.tokens == 0:
+                events.append(self.endings.memory_failure(seq, plan.estimated_bytes, plan.limit_bytes,
+                                                          plan.binding))
+                return False
+            n = plan.tokens
+        else:
+            n = min(self.max_chunk, remaining)
+        n = self.chunk_timer.cap(n)  # issue 16: a chunk also fits its time budget
+        chunk = mx.array(seq.prompt[seq.pos:seq.pos + n])[None]
+        memory.reset_peak()
+        before = mx.get_active_memory()
+        started = time.monotonic()
+        with mx.stream(generation_stream):
+            self.model(chunk, cache=seq.cache)
+            mx.eval([c.state for c in seq.kv()])
+        self.chunk_timer.learn(time.monotonic() - started, n)
+        self.cost = prefill_cost.learn(self.cost, mx.get_peak_memory() - before, n, done=seq.pos)
+        seq.pos += n
+        self.tokens += n
+        mx.clear_cache()  # as mlx_lm does after every chunk: transient buffers go back
+        return not guarded or self._after_chunk([seq], limits, usage_fn, events)
+
+    def _after_chunk(self, seqs: list[Seq], limits: Limits, usage_fn: UsageFn, events: list[Event]) -> bool:
+        """G3 for a request or a group: over the abort limit reclaim and re-check; still over
+        refuses them all. False when they were refused."""
+        level = guard.after_chunk(limits, usage_fn())
+        if level == "over_abort":
+            self._reclaim()
+            usage = usage_fn()
+            if guard.after_chunk(limits, usage) == "over_abort":
+                for seq in seqs:
+                    events.append(self.endings.memory_failure(seq, usage, limits.abort_limit,
+                                                              guard.abort_binding(limits)))
+                return False
+        elif level == "over_soft":
+            for seq in seqs:
+                if not seq.warned_soft:
+                    seq.warned_soft = True
+                    log.info("request %s: prefill is above the soft limit", seq.id)
+        return True
+
+    def _first_token(self, seq: Seq) -> None:
+        """Feed the last prompt token; its sampled successor is the first output token."""
+        last = mx.array(seq.prompt[-1:])[None]
+        with mx.stream(generation_stream):
+            logits = self.model(last, cache=seq.cache)[:, -1, :]
+            if seq.constraint is not None:
+                logits = seq.constraint.mask(logits)
+            seq.y = seq.sample(logits)
+        mx.async_eval(seq.y)
+        self.tokens += 1
+        seq.detok = self.tokenizer.detokenizer
+        seq.move("first_token")
+
+    # -- a group (issue 22) --------------------------------------------------------------
+
+    def fits(self, seq: Seq, limits: Limits, usage_fn: UsageFn) -> bool:
+        """G1 for one would-be member of a group."""
+        return self.verdict(seq, limits, usage_fn).verdict == "fits"
+
+    def group_fits(self, members: list[Seq], limits: Limits, usage: int) -> bool:
+        """G1 for the group: usage plus the sum of each member's estimate, its KV padded to the
+        longest; and G2's view of the group's first step (one column each) under the chunk target,
+        since a group that cannot take its first step would only be split again."""
+        limit, target = guard.prefill_limit(limits), guard.chunk_target(limits)
+        padded = max(len(seq.prompt) for seq in members)
+        peak = sum(guard.admission_peak(padded, self.cost, limits.min_chunk_tokens) for _ in members)
+        first = len(members) * guard.padded_chunk_bytes(self.cost, 0, 1)
+        return ((limit.bytes == 0 or usage + peak <= limit.bytes)
+                and (target.bytes == 0 or usage + first <= target.bytes))
+
+    def group_step(self, group: PrefillGroup, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> None:
+        """One chunk of columns for every row (G2 for the group's tokens, G3 after), or the first tokens.
+
+        Afterwards the members' states say where they go: all still `grouped`,
+        all `prefill` (split: each goes on alone), all `decoding`, or all `ended`.
+        """
+        rows = len(group)
+        if group.remaining > 0:
+            columns = min(group.remaining, max(1, self.max_chunk // rows))
+            guarded = guard.guard_on(limits)
+            if guarded:
+                columns = self._group_columns(group, limits, usage_fn(), columns)
+                if columns == 0:
+                    self._split(group)  # a step for the group does not fit: each goes on alone (G2)
+                    return
+            columns = min(columns, max(1, self.chunk_timer.cap(columns * rows) // rows))
+            done = group.pos
+            real = group.real_tokens(columns)
+            memory.reset_peak()
+            before = mx.get_active_memory()
+            started = time.monotonic()
+            group.run_chunk(self.model, columns)
+            self.chunk_timer.learn(time.monotonic() - started, columns * rows)
+            # the rows are alike (same columns on the same positions): each grew the peak by its share
+            self.cost = prefill_cost.learn(self.cost, (mx.get_peak_memory() - before) // rows, columns, done=done)
+            self.tokens += real
+            mx.clear_cache()
+            if guarded and not self._after_chunk(group.live, limits, usage_fn, events):
+                return
+            if group.remaining > 0:
+                return
+        self._group_first_tokens(group)
+
+    def _group_columns(self, group: PrefillGroup, limits: Limits, usage: int, columns: int) -> int:
+        """G2 for the group: G2's plan for one row, then as many columns as fit for every row
+        (the group's chunk is its rows' padded chunk costs summed); 0 when not one column fits."""
+        rows = len(group)
+        plan = guard.next_chunk(limits, usage, group.remaining, self.cost, columns, done=group.pos)
+        target = guard.chunk_target(limits).bytes
+        columns = min(columns, plan.tokens)
+        while target and columns > 0 and usage + rows * guard.padded_chunk_bytes(self.cost, group.pos, columns) > target:
+            columns //= 2
+        return columns
+
+    def _split(self, group: PrefillGroup) -> None:
+        """Each live member with its own KV so far, to go on alone."""
+        for seq, layers, held in group.split():
+            seq.cache = layers if layers is not None else make_prompt_cache(self.model)
+            seq.pos = held
+            seq.move("split")
+
+    def _group_first_tokens(self, group: PrefillGroup) -> None:
+        """Every row's last prompt token in one pass: the first tokens; each row's KV a view of the
+        group's buffers, which the decode batch copies in when the row joins."""
+        live = [(i, seq) for i, seq in enumerate(group.rows) if seq is not None]
+        with mx.stream(generation_stream):
+            logits = group.last_logits(self.model)
+            for i, seq in live:
+                row = logits[i:i + 1]
+                seq.y = seq.sample(seq.constraint.mask(row) if seq.constraint is not None else row)
+        mx.async_eval([seq.y for _, seq in live])
+        self.tokens += len(live)
+        for i, seq in live:
+            seq.cache = group.row_kv(i)
+            seq.detok = self.tokenizer.detokenizer
+            seq.move("first_token")
