@@ -52,18 +52,18 @@ from supervisor.eventlog import EVENT_HISTORY, EventLog
 from supervisor.fanout import Hub
 from supervisor.gate import Gate
 from supervisor.models import Models
-from supervisor.pool import (
+from supervisor.pool import Pool
+from supervisor.process import (
     Exited,
     Loaded,
     LoadFailed,
     NeedMemory,
-    Pool,
     PoolEvent,
     Reported,
     Spawned,
     Wedged,
+    WorkerHandle,
 )
-from supervisor.process import WorkerHandle
 from supervisor.reload import Reloader
 from supervisor.runtime import ensure_private_dir
 from supervisor.service import Place, Service
@@ -324,7 +324,7 @@ class Arbiter:
         """What happened to a worker: published as an S2 event; crashes may respawn."""
         match ev:
             case NeedMemory():
-                self.enforcer.on_need_memory(ev.handle, ev.request_id, ev.need_bytes)
+                self.enforcer.on_need_memory(ev.handle, ev.request_id, ev.need_bytes, ev.pool)
                 return
             case Spawned():
                 kind, reason = "spawn", ev.reason

@@ -19,8 +19,7 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass
-from typing import Callable, Union
+from typing import Callable
 
 import msgspec
 import multiprocess
@@ -36,72 +35,24 @@ from supervisor import liveness
 from supervisor.bus import Bus
 from supervisor.config import Config, ModelConfig
 from supervisor.errors import LoadError
-from supervisor.process import StopCause, WorkerHandle, describe_exit
+from supervisor.process import (
+    EventSink,
+    Exited,
+    Loaded,
+    LoadFailed,
+    NeedMemory,
+    Reported,
+    Spawned,
+    StopCause,
+    Wedged,
+    WorkerHandle,
+    describe_exit,
+)
 from supervisor.streams import RequestStream, Streams
 from supervisor.views import WorkerView
 from worker.main import run as worker_main  # the spawn target; imports no MLX at module level
 
 log = logging.getLogger("memvisor.pool")
-
-@dataclass(frozen=True, slots=True)
-class _News:
-    """Something happened to one worker; `reason` is the words for the event."""
-
-    handle: WorkerHandle
-    reason: str
-
-
-class Spawned(_News):
-    """A worker process was started for a model."""
-
-
-class Loaded(_News):
-    """The worker loaded its model and serves."""
-
-
-class LoadFailed(_News):
-    """The worker could not load its model (it exits next)."""
-
-
-@dataclass(frozen=True, slots=True)
-class NeedMemory:
-    """SPEC G1: the worker's prefill needs `need_bytes` more (the shortfall)."""
-
-    handle: WorkerHandle
-    request_id: str
-    need_bytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class Exited:
-    """The process is gone; `expected` when a stop had been asked for."""
-
-    handle: WorkerHandle
-    reason: str
-    expected: bool
-    code: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class Wedged:
-    """The worker stopped answering (supervisor.liveness says how); it is being killed."""
-
-    handle: WorkerHandle
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class Reported:
-    """An event the worker itself reported (drills)."""
-
-    handle: WorkerHandle
-    kind: str
-    reason: str
-
-
-PoolEvent = Union[Spawned, Loaded, LoadFailed, NeedMemory, Wedged, Exited, Reported]
-EventSink = Callable[[PoolEvent], None]
-
 
 class Pool:
     def __init__(self, *, bus: Bus, ledger: Ledger, config: Config, on_event: EventSink, on_change: Callable[[], None],
@@ -185,11 +136,15 @@ class Pool:
             self.bus.bad("commands", "message from an unknown or stopped worker", cause="unknown_peer")
             return
         match msg:
+            case p.Tokenized() | p.Detokenized():  # a tokenizer call's answer
+                self.streams.answer(msg)
+            case p.Failed() if self.streams.awaits(msg.request_id):  # ... or its refusal
+                self.streams.answer(msg)
             case p.TokenOut() | p.Finished() | p.Failed() | p.Prompted() | p.Embedded():
                 if self.streams.deliver(msg) is not None:  # its last reply: the worker is idle since now
                     handle.last_access = time.monotonic()
             case p.TokenBatch():  # issue 11: one decode step's tokens for several requests
-                if len(msg.request_ids) == len(msg.texts) == len(msg.token_ids):
+                if msg.well_formed():
                     self.streams.deliver_batch(msg)
                 else:
                     self.bus.bad("commands", "token batch with columns of unequal length")
@@ -209,7 +164,7 @@ class Pool:
                 handle.marked_for_unload = True
                 self.on_event(LoadFailed(handle, msg.error))
             case p.NeedMemory():
-                self.on_event(NeedMemory(handle, msg.request_id, msg.need_bytes))
+                self.on_event(NeedMemory(handle, msg.request_id, msg.need_bytes, msg.pool))
             case p.Ack() | p.Reclaimed():
                 pass  # informational; the sample that follows carries the effect
             case _:
@@ -395,6 +350,20 @@ class Pool:
         finally:
             self._pings.pop(key, None)
 
+    async def call(self, handle: WorkerHandle, cmd: p.Tokenize | p.Detokenize, timeout: float) -> p.TokensReply:
+        """A command the worker answers with one reply of the same request id (or a
+        `Failed`); LoadError 503 when the worker cannot be reached or exits first,
+        TimeoutError when it does not answer in `timeout` seconds."""
+        waiter = self.streams.expect(handle.worker_id, cmd.request_id)
+        try:
+            if not self.command(handle, cmd):
+                raise LoadError(f"the worker for {handle.model_id!r} is not reachable", code="worker_exited",
+                                http_status=503)
+            handle.last_access = time.monotonic()  # a use of the model: its idle timer starts again
+            return await asyncio.wait_for(waiter, timeout)
+        finally:
+            self.streams.forget_call(cmd.request_id)
+
     def read_samples(self) -> None:
         for h in self.handles.values():
             if h.live:
@@ -487,7 +456,9 @@ class Pool:
         level = logging.INFO if expected and code == 0 else logging.ERROR
         log.log(level, "Worker %s (pid %d, model %s) %s%s", handle.worker_id, handle.pid, handle.model_id,
                 handle.exit_cause, f" [{handle.stop_reason}]" if handle.stop_reason else "")
-        self.streams.fail_all(handle.worker_id, "worker_exited", f"the worker serving {handle.model_id!r} {handle.exit_cause}")
+        gone = f"the worker serving {handle.model_id!r} {handle.exit_cause}"
+        self.streams.fail_all(handle.worker_id, "worker_exited", gone)
+        self.streams.fail_calls(handle.worker_id, LoadError(gone, code="worker_exited", http_status=503))
         if not handle.loaded.done():  # a death, as after loading: 503, retry (issue 16; was a 500)
             handle.loaded.set_exception(
                 LoadError(f"worker for {handle.model_id!r} {handle.exit_cause} before the model was loaded",

@@ -1,4 +1,4 @@
-"""One worker process as the supervisor holds it: its handle, its state, how it ended.
+"""One worker process as the supervisor holds it: its handle, its state, its news, how it ended.
 
 A `WorkerHandle` is live state, and only the pool changes it (spawn, the
 worker's messages, liveness, stops, exits): everyone else reads it, and the
@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Literal, Union
 
 from shared.ledger import LedgerSample
 from shared.limits import Limits
@@ -78,6 +79,71 @@ class WorkerHandle:
 
     def __repr__(self) -> str:
         return f"<worker {self.worker_id} pid={self.pid} {self.state}>"
+
+
+# ---------------------------------------------------------------------------
+# what the pool tells the others about a worker (`Pool.on_event`)
+
+
+@dataclass(frozen=True, slots=True)
+class _News:
+    """Something happened to one worker; `reason` is the words for the event."""
+
+    handle: WorkerHandle
+    reason: str
+
+
+class Spawned(_News):
+    """A worker process was started for a model."""
+
+
+class Loaded(_News):
+    """The worker loaded its model and serves."""
+
+
+class LoadFailed(_News):
+    """The worker could not load its model (it exits next)."""
+
+
+@dataclass(frozen=True, slots=True)
+class NeedMemory:
+    """SPEC G1: the worker's prefill needs `need_bytes` more (the shortfall) in `pool`."""
+
+    handle: WorkerHandle
+    request_id: str
+    need_bytes: int
+    pool: str = "host"
+
+
+@dataclass(frozen=True, slots=True)
+class Exited:
+    """The process is gone; `expected` when a stop had been asked for."""
+
+    handle: WorkerHandle
+    reason: str
+    expected: bool
+    code: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Wedged:
+    """The worker stopped answering (supervisor.liveness says how); it is being killed."""
+
+    handle: WorkerHandle
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Reported:
+    """An event the worker itself reported (drills)."""
+
+    handle: WorkerHandle
+    kind: str
+    reason: str
+
+
+PoolEvent = Union[Spawned, Loaded, LoadFailed, NeedMemory, Wedged, Exited, Reported]
+EventSink = Callable[[PoolEvent], None]
 
 
 def describe_exit(code: int | None, expected: bool, signals_sent: list[int]) -> str:

@@ -151,6 +151,23 @@ class Service:
                              "sentence-transformers folder for embeddings)", code=WRONG_MODEL_KIND, http_status=400)
         return await self._submit(self.catalog.model(model_id), cmd)
 
+    async def tokens(self, model_id: str, cmd: p.Tokenize | p.Detokenize) -> p.TokensReply:
+        """The model's tokenizer on request, loaded on demand like a generation
+        (A2-A5); the worker answers between two steps, so the wait is at most one step."""
+        handle = await self.models.load(self.catalog.model(model_id).id)
+        if not handle.live:
+            raise LoadError(f"the worker for {model_id!r} stopped before the request reached it",
+                            code="worker_exited", http_status=503)
+        cmd.request_id = cmd.request_id or new_request_id()
+        try:
+            return await self.pool.call(handle, cmd, self.config.supervisor.step_timeout + 5.0)
+        except FrameTooLarge as exc:
+            raise LoadError(f"the request is too large to hand to a worker: {exc}; send less text",
+                            code="request_too_large", http_status=413) from None
+        except TimeoutError:
+            raise LoadError(f"the worker for {model_id!r} did not answer in time", code="worker_timeout",
+                            http_status=503) from None
+
     async def _submit(self, model: ModelConfig, cmd: p.Generate | p.Embed,
                       max_wait: float | None = None) -> RequestStream:
         handle = await self._loaded(model, max_wait)
@@ -250,7 +267,8 @@ class Service:
             id=m.id, path=m.path, pinned=m.pinned, state=view.state, worker=view.worker, pid=view.pid,
             failed_reason=view.reason, aliases=list(m.aliases), estimated_bytes=self.catalog.estimate_soon(m),
             usage=memory.usage, mlx_active=memory.mlx_active, mlx_pool=memory.mlx_pool,
-            cache_bytes=memory.cache_bytes, idle_seconds=idle, ttl=ttl, expires_in=expires,
+            cache_bytes=memory.cache_bytes, batch_bytes=memory.batch_bytes, batch_live_bytes=memory.batch_live_bytes,
+            idle_seconds=idle, ttl=ttl, expires_in=expires,
             restarts=self.models.restarts(m.id),
         )
 

@@ -10,6 +10,9 @@ clear error, and no stream is ever left waiting for a reply that cannot come.
 A worker's `Prompted` (issue 23) does not go into the queue: it is kept on the
 stream, where a front door that needs the prompt's length early reads it (it
 always arrives before the first token) or awaits it (`prompt_known`).
+
+A tokenizer call (`Tokenize`, `Detokenize`) is no stream: it waits for its one
+reply (`expect`), and it does not count as a request the worker runs.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import asyncio
 import time
 import uuid
 from typing import Union
+
+import msgspec
 
 from shared import protocol as p
 
@@ -73,6 +78,7 @@ class Streams:
     def __init__(self) -> None:
         self.by_id: dict[str, RequestStream] = {}
         self._by_worker: dict[str, dict[str, RequestStream]] = {}
+        self._calls: dict[str, tuple[str, asyncio.Future[p.TokensReply]]] = {}  # request id -> (worker, its reply)
         self.batches = 0  # TokenBatch frames delivered (a worker decoding in batches)
 
     def open(self, worker_id: str, model_id: str, request_id: str) -> RequestStream:
@@ -100,6 +106,12 @@ class Streams:
         """A batched decode step's tokens, one per request, from one frame."""
         self.batches += 1
         by_id = self.by_id
+        if msg.logprobs is not msgspec.UNSET:  # some row asked for logprobs
+            for token in msg.tokens():
+                stream = by_id.get(token.request_id)
+                if stream is not None:
+                    stream.put(token)
+            return
         for rid, text, token_id in zip(msg.request_ids, msg.texts, msg.token_ids):
             stream = by_id.get(rid)
             if stream is not None:
@@ -118,3 +130,30 @@ class Streams:
         for stream in list(self._by_worker.get(worker_id, {}).values()):
             stream.put(p.Failed(request_id=stream.request_id, code=code, message=message))
             self.close(stream)
+
+    # -- calls: one command, one reply ----------------------------------------------
+
+    def expect(self, worker_id: str, request_id: str) -> asyncio.Future[p.TokensReply]:
+        """The reply the worker will send to the call `request_id`."""
+        waiter: asyncio.Future[p.TokensReply] = asyncio.get_running_loop().create_future()
+        self._calls[request_id] = (worker_id, waiter)
+        return waiter
+
+    def awaits(self, request_id: str) -> bool:
+        return request_id in self._calls
+
+    def answer(self, msg: p.TokensReply) -> None:
+        entry = self._calls.pop(msg.request_id, None)
+        if entry is not None and not entry[1].done():
+            entry[1].set_result(msg)
+
+    def forget_call(self, request_id: str) -> None:
+        self._calls.pop(request_id, None)
+
+    def fail_calls(self, worker_id: str, error: Exception) -> None:
+        """The worker is gone: every call it had not answered fails with `error`."""
+        for request_id, (owner, waiter) in list(self._calls.items()):
+            if owner == worker_id:
+                if not waiter.done():
+                    waiter.set_exception(error)
+                del self._calls[request_id]

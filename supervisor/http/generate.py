@@ -20,11 +20,13 @@ from starlette.responses import Response
 
 from shared import protocol as p
 from supervisor.api import Supervisor
-from supervisor.http import tools
+from supervisor.errors import ServeError
+from supervisor.http import sampling, tools
 from supervisor.http.content import text_of
-from supervisor.http.errors import ApiError
+from supervisor.http.errors import ApiError, from_serve_error
 from supervisor.http.job import Calls, End, Job, Piece, Receive, Text, open_job
 from supervisor.http.metrics import Metrics
+from supervisor.http.modelfacts import require_fim
 from supervisor.http.openai_types import (
     DEFAULT_CHAT_MAX_TOKENS,
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -36,6 +38,7 @@ from supervisor.http.openai_types import (
     ChatMessageOut,
     ChatRequest,
     ChunkChoice,
+    CompletionLogprobs,
     CompletionRequest,
     Delta,
     FunctionCall,
@@ -64,13 +67,6 @@ def _refuse_unsupported(req, *names: str) -> None:
     """Known OpenAI parameters we cannot honour are refused, not ignored."""
     if req.n not in (None, 1):
         raise BodyError("n: only n=1 is supported", param="n")
-    if req.logprobs not in (None, False, 0):
-        raise BodyError("logprobs: log probabilities are not supported", param="logprobs")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0, 0.0):
-            raise BodyError(f"{name}: not supported (only 0)", param=name)
-    if req.logit_bias:
-        raise BodyError("logit_bias: not supported (only an empty map)", param="logit_bias")
     for name in names:
         if getattr(req, name):
             raise BodyError(f"{name}: not supported by this server", param=name)
@@ -111,7 +107,8 @@ def _seed(seed: int | None) -> int | None:
 def _sampling(req, max_tokens: int) -> dict:
     return dict(request_id="", max_tokens=max_tokens,  # "": the supervisor gives it its id
                 temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p, stop=_stops(req.stop), seed=_seed(req.seed))
+                top_p=1.0 if req.top_p is None else req.top_p, stop=_stops(req.stop), seed=_seed(req.seed),
+                **sampling.generate_fields(req))  # top_k, min_p, penalties, logit_bias
 
 
 def response_format_constraint(fmt: ResponseFormat | None) -> p.Constraint | None:
@@ -168,19 +165,21 @@ def _chat_message(i: int, m) -> p.ChatMessage:
 
 def chat_generate(req: ChatRequest) -> Planned:
     """OpenAI chat -> Generate with messages (the worker applies the model's chat template)."""
-    _refuse_unsupported(req, "top_logprobs")
+    _refuse_unsupported(req)
     _refuse_chat_extras(req)
     if not req.messages:
         raise BodyError("messages: must contain at least one message", param="messages")
     messages = [_chat_message(i, m) for i, m in enumerate(req.messages)]
     max_tokens = req.max_completion_tokens or req.max_tokens or DEFAULT_CHAT_MAX_TOKENS
     fmt = response_format_constraint(req.response_format)
-    return planned(p.Generate(messages=messages, constraint=fmt, **_sampling(req, max_tokens)), chat_tool_plan(req))
+    logprobs = sampling.chat_logprobs(req.logprobs, req.top_logprobs)
+    return planned(p.Generate(messages=messages, constraint=fmt, **_sampling(req, max_tokens), **logprobs),
+                   chat_tool_plan(req))
 
 
 def completion_generate(req: CompletionRequest) -> Planned:
     """Legacy completions: the prompt goes to the model as is, no template."""
-    _refuse_unsupported(req, "echo", "suffix")
+    _refuse_unsupported(req, "echo")
     if req.best_of not in (None, 1):
         raise BodyError("best_of: only 1 is supported", param="best_of")
     prompt = req.prompt
@@ -188,9 +187,11 @@ def completion_generate(req: CompletionRequest) -> Planned:
         if len(prompt) != 1:
             raise BodyError("prompt: exactly one prompt per request is supported", param="prompt")
         prompt = prompt[0]
-    if not prompt:
+    if not prompt and req.suffix is None:  # fill in the middle may start at the top of a file
         raise BodyError("prompt: must not be empty", param="prompt")
-    return Planned(p.Generate(prompt=prompt, **_sampling(req, req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS)))
+    return Planned(p.Generate(prompt=prompt, suffix=req.suffix,
+                              **_sampling(req, req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS),
+                              **sampling.completion_logprobs(req.logprobs)))
 
 
 # ---------------------------------------------------------------------------
@@ -208,21 +209,31 @@ class Completion:
         self.created = int(time.time())
         self.include_usage = include_usage
         self._token_frame: tuple[bytes, bytes] | None = None  # see token_chunk
+        self._offset = 0  # completions' text_offset of the next token reported
+
+    def completion_logprobs(self, items: list[p.TokenLogprobs]) -> CompletionLogprobs:
+        """Completions' columns for `items`, their text offsets following the tokens before them."""
+        out = sampling.completion_choice_logprobs(items, self._offset)
+        self._offset += sum(len(item.token) for item in items)
+        return out
 
     async def whole(self, receive: Receive) -> Response:
         text, calls, end = await self.job.collect(receive)
         usage = _usage(end.finished)
         body: ChatCompletion | TextCompletion
+        job = self.job
         if self.kind == "chat":
-            message = ChatMessageOut(role="assistant", content=text or (None if calls else ""))
-            if calls:
+            message = ChatMessageOut(role="assistant", content=text or (None if calls or job.calls_only else ""))
+            if calls or job.calls_only:
                 message.tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
                                       for c in calls]
+            logprobs = sampling.chat_choice_logprobs(job.logprobs) if job.gen.logprobs else None
             body = ChatCompletion(id=self.id, created=self.created, model=self.model, usage=usage, choices=[
-                ChatChoice(index=0, message=message, finish_reason=end.reason)])
+                ChatChoice(index=0, message=message, finish_reason=end.reason, logprobs=logprobs)])
         else:
             body = TextCompletion(id=self.id, created=self.created, model=self.model, usage=usage, choices=[
-                TextChoice(index=0, text=text, finish_reason=end.reason)])
+                TextChoice(index=0, text=text, finish_reason=end.reason,
+                           logprobs=self.completion_logprobs(job.logprobs) if job.gen.logprobs else None)])
         return Response(_encoder.encode(body), media_type="application/json")
 
     async def chunks(self, first: StreamReply) -> AsyncIterator[list[bytes]]:
@@ -237,6 +248,8 @@ class Completion:
     def render(self, piece: Piece) -> bytes:
         match piece:
             case Text(text=text):
+                if self.job.gen.logprobs:  # the tokens' logprobs ride with their text
+                    return self.chunk(text, logprobs=self.job.take_logprobs())
                 return self.token_chunk(text) if text else b""  # the hot path (issue 11)
             case Calls(calls=calls):
                 deltas = [ToolCall(index=i, id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
@@ -247,22 +260,27 @@ class Completion:
                 return b"data: " + piece.body() + b"\n\n"
             case End(finished=fin, reason=reason):
                 last = self.chunk(None, finish=reason)
+                held = self.job.take_logprobs() if self.job.gen.logprobs else []
+                if held:  # tokens whose text never came out (held back, or tool calls): theirs before the end
+                    last = self.chunk("", logprobs=held) + last
                 if self.include_usage:
                     last += self.usage_chunk(_usage(fin))
                 return last
         return b""
 
     def chunk(self, text: str | None, *, role: bool = False, finish: str | None = None,
-              calls: list[ToolCall] | None = None) -> bytes:
+              calls: list[ToolCall] | None = None, logprobs: list[p.TokenLogprobs] | None = None) -> bytes:
         usage = None if self.include_usage else msgspec.UNSET
         body: ChatChunk | TextCompletion
         if self.kind == "chat":
             delta = Delta(role="assistant", content="") if role else Delta(content=text, tool_calls=calls)
-            body = ChatChunk(id=self.id, created=self.created, model=self.model, usage=usage,
-                             choices=[ChunkChoice(index=0, delta=delta, finish_reason=finish)])
+            choice = ChunkChoice(index=0, delta=delta, finish_reason=finish,
+                                 logprobs=None if logprobs is None else sampling.chat_choice_logprobs(logprobs))
+            body = ChatChunk(id=self.id, created=self.created, model=self.model, usage=usage, choices=[choice])
         else:
-            body = TextCompletion(id=self.id, created=self.created, model=self.model, usage=usage,
-                                  choices=[TextChoice(index=0, text=text or "", finish_reason=finish)])
+            body = TextCompletion(id=self.id, created=self.created, model=self.model, usage=usage, choices=[
+                TextChoice(index=0, text=text or "", finish_reason=finish,
+                           logprobs=None if logprobs is None else self.completion_logprobs(logprobs))])
         return b"data: " + _encoder.encode(body) + b"\n\n"
 
     # -- issue 11: the per-token hot path ---------------------------------------------
@@ -299,6 +317,13 @@ def _usage(msg: p.Finished) -> Usage:
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=msg.cached_tokens))
 
 
+def _model(sup: Supervisor, name: str):
+    try:
+        return sup.model_config(name)
+    except ServeError as exc:
+        raise from_serve_error(exc) from None
+
+
 async def handle(request: Request, sup: Supervisor, metrics: Metrics, kind: str, body: bytes,
                  started: float) -> Response:
     """Decode, validate, route to the model's worker, answer (JSON or SSE)."""
@@ -309,6 +334,9 @@ async def handle(request: Request, sup: Supervisor, metrics: Metrics, kind: str,
     else:
         req = decode_body(body, CompletionRequest)
         work = completion_generate(req)
+        if req.suffix is not None:  # refused before any load where the card says no insert
+            model = _model(sup, req.model)
+            await require_fim(model.id, model.path)
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
     job = await open_job(request, sup, metrics, req, work, started)
     reply = Completion(job, kind, include_usage)

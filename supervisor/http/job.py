@@ -30,10 +30,12 @@ import time
 from collections.abc import MutableMapping
 from typing import Any, AsyncIterator, Awaitable, Callable, NamedTuple, TypeVar, Union
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from shared import protocol as p
+from shared.fim import FIM_UNSUPPORTED
 from supervisor.api import Supervisor
 from supervisor.errors import ServeError
 from supervisor.http import routing, tools
@@ -124,6 +126,8 @@ class Job:
         self.stream = stream
         self.finished = False
         self.tokens = 0
+        self.logprobs: list[p.TokenLogprobs] = []  # each token's, when the request asked
+        self._reported = 0  # how many of them streamed chunks have carried
 
     def cancel(self, reason: str) -> None:
         """Abort the worker's request unless it already ended (idempotent)."""
@@ -151,6 +155,8 @@ class Job:
             if self.tokens == 0:
                 self.metrics.first_token(self.model, time.monotonic() - self.started)
             self.tokens += 1
+            if msg.logprobs is not msgspec.UNSET:
+                self.logprobs.append(msg.logprobs)
         else:
             self.finished = True
             if isinstance(msg, p.Finished):
@@ -158,6 +164,16 @@ class Job:
             else:
                 self.metrics.failed(self.model, msg.code)
         return msg
+
+    def take_logprobs(self) -> list[p.TokenLogprobs]:
+        """The logprobs of the tokens read so far that no streamed piece has carried.
+
+        Why a running list and not a field of `Text`: a token whose text the
+        detokenizer or a stop string holds back still has its logprob, and the
+        pieces stay the same for every API; each renders what it takes here."""
+        items = self.logprobs[self._reported:]
+        self._reported = len(self.logprobs)
+        return items
 
     # -- the reply as pieces, whatever the API -------------------------------
 
@@ -189,8 +205,10 @@ class Job:
             return
         reason, text, calls = msg.finish_reason, "".join(held), None
         if mode == "constrained":
-            calls = tools.parse_constrained(text)
-            text = "" if calls is not None else text
+            # The reply is the call list and nothing else. Cut by max_tokens before its
+            # first call closed it holds no call: an empty answer with the worker's
+            # finish_reason ("length"), never the partial JSON as text.
+            calls, text = tools.parse_constrained(text), ""
         elif mode == "auto" and text:
             text, calls = tools.parse_tagged(text)
         if text:
@@ -199,6 +217,12 @@ class Job:
             yield Calls(calls)
             reason = "tool_calls" if reason == "stop" else reason
         yield End(msg, reason)
+
+    @property
+    def calls_only(self) -> bool:
+        """A call was required (tool_choice required or named): the reply is its call
+        list, empty when max_tokens cut the first call, and never text."""
+        return self.plan is not None and self.plan.mode == "constrained"
 
     async def collect(self, receive: Receive) -> tuple[str, list[tools.Call], End]:
         """The whole reply (non-streamed); a failure raises its ApiError."""
@@ -257,6 +281,8 @@ class Job:
         error = from_failed(msg)
         if msg.code == INVALID_CONSTRAINT:
             error.param = "tools" if isinstance(self.gen.constraint, p.ToolCall) else self.format_param
+        elif msg.code == FIM_UNSUPPORTED:
+            error.param = "suffix"
         return error
 
     async def streamed(self, receive: Receive, events: Events) -> Response:
