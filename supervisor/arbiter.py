@@ -69,7 +69,7 @@ from supervisor.runtime import ensure_private_dir
 from supervisor.service import Place, Service
 
 if TYPE_CHECKING:
-    from supervisor.http.app import EmbeddedServer
+    from supervisor.http.server import EmbeddedServer
 
 log = logging.getLogger("memvisor.arbiter")
 
@@ -179,7 +179,7 @@ class Arbiter:
         self.setup()
         try:
             if self.serve_http:
-                from supervisor.http.app import start_http
+                from supervisor.http.server import start_http
 
                 self.http_server, self.http_address = await start_http(self.service)
                 self._record_http_address()

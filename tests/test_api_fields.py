@@ -34,11 +34,11 @@ from shared import protocol as p
 from supervisor.config import Config, ModelConfig, SupervisorConfig
 from supervisor.errors import GateClosed, LoadError
 from supervisor.http.anthropic import MessagesRequest, messages_generate
-from supervisor.http.app import start_http
 from supervisor.http.generate import chat_generate, completion_generate
 from supervisor.http.keepalive import keep_alive_seconds
 from supervisor.http.openai_types import BodyError, ChatRequest, CompletionRequest, decode_body
 from supervisor.http.responses import ResponsesRequest, responses_generate
+from supervisor.http.server import start_http
 from supervisor.streams import RequestStream, new_request_id
 
 MSG = [{"role": "user", "content": "hi"}]

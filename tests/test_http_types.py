@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from shared import protocol as p
-from supervisor.http.app import endpoint_label, is_loopback
+from supervisor.http.auth import is_loopback
 from supervisor.http.errors import from_failed
 from supervisor.http.generate import chat_generate, completion_generate
 from supervisor.http.openai_types import (
@@ -22,6 +22,7 @@ from supervisor.http.openai_types import (
     GuardSettingsIn,
     decode_body,
 )
+from supervisor.http.server import endpoint_label
 
 
 def chat(**fields) -> ChatRequest:
