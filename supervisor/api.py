@@ -1,9 +1,11 @@
 """What the doors see of the supervisor: one narrow, typed interface.
 
-The HTTP front door, the control socket and the metrics talk to the arbiter
+The HTTP front door, the control socket and the metrics talk to the supervisor
 only through `Supervisor` (a `typing.Protocol`): they set nothing on it and
 probe nothing with getattr. Tests may hand them any object with these
-methods. Refusals come back as `supervisor.errors.ServeError`s.
+methods. Refusals come back as `supervisor.errors.ServeError`s. What it
+returns are frozen views (supervisor.views), never a worker's handle;
+`supervisor.service.Service` implements it.
 """
 
 from __future__ import annotations

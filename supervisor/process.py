@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 
     from supervisor.config import ModelConfig
 
-# Why a stop was asked for; the arbiter respawns a pinned model whose load the
-# guard aborted (P6 step 4) as it would after a crash.
+# Why a stop was asked for; a pinned model whose load the
+# guard aborted (P6 step 4), or that was killed as wedged, comes back as after a crash.
 StopCause = Literal["request", "evict", "ttl", "unload", "load_abort", "wedged", "shutdown"]
 
 

@@ -4,7 +4,7 @@ Memory is a per-host resource, so each host runs its own supervisor and a
 router (LiteLLM, an Inference-Extension endpoint picker, a script) chooses
 among them per request. It needs, per model and cheaply, the answer to "if I
 send this host a request now, what happens?". `assess` gives it in one
-struct, from facts the arbiter already holds (no I/O but one footprint read
+struct, from facts the supervisor already holds (no I/O but one footprint read
 of a loading worker): `GET /health?model=ID`, each `/v1/models` card and the
 refusals of a request that will not wait all say the same thing.
 

@@ -68,7 +68,7 @@ async def race_client(coro: Awaitable[T], receive: Receive) -> T:
     """Await `coro` unless the client disconnects first (then Disconnected).
 
     Cancelling a queued request just drops it from the gate; cancelling our
-    wait for a load leaves the load running (the arbiter shields it, A5)."""
+    wait for a load leaves the load running (the models shield it, A5)."""
     task = asyncio.ensure_future(coro)
     watcher = asyncio.ensure_future(wait_for_disconnect(receive))
     try:

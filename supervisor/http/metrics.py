@@ -3,14 +3,14 @@
 Two kinds of figures, gathered two ways:
 
 - current values (ceiling and its components, usage, pressure level,
-  per-worker memory, queue depth) are read from the arbiter when Prometheus
+  per-worker memory, queue depth) are read from the supervisor when Prometheus
   scrapes, by `GuardCollector`; nothing is copied on every tick. With a
   discrete device (SPEC D6) its pool has series of its own
   (`memvisor_device_*`, `memvisor_worker_device_bytes`); without one they
   are absent, not 0;
 - things that happen (guard events, requests, tokens, time to first token)
   are counted where they happen: the front door calls `Metrics` directly and
-  the arbiter's guard events (SPEC S2) arrive through `on_event`.
+  the supervisor's guard events (SPEC S2) arrive through `on_event`.
 
 Each front door has its own registry, so several supervisors in one process
 (tests) never share or clash over series.
@@ -98,7 +98,7 @@ class Metrics:
 
 
 class GuardCollector:
-    """Current values, read from the arbiter at scrape time."""
+    """Current values, read from the supervisor at scrape time."""
 
     def __init__(self, sup: Supervisor) -> None:
         self.sup = sup
