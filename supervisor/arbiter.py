@@ -155,7 +155,7 @@ class Arbiter:
         self.catalog = Catalog(config, emit=emit, counters=counters,
                                discovered_refused=last_refused() if self.reload_config is not None else {})
         self.models = Models(config, catalog=self.catalog, pool=self.pool, enforcer=self.enforcer, emit=emit,
-                             wake=wake, counters=counters)
+                             wake=wake, counters=counters, running=lambda: self.running)
         self.reloader = Reloader(config, build=self.reload_config, config_file=self.config_file,
                                  catalog=self.catalog, models=self.models, pool=self.pool, enforcer=self.enforcer,
                                  emit=emit, counters=counters, configure=self.configure, wake=wake)
@@ -285,9 +285,7 @@ class Arbiter:
     def stop(self, reason: str = "done") -> None:
         """Leave the loop at its next turn and drain every worker (a signal, a test, a benchmark)."""
         self.stop_reason = reason
-        self.running = False
-        if hasattr(self, "models"):
-            self.models.open = False  # nothing respawns while the workers drain
+        self.running = False  # nothing respawns while the workers drain
         self.wake()
 
     async def shutdown(self) -> None:

@@ -64,7 +64,7 @@ class ModelLife:
 
 class Models:
     def __init__(self, config: Config, *, catalog: Catalog, pool: Pool, enforcer: Enforcer, emit: Emit,
-                 wake: Callable[[], None], counters: collections.Counter[str]) -> None:
+                 wake: Callable[[], None], counters: collections.Counter[str], running: Callable[[], bool]) -> None:
         self.config = config
         self.catalog = catalog
         self.pool = pool
@@ -73,7 +73,7 @@ class Models:
         self.wake = wake
         self.counters = counters
         self.lives: dict[str, ModelLife] = {}
-        self.open = True  # False once the supervisor shuts down: nothing respawns then
+        self.running = running  # False once the supervisor shuts down: nothing respawns then
         self._load_lock = asyncio.Lock()  # A5: one model load at a time
 
     def renew(self, config: Config) -> None:
@@ -226,7 +226,7 @@ class Models:
 
     def schedule_respawn(self, model_id: str, cause: str) -> None:
         life = self.life(model_id)
-        if not self.open or life.state in ("respawning", "failed"):
+        if not self.running() or life.state in ("respawning", "failed"):
             return
         now = time.monotonic()
         life.restarts = intensity.recent(life.restarts, now, self.config.supervisor)
