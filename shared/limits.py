@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-TIERS = ("safe", "balanced", "aggressive", "custom")
-BINDINGS = ("", "static", "dynamic", "gpu_cap")
+from shared.vocab import HostBinding, Tier
 
 
 class Limits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -30,8 +29,8 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     static: int = 0
     dynamic: int = 0
     gpu_cap: int = 0
-    binding: str = ""            # one of BINDINGS
-    tier: str = "balanced"       # one of TIERS
+    binding: HostBinding = ""
+    tier: Tier = "balanced"
     admission_paused: bool = False  # P3: take no new request while another runs
     max_concurrency: int = 1     # P8: the walked cap on concurrent sequences
     # The worker's own allocator and prompt cache (SPEC H2, M1, M2); 0 = none / no limit.

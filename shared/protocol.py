@@ -24,6 +24,18 @@ import msgspec
 
 from shared.limits import Limits
 from shared.memory import MemoryReading
+from shared.vocab import (
+    DeviceBinding,
+    ErrorCode,
+    FailureCode,
+    FinishReason,
+    GuardEventKind,
+    HostBinding,
+    MalformedCause,
+    PressureLevel,
+    Tier,
+    WorkerEventKind,
+)
 
 PROTOCOL_VERSION = 1
 
@@ -169,7 +181,7 @@ class Prompted(Msg, tag="prompted", kw_only=True):
 
 class Finished(Msg, tag="finished", kw_only=True):
     request_id: str
-    finish_reason: str  # "stop" | "length"
+    finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # H1: prompt tokens reused from the worker's prompt cache
@@ -180,11 +192,11 @@ class Failed(Msg, tag="failed", kw_only=True):
     """Terminal error of one request (SPEC G1: `prefill_memory_exceeded`)."""
 
     request_id: str
-    code: str
+    code: FailureCode
     message: str
     estimated_bytes: int = 0
     limit_bytes: int = 0
-    binding: str = ""
+    binding: HostBinding = ""
 
 
 class NeedMemory(Msg, tag="need_memory", kw_only=True):
@@ -247,7 +259,7 @@ class AbortRequests(Command, tag="abort", kw_only=True):
 
     request_ids: Union[list[str], None] = None
     reason: str = ""
-    code: str = "aborted"
+    code: FailureCode = "aborted"
 
 
 class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
@@ -405,12 +417,6 @@ class Sample(Msg, tag="sample", kw_only=True):
     why: str = "tick"
 
 
-# What a worker may report as an event. The supervisor's own lifecycle kinds
-# (crash, exit, need_memory ...) drive respawns and evictions, so a report
-# must not be able to pose as one; anything else is refused at decoding.
-WorkerEventKind = Literal["drill", "wired_limit"]
-
-
 class WorkerEvent(Msg, tag="worker_event", kw_only=True):
     worker_id: str
     kind: WorkerEventKind
@@ -460,13 +466,13 @@ class DevicePool(msgspec.Struct, frozen=True, kw_only=True):
     static: int                   # D3 device static
     dynamic: int                  # D3 device dynamic
     ceiling: int                  # D3; 0 = guard off (no limit)
-    binding: str                  # "device_static" | "device_others" | "" (guard off)
+    binding: DeviceBinding        # "" when the guard is off
     remedy: str                   # what a person can do about the binding ("" if none)
     soft_threshold: float
     hard_threshold: float
     soft_bytes: int               # C11 on the device
     hard_bytes: int
-    level: str                    # D4: this pool's level ("ok" | "soft" | "hard")
+    level: PressureLevel          # D4: this pool's level
     emergency: bool               # P2 on the device
     utilization: float            # usage / ceiling, 0 when there is no ceiling
 
@@ -474,12 +480,12 @@ class DevicePool(msgspec.Struct, frozen=True, kw_only=True):
 class CeilingMsg(Msg, tag="ceiling", kw_only=True):
     t: float
     enabled: bool
-    tier: str
+    tier: Tier
     ceiling: int
     static: int
     dynamic: int
     gpu_cap: int
-    binding: str
+    binding: HostBinding
     soft_bytes: int
     hard_bytes: int
     reserve: int
@@ -490,7 +496,7 @@ class CeilingMsg(Msg, tag="ceiling", kw_only=True):
 
 class PressureMsg(Msg, tag="pressure", kw_only=True):
     t: float
-    level: str                   # the group's: the worse of host and device (D4)
+    level: PressureLevel         # the group's: the worse of host and device (D4)
     usage: int
     soft_bytes: int
     hard_bytes: int
@@ -506,7 +512,7 @@ class GuardEvent(Msg, tag="event", kw_only=True):
     refused load ... with the reason people read."""
 
     t: float
-    kind: str
+    kind: GuardEventKind
     reason: str
     worker_id: str = ""
     model_id: str = ""
@@ -574,7 +580,7 @@ class ControlOk(Msg, tag="ok", kw_only=True):
 
 
 class ControlError(Msg, tag="error", kw_only=True):
-    code: str
+    code: ErrorCode
     message: str
     http_status: int = 400
 
@@ -587,10 +593,15 @@ ControlReply = Union[ControlOk, ControlError]
 
 
 class Malformed(msgspec.Struct, frozen=True):
-    """A frame that could not be taken; `reason` is one short line for the log."""
+    """A frame that could not be taken: `cause` to count it by (never text the
+    sender chose), `reason` one short line for the log."""
 
+    cause: MalformedCause
     reason: str
-    wrong_version: bool = False
+
+    @property
+    def wrong_version(self) -> bool:
+        return self.cause == "wrong_version"
 
 
 class _Peek(msgspec.Struct):
@@ -619,15 +630,13 @@ class Codec:
     def decode(self, frame: bytes) -> Any:
         """The message, or `Malformed` (never raises)."""
         if len(frame) > MAX_FRAME_BYTES:
-            return Malformed(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+            return Malformed("too_large", f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
         try:
             msg = self._dec.decode(frame)
         except msgspec.DecodeError as exc:
             return _explain(frame, exc)
         if msg.v != PROTOCOL_VERSION:
-            return Malformed(
-                f"peer speaks protocol v{msg.v}, this side v{PROTOCOL_VERSION}", wrong_version=True
-            )
+            return Malformed("wrong_version", f"peer speaks protocol v{msg.v}, this side v{PROTOCOL_VERSION}")
         return msg
 
 
@@ -635,12 +644,10 @@ def _explain(frame: bytes, exc: Exception) -> Malformed:
     try:
         peek = _peek.decode(frame)
     except (msgspec.DecodeError, TypeError, ValueError):
-        return Malformed(f"undecodable frame ({len(frame)} bytes): {exc}")
+        return Malformed("undecodable", f"undecodable frame ({len(frame)} bytes): {exc}")
     if peek.v not in (-1, PROTOCOL_VERSION):
-        return Malformed(
-            f"peer speaks protocol v{peek.v}, this side v{PROTOCOL_VERSION}", wrong_version=True
-        )
-    return Malformed(f"invalid {peek.type or 'untyped'} message: {exc}")
+        return Malformed("wrong_version", f"peer speaks protocol v{peek.v}, this side v{PROTOCOL_VERSION}")
+    return Malformed("invalid_message", f"invalid {peek.type or 'untyped'} message: {exc}")
 
 
 def all_message_types() -> dict[str, object]:

@@ -40,6 +40,7 @@ from shared.memory import NO_READING
 from shared.modelinfo import FileRefused, context_length, open_regular
 from shared.sizes import format_size
 from shared.states import LOADING_STATES
+from shared.vocab import ErrorCode, GuardEventKind
 from shared.weights import WeightsError, estimate_weight_bytes, kv_bytes_per_token
 from supervisor.bus import Bus, BusError, Endpoints, FrameTooLarge, claim_runtime_dir, pid_alive
 from supervisor.config import Config, ConfigError, ModelConfig, guard_settings, host_name
@@ -304,7 +305,7 @@ class Arbiter:
 
     # -- events ----------------------------------------------------------------
 
-    def emit(self, kind: str, reason: str, *, worker_id: str = "", model_id: str = "", usage: int = 0,
+    def emit(self, kind: GuardEventKind, reason: str, *, worker_id: str = "", model_id: str = "", usage: int = 0,
              ceiling: int = 0) -> None:
         """SPEC S2: kept in a bounded history and published to subscribers."""
         ev = p.GuardEvent(t=time.time(), kind=kind, reason=reason, worker_id=worker_id, model_id=model_id,
@@ -316,6 +317,7 @@ class Arbiter:
 
     def pool_event(self, ev: PoolEvent) -> None:
         """What happened to a worker: published as an S2 event; crashes may respawn."""
+        kind: GuardEventKind
         match ev:
             case NeedMemory():
                 self.enforcer.on_need_memory(ev.handle, ev.request_id, ev.need_bytes)
@@ -974,7 +976,8 @@ class Arbiter:
         except OffLoopTimeout as exc:
             late = True
             words = f"{exc}; the running config stays"
-            code, status = "reload_timeout", 504
+            code: ErrorCode = "reload_timeout"
+            status = 504
         except ConfigError as exc:
             words = f"{exc}; the running config stays"
             code, status = "invalid_config", 400

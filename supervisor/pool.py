@@ -29,6 +29,7 @@ from shared import protocol as p
 from shared.ledger import Ledger, LedgerSample
 from shared.limits import Limits
 from shared.states import LIVE_STATES, LOADING_STATES, SERVING_STATES, WorkerEvent, WorkerState, transition
+from shared.vocab import WorkerEventKind
 from supervisor.errors import LoadError
 from supervisor.streams import RequestStream, Streams
 from worker.main import run as worker_main  # the spawn target; imports no MLX at module level
@@ -145,7 +146,7 @@ class Reported:
     """An event the worker itself reported (drills)."""
 
     handle: WorkerHandle
-    kind: str
+    kind: WorkerEventKind
     reason: str
 
 
@@ -315,7 +316,7 @@ class Pool:
     def on_reply(self, identity: bytes, msg: p.WorkerReply) -> None:
         handle = self.by_identity.get(identity)
         if handle is None or not handle.live:
-            self.bus.bad("commands", "message from an unknown or stopped worker", cause="unknown_peer")
+            self.bus.bad("commands", "unknown_peer", "message from an unknown or stopped worker")
             return
         match msg:
             case p.TokenOut() | p.Finished() | p.Failed() | p.Prompted() | p.Embedded():
@@ -324,7 +325,7 @@ class Pool:
                 if len(msg.request_ids) == len(msg.texts) == len(msg.token_ids):
                     self.streams.deliver_batch(msg)
                 else:
-                    self.bus.bad("commands", "token batch with columns of unequal length")
+                    self.bus.bad("commands", "invalid_message", "token batch with columns of unequal length")
             case p.Pong():
                 handle.last_pong = time.monotonic()
                 waiter = self._pings.pop((handle.worker_id, msg.seq), None)
@@ -349,7 +350,7 @@ class Pool:
 
     def _on_hello(self, handle: WorkerHandle, msg: p.Hello) -> None:
         if msg.pid != handle.pid or msg.worker_id != handle.worker_id:
-            self.bus.bad("commands", "hello that does not match the spawned process", cause="hello_mismatch")
+            self.bus.bad("commands", "hello_mismatch", "hello that does not match the spawned process")
             return
         # D1: a worker whose arrays live on the CPU holds nothing on the accelerator
         # its MLX can see (an empty `device` is an older worker: trust its info)
@@ -380,7 +381,7 @@ class Pool:
             case p.Sample():
                 handle = self.handles.get(msg.worker_id)
                 if handle is None or msg.pid != handle.pid:
-                    self.bus.bad("reports", "sample from an unknown worker", cause="unknown_peer")
+                    self.bus.bad("reports", "unknown_peer", "sample from an unknown worker")
                     return
                 self.counters["samples"] += 1
                 self.bus.publish(msg)

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # pure standard-library modules, msgspec, and the wire's pure types.
 POLICY_MAY_IMPORT = {
     "__future__", "typing", "math", "enum", "operator", "collections.abc", "msgspec",
-    "shared.sizes", "shared.limits", "shared.protocol", "shared.host", "shared.states", "shared.memory",
+    "shared.sizes", "shared.limits", "shared.protocol", "shared.host", "shared.states", "shared.memory", "shared.vocab",
 }
 
 

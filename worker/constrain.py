@@ -77,8 +77,9 @@ import numpy as np
 
 from shared.protocol import Constraint as ConstraintSpec
 from shared.protocol import JsonObject, JsonSchema, LarkGrammar, ToolCall
+from shared.vocab import FailureCode
 
-INVALID_CONSTRAINT = "invalid_constraint"  # issue 21: the front door names its param (a 400)
+INVALID_CONSTRAINT: FailureCode = "invalid_constraint"  # the front door names its param (a 400)
 CACHE_SIZE = 64  # compiled grammars kept per tokenizer
 WRAP_WINDOW = 256  # tokens before max_tokens where the wrap-up starts checking (see Constraint)
 PROBE_TOKENS = 32  # issue 21: tokens of the closing policy's dry run at compile (see _probe)
@@ -92,9 +93,9 @@ _LIMIT_ERRORS = ("lexer error", "fuel", "too many", "limit", "too large", "too b
 class ConstraintError(ValueError):
     """A constraint the worker cannot enforce; `code` goes on the wire."""
 
-    def __init__(self, message: str, code: str = INVALID_CONSTRAINT):
+    def __init__(self, message: str, code: FailureCode = INVALID_CONSTRAINT):
         super().__init__(message)
-        self.code = code
+        self.code: FailureCode = code
         self.message = message
 
 
@@ -161,7 +162,7 @@ class Constraint:
         self._left = max_tokens
         self._next_check = WRAP_WINDOW
         self.error = ""
-        self.error_code = "engine_error"  # a refused token is our bug unless a grammar bound was hit
+        self.error_code: FailureCode = "engine_error"  # a refused token is our bug unless a grammar bound was hit
         self.wrapped = False
 
     def mask(self, logits: mx.array) -> mx.array:

@@ -38,6 +38,7 @@ from tokenizers import Tokenizer
 from shared.embedding import WRONG_MODEL_KIND, EmbeddingSpec, read_embedding_spec
 from shared.limits import Limits
 from shared.protocol import Embed, Embedded, Failed, Generate, NeedMemory
+from shared.vocab import FailureCode, HostBinding
 from shared.weights import WeightsError, estimate_weight_bytes
 from worker import embed_guard as eg
 from worker import memory
@@ -185,7 +186,7 @@ class Embedder:
                                                 f"of {limit}; shorten it (or ask for truncation)")
         return tokens
 
-    def abort(self, request_id: str, reason: str, code: str = "aborted") -> bool:
+    def abort(self, request_id: str, reason: str, code: FailureCode = "aborted") -> bool:
         for line in (self._queue, self._running):
             for job in line:
                 if job.id == request_id:
@@ -194,14 +195,14 @@ class Embedder:
                     return True
         return False
 
-    def abort_all(self, reason: str, code: str = "aborted") -> int:
+    def abort_all(self, reason: str, code: FailureCode = "aborted") -> int:
         jobs = [*self._queue, *self._running]
         self._queue.clear()
         self._running.clear()
         self._outbox.extend(self._fail(job, code, reason) for job in jobs)
         return len(jobs)
 
-    def abort_queued(self, reason: str, code: str = "aborted") -> int:
+    def abort_queued(self, reason: str, code: FailureCode = "aborted") -> int:
         jobs = list(self._queue)
         self._queue.clear()
         self._outbox.extend(self._fail(job, code, reason) for job in jobs)
@@ -353,11 +354,11 @@ class Embedder:
                         vectors=np.ascontiguousarray(vectors, dtype="<f4").tobytes(),
                         token_counts=[len(t) for t in job.tokens])
 
-    def _fail(self, job: Job, code: str, message: str, **extra) -> Failed:
+    def _fail(self, job: Job, code: FailureCode, message: str, **extra) -> Failed:
         self._ids.discard(job.id)
         return Failed(request_id=job.id, code=code, message=message, **extra)
 
-    def _memory_failure(self, job: Job, estimated: int, limit: int, binding: str) -> Failed:
+    def _memory_failure(self, job: Job, estimated: int, limit: int, binding: HostBinding) -> Failed:
         event = self._fail(job, guard.PREFILL_MEMORY_EXCEEDED,
                            guard.rejection_message(estimated, limit, binding, what="input batch",
                                                    during="embedding"),

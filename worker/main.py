@@ -30,6 +30,7 @@ from shared.ledger import Ledger
 from shared.limits import Limits
 from shared.memory import NO_READING
 from shared.modelinfo import config_refusal
+from shared.vocab import MalformedCause, WorkerEventKind
 from worker import blas
 from worker.heartbeat import Heartbeat, StepClock
 
@@ -129,7 +130,7 @@ class Worker:
         self.step_delay = _test_step_delay()
         self.heartbeat.start()  # before MLX is imported: a stopped or stuck start or load is seen too
         self.bad_frames = 0
-        self._logged_bad: set[str] = set()
+        self._logged_bad: set[MalformedCause] = set()
 
     # -- wire -----------------------------------------------------------------
 
@@ -139,7 +140,7 @@ class Worker:
         except zmq.Again:
             log.warning("supervisor not reading; dropped %s", type(msg).__name__)
 
-    def event(self, kind: p.WorkerEventKind, message: str) -> None:
+    def event(self, kind: WorkerEventKind, message: str) -> None:
         self._push(p.WorkerEvent(worker_id=self.spec.worker_id, kind=kind, message=message))
 
     def _push(self, msg: p.Msg) -> None:
@@ -265,9 +266,8 @@ class Worker:
             msg = self.commands.decode(frame)
             if isinstance(msg, p.Malformed):
                 self.bad_frames += 1
-                cause = "wrong_version" if msg.wrong_version else "invalid"  # issue 16: a fixed key
-                if cause not in self._logged_bad:
-                    self._logged_bad.add(cause)
+                if msg.cause not in self._logged_bad:  # a fixed key: never text the sender chose
+                    self._logged_bad.add(msg.cause)
                     log.warning("ignored a bad command frame: %s", msg.reason)
                 continue
             self.clock.enter_step()  # tokenizing a long prompt is work too, not silence (issue 16)

@@ -24,9 +24,10 @@ from typing import Callable, Literal
 import msgspec
 
 from shared.limits import Limits
+from shared.vocab import FailureCode, HostBinding
 
 COST_PAD = 1.3  # G2: the running estimate of a chunk's cost is padded by 30%
-PREFILL_MEMORY_EXCEEDED = "prefill_memory_exceeded"
+PREFILL_MEMORY_EXCEEDED: FailureCode = "prefill_memory_exceeded"
 
 
 class PrefillCost(msgspec.Struct, frozen=True):
@@ -69,7 +70,7 @@ class Limit(msgspec.Struct, frozen=True):
     """The tightest byte limit a prefill must stay under and what sets it (C6)."""
 
     bytes: int
-    binding: str
+    binding: HostBinding
 
 
 class Preflight(msgspec.Struct, frozen=True):
@@ -83,7 +84,7 @@ class Preflight(msgspec.Struct, frozen=True):
     verdict: Literal["fits", "evict", "reject"]
     estimated_bytes: int = 0
     limit_bytes: int = 0
-    binding: str = ""
+    binding: HostBinding = ""
     need_bytes: int = 0
 
 
@@ -93,7 +94,7 @@ class ChunkPlan(msgspec.Struct, frozen=True):
     tokens: int
     estimated_bytes: int = 0
     limit_bytes: int = 0
-    binding: str = ""
+    binding: HostBinding = ""
 
 
 AfterChunk = Literal["ok", "over_soft", "over_abort"]
@@ -104,7 +105,7 @@ def guard_on(limits: Limits) -> bool:
     return limits.hard_limit > 0 or limits.abort_limit > 0 or limits.soft_limit > 0
 
 
-def abort_binding(limits: Limits) -> str:
+def abort_binding(limits: Limits) -> HostBinding:
     """C10: the abort limit is static, or the GPU cap plus CPU side when smaller."""
     return "gpu_cap" if 0 < limits.gpu_cap < limits.static else "static"
 

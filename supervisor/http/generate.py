@@ -41,12 +41,13 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from shared import protocol as p
+from shared.vocab import ReplyFinishReason
 from supervisor.api import Supervisor
 from supervisor.errors import ServeError
 from supervisor.http import routing, tools
 from supervisor.http.body import Disconnected
 from supervisor.http.content import text_of
-from supervisor.http.errors import INVALID_CONSTRAINT, ApiError, from_failed, from_serve_error
+from supervisor.http.errors import ApiError, from_failed, from_serve_error
 from supervisor.http.metrics import Metrics
 from supervisor.http.openai_types import (
     DEFAULT_CHAT_MAX_TOKENS,
@@ -380,7 +381,8 @@ class Job:
         if isinstance(msg, p.Failed):
             yield self.failure(msg)
             return
-        reason, text, calls = msg.finish_reason, "".join(held), None
+        reason: ReplyFinishReason = msg.finish_reason
+        text, calls = "".join(held), None
         if mode == "constrained":
             calls = tools.parse_constrained(text)
             text = "" if calls is not None else text
@@ -466,7 +468,7 @@ class Job:
     def failure(self, msg: p.Failed) -> ApiError:
         """The worker's terminal error; a constraint it refused names the field that carried it."""
         error = from_failed(msg)
-        if msg.code == INVALID_CONSTRAINT:
+        if msg.code == "invalid_constraint":
             error.param = "tools" if isinstance(self.gen.constraint, p.ToolCall) else self.format_param
         return error
 
@@ -520,7 +522,7 @@ class Job:
                 return last
         return b""
 
-    def chunk(self, text: str | None, *, role: bool = False, finish: str | None = None,
+    def chunk(self, text: str | None, *, role: bool = False, finish: ReplyFinishReason | None = None,
               calls: list[ToolCall] | None = None) -> bytes:
         usage = None if self.include_usage else msgspec.UNSET
         body: ChatChunk | TextCompletion
@@ -571,7 +573,7 @@ class Calls(NamedTuple):
 
 class End(NamedTuple):
     finished: p.Finished
-    reason: str  # the worker's finish_reason, or "tool_calls" when the reply was calls
+    reason: ReplyFinishReason  # the worker's finish_reason, or "tool_calls" when the reply was calls
 
 
 Piece = Union[Text, Calls, End, ApiError]

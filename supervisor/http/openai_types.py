@@ -27,6 +27,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar, Union
 import msgspec
 from msgspec import Meta, Struct
 
+from shared.vocab import ErrorCode, ReplyFinishReason
 from supervisor.policy.status import ModelInfo
 from supervisor.readiness import LoadProgress, Readiness
 
@@ -226,7 +227,7 @@ class ChatMessageOut(Struct, kw_only=True, omit_defaults=True):
 class ChatChoice(Struct, kw_only=True):
     index: int
     message: ChatMessageOut
-    finish_reason: str
+    finish_reason: ReplyFinishReason
     logprobs: None = None
 
 
@@ -254,7 +255,7 @@ class Delta(Struct, kw_only=True, omit_defaults=True):
 class ChunkChoice(Struct, kw_only=True):
     index: int
     delta: Delta
-    finish_reason: Union[str, None] = None
+    finish_reason: Union[ReplyFinishReason, None] = None
     logprobs: None = None
 
 
@@ -276,7 +277,7 @@ class ChatChunk(_Chunk[ChunkChoice], kw_only=True):
 class TextChoice(Struct, kw_only=True):
     index: int
     text: str
-    finish_reason: Union[str, None] = None
+    finish_reason: Union[ReplyFinishReason, None] = None
     logprobs: None = None
 
 
@@ -316,7 +317,7 @@ class ErrorDetail(Struct, kw_only=True):
     message: str
     type: str
     param: Union[str, None] = None
-    code: Union[str, None] = None
+    code: Union[ErrorCode, None] = None
     # Set for memory refusals (SPEC A3, G1): the figures behind the refusal.
     binding: Union[str, msgspec.UnsetType] = msgspec.UNSET
     estimated_bytes: Union[int, msgspec.UnsetType] = msgspec.UNSET

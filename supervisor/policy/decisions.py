@@ -5,16 +5,18 @@ written for people: the enforcer logs it and publishes it as an S2 event.
 Worker-directed decisions name the worker id and, for readable events and
 replay output, its model id. The enforcer carries them out in list order.
 
-Public names (stable): Decision and WorkerDecision (the unions), every class below, DESTRUCTIVE.
+Public names (stable): Decision and WorkerDecision (the unions), every class below, DESTRUCTIVE,
+DecisionKind and kind_of.
 """
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Literal, Union, cast, get_args
 
 import msgspec
 
 from shared.limits import Limits
+from shared.vocab import PoolName, PressureLevel
 
 
 class _Base(msgspec.Struct, tag_field="kind", frozen=True, kw_only=True, gc=False):
@@ -35,13 +37,13 @@ class Warn(_Base, tag="warn", frozen=True, kw_only=True, gc=False):
 class LevelChanged(_Base, tag="level_changed", frozen=True, kw_only=True, gc=False):
     """P1: the pressure level moved; carries the figures (of `pool`, D4) that moved it."""
 
-    from_level: str = msgspec.field(name="from")
-    to_level: str = msgspec.field(name="to")
+    from_level: PressureLevel = msgspec.field(name="from")
+    to_level: PressureLevel = msgspec.field(name="to")
     usage: int
     soft: int
     hard: int
     ceiling: int
-    pool: str = "host"  # D4: "host" or "device", the pool that sets the group's level
+    pool: PoolName = "host"  # D4: the pool that sets the group's level
 
 
 class PauseAdmission(_Base, tag="pause_admission", frozen=True, kw_only=True, gc=False):
@@ -118,6 +120,19 @@ Decision = Union[
     ResumeAdmission,
     WorkerDecision,
 ]
+
+# Every decision's tag, as a closed vocabulary (the lab's timeline and its picture name them).
+DecisionKind = Literal["warn", "level_changed", "pause_admission", "resume_admission", "set_limits", "reclaim",
+                       "shrink_hot_cache", "abort_requests", "abort_load", "mark_for_unload", "stop",
+                       "set_concurrency", "expire_ttl"]
+
+assert set(get_args(DecisionKind)) == {c.__struct_config__.tag for c in get_args(Decision)}, "one kind per decision"
+
+
+def kind_of(decision: Decision) -> DecisionKind:
+    """The decision's tag (checked above to be one of DecisionKind)."""
+    return cast(DecisionKind, decision.__struct_config__.tag)
+
 
 # Decisions that take memory back from running work (pressure actions). TTL
 # expiry is not among them: it only ever unloads an idle model by config.
