@@ -852,7 +852,7 @@ class Arbiter:
         return list(self.pool.handles.values())
 
     def malformed_frames(self) -> dict[tuple[str, str], int]:
-        return dict(self.bus.malformed)
+        return {key: count for key, count in self.bus.malformed.items()}
 
     def add_event_hook(self, hook: Callable[[p.GuardEvent], None]) -> None:
         self.event_hooks.append(hook)

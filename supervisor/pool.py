@@ -322,7 +322,7 @@ class Pool:
             case p.TokenOut() | p.Finished() | p.Failed() | p.Prompted() | p.Embedded():
                 self.streams.deliver(msg)
             case p.TokenBatch():  # issue 11: one decode step's tokens for several requests
-                if len(msg.request_ids) == len(msg.texts) == len(msg.token_ids):
+                if msg.well_formed():
                     self.streams.deliver_batch(msg)
                 else:
                     self.bus.bad("commands", "invalid_message", "token batch with columns of unequal length")

@@ -46,7 +46,7 @@ from worker.endings import Endings, Event
 from worker.prefill import CHUNK_SECONDS, DEFAULT_MAX_CHUNK, MEMORY_WAIT_SECONDS, ChunkTimer, Prefill, UsageFn
 from worker.prefill_guard import PrefillCost
 from worker.request import CONTEXT_EXCEEDED, ENGINE_ERROR, INVALID_REQUEST, EngineError, Seq
-from worker.sampling import make_request_sampler
+from worker.sampling import Settings, check, make_request_sampler
 from worker.scheduler import Scheduler
 from worker.stops import StopMatcher
 
@@ -200,8 +200,12 @@ class Engine:
         stop: Iterable[str] = (),
         seed: int | None = None,
         constraint: ConstraintSpec | None = None,
+        sampling: Settings | None = None,
     ) -> None:
-        """Queue a request; it is admitted by a later `step()` (SPEC P3, P8)."""
+        """Queue a request; it is admitted by a later `step()` (SPEC P3, P8).
+
+        `sampling` is the whole of its sampling settings (top_k, penalties,
+        logit_bias, logprobs ...); without it, temperature, top_p and seed make them."""
         if not request_id:
             raise EngineError(INVALID_REQUEST, "request id must not be empty")
         if request_id in self.endings.ids:
@@ -215,16 +219,16 @@ class Engine:
             raise EngineError(CONTEXT_EXCEEDED, f"the prompt ({len(prompt_tokens)} tokens) plus max_tokens "
                                                 f"({max_tokens}) exceeds the model's context of "
                                                 f"{self.context_length} tokens; shorten the prompt or lower max_tokens")
-        if not temperature >= 0:
-            raise EngineError(INVALID_REQUEST, f"temperature must be >= 0, got {temperature}")
-        if not 0 < top_p <= 1:
-            raise EngineError(INVALID_REQUEST, f"top_p must be in (0, 1], got {top_p}")
+        settings = sampling or Settings(temperature=temperature, top_p=top_p, seed=seed)
         vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
+        problem = check(settings, vocab)
+        if problem is not None:
+            raise EngineError(INVALID_REQUEST, problem)
         if vocab is not None and not all(0 <= t < vocab for t in prompt_tokens):
             raise EngineError(INVALID_REQUEST, f"prompt has token ids outside [0, {vocab})")
         stops = [s for s in stop if s]
         seq = Seq(request_id, list(prompt_tokens), max_tokens,
-                  make_request_sampler(temperature, top_p, seed),
+                  make_request_sampler(settings, prompt_tokens),
                   StopMatcher(stops) if stops else None,
                   self._constraint(constraint, max_tokens) if constraint is not None else None)
         self.endings.ids.add(request_id)
@@ -241,8 +245,8 @@ class Engine:
                 tokens = self.encode_prompt(cmd.prompt)
             else:
                 raise EngineError(INVALID_REQUEST, "give exactly one of messages or prompt")
-            self.submit(cmd.request_id, tokens, cmd.max_tokens, cmd.temperature, cmd.top_p,
-                        cmd.stop, cmd.seed, cmd.constraint)
+            self.submit(cmd.request_id, tokens, cmd.max_tokens, stop=cmd.stop, constraint=cmd.constraint,
+                        sampling=Settings.of(cmd))
         except EngineError as exc:
             self._outbox.append(Failed(request_id=cmd.request_id, code=exc.code, message=exc.message))
         except Exception as exc:  # noqa: BLE001 - raised from the worker's command loop it would kill
