@@ -49,7 +49,7 @@ from supervisor.config import Config, GuardConfig, ModelConfig, SupervisorConfig
 from supervisor.policy import decisions as d  # noqa: E402
 from supervisor.policy.pressure import TickResult  # noqa: E402
 
-ACTIONS = (d.AbortRequests, d.Stop, d.MarkForUnload)
+ACTIONS = (d.AbortWorkerRequests, d.Stop, d.MarkForUnload)
 
 
 def on_device(s: p.Sample) -> int:

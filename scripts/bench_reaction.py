@@ -42,7 +42,7 @@ from supervisor.config import Config, GuardConfig, ModelConfig, SupervisorConfig
 from supervisor.policy import decisions as d  # noqa: E402
 from supervisor.policy.pressure import TickResult  # noqa: E402
 
-ACTIONS = (d.AbortRequests, d.Stop, d.MarkForUnload)
+ACTIONS = (d.AbortWorkerRequests, d.Stop, d.MarkForUnload)
 
 
 def last_tick(arb: Arbiter) -> TickResult:

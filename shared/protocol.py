@@ -45,6 +45,9 @@ MAX_FRAME_BYTES = 4 * 1024 * 1024
 
 TOPICS = ("ceiling", "pressure", "sample", "event", "status")
 
+# OpenAI's bound on the alternatives a token's logprobs list; every door and the worker take the same.
+MAX_TOP_LOGPROBS = 20
+
 class Msg(msgspec.Struct, tag_field="type", kw_only=True, omit_defaults=False):
     """Base of every wire message: the protocol version rides in each one."""
 
@@ -318,15 +321,15 @@ class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
 # grammars by it.
 
 
-class ConstraintSpec(msgspec.Struct, tag_field="kind", frozen=True, kw_only=True):
+class _ConstraintBase(msgspec.Struct, tag_field="kind", frozen=True, kw_only=True):
     """Base of the constraint union (tag field `kind`: `type` marks whole messages)."""
 
 
-class JsonObject(ConstraintSpec, tag="json_object", frozen=True, kw_only=True):
+class JsonObject(_ConstraintBase, tag="json_object", frozen=True, kw_only=True):
     """response_format json_object: any one JSON object."""
 
 
-class JsonSchema(ConstraintSpec, tag="json_schema", frozen=True, kw_only=True):
+class JsonSchema(_ConstraintBase, tag="json_schema", frozen=True, kw_only=True):
     """response_format json_schema: JSON valid against `schema` (JSON text).
 
     strict: every keyword must be enforced, an unsupported one is an error;
@@ -344,7 +347,7 @@ class ToolFunction(msgspec.Struct, frozen=True, kw_only=True):
     strict: bool = True
 
 
-class ToolCall(ConstraintSpec, tag="tool_call", frozen=True, kw_only=True):
+class ToolCallConstraint(_ConstraintBase, tag="tool_call", frozen=True, kw_only=True):
     """tool_choice required (any of `functions`) or named (`name` only).
 
     The output is a JSON array of calls, `[{"name": ..., "arguments": {...}}]`:
@@ -357,13 +360,13 @@ class ToolCall(ConstraintSpec, tag="tool_call", frozen=True, kw_only=True):
     parallel: bool = False
 
 
-class LarkGrammar(ConstraintSpec, tag="lark", frozen=True, kw_only=True):
+class LarkGrammar(_ConstraintBase, tag="lark", frozen=True, kw_only=True):
     """A context-free grammar in llguidance's Lark dialect."""
 
     lark: str
 
 
-Constraint = Union[JsonObject, JsonSchema, ToolCall, LarkGrammar]
+ConstraintSpec = Union[JsonObject, JsonSchema, ToolCallConstraint, LarkGrammar]
 # --- end constrained decoding ----------------------------------------------
 
 
@@ -376,7 +379,7 @@ class Generate(Command, tag="generate", kw_only=True):
     top_p: float = 1.0
     stop: list[str] = []
     seed: Union[int, None] = None
-    constraint: Union[Constraint, None] = None  # issue 13: constrained decoding
+    constraint: Union[ConstraintSpec, None] = None  # issue 13: constrained decoding
     # issue 13: JSON text of the tool list `[{"type": "function", "function": {...}}]`,
     # handed to the model's chat template as `tools` (how the model learns of them)
     tools: Union[str, None] = None
@@ -393,7 +396,7 @@ class Generate(Command, tag="generate", kw_only=True):
     frequency_context_size: int = 20
     logit_bias: dict[int, float] = {}  # token id -> added to its logit
     logprobs: bool = False  # each token's TokenOut carries its TokenLogprobs
-    top_logprobs: int = 0  # ... with this many most likely alternatives
+    top_logprobs: int = 0  # ... with this many most likely alternatives (at most MAX_TOP_LOGPROBS)
 
 
 class Embed(Command, tag="embed", kw_only=True):

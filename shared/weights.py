@@ -23,7 +23,7 @@ from pathlib import Path
 from shared.gguf import GGUFError, is_gguf_path, read_header
 from shared.modelinfo import FileRefused, open_regular, read_config_json
 
-MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own cap
+SAFETENSORS_HEADER_MAX_BYTES = 100 * 1024 * 1024  # the safetensors format's own cap
 
 
 class WeightsError(ValueError):
@@ -53,9 +53,9 @@ def tensor_bytes(file: str | os.PathLike[str]) -> int:
         if len(head) < 8:
             raise WeightsError(f"{file}: too short to be a safetensors file")
         length = int.from_bytes(head, "little")
-        if length > MAX_HEADER_BYTES or length > size - 8:
+        if length > SAFETENSORS_HEADER_MAX_BYTES or length > size - 8:
             raise WeightsError(f"{file}: implausible safetensors header length {length} "
-                               f"(file of {size} bytes, cap {MAX_HEADER_BYTES})")
+                               f"(file of {size} bytes, cap {SAFETENSORS_HEADER_MAX_BYTES})")
         raw = handle.read(length)
     try:
         header = json.loads(raw)

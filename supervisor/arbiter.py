@@ -47,22 +47,22 @@ from supervisor.config import Config, ConfigError, ModelConfig, guard_settings, 
 from supervisor.discovery import last_refused, refusal
 from supervisor.enforcer import Enforcer
 from supervisor.errors import AtCapacity, LoadError, ModelUnreadable, NotReady, ServeError
-from supervisor.fanout import Hub, Subscription
+from supervisor.fanout import EVENT_HISTORY, Hub, Subscription
 from supervisor.gate import Gate
-from supervisor.offloop import OffLoopTimeout, off_loop
+from supervisor.offloop import MODEL_FILES_TIMEOUT, OffLoopTimeout, off_loop
 from supervisor.policy.admission import FitReport, fit_report
 from supervisor.policy.status import ModelInfo, ServerStatus
 from supervisor.pool import (
     Exited,
-    Loaded,
-    LoadFailed,
     ModelView,
-    NeedMemory,
     Pool,
     PoolEvent,
     Reported,
     Spawned,
     WorkerHandle,
+    WorkerLoaded,
+    WorkerLoadFailed,
+    WorkerNeedsMemory,
 )
 from supervisor.readiness import LoadProgress, Readiness, assess, load_progress, loading_retry, saturated
 from supervisor.runtime import ensure_private_dir
@@ -73,10 +73,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("memvisor.arbiter")
 
-EVENT_HISTORY = 500
 STATUS_EVERY = 2.0  # seconds between `status` messages on PUB
 # Issue 21: what the loop hands to a thread, and how long it waits for it.
-READ_TIMEOUT = 10.0  # one model's headers and config.json
 RELOAD_TIMEOUT = 60.0  # the config file and every models folder
 CONFIG_FILE_MAX = 16 * 1024 * 1024  # a config file larger than this is refused, not read
 ACCEPT_LOG_EVERY = 5.0  # seconds between log lines about failing accept() calls
@@ -319,14 +317,14 @@ class Arbiter:
         """What happened to a worker: published as an S2 event; crashes may respawn."""
         kind: GuardEventKind
         match ev:
-            case NeedMemory():
+            case WorkerNeedsMemory():
                 self.enforcer.on_need_memory(ev.handle, ev.request_id, ev.need_bytes)
                 return
             case Spawned():
                 kind, reason = "spawn", ev.reason
-            case Loaded():
+            case WorkerLoaded():
                 kind, reason = "loaded", ev.reason
-            case LoadFailed():
+            case WorkerLoadFailed():
                 kind, reason = "load_failed", ev.reason
             case Reported():
                 kind, reason = ev.kind, ev.reason
@@ -798,7 +796,7 @@ class Arbiter:
                 return context, str(exc), kv, embedding
 
         try:
-            context, size, kv, embedding = await off_loop(read, READ_TIMEOUT, f"reading {model.id}'s files")
+            context, size, kv, embedding = await off_loop(read, MODEL_FILES_TIMEOUT, f"reading {model.id}'s files")
         except OffLoopTimeout as exc:
             size, context, kv, embedding = f"{exc} (a slow disk, or not a plain file?)", None, 0, None
         except OSError as exc:  # out of descriptors, a vanished folder: not the files' fault

@@ -46,10 +46,10 @@ log = logging.getLogger("memvisor.guard")
 # P4's environment switch: "1" turns the reclaim grace off.
 DISABLE_RECLAIM_ENV = "MEMVISOR_DISABLE_PRESSURE_RECLAIM"
 
-_ACTS = (d.Reclaim, d.ShrinkHotCache, d.AbortRequests, d.AbortLoad, d.MarkForUnload, d.Stop, d.ExpireTTL)
+_ACTS = (d.ReclaimPool, d.ShrinkHotCache, d.AbortWorkerRequests, d.AbortLoad, d.MarkForUnload, d.Stop, d.ExpireTTL)
 
 
-class Emit(Protocol):
+class PublishEvent(Protocol):
     """How the enforcer publishes an S2 event (the arbiter's `emit`)."""
 
     def __call__(self, kind: GuardEventKind, reason: str, *, worker_id: str = "", model_id: str = "",
@@ -57,7 +57,7 @@ class Emit(Protocol):
 
 
 class Enforcer:
-    def __init__(self, *, config, pool: Pool, bus, ledger: Ledger, emit: Emit) -> None:
+    def __init__(self, *, config, pool: Pool, bus, ledger: Ledger, emit: PublishEvent) -> None:
         self.config = config
         self.pool = pool
         self.bus = bus
@@ -173,7 +173,7 @@ class Enforcer:
     def act(self, x: d.WorkerDecision, handle: WorkerHandle, result: policy.TickResult) -> None:
         """Carry out a decision about one worker; each action is done once a tick (P7)."""
         match x:
-            case d.SetLimits():
+            case d.ApplyLimits():
                 self.pool.set_limits(handle, msgspec.structs.replace(x.limits, max_concurrency=handle.concurrency))
                 return
             case d.SetConcurrency():
@@ -192,10 +192,10 @@ class Enforcer:
                       ceiling=result.ceilings.ceiling)
 
         match x:
-            case d.Reclaim():
+            case d.ReclaimPool():
                 self.pool.command(handle, p.Reclaim(reason=x.reason, idle_only=x.idle_only))
                 announce("reclaim")
-            case d.AbortRequests():
+            case d.AbortWorkerRequests():
                 self.pool.command(handle, p.AbortRequests(reason=f"memory pressure: {x.reason}",
                                                           code="memory_pressure"))
                 announce("abort")
@@ -214,7 +214,7 @@ class Enforcer:
             case d.ShrinkHotCache():  # H3: the worker drops, reclaims, reports at once
                 self.pool.command(handle, p.ShrinkCache(target_bytes=x.target_bytes, reason=x.reason))
                 announce("shrink_cache")
-            case d.SetLimits() | d.SetConcurrency():
+            case d.ApplyLimits() | d.SetConcurrency():
                 pass  # handled above
             case _:
                 assert_never(x)

@@ -28,7 +28,7 @@ from typing_extensions import assert_never
 from shared import protocol as p
 from shared.ledger import Ledger, LedgerSample
 from shared.limits import Limits
-from shared.states import LIVE_STATES, LOADING_STATES, SERVING_STATES, WorkerEvent, WorkerState, transition
+from shared.states import LIVE_STATES, LOADING_STATES, SERVING_STATES, WorkerState, WorkerTrigger, transition
 from shared.vocab import WorkerEventKind
 from supervisor.errors import LoadError
 from supervisor.streams import RequestStream, Streams
@@ -93,7 +93,7 @@ class WorkerHandle:
     def serving(self) -> bool:
         return self.state in SERVING_STATES
 
-    def move(self, event: WorkerEvent) -> WorkerState:
+    def move(self, event: WorkerTrigger) -> WorkerState:
         """The one place a worker's state changes (illegal moves raise)."""
         self.state = transition(self.state, event)
         return self.state
@@ -114,16 +114,16 @@ class Spawned(_News):
     """A worker process was started for a model."""
 
 
-class Loaded(_News):
+class WorkerLoaded(_News):
     """The worker loaded its model and serves."""
 
 
-class LoadFailed(_News):
+class WorkerLoadFailed(_News):
     """The worker could not load its model (it exits next)."""
 
 
 @dataclass(frozen=True, slots=True)
-class NeedMemory:
+class WorkerNeedsMemory:
     """SPEC G1: the worker's prefill needs `need_bytes` more (the shortfall)."""
 
     handle: WorkerHandle
@@ -150,7 +150,7 @@ class Reported:
     reason: str
 
 
-PoolEvent = Union[Spawned, Loaded, LoadFailed, NeedMemory, Exited, Reported]
+PoolEvent = Union[Spawned, WorkerLoaded, WorkerLoadFailed, WorkerNeedsMemory, Exited, Reported]
 EventSink = Callable[[PoolEvent], None]
 
 
@@ -165,7 +165,7 @@ class Retired:
         self.state: WorkerState = "dead"
         self.failed_reason = ""
 
-    def move(self, event: WorkerEvent) -> WorkerState:
+    def move(self, event: WorkerTrigger) -> WorkerState:
         self.state = transition(self.state, event)
         return self.state
 
@@ -340,9 +340,9 @@ class Pool:
                     handle.loaded.set_exception(LoadError(f"model {handle.model_id!r} failed to load: {msg.error}",
                                                           http_status=503, permanent=True))
                 handle.marked_for_unload = True
-                self.on_event(LoadFailed(handle, msg.error))
+                self.on_event(WorkerLoadFailed(handle, msg.error))
             case p.NeedMemory():
-                self.on_event(NeedMemory(handle, msg.request_id, msg.need_bytes))
+                self.on_event(WorkerNeedsMemory(handle, msg.request_id, msg.need_bytes))
             case p.Ack() | p.Reclaimed():
                 pass  # informational; the sample that follows carries the effect
             case _:
@@ -373,7 +373,7 @@ class Pool:
             handle.loaded.set_result(True)
         log.info("Worker %s loaded %s (%.1f MB weights) in %.2f s",
                  handle.worker_id, handle.model_id, msg.weight_bytes / 1e6, msg.seconds)
-        self.on_event(Loaded(handle, f"model loaded in {msg.seconds:.2f} s"))
+        self.on_event(WorkerLoaded(handle, f"model loaded in {msg.seconds:.2f} s"))
         self.on_change()
 
     def on_report(self, msg: p.WorkerReport) -> None:

@@ -206,7 +206,7 @@ def test_response_format_and_tool_choice_become_worker_constraints():
     assert isinstance(_chat(response_format={"type": "json_object"}).constraint, p.JsonObject)
     tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
     named = _chat(tools=tools, tool_choice={"type": "function", "function": {"name": "f"}})
-    assert isinstance(named.constraint, p.ToolCall) and named.constraint.mode == "named" and named.tools
+    assert isinstance(named.constraint, p.ToolCallConstraint) and named.constraint.mode == "named" and named.tools
     assert _chat(tools=tools).constraint is None and _chat(tools=tools, tool_choice="none").constraint is None
     with pytest.raises(BodyError) as err:
         _chat(tools=tools, tool_choice={"type": "function", "function": {"name": "g"}})

@@ -85,7 +85,7 @@ def test_the_test_process_computes_with_openblas():
     """conftest opens the workers' BLAS before any test imports MLX, so in-process tests are fast too."""
     if found.stock_chosen():
         pytest.skip("MEMVISOR_BLAS=stock")
-    info = blas.current()
+    info = blas.in_use()
     assert info is not None and info.kind != "stock", info
     import mlx.core  # noqa: F401  (the map must still hold it once MLX is in)
 

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shared.limits import Limits
+from shared.sizes import MiB
 
 log = logging.getLogger("memvisor.worker.allocator")
 
@@ -31,7 +32,6 @@ log = logging.getLogger("memvisor.worker.allocator")
 # scenario sets it to stand for an allocator that does not honour its limit.
 NO_CACHE_LIMIT_ENV = "MEMVISOR_NO_CACHE_LIMIT"
 
-MiB = 1024 * 1024
 
 
 def wired_suggestion(desired: int, total: int) -> int:

@@ -34,8 +34,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from shared.limits import Limits
 from shared.modelinfo import context_length
-from shared.protocol import Constraint as ConstraintSpec
-from shared.protocol import Failed, Generate
+from shared.protocol import ConstraintSpec, Failed, Generate
 from shared.vocab import FailureCode
 from shared.weights import WeightsError, estimate_weight_bytes
 from worker import memory, prompts
@@ -43,7 +42,8 @@ from worker import prompt_cache as pc
 from worker.constrain import Constraint, ConstraintError, ConstraintFactory
 from worker.decode import DecodeStep
 from worker.endings import Endings, Event
-from worker.prefill import CHUNK_SECONDS, DEFAULT_MAX_CHUNK, MEMORY_WAIT_SECONDS, ChunkTimer, Prefill, UsageFn
+from worker.memory import UsageFn
+from worker.prefill import CHUNK_SECONDS, DEFAULT_MAX_CHUNK, MEMORY_WAIT_SECONDS, ChunkTimer, Prefill
 from worker.prefill_guard import PrefillCost
 from worker.request import CONTEXT_EXCEEDED, ENGINE_ERROR, INVALID_REQUEST, EngineError, Seq
 from worker.sampling import Settings, check, make_request_sampler

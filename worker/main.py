@@ -36,7 +36,7 @@ from worker.heartbeat import Heartbeat, StepClock
 
 if TYPE_CHECKING:  # types only: these import MLX, which loads in serve(), never at module level
     from worker.allocator import AllocatorLimits
-    from worker.drill import Drill
+    from worker.drill import DrillAllocation
     from worker.embedder import Embedder
     from worker.engine import Engine
 
@@ -112,7 +112,7 @@ class Worker:
         self.ledger = Ledger.attach(spec.ledger_path)
         self.limits = Limits()
         self.engine: Engine | Embedder | None = None  # an embedding model runs an Embedder
-        self.drill: Drill | None = None
+        self.drill: DrillAllocation | None = None
         self.draining = False
         self.reclaim_pending: list[p.Reclaim] = []
         self.shrink_pending: list[p.ShrinkCache] = []
@@ -369,10 +369,10 @@ class Worker:
         if not self.spec.allow_drills:
             self.reply(p.Ack(cmd=msg.cmd, ok=False, detail="drills are off (serve --allow-drills)"))
             return
-        from worker.drill import Drill
+        from worker.drill import DrillAllocation
 
         self.stop_drill("replaced by a new drill")
-        self.drill = Drill(rate=msg.rate, target=msg.to, now=time.monotonic())
+        self.drill = DrillAllocation(rate=msg.rate, target=msg.to, now=time.monotonic())
         self.event("drill", f"drill started: {msg.rate} B/s up to {msg.to} B")
         self.reply(p.Ack(cmd=msg.cmd))
 

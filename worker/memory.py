@@ -20,11 +20,15 @@ itself, so the group usage of SPEC U2 adds like with like.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import mlx.core as mx
 
 from shared.memory import MemoryReading
 from shared.probe import footprint
+
+# How a guard check reads the group's usage (SPEC U2) at the moment it decides.
+UsageFn = Callable[[], int]
 
 _peak_before_reset = 0
 _discrete = False  # MLX runs on a discrete device (CUDA): its arrays live outside host RAM

@@ -38,11 +38,11 @@ from worker import prefill_guard as guard
 from worker import prompt_cache as pc
 from worker.endings import Endings, Event, prompted
 from worker.group_prefill import PrefillGroup
+from worker.memory import UsageFn
 from worker.request import Seq
 
 log = logging.getLogger("memvisor.worker.engine")
 
-UsageFn = Callable[[], int]
 
 DEFAULT_MAX_CHUNK = 512
 MEMORY_WAIT_SECONDS = 10.0

@@ -79,7 +79,7 @@ from supervisor.http.body import Disconnected, read_body
 from supervisor.http.dashboard import Dashboard
 from supervisor.http.errors import ApiError, from_serve_error
 from supervisor.http.events import EventsEndpoint
-from supervisor.http.gate import Gate, HostCheck, OriginAllowlist, same_origin
+from supervisor.http.gate import BrowserGate, HostCheck, OriginAllowlist, same_origin
 from supervisor.http.limits import GuardedH11, connection_cap, limit_logs, raise_fd_limit
 from supervisor.http.metrics import Metrics
 from supervisor.http.modelfacts import ModelFacts, capabilities
@@ -113,7 +113,7 @@ def json_response(body, status: int = 200) -> Response:
 # admin access
 
 
-def is_loopback(host: str | None) -> bool:
+def is_loopback_client(host: str | None) -> bool:
     if not host:
         return False
     try:
@@ -135,7 +135,7 @@ def require_admin(request: Request, token: str) -> None:
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         return
     client = request.client.host if request.client else None
-    if not is_loopback(client):
+    if not is_loopback_client(client):
         raise ApiError(403, f"admin endpoints accept only loopback clients (this one is {client}); "
                             "set [supervisor] admin_token to allow remote administration",
                        code="forbidden")
@@ -523,7 +523,7 @@ def build_app(sup: Supervisor):
     door = FrontDoor(sup)
     app = Starlette(routes=door.routes(), exception_handlers={HTTPException: _http_exception})
     host, _port = parse_http(sup.config.supervisor.http)
-    gate = Gate(app, HostCheck(host), OriginAllowlist(sup.config.supervisor.cors_origins), error_shape)
+    gate = BrowserGate(app, HostCheck(host), OriginAllowlist(sup.config.supervisor.cors_origins), error_shape)
     return Instrumented(gate, door.metrics, lambda: host_name(sup.config))
 
 

@@ -18,7 +18,7 @@ cookie at `POST /ui/ticket`, since EventSource cannot send headers (issue 21).
 from __future__ import annotations
 
 from importlib import resources
-from typing import Awaitable, Callable
+from typing import Callable
 
 import msgspec
 from starlette.requests import Request
@@ -28,10 +28,8 @@ from starlette.routing import Route
 from shared.protocol import TOPICS
 from shared.vocab import TIERS
 from supervisor.api import Supervisor
-from supervisor.http.auth import ApiKeys, EventTickets
+from supervisor.http.auth import ApiKeys, EventTickets, Handler
 from supervisor.http.errors import ApiError
-
-Handler = Callable[[Request], Awaitable[Response]]
 
 STATIC = {  # name -> media type; nothing else under /ui/ is served
     "dashboard.html": "text/html; charset=utf-8",

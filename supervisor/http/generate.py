@@ -20,7 +20,7 @@ memory keeps working for a reader who left.
 Issue 13: `Job.pieces` turns the worker's stream into API-neutral pieces
 (text, tool calls, the end, an error) that this module renders as OpenAI
 chat/completions and `anthropic.py` / `responses.py` render as theirs;
-`tools.py` holds the tool plan (template tools, ToolCall constraint,
+`tools.py` holds the tool plan (template tools, ToolCallConstraint,
 reading calls back). `response_format` maps to the worker's JSON
 constraints, and `keep_alive` / `ttl` set the model's idle timer.
 """
@@ -138,7 +138,7 @@ def _sampling(req, max_tokens: int) -> dict:
                 **sampling.generate_fields(req))  # top_k, min_p, penalties, logit_bias
 
 
-def response_format_constraint(fmt: ResponseFormat | None) -> p.Constraint | None:
+def response_format_constraint(fmt: ResponseFormat | None) -> p.ConstraintSpec | None:
     """Structured output: enforced by the worker's constrained decoding, never hoped for."""
     if fmt is None or fmt.type == "text":
         return None
@@ -489,7 +489,7 @@ class Job:
         """The worker's terminal error; a constraint it refused names the field that carried it."""
         error = from_failed(msg)
         if msg.code == "invalid_constraint":
-            error.param = "tools" if isinstance(self.gen.constraint, p.ToolCall) else self.format_param
+            error.param = "tools" if isinstance(self.gen.constraint, p.ToolCallConstraint) else self.format_param
         return error
 
     async def streamed(self, receive: Receive, events: Events | None = None) -> Response:

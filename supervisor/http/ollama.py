@@ -69,12 +69,11 @@ from supervisor.http.openai_types import (
     LogprobOut,
     decode_body,
 )
-from supervisor.offloop import OffLoopTimeout, off_loop
+from supervisor.offloop import MODEL_FILES_TIMEOUT, OffLoopTimeout, off_loop
 
 # Why 0.6.4: VS Code's Ollama provider (and Open WebUI's version check) refuse a server
 # older than 0.6.4, the release whose /api/show reports `capabilities`; we serve that shape.
 VERSION = "0.6.4"
-READ_TIMEOUT = 10.0  # a model's small files, read off the loop
 NEVER = datetime(9999, 12, 31, 23, 59, 59, tzinfo=timezone.utc)  # expires_at of a model that never expires
 
 _encoder = msgspec.json.Encoder()
@@ -251,7 +250,7 @@ def _number(value: Any, where: str, low: float, high: float) -> float:
     return float(value)
 
 
-def format_constraint(fmt: str | dict[str, Any] | None) -> p.Constraint | None:
+def format_constraint(fmt: str | dict[str, Any] | None) -> p.ConstraintSpec | None:
     """Ollama's `format`: "json" or a JSON schema -> the worker's constrained decoding."""
     if fmt is None or fmt == "":
         return None
@@ -513,7 +512,7 @@ async def facts_of(paths: list[str]) -> dict[str, ModelFacts]:
         return {path: read_facts(path) for path in paths}
 
     try:
-        return await off_loop(read, READ_TIMEOUT, "reading model cards")
+        return await off_loop(read, MODEL_FILES_TIMEOUT, "reading model cards")
     except (OffLoopTimeout, OSError):
         return {path: ModelFacts() for path in paths}
 

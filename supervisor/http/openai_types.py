@@ -106,7 +106,6 @@ KeepAlive = Union[int, float, str, None]
 
 
 # -- the sampling options (mapped to Generate by http/sampling.py) --------------
-MAX_TOP_LOGPROBS = 20  # OpenAI's bound (chat top_logprobs); completions' logprobs and Ollama's take the same
 MAX_LOGIT_BIAS = 1024  # entries; far past any real use, and keeps the worker's command frame small
 WHOLE_CONTEXT = 1 << 30  # a look-back longer than any context (Ollama's repeat_last_n -1)
 

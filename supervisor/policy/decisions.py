@@ -54,13 +54,13 @@ class ResumeAdmission(_Base, tag="resume_admission", frozen=True, kw_only=True, 
     """P3: pressure is over; take new requests again."""
 
 
-class SetLimits(_ForWorker, tag="set_limits", frozen=True, kw_only=True, gc=False):
+class ApplyLimits(_ForWorker, tag="set_limits", frozen=True, kw_only=True, gc=False):
     """SPEC G / T6: the limits this worker's prefill guard must obey from now on."""
 
     limits: Limits
 
 
-class Reclaim(_ForWorker, tag="reclaim", frozen=True, kw_only=True, gc=False):
+class ReclaimPool(_ForWorker, tag="reclaim", frozen=True, kw_only=True, gc=False):
     """Return the MLX pool to the OS: at the next step boundary (P4, P5) or,
     with `idle_only`, the next time the worker is idle (P6 step 6)."""
 
@@ -74,7 +74,7 @@ class ShrinkHotCache(_ForWorker, tag="shrink_hot_cache", frozen=True, kw_only=Tr
     target_bytes: int
 
 
-class AbortRequests(_ForWorker, tag="abort_requests", frozen=True, kw_only=True, gc=False):
+class AbortWorkerRequests(_ForWorker, tag="abort_requests", frozen=True, kw_only=True, gc=False):
     """P6 steps 3 and 5: abort the worker's running and queued requests, keep it loaded."""
 
 
@@ -102,10 +102,10 @@ class ExpireTTL(_ForWorker, tag="expire_ttl", frozen=True, kw_only=True, gc=Fals
 
 # Decisions that name one worker; the enforcer carries each out on that worker.
 WorkerDecision = Union[
-    SetLimits,
-    Reclaim,
+    ApplyLimits,
+    ReclaimPool,
     ShrinkHotCache,
-    AbortRequests,
+    AbortWorkerRequests,
     AbortLoad,
     MarkForUnload,
     Stop,
@@ -136,4 +136,4 @@ def kind_of(decision: Decision) -> DecisionKind:
 
 # Decisions that take memory back from running work (pressure actions). TTL
 # expiry is not among them: it only ever unloads an idle model by config.
-DESTRUCTIVE = (ShrinkHotCache, AbortRequests, AbortLoad, MarkForUnload, Stop)
+DESTRUCTIVE = (ShrinkHotCache, AbortWorkerRequests, AbortLoad, MarkForUnload, Stop)

@@ -58,16 +58,16 @@ from supervisor.policy.ceilings import Ceilings, limits_for, reserve_message, wo
 from supervisor.policy.decisions import (
     DESTRUCTIVE,
     AbortLoad,
-    AbortRequests,
+    AbortWorkerRequests,
+    ApplyLimits,
     Decision,
     ExpireTTL,
     LevelChanged,
     MarkForUnload,
     PauseAdmission,
-    Reclaim,
+    ReclaimPool,
     ResumeAdmission,
     SetConcurrency,
-    SetLimits,
     ShrinkHotCache,
     Stop,
     Warn,
@@ -285,7 +285,7 @@ class _Tick:
             limits = by_key.get((cap, mine))
             if limits is None:
                 limits = by_key[(cap, mine)] = self._worker_limits(common, cap, total - mine)
-            out.append(SetLimits(worker=w.worker, model=w.model, limits=limits, reason=(
+            out.append(ApplyLimits(worker=w.worker, model=w.model, limits=limits, reason=(
                 why or ("new worker" if had.get(w.worker) != w.pid else "other workers' prompt caches changed"))))
         return common, pids, total, own
 
@@ -354,7 +354,7 @@ class _Tick:
         not see. The watermarks go out lowered by that overhead, so a worker's
         report comes at the crossing the enforcer will see, not half a GiB
         late. Rounded down to DEVICE_OVERHEAD_STEP so the limits (and a
-        SetLimits to every worker) do not change with every tick's jitter.
+        ApplyLimits to every worker) do not change with every tick's jitter.
         """
         mlx = sum(w.memory.mlx_active + w.memory.mlx_pool for w in self.g.live if w.device_bytes)
         overhead = max(0, self.g.device_bytes - mlx) // DEVICE_OVERHEAD_STEP * DEVICE_OVERHEAD_STEP
@@ -438,7 +438,7 @@ class _Tick:
                 out.append(AbortLoad(worker=w.worker, model=w.model, reason=f"{why}: abort its load"))
                 acted = True
                 continue
-            out.append(AbortRequests(worker=w.worker, model=w.model, reason=(
+            out.append(AbortWorkerRequests(worker=w.worker, model=w.model, reason=(
                 f"{why}: abort its requests now, whatever else is being stopped")))
             if is_idle(w):
                 self._stop(w, f"{why}: stop it (idle, nothing to finish)")
@@ -470,7 +470,7 @@ class _Tick:
         fat = [w for w in self.g.live if w.memory.mlx_pool > floor and w.state != "draining"]
         used = self.prev.grace_ticks + (0 if self.s.recheck else 1)
         for w in fat:
-            self.out.append(Reclaim(worker=w.worker, model=w.model, reason=(
+            self.out.append(ReclaimPool(worker=w.worker, model=w.model, reason=(
                 f"{level} pressure: return the {format_size(w.memory.mlx_pool)} allocator pool "
                 f"(grace {used}/{GRACE_TICKS_MAX}, nothing destroyed)")))
         return bool(fat)
@@ -504,7 +504,7 @@ class _Tick:
             return
         for w in self.g.live:
             if w.worker in shrunk or (w.memory.mlx_pool > self.pool_floor and w.state != "draining"):
-                self.out.append(Reclaim(worker=w.worker, model=w.model,
+                self.out.append(ReclaimPool(worker=w.worker, model=w.model,
                                         reason=f"hard {_pressure(pool)}: return freed memory to the OS"))
 
     # -- P6 ------------------------------------------------------------------------
@@ -575,7 +575,7 @@ class _Tick:
                 and not is_idle(w) and pool.held(w) > 0]
         if busy:  # step 3
             w = min(busy, key=lru_key)
-            out.append(AbortRequests(worker=w.worker, model=w.model, reason=(
+            out.append(AbortWorkerRequests(worker=w.worker, model=w.model, reason=(
                 f"hard {_pressure(pool)}, no idle model to stop: abort requests of {w.model} "
                 "(least recently used)" + ("" if emergency else ", keep it loaded"))))
             if emergency:
@@ -590,16 +590,16 @@ class _Tick:
         if emergency and pool.projected >= pool.ceiling:  # step 5
             active = [w for w in self.g.serving if w.running or w.queued]
             for w in active:
-                out.append(AbortRequests(worker=w.worker, model=w.model, reason=(
+                out.append(AbortWorkerRequests(worker=w.worker, model=w.model, reason=(
                     f"memory emergency: {pool.usage_words} {format_size(pool.projected)} >= ceiling "
                     f"{format_size(pool.ceiling)}; abort requests of {w.model}, keep it loaded")))
             if active:
                 return
         # step 6; a worker P5 already asked to reclaim at its next step boundary needs no second ask
-        asked = {x.worker for x in out if isinstance(x, Reclaim)}
+        asked = {x.worker for x in out if isinstance(x, ReclaimPool)}
         for w in self.g.serving:
             if w.worker not in asked:
-                out.append(Reclaim(worker=w.worker, model=w.model, idle_only=True, reason=(
+                out.append(ReclaimPool(worker=w.worker, model=w.model, idle_only=True, reason=(
                     f"hard {_pressure(pool)}, nothing to evict: return the allocator pool when idle")))
 
     # -- P8 / P9 / P10 -------------------------------------------------------------
