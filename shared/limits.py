@@ -12,6 +12,10 @@ import msgspec
 
 from shared.vocab import HostBinding, Tier
 
+# "1" in a worker's environment: leave MLX's cache limit alone (M1's pool bound). The
+# pressure lab's P4 scenario sets it to stand for an allocator that does not honour its limit.
+NO_CACHE_LIMIT_ENV = "MEMVISOR_NO_CACHE_LIMIT"
+
 
 class Limits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # Byte limits; all already reduced by the hot-cache reservation (C12).
