@@ -170,7 +170,7 @@ async def main() -> int:
                     help="rehearse on a CPU machine with a CUDA-shaped device_info (figures are not a GPU's)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.ERROR)
-    from worker.modelgen import make_model
+    from modelfiles.modelgen import make_model
 
     with tempfile.TemporaryDirectory(prefix="mv-devdrill-") as tmp:
         model = Path(tmp) / "victim"

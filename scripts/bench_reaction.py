@@ -199,7 +199,7 @@ async def main() -> int:
     args = ap.parse_args()
     args.to = args.headroom * 3
     logging.basicConfig(level=logging.ERROR)
-    from worker.modelgen import make_model
+    from modelfiles.modelgen import make_model
 
     with tempfile.TemporaryDirectory(prefix="mv-react-") as tmp:
         model = Path(tmp) / "victim"

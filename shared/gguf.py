@@ -3,7 +3,7 @@
 Why: SPEC A2 sizes a model before it is loaded, in the supervisor, which never
 imports MLX. A GGUF header states every tensor's ggml type and shape, so what
 the imported MLX folder will hold is known from one read of the header (the
-tensor data is never touched). The importer (`worker.gguf_import`) reads the
+tensor data is never touched). The importer (`modelfiles.gguf_import`) reads the
 same header to say which tensors stay quantized and which are dequantized.
 
 Also here: the importer's progress lines (msgspec Structs, one JSON object a

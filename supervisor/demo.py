@@ -36,7 +36,7 @@ def demo_config(root: Path | None = None) -> Config:
 
 def ensure_demo_models(root: Path | None = None) -> list[Path]:
     """Generate the demo models that are missing; show progress while doing so."""
-    from worker.modelgen import make_model  # numpy + tokenizers, no MLX
+    from modelfiles.modelgen import make_model  # numpy + tokenizers, no MLX
 
     root = root or models_cache_dir()
     missing = [(n, s, seed) for n, s, seed, _p in DEMO_MODELS if not (root / n / "config.json").exists()]

@@ -34,7 +34,7 @@ class TinyModels(msgspec.Struct, frozen=True):
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> TinyModels:
-    from worker.modelgen import make_model
+    from modelfiles.modelgen import make_model
 
     root = tmp_path_factory.mktemp("models")
     make_model(root / "tiny-a", 2 * MiB, 0)

@@ -137,7 +137,7 @@ print(json.dumps({"blas": info.kind, "tokens": out}))
 @linux_only
 def test_greedy_tokens_are_identical_with_openblas_and_with_the_stock_blas(tmp_path):
     """float32 sums in another order differ in the last bits; greedy tokens of the test models must not."""
-    from worker.modelgen import make_model
+    from modelfiles.modelgen import make_model
 
     model = tmp_path / "f32"
     make_model(model, 4 * 2**20, 5, dtype="float32")

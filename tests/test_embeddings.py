@@ -29,7 +29,7 @@ SENTENCES = ["A man is eating food.", "the quick brown fox jumps over the lazy d
 
 @pytest.fixture(scope="module")
 def tiny_embedder_dir(tmp_path_factory):
-    from worker.embedgen import make_embedding_model
+    from modelfiles.embedgen import make_embedding_model
 
     return make_embedding_model(tmp_path_factory.mktemp("emb") / "tiny-embed", matryoshka=(16, 32),
                                 max_seq_length=32)
