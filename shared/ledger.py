@@ -35,11 +35,12 @@ import msgspec
 from shared.limits import Limits
 from shared.memory import MemoryReading
 from shared.states import PHASES
-from shared.vocab import HOST_BINDINGS, TIERS
+from shared.vocab import LIMIT_BINDINGS, TIERS
 
 MAGIC = b"MVLEDGR1"
-LAYOUT_VERSION = 3  # 2: cache bytes in samples; cache cap, pool max, residency in limits;
-# 3: samples are MemoryReading, device watermarks in limits
+LAYOUT_VERSION = 4  # 2: cache bytes in samples; cache cap, pool max, residency in limits;
+# 3: samples are MemoryReading, device watermarks in limits; 4: the decode batch's bytes and
+# relayouts, the worker's own pool returns in samples
 
 _HEADER = struct.Struct("<8sII")  # magic, layout version, n_slots
 _HEADER_BYTES = 64
@@ -47,7 +48,7 @@ _SUPS = struct.Struct("<qd")  # supervisor footprint, t
 _SLOT_HEAD = struct.Struct("<QII")  # seq, crc32, pad
 _SEQ = struct.Struct("<Q")
 
-_SAMPLE = struct.Struct("<qdqqqqqqqqqqq")  # pid, t, MemoryReading (7), running, queued, tokens, phase
+_SAMPLE = struct.Struct("<qdqqqqqqqqqqqqqqqq")  # pid, t, MemoryReading (12), running, queued, tokens, phase
 _LIMITS = struct.Struct("<qqqqdddqqqqqqqqqqqqqq")
 
 _SAMPLE_SLOT = _SLOT_HEAD.size + _SAMPLE.size
@@ -175,7 +176,8 @@ class Ledger:
         m = memory
         values = (
             pid, t, m.usage, m.footprint, m.mlx_active, m.mlx_pool, m.mlx_peak, m.cache_bytes,
-            m.cache_releasable, running, queued, tokens, PHASES.index(phase),
+            m.cache_releasable, m.batch_bytes, m.batch_live_bytes, m.batch_relayouts, m.pool_returns,
+            m.pool_returned, running, queued, tokens, PHASES.index(phase),
         )  # fmt: skip
         self._write(self._samples_at + slot * _SAMPLE_SLOT, _SAMPLE, values)
 
@@ -184,11 +186,14 @@ class Ledger:
         values = self._read(self._samples_at + slot * _SAMPLE_SLOT, _SAMPLE)
         if values is None or values[0] == 0:
             return None
-        (pid, t, usage, footprint, active, pool, peak, cache_bytes, cache_releasable,
-         running, queued, tokens, phase) = values  # fmt: skip
+        (pid, t, usage, footprint, active, pool, peak, cache_bytes, cache_releasable, batch_bytes,
+         batch_live_bytes, batch_relayouts, pool_returns, pool_returned, running, queued, tokens,
+         phase) = values  # fmt: skip
         memory = MemoryReading(
             usage=usage, footprint=footprint, mlx_active=active, mlx_pool=pool, mlx_peak=peak,
-            cache_bytes=cache_bytes, cache_releasable=cache_releasable,
+            cache_bytes=cache_bytes, cache_releasable=cache_releasable, batch_bytes=batch_bytes,
+            batch_live_bytes=batch_live_bytes, batch_relayouts=batch_relayouts, pool_returns=pool_returns,
+            pool_returned=pool_returned,
         )
         return LedgerSample(
             pid=pid, t=t, memory=memory, running=running, queued=queued, tokens=tokens,
@@ -210,7 +215,7 @@ class Ledger:
             limits.soft_limit, limits.hard_limit, limits.hard_watermark, limits.abort_limit,
             limits.abort_margin, limits.prefill_headroom_safety, limits.safe_zone_ratio,
             limits.min_chunk_tokens, limits.ceiling, limits.static, limits.dynamic,
-            limits.gpu_cap, _index(HOST_BINDINGS, limits.binding), _index(TIERS, limits.tier),
+            limits.gpu_cap, _index(LIMIT_BINDINGS, limits.binding), _index(TIERS, limits.tier),
             int(limits.admission_paused), limits.max_concurrency,
             limits.cache_cap, limits.pool_max, limits.residency, limits.device_soft, limits.device_hard,
         )  # fmt: skip
@@ -228,7 +233,7 @@ class Ledger:
             soft_limit=soft, hard_limit=hard, hard_watermark=hard_wm, abort_limit=abort,
             abort_margin=margin, prefill_headroom_safety=headroom, safe_zone_ratio=safe_zone,
             min_chunk_tokens=min_chunk, ceiling=ceiling, static=static, dynamic=dynamic,
-            gpu_cap=gpu_cap, binding=HOST_BINDINGS[binding] if 0 <= binding < len(HOST_BINDINGS) else "",
+            gpu_cap=gpu_cap, binding=LIMIT_BINDINGS[binding] if 0 <= binding < len(LIMIT_BINDINGS) else "",
             tier=TIERS[tier] if 0 <= tier < len(TIERS) else "balanced",
             admission_paused=bool(paused), max_concurrency=max_conc,
             cache_cap=cache_cap, pool_max=pool_max, residency=residency,

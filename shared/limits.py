@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from shared.vocab import HostBinding, Tier
+from shared.vocab import LimitBinding, Tier
 
 # "1" in a worker's environment: leave MLX's cache limit alone (M1's pool bound). The
 # pressure lab's P4 scenario sets it to stand for an allocator that does not honour its limit.
@@ -33,7 +33,7 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     static: int = 0
     dynamic: int = 0
     gpu_cap: int = 0
-    binding: HostBinding = ""
+    binding: LimitBinding = ""
     tier: Tier = "balanced"
     admission_paused: bool = False  # P3: take no new request while another runs
     max_concurrency: int = 1     # P8: the walked cap on concurrent sequences

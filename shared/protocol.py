@@ -31,6 +31,7 @@ from shared.vocab import (
     FinishReason,
     GuardEventKind,
     HostBinding,
+    LimitBinding,
     MalformedCause,
     PressureLevel,
     Tier,
@@ -237,14 +238,20 @@ class Failed(Msg, tag="failed", kw_only=True):
     message: str
     estimated_bytes: int = 0
     limit_bytes: int = 0
-    binding: HostBinding = ""
+    binding: LimitBinding = ""
 
 
 class NeedMemory(Msg, tag="need_memory", kw_only=True):
-    """SPEC G1: a prefill does not fit; ask the supervisor to evict idle models."""
+    """SPEC G1: a prefill does not fit; ask the supervisor to evict idle models.
+
+    `pool` says where the shortfall is: host RAM, or the discrete device's
+    pool (SPEC D) when the worker's arrays live there; the victims' bytes in
+    that pool are what covers it.
+    """
 
     request_id: str
     need_bytes: int
+    pool: Literal["host", "device"] = "host"
 
 
 class Embedded(Msg, tag="embedded", kw_only=True):

@@ -31,6 +31,10 @@ Tier = Literal["safe", "balanced", "aggressive", "custom"]
 # C6: the host ceiling's component that sets it; "" when the guard is off (no ceiling).
 # The order is the ledger's encoding of a worker's limits: append, never reorder.
 HostBinding = Literal["", "static", "dynamic", "gpu_cap"]
+# What a worker's limits are bound by: a host component, or "device" where its prefill
+# guard holds a discrete device's pool (SPEC D). The ledger stores it by its index in
+# this order: append, never reorder.
+LimitBinding = Literal[HostBinding, "device"]
 # D3: the device ceiling's component that sets it; "" when the guard is off.
 DeviceBinding = Literal["", "device_static", "device_others"]
 # A refusal names the binding of the pool that refused (A3, D5).
@@ -126,5 +130,6 @@ def parse(word: str, vocabulary: tuple[Word, ...]) -> Word | None:
 PRESSURE_LEVELS: tuple[PressureLevel, ...] = get_args(PressureLevel)
 TIERS: tuple[Tier, ...] = get_args(Tier)
 HOST_BINDINGS: tuple[HostBinding, ...] = get_args(HostBinding)
+LIMIT_BINDINGS: tuple[LimitBinding, ...] = get_args(LimitBinding)
 GUARD_EVENT_KINDS: tuple[GuardEventKind, ...] = get_args(GuardEventKind)
 ERROR_CODES: tuple[ErrorCode, ...] = get_args(ErrorCode)

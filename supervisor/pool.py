@@ -29,7 +29,7 @@ from shared import protocol as p
 from shared.ledger import Ledger, LedgerSample
 from shared.limits import Limits
 from shared.states import LIVE_STATES, LOADING_STATES, SERVING_STATES, WorkerState, WorkerTrigger, transition
-from shared.vocab import WorkerEventKind
+from shared.vocab import PoolName, WorkerEventKind
 from supervisor.errors import LoadError
 from supervisor.streams import RequestStream, Streams
 from worker.main import run as worker_main  # the spawn target; imports no MLX at module level
@@ -124,11 +124,12 @@ class WorkerLoadFailed(_News):
 
 @dataclass(frozen=True, slots=True)
 class WorkerNeedsMemory:
-    """SPEC G1: the worker's prefill needs `need_bytes` more (the shortfall)."""
+    """SPEC G1: the worker's prefill needs `need_bytes` more (the shortfall) in `pool`."""
 
     handle: WorkerHandle
     request_id: str
     need_bytes: int
+    pool: PoolName = "host"
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,7 +343,7 @@ class Pool:
                 handle.marked_for_unload = True
                 self.on_event(WorkerLoadFailed(handle, msg.error))
             case p.NeedMemory():
-                self.on_event(WorkerNeedsMemory(handle, msg.request_id, msg.need_bytes))
+                self.on_event(WorkerNeedsMemory(handle, msg.request_id, msg.need_bytes, msg.pool))
             case p.Ack() | p.Reclaimed():
                 pass  # informational; the sample that follows carries the effect
             case _:

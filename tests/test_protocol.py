@@ -119,6 +119,7 @@ PINNED_WORDS = {
     "PoolName": ("host", "device"),
     "Tier": ("safe", "balanced", "aggressive", "custom"),
     "HostBinding": ("", "static", "dynamic", "gpu_cap"),
+    "LimitBinding": ("", "static", "dynamic", "gpu_cap", "device"),
     "DeviceBinding": ("", "device_static", "device_others"),
     "WorkerEventKind": ("drill", "wired_limit"),
     "GuardEventKind": (
@@ -143,7 +144,7 @@ def test_each_vocabulary_holds_exactly_its_pinned_words(name):
 def test_the_ledger_encodes_tiers_and_bindings_by_their_vocabulary_order():
     """The limits block stores a tier and a binding as an index: the order is the layout."""
     assert vocab.TIERS == PINNED_WORDS["Tier"]
-    assert vocab.HOST_BINDINGS == PINNED_WORDS["HostBinding"]
+    assert vocab.LIMIT_BINDINGS == PINNED_WORDS["LimitBinding"]
 
 
 @pytest.mark.parametrize(
@@ -169,6 +170,7 @@ def test_a_word_outside_its_vocabulary_is_malformed_at_the_edge(union, fields, f
 @pytest.mark.parametrize("struct, field, vocabulary", [
     ("GuardEvent", "kind", "GuardEventKind"),
     ("Failed", "code", "FailureCode"),
+    ("Failed", "binding", "LimitBinding"),
     ("Finished", "finish_reason", "FinishReason"),
     ("CeilingMsg", "tier", "Tier"),
     ("CeilingMsg", "binding", "HostBinding"),

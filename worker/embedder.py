@@ -38,7 +38,7 @@ from tokenizers import Tokenizer
 from shared.embedding import WRONG_MODEL_KIND, EmbeddingSpec, read_embedding_spec
 from shared.limits import Limits
 from shared.protocol import Embed, Embedded, Failed, Generate, NeedMemory
-from shared.vocab import FailureCode, HostBinding
+from shared.vocab import FailureCode, LimitBinding
 from shared.weights import WeightsError, estimate_weight_bytes
 from worker import embed_guard as eg
 from worker import memory
@@ -358,7 +358,7 @@ class Embedder:
         self._ids.discard(job.id)
         return Failed(request_id=job.id, code=code, message=message, **extra)
 
-    def _memory_failure(self, job: EmbedJob, estimated: int, limit: int, binding: HostBinding) -> Failed:
+    def _memory_failure(self, job: EmbedJob, estimated: int, limit: int, binding: LimitBinding) -> Failed:
         event = self._fail(job, guard.PREFILL_MEMORY_EXCEEDED,
                            guard.rejection_message(estimated, limit, binding, what="input batch",
                                                    during="embedding"),

@@ -20,7 +20,7 @@ from typing import Union
 from mlx_lm.models.cache import KVCache
 
 from shared.protocol import Failed, Finished, NeedMemory, Prompted, TokenOut
-from shared.vocab import FailureCode, FinishReason, HostBinding
+from shared.vocab import FailureCode, FinishReason, LimitBinding
 from worker import prefill_guard as guard
 from worker import prompt_cache as pc
 from worker.request import ENGINE_ERROR, Seq
@@ -75,7 +75,7 @@ class Endings:
         seq.cache = seq.y = None
         return Failed(request_id=seq.id, code=code, message=message, **extra)
 
-    def memory_failure(self, seq: Seq, estimated: int, limit: int, binding: HostBinding) -> Failed:
+    def memory_failure(self, seq: Seq, estimated: int, limit: int, binding: LimitBinding) -> Failed:
         """G1-G3 refusal; the KV memory the request held goes back to the OS at once."""
         event = self.fail(seq, guard.PREFILL_MEMORY_EXCEEDED,
                           guard.rejection_message(estimated, limit, binding),

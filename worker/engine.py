@@ -43,7 +43,14 @@ from worker.constrain import Constraint, ConstraintError, ConstraintFactory
 from worker.decode import DecodeStep
 from worker.endings import Endings, Event
 from worker.memory import UsageFn
-from worker.prefill import CHUNK_SECONDS, DEFAULT_MAX_CHUNK, MEMORY_WAIT_SECONDS, ChunkTimer, Prefill
+from worker.prefill import (
+    CHUNK_SECONDS,
+    DEFAULT_MAX_CHUNK,
+    MEMORY_WAIT_SECONDS,
+    ChunkTimer,
+    DeviceUsage,
+    Prefill,
+)
 from worker.prefill_guard import PrefillCost
 from worker.request import CONTEXT_EXCEEDED, ENGINE_ERROR, INVALID_REQUEST, EngineError, Seq
 from worker.sampling import Settings, check, make_request_sampler
@@ -74,6 +81,7 @@ class Engine:
         memory_wait: float = MEMORY_WAIT_SECONDS,
         chunk_seconds: float = CHUNK_SECONDS,
         batch_decode: bool = True,
+        device: DeviceUsage | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -86,7 +94,7 @@ class Engine:
         self.endings = Endings(self.prompt_cache, cacheable=cacheable, reclaim=reclaim)
         self.prefill = Prefill(model, tokenizer, self.endings, layers=len(layers), max_chunk=max_chunk,
                                chunk_seconds=chunk_seconds, own_usage=own_usage_fn or _default_own_usage,
-                               reclaim=reclaim, clock=clock, memory_wait=memory_wait)
+                               reclaim=reclaim, clock=clock, memory_wait=memory_wait, device=device)
         # issue 11: unconstrained requests decode as rows of one batch; models whose KV is
         # not plain attention (rotating, SSM) keep one forward pass per request.
         self.decode = DecodeStep(model, tokenizer, self.endings, batched=batch_decode and cacheable,
@@ -173,6 +181,12 @@ class Engine:
     def cache_releasable(self) -> int:
         """H3: the part no running or queued request relies on."""
         return self.prompt_cache.releasable
+
+    def held(self) -> memory.Held:
+        """What the prompt cache and the decode batch hold, for the worker's memory sample."""
+        batch = self.decode.batch
+        return memory.Held(self.prompt_cache.nbytes, self.prompt_cache.releasable, batch.nbytes,
+                           batch.live_nbytes, batch.relayouts)
 
     def shrink_cache(self, target_bytes: int) -> int:
         """H3/P5: drop LRU unused entries toward `target_bytes`; bytes dropped (pool not yet returned)."""
