@@ -2,8 +2,8 @@
 
 `python -m modelfiles.gguf_import FILE.gguf DIR [--force] [--json]`
 
-Why it lives in the worker room: it builds MLX arrays and writes them with
-MLX, and the supervisor never imports MLX. The supervisor runs this module as
+It builds MLX arrays and writes them with MLX (imported inside the functions
+that do), and the supervisor never imports MLX: the supervisor runs this module as
 a child process (`import-gguf`, and a `[[models]] path` ending in `.gguf`)
 and reads its progress, one JSON line a step (`shared.gguf.ImportLine`),
 from its stdout when `--json` is given.

@@ -271,7 +271,7 @@ QUEUE_FULL = GateClosed("the queue is full while memory pressure pauses admissio
 
 def prefill_refused(rid):
     return [p.Failed(request_id=rid, code="prefill_memory_exceeded", message="the prompt's prefill needs 3 GiB",
-                     binding="hard", estimated_bytes=3 << 30, limit_bytes=1 << 30)]
+                     binding="static", estimated_bytes=3 << 30, limit_bytes=1 << 30)]
 
 
 def hello(rid):
@@ -322,7 +322,7 @@ def test_memory_refusals_reach_anthropic_and_responses_clients_with_the_message(
     if status == 503:
         assert all(e.response.headers["retry-after"] == "7" for e in (a, r))
     if status == 400:
-        assert a.body["error"]["code"] == "prefill_memory_exceeded" and a.body["error"]["binding"] == "hard"
+        assert a.body["error"]["code"] == "prefill_memory_exceeded" and a.body["error"]["binding"] == "static"
         assert r.code == "prefill_memory_exceeded"
 
 
