@@ -34,6 +34,7 @@ from shared.vocab import (
     LimitBinding,
     MalformedCause,
     PressureLevel,
+    SampleReason,
     Tier,
     WorkerEventKind,
 )
@@ -474,9 +475,7 @@ class Sample(Msg, tag="sample", kw_only=True):
     running: int = 0
     queued: int = 0
     tokens: int = 0
-    # Why it was sent now: "tick" (steady rate), "watermark" (crossed one) or
-    # "shrink" (a ShrinkCache was just obeyed, H3).
-    why: str = "tick"
+    why: SampleReason = "tick"
 
 
 class WorkerEvent(Msg, tag="worker_event", kw_only=True):

@@ -40,6 +40,10 @@ DeviceBinding = Literal["", "device_static", "device_others"]
 # A refusal names the binding of the pool that refused (A3, D5).
 Binding = Literal[HostBinding, DeviceBinding]
 
+# Why a worker sent a sample now: its steady rate, a watermark it crossed (P9's wake-up),
+# or a ShrinkCache it just obeyed (H3).
+SampleReason = Literal["tick", "watermark", "shrink"]
+
 # -- events (SPEC S2) ----------------------------------------------------------------------
 
 # What a worker may report as an event of its own. The supervisor's lifecycle

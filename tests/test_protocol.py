@@ -128,6 +128,7 @@ PINNED_WORDS = {
         "abort_load", "mark_for_unload", "evict", "ttl", "guard", "reload", "reload_refused", "model_added",
         "model_changed", "model_removed", "stall"),
     "FinishReason": ("stop", "length"),
+    "SampleReason": ("tick", "watermark", "shrink"),
     "FailureCode": (
         "invalid_request", "invalid_constraint", "context_length_exceeded", "prefill_memory_exceeded",
         "wrong_model_kind", "aborted", "memory_pressure", "model_unloading", "worker_exited", "client_disconnected",
@@ -175,6 +176,7 @@ def test_a_word_outside_its_vocabulary_is_malformed_at_the_edge(union, fields, f
     ("CeilingMsg", "tier", "Tier"),
     ("CeilingMsg", "binding", "HostBinding"),
     ("PressureMsg", "level", "PressureLevel"),
+    ("Sample", "why", "SampleReason"),
     ("DevicePool", "binding", "DeviceBinding"),
     ("WorkerEvent", "kind", "WorkerEventKind"),
 ])

@@ -30,7 +30,7 @@ from shared.ledger import Ledger
 from shared.limits import Limits
 from shared.memory import NO_READING
 from shared.modelinfo import config_refusal
-from shared.vocab import MalformedCause, WorkerEventKind
+from shared.vocab import MalformedCause, SampleReason, WorkerEventKind
 from worker import blas
 from worker.heartbeat import Heartbeat, StepClock
 
@@ -119,7 +119,7 @@ class Worker:
         self.reclaim_pending: list[p.Reclaim] = []
         self.shrink_pending: list[p.ShrinkCache] = []
         self.allocator: AllocatorLimits | None = None  # once MLX is loaded (M1, M2)
-        self.send_now = ""     # a reason to publish the next sample at once ("shrink")
+        self.send_now: SampleReason | None = None  # a reason to publish the next sample at once
         self.seq = 0
         self.last_sent = 0.0
         self._last = NO_READING  # the latest reading, sent as is in the next Sample
@@ -436,8 +436,8 @@ class Worker:
             level += 4 * ((on_device >= limits.device_soft) + (on_device >= limits.device_hard))
         crossed = level != self.last_level
         self.last_level = level
-        why = "watermark" if crossed else self.send_now or "tick"
-        self.send_now = ""
+        why: SampleReason = "watermark" if crossed else self.send_now or "tick"
+        self.send_now = None
         if why == "tick" and now - self.last_sent < self.spec.sample_interval:
             return
         self.last_sent = now
