@@ -79,6 +79,7 @@ ReplyFinishReason = Literal[FinishReason, "tool_calls"]
 FailureCode = Literal[
     # the request itself (a 400 for the client to fix)
     "invalid_request", "invalid_constraint", "context_length_exceeded", "prefill_memory_exceeded", "wrong_model_kind",
+    "fim_unsupported",
     # the guard or the supervisor took it away (a 503 worth a retry)
     "aborted", "memory_pressure", "model_unloading", "worker_exited", "client_disconnected",
     # the worker could not run it (our bug, or MLX's: a 500)
@@ -93,7 +94,7 @@ RefusalCode = Literal["model_too_large", "insufficient_memory"]
 ServeCode = Literal[
     "internal_error", "spawn_failed", "too_many_workers", "overloaded", "model_unreadable", "model_at_capacity",
     "model_not_found", "model_not_loaded", "model_loading", "model_failed", "admission_paused",
-    "worker_unresponsive", "drills_disabled", "reload_unsupported", "reload_busy", "reload_timeout",
+    "worker_unresponsive", "worker_timeout", "drills_disabled", "reload_unsupported", "reload_busy", "reload_timeout",
     "invalid_config", "invalid_guard_settings", "bad_reply",
 ]
 
