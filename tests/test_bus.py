@@ -20,7 +20,7 @@ from supervisor.bus import Bus, Endpoints
 
 def _flood(tmp_path, frames: list[bytes | list[bytes]]) -> Bus:
     async def main() -> Bus:
-        ctx = zmq.Context.instance()
+        ctx = zmq.Context()  # its own: the ZAP endpoint is one per context, freed only when it ends
         bus = Bus(ctx, Endpoints.in_dir(tmp_path))
         bus.attach(asyncio.get_running_loop(), lambda *_: None, lambda *_: None, lambda *_: None)
         push = ctx.socket(zmq.PUSH)
@@ -38,6 +38,7 @@ def _flood(tmp_path, frames: list[bytes | list[bytes]]) -> Bus:
             await asyncio.sleep(0.01)
         push.close(0)
         bus.close()
+        ctx.term()
         return bus
 
     return asyncio.run(main())
