@@ -282,18 +282,23 @@ class DecodeBatch:
         """No rows: the buffers go too (their memory returns with the pool)."""
         self.rows, self.layers, self.y, self.pads = [], [], None, []
 
-    def extract(self, index: int) -> list[KVCache]:
-        """Row `index`'s KV as plain per-layer caches (a copy, evaluated), e.g. for the prompt cache."""
-        pad, idx = self.pads[index], self.idx
+    def extract(self, indices: list[int]) -> list[list[KVCache]]:
+        """Rows `indices`' KV as plain per-layer caches (copies, evaluated together), e.g. for the
+        prompt cache."""
+        idx = self.idx
         out = []
-        for layer in self.layers:
-            assert layer.keys is not None and layer.values is not None
-            cache = KVCache()
-            cache.keys = mx.contiguous(layer.keys[index:index + 1, :, pad:idx, :])
-            cache.values = mx.contiguous(layer.values[index:index + 1, :, pad:idx, :])
-            cache.offset = idx - pad
-            out.append(cache)
-        mx.eval([(c.keys, c.values) for c in out])  # no slice of the buffers stays alive (see _move)
+        for index in indices:
+            pad = self.pads[index]
+            row = []
+            for layer in self.layers:
+                assert layer.keys is not None and layer.values is not None
+                cache = KVCache()
+                cache.keys = mx.contiguous(layer.keys[index:index + 1, :, pad:idx, :])
+                cache.values = mx.contiguous(layer.values[index:index + 1, :, pad:idx, :])
+                cache.offset = idx - pad
+                row.append(cache)
+            out.append(row)
+        mx.eval([(c.keys, c.values) for row in out for c in row])  # no slice of the buffers stays alive (see _move)
         return out
 
     # -- the step --------------------------------------------------------------------

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import KVCache
 
 from shared.protocol import TokenOut
 from worker.batch import DecodeBatch
@@ -83,18 +84,17 @@ class DecodeStep:
         for seq in joining:
             seq.cache = seq.y = None  # the batch holds its KV and token now
         logits = following = None
-        if batch and any(seq.generated + 1 < seq.max_tokens for seq in batch.rows):
+        if batch and any(seq.resuming or seq.generated + 1 < seq.max_tokens for seq in batch.rows):
             with mx.stream(generation_stream):
                 logits, following = batch.forward(self.model)
         if not batch:
             return []
-        keep, survivors, late = [], [], []
+        keep, survivors, late, ended = [], [], [], []
         for i, (seq, token) in enumerate(zip(batch.rows, batch.tokens())):
-            if self.emit(seq, token, events):
-                if self.endings.keeps_kv:
-                    seq.cache = batch.extract(i)
-                self.endings.store(seq)
-                seq.cache = None
+            if seq.resuming:
+                seq.resuming = False  # its last prompt token went in: this pass sampled its first token
+            elif self.emit(seq, token, events):
+                ended.append(i)
                 continue
             keep.append(i)
             survivors.append(seq)
@@ -105,8 +105,22 @@ class DecodeStep:
             assert following is not None  # a late row had logits, so the pass ran
             with mx.stream(generation_stream):
                 following = batch.place(following, late)
+        self._store(ended)
         batch.keep(keep, following)
         return survivors
+
+    def _store(self, ended: list[int]) -> None:
+        """H1: the KV of the rows that ended, copied out in one evaluation (not one per row:
+        on a GPU each is a wait for the device), kept for the next request."""
+        batch = self.batch
+        layers: list[list[KVCache] | None] = [None] * len(ended)
+        if ended and self.endings.keeps_kv:
+            layers = list(batch.extract(ended))
+        for i, kv in zip(ended, layers):
+            seq = batch.rows[i]
+            seq.cache = kv
+            self.endings.store(seq)
+            seq.cache = None
 
     def _single(self, decoding: list[Seq], events: list[Event]) -> list[Seq]:
         """One pass per request (no batching): the path before issue 11."""

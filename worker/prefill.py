@@ -124,6 +124,27 @@ class Prefill:
             self._first_token(seq)
         return True
 
+    def resume(self, seq: Seq, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> None:
+        """A request whose whole prompt but its last token is in the prompt cache (H1): G1, its KV
+        forked from the entry, and on to the decode batch with its last prompt token in flight.
+
+        Why not `_first_token`: that is a forward pass of its own for one token, and a burst of
+        such requests (the same prompt sent again, retries) took one pass and one prefill turn
+        each, so the last of 32 waited for 31 turns. Fed by the decode step, their last prompt
+        tokens ride in the pass that decodes everyone else, and the token that pass samples is
+        their first; worker/decode.py emits nothing for the prompt token itself.
+        Afterwards its state says where it goes, as after `step`.
+        """
+        if not self._preflight(seq, limits, usage_fn, events):
+            return
+        if seq.pos != len(seq.prompt) - 1:
+            return  # the entry no longer covers it all: it prefills the usual way at the head
+        seq.y = mx.array(seq.prompt[-1:], dtype=mx.uint32)  # the dtype of sampled tokens
+        seq.resuming = True
+        self.tokens += 1
+        seq.detok = self.tokenizer.detokenizer
+        seq.move("first_token")
+
     def _preflight(self, seq: Seq, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> bool:
         """G1 (with H4 first); True when the prefill may start now."""
         if self.endings.cacheable:  # look again: a request that finished meanwhile may cover more
