@@ -191,6 +191,8 @@ class Worker:
             log.error("cannot load %s: %s", self.spec.model_path, exc)
             self.reply(p.LoadFailed(error=str(exc)))
             return 2
+        if "gpu" in device:  # first-use costs (kernel builds) are a GPU's: paid here, not by a client
+            log.info("warm-up: a request alone and a group in %.2f s", self.engine.warm_up())
         self.phase = "ready"
         now = time.monotonic()
         self.reply(p.Loaded(weight_bytes=self.engine.weight_bytes, seconds=now - started,
