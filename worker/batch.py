@@ -78,8 +78,10 @@ class SlotKVCache:
         self.start = 0       # smallest left padding: the attention window starts here
         self.offset = mx.array([], mx.int32)        # per row: tokens it holds (its RoPE position)
         self.window_padding = mx.array([], mx.int32)  # per row: left padding inside the window
+        self.ragged = False  # some row's padding is inside the window: attention needs the mask
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write the step's tokens at `idx` (`offset` moves in `DecodeBatch.forward`, once for all layers)."""
         assert self.keys is not None and self.values is not None, "the batch has no rows"
         tokens = keys.shape[2]
         end = self.idx + tokens
@@ -87,10 +89,15 @@ class SlotKVCache:
         self.keys[: self.n, :, self.idx:end, :] = keys
         self.values[: self.n, :, self.idx:end, :] = values
         self.idx = end
-        self.offset = self.offset + tokens
         return self.keys[: self.n, :, self.start:end, :], self.values[: self.n, :, self.start:end, :]
 
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **_) -> mx.array:
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None,
+                  **_) -> mx.array | None:
+        """None when every row starts at the window's start (one row always does): a decode step
+        then needs no mask, as with mlx-lm's own cache, and on CUDA an array mask rules out
+        both fused attention kernels for a one-token query (MLX 0.32)."""
+        if N == 1 and not self.ragged and not return_array and window_size is None:
+            return None
         return create_causal_mask(N, offset=self.idx - self.start, window_size=window_size,
                                   left_padding=self.window_padding)
 
@@ -153,8 +160,9 @@ class DecodeBatch:
         start = min(self.pads) if self.pads else idx
         offset = mx.array([idx - p for p in self.pads], mx.int32)
         window = mx.array([p - start for p in self.pads], mx.int32)
+        ragged = any(p != start for p in self.pads)
         for layer in self.layers:
-            layer.n, layer.start = len(self.rows), start
+            layer.n, layer.start, layer.ragged = len(self.rows), start, ragged
             layer.offset, layer.window_padding = offset, window
 
     def _relayout(self, rows: int, front: int) -> None:
@@ -178,6 +186,7 @@ class DecodeBatch:
             layer.idx = new_idx
         self.pads = [p + shift for p in self.pads]
         self.relayouts += 1
+        self._sync()  # the window moved: every layer's start with it (a stale start read the wrong positions)
 
     def _reserve(self, rows: int, front: int, tokens: int) -> None:
         """Room for `rows` live rows, `front` positions before `idx` and `tokens` after it."""
@@ -313,6 +322,9 @@ class DecodeBatch:
         """
         self._reserve(len(self.rows), 0, 1)
         logits = model(self._in_flight()[:, None], cache=self.layers)[:, -1, :]
+        offset = self.layers[0].offset + 1  # every layer's rows moved one position: one op, not one per layer
+        for layer in self.layers:
+            layer.offset = offset
         following = mx.argmax(logits, axis=-1)
         own = [(i, row.sample(logits[i:i + 1])) for i, row in enumerate(self.rows)
                if row.sample is not self._greedy and getattr(row, "constraint", None) is None]
