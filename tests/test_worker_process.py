@@ -221,3 +221,40 @@ def test_prompted_comes_before_the_first_token_and_agrees_with_finished(tiny_mod
         assert prompted.cached_tokens == finished.cached_tokens
     c_prompted = next(m for m in again if isinstance(m, p.Prompted))
     assert c_prompted.cached_tokens > 0  # the repeat reused the prompt cache, and says so up front
+
+
+def _frames_until_finished(sup: FakeSupervisor, rid: str, timeout: float = 60.0) -> list[p.Msg]:
+    """Every frame for `rid` as it came (token batches kept whole) until its end."""
+    out: list[p.Msg] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not sup.router.poll(100):
+            continue
+        msg = sup.replies.decode(sup.router.recv_multipart()[1])
+        if isinstance(msg, (p.TokenOut, p.TokenBatch, p.Prompted, p.Finished, p.Failed)):
+            out.append(msg)
+            if isinstance(msg, (p.Finished, p.Failed)) and msg.request_id == rid:
+                return out
+    raise AssertionError(f"no end for {rid}")
+
+
+def test_issue22_a_streams_first_token_leaves_alone_and_the_rest_may_share_frames(tiny_model, tmp_path, monkeypatch):
+    """Both ends of worker/frames.py: with tokens allowed to wait (a long interval here, so the
+    frames do not depend on this machine's speed), the first token comes alone and at once, the
+    others come together in one TokenBatch, every token once and in order, and Finished after
+    them; with no wait (interval 0) every step's token is its own frame, as before issue 22."""
+    for interval, shapes in (("30", ["TokenOut", "TokenBatch", "Finished"]),
+                             ("0", ["TokenOut"] * 8 + ["Finished"])):
+        monkeypatch.setenv("MEMVISOR_TEST_FRAME_SECONDS", interval)
+        (tmp_path / interval).mkdir()
+        with FakeSupervisor(tmp_path / interval, tiny_model, "w#1") as sup:
+            sup.recv(p.Loaded)
+            sup.send(p.Generate(request_id="a", prompt="the memory guard", max_tokens=8, temperature=0.0))
+            frames = _frames_until_finished(sup, "a")
+            sup.send(p.Drain(reason="test over"))
+            sup.proc.join(20)
+        assert isinstance(frames[0], p.Prompted)
+        assert [type(f).__name__ for f in frames[1:]] == shapes
+        rows = [row for f in frames[1:-1] for row in (f.tokens() if isinstance(f, p.TokenBatch) else [f])]
+        end = frames[-1]
+        assert isinstance(end, p.Finished) and len(rows) == end.completion_tokens == 8
