@@ -194,8 +194,24 @@ class NeedMemory(Msg, tag="need_memory", kw_only=True):
     need_bytes: int
 
 
+class Embedded(Msg, tag="embedded", kw_only=True):
+    """The vectors of one `Embed`, its terminal reply.
+
+    Why bytes: a request may embed thousands of inputs, and float32 in one
+    buffer is a quarter of msgpack's floats and what OpenAI's base64 encoding
+    sends as is. Row i of `count` rows is input i, `dimensions` float32 values,
+    little-endian; the front door refuses requests whose vectors would not fit
+    one frame (shared.embedding.EmbeddingSpec.input_cap).
+    """
+
+    request_id: str
+    dimensions: int
+    vectors: bytes
+    token_counts: list[int]  # tokens of each input as embedded (after any truncation)
+
+
 WorkerReply = Union[Hello, Loaded, LoadFailed, Ack, Pong, Reclaimed, TokenOut, TokenBatch, Finished, Failed,
-                    NeedMemory, Prompted]
+                    NeedMemory, Prompted, Embedded]
 
 
 # --------------------------------------------------------------------------
@@ -316,6 +332,23 @@ class Generate(Command, tag="generate", kw_only=True):
     tools: Union[str, None] = None
 
 
+class Embed(Command, tag="embed", kw_only=True):
+    """Embed each input with the worker's embedding model; answered by one
+    `Embedded` or one `Failed`. Exactly one of `texts` and `token_ids` is given.
+
+    `truncate`: an input longer than the model's limit is cut to it (else the
+    request fails with `context_length_exceeded`). `dimensions`: Matryoshka
+    truncation to that length (renormalised when the model normalises); the
+    front door has checked that the model allows it.
+    """
+
+    request_id: str
+    texts: Union[list[str], None] = None
+    token_ids: Union[list[list[int]], None] = None  # the model's own token ids, taken as they are
+    truncate: bool = False
+    dimensions: Union[int, None] = None
+
+
 class MemoryAnswer(Command, tag="memory_answer", kw_only=True):
     """Reply to NeedMemory: eviction done (retry once) or nothing to evict."""
 
@@ -344,7 +377,8 @@ class DrillStop(Command, tag="drill_stop", kw_only=True):
     pass
 
 
-CommandMsg = Union[SetLimits, Reclaim, ShrinkCache, AbortRequests, Generate, MemoryAnswer, Drain, Ping, Drill, DrillStop]
+CommandMsg = Union[SetLimits, Reclaim, ShrinkCache, AbortRequests, Generate, MemoryAnswer, Drain, Ping, Drill, DrillStop,
+                   Embed]
 
 
 # --------------------------------------------------------------------------

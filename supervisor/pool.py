@@ -318,7 +318,7 @@ class Pool:
             self.bus.bad("commands", "message from an unknown or stopped worker", cause="unknown_peer")
             return
         match msg:
-            case p.TokenOut() | p.Finished() | p.Failed() | p.Prompted():  # Prompted: issue 23
+            case p.TokenOut() | p.Finished() | p.Failed() | p.Prompted() | p.Embedded():
                 self.streams.deliver(msg)
             case p.TokenBatch():  # issue 11: one decode step's tokens for several requests
                 if len(msg.request_ids) == len(msg.texts) == len(msg.token_ids):

@@ -192,7 +192,7 @@ class StubSupervisor:
     def model_config(self, model_id):
         return self.config.models[0]
 
-    async def generate(self, model_id, gen):
+    async def generate(self, model_id, gen, max_wait=None):
         if isinstance(self.outcome, Exception):
             raise self.outcome
         stream = RequestStream(gen.request_id, model_id, worker=None)  # type: ignore[arg-type]

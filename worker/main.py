@@ -25,6 +25,7 @@ import zmq
 from typing_extensions import assert_never
 
 from shared import protocol as p
+from shared.embedding import WRONG_MODEL_KIND, read_embedding_spec
 from shared.ledger import Ledger
 from shared.limits import Limits
 from shared.memory import NO_READING
@@ -36,6 +37,7 @@ from worker.heartbeat import Heartbeat, StepClock
 if TYPE_CHECKING:  # types only: these import MLX, which loads in serve(), never at module level
     from worker.allocator import AllocatorLimits
     from worker.drill import Drill
+    from worker.embedder import Embedder
     from worker.engine import Engine
 
 log = logging.getLogger("memvisor.worker")
@@ -110,7 +112,7 @@ class Worker:
         self.reports = p.Codec(p.WorkerReport)
         self.ledger = Ledger.attach(spec.ledger_path)
         self.limits = Limits()
-        self.engine: Engine | None = None
+        self.engine: Engine | Embedder | None = None  # an embedding model runs an Embedder
         self.drill: Drill | None = None
         self.draining = False
         self.reclaim_pending: list[p.Reclaim] = []
@@ -160,7 +162,7 @@ class Worker:
 
         from shared.probe import gpu_kind
         from worker.allocator import AllocatorLimits
-        from worker.engine import Engine, EngineError
+        from worker.engine import EngineError
         from worker.memory import MemorySampler, set_discrete_device
 
         try:
@@ -192,8 +194,7 @@ class Worker:
             self.reply(p.LoadFailed(error=refused))
             return 2
         try:
-            self.engine = Engine.load(self.spec.model_path, max_concurrency=self.spec.max_concurrency,
-                                      chunk_seconds=self.spec.chunk_seconds)
+            self.engine = self.load_model()
         except (EngineError, OSError, ValueError) as exc:
             log.error("cannot load %s: %s", self.spec.model_path, exc)
             self.reply(p.LoadFailed(error=str(exc)))
@@ -205,6 +206,16 @@ class Worker:
         self.reply(p.Loaded(weight_bytes=self.engine.weight_bytes, seconds=now - started,
                             usage=self.write_sample(now)))
         return self.loop()
+
+    def load_model(self) -> Engine | Embedder:
+        """A sentence-embedding folder gets the Embedder, any other the chat engine."""
+        from worker.embedder import Embedder
+        from worker.engine import Engine
+
+        kwargs = dict(max_concurrency=self.spec.max_concurrency, chunk_seconds=self.spec.chunk_seconds)
+        if read_embedding_spec(self.spec.model_path) is not None:
+            return Embedder.load(self.spec.model_path, **kwargs)
+        return Engine.load(self.spec.model_path, **kwargs)
 
     def loop(self) -> int:
         assert self.engine is not None and self.allocator is not None  # serve() set both up
@@ -284,6 +295,8 @@ class Worker:
                 self.limits = msg.limits
             case p.Generate():
                 self.submit(msg)
+            case p.Embed():
+                self.submit_embed(msg)
             case p.AbortRequests(request_ids=None):
                 engine.abort_all(msg.reason or "aborted by the supervisor", code=msg.code)
                 # A drill stands in for a runaway request: aborting the work frees it too.
@@ -318,6 +331,19 @@ class Worker:
             return
         assert self.engine is not None  # commands are taken once the model is loaded
         self.engine.submit_generate(msg)  # a bad prompt fails through the next step()
+
+    def submit_embed(self, msg: p.Embed) -> None:
+        """An Embed for an embedding model; a chat model answers that it has none."""
+        from worker.embedder import Embedder
+
+        if self.draining:
+            self.reply(p.Failed(request_id=msg.request_id, code="model_unloading",
+                                message="the model is being unloaded; retry to load it again"))
+        elif isinstance(self.engine, Embedder):
+            self.engine.submit_embed(msg)
+        else:
+            self.reply(p.Failed(request_id=msg.request_id, code=WRONG_MODEL_KIND,
+                                message="this model generates text; it is not an embedding model"))
 
     # -- memory ---------------------------------------------------------------
 

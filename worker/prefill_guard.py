@@ -313,15 +313,17 @@ def after_chunk(limits: Limits, usage: int) -> AfterChunk:
     return "ok"
 
 
-def rejection_message(estimated: int, limit: int, binding: str) -> str:
-    """The 400 `prefill_memory_exceeded` text: numbers plus the remedy that fits (C6)."""
+def rejection_message(estimated: int, limit: int, binding: str, *, what: str = "prompt",
+                      during: str = "prefill") -> str:
+    """The 400 `prefill_memory_exceeded` text: numbers plus the remedy that fits (C6);
+    `what` and `during` name the work (an embedding batch says so)."""
     from shared.sizes import format_size
 
     remedy = {
         "dynamic": "close other applications to free memory",
         "gpu_cap": "raise the GPU memory cap (iogpu.wired_limit_mb)",
-    }.get(binding, "use a shorter prompt, a smaller model or a lower tier")
+    }.get(binding, f"use a shorter {what}, a smaller model or a lower tier")
     return (
-        f"prompt needs about {format_size(estimated)} during prefill but the limit is "
+        f"{what} needs about {format_size(estimated)} during {during} but the limit is "
         f"{format_size(limit)} (binding: {binding or 'static'}); {remedy}"
     )

@@ -43,7 +43,7 @@ from starlette.responses import Response, StreamingResponse
 from shared import protocol as p
 from supervisor.api import Supervisor
 from supervisor.errors import ServeError
-from supervisor.http import tools
+from supervisor.http import routing, tools
 from supervisor.http.body import Disconnected
 from supervisor.http.content import text_of
 from supervisor.http.errors import INVALID_CONSTRAINT, ApiError, from_failed, from_serve_error
@@ -277,8 +277,11 @@ async def open_job(request: Request, sup: Supervisor, metrics: Metrics, req, gen
 
 async def open_stream(sup: Supervisor, model: str, gen: p.Generate, receive: Receive,
                       keep_alive: float | None = None) -> RequestStream:
+    served = routing.current()  # issue 24: X-Memvisor-Max-Wait in, X-Memvisor-Worker out
     try:
-        stream = await race_client(sup.generate(model, gen), receive)
+        stream = await race_client(sup.generate(model, gen, max_wait=served.max_wait()), receive)
+        if stream.worker is not None:
+            served.worker = stream.worker.worker_id
         if keep_alive is not None:  # the model is loaded now: its idle timer is this request's
             sup.keep_alive(model, keep_alive)
         return stream

@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from shared.embedding import EmbeddingSpec, read_embedding_spec
 from shared.modelinfo import CONFIG_MAX_BYTES, context_length, read_config_json, read_small
 
 # Token spellings of fill-in-the-middle prefixes across families (Qwen/StarCoder, CodeLlama,
@@ -39,6 +40,7 @@ class ModelFacts(msgspec.Struct, kw_only=True):
     bytes_per_parameter: float = 0.0  # from the dtype or quantization bits (0: unknown)
     file_bytes: int = 0  # a .gguf file's own size
     modified: float = 0.0  # mtime of config.json (a .gguf file's own); 0: unknown
+    embedding: EmbeddingSpec | None = None  # a sentence-embedding model's facts (None: it generates)
 
 
 def digest(model_id: str, path: str) -> str:
@@ -78,7 +80,26 @@ def read_facts(path: str) -> ModelFacts:
     if isinstance(template, str) and template:
         facts.template, facts.has_template = template, True
     facts.fim = _has_fim(tok)
+    facts.embedding = read_embedding_spec(folder)
+    if facts.embedding is not None:  # the longest input it embeds, not its position table
+        facts.context_length = facts.embedding.max_tokens
     return facts
+
+
+def capabilities(facts: ModelFacts) -> list[str]:
+    """What a model does, in Ollama's words (its /api/show; the /v1/models cards too):
+    `embedding` alone for an embedding model; else `completion`, `tools` with a chat
+    template (one that takes `tools` renders them, another gets them in words from the
+    worker, and required calls are constrained decoding either way), `insert` when the
+    tokenizer has fill-in-the-middle tokens."""
+    if facts.embedding is not None:
+        return ["embedding"]
+    caps = ["completion"]
+    if facts.has_template:
+        caps.append("tools")
+    if facts.fim:
+        caps.append("insert")
+    return caps
 
 
 def _dtype_facts(facts: ModelFacts, config: dict[str, Any]) -> None:

@@ -54,7 +54,7 @@ from supervisor.http import generate as g
 from supervisor.http import tools
 from supervisor.http.errors import ApiError, from_serve_error
 from supervisor.http.metrics import Metrics
-from supervisor.http.modelfacts import ModelFacts, digest, parameter_size, read_facts
+from supervisor.http.modelfacts import ModelFacts, capabilities, digest, parameter_size, read_facts
 from supervisor.http.openai_types import (
     DEFAULT_CHAT_MAX_TOKENS,
     MAX_STOP_SEQUENCES,
@@ -469,7 +469,8 @@ def size_of(info, facts: ModelFacts) -> int:
 
 def _entry(info, facts: ModelFacts) -> dict[str, Any]:
     return {"name": info.id, "model": info.id, "modified_at": modified_at(facts), "size": size_of(info, facts),
-            "digest": digest(info.id, info.path), "details": details(facts, info.estimated_bytes)}
+            "digest": digest(info.id, info.path), "details": details(facts, info.estimated_bytes),
+            "capabilities": capabilities(facts)}  # an embedding model says so in the list
 
 
 async def tags(sup: Supervisor) -> dict[str, Any]:
@@ -500,18 +501,6 @@ def modified_at(facts: ModelFacts) -> str:
     return rfc3339(datetime.fromtimestamp(facts.modified, timezone.utc))
 
 
-def capabilities(facts: ModelFacts) -> list[str]:
-    """completion always; tools with a chat template (one that takes `tools` renders them,
-    another gets them in words from the worker, and required calls are constrained
-    decoding either way); insert when the tokenizer has fill-in-the-middle tokens."""
-    caps = ["completion"]
-    if facts.has_template:
-        caps.append("tools")
-    if facts.fim:
-        caps.append("insert")
-    return caps
-
-
 async def show(sup: Supervisor, body: bytes) -> dict[str, Any]:
     req = decode_body(body, ShowRequest)
     name = req.model or req.name
@@ -523,6 +512,9 @@ async def show(sup: Supervisor, body: bytes) -> dict[str, Any]:
     model_info: dict[str, Any] = {"general.architecture": arch, "general.basename": info.id}
     if facts.context_length:
         model_info[f"{arch}.context_length"] = facts.context_length
+    if facts.embedding is not None:  # Ollama's key for a vector's length
+        model_info[f"{arch}.embedding_length"] = facts.embedding.dims
+        model_info[f"{arch}.pooling_type"] = facts.embedding.pooling
     if info.estimated_bytes and facts.bytes_per_parameter:
         model_info["general.parameter_count"] = int(info.estimated_bytes / facts.bytes_per_parameter)
     return {"license": "", "modelfile": "", "parameters": "", "template": facts.template,

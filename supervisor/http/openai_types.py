@@ -28,6 +28,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from supervisor.policy.status import ModelInfo
+from supervisor.readiness import LoadProgress, Readiness
 
 T = TypeVar("T")
 C = TypeVar("C")  # the choice type of a completion
@@ -298,8 +299,12 @@ class ModelCard(Struct, kw_only=True):
     pid: Union[int, None] = None
     # issue 23: the model's context window in tokens (config.json), where known
     context_length: Union[int, None] = None
+    # what it does, in Ollama's words ("completion", "tools", "insert", or "embedding" alone)
+    capabilities: Union[list[str], None] = None
     # Everything `ps` shows: aliases, estimated vs measured bytes, idle time, expiry ...
     memvisor: Union[ModelInfo, None] = None
+    # issue 24: what a request sent now would meet (the routing signal; GET /health?model=ID)
+    readiness: Union[Readiness, None] = None
 
 
 class ModelList(Struct, kw_only=True):
@@ -316,6 +321,8 @@ class ErrorDetail(Struct, kw_only=True):
     binding: Union[str, msgspec.UnsetType] = msgspec.UNSET
     estimated_bytes: Union[int, msgspec.UnsetType] = msgspec.UNSET
     limit_bytes: Union[int, msgspec.UnsetType] = msgspec.UNSET
+    # issue 24: a model still loading, for a request that would not wait for it
+    progress: Union[LoadProgress, msgspec.UnsetType] = msgspec.UNSET
 
 
 class ErrorBody(Struct, kw_only=True):
