@@ -384,8 +384,9 @@ def summary(model: Path, counts: list[int], tokens: int, top: Ceilings, ours: di
         mine, peer, raw = ours[n], theirs.get(n), top.raw[n]
         line = f"memvisor @{n}: {mine.tps / raw:.0%} of raw batched ({mine.decode / raw:.0%} decoding)"
         if peer is not None and peer.tps:
-            line += (f", {mine.tps / peer.tps:.2f}x mlx_lm.server ({mine.decode / max(peer.decode, 1e-9):.2f}x "
-                     f"decoding); max TTFT {mine.ttft[2] * 1000:.0f} vs {peer.ttft[2] * 1000:.0f} ms; "
+            decoding = f"{mine.decode / peer.decode:.2f}x" if peer.decode else "n/a"
+            line += (f", {mine.tps / peer.tps:.2f}x mlx_lm.server ({decoding} decoding); "
+                     f"max TTFT {mine.ttft[2] * 1000:.0f} vs {peer.ttft[2] * 1000:.0f} ms; "
                      f"peak {mine.peak / GiB:.2f} vs {peer.peak / GiB:.2f} GiB")
         if on_device:
             bound = 1.5 * (weights + n * (top.prompt_tokens + tokens) * per_token + POOL_CAP)
