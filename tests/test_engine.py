@@ -652,3 +652,24 @@ def test_issue22_warm_up_leaves_no_trace_and_serving_is_unchanged(loaded):
     assert engine.cost == cost and engine.chunk_timer.per_token == per_token
     engine.submit("a", prompt, max_tokens=6)
     assert drive(engine).tokens("a") == want
+
+
+def test_issue22_streamed_text_of_a_long_reply_is_its_decode_and_the_detokenizer_keeps_a_tail(loaded):
+    """worker/decode.py reads each token's text with `segment`, which lets mlx_lm's streaming
+    detokenizer forget what was read (it copied the whole reply on every token): the text
+    streamed is still exactly the decode of the tokens, and what the detokenizer holds stays small."""
+    from worker.decode import KEEP_TEXT, segment
+
+    _, tokenizer = loaded
+    ids = tokenizer.encode("The memory guard watches every model, and steps in early. " * 60)
+    detok = tokenizer.detokenizer
+    detok.reset()
+    pieces, held = [], 0
+    for token in ids:
+        detok.add_token(token)
+        pieces.append(segment(detok))
+        held = max(held, len(detok.text))
+    detok.finalize()
+    pieces.append(segment(detok))
+    assert "".join(pieces) == tokenizer.decode(ids)
+    assert held <= KEEP_TEXT + 64 < len("".join(pieces)) // 4

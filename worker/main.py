@@ -162,7 +162,7 @@ class Worker:
 
         from shared.probe import gpu_kind
         from worker.allocator import AllocatorLimits
-        from worker.engine import EngineError
+        from worker.engine import Engine, EngineError
         from worker.memory import MemorySampler, set_discrete_device
 
         try:
@@ -199,7 +199,7 @@ class Worker:
             log.error("cannot load %s: %s", self.spec.model_path, exc)
             self.reply(p.LoadFailed(error=str(exc)))
             return 2
-        if "gpu" in device:  # first-use costs (kernel builds) are a GPU's: paid here, not by a client
+        if "gpu" in device and isinstance(self.engine, Engine):  # a GPU's first-use costs: paid here
             log.info("warm-up: a request alone and a group in %.2f s", self.engine.warm_up())
         self.phase = "ready"
         now = time.monotonic()
