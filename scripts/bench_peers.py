@@ -26,7 +26,9 @@ and so does the mlx_lm.server wrapper: on a Linux CPU all three compute with
 the same BLAS, and the comparison is of the serving paths, not of BLAS.
 
 Both servers get the same streaming client (scripts/_sse.py: lean, so the
-client's own CPU weighs little on a small machine). Per round:
+client's own CPU weighs little on a small machine) and the same prompts,
+new in every round (`Story i of round r: ...`, ~20 tokens), so neither
+answers from a prompt cache. Per round:
 
 - **tok/s**: tokens / (last token - send), prefill included;
 - **decode**: tokens per second while all N streams decode (from the last
@@ -49,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import socket
 import statistics
@@ -76,8 +79,12 @@ MLX_SERVER = ("import sys, http.server; http.server.ThreadingHTTPServer.request_
               "import mlx_lm.server; sys.argv = ['mlx_lm.server'] + sys.argv[1:]; mlx_lm.server.main()")
 
 
-def prompt(i: int) -> str:
-    return f"Story {i % 10}: once upon a time, in a small town by the sea"
+def prompt(i: int, round_no: int = 0) -> str:
+    """Stream i's prompt; every round's are new, so no server answers from its prompt cache."""
+    return f"Story {i} of round {round_no}: once upon a time, in a small town by the sea"
+
+
+ROUNDS = itertools.count(1)
 
 
 # ------------------------------------------------------------------ in-process ceilings (a child process)
@@ -266,7 +273,9 @@ class Figures:
 async def round_of(url: str, model: str, n: int, tokens: int) -> list[Stream]:
     body = {"model": model, "max_tokens": tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    return list(await asyncio.gather(*(stream_completion(url, {**body, "prompt": prompt(i)}) for i in range(n))))
+    round_no = next(ROUNDS)
+    return list(await asyncio.gather(*(stream_completion(url, {**body, "prompt": prompt(i, round_no)})
+                                       for i in range(n))))
 
 
 def run_server(url: str, model: str, pid: int, counts: list[int], tokens: int, runs: int,
