@@ -9,7 +9,8 @@ ran with fewer than two rows, nor ran a prefill chunk, MLX's peak memory over th
 before the step is recorded; the worst is printed beside the batch's largest
 size. Before issue 22 (mlx-lm's `BatchKVCache`: `extend` on a join, `filter`
 on a leave) the worst step was a copy of the whole batch; now it is about a
-row. Last line:
+row. It also prints what the buffers hold over the rows' own KV (capacity x
+positions against the tokens each row has), averaged over the steps. Last line:
 
     worst step peak over active: X MiB; batch buffers up to Y MiB (Z relayouts)
 """
@@ -50,16 +51,21 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.requests):
         engine.submit(f"r{i}", ids[: 10 + 3 * i], max_tokens=200 + 7 * i)
     batch = engine.decode.batch
-    worst = largest = 0
+    worst = largest = held = live = 0
     while engine.has_work:
         mx.reset_peak_memory()
         before, relayouts, rows = mx.get_active_memory(), getattr(batch, "relayouts", 0), len(batch)
         prefilled = engine.prompt_tokens_processed
         engine.step(limits, lambda: 0)
         largest = max(largest, batch.nbytes)
+        if len(batch):  # what the buffers hold against the rows' own tokens, summed over steps
+            per_position = batch.nbytes // (batch.capacity * batch.length)
+            held += batch.nbytes
+            live += per_position * sum(batch.idx - pad for pad in batch.pads)
         decode_only = engine.prompt_tokens_processed == prefilled  # a prefill chunk's activations are G2's
         if decode_only and rows > 1 and getattr(batch, "relayouts", 0) == relayouts:
             worst = max(worst, mx.get_peak_memory() - before)
+    print(f"buffers over the rows' own KV, averaged over the steps: {held / max(1, live):.2f}x")
     print(f"worst step peak over active: {worst / 2**20:.2f} MiB; batch buffers up to {largest / 2**20:.2f} MiB "
           f"({getattr(batch, 'relayouts', 0)} relayouts)")
     return 0
