@@ -90,3 +90,21 @@ def test_m2_kernel_cap_below_the_suggestion_wires_the_cap_and_advises_once():
     alloc.apply(Limits(residency=41 * GiB))
     assert [c for c in mx.calls if c[0] == "wired"] == [("wired", 30 * GiB)] * 2
     assert len(said) == 1 and "sudo sysctl iogpu.wired_limit_mb=40960" in said[0]
+
+
+def test_m1_a_pool_over_the_cap_mlx_was_given_is_for_the_worker_to_return(caplog, monkeypatch):
+    """Where an allocator does not hold its cache limit, the worker sees the pool past the cap
+    and returns it itself; said once in the log. No cap of ours (pool_max 0), or the lab's
+    stand-in for an allocator that ignores its limit, leaves the pool to the guard (P4)."""
+    allocator = AllocatorLimits(FakeMx(cache=8 * GiB), platform="linux")
+    assert not allocator.over_pool_cap(3 * GiB)  # no limits applied yet
+    allocator.apply(Limits(hard_limit=20 * GiB, pool_max=2 * GiB))
+    assert not allocator.over_pool_cap(2 * GiB)
+    assert allocator.over_pool_cap(2 * GiB + 1) and allocator.over_pool_cap(3 * GiB)
+    assert sum("over its cache limit" in r.getMessage() for r in caplog.records) == 1
+    allocator.apply(Limits(hard_limit=20 * GiB, pool_max=0))
+    assert not allocator.over_pool_cap(3 * GiB)
+    monkeypatch.setenv("MEMVISOR_NO_CACHE_LIMIT", "1")
+    lab = AllocatorLimits(FakeMx(cache=8 * GiB), platform="linux")
+    lab.apply(Limits(hard_limit=20 * GiB, pool_max=2 * GiB))
+    assert not lab.over_pool_cap(3 * GiB)

@@ -57,6 +57,8 @@ class AllocatorLimits:
         self._wired_for = 0
         self.wired = 0
         self.advised = False
+        self.pool_cap = 0          # the cache limit MLX was given (0: none of ours)
+        self.pool_overran = False  # MLX's pool was once seen above it
 
     def apply(self, limits: Limits) -> None:
         """M1 (and M2 on macOS); a no-op when nothing changed since the last call."""
@@ -82,12 +84,30 @@ class AllocatorLimits:
         """The pool MLX may keep: pool_max, never above MLX's own default (Linux CPU: 32 MiB)."""
         if os.environ.get(NO_CACHE_LIMIT_ENV) == "1":
             return
+        self.pool_cap = 0
         if pool > 0:
             if self._default_cache is None:
                 self._default_cache = self.mx.set_cache_limit(pool)
-            self.mx.set_cache_limit(min(pool, self._default_cache))
+            self.pool_cap = min(pool, self._default_cache)
+            self.mx.set_cache_limit(self.pool_cap)
         elif self._default_cache is not None:
             self.mx.set_cache_limit(self._default_cache)
+
+    def over_pool_cap(self, pool: int) -> bool:
+        """M1 where an allocator does not hold its cache limit: True when MLX's pool holds more
+        than the cap it was given, for the worker to return the pool itself at the step boundary.
+
+        Why: `set_memory_limit` is no cap on MLX's CUDA allocator (../shared/device-cuda.md),
+        and whether `set_cache_limit` is has not been seen on a GPU; a pool past `pool_max`
+        is device memory nobody accounted for. Said once in the log, so a GPU run shows it.
+        """
+        if self.pool_cap <= 0 or pool <= self.pool_cap:
+            return False
+        if not self.pool_overran:
+            self.pool_overran = True
+            log.warning("MLX's pool holds %d bytes over its cache limit of %d: the worker returns it "
+                        "at step boundaries from now on", pool, self.pool_cap)
+        return True
 
     def _wire(self, residency: int) -> None:
         """M2: wire min(residency ceiling, C13 suggestion), within the kernel's cap."""

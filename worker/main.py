@@ -241,6 +241,9 @@ class Worker:
             self.step_boundary()
             now = time.monotonic()
             usage = self.write_sample(now)
+            if self.allocator.over_pool_cap(self._last.mlx_pool):
+                self.sampler.reclaim()  # M1 held by the worker where MLX's allocator did not
+                usage = self.write_sample(now)
             self.maybe_send_sample(now, usage, limits)
             # Not has_work alone: a request waiting for the supervisor's memory answer
             # leaves the engine idle, yet it runs and must end before we do.
