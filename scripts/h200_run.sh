@@ -10,6 +10,7 @@
 #                                1/8/32/64 streams, TTFT, NVML peaks (issue 22; ~5-7 min, one command)
 #   scripts/h200_run.sh path     scripts/bench_path.py: where a token's time goes, layer by layer, at 1 and 64
 #                                streams (ceiling, engine in process, worker over ZeroMQ, server; ~3 min)
+#   scripts/h200_run.sh joinmem  scripts/bench_join_memory.py: the decode batch's buffers against its live KV (issue 22)
 #
 # Wheels travel in .whl/ (Python 3.12 manylinux), the ~90 MB mlx-cuda-13 wheel
 # in two halves (.gpu1/, .gpu2/, `split -b 46000000`) because one transfer is
@@ -49,7 +50,7 @@ EOF
     nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv
     ;;
 tests)
-    timeout "${2:-540}" $PY -m pytest -p no:cacheprovider -q -m slow --durations=15 \
+    timeout "${2:-540}" $PY -m pytest -p no:cacheprovider -q -m slow --durations=15 -rP \
         tests/test_gpu_device.py tests/test_device_live.py tests/test_supervisor_live.py tests/test_worker_process.py \
         tests/test_guard_live.py tests/test_reliability_live.py tests/test_models_live.py \
         2>&1 | grep -v " INFO " | tee "$OUT/tests.log" | tail -40
@@ -70,8 +71,12 @@ path)
     timeout "${2:-400}" $PY scripts/bench_path.py --size 2GiB --dtype bfloat16 --streams 1,64 --tokens 128 \
         --runs 2 2>&1 | grep -v " INFO " | tee "$OUT/path.log" | tail -20
     ;;
+joinmem)
+    timeout "${2:-300}" $PY scripts/bench_join_memory.py --size 512MiB --requests 64 \
+        2>&1 | grep -v " INFO " | tee "$OUT/joinmem.log" | tail -10
+    ;;
 *)
-    echo "usage: $0 parts|install|tests|drill|batch|peers|path" >&2
+    echo "usage: $0 parts|install|tests|drill|batch|peers|path|joinmem" >&2
     exit 2
     ;;
 esac

@@ -101,10 +101,34 @@ class Reclaimed(Msg, tag="reclaimed", kw_only=True):
     freed_bytes: int
 
 
+class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """One of the most likely tokens at a position: its text and log-probability."""
+
+    token: str
+    logprob: float
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """A generated token's log-probability and the `top` alternatives, most likely first.
+
+    Why the token's own text: `TokenOut.text` is what the detokenizer and the stop
+    strings let out at this step, which need not be this token's piece; the APIs'
+    logprobs are per token. Why arrays: a request that asks for them sends one per
+    token, and field names would be most of its bytes.
+    """
+
+    token: str
+    logprob: float
+    top: list[TopLogprob] = []
+
+
 class TokenOut(Msg, tag="token", kw_only=True):
     request_id: str
     text: str
     token_id: int = -1
+    # only for a request that asked for logprobs; UNSET is left off the frame,
+    # so a token of any other request costs not one byte more
+    logprobs: Union[TokenLogprobs, msgspec.UnsetType] = msgspec.UNSET
 
 
 # -- issue 11: batched decode ------------------------------------------------------
@@ -120,13 +144,24 @@ class TokenBatch(Msg, tag="tokens", kw_only=True):
     request_ids: list[str]
     texts: list[str]
     token_ids: list[int]
+    # a column only when some row asked for logprobs (None in the rows that did not)
+    logprobs: Union[list[Union[TokenLogprobs, None]], msgspec.UnsetType] = msgspec.UNSET
+
+    def well_formed(self) -> bool:
+        """Every column has one entry per row."""
+        n = len(self.request_ids)
+        return n == len(self.texts) == len(self.token_ids) and (
+            self.logprobs is msgspec.UNSET or len(self.logprobs) == n)
 
     def tokens(self) -> list[TokenOut]:
         """The rows as `TokenOut`s (none when the columns disagree in length)."""
-        if not len(self.request_ids) == len(self.texts) == len(self.token_ids):
+        if not self.well_formed():
             return []
-        return [TokenOut(request_id=r, text=t, token_id=i)
-                for r, t, i in zip(self.request_ids, self.texts, self.token_ids)]
+        if self.logprobs is msgspec.UNSET:
+            return [TokenOut(request_id=r, text=t, token_id=i)
+                    for r, t, i in zip(self.request_ids, self.texts, self.token_ids)]
+        return [TokenOut(request_id=r, text=t, token_id=i, logprobs=msgspec.UNSET if lp is None else lp)
+                for r, t, i, lp in zip(self.request_ids, self.texts, self.token_ids, self.logprobs)]
 
 
 def coalesce(events: list[Msg]) -> list[Msg]:
@@ -139,8 +174,11 @@ def coalesce(events: list[Msg]) -> list[Msg]:
     tokens = [ev for ev in events if type(ev) is TokenOut]
     if len(tokens) < 2:
         return events
-    batch: TokenBatch | None = TokenBatch(request_ids=[t.request_id for t in tokens],
-                                          texts=[t.text for t in tokens], token_ids=[t.token_id for t in tokens])
+    whole = TokenBatch(request_ids=[t.request_id for t in tokens], texts=[t.text for t in tokens],
+                       token_ids=[t.token_id for t in tokens])
+    if any(t.logprobs is not msgspec.UNSET for t in tokens):
+        whole.logprobs = [None if t.logprobs is msgspec.UNSET else t.logprobs for t in tokens]
+    batch: TokenBatch | None = whole
     out: list[Msg] = []
     for ev in events:
         if type(ev) is not TokenOut:
@@ -188,10 +226,16 @@ class Failed(Msg, tag="failed", kw_only=True):
 
 
 class NeedMemory(Msg, tag="need_memory", kw_only=True):
-    """SPEC G1: a prefill does not fit; ask the supervisor to evict idle models."""
+    """SPEC G1: a prefill does not fit; ask the supervisor to evict idle models.
+
+    `pool` says where the shortfall is: host RAM, or the discrete device's
+    pool (SPEC D) when the worker's arrays live there; the victims' bytes in
+    that pool are what covers it.
+    """
 
     request_id: str
     need_bytes: int
+    pool: Literal["host", "device"] = "host"
 
 
 class Embedded(Msg, tag="embedded", kw_only=True):
@@ -330,6 +374,20 @@ class Generate(Command, tag="generate", kw_only=True):
     # issue 13: JSON text of the tool list `[{"type": "function", "function": {...}}]`,
     # handed to the model's chat template as `tools` (how the model learns of them)
     tools: Union[str, None] = None
+    # the rest of the sampling settings (worker/sampling.py); each default leaves
+    # the logits as they are. Penalties look back over the last `*_context_size` tokens
+    # (prompt and reply), as mlx_lm's server does; 0 switches a penalty off.
+    top_k: int = 0  # 0: no top-k
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # multiplicative (sign-aware), mlx_lm's
+    repetition_context_size: int = 20
+    presence_penalty: float = 0.0  # additive, OpenAI's
+    presence_context_size: int = 20
+    frequency_penalty: float = 0.0  # additive per occurrence, OpenAI's
+    frequency_context_size: int = 20
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit
+    logprobs: bool = False  # each token's TokenOut carries its TokenLogprobs
+    top_logprobs: int = 0  # ... with this many most likely alternatives
 
 
 class Embed(Command, tag="embed", kw_only=True):

@@ -318,7 +318,7 @@ class Arbiter:
         """What happened to a worker: published as an S2 event; crashes may respawn."""
         match ev:
             case NeedMemory():
-                self.enforcer.on_need_memory(ev.handle, ev.request_id, ev.need_bytes)
+                self.enforcer.on_need_memory(ev.handle, ev.request_id, ev.need_bytes, ev.pool)
                 return
             case Spawned():
                 kind, reason = "spawn", ev.reason
@@ -737,7 +737,8 @@ class Arbiter:
             id=m.id, path=m.path, pinned=m.pinned, state=view.state, worker=view.worker, pid=view.pid,
             failed_reason=view.reason, aliases=list(m.aliases), estimated_bytes=self._estimate(m),
             usage=memory.usage, mlx_active=memory.mlx_active, mlx_pool=memory.mlx_pool,
-            cache_bytes=memory.cache_bytes,
+            cache_bytes=memory.cache_bytes, batch_bytes=memory.batch_bytes,
+            batch_live_bytes=memory.batch_live_bytes,
             idle_seconds=idle, ttl=ttl, expires_in=expires,
             restarts=len(self.pool.restarts.get(m.id, ())),
         )

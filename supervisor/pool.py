@@ -123,11 +123,12 @@ class LoadFailed(_News):
 
 @dataclass(frozen=True, slots=True)
 class NeedMemory:
-    """SPEC G1: the worker's prefill needs `need_bytes` more (the shortfall)."""
+    """SPEC G1: the worker's prefill needs `need_bytes` more (the shortfall) in `pool`."""
 
     handle: WorkerHandle
     request_id: str
     need_bytes: int
+    pool: str = "host"
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,7 +322,7 @@ class Pool:
             case p.TokenOut() | p.Finished() | p.Failed() | p.Prompted() | p.Embedded():
                 self.streams.deliver(msg)
             case p.TokenBatch():  # issue 11: one decode step's tokens for several requests
-                if len(msg.request_ids) == len(msg.texts) == len(msg.token_ids):
+                if msg.well_formed():
                     self.streams.deliver_batch(msg)
                 else:
                     self.bus.bad("commands", "token batch with columns of unequal length")
@@ -341,7 +342,7 @@ class Pool:
                 handle.marked_for_unload = True
                 self.on_event(LoadFailed(handle, msg.error))
             case p.NeedMemory():
-                self.on_event(NeedMemory(handle, msg.request_id, msg.need_bytes))
+                self.on_event(NeedMemory(handle, msg.request_id, msg.need_bytes, msg.pool))
             case p.Ack() | p.Reclaimed():
                 pass  # informational; the sample that follows carries the effect
             case _:

@@ -18,6 +18,8 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Union
 
+import msgspec
+
 from shared import protocol as p
 
 if TYPE_CHECKING:
@@ -86,6 +88,12 @@ class Streams:
         """Issue 11: a batched decode step's tokens, one per request, from one frame."""
         self.batches += 1
         by_id = self.by_id
+        if msg.logprobs is not msgspec.UNSET:  # some row asked for logprobs
+            for token in msg.tokens():
+                stream = by_id.get(token.request_id)
+                if stream is not None:
+                    stream.put(token)
+            return
         for rid, text, token_id in zip(msg.request_ids, msg.texts, msg.token_ids):
             stream = by_id.get(rid)
             if stream is not None:

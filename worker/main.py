@@ -39,6 +39,8 @@ if TYPE_CHECKING:  # types only: these import MLX, which loads in serve(), never
     from worker.drill import Drill
     from worker.embedder import Embedder
     from worker.engine import Engine
+    from worker.memory import Held
+    from worker.prefill import DeviceUsage
 
 log = logging.getLogger("memvisor.worker")
 
@@ -163,7 +165,8 @@ class Worker:
         from shared.probe import gpu_kind
         from worker.allocator import AllocatorLimits
         from worker.engine import Engine, EngineError
-        from worker.memory import MemorySampler, set_discrete_device
+        from worker.memory import MemorySampler, device_bytes, set_discrete_device
+        from worker.prefill import DeviceUsage
 
         try:
             info: dict[str, int | float | str] = {
@@ -171,7 +174,8 @@ class Worker:
         except Exception:  # older MLX
             info = {}
         device = str(mx.default_device())
-        set_discrete_device(gpu_kind(info) == "cuda" and "gpu" in device)
+        discrete = gpu_kind(info) == "cuda" and "gpu" in device
+        set_discrete_device(discrete)
         self.reply(p.Hello(worker_id=self.spec.worker_id, model_id=self.spec.model_id, pid=os.getpid(),
                            device_info=info, device=device, slot=self.spec.slot, blas=blas.preload().line()))
         self.sampler = MemorySampler()
@@ -194,7 +198,8 @@ class Worker:
             self.reply(p.LoadFailed(error=refused))
             return 2
         try:
-            self.engine = self.load_model()
+            # on a discrete device a prefill's peak is device memory: G1-G3 hold it to the device pool
+            self.engine = self.load_model(DeviceUsage(self.group_device_bytes, device_bytes) if discrete else None)
         except (EngineError, OSError, ValueError) as exc:
             log.error("cannot load %s: %s", self.spec.model_path, exc)
             self.reply(p.LoadFailed(error=str(exc)))
@@ -207,15 +212,16 @@ class Worker:
                             usage=self.write_sample(now)))
         return self.loop()
 
-    def load_model(self) -> Engine | Embedder:
-        """A sentence-embedding folder gets the Embedder, any other the chat engine."""
+    def load_model(self, device: DeviceUsage | None) -> Engine | Embedder:
+        """A sentence-embedding folder gets the Embedder, any other the chat engine (which holds
+        its prefills to the device pool on a discrete device)."""
         from worker.embedder import Embedder
         from worker.engine import Engine
 
         kwargs = dict(max_concurrency=self.spec.max_concurrency, chunk_seconds=self.spec.chunk_seconds)
         if read_embedding_spec(self.spec.model_path) is not None:
             return Embedder.load(self.spec.model_path, **kwargs)
-        return Engine.load(self.spec.model_path, **kwargs)
+        return Engine.load(self.spec.model_path, device=device, **kwargs)
 
     def loop(self) -> int:
         assert self.engine is not None and self.allocator is not None  # serve() set both up
@@ -241,9 +247,6 @@ class Worker:
             self.step_boundary()
             now = time.monotonic()
             usage = self.write_sample(now)
-            if self.allocator.over_pool_cap(self._last.mlx_pool):
-                self.sampler.reclaim()  # M1 held by the worker where MLX's allocator did not
-                usage = self.write_sample(now)
             self.maybe_send_sample(now, usage, limits)
             # Not has_work alone: a request waiting for the supervisor's memory answer
             # leaves the engine idle, yet it runs and must end before we do.
@@ -351,6 +354,8 @@ class Worker:
     # -- memory ---------------------------------------------------------------
 
     def step_boundary(self) -> None:
+        if self.allocator is not None:
+            self.allocator.hold_pool()  # M1 where MLX's allocator does not bound its own pool (CUDA)
         if self.drill is not None:
             # issue 9: obey what arrived during the step (an abort ends the drill)
             # before the drill grows again, as a runaway request would stop
@@ -404,13 +409,22 @@ class Worker:
         others = self.ledger.group_usage() - (mine.memory.usage if mine else 0)
         return others + s.usage
 
+    def group_device_bytes(self) -> int:
+        """D1's fallback for the group seen from here: fresh own MLX active + pool + the others'."""
+        from worker.memory import device_bytes
+
+        mine = self.ledger.read_sample(self.spec.slot)
+        others = self.ledger.group_device_bytes() - (mine.memory.mlx_active + mine.memory.mlx_pool if mine else 0)
+        return others + device_bytes()
+
     def write_sample(self, now: float) -> int:
         """Measure once (U1, H2) and put the reading where the supervisor reads it."""
         engine = self.engine
-        if engine is None:
+        allocator = self.allocator
+        if engine is None or allocator is None:
             s = self.sampler.sample()
         else:
-            s = self.sampler.sample(engine.cache_bytes, engine.cache_releasable)
+            s = self.sampler.sample(_held(engine), allocator.pool_returns, allocator.pool_returned)
         running = engine.running if engine else 0
         queued = engine.queued if engine else 0
         if self.phase in ("ready", "busy"):
@@ -455,3 +469,11 @@ class Worker:
         self.push.close()
         self.ctx.term()
         self.ledger.close()
+
+
+def _held(engine: Engine | Embedder) -> Held:
+    """What the model's engine holds for the sample: the chat engine names its decode batch too."""
+    from worker.engine import Engine  # imported with MLX in serve(); a cached lookup here
+    from worker.memory import Held
+
+    return engine.held() if isinstance(engine, Engine) else Held(engine.cache_bytes, engine.cache_releasable)

@@ -43,7 +43,7 @@ from starlette.responses import Response, StreamingResponse
 from shared import protocol as p
 from supervisor.api import Supervisor
 from supervisor.errors import ServeError
-from supervisor.http import routing, tools
+from supervisor.http import routing, sampling, tools
 from supervisor.http.body import Disconnected
 from supervisor.http.content import text_of
 from supervisor.http.errors import INVALID_CONSTRAINT, ApiError, from_failed, from_serve_error
@@ -59,6 +59,7 @@ from supervisor.http.openai_types import (
     ChatMessageOut,
     ChatRequest,
     ChunkChoice,
+    CompletionLogprobs,
     CompletionRequest,
     Delta,
     FunctionCall,
@@ -92,13 +93,6 @@ def _refuse_unsupported(req, *names: str) -> None:
     """Known OpenAI parameters we cannot honour are refused, not ignored."""
     if req.n not in (None, 1):
         raise BodyError("n: only n=1 is supported", param="n")
-    if req.logprobs not in (None, False, 0):
-        raise BodyError("logprobs: log probabilities are not supported", param="logprobs")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0, 0.0):
-            raise BodyError(f"{name}: not supported (only 0)", param=name)
-    if req.logit_bias:
-        raise BodyError("logit_bias: not supported (only an empty map)", param="logit_bias")
     for name in names:
         if getattr(req, name):
             raise BodyError(f"{name}: not supported by this server", param=name)
@@ -139,7 +133,8 @@ def _seed(seed: int | None) -> int | None:
 def _sampling(req, max_tokens: int) -> dict:
     return dict(request_id=uuid.uuid4().hex, max_tokens=max_tokens,
                 temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p, stop=_stops(req.stop), seed=_seed(req.seed))
+                top_p=1.0 if req.top_p is None else req.top_p, stop=_stops(req.stop), seed=_seed(req.seed),
+                **sampling.generate_fields(req))  # top_k, min_p, penalties, logit_bias
 
 
 def response_format_constraint(fmt: ResponseFormat | None) -> p.Constraint | None:
@@ -196,7 +191,7 @@ def _chat_message(i: int, m) -> p.ChatMessage:
 
 def chat_generate(req: ChatRequest) -> p.Generate:
     """OpenAI chat -> Generate with messages (the worker applies the model's chat template)."""
-    _refuse_unsupported(req, "top_logprobs")
+    _refuse_unsupported(req)
     _refuse_chat_extras(req)
     if not req.messages:
         raise BodyError("messages: must contain at least one message", param="messages")
@@ -204,7 +199,8 @@ def chat_generate(req: ChatRequest) -> p.Generate:
     max_tokens = req.max_completion_tokens or req.max_tokens or DEFAULT_CHAT_MAX_TOKENS
     plan = chat_tool_plan(req)
     fmt = response_format_constraint(req.response_format)
-    return with_tools(p.Generate(messages=messages, constraint=fmt, **_sampling(req, max_tokens)), plan)
+    logprobs = sampling.chat_logprobs(req.logprobs, req.top_logprobs)
+    return with_tools(p.Generate(messages=messages, constraint=fmt, **_sampling(req, max_tokens), **logprobs), plan)
 
 
 def with_tools(gen: p.Generate, plan: ToolPlan | None) -> p.Generate:
@@ -232,7 +228,8 @@ def completion_generate(req: CompletionRequest) -> p.Generate:
         prompt = prompt[0]
     if not prompt:
         raise BodyError("prompt: must not be empty", param="prompt")
-    return p.Generate(prompt=prompt, **_sampling(req, req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS))
+    return p.Generate(prompt=prompt, **_sampling(req, req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS),
+                      **sampling.completion_logprobs(req.logprobs))
 
 
 # ---------------------------------------------------------------------------
@@ -317,6 +314,9 @@ class Job:
         self.finished = False
         self.tokens = 0
         self._token_frame: tuple[bytes, bytes] | None = None  # issue 11: see token_chunk
+        self.logprobs: list[p.TokenLogprobs] = []  # each token's, when the request asked
+        self._reported = 0  # how many of them streamed chunks have carried
+        self._offset = 0  # completions' text_offset of the next token reported
 
     def cancel(self, reason: str) -> None:
         """Abort the worker's request unless it already ended (idempotent)."""
@@ -344,6 +344,8 @@ class Job:
             if self.tokens == 0:
                 self.metrics.first_token(self.model, time.monotonic() - self.started)
             self.tokens += 1
+            if msg.logprobs is not msgspec.UNSET:
+                self.logprobs.append(msg.logprobs)
         else:
             self.finished = True
             if isinstance(msg, p.Finished):
@@ -351,6 +353,22 @@ class Job:
             else:
                 self.metrics.failed(self.model, msg.code)
         return msg
+
+    def take_logprobs(self) -> list[p.TokenLogprobs]:
+        """Issue 23: the logprobs of the tokens read so far that no streamed piece has carried.
+
+        Why a running list and not a field of `Text`: a token whose text the
+        detokenizer or a stop string holds back still has its logprob, and the
+        pieces stay the same for every API; each renders what it takes here."""
+        items = self.logprobs[self._reported:]
+        self._reported = len(self.logprobs)
+        return items
+
+    def completion_logprobs(self, items: list[p.TokenLogprobs]) -> CompletionLogprobs:
+        """Completions' columns for `items`, their text offsets following the tokens before them."""
+        out = sampling.completion_choice_logprobs(items, self._offset)
+        self._offset += sum(len(item.token) for item in items)
+        return out
 
     # -- the reply as pieces, whatever the API -------------------------------
 
@@ -426,11 +444,13 @@ class Job:
             if calls:
                 message.tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
                                       for c in calls]
+            logprobs = sampling.chat_choice_logprobs(self.logprobs) if self.gen.logprobs else None
             body = ChatCompletion(id=self.id, created=self.created, model=self.model, usage=usage, choices=[
-                ChatChoice(index=0, message=message, finish_reason=end.reason)])
+                ChatChoice(index=0, message=message, finish_reason=end.reason, logprobs=logprobs)])
         else:
             body = TextCompletion(id=self.id, created=self.created, model=self.model, usage=usage, choices=[
-                TextChoice(index=0, text=text, finish_reason=end.reason)])
+                TextChoice(index=0, text=text, finish_reason=end.reason,
+                           logprobs=self.completion_logprobs(self.logprobs) if self.gen.logprobs else None)])
         return Response(_encoder.encode(body), media_type="application/json")
 
     # -- streamed -------------------------------------------------------------
@@ -505,6 +525,8 @@ class Job:
     def render(self, piece: Piece) -> bytes:
         match piece:
             case Text(text=text):
+                if self.gen.logprobs:  # the tokens' logprobs ride with their text
+                    return self.chunk(text, logprobs=self.take_logprobs())
                 return self.token_chunk(text) if text else b""  # the hot path (issue 11)
             case Calls(calls=calls):
                 deltas = [ToolCall(index=i, id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
@@ -515,22 +537,27 @@ class Job:
                 return b"data: " + piece.body() + b"\n\n"
             case End(finished=fin, reason=reason):
                 last = self.chunk(None, finish=reason)
+                held = self.take_logprobs() if self.gen.logprobs else []
+                if held:  # tokens whose text never came out (held back, or tool calls): theirs before the end
+                    last = self.chunk("", logprobs=held) + last
                 if self.include_usage:
                     last += self.usage_chunk(_usage(fin))
                 return last
         return b""
 
     def chunk(self, text: str | None, *, role: bool = False, finish: str | None = None,
-              calls: list[ToolCall] | None = None) -> bytes:
+              calls: list[ToolCall] | None = None, logprobs: list[p.TokenLogprobs] | None = None) -> bytes:
         usage = None if self.include_usage else msgspec.UNSET
         body: ChatChunk | TextCompletion
         if self.kind == "chat":
             delta = Delta(role="assistant", content="") if role else Delta(content=text, tool_calls=calls)
-            body = ChatChunk(id=self.id, created=self.created, model=self.model, usage=usage,
-                             choices=[ChunkChoice(index=0, delta=delta, finish_reason=finish)])
+            choice = ChunkChoice(index=0, delta=delta, finish_reason=finish,
+                                 logprobs=None if logprobs is None else sampling.chat_choice_logprobs(logprobs))
+            body = ChatChunk(id=self.id, created=self.created, model=self.model, usage=usage, choices=[choice])
         else:
-            body = TextCompletion(id=self.id, created=self.created, model=self.model, usage=usage,
-                                  choices=[TextChoice(index=0, text=text or "", finish_reason=finish)])
+            body = TextCompletion(id=self.id, created=self.created, model=self.model, usage=usage, choices=[
+                TextChoice(index=0, text=text or "", finish_reason=finish,
+                           logprobs=None if logprobs is None else self.completion_logprobs(logprobs))])
         return b"data: " + _encoder.encode(body) + b"\n\n"
 
     # -- issue 11: the per-token hot path ---------------------------------------------

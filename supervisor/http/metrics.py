@@ -182,6 +182,16 @@ class GuardCollector:
                                     labels=labels)
         cache = GaugeMetricFamily("memvisor_worker_prompt_cache_bytes",
                                   "The worker's prompt cache, measured (SPEC H2)", labels=labels)
+        batch = GaugeMetricFamily("memvisor_worker_batch_bytes",
+                                  "The decode batch's KV buffers as allocated", labels=labels)
+        live = GaugeMetricFamily("memvisor_worker_batch_live_bytes",
+                                 "The decode batch's live KV (its rows' own tokens)", labels=labels)
+        relayouts = CounterMetricFamily("memvisor_worker_batch_relayouts",
+                                        "Whole-batch copies of the decode batch (growth, compaction)",
+                                        labels=labels)
+        returns = CounterMetricFamily("memvisor_worker_pool_returns",
+                                      "Times a worker returned MLX's pool itself, over its cap (M1)",
+                                      labels=labels)
         total = 0
         for h in handles:
             key = [h.model_id, h.worker_id]
@@ -191,8 +201,12 @@ class GuardCollector:
             pool.add_metric(key, m.mlx_pool)
             running.add_metric(key, len(h.requests))
             cache.add_metric(key, m.cache_bytes)
+            batch.add_metric(key, m.batch_bytes)
+            live.add_metric(key, m.batch_live_bytes)
+            relayouts.add_metric(key, m.batch_relayouts)
+            returns.add_metric(key, m.pool_returns)
             total += m.cache_bytes
-        yield from (usage, active, pool, running, cache)
+        yield from (usage, active, pool, running, cache, batch, live, relayouts, returns)
         yield GaugeMetricFamily("memvisor_prompt_cache_bytes", "All workers' prompt caches together "
                                 "(SPEC H2)", value=total)
         yield GaugeMetricFamily("memvisor_prompt_cache_budget_bytes", "[guard] hot_cache_max (SPEC H2)",
