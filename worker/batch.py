@@ -68,6 +68,8 @@ import msgspec
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache
 
+from worker.sampling import pick_rows
+
 Sampler = Callable[[mx.array], mx.array]
 
 
@@ -372,10 +374,11 @@ class DecodeBatch:
     def forward(self, model) -> tuple[mx.array, mx.array]:
         """Feed every row's token: the logits and the sampled successors (lazy, already queued).
 
-        Greedy rows share one argmax over the batch; a row with its own sampler
-        (temperature, top_p, seed) samples from its own logits and overwrites its
-        place. A row with `constraint` set is left to `place` (its mask needs
-        the token this step reads).
+        Greedy rows share one argmax over the batch; rows with their own samplers
+        are picked in as few calls as their settings allow (worker/sampling.py
+        `pick_rows`: one per kind of plain settings, one per row with penalties,
+        a bias, logprobs or a seed) and overwrite their places. A row with
+        `constraint` set is left to `place` (its mask needs the token this step reads).
         """
         self._reserve(len(self.rows), 0, 1)
         logits = model(self._in_flight()[:, None], cache=self.layers)[:, -1, :]
@@ -383,10 +386,10 @@ class DecodeBatch:
         for layer in self.layers:
             layer.offset = offset
         following = mx.argmax(logits, axis=-1)
-        own = [(i, row.sample(logits[i:i + 1])) for i, row in enumerate(self.rows)
+        own = [(i, row.sample) for i, row in enumerate(self.rows)
                if row.sample is not self._greedy and getattr(row, "constraint", None) is None]
         if own:
-            following = self.place(following, own)
+            following = self.place(following, pick_rows(own, logits))
         mx.async_eval(following)
         return logits, following
 
@@ -401,10 +404,12 @@ class DecodeBatch:
         return cast(list[int], self._in_flight().tolist())
 
     @staticmethod
-    def place(following: mx.array, drawn: list[tuple[int, mx.array]]) -> mx.array:
-        """`following` with row i's token replaced by each (i, token of shape (1,)) in `drawn`."""
+    def place(following: mx.array, drawn: list[tuple[list[int], mx.array]]) -> mx.array:
+        """`following` with the tokens of rows `rows` replaced by `tokens`, for each (rows, tokens)."""
         out = mx.array(following)
-        out[mx.array([i for i, _ in drawn])] = mx.concatenate([t for _, t in drawn]).astype(out.dtype)
+        rows = [i for indices, _ in drawn for i in indices]
+        tokens = drawn[0][1] if len(drawn) == 1 else mx.concatenate([t for _, t in drawn])
+        out[mx.array(rows)] = tokens.astype(out.dtype)
         return out
 
     @property

@@ -122,7 +122,7 @@ class DecodeStep:
             survivors.append(seq)
             if seq.constraint is not None and logits is not None:
                 with mx.stream(generation_stream):
-                    late.append((i, seq.sample(seq.constraint.mask(logits[i:i + 1]))))
+                    late.append(([i], seq.sample(seq.constraint.mask(logits[i:i + 1]))))
         if late:
             assert following is not None  # a late row had logits, so the pass ran
             with mx.stream(generation_stream):

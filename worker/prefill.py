@@ -40,6 +40,7 @@ from worker import prompt_cache as pc
 from worker.endings import Endings, Event, prompted
 from worker.group_prefill import PrefillGroup
 from worker.request import Seq
+from worker.sampling import pick_rows
 
 log = logging.getLogger("memvisor.worker.engine")
 
@@ -357,8 +358,14 @@ class Prefill:
         with mx.stream(generation_stream):
             logits = group.last_logits(self.model)
             for i, seq in live:
-                row = logits[i:i + 1]
-                seq.y = seq.sample(seq.constraint.mask(row) if seq.constraint is not None else row)
+                if seq.constraint is not None:
+                    seq.y = seq.sample(seq.constraint.mask(logits[i:i + 1]))
+            # the free rows in as few picks as their settings allow (worker/sampling.py)
+            for rows, tokens in pick_rows([(i, seq.sample) for i, seq in live if seq.constraint is None], logits):
+                for j, i in enumerate(rows):
+                    group_seq = group.rows[i]
+                    assert group_seq is not None  # a live row
+                    group_seq.y = tokens[j:j + 1]
         mx.async_eval([seq.y for _, seq in live])
         self.tokens += len(live)
         for i, seq in live:
