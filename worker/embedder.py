@@ -236,7 +236,6 @@ class Embedder:
 
     cache_bytes = 0  # H2: no prompt cache: nothing is kept between requests
     cache_releasable = 0
-    steady = False  # no token streams: the worker loop holds no frames for it (worker/frames.py)
 
     def shrink_cache(self, target_bytes: int) -> int:
         return 0

@@ -169,11 +169,6 @@ class Engine:
         """False when `step()` would do nothing (the loop may then block on its sockets)."""
         return bool(self._outbox) or self.scheduler.has_work
 
-    @property
-    def steady(self) -> bool:
-        """True when the next step can only be another decode step (worker/frames.py holds tokens then)."""
-        return self.scheduler.steady and not self._outbox
-
     def next_deadline(self) -> float | None:
         """Earliest time a request waiting for memory retries on its own (loop timeouts)."""
         return self.scheduler.next_deadline()

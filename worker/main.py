@@ -31,7 +31,6 @@ from shared.limits import Limits
 from shared.memory import NO_READING
 from shared.modelinfo import config_refusal
 from worker import blas
-from worker.frames import FRAME_SECONDS, Frames
 from worker.heartbeat import Heartbeat, StepClock
 
 if TYPE_CHECKING:  # types only: these import MLX, which loads in serve(), never at module level
@@ -49,14 +48,13 @@ PR_SET_PDEATHSIG = 1
 # a prefill chunk that computes for a long time (issue 16's wedge tests).
 STEP_DELAY_ENV = "MEMVISOR_TEST_STEP_DELAY"
 LOAD_DELAY_ENV = "MEMVISOR_TEST_LOAD_DELAY"  # the same, before the model loads
-FRAME_ENV = "MEMVISOR_TEST_FRAME_SECONDS"  # tests only: how long tokens may wait (worker/frames.py)
 
 
-def _test_seconds(name: str = STEP_DELAY_ENV, default: float = 0.0) -> float:
+def _test_step_delay(name: str = STEP_DELAY_ENV) -> float:
     try:
-        return max(0.0, float(os.environ.get(name, default)))
+        return max(0.0, float(os.environ.get(name, "0")))
     except ValueError:
-        return default
+        return 0.0
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -130,11 +128,10 @@ class Worker:
         self.clock = StepClock()
         self.heartbeat = Heartbeat(self.ctx, spec.reports, spec.worker_id, self.clock,
                                    interval=min(1.0, spec.heartbeat_timeout / 4))
-        self.step_delay = _test_seconds()
+        self.step_delay = _test_step_delay()
         self.heartbeat.start()  # before MLX is imported: a stopped or stuck start or load is seen too
         self.bad_frames = 0
         self._logged_bad: set[str] = set()
-        self.frames = Frames(_test_seconds(FRAME_ENV, FRAME_SECONDS))
 
     # -- wire -----------------------------------------------------------------
 
@@ -143,10 +140,6 @@ class Worker:
             self.dealer.send(self.replies.encode(msg), zmq.NOBLOCK)
         except zmq.Again:
             log.warning("supervisor not reading; dropped %s", type(msg).__name__)
-
-    def send_all(self, events: list[p.Msg]) -> None:
-        for ev in events:
-            self.reply(ev)  # engine events are the wire's own Structs
 
     def event(self, kind: p.WorkerEventKind, message: str) -> None:
         self._push(p.WorkerEvent(worker_id=self.spec.worker_id, kind=kind, message=message))
@@ -185,7 +178,7 @@ class Worker:
         self.phase = "loading"
         self.write_sample(time.monotonic())
         started = time.monotonic()
-        time.sleep(_test_seconds(LOAD_DELAY_ENV))
+        time.sleep(_test_step_delay(LOAD_DELAY_ENV))
         # Defence in depth (issue 21): mlx_lm reads config.json whole, and a 1 GiB sparse
         # one took this worker to 2 GiB before it was killed as wedged; the supervisor
         # refuses such a model before a spawn, and so does the worker, before mlx_lm.
@@ -236,14 +229,12 @@ class Worker:
             self.clock.enter_step()
             if self.step_delay and self.engine.has_work:
                 time.sleep(self.step_delay)  # tests only: a long MLX step (the GIL released, as in eval)
-            if self.frames.held and not self.engine.steady:
-                self.send_all(self.frames.flush(time.monotonic()))  # held tokens never wait on a prefill
-            # a step's tokens leave in one frame (issue 11), fast steps' in one frame (issue 22);
-            # a shallow copy types the engine's events as list[Msg] (a narrower list is not one)
-            events = self.frames.after_step([*self.engine.step(limits, self.group_usage)], time.monotonic(),
-                                            steady=self.engine.steady)
+            # a step's tokens leave in one frame (issue 11); a shallow copy types the engine's
+            # events as the list[Msg] coalesce takes (a list of a narrower type is not one)
+            events = p.coalesce([*self.engine.step(limits, self.group_usage)])
             self.clock.leave_step(self.engine.tokens_total)
-            self.send_all(events)
+            for ev in events:
+                self.reply(ev)  # engine events are the wire's own Structs
             self.step_boundary()
             now = time.monotonic()
             usage = self.write_sample(now)

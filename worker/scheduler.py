@@ -81,11 +81,6 @@ class Scheduler:
             return head.state != "waiting" or self._clock() >= head.deadline
         return bool(self.queue)
 
-    @property
-    def steady(self) -> bool:
-        """Requests decode and none waits to be admitted or prefilled: the next step decodes them."""
-        return bool(self.decoding) and not (self.queue or self.line or self.group is not None)
-
     def next_deadline(self) -> float | None:
         """Earliest time a request waiting for memory retries on its own (loop timeouts)."""
         deadlines = [seq.deadline for seq in self.line if seq.state == "waiting"]
