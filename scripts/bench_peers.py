@@ -19,11 +19,16 @@ One run, one model, in this order:
   `ThreadingHTTPServer.request_queue_size` to 1024 (its default of 5 pending
   connections refuses simultaneous arrivals).
 
-The two ceilings run in a child process that exits before the servers
-start, so on a GPU the device holds one server at a time and its peak is
-that server's. The child loads OpenBLAS as a worker does (worker/blas.py),
-and so does the mlx_lm.server wrapper: on a Linux CPU all three compute with
-the same BLAS, and the comparison is of the serving paths, not of BLAS.
+On an NVIDIA GPU the sides run one at a time: the two ceilings in a child
+process that exits before the servers start, then memvisor, then
+mlx_lm.server per stream count, so the device holds one of them at a time
+and each peak is its own. Without one (a CPU) the sides run side by side and
+take their rounds in turn (ceiling, memvisor, mlx_lm.server, again): on a
+shared machine the load moves between minutes, and sides measured minutes
+apart gave ratios that swung by 2-3x. The ceilings load OpenBLAS as a worker
+does (worker/blas.py), and so does the mlx_lm.server wrapper: on a Linux CPU
+all three compute with the same BLAS, and the comparison is of the serving
+paths, not of BLAS.
 
 Both servers get the same streaming client (scripts/_sse.py: lean, so the
 client's own CPU weighs little on a small machine) and the same prompts,
@@ -291,8 +296,7 @@ def run_server(url: str, model: str, pid: int, counts: list[int], tokens: int, r
                 streams = asyncio.run(round_of(url, model, n, tokens))
             how = peak.how
             rounds.append(Figures(streams, peak.bytes))
-        out[n] = max(rounds, key=lambda f: f.tps)
-        out[n].peak = max(f.peak for f in rounds)
+        out[n] = best(rounds)
     return out, how
 
 
@@ -346,37 +350,120 @@ def main(argv: list[str] | None = None) -> int:
     if args.ceilings_only:
         ceilings_child(model, counts, args.tokens, args.runs)
         return 0
-    top = ceilings(model, counts, args.tokens, args.runs)
-    print(f"{'stream_generate':>14} @1   {top.single:8.1f} tok/s (decode, in process)", flush=True)
-    for n in counts:
-        print(f"{'raw batched':>14} @{n:<3} {top.raw[n]:8.1f} tok/s (decode, in process)", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
-        work = Path(tmp)
+        run = Run(model, Path(tmp), counts, args.tokens, args.runs, not args.skip_mlx_server)
+        if gpu_baseline() is None:
+            run.interleaved()
+        else:
+            run.one_at_a_time()
+    summary(model, counts, args.tokens, run.top, run.ours, run.theirs, on_device=run.how.startswith("device"))
+    return 0
+
+
+class Run:
+    """The sides of one run: the ceilings, memvisor and mlx_lm.server at each stream count."""
+
+    def __init__(self, model: Path, work: Path, counts: list[int], tokens: int, runs: int, peer: bool) -> None:
+        self.model, self.work, self.counts, self.tokens, self.runs, self.peer = model, work, counts, tokens, runs, peer
+        self.top = Ceilings(0.0, {}, 0)
+        self.ours: dict[int, Figures] = {}
+        self.theirs: dict[int, Figures] = {}
+        self.how = "RSS"
+
+    def memvisor(self) -> ServeProcess:
+        return ServeProcess(f'[[models]]\nid = "bench"\npath = "{self.model}"\npinned = true\n'
+                            f"max_concurrency = {max(self.counts)}\n", config=self.work / "bench.toml",
+                            runtime=self.work / "rt", log=self.work / "serve.log", timeout=300.0)
+
+    def one_at_a_time(self) -> None:
+        """On a GPU: the ceilings in a child, then memvisor alone, then mlx_lm.server alone per count,
+        so the device holds one of them at a time and each peak is its own."""
+        self.top = ceilings(self.model, self.counts, self.tokens, self.runs)
+        self.print_ceilings()
         baseline = gpu_baseline()
-        server = ServeProcess(f'[[models]]\nid = "bench"\npath = "{model}"\npinned = true\n'
-                              f"max_concurrency = {max(counts)}\n", config=work / "bench.toml",
-                              runtime=work / "rt", log=work / "serve.log", timeout=300.0)
+        server = self.memvisor()
         try:
-            ours, ours_how = run_server(f"{server.base}/v1/completions", "bench", server.proc.pid, counts, args.tokens,
-                                   args.runs, baseline)
+            self.ours, self.how = run_server(f"{server.base}/v1/completions", "bench", server.proc.pid, self.counts,
+                                             self.tokens, self.runs, baseline)
         finally:
             server.close()
-        for n in counts:
-            print(ours[n].line("memvisor", n, ours_how), flush=True)
-        theirs: dict[int, Figures] = {}
-        if not args.skip_mlx_server:
-            for n in counts:
-                baseline = gpu_baseline()
-                proc, base = mlx_server(model, n, work / f"mlx-{n}.log")
+        for n in self.counts:
+            print(self.ours[n].line("memvisor", n, self.how), flush=True)
+        for n in self.counts if self.peer else []:
+            baseline = gpu_baseline()
+            proc, base = mlx_server(self.model, n, self.work / f"mlx-{n}.log")
+            try:
+                figures, how = run_server(f"{base}/v1/completions", str(self.model), proc.pid, [n], self.tokens,
+                                          self.runs, baseline)
+                self.theirs[n] = figures[n]
+            finally:
+                stop(proc)
+            print(self.theirs[n].line("mlx_lm.server", n, how), flush=True)
+
+    def interleaved(self) -> None:
+        """Without a GPU: the ceilings in this process and both servers up together, their rounds
+        taken in turn (ceiling, memvisor, mlx_lm.server, again), so the load of a shared machine
+        hits every side alike; peaks are RSS, each server's own processes."""
+        from worker import blas
+
+        blas.preload()
+        import mlx_lm
+
+        model, tokenizer = cast(tuple[Any, Any], mlx_lm.load(str(self.model)))  # no config asked for
+        self.top = Ceilings(0.0, {}, len(tokenizer.encode(prompt(0))))
+        stream_generate_tps(model, tokenizer, 8, 0)  # warm-up
+        server = self.memvisor()
+        ours_url = f"{server.base}/v1/completions"
+        try:
+            asyncio.run(round_of(ours_url, "bench", 2, 8))  # warm-up
+            for n in self.counts:
+                peer = mlx_server(self.model, n, self.work / f"mlx-{n}.log") if self.peer else None
                 try:
-                    figures, how = run_server(f"{base}/v1/completions", str(model), proc.pid, [n], args.tokens,
-                                              args.runs, baseline)
-                    theirs[n] = figures[n]
+                    if peer is not None:
+                        asyncio.run(round_of(f"{peer[1]}/v1/completions", str(self.model), 2, 8))
+                    mine, theirs = [], []
+                    for _ in range(self.runs):
+                        if n == 1:
+                            self.top.single = max(self.top.single, stream_generate_tps(model, tokenizer, self.tokens, 0))
+                        rate = raw_batched_tps(model, tokenizer, n, self.tokens, 0)
+                        self.top.raw[n] = max(self.top.raw.get(n, 0.0), rate)
+                        mine.append(measured(ours_url, "bench", server.proc.pid, n, self.tokens))
+                        if peer is not None:
+                            theirs.append(measured(f"{peer[1]}/v1/completions", str(self.model), peer[0].pid, n,
+                                                   self.tokens))
                 finally:
-                    stop(proc)
-                print(theirs[n].line("mlx_lm.server", n, how), flush=True)
-    summary(model, counts, args.tokens, top, ours, theirs, on_device=ours_how.startswith("device"))
-    return 0
+                    if peer is not None:
+                        stop(peer[0])
+                self.ours[n] = best(mine)
+                if theirs:
+                    self.theirs[n] = best(theirs)
+        finally:
+            server.close()
+        self.print_ceilings()
+        for n in self.counts:
+            print(self.ours[n].line("memvisor", n, self.how), flush=True)
+        for n, figures in self.theirs.items():
+            print(figures.line("mlx_lm.server", n, self.how), flush=True)
+
+    def print_ceilings(self) -> None:
+        if 1 in self.counts:
+            print(f"{'stream_generate':>14} @1   {self.top.single:8.1f} tok/s (decode, in process)", flush=True)
+        for n in self.counts:
+            print(f"{'raw batched':>14} @{n:<3} {self.top.raw[n]:8.1f} tok/s (decode, in process)", flush=True)
+
+
+def measured(url: str, model: str, pid: int, n: int, tokens: int) -> Figures:
+    """One round of `n` streams with the server's peak RSS."""
+    with Peak(pid, None) as peak:
+        streams = asyncio.run(round_of(url, model, n, tokens))
+    return Figures(streams, peak.bytes)
+
+
+def best(rounds: list[Figures]) -> Figures:
+    """The round of best throughput (as timeit: the least disturbed), with the peak over all."""
+    out = max(rounds, key=lambda f: f.tps)
+    out.peak = max(f.peak for f in rounds)
+    return out
 
 
 def summary(model: Path, counts: list[int], tokens: int, top: Ceilings, ours: dict[int, Figures],
