@@ -254,8 +254,27 @@ class Embedded(Msg, tag="embedded", kw_only=True):
     token_counts: list[int]  # tokens of each input as embedded (after any truncation)
 
 
+# -- issue 23: the worker's tokenizer on request --------------------------------------
+class Tokenized(Msg, tag="tokenized", kw_only=True):
+    """The answer to `Tokenize`: the token ids and, when asked, each token's bytes (a
+    token may hold part of a UTF-8 character, so bytes, not text)."""
+
+    request_id: str
+    tokens: list[int]
+    pieces: list[bytes] = []
+
+
+class Detokenized(Msg, tag="detokenized", kw_only=True):
+    """The answer to `Detokenize`: the text of the tokens."""
+
+    request_id: str
+    text: str
+# -- end issue 23 ------------------------------------------------------------------------
+
+
 WorkerReply = Union[Hello, Loaded, LoadFailed, Ack, Pong, Reclaimed, TokenOut, TokenBatch, Finished, Failed,
-                    NeedMemory, Prompted, Embedded]
+                    NeedMemory, Prompted, Embedded, Tokenized, Detokenized]
+TokensReply = Union[Tokenized, Detokenized, Failed]  # issue 23: what answers a Tokenize / Detokenize
 
 
 # --------------------------------------------------------------------------
@@ -388,6 +407,36 @@ class Generate(Command, tag="generate", kw_only=True):
     logit_bias: dict[int, float] = {}  # token id -> added to its logit
     logprobs: bool = False  # each token's TokenOut carries its TokenLogprobs
     top_logprobs: int = 0  # ... with this many most likely alternatives
+    # issue 23: fill in the middle: `prompt` is the text before, this the text after
+    # (the worker builds the prompt from its tokenizer's FIM tokens; prompt only)
+    suffix: Union[str, None] = None
+
+
+# -- issue 23: the worker's tokenizer on request --------------------------------------
+# Why commands: only the worker holds the tokenizer and the chat template (the
+# supervisor never imports the tokenizer stack). The worker answers at once, between
+# two engine steps, with `Tokenized` / `Detokenized`, or a `Failed` of the same
+# request_id when the input cannot be used; no generation, no memory of its own.
+
+
+class Tokenize(Command, tag="tokenize", kw_only=True):
+    """Text (`text`) or chat turns through the model's template (`messages`, `tools`)
+    -> token ids, as llama.cpp's /tokenize: `add_special` adds the BOS (and what else
+    the tokenizer adds), `parse_special` reads special-token text as those tokens."""
+
+    request_id: str
+    text: Union[str, None] = None
+    messages: Union[list[ChatMessage], None] = None
+    tools: Union[str, None] = None
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+
+
+class Detokenize(Command, tag="detokenize", kw_only=True):
+    request_id: str
+    tokens: list[int]
+# -- end issue 23 ------------------------------------------------------------------------
 
 
 class Embed(Command, tag="embed", kw_only=True):
@@ -436,7 +485,7 @@ class DrillStop(Command, tag="drill_stop", kw_only=True):
 
 
 CommandMsg = Union[SetLimits, Reclaim, ShrinkCache, AbortRequests, Generate, MemoryAnswer, Drain, Ping, Drill, DrillStop,
-                   Embed]
+                   Embed, Tokenize, Detokenize]
 
 
 # --------------------------------------------------------------------------

@@ -65,6 +65,10 @@ class Supervisor(Protocol):
         """Like `generate`; the stream gets one `Embedded` or one `Failed`."""
         ...
 
+    async def tokens(self, model_id: str, cmd: p.Tokenize | p.Detokenize) -> p.TokensReply:
+        """Issue 23: the model's tokenizer, asked through its worker (loaded on demand)."""
+        ...
+
     def cancel(self, stream: RequestStream, reason: str = ...) -> None: ...
 
     def keep_alive(self, model_id: str, seconds: float) -> None:

@@ -629,6 +629,22 @@ class Arbiter:
         self.wake()
         return stream
 
+    async def tokens(self, model_id: str, cmd: p.Tokenize | p.Detokenize) -> p.TokensReply:
+        """Issue 23: the model's tokenizer on request, loaded on demand like a generation
+        (A2-A5); the worker answers between two steps, so the wait is at most one step."""
+        handle = await self.load(self.model_config(model_id).id)
+        if not handle.live:
+            raise LoadError(f"the worker for {model_id!r} stopped before the request reached it",
+                            code="worker_exited", http_status=503)
+        try:
+            return await self.pool.call(handle, cmd, self.config.supervisor.step_timeout + 5.0)
+        except FrameTooLarge as exc:
+            raise LoadError(f"the request is too large to hand to a worker: {exc}; send less text",
+                            code="request_too_large", http_status=413) from None
+        except TimeoutError:
+            raise LoadError(f"the worker for {model_id!r} did not answer in time", code="worker_timeout",
+                            http_status=503) from None
+
     async def _loaded(self, model: ModelConfig, max_wait: float | None) -> WorkerHandle:
         """The model's worker once loaded; with `max_wait`, a load that takes longer goes
         on for the next request while this one is refused with its progress."""

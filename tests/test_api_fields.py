@@ -69,7 +69,7 @@ COMPLETION_HONOURED = {"model", "prompt", "max_tokens", "temperature", "top_p", 
                        "n", "best_of", "echo", "suffix", "logprobs", "presence_penalty", "frequency_penalty",
                        "logit_bias"}
 COMPLETION_ACCEPTED = {"user"}
-COMPLETION_REFUSED = {"best_of": 2, "echo": True, "suffix": "end", "n": 3}
+COMPLETION_REFUSED = {"best_of": 2, "echo": True, "n": 3}
 ANTHROPIC_HONOURED = {"model", "max_tokens", "messages", "system", "stop_sequences", "tools", "tool_choice"}
 ANTHROPIC_ACCEPTED = {"metadata", "service_tier", "cache_control", "inference_geo", "speed", "user_profile_id",
                       "workspace_id"}

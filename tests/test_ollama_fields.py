@@ -76,7 +76,8 @@ def test_ollama_tool_turns_answer_their_calls_by_made_up_ids():
     assert gen.tools and gen.constraint is None  # Ollama's tools are always "auto"
 
 
-@pytest.mark.parametrize("body, param", [({"suffix": "x"}, "suffix"), ({"template": "{{ .Prompt }}"}, "template"),
+@pytest.mark.parametrize("body, param", [({"suffix": "x", "system": "s"}, "system"),
+                                         ({"template": "{{ .Prompt }}"}, "template"),
                                          ({"context": [1, 2]}, "context"), ({"think": True}, "think"),
                                          ({"images": ["aGk="]}, "images"), ({"width": 64}, "width")])
 def test_ollama_generate_refuses_what_it_cannot_honour(body, param):
@@ -109,7 +110,8 @@ def test_model_facts_from_config_and_tokenizer_config(tmp_path):
                                           '"quantization": {"bits": 4, "group_size": 64}}')
     (tmp_path / "tokenizer_config.json").write_text(
         '{"chat_template": "{% if tools %}x{% endif %}", '
-        '"added_tokens_decoder": {"1": {"content": "<|fim_prefix|>"}}}')
+        '"added_tokens_decoder": {"1": {"content": "<|fim_prefix|>"}, "2": {"content": "<|fim_suffix|>"}, '
+        '"3": {"content": "<|fim_middle|>"}}}')
     facts = read_facts(str(tmp_path))
     assert (facts.family, facts.context_length, facts.quantization_level) == ("qwen2", 32768, "Q4")
     assert ollama.capabilities(facts) == ["completion", "tools", "insert"]

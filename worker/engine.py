@@ -256,6 +256,8 @@ class Engine:
         try:
             if cmd.messages is not None and cmd.prompt is None:
                 tokens = self.encode_chat(cmd.messages, cmd.tools)
+            elif cmd.prompt is not None and cmd.messages is None and cmd.suffix is not None:  # issue 23
+                tokens = prompts.encode_fim(self.tokenizer, cmd.prompt, cmd.suffix)
             elif cmd.prompt is not None and cmd.messages is None:
                 tokens = self.encode_prompt(cmd.prompt)
             else:

@@ -316,10 +316,26 @@ class Worker:
                 self.start_drill(msg)
             case p.DrillStop():
                 self.stop_drill("stopped by command")
+            case p.Tokenize() | p.Detokenize():  # issue 23: answered now, between two steps
+                self.answer_tokens(msg)
             case _:
                 assert_never(msg)
         if isinstance(msg, (p.Drain, p.AbortRequests)):
             self.reply(p.Ack(cmd=msg.cmd))
+
+    def answer_tokens(self, msg: p.Tokenize | p.Detokenize) -> None:
+        """Issue 23: the model's tokenizer on request (worker/tokens.py; it never raises)."""
+        from worker import tokens  # imports MLX (worker.request), which serve() has loaded by now
+        from worker.engine import Engine
+
+        if not isinstance(self.engine, Engine):  # an Embedder: its tokenizer is not a generator's
+            self.reply(p.Failed(request_id=msg.request_id, code=WRONG_MODEL_KIND,
+                                message="this model is an embedding model: /tokenize and /detokenize serve "
+                                        "models that generate text"))
+            return
+        tokenizer = self.engine.tokenizer
+        self.reply(tokens.tokenize(tokenizer, msg) if isinstance(msg, p.Tokenize)
+                   else tokens.detokenize(tokenizer, msg))
 
     def submit(self, msg: p.Generate) -> None:
         if self.draining:

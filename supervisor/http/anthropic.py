@@ -260,7 +260,9 @@ async def handle(request: Request, sup, metrics, body: bytes, started: float) ->
     if req.stream:
         return await job.streamed(request.receive, lambda first: _events(job, first, msg_id, req.model))
     text, calls, end = await job.collect(request.receive)
-    content: list[Union[TextBlock, ToolUseBlock]] = [TextBlock(text=text)] if text or not calls else []
+    # a required call cut before it closed (issue 23): no block at all, stop_reason max_tokens
+    content: list[Union[TextBlock, ToolUseBlock]] = (
+        [TextBlock(text=text)] if text or not (calls or job.calls_only) else [])
     content += [_tool_use(c) for c in calls]
     reason, sequence = _stop(end)
     reply = Message(id=msg_id, model=req.model, content=content, usage=_usage(end.finished),

@@ -28,6 +28,7 @@ Endpoints (DESIGN.md contract):
                                     the Ollama API (issue 23, http/ollama.py)
   /chat/completions, /completions, /models, /messages: the /v1 routes for clients
   that leave the prefix out (issue 23)
+  POST /tokenize, /detokenize       llama.cpp's token routes (issue 23, http/tokenize.py)
   POST /v1/embeddings (and /embeddings), /api/embed, /api/embeddings
                                     embeddings (http/embeddings.py)
 
@@ -73,6 +74,7 @@ from supervisor.http import generate as http_generate
 from supervisor.http import ollama as http_ollama
 from supervisor.http import responses as http_responses
 from supervisor.http import routing
+from supervisor.http import tokenize as http_tokenize
 from supervisor.http.auth import ApiKeys, EventTickets
 from supervisor.http.body import Disconnected, read_body
 from supervisor.http.dashboard import Dashboard
@@ -81,7 +83,7 @@ from supervisor.http.events import EventsEndpoint
 from supervisor.http.gate import Gate, HostCheck, OriginAllowlist, same_origin
 from supervisor.http.limits import GuardedH11, connection_cap, limit_logs, raise_fd_limit
 from supervisor.http.metrics import Metrics
-from supervisor.http.modelfacts import ModelFacts, capabilities
+from supervisor.http.modelfacts import ModelFacts, capabilities, facts_of
 from supervisor.http.openai_types import BodyError, GuardSettingsIn, ModelCard, ModelList, decode_body
 
 log = logging.getLogger("memvisor.http")
@@ -163,22 +165,20 @@ class FrontDoor:
 
     # -- models ---------------------------------------------------------------
 
-    def card(self, model, facts: ModelFacts | None = None) -> ModelCard:
+    def card(self, model, facts: ModelFacts) -> ModelCard:
+        """Issue 23: with the context length and the capabilities its files show (as /api/show's)."""
         info = self.sup.model_info(model.id)
         return ModelCard(id=model.id, created=self.created, state=info.state, pinned=model.pinned,
-                         worker=info.worker or None, pid=info.pid or None,
-                         context_length=facts.context_length if facts else None,
-                         capabilities=capabilities(facts) if facts else None, memvisor=info,
+                         worker=info.worker or None, pid=info.pid or None, context_length=facts.context_length,
+                         capabilities=card_capabilities(facts), memvisor=info,
                          readiness=self.sup.readiness(model.id))
 
-    async def facts_of(self, models) -> dict[str, ModelFacts]:
-        """Each model's facts (context length, what it does), read off the loop."""
-        return await http_ollama.facts_of([m.path for m in models])
+    async def cards(self, models) -> list[ModelCard]:
+        facts = await facts_of([m.path for m in models])  # the model's small files, read off the loop
+        return [self.card(m, facts[m.path]) for m in models]
 
     async def models(self, request: Request) -> Response:
-        models = self.sup.config.models
-        facts = await self.facts_of(models)
-        return json_response(ModelList(data=[self.card(m, facts[m.path]) for m in models]))
+        return json_response(ModelList(data=await self.cards(self.sup.config.models)))
 
     async def model(self, request: Request) -> Response:
         model_id = request.path_params["model_id"]
@@ -187,7 +187,7 @@ class FrontDoor:
             raise ApiError(405, f"{action} takes POST, not {request.method}", code="method_not_allowed",
                            headers={"Allow": "POST"})
         model = self._model_config(model_id)
-        return json_response(self.card(model, (await self.facts_of([model]))[model.path]))
+        return json_response((await self.cards([model]))[0])
 
     def _model_config(self, model_id: str):
         try:
@@ -212,7 +212,7 @@ class FrontDoor:
             await http_generate.race_client(self.sup.load(model.id, explicit=True), request.receive)
         except ServeError as exc:
             raise from_serve_error(exc) from None
-        return json_response(self.card(model))
+        return json_response((await self.cards([model]))[0])
 
     async def unload(self, request: Request) -> Response:
         require_admin(request, self.scfg.admin_token)
@@ -260,6 +260,16 @@ class FrontDoor:
         body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
         started = request.scope.get("memvisor.started", time.monotonic())
         return await http_anthropic.count_tokens(request, self.sup, self.metrics, body, started)
+
+    # -- llama.cpp's token routes (issue 23, http/tokenize.py) ------------------
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
+        return await http_tokenize.tokenize(self.sup, body)
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
+        return await http_tokenize.detokenize(self.sup, body)
 
     # -- the Ollama API (issue 23) ----------------------------------------------
 
@@ -402,6 +412,8 @@ class FrontDoor:
             Route("/completions", v(self.completions), methods=["POST"]),
             Route("/messages", v(self.messages, anthropic), methods=["POST"]),
             Route("/messages/count_tokens", v(self.count_tokens, anthropic), methods=["POST"]),
+            Route("/tokenize", v(self.tokenize), methods=["POST"]),  # issue 23: llama.cpp's
+            Route("/detokenize", v(self.detokenize), methods=["POST"]),
             # issue 23: the Ollama API (its version check carries no data, so it needs no key)
             Route("/api/version", guarded(self.ollama_version, http_ollama.error_response), methods=["GET"]),
             Route("/api/tags", o(self.ollama_tags), methods=["GET"]),
@@ -416,6 +428,13 @@ class FrontDoor:
                            "/api/blobs/{digest}")],
             Route("/admin/guard", r(self.guard), methods=["POST"]),
         ]
+
+
+def card_capabilities(facts: ModelFacts) -> list[str]:
+    """/api/show's capabilities (http/ollama.py), with `chat` where a chat template makes
+    /v1/chat/completions usable: one list for both APIs, so they never disagree."""
+    caps = capabilities(facts)
+    return [*caps, "chat"] if facts.has_template and "chat" not in caps else caps
 
 
 def guarded(handler: Callable[[Request], Awaitable[Response]],
@@ -490,7 +509,8 @@ _FIXED = {"/health", "/status", "/metrics", "/v1/models", "/v1/chat/completions"
           "/v1/messages", "/v1/responses", "/admin/guard", "/v1/events", "/", "/ui",
           "/v1/messages/count_tokens", "/chat/completions", "/completions", "/models", "/messages",
           "/messages/count_tokens", "/api/version", "/api/tags", "/api/ps", "/api/show", "/api/chat",
-          "/api/generate", "/v1/embeddings", "/embeddings", "/api/embed", "/api/embeddings"}
+          "/api/generate", "/v1/embeddings", "/embeddings", "/api/embed", "/api/embeddings", "/tokenize",
+          "/detokenize"}
 
 
 def endpoint_label(path: str) -> str:

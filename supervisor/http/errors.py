@@ -18,6 +18,7 @@ from starlette.responses import Response
 
 from shared import protocol as p
 from shared.embedding import WRONG_MODEL_KIND
+from shared.fim import FIM_UNSUPPORTED
 from supervisor.errors import NotReady, ServeError
 from supervisor.http.openai_types import ErrorBody, ErrorDetail
 
@@ -63,6 +64,7 @@ _FAILED_STATUS: dict[str, tuple[int, int | None]] = {
     "invalid_request": (400, None),
     INVALID_CONSTRAINT: (400, None),  # issue 21: a schema or grammar the worker cannot enforce
     "context_length_exceeded": (400, None),  # issue 16: prompt + max_tokens over the context
+    FIM_UNSUPPORTED: (400, None),  # issue 23
     WRONG_MODEL_KIND: (400, None),  # chat to an embedding model, or the reverse
     "memory_pressure": (503, RETRY_AFTER_ABORT),  # P6.3/P6.5 aborted it
     "model_unloading": (503, RETRY_AFTER_ABORT),

@@ -41,6 +41,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from shared import protocol as p
+from shared.fim import FIM_UNSUPPORTED
 from supervisor.api import Supervisor
 from supervisor.errors import ServeError
 from supervisor.http import routing, sampling, tools
@@ -48,6 +49,7 @@ from supervisor.http.body import Disconnected
 from supervisor.http.content import text_of
 from supervisor.http.errors import INVALID_CONSTRAINT, ApiError, from_failed, from_serve_error
 from supervisor.http.metrics import Metrics
+from supervisor.http.modelfacts import require_fim
 from supervisor.http.openai_types import (
     DEFAULT_CHAT_MAX_TOKENS,
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -218,7 +220,7 @@ def with_tools(gen: p.Generate, plan: ToolPlan | None) -> p.Generate:
 
 def completion_generate(req: CompletionRequest) -> p.Generate:
     """Legacy completions: the prompt goes to the model as is, no template."""
-    _refuse_unsupported(req, "echo", "suffix")
+    _refuse_unsupported(req, "echo")
     if req.best_of not in (None, 1):
         raise BodyError("best_of: only 1 is supported", param="best_of")
     prompt = req.prompt
@@ -226,9 +228,9 @@ def completion_generate(req: CompletionRequest) -> p.Generate:
         if len(prompt) != 1:
             raise BodyError("prompt: exactly one prompt per request is supported", param="prompt")
         prompt = prompt[0]
-    if not prompt:
+    if not prompt and req.suffix is None:  # fill in the middle may start at the top of a file
         raise BodyError("prompt: must not be empty", param="prompt")
-    return p.Generate(prompt=prompt, **_sampling(req, req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS),
+    return p.Generate(prompt=prompt, suffix=req.suffix, **_sampling(req, req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS),
                       **sampling.completion_logprobs(req.logprobs))
 
 
@@ -400,8 +402,10 @@ class Job:
             return
         reason, text, calls = msg.finish_reason, "".join(held), None
         if mode == "constrained":
-            calls = tools.parse_constrained(text)
-            text = "" if calls is not None else text
+            # Issue 23: the reply is the call list and nothing else. Cut by max_tokens before
+            # its first call closed it holds no call: an empty answer with the worker's
+            # finish_reason ("length"), never the partial JSON as text.
+            calls, text = tools.parse_constrained(text), ""
         elif mode == "auto" and text:
             text, calls = tools.parse_tagged(text)
         if text:
@@ -410,6 +414,12 @@ class Job:
             yield Calls(calls)
             reason = "tool_calls" if reason == "stop" else reason
         yield End(msg, reason)
+
+    @property
+    def calls_only(self) -> bool:
+        """Issue 23: a call was required (tool_choice required or named): the reply is its
+        call list, empty when max_tokens cut the first call, and never text."""
+        return self.plan is not None and self.plan.mode == "constrained"
 
     async def collect(self, receive: Receive) -> tuple[str, list[tools.Call], End]:
         """The whole reply (non-streamed); a failure raises its ApiError."""
@@ -440,8 +450,8 @@ class Job:
         usage = _usage(end.finished)
         body: ChatCompletion | TextCompletion
         if self.kind == "chat":
-            message = ChatMessageOut(role="assistant", content=text or (None if calls else ""))
-            if calls:
+            message = ChatMessageOut(role="assistant", content=text or (None if calls or self.calls_only else ""))
+            if calls or self.calls_only:
                 message.tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
                                       for c in calls]
             logprobs = sampling.chat_choice_logprobs(self.logprobs) if self.gen.logprobs else None
@@ -488,6 +498,8 @@ class Job:
         error = from_failed(msg)
         if msg.code == INVALID_CONSTRAINT:
             error.param = "tools" if isinstance(self.gen.constraint, p.ToolCall) else self.format_param
+        elif msg.code == FIM_UNSUPPORTED:
+            error.param = "suffix"
         return error
 
     async def streamed(self, receive: Receive, events: Events | None = None) -> Response:
@@ -671,6 +683,13 @@ def _duration(text: str) -> float:
     return -total if match[1] == "-" else total
 
 
+def _model(sup: Supervisor, name: str):
+    try:
+        return sup.model_config(name)
+    except ServeError as exc:
+        raise from_serve_error(exc) from None
+
+
 async def handle(request: Request, sup: Supervisor, metrics: Metrics, kind: str, body: bytes,
                  started: float) -> Response:
     """Decode, validate, route to the model's worker, answer (JSON or SSE)."""
@@ -683,6 +702,9 @@ async def handle(request: Request, sup: Supervisor, metrics: Metrics, kind: str,
     else:
         req = decode_body(body, CompletionRequest)
         gen = completion_generate(req)
+        if req.suffix is not None:  # issue 23: refused before any load where the card says no insert
+            model = _model(sup, req.model)
+            await require_fim(model.id, model.path)
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
     job = await open_job(request, sup, metrics, req, gen, started, kind=kind, plan=plan, include_usage=include_usage)
     if req.stream:

@@ -25,6 +25,8 @@ spelled Ollama's way:
 - `format` ("json" or a JSON schema) is the worker's constrained decoding;
   `tools` go to the chat template and calls come back as Ollama's
   `tool_calls` with `arguments` as an object;
+- `/api/generate`'s `suffix` fills in the middle on a model whose tokenizer has
+  FIM tokens (its `/api/show` lists `insert`); elsewhere it is a 400 naming it;
 - `keep_alive` is Ollama's (the strict parser of generate.py); an empty
   `prompt` / `messages` only loads the model (`done_reason: "load"`), or with
   `keep_alive: 0` unloads it (`"unload"`), as Ollama does;
@@ -59,7 +61,7 @@ from supervisor.http import sampling as openai_sampling
 from supervisor.http import tools
 from supervisor.http.errors import ApiError, from_serve_error
 from supervisor.http.metrics import Metrics
-from supervisor.http.modelfacts import ModelFacts, capabilities, digest, parameter_size, read_facts
+from supervisor.http.modelfacts import ModelFacts, capabilities, digest, facts_of, parameter_size, require_fim
 from supervisor.http.openai_types import (
     DEFAULT_CHAT_MAX_TOKENS,
     MAX_STOP_SEQUENCES,
@@ -69,12 +71,10 @@ from supervisor.http.openai_types import (
     LogprobOut,
     decode_body,
 )
-from supervisor.offloop import OffLoopTimeout, off_loop
 
 # Why 0.6.4: VS Code's Ollama provider (and Open WebUI's version check) refuse a server
 # older than 0.6.4, the release whose /api/show reports `capabilities`; we serve that shape.
 VERSION = "0.6.4"
-READ_TIMEOUT = 10.0  # a model's small files, read off the loop
 NEVER = datetime(9999, 12, 31, 23, 59, 59, tzinfo=timezone.utc)  # expires_at of a model that never expires
 
 _encoder = msgspec.json.Encoder()
@@ -125,7 +125,7 @@ class OllamaChatRequest(_Common, kw_only=True):
 class OllamaGenerateRequest(_Common, kw_only=True):
     prompt: Union[str, None] = None
     system: Union[str, None] = None
-    suffix: Union[str, None] = None  # fill-in-the-middle: refused for now
+    suffix: Union[str, None] = None  # fill in the middle (issue 23), on models with FIM tokens
     template: Union[str, None] = None  # refused: the model's own template is used
     context: Union[list[int], None] = None  # refused: send the conversation instead
     raw: Union[bool, None] = None  # true: the prompt goes to the model as is
@@ -333,8 +333,8 @@ def chat_generate(req: OllamaChatRequest) -> p.Generate:
 
 def generate_generate(req: OllamaGenerateRequest) -> p.Generate:
     _refuse_common(req)
-    if req.suffix:
-        raise BodyError("suffix: fill-in-the-middle is not supported yet", param="suffix")
+    if req.suffix and req.system:
+        raise BodyError("system: a fill-in-the-middle prompt (suffix) has no system turn", param="system")
     if req.template:
         raise BodyError("template: the model's own chat template is used; send raw=true to skip it",
                         param="template")
@@ -347,6 +347,8 @@ def generate_generate(req: OllamaGenerateRequest) -> p.Generate:
         if getattr(req, name) is not None:
             raise BodyError(f"{name}: image generation is not supported (these are text models)", param=name)
     common = dict(request_id=uuid.uuid4().hex, constraint=format_constraint(req.format), **_sampling(req))
+    if req.suffix:  # issue 23: the worker builds the prompt from its FIM tokens, no template
+        return p.Generate(prompt=req.prompt or "", suffix=req.suffix, **common)
     if req.raw:
         if req.system:
             raise BodyError("system: raw prompts go to the model as they are; put the system text in the prompt",
@@ -507,17 +509,6 @@ def resolve(sup: Supervisor, name: str) -> str:
         raise ApiError(404, f"model '{name}' not found: {exc}", code=exc.code) from None
 
 
-async def facts_of(paths: list[str]) -> dict[str, ModelFacts]:
-    """Each path's facts, read off the loop (empty facts when the read takes too long)."""
-    def read() -> dict[str, ModelFacts]:
-        return {path: read_facts(path) for path in paths}
-
-    try:
-        return await off_loop(read, READ_TIMEOUT, "reading model cards")
-    except (OffLoopTimeout, OSError):
-        return {path: ModelFacts() for path in paths}
-
-
 def details(facts: ModelFacts, estimated_bytes: int) -> dict[str, Any]:
     return {"parent_model": "", "format": facts.format, "family": facts.family,
             "families": [facts.family] if facts.family else None,
@@ -624,6 +615,10 @@ async def handle_chat(request: Request, sup: Supervisor, metrics: Metrics, body:
 async def handle_generate(request: Request, sup: Supervisor, metrics: Metrics, body: bytes,
                           started: float) -> Response:
     req = decode_body(body, OllamaGenerateRequest)
-    return await _run(request, sup, metrics, req, generate_generate(req), started, chat=False,
-                      empty=not req.prompt and not req.system)
+    gen = generate_generate(req)
+    if req.suffix:
+        model = sup.model_config(resolve(sup, req.model))
+        await require_fim(model.id, model.path)
+    return await _run(request, sup, metrics, req, gen, started, chat=False,
+                      empty=not req.prompt and not req.system and not req.suffix)
 

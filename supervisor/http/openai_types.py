@@ -360,7 +360,8 @@ class ModelCard(Struct, kw_only=True):
     pid: Union[int, None] = None
     # issue 23: the model's context window in tokens (config.json), where known
     context_length: Union[int, None] = None
-    # what it does, in Ollama's words ("completion", "tools", "insert", or "embedding" alone)
+    # what it does, in Ollama's words ("completion", "tools", "insert", or "embedding" alone),
+    # and "chat" where a chat template makes /v1/chat/completions usable
     capabilities: Union[list[str], None] = None
     # Everything `ps` shows: aliases, estimated vs measured bytes, idle time, expiry ...
     memvisor: Union[ModelInfo, None] = None

@@ -332,7 +332,7 @@ async def handle(request: Request, sup, metrics, body: bytes, started: float) ->
         return await job.streamed(request.receive, lambda first: _events(job, first, shell))
     text, calls, end = await job.collect(request.receive)
     output: list[Union[MessageItem, FunctionCallItem]] = []
-    if text or not calls:
+    if text or not (calls or job.calls_only):  # a required call cut before it closed: no item (issue 23)
         part = OutputText(text=text, logprobs=_logprobs_out(job, job.logprobs))
         output.append(MessageItem(id="msg_" + gen.request_id, content=[part], status=_status(end.reason)))
     output += [_call_item(c) for c in calls]
@@ -381,7 +381,7 @@ async def _events(job: g.Job, first, shell: Shell) -> AsyncIterator[list[bytes]]
                     out += _call_events(ev, len(output), c)
                     output.append(_call_item(c))
             case g.End(finished=fin, reason=reason):
-                if text is None and not output:
+                if text is None and not output and not job.calls_only:
                     text = []
                     out += _open_message(ev, 0, msg_id)
                 if text is not None:
