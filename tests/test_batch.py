@@ -363,7 +363,7 @@ def test_issue22_join_and_leave_copy_the_rows_that_move_never_the_running_batch(
     assert leave_peak < one_layer / 4, (leave_peak, one_layer)
     for slot, row in enumerate(batch.rows):
         mine = kvs[rows.index(row)]
-        for layer, theirs in zip(batch.extract(slot), mine):
+        for layer, theirs in zip(batch.extract([slot])[0], mine):
             assert mx.array_equal(layer.keys, theirs.keys[..., :theirs.offset, :]).item()
             assert mx.array_equal(layer.values, theirs.values[..., :theirs.offset, :]).item()
     assert sorted(batch.tokens()) == sorted(rows.index(row) for row in batch.rows)
@@ -389,7 +389,7 @@ def test_issue22_buffers_shrink_to_the_live_rows_when_most_leave_and_live_bytes_
     assert batch.length < 2 * 110 and batch.nbytes < full / 8  # two rows, the longer one's window and room
     assert batch.rows == [rows[0], rows[3]] and batch.tokens() == [0, 3]
     for slot, i in enumerate((0, 3)):
-        for layer, theirs in zip(batch.extract(slot), kvs[i]):
+        for layer, theirs in zip(batch.extract([slot])[0], kvs[i]):
             assert mx.array_equal(layer.keys, theirs.keys[..., :theirs.offset, :]).item()
             assert mx.array_equal(layer.values, theirs.values[..., :theirs.offset, :]).item()
 
@@ -590,3 +590,4 @@ def test_issue22_a_request_that_alone_does_not_fit_is_rejected_and_the_others_ar
     assert isinstance(end, Failed) and end.code == "prefill_memory_exceeded"
     assert 3 in _prefill_passes(shapes), shapes.calls
     assert all(isinstance(run.terminal(rid), Finished) for rid in list(prompts)[:3])
+

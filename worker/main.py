@@ -158,7 +158,7 @@ class Worker:
 
         from shared.probe import gpu_kind
         from worker.allocator import AllocatorLimits
-        from worker.engine import EngineError
+        from worker.engine import Engine, EngineError
         from worker.memory import MemorySampler, device_bytes, set_discrete_device
         from worker.prefill import DeviceUsage
 
@@ -198,6 +198,8 @@ class Worker:
             log.error("cannot load %s: %s", self.spec.model_path, exc)
             self.reply(p.LoadFailed(error=str(exc)))
             return 2
+        if "gpu" in device and isinstance(self.engine, Engine):  # a GPU's first-use costs: paid here
+            log.info("warm-up: a request alone and a group in %.2f s", self.engine.warm_up())
         self.phase = "ready"
         now = time.monotonic()
         self.reply(p.Loaded(weight_bytes=self.engine.weight_bytes, seconds=now - started,

@@ -41,6 +41,7 @@ from worker.endings import Endings, Event, prompted
 from worker.group_prefill import PrefillGroup
 from worker.memory import UsageFn
 from worker.request import Seq
+from worker.sampling import pick_rows
 
 log = logging.getLogger("memvisor.worker.engine")
 
@@ -150,6 +151,27 @@ class Prefill:
         if seq.pos == len(seq.prompt) - 1:
             self._first_token(seq)
         return True
+
+    def resume(self, seq: Seq, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> None:
+        """A request whose whole prompt but its last token is in the prompt cache (H1): G1, its KV
+        forked from the entry, and on to the decode batch with its last prompt token in flight.
+
+        Why not `_first_token`: that is a forward pass of its own for one token, and a burst of
+        such requests (the same prompt sent again, retries) took one pass and one prefill turn
+        each, so the last of 32 waited for 31 turns. Fed by the decode step, their last prompt
+        tokens ride in the pass that decodes everyone else, and the token that pass samples is
+        their first; worker/decode.py emits nothing for the prompt token itself.
+        Afterwards its state says where it goes, as after `step`.
+        """
+        if not self._preflight(seq, self.pool(limits, usage_fn), events):
+            return
+        if seq.pos != len(seq.prompt) - 1:
+            return  # the entry no longer covers it all: it prefills the usual way at the head
+        seq.y = mx.array(seq.prompt[-1:], dtype=mx.uint32)  # the dtype of sampled tokens
+        seq.resuming = True
+        self.tokens += 1
+        seq.detok = self.tokenizer.detokenizer
+        seq.move("first_token")
 
     def _preflight(self, seq: Seq, pool: GuardedPool, events: list[Event]) -> bool:
         """G1 (with H4 first); True when the prefill may start now."""
@@ -336,8 +358,14 @@ class Prefill:
         with mx.stream(generation_stream):
             logits = group.last_logits(self.model)
             for i, seq in live:
-                row = logits[i:i + 1]
-                seq.y = seq.sample(seq.constraint.mask(row) if seq.constraint is not None else row)
+                if seq.constraint is not None:
+                    seq.y = seq.sample(seq.constraint.mask(logits[i:i + 1]))
+            # the free rows in as few picks as their settings allow (worker/sampling.py)
+            for rows, tokens in pick_rows([(i, seq.sample) for i, seq in live if seq.constraint is None], logits):
+                for j, i in enumerate(rows):
+                    group_seq = group.rows[i]
+                    assert group_seq is not None  # a live row
+                    group_seq.y = tokens[j:j + 1]
         mx.async_eval([seq.y for _, seq in live])
         self.tokens += len(live)
         for i, seq in live:

@@ -95,6 +95,7 @@ class Seq:
     __slots__ = (
         "id", "prompt", "max_tokens", "sample", "stopper", "state", "cache", "pos",
         "y", "detok", "generated", "retried", "deadline", "warned_soft", "constraint", "hit", "cached", "out",
+        "resuming",
     )
 
     def __init__(self, request_id: str, prompt: list[int], max_tokens: int, sampler: Sampler,
@@ -117,6 +118,7 @@ class Seq:
         self.hit: pc.Hit | None = None  # the prompt-cache entry it will reuse (pinned, H3)
         self.cached = 0            # prompt tokens taken from the prompt cache (H1)
         self.out: list[int] = []   # generated token ids (the cache key after the prompt)
+        self.resuming = False      # y is its last prompt token, fed by a decode step (a whole-prompt hit)
 
     def move(self, event: RequestEvent) -> None:
         """The one way a request changes state (IllegalMove when the table does not allow it)."""
