@@ -64,11 +64,32 @@ def cache_root() -> Path:
 
 def bench_model(name: str, size: int, seed: int, dtype: str) -> Path:
     """A generated model at cache_root()/NAME (made once, with a line saying so)."""
+    from modelfiles.modelgen import make_model
     from shared.sizes import format_size
-    from worker.modelgen import make_model
 
     path = cache_root() / name
     if not (path / "config.json").exists():
         print(f"generating a {format_size(size)} {dtype} model in {path} (once)...", flush=True)
         make_model(path, size, seed=seed, force=True, dtype=dtype)
     return path
+
+
+def add_model_args(parser, *, size: str, streams: str, tokens: int = 64) -> None:
+    """The engine benchmarks' shared flags: which model, how many streams, tokens per stream."""
+    parser.add_argument("--model", type=Path, help="a local MLX model folder (default: a generated one)")
+    parser.add_argument("--size", default=size, help=f"weights of the generated model (default {size})")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    parser.add_argument("--streams", default=streams, help=f"comma-separated stream counts (default {streams})")
+    parser.add_argument("--tokens", type=int, default=tokens, help=f"max tokens per stream (default {tokens})")
+
+
+def model_from_args(args, prefix: str) -> Path:
+    """`--model`, else the generated model of `--size` and `--dtype` (made once, seed 11)."""
+    from shared.sizes import parse_size
+
+    if args.model is not None:
+        if not (args.model / "config.json").is_file():
+            raise SystemExit(f"--model: no config.json in {args.model}")
+        return Path(args.model)
+    size = parse_size(args.size)
+    return bench_model(f"{prefix}-{size}-{args.dtype}", size, 11, args.dtype)

@@ -46,9 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from _serve import ServeProcess, bench_model  # noqa: E402  (scripts/ is on sys.path as the script's folder)
-
-from shared.sizes import parse_size  # noqa: E402
+from _serve import ServeProcess, add_model_args, model_from_args  # noqa: E402  (scripts/ is on sys.path as the script's folder)
 
 TOPICS = ["the weather", "a ship at sea", "memory and machines", "an old library", "the city at night",
           "a garden", "mountains", "the first computer", "a long train ride", "the river"]
@@ -56,10 +54,6 @@ TOPICS = ["the weather", "a ship at sea", "memory and machines", "an old library
 
 def prompt(i: int) -> str:
     return f"Story {i}: once upon a time, {TOPICS[i % len(TOPICS)]}"
-
-
-def ensure_model(size: int, dtype: str) -> Path:
-    return bench_model(f"batch-{size}-{dtype}", size, 11, dtype)
 
 
 class Server(ServeProcess):
@@ -134,11 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return peers([a for a in argv if a != "--peers"])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, help="a local MLX model folder (default: a generated one)")
-    parser.add_argument("--size", default="100MB", help="weights of the generated model (default 100MB)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
-    parser.add_argument("--streams", default="1,4,8", help="comma-separated stream counts (default 1,4,8)")
-    parser.add_argument("--tokens", type=int, default=64, help="max tokens per stream (default 64)")
+    add_model_args(parser, size="100MB", streams="1,4,8")
     parser.add_argument("--runs", type=int, default=3, help="rounds per stream count (median kept)")
     args = parser.parse_args(argv)
     try:
@@ -147,9 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--streams: comma-separated integers, got {args.streams!r}")
     if not counts or counts[0] < 1:
         parser.error("--streams: at least one count, each >= 1")
-    model = args.model or ensure_model(parse_size(args.size), args.dtype)
-    if not (model / "config.json").is_file():
-        parser.error(f"--model: no config.json in {model}")
+    model = model_from_args(args, "batch")
     results: dict[int, tuple[Result, Result]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-batch-") as tmp:
         server = Server(model, Path(tmp), max(counts))

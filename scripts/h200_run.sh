@@ -6,7 +6,10 @@
 #   scripts/h200_run.sh tests    the slow real-process tests that matter on a GPU
 #   scripts/h200_run.sh drill    the device fire drill (scripts/bench_device_drill.py)
 #   scripts/h200_run.sh batch    scripts/bench_batch.py on a 2 GiB bf16 model
-#   scripts/h200_run.sh peers    scripts/bench_peers.py: stream_generate, raw loop, memvisor, mlx_lm.server (issue 22)
+#   scripts/h200_run.sh peers    scripts/bench_peers.py: stream_generate, raw loop, memvisor, mlx_lm.server at
+#                                1/8/32/64 streams, TTFT, NVML peaks (issue 22; ~5-7 min, one command)
+#   scripts/h200_run.sh path     scripts/bench_path.py: where a token's time goes, layer by layer, at 1 and 64
+#                                streams (ceiling, engine in process, worker over ZeroMQ, server; ~3 min)
 #   scripts/h200_run.sh joinmem  scripts/bench_join_memory.py: the decode batch's buffers against its live KV (issue 22)
 #
 # Wheels travel in .whl/ (Python 3.12 manylinux), the ~90 MB mlx-cuda-13 wheel
@@ -64,12 +67,16 @@ peers)
     timeout "${2:-540}" $PY scripts/bench_peers.py --size 2GiB --dtype bfloat16 --streams 1,8,32,64 --tokens 128 \
         --runs 1 2>&1 | grep -v " INFO " | tee "$OUT/peers.log" | tail -30
     ;;
+path)
+    timeout "${2:-400}" $PY scripts/bench_path.py --size 2GiB --dtype bfloat16 --streams 1,64 --tokens 128 \
+        --runs 2 2>&1 | grep -v " INFO " | tee "$OUT/path.log" | tail -20
+    ;;
 joinmem)
     timeout "${2:-300}" $PY scripts/bench_join_memory.py --size 512MiB --requests 64 \
         2>&1 | grep -v " INFO " | tee "$OUT/joinmem.log" | tail -10
     ;;
 *)
-    echo "usage: $0 parts|install|tests|drill|batch|peers|joinmem" >&2
+    echo "usage: $0 parts|install|tests|drill|batch|peers|path|joinmem" >&2
     exit 2
     ;;
 esac

@@ -41,6 +41,7 @@ from typing_extensions import assert_never
 from shared import protocol as p
 from shared.ledger import Ledger
 from shared.sizes import format_size
+from shared.vocab import GuardEventKind
 from supervisor import liveness
 from supervisor.bus import Bus, BusError, Endpoints, claim_runtime_dir, pid_alive
 from supervisor.catalog import Catalog
@@ -48,21 +49,21 @@ from supervisor.config import Config
 from supervisor.control import handle_control
 from supervisor.discovery import last_refused
 from supervisor.enforcer import Enforcer
-from supervisor.eventlog import EVENT_HISTORY, EventLog
-from supervisor.fanout import Hub
+from supervisor.eventlog import EventLog
+from supervisor.fanout import EVENT_HISTORY, Hub
 from supervisor.gate import Gate
 from supervisor.models import Models
 from supervisor.pool import Pool
 from supervisor.process import (
     Exited,
-    Loaded,
-    LoadFailed,
-    NeedMemory,
     PoolEvent,
     Reported,
     Spawned,
     Wedged,
     WorkerHandle,
+    WorkerLoaded,
+    WorkerLoadFailed,
+    WorkerNeedsMemory,
 )
 from supervisor.reload import Reloader
 from supervisor.runtime import ensure_private_dir
@@ -320,15 +321,16 @@ class Arbiter:
 
     def pool_event(self, ev: PoolEvent) -> None:
         """What happened to a worker: published as an S2 event; crashes may respawn."""
+        kind: GuardEventKind
         match ev:
-            case NeedMemory():
+            case WorkerNeedsMemory():
                 self.enforcer.on_need_memory(ev.handle, ev.request_id, ev.need_bytes, ev.pool)
                 return
             case Spawned():
                 kind, reason = "spawn", ev.reason
-            case Loaded():
+            case WorkerLoaded():
                 kind, reason = "loaded", ev.reason
-            case LoadFailed():
+            case WorkerLoadFailed():
                 kind, reason = "load_failed", ev.reason
             case Wedged():
                 kind, reason = "wedged", ev.reason

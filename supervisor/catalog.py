@@ -28,11 +28,10 @@ from supervisor.config import Config, ModelConfig
 from supervisor.discovery import refusal
 from supervisor.errors import LoadError, ModelUnreadable
 from supervisor.eventlog import Emit
-from supervisor.offloop import OffLoopTimeout, off_loop
+from supervisor.offloop import MODEL_FILES_TIMEOUT, OffLoopTimeout, off_loop
 
 log = logging.getLogger("memvisor.catalog")
 
-READ_TIMEOUT = 10.0  # seconds for one model's headers and config.json
 # An OSError that says nothing about the file (out of descriptors or memory): 503, retry.
 PASSING_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM, errno.EINTR})
 
@@ -165,7 +164,7 @@ class Catalog:
                 return context, str(exc), kv, embedding
 
         try:
-            context, size, kv, embedding = await off_loop(read, READ_TIMEOUT, f"reading {model.id}'s files")
+            context, size, kv, embedding = await off_loop(read, MODEL_FILES_TIMEOUT, f"reading {model.id}'s files")
         except OffLoopTimeout as exc:
             size, context, kv, embedding = f"{exc} (a slow disk, or not a plain file?)", None, 0, None
         except OSError as exc:  # out of descriptors, a vanished folder: not the files' fault

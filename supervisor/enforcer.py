@@ -30,6 +30,7 @@ from shared.ledger import Ledger
 from shared.memory import NO_READING
 from shared.probe import nvml
 from shared.sizes import MAX_SIZE, format_size
+from shared.vocab import GuardEventKind, PoolName
 from shared.weights import WeightsError, estimate_weight_bytes, kv_bytes_per_token
 from supervisor.bus import Bus
 from supervisor.config import MIN_DEVICE_CEILING, Config, ModelConfig, guard_settings
@@ -49,7 +50,7 @@ log = logging.getLogger("memvisor.guard")
 # P4's environment switch: "1" turns the reclaim grace off.
 DISABLE_RECLAIM_ENV = "MEMVISOR_DISABLE_PRESSURE_RECLAIM"
 
-_ACTS = (d.Reclaim, d.ShrinkHotCache, d.AbortRequests, d.AbortLoad, d.MarkForUnload, d.Stop, d.ExpireTTL)
+_ACTS = (d.ReclaimPool, d.ShrinkHotCache, d.AbortWorkerRequests, d.AbortLoad, d.MarkForUnload, d.Stop, d.ExpireTTL)
 
 
 class Enforcer:
@@ -171,7 +172,7 @@ class Enforcer:
     def act(self, x: d.WorkerDecision, handle: WorkerHandle, result: policy.TickResult) -> None:
         """Carry out a decision about one worker; each action is done once a tick (P7)."""
         match x:
-            case d.SetLimits():
+            case d.ApplyLimits():
                 self.pool.set_limits(handle, msgspec.structs.replace(x.limits, max_concurrency=handle.concurrency))
                 return
             case d.SetConcurrency():
@@ -184,15 +185,15 @@ class Enforcer:
         log.warning("%s %s: %s", type(x).__name__, handle.worker_id, x.reason)
         usage, ceiling = result.usage, result.ceilings.ceiling
 
-        def say(kind: str) -> None:
+        def say(kind: GuardEventKind) -> None:
             self.emit(kind, x.reason, worker_id=handle.worker_id, model_id=handle.model_id, usage=usage,
                       ceiling=ceiling)
 
         match x:
-            case d.Reclaim():
+            case d.ReclaimPool():
                 self.pool.command(handle, p.Reclaim(reason=x.reason, idle_only=x.idle_only))
                 say("reclaim")
-            case d.AbortRequests():
+            case d.AbortWorkerRequests():
                 self.pool.command(handle, p.AbortRequests(reason=f"memory pressure: {x.reason}",
                                                           code="memory_pressure"))
                 say("abort")
@@ -210,7 +211,7 @@ class Enforcer:
             case d.ShrinkHotCache():  # H3: the worker drops, reclaims, reports at once
                 self.pool.command(handle, p.ShrinkCache(target_bytes=x.target_bytes, reason=x.reason))
                 say("shrink_cache")
-            case d.SetLimits() | d.SetConcurrency():
+            case d.ApplyLimits() | d.SetConcurrency():
                 pass  # handled above
             case _:
                 assert_never(x)
@@ -337,7 +338,7 @@ class Enforcer:
                 return
             self.emit("refused", verdict.message, model_id=model.id)
             log.warning("Refused to load %s: %s", model.id, verdict.message)
-            raise LoadError(verdict.message, code=verdict.error, http_status=507)
+            raise LoadError(verdict.message, code=verdict.error or "insufficient_memory", http_status=507)
         raise LoadError(f"could not make room for {model.id!r}", code="insufficient_memory", http_status=507)
 
     def evict(self, handle: WorkerHandle, why: str, stop_reason: str, *, usage: int = 0,
@@ -347,10 +348,10 @@ class Enforcer:
         self.emit("evict", why, worker_id=handle.worker_id, model_id=handle.model_id, usage=usage, ceiling=ceiling)
         return self.pool.stop(handle, stop_reason, cause="evict")
 
-    def on_need_memory(self, handle: WorkerHandle, request_id: str, need_bytes: int, pool: str = "host") -> None:
+    def on_need_memory(self, handle: WorkerHandle, request_id: str, need_bytes: int, pool: PoolName = "host") -> None:
         asyncio.get_running_loop().create_task(self._evict_for_prefill(handle, request_id, need_bytes, pool))
 
-    async def _evict_for_prefill(self, handle: WorkerHandle, request_id: str, need_bytes: int, pool: str) -> None:
+    async def _evict_for_prefill(self, handle: WorkerHandle, request_id: str, need_bytes: int, pool: PoolName) -> None:
         """G1: `need_bytes` is the worker's shortfall in `pool`; the answer goes once the victims have exited."""
         snapshot = self.snapshot(time.monotonic())
         victims = evict_for_prefill(snapshot, handle.worker_id, need_bytes, pool=pool)

@@ -13,17 +13,17 @@ import time
 from typing import TYPE_CHECKING, Callable, Protocol
 
 from shared import protocol as p
+from shared.vocab import GuardEventKind
+from supervisor.fanout import EVENT_HISTORY
 
 if TYPE_CHECKING:
     from supervisor.bus import Bus
-
-EVENT_HISTORY = 500
 
 
 class Emit(Protocol):
     """What the pool, the enforcer, the models and the reload call to say what happened."""
 
-    def __call__(self, kind: str, reason: str, *, worker_id: str = "", model_id: str = "", usage: int = 0,
+    def __call__(self, kind: GuardEventKind, reason: str, *, worker_id: str = "", model_id: str = "", usage: int = 0,
                  ceiling: int = 0) -> None: ...
 
 
@@ -33,7 +33,7 @@ class EventLog:
         self.hooks: list[Callable[[p.GuardEvent], None]] = []
         self.bus: Bus | None = None  # attached once the sockets are bound
 
-    def emit(self, kind: str, reason: str, *, worker_id: str = "", model_id: str = "", usage: int = 0,
+    def emit(self, kind: GuardEventKind, reason: str, *, worker_id: str = "", model_id: str = "", usage: int = 0,
              ceiling: int = 0) -> None:
         ev = p.GuardEvent(t=time.time(), kind=kind, reason=reason, worker_id=worker_id, model_id=model_id,
                           usage=usage, ceiling=ceiling)

@@ -38,14 +38,14 @@ from supervisor.errors import LoadError
 from supervisor.process import (
     EventSink,
     Exited,
-    Loaded,
-    LoadFailed,
-    NeedMemory,
     Reported,
     Spawned,
     StopCause,
     Wedged,
     WorkerHandle,
+    WorkerLoaded,
+    WorkerLoadFailed,
+    WorkerNeedsMemory,
     describe_exit,
 )
 from supervisor.streams import RequestStream, Streams
@@ -133,7 +133,7 @@ class Pool:
     def on_reply(self, identity: bytes, msg: p.WorkerReply) -> None:
         handle = self.by_identity.get(identity)
         if handle is None or not handle.live:
-            self.bus.bad("commands", "message from an unknown or stopped worker", cause="unknown_peer")
+            self.bus.bad("commands", "unknown_peer", "message from an unknown or stopped worker")
             return
         match msg:
             case p.Tokenized() | p.Detokenized():  # a tokenizer call's answer
@@ -147,7 +147,7 @@ class Pool:
                 if msg.well_formed():
                     self.streams.deliver_batch(msg)
                 else:
-                    self.bus.bad("commands", "token batch with columns of unequal length")
+                    self.bus.bad("commands", "invalid_message", "token batch with columns of unequal length")
             case p.Pong():
                 handle.beats.last_pong = time.monotonic()
                 waiter = self._pings.pop((handle.worker_id, msg.seq), None)
@@ -162,9 +162,9 @@ class Pool:
                     handle.loaded.set_exception(LoadError(f"model {handle.model_id!r} failed to load: {msg.error}",
                                                           http_status=503, permanent=True))
                 handle.marked_for_unload = True
-                self.on_event(LoadFailed(handle, msg.error))
+                self.on_event(WorkerLoadFailed(handle, msg.error))
             case p.NeedMemory():
-                self.on_event(NeedMemory(handle, msg.request_id, msg.need_bytes, msg.pool))
+                self.on_event(WorkerNeedsMemory(handle, msg.request_id, msg.need_bytes, msg.pool))
             case p.Ack() | p.Reclaimed():
                 pass  # informational; the sample that follows carries the effect
             case _:
@@ -172,7 +172,7 @@ class Pool:
 
     def _on_hello(self, handle: WorkerHandle, msg: p.Hello) -> None:
         if msg.pid != handle.pid or msg.worker_id != handle.worker_id:
-            self.bus.bad("commands", "hello that does not match the spawned process", cause="hello_mismatch")
+            self.bus.bad("commands", "hello_mismatch", "hello that does not match the spawned process")
             return
         # D1: a worker whose arrays live on the CPU holds nothing on the accelerator
         # its MLX can see (an empty `device` is an older worker: trust its info)
@@ -195,7 +195,7 @@ class Pool:
             handle.loaded.set_result(True)
         log.info("Worker %s loaded %s (%.1f MB weights) in %.2f s",
                  handle.worker_id, handle.model_id, msg.weight_bytes / 1e6, msg.seconds)
-        self.on_event(Loaded(handle, f"model loaded in {msg.seconds:.2f} s"))
+        self.on_event(WorkerLoaded(handle, f"model loaded in {msg.seconds:.2f} s"))
         self.on_change()
 
     def on_report(self, msg: p.WorkerReport) -> None:
@@ -203,7 +203,7 @@ class Pool:
             case p.Sample():
                 handle = self.handles.get(msg.worker_id)
                 if handle is None or msg.pid != handle.pid:
-                    self.bus.bad("reports", "sample from an unknown worker", cause="unknown_peer")
+                    self.bus.bad("reports", "unknown_peer", "sample from an unknown worker")
                     return
                 self.counters["samples"] += 1
                 self.bus.publish(msg)

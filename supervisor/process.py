@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Callable, Literal, Union
 
 from shared.ledger import LedgerSample
 from shared.limits import Limits
-from shared.states import LIVE_STATES, SERVING_STATES, WorkerEvent, WorkerState, transition
+from shared.states import LIVE_STATES, SERVING_STATES, WorkerState, WorkerTrigger, transition
+from shared.vocab import PoolName, WorkerEventKind
 from supervisor.liveness import Beats
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ class WorkerHandle:
     def serving(self) -> bool:
         return self.state in SERVING_STATES
 
-    def move(self, event: WorkerEvent) -> WorkerState:
+    def move(self, event: WorkerTrigger) -> WorkerState:
         """The one place a worker's state changes (illegal moves raise)."""
         self.state = transition(self.state, event)
         return self.state
@@ -97,22 +98,22 @@ class Spawned(_News):
     """A worker process was started for a model."""
 
 
-class Loaded(_News):
+class WorkerLoaded(_News):
     """The worker loaded its model and serves."""
 
 
-class LoadFailed(_News):
+class WorkerLoadFailed(_News):
     """The worker could not load its model (it exits next)."""
 
 
 @dataclass(frozen=True, slots=True)
-class NeedMemory:
+class WorkerNeedsMemory:
     """SPEC G1: the worker's prefill needs `need_bytes` more (the shortfall) in `pool`."""
 
     handle: WorkerHandle
     request_id: str
     need_bytes: int
-    pool: str = "host"
+    pool: PoolName = "host"
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,11 +139,11 @@ class Reported:
     """An event the worker itself reported (drills)."""
 
     handle: WorkerHandle
-    kind: str
+    kind: WorkerEventKind
     reason: str
 
 
-PoolEvent = Union[Spawned, Loaded, LoadFailed, NeedMemory, Wedged, Exited, Reported]
+PoolEvent = Union[Spawned, WorkerLoaded, WorkerLoadFailed, WorkerNeedsMemory, Wedged, Exited, Reported]
 EventSink = Callable[[PoolEvent], None]
 
 

@@ -22,6 +22,7 @@ from typing import Callable
 import msgspec
 
 from shared.modelinfo import FileRefused, open_regular
+from shared.vocab import ErrorCode
 from supervisor.catalog import Catalog
 from supervisor.config import Config, ConfigError, guard_settings
 from supervisor.discovery import last_refused
@@ -112,7 +113,8 @@ class Reloader:
         except OffLoopTimeout as exc:
             late = True
             words = f"{exc}; the running config stays"
-            code, status = "reload_timeout", 504
+            code: ErrorCode = "reload_timeout"
+            status = 504
         except ConfigError as exc:
             words = f"{exc}; the running config stays"
             code, status = "invalid_config", 400

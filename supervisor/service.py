@@ -333,4 +333,4 @@ class Service:
         return [self.pool.view(h) for h in self.pool.handles.values()]
 
     def malformed_frames(self) -> dict[tuple[str, str], int]:
-        return dict(self.bus.malformed)
+        return {key: count for key, count in self.bus.malformed.items()}

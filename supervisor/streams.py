@@ -25,6 +25,7 @@ from typing import Union
 import msgspec
 
 from shared import protocol as p
+from shared.vocab import FailureCode
 
 StreamReply = Union[p.TokenOut, p.Finished, p.Failed]
 # An embedding request's stream gets one message, its vectors or its error.
@@ -125,7 +126,7 @@ class Streams:
             if not mine:
                 del self._by_worker[stream.worker_id]
 
-    def fail_all(self, worker_id: str, code: str, message: str) -> None:
+    def fail_all(self, worker_id: str, code: FailureCode, message: str) -> None:
         """The worker is gone: every request it served ends with this error."""
         for stream in list(self._by_worker.get(worker_id, {}).values()):
             stream.put(p.Failed(request_id=stream.request_id, code=code, message=message))

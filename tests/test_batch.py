@@ -31,7 +31,7 @@ def loaded(request, tiny_model, tmp_path_factory):
 
     if request.param == "float16":
         return mlx_lm.load(str(tiny_model))
-    from worker.modelgen import make_model
+    from modelfiles.modelgen import make_model
 
     path = tmp_path_factory.mktemp("f32") / "tiny-f32"
     make_model(path, 4 * MiB, 5, dtype="float32")
@@ -365,7 +365,7 @@ def test_issue22_join_and_leave_copy_the_rows_that_move_never_the_running_batch(
     assert leave_peak < one_layer / 4, (leave_peak, one_layer)
     for slot, row in enumerate(batch.rows):
         mine = kvs[rows.index(row)]
-        for layer, theirs in zip(batch.extract(slot), mine):
+        for layer, theirs in zip(batch.extract([slot])[0], mine):
             assert mx.array_equal(layer.keys, theirs.keys[..., :theirs.offset, :]).item()
             assert mx.array_equal(layer.values, theirs.values[..., :theirs.offset, :]).item()
     assert sorted(batch.tokens()) == sorted(rows.index(row) for row in batch.rows)
@@ -391,7 +391,7 @@ def test_issue22_buffers_shrink_to_the_live_rows_when_most_leave_and_live_bytes_
     assert batch.length < 2 * 110 and batch.nbytes < full / 8  # two rows, the longer one's window and room
     assert batch.rows == [rows[0], rows[3]] and batch.tokens() == [0, 3]
     for slot, i in enumerate((0, 3)):
-        for layer, theirs in zip(batch.extract(slot), kvs[i]):
+        for layer, theirs in zip(batch.extract([slot])[0], kvs[i]):
             assert mx.array_equal(layer.keys, theirs.keys[..., :theirs.offset, :]).item()
             assert mx.array_equal(layer.values, theirs.values[..., :theirs.offset, :]).item()
 
@@ -592,3 +592,4 @@ def test_issue22_a_request_that_alone_does_not_fit_is_rejected_and_the_others_ar
     assert isinstance(end, Failed) and end.code == "prefill_memory_exceeded"
     assert 3 in _prefill_passes(shapes), shapes.calls
     assert all(isinstance(run.terminal(rid), Finished) for rid in list(prompts)[:3])
+

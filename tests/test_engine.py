@@ -704,3 +704,43 @@ def test_issue16_a_prompt_that_leaves_no_room_for_max_tokens_fails_naming_both(l
     assert isinstance(end, Failed) and end.code == "context_length_exceeded"
     assert f"the prompt ({len(prompt)} tokens) plus max_tokens (16)" in end.message
     assert "context of 64 tokens" in end.message
+
+
+def test_issue22_warm_up_leaves_no_trace_and_serving_is_unchanged(loaded):
+    """The GPU warm-up runs real requests (one alone, then a group) before serving; afterwards
+    nothing of them is left: no request, no batch rows, counters and learned costs as loaded,
+    and a request gets the tokens a fresh engine gives."""
+    fresh = _engine(loaded)
+    prompt = _prompt(fresh)
+    fresh.submit("a", prompt, max_tokens=6)
+    want = drive(fresh).tokens("a")
+    engine = _engine(loaded)
+    cost, per_token = engine.cost, engine.chunk_timer.per_token
+    assert engine.warm_up() > 0
+    assert not engine.has_work and engine.running == 0 and engine.queued == 0
+    assert not engine.endings.ids and len(engine.decode.batch) == 0
+    assert engine.tokens_total == 0 and engine.prompt_tokens_processed == 0
+    assert engine.cost == cost and engine.chunk_timer.per_token == per_token
+    engine.submit("a", prompt, max_tokens=6)
+    assert drive(engine).tokens("a") == want
+
+
+def test_issue22_streamed_text_of_a_long_reply_is_its_decode_and_the_detokenizer_keeps_a_tail(loaded):
+    """worker/decode.py reads each token's text with `segment`, which lets mlx_lm's streaming
+    detokenizer forget what was read (it copied the whole reply on every token): the text
+    streamed is still exactly the decode of the tokens, and what the detokenizer holds stays small."""
+    from worker.decode import KEEP_TEXT, segment
+
+    _, tokenizer = loaded
+    ids = tokenizer.encode("The memory guard watches every model, and steps in early. " * 60)
+    detok = tokenizer.detokenizer
+    detok.reset()
+    pieces, held = [], 0
+    for token in ids:
+        detok.add_token(token)
+        pieces.append(segment(detok))
+        held = max(held, len(detok.text))
+    detok.finalize()
+    pieces.append(segment(detok))
+    assert "".join(pieces) == tokenizer.decode(ids)
+    assert held <= KEEP_TEXT + 64 < len("".join(pieces)) // 4

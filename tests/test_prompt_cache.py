@@ -227,3 +227,45 @@ def test_h3_a_running_request_reads_its_own_copy_so_its_source_entry_may_go(load
     assert engine.shrink_cache(0) > 0 and engine.cache_bytes == 0
     run.add(drive(engine, CACHED).events)
     assert run.terminal("b").cached_tokens == len(prompt) and run.tokens("b") == expected
+
+
+def test_h1_a_burst_of_wholly_cached_prompts_decodes_at_once_token_identical(loaded):
+    """Requests whose whole prompt but the last token is cached take no prefill pass of their
+    own: their last prompt tokens ride in one decode pass, so all of them get their first
+    token in the same step, and greedy output stays what the prompt gives alone."""
+    engine = _engine(loaded)
+    prompt = engine.encode_prompt("the same question again " * 8)
+    engine.submit("first", prompt, max_tokens=6)
+    alone = drive(engine, CACHED).tokens("first")
+    before = engine.prompt_tokens_processed
+    burst = [f"again{i}" for i in range(5)]
+    for rid in burst:
+        engine.submit(rid, list(prompt), max_tokens=6)
+    run = Run()
+    first_step: dict[str, int] = {}
+    for step in range(200):
+        if not engine.has_work:
+            break
+        events = engine.step(CACHED, lambda: 0)
+        run.add(events)
+        for ev in events:
+            if getattr(ev, "token_id", -1) >= 0:
+                first_step.setdefault(ev.request_id, step)
+    for rid in burst:
+        end = run.terminal(rid)
+        assert isinstance(end, Finished) and end.cached_tokens == len(prompt) - 1
+        assert run.tokens(rid) == alone
+    assert engine.prompt_tokens_processed - before == len(burst)  # one token each: the last
+    assert len(set(first_step.values())) == 1, first_step
+
+
+def test_h1_a_wholly_cached_prompt_with_max_tokens_one_still_gets_its_token(loaded):
+    engine = _engine(loaded)
+    prompt = engine.encode_prompt("one more time " * 8)
+    engine.submit("a", prompt, max_tokens=3)
+    want = drive(engine, CACHED).tokens("a")[:1]
+    engine.submit("b", list(prompt), max_tokens=1)
+    run = drive(engine, CACHED)
+    end = run.terminal("b")
+    assert isinstance(end, Finished) and end.finish_reason == "length" and end.cached_tokens == len(prompt) - 1
+    assert run.tokens("b") == want

@@ -149,3 +149,28 @@ def test_generate_carries_every_setting_to_the_request(engine):
     run = drive(engine)
     assert run.tokens("g") == _alone(engine, Settings()).tokens("alone")
     assert all(len(lp.top) == 3 for lp in _logprobs(run, "g"))
+
+
+def test_issue22_rows_with_the_same_plain_settings_are_picked_together_each_from_its_own_row(engine, monkeypatch):
+    """Rows whose pickers choose alike (temperature, top_p, min_p, top_k; no penalty, bias,
+    logprobs or seed) take one pick for all of them (worker/sampling.py pick_rows), not a call
+    each per step; each row's token still comes from its own row: with top_k=1 every row is
+    its own greedy reply, at two temperatures (two picks). A seeded row keeps its own call."""
+    from worker.sampling import TokenPicker
+
+    greedy = _alone(engine, Settings()).tokens("alone")
+    calls: Counter = Counter()
+    own_call = TokenPicker.__call__
+
+    def counted(self, logits):
+        calls["seeded" if self.key is not None else "plain"] += 1
+        return own_call(self, logits)
+
+    monkeypatch.setattr(TokenPicker, "__call__", counted)
+    rows = {f"hot{i}": Settings(temperature=1.5, top_k=1) for i in range(3)}
+    rows |= {f"warm{i}": Settings(temperature=0.7, top_k=1) for i in range(3)}
+    rows["seeded"] = Settings(temperature=0.9, top_k=1, seed=5)
+    run = _together(engine, rows)
+    assert all(run.tokens(rid) == greedy for rid in rows)
+    if engine.batch_decode:
+        assert calls["plain"] == 0 and calls["seeded"] == N

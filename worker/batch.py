@@ -60,7 +60,7 @@ engine samples it afterwards from the same logits and `place`s it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import cast
 
 import mlx.core as mx
@@ -68,7 +68,7 @@ import msgspec
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache
 
-Sampler = Callable[[mx.array], mx.array]
+from worker.sampling import Sampler, pick_rows
 
 
 class Growth(msgspec.Struct, frozen=True):
@@ -106,8 +106,10 @@ class SlotKVCache:
         self.start = 0       # smallest left padding: the attention window starts here
         self.offset = mx.array([], mx.int32)        # per row: tokens it holds (its RoPE position)
         self.window_padding = mx.array([], mx.int32)  # per row: left padding inside the window
+        self.ragged = False  # some row's padding is inside the window: attention needs the mask
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write the step's tokens at `idx` (`offset` moves in `DecodeBatch.forward`, once for all layers)."""
         assert self.keys is not None and self.values is not None, "the batch has no rows"
         tokens = keys.shape[2]
         end = self.idx + tokens
@@ -115,10 +117,15 @@ class SlotKVCache:
         self.keys[: self.n, :, self.idx:end, :] = keys
         self.values[: self.n, :, self.idx:end, :] = values
         self.idx = end
-        self.offset = self.offset + tokens
         return self.keys[: self.n, :, self.start:end, :], self.values[: self.n, :, self.start:end, :]
 
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **_) -> mx.array:
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None,
+                  **_) -> mx.array | None:
+        """None when every row starts at the window's start (one row always does): a decode step
+        then needs no mask, as with mlx-lm's own cache, and on CUDA an array mask rules out
+        both fused attention kernels for a one-token query (MLX 0.32)."""
+        if N == 1 and not self.ragged and not return_array and window_size is None:
+            return None
         return create_causal_mask(N, offset=self.idx - self.start, window_size=window_size,
                                   left_padding=self.window_padding)
 
@@ -181,8 +188,9 @@ class DecodeBatch:
         start = min(self.pads) if self.pads else idx
         offset = mx.array([idx - p for p in self.pads], mx.int32)
         window = mx.array([p - start for p in self.pads], mx.int32)
+        ragged = any(p != start for p in self.pads)
         for layer in self.layers:
-            layer.n, layer.start = len(self.rows), start
+            layer.n, layer.start, layer.ragged = len(self.rows), start, ragged
             layer.offset, layer.window_padding = offset, window
 
     def _fit(self, window: int, front: int) -> tuple[int, int]:
@@ -340,18 +348,23 @@ class DecodeBatch:
         """No rows: the buffers go too (their memory returns with the pool)."""
         self.rows, self.layers, self.y, self.pads = [], [], None, []
 
-    def extract(self, index: int) -> list[KVCache]:
-        """Row `index`'s KV as plain per-layer caches (a copy, evaluated), e.g. for the prompt cache."""
-        pad, idx = self.pads[index], self.idx
+    def extract(self, indices: list[int]) -> list[list[KVCache]]:
+        """Rows `indices`' KV as plain per-layer caches (copies, evaluated together), e.g. for the
+        prompt cache."""
+        idx = self.idx
         out = []
-        for layer in self.layers:
-            assert layer.keys is not None and layer.values is not None
-            cache = KVCache()
-            cache.keys = mx.contiguous(layer.keys[index:index + 1, :, pad:idx, :])
-            cache.values = mx.contiguous(layer.values[index:index + 1, :, pad:idx, :])
-            cache.offset = idx - pad
-            out.append(cache)
-        mx.eval([(c.keys, c.values) for c in out])  # no slice of the buffers stays alive (see _move)
+        for index in indices:
+            pad = self.pads[index]
+            row = []
+            for layer in self.layers:
+                assert layer.keys is not None and layer.values is not None
+                cache = KVCache()
+                cache.keys = mx.contiguous(layer.keys[index:index + 1, :, pad:idx, :])
+                cache.values = mx.contiguous(layer.values[index:index + 1, :, pad:idx, :])
+                cache.offset = idx - pad
+                row.append(cache)
+            out.append(row)
+        mx.eval([(c.keys, c.values) for row in out for c in row])  # no slice of the buffers stays alive (see _move)
         return out
 
     # -- the step --------------------------------------------------------------------
@@ -359,18 +372,22 @@ class DecodeBatch:
     def forward(self, model) -> tuple[mx.array, mx.array]:
         """Feed every row's token: the logits and the sampled successors (lazy, already queued).
 
-        Greedy rows share one argmax over the batch; a row with its own sampler
-        (temperature, top_p, seed) samples from its own logits and overwrites its
-        place. A row with `constraint` set is left to `place` (its mask needs
-        the token this step reads).
+        Greedy rows share one argmax over the batch; rows with their own samplers
+        are picked in as few calls as their settings allow (worker/sampling.py
+        `pick_rows`: one per kind of plain settings, one per row with penalties,
+        a bias, logprobs or a seed) and overwrite their places. A row with
+        `constraint` set is left to `place` (its mask needs the token this step reads).
         """
         self._reserve(len(self.rows), 0, 1)
         logits = model(self._in_flight()[:, None], cache=self.layers)[:, -1, :]
+        offset = self.layers[0].offset + 1  # every layer's rows moved one position: one op, not one per layer
+        for layer in self.layers:
+            layer.offset = offset
         following = mx.argmax(logits, axis=-1)
-        own = [(i, row.sample(logits[i:i + 1])) for i, row in enumerate(self.rows)
+        own = [(i, row.sample) for i, row in enumerate(self.rows)
                if row.sample is not self._greedy and getattr(row, "constraint", None) is None]
         if own:
-            following = self.place(following, own)
+            following = self.place(following, pick_rows(own, logits))
         mx.async_eval(following)
         return logits, following
 
@@ -385,10 +402,12 @@ class DecodeBatch:
         return cast(list[int], self._in_flight().tolist())
 
     @staticmethod
-    def place(following: mx.array, drawn: list[tuple[int, mx.array]]) -> mx.array:
-        """`following` with row i's token replaced by each (i, token of shape (1,)) in `drawn`."""
+    def place(following: mx.array, drawn: list[tuple[list[int], mx.array]]) -> mx.array:
+        """`following` with the tokens of rows `rows` replaced by `tokens`, for each (rows, tokens)."""
         out = mx.array(following)
-        out[mx.array([i for i, _ in drawn])] = mx.concatenate([t for _, t in drawn]).astype(out.dtype)
+        rows = [i for indices, _ in drawn for i in indices]
+        tokens = drawn[0][1] if len(drawn) == 1 else mx.concatenate([t for _, t in drawn])
+        out[mx.array(rows)] = tokens.astype(out.dtype)
         return out
 
     @property

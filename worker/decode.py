@@ -22,14 +22,36 @@ from __future__ import annotations
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import KVCache
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
 from shared.protocol import TokenOut
 from worker.batch import DecodeBatch
 from worker.endings import Endings, Event
-from worker.request import Seq
+from worker.request import Detokenizer, Seq
 from worker.sampling import TokenPicker, TokenTexts, greedy
 
 CLEAR_CACHE_EVERY = 256  # decode steps between pool returns, as mlx_lm does
+KEEP_TEXT = 64  # characters of a reply a detokenizer keeps once they were read
+
+
+def segment(detok: Detokenizer) -> str:
+    """The text since the last read, after which the detokenizer forgets what was read.
+
+    mlx_lm's BPE and SentencePiece streaming detokenizers keep the whole reply in
+    `text` and append each token's piece with `+=` on an attribute, which CPython
+    cannot do in place: every token copied the reply so far (on the 4 MB model 3.6 us
+    per token over 100 tokens, 35 us over 1,000; per row, per step). They read `text`
+    only to know whether anything came yet, so a non-empty tail is all they need.
+    """
+    text = detok.last_segment
+    if type(detok) in _TRIMMABLE and detok.offset > KEEP_TEXT:  # type: ignore[attr-defined]
+        tail = detok.text[-1:]  # type: ignore[attr-defined]
+        detok.text, detok.offset = tail, len(tail)  # type: ignore[attr-defined]
+    return text
+
+
+_TRIMMABLE = (BPEStreamingDetokenizer, SPMStreamingDetokenizer)
 
 
 class DecodeStep:
@@ -84,30 +106,43 @@ class DecodeStep:
         for seq in joining:
             seq.cache = seq.y = None  # the batch holds its KV and token now
         logits = following = None
-        if batch and any(seq.generated + 1 < seq.max_tokens for seq in batch.rows):
+        if batch and any(seq.resuming or seq.generated + 1 < seq.max_tokens for seq in batch.rows):
             with mx.stream(generation_stream):
                 logits, following = batch.forward(self.model)
         if not batch:
             return []
-        keep, survivors, late = [], [], []
+        keep, survivors, late, ended = [], [], [], []
         for i, (seq, token) in enumerate(zip(batch.rows, batch.tokens())):
-            if self.emit(seq, token, events):
-                if self.endings.keeps_kv:
-                    seq.cache = batch.extract(i)
-                self.endings.store(seq)
-                seq.cache = None
+            if seq.resuming:
+                seq.resuming = False  # its last prompt token went in: this pass sampled its first token
+            elif self.emit(seq, token, events):
+                ended.append(i)
                 continue
             keep.append(i)
             survivors.append(seq)
             if seq.constraint is not None and logits is not None:
                 with mx.stream(generation_stream):
-                    late.append((i, seq.sample(seq.constraint.mask(logits[i:i + 1]))))
+                    late.append(([i], seq.sample(seq.constraint.mask(logits[i:i + 1]))))
         if late:
             assert following is not None  # a late row had logits, so the pass ran
             with mx.stream(generation_stream):
                 following = batch.place(following, late)
+        self._store(ended)
         batch.keep(keep, following)
         return survivors
+
+    def _store(self, ended: list[int]) -> None:
+        """H1: the KV of the rows that ended, copied out in one evaluation (not one per row:
+        on a GPU each is a wait for the device), kept for the next request."""
+        batch = self.batch
+        layers: list[list[KVCache] | None] = [None] * len(ended)
+        if ended and self.endings.keeps_kv:
+            layers = list(batch.extract(ended))
+        for i, kv in zip(ended, layers):
+            seq = batch.rows[i]
+            seq.cache = kv
+            self.endings.store(seq)
+            seq.cache = None
 
     def _single(self, decoding: list[Seq], events: list[Event]) -> list[Seq]:
         """One pass per request (no batching): the path before issue 11."""
@@ -169,7 +204,7 @@ class DecodeStep:
         assert detok is not None  # set when the request got its first token
         if token in self._eos:
             detok.finalize()
-            text = detok.last_segment
+            text = segment(detok)
             if seq.stopper is not None:
                 text, hit = seq.stopper.feed(text)
                 text = text if hit else text + seq.stopper.flush()
@@ -187,7 +222,7 @@ class DecodeStep:
         last = seq.generated >= seq.max_tokens or complete
         if last:
             detok.finalize()
-        text = detok.last_segment
+        text = segment(detok)
         if seq.stopper is not None:
             text, hit = seq.stopper.feed(text)
             if hit:

@@ -34,14 +34,15 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from shared.limits import Limits
 from shared.modelinfo import context_length
-from shared.protocol import Constraint as ConstraintSpec
-from shared.protocol import Failed, Generate
+from shared.protocol import ConstraintSpec, Failed, Generate
+from shared.vocab import FailureCode
 from shared.weights import WeightsError, estimate_weight_bytes
 from worker import memory, prompts
 from worker import prompt_cache as pc
 from worker.constrain import Constraint, ConstraintError, ConstraintFactory
 from worker.decode import DecodeStep
 from worker.endings import Endings, Event
+from worker.memory import UsageFn
 from worker.prefill import (
     CHUNK_SECONDS,
     DEFAULT_MAX_CHUNK,
@@ -49,7 +50,6 @@ from worker.prefill import (
     ChunkTimer,
     DeviceUsage,
     Prefill,
-    UsageFn,
 )
 from worker.prefill_guard import PrefillCost
 from worker.request import CONTEXT_EXCEEDED, ENGINE_ERROR, INVALID_REQUEST, EngineError, Seq
@@ -62,6 +62,7 @@ __all__ = ["Engine", "EngineError", "Event"]
 log = logging.getLogger("memvisor.worker.engine")
 
 MIN_REUSE_TOKENS = 16  # a shorter shared prefix (BOS, a template's first tokens) is no cache hit
+WARM_UP_ROWS = 4       # the group the warm-up prefills together (any group takes the masked kind)
 
 
 class Engine:
@@ -283,7 +284,7 @@ class Engine:
 
     # -- commands ---------------------------------------------------------------------------
 
-    def abort(self, request_id: str, reason: str, code: str = "aborted") -> bool:
+    def abort(self, request_id: str, reason: str, code: FailureCode = "aborted") -> bool:
         """End one request with a terminal `Failed` (next step); False for an unknown id."""
         seq = self.scheduler.remove(request_id)
         if seq is None:
@@ -291,13 +292,13 @@ class Engine:
         self._outbox.append(self.endings.fail(seq, code, reason))
         return True
 
-    def abort_all(self, reason: str, code: str = "aborted") -> int:
+    def abort_all(self, reason: str, code: FailureCode = "aborted") -> int:
         """End every request, queued ones included (P6.3, P6.5); how many were ended."""
         seqs = self.scheduler.remove_all()
         self._outbox.extend(self.endings.fail(seq, code, reason) for seq in seqs)
         return len(seqs)
 
-    def abort_queued(self, reason: str, code: str = "aborted") -> int:
+    def abort_queued(self, reason: str, code: FailureCode = "aborted") -> int:
         """End the requests not yet admitted (drain: running ones finish, the rest go)."""
         seqs = self.scheduler.remove_queued()
         self._outbox.extend(self.endings.fail(seq, code, reason) for seq in seqs)
@@ -307,6 +308,33 @@ class Engine:
         """The supervisor's reply to `NeedMemory`: retry the preflight once (G1)."""
         if self.scheduler.memory_answer(request_id) and not evicted:
             log.info("request %s: supervisor found nothing to evict", request_id)
+
+    # -- before serving ---------------------------------------------------------------------
+
+    def warm_up(self, rows: int = WARM_UP_ROWS) -> float:
+        """Serve a request alone and then `rows` together, before any client waits; the seconds taken.
+
+        Why: on a GPU the first pass of each kind pays one-time costs: kernels compile on first
+        use, and cuDNN builds an attention graph per kind (causal for a lone prompt, masked for
+        a padded group). On an H200 the first round with a group took 1.2-1.6 s to the first
+        token for all 8 requests of it, where later rounds took ~0.1 s. The requests go through
+        the real path (scheduler, prefill, group prefill, decode batch) with the guard off and
+        no prompt cache, and what they would teach the engine (chunk costs, token counts) is
+        put back, so serving starts from where loading left it.
+        """
+        started = time.monotonic()
+        saved = (self.prefill.cost, self.chunk_timer.per_token, self.prefill.tokens, self.decode.tokens_total,
+                 self.decode.steps)
+        limits = Limits(max_concurrency=self.max_concurrency)
+        prompt = self.encode_prompt("warm up " * 4)
+        for count in (1, max(2, min(rows, self.max_concurrency))):
+            for i in range(count):
+                self.submit(f"warm-up-{count}-{i}", list(prompt), max_tokens=3)
+            while self.has_work:
+                self.step(limits, lambda: 0)
+        (self.prefill.cost, self.chunk_timer.per_token, self.prefill.tokens, self.decode.tokens_total,
+         self.decode.steps) = saved
+        return time.monotonic() - started
 
     # -- the step ---------------------------------------------------------------------------
 

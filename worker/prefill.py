@@ -39,11 +39,11 @@ from worker import prefill_guard as guard
 from worker import prompt_cache as pc
 from worker.endings import Endings, Event, prompted
 from worker.group_prefill import PrefillGroup
+from worker.memory import UsageFn
 from worker.request import Seq
+from worker.sampling import pick_rows
 
 log = logging.getLogger("memvisor.worker.engine")
-
-UsageFn = Callable[[], int]
 
 
 class DeviceUsage(NamedTuple):
@@ -54,12 +54,13 @@ class DeviceUsage(NamedTuple):
     own: UsageFn
 
 
-class Pool(NamedTuple):
+class GuardedPool(NamedTuple):
     """The memory pool a prefill's peak lands in, and the limits G1-G3 hold it to there."""
 
     limits: Limits
     usage: UsageFn  # the group's usage of the pool
     own: UsageFn    # this worker's part of it (G1: could evicting others help at all?)
+
 
 DEFAULT_MAX_CHUNK = 512
 MEMORY_WAIT_SECONDS = 10.0
@@ -119,13 +120,13 @@ class Prefill:
         self._memory_wait = memory_wait
         self._device = device  # set when MLX's arrays live on a discrete device (CUDA)
 
-    def pool(self, limits: Limits, usage_fn: UsageFn) -> Pool:
+    def pool(self, limits: Limits, usage_fn: UsageFn) -> GuardedPool:
         """Where a prefill's peak lands: on a discrete device its KV and activations are device
         memory, so G1-G3 hold them to the device pool's limits (SPEC D, issue 22) when the
         supervisor guards one; host RAM otherwise, and on a device the supervisor does not see."""
         if self._device is not None and limits.device_hard > 0:
-            return Pool(guard.device_limits(limits), self._device.group, self._device.own)
-        return Pool(limits, usage_fn, self._own_usage)
+            return GuardedPool(guard.device_limits(limits), self._device.group, self._device.own)
+        return GuardedPool(limits, usage_fn, self._own_usage)
 
     # -- one request ---------------------------------------------------------------------
 
@@ -151,7 +152,28 @@ class Prefill:
             self._first_token(seq)
         return True
 
-    def _preflight(self, seq: Seq, pool: Pool, events: list[Event]) -> bool:
+    def resume(self, seq: Seq, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> None:
+        """A request whose whole prompt but its last token is in the prompt cache (H1): G1, its KV
+        forked from the entry, and on to the decode batch with its last prompt token in flight.
+
+        Why not `_first_token`: that is a forward pass of its own for one token, and a burst of
+        such requests (the same prompt sent again, retries) took one pass and one prefill turn
+        each, so the last of 32 waited for 31 turns. Fed by the decode step, their last prompt
+        tokens ride in the pass that decodes everyone else, and the token that pass samples is
+        their first; worker/decode.py emits nothing for the prompt token itself.
+        Afterwards its state says where it goes, as after `step`.
+        """
+        if not self._preflight(seq, self.pool(limits, usage_fn), events):
+            return
+        if seq.pos != len(seq.prompt) - 1:
+            return  # the entry no longer covers it all: it prefills the usual way at the head
+        seq.y = mx.array(seq.prompt[-1:], dtype=mx.uint32)  # the dtype of sampled tokens
+        seq.resuming = True
+        self.tokens += 1
+        seq.detok = self.tokenizer.detokenizer
+        seq.move("first_token")
+
+    def _preflight(self, seq: Seq, pool: GuardedPool, events: list[Event]) -> bool:
         """G1 (with H4 first); True when the prefill may start now."""
         if self.endings.cacheable:  # look again: a request that finished meanwhile may cover more
             hit = self.prompt_cache.lookup(seq.prompt, len(seq.prompt) - 1)
@@ -179,7 +201,7 @@ class Prefill:
                                                   verdict.binding))
         return False
 
-    def verdict(self, seq: Seq, pool: Pool) -> guard.Preflight:
+    def verdict(self, seq: Seq, pool: GuardedPool) -> guard.Preflight:
         """G1 for the tokens still to run; a reused prefix costs only its copy (see prompt_cache)."""
         reused = seq.hit.tokens if seq.hit is not None else 0
         return guard.preflight(pool.limits, pool.usage(), len(seq.prompt) - reused, self.cost,
@@ -198,7 +220,7 @@ class Prefill:
             seq.cache = make_prompt_cache(self.model)
         seq.move("start")
 
-    def _run_chunk(self, seq: Seq, remaining: int, pool: Pool, events: list[Event]) -> bool:
+    def _run_chunk(self, seq: Seq, remaining: int, pool: GuardedPool, events: list[Event]) -> bool:
         """G2 size, run, measure, G3 check; False when the request was refused."""
         guarded = guard.guard_on(pool.limits)
         if guarded:
@@ -225,7 +247,7 @@ class Prefill:
         mx.clear_cache()  # as mlx_lm does after every chunk: transient buffers go back
         return not guarded or self._after_chunk([seq], pool, events)
 
-    def _after_chunk(self, seqs: list[Seq], pool: Pool, events: list[Event]) -> bool:
+    def _after_chunk(self, seqs: list[Seq], pool: GuardedPool, events: list[Event]) -> bool:
         """G3 for a request or a group: over the abort limit reclaim and re-check; still over
         refuses them all. False when they were refused."""
         limits = pool.limits
@@ -336,8 +358,14 @@ class Prefill:
         with mx.stream(generation_stream):
             logits = group.last_logits(self.model)
             for i, seq in live:
-                row = logits[i:i + 1]
-                seq.y = seq.sample(seq.constraint.mask(row) if seq.constraint is not None else row)
+                if seq.constraint is not None:
+                    seq.y = seq.sample(seq.constraint.mask(logits[i:i + 1]))
+            # the free rows in as few picks as their settings allow (worker/sampling.py)
+            for rows, tokens in pick_rows([(i, seq.sample) for i, seq in live if seq.constraint is None], logits):
+                for j, i in enumerate(rows):
+                    group_seq = group.rows[i]
+                    assert group_seq is not None  # a live row
+                    group_seq.y = tokens[j:j + 1]
         mx.async_eval([seq.y for _, seq in live])
         self.tokens += len(live)
         for i, seq in live:

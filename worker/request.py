@@ -23,6 +23,7 @@ from typing import Any, Literal, Protocol, cast, get_args
 
 import mlx.core as mx
 
+from shared.vocab import FailureCode
 from worker import prompt_cache as pc
 from worker.constrain import Constraint
 from worker.sampling import Sampler
@@ -62,17 +63,17 @@ def transition(state: RequestState, event: RequestEvent) -> RequestState:
 assert set(TRANSITIONS) == set(get_args(RequestState)), "every state has a row"
 
 LayerCaches = list[Any]  # one mlx_lm cache per layer (KVCache, rotating, ...): mlx_lm types it List[Any] too
-INVALID_REQUEST = "invalid_request"
-CONTEXT_EXCEEDED = "context_length_exceeded"  # issue 16
-ENGINE_ERROR = "engine_error"
+INVALID_REQUEST: FailureCode = "invalid_request"
+CONTEXT_EXCEEDED: FailureCode = "context_length_exceeded"
+ENGINE_ERROR: FailureCode = "engine_error"
 
 
 class EngineError(ValueError):
     """A request or model the engine cannot take; `code` goes on the wire."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: FailureCode, message: str):
         super().__init__(message)
-        self.code = code
+        self.code: FailureCode = code
         self.message = message
 
 
@@ -94,6 +95,7 @@ class Seq:
     __slots__ = (
         "id", "prompt", "max_tokens", "sample", "stopper", "state", "cache", "pos",
         "y", "detok", "generated", "retried", "deadline", "warned_soft", "constraint", "hit", "cached", "out",
+        "resuming",
     )
 
     def __init__(self, request_id: str, prompt: list[int], max_tokens: int, sampler: Sampler,
@@ -116,6 +118,7 @@ class Seq:
         self.hit: pc.Hit | None = None  # the prompt-cache entry it will reuse (pinned, H3)
         self.cached = 0            # prompt tokens taken from the prompt cache (H1)
         self.out: list[int] = []   # generated token ids (the cache key after the prompt)
+        self.resuming = False      # y is its last prompt token, fed by a decode step (a whole-prompt hit)
 
     def move(self, event: RequestEvent) -> None:
         """The one way a request changes state (IllegalMove when the table does not allow it)."""

@@ -40,12 +40,11 @@ from mlx_lm.sample_utils import (
     make_logits_processors,
 )
 
-from shared.protocol import Generate, TokenLogprobs, TopLogprob
+from shared.protocol import MAX_TOP_LOGPROBS, Generate, TokenLogprobs, TopLogprob
 
 Sampler = Callable[[mx.array], mx.array]
 Filter = Callable[[mx.array], mx.array]
 Pending = tuple[mx.array, Union[mx.array, None], Union[mx.array, None]]  # a token's logprob, top ids, top logprobs
-MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs; every API here takes the same
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
@@ -151,7 +150,7 @@ class TokenPicker:
     each token's logprobs wait in `pending` until `take` reads them.
     """
 
-    __slots__ = ("processors", "reach", "history", "temperature", "filters", "key", "top", "pending")
+    __slots__ = ("processors", "reach", "history", "temperature", "filters", "key", "top", "pending", "shared")
 
     def __init__(self, s: Settings, prompt: Sequence[int] = ()) -> None:
         penalties = s.penalties()
@@ -175,20 +174,26 @@ class TokenPicker:
         self.key = mx.random.key(s.seed & 0xFFFF_FFFF_FFFF_FFFF) if s.seed is not None and s.temperature > 0 else None
         self.top = min(s.top_logprobs, MAX_TOP_LOGPROBS) if s.logprobs else -1
         self.pending: deque[Pending] = deque()
+        # Pickers with equal `shared` keys choose alike from any rows, remember nothing and report
+        # nothing: `pick_rows` gives all their rows one pick. None: this one needs its own call.
+        plain = not self.processors and self.top < 0 and self.key is None
+        self.shared: tuple | None = (s.temperature, s.top_p, s.min_p, s.top_k) if plain else None
 
     def __call__(self, logits: mx.array) -> mx.array:
         if self.processors:
             logits = mx.array(logits)  # mlx_lm's repetition penalty writes into its logits: not the caller's
         for processor in self.processors:
             logits = processor(self.history, logits)
-        token = self._choose(logits)
+        token = self.choose(logits)
         if self.reach:
             self.history = mx.concatenate([self.history, token.astype(mx.uint32)])[-self.reach:]
         if self.top >= 0:
             self.pending.append(_logprobs(logits, token, self.top))
         return token
 
-    def _choose(self, logits: mx.array) -> mx.array:
+    def choose(self, logits: mx.array) -> mx.array:
+        """The tokens of any rows of logits (rows, vocab), each chosen from its own row, without
+        the processors (a `shared` picker has none): `pick_rows` calls it for many rows at once."""
         if self.temperature == 0:
             return greedy(logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -208,6 +213,38 @@ class TokenPicker:
             pairs = zip(cast(list[int], ids.tolist()), cast(list[float], values.tolist()))
             top = [TopLogprob(token=text(i), logprob=lp) for i, lp in sorted(pairs, key=lambda p: (-p[1], p[0]))]
         return TokenLogprobs(token=text(token), logprob=cast(float, chosen.item()), top=top)
+
+
+GREEDY_KEY = ("greedy",)
+
+
+def pick_rows(samplers: Sequence[tuple[int, Sampler]], logits: mx.array) -> list[tuple[list[int], mx.array]]:
+    """Row i's next token for each (i, its sampler), as (rows, their tokens) pairs, in as few
+    MLX calls as the settings allow.
+
+    Why: a sampler call per row is a handful of small MLX ops per row per step (logsumexp,
+    filters, categorical, a key split), each a kernel launch on a GPU; at 64 streams with a
+    temperature that was hundreds of launches a step beside one forward pass. Rows whose
+    samplers choose alike (`greedy`, or pickers with equal `TokenPicker.shared`) take one
+    gather and one pick together: the ops work row by row, so each row's token is drawn
+    from its own row's distribution as before (unseeded rows share MLX's global generator
+    either way). Penalties, a bias, logprobs or a seed keep a row's own call.
+    """
+    together: dict[tuple, list[int]] = {}
+    pickers: dict[tuple, Sampler] = {}
+    out: list[tuple[list[int], mx.array]] = []
+    for i, sample in samplers:
+        key = GREEDY_KEY if sample is greedy else sample.shared if type(sample) is TokenPicker else None
+        if key is None:
+            out.append(([i], sample(logits[i:i + 1])))
+            continue
+        together.setdefault(key, []).append(i)
+        pickers[key] = sample
+    for key, rows in together.items():
+        sample = pickers[key]
+        choose = greedy if sample is greedy else cast(TokenPicker, sample).choose
+        out.append((rows, choose(logits[rows[0]:rows[0] + 1] if len(rows) == 1 else logits[mx.array(rows)])))
+    return out
 
 
 def _unless(value: float, neutral: float, size: int) -> float | None:

@@ -39,7 +39,8 @@ from worker import prefill_guard as guard
 from worker.decode import DecodeStep
 from worker.endings import Endings, Event, prompted
 from worker.group_prefill import PrefillGroup, worth_padding
-from worker.prefill import Prefill, UsageFn
+from worker.memory import UsageFn
+from worker.prefill import Prefill
 from worker.request import Seq
 
 
@@ -171,6 +172,9 @@ class Scheduler:
     def _prefill_step(self, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> bool:
         """Advance the prefill group, else the head of the prefill line; True when a chunk ran."""
         if self.group is None and self.decode.batched:
+            self._resume_hits(limits, usage_fn, events)
+            if not self.line:
+                return False  # they join the decode step of this very turn
             self.group = self._form_group(limits, usage_fn)
             if self.group is not None:  # issue 23: a member's prompt is final (none reuses the cache)
                 events.extend(prompted(seq) for seq in self.group.live)
@@ -185,6 +189,21 @@ class Scheduler:
             if head.state == "decoding":
                 self._start_decoding(head)
         return ran
+
+    def _resume_hits(self, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> None:
+        """The requests at the front of the line whose whole prompt but the last token is cached
+        go to the decode batch without a prefill turn of their own (Prefill.resume), in order,
+        until one is not such a request or has to wait for memory."""
+        while self.line:
+            seq = self.line[0]
+            if seq.state != "preflight" or seq.hit is None or seq.hit.tokens != len(seq.prompt) - 1:
+                return
+            self.prefill.resume(seq, limits, usage_fn, events)
+            if seq.state not in ("decoding", "ended"):
+                return  # waiting for memory, or prefilling after all: it is the head now
+            self.line.popleft()
+            if seq.state == "decoding":
+                self._start_decoding(seq)
 
     def _after_group(self, group: PrefillGroup) -> None:
         """Where the group's members go after its step (their states say it)."""

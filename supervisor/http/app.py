@@ -47,6 +47,7 @@ from starlette.routing import Route
 from shared import protocol as p
 from shared.sizes import SizeError, parse_size
 from shared.states import SERVING_STATES
+from shared.vocab import ErrorCode
 from supervisor.api import Supervisor
 from supervisor.control import MAX_CONTEXT_TOKENS
 from supervisor.errors import ServeError
@@ -398,13 +399,16 @@ def guarded(handler: Callable[[Request], Awaitable[Response]],
     return endpoint
 
 
+_ROUTER_CODES: dict[int, ErrorCode] = {404: "unknown_endpoint", 405: "method_not_allowed"}
+
+
 async def http_exception(request: Request, exc: Exception) -> Response:
     """The router's own 404/405, in the same JSON shape as everything else."""
     status = getattr(exc, "status_code", 500)
     words = {404: f"no such endpoint: {request.method} {request.url.path}",
              405: f"method {request.method} is not allowed on {request.url.path}"}
     message = words.get(status, str(getattr(exc, "detail", "")) or "error")
-    code = {404: "unknown_endpoint", 405: "method_not_allowed"}.get(status)
+    code = _ROUTER_CODES.get(status)
     return ApiError(status, message, code=code, headers=getattr(exc, "headers", None)).response()
 
 

@@ -144,7 +144,7 @@ class EventTickets:
 # who may administer (load, unload, /admin/guard)
 
 
-def is_loopback(host: str | None) -> bool:
+def is_loopback_client(host: str | None) -> bool:
     if not host:
         return False
     try:
@@ -166,7 +166,7 @@ def require_admin(request: Request, token: str) -> None:
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         return
     client = request.client.host if request.client else None
-    if not is_loopback(client):
+    if not is_loopback_client(client):
         raise ApiError(403, f"admin endpoints accept only loopback clients (this one is {client}); "
                             "set [supervisor] admin_token to allow remote administration",
                        code="forbidden")

@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from shared import protocol as p
+from shared.vocab import ReplyFinishReason
 from supervisor.api import Supervisor
 from supervisor.errors import ServeError
 from supervisor.http import sampling, tools
@@ -111,7 +112,7 @@ def _sampling(req, max_tokens: int) -> dict:
                 **sampling.generate_fields(req))  # top_k, min_p, penalties, logit_bias
 
 
-def response_format_constraint(fmt: ResponseFormat | None) -> p.Constraint | None:
+def response_format_constraint(fmt: ResponseFormat | None) -> p.ConstraintSpec | None:
     """Structured output: enforced by the worker's constrained decoding, never hoped for."""
     if fmt is None or fmt.type == "text":
         return None
@@ -268,7 +269,7 @@ class Completion:
                 return last
         return b""
 
-    def chunk(self, text: str | None, *, role: bool = False, finish: str | None = None,
+    def chunk(self, text: str | None, *, role: bool = False, finish: ReplyFinishReason | None = None,
               calls: list[ToolCall] | None = None, logprobs: list[p.TokenLogprobs] | None = None) -> bytes:
         usage = None if self.include_usage else msgspec.UNSET
         body: ChatChunk | TextCompletion

@@ -36,11 +36,12 @@ from starlette.responses import Response, StreamingResponse
 
 from shared import protocol as p
 from shared.fim import FIM_UNSUPPORTED
+from shared.vocab import ReplyFinishReason
 from supervisor.api import Supervisor
 from supervisor.errors import ServeError
 from supervisor.http import routing, tools
 from supervisor.http.body import Disconnected
-from supervisor.http.errors import INVALID_CONSTRAINT, ApiError, from_failed, from_serve_error
+from supervisor.http.errors import ApiError, from_failed, from_serve_error
 from supervisor.http.keepalive import keep_alive_seconds
 from supervisor.http.metrics import Metrics
 from supervisor.http.tools import Planned, ToolPlan
@@ -203,7 +204,8 @@ class Job:
         if isinstance(msg, p.Failed):
             yield self.failure(msg)
             return
-        reason, text, calls = msg.finish_reason, "".join(held), None
+        reason: ReplyFinishReason = msg.finish_reason
+        text, calls = "".join(held), None
         if mode == "constrained":
             # The reply is the call list and nothing else. Cut by max_tokens before its
             # first call closed it holds no call: an empty answer with the worker's
@@ -279,8 +281,8 @@ class Job:
     def failure(self, msg: p.Failed) -> ApiError:
         """The worker's terminal error; a constraint it refused names the field that carried it."""
         error = from_failed(msg)
-        if msg.code == INVALID_CONSTRAINT:
-            error.param = "tools" if isinstance(self.gen.constraint, p.ToolCall) else self.format_param
+        if msg.code == "invalid_constraint":
+            error.param = "tools" if isinstance(self.gen.constraint, p.ToolCallConstraint) else self.format_param
         elif msg.code == FIM_UNSUPPORTED:
             error.param = "suffix"
         return error
@@ -319,7 +321,7 @@ class Calls(NamedTuple):
 
 class End(NamedTuple):
     finished: p.Finished
-    reason: str  # the worker's finish_reason, or "tool_calls" when the reply was calls
+    reason: ReplyFinishReason  # the worker's finish_reason, or "tool_calls" when the reply was calls
 
 
 Piece = Union[Text, Calls, End, ApiError]

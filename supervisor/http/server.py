@@ -26,7 +26,7 @@ from supervisor.api import Supervisor
 from supervisor.config import host_name, parse_http
 from supervisor.http import routing
 from supervisor.http.app import FrontDoor, error_shape, http_exception
-from supervisor.http.gate import Gate, HostCheck, OriginAllowlist
+from supervisor.http.gate import BrowserGate, HostCheck, OriginAllowlist
 from supervisor.http.limits import GuardedH11, connection_cap, limit_logs, raise_fd_limit
 from supervisor.http.metrics import Metrics
 
@@ -98,7 +98,7 @@ def build_app(sup: Supervisor):
     door = FrontDoor(sup)
     app = Starlette(routes=door.routes(), exception_handlers={HTTPException: http_exception})
     host, _port = parse_http(sup.config.supervisor.http)
-    gate = Gate(app, HostCheck(host), OriginAllowlist(sup.config.supervisor.cors_origins), error_shape)
+    gate = BrowserGate(app, HostCheck(host), OriginAllowlist(sup.config.supervisor.cors_origins), error_shape)
     return Instrumented(gate, door.metrics, lambda: host_name(sup.config))
 
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from shared.sizes import GiB, MiB, format_size
 from shared.states import LOADING_STATES
-from supervisor.policy.decisions import AbortLoad, AbortRequests, MarkForUnload, Reclaim, ShrinkHotCache
+from shared.vocab import PressureLevel
+from supervisor.policy.decisions import AbortLoad, AbortWorkerRequests, MarkForUnload, ReclaimPool, ShrinkHotCache
 from supervisor.policy.group import is_idle, lru_key
-from supervisor.policy.snapshot import Level, WorkerRecord
+from supervisor.policy.snapshot import WorkerRecord
 from supervisor.policy.tickstate import MemoryPool, Tick
 
 POOL_RECLAIM_FLOOR = 2 * GiB     # P4 default ([guard] pool_max): a smaller pool is not worth a clear
@@ -53,7 +54,7 @@ def measure_growth(t: Tick) -> tuple[dict[str, int], float, float]:
     return current, now, grew
 
 
-def discount_draining(t: Tick, level: Level, growth: float) -> None:
+def discount_draining(t: Tick, level: PressureLevel, growth: float) -> None:
     """At hard, stops under way count as done only when they land before the ceiling.
 
     (Without a stop under way, P4-P6 apply as written.) They do not when the group grows fast enough to pass the ceiling
@@ -105,7 +106,7 @@ def grower_first(t: Tick, emergency: bool) -> bool:
             out.append(AbortLoad(worker=w.worker, model=w.model, reason=f"{why}: abort its load"))
             acted = True
             continue
-        out.append(AbortRequests(worker=w.worker, model=w.model, reason=(
+        out.append(AbortWorkerRequests(worker=w.worker, model=w.model, reason=(
             f"{why}: abort its requests now, whatever else is being stopped")))
         if is_idle(w):
             t.stop(w, f"{why}: stop it (idle, nothing to finish)")
@@ -121,7 +122,7 @@ def pool_floor(t: Tick) -> int:
     return t.s.guard.pool_max or POOL_RECLAIM_FLOOR
 
 
-def reclaim_grace(t: Tick, level: Level, emergency: bool) -> bool:
+def reclaim_grace(t: Tick, level: PressureLevel, emergency: bool) -> bool:
     """P4: give fat allocator pools a chance to drain before anything destructive.
 
     Deferring eviction while a fat pool drains at the next step boundary is
@@ -136,7 +137,7 @@ def reclaim_grace(t: Tick, level: Level, emergency: bool) -> bool:
     fat = [w for w in t.group.live if w.memory.mlx_pool > floor and w.state != "draining"]
     used = t.prev.grace_ticks + (0 if t.s.recheck else 1)
     for w in fat:
-        t.out.append(Reclaim(worker=w.worker, model=w.model, reason=(
+        t.out.append(ReclaimPool(worker=w.worker, model=w.model, reason=(
             f"{level} pressure: return the {format_size(w.memory.mlx_pool)} allocator pool "
             f"(grace {used}/{GRACE_TICKS_MAX}, nothing destroyed)")))
     return bool(fat)
@@ -171,11 +172,11 @@ def shrink_hot_cache(t: Tick, pool: MemoryPool) -> None:
         return
     for w in t.group.live:
         if w.worker in shrunk or (w.memory.mlx_pool > pool_floor(t) and w.state != "draining"):
-            t.out.append(Reclaim(worker=w.worker, model=w.model,
+            t.out.append(ReclaimPool(worker=w.worker, model=w.model,
                                     reason=f"hard {pool.pressure_words}: return freed memory to the OS"))
 
 
-def stop_marked(t: Tick, level: Level) -> None:
+def stop_marked(t: Tick, level: PressureLevel) -> None:
     """P6 step 1 at any level: a marked worker that has drained goes now.
 
     A mark is a promise made in an emergency (P6.3); keeping the model
@@ -190,7 +191,7 @@ def stop_marked(t: Tick, level: Level) -> None:
         t.stop(w, f"{when}: {w.model} was marked for unload in an emergency and has drained")
 
 
-def evict(t: Tick, pool: MemoryPool, level: Level, emergency: bool, stepped: bool = False) -> None:
+def evict(t: Tick, pool: MemoryPool, level: PressureLevel, emergency: bool, stepped: bool = False) -> None:
     """P6: act, in order, while projected usage is above soft.
 
     Step 1 (marked and drained) has run already, at every level
@@ -232,7 +233,7 @@ def _hard_steps(t: Tick, pool: MemoryPool, emergency: bool) -> None:
             and not is_idle(w) and pool.held(w) > 0]
     if busy:  # step 3
         w = min(busy, key=lru_key)
-        out.append(AbortRequests(worker=w.worker, model=w.model, reason=(
+        out.append(AbortWorkerRequests(worker=w.worker, model=w.model, reason=(
             f"hard {pool.pressure_words}, no idle model to stop: abort requests of {w.model} "
             "(least recently used)" + ("" if emergency else ", keep it loaded"))))
         if emergency:
@@ -247,14 +248,14 @@ def _hard_steps(t: Tick, pool: MemoryPool, emergency: bool) -> None:
     if emergency and pool.projected >= pool.ceiling:  # step 5
         active = [w for w in t.group.serving if w.running or w.queued]
         for w in active:
-            out.append(AbortRequests(worker=w.worker, model=w.model, reason=(
+            out.append(AbortWorkerRequests(worker=w.worker, model=w.model, reason=(
                 f"memory emergency: {pool.usage_words} {format_size(pool.projected)} >= ceiling "
                 f"{format_size(pool.ceiling)}; abort requests of {w.model}, keep it loaded")))
         if active:
             return
     # step 6; a worker P5 already asked to reclaim at its next step boundary needs no second ask
-    asked = {x.worker for x in out if isinstance(x, Reclaim)}
+    asked = {x.worker for x in out if isinstance(x, ReclaimPool)}
     for w in t.group.serving:
         if w.worker not in asked:
-            out.append(Reclaim(worker=w.worker, model=w.model, idle_only=True, reason=(
+            out.append(ReclaimPool(worker=w.worker, model=w.model, idle_only=True, reason=(
                 f"hard {pool.pressure_words}, nothing to evict: return the allocator pool when idle")))

@@ -52,6 +52,7 @@ from __future__ import annotations
 import msgspec
 
 from shared.sizes import format_size
+from shared.vocab import PressureLevel
 from supervisor.policy.ceilings import Ceilings, reserve_message
 from supervisor.policy.decisions import (
     DESTRUCTIVE,
@@ -89,7 +90,7 @@ from supervisor.policy.group import (
     is_idle,
     over_ceiling,
 )
-from supervisor.policy.snapshot import Level, PolicyState, Snapshot
+from supervisor.policy.snapshot import PolicyState, Snapshot
 from supervisor.policy.tickstate import Tick
 from supervisor.policy.worker_limits import limits_to_hand_out
 
@@ -112,7 +113,7 @@ class TickResult(msgspec.Struct, frozen=True, kw_only=True):
     state: PolicyState
     decisions: list[Decision]
     ceilings: Ceilings
-    level: Level
+    level: PressureLevel
     usage: int              # U2 measured
     projected_usage: int    # after the decisions, as projected (see module doc)
     emergency: bool
@@ -121,9 +122,9 @@ class TickResult(msgspec.Struct, frozen=True, kw_only=True):
     # D4: the discrete device pool (None: no device); `level` above is the worse of the two pools
     device: DeviceCeilings | None = None
     device_usage: int = 0
-    device_level: Level = "ok"
+    device_level: PressureLevel = "ok"
     device_emergency: bool = False
-    host_level: Level = "ok"
+    host_level: PressureLevel = "ok"
 
 
 def group_usage(s: Snapshot) -> int:
@@ -158,13 +159,13 @@ def warnings(t: Tick) -> tuple[str | None, bool, bool]:
     return tier_warned, no_reading, c.reserve_exceeds_total or device_short
 
 
-def host_pressure(t: Tick) -> tuple[Level, int, bool]:
+def host_pressure(t: Tick) -> tuple[PressureLevel, int, bool]:
     c, usage = t.c, t.group.usage
     over, emergency = over_ceiling(usage, c.ceiling, t.prev.over_ceiling_ticks, t.s.recheck)
     return classify(usage, c.ceiling, c.soft, c.hard), over, emergency
 
 
-def admission(t: Tick, level: Level) -> bool:
+def admission(t: Tick, level: PressureLevel) -> bool:
     paused = level != "ok"
     if paused != t.prev.admission_paused:
         if paused:
@@ -175,7 +176,7 @@ def admission(t: Tick, level: Level) -> bool:
     return paused
 
 
-def walk_concurrency(t: Tick, level: Level) -> None:
+def walk_concurrency(t: Tick, level: PressureLevel) -> None:
     """P8: one step per tick toward the configured maximum (ok) or 1 (pressure).
 
     One step at a time keeps a burst of finishing requests from refilling
@@ -211,7 +212,7 @@ def expire_ttl(t: Tick) -> None:
         t.gone(w)
 
 
-def next_interval(t: Tick, level: Level) -> float:
+def next_interval(t: Tick, level: PressureLevel) -> float:
     """P9: fast while anything can change the answer, slow when all is quiet."""
     s, guard = t.s, t.s.guard
     hint = s.activity_hint
@@ -293,7 +294,7 @@ def tick(s: Snapshot) -> TickResult:
             for pool, pool_level, pool_emergency in pools:
                 if pool_level == "ok":
                     continue
-                acting: Level = pool_level
+                acting: PressureLevel = pool_level
                 stepped = pool is t.host and grower_first(t, pool_emergency)
                 if pool_level == "hard":
                     shrink_hot_cache(t, pool)
@@ -314,7 +315,7 @@ def tick(s: Snapshot) -> TickResult:
                       device_level=dev_level, device_emergency=dev_emergency, host_level=host_level)
 
 
-def _level_changed(before: Level, level: Level, t: Tick, host_level: Level, dev_usage: int) -> LevelChanged:
+def _level_changed(before: PressureLevel, level: PressureLevel, t: Tick, host_level: PressureLevel, dev_usage: int) -> LevelChanged:
     """P1/D4: the figures of the pool that sets the group's level (the host on a tie)."""
     c, dc = t.c, t.dc
     if dc is None or level == host_level:
@@ -327,7 +328,7 @@ def _level_changed(before: Level, level: Level, t: Tick, host_level: Level, dev_
             f"{format_size(dc.hard)}, device ceiling {format_size(dc.ceiling)} ({dc.binding})"))
 
 
-def _level_reason(level: Level, usage: int, c: Ceilings) -> str:
+def _level_reason(level: PressureLevel, usage: int, c: Ceilings) -> str:
     if c.ceiling <= 0:
         return "the guard is off: no limit"
     return (f"usage {format_size(usage)} against soft {format_size(c.soft)}, hard "

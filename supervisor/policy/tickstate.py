@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from shared.vocab import PressureLevel
 from supervisor.policy.decisions import Decision, Stop
 from supervisor.policy.device import device_ceilings_for
 from supervisor.policy.group import WorkerGroup, ceilings_for, classify, snapshot_total
-from supervisor.policy.snapshot import Level, Snapshot, WorkerRecord
+from supervisor.policy.snapshot import Snapshot, WorkerRecord
 from supervisor.policy.tiers import normalise_tier
 
 
@@ -41,7 +42,7 @@ class MemoryPool:
     def pressure_words(self) -> str:
         return "pressure" if self.name == "host" else "device memory pressure"
 
-    def classify(self) -> Level:
+    def classify(self) -> PressureLevel:
         """P1 on the projected usage (after P5's shrink, before P6 acts)."""
         return classify(self.projected, self.ceiling, self.soft, self.hard)
 

@@ -1,7 +1,7 @@
 """The limits each worker is handed (T6), less the other workers' prompt caches (C12).
 
 Every tick works out the common limits from the ceilings and the level;
-a worker is sent its own (a `SetLimits`) only when something it is told
+a worker is sent its own (a `ApplyLimits`) only when something it is told
 changed: the common limits, its process (a respawn), or the other workers'
 cache bytes, which its limits subtract (C12). When the caches leave no room
 under the ceiling for the next step they give way first (H3). On a discrete
@@ -14,17 +14,17 @@ import msgspec
 
 from shared.limits import Limits
 from shared.sizes import MiB, format_size
+from shared.vocab import PressureLevel
 from supervisor.policy.ceilings import limits_for, worker_limit
-from supervisor.policy.decisions import SetLimits, ShrinkHotCache
+from supervisor.policy.decisions import ApplyLimits, ShrinkHotCache
 from supervisor.policy.device import DeviceCeilings
 from supervisor.policy.group import lru_key
-from supervisor.policy.snapshot import Level
 from supervisor.policy.tickstate import Tick
 
 DEVICE_OVERHEAD_STEP = 256 * MiB  # D4: the device watermarks handed to workers move in these steps
 
 
-def limits_to_hand_out(t: Tick, paused: bool, level: Level) -> tuple[Limits, dict[str, int], int, dict[str, int]]:
+def limits_to_hand_out(t: Tick, paused: bool, level: PressureLevel) -> tuple[Limits, dict[str, int], int, dict[str, int]]:
     """Hand every worker the limits it does not have yet (T6: next tick at the latest).
 
     The common limits (nothing subtracted) and the caches' total are
@@ -67,12 +67,12 @@ def limits_to_hand_out(t: Tick, paused: bool, level: Level) -> tuple[Limits, dic
         limits = by_key.get((cap, mine))
         if limits is None:
             limits = by_key[(cap, mine)] = _worker_limits(common, cap, total - mine)
-        out.append(SetLimits(worker=w.worker, model=w.model, limits=limits, reason=(
+        out.append(ApplyLimits(worker=w.worker, model=w.model, limits=limits, reason=(
             why or ("new worker" if had.get(w.worker) != w.pid else "other workers' prompt caches changed"))))
     return common, pids, total, own
 
 
-def _cache_reductions(t: Tick, level: Level) -> tuple[int, dict[str, int]]:
+def _cache_reductions(t: Tick, level: PressureLevel) -> tuple[int, dict[str, int]]:
     """C12: (the caches' bytes, each worker's own): its limits subtract the difference.
 
     When the caches leave no room under the ceiling for the group's next
@@ -94,7 +94,7 @@ def _cache_reductions(t: Tick, level: Level) -> tuple[int, dict[str, int]]:
     return used, own
 
 
-def _give_way(t: Tick, keeps: dict[str, int], level: Level) -> None:
+def _give_way(t: Tick, keeps: dict[str, int], level: PressureLevel) -> None:
     """H3 for C12: lower `keeps` to the cache bytes each worker keeps once the caches make room."""
     group = t.group
     movable = [w for w in group.cached if w.memory.cache_releasable > 0 and w.state != "draining"]
@@ -139,7 +139,7 @@ def _device_watermarks(t: Tick, common: Limits, dc: DeviceCeilings) -> Limits:
     not see. The watermarks go out lowered by that overhead, so a worker's
     report comes at the crossing the enforcer will see, not half a GiB
     late. Rounded down to DEVICE_OVERHEAD_STEP so the limits (and a
-    SetLimits to every worker) do not change with every tick's jitter.
+    ApplyLimits to every worker) do not change with every tick's jitter.
     """
     mlx = sum(w.memory.mlx_active + w.memory.mlx_pool for w in t.group.live if w.device_bytes)
     overhead = max(0, t.group.device_bytes - mlx) // DEVICE_OVERHEAD_STEP * DEVICE_OVERHEAD_STEP

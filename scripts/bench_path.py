@@ -1,0 +1,407 @@
+"""Where a token's time goes on the serving path (issue 22): the same decode, layer by layer, in one run.
+
+    python scripts/bench_path.py [--model DIR | --size 4MB --dtype float32] [--streams 1,8,32,64]
+                                 [--tokens 256] [--runs 5] [--profile DIR]
+
+At each stream count N (N requests sent at once, greedy, `--tokens` each), four layers:
+
+- **ceiling**: in this process, mlx-lm's `stream_generate` (N = 1) or a raw
+  batched loop (N > 1: one forward pass per step for N rows, mlx-lm's one-ahead
+  pipelining; scripts/bench_peers.py's);
+- **engine**: worker/engine.py's step loop in this process (no sockets);
+- **worker**: a real worker process (`worker.main.run`) over ZeroMQ, its
+  replies drained by a bare receiver here: the engine plus the worker loop
+  (ledger, memory sample, frames);
+- **server**: `python -m supervisor serve` with the model pinned, N streamed
+  `/v1/completions` read by scripts/_sse.py's lean client: plus the
+  supervisor, HTTP and SSE.
+
+The rate is the decode window's: tokens from the moment every stream has its
+first token to the moment the first one ends, over that time, so prefill is in
+no layer's figure (the ceiling's is decode alone too). Next to it, the CPU each
+process spent per token over the whole round (the worker split by thread:
+main, MLX's CPU eval thread, ZeroMQ's I/O thread, ...; these need no quiet
+machine to mean something). Rounds are interleaved (every layer once, then
+again), best and median kept, as timeit does: on a shared machine the best
+round is the least disturbed. The ratios to the ceiling at the end are the
+figures to compare.
+
+This process loads OpenBLAS the way a worker does (worker/blas.py) before
+MLX, so the ceilings compute with the same BLAS as the worker.
+
+`--profile DIR`: one more server round per N under py-spy (200 Hz, raw
+collapsed stacks of the worker and the supervisor into DIR), summarised as
+the share of samples in each part of the path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, cast
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from worker import blas  # noqa: E402
+
+blas.preload()  # before MLX: the ceilings use the worker's BLAS
+
+from _serve import ServeProcess, add_model_args, model_from_args  # noqa: E402
+from _sse import stream_completion  # noqa: E402
+
+
+def prompt(i: int) -> str:
+    return f"Story {i % 10}: once upon a time, in a small town by the sea"
+
+
+class Round:
+    """One layer's round: the decode-window rate and the CPU per token of each process (or thread)."""
+
+    def __init__(self, rate: float, tokens: int, cpu: dict[str, float]) -> None:
+        self.rate, self.tokens, self.cpu = rate, tokens, cpu
+
+
+def window_rate(times: list[list[float]]) -> float:
+    """Tokens per second while every stream decodes: from the last first token to the first end."""
+    start = max(t[0] for t in times)
+    end = min(t[-1] for t in times)
+    if end <= start:
+        return 0.0
+    return sum(sum(1 for x in t if start < x <= end) for t in times) / (end - start)
+
+
+class Cpu:
+    """CPU seconds of processes (and the worker's threads) between `start()` and `stop()`."""
+
+    def __init__(self, **pids: int) -> None:
+        import psutil
+
+        self.procs = {name: psutil.Process(pid) for name, pid in pids.items()}
+        self.before: dict[str, float] = {}
+
+    def _read(self) -> dict[str, float]:
+        out = {}
+        for name, proc in self.procs.items():
+            times = proc.cpu_times()
+            out[name] = times.user + times.system
+            if name == "worker":
+                for thread in proc.threads():
+                    label = "main" if thread.id == proc.pid else _thread_name(proc.pid, thread.id)
+                    key = f"worker.{label}"
+                    out[key] = out.get(key, 0.0) + thread.user_time + thread.system_time
+        return out
+
+    def start(self) -> None:
+        self.before = self._read()
+
+    def per_token(self, tokens: int) -> dict[str, float]:
+        after = self._read()
+        return {k: (v - self.before.get(k, 0.0)) / max(1, tokens) for k, v in after.items()}
+
+
+def _thread_name(pid: int, tid: int) -> str:
+    """The kernel's name of a thread (ZeroMQ names its own); MLX's and others' keep the process's."""
+    try:
+        name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+    except OSError:
+        return "gone"
+    return "other" if name.startswith("python") else name
+
+
+# ------------------------------------------------------------------ layers
+
+
+class Ceiling:
+    def __init__(self, model_dir: Path) -> None:
+        import mlx_lm
+
+        self.model, self.tokenizer = cast(tuple[Any, Any], mlx_lm.load(str(model_dir)))
+
+    def round(self, n: int, tokens: int) -> Round:
+        import mlx.core as mx
+        import mlx_lm
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cpu = Cpu(bench=os.getpid())
+        cpu.start()
+        if n == 1:
+            *_, last = mlx_lm.stream_generate(self.model, self.tokenizer, prompt(0), max_tokens=tokens)
+            return Round(last.generation_tps, last.generation_tokens, cpu.per_token(last.generation_tokens))
+        ids = self.tokenizer.encode(prompt(0))
+        cache = make_prompt_cache(self.model)
+        y = mx.argmax(self.model(mx.array([ids] * n), cache=cache)[:, -1, :], axis=-1)
+        mx.eval(y)
+        started = time.perf_counter()
+        for _ in range(tokens - 1):
+            following = mx.argmax(self.model(y[:, None], cache=cache)[:, -1, :], axis=-1)
+            mx.async_eval(following)
+            y.tolist()
+            y = following
+        y.tolist()
+        done = n * (tokens - 1)
+        return Round(done / (time.perf_counter() - started), done, cpu.per_token(done))
+
+
+class EngineLayer:
+    def __init__(self, ceiling: Ceiling) -> None:
+        self.model, self.tokenizer = ceiling.model, ceiling.tokenizer
+
+    def round(self, n: int, tokens: int) -> Round:
+        from shared.limits import Limits
+        from shared.protocol import Finished, TokenOut
+        from worker.engine import Engine
+
+        engine = Engine(self.model, self.tokenizer, own_usage_fn=lambda: 0, max_concurrency=n)
+        ids = {}
+        for i in range(n):
+            rid = f"r{i}"
+            ids[rid] = i
+            engine.submit(rid, engine.encode_prompt(prompt(i)), max_tokens=tokens)
+        times: list[list[float]] = [[] for _ in range(n)]
+        limits = Limits(max_concurrency=n)
+        cpu = Cpu(bench=os.getpid())
+        cpu.start()
+        ended = 0
+        while ended < n:
+            events = engine.step(limits, lambda: 0)
+            now = time.perf_counter()
+            for event in events:
+                if type(event) is TokenOut:
+                    times[ids[event.request_id]].append(now)
+                elif isinstance(event, Finished):
+                    ended += 1
+        count = sum(len(t) for t in times)
+        return Round(window_rate(times), count, cpu.per_token(count))
+
+
+class WorkerLayer:
+    """A real worker process, spawned as the supervisor spawns one, against sockets and a ledger of ours."""
+
+    def __init__(self, model_dir: Path, workdir: Path, max_rows: int) -> None:
+        import msgspec
+        import multiprocess
+        import zmq
+
+        from shared import protocol as p
+        from shared.ledger import Ledger
+        from shared.limits import Limits
+        from worker.main import run as worker_main
+
+        self.p = p
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.bind(f"ipc://{workdir}/c.sock")
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.bind(f"ipc://{workdir}/r.sock")
+        self.ledger = Ledger.create(workdir / "ledger", 2)
+        self.replies, self.commands = p.Codec(p.WorkerReply), p.Codec(p.CommandMsg)
+        spec = p.WorkerSpec(worker_id="bench#1", model_id="bench", model_path=str(model_dir), slot=0,
+                            ledger_path=str(workdir / "ledger"), commands=f"ipc://{workdir}/c.sock",
+                            reports=f"ipc://{workdir}/r.sock", supervisor_pid=os.getpid(), max_concurrency=max_rows)
+        self.proc = multiprocess.get_context("spawn").Process(target=worker_main, args=(msgspec.msgpack.encode(spec),))
+        self.proc.start()
+        self.identity = b""
+        self._wait(p.Loaded, 300)
+        self.send(p.SetLimits(limits=Limits(max_concurrency=max_rows)))
+        self.round(2, 8)  # warm-up: compile, first shapes
+
+    def send(self, msg) -> None:
+        self.router.send_multipart([self.identity, self.commands.encode(msg)])
+
+    def _wait(self, want: type, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.router.poll(100):
+                self.identity, frame = self.router.recv_multipart()
+                if isinstance(self.replies.decode(frame), want):
+                    return
+        raise SystemExit(f"the worker sent no {want.__name__} in {timeout:.0f} s")
+
+    def round(self, n: int, tokens: int) -> Round:
+        p = self.p
+        stamp = time.monotonic_ns()
+        ids = {f"r{i}-{stamp}": i for i in range(n)}
+        times: list[list[float]] = [[] for _ in range(n)]
+        cpu = Cpu(bench=os.getpid(), worker=cast(int, self.proc.pid))
+        cpu.start()
+        for rid, i in ids.items():
+            self.send(p.Generate(request_id=rid, prompt=prompt(i), max_tokens=tokens))
+        ended = 0
+        while ended < n:
+            while self.pull.poll(0):
+                self.pull.recv()  # samples and heartbeats: drained, not read
+            if not self.router.poll(100):
+                continue
+            _, frame = self.router.recv_multipart()
+            now = time.perf_counter()
+            msg = self.replies.decode(frame)
+            if isinstance(msg, p.TokenBatch):
+                for rid in msg.request_ids:
+                    times[ids[rid]].append(now)
+            elif isinstance(msg, p.TokenOut):
+                times[ids[msg.request_id]].append(now)
+            elif isinstance(msg, (p.Finished, p.Failed)):
+                ended += 1
+        count = sum(len(t) for t in times)
+        return Round(window_rate(times), count, cpu.per_token(count))
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.join(10)
+        self.router.close(0)
+        self.pull.close(0)
+        self.ctx.term()
+        self.ledger.close()
+
+
+class ServerLayer:
+    def __init__(self, model_dir: Path, workdir: Path, max_rows: int) -> None:
+        import psutil
+
+        self.server = ServeProcess(f'[[models]]\nid = "bench"\npath = "{model_dir}"\npinned = true\n'
+                                   f"max_concurrency = {max_rows}\n", config=workdir / "bench.toml",
+                                   runtime=workdir / "rt", log=workdir / "serve.log", timeout=300.0)
+        self.url = f"{self.server.base}/v1/completions"
+        self.round(2, 8)  # warm-up: the model loads on first use unless pinned, compile, first shapes
+        children = psutil.Process(self.server.proc.pid).children(recursive=True)
+        self.worker_pid = max(children, key=lambda c: c.memory_info().rss).pid
+
+    def round(self, n: int, tokens: int) -> Round:
+        cpu = Cpu(bench=os.getpid(), supervisor=self.server.proc.pid,
+                  **({"worker": self.worker_pid} if hasattr(self, "worker_pid") else {}))
+        cpu.start()
+        streams = asyncio.run(self._streams(n, tokens))
+        count = sum(len(s.times) for s in streams)
+        return Round(window_rate([s.times for s in streams]), count, cpu.per_token(count))
+
+    async def _streams(self, n: int, tokens: int):
+        body = {"model": "bench", "max_tokens": tokens, "temperature": 0, "stream": True}
+        return await asyncio.gather(*(stream_completion(self.url, {**body, "prompt": prompt(i)}) for i in range(n)))
+
+    def close(self) -> None:
+        self.server.close()
+
+
+# ------------------------------------------------------------------ profile
+
+
+PARTS = (  # (label, substring of a frame): the first that a sample's stack holds names its part
+    ("forward pass (graph build + MLX eval)", "DecodeBatch.forward"),
+    ("forward pass (graph build + MLX eval)", "DecodeStep._single"),
+    ("read tokens (wait for the step)", "DecodeBatch.tokens"),
+    ("emit (detokenize, stops, events)", "DecodeStep.emit"),
+    ("prefill", "Prefill."),
+    ("join/leave the batch", "DecodeBatch.join"),
+    ("join/leave the batch", "DecodeBatch.keep"),
+    ("frames: coalesce, encode, send", "Worker.reply"),
+    ("frames: coalesce, encode, send", "coalesce"),
+    ("memory sample + ledger", "Worker.write_sample"),
+    ("memory sample + ledger", "Worker.maybe_send_sample"),
+    ("commands (poll, recv)", "Worker.take_commands"),
+    ("heartbeat thread", "Heartbeat.run"),
+    ("SSE: render + write", "Job.sse_body"),
+    ("SSE: render + write", "StreamingResponse"),
+    ("tokens routed to streams", "Streams.deliver"),
+    ("bus: ZeroMQ receive", "Bus."),
+    ("HTTP: uvicorn/h11", "h11_impl"),
+    ("guard tick", "Enforcer."),
+    ("event loop idle (epoll)", "EpollSelector.select"),
+)
+
+
+def summarise(path: Path) -> list[tuple[str, float]]:
+    """Share of py-spy samples per part of the path (PARTS), from a raw collapsed-stack file."""
+    shares: dict[str, int] = {}
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        total += int(count)
+        label = next((label for label, mark in PARTS if mark in stack), "other")
+        shares[label] = shares.get(label, 0) + int(count)
+    return sorted(((label, n / max(1, total)) for label, n in shares.items()), key=lambda x: -x[1])
+
+
+def profiled(server: ServerLayer, n: int, tokens: int, out: Path) -> None:
+    spy = Path(sys.executable).with_name("py-spy")
+    procs = {"worker": server.worker_pid, "supervisor": server.server.proc.pid}
+    spies = {name: subprocess.Popen([str(spy), "record", "-p", str(pid), "-r", "200", "-f", "raw", "--nonblocking",
+                                     "-o", str(out / f"{name}-{n}.txt")],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for name, pid in procs.items()}
+    time.sleep(1.0)  # py-spy attaches
+    server.round(n, tokens)
+    for proc in spies.values():
+        proc.send_signal(2)
+        proc.wait(60)
+    for name in procs:
+        parts = summarise(out / f"{name}-{n}.txt")
+        print(f"    py-spy {name} @{n}: " + "; ".join(f"{label} {share:.0%}" for label, share in parts if share >= 0.01))
+
+
+# ------------------------------------------------------------------ main
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_args(parser, size="4MB", streams="1,8,32,64", tokens=256)
+    parser.add_argument("--runs", type=int, default=5, help="interleaved rounds per layer and count")
+    parser.add_argument("--layers", default="ceiling,engine,worker,server", help="which layers, in order")
+    parser.add_argument("--profile", type=Path, help="also py-spy one server round per count into this folder")
+    args = parser.parse_args(argv)
+    counts = sorted({int(s) for s in args.streams.split(",") if s.strip()})
+    names = [s.strip() for s in args.layers.split(",") if s.strip()]
+    model = model_from_args(args, "engine")
+    print(f"model {model}; BLAS: {blas.preload().line()}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-path-") as tmp:
+        work = Path(tmp)
+        ceiling = Ceiling(model)
+        makers: dict[str, Callable[[], Any]] = {
+            "ceiling": lambda: ceiling, "engine": lambda: EngineLayer(ceiling),
+            "worker": lambda: WorkerLayer(model, work, max(counts)),
+            "server": lambda: ServerLayer(model, work, max(counts))}
+        layers = {name: makers[name]() for name in names}
+        try:
+            for name in ("ceiling", "engine"):
+                if name in layers:
+                    layers[name].round(2, 8)  # warm-up
+            for n in counts:
+                rounds: dict[str, list[Round]] = {name: [] for name in layers}
+                for _ in range(args.runs):
+                    for name, layer in layers.items():
+                        rounds[name].append(layer.round(n, args.tokens))
+                report(n, rounds)
+                if args.profile and "server" in layers:
+                    args.profile.mkdir(parents=True, exist_ok=True)
+                    profiled(layers["server"], n, args.tokens, args.profile)
+        finally:
+            for name in ("worker", "server"):
+                if name in layers:
+                    layers[name].close()
+    return 0
+
+
+def report(n: int, rounds: dict[str, list[Round]]) -> None:
+    best = {name: max(r.rate for r in rs) for name, rs in rounds.items()}
+    top = best.get("ceiling") or max(best.values())
+    for name, rs in rounds.items():
+        median = statistics.median(r.rate for r in rs)
+        keys = sorted({k for r in rs for k in r.cpu})
+        cpu = {k: statistics.median(r.cpu.get(k, 0.0) for r in rs) * 1e6 for k in keys}
+        cpu_line = " ".join(f"{k} {v:.0f}" for k, v in cpu.items() if v >= 1)
+        print(f"@{n:<3} {name:8} best {best[name]:8.0f} tok/s ({best[name] / top:4.0%} of ceiling), median "
+              f"{median:8.0f}; CPU us/token (median): {cpu_line}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
