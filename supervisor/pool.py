@@ -28,7 +28,9 @@ from typing_extensions import assert_never
 from shared import protocol as p
 from shared.ledger import Ledger, LedgerSample
 from shared.limits import Limits
+from shared.sizes import format_size
 from shared.states import LIVE_STATES, LOADING_STATES, SERVING_STATES, WorkerEvent, WorkerState, transition
+from supervisor.cache_tiers import CacheBook
 from supervisor.errors import LoadError
 from supervisor.streams import RequestStream, Streams
 from worker.main import run as worker_main  # the spawn target; imports no MLX at module level
@@ -206,6 +208,7 @@ class Pool:
         self._pings: dict[tuple[str, int], asyncio.Future] = {}
         # Off only in the reaction benchmark's baseline (the seed's fixed 1 s poll).
         self.wake_on_watermark = True
+        self.caches = CacheBook()  # each model's prompt-cache disk tier, as its workers report it (H5)
 
     # -- lookups ------------------------------------------------------------
 
@@ -289,6 +292,9 @@ class Pool:
             max_concurrency=handle.concurrency,
             chunk_seconds=scfg.chunk_seconds,
             allow_drills=scfg.allow_drills,
+            # H5: the disk tier keeps what the memory tier held; with no memory tier it has nothing
+            disk_cache_max=int(self.config.guard.disk_cache_max) if self.config.guard.hot_cache_max else 0,
+            cache_quantize_bits=self.config.guard.cache_quantize_bits,
         )
         proc = self._mp.Process(
             target=worker_main, args=(msgspec.msgpack.encode(spec),), name=f"memvisor-{worker_id}", daemon=False
@@ -397,8 +403,25 @@ class Pool:
                     return  # the last word of a worker that has just exited: it changes nothing
                 handle.last_alive = time.monotonic()
                 handle.alive = msg
+            case p.CacheReport():
+                self._on_cache_report(msg)
             case _:
                 assert_never(msg)
+
+    def _on_cache_report(self, msg: p.CacheReport) -> None:
+        """H5: a worker's disk-tier figures; the last one comes as it exits, maybe after its reaping."""
+        handle = self.handles.get(msg.worker_id)
+        if handle is None:
+            last = self.last_exited.get(msg.model_id)
+            handle = last if isinstance(last, WorkerHandle) and last.worker_id == msg.worker_id else None
+        if handle is None or handle.pid != msg.pid or handle.model_id != msg.model_id:
+            self.bus.bad("reports", "cache report from an unknown worker", cause="unknown_peer")
+            return
+        self.caches.take(msg)
+        s = msg.stats
+        if msg.final and (s.written_entries or s.dropped_entries):
+            self.counters["disk_cache_saves"] += 1
+            self.on_event(Reported(handle, "disk_cache", saved_words(s)))
 
     # -- commands -------------------------------------------------------------
 
@@ -529,10 +552,14 @@ class Pool:
 
     async def _stop(self, handle: WorkerHandle, reason: str, kill_now: bool) -> None:
         grace = self.config.supervisor.stop_grace
-        if not kill_now and self.command(handle, p.Drain(reason=reason)):
-            if await self._wait_exit(handle, grace):
+        # H5: drained, the worker may write its prompt cache to disk for `save` seconds (its own
+        # deadline); the escalation waits that much longer and no more before SIGTERM.
+        save = self.save_grace()
+        if not kill_now and self.command(handle, p.Drain(reason=reason, save_seconds=save)):
+            if await self._wait_exit(handle, grace + save):
                 return
-            log.warning("Worker %s did not exit %.1f s after drain; sending SIGTERM", handle.worker_id, grace)
+            log.warning("Worker %s did not exit %.1f s after drain (%.1f s of it to write its prompt cache); "
+                        "sending SIGTERM", handle.worker_id, grace + save, save)
         self._signal(handle, signal.SIGTERM)
         if await self._wait_exit(handle, min(grace, 5.0)):
             return
@@ -554,6 +581,11 @@ class Pool:
             os.kill(handle.pid, sig)
         except ProcessLookupError:
             pass
+
+    def save_grace(self) -> float:
+        """H5: seconds a drained worker may spend writing its prompt cache (0: the disk tier is off)."""
+        g = self.config.guard
+        return g.disk_cache_grace if g.disk_cache_max and g.hot_cache_max else 0.0
 
     def kill(self, handle: WorkerHandle, reason: str, cause: StopCause = "request") -> asyncio.Task:
         """For a wedged worker (it will not obey a drain) or a second ^C (no time
@@ -633,6 +665,16 @@ class Pool:
         tasks = [self.stop(h, reason, cause="shutdown") for h in list(self.handles.values()) if h.proc is not None]
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def saved_words(s: p.DiskCacheStats) -> str:
+    """A stop's write to the disk tier in words (H5): what was written, and what the deadline cost."""
+    words = (f"prompt cache to disk: {s.written_entries} entries ({format_size(s.written_bytes)}) written in "
+             f"{s.save_seconds:.2f} s of the {s.save_deadline:g} s the stop gave")
+    if s.dropped_entries:
+        words += f"; {s.dropped_entries} ({format_size(s.dropped_bytes)}) not written: the deadline came first"
+    return words + f"; {format_size(s.bytes)} on disk for this model, {format_size(s.all_bytes)} of " \
+                   f"{format_size(s.budget)} for all"
 
 
 def describe_exit(code: int | None, expected: bool, signals_sent: list[int]) -> str:

@@ -41,6 +41,7 @@ from worker import memory, prompts
 from worker import prompt_cache as pc
 from worker.constrain import Constraint, ConstraintError, ConstraintFactory
 from worker.decode import DecodeStep
+from worker.disk_cache import DiskTier
 from worker.endings import Endings, Event
 from worker.prefill import CHUNK_SECONDS, DEFAULT_MAX_CHUNK, MEMORY_WAIT_SECONDS, ChunkTimer, Prefill, UsageFn
 from worker.prefill_guard import PrefillCost
@@ -94,6 +95,7 @@ class Engine:
                                    max_concurrency=max_concurrency, clock=clock)
         self._outbox: list[Event] = []
         self._constraints: ConstraintFactory | None = None  # built on the first constrained request
+        self.disk: DiskTier | None = None  # the prompt cache's disk tier (H5 as proposed), when on
 
     @classmethod
     def load(cls, path: str | Path, **kwargs) -> "Engine":
@@ -177,6 +179,34 @@ class Engine:
         """H3/P5: drop LRU unused entries toward `target_bytes`; bytes dropped (pool not yet returned)."""
         return self.prompt_cache.drop_lru(max(0, target_bytes))
 
+    def quantize_cache(self, bits: int, target_bytes: int = 0) -> tuple[int, int]:
+        """H6: quantize unused float entries (LRU first) toward `target_bytes`; (entries, bytes returned)."""
+        if not self.endings.cacheable:
+            return 0, 0
+        return self.prompt_cache.quantize_unused(bits, max(0, target_bytes))
+
+    def use_disk_tier(self, tier: DiskTier | None) -> None:
+        """H5: requests read their prefix from `tier` when it has a longer one than memory."""
+        self.disk = tier if self.endings.cacheable else None
+
+    def _read_from_disk(self, prompt: list[int]) -> None:
+        """H5: the one disk entry this prompt needs, into the memory cache, when it beats memory's best.
+
+        An entry larger than the memory cache's cap is not read (H2 bounds what a
+        worker holds); one that cannot be read is a miss (the prefill runs)."""
+        tier, cache = self.disk, self.prompt_cache
+        if tier is None or cache.cap <= 0:
+            return
+        limit = len(prompt) - 1
+        found = tier.best(prompt, limit, longer_than=max(cache.longest(prompt, limit), MIN_REUSE_TOKENS - 1))
+        if found is None or found.nbytes > cache.cap:
+            return
+        layers = tier.load(found)
+        if layers is not None and cache.insert(found.tokens, layers):
+            entry = cache.get(found.tokens)
+            assert entry is not None  # just inserted
+            entry.disk, entry.from_disk = found.name, True
+
     # -- prompts ----------------------------------------------------------------------------
 
     def encode_chat(self, messages: Iterable, tools: str | None = None) -> list[int]:
@@ -229,6 +259,7 @@ class Engine:
         self.endings.ids.add(request_id)
         self.scheduler.queue.append(seq)
         if self.endings.cacheable:  # pinned while queued: a shrink must not take what it will reuse (H3)
+            self._read_from_disk(seq.prompt)
             seq.hit = self.prompt_cache.lookup(seq.prompt, len(seq.prompt) - 1)
 
     def submit_generate(self, cmd: Generate) -> None:
