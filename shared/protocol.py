@@ -230,10 +230,15 @@ class Reclaim(Command, tag="reclaim", kw_only=True):
 class ShrinkCache(Command, tag="shrink_cache", kw_only=True):
     """H3/P5: drop LRU prompt-cache entries no request uses until at most
     `target_bytes` remain, return the pool, and report a sample at once.
-    Answered with `Reclaimed` (bytes the pool gave back)."""
+    Answered with `Reclaimed` (bytes the pool gave back).
+
+    `save_seconds` (H5 as proposed): a worker with nothing to run may first
+    write the entries it is about to drop to the disk tier, for at most this
+    long, so that what a shrink takes can still be read back; 0: just drop."""
 
     target_bytes: int
     reason: str = ""
+    save_seconds: float = 0.0
 
 
 class AbortRequests(Command, tag="abort", kw_only=True):

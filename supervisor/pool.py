@@ -669,8 +669,8 @@ class Pool:
 
 def saved_words(s: p.DiskCacheStats) -> str:
     """A stop's write to the disk tier in words (H5): what was written, and what the deadline cost."""
-    words = (f"prompt cache to disk: {s.written_entries} entries ({format_size(s.written_bytes)}) written in "
-             f"{s.save_seconds:.2f} s of the {s.save_deadline:g} s the stop gave")
+    words = (f"prompt cache to disk: {s.written_entries} entries ({format_size(s.written_bytes)}) written by "
+             f"the worker; its stop's write took {s.save_seconds:.2f} s of the {s.save_deadline:g} s it had")
     if s.dropped_entries:
         words += f"; {s.dropped_entries} ({format_size(s.dropped_bytes)}) not written: the deadline came first"
     return words + f"; {format_size(s.bytes)} on disk for this model, {format_size(s.all_bytes)} of " \

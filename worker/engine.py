@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -186,10 +186,14 @@ class Engine:
         return self.prompt_cache.quantize_unused(bits, max(0, target_bytes))
 
     def use_disk_tier(self, tier: DiskTier | None) -> None:
-        """H5: requests read their prefix from `tier` when it has a longer one than memory."""
-        self.disk = tier if self.endings.cacheable else None
+        """H5: requests read their prefix from `tier` when it has a longer one than memory.
 
-    def _read_from_disk(self, prompt: list[int]) -> None:
+        Every lookup consults it (at submit, and again when the prefill starts,
+        by which time the first limits have given the memory cache its cap)."""
+        self.disk = tier if self.endings.cacheable else None
+        self.prompt_cache.set_backing(self._read_from_disk if self.disk is not None else None)
+
+    def _read_from_disk(self, prompt: Sequence[int]) -> None:
         """H5: the one disk entry this prompt needs, into the memory cache, when it beats memory's best.
 
         An entry larger than the memory cache's cap is not read (H2 bounds what a
@@ -259,7 +263,6 @@ class Engine:
         self.endings.ids.add(request_id)
         self.scheduler.queue.append(seq)
         if self.endings.cacheable:  # pinned while queued: a shrink must not take what it will reuse (H3)
-            self._read_from_disk(seq.prompt)
             seq.hit = self.prompt_cache.lookup(seq.prompt, len(seq.prompt) - 1)
 
     def submit_generate(self, cmd: Generate) -> None:

@@ -38,7 +38,7 @@ worker stops (`disk` names the file an unchanged entry already has).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Union
 
 import mlx.core as mx
@@ -146,6 +146,7 @@ class PromptCache:
         self._pinned = 0  # bytes of pinned entries, kept as pins change (read at every step)
         self.hits = 0
         self.misses = 0
+        self._backing: Callable[[Sequence[int]], None] | None = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -171,6 +172,8 @@ class PromptCache:
         """
         if self.cap <= 0 or limit <= 0:
             return None
+        if self._backing is not None:
+            self._backing(prompt)  # H5: the disk tier adds its entry first when it has a longer prefix
         best, best_n = self._best(prompt, limit)
         if best is None or best_n < self.min_reuse:
             self.misses += 1
@@ -190,6 +193,10 @@ class PromptCache:
             if n > best_n or (n == best_n and best is not None and entry.nbytes < best.nbytes):
                 best, best_n = entry, n
         return best, best_n
+
+    def set_backing(self, fill: Callable[[Sequence[int]], None] | None) -> None:
+        """A slower tier (H5) that `lookup` lets insert the entry a prompt needs before it searches."""
+        self._backing = fill
 
     def longest(self, prompt: Sequence[int], limit: int) -> int:
         """Tokens the best entry would give `prompt` (at most `limit`), with nothing pinned or counted."""
@@ -249,6 +256,8 @@ class PromptCache:
                 self._entries.move_to_end(key)
                 return False
             self._remove(old)
+            if not old.bits and not entry.bits:
+                entry.disk = old.disk  # the same tokens' float KV (H1): its file still holds this entry
         for other in [e for e in self._entries.values() if not e.pins]:
             if len(other.tokens) < len(key) and key[:len(other.tokens)] == other.tokens:
                 self._remove(other)
@@ -272,15 +281,21 @@ class PromptCache:
 
     def drop_lru(self, to_bytes: int) -> int:
         """Drop least recently used unpinned entries until at most `to_bytes` remain; bytes dropped."""
-        dropped = 0
-        for entry in list(self._entries.values()):
-            if self.nbytes <= to_bytes:
-                break
-            if entry.pins:
-                continue
+        victims = self.lru_victims(to_bytes)
+        for entry in victims:
             self._remove(entry)
-            dropped += entry.nbytes
-        return dropped
+        return sum(entry.nbytes for entry in victims)
+
+    def lru_victims(self, to_bytes: int) -> list[Entry]:
+        """The entries `drop_lru(to_bytes)` would drop, least recently used first (H5 writes them first)."""
+        victims, held = [], self.nbytes
+        for entry in self._entries.values():
+            if held <= to_bytes:
+                break
+            if not entry.pins:
+                victims.append(entry)
+                held -= entry.nbytes
+        return victims
 
     def drop_unused(self) -> int:
         """H4: every entry no request relies on; bytes dropped."""

@@ -215,7 +215,7 @@ class GuardCollector:
                     value=getattr(d, f"{what}_entries"))
             yield c(f"memvisor_disk_cache_{what}_bytes", f"Bytes of prompt-cache entries {help_text} (H5)",
                     value=getattr(d, f"{what}_bytes"))
-        yield c("memvisor_disk_cache_read_tokens", "Prompt tokens read back from the disk tier (H5)",
+        yield c("memvisor_disk_cache_read_tokens", "Tokens held by the entries read back from the disk tier (H5)",
                 value=d.read_tokens)
         yield c("memvisor_prompt_cache_quantized_entries", "Prompt-cache entries quantized instead of dropped (H6)",
                 value=d.quantized_entries)
