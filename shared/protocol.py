@@ -59,6 +59,9 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     # Bytes every model's entries on disk may hold together: DISK_CACHE_AUTO sizes it to the
     # disk's free space, 0 turns the tier off (nothing written, nothing read).
     disk_cache_max: int = 0
+    # H5: seconds a worker with nothing to run may spend writing the entries its memory tier
+    # drops (a shrink, a smaller cap) before dropping them; a stop's grace comes in its Drain
+    disk_cache_grace: float = 0.0
     cache_quantize_bits: int = 0  # H6: 8 or 4 quantizes unused entries at soft pressure; 0 = off
 
 
@@ -230,15 +233,10 @@ class Reclaim(Command, tag="reclaim", kw_only=True):
 class ShrinkCache(Command, tag="shrink_cache", kw_only=True):
     """H3/P5: drop LRU prompt-cache entries no request uses until at most
     `target_bytes` remain, return the pool, and report a sample at once.
-    Answered with `Reclaimed` (bytes the pool gave back).
-
-    `save_seconds` (H5 as proposed): a worker with nothing to run may first
-    write the entries it is about to drop to the disk tier, for at most this
-    long, so that what a shrink takes can still be read back; 0: just drop."""
+    Answered with `Reclaimed` (bytes the pool gave back)."""
 
     target_bytes: int
     reason: str = ""
-    save_seconds: float = 0.0
 
 
 class AbortRequests(Command, tag="abort", kw_only=True):

@@ -201,8 +201,7 @@ class Enforcer:
                 self.pool.stop(handle, f"TTL: {x.reason}", cause="ttl")
                 self.emit("ttl", x.reason, **about)
             case d.ShrinkHotCache():  # H3: the worker drops, reclaims, reports at once
-                self.pool.command(handle, p.ShrinkCache(target_bytes=x.target_bytes, reason=x.reason,
-                                                        save_seconds=self.pool.save_grace()))  # H5: spill first
+                self.pool.command(handle, p.ShrinkCache(target_bytes=x.target_bytes, reason=x.reason))
                 self.emit("shrink_cache", x.reason, **about)
             case d.SetLimits() | d.SetConcurrency():
                 pass  # handled above

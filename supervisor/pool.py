@@ -294,6 +294,7 @@ class Pool:
             allow_drills=scfg.allow_drills,
             # H5: the disk tier keeps what the memory tier held; with no memory tier it has nothing
             disk_cache_max=int(self.config.guard.disk_cache_max) if self.config.guard.hot_cache_max else 0,
+            disk_cache_grace=self.save_grace(),
             cache_quantize_bits=self.config.guard.cache_quantize_bits,
         )
         proc = self._mp.Process(

@@ -55,10 +55,12 @@ def test_h5_an_entry_written_at_a_guard_ordered_stop_is_reused_by_the_next_worke
             assert first.usage.prompt_tokens_details.cached_tokens == 0
             handle = live.arbiter.pool.worker_for("a")
             async with live.client() as c:
-                # P6.2 under pressure: a custom ceiling the group's usage is at the hard watermark of;
-                # the guard stops the idle, unpinned model
-                usage = (await c.get("/status")).json()["guard"]["usage"]
-                r = await c.post("/admin/guard", json={"tier": "custom", "custom_ceiling": int(usage / 0.985)})
+                # P6.2 under pressure: a custom ceiling whose soft watermark (0.90) is 2 MiB over the
+                # supervisor's own usage, so that the worker alone keeps the group at hard whatever
+                # P5's shrink gives back; the guard stops the idle, unpinned model
+                guard = (await c.get("/status")).json()["guard"]
+                own = guard["usage"] - sum(w["usage"] for w in guard["workers"])
+                r = await c.post("/admin/guard", json={"tier": "custom", "custom_ceiling": int((own + 2 * MiB) / 0.9)})
                 assert r.status_code == 200, r.text
                 await stopped(live, handle)
                 await until(lambda: live.arbiter.pool.caches.model("a").written_entries >= 1, 30,

@@ -96,6 +96,7 @@ class Engine:
         self._outbox: list[Event] = []
         self._constraints: ConstraintFactory | None = None  # built on the first constrained request
         self.disk: DiskTier | None = None  # the prompt cache's disk tier (H5 as proposed), when on
+        self._spill_seconds = 0.0
 
     @classmethod
     def load(cls, path: str | Path, **kwargs) -> "Engine":
@@ -185,13 +186,33 @@ class Engine:
             return 0, 0
         return self.prompt_cache.quantize_unused(bits, max(0, target_bytes))
 
-    def use_disk_tier(self, tier: DiskTier | None) -> None:
-        """H5: requests read their prefix from `tier` when it has a longer one than memory.
+    def use_disk_tier(self, tier: DiskTier | None, spill_seconds: float = 0.0) -> None:
+        """H5: requests read their prefix from `tier` when it has a longer one than memory, and
+        what the memory tier drops while nothing runs is written there first (`spill_seconds` at most).
 
         Every lookup consults it (at submit, and again when the prefill starts,
         by which time the first limits have given the memory cache its cap)."""
         self.disk = tier if self.endings.cacheable else None
-        self.prompt_cache.set_backing(self._read_from_disk if self.disk is not None else None)
+        self._spill_seconds = spill_seconds
+        on = self.disk is not None
+        self.prompt_cache.set_backing(self._read_from_disk if on else None)
+        self.prompt_cache.set_spill(self._spill if on and spill_seconds > 0 else None)
+
+    def _spill(self, victims: list[pc.Entry]) -> None:
+        """H5: entries the memory tier is about to drop (an H3 shrink, a smaller H2 cap), written first
+        when nothing runs: under pressure P5 and C12 empty an idle worker's cache just before P6 stops
+        it, which would leave the stop nothing to write. A busy worker drops at once (its requests
+        never wait on a disk); what the deadline cuts is dropped and counted."""
+        if self.disk is None or self.has_work or self.running:
+            return
+        try:
+            done = self.disk.save(victims, time.monotonic() + self._spill_seconds, given=self._spill_seconds)
+        except OSError as exc:
+            log.error("prompt cache not written to disk before it was dropped: %s", exc)
+            return
+        if done.written or done.dropped:
+            log.info("prompt cache to disk before dropping: %d entries written, %d not (deadline %.3f s)",
+                     done.written, done.dropped, self._spill_seconds)
 
     def _read_from_disk(self, prompt: Sequence[int]) -> None:
         """H5: the one disk entry this prompt needs, into the memory cache, when it beats memory's best.

@@ -351,7 +351,6 @@ class Worker:
         assert self.engine is not None  # commands are taken once the model is loaded
         if self.spec.cache_quantize_bits:
             self.count_quantized(*self.engine.quantize_cache(self.spec.cache_quantize_bits, msg.target_bytes))
-        self.spill(msg)
         dropped = self.engine.shrink_cache(msg.target_bytes)
         freed = self.sampler.reclaim()
         log.info("prompt cache shrunk by %d bytes toward %d (%s); pool returned %d bytes",
@@ -368,7 +367,7 @@ class Worker:
         assert self.engine is not None  # called once the model is loaded
         if self.spec.disk_cache_max and self.engine.endings.cacheable:
             self.disk = DiskTier.open(self.spec.model_id, Path(self.spec.model_path), self.spec.disk_cache_max)
-            self.engine.use_disk_tier(self.disk)
+            self.engine.use_disk_tier(self.disk, spill_seconds=min(self.spec.disk_cache_grace, MAX_SAVE_SECONDS))
         self.report_cache()
 
     def save_cache(self) -> None:
@@ -385,28 +384,6 @@ class Worker:
         log.info("prompt cache to disk: %d entries (%d bytes) written in %.3f s of %.3f s; %d not written "
                  "(deadline)", done.written, done.written_bytes, done.seconds, self.save_seconds, done.dropped)
         self.report_cache(final=True)
-
-    def spill(self, msg: p.ShrinkCache) -> None:
-        """H5: with nothing to run, write what the shrink will drop to disk first (within its grace).
-
-        A worker that is idle at hard pressure is the guard's next victim (P6.2) or
-        stays pinned; either way what the shrink takes can then be read back by a
-        request. A busy worker drops at once: its requests must not wait on a disk."""
-        engine = self.engine
-        assert engine is not None  # commands are taken once the model is loaded
-        seconds = msg.save_seconds
-        if self.disk is None or not (math.isfinite(seconds) and seconds > 0) or engine.has_work or engine.running:
-            return
-        victims = engine.prompt_cache.lru_victims(max(0, msg.target_bytes))
-        if victims:
-            seconds = min(seconds, MAX_SAVE_SECONDS)
-            try:
-                done = self.disk.save(victims, time.monotonic() + seconds, given=seconds)
-            except OSError as exc:
-                log.error("prompt cache not written to disk before the shrink: %s", exc)
-                return
-            log.info("prompt cache to disk before a shrink: %d entries written, %d not (deadline %.3f s)",
-                     done.written, done.dropped, seconds)
 
     def quantize_at_soft(self, limits: Limits) -> None:
         """H6: at soft pressure, shrink unused entries before the guard has to drop them."""

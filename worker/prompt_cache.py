@@ -147,6 +147,7 @@ class PromptCache:
         self.hits = 0
         self.misses = 0
         self._backing: Callable[[Sequence[int]], None] | None = None
+        self._spill: Callable[[list[Entry]], None] | None = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -193,6 +194,10 @@ class PromptCache:
             if n > best_n or (n == best_n and best is not None and entry.nbytes < best.nbytes):
                 best, best_n = entry, n
         return best, best_n
+
+    def set_spill(self, spill: Callable[[list[Entry]], None] | None) -> None:
+        """A slower tier (H5) that `drop_lru` offers the entries it is about to drop."""
+        self._spill = spill
 
     def set_backing(self, fill: Callable[[Sequence[int]], None] | None) -> None:
         """A slower tier (H5) that `lookup` lets insert the entry a prompt needs before it searches."""
@@ -282,6 +287,8 @@ class PromptCache:
     def drop_lru(self, to_bytes: int) -> int:
         """Drop least recently used unpinned entries until at most `to_bytes` remain; bytes dropped."""
         victims = self.lru_victims(to_bytes)
+        if victims and self._spill is not None:
+            self._spill(victims)
         for entry in victims:
             self._remove(entry)
         return sum(entry.nbytes for entry in victims)
