@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import msgspec
 import pytest
 from mlx_lm.models.cache import KVCache
 from test_engine import _engine as engine_for
@@ -373,3 +374,30 @@ def test_h5_the_book_keeps_an_unloaded_models_bytes_and_adds_up_every_workers_co
     assert (status.bytes, status.budget, status.entries, status.models) == (30, 100, 3, {"a": 10, "b": 20})
     assert book.model("gone") == DiskCacheStats()
     assert json.loads(json.dumps(status.models)) == {"a": 10, "b": 20}
+
+
+def test_h5_status_and_ps_show_the_disk_tier_also_for_an_unloaded_model():
+    from test_prompt_cache_budget import GUARD, HOST, worker
+
+    from supervisor.cli.ps import table
+    from supervisor.cli.status import render
+    from supervisor.policy.pressure import tick
+    from supervisor.policy.snapshot import Snapshot
+    from supervisor.policy.status import DiskCacheStatus, ModelInfo, ServerStatus, build_status
+
+    s = Snapshot(now=1.0, guard=GUARD, host=HOST, workers=[worker("a", 100 * 1024 ** 2)])
+    models = [ModelInfo(id="m-a", path="/m", pinned=False, state="ready", worker="a", disk_cache_bytes=3 * 1024 ** 2),
+              ModelInfo(id="m-b", path="/n", pinned=False, state="unloaded", disk_cache_bytes=5 * 1024 ** 2)]
+    disk = DiskCacheStatus(max=DISK_CACHE_AUTO, budget=10 * GiB, bytes=8 * 1024 ** 2, entries=3, grace=2.0,
+                           read_entries=1, read_tokens=1500, written_entries=3, dropped_entries=1)
+    status = ServerStatus(pid=1, uptime=1.0, runtime_dir="rt", pub="ipc://pub", http="", guard=build_status(s, tick(s)),
+                          models=models, events=[], malformed_frames=0, counters={}, disk_cache=disk)
+    text = render(status)
+    assert "prompt cache on disk 8 MiB of 10 GiB budget, 3 entries (a stop writes for up to 2 s)" in text
+    assert "read back 1" in text and "1500 tokens" in text and "a stop's deadline first: 1" in text
+    assert "5 MiB of prompt cache on disk" in next(line for line in text.splitlines() if line.startswith(" m-b"))
+    assert "3 MiB" in next(line for line in text.splitlines() if line.startswith(" m-a"))
+    off = render(msgspec.structs.replace(status, disk_cache=DiskCacheStatus(max=0)))
+    assert "prompt cache on disk: off (disk_cache_max = 0)" in off
+    listing = table(models).splitlines()
+    assert "DISK" in listing[0] and "5 MiB" in listing[2]

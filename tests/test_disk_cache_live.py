@@ -142,3 +142,36 @@ def test_h5_a_write_that_hangs_is_cut_by_sigterm_at_the_stop_grace_plus_the_writ
     assert signal.SIGTERM in handle.signals_sent and signal.SIGKILL not in handle.signals_sent
     assert 2.0 <= took < 60.0
     assert on_disk(private_cache_dir) == []  # the interrupted write left nothing behind
+
+
+def test_h6_at_soft_pressure_a_worker_quantizes_its_unused_entries_and_a_later_request_reuses_one(
+        tiny_models, runtime_dir):
+    config = make_config([ModelConfig(id="a", path=str(tiny_models.a), pinned=True)],  # pinned: never evicted
+                         guard=GuardConfig(hot_cache_max=64 * MiB, cache_quantize_bits=8))
+    with LiveServer(config, runtime_dir) as live:
+        async def main():
+            client = live.openai()
+            await until(lambda: live.arbiter.pool.worker_for("a") is not None, 60, "the pinned model")
+            await client.chat.completions.create(model="a", messages=messages(), max_tokens=4)
+            handle = live.arbiter.pool.worker_for("a")
+            await until(lambda: handle.sample is not None and handle.sample.memory.cache_bytes > 0, 10, "a sample")
+            held = handle.sample.memory.cache_bytes
+            async with live.client() as c:
+                usage = (await c.get("/status")).json()["guard"]["usage"]
+                # between the custom tier's soft (0.90) and hard (0.97) watermarks
+                r = await c.post("/admin/guard", json={"tier": "custom", "custom_ceiling": int(usage / 0.935)})
+                assert r.status_code == 200, r.text
+                await until(lambda: live.arbiter.disk_cache().quantized_entries >= 1, 30, "the quantization report")
+                r = await c.post("/admin/guard", json={"tier": "balanced", "custom_ceiling": 0})
+                assert r.status_code == 200, r.text
+                disk = (await c.get("/status")).json()["disk_cache"]
+                text = (await c.get("/metrics")).text
+            assert disk["quantize_bits"] == 8 and disk["quantized_entries"] >= 1
+            assert 0.4 * held < disk["quantized_bytes"] < 0.6 * held  # float16 KV at 8 bits: about half returns
+            assert metric(text, "memvisor_prompt_cache_quantized_bytes_total") == disk["quantized_bytes"]
+            await until(lambda: handle.sample.memory.cache_bytes < held, 10, "a sample after the shrink")
+            again = await client.chat.completions.create(model="a", messages=messages("And then?"), max_tokens=4)
+            assert again.usage.prompt_tokens_details.cached_tokens > 0  # the quantized entry, reused (H6.3)
+            assert live.arbiter.pool.worker_for("a") is handle
+
+        live.run(main(), timeout=300)
