@@ -55,7 +55,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     max_concurrency: int = 4
     chunk_seconds: float = 1.0  # issue 16: the time one prefill chunk aims at
     allow_drills: bool = False
-    # issue 26: the prompt cache's disk tier (H5 as proposed) and shrink before drop (H6).
+    # The prompt cache's disk tier (H5 as proposed) and shrink before drop (H6).
     # Bytes every model's entries on disk may hold together: DISK_CACHE_AUTO sizes it to the
     # disk's free space, 0 turns the tier off (nothing written, nothing read).
     disk_cache_max: int = 0
@@ -176,7 +176,7 @@ class Prompted(Msg, tag="prompted", kw_only=True):
     request_id: str
     prompt_tokens: int
     cached_tokens: int = 0
-    cached_disk_tokens: int = 0  # issue 26: the part of cached_tokens read from the disk tier (H5)
+    cached_disk_tokens: int = 0  # H5 (proposed): the part of cached_tokens read from the disk tier
 
 
 class Finished(Msg, tag="finished", kw_only=True):
@@ -185,7 +185,7 @@ class Finished(Msg, tag="finished", kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # H1: prompt tokens reused from the worker's prompt cache
-    cached_disk_tokens: int = 0  # issue 26: the part of cached_tokens this request read from the disk tier (H5)
+    cached_disk_tokens: int = 0  # H5 (proposed): the part of cached_tokens this request read from disk
     stop_sequence: str = ""  # issue 13: the stop string that ended it ("" = EOS, length, grammar)
 
 
@@ -339,7 +339,7 @@ class MemoryAnswer(Command, tag="memory_answer", kw_only=True):
 class Drain(Command, tag="drain", kw_only=True):
     """Finish what runs, take nothing new, then exit.
 
-    `save_seconds` (issue 26, H5 as proposed): once drained, the worker may
+    `save_seconds` (H5 as proposed): once drained, the worker may
     spend this long writing its prompt cache to the disk tier before it exits;
     what is not written by then is dropped and counted. The supervisor's stop
     escalation waits exactly this much longer before SIGTERM, no more. 0 (the
@@ -423,7 +423,7 @@ class Alive(Msg, tag="alive", kw_only=True):
 # -- end issue 16 --------------------------------------------------------------
 
 
-# -- issue 26: the prompt cache's tiers (H5, H6 as proposed) ----------------------
+# -- the prompt cache's tiers (H5, H6 as proposed, docs/spec-proposal-h5-h6.md) ------------
 class DiskCacheStats(msgspec.Struct, frozen=True, kw_only=True):
     """One model's prompt-cache disk tier as its worker sees it, and what this worker did with it.
 
@@ -467,7 +467,7 @@ class CacheReport(Msg, tag="cache_report", kw_only=True):
 
 
 WorkerReport = Union[Sample, WorkerEvent, Alive, CacheReport]
-# -- end issue 26 -----------------------------------------------------------------
+# -- end of the prompt cache's tiers --------------------------------------------
 
 
 # --------------------------------------------------------------------------

@@ -124,14 +124,6 @@ def _writer_gone(tmp: Path) -> bool:
     return False
 
 
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 class DiskTier:
     """One model's folder of entries, its index, and the budget shared with every other model's."""
 
@@ -236,8 +228,9 @@ class DiskTier:
         """The entry sharing the longest prefix with `prompt` (at most `limit` tokens), when
         that is more than `longer_than` tokens (what memory already gives)."""
         best, best_n = None, longer_than
+        key = tuple(prompt)
         for entry in self.entries.values():
-            n = min(_common(entry.tokens, prompt), limit)
+            n = min(pc.common_prefix(entry.tokens, key), limit)
             if n > best_n:
                 best, best_n = entry, n
         return best

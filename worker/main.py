@@ -136,7 +136,7 @@ class Worker:
         self.disk: DiskTier | None = None
         self.save_seconds = 0.0   # what the Drain gave for writing the cache to disk
         self.quantized = (0, 0)   # entries quantized in memory, bytes that returned
-        self._reported: p.DiskCacheStats | None = None
+        self._reported_from: tuple[p.DiskCacheStats | None, tuple[int, int]] | None = None
 
     # -- wire -----------------------------------------------------------------
 
@@ -404,13 +404,14 @@ class Worker:
         self.quantized = (self.quantized[0] + count, self.quantized[1] + returned)
 
     def report_cache(self, final: bool = False) -> None:
-        """The tiers' figures to the supervisor, when they changed (and always the last one)."""
-        base = self.disk.stats if self.disk is not None else p.DiskCacheStats()
-        stats = msgspec.structs.replace(base, quantized_entries=self.quantized[0],
-                                        quantized_bytes=self.quantized[1])
-        if stats == self._reported and not final:
+        """The tiers' figures to the supervisor, when they changed (and always the last one).
+        Called every step: it compares two references before it builds anything."""
+        base = self.disk.stats if self.disk is not None else None
+        if (base, self.quantized) == self._reported_from and not final:
             return
-        self._reported = stats
+        self._reported_from = (base, self.quantized)
+        stats = msgspec.structs.replace(base or p.DiskCacheStats(), quantized_entries=self.quantized[0],
+                                        quantized_bytes=self.quantized[1])
         self._push(p.CacheReport(worker_id=self.spec.worker_id, model_id=self.spec.model_id, pid=os.getpid(),
                                  stats=stats, final=final))
 

@@ -121,11 +121,22 @@ def _float_prefix(layer: Layer, n: int) -> tuple[mx.array, mx.array]:
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Tokens `a` and `b` (both tuples, or both lists) share at their start. Slices compare in C:
+    whole, then 64 at a time,
+    then one by one, so a long shared system prompt costs a few comparisons, not one per token
+    (the disk tier compares every prompt with each of its entries)."""
     n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
     i = 0
+    while i + 64 <= n and a[i:i + 64] == b[i:i + 64]:
+        i += 64
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+common_prefix = _common_prefix
 
 
 class PromptCache:
@@ -189,8 +200,9 @@ class PromptCache:
     def _best(self, prompt: Sequence[int], limit: int) -> tuple[Entry | None, int]:
         best: Entry | None = None
         best_n = 0
+        key = tuple(prompt)  # entries' tokens are tuples: slices compare only with slices of a tuple
         for entry in self._entries.values():
-            n = min(_common_prefix(entry.tokens, prompt), limit)
+            n = min(_common_prefix(entry.tokens, key), limit)
             if n > best_n or (n == best_n and best is not None and entry.nbytes < best.nbytes):
                 best, best_n = entry, n
         return best, best_n
