@@ -7,6 +7,7 @@
 #   scripts/h200_run.sh drill    the device fire drill (scripts/bench_device_drill.py)
 #   scripts/h200_run.sh batch    scripts/bench_batch.py on a 2 GiB bf16 model
 #   scripts/h200_run.sh peers    scripts/bench_peers.py: stream_generate, raw loop, memvisor, mlx_lm.server (issue 22)
+#   scripts/h200_run.sh joinmem  scripts/bench_join_memory.py: the decode batch's buffers against its live KV (issue 22)
 #
 # Wheels travel in .whl/ (Python 3.12 manylinux), the ~90 MB mlx-cuda-13 wheel
 # in two halves (.gpu1/, .gpu2/, `split -b 46000000`) because one transfer is
@@ -46,7 +47,7 @@ EOF
     nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv
     ;;
 tests)
-    timeout "${2:-540}" $PY -m pytest -p no:cacheprovider -q -m slow --durations=15 \
+    timeout "${2:-540}" $PY -m pytest -p no:cacheprovider -q -m slow --durations=15 -rP \
         tests/test_gpu_device.py tests/test_device_live.py tests/test_supervisor_live.py tests/test_worker_process.py \
         tests/test_guard_live.py tests/test_reliability_live.py tests/test_models_live.py \
         2>&1 | grep -v " INFO " | tee "$OUT/tests.log" | tail -40
@@ -63,8 +64,12 @@ peers)
     timeout "${2:-540}" $PY scripts/bench_peers.py --size 2GiB --dtype bfloat16 --streams 1,8,32,64 --tokens 128 \
         --runs 1 2>&1 | grep -v " INFO " | tee "$OUT/peers.log" | tail -30
     ;;
+joinmem)
+    timeout "${2:-300}" $PY scripts/bench_join_memory.py --size 512MiB --requests 64 \
+        2>&1 | grep -v " INFO " | tee "$OUT/joinmem.log" | tail -10
+    ;;
 *)
-    echo "usage: $0 parts|install|tests|drill|batch|peers" >&2
+    echo "usage: $0 parts|install|tests|drill|batch|peers|joinmem" >&2
     exit 2
     ;;
 esac

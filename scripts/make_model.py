@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 
 try:
-    from worker.modelgen import DEFAULT_DTYPE, DTYPES, QUANT_BITS, ModelGenError, make_model
+    from worker.modelgen import DEFAULT_DTYPE, DTYPES, FIM_TOKENS, QUANT_BITS, ModelGenError, make_model
 except ImportError:  # run as a file from a checkout: put the repo root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from worker.modelgen import DEFAULT_DTYPE, DTYPES, QUANT_BITS, ModelGenError, make_model
+    from worker.modelgen import DEFAULT_DTYPE, DTYPES, FIM_TOKENS, QUANT_BITS, ModelGenError, make_model
 
 from shared.sizes import SizeError, format_size, parse_size
 
@@ -37,6 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--quantize", type=int, choices=QUANT_BITS, default=0, metavar="BITS",
                         help="write the matrices quantized as mlx_lm.convert -q does: affine, "
                              "group size 64, BITS 4 or 8 (SIZE counts the packed bytes)")
+    parser.add_argument("--fim", action="store_true",
+                        help="add fill-in-the-middle tokens (<fim_prefix>, <fim_suffix>, <fim_middle>) "
+                             "so the model takes a suffix on /v1/completions and /api/generate")
     parser.add_argument("--force", action="store_true",
                         help="write into DIR even if it is not empty")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -51,7 +54,8 @@ def _run_with_bar(args, size: int):
         task = bar.add_task("weights", total=size)
         return make_model(args.dir, size, args.seed,
                           lambda done, total: bar.update(task, completed=done, total=total),
-                          force=args.force, dtype=args.dtype, bits=args.quantize)
+                          force=args.force, dtype=args.dtype, bits=args.quantize,
+                          extra_special=FIM_TOKENS if args.fim else ())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         size = parse_size(args.size)
         if args.quiet or not sys.stderr.isatty():
-            dims = make_model(args.dir, size, args.seed, force=args.force, dtype=args.dtype, bits=args.quantize)
+            dims = make_model(args.dir, size, args.seed, force=args.force, dtype=args.dtype, bits=args.quantize,
+                              extra_special=FIM_TOKENS if args.fim else ())
         else:
             dims = _run_with_bar(args, size)
     except (SizeError, ModelGenError) as exc:

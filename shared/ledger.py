@@ -37,8 +37,9 @@ from shared.memory import MemoryReading
 from shared.states import PHASES
 
 MAGIC = b"MVLEDGR1"
-LAYOUT_VERSION = 3  # 2: cache bytes in samples; cache cap, pool max, residency in limits;
-# 3: samples are MemoryReading, device watermarks in limits
+LAYOUT_VERSION = 4  # 2: cache bytes in samples; cache cap, pool max, residency in limits;
+# 3: samples are MemoryReading, device watermarks in limits; 4: the decode batch's bytes and
+# relayouts, the worker's own pool returns in samples
 
 _HEADER = struct.Struct("<8sII")  # magic, layout version, n_slots
 _HEADER_BYTES = 64
@@ -46,7 +47,7 @@ _SUPS = struct.Struct("<qd")  # supervisor footprint, t
 _SLOT_HEAD = struct.Struct("<QII")  # seq, crc32, pad
 _SEQ = struct.Struct("<Q")
 
-_SAMPLE = struct.Struct("<qdqqqqqqqqqqq")  # pid, t, MemoryReading (7), running, queued, tokens, phase
+_SAMPLE = struct.Struct("<qdqqqqqqqqqqqqqqqq")  # pid, t, MemoryReading (12), running, queued, tokens, phase
 _LIMITS = struct.Struct("<qqqqdddqqqqqqqqqqqqqq")
 
 _SAMPLE_SLOT = _SLOT_HEAD.size + _SAMPLE.size
@@ -174,7 +175,8 @@ class Ledger:
         m = memory
         values = (
             pid, t, m.usage, m.footprint, m.mlx_active, m.mlx_pool, m.mlx_peak, m.cache_bytes,
-            m.cache_releasable, running, queued, tokens, PHASES.index(phase),
+            m.cache_releasable, m.batch_bytes, m.batch_live_bytes, m.batch_relayouts, m.pool_returns,
+            m.pool_returned, running, queued, tokens, PHASES.index(phase),
         )  # fmt: skip
         self._write(self._samples_at + slot * _SAMPLE_SLOT, _SAMPLE, values)
 
@@ -183,11 +185,14 @@ class Ledger:
         values = self._read(self._samples_at + slot * _SAMPLE_SLOT, _SAMPLE)
         if values is None or values[0] == 0:
             return None
-        (pid, t, usage, footprint, active, pool, peak, cache_bytes, cache_releasable,
-         running, queued, tokens, phase) = values  # fmt: skip
+        (pid, t, usage, footprint, active, pool, peak, cache_bytes, cache_releasable, batch_bytes,
+         batch_live_bytes, batch_relayouts, pool_returns, pool_returned, running, queued, tokens,
+         phase) = values  # fmt: skip
         memory = MemoryReading(
             usage=usage, footprint=footprint, mlx_active=active, mlx_pool=pool, mlx_peak=peak,
-            cache_bytes=cache_bytes, cache_releasable=cache_releasable,
+            cache_bytes=cache_bytes, cache_releasable=cache_releasable, batch_bytes=batch_bytes,
+            batch_live_bytes=batch_live_bytes, batch_relayouts=batch_relayouts, pool_returns=pool_returns,
+            pool_returned=pool_returned,
         )
         return LedgerSample(
             pid=pid, t=t, memory=memory, running=running, queued=queued, tokens=tokens,

@@ -20,6 +20,15 @@ class MemoryReading(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     not be read). `cache_bytes` is the prompt cache held (H2, measured from the
     cached arrays) and `cache_releasable` the part of it no running or queued
     request uses, all that a shrink may drop (H3).
+
+    Where the decode batch's memory goes (issue 22): `batch_bytes` are its KV
+    buffers as allocated (rows x positions, free room included) and
+    `batch_live_bytes` the live rows' own tokens in them; `batch_relayouts`
+    counts the whole-batch copies (growth, compaction) since the worker
+    started. `pool_returns` counts the times the worker returned MLX's pool
+    itself at a step boundary because it was over the pool cap (M1, where
+    the allocator does not bound its pool: MLX's CUDA backend), and
+    `pool_returned` the bytes those returns gave back.
     """
 
     usage: int = 0
@@ -29,6 +38,11 @@ class MemoryReading(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     mlx_peak: int = 0     # MLX peak active since the process started
     cache_bytes: int = 0
     cache_releasable: int = 0
+    batch_bytes: int = 0
+    batch_live_bytes: int = 0
+    batch_relayouts: int = 0
+    pool_returns: int = 0
+    pool_returned: int = 0
 
 
 NO_READING = MemoryReading()

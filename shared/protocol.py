@@ -112,10 +112,34 @@ class Reclaimed(Msg, tag="reclaimed", kw_only=True):
     freed_bytes: int
 
 
+class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """One of the most likely tokens at a position: its text and log-probability."""
+
+    token: str
+    logprob: float
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """A generated token's log-probability and the `top` alternatives, most likely first.
+
+    Why the token's own text: `TokenOut.text` is what the detokenizer and the stop
+    strings let out at this step, which need not be this token's piece; the APIs'
+    logprobs are per token. Why arrays: a request that asks for them sends one per
+    token, and field names would be most of its bytes.
+    """
+
+    token: str
+    logprob: float
+    top: list[TopLogprob] = []
+
+
 class TokenOut(Msg, tag="token", kw_only=True):
     request_id: str
     text: str
     token_id: int = -1
+    # only for a request that asked for logprobs; UNSET is left off the frame,
+    # so a token of any other request costs not one byte more
+    logprobs: Union[TokenLogprobs, msgspec.UnsetType] = msgspec.UNSET
 
 
 # -- issue 11: batched decode ------------------------------------------------------
@@ -131,13 +155,24 @@ class TokenBatch(Msg, tag="tokens", kw_only=True):
     request_ids: list[str]
     texts: list[str]
     token_ids: list[int]
+    # a column only when some row asked for logprobs (None in the rows that did not)
+    logprobs: Union[list[Union[TokenLogprobs, None]], msgspec.UnsetType] = msgspec.UNSET
+
+    def well_formed(self) -> bool:
+        """Every column has one entry per row."""
+        n = len(self.request_ids)
+        return n == len(self.texts) == len(self.token_ids) and (
+            self.logprobs is msgspec.UNSET or len(self.logprobs) == n)
 
     def tokens(self) -> list[TokenOut]:
         """The rows as `TokenOut`s (none when the columns disagree in length)."""
-        if not len(self.request_ids) == len(self.texts) == len(self.token_ids):
+        if not self.well_formed():
             return []
-        return [TokenOut(request_id=r, text=t, token_id=i)
-                for r, t, i in zip(self.request_ids, self.texts, self.token_ids)]
+        if self.logprobs is msgspec.UNSET:
+            return [TokenOut(request_id=r, text=t, token_id=i)
+                    for r, t, i in zip(self.request_ids, self.texts, self.token_ids)]
+        return [TokenOut(request_id=r, text=t, token_id=i, logprobs=msgspec.UNSET if lp is None else lp)
+                for r, t, i, lp in zip(self.request_ids, self.texts, self.token_ids, self.logprobs)]
 
 
 def coalesce(events: list[Msg]) -> list[Msg]:
@@ -150,8 +185,11 @@ def coalesce(events: list[Msg]) -> list[Msg]:
     tokens = [ev for ev in events if type(ev) is TokenOut]
     if len(tokens) < 2:
         return events
-    batch: TokenBatch | None = TokenBatch(request_ids=[t.request_id for t in tokens],
-                                          texts=[t.text for t in tokens], token_ids=[t.token_id for t in tokens])
+    whole = TokenBatch(request_ids=[t.request_id for t in tokens], texts=[t.text for t in tokens],
+                       token_ids=[t.token_id for t in tokens])
+    if any(t.logprobs is not msgspec.UNSET for t in tokens):
+        whole.logprobs = [None if t.logprobs is msgspec.UNSET else t.logprobs for t in tokens]
+    batch: TokenBatch | None = whole
     out: list[Msg] = []
     for ev in events:
         if type(ev) is not TokenOut:
@@ -201,14 +239,55 @@ class Failed(Msg, tag="failed", kw_only=True):
 
 
 class NeedMemory(Msg, tag="need_memory", kw_only=True):
-    """SPEC G1: a prefill does not fit; ask the supervisor to evict idle models."""
+    """SPEC G1: a prefill does not fit; ask the supervisor to evict idle models.
+
+    `pool` says where the shortfall is: host RAM, or the discrete device's
+    pool (SPEC D) when the worker's arrays live there; the victims' bytes in
+    that pool are what covers it.
+    """
 
     request_id: str
     need_bytes: int
+    pool: Literal["host", "device"] = "host"
+
+
+class Embedded(Msg, tag="embedded", kw_only=True):
+    """The vectors of one `Embed`, its terminal reply.
+
+    Why bytes: a request may embed thousands of inputs, and float32 in one
+    buffer is a quarter of msgpack's floats and what OpenAI's base64 encoding
+    sends as is. Row i of `count` rows is input i, `dimensions` float32 values,
+    little-endian; the front door refuses requests whose vectors would not fit
+    one frame (shared.embedding.EmbeddingSpec.input_cap).
+    """
+
+    request_id: str
+    dimensions: int
+    vectors: bytes
+    token_counts: list[int]  # tokens of each input as embedded (after any truncation)
+
+
+# -- issue 23: the worker's tokenizer on request --------------------------------------
+class Tokenized(Msg, tag="tokenized", kw_only=True):
+    """The answer to `Tokenize`: the token ids and, when asked, each token's bytes (a
+    token may hold part of a UTF-8 character, so bytes, not text)."""
+
+    request_id: str
+    tokens: list[int]
+    pieces: list[bytes] = []
+
+
+class Detokenized(Msg, tag="detokenized", kw_only=True):
+    """The answer to `Detokenize`: the text of the tokens."""
+
+    request_id: str
+    text: str
+# -- end issue 23 ------------------------------------------------------------------------
 
 
 WorkerReply = Union[Hello, Loaded, LoadFailed, Ack, Pong, Reclaimed, TokenOut, TokenBatch, Finished, Failed,
-                    NeedMemory, Prompted]
+                    NeedMemory, Prompted, Embedded, Tokenized, Detokenized]
+TokensReply = Union[Tokenized, Detokenized, Failed]  # issue 23: what answers a Tokenize / Detokenize
 
 
 # --------------------------------------------------------------------------
@@ -327,6 +406,67 @@ class Generate(Command, tag="generate", kw_only=True):
     # issue 13: JSON text of the tool list `[{"type": "function", "function": {...}}]`,
     # handed to the model's chat template as `tools` (how the model learns of them)
     tools: Union[str, None] = None
+    # the rest of the sampling settings (worker/sampling.py); each default leaves
+    # the logits as they are. Penalties look back over the last `*_context_size` tokens
+    # (prompt and reply), as mlx_lm's server does; 0 switches a penalty off.
+    top_k: int = 0  # 0: no top-k
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # multiplicative (sign-aware), mlx_lm's
+    repetition_context_size: int = 20
+    presence_penalty: float = 0.0  # additive, OpenAI's
+    presence_context_size: int = 20
+    frequency_penalty: float = 0.0  # additive per occurrence, OpenAI's
+    frequency_context_size: int = 20
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit
+    logprobs: bool = False  # each token's TokenOut carries its TokenLogprobs
+    top_logprobs: int = 0  # ... with this many most likely alternatives
+    # issue 23: fill in the middle: `prompt` is the text before, this the text after
+    # (the worker builds the prompt from its tokenizer's FIM tokens; prompt only)
+    suffix: Union[str, None] = None
+
+
+# -- issue 23: the worker's tokenizer on request --------------------------------------
+# Why commands: only the worker holds the tokenizer and the chat template (the
+# supervisor never imports the tokenizer stack). The worker answers at once, between
+# two engine steps, with `Tokenized` / `Detokenized`, or a `Failed` of the same
+# request_id when the input cannot be used; no generation, no memory of its own.
+
+
+class Tokenize(Command, tag="tokenize", kw_only=True):
+    """Text (`text`) or chat turns through the model's template (`messages`, `tools`)
+    -> token ids, as llama.cpp's /tokenize: `add_special` adds the BOS (and what else
+    the tokenizer adds), `parse_special` reads special-token text as those tokens."""
+
+    request_id: str
+    text: Union[str, None] = None
+    messages: Union[list[ChatMessage], None] = None
+    tools: Union[str, None] = None
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+
+
+class Detokenize(Command, tag="detokenize", kw_only=True):
+    request_id: str
+    tokens: list[int]
+# -- end issue 23 ------------------------------------------------------------------------
+
+
+class Embed(Command, tag="embed", kw_only=True):
+    """Embed each input with the worker's embedding model; answered by one
+    `Embedded` or one `Failed`. Exactly one of `texts` and `token_ids` is given.
+
+    `truncate`: an input longer than the model's limit is cut to it (else the
+    request fails with `context_length_exceeded`). `dimensions`: Matryoshka
+    truncation to that length (renormalised when the model normalises); the
+    front door has checked that the model allows it.
+    """
+
+    request_id: str
+    texts: Union[list[str], None] = None
+    token_ids: Union[list[list[int]], None] = None  # the model's own token ids, taken as they are
+    truncate: bool = False
+    dimensions: Union[int, None] = None
 
 
 class MemoryAnswer(Command, tag="memory_answer", kw_only=True):
@@ -365,7 +505,8 @@ class DrillStop(Command, tag="drill_stop", kw_only=True):
     pass
 
 
-CommandMsg = Union[SetLimits, Reclaim, ShrinkCache, AbortRequests, Generate, MemoryAnswer, Drain, Ping, Drill, DrillStop]
+CommandMsg = Union[SetLimits, Reclaim, ShrinkCache, AbortRequests, Generate, MemoryAnswer, Drain, Ping, Drill, DrillStop,
+                   Embed, Tokenize, Detokenize]
 
 
 # --------------------------------------------------------------------------

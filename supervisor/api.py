@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 from shared import protocol as p
 
 if TYPE_CHECKING:
+    from shared.embedding import EmbeddingSpec
     from supervisor.config import Config, ModelConfig
     from supervisor.fanout import Subscription
     from supervisor.policy.admission import FitReport
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from supervisor.policy.snapshot import Snapshot
     from supervisor.policy.status import DiskCacheStatus, ModelInfo, ServerStatus
     from supervisor.pool import ModelView, WorkerHandle
+    from supervisor.readiness import Readiness
     from supervisor.streams import RequestStream
 
 
@@ -50,7 +52,22 @@ class Supervisor(Protocol):
 
     async def unload(self, model_id: str, reason: str = ...) -> bool: ...
 
-    async def generate(self, model_id: str, gen: p.Generate) -> RequestStream: ...
+    async def generate(self, model_id: str, gen: p.Generate, max_wait: float | None = ...) -> RequestStream:
+        """`max_wait`: the most seconds the request may wait for a load, the memory
+        queue or a silent worker before it is refused (None: as long as they take)."""
+        ...
+
+    async def embedding_spec(self, model_id: str) -> EmbeddingSpec | None:
+        """How the model embeds (its folder's files, read off the loop), None for a chat model."""
+        ...
+
+    async def embed(self, model_id: str, cmd: p.Embed) -> RequestStream:
+        """Like `generate`; the stream gets one `Embedded` or one `Failed`."""
+        ...
+
+    async def tokens(self, model_id: str, cmd: p.Tokenize | p.Detokenize) -> p.TokensReply:
+        """Issue 23: the model's tokenizer, asked through its worker (loaded on demand)."""
+        ...
 
     def cancel(self, stream: RequestStream, reason: str = ...) -> None: ...
 
@@ -63,6 +80,12 @@ class Supervisor(Protocol):
 
     def disk_cache(self) -> DiskCacheStatus:
         """The prompt cache's disk tier and shrink before drop (H5, H6 as proposed), per model and in all."""
+        ...
+
+    # -- routing signals (issue 24) -------------------------------------------
+
+    def readiness(self, name: str) -> Readiness:
+        """What a request for the model would meet now (LoadError 404 for an unknown model)."""
         ...
 
     def update_guard(self, update: p.GuardUpdate) -> None:

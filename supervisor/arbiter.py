@@ -32,7 +32,9 @@ import msgspec
 import zmq
 from typing_extensions import assert_never
 
+from shared import probe
 from shared import protocol as p
+from shared.embedding import WRONG_MODEL_KIND, EmbeddingSpec, read_embedding_spec
 from shared.ledger import Ledger
 from shared.memory import NO_READING
 from shared.modelinfo import FileRefused, context_length, open_regular
@@ -40,10 +42,10 @@ from shared.sizes import format_size
 from shared.states import LOADING_STATES
 from shared.weights import WeightsError, estimate_weight_bytes, kv_bytes_per_token
 from supervisor.bus import Bus, BusError, Endpoints, FrameTooLarge, claim_runtime_dir, pid_alive
-from supervisor.config import Config, ConfigError, ModelConfig, guard_settings
+from supervisor.config import Config, ConfigError, ModelConfig, guard_settings, host_name
 from supervisor.discovery import last_refused, refusal
 from supervisor.enforcer import Enforcer
-from supervisor.errors import LoadError, ModelUnreadable, ServeError
+from supervisor.errors import AtCapacity, LoadError, ModelUnreadable, NotReady, ServeError
 from supervisor.fanout import Hub, Subscription
 from supervisor.gate import Gate
 from supervisor.offloop import OffLoopTimeout, off_loop
@@ -61,6 +63,7 @@ from supervisor.pool import (
     Spawned,
     WorkerHandle,
 )
+from supervisor.readiness import LoadProgress, Readiness, assess, load_progress, loading_retry, saturated
 from supervisor.runtime import ensure_private_dir
 from supervisor.streams import RequestStream
 
@@ -76,6 +79,9 @@ READ_TIMEOUT = 10.0  # one model's headers and config.json
 RELOAD_TIMEOUT = 60.0  # the config file and every models folder
 CONFIG_FILE_MAX = 16 * 1024 * 1024  # a config file larger than this is refused, not read
 ACCEPT_LOG_EVERY = 5.0  # seconds between log lines about failing accept() calls
+# Issue 24: a request that will not wait for a load still waits this long for
+# one, so a refusal it can act on (failed, does not fit) reaches it first.
+LOAD_GRACE = 0.25
 # An OSError that says nothing about the file (out of descriptors or memory): 503, retry.
 _PASSING_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM, errno.EINTR})
 
@@ -106,8 +112,10 @@ class Arbiter:
         self.started = time.monotonic()
         self._load_lock = asyncio.Lock()  # A5; binds to the running loop on first use
         self._loading: dict[str, asyncio.Task] = {}
+        self._load_began: dict[str, float] = {}  # model id -> when its load in flight began (issue 24)
         self._respawn_due: dict[str, float] = {}
         self._context: dict[str, int] = {}  # model id -> context tokens from config.json (-1: unknown)
+        self._embedding: dict[str, EmbeddingSpec | None] = {}  # model id -> how it embeds (None: it chats)
         self._signals = 0
         self._accept_logged = -ACCEPT_LOG_EVERY
         self._status_published = 0.0
@@ -310,7 +318,7 @@ class Arbiter:
         """What happened to a worker: published as an S2 event; crashes may respawn."""
         match ev:
             case NeedMemory():
-                self.enforcer.on_need_memory(ev.handle, ev.request_id, ev.need_bytes)
+                self.enforcer.on_need_memory(ev.handle, ev.request_id, ev.need_bytes, ev.pool)
                 return
             case Spawned():
                 kind, reason = "spawn", ev.reason
@@ -469,6 +477,7 @@ class Arbiter:
         if task is None:
             task = self.loop.create_task(self._load(model, handle))
             self._loading[model_id] = task
+            self._load_began[model_id] = time.monotonic()
             task.add_done_callback(lambda _t: self._loading.pop(model_id, None))
         try:
             return await asyncio.shield(task)
@@ -553,6 +562,9 @@ class Arbiter:
     def check_request(self, model: ModelConfig, gen: p.Generate) -> None:
         """Issue 16: what can be refused before a worker exists (the prompt's
         length in tokens is checked by the worker, which tokenizes it)."""
+        if self._embedding.get(model.id) is not None:  # an embedder has no chat to give
+            raise ServeError(f"model {model.id!r} is an embedding model: it serves /v1/embeddings and /api/embed, "
+                             "not chat, completions or generation", code=WRONG_MODEL_KIND, http_status=400)
         cap = self.config.supervisor.max_tokens
         if gen.max_tokens > cap:
             raise ServeError(f"max_tokens ({gen.max_tokens}) exceeds this server's cap of {cap} "
@@ -562,7 +574,10 @@ class Arbiter:
             raise ServeError(f"max_tokens ({gen.max_tokens}) leaves no room for a prompt in the model's "
                              f"context of {context} tokens", code="context_length_exceeded", http_status=400)
 
-    async def generate(self, model_id: str, gen: p.Generate) -> RequestStream:
+    async def generate(self, model_id: str, gen: p.Generate, max_wait: float | None = None) -> RequestStream:
+        """A stream of `gen` on the model's worker. `max_wait` (issue 24: a router's
+        X-Memvisor-Max-Wait) bounds the seconds it may wait before its worker takes
+        it; past that it is refused with a 503 the router can act on (NotReady)."""
         model = self.model_config(model_id)
         if model.id not in self._context:  # its config.json is read off the loop, never here (issue 21)
             if self.pool.worker_for(model.id) is None:
@@ -570,9 +585,33 @@ class Arbiter:
             else:  # loaded: its worker checks the context itself (issue 16); read it for the next one
                 self._read_soon(model)
         self.check_request(model, gen)
-        handle = await self.load(model_id)
+        return await self._submit(model, gen, max_wait)
+
+    async def embedding_spec(self, model_id: str) -> EmbeddingSpec | None:
+        """How the model embeds (its folder's sentence-transformers files, read off
+        the loop once), or None for a model that generates text."""
+        model = self.model_config(model_id)
+        if model.id not in self._context:
+            await self.read_model_files(model)
+        return self._embedding.get(model.id)
+
+    async def embed(self, model_id: str, cmd: p.Embed) -> RequestStream:
+        """An embedding request, under the same load, admission and gate as a generation."""
+        if await self.embedding_spec(model_id) is None:
+            raise ServeError(f"model {model_id!r} generates text; it is not an embedding model (serve a "
+                             "sentence-transformers folder for embeddings)", code=WRONG_MODEL_KIND, http_status=400)
+        return await self._submit(self.model_config(model_id), cmd)
+
+    async def _submit(self, model: ModelConfig, gen: p.Generate | p.Embed,
+                      max_wait: float | None = None) -> RequestStream:
+        model_id = model.id
+        handle = await self._loaded(model, max_wait)
+        self._check_room(model, handle, max_wait)
         if not self.admission_open(handle):
-            await self.gate.wait(handle)
+            if max_wait is not None and max_wait <= 0:
+                raise NotReady(f"memory pressure has paused admission to {model.id!r} and this request "
+                               "will not wait (X-Memvisor-Max-Wait)", code="admission_paused", retry_after=2)
+            await self.gate.wait(handle, max_wait)
         if not handle.live:  # it exited while we waited (load, gate): no one would end the stream
             raise LoadError(f"the worker for {model_id!r} stopped before the request reached it",
                             code="worker_exited", http_status=503)
@@ -590,6 +629,52 @@ class Arbiter:
         self.wake()
         return stream
 
+    async def tokens(self, model_id: str, cmd: p.Tokenize | p.Detokenize) -> p.TokensReply:
+        """Issue 23: the model's tokenizer on request, loaded on demand like a generation
+        (A2-A5); the worker answers between two steps, so the wait is at most one step."""
+        handle = await self.load(self.model_config(model_id).id)
+        if not handle.live:
+            raise LoadError(f"the worker for {model_id!r} stopped before the request reached it",
+                            code="worker_exited", http_status=503)
+        try:
+            return await self.pool.call(handle, cmd, self.config.supervisor.step_timeout + 5.0)
+        except FrameTooLarge as exc:
+            raise LoadError(f"the request is too large to hand to a worker: {exc}; send less text",
+                            code="request_too_large", http_status=413) from None
+        except TimeoutError:
+            raise LoadError(f"the worker for {model_id!r} did not answer in time", code="worker_timeout",
+                            http_status=503) from None
+
+    async def _loaded(self, model: ModelConfig, max_wait: float | None) -> WorkerHandle:
+        """The model's worker once loaded; with `max_wait`, a load that takes longer goes
+        on for the next request while this one is refused with its progress."""
+        handle = self.pool.worker_for(model.id)
+        if max_wait is None or (handle is not None and handle.serving and not handle.marked_for_unload):
+            return await self.load(model.id)
+        task = self.loop.create_task(self.load(model.id))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # its failure is the next one's
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), max(max_wait, LOAD_GRACE))
+        except asyncio.TimeoutError:
+            progress = self.load_progress(model.id, time.monotonic())
+            raise NotReady(f"model {model.id!r} is loading; this request will not wait for it "
+                           "(X-Memvisor-Max-Wait)", code="model_loading", retry_after=loading_retry(progress),
+                           progress=progress) from None
+
+    def _check_room(self, model: ModelConfig, handle: WorkerHandle, max_wait: float | None) -> None:
+        """Issue 24: a 429 when the model's slots and queue are full; for a request that will
+        not wait, a 503 when its worker has stopped answering (a router tries another host)."""
+        in_flight = len(handle.requests) + self.gate.waiting_for(handle)
+        if saturated(handle.model, in_flight):
+            self.pool.counters["at_capacity"] += 1
+            raise AtCapacity(f"model {model.id!r} runs {handle.model.max_concurrency} requests and "
+                             f"{in_flight - handle.model.max_concurrency} more wait (max_queue "
+                             f"{handle.model.max_queue}); retry later or elsewhere", retry_after=1)
+        silent = self._silent(handle, time.monotonic())
+        if max_wait is not None and silent is not None:
+            raise NotReady(f"the worker for {model.id!r} has not answered for {silent:.1f} s",
+                           code="worker_unresponsive", retry_after=2)
+
     def cancel(self, stream: RequestStream, reason: str = "client disconnected") -> None:
         self.pool.cancel_request(stream, reason)
         self.wake()
@@ -601,6 +686,47 @@ class Arbiter:
         if handle is not None:
             handle.model = msgspec.structs.replace(handle.model, ttl=seconds)
             self.wake()
+
+    # -- routing signals (issue 24) ---------------------------------------------------
+
+    def readiness(self, name: str) -> Readiness:
+        """What a request for the model would meet now (supervisor.readiness)."""
+        model = self.model_config(name)
+        now = time.monotonic()
+        handle = self.pool.worker_for(model.id)
+        fit, snapshot, size = None, self.enforcer.last_snapshot, self._estimates.get(model.path, 0)
+        if handle is None and snapshot is not None and size > 0:  # the last tick's figures: no probe here
+            fit = fit_report(snapshot, model.id, size, 0, 0)
+        return assess(model=handle.model if handle is not None else model, host=host_name(self.config),
+                      view=self.pool.model_view(model.id), handle=handle,
+                      waiting=self.gate.waiting_for_model(model.id), paused=self.enforcer.admission_paused,
+                      silent=self._silent(handle, now), progress=self.load_progress(model.id, now), fit=fit)
+
+    def _silent(self, handle: WorkerHandle | None, now: float) -> float | None:
+        """Seconds a serving worker has not answered a ping, once past half the heartbeat
+        window (a SIGSTOPped worker, before it is killed as wedged); None otherwise."""
+        if handle is None or not handle.serving:
+            return None
+        scfg = self.config.supervisor
+        silent = now - handle.last_pong
+        limit = max(2 * scfg.heartbeat_interval, scfg.heartbeat_timeout / 2)
+        return silent if silent > limit and not self.pool.in_long_step(handle, now) else None
+
+    def load_progress(self, model_id: str, now: float) -> LoadProgress | None:
+        """How far the model's load in flight has come (None: no load in flight)."""
+        if model_id not in self._loading:
+            return None
+        began = self._load_began.get(model_id, now)
+        handle = self.pool.worker_for(model_id)
+        model = self.config.model(model_id)
+        estimate = self._estimates.get(model.path, 0) if model is not None else 0
+        if handle is None or handle.state not in LOADING_STATES:
+            return load_progress("queued", began, now, 0, estimate)
+        grown = 0
+        sample = handle.sample
+        if handle.state == "loading" and sample is not None and sample.phase == "loading":
+            grown = (probe.footprint(handle.pid) or 0) - sample.memory.usage  # since it reported, before its weights
+        return load_progress(handle.state, began, now, grown, estimate)
 
     # -- status ----------------------------------------------------------------------
 
@@ -628,7 +754,8 @@ class Arbiter:
             id=m.id, path=m.path, pinned=m.pinned, state=view.state, worker=view.worker, pid=view.pid,
             failed_reason=view.reason, aliases=list(m.aliases), estimated_bytes=self._estimate(m),
             usage=memory.usage, mlx_active=memory.mlx_active, mlx_pool=memory.mlx_pool,
-            cache_bytes=memory.cache_bytes, disk_cache_bytes=disk.bytes, disk_cache_entries=disk.entries,
+            cache_bytes=memory.cache_bytes, batch_bytes=memory.batch_bytes,
+            batch_live_bytes=memory.batch_live_bytes, disk_cache_bytes=disk.bytes, disk_cache_entries=disk.entries,
             idle_seconds=idle, ttl=ttl, expires_in=expires,
             restarts=len(self.pool.restarts.get(m.id, ())),
         )
@@ -673,24 +800,28 @@ class Arbiter:
             await self.read_model_files(model)  # a read begun earlier failed for a passing reason: read anew
 
     async def _read_files(self, model: ModelConfig) -> None:
-        def read() -> tuple[int | None, int | str, int]:
+        def read() -> tuple[int | None, int | str, int, EmbeddingSpec | None]:
             why = refusal(model.path)  # discovery's test: what it refuses in a folder is refused here too
             if why is not None:  # the files themselves are refused
-                return None, why, 0
+                return None, why, 0, None
             context, kv = context_length(model.path), kv_bytes_per_token(model.path)
+            embedding = read_embedding_spec(model.path)
+            if embedding is not None:
+                context = embedding.max_tokens
             try:
-                return context, estimate_weight_bytes(model.path), kv
+                return context, estimate_weight_bytes(model.path), kv, embedding
             except (WeightsError, FileRefused) as exc:  # changed since refusal() looked
-                return context, str(exc), kv
+                return context, str(exc), kv, embedding
 
         try:
-            context, size, kv = await off_loop(read, READ_TIMEOUT, f"reading {model.id}'s files")
+            context, size, kv, embedding = await off_loop(read, READ_TIMEOUT, f"reading {model.id}'s files")
         except OffLoopTimeout as exc:
-            size, context, kv = f"{exc} (a slow disk, or not a plain file?)", None, 0
+            size, context, kv, embedding = f"{exc} (a slow disk, or not a plain file?)", None, 0, None
         except OSError as exc:  # out of descriptors, a vanished folder: not the files' fault
             raise _ReadFailed(f"model {model.id!r}: cannot read {model.path}: {exc}", code="model_unreadable",
                               http_status=503, retry_after=1) from None
         self._context[model.id] = context or -1
+        self._embedding[model.id] = embedding
         self._kv[model.path] = kv
         if isinstance(size, int):
             self._estimates[model.path] = size
@@ -829,6 +960,7 @@ class Arbiter:
         self._estimates.clear()
         self._kv.clear()
         self._context.clear()
+        self._embedding.clear()
         self._say_refused()
         summary = "; ".join(changes) if changes else "no change"
         self.emit("reload", f"{why}: {summary}")
@@ -902,7 +1034,7 @@ class Arbiter:
                 self._retire(model_id, f"its path changed to {after.path}", then_load=after.pinned or loaded)
                 continue
             words = ", ".join(f"{key} {getattr(before, key)!r} -> {getattr(after, key)!r}"
-                              for key in ("pinned", "ttl", "max_concurrency", "aliases")
+                              for key in ("pinned", "ttl", "max_concurrency", "max_queue", "aliases")
                               if getattr(before, key) != getattr(after, key))
             changes.append(f"changed {model_id} ({words})")
             handle = self.pool.worker_for(model_id)
@@ -935,7 +1067,7 @@ class Arbiter:
             changes.append("guard settings changed")
         old_s, new_s = msgspec.structs.asdict(self.config.supervisor), msgspec.structs.asdict(new.supervisor)
         live = {"idle_timeout", "models_dirs", "admin_token", "queue_deadline", "restart_max", "restart_period",
-                "stop_grace", "heartbeat_timeout", "load_timeout", "max_body"}
+                "stop_grace", "heartbeat_timeout", "load_timeout", "max_body", "host_name"}
         stale = sorted(k for k in old_s if old_s[k] != new_s[k] and k not in live)
         if stale:
             log.warning("reload: %s take effect only after a restart", ", ".join(f"supervisor.{k}" for k in stale))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import re
+import socket
 from pathlib import Path
 
 import msgspec
@@ -258,8 +259,14 @@ class SupervisorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     # Folders whose models are served without a [[models]] entry each
     # (supervisor.discovery); `serve --models-dir` adds to them.
     models_dirs: list[str] = msgspec.field(default_factory=list)
+    # The name this host gives itself in the X-Memvisor-Host response header and the
+    # routing signals, so a router in front of several hosts can say which one served
+    # (or refused) a request ("" = this machine's name).
+    host_name: str = ""
 
     def __post_init__(self) -> None:
+        if len(self.host_name) > 64 or not all(c.isalnum() or c in "-_.:" for c in self.host_name):
+            raise _FieldError("host_name", "at most 64 letters, digits and - _ . : (it goes in a header)")
         try:
             parse_http(self.http)
         except ValueError as exc:
@@ -311,6 +318,7 @@ class SupervisorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
 
 
 MAX_CONCURRENCY = 1024  # requests one worker runs at once; far past what one model batches
+MAX_QUEUE = 100_000  # requests that may wait for a model's slots
 
 
 class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -321,6 +329,9 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pinned: bool = False
     ttl: float | None = None
     max_concurrency: int = 4
+    # Requests that may wait for one of its max_concurrency slots; one more is a 429
+    # with Retry-After (a router sends it to another host), never an unbounded queue.
+    max_queue: int = 64
     aliases: list[str] = msgspec.field(default_factory=list)  # other names requests may use
 
     def __post_init__(self) -> None:
@@ -335,6 +346,8 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             _non_negative("ttl", self.ttl)
         if not 1 <= self.max_concurrency <= MAX_CONCURRENCY:
             raise _FieldError("max_concurrency", f"must be 1..{MAX_CONCURRENCY}, got {self.max_concurrency}")
+        if not 0 <= self.max_queue <= MAX_QUEUE:
+            raise _FieldError("max_queue", f"must be 0..{MAX_QUEUE}, got {self.max_queue}")
         for j, alias in enumerate(self.aliases):
             if not alias.strip():
                 raise _FieldError(f"aliases[{j}]", "must not be empty")
@@ -430,6 +443,11 @@ def load_config(path: str | Path) -> Config:
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
     return parse_config(data, source=str(path))
+
+
+def host_name(config: Config) -> str:
+    """This host's name for the routing signals: `[supervisor] host_name`, else the machine's."""
+    return config.supervisor.host_name or socket.gethostname()
 
 
 def guard_settings(config: Config, *, pressure_reclaim_disabled: bool = False) -> GuardSettings:

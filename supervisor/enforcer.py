@@ -334,19 +334,22 @@ class Enforcer:
             raise LoadError(verdict.message, code=verdict.error, http_status=507)
         raise LoadError(f"could not make room for {model.id!r}", code="insufficient_memory", http_status=507)
 
-    def on_need_memory(self, handle: WorkerHandle, request_id: str, need_bytes: int) -> None:
+    def on_need_memory(self, handle: WorkerHandle, request_id: str, need_bytes: int, pool: str = "host") -> None:
         import asyncio
 
-        asyncio.get_running_loop().create_task(self._evict_for_prefill(handle, request_id, need_bytes))
+        asyncio.get_running_loop().create_task(self._evict_for_prefill(handle, request_id, need_bytes, pool))
 
-    async def _evict_for_prefill(self, handle: WorkerHandle, request_id: str, need_bytes: int) -> None:
-        """G1: `need_bytes` is the worker's shortfall; the answer goes once the victims have exited."""
-        victims = evict_for_prefill(self.snapshot(time.monotonic()), handle.worker_id, need_bytes)
+    async def _evict_for_prefill(self, handle: WorkerHandle, request_id: str, need_bytes: int, pool: str) -> None:
+        """G1: `need_bytes` is the worker's shortfall in `pool`; the answer goes once the victims have exited."""
+        snapshot = self.snapshot(time.monotonic())
+        victims = evict_for_prefill(snapshot, handle.worker_id, need_bytes, pool=pool)
+        held = {w.worker: w.device_bytes if pool == "device" else w.usage for w in snapshot.workers}
+        where = "of the device pool's limit" if pool == "device" else "of its limit"
         for worker_id in victims:
             h = self.pool.handles.get(worker_id)
             if h is not None:
                 self.emit("evict", (f"prefill of {request_id} on {handle.model_id} is {format_size(need_bytes)} "
-                                    f"short of its limit; stop idle {h.model_id} ({format_size(h.sample.memory.usage if h.sample else 0)})"),
+                                    f"short {where}; stop idle {h.model_id} ({format_size(held.get(worker_id, 0))})"),
                           worker_id=h.worker_id, model_id=h.model_id)
                 await self.pool.stop(h, f"evicted for a prefill on {handle.model_id}", cause="evict")
         if handle.live:

@@ -8,6 +8,11 @@ when a retry makes sense. The doors translate; they never guess from text.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from supervisor.readiness import LoadProgress
+
 
 class ServeError(RuntimeError):
     """A refusal with its API code, HTTP status and (for 503s) Retry-After seconds."""
@@ -54,3 +59,28 @@ class ModelUnreadable(LoadError):
 
     code = "model_unreadable"
     http_status = 422
+
+
+class AtCapacity(ServeError):
+    """The model runs `max_concurrency` requests and `max_queue` more wait (429).
+
+    Why 429 and not 503: nothing is wrong with this host's memory or its
+    worker; this model is busy here, and a router should send the request to
+    another host now (LiteLLM cools a deployment down for Retry-After seconds
+    on a 429 and retries elsewhere at once)."""
+
+    code = "model_at_capacity"
+    http_status = 429
+
+
+class NotReady(ServeError):
+    """The model cannot take the request without a wait the client said it will not
+    make (`X-Memvisor-Max-Wait`): loading, paused by memory pressure, or a worker that
+    has stopped answering. 503 with Retry-After; `progress` while it loads."""
+
+    http_status = 503
+
+    def __init__(self, message: str, *, code: str, retry_after: int,
+                 progress: LoadProgress | None = None) -> None:
+        super().__init__(message, code=code, retry_after=retry_after)
+        self.progress = progress

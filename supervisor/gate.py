@@ -17,12 +17,13 @@ from supervisor.errors import GateClosed
 
 
 class _Waiter:
-    __slots__ = ("handle", "future", "deadline")
+    __slots__ = ("handle", "future", "deadline", "wait")
 
-    def __init__(self, handle, future: asyncio.Future, deadline: float) -> None:
+    def __init__(self, handle, future: asyncio.Future, deadline: float, wait: float) -> None:
         self.handle = handle
         self.future = future
         self.deadline = deadline
+        self.wait = wait
 
 
 class Gate:
@@ -37,8 +38,18 @@ class Gate:
     def depth(self) -> int:
         return len(self.waiters)
 
-    async def wait(self, handle) -> None:
-        """Return once `release` lets this request in; GateClosed when full or too late."""
+    def waiting_for(self, handle) -> int:
+        """Requests queued here for one worker (a model's queue depth, issue 24)."""
+        return sum(1 for w in self.waiters if w.handle is handle and not w.future.done())
+
+    def waiting_for_model(self, model_id: str) -> int:
+        return sum(1 for w in self.waiters if w.handle.model_id == model_id and not w.future.done())
+
+    async def wait(self, handle, deadline: float | None = None) -> None:
+        """Return once `release` lets this request in; GateClosed when full or too late.
+
+        `deadline`: seconds this request will wait at most, when shorter than the
+        gate's own (a router's request that would rather try another host)."""
         if len(self.waiters) >= self.size:
             self.rejected_full += 1
             raise GateClosed(
@@ -46,7 +57,8 @@ class Gate:
                 retry_after=max(1, int(self.deadline / 4)),
             )
         future = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(handle, future, time.monotonic() + self.deadline)
+        wait = self.deadline if deadline is None else min(self.deadline, deadline)
+        waiter = _Waiter(handle, future, time.monotonic() + wait, wait)
         self.waiters.append(waiter)
         try:
             await future
@@ -76,6 +88,6 @@ class Gate:
             if not waiter.future.done() and now >= waiter.deadline:
                 self.rejected_deadline += 1
                 waiter.future.set_exception(GateClosed(
-                    f"memory pressure kept admission paused for {self.deadline:.0f} s; retry later",
-                    retry_after=max(1, int(self.deadline / 4)),
+                    f"memory pressure kept admission paused for {waiter.wait:.0f} s; retry later",
+                    retry_after=max(1, int(waiter.wait / 4)),
                 ))

@@ -125,11 +125,12 @@ class LoadFailed(_News):
 
 @dataclass(frozen=True, slots=True)
 class NeedMemory:
-    """SPEC G1: the worker's prefill needs `need_bytes` more (the shortfall)."""
+    """SPEC G1: the worker's prefill needs `need_bytes` more (the shortfall) in `pool`."""
 
     handle: WorkerHandle
     request_id: str
     need_bytes: int
+    pool: str = "host"
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +207,8 @@ class Pool:
         self._mp = multiprocess.get_context("spawn")
         self.counters: collections.Counter[str] = collections.Counter()
         self._pings: dict[tuple[str, int], asyncio.Future] = {}
+        # issue 23: Tokenize/Detokenize waiting for their one reply, by request id
+        self._calls: dict[str, tuple[WorkerHandle, asyncio.Future[p.TokensReply]]] = {}
         # Off only in the reaction benchmark's baseline (the seed's fixed 1 s poll).
         self.wake_on_watermark = True
         self.caches = CacheBook()  # each model's prompt-cache disk tier, as its workers report it (H5)
@@ -325,10 +328,14 @@ class Pool:
             self.bus.bad("commands", "message from an unknown or stopped worker", cause="unknown_peer")
             return
         match msg:
-            case p.TokenOut() | p.Finished() | p.Failed() | p.Prompted():  # Prompted: issue 23
+            case p.Tokenized() | p.Detokenized():  # issue 23: a tokenizer call's answer
+                self._answer(msg)
+            case p.Failed() if msg.request_id in self._calls:  # ... or its refusal
+                self._answer(msg)
+            case p.TokenOut() | p.Finished() | p.Failed() | p.Prompted() | p.Embedded():  # Prompted: issue 23
                 self.streams.deliver(msg)
             case p.TokenBatch():  # issue 11: one decode step's tokens for several requests
-                if len(msg.request_ids) == len(msg.texts) == len(msg.token_ids):
+                if msg.well_formed():
                     self.streams.deliver_batch(msg)
                 else:
                     self.bus.bad("commands", "token batch with columns of unequal length")
@@ -348,7 +355,7 @@ class Pool:
                 handle.marked_for_unload = True
                 self.on_event(LoadFailed(handle, msg.error))
             case p.NeedMemory():
-                self.on_event(NeedMemory(handle, msg.request_id, msg.need_bytes))
+                self.on_event(NeedMemory(handle, msg.request_id, msg.need_bytes, msg.pool))
             case p.Ack() | p.Reclaimed():
                 pass  # informational; the sample that follows carries the effect
             case _:
@@ -529,6 +536,33 @@ class Pool:
         finally:
             self._pings.pop(key, None)
 
+    async def call(self, handle: WorkerHandle, cmd: p.Tokenize | p.Detokenize, timeout: float) -> p.TokensReply:
+        """Issue 23: a command the worker answers with one reply of the same request id
+        (or a `Failed`); LoadError 503 when the worker cannot be reached or exits first,
+        TimeoutError when it does not answer in `timeout` seconds."""
+        waiter: asyncio.Future[p.TokensReply] = asyncio.get_running_loop().create_future()
+        self._calls[cmd.request_id] = (handle, waiter)
+        try:
+            if not self.command(handle, cmd):
+                raise LoadError(f"the worker for {handle.model_id!r} is not reachable", code="worker_exited",
+                                http_status=503)
+            handle.last_access = time.monotonic()  # a use of the model: its idle timer starts again
+            return await asyncio.wait_for(waiter, timeout)
+        finally:
+            self._calls.pop(cmd.request_id, None)
+
+    def _answer(self, msg: p.TokensReply) -> None:
+        entry = self._calls.pop(msg.request_id, None)
+        if entry is not None and not entry[1].done():
+            entry[1].set_result(msg)
+
+    def _fail_calls(self, handle: WorkerHandle) -> None:
+        for request_id, (owner, waiter) in list(self._calls.items()):
+            if owner is handle and not waiter.done():
+                waiter.set_exception(LoadError(f"the worker serving {handle.model_id!r} {handle.exit_cause}",
+                                               code="worker_exited", http_status=503))
+                self._calls.pop(request_id, None)
+
     def read_samples(self) -> None:
         for h in self.handles.values():
             if h.live:
@@ -632,6 +666,7 @@ class Pool:
         log.log(level, "Worker %s (pid %d, model %s) %s%s", handle.worker_id, handle.pid, handle.model_id,
                 handle.exit_cause, f" [{handle.stop_reason}]" if handle.stop_reason else "")
         self.streams.fail_all(handle, "worker_exited", f"the worker serving {handle.model_id!r} {handle.exit_cause}")
+        self._fail_calls(handle)
         if not handle.loaded.done():  # a death, as after loading: 503, retry (issue 16; was a 500)
             handle.loaded.set_exception(
                 LoadError(f"worker for {handle.model_id!r} {handle.exit_cause} before the model was loaded",

@@ -1,7 +1,8 @@
 """Routing a worker's replies to the request that waits for them.
 
 Every generation in flight has one `RequestStream`: the worker's tokens and
-its one terminal message (`Finished` or `Failed`) land in the stream's queue,
+its one terminal message (`Finished` or `Failed`; an embedding request's
+`Embedded` or `Failed`) land in the stream's queue,
 where the front door reads them. The router knows streams by request id and
 by worker, so a worker that exits can end every stream it was serving with a
 clear error, and no stream is ever left waiting for a reply that cannot come.
@@ -17,12 +18,16 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Union
 
+import msgspec
+
 from shared import protocol as p
 
 if TYPE_CHECKING:
     from supervisor.pool import WorkerHandle
 
 StreamReply = Union[p.TokenOut, p.Finished, p.Failed]
+# An embedding request's stream gets one message, its vectors or its error.
+EmbedReply = Union[p.Embedded, p.Failed]
 
 
 class RequestStream:
@@ -42,7 +47,7 @@ class RequestStream:
         self.prompted: p.Prompted | None = None  # issue 23: the prompt's length, once the worker says
         self.prompt_known = asyncio.Event()  # set by Prompted, or by the end of a request that had none
 
-    def put(self, msg: StreamReply | p.Prompted) -> None:
+    def put(self, msg: StreamReply | p.Prompted | p.Embedded) -> None:
         if self.done:
             return
         if isinstance(msg, p.Prompted):
@@ -52,7 +57,7 @@ class RequestStream:
         self.prompt_known.set()  # a token or the end: no Prompted is coming after it
         if isinstance(msg, p.TokenOut) and self.first_token is None:
             self.first_token = time.monotonic()
-        if isinstance(msg, (p.Finished, p.Failed)):
+        if isinstance(msg, (p.Finished, p.Failed, p.Embedded)):
             self.done = True
         self.queue.put_nowait(msg)
 
@@ -71,7 +76,7 @@ class Streams:
         handle.last_access = time.monotonic()
         return stream
 
-    def deliver(self, msg: StreamReply | p.Prompted) -> None:
+    def deliver(self, msg: StreamReply | p.Prompted | p.Embedded) -> None:
         """A worker's reply for one request; a reply for a forgotten request is dropped."""
         stream = self.by_id.get(msg.request_id)
         if stream is not None:
@@ -83,6 +88,12 @@ class Streams:
         """Issue 11: a batched decode step's tokens, one per request, from one frame."""
         self.batches += 1
         by_id = self.by_id
+        if msg.logprobs is not msgspec.UNSET:  # some row asked for logprobs
+            for token in msg.tokens():
+                stream = by_id.get(token.request_id)
+                if stream is not None:
+                    stream.put(token)
+            return
         for rid, text, token_id in zip(msg.request_ids, msg.texts, msg.token_ids):
             stream = by_id.get(rid)
             if stream is not None:

@@ -130,3 +130,13 @@ def token_server(tmp_path_factory):
 
     with LiveServer(make_config([], admin_token=ADMIN_TOKEN), tmp_path_factory.mktemp("rt")) as live:
         yield live
+
+
+@pytest.fixture(scope="session")
+def fim_model(tmp_path_factory) -> Path:
+    """Issue 23: a tiny model whose tokenizer has StarCoder's fill-in-the-middle tokens."""
+    from worker.modelgen import FIM_TOKENS, make_model
+
+    path = tmp_path_factory.mktemp("models") / "tiny-fim"
+    make_model(path, 2 * MiB, 3, extra_special=FIM_TOKENS)
+    return path

@@ -134,3 +134,20 @@ def test_g1_evicts_nothing_when_it_cannot_fit_anyway_or_guard_off():
 def test_a_verdict_round_trips_json(size):
     v = admit_load(snap(w("a", 1.0)), "m", size)
     assert msgspec.json.decode(msgspec.json.encode(v), type=type(v)) == v
+
+
+def test_g1_d_a_device_shortfall_is_covered_by_the_victims_device_bytes():
+    """On a discrete device a prefill's peak is device memory (SPEC D): the shortfall is in
+    the device pool, so the idle victims' device bytes cover it, not their host usage (on
+    CUDA a worker's host usage is its footprint alone), and one holding nothing there is
+    passed over."""
+    s = snap(w("me", 0.5, state="busy", running=1, device_bytes=20 * GiB),
+             w("cpu", 3.0, last_access=0),  # idle, 3 GiB of host RAM, nothing on the device
+             w("old", 0.5, last_access=1, device_bytes=8 * GiB), w("new", 0.5, last_access=2, device_bytes=8 * GiB),
+             device_total=80 * GiB, device_free=40 * GiB)
+    assert evict_for_prefill(s, "me", 6 * GiB, pool="device") == ["old"]
+    assert evict_for_prefill(s, "me", 12 * GiB, pool="device") == ["old", "new"]
+    assert evict_for_prefill(s, "me", 17 * GiB, pool="device") == []  # every idle model would not cover it
+    assert evict_for_prefill(s, "me", 2 * GiB) == ["cpu"]  # the host pool: host usage, as before
+    no_device = msgspec.structs.replace(s, device_total=0)
+    assert evict_for_prefill(no_device, "me", 6 * GiB, pool="device") == []

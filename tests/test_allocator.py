@@ -37,6 +37,22 @@ class FakeMx:
         return 0
 
 
+class UnboundedPool(FakeMx):
+    """MLX's CUDA allocator as ../shared/device-cuda.md found it: the limits are taken and
+    returned, but the pool (its cache) grows past the cache limit all the same."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.pool = 0
+
+    def get_cache_memory(self) -> int:
+        return self.pool
+
+    def clear_cache(self) -> None:
+        self.calls.append(("clear", self.pool))
+        self.pool = 0
+
+
 def test_m1_hard_limit_and_pool_max_reach_mlx_and_follow_changes():
     mx = FakeMx()
     alloc = AllocatorLimits(mx, platform="linux")
@@ -90,3 +106,51 @@ def test_m2_kernel_cap_below_the_suggestion_wires_the_cap_and_advises_once():
     alloc.apply(Limits(residency=41 * GiB))
     assert [c for c in mx.calls if c[0] == "wired"] == [("wired", 30 * GiB)] * 2
     assert len(said) == 1 and "sudo sysctl iogpu.wired_limit_mb=40960" in said[0]
+
+
+def test_m1_a_pool_over_its_cap_is_returned_by_the_worker_at_the_step_boundary_and_counted():
+    """Where set_cache_limit does not bound the pool (CUDA), a step boundary returns it."""
+    mx = UnboundedPool(cache=40 * GiB)
+    alloc = AllocatorLimits(mx, platform="linux")
+    alloc.apply(Limits(hard_limit=20 * GiB, pool_max=2 * GiB))
+    mx.pool = 2 * GiB  # at the cap: kept, as MLX would keep it
+    assert alloc.hold_pool() == 0 and ("clear", 2 * GiB) not in mx.calls
+    mx.pool = 3 * GiB
+    assert alloc.hold_pool() == 3 * GiB and mx.pool == 0
+    mx.pool = 5 * GiB
+    alloc.hold_pool()
+    assert (alloc.pool_returns, alloc.pool_returned) == (2, 8 * GiB)
+
+
+def test_m1_the_pool_cap_follows_the_limits_and_mlx_own_smaller_default():
+    mx = UnboundedPool(cache=32 * MiB)  # MLX's CPU default is below pool_max: that is the cap
+    alloc = AllocatorLimits(mx, platform="linux")
+    mx.pool = 64 * MiB
+    assert alloc.hold_pool() == 0, "never told a cap: nothing to hold the pool to"
+    alloc.apply(Limits(hard_limit=GiB, pool_max=2 * GiB))
+    assert alloc.pool_cap == 32 * MiB and alloc.hold_pool() == 64 * MiB
+    alloc.apply(Limits())  # guard off: MLX's own default again, still the cap
+    mx.pool = 33 * MiB
+    assert alloc.pool_cap == 32 * MiB and alloc.hold_pool() == 33 * MiB
+
+
+def test_m1_the_lab_allocator_that_ignores_its_limit_keeps_its_pool(monkeypatch):
+    """The pressure lab's P4 scenario stands for an allocator no limit bounds: the worker's own
+    return is part of M1's bound, so it is off there too and P4's reclaim has a pool to return."""
+    from worker.allocator import NO_CACHE_LIMIT_ENV
+
+    monkeypatch.setenv(NO_CACHE_LIMIT_ENV, "1")
+    mx = UnboundedPool()
+    alloc = AllocatorLimits(mx, platform="linux")
+    alloc.apply(Limits(hard_limit=GiB, pool_max=64 * MiB))
+    mx.pool = GiB
+    assert alloc.hold_pool() == 0 and mx.pool == GiB and alloc.pool_returns == 0
+
+
+def test_m1_pool_returns_travel_in_the_memory_sample():
+    from worker.memory import Held, sample
+
+    reading = sample(held=Held(batch_bytes=4 * MiB, batch_live_bytes=MiB, batch_relayouts=3),
+                     pool_returns=2, pool_returned=3 * GiB)
+    assert (reading.batch_bytes, reading.batch_live_bytes, reading.batch_relayouts) == (4 * MiB, MiB, 3)
+    assert (reading.pool_returns, reading.pool_returned) == (2, 3 * GiB)

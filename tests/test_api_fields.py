@@ -50,7 +50,7 @@ def _fields(typed_dict) -> set[str]:
 # Honoured: changes what is generated. Accepted: no effect on the output, truthfully.
 CHAT_HONOURED = {"messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed",
                  "stream_options", "tools", "tool_choice", "parallel_tool_calls", "response_format", "n",
-                 "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "modalities"}
+                 "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "modalities", "logit_bias"}
 CHAT_ACCEPTED = {"user", "metadata", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
                  "prompt_cache_options", "service_tier", "prediction", "store"}
 # Refused unless neutral: a non-neutral value each.
@@ -58,20 +58,18 @@ CHAT_REFUSED = {
     "audio": {"voice": "alloy", "format": "wav"},
     "functions": [{"name": "f"}],
     "function_call": "auto",
-    "logit_bias": {"42": 10},
     "moderation": {"type": "auto"},
     "reasoning_effort": "high",
     "verbosity": "low",
     "web_search_options": {},
-    "n": 2, "logprobs": True, "top_logprobs": 3, "presence_penalty": 1.0, "frequency_penalty": 0.5,
-    "store": True, "modalities": ["text", "audio"],
+    "n": 2, "store": True, "modalities": ["text", "audio"],
     "tool_choice": {"type": "allowed_tools", "allowed_tools": {}},
 }
 COMPLETION_HONOURED = {"model", "prompt", "max_tokens", "temperature", "top_p", "stop", "seed", "stream_options",
-                       "n", "best_of", "echo", "suffix", "logprobs", "presence_penalty", "frequency_penalty"}
+                       "n", "best_of", "echo", "suffix", "logprobs", "presence_penalty", "frequency_penalty",
+                       "logit_bias"}
 COMPLETION_ACCEPTED = {"user"}
-COMPLETION_REFUSED = {"best_of": 2, "echo": True, "suffix": "end", "logprobs": 2, "logit_bias": {"1": -100},
-                      "n": 3, "presence_penalty": 0.1, "frequency_penalty": -0.1}
+COMPLETION_REFUSED = {"best_of": 2, "echo": True, "n": 3}
 ANTHROPIC_HONOURED = {"model", "max_tokens", "messages", "system", "stop_sequences", "tools", "tool_choice"}
 ANTHROPIC_ACCEPTED = {"metadata", "service_tier", "cache_control", "inference_geo", "speed", "user_profile_id",
                       "workspace_id"}
@@ -79,12 +77,13 @@ ANTHROPIC_REFUSED = {"thinking": {"type": "enabled", "budget_tokens": 1024},
                      "output_config": {"effort": "high"}, "container": "c1",
                      "diagnostics": {"x": 1}}
 RESPONSES_HONOURED = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools",
-                      "tool_choice", "parallel_tool_calls", "text", "store", "truncation", "include"}
+                      "tool_choice", "parallel_tool_calls", "text", "store", "truncation", "include",
+                      "top_logprobs"}
 RESPONSES_ACCEPTED = {"metadata", "user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
                       "prompt_cache_options", "service_tier", "stream_options"}
 RESPONSES_REFUSED = {"previous_response_id": "resp_1", "conversation": "c", "background": True,
                      "background_options": {}, "reasoning": {"effort": "low"}, "prompt": {"id": "p"},
-                     "max_tool_calls": 2, "top_logprobs": 2, "context_management": [{}], "moderation": {},
+                     "max_tool_calls": 2, "context_management": [{}], "moderation": {},
                      "access_programs": {}, "image": {}, "store": True, "truncation": "auto",
                      "include": ["reasoning.encrypted_content"]}
 
@@ -147,6 +146,58 @@ def test_an_unknown_field_is_a_400_naming_it_on_every_api(send):
     assert err.value.param == "top_k_typo" and "unknown field" in str(err.value)
 
 
+# -- the sampling options -------------------------------------------------------
+
+EXTRAS = {"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.2, "repetition_context_size": 32,
+          "presence_penalty": 0.5, "presence_context_size": 8, "frequency_penalty": -0.5,
+          "frequency_context_size": 12}
+
+
+@pytest.mark.parametrize("send", [_chat, _completion, _responses], ids=["chat", "completions", "responses"])
+def test_issue23_sampling_fields_and_extra_body_fields_reach_the_worker(send):
+    gen = send(**EXTRAS, logit_bias={"42": 10, "7": -100})
+    assert {name: getattr(gen, name) for name in EXTRAS} == EXTRAS
+    assert gen.logit_bias == {42: 10.0, 7: -100.0}
+    plain = send()
+    assert (plain.top_k, plain.min_p, plain.repetition_penalty, plain.presence_penalty, plain.frequency_penalty,
+            plain.logit_bias, plain.logprobs) == (0, 0.0, 1.0, 0.0, 0.0, {}, False)
+
+
+def test_issue23_anthropic_top_k_reaches_the_worker():
+    assert _anthropic(top_k=3).top_k == 3
+    assert _anthropic().top_k == 0
+
+
+@pytest.mark.parametrize("send, field, value", [
+    (_chat, "top_k", -1), (_chat, "min_p", 1.5), (_chat, "repetition_penalty", 0), (_chat, "presence_penalty", 2.5),
+    (_chat, "frequency_penalty", -3), (_chat, "repetition_context_size", -1), (_chat, "logit_bias", {"1": 101}),
+    (_chat, "logit_bias", {"x": 1}), (_chat, "logit_bias", {"-3": 1}), (_chat, "top_logprobs", 21),
+    (_chat, "logprobs", 3), (_completion, "logprobs", 21), (_completion, "logprobs", True),
+    (_completion, "min_p", -0.1), (_responses, "top_logprobs", -1), (_responses, "top_k", "many"),
+    (_anthropic, "top_k", -2)])
+def test_issue23_a_sampling_value_out_of_bounds_is_a_400_naming_it(send, field, value):
+    with pytest.raises(BodyError) as err:
+        send(**{field: value})
+    assert err.value.param is not None and err.value.param.split("[")[0] == field, err.value
+
+
+def test_issue23_chat_top_logprobs_needs_logprobs_true_as_on_openai():
+    with pytest.raises(BodyError) as err:
+        _chat(top_logprobs=2)
+    assert err.value.param == "top_logprobs"
+    assert (_chat(logprobs=True, top_logprobs=2).logprobs, _chat(logprobs=True, top_logprobs=2).top_logprobs) == (True, 2)
+    assert not _chat(logprobs=False).logprobs
+
+
+def test_issue23_logprobs_spelled_each_apis_way_ask_the_worker_for_them():
+    assert (_completion(logprobs=3).logprobs, _completion(logprobs=3).top_logprobs) == (True, 3)
+    assert (_completion(logprobs=0).logprobs, _completion(logprobs=0).top_logprobs) == (True, 0)
+    included = _responses(include=["message.output_text.logprobs"])
+    assert (included.logprobs, included.top_logprobs) == (True, 0)
+    assert (_responses(top_logprobs=4).logprobs, _responses(top_logprobs=4).top_logprobs) == (True, 4)
+    assert not _responses().logprobs
+
+
 def test_response_format_and_tool_choice_become_worker_constraints():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     gen = _chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema,
@@ -192,7 +243,7 @@ class StubSupervisor:
     def model_config(self, model_id):
         return self.config.models[0]
 
-    async def generate(self, model_id, gen):
+    async def generate(self, model_id, gen, max_wait=None):
         if isinstance(self.outcome, Exception):
             raise self.outcome
         stream = RequestStream(gen.request_id, model_id, worker=None)  # type: ignore[arg-type]
@@ -424,3 +475,75 @@ def test_api_keys_config_refuses_empty_keys_and_a_missing_file_and_reads_one_key
     api = ApiKeys.from_config(load_config(good).supervisor)
     assert api.valid("k-inline") and api.valid("k-file-1") and api.valid("k-file-2") and not api.valid("k-file")
     assert not ApiKeys([]).enabled
+
+
+# -- logprobs in each API's shape, read back by the SDKs -----------------------
+
+def _lp(token: str, logprob: float) -> p.TokenLogprobs:
+    return p.TokenLogprobs(token=token, logprob=logprob,
+                           top=[p.TopLogprob(token=token, logprob=logprob), p.TopLogprob(token="é", logprob=logprob - 2)])
+
+
+def with_logprobs(rid):
+    """Three tokens; the second's text is held back by the detokenizer (it comes with the third)."""
+    return [p.TokenOut(request_id=rid, text="Hel", token_id=1, logprobs=_lp("Hel", -0.5)),
+            p.TokenOut(request_id=rid, text="", token_id=2, logprobs=_lp("l", -1.5)),
+            p.TokenOut(request_id=rid, text="lo", token_id=3, logprobs=_lp("o", -0.25)),
+            p.Finished(request_id=rid, finish_reason="length", prompt_tokens=3, completion_tokens=3)]
+
+
+WANT = [("Hel", -0.5), ("l", -1.5), ("o", -0.25)]
+
+
+def test_issue23_logprobs_come_back_in_openais_shapes_whole_and_streamed():
+    async def main():
+        async with serving(StubSupervisor(with_logprobs)) as (_, oa, _an):
+            chat = await oa.chat.completions.create(model="m", messages=MSG, logprobs=True, top_logprobs=2)
+            chat_chunks = [c async for c in await oa.chat.completions.create(
+                model="m", messages=MSG, logprobs=True, top_logprobs=2, stream=True)]
+            text = await oa.completions.create(model="m", prompt="x", logprobs=2)
+            text_chunks = [c async for c in await oa.completions.create(model="m", prompt="x", logprobs=2, stream=True)]
+            resp = await oa.responses.create(model="m", input="x", include=["message.output_text.logprobs"],
+                                             top_logprobs=2)
+            events = [e async for e in await oa.responses.create(model="m", input="x", top_logprobs=2, stream=True)]
+            plain = await oa.chat.completions.create(model="m", messages=MSG)
+        return chat, chat_chunks, text, text_chunks, resp, events, plain
+
+    chat, chat_chunks, text, text_chunks, resp, events, plain = asyncio.run(main())
+    content = chat.choices[0].logprobs.content
+    assert [(c.token, c.logprob) for c in content] == WANT
+    assert content[0].bytes == list(b"Hel") and [t.token for t in content[0].top_logprobs] == ["Hel", "é"]
+    assert content[0].top_logprobs[1].bytes == list("é".encode())
+    streamed = [c for chunk in chat_chunks if chunk.choices and chunk.choices[0].logprobs
+                for c in chunk.choices[0].logprobs.content]
+    assert [(c.token, c.logprob) for c in streamed] == WANT
+    assert "".join(c.choices[0].delta.content or "" for c in chat_chunks if c.choices) == "Hello"
+    lp = text.choices[0].logprobs
+    assert lp.tokens == ["Hel", "l", "o"] and lp.token_logprobs == [-0.5, -1.5, -0.25]
+    assert lp.text_offset == [0, 3, 4] and lp.top_logprobs[2] == {"o": -0.25, "é": -2.25}
+    streamed_text = [t for c in text_chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    offsets = [o for c in text_chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert streamed_text == ["Hel", "l", "o"] and offsets == [0, 3, 4]
+    part = resp.output[0].content[0]
+    assert [(x.token, x.logprob) for x in part.logprobs] == WANT and len(part.logprobs[0].top_logprobs) == 2
+    deltas = [x for e in events if e.type == "response.output_text.delta" for x in e.logprobs]
+    assert [(x.token, x.logprob) for x in deltas] == WANT
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [(x.token, x.logprob) for x in done.logprobs] == WANT
+    assert plain.choices[0].logprobs is None  # asked for nothing: nothing reported
+
+
+def test_issue23_a_token_batch_carries_logprobs_only_for_the_rows_that_asked():
+    lp = _lp("a", -0.1)
+    batch = p.coalesce([p.TokenOut(request_id="r1", text="a", token_id=1, logprobs=lp),
+                        p.TokenOut(request_id="r2", text="b", token_id=2)])[0]
+    codec = p.Codec(p.WorkerReply)
+    back = codec.decode(codec.encode(batch))
+    assert isinstance(back, p.TokenBatch) and back.logprobs == [lp, None]
+    r1, r2 = back.tokens()
+    assert r1.logprobs == lp and r2.logprobs is msgspec.UNSET
+    plain = p.coalesce([p.TokenOut(request_id="r1", text="a", token_id=1), p.TokenOut(request_id="r2", text="b")])[0]
+    assert b"logprobs" not in codec.encode(plain)  # no column, not one byte, when nobody asked
+    assert b"logprobs" not in codec.encode(p.TokenOut(request_id="r", text="a"))
+    torn = p.TokenBatch(request_ids=["r1", "r2"], texts=["a", "b"], token_ids=[1, 2], logprobs=[lp])
+    assert not torn.well_formed() and torn.tokens() == []

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
-from test_http_harness import LiveServer, make_config, parse_sse, until
+from test_http_harness import LiveServer, make_config, metric, parse_sse, until
 
 from supervisor.config import ModelConfig
 
@@ -76,3 +77,56 @@ def test_a_stream_that_leaves_mid_batch_is_aborted_and_the_others_stay_identical
 
     alone, together = server.run(main())
     assert together == alone
+
+
+def test_issue22_status_ps_and_metrics_show_where_the_decode_batch_memory_goes(server):
+    """The worker writes its decode batch's buffers, the live KV in them and its relayouts into
+    its memory sample; status, ps (the models in /status) and /metrics show them. Checked against
+    the model's own KV size: the live bytes are whole tokens of KV (2 layers x K and V x 1 head
+    x 64 x float16 = 512 bytes a token), no more than the streams' prompts and replies hold, and
+    never above the buffers; the buffers are whole 32-position steps of rows. Once the streams
+    ended the buffers are gone and the relayouts stay."""
+    from supervisor.cli.status import render
+    from supervisor.policy.status import ServerStatus
+
+    per_token, streams, tokens = 512, 4, 300
+    seen: dict = {}
+
+    async def watch(c, running):
+        while not running.done():
+            server.arbiter.wake()  # a fresh tick: status is built from the last one
+            status = (await c.get("/status")).json()
+            [w] = [w for w in status["guard"]["workers"] if w["model"] == "m"]
+            [info] = [m for m in status["models"] if m["id"] == "m"]
+            if w["batch_bytes"] and info["batch_bytes"]:
+                seen.update(worker=w, info=info, metrics=(await c.get("/metrics")).text, status=status)
+                return
+            await asyncio.sleep(0.02)
+
+    async def main():
+        async with server.client() as c:
+            running = asyncio.gather(*(_stream(c, i, max_tokens=tokens) for i in range(streams)))
+            await watch(c, running)
+            await running
+            await until(lambda: server.arbiter.pool.worker_for("m").sample.memory.batch_bytes == 0,
+                        timeout=10, what="the batch's buffers to go with its last row")
+            server.arbiter.wake()
+            await asyncio.sleep(0.3)
+            return (await c.get("/status")).json()
+
+    after = server.run(main())
+    assert seen, "status never showed a decode batch while the streams ran"
+    for figures in (seen["worker"], seen["info"]):
+        live, held = figures["batch_live_bytes"], figures["batch_bytes"]
+        assert 0 < live <= held and live % per_token == 0
+        assert live // per_token <= streams * (tokens + 16)  # prompts are a few tokens each
+        assert held % (32 * per_token) == 0
+    assert seen["worker"]["batch_relayouts"] >= 1  # the buffers were laid out at least once
+    for name in ("memvisor_worker_batch_bytes", "memvisor_worker_batch_live_bytes"):
+        assert metric(seen["metrics"], name, model="m") > 0, name
+    assert metric(seen["metrics"], "memvisor_worker_batch_relayouts_total", model="m") >= 1
+    assert "decode batches (buffers as allocated, live KV in them):" in render(
+        msgspec.json.decode(msgspec.json.encode(seen["status"]), type=ServerStatus))
+    [w] = [w for w in after["guard"]["workers"] if w["model"] == "m"]
+    assert w["batch_bytes"] == w["batch_live_bytes"] == 0
+    assert w["batch_relayouts"] >= seen["worker"]["batch_relayouts"]

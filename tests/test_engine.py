@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import mlx.core as mx
+import msgspec
 import pytest
 
 from shared.limits import Limits
@@ -497,6 +498,76 @@ def test_g3_still_over_abort_limit_after_reclaim_fails_the_request(loaded):
     end = drive(engine, GUARDED, usage).terminal("r")
     assert isinstance(end, Failed) and end.code == "prefill_memory_exceeded"
     assert end.limit_bytes == 12 * GiB and end.binding == "static"
+
+
+# The same guarded host pool, on a machine whose worker runs on a discrete device (SPEC D):
+# the device pool's watermarks are the group's MLX active + pool at 18 and 19 GiB.
+ON_DEVICE = msgspec.structs.replace(GUARDED, device_soft=18 * GiB, device_hard=19 * GiB)
+
+
+def _on_device(loaded, group, own=lambda: 0, **kw) -> Engine:
+    from worker.prefill import DeviceUsage
+
+    return _engine(loaded, device=DeviceUsage(group=group, own=own), **kw)
+
+
+def test_g1_d_on_a_device_the_prefill_is_held_to_the_device_pool_not_host_ram(loaded):
+    """On CUDA a prefill's KV and activations are device memory, and a worker's host usage is
+    its footprint alone: with the host pool nearly empty and the device pool full, the prompt
+    is refused naming the device pool (a 400 prefill_memory_exceeded, binding `device`);
+    without a device (or a device the supervisor does not guard) the same prompt runs."""
+    engine = _on_device(loaded, group=lambda: 19 * GiB - 1024, own=lambda: 19 * GiB - 1024)
+    engine.submit("r", _prompt(engine, "word " * 20), max_tokens=2)
+    run = drive(engine, ON_DEVICE, lambda: 1 * GiB)
+    end = run.terminal("r")
+    assert isinstance(end, Failed) and end.code == "prefill_memory_exceeded"
+    assert end.binding == "device" and end.limit_bytes == 19 * GiB
+    assert "of device memory" in end.message and "device pool" in end.message
+    cpu = _engine(loaded)  # no discrete device: host RAM, whatever the limits say of a device
+    unguarded = _on_device(loaded, group=lambda: 19 * GiB - 1024)  # no device watermarks handed out
+    for engine, limits in ((cpu, ON_DEVICE), (unguarded, GUARDED)):
+        engine.submit("r", _prompt(engine, "word " * 20), max_tokens=2)
+        assert isinstance(drive(engine, limits, lambda: 1 * GiB).terminal("r"), Finished)
+
+
+def test_g1_d_a_device_shortfall_asks_the_supervisor_for_room_in_the_device_pool(loaded):
+    engine = _on_device(loaded, group=lambda: 19 * GiB - 1024, own=lambda: 1 * GiB)
+    engine.submit("r", _prompt(engine), max_tokens=2)
+    [need] = engine.step(ON_DEVICE, lambda: 1 * GiB)
+    assert isinstance(need, NeedMemory) and need.pool == "device" and need.need_bytes > 0
+    engine.abort_all("done")
+
+
+def test_g1_d_requests_arriving_together_are_grouped_only_when_the_device_pool_holds_them_all(loaded):
+    """A group is held to the device pool as a request alone is (G1 sums the members' estimates,
+    G2 sizes the group's chunk as every row's summed): with room under the chunk target for one
+    prefill and a half the two go one after the other, with room for three they go together."""
+    from worker.prefill_guard import admission_peak, chunk_target, device_limits
+
+    target = chunk_target(device_limits(ON_DEVICE)).bytes  # G2's, under G1's (the hard watermark)
+    for room_for, together in ((1.5, False), (3.0, True)):
+        used = {"device": 0}
+        engine = _on_device(loaded, group=lambda: used["device"])  # noqa: B023 - read within the loop
+        prompt = _prompt(engine, "word " * 20)
+        used["device"] = target - int(room_for * admission_peak(len(prompt), engine.cost, ON_DEVICE.min_chunk_tokens))
+        for rid in ("a", "b"):
+            engine.submit(rid, prompt, max_tokens=2)
+        run, grouped = Run(), False
+        while engine.has_work:
+            run.add(engine.step(ON_DEVICE, lambda: 1 * GiB))
+            grouped = grouped or engine.scheduler.group is not None
+        assert isinstance(run.terminal("a"), Finished) and isinstance(run.terminal("b"), Finished)
+        assert grouped == together, room_for
+
+
+def test_g3_d_over_the_device_hard_watermark_after_a_chunk_fails_naming_the_device(loaded):
+    readings = iter([1 * GiB, 1 * GiB])  # preflight, plan; then the device pool is over
+
+    engine = _on_device(loaded, group=lambda: next(readings, 19 * GiB + 1), max_chunk=8, reclaim_fn=lambda: 0)
+    engine.submit("r", _prompt(engine, "word " * 20), max_tokens=2)
+    end = drive(engine, ON_DEVICE, lambda: 1 * GiB).terminal("r")
+    assert isinstance(end, Failed) and end.code == "prefill_memory_exceeded"
+    assert end.binding == "device" and end.limit_bytes == 19 * GiB
 
 
 def test_g2_measured_cost_replaces_the_prior(loaded):

@@ -179,3 +179,24 @@ def test_real_gguf_a2_estimate_matches_measured_memory_and_the_import_is_reused(
     assert estimate <= handle.sample.memory.mlx_active <= estimate * 1.1, (estimate, handle.sample.memory.mlx_active)
     kinds = [e.kind for e in arbiter.events if e.model_id == "smol"]
     assert kinds.count("import") == 1  # the cached folder served the second load
+
+
+def test_real_gguf_card_and_show_agree_and_a_suffix_is_refused(server):
+    """Issue 23: the card of a .gguf path carries its header's context length (8192) and the
+    capabilities /api/show lists; SmolLM2's tokenizer has no FIM tokens, so no `insert`, and a
+    suffix is a 400 naming it (SmolLM2's 17 special tokens are chat and repository markers)."""
+    import ollama
+    import openai
+
+    async def main():
+        card = await server.openai().models.retrieve("smol")
+        shown = await ollama.AsyncClient(host=server.url()).show("smol")
+        with pytest.raises(openai.BadRequestError) as err:
+            await server.openai().completions.create(model="smol", prompt="def f(", suffix="):", max_tokens=2)
+        return card, shown, err.value
+
+    card, shown, err = server.run(main(), timeout=600)
+    assert card.context_length == 8192 == shown.modelinfo["llama.context_length"]
+    assert "insert" not in shown.capabilities and set(card.capabilities) - {"chat"} == set(shown.capabilities)
+    assert "tools" in card.capabilities and "chat" in card.capabilities
+    assert err.body["param"] == "suffix"

@@ -49,3 +49,67 @@ def test_d1_a_cuda_worker_names_its_device_and_nvml_counts_its_bytes(tiny_models
             assert record.memory.usage == record.memory.footprint
 
     asyncio.run(main())
+
+
+def test_m1_on_cuda_the_worker_holds_mlx_pool_to_its_cap_itself():
+    """MLX's CUDA allocator is not bounded by its limits (../shared/device-cuda.md: a 10 GiB
+    memory limit did not stop a 30 GiB allocation); the worker returns the pool at a step
+    boundary when it is over `[guard] pool_max`. Here against the real allocator, in process:
+    freed buffers fill the pool; after `hold_pool` it is within the cap, and a return is
+    counted whenever the pool was over it (printed: whether set_cache_limit bounded it)."""
+    import mlx.core as mx
+
+    from shared.limits import Limits
+    from shared.sizes import MiB
+    from worker.allocator import AllocatorLimits
+
+    cap = 64 * MiB
+    alloc = AllocatorLimits(mx, platform="linux")
+    alloc.apply(Limits(pool_max=cap))
+    try:
+        for size in (256, 512, 768):  # distinct sizes: each freed buffer stays in the pool
+            block = mx.zeros((size * MiB // 4,), mx.float32)
+            mx.eval(block)
+            del block
+        before = mx.get_cache_memory()
+        freed = alloc.hold_pool()
+        after = mx.get_cache_memory()
+        print(f"pool {before / MiB:.0f} MiB with a {cap / MiB:.0f} MiB cache limit; "
+              f"after hold_pool {after / MiB:.0f} MiB; returned {freed / MiB:.0f} MiB "
+              f"({'set_cache_limit did not bound it' if before > cap else 'set_cache_limit bounded it'})")
+        assert after <= cap
+        assert alloc.pool_returns == (1 if before > cap else 0)
+        assert freed >= (before - cap if before > cap else 0)
+    finally:
+        alloc.apply(Limits())  # MLX's own cache limit back for the rest of the process
+
+
+def test_m1_on_cuda_a_worker_samples_its_pool_within_pool_max_and_counts_its_returns(tiny_models, runtime_dir):
+    """Through a real worker on the GPU with a 16 MiB pool_max: every sample taken while it
+    generates (written after the step boundary) shows MLX's pool within the cap, and the
+    returns the worker made are in the sample status reads."""
+    from shared import protocol as p
+    from shared.sizes import MiB
+    from supervisor.config import GuardConfig
+
+    cap = 16 * MiB
+    config = make_config([ModelConfig(id="a", path=str(tiny_models.a), max_concurrency=8)],
+                         guard=GuardConfig(pool_max=cap))
+
+    async def main():
+        async with Running(config, runtime_dir) as arb:
+            handle = await arb.load("a")
+            streams = [await arb.generate("a", p.Generate(request_id=f"r{i}", prompt="word " * (40 + 30 * i),
+                                                          max_tokens=400)) for i in range(6)]
+            pools, returns = [], 0
+            while not all(s.done for s in streams):
+                sample = arb.ledger.read_sample(handle.slot)
+                if sample is not None and sample.running:
+                    pools.append(sample.memory.mlx_pool)
+                    returns = max(returns, sample.memory.pool_returns)
+                await asyncio.sleep(0.005)
+            print(f"{len(pools)} samples while generating: pool at most {max(pools, default=0) / MiB:.1f} MiB "
+                  f"(cap {cap / MiB:.0f} MiB); the worker returned its pool {returns} time(s)")
+            assert pools and max(pools) <= cap
+
+    asyncio.run(main())

@@ -310,9 +310,12 @@ def test_model_list_and_ids_with_slashes(server):
     assert one.status_code == 200
     card = one.json()
     details = card.pop("memvisor")
+    readiness = card.pop("readiness")  # issue 24: what a request would meet (tested in test_routing_signals)
+    assert readiness["model"] == "org/never-loaded" and readiness["loaded"] is False
     assert card | {"created": 0} == {"id": "org/never-loaded", "object": "model", "owned_by": "memvisor",
                                      "created": 0, "state": "unloaded", "pinned": False, "worker": None,
-                                     "pid": None, "context_length": None}  # issue 23: not known here
+                                     "pid": None, "context_length": None,  # issue 23: not known here
+                                     "capabilities": ["completion"]}  # nothing says it embeds
     assert details["id"] == "org/never-loaded" and details["state"] == "unloaded" and details["usage"] == 0
 
 

@@ -179,6 +179,40 @@ def test_issue21_cors_headers_only_for_allowed_origins(server):
     assert_openai_error(evil_post, 403, "origin_not_allowed")
 
 
+UNPREFIXED = ("/models", "/chat/completions", "/completions", "/messages", "/messages/count_tokens", "/tokenize",
+              "/detokenize")
+
+
+def test_issue23_routes_without_v1_get_the_same_cors_and_no_more(server):
+    """Clients that leave out /v1 (and llama.cpp's /tokenize, /detokenize): a local UI's
+    preflight is answered and its responses readable, as on /v1; a foreign page's preflight
+    and POST are refused, its reads carry no CORS header, a text/plain POST is a 415."""
+    ask = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
+
+    async def main():
+        async with server.client() as c:
+            ok = [await c.options(path, headers={"Origin": LOCAL_UI, **ask}) for path in UNPREFIXED]
+            evil = [await c.options(path, headers={"Origin": EVIL, **ask}) for path in UNPREFIXED]
+            read = await c.get("/models", headers={"Origin": LOCAL_UI})
+            refused = await c.post("/chat/completions", json=CHAT, headers={"Origin": LOCAL_UI})
+            evil_read = await c.get("/models", headers={"Origin": EVIL})
+            evil_post = [await c.post(path, json=CHAT, headers={"Origin": EVIL}) for path in UNPREFIXED[1:]]
+            plain = await c.post("/chat/completions", content=b"{}", headers={"Content-Type": "text/plain"})
+        return ok, evil, read, refused, evil_read, evil_post, plain
+
+    ok, evil, read, refused, evil_read, evil_post, plain = server.run(main())
+    for r in ok:
+        assert r.status_code == 204 and r.headers["access-control-allow-origin"] == LOCAL_UI
+    for r in evil:
+        assert r.status_code == 403 and not any(h.startswith("access-control-") for h in r.headers)
+    assert read.status_code == 200 and read.headers["access-control-allow-origin"] == LOCAL_UI
+    assert refused.status_code == 507 and refused.headers["access-control-allow-origin"] == LOCAL_UI
+    assert evil_read.status_code == 200 and "access-control-allow-origin" not in evil_read.headers
+    for r in evil_post:
+        assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
+    assert_openai_error(plain, 415, "unsupported_media_type")
+
+
 def test_issue21_cors_origins_config(tmp_path):
     from supervisor.http.gate import OriginAllowlist
 
@@ -256,3 +290,18 @@ def test_issue21_a_ticket_cookie_opens_the_event_stream_for_the_dashboard(keyed_
         assert part in cookie
     assert "k-123" not in cookie
     assert opened[0] == 200 and opened[1].startswith(("event:", "id:", "retry:", ":", "data:"))
+
+
+def test_issue23_routes_without_v1_and_the_token_routes_need_the_api_key(keyed_server):
+    """Keyed like /v1: no key is a 401; with it the request reaches its handler (no models
+    here: `model` is then required, a 400 naming it)."""
+    async def main():
+        async with keyed_server.client() as c:
+            bare = [await c.post(path, json={"content": "x"}) for path in ("/tokenize", "/detokenize")]
+            bare.append(await c.get("/models"))
+            keyed = await c.post("/tokenize", json={"content": "x"}, headers={"Authorization": "Bearer k-123"})
+        return bare, keyed
+
+    bare, keyed = keyed_server.run(main())
+    assert [r.status_code for r in bare] == [401, 401, 401]
+    assert keyed.status_code == 400 and keyed.json()["error"]["param"] == "model"

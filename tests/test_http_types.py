@@ -59,7 +59,7 @@ def test_malformed_json_says_so(body, words):
 def test_unknown_fields_are_refused_naming_them():
     """Issue 13: nothing silently ignored, on /v1 as on /admin/guard; the field is the param."""
     assert chat(parallel_tool_calls=False, metadata={"a": "1"}, user="u").model == "m"
-    for body, param in ((b'{"model": "m", "messages": [], "top_k": 5}', "top_k"),
+    for body, param in ((b'{"model": "m", "messages": [], "typical_p": 0.5}', "typical_p"),
                         (b'{"model": "m", "messages": [{"role": "user", "content": "x", "colour": 1}]}',
                          "messages[0].colour")):
         with pytest.raises(BodyError) as err:
@@ -102,14 +102,15 @@ def test_defaults_bound_the_generation():
     "fields, param",
     [
         ({"n": 2}, "n"),
-        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": 3}, "logprobs"),  # chat's is true/false
+        ({"top_logprobs": 2}, "top_logprobs"),  # ... and top_logprobs needs it
         ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools[0].type"),
-        ({"logit_bias": {"42": 5}}, "logit_bias"),
+        ({"logit_bias": {"42": 500}}, "logit_bias[...]"),  # honoured within -100..100
         ({"store": True}, "store"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),  # ... within -2..2
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type"),

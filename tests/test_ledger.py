@@ -13,7 +13,8 @@ def test_sample_round_trip_and_empty_slots(tmp_path):
     led = Ledger.create(tmp_path / "ledger", 4)
     assert led.read_sample(0) is None
     reading = MemoryReading(usage=27, footprint=30, mlx_active=10, mlx_pool=3, mlx_peak=20,
-                            cache_bytes=11, cache_releasable=7)
+                            cache_bytes=11, cache_releasable=7, batch_bytes=13, batch_live_bytes=5,
+                            batch_relayouts=4, pool_returns=2, pool_returned=6)
     led.write_sample(2, pid=42, t=1.5, memory=reading, running=1, queued=2, tokens=9, phase="busy")
     s = led.read_sample(2)
     assert s.memory == reading  # the worker's reading comes back whole, cache bytes too (H2/H3)
@@ -60,7 +61,8 @@ def _hammer(path, n):
     led = Ledger.attach(path)
     for i in range(1, n + 1):
         memory = MemoryReading(usage=i, footprint=i, mlx_active=i, mlx_pool=i, mlx_peak=i, cache_bytes=i,
-                               cache_releasable=i)
+                               cache_releasable=i, batch_bytes=i, batch_live_bytes=i, batch_relayouts=i,
+                               pool_returns=i, pool_returned=i)
         led.write_sample(0, pid=i, t=float(i), memory=memory, running=i, queued=i, tokens=i)
 
 

@@ -26,8 +26,23 @@ def test_ollama_options_map_to_sampling():
     assert chat(options={"num_predict": -1}).max_tokens == ollama.DEFAULT_CHAT_MAX_TOKENS
 
 
-@pytest.mark.parametrize("option", [{"top_k": 40}, {"repeat_penalty": 1.1}, {"mirostat": 1},
-                                    {"temperature": 3}, {"num_predict": 0}, {"seed": 2**64}, {"stop": [""]}])
+def test_issue23_ollama_sampling_options_map_to_the_same_generate_fields():
+    gen = chat(options={"top_k": 5, "min_p": 0.1, "repeat_penalty": 1.3, "presence_penalty": 0.5,
+                        "frequency_penalty": -0.25, "repeat_last_n": 16}, logprobs=True, top_logprobs=4)
+    assert (gen.top_k, gen.min_p, gen.repetition_penalty, gen.presence_penalty, gen.frequency_penalty) == (
+        5, 0.1, 1.3, 0.5, -0.25)
+    assert gen.repetition_context_size == gen.presence_context_size == gen.frequency_context_size == 16
+    assert (gen.logprobs, gen.top_logprobs) == (True, 4)
+    plain = chat()  # Ollama's defaults: top_k 40, the penalties off, no logprobs
+    assert (plain.top_k, plain.repetition_penalty, plain.presence_penalty, plain.logprobs) == (40, 1.0, 0.0, False)
+    assert chat(options={"repeat_last_n": -1}).repetition_context_size >= 1 << 30  # -1: the whole context
+    assert chat(options={"top_k": 0}).top_k == chat(options={"top_k": -1}).top_k == 0  # off, as in Ollama
+
+
+@pytest.mark.parametrize("option", [{"mirostat": 1}, {"typical_p": 0.5}, {"tfs_z": 0.9}, {"num_keep": 4},
+                                    {"temperature": 3}, {"num_predict": 0}, {"seed": 2**64}, {"stop": [""]},
+                                    {"top_k": "x"}, {"min_p": 1.5}, {"repeat_penalty": 0}, {"repeat_last_n": -2},
+                                    {"presence_penalty": 3}, {"frequency_penalty": "high"}])
 def test_ollama_option_we_cannot_honour_is_a_400_naming_it(option):
     with pytest.raises(BodyError) as err:
         chat(options=option)
@@ -61,7 +76,8 @@ def test_ollama_tool_turns_answer_their_calls_by_made_up_ids():
     assert gen.tools and gen.constraint is None  # Ollama's tools are always "auto"
 
 
-@pytest.mark.parametrize("body, param", [({"suffix": "x"}, "suffix"), ({"template": "{{ .Prompt }}"}, "template"),
+@pytest.mark.parametrize("body, param", [({"suffix": "x", "system": "s"}, "system"),
+                                         ({"template": "{{ .Prompt }}"}, "template"),
                                          ({"context": [1, 2]}, "context"), ({"think": True}, "think"),
                                          ({"images": ["aGk="]}, "images"), ({"width": 64}, "width")])
 def test_ollama_generate_refuses_what_it_cannot_honour(body, param):
@@ -94,7 +110,8 @@ def test_model_facts_from_config_and_tokenizer_config(tmp_path):
                                           '"quantization": {"bits": 4, "group_size": 64}}')
     (tmp_path / "tokenizer_config.json").write_text(
         '{"chat_template": "{% if tools %}x{% endif %}", '
-        '"added_tokens_decoder": {"1": {"content": "<|fim_prefix|>"}}}')
+        '"added_tokens_decoder": {"1": {"content": "<|fim_prefix|>"}, "2": {"content": "<|fim_suffix|>"}, '
+        '"3": {"content": "<|fim_middle|>"}}}')
     facts = read_facts(str(tmp_path))
     assert (facts.family, facts.context_length, facts.quantization_level) == ("qwen2", 32768, "Q4")
     assert ollama.capabilities(facts) == ["completion", "tools", "insert"]

@@ -78,7 +78,7 @@ def test_ollama_unknown_model_is_404_and_unhonoured_option_400(server):
         c = client(server)
         errors = []
         for call in (c.chat(model="nope", messages=[{"role": "user", "content": "Hi"}]),
-                     c.chat(model="a", messages=[{"role": "user", "content": "Hi"}], options={"top_k": 5})):
+                     c.chat(model="a", messages=[{"role": "user", "content": "Hi"}], options={"mirostat": 1})):
             try:
                 await call
             except ollama.ResponseError as exc:
@@ -87,7 +87,7 @@ def test_ollama_unknown_model_is_404_and_unhonoured_option_400(server):
 
     missing, refused = server.run(main())
     assert missing.status_code == 404 and "nope" in missing.error
-    assert refused.status_code == 400 and "options.top_k" in refused.error
+    assert refused.status_code == 400 and "options.mirostat" in refused.error
 
 
 def test_ollama_ps_lists_the_loaded_model_with_expiry(server):

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from shared.limits import Limits
 from shared.sizes import GiB, MiB
 from worker.prefill_guard import (
     COST_PAD,
+    DEVICE,
+    Limit,
     PrefillCost,
+    abort_binding,
     admission_peak,
     after_chunk,
     chunk_bytes,
     chunk_target,
+    device_limits,
     estimate_prefill_peak,
     next_chunk,
     padded_chunk_bytes,
@@ -244,3 +249,38 @@ def test_g3_after_chunk_levels(usage, expected):
 
 def test_g3_guard_off_never_aborts():
     assert after_chunk(Limits(), 10**15) == "ok"
+
+
+# ---------------------------------------------------------------- G1-G3 on a discrete device's pool (SPEC D)
+
+# The host pool of a CUDA machine with room to spare; the device pool's watermarks (the group's
+# MLX active + pool) at 18 and 19 GiB of a 20 GiB device ceiling.
+ON_DEVICE = msgspec.structs.replace(LIMITS, device_soft=18 * GiB, device_hard=19 * GiB)
+
+
+def test_g1_d_device_limits_put_the_device_watermarks_in_the_host_limits_places():
+    d = device_limits(ON_DEVICE)
+    assert prefill_limit(d) == Limit(19 * GiB, DEVICE)  # G1: the device hard watermark
+    assert chunk_target(d).bytes == int(19 * GiB * ON_DEVICE.prefill_headroom_safety)  # G2
+    assert chunk_target(d).binding == DEVICE
+    assert (d.soft_limit, d.abort_limit) == (18 * GiB, 19 * GiB)  # G3: over soft logs, over hard aborts
+
+
+def test_g1_d_a_prefill_that_fits_the_host_but_not_the_device_is_refused_naming_the_device_pool():
+    """Host usage on CUDA is the footprint alone: the host limits would let any prompt through."""
+    tokens = 20_000  # ~1.2 GiB of KV plus a chunk in flight
+    assert preflight(ON_DEVICE, usage=2 * GiB, tokens=tokens, cost=COST).verdict == "fits"
+    d = device_limits(ON_DEVICE)
+    verdict = preflight(d, usage=int(18.5 * GiB), tokens=tokens, cost=COST, own_usage=int(18.5 * GiB))
+    assert verdict.verdict == "reject" and verdict.binding == DEVICE and verdict.limit_bytes == 19 * GiB
+    message = rejection_message(verdict.estimated_bytes, verdict.limit_bytes, verdict.binding)
+    assert "of device memory" in message and "device pool's limit is 19 GiB" in message
+    evict = preflight(d, usage=int(18.5 * GiB), tokens=tokens, cost=COST, own_usage=GiB)
+    assert evict.verdict == "evict" and evict.need_bytes == evict.estimated_bytes - 19 * GiB
+
+
+def test_g3_d_over_the_device_hard_watermark_aborts_naming_the_device():
+    d = device_limits(ON_DEVICE)
+    assert after_chunk(d, int(18.5 * GiB)) == "over_soft"
+    assert after_chunk(d, 19 * GiB + 1) == "over_abort"
+    assert abort_binding(d) == DEVICE

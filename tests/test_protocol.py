@@ -15,6 +15,13 @@ from shared.memory import MemoryReading
         (p.CommandMsg, p.Generate(cmd=1, request_id="r", messages=[p.ChatMessage(role="user", content="hi")])),
         (p.WorkerReply, p.Hello(worker_id="w1", model_id="m", pid=3, device_info={"device_name": "cpu"})),
         (p.WorkerReply, p.Prompted(request_id="r", prompt_tokens=12, cached_tokens=8)),  # issue 23
+        (p.CommandMsg, p.Generate(request_id="r", prompt="x", top_k=5, min_p=0.1, repetition_penalty=1.2,
+                                  presence_penalty=-0.5, frequency_context_size=8, logit_bias={3: -100.0, 9: 2.5},
+                                  logprobs=True, top_logprobs=4)),
+        (p.WorkerReply, p.TokenOut(request_id="r", text="a", token_id=7, logprobs=p.TokenLogprobs(
+            token="a", logprob=-0.25, top=[p.TopLogprob(token="a", logprob=-0.25), p.TopLogprob(token="b", logprob=-2.0)]))),
+        (p.WorkerReply, p.TokenBatch(request_ids=["r", "s"], texts=["a", "b"], token_ids=[1, 2],
+                                     logprobs=[None, p.TokenLogprobs(token="b", logprob=-1.0)])),
         (p.WorkerReply, p.Failed(request_id="r", code="prefill_memory_exceeded", message="x",
                                  estimated_bytes=5, limit_bytes=4, binding="static")),
         (p.WorkerReport, p.Sample(worker_id="w", model_id="m", pid=1, seq=2, t=0.5, memory=MemoryReading(usage=4, footprint=4, mlx_active=1, mlx_pool=2,
@@ -84,3 +91,14 @@ def test_the_schema_names_prompted_among_the_worker_replies():
     """Issue 23: `python -m supervisor schema` documents the worker's early prompt count."""
     defs = msgspec.json.schema(p.all_message_types()["WorkerReply"])["$defs"]
     assert defs["Prompted"]["properties"]["type"] == {"enum": ["prompted"]}
+
+
+def test_the_schema_describes_logprobs_and_the_sampling_fields():
+    """Issue 23: the token messages' logprobs and Generate's sampling settings are in the schema."""
+    replies = msgspec.json.schema(p.all_message_types()["WorkerReply"])["$defs"]
+    assert "logprobs" in replies["TokenOut"]["properties"] and "logprobs" in replies["TokenBatch"]["properties"]
+    assert replies["TokenLogprobs"]["type"] == "array"  # compact: [token, logprob, top]
+    generate = msgspec.json.schema(p.all_message_types()["Command"])["$defs"]["Generate"]["properties"]
+    for name in ("top_k", "min_p", "repetition_penalty", "repetition_context_size", "presence_penalty",
+                 "frequency_penalty", "logit_bias", "logprobs", "top_logprobs"):
+        assert name in generate, name

@@ -221,3 +221,38 @@ def test_prompted_comes_before_the_first_token_and_agrees_with_finished(tiny_mod
         assert prompted.cached_tokens == finished.cached_tokens
     c_prompted = next(m for m in again if isinstance(m, p.Prompted))
     assert c_prompted.cached_tokens > 0  # the repeat reused the prompt cache, and says so up front
+
+
+def _tokens_reply(sup: FakeSupervisor, rid: str, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sup.router.poll(100):
+            msg = sup.replies.decode(sup.router.recv_multipart()[1])
+            if isinstance(msg, (p.Tokenized, p.Detokenized, p.Failed)) and msg.request_id == rid:
+                return msg
+    raise AssertionError(f"no answer for {rid}")
+
+
+def test_tokenize_and_detokenize_are_answered_while_a_generation_runs(tiny_model, tmp_path):
+    """Issue 23, the worker's end of /tokenize: each command gets one reply of its request id
+    (a bad token id a Failed naming it), between two steps of a running generation, which
+    still finishes."""
+    with FakeSupervisor(tmp_path, tiny_model, "w#1") as sup:
+        sup.recv(p.Loaded)
+        sup.send(p.Generate(request_id="g", prompt="memory guard " * 20, max_tokens=16, temperature=0.0))
+        sup.send(p.Tokenize(request_id="t", text="hello world", add_special=True, with_pieces=True))
+        tokenized = _tokens_reply(sup, "t")
+        sup.send(p.Detokenize(request_id="d", tokens=tokenized.tokens))
+        detokenized = _tokens_reply(sup, "d")
+        sup.send(p.Detokenize(request_id="x", tokens=[7, 10**6]))
+        refused = _tokens_reply(sup, "x")
+        # _tokens_reply skipped g's replies: its Finished still to come means the three answers
+        # came while it ran (the commands arrive together; the worker takes them between steps)
+        finished = _replies_until_finished(sup, {"g"})[-1]
+        sup.send(p.Drain(reason="test over"))
+        sup.proc.join(20)
+    assert isinstance(tokenized, p.Tokenized) and len(tokenized.pieces) == len(tokenized.tokens) > 1
+    assert b"".join(tokenized.pieces[1:]) == b"hello world"  # after the BOS the add_special put first
+    assert isinstance(detokenized, p.Detokenized) and detokenized.text.endswith("hello world")
+    assert isinstance(refused, p.Failed) and refused.code == "invalid_request" and "1000000" in refused.message
+    assert isinstance(finished, p.Finished)

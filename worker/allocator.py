@@ -5,7 +5,12 @@ checks MLX allocates freely and keeps what it frees in its pool. Telling MLX
 itself closes that gap: with `set_memory_limit` at the hard limit MLX frees
 its pool before it grows past it, and `set_cache_limit` bounds the pool to
 `[guard] pool_max` (P4's threshold) so a fat pool does not wait for the
-supervisor to ask. On macOS the worker also wires what it may keep resident
+supervisor to ask. Where the allocator does not bound its pool by that
+limit (MLX's CUDA backend: `../shared/device-cuda.md` found that
+`set_memory_limit` does not cap there, and the pool is its cache), the worker
+returns the pool itself at a step boundary when it is over the cap
+(`hold_pool`), counted in its memory sample. On macOS the worker also wires
+what it may keep resident
 (`set_wired_limit`), never more than C13 allows, so a model's weights are not
 paged out under pressure from other apps.
 
@@ -57,6 +62,9 @@ class AllocatorLimits:
         self._wired_for = 0
         self.wired = 0
         self.advised = False
+        self.pool_cap = 0       # the pool MLX was told it may keep (M1); 0 = never told
+        self.pool_returns = 0   # step boundaries at which the pool was over it and returned here
+        self.pool_returned = 0  # the bytes those returns gave back
 
     def apply(self, limits: Limits) -> None:
         """M1 (and M2 on macOS); a no-op when nothing changed since the last call."""
@@ -85,9 +93,33 @@ class AllocatorLimits:
         if pool > 0:
             if self._default_cache is None:
                 self._default_cache = self.mx.set_cache_limit(pool)
-            self.mx.set_cache_limit(min(pool, self._default_cache))
+            self.pool_cap = min(pool, self._default_cache)
+            self.mx.set_cache_limit(self.pool_cap)
         elif self._default_cache is not None:
             self.mx.set_cache_limit(self._default_cache)
+            self.pool_cap = self._default_cache
+
+    def hold_pool(self) -> int:
+        """M1 at a step boundary: a pool over the cap MLX was given goes back now; the bytes freed.
+
+        Where MLX bounds its pool itself (Metal, CPU) the pool never exceeds the
+        cap and this is one counter read. Where it does not (CUDA), a fat pool
+        would otherwise wait for the supervisor's P4 reclaim, a tick later and
+        only above 2 GiB of pool per worker.
+        """
+        if self.pool_cap <= 0:
+            return 0
+        pool = self.mx.get_cache_memory()
+        if pool <= self.pool_cap:
+            return 0
+        self.mx.clear_cache()
+        freed = max(0, pool - self.mx.get_cache_memory())
+        if not self.pool_returns:
+            log.info("MLX's pool (%d bytes) was over its cap of %d bytes: the worker returns it at step "
+                     "boundaries (the allocator does not bound it)", pool, self.pool_cap)
+        self.pool_returns += 1
+        self.pool_returned += freed
+        return freed
 
     def _wire(self, residency: int) -> None:
         """M2: wire min(residency ceiling, C13 suggestion), within the kernel's cap."""

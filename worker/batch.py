@@ -11,8 +11,8 @@ Why rows in place (issue 22). Issue 11 joined with mlx-lm's `BatchKVCache`:
 gathers the rows that stay, so every join and every leave copied the whole
 batch's KV, and for a moment held it twice. On an H200 at 64 streams that
 peaked at 87-91 GiB for ~3.5 GB of KV. Here each layer's KV is one buffer
-of `capacity` rows by `length` positions, allocated once and grown in large
-steps, and a row is a slot:
+of `capacity` rows by `length` positions, grown and shrunk in steps, and a
+row is a slot:
 
 - **join**: the newcomer's prefilled KV is written into a free row, right
   aligned at the shared write position `idx` (left padding masks the rest);
@@ -20,15 +20,28 @@ steps, and a row is a slot:
 - **leave**: the last row moves into the hole (one row's tokens copied) so
   the live rows stay `0..n-1` and the forward pass is a slice, not a gather.
 - **growth** (a *relayout*, the one copy of the batch): when the rows are
-  full (capacity grows by half), when a newcomer is longer than the room in front
-  of `idx` (the front grows to its length, rounded up to `STEP`), or when
-  the positions run out (the live window moves to the front of a buffer with
-  as much room again behind it, so a relayout comes at most once per window
-  of steps). Each layer is copied and evaluated in turn, so a relayout holds
-  at most one layer twice.
+  full (capacity grows by a quarter), when a newcomer is longer than the room
+  in front of `idx` (the front grows to its length), or when the positions
+  run out (the live window moves to the front of a buffer with a quarter of
+  it again as room behind, so a relayout comes at most once per window/4
+  steps). Positions are allocated in multiples of `Growth.step` (32).
+- **compaction** (a relayout too): when rows leave and the buffers hold more
+  than twice what the live rows fit in (free rows, a front no row reaches
+  any more), the live rows move into buffers that fit them.
 
-So the batch's memory is its buffers (`nbytes`: capacity x length, what
-`status` reports) and a step allocates only the one token it writes.
+Each layer is copied and evaluated in turn, so a relayout holds at most one
+layer twice. So the batch's memory is its buffers (`nbytes`: capacity x
+length) and a step allocates only the one token it writes; the live rows'
+own tokens are `live_nbytes`, and the worker's memory sample carries both
+(and the relayouts) so `status` shows where the batch's memory goes.
+
+Why these steps (issue 22, measured by scripts/bench_join_memory.py): the
+first cut grew rows by half, positions in mlx-lm's 256-token steps with
+half the window as room behind, and never shrank before the batch emptied;
+its buffers held 3-4x the live KV (and a 256-position step of 64 rows of a
+2 GiB model is 1.7 GB). Smaller steps cost more relayouts, each one copy of
+the live window, which is small beside the attention's read of that window
+at every step.
 
 Why greedy output stays token-identical to one request alone: padding
 positions are masked out of attention (their weight is exactly zero), each
@@ -51,14 +64,29 @@ from collections.abc import Callable, Sequence
 from typing import cast
 
 import mlx.core as mx
+import msgspec
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache
 
 Sampler = Callable[[mx.array], mx.array]
-STEP = 256  # positions are allocated in multiples of this, as mlx-lm's caches do
 
 
-def _round_up(n: int, step: int = STEP) -> int:
+class Growth(msgspec.Struct, frozen=True):
+    """How the buffers grow and shrink: memory held against whole-batch copies (module doc)."""
+
+    step: int = 32          # positions are allocated in multiples of this
+    tail: int = 4           # room behind `idx` after a relayout: window // tail (at least one step)
+    rows: int = 4           # full rows grow by capacity // rows (at least the rows needed)
+    # compact when the buffers hold more than this x what the rows fit in; 0: never, and a
+    # relayout for positions keeps its free rows (the first cut)
+    shrink_at: float = 2.0
+
+
+NOW = Growth()
+PREVIOUS = Growth(step=256, tail=2, rows=2, shrink_at=0)  # the first cut of issue 22, for the bench
+
+
+def _round_up(n: int, step: int) -> int:
     return max(step, -(-n // step) * step)
 
 
@@ -113,15 +141,15 @@ class DecodeBatch:
     Row order is not join order: a leave moves the last row into the hole.
     """
 
-    def __init__(self, greedy: Sampler | None = None, *, max_rows: int = 64, step: int = STEP) -> None:
+    def __init__(self, greedy: Sampler | None = None, *, max_rows: int = 64, growth: Growth = NOW) -> None:
         self.rows: list = []
         self.layers: list[SlotKVCache] = []
         self.y: mx.array | None = None
         self.pads: list[int] = []  # per row: absolute left padding (first position it holds)
-        self.relayouts = 0         # copies of the whole batch so far (growth), for tests and benches
+        self.relayouts = 0         # copies of the whole batch so far (growth, compaction)
         self._greedy = greedy      # the sampler that is a plain argmax: all-greedy batches take one op
         self._max_rows = max(1, max_rows)
-        self.step = max(1, step)  # positions are allocated in multiples of this
+        self.growth = growth
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -157,27 +185,39 @@ class DecodeBatch:
             layer.n, layer.start = len(self.rows), start
             layer.offset, layer.window_padding = offset, window
 
-    def _relayout(self, rows: int, front: int) -> None:
-        """The one whole-batch copy: new buffers of `rows` rows with `front` positions before `idx`."""
-        n, idx = len(self.rows), self.idx
-        start = min(self.pads) if self.pads else idx
+    def _fit(self, window: int, front: int) -> tuple[int, int]:
+        """(idx, length) of buffers for a live `window` with `front` positions before idx."""
+        step = max(1, self.growth.step)
+        new_idx = _round_up(max(window, front), step)
+        return new_idx, new_idx + _round_up(window // max(1, self.growth.tail), step)
+
+    def _relayout(self, rows: int, front: int, order: list[int] | None = None) -> None:
+        """The one whole-batch copy: new buffers of `rows` rows with `front` positions before `idx`;
+        with `order`, only those rows go on, in that order (a compaction)."""
+        order = list(range(len(self.rows))) if order is None else order
+        n, idx = len(order), self.idx
+        pads = [self.pads[i] for i in order]
+        start = min(pads) if pads else idx
         window = idx - start
-        new_idx = _round_up(max(window, front), self.step)
-        length = new_idx + _round_up(window // 2, self.step)  # room behind: a relayout per window/2 steps
+        new_idx, length = self._fit(window, front)
         shift = new_idx - idx
+        moved = mx.array(order) if order != list(range(n)) else None
         for layer in self.layers:
             assert layer.keys is not None and layer.values is not None
             for name in ("keys", "values"):
                 old = getattr(layer, name)
                 fresh = mx.zeros((rows, old.shape[1], length, old.shape[3]), old.dtype)
                 if n and window:
-                    fresh[:n, :, new_idx - window:new_idx, :] = old[:n, :, start:idx, :]
+                    live = old[:n, :, start:idx, :] if moved is None else old[:, :, start:idx, :][moved]
+                    fresh[:n, :, new_idx - window:new_idx, :] = live
                 mx.eval(fresh)
                 setattr(layer, name, fresh)
                 del old
             layer.idx = new_idx
-        self.pads = [p + shift for p in self.pads]
+        self.rows = [self.rows[i] for i in order]
+        self.pads = [p + shift for p in pads]
         self.relayouts += 1
+        self._sync()  # the window's start moved with the rows (a relayout inside forward() too)
 
     def _reserve(self, rows: int, front: int, tokens: int) -> None:
         """Room for `rows` live rows, `front` positions before `idx` and `tokens` after it."""
@@ -185,8 +225,21 @@ class DecodeBatch:
         if rows <= capacity and front <= self.idx and self.idx + tokens <= self.length:
             return
         if rows > capacity:
-            capacity = max(rows, min(-(-3 * capacity // 2), self._max_rows))  # grows by half
+            capacity = max(rows, min(self._grown(capacity), self._max_rows))
+        elif self.growth.shrink_at > 0:  # a copy for positions: free rows beyond the growth step go too
+            capacity = min(capacity, self._grown(rows))
         self._relayout(capacity, front)
+
+    def _grown(self, rows: int) -> int:
+        return rows + -(-rows // max(1, self.growth.rows))
+
+    def _oversized(self, kept: list[int]) -> bool:
+        """Compaction due: the buffers hold more than `shrink_at` x what rows `kept` fit in."""
+        if not kept or self.growth.shrink_at <= 0:
+            return False
+        window = self.idx - min(self.pads[i] for i in kept)
+        _, length = self._fit(window, 0)
+        return self.capacity * self.length > self.growth.shrink_at * len(kept) * length
 
     # -- joining and leaving ---------------------------------------------------------
 
@@ -242,6 +295,11 @@ class DecodeBatch:
             return
         if not indices:
             self.clear()
+            return
+        if self._oversized(indices):
+            self._relayout(n, 0, indices)
+            self.y = y[mx.array(indices)] if y is not None else None
+            self._sync()
             return
         kept = set(indices)
         holes = [i for i in range(n) if i not in kept]
@@ -337,3 +395,16 @@ class DecodeBatch:
     def nbytes(self) -> int:
         """What the buffers hold, live rows or not (capacity x length): the batch's real memory."""
         return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def live_nbytes(self) -> int:
+        """What the live rows' own tokens take: each row's positions `[its padding, idx)`.
+
+        The rest of `nbytes` is room: free rows, positions behind `idx` not yet
+        written, the front no row reaches, and each row's left padding.
+        """
+        capacity, length = self.capacity, self.length
+        if not capacity or not length:
+            return 0
+        per_position = self.nbytes // (capacity * length)
+        return per_position * sum(self.idx - pad for pad in self.pads)

@@ -27,7 +27,7 @@ from shared.protocol import TokenOut
 from worker.batch import DecodeBatch
 from worker.endings import Endings, Event
 from worker.request import Seq
-from worker.sampling import greedy
+from worker.sampling import TokenPicker, TokenTexts, greedy
 
 CLEAR_CACHE_EVERY = 256  # decode steps between pool returns, as mlx_lm does
 
@@ -44,6 +44,7 @@ class DecodeStep:
         self.steps = 0
         self.tokens_total = 0
         self._eos = frozenset(tokenizer.eos_token_ids)
+        self.texts = TokenTexts(tokenizer)  # the logprobs name tokens by their text
 
     def join(self, seq: Seq) -> None:
         """A request that has its first token decodes from the next step on."""
@@ -152,6 +153,13 @@ class DecodeStep:
         mx.async_eval(following)
         return survivors
 
+    def _token(self, seq: Seq, text: str, token: int) -> TokenOut:
+        """The token's event, with its logprobs when its request asked."""
+        picker = seq.sample
+        if type(picker) is TokenPicker and picker.top >= 0:
+            return TokenOut(request_id=seq.id, text=text, token_id=token, logprobs=picker.take(token, self.texts))
+        return TokenOut(request_id=seq.id, text=text, token_id=token)
+
     def emit(self, seq: Seq, token: int, events: list[Event]) -> bool:
         """Turn one sampled token into events; True when the request ended."""
         seq.generated += 1
@@ -183,12 +191,12 @@ class DecodeStep:
         if seq.stopper is not None:
             text, hit = seq.stopper.feed(text)
             if hit:
-                events.append(TokenOut(request_id=seq.id, text=text, token_id=token))
+                events.append(self._token(seq, text, token))
                 events.append(self.endings.finished(seq, "stop"))
                 return True
             if last:
                 text += seq.stopper.flush()
-        events.append(TokenOut(request_id=seq.id, text=text, token_id=token))
+        events.append(self._token(seq, text, token))
         if last:
             # a grammar the budget had to wrap up ends as "length", though its output is complete
             wrapped = complete and seq.constraint is not None and seq.constraint.wrapped

@@ -43,10 +43,18 @@ from worker.constrain import Constraint, ConstraintError, ConstraintFactory
 from worker.decode import DecodeStep
 from worker.disk_cache import DiskTier
 from worker.endings import Endings, Event
-from worker.prefill import CHUNK_SECONDS, DEFAULT_MAX_CHUNK, MEMORY_WAIT_SECONDS, ChunkTimer, Prefill, UsageFn
+from worker.prefill import (
+    CHUNK_SECONDS,
+    DEFAULT_MAX_CHUNK,
+    MEMORY_WAIT_SECONDS,
+    ChunkTimer,
+    DeviceUsage,
+    Prefill,
+    UsageFn,
+)
 from worker.prefill_guard import PrefillCost
 from worker.request import CONTEXT_EXCEEDED, ENGINE_ERROR, INVALID_REQUEST, EngineError, Seq
-from worker.sampling import make_request_sampler
+from worker.sampling import Settings, check, make_request_sampler
 from worker.scheduler import Scheduler
 from worker.stops import StopMatcher
 
@@ -74,6 +82,7 @@ class Engine:
         memory_wait: float = MEMORY_WAIT_SECONDS,
         chunk_seconds: float = CHUNK_SECONDS,
         batch_decode: bool = True,
+        device: DeviceUsage | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -86,7 +95,7 @@ class Engine:
         self.endings = Endings(self.prompt_cache, cacheable=cacheable, reclaim=reclaim)
         self.prefill = Prefill(model, tokenizer, self.endings, layers=len(layers), max_chunk=max_chunk,
                                chunk_seconds=chunk_seconds, own_usage=own_usage_fn or _default_own_usage,
-                               reclaim=reclaim, clock=clock, memory_wait=memory_wait)
+                               reclaim=reclaim, clock=clock, memory_wait=memory_wait, device=device)
         # issue 11: unconstrained requests decode as rows of one batch; models whose KV is
         # not plain attention (rotating, SSM) keep one forward pass per request.
         self.decode = DecodeStep(model, tokenizer, self.endings, batched=batch_decode and cacheable,
@@ -176,6 +185,12 @@ class Engine:
         """H3: the part no running or queued request relies on."""
         return self.prompt_cache.releasable
 
+    def held(self) -> memory.Held:
+        """What the prompt cache and the decode batch hold, for the worker's memory sample."""
+        batch = self.decode.batch
+        return memory.Held(self.prompt_cache.nbytes, self.prompt_cache.releasable, batch.nbytes,
+                           batch.live_nbytes, batch.relayouts)
+
     def shrink_cache(self, target_bytes: int) -> int:
         """H3/P5: drop LRU unused entries toward `target_bytes`; bytes dropped (pool not yet returned)."""
         return self.prompt_cache.drop_lru(max(0, target_bytes))
@@ -254,8 +269,12 @@ class Engine:
         stop: Iterable[str] = (),
         seed: int | None = None,
         constraint: ConstraintSpec | None = None,
+        sampling: Settings | None = None,
     ) -> None:
-        """Queue a request; it is admitted by a later `step()` (SPEC P3, P8)."""
+        """Queue a request; it is admitted by a later `step()` (SPEC P3, P8).
+
+        `sampling` is the whole of its sampling settings (top_k, penalties,
+        logit_bias, logprobs ...); without it, temperature, top_p and seed make them."""
         if not request_id:
             raise EngineError(INVALID_REQUEST, "request id must not be empty")
         if request_id in self.endings.ids:
@@ -269,16 +288,16 @@ class Engine:
             raise EngineError(CONTEXT_EXCEEDED, f"the prompt ({len(prompt_tokens)} tokens) plus max_tokens "
                                                 f"({max_tokens}) exceeds the model's context of "
                                                 f"{self.context_length} tokens; shorten the prompt or lower max_tokens")
-        if not temperature >= 0:
-            raise EngineError(INVALID_REQUEST, f"temperature must be >= 0, got {temperature}")
-        if not 0 < top_p <= 1:
-            raise EngineError(INVALID_REQUEST, f"top_p must be in (0, 1], got {top_p}")
+        settings = sampling or Settings(temperature=temperature, top_p=top_p, seed=seed)
         vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
+        problem = check(settings, vocab)
+        if problem is not None:
+            raise EngineError(INVALID_REQUEST, problem)
         if vocab is not None and not all(0 <= t < vocab for t in prompt_tokens):
             raise EngineError(INVALID_REQUEST, f"prompt has token ids outside [0, {vocab})")
         stops = [s for s in stop if s]
         seq = Seq(request_id, list(prompt_tokens), max_tokens,
-                  make_request_sampler(temperature, top_p, seed),
+                  make_request_sampler(settings, prompt_tokens),
                   StopMatcher(stops) if stops else None,
                   self._constraint(constraint, max_tokens) if constraint is not None else None)
         self.endings.ids.add(request_id)
@@ -291,12 +310,14 @@ class Engine:
         try:
             if cmd.messages is not None and cmd.prompt is None:
                 tokens = self.encode_chat(cmd.messages, cmd.tools)
+            elif cmd.prompt is not None and cmd.messages is None and cmd.suffix is not None:  # issue 23
+                tokens = prompts.encode_fim(self.tokenizer, cmd.prompt, cmd.suffix)
             elif cmd.prompt is not None and cmd.messages is None:
                 tokens = self.encode_prompt(cmd.prompt)
             else:
                 raise EngineError(INVALID_REQUEST, "give exactly one of messages or prompt")
-            self.submit(cmd.request_id, tokens, cmd.max_tokens, cmd.temperature, cmd.top_p,
-                        cmd.stop, cmd.seed, cmd.constraint)
+            self.submit(cmd.request_id, tokens, cmd.max_tokens, stop=cmd.stop, constraint=cmd.constraint,
+                        sampling=Settings.of(cmd))
         except EngineError as exc:
             self._outbox.append(Failed(request_id=cmd.request_id, code=exc.code, message=exc.message))
         except Exception as exc:  # noqa: BLE001 - raised from the worker's command loop it would kill

@@ -27,6 +27,7 @@ import zmq
 from typing_extensions import assert_never
 
 from shared import protocol as p
+from shared.embedding import WRONG_MODEL_KIND, read_embedding_spec
 from shared.ledger import Ledger
 from shared.limits import Limits
 from shared.memory import NO_READING
@@ -38,7 +39,10 @@ if TYPE_CHECKING:  # types only: these import MLX, which loads in serve(), never
     from worker.allocator import AllocatorLimits
     from worker.disk_cache import DiskTier
     from worker.drill import Drill
+    from worker.embedder import Embedder
     from worker.engine import Engine
+    from worker.memory import Held
+    from worker.prefill import DeviceUsage
 
 log = logging.getLogger("memvisor.worker")
 
@@ -112,7 +116,7 @@ class Worker:
         self.reports = p.Codec(p.WorkerReport)
         self.ledger = Ledger.attach(spec.ledger_path)
         self.limits = Limits()
-        self.engine: Engine | None = None
+        self.engine: Engine | Embedder | None = None  # an embedding model runs an Embedder
         self.drill: Drill | None = None
         self.draining = False
         self.reclaim_pending: list[p.Reclaim] = []
@@ -162,8 +166,9 @@ class Worker:
 
         from shared.probe import gpu_kind
         from worker.allocator import AllocatorLimits
-        from worker.engine import Engine, EngineError
-        from worker.memory import MemorySampler, set_discrete_device
+        from worker.engine import EngineError
+        from worker.memory import MemorySampler, device_bytes, set_discrete_device
+        from worker.prefill import DeviceUsage
 
         try:
             info: dict[str, int | float | str] = {
@@ -171,7 +176,8 @@ class Worker:
         except Exception:  # older MLX
             info = {}
         device = str(mx.default_device())
-        set_discrete_device(gpu_kind(info) == "cuda" and "gpu" in device)
+        discrete = gpu_kind(info) == "cuda" and "gpu" in device
+        set_discrete_device(discrete)
         self.reply(p.Hello(worker_id=self.spec.worker_id, model_id=self.spec.model_id, pid=os.getpid(),
                            device_info=info, device=device, slot=self.spec.slot, blas=blas.preload().line()))
         self.sampler = MemorySampler()
@@ -194,8 +200,8 @@ class Worker:
             self.reply(p.LoadFailed(error=refused))
             return 2
         try:
-            self.engine = Engine.load(self.spec.model_path, max_concurrency=self.spec.max_concurrency,
-                                      chunk_seconds=self.spec.chunk_seconds)
+            # on a discrete device a prefill's peak is device memory: G1-G3 hold it to the device pool
+            self.engine = self.load_model(DeviceUsage(self.group_device_bytes, device_bytes) if discrete else None)
         except (EngineError, OSError, ValueError) as exc:
             log.error("cannot load %s: %s", self.spec.model_path, exc)
             self.reply(p.LoadFailed(error=str(exc)))
@@ -206,6 +212,17 @@ class Worker:
         self.reply(p.Loaded(weight_bytes=self.engine.weight_bytes, seconds=now - started,
                             usage=self.write_sample(now)))
         return self.loop()
+
+    def load_model(self, device: DeviceUsage | None) -> Engine | Embedder:
+        """A sentence-embedding folder gets the Embedder, any other the chat engine (which holds
+        its prefills to the device pool on a discrete device)."""
+        from worker.embedder import Embedder
+        from worker.engine import Engine
+
+        kwargs = dict(max_concurrency=self.spec.max_concurrency, chunk_seconds=self.spec.chunk_seconds)
+        if read_embedding_spec(self.spec.model_path) is not None:
+            return Embedder.load(self.spec.model_path, **kwargs)
+        return Engine.load(self.spec.model_path, device=device, **kwargs)
 
     def loop(self) -> int:
         assert self.engine is not None and self.allocator is not None  # serve() set both up
@@ -286,6 +303,8 @@ class Worker:
                 self.limits = msg.limits
             case p.Generate():
                 self.submit(msg)
+            case p.Embed():
+                self.submit_embed(msg)
             case p.AbortRequests(request_ids=None):
                 engine.abort_all(msg.reason or "aborted by the supervisor", code=msg.code)
                 # A drill stands in for a runaway request: aborting the work frees it too.
@@ -310,10 +329,26 @@ class Worker:
                 self.start_drill(msg)
             case p.DrillStop():
                 self.stop_drill("stopped by command")
+            case p.Tokenize() | p.Detokenize():  # issue 23: answered now, between two steps
+                self.answer_tokens(msg)
             case _:
                 assert_never(msg)
         if isinstance(msg, (p.Drain, p.AbortRequests)):
             self.reply(p.Ack(cmd=msg.cmd))
+
+    def answer_tokens(self, msg: p.Tokenize | p.Detokenize) -> None:
+        """Issue 23: the model's tokenizer on request (worker/tokens.py; it never raises)."""
+        from worker import tokens  # imports MLX (worker.request), which serve() has loaded by now
+        from worker.engine import Engine
+
+        if not isinstance(self.engine, Engine):  # an Embedder: its tokenizer is not a generator's
+            self.reply(p.Failed(request_id=msg.request_id, code=WRONG_MODEL_KIND,
+                                message="this model is an embedding model: /tokenize and /detokenize serve "
+                                        "models that generate text"))
+            return
+        tokenizer = self.engine.tokenizer
+        self.reply(tokens.tokenize(tokenizer, msg) if isinstance(msg, p.Tokenize)
+                   else tokens.detokenize(tokenizer, msg))
 
     def submit(self, msg: p.Generate) -> None:
         if self.draining:
@@ -323,9 +358,24 @@ class Worker:
         assert self.engine is not None  # commands are taken once the model is loaded
         self.engine.submit_generate(msg)  # a bad prompt fails through the next step()
 
+    def submit_embed(self, msg: p.Embed) -> None:
+        """An Embed for an embedding model; a chat model answers that it has none."""
+        from worker.embedder import Embedder
+
+        if self.draining:
+            self.reply(p.Failed(request_id=msg.request_id, code="model_unloading",
+                                message="the model is being unloaded; retry to load it again"))
+        elif isinstance(self.engine, Embedder):
+            self.engine.submit_embed(msg)
+        else:
+            self.reply(p.Failed(request_id=msg.request_id, code=WRONG_MODEL_KIND,
+                                message="this model generates text; it is not an embedding model"))
+
     # -- memory ---------------------------------------------------------------
 
     def step_boundary(self) -> None:
+        if self.allocator is not None:
+            self.allocator.hold_pool()  # M1 where MLX's allocator does not bound its own pool (CUDA)
         if self.drill is not None:
             # issue 9: obey what arrived during the step (an abort ends the drill)
             # before the drill grows again, as a runaway request would stop
@@ -349,8 +399,9 @@ class Worker:
         H6 (as proposed): with quantization on, unused entries are quantized first and
         only what that leaves over the target is dropped."""
         assert self.engine is not None  # commands are taken once the model is loaded
-        if self.spec.cache_quantize_bits:
-            self.count_quantized(*self.engine.quantize_cache(self.spec.cache_quantize_bits, msg.target_bytes))
+        chat = self.chat_engine()
+        if chat is not None and self.spec.cache_quantize_bits:
+            self.count_quantized(*chat.quantize_cache(self.spec.cache_quantize_bits, msg.target_bytes))
         dropped = self.engine.shrink_cache(msg.target_bytes)
         freed = self.sampler.reclaim()
         log.info("prompt cache shrunk by %d bytes toward %d (%s); pool returned %d bytes",
@@ -360,24 +411,30 @@ class Worker:
 
     # -- the prompt cache's tiers (H5, H6 as proposed) ------------------------------
 
+    def chat_engine(self) -> Engine | None:
+        """The engine when it is a chat engine (an Embedder keeps no prompt cache); None before the load."""
+        from worker.engine import Engine
+
+        return self.engine if isinstance(self.engine, Engine) else None
+
     def open_disk_tier(self) -> None:
         """H5: index this model's folder (headers only) so requests can read their prefix back."""
         from worker.disk_cache import DiskTier
 
-        assert self.engine is not None  # called once the model is loaded
-        if self.spec.disk_cache_max and self.engine.endings.cacheable:
+        chat = self.chat_engine()
+        if chat is not None and self.spec.disk_cache_max and chat.endings.cacheable:
             self.disk = DiskTier.open(self.spec.model_id, Path(self.spec.model_path), self.spec.disk_cache_max)
-            self.engine.use_disk_tier(self.disk, spill_seconds=min(self.spec.disk_cache_grace, MAX_SAVE_SECONDS))
+            chat.use_disk_tier(self.disk, spill_seconds=min(self.spec.disk_cache_grace, MAX_SAVE_SECONDS))
         self.report_cache()
 
     def save_cache(self) -> None:
         """H5: drained, write the cache's entries within the grace the Drain gave; report, then exit."""
-        assert self.engine is not None  # called from loop()
-        if self.disk is None or self.save_seconds <= 0:
+        chat = self.chat_engine()
+        if self.disk is None or chat is None or self.save_seconds <= 0:
             return
         deadline = time.monotonic() + self.save_seconds
         try:
-            done = self.disk.save(self.engine.prompt_cache.recent_first(), deadline, given=self.save_seconds)
+            done = self.disk.save(chat.prompt_cache.recent_first(), deadline, given=self.save_seconds)
         except OSError as exc:  # a full or vanished disk costs the cache, never the stop
             log.error("prompt cache not written to disk: %s", exc)
             return
@@ -387,8 +444,11 @@ class Worker:
 
     def quantize_at_soft(self, limits: Limits) -> None:
         """H6: at soft pressure, shrink unused entries before the guard has to drop them."""
-        engine, bits = self.engine, self.spec.cache_quantize_bits
-        if not bits or engine is None or limits.soft_limit <= 0 or not engine.prompt_cache.quantizable():
+        bits = self.spec.cache_quantize_bits
+        if not bits or limits.soft_limit <= 0:
+            return
+        engine = self.chat_engine()
+        if engine is None or not engine.prompt_cache.quantizable():
             return
         if self.ledger.group_usage() < limits.soft_limit:
             return
@@ -440,13 +500,22 @@ class Worker:
         others = self.ledger.group_usage() - (mine.memory.usage if mine else 0)
         return others + s.usage
 
+    def group_device_bytes(self) -> int:
+        """D1's fallback for the group seen from here: fresh own MLX active + pool + the others'."""
+        from worker.memory import device_bytes
+
+        mine = self.ledger.read_sample(self.spec.slot)
+        others = self.ledger.group_device_bytes() - (mine.memory.mlx_active + mine.memory.mlx_pool if mine else 0)
+        return others + device_bytes()
+
     def write_sample(self, now: float) -> int:
         """Measure once (U1, H2) and put the reading where the supervisor reads it."""
         engine = self.engine
-        if engine is None:
+        allocator = self.allocator
+        if engine is None or allocator is None:
             s = self.sampler.sample()
         else:
-            s = self.sampler.sample(engine.cache_bytes, engine.cache_releasable)
+            s = self.sampler.sample(_held(engine), allocator.pool_returns, allocator.pool_returned)
         running = engine.running if engine else 0
         queued = engine.queued if engine else 0
         if self.phase in ("ready", "busy"):
@@ -491,3 +560,11 @@ class Worker:
         self.push.close()
         self.ctx.term()
         self.ledger.close()
+
+
+def _held(engine: Engine | Embedder) -> Held:
+    """What the model's engine holds for the sample: the chat engine names its decode batch too."""
+    from worker.engine import Engine  # imported with MLX in serve(); a cached lookup here
+    from worker.memory import Held
+
+    return engine.held() if isinstance(engine, Engine) else Held(engine.cache_bytes, engine.cache_releasable)

@@ -20,12 +20,30 @@ itself, so the group usage of SPEC U2 adds like with like.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import mlx.core as mx
 
 from shared.memory import MemoryReading
 from shared.probe import footprint
 
+
+class Held(NamedTuple):
+    """What the engine holds that MLX's counters do not name; every sample carries it.
+
+    The prompt cache (H2, H3) and the decode batch's buffers against its live
+    KV, with the relayouts so far (issue 22: `status` shows where the batch's
+    memory goes).
+    """
+
+    cache_bytes: int = 0
+    cache_releasable: int = 0
+    batch_bytes: int = 0
+    batch_live_bytes: int = 0
+    batch_relayouts: int = 0
+
+
+NOTHING_HELD = Held()
 _peak_before_reset = 0
 _discrete = False  # MLX runs on a discrete device (CUDA): its arrays live outside host RAM
 
@@ -52,21 +70,30 @@ def reset_peak() -> None:
     mx.reset_peak_memory()
 
 
-def sample(pid: int | None = None, cache_bytes: int = 0, cache_releasable: int = 0) -> MemoryReading:
-    """Read MLX's counters and the process footprint (U1); the caller knows its cache (H2)."""
+def sample(pid: int | None = None, held: Held = NOTHING_HELD, pool_returns: int = 0,
+           pool_returned: int = 0) -> MemoryReading:
+    """Read MLX's counters and the process footprint (U1); the caller knows what its engine
+    holds (H2, the decode batch) and how often it returned the pool itself (M1)."""
     active = mx.get_active_memory()
     pool = mx.get_cache_memory()
     peak = max(_peak_before_reset, mx.get_peak_memory())
     own = footprint(os.getpid() if pid is None else pid) or 0
     return MemoryReading(
         usage=u1_usage(active, own), footprint=own, mlx_active=active, mlx_pool=pool, mlx_peak=peak,
-        cache_bytes=cache_bytes, cache_releasable=cache_releasable,
+        cache_bytes=held.cache_bytes, cache_releasable=held.cache_releasable, batch_bytes=held.batch_bytes,
+        batch_live_bytes=held.batch_live_bytes, batch_relayouts=held.batch_relayouts,
+        pool_returns=pool_returns, pool_returned=pool_returned,
     )
 
 
 def u1_usage(mlx_active: int, footprint: int) -> int:
     """U1: the footprint, pool included, never below MLX active (host-side MLX only)."""
     return footprint if _discrete else max(mlx_active, footprint)
+
+
+def device_bytes() -> int:
+    """D1's fallback for this worker on a discrete device: MLX active + pool."""
+    return mx.get_active_memory() + mx.get_cache_memory()
 
 
 def usage() -> int:
@@ -93,8 +120,8 @@ class MemorySampler:
     def __init__(self, pid: int | None = None):
         self.pid = os.getpid() if pid is None else pid
 
-    def sample(self, cache_bytes: int = 0, cache_releasable: int = 0) -> MemoryReading:
-        return sample(self.pid, cache_bytes, cache_releasable)
+    def sample(self, held: Held = NOTHING_HELD, pool_returns: int = 0, pool_returned: int = 0) -> MemoryReading:
+        return sample(self.pid, held, pool_returns, pool_returned)
 
     def usage(self) -> int:
         return sample(self.pid).usage

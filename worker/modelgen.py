@@ -39,7 +39,7 @@ import json
 import os
 import sysconfig
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import msgspec
 import numpy as np
@@ -62,6 +62,8 @@ CHUNK_ELEMENTS = 1 << 22  # numbers drawn per slice while streaming a tensor
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, IM_START, IM_END]
+# Fill-in-the-middle tokens as StarCoder and SmolLM spell them (make_model's extra_special)
+FIM_TOKENS = ("<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>")
 
 # Tools (issue 13) in the Hermes/Qwen style: listed in a system turn, called as
 # <tool_call>{"name": ..., "arguments": {...}}</tool_call>, which is what the
@@ -258,9 +260,9 @@ def train_tokenizer(vocab_target: int = VOCAB_TARGET):
     return tokenizer
 
 
-def _write_tokenizer_files(tokenizer, out: Path) -> dict[str, int]:
+def _write_tokenizer_files(tokenizer, out: Path, specials: Sequence[str] = tuple(SPECIAL_TOKENS)) -> dict[str, int]:
     tokenizer.save(str(out / "tokenizer.json"))
-    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    ids = {token: tokenizer.token_to_id(token) for token in specials}
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,
@@ -275,7 +277,7 @@ def _write_tokenizer_files(tokenizer, out: Path) -> dict[str, int]:
                 "content": token, "special": True, "lstrip": False, "rstrip": False,
                 "normalized": False, "single_word": False,
             }
-            for token in SPECIAL_TOKENS
+            for token in specials
         },
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
@@ -450,11 +452,14 @@ def make_model(
     force: bool = False,
     dtype: str = DEFAULT_DTYPE,
     bits: int = 0,
+    extra_special: Sequence[str] = (),
 ) -> Dims:
     """Write a loadable llama model of about `size_bytes` weights into `path`.
 
     Files are built in a temporary sibling directory and moved in at the end,
     so an interrupted run never leaves a half-written model that looks whole.
+    `extra_special` adds special tokens after the trained vocabulary (issue 23:
+    FIM_TOKENS gives a model that can fill in the middle).
     """
     if seed < 0:
         raise ModelGenError(f"seed must be a non-negative integer, got {seed}")
@@ -462,9 +467,14 @@ def make_model(
     check_target_dir(target, force)
     _bytes_per_param(dtype, bits)
     tokenizer = train_tokenizer()
+    if extra_special:  # on a copy: the trained tokenizer is cached for every model of this process
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_str(tokenizer.to_str())
+        tokenizer.add_special_tokens(list(extra_special))
     dims = choose_dims(size_bytes, tokenizer.get_vocab_size(), dtype, bits)
     with staged_model_dir(target) as staging:
-        ids = _write_tokenizer_files(tokenizer, staging)
+        ids = _write_tokenizer_files(tokenizer, staging, [*SPECIAL_TOKENS, *extra_special])
         config = _model_config(dims, ids)
         (staging / "generation_config.json").write_text(json.dumps(
             {"bos_token_id": ids[BOS], "eos_token_id": config["eos_token_id"],

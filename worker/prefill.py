@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
@@ -43,6 +44,22 @@ from worker.request import Seq
 log = logging.getLogger("memvisor.worker.engine")
 
 UsageFn = Callable[[], int]
+
+
+class DeviceUsage(NamedTuple):
+    """A discrete device's pool as the worker sees it (SPEC D1's fallback): the group's
+    device bytes (MLX active + pool of every worker, this one fresh) and this worker's own."""
+
+    group: UsageFn
+    own: UsageFn
+
+
+class Pool(NamedTuple):
+    """The memory pool a prefill's peak lands in, and the limits G1-G3 hold it to there."""
+
+    limits: Limits
+    usage: UsageFn  # the group's usage of the pool
+    own: UsageFn    # this worker's part of it (G1: could evicting others help at all?)
 
 DEFAULT_MAX_CHUNK = 512
 MEMORY_WAIT_SECONDS = 10.0
@@ -86,7 +103,7 @@ class Prefill:
 
     def __init__(self, model, tokenizer, endings: Endings, *, layers: int, max_chunk: int,
                  chunk_seconds: float, own_usage: UsageFn, reclaim: Callable[[], int],
-                 clock: Callable[[], float], memory_wait: float) -> None:
+                 clock: Callable[[], float], memory_wait: float, device: DeviceUsage | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.endings = endings
@@ -100,6 +117,15 @@ class Prefill:
         self._reclaim = reclaim
         self._clock = clock
         self._memory_wait = memory_wait
+        self._device = device  # set when MLX's arrays live on a discrete device (CUDA)
+
+    def pool(self, limits: Limits, usage_fn: UsageFn) -> Pool:
+        """Where a prefill's peak lands: on a discrete device its KV and activations are device
+        memory, so G1-G3 hold them to the device pool's limits (SPEC D, issue 22) when the
+        supervisor guards one; host RAM otherwise, and on a device the supervisor does not see."""
+        if self._device is not None and limits.device_hard > 0:
+            return Pool(guard.device_limits(limits), self._device.group, self._device.own)
+        return Pool(limits, usage_fn, self._own_usage)
 
     # -- one request ---------------------------------------------------------------------
 
@@ -115,29 +141,30 @@ class Prefill:
                 return False
             seq.move("retry")
             seq.retried = True
-        if seq.state == "preflight" and not self._preflight(seq, limits, usage_fn, events):
+        pool = self.pool(limits, usage_fn)
+        if seq.state == "preflight" and not self._preflight(seq, pool, events):
             return False
         remaining = len(seq.prompt) - 1 - seq.pos
-        if remaining > 0 and not self._run_chunk(seq, remaining, limits, usage_fn, events):
+        if remaining > 0 and not self._run_chunk(seq, remaining, pool, events):
             return True
         if seq.pos == len(seq.prompt) - 1:
             self._first_token(seq)
         return True
 
-    def _preflight(self, seq: Seq, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> bool:
+    def _preflight(self, seq: Seq, pool: Pool, events: list[Event]) -> bool:
         """G1 (with H4 first); True when the prefill may start now."""
         if self.endings.cacheable:  # look again: a request that finished meanwhile may cover more
             hit = self.prompt_cache.lookup(seq.prompt, len(seq.prompt) - 1)
             self.prompt_cache.release(seq.hit)
             seq.hit = hit
-        if not guard.guard_on(limits):
+        if not guard.guard_on(pool.limits):
             self._start(seq)
             events.append(prompted(seq))
             return True
-        verdict = self.verdict(seq, limits, usage_fn)
+        verdict = self.verdict(seq, pool)
         if verdict.verdict != "fits" and self.prompt_cache.drop_unused():
             self._reclaim()  # H4: our own unused entries go before anyone else's model
-            verdict = self.verdict(seq, limits, usage_fn)
+            verdict = self.verdict(seq, pool)
         if verdict.verdict == "fits":
             self._start(seq)
             events.append(prompted(seq))
@@ -145,17 +172,18 @@ class Prefill:
         if verdict.verdict == "evict":
             seq.move("need_memory")
             seq.deadline = self._clock() + self._memory_wait
-            events.append(NeedMemory(request_id=seq.id, need_bytes=verdict.need_bytes))
+            events.append(NeedMemory(request_id=seq.id, need_bytes=verdict.need_bytes,
+                                     pool="device" if pool.limits.binding == guard.DEVICE else "host"))
             return False
         events.append(self.endings.memory_failure(seq, verdict.estimated_bytes, verdict.limit_bytes,
                                                   verdict.binding))
         return False
 
-    def verdict(self, seq: Seq, limits: Limits, usage_fn: UsageFn) -> guard.Preflight:
+    def verdict(self, seq: Seq, pool: Pool) -> guard.Preflight:
         """G1 for the tokens still to run; a reused prefix costs only its copy (see prompt_cache)."""
         reused = seq.hit.tokens if seq.hit is not None else 0
-        return guard.preflight(limits, usage_fn(), len(seq.prompt) - reused, self.cost,
-                               own_usage=self._own_usage(), retried=seq.retried,
+        return guard.preflight(pool.limits, pool.usage(), len(seq.prompt) - reused, self.cost,
+                               own_usage=pool.own(), retried=seq.retried,
                                extra_bytes=int(reused * self.cost.kv_per_token), done=reused)
 
     def _start(self, seq: Seq) -> None:
@@ -172,12 +200,11 @@ class Prefill:
             seq.cache = make_prompt_cache(self.model)
         seq.move("start")
 
-    def _run_chunk(self, seq: Seq, remaining: int, limits: Limits, usage_fn: UsageFn,
-                   events: list[Event]) -> bool:
+    def _run_chunk(self, seq: Seq, remaining: int, pool: Pool, events: list[Event]) -> bool:
         """G2 size, run, measure, G3 check; False when the request was refused."""
-        guarded = guard.guard_on(limits)
+        guarded = guard.guard_on(pool.limits)
         if guarded:
-            plan = guard.next_chunk(limits, usage_fn(), remaining, self.cost, self.max_chunk, done=seq.pos)
+            plan = guard.next_chunk(pool.limits, pool.usage(), remaining, self.cost, self.max_chunk, done=seq.pos)
             if plan.tokens == 0:
                 events.append(self.endings.memory_failure(seq, plan.estimated_bytes, plan.limit_bytes,
                                                           plan.binding))
@@ -198,15 +225,16 @@ class Prefill:
         seq.pos += n
         self.tokens += n
         mx.clear_cache()  # as mlx_lm does after every chunk: transient buffers go back
-        return not guarded or self._after_chunk([seq], limits, usage_fn, events)
+        return not guarded or self._after_chunk([seq], pool, events)
 
-    def _after_chunk(self, seqs: list[Seq], limits: Limits, usage_fn: UsageFn, events: list[Event]) -> bool:
+    def _after_chunk(self, seqs: list[Seq], pool: Pool, events: list[Event]) -> bool:
         """G3 for a request or a group: over the abort limit reclaim and re-check; still over
         refuses them all. False when they were refused."""
-        level = guard.after_chunk(limits, usage_fn())
+        limits = pool.limits
+        level = guard.after_chunk(limits, pool.usage())
         if level == "over_abort":
             self._reclaim()
-            usage = usage_fn()
+            usage = pool.usage()
             if guard.after_chunk(limits, usage) == "over_abort":
                 for seq in seqs:
                     events.append(self.endings.memory_failure(seq, usage, limits.abort_limit,
@@ -236,12 +264,14 @@ class Prefill:
 
     def fits(self, seq: Seq, limits: Limits, usage_fn: UsageFn) -> bool:
         """G1 for one would-be member of a group."""
-        return self.verdict(seq, limits, usage_fn).verdict == "fits"
+        return self.verdict(seq, self.pool(limits, usage_fn)).verdict == "fits"
 
-    def group_fits(self, members: list[Seq], limits: Limits, usage: int) -> bool:
+    def group_fits(self, members: list[Seq], limits: Limits, usage_fn: UsageFn) -> bool:
         """G1 for the group: usage plus the sum of each member's estimate, its KV padded to the
         longest; and G2's view of the group's first step (one column each) under the chunk target,
         since a group that cannot take its first step would only be split again."""
+        pool = self.pool(limits, usage_fn)
+        limits, usage = pool.limits, pool.usage()
         limit, target = guard.prefill_limit(limits), guard.chunk_target(limits)
         padded = max(len(seq.prompt) for seq in members)
         peak = sum(guard.admission_peak(padded, self.cost, limits.min_chunk_tokens) for _ in members)
@@ -256,11 +286,12 @@ class Prefill:
         all `prefill` (split: each goes on alone), all `decoding`, or all `ended`.
         """
         rows = len(group)
+        pool = self.pool(limits, usage_fn)
         if group.remaining > 0:
             columns = min(group.remaining, max(1, self.max_chunk // rows))
-            guarded = guard.guard_on(limits)
+            guarded = guard.guard_on(pool.limits)
             if guarded:
-                columns = self._group_columns(group, limits, usage_fn(), columns)
+                columns = self._group_columns(group, pool.limits, pool.usage(), columns)
                 if columns == 0:
                     self._split(group)  # a step for the group does not fit: each goes on alone (G2)
                     return
@@ -276,7 +307,7 @@ class Prefill:
             self.cost = prefill_cost.learn(self.cost, (mx.get_peak_memory() - before) // rows, columns, done=done)
             self.tokens += real
             mx.clear_cache()
-            if guarded and not self._after_chunk(group.live, limits, usage_fn, events):
+            if guarded and not self._after_chunk(group.live, pool, events):
                 return
             if group.remaining > 0:
                 return

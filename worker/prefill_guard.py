@@ -27,6 +27,7 @@ from shared.limits import Limits
 
 COST_PAD = 1.3  # G2: the running estimate of a chunk's cost is padded by 30%
 PREFILL_MEMORY_EXCEEDED = "prefill_memory_exceeded"
+DEVICE = "device"  # the binding of a limit of the discrete device's pool (SPEC D)
 
 
 class PrefillCost(msgspec.Struct, frozen=True):
@@ -105,8 +106,29 @@ def guard_on(limits: Limits) -> bool:
 
 
 def abort_binding(limits: Limits) -> str:
-    """C10: the abort limit is static, or the GPU cap plus CPU side when smaller."""
+    """C10: the abort limit is static, or the GPU cap plus CPU side when smaller; the device's."""
+    if limits.binding == DEVICE:
+        return DEVICE
     return "gpu_cap" if 0 < limits.gpu_cap < limits.static else "static"
+
+
+def device_limits(limits: Limits) -> Limits:
+    """G1-G3 on a discrete device's pool (SPEC D): the limits to hold a prefill's peak to there.
+
+    On CUDA a prefill's KV and activations are device memory, which the host
+    limits do not hold (D5 counts a model's weights on the device and not in
+    RAM; its prefill is the same memory). The one device limit a worker is
+    handed is the device pool's hard watermark (`device_hard`, in the
+    workers' own measure: MLX active + pool), above which the guard acts on
+    the device pool (P6 at hard), so it stands in for the hard limit (G1),
+    the chunk target's base (G2, times the headroom safety) and the abort
+    limit (G3); `device_soft` for soft. Usage is then the group's device
+    bytes. A refusal's binding is `device`.
+    """
+    return msgspec.structs.replace(
+        limits, soft_limit=limits.device_soft, hard_limit=limits.device_hard, hard_watermark=limits.device_hard,
+        abort_limit=limits.device_hard, abort_margin=1.0, ceiling=0, static=0, dynamic=0, gpu_cap=0,
+        binding=DEVICE)
 
 
 def prefill_limit(limits: Limits) -> Limit:
@@ -313,15 +335,21 @@ def after_chunk(limits: Limits, usage: int) -> AfterChunk:
     return "ok"
 
 
-def rejection_message(estimated: int, limit: int, binding: str) -> str:
-    """The 400 `prefill_memory_exceeded` text: numbers plus the remedy that fits (C6)."""
+def rejection_message(estimated: int, limit: int, binding: str, *, what: str = "prompt",
+                      during: str = "prefill") -> str:
+    """The 400 `prefill_memory_exceeded` text: numbers plus the remedy that fits (C6);
+    `what` and `during` name the work (an embedding batch says so)."""
     from shared.sizes import format_size
 
+    if binding == DEVICE:
+        return (f"{what} needs about {format_size(estimated)} of device memory during {during} but the "
+                f"device pool's limit is {format_size(limit)} (binding: device); use a shorter {what} or a "
+                f"smaller model, or free device memory (other models, other processes on the GPU)")
     remedy = {
         "dynamic": "close other applications to free memory",
         "gpu_cap": "raise the GPU memory cap (iogpu.wired_limit_mb)",
-    }.get(binding, "use a shorter prompt, a smaller model or a lower tier")
+    }.get(binding, f"use a shorter {what}, a smaller model or a lower tier")
     return (
-        f"prompt needs about {format_size(estimated)} during prefill but the limit is "
+        f"{what} needs about {format_size(estimated)} during {during} but the limit is "
         f"{format_size(limit)} (binding: {binding or 'static'}); {remedy}"
     )

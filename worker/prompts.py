@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 
+from shared import fim
 from worker.request import INVALID_REQUEST, EngineError
 
 
@@ -77,3 +78,24 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     bos = tokenizer.bos_token
     add_special = bos is None or not text.startswith(bos)
     return list(tokenizer.encode(text, add_special_tokens=add_special))
+
+
+def encode_fim(tokenizer, prefix: str, suffix: str) -> list[int]:
+    """Issue 23: a fill-in-the-middle prompt, from the tokenizer's own FIM tokens
+    (shared.fim; the supervisor's model cards read the same added tokens). The texts are
+    tokenized with special-token text kept as text, so a prefix or suffix cannot smuggle
+    in a FIM token; the BOS comes first when the tokenizer adds one."""
+    spelling = fim.find(tokenizer.get_added_vocab())
+    if spelling is None:
+        raise EngineError(fim.FIM_UNSUPPORTED, "suffix: this model's tokenizer has no fill-in-the-middle tokens, "
+                                           "so it cannot complete between a prompt and a suffix")
+    ids = tokenizer.convert_tokens_to_ids
+
+    def text(part: str) -> list[int]:
+        return list(tokenizer.encode(part, add_special_tokens=False, split_special_tokens=True)) if part else []
+
+    plain, full = text("a"), list(tokenizer.encode("a", add_special_tokens=True))
+    head = full[:len(full) - len(plain)] if full[len(full) - len(plain):] == plain else []  # the BOS, if added
+    before, after = [ids(spelling.prefix), *text(prefix)], [ids(spelling.suffix), *text(suffix)]
+    body = before + after if spelling.order == "psm" else after + before
+    return head + body + ([ids(spelling.middle)] if spelling.middle else [])

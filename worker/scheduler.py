@@ -243,7 +243,7 @@ class Scheduler:
                 continue
             members.append(seq)
         if guarded:
-            while len(members) > 1 and not self.prefill.group_fits(members, limits, usage_fn()):
+            while len(members) > 1 and not self.prefill.group_fits(members, limits, usage_fn):
                 members.pop()
         if len(members) < 2:
             return None

@@ -26,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--custom-ceiling", metavar="SIZE", help="ceiling for the custom tier, e.g. 12GiB")
     parser.add_argument("--budget", metavar="SIZE", help="never count more than SIZE as the machine's memory")
     parser.add_argument("--allow-drills", action="store_true", help="allow `drill` (fire drills) on this supervisor")
+    parser.add_argument("--host-name", metavar="NAME", help="this host's name in the X-Memvisor-Host header "
+                        "and the routing signals (default: the machine's name)")
     parser.add_argument("--max-workers", type=int, default=64, help="ledger slots, i.e. worker processes at once")
     parser.add_argument("--models-dir", metavar="DIR", action="append", default=[],
                         help="serve every model folder (and .gguf file) under DIR, the id taken from its "
@@ -58,6 +60,8 @@ def build_config(args: argparse.Namespace) -> Config:
         raw["supervisor"]["http"] = args.http
     if args.allow_drills:
         raw["supervisor"]["allow_drills"] = True
+    if args.host_name is not None:
+        raw["supervisor"]["host_name"] = args.host_name
     raw["supervisor"]["models_dirs"] = [*raw["supervisor"]["models_dirs"], *args.models_dir]
     try:
         config = msgspec.convert(raw, type=Config)

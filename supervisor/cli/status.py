@@ -11,7 +11,7 @@ from shared import protocol as p
 from shared.sizes import format_size
 from supervisor.cli._control import connect
 from supervisor.client import NotRunning
-from supervisor.policy.status import DiskCacheStatus, ServerStatus
+from supervisor.policy.status import DiskCacheStatus, ServerStatus, WorkerStatus
 
 
 def add_arguments(parser):
@@ -70,7 +70,8 @@ def render(st: ServerStatus) -> str:
         lines += _device_lines(g.device, g.enabled)
     dev = g.device is not None  # D6: a device column beside usage
     lines += ["", f"{'model':<20} {'state':<10} {'pid':>7} {'usage':>10} " + (f"{'device':>10} " if dev else "")
-              + f"{'mlx active':>10} {'pool':>9} {'cache':>9} {'disk':>9} {'run':>4} {'queue':>5} {'idle':>7} "
+              + f"{'mlx active':>10} {'pool':>9} {'cache':>9} {'disk':>9} {'batch':>9} {'run':>4} {'queue':>5} "
+              f"{'idle':>7} "
               f"{'restarts':>8}"]
     workers = {w.model: w for w in g.workers if w.state not in ("stopped", "dead")}
     for m in st.models:
@@ -84,10 +85,11 @@ def render(st: ServerStatus) -> str:
         lines.append(
             f"{pin}{m.id:<19} {w.state:<10} {w.pid:>7} {size(w.usage):>10} "
             + (f"{size(w.device_bytes):>10} " if dev else "") + f"{size(w.mlx_active):>10} "
-            f"{size(w.mlx_pool):>9} {size(w.cache_bytes):>9} {size(m.disk_cache_bytes):>9} {w.running:>4} "
-            f"{w.queued:>5} {w.idle_seconds:>6.0f}s {w.restarts:>8}"
+            f"{size(w.mlx_pool):>9} {size(w.cache_bytes):>9} {size(m.disk_cache_bytes):>9} {size(w.batch_bytes):>9} "
+            f"{w.running:>4} {w.queued:>5} {w.idle_seconds:>6.0f}s {w.restarts:>8}"
         )
     lines.append("(* pinned)")
+    lines += _batch_lines([workers[m.id] for m in st.models if m.id in workers])
     if st.events:
         lines += ["", "recent guard events:"]
         for e in st.events[-8:]:
@@ -115,6 +117,24 @@ def _disk_cache_lines(d: DiskCacheStatus) -> list[str]:
         lines.append(f"  shrink before drop: {d.quantize_bits or 'off'}-bit, {d.quantized_entries} entries quantized,"
                      f" {size(d.quantized_bytes)} returned")
     return lines
+
+
+def _batch_lines(workers: list[WorkerStatus]) -> list[str]:
+    """Where each decode batch's memory goes: buffers against live KV, copies, pool returns."""
+    size = format_size
+    out = []
+    for w in workers:
+        if not (w.batch_bytes or w.batch_relayouts or w.pool_returns):
+            continue
+        held = (f"{size(w.batch_bytes)} of KV buffers for {size(w.batch_live_bytes)} of live KV"
+                + (f" ({w.batch_bytes / w.batch_live_bytes:.2f}x)" if w.batch_live_bytes else "")
+                if w.batch_bytes else "no decode batch now")
+        line = f"  {w.model}: {held}, {w.batch_relayouts} relayout(s) since start"
+        if w.pool_returns:
+            line += (f"; pool over its cap returned by the worker {w.pool_returns} time(s), "
+                     f"{size(w.pool_returned)} in all")
+        out.append(line)
+    return ["", "decode batches (buffers as allocated, live KV in them):", *out] if out else []
 
 
 def _device_lines(d: p.DevicePool, enabled: bool) -> list[str]:

@@ -34,7 +34,7 @@ from supervisor.http import generate as g
 from supervisor.http import tools
 from supervisor.http.content import part_text, text_of
 from supervisor.http.errors import ApiError
-from supervisor.http.openai_types import MAX_STOP_SEQUENCES, BodyError, KeepAlive, decode_body
+from supervisor.http.openai_types import MAX_STOP_SEQUENCES, BodyError, KeepAlive, TopK, decode_body
 
 _encoder = msgspec.json.Encoder()
 
@@ -88,7 +88,7 @@ class MessagesRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     stream: bool = False
     temperature: Union[Annotated[float, Meta(ge=0.0, le=1.0)], None] = None
     top_p: Union[Annotated[float, Meta(gt=0.0, le=1.0)], None] = None
-    top_k: Union[int, None] = None  # refused: the sampler has no top-k
+    top_k: Union[TopK, None] = None  # honoured (0 or null: off)
     tools: Union[list[AnthropicTool], None] = None
     tool_choice: Union[AnthropicToolChoice, None] = None
     # Accepted with no effect on the output, truthfully:
@@ -110,8 +110,6 @@ class MessagesRequest(Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 def _refuse(req: MessagesRequest) -> None:
-    if req.top_k is not None:
-        raise BodyError("top_k: not supported (the sampler has temperature and top_p)", param="top_k")
     if req.thinking is not None and req.thinking.get("type") != "disabled":
         raise BodyError("thinking: extended thinking is not supported by these models", param="thinking")
     if req.output_config is not None:
@@ -192,7 +190,7 @@ def messages_generate(req: MessagesRequest) -> p.Generate:
         raise BodyError(f"stop_sequences: at most {MAX_STOP_SEQUENCES}, none empty", param="stop_sequences")
     gen = p.Generate(request_id=uuid.uuid4().hex, messages=turns, max_tokens=req.max_tokens,
                      temperature=1.0 if req.temperature is None else req.temperature,
-                     top_p=1.0 if req.top_p is None else req.top_p, stop=stops)
+                     top_p=1.0 if req.top_p is None else req.top_p, stop=stops, top_k=req.top_k or 0)
     return g.with_tools(gen, tool_plan(req))
 
 
@@ -264,7 +262,9 @@ async def handle(request: Request, sup, metrics, body: bytes, started: float) ->
     if req.stream:
         return await job.streamed(request.receive, lambda first: _events(job, first, msg_id, req.model))
     text, calls, end = await job.collect(request.receive)
-    content: list[Union[TextBlock, ToolUseBlock]] = [TextBlock(text=text)] if text or not calls else []
+    # a required call cut before it closed (issue 23): no block at all, stop_reason max_tokens
+    content: list[Union[TextBlock, ToolUseBlock]] = (
+        [TextBlock(text=text)] if text or not (calls or job.calls_only) else [])
     content += [_tool_use(c) for c in calls]
     reason, sequence = _stop(end)
     reply = Message(id=msg_id, model=req.model, content=content, usage=_usage(end.finished),

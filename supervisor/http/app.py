@@ -12,6 +12,7 @@ The front door sees the supervisor only through `supervisor.api.Supervisor`.
 
 Endpoints (DESIGN.md contract):
   GET  /health                      200, or 503 while a pinned model is not ready
+  GET  /health?model=ID             that model's readiness, status as a request would get (issue 24)
   GET  /status                      SPEC S1 + the PUB endpoint
   GET  /metrics                     Prometheus text
   GET  /v1/models, /v1/models/{id}
@@ -27,6 +28,9 @@ Endpoints (DESIGN.md contract):
                                     the Ollama API (issue 23, http/ollama.py)
   /chat/completions, /completions, /models, /messages: the /v1 routes for clients
   that leave the prefix out (issue 23)
+  POST /tokenize, /detokenize       llama.cpp's token routes (issue 23, http/tokenize.py)
+  POST /v1/embeddings (and /embeddings), /api/embed, /api/embeddings
+                                    embeddings (http/embeddings.py)
 
 Who may administer (load, unload, /admin/guard), issue 21: with
 `[supervisor] admin_token` set, whoever sends `Authorization: Bearer <token>`;
@@ -61,13 +65,16 @@ from shared import protocol as p
 from shared.sizes import SizeError, parse_size
 from shared.states import SERVING_STATES
 from supervisor.api import Supervisor
-from supervisor.config import parse_http
+from supervisor.config import host_name, parse_http
 from supervisor.control import MAX_CONTEXT_TOKENS
 from supervisor.errors import ServeError
 from supervisor.http import anthropic as http_anthropic
+from supervisor.http import embeddings as http_embeddings
 from supervisor.http import generate as http_generate
 from supervisor.http import ollama as http_ollama
 from supervisor.http import responses as http_responses
+from supervisor.http import routing
+from supervisor.http import tokenize as http_tokenize
 from supervisor.http.auth import ApiKeys, EventTickets
 from supervisor.http.body import Disconnected, read_body
 from supervisor.http.dashboard import Dashboard
@@ -76,6 +83,7 @@ from supervisor.http.events import EventsEndpoint
 from supervisor.http.gate import Gate, HostCheck, OriginAllowlist, same_origin
 from supervisor.http.limits import GuardedH11, connection_cap, limit_logs, raise_fd_limit
 from supervisor.http.metrics import Metrics
+from supervisor.http.modelfacts import ModelFacts, capabilities, facts_of
 from supervisor.http.openai_types import BodyError, GuardSettingsIn, ModelCard, ModelList, decode_body
 
 log = logging.getLogger("memvisor.http")
@@ -157,20 +165,20 @@ class FrontDoor:
 
     # -- models ---------------------------------------------------------------
 
-    def card(self, model, context: int | None = None) -> ModelCard:
+    def card(self, model, facts: ModelFacts) -> ModelCard:
+        """Issue 23: with the context length and the capabilities its files show (as /api/show's)."""
         info = self.sup.model_info(model.id)
         return ModelCard(id=model.id, created=self.created, state=info.state, pinned=model.pinned,
-                         worker=info.worker or None, pid=info.pid or None, context_length=context, memvisor=info)
+                         worker=info.worker or None, pid=info.pid or None, context_length=facts.context_length,
+                         capabilities=card_capabilities(facts), memvisor=info,
+                         readiness=self.sup.readiness(model.id))
 
-    async def contexts(self, models) -> dict[str, int | None]:
-        """Issue 23: each model's context length (config.json), read off the loop."""
-        facts = await http_ollama.facts_of([m.path for m in models])
-        return {m.path: facts[m.path].context_length for m in models}
+    async def cards(self, models) -> list[ModelCard]:
+        facts = await facts_of([m.path for m in models])  # the model's small files, read off the loop
+        return [self.card(m, facts[m.path]) for m in models]
 
     async def models(self, request: Request) -> Response:
-        models = self.sup.config.models
-        contexts = await self.contexts(models)
-        return json_response(ModelList(data=[self.card(m, contexts[m.path]) for m in models]))
+        return json_response(ModelList(data=await self.cards(self.sup.config.models)))
 
     async def model(self, request: Request) -> Response:
         model_id = request.path_params["model_id"]
@@ -179,7 +187,7 @@ class FrontDoor:
             raise ApiError(405, f"{action} takes POST, not {request.method}", code="method_not_allowed",
                            headers={"Allow": "POST"})
         model = self._model_config(model_id)
-        return json_response(self.card(model, (await self.contexts([model]))[model.path]))
+        return json_response((await self.cards([model]))[0])
 
     def _model_config(self, model_id: str):
         try:
@@ -204,7 +212,7 @@ class FrontDoor:
             await http_generate.race_client(self.sup.load(model.id, explicit=True), request.receive)
         except ServeError as exc:
             raise from_serve_error(exc) from None
-        return json_response(self.card(model))
+        return json_response((await self.cards([model]))[0])
 
     async def unload(self, request: Request) -> Response:
         require_admin(request, self.scfg.admin_token)
@@ -235,10 +243,33 @@ class FrontDoor:
         started = request.scope.get("memvisor.started", time.monotonic())
         return await http_responses.handle(request, self.sup, self.metrics, body, started)
 
+    async def embeddings(self, request: Request) -> Response:
+        body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
+        return await http_embeddings.handle_openai(request, self.sup, self.metrics, body)
+
+    async def ollama_embed(self, request: Request) -> Response:
+        body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
+        started = request.scope.get("memvisor.started", time.monotonic())
+        return await http_embeddings.handle_embed(request, self.sup, self.metrics, body, started)
+
+    async def ollama_embeddings(self, request: Request) -> Response:
+        body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
+        return await http_embeddings.handle_embeddings(request, self.sup, self.metrics, body)
+
     async def count_tokens(self, request: Request) -> Response:
         body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
         started = request.scope.get("memvisor.started", time.monotonic())
         return await http_anthropic.count_tokens(request, self.sup, self.metrics, body, started)
+
+    # -- llama.cpp's token routes (issue 23, http/tokenize.py) ------------------
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
+        return await http_tokenize.tokenize(self.sup, body)
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
+        return await http_tokenize.detokenize(self.sup, body)
 
     # -- the Ollama API (issue 23) ----------------------------------------------
 
@@ -294,7 +325,12 @@ class FrontDoor:
         return json_response(self.sup.server_status())
 
     async def health(self, request: Request) -> Response:
-        """503 while a pinned model is not serving: `failed` when one gave up, else `loading`."""
+        """503 while a pinned model is not serving: `failed` when one gave up, else `loading`.
+
+        `?model=ID` (issue 24): that model's readiness, with the status a request for it
+        would get now (200, 429, 503 or 507) and its Retry-After: a router's cheap probe."""
+        if "model" in request.query_params:
+            return self.model_health(request.query_params["model"])
         waiting: dict[str, str] = {}
         failed = False
         for model in self.sup.config.models:
@@ -310,6 +346,15 @@ class FrontDoor:
                 waiting[model.id] = view.state
         status = "failed" if failed else "loading" if waiting else "ok"
         return json_response(HealthBody(status=status, waiting=waiting), 503 if waiting else 200)
+
+    def model_health(self, name: str) -> Response:
+        try:
+            ready = self.sup.readiness(name)
+        except ServeError as exc:
+            raise from_serve_error(exc) from None
+        headers = {"Retry-After": str(ready.retry_after)} if ready.retry_after is not None else None
+        return Response(_encoder.encode(ready), status_code=ready.status, headers=headers,
+                        media_type="application/json")
 
     async def metrics_text(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -359,12 +404,16 @@ class FrontDoor:
             Route("/v1/messages", v(self.messages, anthropic), methods=["POST"]),
             Route("/v1/messages/count_tokens", v(self.count_tokens, anthropic), methods=["POST"]),
             Route("/v1/responses", v(self.responses), methods=["POST"]),
+            Route("/v1/embeddings", v(self.embeddings), methods=["POST"]),
+            Route("/embeddings", v(self.embeddings), methods=["POST"]),
             # issue 23: clients that leave out /v1 reach the same handlers
             Route("/models", v(self.models), methods=["GET"]),
             Route("/chat/completions", v(self.chat), methods=["POST"]),
             Route("/completions", v(self.completions), methods=["POST"]),
             Route("/messages", v(self.messages, anthropic), methods=["POST"]),
             Route("/messages/count_tokens", v(self.count_tokens, anthropic), methods=["POST"]),
+            Route("/tokenize", v(self.tokenize), methods=["POST"]),  # issue 23: llama.cpp's
+            Route("/detokenize", v(self.detokenize), methods=["POST"]),
             # issue 23: the Ollama API (its version check carries no data, so it needs no key)
             Route("/api/version", guarded(self.ollama_version, http_ollama.error_response), methods=["GET"]),
             Route("/api/tags", o(self.ollama_tags), methods=["GET"]),
@@ -372,11 +421,20 @@ class FrontDoor:
             Route("/api/show", o(self.ollama_show), methods=["POST"]),
             Route("/api/chat", o(self.ollama_chat), methods=["POST"]),
             Route("/api/generate", o(self.ollama_generate), methods=["POST"]),
+            Route("/api/embed", o(self.ollama_embed), methods=["POST"]),
+            Route("/api/embeddings", o(self.ollama_embeddings), methods=["POST"]),
             *[Route(path, o(self.ollama_no_hub), methods=["POST", "DELETE", "HEAD"])
               for path in ("/api/pull", "/api/push", "/api/create", "/api/copy", "/api/delete",
                            "/api/blobs/{digest}")],
             Route("/admin/guard", r(self.guard), methods=["POST"]),
         ]
+
+
+def card_capabilities(facts: ModelFacts) -> list[str]:
+    """/api/show's capabilities (http/ollama.py), with `chat` where a chat template makes
+    /v1/chat/completions usable: one list for both APIs, so they never disagree."""
+    caps = capabilities(facts)
+    return [*caps, "chat"] if facts.has_template and "chat" not in caps else caps
 
 
 def guarded(handler: Callable[[Request], Awaitable[Response]],
@@ -412,11 +470,13 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
 
 
 class Instrumented:
-    """ASGI wrapper: stamps the arrival time, counts every answer and its latency."""
+    """ASGI wrapper: stamps the arrival time, counts every answer and its latency, and
+    names this host (and the worker that served) on every response (issue 24)."""
 
-    def __init__(self, app, metrics: Metrics) -> None:
+    def __init__(self, app, metrics: Metrics, host: Callable[[], str]) -> None:
         self.app = app
         self.metrics = metrics
+        self.host = host  # read per response: a reload may rename the host
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -424,12 +484,15 @@ class Instrumented:
             return
         started = time.monotonic()
         scope["memvisor.started"] = started
+        served = routing.begin(scope.get("headers", []))
         status, complete = 0, False
 
         async def tracked(message) -> None:
             nonlocal status, complete
             if message["type"] == "http.response.start":
                 status = message["status"]
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  *routing.response_headers(served, self.host())]}
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 complete = True
             await send(message)
@@ -446,7 +509,8 @@ _FIXED = {"/health", "/status", "/metrics", "/v1/models", "/v1/chat/completions"
           "/v1/messages", "/v1/responses", "/admin/guard", "/v1/events", "/", "/ui",
           "/v1/messages/count_tokens", "/chat/completions", "/completions", "/models", "/messages",
           "/messages/count_tokens", "/api/version", "/api/tags", "/api/ps", "/api/show", "/api/chat",
-          "/api/generate"}
+          "/api/generate", "/v1/embeddings", "/embeddings", "/api/embed", "/api/embeddings", "/tokenize",
+          "/detokenize"}
 
 
 def endpoint_label(path: str) -> str:
@@ -476,7 +540,7 @@ def build_app(sup: Supervisor):
     app = Starlette(routes=door.routes(), exception_handlers={HTTPException: _http_exception})
     host, _port = parse_http(sup.config.supervisor.http)
     gate = Gate(app, HostCheck(host), OriginAllowlist(sup.config.supervisor.cors_origins), error_shape)
-    return Instrumented(gate, door.metrics)
+    return Instrumented(gate, door.metrics, lambda: host_name(sup.config))
 
 
 # ---------------------------------------------------------------------------

@@ -17,7 +17,9 @@ import msgspec
 from starlette.responses import Response
 
 from shared import protocol as p
-from supervisor.errors import ServeError
+from shared.embedding import WRONG_MODEL_KIND
+from shared.fim import FIM_UNSUPPORTED
+from supervisor.errors import NotReady, ServeError
 from supervisor.http.openai_types import ErrorBody, ErrorDetail
 
 _encoder = msgspec.json.Encoder()
@@ -40,9 +42,20 @@ _TYPE_BY_STATUS = {
     415: "invalid_request_error",
     421: "permission_error",
     422: "invalid_request_error",
+    429: "rate_limit_error",
     500: "server_error",
     503: "overloaded_error",
     507: "insufficient_memory_error",
+}
+
+# Issue 24: every refusal body carries a machine-readable `code`; where a raise
+# site names none, the status gives one, so a router never has to read words.
+_CODE_BY_STATUS = {
+    400: "invalid_request", 401: "invalid_api_key", 403: "forbidden", 404: "not_found",
+    405: "method_not_allowed", 408: "request_timeout", 409: "conflict", 413: "request_too_large",
+    415: "unsupported_media_type", 421: "misdirected_request", 422: "unprocessable", 429: "model_at_capacity",
+    500: "internal_error", 501: "not_implemented", 503: "unavailable", 504: "timeout",
+    507: "insufficient_memory",
 }
 
 # A worker's terminal `Failed(code)` -> (HTTP status, Retry-After seconds or None).
@@ -51,6 +64,8 @@ _FAILED_STATUS: dict[str, tuple[int, int | None]] = {
     "invalid_request": (400, None),
     INVALID_CONSTRAINT: (400, None),  # issue 21: a schema or grammar the worker cannot enforce
     "context_length_exceeded": (400, None),  # issue 16: prompt + max_tokens over the context
+    FIM_UNSUPPORTED: (400, None),  # issue 23
+    WRONG_MODEL_KIND: (400, None),  # chat to an embedding model, or the reverse
     "memory_pressure": (503, RETRY_AFTER_ABORT),  # P6.3/P6.5 aborted it
     "model_unloading": (503, RETRY_AFTER_ABORT),
     "worker_exited": (503, RETRY_AFTER_ABORT),
@@ -67,7 +82,7 @@ class ApiError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
-        self.code = code
+        self.code = code or _CODE_BY_STATUS.get(status, "error")
         self.param = param
         self.headers = dict(headers or {})
         if retry_after is not None:
@@ -102,7 +117,8 @@ def from_serve_error(exc: ServeError) -> ApiError:
     retry = exc.retry_after
     if retry is None and exc.http_status == 503 and not exc.permanent:
         retry = RETRY_AFTER_ABORT
-    return ApiError(exc.http_status, str(exc), code=exc.code, retry_after=retry)
+    extra = {"progress": exc.progress} if isinstance(exc, NotReady) and exc.progress is not None else None
+    return ApiError(exc.http_status, str(exc), code=exc.code, retry_after=retry, extra=extra)
 
 
 def from_failed(msg: p.Failed) -> ApiError:

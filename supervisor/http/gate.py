@@ -20,7 +20,8 @@ every request:
    or comes from a page, must declare `application/json` (415). A page can
    only send JSON cross-origin after a preflight, which the allowlist answers,
    so no page can slip a state change past CORS as `text/plain` or a form.
-4. **CORS** for /v1/* and /api/* (the Ollama-style routes): a preflight from an
+4. **CORS** for /v1/*, /api/* (the Ollama-style routes) and the API routes without
+   a prefix (`/chat/completions`, `/models`, `/tokenize`, ...): a preflight from an
    allowed origin gets 204 with the methods and headers; a response to an
    allowed origin gets `Access-Control-Allow-Origin` echoing it; a disallowed
    origin gets no CORS headers at all, so its page cannot read the answer.
@@ -43,8 +44,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from supervisor.http.errors import ApiError
 
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"})
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses",
+                              "/chat/completions", "/completions", "/messages"})
 CORS_PREFIXES = ("/v1/", "/api/")
+# The API routes outside those prefixes (issue 23): the /v1 routes that clients leaving
+# out the prefix reach too, and llama.cpp's token routes. A browser client of them
+# needs the same CORS as /v1 gives, and gets no more.
+CORS_PATHS = frozenset({"/models", "/chat/completions", "/completions", "/messages", "/messages/count_tokens",
+                        "/embeddings", "/tokenize", "/detokenize"})
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 ALLOW_METHODS = "GET, POST, DELETE, OPTIONS"
 # What the OpenAI and Anthropic browser SDKs send; a preflight's own list is echoed too.
@@ -194,7 +201,7 @@ class Gate:
             await self.shape(path)(refusal)(scope, receive, send)
             return
         origin = headers.get("origin")
-        cors = path.startswith(CORS_PREFIXES)
+        cors = path.startswith(CORS_PREFIXES) or path in CORS_PATHS
         if method == "OPTIONS" and origin is not None and "access-control-request-method" in headers:
             await self.preflight(scope, headers, path, cors)(scope, receive, send)
             return

@@ -41,13 +41,15 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from shared import protocol as p
+from shared.fim import FIM_UNSUPPORTED
 from supervisor.api import Supervisor
 from supervisor.errors import ServeError
-from supervisor.http import tools
+from supervisor.http import routing, sampling, tools
 from supervisor.http.body import Disconnected
 from supervisor.http.content import text_of
 from supervisor.http.errors import INVALID_CONSTRAINT, ApiError, from_failed, from_serve_error
 from supervisor.http.metrics import Metrics
+from supervisor.http.modelfacts import require_fim
 from supervisor.http.openai_types import (
     DEFAULT_CHAT_MAX_TOKENS,
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -59,6 +61,7 @@ from supervisor.http.openai_types import (
     ChatMessageOut,
     ChatRequest,
     ChunkChoice,
+    CompletionLogprobs,
     CompletionRequest,
     Delta,
     FunctionCall,
@@ -92,13 +95,6 @@ def _refuse_unsupported(req, *names: str) -> None:
     """Known OpenAI parameters we cannot honour are refused, not ignored."""
     if req.n not in (None, 1):
         raise BodyError("n: only n=1 is supported", param="n")
-    if req.logprobs not in (None, False, 0):
-        raise BodyError("logprobs: log probabilities are not supported", param="logprobs")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0, 0.0):
-            raise BodyError(f"{name}: not supported (only 0)", param=name)
-    if req.logit_bias:
-        raise BodyError("logit_bias: not supported (only an empty map)", param="logit_bias")
     for name in names:
         if getattr(req, name):
             raise BodyError(f"{name}: not supported by this server", param=name)
@@ -139,7 +135,8 @@ def _seed(seed: int | None) -> int | None:
 def _sampling(req, max_tokens: int) -> dict:
     return dict(request_id=uuid.uuid4().hex, max_tokens=max_tokens,
                 temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p, stop=_stops(req.stop), seed=_seed(req.seed))
+                top_p=1.0 if req.top_p is None else req.top_p, stop=_stops(req.stop), seed=_seed(req.seed),
+                **sampling.generate_fields(req))  # top_k, min_p, penalties, logit_bias
 
 
 def response_format_constraint(fmt: ResponseFormat | None) -> p.Constraint | None:
@@ -196,7 +193,7 @@ def _chat_message(i: int, m) -> p.ChatMessage:
 
 def chat_generate(req: ChatRequest) -> p.Generate:
     """OpenAI chat -> Generate with messages (the worker applies the model's chat template)."""
-    _refuse_unsupported(req, "top_logprobs")
+    _refuse_unsupported(req)
     _refuse_chat_extras(req)
     if not req.messages:
         raise BodyError("messages: must contain at least one message", param="messages")
@@ -204,7 +201,8 @@ def chat_generate(req: ChatRequest) -> p.Generate:
     max_tokens = req.max_completion_tokens or req.max_tokens or DEFAULT_CHAT_MAX_TOKENS
     plan = chat_tool_plan(req)
     fmt = response_format_constraint(req.response_format)
-    return with_tools(p.Generate(messages=messages, constraint=fmt, **_sampling(req, max_tokens)), plan)
+    logprobs = sampling.chat_logprobs(req.logprobs, req.top_logprobs)
+    return with_tools(p.Generate(messages=messages, constraint=fmt, **_sampling(req, max_tokens), **logprobs), plan)
 
 
 def with_tools(gen: p.Generate, plan: ToolPlan | None) -> p.Generate:
@@ -222,7 +220,7 @@ def with_tools(gen: p.Generate, plan: ToolPlan | None) -> p.Generate:
 
 def completion_generate(req: CompletionRequest) -> p.Generate:
     """Legacy completions: the prompt goes to the model as is, no template."""
-    _refuse_unsupported(req, "echo", "suffix")
+    _refuse_unsupported(req, "echo")
     if req.best_of not in (None, 1):
         raise BodyError("best_of: only 1 is supported", param="best_of")
     prompt = req.prompt
@@ -230,9 +228,10 @@ def completion_generate(req: CompletionRequest) -> p.Generate:
         if len(prompt) != 1:
             raise BodyError("prompt: exactly one prompt per request is supported", param="prompt")
         prompt = prompt[0]
-    if not prompt:
+    if not prompt and req.suffix is None:  # fill in the middle may start at the top of a file
         raise BodyError("prompt: must not be empty", param="prompt")
-    return p.Generate(prompt=prompt, **_sampling(req, req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS))
+    return p.Generate(prompt=prompt, suffix=req.suffix, **_sampling(req, req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS),
+                      **sampling.completion_logprobs(req.logprobs))
 
 
 # ---------------------------------------------------------------------------
@@ -277,8 +276,11 @@ async def open_job(request: Request, sup: Supervisor, metrics: Metrics, req, gen
 
 async def open_stream(sup: Supervisor, model: str, gen: p.Generate, receive: Receive,
                       keep_alive: float | None = None) -> RequestStream:
+    served = routing.current()  # issue 24: X-Memvisor-Max-Wait in, X-Memvisor-Worker out
     try:
-        stream = await race_client(sup.generate(model, gen), receive)
+        stream = await race_client(sup.generate(model, gen, max_wait=served.max_wait()), receive)
+        if stream.worker is not None:
+            served.worker = stream.worker.worker_id
         if keep_alive is not None:  # the model is loaded now: its idle timer is this request's
             sup.keep_alive(model, keep_alive)
         return stream
@@ -314,6 +316,9 @@ class Job:
         self.finished = False
         self.tokens = 0
         self._token_frame: tuple[bytes, bytes] | None = None  # issue 11: see token_chunk
+        self.logprobs: list[p.TokenLogprobs] = []  # each token's, when the request asked
+        self._reported = 0  # how many of them streamed chunks have carried
+        self._offset = 0  # completions' text_offset of the next token reported
 
     def cancel(self, reason: str) -> None:
         """Abort the worker's request unless it already ended (idempotent)."""
@@ -341,6 +346,8 @@ class Job:
             if self.tokens == 0:
                 self.metrics.first_token(self.model, time.monotonic() - self.started)
             self.tokens += 1
+            if msg.logprobs is not msgspec.UNSET:
+                self.logprobs.append(msg.logprobs)
         else:
             self.finished = True
             if isinstance(msg, p.Finished):
@@ -348,6 +355,22 @@ class Job:
             else:
                 self.metrics.failed(self.model, msg.code)
         return msg
+
+    def take_logprobs(self) -> list[p.TokenLogprobs]:
+        """Issue 23: the logprobs of the tokens read so far that no streamed piece has carried.
+
+        Why a running list and not a field of `Text`: a token whose text the
+        detokenizer or a stop string holds back still has its logprob, and the
+        pieces stay the same for every API; each renders what it takes here."""
+        items = self.logprobs[self._reported:]
+        self._reported = len(self.logprobs)
+        return items
+
+    def completion_logprobs(self, items: list[p.TokenLogprobs]) -> CompletionLogprobs:
+        """Completions' columns for `items`, their text offsets following the tokens before them."""
+        out = sampling.completion_choice_logprobs(items, self._offset)
+        self._offset += sum(len(item.token) for item in items)
+        return out
 
     # -- the reply as pieces, whatever the API -------------------------------
 
@@ -379,8 +402,10 @@ class Job:
             return
         reason, text, calls = msg.finish_reason, "".join(held), None
         if mode == "constrained":
-            calls = tools.parse_constrained(text)
-            text = "" if calls is not None else text
+            # Issue 23: the reply is the call list and nothing else. Cut by max_tokens before
+            # its first call closed it holds no call: an empty answer with the worker's
+            # finish_reason ("length"), never the partial JSON as text.
+            calls, text = tools.parse_constrained(text), ""
         elif mode == "auto" and text:
             text, calls = tools.parse_tagged(text)
         if text:
@@ -389,6 +414,12 @@ class Job:
             yield Calls(calls)
             reason = "tool_calls" if reason == "stop" else reason
         yield End(msg, reason)
+
+    @property
+    def calls_only(self) -> bool:
+        """Issue 23: a call was required (tool_choice required or named): the reply is its
+        call list, empty when max_tokens cut the first call, and never text."""
+        return self.plan is not None and self.plan.mode == "constrained"
 
     async def collect(self, receive: Receive) -> tuple[str, list[tools.Call], End]:
         """The whole reply (non-streamed); a failure raises its ApiError."""
@@ -419,15 +450,17 @@ class Job:
         usage = _usage(end.finished)
         body: ChatCompletion | TextCompletion
         if self.kind == "chat":
-            message = ChatMessageOut(role="assistant", content=text or (None if calls else ""))
-            if calls:
+            message = ChatMessageOut(role="assistant", content=text or (None if calls or self.calls_only else ""))
+            if calls or self.calls_only:
                 message.tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
                                       for c in calls]
+            logprobs = sampling.chat_choice_logprobs(self.logprobs) if self.gen.logprobs else None
             body = ChatCompletion(id=self.id, created=self.created, model=self.model, usage=usage, choices=[
-                ChatChoice(index=0, message=message, finish_reason=end.reason)])
+                ChatChoice(index=0, message=message, finish_reason=end.reason, logprobs=logprobs)])
         else:
             body = TextCompletion(id=self.id, created=self.created, model=self.model, usage=usage, choices=[
-                TextChoice(index=0, text=text, finish_reason=end.reason)])
+                TextChoice(index=0, text=text, finish_reason=end.reason,
+                           logprobs=self.completion_logprobs(self.logprobs) if self.gen.logprobs else None)])
         return Response(_encoder.encode(body), media_type="application/json")
 
     # -- streamed -------------------------------------------------------------
@@ -465,6 +498,8 @@ class Job:
         error = from_failed(msg)
         if msg.code == INVALID_CONSTRAINT:
             error.param = "tools" if isinstance(self.gen.constraint, p.ToolCall) else self.format_param
+        elif msg.code == FIM_UNSUPPORTED:
+            error.param = "suffix"
         return error
 
     async def streamed(self, receive: Receive, events: Events | None = None) -> Response:
@@ -502,6 +537,8 @@ class Job:
     def render(self, piece: Piece) -> bytes:
         match piece:
             case Text(text=text):
+                if self.gen.logprobs:  # the tokens' logprobs ride with their text
+                    return self.chunk(text, logprobs=self.take_logprobs())
                 return self.token_chunk(text) if text else b""  # the hot path (issue 11)
             case Calls(calls=calls):
                 deltas = [ToolCall(index=i, id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
@@ -512,22 +549,27 @@ class Job:
                 return b"data: " + piece.body() + b"\n\n"
             case End(finished=fin, reason=reason):
                 last = self.chunk(None, finish=reason)
+                held = self.take_logprobs() if self.gen.logprobs else []
+                if held:  # tokens whose text never came out (held back, or tool calls): theirs before the end
+                    last = self.chunk("", logprobs=held) + last
                 if self.include_usage:
                     last += self.usage_chunk(_usage(fin))
                 return last
         return b""
 
     def chunk(self, text: str | None, *, role: bool = False, finish: str | None = None,
-              calls: list[ToolCall] | None = None) -> bytes:
+              calls: list[ToolCall] | None = None, logprobs: list[p.TokenLogprobs] | None = None) -> bytes:
         usage = None if self.include_usage else msgspec.UNSET
         body: ChatChunk | TextCompletion
         if self.kind == "chat":
             delta = Delta(role="assistant", content="") if role else Delta(content=text, tool_calls=calls)
-            body = ChatChunk(id=self.id, created=self.created, model=self.model, usage=usage,
-                             choices=[ChunkChoice(index=0, delta=delta, finish_reason=finish)])
+            choice = ChunkChoice(index=0, delta=delta, finish_reason=finish,
+                                 logprobs=None if logprobs is None else sampling.chat_choice_logprobs(logprobs))
+            body = ChatChunk(id=self.id, created=self.created, model=self.model, usage=usage, choices=[choice])
         else:
-            body = TextCompletion(id=self.id, created=self.created, model=self.model, usage=usage,
-                                  choices=[TextChoice(index=0, text=text or "", finish_reason=finish)])
+            body = TextCompletion(id=self.id, created=self.created, model=self.model, usage=usage, choices=[
+                TextChoice(index=0, text=text or "", finish_reason=finish,
+                           logprobs=None if logprobs is None else self.completion_logprobs(logprobs))])
         return b"data: " + _encoder.encode(body) + b"\n\n"
 
     # -- issue 11: the per-token hot path ---------------------------------------------
@@ -642,6 +684,13 @@ def _duration(text: str) -> float:
     return -total if match[1] == "-" else total
 
 
+def _model(sup: Supervisor, name: str):
+    try:
+        return sup.model_config(name)
+    except ServeError as exc:
+        raise from_serve_error(exc) from None
+
+
 async def handle(request: Request, sup: Supervisor, metrics: Metrics, kind: str, body: bytes,
                  started: float) -> Response:
     """Decode, validate, route to the model's worker, answer (JSON or SSE)."""
@@ -654,6 +703,9 @@ async def handle(request: Request, sup: Supervisor, metrics: Metrics, kind: str,
     else:
         req = decode_body(body, CompletionRequest)
         gen = completion_generate(req)
+        if req.suffix is not None:  # issue 23: refused before any load where the card says no insert
+            model = _model(sup, req.model)
+            await require_fim(model.id, model.path)
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
     job = await open_job(request, sup, metrics, req, gen, started, kind=kind, plan=plan, include_usage=include_usage)
     if req.stream:

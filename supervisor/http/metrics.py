@@ -27,6 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from shared.memory import NO_READING
 from supervisor.api import Supervisor
+from supervisor.readiness import kv_utilization, share
 
 log = logging.getLogger("memvisor.metrics")
 
@@ -113,6 +114,7 @@ class GuardCollector:
             yield from self._device(last)
         yield from self._workers(sup.workers())
         yield from self._disk_cache(sup.disk_cache())
+        yield from self._capacity(last)
         yield from self._counters(sup.counters(), sup.malformed_frames())
 
     def _guard(self, last, paused: bool):
@@ -181,6 +183,16 @@ class GuardCollector:
                                     labels=labels)
         cache = GaugeMetricFamily("memvisor_worker_prompt_cache_bytes",
                                   "The worker's prompt cache, measured (SPEC H2)", labels=labels)
+        batch = GaugeMetricFamily("memvisor_worker_batch_bytes",
+                                  "The decode batch's KV buffers as allocated", labels=labels)
+        live = GaugeMetricFamily("memvisor_worker_batch_live_bytes",
+                                 "The decode batch's live KV (its rows' own tokens)", labels=labels)
+        relayouts = CounterMetricFamily("memvisor_worker_batch_relayouts",
+                                        "Whole-batch copies of the decode batch (growth, compaction)",
+                                        labels=labels)
+        returns = CounterMetricFamily("memvisor_worker_pool_returns",
+                                      "Times a worker returned MLX's pool itself, over its cap (M1)",
+                                      labels=labels)
         total = 0
         for h in handles:
             key = [h.model_id, h.worker_id]
@@ -190,8 +202,12 @@ class GuardCollector:
             pool.add_metric(key, m.mlx_pool)
             running.add_metric(key, len(h.requests))
             cache.add_metric(key, m.cache_bytes)
+            batch.add_metric(key, m.batch_bytes)
+            live.add_metric(key, m.batch_live_bytes)
+            relayouts.add_metric(key, m.batch_relayouts)
+            returns.add_metric(key, m.pool_returns)
             total += m.cache_bytes
-        yield from (usage, active, pool, running, cache)
+        yield from (usage, active, pool, running, cache, batch, live, relayouts, returns)
         yield GaugeMetricFamily("memvisor_prompt_cache_bytes", "All workers' prompt caches together "
                                 "(SPEC H2)", value=total)
         yield GaugeMetricFamily("memvisor_prompt_cache_budget_bytes", "[guard] hot_cache_max (SPEC H2)",
@@ -221,6 +237,48 @@ class GuardCollector:
                 value=d.quantized_entries)
         yield c("memvisor_prompt_cache_quantized_bytes", "Bytes quantizing prompt-cache entries returned (H6)",
                 value=d.quantized_bytes)
+
+    def _capacity(self, last):
+        """Issue 24: what a picker in front of several hosts reads (the Gateway API Inference
+        Extension's model-server protocol asks for queued requests and KV-cache utilisation;
+        these are per model, since one host serves several), with memory headroom per pool."""
+        g = GaugeMetricFamily
+        labels = ["model"]
+        queued = g("memvisor_model_queued_requests", "Requests waiting for one of the model's slots: in its "
+                   "worker's queue or the memory queue (SPEC P3) (the picker's TotalQueuedRequests)", labels=labels)
+        running = g("memvisor_model_running_requests", "Requests at the model's slots", labels=labels)
+        ready = g("memvisor_model_ready", "1 when a request for the model sent now would be served without a "
+                  "refusal (GET /health?model=ID answers 200)", labels=labels)
+        kv = g("memvisor_model_kv_cache_utilization", "The model's KV bytes over those plus the group's room "
+               "below the soft watermark, 0-1; 1 = admission pauses (the picker's KVCacheUtilization)",
+               labels=labels)
+        prompt = g("memvisor_model_prompt_cache_utilization", "The worker's prompt cache over its share of "
+                   "[guard] hot_cache_max (SPEC H2), 0-1", labels=labels)
+        soft = last.ceilings.soft if last is not None else 0
+        room = soft - last.usage if soft > 0 else None
+        seen: set[str] = set()
+        for h in self.sup.workers():
+            if h.model_id in seen or not h.live:  # a stopping worker beside its successor: one series
+                continue
+            seen.add(h.model_id)
+            r = self.sup.readiness(h.model_id)
+            key = [h.model_id]
+            queued.add_metric(key, r.queued)
+            running.add_metric(key, r.running)
+            ready.add_metric(key, int(r.accepting))
+            m = h.sample.memory if h.sample else NO_READING
+            kv_bytes = m.mlx_active - h.weight_bytes - m.cache_bytes if h.serving else 0
+            kv.add_metric(key, kv_utilization(kv_bytes, room))
+            cap = h.last_limits.cache_cap if h.last_limits is not None else 0
+            prompt.add_metric(key, share(m.cache_bytes, cap))
+        yield from (queued, running, ready, kv, prompt)
+        headroom = g("memvisor_memory_headroom_bytes", "Ceiling less usage, per memory pool (negative: over "
+                     "the ceiling); absent while the guard sets no ceiling", labels=["pool"])
+        if last is not None and last.ceilings.ceiling > 0:
+            headroom.add_metric(["host"], last.ceilings.ceiling - last.usage)
+        if last is not None and last.device is not None and last.device.ceiling > 0:
+            headroom.add_metric(["device"], last.device.ceiling - last.device_usage)
+        yield headroom
 
     def _counters(self, counters: dict[str, int], malformed: dict[tuple[str, str], int]):
         yield GaugeMetricFamily("memvisor_queue_depth", "Requests waiting while admission is paused (SPEC P3)",

@@ -12,18 +12,25 @@ only, size-capped: a models folder is input, issue 21) and callers run
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from shared import fim
+from shared.embedding import EmbeddingSpec, read_embedding_spec
+from shared.gguf import GGUFError, read_header
 from shared.modelinfo import CONFIG_MAX_BYTES, context_length, read_config_json, read_small
+from supervisor.http.openai_types import BodyError
+from supervisor.offloop import OffLoopTimeout, off_loop
 
-# Token spellings of fill-in-the-middle prefixes across families (Qwen/StarCoder, CodeLlama,
-# DeepSeek, Codestral): a tokenizer that has one can complete code between a prefix and a suffix.
-FIM_MARKERS = ("<|fim_prefix|>", "<fim_prefix>", "<fim-prefix>", "<PRE>", "<｜fim▁begin｜>", "[PREFIX]")
+TOKENIZER_MAX_BYTES = 64 * 1024 * 1024  # tokenizer.json: tens of MB for the largest vocabularies
+READ_TIMEOUT = 10.0  # a model's small files, read off the loop
+GGUF_SPECIAL_TYPES = (3, 4)  # tokenizer.ggml.token_type: control and user-defined (the added tokens)
 
 
 class ModelFacts(msgspec.Struct, kw_only=True):
@@ -34,11 +41,12 @@ class ModelFacts(msgspec.Struct, kw_only=True):
     context_length: int | None = None
     template: str = ""  # the chat template, as the tokenizer config carries it
     has_template: bool = False
-    fim: bool = False
+    fim: bool = False  # the tokenizer has fill-in-the-middle tokens (shared.fim)
     quantization_level: str = ""  # "Q4", "Q8", "F16", "BF16", "F32"
     bytes_per_parameter: float = 0.0  # from the dtype or quantization bits (0: unknown)
     file_bytes: int = 0  # a .gguf file's own size
     modified: float = 0.0  # mtime of config.json (a .gguf file's own); 0: unknown
+    embedding: EmbeddingSpec | None = None  # a sentence-embedding model's facts (None: it generates)
 
 
 def digest(model_id: str, path: str) -> str:
@@ -51,13 +59,7 @@ def read_facts(path: str) -> ModelFacts:
     """What `path` (a model folder, or a .gguf file) says; blocking: run it off the loop."""
     folder = Path(path).expanduser()
     if folder.suffix.lower() == ".gguf":
-        facts = ModelFacts(format="gguf", quantization_level="")
-        try:
-            info = folder.stat()
-            facts.file_bytes, facts.modified = info.st_size, info.st_mtime
-        except OSError:
-            pass
-        return facts
+        return gguf_facts(folder)
     facts = ModelFacts(context_length=context_length(folder))
     try:
         facts.modified = (folder / "config.json").stat().st_mtime
@@ -77,8 +79,62 @@ def read_facts(path: str) -> ModelFacts:
         template = named.get("default") or next((t for t in named.values() if isinstance(t, str)), None)
     if isinstance(template, str) and template:
         facts.template, facts.has_template = template, True
-    facts.fim = _has_fim(tok)
+    facts.fim = _has_fim(folder, tok)
+    facts.embedding = read_embedding_spec(folder)
+    if facts.embedding is not None:  # the longest input it embeds, not its position table
+        facts.context_length = facts.embedding.max_tokens
     return facts
+
+
+def gguf_facts(path: Path) -> ModelFacts:
+    """Issue 23: what a GGUF header says (context length, family, template, FIM tokens),
+    read once per version of the file (its header holds the whole vocabulary)."""
+    try:
+        info = path.stat()
+    except OSError:
+        return ModelFacts(format="gguf")
+    facts = msgspec.structs.replace(_gguf_header_facts(str(path), info.st_mtime_ns, info.st_size))
+    facts.file_bytes, facts.modified = info.st_size, info.st_mtime
+    return facts
+
+
+@functools.lru_cache(maxsize=32)
+def _gguf_header_facts(path: str, _mtime_ns: int, _size: int) -> ModelFacts:
+    facts = ModelFacts(format="gguf")
+    try:
+        meta = read_header(path).metadata
+    except (OSError, GGUFError):
+        return facts
+    arch = meta.get("general.architecture")
+    if isinstance(arch, str):
+        facts.family = arch[:64]
+        length = meta.get(f"{arch}.context_length")
+        if isinstance(length, int) and not isinstance(length, bool) and 0 < length < 2**31:
+            facts.context_length = length
+    template = meta.get("tokenizer.chat_template")
+    if isinstance(template, str) and template:
+        facts.template, facts.has_template = template, True
+    tokens, types = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.token_type")
+    if isinstance(tokens, list) and isinstance(types, list):
+        special = {t for t, kind in zip(tokens, types) if kind in GGUF_SPECIAL_TYPES and isinstance(t, str)}
+        facts.fim = fim.find(special) is not None
+    return facts
+
+
+def capabilities(facts: ModelFacts) -> list[str]:
+    """What a model does, in Ollama's words (its /api/show; the /v1/models cards too):
+    `embedding` alone for an embedding model; else `completion`, `tools` with a chat
+    template (one that takes `tools` renders them, another gets them in words from the
+    worker, and required calls are constrained decoding either way), `insert` when the
+    tokenizer has fill-in-the-middle tokens."""
+    if facts.embedding is not None:
+        return ["embedding"]
+    caps = ["completion"]
+    if facts.has_template:
+        caps.append("tools")
+    if facts.fim:
+        caps.append("insert")
+    return caps
 
 
 def _dtype_facts(facts: ModelFacts, config: dict[str, Any]) -> None:
@@ -93,16 +149,47 @@ def _dtype_facts(facts: ModelFacts, config: dict[str, Any]) -> None:
         facts.quantization_level, facts.bytes_per_parameter = sizes[dtype]
 
 
-def _has_fim(tok: dict[str, Any]) -> bool:
-    """Fill-in-the-middle tokens among the tokenizer's added or special tokens."""
-    texts: list[str] = []
+def _has_fim(folder: Path, tok: dict[str, Any]) -> bool:
+    """Fill-in-the-middle tokens among the tokenizer's added or special tokens: those of
+    tokenizer_config.json, else tokenizer.json's (where a GGUF import and older saves keep
+    them); the worker decides from the same added tokens (worker/prompts.encode_fim)."""
+    texts: set[str] = set()
     added = tok.get("added_tokens_decoder")
     if isinstance(added, dict):
-        texts += [t.get("content", "") for t in added.values() if isinstance(t, dict)]
+        texts |= {t["content"] for t in added.values() if isinstance(t, dict) and isinstance(t.get("content"), str)}
     extra = tok.get("additional_special_tokens")
     if isinstance(extra, list):
-        texts += [t if isinstance(t, str) else "" for t in extra]
-    return any(isinstance(t, str) and t in FIM_MARKERS for t in texts)
+        texts |= {t for t in extra if isinstance(t, str)}
+    if not isinstance(added, dict):
+        texts |= _tokenizer_json_added(folder / "tokenizer.json")
+    return fim.find(texts) is not None
+
+
+class _Added(msgspec.Struct):
+    content: str
+
+
+class _TokenizerJson(msgspec.Struct):
+    added_tokens: list[_Added] = []
+
+
+def _tokenizer_json_added(path: Path) -> frozenset[str]:
+    try:
+        info = os.stat(path)
+    except OSError:
+        return frozenset()
+    return _added_in(str(path), info.st_mtime_ns, info.st_size)
+
+
+@functools.lru_cache(maxsize=32)
+def _added_in(path: str, _mtime_ns: int, _size: int) -> frozenset[str]:
+    """tokenizer.json's added tokens, read once per version of the file (msgspec skips the
+    vocabulary and merges without building them)."""
+    try:
+        parsed = msgspec.json.decode(read_small(path, TOKENIZER_MAX_BYTES), type=_TokenizerJson)
+    except (OSError, msgspec.DecodeError):
+        return frozenset()
+    return frozenset(t.content for t in parsed.added_tokens)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -130,3 +217,23 @@ def parameter_size(estimated_bytes: int, facts: ModelFacts) -> str:
         if count >= scale:
             return f"{count / scale:.1f}{unit}"
     return f"{count:.0f}"
+
+
+async def facts_of(paths: list[str]) -> dict[str, ModelFacts]:
+    """Each path's facts, read off the loop (empty facts when the read takes too long)."""
+    def read() -> dict[str, ModelFacts]:
+        return {path: read_facts(path) for path in paths}
+
+    try:
+        return await off_loop(read, READ_TIMEOUT, "reading model cards")
+    except (OffLoopTimeout, OSError):
+        return {path: ModelFacts() for path in paths}
+
+
+async def require_fim(model_id: str, path: str) -> None:
+    """Issue 23: a `suffix` (fill in the middle) is refused before any load when the model's
+    tokenizer has no FIM tokens, as its card says (no `insert` capability)."""
+    if not (await facts_of([path]))[path].fim:
+        raise BodyError(f"suffix: model {model_id!r} cannot fill in the middle: its tokenizer has no "
+                        "fill-in-the-middle tokens (such as <fim_prefix>/<fim_suffix>/<fim_middle> or "
+                        "<|fim_prefix|>...); send the prompt without a suffix", param="suffix")

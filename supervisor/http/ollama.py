@@ -13,14 +13,20 @@ spelled Ollama's way:
   first token, `eval_duration`: the rest) with `prompt_eval_count` /
   `eval_count`;
 - `options` map to the same sampling settings (`temperature`, `top_p`,
-  `num_predict`, `stop`, `seed`); an option the worker cannot honour is a 400
-  naming it, never ignored (as on the OpenAI routes). `num_ctx` and the
+  `top_k`, `min_p`, `num_predict`, `stop`, `seed`, `repeat_penalty`,
+  `presence_penalty` and `frequency_penalty` over the last `repeat_last_n`
+  tokens), with Ollama's defaults; `logprobs` / `top_logprobs`
+  add Ollama's `logprobs` list to each streamed object and to the whole
+  reply. An option the worker cannot honour is a 400 naming it, never
+  ignored (as on the OpenAI routes). `num_ctx` and the
   placement options (`num_thread`, `num_gpu`, ...) are accepted: the model
   always runs with its whole context, the guard bounds its memory and the
   worker places the work, none of which changes the tokens;
 - `format` ("json" or a JSON schema) is the worker's constrained decoding;
   `tools` go to the chat template and calls come back as Ollama's
   `tool_calls` with `arguments` as an object;
+- `/api/generate`'s `suffix` fills in the middle on a model whose tokenizer has
+  FIM tokens (its `/api/show` lists `insert`); elsewhere it is a 400 naming it;
 - `keep_alive` is Ollama's (the strict parser of generate.py); an empty
   `prompt` / `messages` only loads the model (`done_reason: "load"`), or with
   `keep_alive: 0` unloads it (`"unload"`), as Ollama does;
@@ -51,23 +57,24 @@ from shared.states import SERVING_STATES
 from supervisor.api import Supervisor
 from supervisor.errors import ServeError
 from supervisor.http import generate as g
+from supervisor.http import sampling as openai_sampling
 from supervisor.http import tools
 from supervisor.http.errors import ApiError, from_serve_error
 from supervisor.http.metrics import Metrics
-from supervisor.http.modelfacts import ModelFacts, digest, parameter_size, read_facts
+from supervisor.http.modelfacts import ModelFacts, capabilities, digest, facts_of, parameter_size, require_fim
 from supervisor.http.openai_types import (
     DEFAULT_CHAT_MAX_TOKENS,
     MAX_STOP_SEQUENCES,
+    WHOLE_CONTEXT,
     BodyError,
     KeepAlive,
+    LogprobOut,
     decode_body,
 )
-from supervisor.offloop import OffLoopTimeout, off_loop
 
 # Why 0.6.4: VS Code's Ollama provider (and Open WebUI's version check) refuse a server
 # older than 0.6.4, the release whose /api/show reports `capabilities`; we serve that shape.
 VERSION = "0.6.4"
-READ_TIMEOUT = 10.0  # a model's small files, read off the loop
 NEVER = datetime(9999, 12, 31, 23, 59, 59, tzinfo=timezone.utc)  # expires_at of a model that never expires
 
 _encoder = msgspec.json.Encoder()
@@ -106,7 +113,7 @@ class _Common(Struct, kw_only=True, forbid_unknown_fields=True):
     format: Union[str, dict[str, Any], None] = None
     keep_alive: KeepAlive = None
     think: Union[bool, str, None] = None  # refused unless false: these models do not reason
-    logprobs: Union[bool, None] = None  # refused unless false (a later session's sampling work)
+    logprobs: Union[bool, None] = None  # honoured
     top_logprobs: Union[int, None] = None
 
 
@@ -118,7 +125,7 @@ class OllamaChatRequest(_Common, kw_only=True):
 class OllamaGenerateRequest(_Common, kw_only=True):
     prompt: Union[str, None] = None
     system: Union[str, None] = None
-    suffix: Union[str, None] = None  # fill-in-the-middle: refused for now
+    suffix: Union[str, None] = None  # fill in the middle (issue 23), on models with FIM tokens
     template: Union[str, None] = None  # refused: the model's own template is used
     context: Union[list[int], None] = None  # refused: send the conversation instead
     raw: Union[bool, None] = None  # true: the prompt goes to the model as is
@@ -142,16 +149,33 @@ class ShowRequest(Struct, kw_only=True, forbid_unknown_fields=True):
 # context and the guard (not a window size) bounds its memory; the others place or
 # pace the work (threads, batches, GPUs, mmap), which the worker decides, and leave
 # the tokens as they are. Continue and Open WebUI send some of them.
+REPEAT_LAST_N = 64  # Ollama's default look-back of the penalties
 NEUTRAL_OPTIONS = frozenset({"num_ctx", "num_thread", "num_batch", "num_gpu", "main_gpu", "low_vram", "numa",
                              "use_mmap", "use_mlock"})
 
 
 class Sampling(Struct, kw_only=True):
+    """The `Generate` fields Ollama's options set (same names), with Ollama's defaults."""
+
     max_tokens: int = DEFAULT_CHAT_MAX_TOKENS
     temperature: float = 0.8  # Ollama's default
     top_p: float = 0.9  # Ollama's default
     stop: list[str] = []
     seed: Union[int, None] = None
+    # The penalties are off unless asked for: Ollama's documented repeat_penalty
+    # default (1.1) is not what its newer engine applies, and a default that changes
+    # the tokens is one a client cannot see.
+    top_k: int = 40  # Ollama's default
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_context_size: int = REPEAT_LAST_N  # Ollama's repeat_last_n: one look-back for all three
+    presence_context_size: int = REPEAT_LAST_N
+    frequency_context_size: int = REPEAT_LAST_N
+
+    def look_back(self, tokens: int) -> None:
+        self.repetition_context_size = self.presence_context_size = self.frequency_context_size = tokens
 
 
 def sampling(options: dict[str, Any] | None) -> Sampling:
@@ -184,11 +208,41 @@ def sampling(options: dict[str, Any] | None) -> Sampling:
             if isinstance(value, bool) or not isinstance(value, int) or not -(2**63) <= value < 2**64:
                 raise BodyError(f"{where}: a whole number that fits in 64 bits", param=where)
             out.seed = value
+        elif key in _PENALTIES:
+            setattr(out, _PENALTIES[key], _penalty(key, value, where))
+        elif key == "top_k":
+            out.top_k = max(0, _whole(value, where, -1, WHOLE_CONTEXT))  # Ollama: 0 or less is off
+        elif key == "min_p":
+            out.min_p = _number(value, where, 0.0, 1.0)
+        elif key == "repeat_last_n":
+            look_back = _whole(value, where, -1, WHOLE_CONTEXT)
+            out.look_back(WHOLE_CONTEXT if look_back == -1 else look_back)  # -1: the whole context
         else:
-            raise BodyError(f"{where}: not supported by this server (it honours temperature, top_p, "
-                            "num_predict, stop and seed, and accepts num_ctx and the thread/GPU "
-                            "placement options, which change no output)", param=where)
+            raise BodyError(f"{where}: not supported by this server (it honours temperature, top_p, top_k, "
+                            "min_p, num_predict, stop, seed, repeat_penalty, repeat_last_n, presence_penalty "
+                            "and frequency_penalty, and accepts num_ctx and the thread/GPU placement "
+                            "options, which change no output)", param=where)
     return out
+
+
+_PENALTIES = {"repeat_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+              "frequency_penalty": "frequency_penalty"}
+
+
+def _penalty(key: str, value: Any, where: str) -> float:
+    """repeat_penalty multiplies (above 0; 1 is off), presence and frequency subtract (-2 to 2)."""
+    if key == "repeat_penalty":
+        number = _number(value, where, 0.0, 10.0)
+        if number == 0.0:
+            raise BodyError(f"{where}: must be above 0 (1 is no penalty)", param=where)
+        return number
+    return _number(value, where, -2.0, 2.0)
+
+
+def _whole(value: Any, where: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise BodyError(f"{where}: a whole number from {low} to {high}, got {value!r}", param=where)
+    return value
 
 
 def _number(value: Any, where: str, low: float, high: float) -> float:
@@ -211,10 +265,12 @@ def format_constraint(fmt: str | dict[str, Any] | None) -> p.Constraint | None:
 def _refuse_common(req: _Common) -> None:
     if req.think not in (None, False, "", "false"):
         raise BodyError("think: these models do not reason (only false)", param="think")
-    if req.logprobs:
-        raise BodyError("logprobs: log probabilities are not supported yet", param="logprobs")
-    if req.top_logprobs:
-        raise BodyError("top_logprobs: log probabilities are not supported yet", param="top_logprobs")
+
+
+def _sampling(req: _Common) -> dict[str, Any]:
+    """The Generate fields of the request's options and its logprobs."""
+    return {**msgspec.structs.asdict(sampling(req.options)),
+            **openai_sampling.chat_logprobs(bool(req.logprobs), req.top_logprobs)}
 
 
 def tool_plan(raw: list[dict[str, Any]] | None) -> tools.ToolPlan | None:
@@ -270,17 +326,15 @@ def chat_messages(messages: list[OllamaMessage]) -> list[p.ChatMessage]:
 
 def chat_generate(req: OllamaChatRequest) -> p.Generate:
     _refuse_common(req)
-    s = sampling(req.options)
     gen = p.Generate(request_id=uuid.uuid4().hex, messages=chat_messages(req.messages or []),
-                     max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, stop=s.stop, seed=s.seed,
-                     constraint=format_constraint(req.format))
+                     constraint=format_constraint(req.format), **_sampling(req))
     return g.with_tools(gen, tool_plan(req.tools))
 
 
 def generate_generate(req: OllamaGenerateRequest) -> p.Generate:
     _refuse_common(req)
-    if req.suffix:
-        raise BodyError("suffix: fill-in-the-middle is not supported yet", param="suffix")
+    if req.suffix and req.system:
+        raise BodyError("system: a fill-in-the-middle prompt (suffix) has no system turn", param="system")
     if req.template:
         raise BodyError("template: the model's own chat template is used; send raw=true to skip it",
                         param="template")
@@ -292,17 +346,17 @@ def generate_generate(req: OllamaGenerateRequest) -> p.Generate:
     for name in ("width", "height", "steps"):
         if getattr(req, name) is not None:
             raise BodyError(f"{name}: image generation is not supported (these are text models)", param=name)
-    s = sampling(req.options)
-    common = dict(request_id=uuid.uuid4().hex, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-                  stop=s.stop, seed=s.seed, constraint=format_constraint(req.format))
+    common = dict(request_id=uuid.uuid4().hex, constraint=format_constraint(req.format), **_sampling(req))
+    if req.suffix:  # issue 23: the worker builds the prompt from its FIM tokens, no template
+        return p.Generate(prompt=req.prompt or "", suffix=req.suffix, **common)
     if req.raw:
         if req.system:
             raise BodyError("system: raw prompts go to the model as they are; put the system text in the prompt",
                             param="system")
-        return p.Generate(prompt=req.prompt or "", **common)  # type: ignore[arg-type]
+        return p.Generate(prompt=req.prompt or "", **common)
     turns = [p.ChatMessage(role="system", content=req.system)] if req.system else []
     turns.append(p.ChatMessage(role="user", content=req.prompt or ""))
-    return p.Generate(messages=turns, **common)  # type: ignore[arg-type]
+    return p.Generate(messages=turns, **common)
 
 
 # ---------------------------------------------------------------------------
@@ -382,7 +436,14 @@ async def _run(request: Request, sup: Supervisor, metrics: Metrics, req: _Common
     else:
         body["response"] = text
     body.update(done=True, done_reason=done_reason(end), **timings.stats(job, end.finished))
+    if gen.logprobs:
+        body["logprobs"] = _logprobs(job.logprobs)
     return Response(_encoder.encode(body), media_type="application/json")
+
+
+def _logprobs(items: list[p.TokenLogprobs]) -> list[LogprobOut]:
+    """Ollama's `logprobs`: per token its text, logprob, bytes and top_logprobs (OpenAI's chat items)."""
+    return [openai_sampling.logprob_out(item) for item in items]
 
 
 async def _load_only(request: Request, sup: Supervisor, name: str, model: str, keep: float | None,
@@ -418,6 +479,8 @@ async def _lines(job: g.Job, first, name: str, chat: bool, timings: Timings) -> 
                 if not t:
                     continue
                 head.update({"message": {"role": "assistant", "content": t}} if chat else {"response": t})
+                if job.gen.logprobs:
+                    head["logprobs"] = _logprobs(job.take_logprobs())
                 yield [_line({**head, "done": False})]
             case g.Calls(calls=calls):
                 head.update({"message": {"role": "assistant", "content": "", "tool_calls": _calls_out(calls)}}
@@ -425,6 +488,8 @@ async def _lines(job: g.Job, first, name: str, chat: bool, timings: Timings) -> 
                 yield [_line({**head, "done": False})]
             case g.End(finished=fin):
                 head.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
+                if job.gen.logprobs:  # tokens whose text never came out (held back, tool calls)
+                    head["logprobs"] = _logprobs(job.take_logprobs())
                 yield [_line({**head, "done": True, "done_reason": done_reason(piece), **timings.stats(job, fin)})]
             case ApiError():
                 yield [_line(error_body(piece))]
@@ -444,17 +509,6 @@ def resolve(sup: Supervisor, name: str) -> str:
         raise ApiError(404, f"model '{name}' not found: {exc}", code=exc.code) from None
 
 
-async def facts_of(paths: list[str]) -> dict[str, ModelFacts]:
-    """Each path's facts, read off the loop (empty facts when the read takes too long)."""
-    def read() -> dict[str, ModelFacts]:
-        return {path: read_facts(path) for path in paths}
-
-    try:
-        return await off_loop(read, READ_TIMEOUT, "reading model cards")
-    except (OffLoopTimeout, OSError):
-        return {path: ModelFacts() for path in paths}
-
-
 def details(facts: ModelFacts, estimated_bytes: int) -> dict[str, Any]:
     return {"parent_model": "", "format": facts.format, "family": facts.family,
             "families": [facts.family] if facts.family else None,
@@ -469,7 +523,8 @@ def size_of(info, facts: ModelFacts) -> int:
 
 def _entry(info, facts: ModelFacts) -> dict[str, Any]:
     return {"name": info.id, "model": info.id, "modified_at": modified_at(facts), "size": size_of(info, facts),
-            "digest": digest(info.id, info.path), "details": details(facts, info.estimated_bytes)}
+            "digest": digest(info.id, info.path), "details": details(facts, info.estimated_bytes),
+            "capabilities": capabilities(facts)}  # an embedding model says so in the list
 
 
 async def tags(sup: Supervisor) -> dict[str, Any]:
@@ -500,18 +555,6 @@ def modified_at(facts: ModelFacts) -> str:
     return rfc3339(datetime.fromtimestamp(facts.modified, timezone.utc))
 
 
-def capabilities(facts: ModelFacts) -> list[str]:
-    """completion always; tools with a chat template (one that takes `tools` renders them,
-    another gets them in words from the worker, and required calls are constrained
-    decoding either way); insert when the tokenizer has fill-in-the-middle tokens."""
-    caps = ["completion"]
-    if facts.has_template:
-        caps.append("tools")
-    if facts.fim:
-        caps.append("insert")
-    return caps
-
-
 async def show(sup: Supervisor, body: bytes) -> dict[str, Any]:
     req = decode_body(body, ShowRequest)
     name = req.model or req.name
@@ -523,6 +566,9 @@ async def show(sup: Supervisor, body: bytes) -> dict[str, Any]:
     model_info: dict[str, Any] = {"general.architecture": arch, "general.basename": info.id}
     if facts.context_length:
         model_info[f"{arch}.context_length"] = facts.context_length
+    if facts.embedding is not None:  # Ollama's key for a vector's length
+        model_info[f"{arch}.embedding_length"] = facts.embedding.dims
+        model_info[f"{arch}.pooling_type"] = facts.embedding.pooling
     if info.estimated_bytes and facts.bytes_per_parameter:
         model_info["general.parameter_count"] = int(info.estimated_bytes / facts.bytes_per_parameter)
     return {"license": "", "modelfile": "", "parameters": "", "template": facts.template,
@@ -569,6 +615,10 @@ async def handle_chat(request: Request, sup: Supervisor, metrics: Metrics, body:
 async def handle_generate(request: Request, sup: Supervisor, metrics: Metrics, body: bytes,
                           started: float) -> Response:
     req = decode_body(body, OllamaGenerateRequest)
-    return await _run(request, sup, metrics, req, generate_generate(req), started, chat=False,
-                      empty=not req.prompt and not req.system)
+    gen = generate_generate(req)
+    if req.suffix:
+        model = sup.model_config(resolve(sup, req.model))
+        await require_fim(model.id, model.path)
+    return await _run(request, sup, metrics, req, gen, started, chat=False,
+                      empty=not req.prompt and not req.system and not req.suffix)
 

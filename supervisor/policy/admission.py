@@ -115,7 +115,7 @@ def _refusal(model_id: str, c: Ceilings, size: int, after: int) -> tuple[str, st
         f"{format_size(ceiling)} is free after stopping every idle model")
 
 
-def evict_for_prefill(s: Snapshot, worker: str, need_bytes: int) -> list[str]:
+def evict_for_prefill(s: Snapshot, worker: str, need_bytes: int, *, pool: str = "host") -> list[str]:
     """G1: idle LRU models to stop so that `worker`'s prefill fits.
 
     `need_bytes` is the worker's shortfall (usage + peak - its hard limit, as
@@ -125,6 +125,10 @@ def evict_for_prefill(s: Snapshot, worker: str, need_bytes: int) -> list[str]:
     first, never the asking worker; they are taken until the usage they held
     covers the shortfall.
 
+    With `pool` "device" the shortfall is in the discrete device's pool
+    (SPEC D: a prefill's peak on a CUDA worker is device memory): a victim
+    covers it with its device bytes, and one that holds none is passed over.
+
     Returns [] when the guard is off, when nothing is short, or when stopping
     every idle model would still not cover it (the worker then rejects the
     request instead of costing other models their place for nothing).
@@ -133,13 +137,21 @@ def evict_for_prefill(s: Snapshot, worker: str, need_bytes: int) -> list[str]:
     need = max(0, need_bytes)
     if ceilings_for(s, g).worker_ceiling <= 0 or need == 0:
         return []
+    device = pool == "device"
+    if device:
+        dc = device_ceilings_for(s, g)
+        if dc is None or dc.ceiling <= 0:
+            return []
     chosen: list[str] = []
     freed = 0
     for w in _idle_victims(g, exclude_worker=worker):
+        held = w.device_bytes if device else w.usage
         if freed >= need:
             break
+        if device and held <= 0:  # stopping it frees nothing in this pool
+            continue
         chosen.append(w.worker)
-        freed += w.usage
+        freed += held
     return chosen if freed >= need else []
 
 

@@ -50,6 +50,11 @@ class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
     cache_bytes: int = 0        # H2: the worker's prompt cache (measured)
     cache_releasable: int = 0   # H3: the part no request uses
     device_bytes: int = 0       # D1: held on the discrete device (0 without one)
+    batch_bytes: int = 0        # the decode batch's KV buffers as allocated (issue 22) ...
+    batch_live_bytes: int = 0   # ... of which its live rows' own tokens
+    batch_relayouts: int = 0    # whole-batch copies (growth, compaction) since the worker started
+    pool_returns: int = 0       # M1: the worker returned its pool itself, over the cap (CUDA)
+    pool_returned: int = 0      # ... bytes those returns gave back
 
 
 class GuardStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -140,7 +145,9 @@ def build_status(snapshot: Snapshot, result: TickResult, device_name: str = "") 
             max_concurrency=w.max_concurrency, restarts=w.restarts,
             marked_for_unload=w.marked_for_unload,
             cache_bytes=w.memory.cache_bytes, cache_releasable=w.memory.cache_releasable,
-            device_bytes=w.device_bytes,
+            device_bytes=w.device_bytes, batch_bytes=w.memory.batch_bytes,
+            batch_live_bytes=w.memory.batch_live_bytes, batch_relayouts=w.memory.batch_relayouts,
+            pool_returns=w.memory.pool_returns, pool_returned=w.memory.pool_returned,
         )
         for w in snapshot.workers
     ]
@@ -219,6 +226,8 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     cache_bytes: int = 0
     disk_cache_bytes: int = 0     # H5 (proposed): its prompt-cache entries on disk, as last reported
     disk_cache_entries: int = 0
+    batch_bytes: int = 0       # the decode batch's buffers (issue 22) ...
+    batch_live_bytes: int = 0  # ... and its live KV
     idle_seconds: float = 0.0
     ttl: float | None = None
     expires_in: float | None = None

@@ -219,7 +219,8 @@ function modelRows() {
       const row = byId.get(w.model);
       if (!row) continue;
       Object.assign(row, { usage: w.usage, active: w.mlx_active, pool: w.mlx_pool, running: w.running,
-        queued: w.queued, idle: w.running || w.queued ? 0 : w.idle_seconds + since, cache: w.cache_bytes });
+        queued: w.queued, idle: w.running || w.queued ? 0 : w.idle_seconds + since, cache: w.cache_bytes,
+        batch: w.batch_bytes, live: w.batch_live_bytes });
     }
   }
   for (const row of byId.values()) {   // an exit is shown at once, not at the next status
@@ -230,7 +231,8 @@ function modelRows() {
     const row = byId.get(s.model_id);
     const m = s.memory;   // the worker's MemoryReading, as it wrote it into the ledger
     if (row && row.worker === s.worker_id) Object.assign(row, { usage: m.usage, active: m.mlx_active,
-      pool: m.mlx_pool, running: s.running, queued: s.queued, cache: m.cache_bytes });
+      pool: m.mlx_pool, running: s.running, queued: s.queued, cache: m.cache_bytes, batch: m.batch_bytes,
+      live: m.batch_live_bytes });
   }
   return [...byId.values()];
 }
@@ -248,6 +250,7 @@ function renderModels() {
       el("td", fmt(m.usage), "num"), el("td", fmt(m.active), "num"), el("td", fmt(m.pool), "num"),
       el("td", m.cache === undefined ? "–" : fmt(m.cache), "num"),
       el("td", m.disk ? fmt(m.disk) : "–", "num"),
+      el("td", !m.batch ? "–" : fmt(m.batch) + " (live " + fmt(m.live || 0) + ")", "num"),
       el("td", m.running === undefined ? "–" : m.running + " / " + m.queued, "num"),
       el("td", m.idle === undefined ? "–" : dur(m.idle), "num"), el("td", ttl, "num"));
     const act = el("td", undefined, "admin-only");

@@ -1,0 +1,194 @@
+"""Per-model readiness: what a router in front of several hosts reads to pick one.
+
+Memory is a per-host resource, so each host runs its own supervisor and a
+router (LiteLLM, an Inference-Extension endpoint picker, a script) chooses
+among them per request. It needs, per model and cheaply, the answer to "if I
+send this host a request now, what happens?". `assess` gives it in one
+struct, from facts the arbiter already holds (no I/O but one footprint read
+of a loading worker): `GET /health?model=ID`, each `/v1/models` card and the
+refusals of a request that will not wait all say the same thing.
+
+States and what a request sent now meets:
+
+  ready         loaded, a slot free: served at once                         200
+  busy          loaded, every slot taken, room in its queue: it waits there  200
+  unloaded      not loaded, fits: the request loads it first                 200
+  saturated     max_concurrency running and max_queue waiting                429
+  loading       a load in progress (progress: bytes, elapsed, eta)           503
+  paused        memory pressure paused admission (SPEC P3)                   503
+  unresponsive  the worker has not answered a ping for a while (stopped?)    503
+  draining      its worker is on its way out; the next one loads afresh      503
+  failed        marked failed after repeated crashes (Retry-After: next try) 503
+  does_not_fit  not loaded and would be refused (SPEC A3)                    507
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Literal
+
+import msgspec
+
+if TYPE_CHECKING:
+    from supervisor.config import ModelConfig
+    from supervisor.policy.admission import FitReport
+    from supervisor.pool import ModelView, WorkerHandle
+
+ReadinessState = Literal["ready", "busy", "unloaded", "saturated", "loading", "paused", "unresponsive",
+                         "draining", "failed", "does_not_fit"]
+
+# The HTTP status a request sent now would get (and GET /health?model=ID answers).
+STATUS: dict[str, int] = {"ready": 200, "busy": 200, "unloaded": 200, "saturated": 429, "loading": 503,
+                          "paused": 503, "unresponsive": 503, "draining": 503, "failed": 503,
+                          "does_not_fit": 507}
+# The stable code of each refusal (the same `code` the request's error body carries).
+CODES: dict[str, str] = {"saturated": "model_at_capacity", "loading": "model_loading",
+                         "paused": "admission_paused", "unresponsive": "worker_unresponsive",
+                         "draining": "model_unloading", "failed": "model_failed",
+                         "does_not_fit": "insufficient_memory"}
+
+# Seconds to wait before asking again. A queue drains within a request's time
+# and a router has other hosts, so a full model is retried soon; pressure is
+# answered by the guard within a tick or two (SPEC P9: 1 s while under it).
+RETRY_SATURATED = 1
+RETRY_PAUSED = 2
+RETRY_DRAINING = 2
+RETRY_LOADING_UNKNOWN = 2
+RETRY_LOADING_MAX = 30
+
+
+class LoadProgress(msgspec.Struct, frozen=True, kw_only=True):
+    """How far a model's load has come.
+
+    `state`: `queued` (no worker yet: waiting for the one-load-at-a-time
+    lock, admission's evictions, its files being read or imported),
+    `starting` (the process is importing MLX), `loading` (reading weights).
+    `bytes`: what the worker has taken since it started loading (its
+    footprint less the one it reported before the weights), against
+    `estimate_bytes`, A2's weight estimate (0: not known yet). `eta`:
+    seconds left at the rate so far (None until a tenth of it is in)."""
+
+    state: str
+    bytes: int
+    estimate_bytes: int
+    elapsed: float
+    eta: float | None = None
+
+
+class Readiness(msgspec.Struct, frozen=True, kw_only=True):
+    """One model on this host, as a router sees it (see the module's table).
+
+    `accepting`: a request sent now is served, at most after a queue or a load
+    (status 200). `loaded`: its worker is up (a router prefers such a host).
+    `running` and `queued`: requests at its worker's slots and waiting for one
+    (in the worker, or in the memory queue of SPEC P3)."""
+
+    model: str
+    host: str
+    state: ReadinessState
+    status: int
+    accepting: bool
+    loaded: bool
+    code: str | None = None
+    worker: str | None = None
+    running: int = 0
+    queued: int = 0
+    max_concurrency: int = 0
+    max_queue: int = 0
+    retry_after: int | None = None
+    progress: LoadProgress | None = None
+    reason: str = ""
+
+
+def load_progress(state: str, began: float, now: float, grown: int, estimate: int) -> LoadProgress:
+    """`grown` bytes of `estimate` taken in the `now - began` seconds so far."""
+    elapsed = max(0.0, now - began)
+    eta = None
+    if state == "loading" and estimate > 0 and grown >= estimate // 10:
+        done = min(1.0, grown / estimate)
+        eta = round(elapsed * (1.0 - done) / done, 2)
+    return LoadProgress(state=state, bytes=max(0, grown), estimate_bytes=estimate, elapsed=round(elapsed, 2),
+                        eta=eta)
+
+
+def loading_retry(progress: LoadProgress | None) -> int:
+    if progress is None or progress.eta is None:
+        return RETRY_LOADING_UNKNOWN
+    return min(RETRY_LOADING_MAX, max(1, math.ceil(progress.eta)))
+
+
+def saturated(model: ModelConfig, in_flight: int) -> bool:
+    """Every slot taken and the queue full: one more is a 429."""
+    return in_flight >= model.max_concurrency + model.max_queue
+
+
+def assess(*, model: ModelConfig, host: str, view: ModelView, handle: WorkerHandle | None, waiting: int,
+           paused: bool, silent: float | None, progress: LoadProgress | None,
+           fit: FitReport | None) -> Readiness:
+    """The model's readiness from the arbiter's facts.
+
+    `waiting`: its requests in the memory queue (P3); `silent`: seconds its
+    worker has not answered a ping when that is past the unresponsive
+    threshold (None: it answers, or is inside a long engine step);
+    `progress`: set while a load is in flight; `fit`: the dry run for an
+    unloaded model (None when the estimate is not read yet)."""
+    in_flight = len(handle.requests) + waiting if handle is not None else waiting
+    running = min(in_flight, model.max_concurrency)
+    state: ReadinessState
+    retry: int | None = None
+    reason = ""
+    if progress is not None:
+        state, retry = "loading", loading_retry(progress)
+        reason = f"loading ({progress.state}, {progress.elapsed:.1f} s so far)"
+    elif handle is not None and (handle.marked_for_unload or handle.stopping is not None):
+        state, retry, reason = "draining", RETRY_DRAINING, handle.stop_reason or "marked for unload"
+    elif handle is not None and handle.serving:
+        if silent is not None:
+            state, retry = "unresponsive", RETRY_DRAINING
+            reason = f"its worker has not answered a ping for {silent:.1f} s"
+        elif saturated(model, in_flight):
+            state, retry = "saturated", RETRY_SATURATED
+            reason = f"{running} running and {in_flight - running} waiting (max_queue {model.max_queue})"
+        elif paused and handle.requests:
+            state, retry, reason = "paused", RETRY_PAUSED, "memory pressure has paused admission (SPEC P3)"
+        else:
+            state = "ready" if in_flight < model.max_concurrency else "busy"
+    elif handle is not None:  # live but neither serving nor loading: wedged, being killed
+        state, retry, reason = "unresponsive", RETRY_DRAINING, f"its worker is {handle.state}"
+    elif view.state == "failed":
+        state, reason = "failed", view.reason
+        retry = max(1, math.ceil(view.retry_in)) if view.retry_in >= 0 else None
+    elif fit is not None and not fit.fits:
+        state, reason = "does_not_fit", fit.message
+    else:
+        state = "unloaded"
+    status = STATUS[state]
+    code = (fit.error or CODES[state]) if fit is not None and state == "does_not_fit" else CODES.get(state)
+    return Readiness(model=model.id, host=host, state=state, status=status, accepting=status == 200,
+                     loaded=handle is not None and handle.serving, code=code,
+                     worker=handle.worker_id if handle is not None else None, running=running,
+                     queued=in_flight - running, max_concurrency=model.max_concurrency, max_queue=model.max_queue,
+                     retry_after=retry, progress=progress, reason=reason)
+
+
+def kv_utilization(kv_bytes: int, room: int | None) -> float:
+    """A model's KV share of the room it may grow into, 0..1, in the sense of vLLM's
+    `kv_cache_usage_perc` that an Inference-Extension picker reads.
+
+    vLLM's KV pool is fixed, so "full" is when its blocks run out and requests
+    queue; here KV grows in the group's memory, and requests queue when the
+    group reaches the soft watermark (SPEC P3). So: the bytes its worker holds
+    for KV (`kv_bytes`: MLX active less weights and prompt cache) over those plus
+    the `room` left below the soft watermark; 1.0 when none is left. `room`
+    None: the guard is off, nothing pauses admission, so 0."""
+    if room is None:
+        return 0.0
+    if room <= 0:
+        return 1.0
+    kv = max(0, kv_bytes)
+    return kv / (kv + room)
+
+
+def share(used: int, cap: int) -> float:
+    """`used` of `cap`, 0..1 (0 when there is no cap)."""
+    return min(1.0, max(0, used) / cap) if cap > 0 else 0.0

@@ -1,0 +1,123 @@
+"""A required tool call cut by max_tokens (issue 23, found by llama.cpp's server suite): the
+reply is the call list and nothing else. With no call closed before the cut it is an empty,
+well-formed answer (`tool_calls: []`, finish_reason "length"; Anthropic: no block and
+stop_reason "max_tokens"; Responses: no output item and status "incomplete"), never the
+partial JSON as text; the calls completed before the cut are returned.
+
+The worker's output is given exactly (the real front door over HTTP, the SDKs as clients,
+a stub supervisor that feeds a real RequestStream as the pool does), so each cut lands
+where the test says; tests/test_llamacpp_findings_live.py cuts a real worker's reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from test_api_fields import MSG, StubSupervisor, serving
+
+from shared import protocol as p
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+ANTHROPIC_TOOLS = [{"name": "get_weather", "input_schema": WEATHER}]
+RESPONSES_TOOLS = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
+NONE_CLOSED = ['[{"name": "get_weather", ', '"arguments": {"ci']
+ONE_CLOSED = ['[{"name": "get_weather", "arguments": {"city": "Oslo"}}', ', {"name": "get_weather", "argu']
+
+
+def cut(pieces: list[str]):
+    def outcome(rid):
+        return [p.TokenOut(request_id=rid, text=t) for t in pieces] + [
+            p.Finished(request_id=rid, finish_reason="length", prompt_tokens=7, completion_tokens=len(pieces))]
+    return outcome
+
+
+def replies(pieces: list[str]):
+    """Every API's answer to a required call whose worker reply was `pieces`, then cut."""
+    async def main():
+        async with serving(StubSupervisor(cut(pieces))) as (_, oa, an):
+            chat = dict(model="m", messages=MSG, tools=CHAT_TOOLS, max_tokens=9)
+            out = {
+                "chat": await oa.chat.completions.create(tool_choice="required", **chat),
+                "chat_named": await oa.chat.completions.create(
+                    tool_choice={"type": "function", "function": {"name": "get_weather"}}, **chat),
+                "chat_stream": [c async for c in await oa.chat.completions.create(
+                    tool_choice="required", stream=True, **chat)],
+            }
+            anth = dict(model="m", max_tokens=9, messages=MSG, tools=ANTHROPIC_TOOLS)
+            out["anthropic"] = await an.messages.create(tool_choice={"type": "any"}, **anth)
+            async with an.messages.stream(tool_choice={"type": "tool", "name": "get_weather"}, **anth) as s:
+                out["anthropic_events"] = [e async for e in s]
+                out["anthropic_stream"] = await s.get_final_message()
+            resp = dict(model="m", input="Weather?", tools=RESPONSES_TOOLS, max_output_tokens=9,
+                        tool_choice="required")
+            out["responses"] = await oa.responses.create(**resp)
+            out["responses_stream"] = [e async for e in await oa.responses.create(stream=True, **resp)]
+        return out
+
+    return asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def none_closed():
+    return replies(NONE_CLOSED)
+
+
+@pytest.fixture(scope="module")
+def one_closed():
+    return replies(ONE_CLOSED)
+
+
+def _stream_text_and_calls(chunks) -> tuple[str, list]:
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    return text, calls
+
+
+@pytest.mark.parametrize("key", ["chat", "chat_named"])
+def test_cut_required_call_with_none_closed_is_an_empty_tool_calls_answer_with_finish_length(none_closed, key):
+    choice = none_closed[key].choices[0]
+    assert choice.finish_reason == "length"
+    assert choice.message.tool_calls == [] and choice.message.content is None
+
+
+def test_cut_required_call_streamed_sends_no_text_and_no_call_then_finish_length(none_closed):
+    chunks = none_closed["chat_stream"]
+    text, calls = _stream_text_and_calls(chunks)
+    assert text == "" and calls == []
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_cut_anthropic_any_and_tool_have_no_block_and_stop_reason_max_tokens(none_closed):
+    for message in (none_closed["anthropic"], none_closed["anthropic_stream"]):
+        assert message.stop_reason == "max_tokens" and message.content == []
+    kinds = [e.type for e in none_closed["anthropic_events"]]
+    assert "content_block_start" not in kinds and kinds[-1] == "message_stop"
+
+
+def test_cut_responses_required_has_no_output_and_status_incomplete(none_closed):
+    whole = none_closed["responses"]
+    assert whole.status == "incomplete" and whole.output == []
+    assert whole.incomplete_details.reason == "max_output_tokens"
+    events = none_closed["responses_stream"]
+    assert events[-1].type == "response.incomplete" and events[-1].response.output == []
+    assert not any(e.type.startswith("response.output") for e in events)
+
+
+def test_cut_required_calls_completed_before_the_cut_are_returned_on_every_api(one_closed):
+    city = {"city": "Oslo"}
+    for key in ("chat", "chat_named"):
+        choice = one_closed[key].choices[0]
+        [call] = choice.message.tool_calls
+        assert json.loads(call.function.arguments) == city and choice.finish_reason == "length"
+        assert choice.message.content is None
+    text, calls = _stream_text_and_calls(one_closed["chat_stream"])
+    assert text == "" and [json.loads(c.function.arguments) for c in calls] == [city]
+    for message in (one_closed["anthropic"], one_closed["anthropic_stream"]):
+        assert [b.type for b in message.content] == ["tool_use"] and message.content[0].input == city
+        assert message.stop_reason == "max_tokens"
+    for response in (one_closed["responses"], one_closed["responses_stream"][-1].response):
+        assert [o.type for o in response.output] == ["function_call"] and response.status == "incomplete"
+        assert json.loads(response.output[0].arguments) == city
