@@ -16,6 +16,7 @@ spawned for that model (`accept`).
 from __future__ import annotations
 
 from shared.protocol import CacheReport, DiskCacheStats
+from shared.sizes import format_size
 from supervisor.policy.status import DiskCacheStatus
 
 COUNTERS = ("read_entries", "read_bytes", "read_tokens", "written_entries", "written_bytes", "dropped_entries",
@@ -52,3 +53,13 @@ class CacheBook:
             entries=sum(s.entries for s in self.models.values()),
             models={m: s.bytes for m, s in self.models.items() if s.entries},
             grace=grace, quantize_bits=quantize_bits, **totals)
+
+
+def saved_words(s: DiskCacheStats) -> str:
+    """A worker's writes to the disk tier in words (the `disk_cache` event at its exit, H5)."""
+    words = (f"prompt cache to disk: {s.written_entries} entries ({format_size(s.written_bytes)}) written by "
+             f"the worker; its stop's write took {s.save_seconds:.2f} s of the {s.save_deadline:g} s it had")
+    if s.dropped_entries:
+        words += f"; {s.dropped_entries} ({format_size(s.dropped_bytes)}) not written: the deadline came first"
+    return (words + f"; {format_size(s.bytes)} on disk for this model, {format_size(s.all_bytes)} of "
+            f"{format_size(s.budget)} for all")

@@ -28,9 +28,8 @@ from typing_extensions import assert_never
 from shared import protocol as p
 from shared.ledger import Ledger, LedgerSample
 from shared.limits import Limits
-from shared.sizes import format_size
 from shared.states import LIVE_STATES, LOADING_STATES, SERVING_STATES, WorkerEvent, WorkerState, transition
-from supervisor.cache_tiers import CacheBook
+from supervisor.cache_tiers import CacheBook, saved_words
 from supervisor.errors import LoadError
 from supervisor.streams import RequestStream, Streams
 from worker.main import run as worker_main  # the spawn target; imports no MLX at module level
@@ -701,16 +700,6 @@ class Pool:
         tasks = [self.stop(h, reason, cause="shutdown") for h in list(self.handles.values()) if h.proc is not None]
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def saved_words(s: p.DiskCacheStats) -> str:
-    """A stop's write to the disk tier in words (H5): what was written, and what the deadline cost."""
-    words = (f"prompt cache to disk: {s.written_entries} entries ({format_size(s.written_bytes)}) written by "
-             f"the worker; its stop's write took {s.save_seconds:.2f} s of the {s.save_deadline:g} s it had")
-    if s.dropped_entries:
-        words += f"; {s.dropped_entries} ({format_size(s.dropped_bytes)}) not written: the deadline came first"
-    return words + f"; {format_size(s.bytes)} on disk for this model, {format_size(s.all_bytes)} of " \
-                   f"{format_size(s.budget)} for all"
 
 
 def describe_exit(code: int | None, expected: bool, signals_sent: list[int]) -> str:
