@@ -175,3 +175,19 @@ def test_h6_at_soft_pressure_a_worker_quantizes_its_unused_entries_and_a_later_r
             assert live.arbiter.pool.worker_for("a") is handle
 
         live.run(main(), timeout=300)
+
+
+def test_h5_keep_alive_zero_writes_the_cache_as_its_model_goes(tiny_models, runtime_dir, private_cache_dir):
+    with LiveServer(chat_config(tiny_models), runtime_dir) as live:
+        async def main():
+            async with live.client() as c:
+                r = await c.post("/v1/chat/completions", json={"model": "a", "messages": messages(), "max_tokens": 4,
+                                                               "keep_alive": 0})
+                assert r.status_code == 200, r.text
+            handle = live.arbiter.pool.worker_for("a") or live.arbiter.pool.last_exited["a"]
+            await stopped(live, handle)  # P10 with the request's TTL of ~0: the guard's stop
+            await until(lambda: live.arbiter.pool.caches.model("a").written_entries == 1, 30, "the write's report")
+
+        live.run(main(), timeout=120)
+        assert any(e.kind == "ttl" and e.model_id == "a" for e in live.arbiter.events)
+        assert len(on_disk(private_cache_dir)) == 1
