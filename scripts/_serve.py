@@ -64,8 +64,8 @@ def cache_root() -> Path:
 
 def bench_model(name: str, size: int, seed: int, dtype: str) -> Path:
     """A generated model at cache_root()/NAME (made once, with a line saying so)."""
+    from modelfiles.modelgen import make_model
     from shared.sizes import format_size
-    from worker.modelgen import make_model
 
     path = cache_root() / name
     if not (path / "config.json").exists():

@@ -36,10 +36,10 @@ import time
 from pathlib import Path
 
 try:
-    from worker.modelgen import make_model
+    from modelfiles.modelgen import make_model
 except ImportError:  # run as a file from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from worker.modelgen import make_model
+    from modelfiles.modelgen import make_model
 
 import mlx.core as mx
 

@@ -49,7 +49,7 @@ from supervisor.config import Config, GuardConfig, ModelConfig, SupervisorConfig
 from supervisor.policy import decisions as d  # noqa: E402
 from supervisor.policy.pressure import TickResult  # noqa: E402
 
-ACTIONS = (d.AbortRequests, d.Stop, d.MarkForUnload)
+ACTIONS = (d.AbortWorkerRequests, d.Stop, d.MarkForUnload)
 
 
 def on_device(s: p.Sample) -> int:
@@ -170,7 +170,7 @@ async def main() -> int:
                     help="rehearse on a CPU machine with a CUDA-shaped device_info (figures are not a GPU's)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.ERROR)
-    from worker.modelgen import make_model
+    from modelfiles.modelgen import make_model
 
     with tempfile.TemporaryDirectory(prefix="mv-devdrill-") as tmp:
         model = Path(tmp) / "victim"

@@ -44,7 +44,7 @@ def minilm() -> Path | None:
 
 
 def sentences(count: int) -> list[str]:
-    from worker.modelgen import corpus_texts
+    from modelfiles.modelgen import corpus_texts
 
     words = [w for w in " ".join(corpus_texts(400_000)).split() if w.isalpha()]  # prose, not code
     out, at = [], 0

@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 
 try:
-    from worker.modelgen import make_model
+    from modelfiles.modelgen import make_model
 except ImportError:  # run as a file from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from worker.modelgen import make_model
+    from modelfiles.modelgen import make_model
 
 from shared.limits import Limits
 from shared.protocol import Finished, TokenOut

@@ -182,7 +182,7 @@ async def main() -> int:
                     help="custom ceiling = usage at start + this")
     args = ap.parse_args()
     logging.basicConfig(level=logging.ERROR)
-    from worker.modelgen import make_model
+    from modelfiles.modelgen import make_model
 
     with tempfile.TemporaryDirectory(prefix="mv-events-") as tmp:
         model = Path(tmp) / "victim"

@@ -115,9 +115,9 @@ async def bench_ingest(tmp: Path, n: int) -> float:
 
 
 async def bench_round_trip(tmp: Path, pings: int) -> tuple[float, float]:
+    from modelfiles.modelgen import make_model
     from supervisor.arbiter import Arbiter
     from supervisor.config import Config, ModelConfig, SupervisorConfig
-    from worker.modelgen import make_model
 
     make_model(tmp / "m", 2 * MiB, 0)
     config = Config(supervisor=SupervisorConfig(heartbeat_interval=30, heartbeat_timeout=60),

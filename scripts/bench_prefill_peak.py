@@ -3,7 +3,7 @@
     python scripts/bench_prefill_peak.py [--quick] [--models 4MiB:float32,20MiB:float16]
                                          [--lengths 64,1024] [--chunks 256,512] [--json FILE]
 
-For each generated model (`worker.modelgen`, cached under the benchmarks'
+For each generated model (`modelfiles.modelgen`, cached under the benchmarks'
 model folder), prompt length and chunk size, the prompt is prefilled the way
 the engine does it (`worker/engine.py` `_run_chunk`): all tokens but the last
 in chunks of at most CHUNK tokens, each chunk run on the generation stream

@@ -42,7 +42,7 @@ from supervisor.config import Config, GuardConfig, ModelConfig, SupervisorConfig
 from supervisor.policy import decisions as d  # noqa: E402
 from supervisor.policy.pressure import TickResult  # noqa: E402
 
-ACTIONS = (d.AbortRequests, d.Stop, d.MarkForUnload)
+ACTIONS = (d.AbortWorkerRequests, d.Stop, d.MarkForUnload)
 
 
 def last_tick(arb: Arbiter) -> TickResult:
@@ -199,7 +199,7 @@ async def main() -> int:
     args = ap.parse_args()
     args.to = args.headroom * 3
     logging.basicConfig(level=logging.ERROR)
-    from worker.modelgen import make_model
+    from modelfiles.modelgen import make_model
 
     with tempfile.TemporaryDirectory(prefix="mv-react-") as tmp:
         model = Path(tmp) / "victim"

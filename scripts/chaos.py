@@ -1012,7 +1012,7 @@ class Context:
         self.sparse_bytes = (1 if args.quick else 2) << 30
         self.figures: dict[str, float] = {}
         self._n = 0
-        from worker.modelgen import make_model
+        from modelfiles.modelgen import make_model
 
         models = work / "models"
         self.model_a, self.model_b, self.model_big = models / "a", models / "b", models / "big"

@@ -29,10 +29,10 @@ from pathlib import Path
 import numpy as np
 
 try:
-    from worker.modelgen import make_model
+    from modelfiles.modelgen import make_model
 except ImportError:  # run as a file from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from worker.modelgen import make_model
+    from modelfiles.modelgen import make_model
 
 import mlx.core as mx
 
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         if args.vocab:
-            from worker.modelgen import train_tokenizer
+            from modelfiles.modelgen import train_tokenizer
 
             backend = train_tokenizer(args.vocab)
             hf = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>")

@@ -462,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     exe = args.litellm or ensure_litellm()
     work = args.work or Path(tempfile.mkdtemp(prefix="memvisor-fleet-"))
     work.mkdir(parents=True, exist_ok=True)
-    from worker.modelgen import make_model
+    from modelfiles.modelgen import make_model
 
     model = work / "models" / MODEL
     if not (model / "config.json").exists():

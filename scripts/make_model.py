@@ -2,7 +2,7 @@
 
 The model has random float16 weights of about SIZE bytes (same seed, same
 bytes), a BPE tokenizer trained offline, and a chat template; `mlx_lm.load(DIR)`
-loads it. The logic lives in `worker.modelgen` so the supervisor can build its
+loads it. The logic lives in `modelfiles.modelgen` so the supervisor can build its
 demo models on first run without importing MLX; this file is the command line.
 """
 
@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 
 try:
-    from worker.modelgen import DEFAULT_DTYPE, DTYPES, FIM_TOKENS, QUANT_BITS, ModelGenError, make_model
+    from modelfiles.modelgen import DEFAULT_DTYPE, DTYPES, FIM_TOKENS, QUANT_BITS, ModelGenError, make_model
 except ImportError:  # run as a file from a checkout: put the repo root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from worker.modelgen import DEFAULT_DTYPE, DTYPES, FIM_TOKENS, QUANT_BITS, ModelGenError, make_model
+    from modelfiles.modelgen import DEFAULT_DTYPE, DTYPES, FIM_TOKENS, QUANT_BITS, ModelGenError, make_model
 
 from shared.sizes import SizeError, format_size, parse_size
 

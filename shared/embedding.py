@@ -30,6 +30,7 @@ from typing import Any, Literal
 import msgspec
 
 from shared.modelinfo import CONFIG_MAX_BYTES, read_config_json, read_small
+from shared.vocab import FailureCode
 
 Pooling = Literal["mean", "cls", "max", "mean_sqrt_len"]
 
@@ -40,7 +41,7 @@ MAX_EMBED_INPUTS = 2048
 EMBED_REPLY_BYTES = 3 * 1024 * 1024
 FLOAT_BYTES = 4  # vectors travel as float32
 # The code of a request for the other kind of model (chat to an embedder, embeddings to a chat model).
-WRONG_MODEL_KIND = "wrong_model_kind"
+WRONG_MODEL_KIND: FailureCode = "wrong_model_kind"
 
 _POOLING_KEYS: tuple[tuple[str, Pooling], ...] = (
     ("pooling_mode_mean_tokens", "mean"), ("pooling_mode_cls_token", "cls"),

@@ -18,9 +18,11 @@ from typing import Literal
 
 import msgspec
 
+from shared.vocab import FailureCode
+
 # The worker's Failed code for a suffix sent to a model whose tokenizer has no FIM tokens
 # (the front door answers it as a 400 naming `suffix`).
-FIM_UNSUPPORTED = "fim_unsupported"
+FIM_UNSUPPORTED: FailureCode = "fim_unsupported"
 
 
 class FimTokens(msgspec.Struct, frozen=True, kw_only=True):

@@ -3,7 +3,7 @@
 Why: SPEC A2 sizes a model before it is loaded, in the supervisor, which never
 imports MLX. A GGUF header states every tensor's ggml type and shape, so what
 the imported MLX folder will hold is known from one read of the header (the
-tensor data is never touched). The importer (`worker.gguf_import`) reads the
+tensor data is never touched). The importer (`modelfiles.gguf_import`) reads the
 same header to say which tensors stay quantized and which are dequantized.
 
 Also here: the importer's progress lines (msgspec Structs, one JSON object a
@@ -32,7 +32,7 @@ MAX_STRING_BYTES = 64 * 1024 * 1024  # a longer key or value is a corrupt file, 
 MAX_KEYS = 1 << 16
 MAX_TENSORS = 1 << 17
 MAX_COUNT = 1 << 22  # items in one metadata array
-MAX_HEADER_BYTES = 512 * 1024 * 1024  # metadata and tensor table together
+GGUF_HEADER_MAX_BYTES = 512 * 1024 * 1024  # metadata and tensor table together
 
 # ggml type id -> (name, elements per block, bytes per block)
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
@@ -153,8 +153,8 @@ class _Reader:
 
     def take(self, n: int) -> bytes:
         self.consumed += n
-        if self.consumed > MAX_HEADER_BYTES:
-            raise GGUFError(f"{self.path}: GGUF header larger than {MAX_HEADER_BYTES} bytes; refused")
+        if self.consumed > GGUF_HEADER_MAX_BYTES:
+            raise GGUFError(f"{self.path}: GGUF header larger than {GGUF_HEADER_MAX_BYTES} bytes; refused")
         data = self.handle.read(n)
         if len(data) != n:
             raise GGUFError(f"{self.path}: truncated GGUF header")

@@ -32,9 +32,10 @@ from typing import Any
 
 import msgspec
 
-from shared.limits import BINDINGS, TIERS, Limits
+from shared.limits import Limits
 from shared.memory import MemoryReading
 from shared.states import PHASES
+from shared.vocab import LIMIT_BINDINGS, TIERS
 
 MAGIC = b"MVLEDGR1"
 LAYOUT_VERSION = 4  # 2: cache bytes in samples; cache cap, pool max, residency in limits;
@@ -214,7 +215,7 @@ class Ledger:
             limits.soft_limit, limits.hard_limit, limits.hard_watermark, limits.abort_limit,
             limits.abort_margin, limits.prefill_headroom_safety, limits.safe_zone_ratio,
             limits.min_chunk_tokens, limits.ceiling, limits.static, limits.dynamic,
-            limits.gpu_cap, _index(BINDINGS, limits.binding), _index(TIERS, limits.tier),
+            limits.gpu_cap, _index(LIMIT_BINDINGS, limits.binding), _index(TIERS, limits.tier),
             int(limits.admission_paused), limits.max_concurrency,
             limits.cache_cap, limits.pool_max, limits.residency, limits.device_soft, limits.device_hard,
         )  # fmt: skip
@@ -232,7 +233,7 @@ class Ledger:
             soft_limit=soft, hard_limit=hard, hard_watermark=hard_wm, abort_limit=abort,
             abort_margin=margin, prefill_headroom_safety=headroom, safe_zone_ratio=safe_zone,
             min_chunk_tokens=min_chunk, ceiling=ceiling, static=static, dynamic=dynamic,
-            gpu_cap=gpu_cap, binding=BINDINGS[binding] if 0 <= binding < len(BINDINGS) else "",
+            gpu_cap=gpu_cap, binding=LIMIT_BINDINGS[binding] if 0 <= binding < len(LIMIT_BINDINGS) else "",
             tier=TIERS[tier] if 0 <= tier < len(TIERS) else "balanced",
             admission_paused=bool(paused), max_concurrency=max_conc,
             cache_cap=cache_cap, pool_max=pool_max, residency=residency,

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import msgspec
 
-TIERS = ("safe", "balanced", "aggressive", "custom")
-BINDINGS = ("", "static", "dynamic", "gpu_cap")
+from shared.vocab import LimitBinding, Tier
+
+# "1" in a worker's environment: leave MLX's cache limit alone (M1's pool bound). The
+# pressure lab's P4 scenario sets it to stand for an allocator that does not honour its limit.
+NO_CACHE_LIMIT_ENV = "MEMVISOR_NO_CACHE_LIMIT"
 
 
 class Limits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -30,8 +33,8 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     static: int = 0
     dynamic: int = 0
     gpu_cap: int = 0
-    binding: str = ""            # one of BINDINGS
-    tier: str = "balanced"       # one of TIERS
+    binding: LimitBinding = ""
+    tier: Tier = "balanced"
     admission_paused: bool = False  # P3: take no new request while another runs
     max_concurrency: int = 1     # P8: the walked cap on concurrent sequences
     # The worker's own allocator and prompt cache (SPEC H2, M1, M2); 0 = none / no limit.

@@ -1,5 +1,6 @@
-"""What a model folder's config.json says about its context window, read without MLX;
-and the one bounded way the supervisor reads a small file from a models folder.
+"""What a model folder's config.json says about its context window and its attention
+shape, read without MLX; and the one bounded way the supervisor reads a small file from
+a models folder.
 
 Why: the supervisor refuses a request whose `max_tokens` cannot fit the
 model's context before any worker exists (it never imports MLX), and the
@@ -20,8 +21,11 @@ import errno
 import json
 import os
 import stat
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
+
+import msgspec
 
 # Where model families keep their context length, most common first.
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx",
@@ -105,6 +109,59 @@ def config_refusal(path: str | os.PathLike[str]) -> str | None:
     if not isinstance(data, dict):
         return f"{file}: not a JSON object; refused"
     return None
+
+
+class AttentionShape(msgspec.Struct, frozen=True, kw_only=True):
+    """The dimensions of a standard attention model that its KV cache and activations scale with.
+
+    Why one struct: the supervisor (\"will it fit with N tokens of context?\") and the
+    worker's prefill guard (G1's prior) both cost a token of KV; the formula lives here,
+    once. A dimension the config does not give is 0, and so is the cost built on it.
+    """
+
+    layers: int = 0
+    hidden: int = 0
+    heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+
+    def kv_bytes_per_token(self, width: int) -> int:
+        """Keys and values (2) x layers x KV heads x head width x bytes per element."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * width
+
+
+def attention_shape(config: Mapping[str, Any], *, layers: int | None = None) -> AttentionShape:
+    """The shape from a config.json object (or a loaded model's arguments, which use its keys).
+
+    A multimodal config's `text_config` overrides the top level; `num_key_value_heads`
+    defaults to the heads (no GQA) and `head_dim` to hidden / heads. `layers` replaces
+    `num_hidden_layers` where the caller counted them itself (a loaded model's layers).
+    """
+    text = config.get("text_config")
+    if isinstance(text, Mapping):
+        config = {**config, **text}
+    heads, hidden = _positive(config.get("num_attention_heads")), _positive(config.get("hidden_size"))
+    return AttentionShape(
+        layers=_positive(config.get("num_hidden_layers")) if layers is None else max(0, layers),
+        hidden=hidden, heads=heads,
+        kv_heads=_positive(config.get("num_key_value_heads")) or heads,
+        head_dim=_positive(config.get("head_dim")) or (hidden // heads if heads else 0),
+    )
+
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def dtype_bytes(config: Mapping[str, Any]) -> int:
+    """Bytes of one activation (and KV) element, from the config's dtype (the text model's
+    where it has one); 2 (float16) when the config does not say."""
+    text = config.get("text_config")
+    merged = {**config, **text} if isinstance(text, Mapping) else config
+    return _DTYPE_BYTES.get(str(merged.get("torch_dtype") or merged.get("dtype") or ""), 2)
+
+
+def _positive(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def context_length(path: str | os.PathLike[str]) -> int | None:

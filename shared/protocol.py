@@ -24,6 +24,20 @@ import msgspec
 
 from shared.limits import Limits
 from shared.memory import MemoryReading
+from shared.vocab import (
+    DeviceBinding,
+    ErrorCode,
+    FailureCode,
+    FinishReason,
+    GuardEventKind,
+    HostBinding,
+    LimitBinding,
+    MalformedCause,
+    PressureLevel,
+    SampleReason,
+    Tier,
+    WorkerEventKind,
+)
 
 PROTOCOL_VERSION = 1
 
@@ -32,6 +46,9 @@ PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 4 * 1024 * 1024
 
 TOPICS = ("ceiling", "pressure", "sample", "event", "status")
+
+# OpenAI's bound on the alternatives a token's logprobs list; every door and the worker take the same.
+MAX_TOP_LOGPROBS = 20
 
 class Msg(msgspec.Struct, tag_field="type", kw_only=True, omit_defaults=False):
     """Base of every wire message: the protocol version rides in each one."""
@@ -219,7 +236,7 @@ class Prompted(Msg, tag="prompted", kw_only=True):
 
 class Finished(Msg, tag="finished", kw_only=True):
     request_id: str
-    finish_reason: str  # "stop" | "length"
+    finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # H1: prompt tokens reused from the worker's prompt cache
@@ -231,11 +248,11 @@ class Failed(Msg, tag="failed", kw_only=True):
     """Terminal error of one request (SPEC G1: `prefill_memory_exceeded`)."""
 
     request_id: str
-    code: str
+    code: FailureCode
     message: str
     estimated_bytes: int = 0
     limit_bytes: int = 0
-    binding: str = ""
+    binding: LimitBinding = ""
 
 
 class NeedMemory(Msg, tag="need_memory", kw_only=True):
@@ -323,7 +340,7 @@ class AbortRequests(Command, tag="abort", kw_only=True):
 
     request_ids: Union[list[str], None] = None
     reason: str = ""
-    code: str = "aborted"
+    code: FailureCode = "aborted"
 
 
 class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
@@ -344,15 +361,15 @@ class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
 # grammars by it.
 
 
-class ConstraintSpec(msgspec.Struct, tag_field="kind", frozen=True, kw_only=True):
+class _ConstraintBase(msgspec.Struct, tag_field="kind", frozen=True, kw_only=True):
     """Base of the constraint union (tag field `kind`: `type` marks whole messages)."""
 
 
-class JsonObject(ConstraintSpec, tag="json_object", frozen=True, kw_only=True):
+class JsonObject(_ConstraintBase, tag="json_object", frozen=True, kw_only=True):
     """response_format json_object: any one JSON object."""
 
 
-class JsonSchema(ConstraintSpec, tag="json_schema", frozen=True, kw_only=True):
+class JsonSchema(_ConstraintBase, tag="json_schema", frozen=True, kw_only=True):
     """response_format json_schema: JSON valid against `schema` (JSON text).
 
     strict: every keyword must be enforced, an unsupported one is an error;
@@ -370,7 +387,7 @@ class ToolFunction(msgspec.Struct, frozen=True, kw_only=True):
     strict: bool = True
 
 
-class ToolCall(ConstraintSpec, tag="tool_call", frozen=True, kw_only=True):
+class ToolCallConstraint(_ConstraintBase, tag="tool_call", frozen=True, kw_only=True):
     """tool_choice required (any of `functions`) or named (`name` only).
 
     The output is a JSON array of calls, `[{"name": ..., "arguments": {...}}]`:
@@ -383,13 +400,13 @@ class ToolCall(ConstraintSpec, tag="tool_call", frozen=True, kw_only=True):
     parallel: bool = False
 
 
-class LarkGrammar(ConstraintSpec, tag="lark", frozen=True, kw_only=True):
+class LarkGrammar(_ConstraintBase, tag="lark", frozen=True, kw_only=True):
     """A context-free grammar in llguidance's Lark dialect."""
 
     lark: str
 
 
-Constraint = Union[JsonObject, JsonSchema, ToolCall, LarkGrammar]
+ConstraintSpec = Union[JsonObject, JsonSchema, ToolCallConstraint, LarkGrammar]
 # --- end constrained decoding ----------------------------------------------
 
 
@@ -402,7 +419,7 @@ class Generate(Command, tag="generate", kw_only=True):
     top_p: float = 1.0
     stop: list[str] = []
     seed: Union[int, None] = None
-    constraint: Union[Constraint, None] = None  # issue 13: constrained decoding
+    constraint: Union[ConstraintSpec, None] = None  # issue 13: constrained decoding
     # issue 13: JSON text of the tool list `[{"type": "function", "function": {...}}]`,
     # handed to the model's chat template as `tools` (how the model learns of them)
     tools: Union[str, None] = None
@@ -419,7 +436,7 @@ class Generate(Command, tag="generate", kw_only=True):
     frequency_context_size: int = 20
     logit_bias: dict[int, float] = {}  # token id -> added to its logit
     logprobs: bool = False  # each token's TokenOut carries its TokenLogprobs
-    top_logprobs: int = 0  # ... with this many most likely alternatives
+    top_logprobs: int = 0  # ... with this many most likely alternatives (at most MAX_TOP_LOGPROBS)
     # issue 23: fill in the middle: `prompt` is the text before, this the text after
     # (the worker builds the prompt from its tokenizer's FIM tokens; prompt only)
     suffix: Union[str, None] = None
@@ -528,15 +545,7 @@ class Sample(Msg, tag="sample", kw_only=True):
     running: int = 0
     queued: int = 0
     tokens: int = 0
-    # Why it was sent now: "tick" (steady rate), "watermark" (crossed one) or
-    # "shrink" (a ShrinkCache was just obeyed, H3).
-    why: str = "tick"
-
-
-# What a worker may report as an event. The supervisor's own lifecycle kinds
-# (crash, exit, need_memory ...) drive respawns and evictions, so a report
-# must not be able to pose as one; anything else is refused at decoding.
-WorkerEventKind = Literal["drill", "wired_limit"]
+    why: SampleReason = "tick"
 
 
 class WorkerEvent(Msg, tag="worker_event", kw_only=True):
@@ -634,13 +643,13 @@ class DevicePool(msgspec.Struct, frozen=True, kw_only=True):
     static: int                   # D3 device static
     dynamic: int                  # D3 device dynamic
     ceiling: int                  # D3; 0 = guard off (no limit)
-    binding: str                  # "device_static" | "device_others" | "" (guard off)
+    binding: DeviceBinding        # "" when the guard is off
     remedy: str                   # what a person can do about the binding ("" if none)
     soft_threshold: float
     hard_threshold: float
     soft_bytes: int               # C11 on the device
     hard_bytes: int
-    level: str                    # D4: this pool's level ("ok" | "soft" | "hard")
+    level: PressureLevel          # D4: this pool's level
     emergency: bool               # P2 on the device
     utilization: float            # usage / ceiling, 0 when there is no ceiling
 
@@ -648,12 +657,12 @@ class DevicePool(msgspec.Struct, frozen=True, kw_only=True):
 class CeilingMsg(Msg, tag="ceiling", kw_only=True):
     t: float
     enabled: bool
-    tier: str
+    tier: Tier
     ceiling: int
     static: int
     dynamic: int
     gpu_cap: int
-    binding: str
+    binding: HostBinding
     soft_bytes: int
     hard_bytes: int
     reserve: int
@@ -664,7 +673,7 @@ class CeilingMsg(Msg, tag="ceiling", kw_only=True):
 
 class PressureMsg(Msg, tag="pressure", kw_only=True):
     t: float
-    level: str                   # the group's: the worse of host and device (D4)
+    level: PressureLevel         # the group's: the worse of host and device (D4)
     usage: int
     soft_bytes: int
     hard_bytes: int
@@ -680,7 +689,7 @@ class GuardEvent(Msg, tag="event", kw_only=True):
     refused load ... with the reason people read."""
 
     t: float
-    kind: str
+    kind: GuardEventKind
     reason: str
     worker_id: str = ""
     model_id: str = ""
@@ -748,7 +757,7 @@ class ControlOk(Msg, tag="ok", kw_only=True):
 
 
 class ControlError(Msg, tag="error", kw_only=True):
-    code: str
+    code: ErrorCode
     message: str
     http_status: int = 400
 
@@ -761,10 +770,15 @@ ControlReply = Union[ControlOk, ControlError]
 
 
 class Malformed(msgspec.Struct, frozen=True):
-    """A frame that could not be taken; `reason` is one short line for the log."""
+    """A frame that could not be taken: `cause` to count it by (never text the
+    sender chose), `reason` one short line for the log."""
 
+    cause: MalformedCause
     reason: str
-    wrong_version: bool = False
+
+    @property
+    def wrong_version(self) -> bool:
+        return self.cause == "wrong_version"
 
 
 class _Peek(msgspec.Struct):
@@ -793,15 +807,13 @@ class Codec:
     def decode(self, frame: bytes) -> Any:
         """The message, or `Malformed` (never raises)."""
         if len(frame) > MAX_FRAME_BYTES:
-            return Malformed(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+            return Malformed("too_large", f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
         try:
             msg = self._dec.decode(frame)
         except msgspec.DecodeError as exc:
             return _explain(frame, exc)
         if msg.v != PROTOCOL_VERSION:
-            return Malformed(
-                f"peer speaks protocol v{msg.v}, this side v{PROTOCOL_VERSION}", wrong_version=True
-            )
+            return Malformed("wrong_version", f"peer speaks protocol v{msg.v}, this side v{PROTOCOL_VERSION}")
         return msg
 
 
@@ -809,12 +821,10 @@ def _explain(frame: bytes, exc: Exception) -> Malformed:
     try:
         peek = _peek.decode(frame)
     except (msgspec.DecodeError, TypeError, ValueError):
-        return Malformed(f"undecodable frame ({len(frame)} bytes): {exc}")
+        return Malformed("undecodable", f"undecodable frame ({len(frame)} bytes): {exc}")
     if peek.v not in (-1, PROTOCOL_VERSION):
-        return Malformed(
-            f"peer speaks protocol v{peek.v}, this side v{PROTOCOL_VERSION}", wrong_version=True
-        )
-    return Malformed(f"invalid {peek.type or 'untyped'} message: {exc}")
+        return Malformed("wrong_version", f"peer speaks protocol v{peek.v}, this side v{PROTOCOL_VERSION}")
+    return Malformed("invalid_message", f"invalid {peek.type or 'untyped'} message: {exc}")
 
 
 def all_message_types() -> dict[str, object]:

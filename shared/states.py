@@ -1,6 +1,6 @@
 """The worker state machine. Everything that changes a worker's state is here.
 
-In the manner of h11's `_state.py`: the states, the events that move them and
+In the manner of h11's `_state.py`: the states, the triggers that move them and
 the legal moves as one table, and one `transition()` that refuses an illegal
 move loudly (`IllegalTransition`) instead of letting a late message undo a
 decision. The supervisor's pool keeps each worker's state with it; the
@@ -17,7 +17,7 @@ Late messages are absorbed, not applied: a `hello` or `loaded` from a worker
 already draining leaves it draining (a stop is final), and a wedged worker
 stays wedged while it is killed, so `status` says why it went.
 
-Public names (stable): WorkerState, WorkerEvent, TRANSITIONS, transition,
+Public names (stable): WorkerState, WorkerTrigger, TRANSITIONS, transition,
 IllegalTransition, LIVE_STATES, SERVING_STATES, LOADING_STATES, GONE_STATES,
 PHASES.
 """
@@ -29,11 +29,11 @@ from typing import Literal, get_args
 WorkerState = Literal[
     "starting", "loading", "ready", "busy", "draining", "stopped", "dead", "wedged", "failed"
 ]
-WorkerEvent = Literal["hello", "loaded", "work", "idle", "stop", "silent", "exit", "give_up", "retry"]
+WorkerTrigger = Literal["hello", "loaded", "work", "idle", "stop", "silent", "exit", "give_up", "retry"]
 
-_LIVE_MOVES: dict[WorkerEvent, WorkerState] = {"stop": "draining", "silent": "wedged", "exit": "dead"}
+_LIVE_MOVES: dict[WorkerTrigger, WorkerState] = {"stop": "draining", "silent": "wedged", "exit": "dead"}
 
-TRANSITIONS: dict[WorkerState, dict[WorkerEvent, WorkerState]] = {
+TRANSITIONS: dict[WorkerState, dict[WorkerTrigger, WorkerState]] = {
     "starting": {"hello": "loading", **_LIVE_MOVES},
     "loading": {"loaded": "ready", **_LIVE_MOVES},
     "ready": {"work": "busy", "idle": "ready", **_LIVE_MOVES},
@@ -65,13 +65,13 @@ PHASES: tuple[str, ...] = ("empty", "starting", "loading", "ready", "busy", "dra
 class IllegalTransition(RuntimeError):
     """A move the table does not allow: a bug in the caller, said loudly."""
 
-    def __init__(self, state: WorkerState, event: WorkerEvent) -> None:
+    def __init__(self, state: WorkerState, event: WorkerTrigger) -> None:
         super().__init__(f"a worker in state {state!r} cannot take event {event!r}")
         self.state = state
         self.event = event
 
 
-def transition(state: WorkerState, event: WorkerEvent) -> WorkerState:
+def transition(state: WorkerState, event: WorkerTrigger) -> WorkerState:
     """The state after `event`, or IllegalTransition."""
     try:
         return TRANSITIONS[state][event]

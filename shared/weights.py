@@ -21,9 +21,9 @@ import threading
 from pathlib import Path
 
 from shared.gguf import GGUFError, is_gguf_path, read_header
-from shared.modelinfo import FileRefused, open_regular, read_config_json
+from shared.modelinfo import FileRefused, attention_shape, dtype_bytes, open_regular, read_config_json
 
-MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own cap
+SAFETENSORS_HEADER_MAX_BYTES = 100 * 1024 * 1024  # the safetensors format's own cap
 
 
 class WeightsError(ValueError):
@@ -53,9 +53,9 @@ def tensor_bytes(file: str | os.PathLike[str]) -> int:
         if len(head) < 8:
             raise WeightsError(f"{file}: too short to be a safetensors file")
         length = int.from_bytes(head, "little")
-        if length > MAX_HEADER_BYTES or length > size - 8:
+        if length > SAFETENSORS_HEADER_MAX_BYTES or length > size - 8:
             raise WeightsError(f"{file}: implausible safetensors header length {length} "
-                               f"(file of {size} bytes, cap {MAX_HEADER_BYTES})")
+                               f"(file of {size} bytes, cap {SAFETENSORS_HEADER_MAX_BYTES})")
         raw = handle.read(length)
     try:
         header = json.loads(raw)
@@ -146,9 +146,6 @@ def _read_weight_bytes(path: str | os.PathLike[str]) -> int:
     return sum(tensor_bytes(file) for file in weight_files(path))
 
 
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
 def kv_bytes_per_token(path: str | os.PathLike[str]) -> int:
     """KV-cache bytes one token of context costs, from the model's config.json.
 
@@ -160,17 +157,4 @@ def kv_bytes_per_token(path: str | os.PathLike[str]) -> int:
     config = read_config_json(path)  # bounded: a regular file of at most a few MB (issue 21)
     if config is None:
         return 0
-    text = config.get("text_config")
-    if isinstance(text, dict):
-        config = {**config, **text}
-    layers = _int(config.get("num_hidden_layers"))
-    heads = _int(config.get("num_attention_heads"))
-    kv_heads = _int(config.get("num_key_value_heads")) or heads
-    hidden = _int(config.get("hidden_size"))
-    head_dim = _int(config.get("head_dim")) or (hidden // heads if heads else 0)
-    width = _DTYPE_BYTES.get(str(config.get("torch_dtype") or config.get("dtype") or ""), 2)
-    return 2 * layers * kv_heads * head_dim * width
-
-
-def _int(value: object) -> int:
-    return value if isinstance(value, int) and value > 0 else 0
+    return attention_shape(config).kv_bytes_per_token(dtype_bytes(config))

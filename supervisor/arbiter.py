@@ -40,28 +40,30 @@ from shared.memory import NO_READING
 from shared.modelinfo import FileRefused, context_length, open_regular
 from shared.sizes import format_size
 from shared.states import LOADING_STATES
+from shared.vocab import ErrorCode, GuardEventKind
 from shared.weights import WeightsError, estimate_weight_bytes, kv_bytes_per_token
 from supervisor.bus import Bus, BusError, Endpoints, FrameTooLarge, claim_runtime_dir, pid_alive
 from supervisor.config import Config, ConfigError, ModelConfig, guard_settings, host_name
 from supervisor.discovery import last_refused, refusal
 from supervisor.enforcer import Enforcer
 from supervisor.errors import AtCapacity, LoadError, ModelUnreadable, NotReady, ServeError
-from supervisor.fanout import Hub, Subscription
+from supervisor.fanout import EVENT_HISTORY, Hub, Subscription
 from supervisor.gate import Gate
-from supervisor.offloop import OffLoopTimeout, off_loop
+from supervisor.offloop import MODEL_FILES_TIMEOUT, OffLoopTimeout, off_loop
 from supervisor.policy.admission import FitReport, fit_report
 from supervisor.policy.status import DiskCacheStatus, ModelInfo, ServerStatus
 from supervisor.pool import (
+    CacheWritten,
     Exited,
-    Loaded,
-    LoadFailed,
     ModelView,
-    NeedMemory,
     Pool,
     PoolEvent,
     Reported,
     Spawned,
     WorkerHandle,
+    WorkerLoaded,
+    WorkerLoadFailed,
+    WorkerNeedsMemory,
 )
 from supervisor.readiness import LoadProgress, Readiness, assess, load_progress, loading_retry, saturated
 from supervisor.runtime import ensure_private_dir
@@ -72,10 +74,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("memvisor.arbiter")
 
-EVENT_HISTORY = 500
 STATUS_EVERY = 2.0  # seconds between `status` messages on PUB
 # Issue 21: what the loop hands to a thread, and how long it waits for it.
-READ_TIMEOUT = 10.0  # one model's headers and config.json
 RELOAD_TIMEOUT = 60.0  # the config file and every models folder
 CONFIG_FILE_MAX = 16 * 1024 * 1024  # a config file larger than this is refused, not read
 ACCEPT_LOG_EVERY = 5.0  # seconds between log lines about failing accept() calls
@@ -304,7 +304,7 @@ class Arbiter:
 
     # -- events ----------------------------------------------------------------
 
-    def emit(self, kind: str, reason: str, *, worker_id: str = "", model_id: str = "", usage: int = 0,
+    def emit(self, kind: GuardEventKind, reason: str, *, worker_id: str = "", model_id: str = "", usage: int = 0,
              ceiling: int = 0) -> None:
         """SPEC S2: kept in a bounded history and published to subscribers."""
         ev = p.GuardEvent(t=time.time(), kind=kind, reason=reason, worker_id=worker_id, model_id=model_id,
@@ -316,18 +316,21 @@ class Arbiter:
 
     def pool_event(self, ev: PoolEvent) -> None:
         """What happened to a worker: published as an S2 event; crashes may respawn."""
+        kind: GuardEventKind
         match ev:
-            case NeedMemory():
+            case WorkerNeedsMemory():
                 self.enforcer.on_need_memory(ev.handle, ev.request_id, ev.need_bytes, ev.pool)
                 return
             case Spawned():
                 kind, reason = "spawn", ev.reason
-            case Loaded():
+            case WorkerLoaded():
                 kind, reason = "loaded", ev.reason
-            case LoadFailed():
+            case WorkerLoadFailed():
                 kind, reason = "load_failed", ev.reason
             case Reported():
                 kind, reason = ev.kind, ev.reason
+            case CacheWritten():
+                kind, reason = "disk_cache", ev.reason
             case Exited():
                 kind, reason = ("exit" if ev.expected else "crash"), f"{ev.reason}; {returned(ev.handle)}"
             case _:
@@ -814,7 +817,7 @@ class Arbiter:
                 return context, str(exc), kv, embedding
 
         try:
-            context, size, kv, embedding = await off_loop(read, READ_TIMEOUT, f"reading {model.id}'s files")
+            context, size, kv, embedding = await off_loop(read, MODEL_FILES_TIMEOUT, f"reading {model.id}'s files")
         except OffLoopTimeout as exc:
             size, context, kv, embedding = f"{exc} (a slow disk, or not a plain file?)", None, 0, None
         except OSError as exc:  # out of descriptors, a vanished folder: not the files' fault
@@ -873,7 +876,7 @@ class Arbiter:
         return list(self.pool.handles.values())
 
     def malformed_frames(self) -> dict[tuple[str, str], int]:
-        return dict(self.bus.malformed)
+        return {key: count for key, count in self.bus.malformed.items()}
 
     def add_event_hook(self, hook: Callable[[p.GuardEvent], None]) -> None:
         self.event_hooks.append(hook)
@@ -997,7 +1000,8 @@ class Arbiter:
         except OffLoopTimeout as exc:
             late = True
             words = f"{exc}; the running config stays"
-            code, status = "reload_timeout", 504
+            code: ErrorCode = "reload_timeout"
+            status = 504
         except ConfigError as exc:
             words = f"{exc}; the running config stays"
             code, status = "invalid_config", 400

@@ -33,6 +33,7 @@ import msgspec
 import zmq
 
 from shared import protocol as p
+from shared.vocab import MalformedCause
 from supervisor.subscribers import SubscriberCap
 
 log = logging.getLogger("memvisor.bus")
@@ -46,25 +47,10 @@ MAX_SUBSCRIBERS = 64  # the default of [supervisor] max_subscribers
 BAD_LOG_EVERY = 60.0  # seconds between two log lines of one refused-frame cause
 LATEST_TOPICS = ("ceiling", "pressure", "status")  # state topics a new subscriber gets at once
 
-# Why a frame was refused: a fixed set, so counters and logs stay bounded
-# whatever a peer sends.
-BadCause = Literal["too_large", "undecodable", "wrong_version", "invalid_message", "frame_count",
-                   "unknown_peer", "hello_mismatch", "other"]
-
-
-def classify_bad(reason: str) -> BadCause:
-    """The fixed cause of a refusal (the reason's wording comes from shared.protocol's Codec)."""
-    if reason.startswith("frame of"):
-        return "too_large"
-    if reason.startswith("undecodable"):
-        return "undecodable"
-    if reason.startswith("peer speaks protocol"):
-        return "wrong_version"
-    if reason.startswith("invalid "):
-        return "invalid_message"
-    if reason.startswith("expected "):
-        return "frame_count"
-    return "other"
+# Why a frame was refused: what the decoder found (shared.vocab.MalformedCause), or what
+# the bus and the pool find around a decoded message. A fixed set, so counters and logs
+# stay bounded whatever a peer sends.
+BadCause = Literal[MalformedCause, "frame_count", "unknown_peer", "hello_mismatch"]
 
 
 class Endpoints(msgspec.Struct, frozen=True, kw_only=True):
@@ -173,7 +159,7 @@ class Bus:
         self.ctx = ctx
         self.endpoints = endpoints
         self.subscribers = SubscriberCap(ctx, max_subscribers)  # issue 16: before the PUB sockets bind
-        self.malformed: Counter[tuple[str, str]] = Counter()
+        self.malformed: Counter[tuple[str, BadCause]] = Counter()
         self._logged: dict[tuple[str, str], float] = {}  # (socket, cause) -> when last logged
         self.commands = self._bind(zmq.ROUTER, endpoints.commands)
         self.commands.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -332,25 +318,25 @@ class Bus:
 
     def _routed(self, name: str, frames: list[bytes], codec: p.Codec, handler) -> None:
         if len(frames) != 2:
-            self.bad(name, f"expected 2 frames (identity, message), got {len(frames)}")
+            self.bad(name, "frame_count", f"expected 2 frames (identity, message), got {len(frames)}")
             return
         msg = codec.decode(frames[1])
         if isinstance(msg, p.Malformed):
-            self.bad(name, msg.reason, peer=frames[0])
+            self.bad(name, msg.cause, msg.reason, peer=frames[0])
             return
         handler(frames[0], msg)
 
     def _plain(self, name: str, frames: list[bytes], codec: p.Codec, handler) -> None:
         if len(frames) != 1:
-            self.bad(name, f"expected 1 frame, got {len(frames)}")
+            self.bad(name, "frame_count", f"expected 1 frame, got {len(frames)}")
             return
         msg = codec.decode(frames[0])
         if isinstance(msg, p.Malformed):
-            self.bad(name, msg.reason)
+            self.bad(name, msg.cause, msg.reason)
             return
         handler(msg)
 
-    def bad(self, socket_name: str, reason: str, peer: bytes = b"", cause: BadCause | None = None) -> None:
+    def bad(self, socket_name: str, cause: BadCause, reason: str, peer: bytes = b"") -> None:
         """Count a refused frame under a fixed cause; log each cause at most
         once per BAD_LOG_EVERY seconds.
 
@@ -358,7 +344,6 @@ class Bus:
         version number, a peer identity): keyed on that, 100k distinct garbage
         frames grew the counter, the "logged once" set and the log without
         bound (issue 16)."""
-        cause = cause or classify_bad(reason)
         key = (socket_name, cause)
         self.malformed[key] += 1
         now = time.monotonic()

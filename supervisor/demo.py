@@ -21,13 +21,13 @@ DEMO_MODELS = (
 )
 
 
-def cache_dir() -> Path:
+def models_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "memvisor" / "models"
 
 
 def demo_config(root: Path | None = None) -> Config:
-    root = root or cache_dir()
+    root = root or models_cache_dir()
     return Config(models=[
         ModelConfig(id=name, path=str(root / name), pinned=pinned, max_concurrency=4)
         for name, _size, _seed, pinned in DEMO_MODELS
@@ -36,9 +36,9 @@ def demo_config(root: Path | None = None) -> Config:
 
 def ensure_demo_models(root: Path | None = None) -> list[Path]:
     """Generate the demo models that are missing; show progress while doing so."""
-    from worker.modelgen import make_model  # numpy + tokenizers, no MLX
+    from modelfiles.modelgen import make_model  # numpy + tokenizers, no MLX
 
-    root = root or cache_dir()
+    root = root or models_cache_dir()
     missing = [(n, s, seed) for n, s, seed, _p in DEMO_MODELS if not (root / n / "config.json").exists()]
     if not missing:
         return [root / n for n, *_ in DEMO_MODELS]

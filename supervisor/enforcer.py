@@ -18,7 +18,7 @@ import collections
 import logging
 import os
 import time
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 import msgspec
 from typing_extensions import assert_never
@@ -29,6 +29,7 @@ from shared.ledger import Ledger
 from shared.memory import NO_READING
 from shared.probe import nvml
 from shared.sizes import MAX_SIZE, format_size
+from shared.vocab import GuardEventKind
 from shared.weights import WeightsError, estimate_weight_bytes, kv_bytes_per_token
 from supervisor.config import MIN_DEVICE_CEILING, ModelConfig, guard_settings
 from supervisor.errors import LoadError, ModelUnreadable
@@ -45,11 +46,18 @@ log = logging.getLogger("memvisor.guard")
 # P4's environment switch: "1" turns the reclaim grace off.
 DISABLE_RECLAIM_ENV = "MEMVISOR_DISABLE_PRESSURE_RECLAIM"
 
-_ACTS = (d.Reclaim, d.ShrinkHotCache, d.AbortRequests, d.AbortLoad, d.MarkForUnload, d.Stop, d.ExpireTTL)
+_ACTS = (d.ReclaimPool, d.ShrinkHotCache, d.AbortWorkerRequests, d.AbortLoad, d.MarkForUnload, d.Stop, d.ExpireTTL)
+
+
+class PublishEvent(Protocol):
+    """How the enforcer publishes an S2 event (the arbiter's `emit`)."""
+
+    def __call__(self, kind: GuardEventKind, reason: str, *, worker_id: str = "", model_id: str = "",
+                 usage: int = 0, ceiling: int = 0) -> None: ...
 
 
 class Enforcer:
-    def __init__(self, *, config, pool: Pool, bus, ledger: Ledger, emit) -> None:
+    def __init__(self, *, config, pool: Pool, bus, ledger: Ledger, emit: PublishEvent) -> None:
         self.config = config
         self.pool = pool
         self.bus = bus
@@ -165,7 +173,7 @@ class Enforcer:
     def act(self, x: d.WorkerDecision, handle: WorkerHandle, result: policy.TickResult) -> None:
         """Carry out a decision about one worker; each action is done once a tick (P7)."""
         match x:
-            case d.SetLimits():
+            case d.ApplyLimits():
                 self.pool.set_limits(handle, msgspec.structs.replace(x.limits, max_concurrency=handle.concurrency))
                 return
             case d.SetConcurrency():
@@ -178,32 +186,35 @@ class Enforcer:
         self._acted.add((type(x), x.worker))
         self.executed.append((time.monotonic(), x))
         log.warning("%s %s: %s", type(x).__name__, handle.worker_id, x.reason)
-        about = dict(worker_id=handle.worker_id, model_id=handle.model_id, usage=result.usage,
-                     ceiling=result.ceilings.ceiling)
+
+        def announce(kind: GuardEventKind) -> None:
+            self.emit(kind, x.reason, worker_id=handle.worker_id, model_id=handle.model_id, usage=result.usage,
+                      ceiling=result.ceilings.ceiling)
+
         match x:
-            case d.Reclaim():
+            case d.ReclaimPool():
                 self.pool.command(handle, p.Reclaim(reason=x.reason, idle_only=x.idle_only))
-                self.emit("reclaim", x.reason, **about)
-            case d.AbortRequests():
+                announce("reclaim")
+            case d.AbortWorkerRequests():
                 self.pool.command(handle, p.AbortRequests(reason=f"memory pressure: {x.reason}",
                                                           code="memory_pressure"))
-                self.emit("abort", x.reason, **about)
+                announce("abort")
             case d.AbortLoad():
                 self.pool.kill(handle, f"load aborted: {x.reason}", cause="load_abort")
-                self.emit("abort_load", x.reason, **about)
+                announce("abort_load")
             case d.MarkForUnload():
                 handle.marked_for_unload = True
-                self.emit("mark_for_unload", x.reason, **about)
+                announce("mark_for_unload")
             case d.Stop():
                 self.pool.stop(handle, f"evicted: {x.reason}", cause="evict")
-                self.emit("evict", x.reason, **about)
+                announce("evict")
             case d.ExpireTTL():
                 self.pool.stop(handle, f"TTL: {x.reason}", cause="ttl")
-                self.emit("ttl", x.reason, **about)
+                announce("ttl")
             case d.ShrinkHotCache():  # H3: the worker drops, reclaims, reports at once
                 self.pool.command(handle, p.ShrinkCache(target_bytes=x.target_bytes, reason=x.reason))
-                self.emit("shrink_cache", x.reason, **about)
-            case d.SetLimits() | d.SetConcurrency():
+                announce("shrink_cache")
+            case d.ApplyLimits() | d.SetConcurrency():
                 pass  # handled above
             case _:
                 assert_never(x)
@@ -331,7 +342,7 @@ class Enforcer:
                 return
             self.emit("refused", verdict.message, model_id=model.id)
             log.warning("Refused to load %s: %s", model.id, verdict.message)
-            raise LoadError(verdict.message, code=verdict.error, http_status=507)
+            raise LoadError(verdict.message, code=verdict.error or "insufficient_memory", http_status=507)
         raise LoadError(f"could not make room for {model.id!r}", code="insufficient_memory", http_status=507)
 
     def on_need_memory(self, handle: WorkerHandle, request_id: str, need_bytes: int, pool: str = "host") -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from shared.vocab import ErrorCode
+
 if TYPE_CHECKING:
     from supervisor.readiness import LoadProgress
 
@@ -17,10 +19,10 @@ if TYPE_CHECKING:
 class ServeError(RuntimeError):
     """A refusal with its API code, HTTP status and (for 503s) Retry-After seconds."""
 
-    code = "internal_error"
+    code: ErrorCode = "internal_error"
     http_status = 500
 
-    def __init__(self, message: str, *, code: str | None = None, http_status: int | None = None,
+    def __init__(self, message: str, *, code: ErrorCode | None = None, http_status: int | None = None,
                  retry_after: int | None = None, permanent: bool = False) -> None:
         super().__init__(message)
         if code is not None:
@@ -36,14 +38,14 @@ class ServeError(RuntimeError):
 class LoadError(ServeError):
     """A model could not be brought up, or its worker could not take the request."""
 
-    code = "load_failed"
+    code: ErrorCode = "load_failed"
     http_status = 500
 
 
 class GateClosed(ServeError):
     """SPEC P3's queue is full or a request waited past its deadline (503)."""
 
-    code = "overloaded"
+    code: ErrorCode = "overloaded"
     http_status = 503
 
 
@@ -57,7 +59,7 @@ class ModelUnreadable(LoadError):
     the operator fixes the files. A passing failure of the read (EMFILE) is a
     503 with Retry-After instead, raised elsewhere."""
 
-    code = "model_unreadable"
+    code: ErrorCode = "model_unreadable"
     http_status = 422
 
 
@@ -69,7 +71,7 @@ class AtCapacity(ServeError):
     another host now (LiteLLM cools a deployment down for Retry-After seconds
     on a 429 and retries elsewhere at once)."""
 
-    code = "model_at_capacity"
+    code: ErrorCode = "model_at_capacity"
     http_status = 429
 
 
@@ -80,7 +82,7 @@ class NotReady(ServeError):
 
     http_status = 503
 
-    def __init__(self, message: str, *, code: str, retry_after: int,
+    def __init__(self, message: str, *, code: ErrorCode, retry_after: int,
                  progress: LoadProgress | None = None) -> None:
         super().__init__(message, code=code, retry_after=retry_after)
         self.progress = progress

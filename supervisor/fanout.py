@@ -33,7 +33,7 @@ import msgspec
 from shared import protocol as p
 
 QUEUE_MAX = 512          # frames a client may lag behind before it is dropped
-EVENT_HISTORY = 500      # guard events kept for replay (the arbiter keeps as many)
+EVENT_HISTORY = 500      # guard events kept for replay (the arbiter's status keeps as many)
 RECENT_HISTORY = 6000    # other frames kept for replay: minutes of samples for a few workers
 REPLAY_CHUNK = 512       # replayed frames written at once
 WAKE_DELAY = 0.05        # clients are woken at most this often (20 Hz): bursts become one write each

@@ -1,7 +1,7 @@
 """GGUF files as models: the import cache and the importer child process.
 
 Why a child process: importing reads tensors with MLX, and the supervisor
-never imports MLX (DESIGN.md), so `worker.gguf_import` runs as its own
+never imports MLX (DESIGN.md), so `modelfiles.gguf_import` runs as its own
 process and reports progress as JSON lines (`shared.gguf.ImportLine`) on its
 stdout. `import-gguf` runs it in the foreground; a `[[models]] path` ending
 in `.gguf` runs it on the model's first load, before its worker is spawned,
@@ -70,7 +70,7 @@ def is_imported(folder: Path) -> bool:
 
 
 def importer_argv(src: str | Path, dest: str | Path, *, force: bool = False, requantize: int = 0) -> list[str]:
-    argv = [sys.executable, "-m", "worker.gguf_import", "--json", str(src), str(dest)]
+    argv = [sys.executable, "-m", "modelfiles.gguf_import", "--json", str(src), str(dest)]
     argv += ["--requantize", str(requantize)] if requantize else []
     return argv + ["--force"] if force else argv
 

@@ -18,6 +18,9 @@ from typing import Callable, TypeVar
 
 T = TypeVar("T")
 
+# How long the loop lets one read of a model's small files (headers, config.json, the cards' facts) take.
+MODEL_FILES_TIMEOUT = 10.0
+
 
 class OffLoopTimeout(TimeoutError):
     """The work did not finish within its bound (its thread may still be running)."""

@@ -28,7 +28,8 @@ from typing_extensions import assert_never
 from shared import protocol as p
 from shared.ledger import Ledger, LedgerSample
 from shared.limits import Limits
-from shared.states import LIVE_STATES, LOADING_STATES, SERVING_STATES, WorkerEvent, WorkerState, transition
+from shared.states import LIVE_STATES, LOADING_STATES, SERVING_STATES, WorkerState, WorkerTrigger, transition
+from shared.vocab import PoolName, WorkerEventKind
 from supervisor.cache_tiers import CacheBook, saved_words
 from supervisor.errors import LoadError
 from supervisor.streams import RequestStream, Streams
@@ -93,7 +94,7 @@ class WorkerHandle:
     def serving(self) -> bool:
         return self.state in SERVING_STATES
 
-    def move(self, event: WorkerEvent) -> WorkerState:
+    def move(self, event: WorkerTrigger) -> WorkerState:
         """The one place a worker's state changes (illegal moves raise)."""
         self.state = transition(self.state, event)
         return self.state
@@ -114,22 +115,26 @@ class Spawned(_News):
     """A worker process was started for a model."""
 
 
-class Loaded(_News):
+class CacheWritten(_News):
+    """H5 (proposed): what the worker wrote to the disk tier, and what its stop's deadline cost."""
+
+
+class WorkerLoaded(_News):
     """The worker loaded its model and serves."""
 
 
-class LoadFailed(_News):
+class WorkerLoadFailed(_News):
     """The worker could not load its model (it exits next)."""
 
 
 @dataclass(frozen=True, slots=True)
-class NeedMemory:
+class WorkerNeedsMemory:
     """SPEC G1: the worker's prefill needs `need_bytes` more (the shortfall) in `pool`."""
 
     handle: WorkerHandle
     request_id: str
     need_bytes: int
-    pool: str = "host"
+    pool: PoolName = "host"
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,11 +152,11 @@ class Reported:
     """An event the worker itself reported (drills)."""
 
     handle: WorkerHandle
-    kind: str
+    kind: WorkerEventKind
     reason: str
 
 
-PoolEvent = Union[Spawned, Loaded, LoadFailed, NeedMemory, Exited, Reported]
+PoolEvent = Union[Spawned, WorkerLoaded, WorkerLoadFailed, WorkerNeedsMemory, Exited, Reported, CacheWritten]
 EventSink = Callable[[PoolEvent], None]
 
 
@@ -166,7 +171,7 @@ class Retired:
         self.state: WorkerState = "dead"
         self.failed_reason = ""
 
-    def move(self, event: WorkerEvent) -> WorkerState:
+    def move(self, event: WorkerTrigger) -> WorkerState:
         self.state = transition(self.state, event)
         return self.state
 
@@ -324,7 +329,7 @@ class Pool:
     def on_reply(self, identity: bytes, msg: p.WorkerReply) -> None:
         handle = self.by_identity.get(identity)
         if handle is None or not handle.live:
-            self.bus.bad("commands", "message from an unknown or stopped worker", cause="unknown_peer")
+            self.bus.bad("commands", "unknown_peer", "message from an unknown or stopped worker")
             return
         match msg:
             case p.Tokenized() | p.Detokenized():  # issue 23: a tokenizer call's answer
@@ -337,7 +342,7 @@ class Pool:
                 if msg.well_formed():
                     self.streams.deliver_batch(msg)
                 else:
-                    self.bus.bad("commands", "token batch with columns of unequal length")
+                    self.bus.bad("commands", "invalid_message", "token batch with columns of unequal length")
             case p.Pong():
                 handle.last_pong = time.monotonic()
                 waiter = self._pings.pop((handle.worker_id, msg.seq), None)
@@ -352,9 +357,9 @@ class Pool:
                     handle.loaded.set_exception(LoadError(f"model {handle.model_id!r} failed to load: {msg.error}",
                                                           http_status=503, permanent=True))
                 handle.marked_for_unload = True
-                self.on_event(LoadFailed(handle, msg.error))
+                self.on_event(WorkerLoadFailed(handle, msg.error))
             case p.NeedMemory():
-                self.on_event(NeedMemory(handle, msg.request_id, msg.need_bytes, msg.pool))
+                self.on_event(WorkerNeedsMemory(handle, msg.request_id, msg.need_bytes, msg.pool))
             case p.Ack() | p.Reclaimed():
                 pass  # informational; the sample that follows carries the effect
             case _:
@@ -362,7 +367,7 @@ class Pool:
 
     def _on_hello(self, handle: WorkerHandle, msg: p.Hello) -> None:
         if msg.pid != handle.pid or msg.worker_id != handle.worker_id:
-            self.bus.bad("commands", "hello that does not match the spawned process", cause="hello_mismatch")
+            self.bus.bad("commands", "hello_mismatch", "hello that does not match the spawned process")
             return
         # D1: a worker whose arrays live on the CPU holds nothing on the accelerator
         # its MLX can see (an empty `device` is an older worker: trust its info)
@@ -385,7 +390,7 @@ class Pool:
             handle.loaded.set_result(True)
         log.info("Worker %s loaded %s (%.1f MB weights) in %.2f s",
                  handle.worker_id, handle.model_id, msg.weight_bytes / 1e6, msg.seconds)
-        self.on_event(Loaded(handle, f"model loaded in {msg.seconds:.2f} s"))
+        self.on_event(WorkerLoaded(handle, f"model loaded in {msg.seconds:.2f} s"))
         self.on_change()
 
     def on_report(self, msg: p.WorkerReport) -> None:
@@ -393,7 +398,7 @@ class Pool:
             case p.Sample():
                 handle = self.handles.get(msg.worker_id)
                 if handle is None or msg.pid != handle.pid:
-                    self.bus.bad("reports", "sample from an unknown worker", cause="unknown_peer")
+                    self.bus.bad("reports", "unknown_peer", "sample from an unknown worker")
                     return
                 self.counters["samples"] += 1
                 self.bus.publish(msg)
@@ -428,7 +433,7 @@ class Pool:
         s = msg.stats
         if msg.final and (s.written_entries or s.dropped_entries):
             self.counters["disk_cache_saves"] += 1
-            self.on_event(Reported(handle, "disk_cache", saved_words(s)))
+            self.on_event(CacheWritten(handle, saved_words(s)))
 
     # -- commands -------------------------------------------------------------
 

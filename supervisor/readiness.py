@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
+from shared.vocab import ErrorCode
+
 if TYPE_CHECKING:
     from supervisor.config import ModelConfig
     from supervisor.policy.admission import FitReport
@@ -38,14 +40,14 @@ ReadinessState = Literal["ready", "busy", "unloaded", "saturated", "loading", "p
                          "draining", "failed", "does_not_fit"]
 
 # The HTTP status a request sent now would get (and GET /health?model=ID answers).
-STATUS: dict[str, int] = {"ready": 200, "busy": 200, "unloaded": 200, "saturated": 429, "loading": 503,
-                          "paused": 503, "unresponsive": 503, "draining": 503, "failed": 503,
-                          "does_not_fit": 507}
+STATUS: dict[ReadinessState, int] = {"ready": 200, "busy": 200, "unloaded": 200, "saturated": 429, "loading": 503,
+                                     "paused": 503, "unresponsive": 503, "draining": 503, "failed": 503,
+                                     "does_not_fit": 507}
 # The stable code of each refusal (the same `code` the request's error body carries).
-CODES: dict[str, str] = {"saturated": "model_at_capacity", "loading": "model_loading",
-                         "paused": "admission_paused", "unresponsive": "worker_unresponsive",
-                         "draining": "model_unloading", "failed": "model_failed",
-                         "does_not_fit": "insufficient_memory"}
+CODES: dict[ReadinessState, ErrorCode] = {"saturated": "model_at_capacity", "loading": "model_loading",
+                                          "paused": "admission_paused", "unresponsive": "worker_unresponsive",
+                                          "draining": "model_unloading", "failed": "model_failed",
+                                          "does_not_fit": "insufficient_memory"}
 
 # Seconds to wait before asking again. A queue drains within a request's time
 # and a router has other hosts, so a full model is retried soon; pressure is
@@ -89,7 +91,7 @@ class Readiness(msgspec.Struct, frozen=True, kw_only=True):
     status: int
     accepting: bool
     loaded: bool
-    code: str | None = None
+    code: ErrorCode | None = None
     worker: str | None = None
     running: int = 0
     queued: int = 0

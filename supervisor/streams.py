@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Union
 import msgspec
 
 from shared import protocol as p
+from shared.vocab import FailureCode
 
 if TYPE_CHECKING:
     from supervisor.pool import WorkerHandle
@@ -104,7 +105,7 @@ class Streams:
         stream.worker.requests.pop(stream.request_id, None)
         stream.worker.last_access = time.monotonic()
 
-    def fail_all(self, handle: WorkerHandle, code: str, message: str) -> None:
+    def fail_all(self, handle: WorkerHandle, code: FailureCode, message: str) -> None:
         """The worker is gone: every request it served ends with this error."""
         for stream in list(handle.requests.values()):
             stream.put(p.Failed(request_id=stream.request_id, code=code, message=message))

@@ -63,7 +63,7 @@ class TinyModels(msgspec.Struct, frozen=True):
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> TinyModels:
-    from worker.modelgen import make_model
+    from modelfiles.modelgen import make_model
 
     root = tmp_path_factory.mktemp("models")
     make_model(root / "tiny-a", 2 * MiB, 0)
@@ -135,7 +135,7 @@ def token_server(tmp_path_factory):
 @pytest.fixture(scope="session")
 def fim_model(tmp_path_factory) -> Path:
     """Issue 23: a tiny model whose tokenizer has StarCoder's fill-in-the-middle tokens."""
-    from worker.modelgen import FIM_TOKENS, make_model
+    from modelfiles.modelgen import FIM_TOKENS, make_model
 
     path = tmp_path_factory.mktemp("models") / "tiny-fim"
     make_model(path, 2 * MiB, 3, extra_special=FIM_TOKENS)

@@ -206,7 +206,7 @@ def test_response_format_and_tool_choice_become_worker_constraints():
     assert isinstance(_chat(response_format={"type": "json_object"}).constraint, p.JsonObject)
     tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
     named = _chat(tools=tools, tool_choice={"type": "function", "function": {"name": "f"}})
-    assert isinstance(named.constraint, p.ToolCall) and named.constraint.mode == "named" and named.tools
+    assert isinstance(named.constraint, p.ToolCallConstraint) and named.constraint.mode == "named" and named.tools
     assert _chat(tools=tools).constraint is None and _chat(tools=tools, tool_choice="none").constraint is None
     with pytest.raises(BodyError) as err:
         _chat(tools=tools, tool_choice={"type": "function", "function": {"name": "g"}})
@@ -271,7 +271,7 @@ QUEUE_FULL = GateClosed("the queue is full while memory pressure pauses admissio
 
 def prefill_refused(rid):
     return [p.Failed(request_id=rid, code="prefill_memory_exceeded", message="the prompt's prefill needs 3 GiB",
-                     binding="hard", estimated_bytes=3 << 30, limit_bytes=1 << 30)]
+                     binding="static", estimated_bytes=3 << 30, limit_bytes=1 << 30)]
 
 
 def hello(rid):
@@ -322,7 +322,7 @@ def test_memory_refusals_reach_anthropic_and_responses_clients_with_the_message(
     if status == 503:
         assert all(e.response.headers["retry-after"] == "7" for e in (a, r))
     if status == 400:
-        assert a.body["error"]["code"] == "prefill_memory_exceeded" and a.body["error"]["binding"] == "hard"
+        assert a.body["error"]["code"] == "prefill_memory_exceeded" and a.body["error"]["binding"] == "static"
         assert r.code == "prefill_memory_exceeded"
 
 

@@ -31,7 +31,7 @@ def loaded(request, tiny_model, tmp_path_factory):
 
     if request.param == "float16":
         return mlx_lm.load(str(tiny_model))
-    from worker.modelgen import make_model
+    from modelfiles.modelgen import make_model
 
     path = tmp_path_factory.mktemp("f32") / "tiny-f32"
     make_model(path, 4 * MiB, 5, dtype="float32")

@@ -85,7 +85,7 @@ def test_the_test_process_computes_with_openblas():
     """conftest opens the workers' BLAS before any test imports MLX, so in-process tests are fast too."""
     if found.stock_chosen():
         pytest.skip("MEMVISOR_BLAS=stock")
-    info = blas.current()
+    info = blas.in_use()
     assert info is not None and info.kind != "stock", info
     import mlx.core  # noqa: F401  (the map must still hold it once MLX is in)
 
@@ -138,7 +138,7 @@ print(json.dumps({"blas": info.kind, "tokens": out}))
 @linux_only
 def test_greedy_tokens_are_identical_with_openblas_and_with_the_stock_blas(tmp_path):
     """float32 sums in another order differ in the last bits; greedy tokens of the test models must not."""
-    from worker.modelgen import make_model
+    from modelfiles.modelgen import make_model
 
     model = tmp_path / "f32"
     make_model(model, 4 * 2**20, 5, dtype="float32")

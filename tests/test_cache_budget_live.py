@@ -26,7 +26,7 @@ CEILING = 600 * MiB
 
 @pytest.fixture(scope="module")
 def three_models(tmp_path_factory):
-    from worker.modelgen import make_model
+    from modelfiles.modelgen import make_model
 
     root = tmp_path_factory.mktemp("budget-models")
     paths = []

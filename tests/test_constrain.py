@@ -91,7 +91,7 @@ def test_json_schema_output_validates_20_of_20(loaded, temperature):
 
 def test_named_tool_call_arguments_validate(loaded):
     engine = _engine(loaded)
-    spec = p.ToolCall(functions=TOOLS, mode="named", name="add")
+    spec = p.ToolCallConstraint(functions=TOOLS, mode="named", name="add")
     for i, prompt in enumerate(_prompts(engine, 5)):
         engine.submit(f"t{i}", prompt, max_tokens=96, temperature=1.0, seed=i, constraint=spec)
     runs = _run(engine)
@@ -103,7 +103,7 @@ def test_named_tool_call_arguments_validate(loaded):
 
 def test_required_tool_call_is_one_of_the_functions_with_valid_arguments(loaded):
     engine = _engine(loaded)
-    spec = p.ToolCall(functions=TOOLS, mode="required")
+    spec = p.ToolCallConstraint(functions=TOOLS, mode="required")
     for i, prompt in enumerate(_prompts(engine, 6)):
         engine.submit(f"t{i}", prompt, max_tokens=96, temperature=1.0, seed=i, constraint=spec)
     runs = _run(engine)
@@ -147,8 +147,8 @@ def test_a_complete_grammar_finishes_with_stop_before_max_tokens(loaded):
     (p.JsonSchema(schema='{"type": "object",'), "not valid JSON"),
     (p.JsonSchema(schema='{"$ref": "#/$defs/missing"}'), "missing"),
     (p.JsonSchema(schema='{"type": "string", "format": "no-such-format"}'), "no-such-format"),
-    (p.ToolCall(functions=TOOLS, mode="named", name="nope"), "nope"),
-    (p.ToolCall(functions=(), mode="required"), "tools"),
+    (p.ToolCallConstraint(functions=TOOLS, mode="named", name="nope"), "nope"),
+    (p.ToolCallConstraint(functions=(), mode="required"), "tools"),
     (p.LarkGrammar(lark="start: ("), "grammar"),
 ])
 def test_an_invalid_constraint_fails_its_request_clearly_and_the_engine_serves_on(loaded, spec, named):
@@ -201,15 +201,15 @@ def test_a_lark_grammar_is_enforced(loaded):
 
 def test_constraint_rides_the_wire_and_is_a_cache_key():
     codec = p.Codec(p.CommandMsg)
-    cmd = Generate(request_id="r", prompt="x", constraint=p.ToolCall(functions=TOOLS, mode="named", name="add"))
+    cmd = Generate(request_id="r", prompt="x", constraint=p.ToolCallConstraint(functions=TOOLS, mode="named", name="add"))
     back = codec.decode(codec.encode(cmd))
     assert back == cmd and hash(back.constraint) == hash(cmd.constraint)
     assert codec.decode(codec.encode(Generate(request_id="r", prompt="x"))).constraint is None
 
 
 def test_parallel_required_tool_calls_allow_several_calls_named_exactly_one():
-    many, _ = tool_call_schema(p.ToolCall(functions=TOOLS, mode="required", parallel=True))
-    one, _ = tool_call_schema(p.ToolCall(functions=TOOLS, mode="named", name="add", parallel=True))
+    many, _ = tool_call_schema(p.ToolCallConstraint(functions=TOOLS, mode="required", parallel=True))
+    one, _ = tool_call_schema(p.ToolCallConstraint(functions=TOOLS, mode="named", name="add", parallel=True))
     call = {"name": "add", "arguments": {"a": 1, "b": 2}}
     jsonschema.validate([call, call], many)
     with pytest.raises(jsonschema.ValidationError):
@@ -235,7 +235,7 @@ def test_a_worker_process_enforces_a_wire_constraint_and_refuses_a_bad_one(tiny_
         failed = sup.recv(Failed)
         assert (failed.request_id, failed.code) == ("bad", "invalid_constraint") and "strnig" in failed.message
         sup.send(Generate(request_id="call", prompt="hi", max_tokens=96, temperature=1.0, seed=7,
-                          constraint=p.ToolCall(functions=TOOLS, mode="named", name="get_weather")))
+                          constraint=p.ToolCallConstraint(functions=TOOLS, mode="named", name="get_weather")))
         text = []
         while True:
             msg = sup.recv((TokenOut, Finished, Failed))
@@ -267,7 +267,7 @@ EXPLODING = "^(a|aa){1000}$"  # llguidance's lexer runs out of fuel the moment i
                                      "required": ["id"]})), "pattern"),
     (p.JsonSchema(schema=json.dumps({"type": "object", "properties": {"n": {"type": "integer"},
                                      "id": {"type": "string", "pattern": EXPLODING}}})), "pattern"),  # optional
-    (p.ToolCall(functions=(p.ToolFunction(name="f", parameters=json.dumps(
+    (p.ToolCallConstraint(functions=(p.ToolFunction(name="f", parameters=json.dumps(
         {"type": "object", "properties": {"v": {"type": "string", "pattern": EXPLODING}}})),),
         mode="required"), "tools[f].parameters"),
 ])

@@ -69,7 +69,7 @@ def test_d4_device_drill_is_stopped_by_the_guard_on_the_device_pool(tiny_models,
             while time.monotonic() < deadline and not acted:
                 await asyncio.sleep(0.01)
                 acted = [(t, x) for t, x in list(arb.enforcer.executed)[mark:]
-                         if isinstance(x, d.AbortRequests) and x.worker == handle.worker_id]
+                         if isinstance(x, d.AbortWorkerRequests) and x.worker == handle.worker_id]
             arb.pool.command(handle, p.DrillStop())
             assert acted, "the guard never acted on the device pool"
             t, abort = acted[0]

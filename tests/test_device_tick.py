@@ -47,7 +47,7 @@ def kinds(result, kind):
 
 def test_d4_no_device_leaves_the_host_rules_alone():
     r = tick(snap(w("a", 0), w("b", 0), device_total=0, device_free=None))
-    assert r.device is None and r.device_level == "ok" and r.level == "ok" and r.decisions == kinds(r, d.SetLimits)
+    assert r.device is None and r.device_level == "ok" and r.level == "ok" and r.decisions == kinds(r, d.ApplyLimits)
 
 
 def test_d4_group_level_is_the_device_level_when_the_device_is_worse():
@@ -75,7 +75,7 @@ def test_d4_victims_are_chosen_by_the_bytes_they_hold_in_the_pool_under_pressure
 def test_d4_device_hard_without_idle_victims_aborts_the_lru_busy_model():
     r = tick(snap(busy("a", 10, last_access=1), busy("b", 9, last_access=2)))  # 19 GiB: hard
     assert r.device_level == "hard" and not r.device_emergency
-    [abort] = kinds(r, d.AbortRequests)
+    [abort] = kinds(r, d.AbortWorkerRequests)
     assert abort.worker == "a" and "device memory pressure" in abort.reason
     assert not kinds(r, d.MarkForUnload)
 
@@ -135,10 +135,10 @@ def test_d5_without_a_device_the_host_rules_answer():
 
 def test_d4_limits_carry_the_device_watermarks_so_workers_report_crossings_at_once():
     r = tick(snap(w("a", 1)))
-    [limits] = {x.limits for x in kinds(r, d.SetLimits)}
+    [limits] = {x.limits for x in kinds(r, d.ApplyLimits)}
     assert (limits.device_soft, limits.device_hard) == (16 * GiB, 18 * GiB)
     without = tick(snap(w("a", 0), device_total=0, device_free=None))
-    assert {(x.limits.device_soft, x.limits.device_hard) for x in kinds(without, d.SetLimits)} == {(0, 0)}
+    assert {(x.limits.device_soft, x.limits.device_hard) for x in kinds(without, d.ApplyLimits)} == {(0, 0)}
 
 
 def test_d4_device_watermarks_go_out_in_the_workers_own_measure():
@@ -146,7 +146,7 @@ def test_d4_device_watermarks_go_out_in_the_workers_own_measure():
     against its MLX bytes are lowered by that overhead, in 256 MiB steps."""
     a = record(worker="a", model="m-a", usage=GiB, device_bytes=3 * GiB, mlx_active=2 * GiB, mlx_pool=300 * 2**20)
     r = tick(snap(a))
-    [limits] = {x.limits for x in kinds(r, d.SetLimits)}
+    [limits] = {x.limits for x in kinds(r, d.ApplyLimits)}
     overhead = 512 * 2**20  # 3 GiB - 2.29 GiB = 724 MiB, down to a 256 MiB step
     assert (limits.device_soft, limits.device_hard) == (16 * GiB - overhead, 18 * GiB - overhead)
 

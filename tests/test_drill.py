@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 
 from shared.sizes import MiB
-from worker.drill import ADVANCE_SLICE, MIN_STEP_BYTES, Drill, DrillError
+from worker.drill import ADVANCE_SLICE, MIN_STEP_BYTES, DrillAllocation, DrillError
 
 
 @pytest.fixture(autouse=True)
@@ -18,7 +18,7 @@ def _clean_mlx():
 
 def test_drill_grows_at_the_rate_on_an_injected_clock():
     base = mx.get_active_memory()
-    drill = Drill(rate=128 * MiB, target=64 * MiB, now=0.0)
+    drill = DrillAllocation(rate=128 * MiB, target=64 * MiB, now=0.0)
     assert drill.advance(0.0) == 0
     for i in range(1, 32):  # the worker loop comes by every 10 ms
         drill.advance(i * 0.01)
@@ -35,7 +35,7 @@ def test_drill_one_advance_allocates_at_most_one_slice():
     """A worker that was held up for a second must not then stall again in one
     giant catch-up allocation: it would not read the command that stops the
     drill until the allocation is done (seen: 0.5 s, then 1.5 s, then 2 s)."""
-    drill = Drill(rate=1024 * MiB, target=4096 * MiB, now=0.0)
+    drill = DrillAllocation(rate=1024 * MiB, target=4096 * MiB, now=0.0)
     got = drill.advance(1.0)  # 1 GiB owed
     assert got == int(1024 * MiB * ADVANCE_SLICE)
     assert drill.held == got
@@ -43,7 +43,7 @@ def test_drill_one_advance_allocates_at_most_one_slice():
 
 
 def test_drill_waits_for_a_whole_step_instead_of_tiny_arrays():
-    drill = Drill(rate=1 * MiB, target=10 * MiB, now=0.0)
+    drill = DrillAllocation(rate=1 * MiB, target=10 * MiB, now=0.0)
     assert drill.advance(0.5) == 0               # half a MiB owed: not yet
     assert drill.next_due(0.5) == pytest.approx(0.5)
     assert drill.advance(1.0) == MIN_STEP_BYTES
@@ -51,7 +51,7 @@ def test_drill_waits_for_a_whole_step_instead_of_tiny_arrays():
 
 
 def test_drill_pieces_stay_bounded():
-    drill = Drill(rate=10**12, target=40 * MiB, now=0.0, piece_bytes=16 * MiB)
+    drill = DrillAllocation(rate=10**12, target=40 * MiB, now=0.0, piece_bytes=16 * MiB)
     assert [drill.advance(1.0) for _ in range(4)] == [16 * MiB, 16 * MiB, 8 * MiB, 0]
     assert [p.nbytes for p in drill._pieces] == [16 * MiB, 16 * MiB, 8 * MiB]
     drill.release()
@@ -62,7 +62,7 @@ def test_drill_memory_is_committed_and_release_returns_it():
     from worker.memory import sample
 
     before = sample()
-    drill = Drill(rate=10**12, target=128 * MiB, now=0.0)
+    drill = DrillAllocation(rate=10**12, target=128 * MiB, now=0.0)
     while not drill.done:
         drill.advance(1.0)
     grown = sample()
@@ -79,7 +79,7 @@ def test_drill_memory_is_committed_and_release_returns_it():
 @pytest.mark.parametrize("rate, target, fragment", [(0, 1, "rate"), (1, 0, "size"), (-5, 10, "rate")])
 def test_drill_bad_arguments_are_clear_errors(rate, target, fragment):
     with pytest.raises(DrillError, match=fragment):
-        Drill(rate=rate, target=target, now=0.0)
+        DrillAllocation(rate=rate, target=target, now=0.0)
 
 
 def test_drill_advances_between_engine_steps_while_requests_run(tiny_model):
@@ -89,7 +89,7 @@ def test_drill_advances_between_engine_steps_while_requests_run(tiny_model):
 
     engine = Engine.load(tiny_model, own_usage_fn=lambda: 0)
     engine.submit("r", engine.encode_prompt("Once upon a time"), max_tokens=8)
-    drill = Drill(rate=256 * MiB, target=512 * MiB, now=0.0)
+    drill = DrillAllocation(rate=256 * MiB, target=512 * MiB, now=0.0)
     clock, tokens, held = 0.0, [], []
     while engine.has_work:
         engine.step(Limits(), lambda: 0)

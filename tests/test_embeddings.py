@@ -16,7 +16,7 @@ from shared.embedding import MAX_EMBED_INPUTS, WRONG_MODEL_KIND, EmbeddingSpec, 
 from shared.limits import Limits
 from shared.protocol import Embed, Embedded, Failed, Generate, NeedMemory
 from shared.sizes import GiB, MiB
-from supervisor.http.embeddings import Inputs, check, inputs
+from supervisor.http.embeddings import Inputs, check_request, inputs
 from supervisor.http.errors import ApiError
 from supervisor.http.openai_types import BodyError
 from tests.bert_reference import NumpyBert, cosine
@@ -29,7 +29,7 @@ SENTENCES = ["A man is eating food.", "the quick brown fox jumps over the lazy d
 
 @pytest.fixture(scope="module")
 def tiny_embedder_dir(tmp_path_factory):
-    from worker.embedgen import make_embedding_model
+    from modelfiles.embedgen import make_embedding_model
 
     return make_embedding_model(tmp_path_factory.mktemp("emb") / "tiny-embed", matryoshka=(16, 32),
                                 max_seq_length=32)
@@ -309,15 +309,15 @@ def test_openai_input_that_is_none_of_them_is_a_400_naming_input(bad):
 def test_the_models_facts_refuse_a_chat_model_dimensions_and_too_many_inputs():
     spec = EmbeddingSpec(family="bert", dims=384, pooling="mean", normalize=True, max_tokens=256)
     with pytest.raises(ApiError) as kind:
-        check(None, "chat", Inputs(texts=["x"]), None)
+        check_request(None, "chat", Inputs(texts=["x"]), None)
     assert kind.value.status == 400 and kind.value.code == WRONG_MODEL_KIND and kind.value.param == "model"
     with pytest.raises(BodyError) as dims:
-        check(spec, "minilm", Inputs(texts=["x"]), 128)
+        check_request(spec, "minilm", Inputs(texts=["x"]), 128)
     assert dims.value.param == "dimensions" and "Matryoshka" in str(dims.value)
     with pytest.raises(BodyError) as many:
-        check(spec, "minilm", Inputs(texts=["x"] * (MAX_EMBED_INPUTS + 1)), None)
+        check_request(spec, "minilm", Inputs(texts=["x"] * (MAX_EMBED_INPUTS + 1)), None)
     assert many.value.param == "input" and str(MAX_EMBED_INPUTS) in str(many.value)
-    check(spec, "minilm", Inputs(texts=["x"] * MAX_EMBED_INPUTS), 384)
+    check_request(spec, "minilm", Inputs(texts=["x"] * MAX_EMBED_INPUTS), 384)
 
 
 def test_every_field_of_the_sdks_embedding_request_is_declared_and_honoured_or_accepted():

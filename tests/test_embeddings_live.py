@@ -46,7 +46,7 @@ SENTENCES = ["A man is eating food.", "A man is eating a piece of bread.", "The 
 
 @pytest.fixture(scope="module")
 def server(tiny_models, tmp_path_factory):
-    from worker.embedgen import make_embedding_model
+    from modelfiles.embedgen import make_embedding_model
 
     tiny = make_embedding_model(tmp_path_factory.mktemp("emb") / "tiny-embed", matryoshka=(16, 32),
                                 max_seq_length=32)
@@ -286,7 +286,7 @@ def test_a_client_that_leaves_has_its_batch_aborted_in_the_worker(server):
 
 @pytest.fixture(scope="module")
 def tiny_embedder(tmp_path_factory):
-    from worker.embedgen import make_embedding_model
+    from modelfiles.embedgen import make_embedding_model
 
     return make_embedding_model(tmp_path_factory.mktemp("emb") / "tiny-embed", max_seq_length=32)
 

@@ -59,7 +59,7 @@ def test_encode_fim_is_bos_prefix_suffix_middle_with_special_text_kept_as_text(t
 def test_encode_fim_suffix_first_for_codestrals_spelling(tmp_path):
     from mlx_lm.tokenizer_utils import load
 
-    from worker.modelgen import make_model
+    from modelfiles.modelgen import make_model
 
     make_model(tmp_path / "spm", 2 * MiB, 0, extra_special=("[PREFIX]", "[SUFFIX]"))
     tok = load(tmp_path / "spm")
@@ -79,7 +79,7 @@ def test_encode_fim_without_fim_tokens_fails_with_the_code_the_front_door_names_
 def test_model_facts_say_insert_exactly_where_the_worker_builds_a_fim_prompt(fim_model, tiny_model, tmp_path):
     """A folder, the GGUF of the same model (its header's special tokens) and that GGUF's
     imported folder (added tokens only in tokenizer.json) all agree."""
-    from worker.gguf_import import import_gguf
+    from modelfiles.gguf_import import import_gguf
 
     assert read_facts(str(fim_model)).fim and not read_facts(str(tiny_model)).fim
     write_gguf(fim_model, tmp_path / "fim.gguf")

@@ -117,7 +117,7 @@ def gguf_file(tiny_model, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def imported(gguf_file, tmp_path_factory) -> Path:
-    from worker.gguf_import import import_gguf
+    from modelfiles.gguf_import import import_gguf
 
     dest = tmp_path_factory.mktemp("imported") / "tiny"
     import_gguf(gguf_file, dest)
@@ -194,7 +194,7 @@ def test_unsupported_gguf_is_a_clear_error_naming_the_field_or_tensor(tiny_model
                                                                        fragment):
     import mlx.core as mx
 
-    from worker.gguf_import import import_gguf
+    from modelfiles.gguf_import import import_gguf
 
     extra = {name: mx.zeros((4, 4)) for name in extra or {}}
     write_gguf(tiny_model, tmp_path / "bad.gguf", metadata_changes=changes, extra_tensors=extra)
@@ -268,7 +268,7 @@ def test_requantize_quantizes_the_float_matrices_and_the_estimate_follows(tiny_m
     import mlx_lm
     from mlx import nn
 
-    from worker.gguf_import import import_gguf
+    from modelfiles.gguf_import import import_gguf
 
     notes: list = []
     done = import_gguf(gguf_file, tmp_path / "q8", notes.append, requantize=8)
@@ -290,7 +290,7 @@ def test_qwen2_gguf_keeps_its_rows_and_computes_as_the_original(tiny_model, tmp_
     import mlx.core as mx
     import mlx_lm
 
-    from worker.gguf_import import import_gguf
+    from modelfiles.gguf_import import import_gguf
 
     write_gguf(tiny_model, tmp_path / "q.gguf", arch="qwen2")
     import_gguf(tmp_path / "q.gguf", tmp_path / "q")
@@ -307,7 +307,7 @@ def test_llama3_rope_freqs_become_the_rope_scaling_mlx_lm_computes_the_same_from
     import mlx.core as mx
     from mlx_lm.models.rope_utils import initialize_rope
 
-    from worker.gguf_import import llama3_factors, llama3_rope_scaling
+    from modelfiles.gguf_import import llama3_factors, llama3_rope_scaling
 
     base, head_dim = 500000.0, 64
     for factor, original in ((8.0, 8192), (32.0, 8192)):
@@ -326,7 +326,7 @@ def test_a_gguf_with_rope_freqs_imports_with_llama3_rope_scaling(tiny_model, tmp
     import mlx.core as mx
     import mlx_lm
 
-    from worker.gguf_import import import_gguf, llama3_factors
+    from modelfiles.gguf_import import import_gguf, llama3_factors
 
     config = json.loads((tiny_model / "config.json").read_text())
     factors = llama3_factors(config["rope_theta"], config["head_dim"], 8.0, 1.0, 4.0, 8192)

@@ -1,4 +1,4 @@
-"""GGUF block decoding (worker/gguf_tensors.py) against ggml's own definitions.
+"""GGUF block decoding (modelfiles/gguf_tensors.py) against ggml's own definitions.
 
 The references below are line-by-line transcriptions of ggml-quants.c's
 `dequantize_row_*` (scalar loops over one block); the module under test is
@@ -13,8 +13,8 @@ import struct
 import numpy as np
 import pytest
 
+from modelfiles.gguf_tensors import affine_triple, check_supported, plain_or_dequantized
 from shared.gguf import GGML_TYPES, GGUFError, TensorInfo, read_header
-from worker.gguf_tensors import affine_triple, check_supported, plain_or_dequantized
 
 TYPE_ID = {name: type_id for type_id, (name, _, _) in GGML_TYPES.items()}
 

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from shared import protocol as p
-from supervisor.http.app import endpoint_label, is_loopback
+from supervisor.http.app import endpoint_label, is_loopback_client
 from supervisor.http.errors import from_failed
 from supervisor.http.generate import chat_generate, completion_generate
 from supervisor.http.openai_types import (
@@ -208,7 +208,7 @@ def test_worker_failures_map_to_who_should_act(code, status):
                                             ("::ffff:192.0.2.2", False), ("localhost", False), ("", False),
                                             (None, False)])
 def test_loopback_detection_for_admin_endpoints(host, loopback):
-    assert is_loopback(host) is loopback
+    assert is_loopback_client(host) is loopback
 
 
 def test_metric_labels_stay_bounded():

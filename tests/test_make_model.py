@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from modelfiles.modelgen import ModelGenError, choose_dims, make_model, smallest_weight_bytes
 from shared.sizes import MiB, parse_size
 from shared.weights import WeightsError, estimate_weight_bytes
-from worker.modelgen import ModelGenError, choose_dims, make_model, smallest_weight_bytes
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "make_model.py"
@@ -191,7 +191,7 @@ def test_bfloat16_weights_are_the_float32_draws_rounded(tmp_path):
     """Our own bfloat16 encoder (numpy has none) must round, not garble."""
     import mlx.core as mx
 
-    from worker.modelgen import Dims, write_weights
+    from modelfiles.modelgen import Dims, write_weights
 
     base = dict(vocab_size=256, hidden_size=64, num_hidden_layers=1, intermediate_size=64,
                 num_attention_heads=1, num_key_value_heads=1)

@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def medium_model(tmp_path_factory) -> Path:
     """Large enough that a ceiling can sit between 'fits' and 'fits after an eviction'
     with margins wider than the jitter of the workers' measured usage."""
+    from modelfiles.modelgen import make_model
     from shared.sizes import MiB
-    from worker.modelgen import make_model
 
     path = tmp_path_factory.mktemp("medium") / "medium"
     make_model(path, 48 * MiB, 7, dtype="float32")

@@ -45,7 +45,7 @@ def snap(*workers: WorkerRecord, state: PolicyState | None = None, guard: GuardS
 def acts(result) -> list[tuple[str, str]]:
     """The actions on workers, in order (limits and concurrency left out)."""
     return [(x.__struct_config__.tag, x.worker) for x in result.decisions
-            if hasattr(x, "worker") and not isinstance(x, (d.SetLimits, d.SetConcurrency))]
+            if hasattr(x, "worker") and not isinstance(x, (d.ApplyLimits, d.SetConcurrency))]
 
 
 def of(result, kind) -> list:
@@ -137,11 +137,11 @@ def test_p3_pause_at_pressure_once_and_resume_at_ok():
     soft = snap(busy("a", 8.5))
     first = tick(soft)
     assert len(of(first, d.PauseAdmission)) == 1 and first.state.admission_paused
-    assert all(x.limits.admission_paused for x in of(first, d.SetLimits))
+    assert all(x.limits.admission_paused for x in of(first, d.ApplyLimits))
     assert not of(run(soft, soft), d.PauseAdmission)
     resumed = run(soft, snap(busy("a", 5.0)))
     assert len(of(resumed, d.ResumeAdmission)) == 1 and not resumed.state.admission_paused
-    assert all(not x.limits.admission_paused for x in of(resumed, d.SetLimits))
+    assert all(not x.limits.admission_paused for x in of(resumed, d.ApplyLimits))
 
 
 # --- P4 reclaim grace -------------------------------------------------------
@@ -154,7 +154,7 @@ def test_p4_fat_pool_gets_a_grace_tick_before_anything_destructive():
     r = tick(s)
     assert r.level == "hard"
     assert acts(r) == [("reclaim", "fat")]
-    assert not of(r, d.Reclaim)[0].idle_only
+    assert not of(r, d.ReclaimPool)[0].idle_only
     assert r.state.grace_ticks == 1
 
 
@@ -205,9 +205,9 @@ def test_p5_hard_shrinks_hot_cache_lru_then_reclaims_and_stops_if_enough():
     r = tick(snap(old, new))
     shrinks = of(r, d.ShrinkHotCache)
     assert [(x.worker, x.target_bytes) for x in shrinks] == [("old", GiB), ("new", int(1.5 * GiB))]
-    assert [x.worker for x in of(r, d.Reclaim)] == ["old", "new"]
+    assert [x.worker for x in of(r, d.ReclaimPool)] == ["old", "new"]
     assert r.projected_usage == 8 * GiB
-    assert not of(r, d.AbortRequests) and not of(r, d.Stop)
+    assert not of(r, d.AbortWorkerRequests) and not of(r, d.Stop)
 
 
 def test_p5_never_asks_for_blocks_requests_use_then_evicts():
@@ -290,7 +290,7 @@ def test_p6_step6_everything_pinned_hard_asks_idle_reclaim_only():
     r = tick(snap(busy("p1", 5.0, pinned=True), w("p2", 4.5, pinned=True)))
     assert r.level == "hard" and not r.emergency
     assert acts(r) == [("reclaim", "p1"), ("reclaim", "p2")]
-    assert all(x.idle_only for x in of(r, d.Reclaim))
+    assert all(x.idle_only for x in of(r, d.ReclaimPool))
 
 
 def test_p6_everything_pinned_at_soft_only_pauses():
@@ -478,7 +478,7 @@ def test_guard_off_no_destructive_decision_and_admission_resumes():
     assert r.level == "ok" and r.ceilings.ceiling == 0
     assert not [x for x in r.decisions if isinstance(x, DESTRUCTIVE)]
     assert of(r, d.ResumeAdmission)
-    assert all(x.limits.hard_limit == 0 for x in of(r, d.SetLimits))
+    assert all(x.limits.hard_limit == 0 for x in of(r, d.ApplyLimits))
 
 
 def test_t2_unknown_tier_is_reported_once():
@@ -497,25 +497,25 @@ def test_t2_unknown_tier_is_reported_once():
 def test_t6_new_limits_reach_every_worker_on_the_next_tick():
     workers = (w("a"), w("b"))
     steady = run(snap(*workers), snap(*workers))
-    assert not of(steady, d.SetLimits)
+    assert not of(steady, d.ApplyLimits)
     safe = msgspec.structs.replace(GUARD, tier="safe")
     changed = run(snap(*workers), snap(*workers, guard=safe))
-    assert sorted(x.worker for x in of(changed, d.SetLimits)) == ["a", "b"]
-    assert all(x.limits.tier == "safe" for x in of(changed, d.SetLimits))
+    assert sorted(x.worker for x in of(changed, d.ApplyLimits)) == ["a", "b"]
+    assert all(x.limits.tier == "safe" for x in of(changed, d.ApplyLimits))
 
 
 def test_t6_new_or_respawned_worker_gets_limits():
     r = run(snap(w("a", pid=1)), snap(w("a", pid=1), w("b", pid=2)))
-    assert [x.worker for x in of(r, d.SetLimits)] == ["b"]
+    assert [x.worker for x in of(r, d.ApplyLimits)] == ["b"]
     respawned = run(snap(w("a", pid=1)), snap(w("a", pid=7)))
-    assert [x.worker for x in of(respawned, d.SetLimits)] == ["a"]
-    assert of(respawned, d.SetLimits)[0].limits.max_concurrency == 4
+    assert [x.worker for x in of(respawned, d.ApplyLimits)] == ["a"]
+    assert of(respawned, d.ApplyLimits)[0].limits.max_concurrency == 4
 
 
 def test_t6_a_replaced_worker_gets_limits_once():
     r = run(snap(w("a", pid=1), w("b", pid=2)), snap(w("a", pid=1), w("c", pid=3)),
             snap(w("a", pid=1), w("c", pid=3)))
-    assert not of(r, d.SetLimits)
+    assert not of(r, d.ApplyLimits)
     assert r.state.limited == {"a": 1, "c": 3}
 
 
@@ -559,4 +559,4 @@ def test_p5_then_p6_6_asks_a_shrunk_worker_to_reclaim_once():
     r = tick(snap(pinned))
     assert r.level == "hard"
     kinds = [type(x) for x in r.decisions if getattr(x, "worker", None) == "w0"]
-    assert kinds.count(d.ShrinkHotCache) == 1 and kinds.count(d.Reclaim) == 1
+    assert kinds.count(d.ShrinkHotCache) == 1 and kinds.count(d.ReclaimPool) == 1

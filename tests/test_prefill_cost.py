@@ -152,3 +152,21 @@ def test_g1_prior_covers_a_real_engine_prefill_within_25_percent(loaded, monkeyp
     run("r", tokens)
     peak = mx.get_peak_memory() - before
     assert peak <= estimate <= 1.25 * peak, (peak, estimate)
+
+
+@pytest.mark.parametrize("config, expected", [
+    ({**M20_F32, "torch_dtype": "float32"}, 2 * 5 * 2 * 64 * 4),                      # GQA: the KV heads count
+    ({"hidden_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4}, 2 * 3 * 4 * 64 * 2),  # no GQA, no head_dim
+    ({"torch_dtype": "float32", "text_config": {**M4_F32, "torch_dtype": "bfloat16"}}, 2 * 2 * 1 * 64 * 2),
+])
+def test_the_supervisors_kv_per_token_and_the_workers_prior_are_one_formula(tmp_path, config, expected):
+    """`load --dry-run` (the supervisor, from config.json) and G1's prior (the worker) cost a
+    token of KV the same: both come from shared.modelinfo.AttentionShape."""
+    import json
+
+    from shared.modelinfo import dtype_bytes
+    from shared.weights import kv_bytes_per_token
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert kv_bytes_per_token(tmp_path) == expected
+    assert prefill_cost.cost_from_config(config, dtype_bytes(config)).kv_per_token == expected

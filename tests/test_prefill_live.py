@@ -31,7 +31,7 @@ WORDS = "memory pressure guard worker model cache prefix token budget ceiling ".
 
 @pytest.fixture(scope="module")
 def live(tiny_models, tmp_path_factory):
-    from worker.modelgen import make_model
+    from modelfiles.modelgen import make_model
 
     grower = tmp_path_factory.mktemp("prefill-live") / "m4-f32"
     make_model(grower, 4 * MiB, 0, dtype="float32")  # float32: the fastest prefill on CPU

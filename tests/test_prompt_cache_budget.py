@@ -25,7 +25,7 @@ def worker(name: str, cached: int = 0) -> WorkerRecord:
 
 
 def caps(result) -> dict[str, int]:
-    return {x.worker: x.limits.cache_cap for x in result.decisions if isinstance(x, d.SetLimits)}
+    return {x.worker: x.limits.cache_cap for x in result.decisions if isinstance(x, d.ApplyLimits)}
 
 
 def test_h2_each_live_worker_gets_an_equal_share_recomputed_as_workers_go():
@@ -49,7 +49,7 @@ SMALL = GuardSettings(tier="custom", custom_ceiling=511 * MiB, hot_cache_max=GiB
 
 
 def limits_of(result) -> dict[str, object]:
-    return {x.worker: x.limits for x in result.decisions if isinstance(x, d.SetLimits)}
+    return {x.worker: x.limits for x in result.decisions if isinstance(x, d.ApplyLimits)}
 
 
 def small(name: str, usage: int, cached: int = 0, releasable: int | None = None) -> WorkerRecord:
@@ -112,7 +112,7 @@ def test_h2_no_budget_is_no_prompt_cache():
 
 def test_m1_pool_max_and_m2_residency_ride_in_the_limits():
     result = tick(Snapshot(now=1.0, guard=GUARD, host=HOST, workers=[worker("a")]))
-    limits = next(x.limits for x in result.decisions if isinstance(x, d.SetLimits))
+    limits = next(x.limits for x in result.decisions if isinstance(x, d.ApplyLimits))
     assert limits.pool_max == 2 * GiB
     assert limits.residency == result.ceilings.residency_ceiling > 0
 
@@ -148,9 +148,9 @@ def test_p4_the_pool_threshold_is_pool_max():
     guard = msgspec.structs.replace(GUARD, pool_max=GiB)
     fat = WorkerRecord(worker="a", model="m-a", pid=1, state="busy", running=1, memory=MemoryReading(usage=int(8.5 * GiB), footprint=int(8.5 * GiB), mlx_pool=int(1.5 * GiB)))
     result = tick(Snapshot(now=1.0, guard=guard, host=HOST, workers=[fat]))
-    assert result.level == "soft" and [x.worker for x in result.decisions if isinstance(x, d.Reclaim)] == ["a"]
+    assert result.level == "soft" and [x.worker for x in result.decisions if isinstance(x, d.ReclaimPool)] == ["a"]
     result = tick(Snapshot(now=1.0, guard=GUARD, host=HOST, workers=[fat]))  # 2 GiB: not fat
-    assert not [x for x in result.decisions if isinstance(x, d.Reclaim)]
+    assert not [x for x in result.decisions if isinstance(x, d.ReclaimPool)]
 
 
 def test_s1_status_command_shows_the_cache_per_worker_and_against_the_budget():

@@ -1,9 +1,12 @@
 """The wire protocol: one codec per direction, bad frames are reported, never raised."""
 
+from typing import get_args
+
 import msgspec
 import pytest
 
 from shared import protocol as p
+from shared import vocab
 from shared.limits import Limits
 from shared.memory import MemoryReading
 
@@ -48,24 +51,26 @@ def test_wrong_protocol_version_is_refused_with_reason():
 
 
 @pytest.mark.parametrize(
-    "frame, fragment",
+    "frame, cause, fragment",
     [
-        (b"\xc1garbage", "undecodable"),
-        (msgspec.msgpack.encode({"type": "ping", "seq": "x"}), "invalid ping"),
-        (msgspec.msgpack.encode({"type": "unknown-kind"}), "invalid unknown-kind"),
-        (msgspec.msgpack.encode([1, 2, 3]), "undecodable"),
-        (b"", "undecodable"),
+        (b"\xc1garbage", "undecodable", "undecodable"),
+        (msgspec.msgpack.encode({"type": "ping", "seq": "x"}), "invalid_message", "invalid ping"),
+        (msgspec.msgpack.encode({"type": "unknown-kind"}), "invalid_message", "invalid unknown-kind"),
+        (msgspec.msgpack.encode([1, 2, 3]), "undecodable", "undecodable"),
+        (b"", "undecodable", "undecodable"),
+        # a message whose own words mimic another cause's: the cause comes from the decoder, not the words
+        (msgspec.msgpack.encode({"type": "frame of 1 bytes exceeds"}), "invalid_message", "invalid frame of"),
     ],
 )
-def test_malformed_frames_are_explained_not_raised(frame, fragment):
+def test_malformed_frames_are_explained_not_raised(frame, cause, fragment):
     got = p.Codec(p.CommandMsg).decode(frame)
     assert isinstance(got, p.Malformed) and not got.wrong_version
-    assert fragment in got.reason
+    assert got.cause == cause and fragment in got.reason
 
 
 def test_oversized_frame_is_refused_before_decoding():
     got = p.Codec(p.CommandMsg).decode(b"\x00" * (p.MAX_FRAME_BYTES + 1))
-    assert isinstance(got, p.Malformed) and "exceeds" in got.reason
+    assert isinstance(got, p.Malformed) and got.cause == "too_large" and "exceeds" in got.reason
 
 
 def test_a_message_of_the_wrong_direction_is_malformed():
@@ -102,3 +107,88 @@ def test_the_schema_describes_logprobs_and_the_sampling_fields():
     for name in ("top_k", "min_p", "repetition_penalty", "repetition_context_size", "presence_penalty",
                  "frequency_penalty", "logit_bias", "logprobs", "top_logprobs"):
         assert name in generate, name
+
+
+# -- closed vocabularies (shared/vocab.py) --------------------------------------------------
+# The words are the wire's: subscribers, routers and dashboards match on them, so each
+# vocabulary is pinned here word for word. Adding a word is a decision (add it here too);
+# renaming or dropping one breaks clients and must fail this file.
+
+PINNED_WORDS = {
+    "PressureLevel": ("ok", "soft", "hard"),
+    "PoolName": ("host", "device"),
+    "Tier": ("safe", "balanced", "aggressive", "custom"),
+    "HostBinding": ("", "static", "dynamic", "gpu_cap"),
+    "LimitBinding": ("", "static", "dynamic", "gpu_cap", "device"),
+    "DeviceBinding": ("", "device_static", "device_others"),
+    "WorkerEventKind": ("drill", "wired_limit"),
+    "GuardEventKind": (
+        "drill", "wired_limit", "spawn", "loaded", "load_failed", "exit", "crash", "wedged", "respawn", "unload",
+        "import", "refused", "failed", "retry", "level", "admission", "warning", "reclaim", "shrink_cache", "abort",
+        "abort_load", "mark_for_unload", "evict", "ttl", "guard", "reload", "reload_refused", "model_added",
+        "model_changed", "model_removed", "stall"),
+    "FinishReason": ("stop", "length"),
+    "SampleReason": ("tick", "watermark", "shrink"),
+    "FailureCode": (
+        "invalid_request", "invalid_constraint", "context_length_exceeded", "prefill_memory_exceeded",
+        "wrong_model_kind", "fim_unsupported", "aborted", "memory_pressure", "model_unloading", "worker_exited", "client_disconnected",
+        "engine_error", "load_failed"),
+    "RefusalCode": ("model_too_large", "insufficient_memory"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PINNED_WORDS))
+def test_each_vocabulary_holds_exactly_its_pinned_words(name):
+    assert get_args(getattr(vocab, name)) == PINNED_WORDS[name]
+
+
+def test_the_ledger_encodes_tiers_and_bindings_by_their_vocabulary_order():
+    """The limits block stores a tier and a binding as an index: the order is the layout."""
+    assert vocab.TIERS == PINNED_WORDS["Tier"]
+    assert vocab.LIMIT_BINDINGS == PINNED_WORDS["LimitBinding"]
+
+
+@pytest.mark.parametrize(
+    "union, fields, field, word",
+    [
+        (p.Published, {"type": "event", "t": 1.0, "reason": "x"}, "kind", "stop"),  # nothing emits "stop"
+        (p.WorkerReply, {"type": "failed", "request_id": "r", "message": "x"}, "code", "oom"),
+        (p.WorkerReply, {"type": "finished", "request_id": "r", "prompt_tokens": 1, "completion_tokens": 1},
+         "finish_reason", "eos"),
+        (p.WorkerReport, {"type": "worker_event", "worker_id": "w", "message": "x"}, "kind", "crash"),
+        (p.CommandMsg, {"type": "abort"}, "code", "because"),
+        (p.ControlReply, {"type": "error", "message": "x"}, "code", "nope"),
+    ],
+)
+def test_a_word_outside_its_vocabulary_is_malformed_at_the_edge(union, fields, field, word):
+    """msgspec checks the Literal when the frame is decoded: the peer's frame is refused, named, counted."""
+    codec = p.Codec(union)
+    got = codec.decode(msgspec.msgpack.encode({**fields, field: word}))
+    assert isinstance(got, p.Malformed) and not got.wrong_version
+    assert field in got.reason
+
+
+@pytest.mark.parametrize("struct, field, vocabulary", [
+    ("GuardEvent", "kind", "GuardEventKind"),
+    ("Failed", "code", "FailureCode"),
+    ("Failed", "binding", "LimitBinding"),
+    ("Finished", "finish_reason", "FinishReason"),
+    ("CeilingMsg", "tier", "Tier"),
+    ("CeilingMsg", "binding", "HostBinding"),
+    ("PressureMsg", "level", "PressureLevel"),
+    ("Sample", "why", "SampleReason"),
+    ("DevicePool", "binding", "DeviceBinding"),
+    ("WorkerEvent", "kind", "WorkerEventKind"),
+])
+def test_the_schema_lists_each_vocabulary_as_an_enum(struct, field, vocabulary):
+    """`python -m supervisor schema` tells a client every word it may receive."""
+    from supervisor.cli.schema import _unions
+
+    _, defs = msgspec.json.schema_components(list(_unions().values()))
+    assert sorted(defs[struct]["properties"][field]["enum"]) == sorted(PINNED_WORDS[vocabulary])
+
+
+def test_every_error_code_a_door_may_answer_is_one_word_of_the_vocabulary():
+    """The codes of worker failures and refused loads are among the API's error codes, once each."""
+    assert len(set(vocab.ERROR_CODES)) == len(vocab.ERROR_CODES)
+    assert set(PINNED_WORDS["FailureCode"]) | set(PINNED_WORDS["RefusalCode"]) <= set(vocab.ERROR_CODES)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from modelfiles.modelgen import QUANT_GROUP, choose_dims
 from shared.sizes import MiB
 from shared.weights import estimate_weight_bytes
-from worker.modelgen import QUANT_GROUP, choose_dims
 
 REPO = Path(__file__).resolve().parent.parent
 

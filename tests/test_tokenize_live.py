@@ -18,8 +18,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_front_door_errors")]
 def server(tiny_models, tmp_path_factory):
     from test_http_harness import LiveServer, make_config
 
+    from modelfiles.embedgen import make_embedding_model
     from supervisor.config import ModelConfig
-    from worker.embedgen import make_embedding_model
 
     embedder = tmp_path_factory.mktemp("models") / "tiny-embed"
     make_embedding_model(embedder)

@@ -28,15 +28,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from shared.limits import Limits
+from shared.limits import NO_CACHE_LIMIT_ENV, Limits
+from shared.sizes import MiB
 
 log = logging.getLogger("memvisor.worker.allocator")
 
-# "1": leave MLX's cache limit alone (M1's pool bound). The pressure lab's P4
-# scenario sets it to stand for an allocator that does not honour its limit.
-NO_CACHE_LIMIT_ENV = "MEMVISOR_NO_CACHE_LIMIT"
 
-MiB = 1024 * 1024
 
 
 def wired_suggestion(desired: int, total: int) -> int:

@@ -60,7 +60,7 @@ engine samples it afterwards from the same logits and `place`s it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import cast
 
 import mlx.core as mx
@@ -68,7 +68,7 @@ import msgspec
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache
 
-Sampler = Callable[[mx.array], mx.array]
+from worker.sampling import Sampler
 
 
 class Growth(msgspec.Struct, frozen=True):

@@ -66,7 +66,7 @@ _info: BlasInfo | None = None
 _handle: ctypes.CDLL | None = None   # held for the process's life: closing it would unbind MLX
 
 
-def current() -> BlasInfo | None:
+def in_use() -> BlasInfo | None:
     """What `preload` loaded in this process, None before it ran."""
     return _info
 

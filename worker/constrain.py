@@ -6,7 +6,7 @@ The engine asks three things of a constrained sequence, once per token:
 is complete: the engine finishes the request with finish_reason "stop" rather
 than waiting for the model's EOS; "length" when the budget wrap-up, below, had
 to close it). A `ConstraintFactory` per tokenizer turns a
-wire spec (`shared.protocol.Constraint`) into a `Constraint`, keeping compiled
+wire spec (`shared.protocol.ConstraintSpec`) into a `Constraint`, keeping compiled
 grammars in a small LRU cache so a repeated schema costs a copy, not a compile.
 
 Library: llguidance. Compared on our demo tokenizer (byte-level BPE, 4096
@@ -75,10 +75,10 @@ import llguidance as llg
 import mlx.core as mx
 import numpy as np
 
-from shared.protocol import Constraint as ConstraintSpec
-from shared.protocol import JsonObject, JsonSchema, LarkGrammar, ToolCall
+from shared.protocol import ConstraintSpec, JsonObject, JsonSchema, LarkGrammar, ToolCallConstraint
+from shared.vocab import FailureCode
 
-INVALID_CONSTRAINT = "invalid_constraint"  # issue 21: the front door names its param (a 400)
+INVALID_CONSTRAINT: FailureCode = "invalid_constraint"  # the front door names its param (a 400)
 CACHE_SIZE = 64  # compiled grammars kept per tokenizer
 WRAP_WINDOW = 256  # tokens before max_tokens where the wrap-up starts checking (see Constraint)
 PROBE_TOKENS = 32  # issue 21: tokens of the closing policy's dry run at compile (see _probe)
@@ -92,9 +92,9 @@ _LIMIT_ERRORS = ("lexer error", "fuel", "too many", "limit", "too large", "too b
 class ConstraintError(ValueError):
     """A constraint the worker cannot enforce; `code` goes on the wire."""
 
-    def __init__(self, message: str, code: str = INVALID_CONSTRAINT):
+    def __init__(self, message: str, code: FailureCode = INVALID_CONSTRAINT):
         super().__init__(message)
-        self.code = code
+        self.code: FailureCode = code
         self.message = message
 
 
@@ -161,7 +161,7 @@ class Constraint:
         self._left = max_tokens
         self._next_check = WRAP_WINDOW
         self.error = ""
-        self.error_code = "engine_error"  # a refused token is our bug unless a grammar bound was hit
+        self.error_code: FailureCode = "engine_error"  # a refused token is our bug unless a grammar bound was hit
         self.wrapped = False
 
     def mask(self, logits: mx.array) -> mx.array:
@@ -336,7 +336,7 @@ def _patterns(spec: ConstraintSpec) -> list[tuple[str, str]]:
     match spec:
         case JsonSchema(schema=text):
             return list(_schema_patterns(_parse_schema(text, "response_format.json_schema.schema"), "pattern"))
-        case ToolCall(functions=functions):
+        case ToolCallConstraint(functions=functions):
             return [found for fn in functions
                     for found in _schema_patterns(_parse_schema(fn.parameters, f"tools[{fn.name}].parameters"),
                                                   f"tools[{fn.name}].parameters pattern")]
@@ -386,7 +386,7 @@ def grammar_for(spec: ConstraintSpec) -> str:
             return _json_grammar({"type": "object"}, strict=False)
         case JsonSchema(schema=text, strict=strict):
             return _json_grammar(_parse_schema(text, "response_format.json_schema.schema"), strict)
-        case ToolCall():
+        case ToolCallConstraint():
             schema, strict = tool_call_schema(spec)
             return _json_grammar(schema, strict)
         case LarkGrammar(lark=lark):
@@ -395,7 +395,7 @@ def grammar_for(spec: ConstraintSpec) -> str:
             raise ConstraintError(f"unknown constraint {type(spec).__name__}")
 
 
-def tool_call_schema(spec: ToolCall) -> tuple[dict, bool]:
+def tool_call_schema(spec: ToolCallConstraint) -> tuple[dict, bool]:
     """JSON Schema of the call list: `[{"name": F, "arguments": <F's parameters>}, ...]`."""
     if not spec.functions:
         raise ConstraintError("tools must not be empty when a tool call is required")
@@ -446,7 +446,7 @@ def _describe(spec: ConstraintSpec) -> str:
     match spec:
         case JsonSchema(name=name):
             return f"response_format json_schema {name!r}" if name else "response_format json_schema"
-        case ToolCall():
+        case ToolCallConstraint():
             return "the tools' parameters"
         case LarkGrammar():
             return "the grammar"

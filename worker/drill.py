@@ -31,7 +31,7 @@ class DrillError(ValueError):
     """A drill that cannot run as asked; the message says why."""
 
 
-class Drill:
+class DrillAllocation:
     """Allocate `rate` bytes per second from `now` until `target` bytes are held."""
 
     def __init__(self, rate: int, target: int, now: float, *, piece_bytes: int = PIECE_BYTES):

@@ -30,6 +30,7 @@ from typing import Literal
 import msgspec
 
 from shared.limits import Limits
+from shared.vocab import LimitBinding
 from worker.prefill_guard import COST_PAD, chunk_target, prefill_limit
 
 
@@ -79,7 +80,7 @@ class RowVerdict(msgspec.Struct, frozen=True):
     verdict: Literal["fits", "evict", "reject"]
     estimated_bytes: int = 0
     limit_bytes: int = 0
-    binding: str = ""
+    binding: LimitBinding = ""
     need_bytes: int = 0
 
 

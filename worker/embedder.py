@@ -38,23 +38,24 @@ from tokenizers import Tokenizer
 from shared.embedding import WRONG_MODEL_KIND, EmbeddingSpec, read_embedding_spec
 from shared.limits import Limits
 from shared.protocol import Embed, Embedded, Failed, Generate, NeedMemory
+from shared.vocab import FailureCode, LimitBinding
 from shared.weights import WeightsError, estimate_weight_bytes
 from worker import embed_guard as eg
 from worker import memory
 from worker import prefill_guard as guard
 from worker.bert import Bert, BertError, normalize
+from worker.memory import UsageFn
 from worker.prefill import CHUNK_SECONDS, MEMORY_WAIT_SECONDS, ChunkTimer
 from worker.request import CONTEXT_EXCEEDED, ENGINE_ERROR, INVALID_REQUEST, EngineError
 
 log = logging.getLogger("memvisor.worker.embedder")
 
-Event = Union[Embedded, Failed, NeedMemory]
-UsageFn = Callable[[], int]
+EmbedderEvent = Union[Embedded, Failed, NeedMemory]
 MAX_STEP_TOKENS = 16384  # padded tokens in one step at most, whatever the timer learned
 JobState = Literal["queued", "running", "waiting"]
 
 
-class Job:
+class EmbedJob:
     """One `Embed` request: its inputs' tokens, the rows done, the vectors so far."""
 
     __slots__ = ("id", "tokens", "order", "done", "out", "dimensions", "state", "deadline", "retried")
@@ -99,10 +100,10 @@ class Embedder:
         a = model.args
         self.cost = eg.prior_cost(a.hidden_size, a.intermediate_size, a.num_attention_heads,
                                   model.dtype.size)
-        self._queue: deque[Job] = deque()
-        self._running: list[Job] = []
+        self._queue: deque[EmbedJob] = deque()
+        self._running: list[EmbedJob] = []
         self._ids: set[str] = set()
-        self._outbox: list[Event] = []
+        self._outbox: list[EmbedderEvent] = []
         self.tokens_total = 0  # input tokens embedded: the heartbeat's and samples' progress
 
     @classmethod
@@ -154,7 +155,7 @@ class Embedder:
                                        message=f"the request could not be prepared: {exc!r}"))
             return
         self._ids.add(cmd.request_id)
-        self._queue.append(Job(cmd.request_id, tokens, self.spec.dims, dimensions))
+        self._queue.append(EmbedJob(cmd.request_id, tokens, self.spec.dims, dimensions))
 
     def _tokens(self, cmd: Embed) -> list[list[int]]:
         if (cmd.texts is None) == (cmd.token_ids is None):
@@ -185,7 +186,7 @@ class Embedder:
                                                 f"of {limit}; shorten it (or ask for truncation)")
         return tokens
 
-    def abort(self, request_id: str, reason: str, code: str = "aborted") -> bool:
+    def abort(self, request_id: str, reason: str, code: FailureCode = "aborted") -> bool:
         for line in (self._queue, self._running):
             for job in line:
                 if job.id == request_id:
@@ -194,14 +195,14 @@ class Embedder:
                     return True
         return False
 
-    def abort_all(self, reason: str, code: str = "aborted") -> int:
+    def abort_all(self, reason: str, code: FailureCode = "aborted") -> int:
         jobs = [*self._queue, *self._running]
         self._queue.clear()
         self._running.clear()
         self._outbox.extend(self._fail(job, code, reason) for job in jobs)
         return len(jobs)
 
-    def abort_queued(self, reason: str, code: str = "aborted") -> int:
+    def abort_queued(self, reason: str, code: FailureCode = "aborted") -> int:
         jobs = list(self._queue)
         self._queue.clear()
         self._outbox.extend(self._fail(job, code, reason) for job in jobs)
@@ -246,7 +247,7 @@ class Embedder:
 
     # ------------------------------------------------------------------ stepping
 
-    def step(self, limits: Limits, usage_fn: UsageFn) -> list[Event]:
+    def step(self, limits: Limits, usage_fn: UsageFn) -> list[EmbedderEvent]:
         """Admit what the limits allow, then embed one batch of rows."""
         events, self._outbox = self._outbox, []
         self._admit(limits)
@@ -274,7 +275,7 @@ class Embedder:
             job.state = "running"
             self._running.append(job)
 
-    def _step(self, job: Job, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> None:
+    def _step(self, job: EmbedJob, limits: Limits, usage_fn: UsageFn, events: list[EmbedderEvent]) -> None:
         guarded = guard.guard_on(limits)
         usage = usage_fn() if guarded else 0
         head = len(job.tokens[job.left[0]])
@@ -297,7 +298,7 @@ class Embedder:
                 self._running.remove(done)
                 events.append(self._finish(done))
 
-    def _rows(self, job: Job, limits: Limits, usage: int) -> list[tuple[Job, int]]:
+    def _rows(self, job: EmbedJob, limits: Limits, usage: int) -> list[tuple[EmbedJob, int]]:
         """The next batch: `job`'s rows first, then those of the requests after it (G2)."""
         waiting = [(j, i) for j in [job, *(o for o in self._running if o is not job and o.state == "running")]
                    for i in j.left]
@@ -305,7 +306,7 @@ class Embedder:
         budget = min(MAX_STEP_TOKENS, max(lengths[0], self.timer.cap(MAX_STEP_TOKENS)))
         return waiting[:eg.rows_for_step(limits, usage, self.cost, lengths, budget)]
 
-    def _run(self, rows: list[tuple[Job, int]]) -> None:
+    def _run(self, rows: list[tuple[EmbedJob, int]]) -> None:
         """One forward over the rows, right-padded; each vector lands in its request."""
         seqs = [j.tokens[i] for j, i in rows]
         length = max(len(s) for s in seqs)
@@ -329,8 +330,8 @@ class Embedder:
         del vectors
         mx.clear_cache()
 
-    def _after_step(self, rows: list[tuple[Job, int]], limits: Limits, usage_fn: UsageFn,
-                    events: list[Event]) -> bool:
+    def _after_step(self, rows: list[tuple[EmbedJob, int]], limits: Limits, usage_fn: UsageFn,
+                    events: list[EmbedderEvent]) -> bool:
         """G3: over the abort limit, reclaim and look again; still over fails what ran."""
         if guard.after_chunk(limits, usage_fn()) != "over_abort":
             return True
@@ -343,7 +344,7 @@ class Embedder:
             events.append(self._memory_failure(job, usage, limits.abort_limit, guard.abort_binding(limits)))
         return False
 
-    def _finish(self, job: Job) -> Embedded:
+    def _finish(self, job: EmbedJob) -> Embedded:
         self._ids.discard(job.id)
         vectors = job.out
         if job.dimensions is not None:  # Matryoshka: the first `dimensions` values, at unit length again
@@ -353,11 +354,11 @@ class Embedder:
                         vectors=np.ascontiguousarray(vectors, dtype="<f4").tobytes(),
                         token_counts=[len(t) for t in job.tokens])
 
-    def _fail(self, job: Job, code: str, message: str, **extra) -> Failed:
+    def _fail(self, job: EmbedJob, code: FailureCode, message: str, **extra) -> Failed:
         self._ids.discard(job.id)
         return Failed(request_id=job.id, code=code, message=message, **extra)
 
-    def _memory_failure(self, job: Job, estimated: int, limit: int, binding: str) -> Failed:
+    def _memory_failure(self, job: EmbedJob, estimated: int, limit: int, binding: LimitBinding) -> Failed:
         event = self._fail(job, guard.PREFILL_MEMORY_EXCEEDED,
                            guard.rejection_message(estimated, limit, binding, what="input batch",
                                                    during="embedding"),

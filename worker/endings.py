@@ -20,6 +20,7 @@ from typing import Union
 from mlx_lm.models.cache import KVCache
 
 from shared.protocol import Failed, Finished, NeedMemory, Prompted, TokenOut
+from shared.vocab import FailureCode, FinishReason, LimitBinding
 from worker import prefill_guard as guard
 from worker import prompt_cache as pc
 from worker.request import ENGINE_ERROR, Seq
@@ -49,7 +50,7 @@ class Endings:
         """True when a finished request's KV is worth copying out for the prompt cache."""
         return self.cacheable and self.prompt_cache.cap > 0
 
-    def finished(self, seq: Seq, reason: str) -> Finished:
+    def finished(self, seq: Seq, reason: FinishReason) -> Finished:
         seq.move("end")
         self.ids.discard(seq.id)
         return Finished(request_id=seq.id, finish_reason=reason, prompt_tokens=len(seq.prompt),
@@ -68,7 +69,7 @@ class Endings:
             return
         self.prompt_cache.insert((seq.prompt + seq.out)[:first.offset], seq.cache)
 
-    def fail(self, seq: Seq, code: str, message: str, **extra) -> Failed:
+    def fail(self, seq: Seq, code: FailureCode, message: str, **extra) -> Failed:
         seq.move("end")
         self.ids.discard(seq.id)
         self.prompt_cache.release(seq.hit)
@@ -76,7 +77,7 @@ class Endings:
         seq.cache = seq.y = None
         return Failed(request_id=seq.id, code=code, message=message, **extra)
 
-    def memory_failure(self, seq: Seq, estimated: int, limit: int, binding: str) -> Failed:
+    def memory_failure(self, seq: Seq, estimated: int, limit: int, binding: LimitBinding) -> Failed:
         """G1-G3 refusal; the KV memory the request held goes back to the OS at once."""
         event = self.fail(seq, guard.PREFILL_MEMORY_EXCEEDED,
                           guard.rejection_message(estimated, limit, binding),

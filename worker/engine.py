@@ -34,8 +34,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from shared.limits import Limits
 from shared.modelinfo import context_length
-from shared.protocol import Constraint as ConstraintSpec
-from shared.protocol import Failed, Generate
+from shared.protocol import ConstraintSpec, Failed, Generate
+from shared.vocab import FailureCode
 from shared.weights import WeightsError, estimate_weight_bytes
 from worker import memory, prompts
 from worker import prompt_cache as pc
@@ -43,6 +43,7 @@ from worker.constrain import Constraint, ConstraintError, ConstraintFactory
 from worker.decode import DecodeStep
 from worker.disk_cache import DiskTier
 from worker.endings import Endings, Event
+from worker.memory import UsageFn
 from worker.prefill import (
     CHUNK_SECONDS,
     DEFAULT_MAX_CHUNK,
@@ -50,7 +51,6 @@ from worker.prefill import (
     ChunkTimer,
     DeviceUsage,
     Prefill,
-    UsageFn,
 )
 from worker.prefill_guard import PrefillCost
 from worker.request import CONTEXT_EXCEEDED, ENGINE_ERROR, INVALID_REQUEST, EngineError, Seq
@@ -338,7 +338,7 @@ class Engine:
 
     # -- commands ---------------------------------------------------------------------------
 
-    def abort(self, request_id: str, reason: str, code: str = "aborted") -> bool:
+    def abort(self, request_id: str, reason: str, code: FailureCode = "aborted") -> bool:
         """End one request with a terminal `Failed` (next step); False for an unknown id."""
         seq = self.scheduler.remove(request_id)
         if seq is None:
@@ -346,13 +346,13 @@ class Engine:
         self._outbox.append(self.endings.fail(seq, code, reason))
         return True
 
-    def abort_all(self, reason: str, code: str = "aborted") -> int:
+    def abort_all(self, reason: str, code: FailureCode = "aborted") -> int:
         """End every request, queued ones included (P6.3, P6.5); how many were ended."""
         seqs = self.scheduler.remove_all()
         self._outbox.extend(self.endings.fail(seq, code, reason) for seq in seqs)
         return len(seqs)
 
-    def abort_queued(self, reason: str, code: str = "aborted") -> int:
+    def abort_queued(self, reason: str, code: FailureCode = "aborted") -> int:
         """End the requests not yet admitted (drain: running ones finish, the rest go)."""
         seqs = self.scheduler.remove_queued()
         self._outbox.extend(self.endings.fail(seq, code, reason) for seq in seqs)

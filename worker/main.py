@@ -32,13 +32,14 @@ from shared.ledger import Ledger
 from shared.limits import Limits
 from shared.memory import NO_READING
 from shared.modelinfo import config_refusal
+from shared.vocab import MalformedCause, SampleReason, WorkerEventKind
 from worker import blas
 from worker.heartbeat import Heartbeat, StepClock
 
 if TYPE_CHECKING:  # types only: these import MLX, which loads in serve(), never at module level
     from worker.allocator import AllocatorLimits
     from worker.disk_cache import DiskTier
-    from worker.drill import Drill
+    from worker.drill import DrillAllocation
     from worker.embedder import Embedder
     from worker.engine import Engine
     from worker.memory import Held
@@ -117,12 +118,12 @@ class Worker:
         self.ledger = Ledger.attach(spec.ledger_path)
         self.limits = Limits()
         self.engine: Engine | Embedder | None = None  # an embedding model runs an Embedder
-        self.drill: Drill | None = None
+        self.drill: DrillAllocation | None = None
         self.draining = False
         self.reclaim_pending: list[p.Reclaim] = []
         self.shrink_pending: list[p.ShrinkCache] = []
         self.allocator: AllocatorLimits | None = None  # once MLX is loaded (M1, M2)
-        self.send_now = ""     # a reason to publish the next sample at once ("shrink")
+        self.send_now: SampleReason | None = None  # a reason to publish the next sample at once
         self.seq = 0
         self.last_sent = 0.0
         self._last = NO_READING  # the latest reading, sent as is in the next Sample
@@ -135,7 +136,7 @@ class Worker:
         self.step_delay = _test_step_delay()
         self.heartbeat.start()  # before MLX is imported: a stopped or stuck start or load is seen too
         self.bad_frames = 0
-        self._logged_bad: set[str] = set()
+        self._logged_bad: set[MalformedCause] = set()
         # the prompt cache's tiers (H5, H6 as proposed)
         self.disk: DiskTier | None = None
         self.save_seconds = 0.0   # what the Drain gave for writing the cache to disk
@@ -150,7 +151,7 @@ class Worker:
         except zmq.Again:
             log.warning("supervisor not reading; dropped %s", type(msg).__name__)
 
-    def event(self, kind: p.WorkerEventKind, message: str) -> None:
+    def event(self, kind: WorkerEventKind, message: str) -> None:
         self._push(p.WorkerEvent(worker_id=self.spec.worker_id, kind=kind, message=message))
 
     def _push(self, msg: p.Msg) -> None:
@@ -284,9 +285,8 @@ class Worker:
             msg = self.commands.decode(frame)
             if isinstance(msg, p.Malformed):
                 self.bad_frames += 1
-                cause = "wrong_version" if msg.wrong_version else "invalid"  # issue 16: a fixed key
-                if cause not in self._logged_bad:
-                    self._logged_bad.add(cause)
+                if msg.cause not in self._logged_bad:  # a fixed key: never text the sender chose
+                    self._logged_bad.add(msg.cause)
                     log.warning("ignored a bad command frame: %s", msg.reason)
                 continue
             self.clock.enter_step()  # tokenizing a long prompt is work too, not silence (issue 16)
@@ -479,10 +479,10 @@ class Worker:
         if not self.spec.allow_drills:
             self.reply(p.Ack(cmd=msg.cmd, ok=False, detail="drills are off (serve --allow-drills)"))
             return
-        from worker.drill import Drill
+        from worker.drill import DrillAllocation
 
         self.stop_drill("replaced by a new drill")
-        self.drill = Drill(rate=msg.rate, target=msg.to, now=time.monotonic())
+        self.drill = DrillAllocation(rate=msg.rate, target=msg.to, now=time.monotonic())
         self.event("drill", f"drill started: {msg.rate} B/s up to {msg.to} B")
         self.reply(p.Ack(cmd=msg.cmd))
 
@@ -538,8 +538,8 @@ class Worker:
             level += 4 * ((on_device >= limits.device_soft) + (on_device >= limits.device_hard))
         crossed = level != self.last_level
         self.last_level = level
-        why = "watermark" if crossed else self.send_now or "tick"
-        self.send_now = ""
+        why: SampleReason = "watermark" if crossed else self.send_now or "tick"
+        self.send_now = None
         if why == "tick" and now - self.last_sent < self.spec.sample_interval:
             return
         self.last_sent = now

@@ -20,12 +20,16 @@ itself, so the group usage of SPEC U2 adds like with like.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import NamedTuple
 
 import mlx.core as mx
 
 from shared.memory import MemoryReading
 from shared.probe import footprint
+
+# How a guard check reads the group's usage (SPEC U2) at the moment it decides.
+UsageFn = Callable[[], int]
 
 
 class Held(NamedTuple):

@@ -39,11 +39,10 @@ from worker import prefill_guard as guard
 from worker import prompt_cache as pc
 from worker.endings import Endings, Event, prompted
 from worker.group_prefill import PrefillGroup
+from worker.memory import UsageFn
 from worker.request import Seq
 
 log = logging.getLogger("memvisor.worker.engine")
-
-UsageFn = Callable[[], int]
 
 
 class DeviceUsage(NamedTuple):
@@ -54,12 +53,13 @@ class DeviceUsage(NamedTuple):
     own: UsageFn
 
 
-class Pool(NamedTuple):
+class GuardedPool(NamedTuple):
     """The memory pool a prefill's peak lands in, and the limits G1-G3 hold it to there."""
 
     limits: Limits
     usage: UsageFn  # the group's usage of the pool
     own: UsageFn    # this worker's part of it (G1: could evicting others help at all?)
+
 
 DEFAULT_MAX_CHUNK = 512
 MEMORY_WAIT_SECONDS = 10.0
@@ -119,13 +119,13 @@ class Prefill:
         self._memory_wait = memory_wait
         self._device = device  # set when MLX's arrays live on a discrete device (CUDA)
 
-    def pool(self, limits: Limits, usage_fn: UsageFn) -> Pool:
+    def pool(self, limits: Limits, usage_fn: UsageFn) -> GuardedPool:
         """Where a prefill's peak lands: on a discrete device its KV and activations are device
         memory, so G1-G3 hold them to the device pool's limits (SPEC D, issue 22) when the
         supervisor guards one; host RAM otherwise, and on a device the supervisor does not see."""
         if self._device is not None and limits.device_hard > 0:
-            return Pool(guard.device_limits(limits), self._device.group, self._device.own)
-        return Pool(limits, usage_fn, self._own_usage)
+            return GuardedPool(guard.device_limits(limits), self._device.group, self._device.own)
+        return GuardedPool(limits, usage_fn, self._own_usage)
 
     # -- one request ---------------------------------------------------------------------
 
@@ -151,7 +151,7 @@ class Prefill:
             self._first_token(seq)
         return True
 
-    def _preflight(self, seq: Seq, pool: Pool, events: list[Event]) -> bool:
+    def _preflight(self, seq: Seq, pool: GuardedPool, events: list[Event]) -> bool:
         """G1 (with H4 first); True when the prefill may start now."""
         if self.endings.cacheable:  # look again: a request that finished meanwhile may cover more
             hit = self.prompt_cache.lookup(seq.prompt, len(seq.prompt) - 1)
@@ -179,7 +179,7 @@ class Prefill:
                                                   verdict.binding))
         return False
 
-    def verdict(self, seq: Seq, pool: Pool) -> guard.Preflight:
+    def verdict(self, seq: Seq, pool: GuardedPool) -> guard.Preflight:
         """G1 for the tokens still to run; a reused prefix costs only its copy (see prompt_cache)."""
         reused = seq.hit.tokens if seq.hit is not None else 0
         return guard.preflight(pool.limits, pool.usage(), len(seq.prompt) - reused, self.cost,
@@ -200,7 +200,7 @@ class Prefill:
             seq.cache = make_prompt_cache(self.model)
         seq.move("start")
 
-    def _run_chunk(self, seq: Seq, remaining: int, pool: Pool, events: list[Event]) -> bool:
+    def _run_chunk(self, seq: Seq, remaining: int, pool: GuardedPool, events: list[Event]) -> bool:
         """G2 size, run, measure, G3 check; False when the request was refused."""
         guarded = guard.guard_on(pool.limits)
         if guarded:
@@ -227,7 +227,7 @@ class Prefill:
         mx.clear_cache()  # as mlx_lm does after every chunk: transient buffers go back
         return not guarded or self._after_chunk([seq], pool, events)
 
-    def _after_chunk(self, seqs: list[Seq], pool: Pool, events: list[Event]) -> bool:
+    def _after_chunk(self, seqs: list[Seq], pool: GuardedPool, events: list[Event]) -> bool:
         """G3 for a request or a group: over the abort limit reclaim and re-check; still over
         refuses them all. False when they were refused."""
         limits = pool.limits

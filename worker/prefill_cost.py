@@ -14,6 +14,7 @@ from typing import Any, cast
 
 import msgspec
 
+from shared.modelinfo import AttentionShape, attention_shape
 from worker.prefill_guard import PrefillCost, kv_bytes, transient_bytes
 
 MIN_LEARN_TOKENS = 16  # shorter chunks do not update the per-token cost estimate
@@ -51,18 +52,18 @@ UNKNOWN_CHUNK = 64 * 1024   # ... and as much in flight; the first chunk measure
 KV_STEP = 256               # mlx_lm's KVCache grows by this many tokens (read from it when loaded)
 
 
-def cost_from_dims(*, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
-                   width: int, kv_step: int = KV_STEP) -> PrefillCost:
-    """The prior for a standard attention model of these dimensions (no MLX needed).
+def cost_from_shape(shape: AttentionShape, width: int, kv_step: int = KV_STEP) -> PrefillCost:
+    """The prior for a standard attention model of this shape (no MLX needed).
 
-    KV bytes are exact (2 x layers x kv heads x head dim x width). The rest is
+    KV bytes are exact (`AttentionShape.kv_bytes_per_token`). The rest is
     what a chunk allocates and frees again, one layer at a time: activations
     in proportion to the hidden size (the MLP's intermediate is freed as it
     is used; the fit did not improve with a term of its own), the attention
     scores in proportion to heads x chunk x context, and a layer's KV copied
     while the cache grows (`context_per_token`).
     """
-    kv = 2 * layers * kv_heads * head_dim * width
+    kv = shape.kv_bytes_per_token(width)
+    hidden, heads = shape.hidden, shape.heads
     if kv <= 0 or hidden <= 0 or heads <= 0:
         return PrefillCost(kv_per_token=float(UNKNOWN_KV), chunk_per_token=float(UNKNOWN_CHUNK),
                            kv_slack=KV_SLACK, kv_step=kv_step)
@@ -70,24 +71,18 @@ def cost_from_dims(*, layers: int, hidden: int, heads: int, kv_heads: int, head_
         kv_per_token=float(kv),
         chunk_per_token=float(hidden * (ACT_FIXED + ACT_WIDTH * width)),
         score_per_pair=SCORE_PER_HEAD * heads * width + SCORE_FIXED,
-        context_per_token=float(kv / layers),
+        context_per_token=float(kv / shape.layers),
         kv_slack=KV_SLACK,
         kv_step=kv_step,
     )
 
 
 def cost_from_config(config: Mapping[str, Any], width: int) -> PrefillCost:
-    """The prior from a model's config.json (the supervisor's lab uses it without MLX)."""
-    def number(key: str, default: int = 0) -> int:
-        value = config.get(key)
-        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
+    """The prior from a model's config.json, without MLX (the pressure lab asks it in a child process)."""
+    return cost_from_shape(attention_shape(config), width)
 
-    hidden, heads = number("hidden_size"), number("num_attention_heads")
-    return cost_from_dims(
-        layers=number("num_hidden_layers"), hidden=hidden, heads=heads,
-        kv_heads=number("num_key_value_heads", heads),
-        head_dim=number("head_dim", hidden // heads if heads else 0), width=width,
-    )
+
+_SHAPE_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
 
 
 def prior_cost(model: Any, max_chunk: int = 0) -> PrefillCost:
@@ -101,17 +96,9 @@ def prior_cost(model: Any, max_chunk: int = 0) -> PrefillCost:
     from mlx_lm.models.cache import KVCache
 
     args = getattr(model, "args", None)
-    hidden = getattr(args, "hidden_size", 0) or 0
-    heads = getattr(args, "num_attention_heads", 0) or 0
-    return cost_from_dims(
-        layers=len(getattr(model, "layers", []) or []),
-        hidden=hidden,
-        heads=heads,
-        kv_heads=getattr(args, "num_key_value_heads", 0) or heads,
-        head_dim=getattr(args, "head_dim", None) or (hidden // heads if heads else 0),
-        width=activation_width(model),
-        kv_step=int(getattr(KVCache, "step", KV_STEP)),
-    )
+    fields = {key: getattr(args, key, None) for key in _SHAPE_KEYS}  # mlx_lm's arguments keep config.json's names
+    shape = attention_shape(fields, layers=len(getattr(model, "layers", []) or []))
+    return cost_from_shape(shape, activation_width(model), kv_step=int(getattr(KVCache, "step", KV_STEP)))
 
 
 def learn(cost: PrefillCost, grown: int, tokens: int, done: int = 0) -> PrefillCost:

@@ -24,10 +24,11 @@ from typing import Callable, Literal
 import msgspec
 
 from shared.limits import Limits
+from shared.vocab import FailureCode, LimitBinding
 
 COST_PAD = 1.3  # G2: the running estimate of a chunk's cost is padded by 30%
-PREFILL_MEMORY_EXCEEDED = "prefill_memory_exceeded"
-DEVICE = "device"  # the binding of a limit of the discrete device's pool (SPEC D)
+PREFILL_MEMORY_EXCEEDED: FailureCode = "prefill_memory_exceeded"
+DEVICE: LimitBinding = "device"  # the binding of a limit of the discrete device's pool (SPEC D)
 
 
 class PrefillCost(msgspec.Struct, frozen=True):
@@ -70,7 +71,7 @@ class Limit(msgspec.Struct, frozen=True):
     """The tightest byte limit a prefill must stay under and what sets it (C6)."""
 
     bytes: int
-    binding: str
+    binding: LimitBinding
 
 
 class Preflight(msgspec.Struct, frozen=True):
@@ -84,7 +85,7 @@ class Preflight(msgspec.Struct, frozen=True):
     verdict: Literal["fits", "evict", "reject"]
     estimated_bytes: int = 0
     limit_bytes: int = 0
-    binding: str = ""
+    binding: LimitBinding = ""
     need_bytes: int = 0
 
 
@@ -94,7 +95,7 @@ class ChunkPlan(msgspec.Struct, frozen=True):
     tokens: int
     estimated_bytes: int = 0
     limit_bytes: int = 0
-    binding: str = ""
+    binding: LimitBinding = ""
 
 
 AfterChunk = Literal["ok", "over_soft", "over_abort"]
@@ -105,7 +106,7 @@ def guard_on(limits: Limits) -> bool:
     return limits.hard_limit > 0 or limits.abort_limit > 0 or limits.soft_limit > 0
 
 
-def abort_binding(limits: Limits) -> str:
+def abort_binding(limits: Limits) -> LimitBinding:
     """C10: the abort limit is static, or the GPU cap plus CPU side when smaller; the device's."""
     if limits.binding == DEVICE:
         return DEVICE

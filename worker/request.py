@@ -23,6 +23,7 @@ from typing import Any, Literal, Protocol, cast, get_args
 
 import mlx.core as mx
 
+from shared.vocab import FailureCode
 from worker import prompt_cache as pc
 from worker.constrain import Constraint
 from worker.sampling import Sampler
@@ -62,17 +63,17 @@ def transition(state: RequestState, event: RequestEvent) -> RequestState:
 assert set(TRANSITIONS) == set(get_args(RequestState)), "every state has a row"
 
 LayerCaches = list[Any]  # one mlx_lm cache per layer (KVCache, rotating, ...): mlx_lm types it List[Any] too
-INVALID_REQUEST = "invalid_request"
-CONTEXT_EXCEEDED = "context_length_exceeded"  # issue 16
-ENGINE_ERROR = "engine_error"
+INVALID_REQUEST: FailureCode = "invalid_request"
+CONTEXT_EXCEEDED: FailureCode = "context_length_exceeded"
+ENGINE_ERROR: FailureCode = "engine_error"
 
 
 class EngineError(ValueError):
     """A request or model the engine cannot take; `code` goes on the wire."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: FailureCode, message: str):
         super().__init__(message)
-        self.code = code
+        self.code: FailureCode = code
         self.message = message
 
 

@@ -40,12 +40,11 @@ from mlx_lm.sample_utils import (
     make_logits_processors,
 )
 
-from shared.protocol import Generate, TokenLogprobs, TopLogprob
+from shared.protocol import MAX_TOP_LOGPROBS, Generate, TokenLogprobs, TopLogprob
 
 Sampler = Callable[[mx.array], mx.array]
 Filter = Callable[[mx.array], mx.array]
 Pending = tuple[mx.array, Union[mx.array, None], Union[mx.array, None]]  # a token's logprob, top ids, top logprobs
-MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs; every API here takes the same
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):

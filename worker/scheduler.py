@@ -39,7 +39,8 @@ from worker import prefill_guard as guard
 from worker.decode import DecodeStep
 from worker.endings import Endings, Event, prompted
 from worker.group_prefill import PrefillGroup, worth_padding
-from worker.prefill import Prefill, UsageFn
+from worker.memory import UsageFn
+from worker.prefill import Prefill
 from worker.request import Seq
 
 

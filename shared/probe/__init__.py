@@ -28,6 +28,7 @@ from typing import Any, Literal
 import msgspec
 
 from shared.host import HostCounters
+from shared.sizes import MiB
 
 log = logging.getLogger("memvisor.probe")
 
@@ -126,7 +127,6 @@ def choose_total(
 # GPU caps (SPEC C: gpu_cap_raw; C4). The supervisor never imports MLX: each
 # worker sends `mx.device_info()` in its hello and these turn it into numbers.
 
-MiB = 1024 * 1024
 
 
 def gpu_kind(info: dict[str, Any]) -> GpuKind:

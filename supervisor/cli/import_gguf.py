@@ -1,6 +1,6 @@
 """`python -m supervisor import-gguf FILE.gguf DIR [--force] [--json]`: an MLX folder from a GGUF.
 
-The import itself runs in a child process (`worker.gguf_import`: it needs
+The import itself runs in a child process (`modelfiles.gguf_import`: it needs
 MLX, which the supervisor never imports); this command starts it, shows its
 progress (a bar on a terminal; JSON lines with --json, one per step, for
 scripts) and says what was kept quantized, what was dequantized and the size.

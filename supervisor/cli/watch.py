@@ -17,7 +17,11 @@ import msgspec
 
 from shared import protocol as p
 from shared.sizes import format_size
+from shared.vocab import GuardEventKind
 from supervisor.client import NotRunning, subscribe
+
+# The events after which a worker's process is gone: its last sample leaves the view.
+WORKER_GONE: frozenset[GuardEventKind] = frozenset({"exit", "crash"})
 
 
 def add_arguments(parser):
@@ -81,7 +85,7 @@ class _View:
             self.samples[msg.worker_id] = msg
         elif isinstance(msg, p.GuardEvent):
             self.events.append(msg)
-            if msg.kind in ("exit", "crash", "stop"):
+            if msg.kind in WORKER_GONE:
                 self.samples.pop(msg.worker_id, None)
 
     def render(self):

@@ -64,6 +64,7 @@ from starlette.routing import Route
 from shared import protocol as p
 from shared.sizes import SizeError, parse_size
 from shared.states import SERVING_STATES
+from shared.vocab import ErrorCode
 from supervisor.api import Supervisor
 from supervisor.config import host_name, parse_http
 from supervisor.control import MAX_CONTEXT_TOKENS
@@ -80,7 +81,7 @@ from supervisor.http.body import Disconnected, read_body
 from supervisor.http.dashboard import Dashboard
 from supervisor.http.errors import ApiError, from_serve_error
 from supervisor.http.events import EventsEndpoint
-from supervisor.http.gate import Gate, HostCheck, OriginAllowlist, same_origin
+from supervisor.http.gate import BrowserGate, HostCheck, OriginAllowlist, same_origin
 from supervisor.http.limits import GuardedH11, connection_cap, limit_logs, raise_fd_limit
 from supervisor.http.metrics import Metrics
 from supervisor.http.modelfacts import ModelFacts, capabilities, facts_of
@@ -114,7 +115,7 @@ def json_response(body, status: int = 200) -> Response:
 # admin access
 
 
-def is_loopback(host: str | None) -> bool:
+def is_loopback_client(host: str | None) -> bool:
     if not host:
         return False
     try:
@@ -136,7 +137,7 @@ def require_admin(request: Request, token: str) -> None:
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         return
     client = request.client.host if request.client else None
-    if not is_loopback(client):
+    if not is_loopback_client(client):
         raise ApiError(403, f"admin endpoints accept only loopback clients (this one is {client}); "
                             "set [supervisor] admin_token to allow remote administration",
                        code="forbidden")
@@ -459,13 +460,16 @@ def guarded(handler: Callable[[Request], Awaitable[Response]],
     return endpoint
 
 
+_ROUTER_CODES: dict[int, ErrorCode] = {404: "unknown_endpoint", 405: "method_not_allowed"}
+
+
 async def _http_exception(request: Request, exc: Exception) -> Response:
     """The router's own 404/405, in the same JSON shape as everything else."""
     status = getattr(exc, "status_code", 500)
     words = {404: f"no such endpoint: {request.method} {request.url.path}",
              405: f"method {request.method} is not allowed on {request.url.path}"}
     message = words.get(status, str(getattr(exc, "detail", "")) or "error")
-    code = {404: "unknown_endpoint", 405: "method_not_allowed"}.get(status)
+    code = _ROUTER_CODES.get(status)
     return ApiError(status, message, code=code, headers=getattr(exc, "headers", None)).response()
 
 
@@ -539,7 +543,7 @@ def build_app(sup: Supervisor):
     door = FrontDoor(sup)
     app = Starlette(routes=door.routes(), exception_handlers={HTTPException: _http_exception})
     host, _port = parse_http(sup.config.supervisor.http)
-    gate = Gate(app, HostCheck(host), OriginAllowlist(sup.config.supervisor.cors_origins), error_shape)
+    gate = BrowserGate(app, HostCheck(host), OriginAllowlist(sup.config.supervisor.cors_origins), error_shape)
     return Instrumented(gate, door.metrics, lambda: host_name(sup.config))
 
 

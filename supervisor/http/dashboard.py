@@ -18,7 +18,7 @@ cookie at `POST /ui/ticket`, since EventSource cannot send headers (issue 21).
 from __future__ import annotations
 
 from importlib import resources
-from typing import Awaitable, Callable
+from typing import Callable
 
 import msgspec
 from starlette.requests import Request
@@ -26,18 +26,17 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from shared.protocol import TOPICS
+from shared.vocab import TIERS
 from supervisor.api import Supervisor
-from supervisor.http.auth import ApiKeys, EventTickets
+from supervisor.http.auth import ApiKeys, EventTickets, Handler
 from supervisor.http.errors import ApiError
-
-Handler = Callable[[Request], Awaitable[Response]]
 
 STATIC = {  # name -> media type; nothing else under /ui/ is served
     "dashboard.html": "text/html; charset=utf-8",
     "dashboard.js": "text/javascript; charset=utf-8",
     "dashboard.css": "text/css; charset=utf-8",
 }
-TIERS = ["safe", "balanced", "aggressive", "custom"]
+
 
 # Same-origin only: the page loads nothing from elsewhere and runs no inline code.
 SECURITY_HEADERS = {
@@ -99,7 +98,7 @@ class Dashboard:
                   for m in cfg.models]
         body = Session(admin=admin, token_required=bool(cfg.supervisor.admin_token) and not admin,
                        key_required=self.keys.enabled and not self._keyed(request),
-                       drills=cfg.supervisor.allow_drills, tiers=TIERS, topics=list(TOPICS), models=models)
+                       drills=cfg.supervisor.allow_drills, tiers=list(TIERS), topics=list(TOPICS), models=models)
         return Response(_encoder.encode(body), media_type="application/json", headers={"Cache-Control": "no-store"})
 
     def _keyed(self, request: Request) -> bool:

@@ -121,7 +121,7 @@ def _token(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
 
 
-def check(spec: EmbeddingSpec | None, model: str, given: Inputs, dimensions: int | None) -> None:
+def check_request(spec: EmbeddingSpec | None, model: str, given: Inputs, dimensions: int | None) -> None:
     """What the model's facts decide before anything is sent: its kind, `dimensions`, the cap."""
     if spec is None:
         raise ApiError(400, f"model {model!r} generates text; it is not an embedding model (embeddings need a "
@@ -155,7 +155,7 @@ async def run(request: Request, sup: Supervisor, metrics: Metrics, model: str, g
     aborting it in the worker when the client goes away."""
     try:
         spec = await g.race_client(sup.embedding_spec(model), request.receive)
-        check(spec, model, given, dimensions)
+        check_request(spec, model, given, dimensions)
         cmd = p.Embed(request_id=uuid.uuid4().hex, texts=given.texts, token_ids=given.token_ids,
                       truncate=truncate, dimensions=dimensions)
         stream = await g.race_client(sup.embed(model, cmd), request.receive)
@@ -281,7 +281,7 @@ async def _load_only(request: Request, sup: Supervisor, model: str, keep: float 
     try:
         spec = await g.race_client(sup.embedding_spec(model), request.receive)
         if spec is None:
-            check(spec, model, Inputs(texts=[]), None)
+            check_request(spec, model, Inputs(texts=[]), None)
         await g.race_client(sup.load(model, explicit=True), request.receive)
     except ServeError as exc:
         raise from_serve_error(exc) from None

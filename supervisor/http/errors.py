@@ -19,12 +19,11 @@ from starlette.responses import Response
 from shared import protocol as p
 from shared.embedding import WRONG_MODEL_KIND
 from shared.fim import FIM_UNSUPPORTED
+from shared.vocab import ErrorCode, FailureCode
 from supervisor.errors import NotReady, ServeError
 from supervisor.http.openai_types import ErrorBody, ErrorDetail
 
 _encoder = msgspec.json.Encoder()
-
-INVALID_CONSTRAINT = "invalid_constraint"  # a worker's Failed code: the output constraint is refused
 
 # How long a client should wait before retrying a request the guard turned
 # away mid-flight (pressure aborts, a model being unloaded).
@@ -50,7 +49,7 @@ _TYPE_BY_STATUS = {
 
 # Issue 24: every refusal body carries a machine-readable `code`; where a raise
 # site names none, the status gives one, so a router never has to read words.
-_CODE_BY_STATUS = {
+_CODE_BY_STATUS: dict[int, ErrorCode] = {
     400: "invalid_request", 401: "invalid_api_key", 403: "forbidden", 404: "not_found",
     405: "method_not_allowed", 408: "request_timeout", 409: "conflict", 413: "request_too_large",
     415: "unsupported_media_type", 421: "misdirected_request", 422: "unprocessable", 429: "model_at_capacity",
@@ -59,10 +58,10 @@ _CODE_BY_STATUS = {
 }
 
 # A worker's terminal `Failed(code)` -> (HTTP status, Retry-After seconds or None).
-_FAILED_STATUS: dict[str, tuple[int, int | None]] = {
+_FAILED_STATUS: dict[FailureCode, tuple[int, int | None]] = {
     "prefill_memory_exceeded": (400, None),  # SPEC G1: the prompt does not fit
     "invalid_request": (400, None),
-    INVALID_CONSTRAINT: (400, None),  # issue 21: a schema or grammar the worker cannot enforce
+    "invalid_constraint": (400, None),  # a schema or grammar the worker cannot enforce
     "context_length_exceeded": (400, None),  # issue 16: prompt + max_tokens over the context
     FIM_UNSUPPORTED: (400, None),  # issue 23
     WRONG_MODEL_KIND: (400, None),  # chat to an embedding model, or the reverse
@@ -76,13 +75,13 @@ _FAILED_STATUS: dict[str, tuple[int, int | None]] = {
 class ApiError(Exception):
     """Raised anywhere in a handler; turned into one error response."""
 
-    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
+    def __init__(self, status: int, message: str, *, code: ErrorCode | None = None, param: str | None = None,
                  retry_after: int | None = None, headers: dict[str, str] | None = None,
                  extra: dict | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
-        self.code = code or _CODE_BY_STATUS.get(status, "error")
+        self.code: ErrorCode = code or _CODE_BY_STATUS.get(status, "error")
         self.param = param
         self.headers = dict(headers or {})
         if retry_after is not None:

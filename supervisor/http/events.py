@@ -50,7 +50,7 @@ RETRY_MS = 2000         # EventSource's reconnection delay
 _json = msgspec.json.Encoder()
 
 
-class Hello(msgspec.Struct, kw_only=True):
+class EventsHello(msgspec.Struct, kw_only=True):
     """The first event of every stream."""
 
     t: float              # wall clock (unix seconds) now
@@ -135,7 +135,7 @@ class EventsEndpoint:
             await exc.response()(scope, receive, send)
             return
         sub = self.sup.subscribe(query.topics, since=query.since, after_id=query.after_id)
-        hello = Hello(t=time.time(), monotonic=time.monotonic(), topics=sorted(query.topics),
+        hello = EventsHello(t=time.time(), monotonic=time.monotonic(), topics=sorted(query.topics),
                       replayed=len(sub.backlog), queue_max=sub.queue_max)
         watcher = asyncio.get_running_loop().create_task(_until_disconnect(receive, sub))
         try:

@@ -177,7 +177,7 @@ def _has_body(headers: Headers) -> bool:
     return headers.get("content-length", "0").strip() not in ("", "0") or "transfer-encoding" in headers
 
 
-class Gate:
+class BrowserGate:
     """ASGI middleware: Host, Origin, Content-Type and CORS, before any route runs.
 
     `shape(path)` renders an ApiError in the error shape of the API the path

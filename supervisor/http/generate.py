@@ -20,7 +20,7 @@ memory keeps working for a reader who left.
 Issue 13: `Job.pieces` turns the worker's stream into API-neutral pieces
 (text, tool calls, the end, an error) that this module renders as OpenAI
 chat/completions and `anthropic.py` / `responses.py` render as theirs;
-`tools.py` holds the tool plan (template tools, ToolCall constraint,
+`tools.py` holds the tool plan (template tools, ToolCallConstraint,
 reading calls back). `response_format` maps to the worker's JSON
 constraints, and `keep_alive` / `ttl` set the model's idle timer.
 """
@@ -42,12 +42,13 @@ from starlette.responses import Response, StreamingResponse
 
 from shared import protocol as p
 from shared.fim import FIM_UNSUPPORTED
+from shared.vocab import ReplyFinishReason
 from supervisor.api import Supervisor
 from supervisor.errors import ServeError
 from supervisor.http import routing, sampling, tools
 from supervisor.http.body import Disconnected
 from supervisor.http.content import text_of
-from supervisor.http.errors import INVALID_CONSTRAINT, ApiError, from_failed, from_serve_error
+from supervisor.http.errors import ApiError, from_failed, from_serve_error
 from supervisor.http.metrics import Metrics
 from supervisor.http.modelfacts import require_fim
 from supervisor.http.openai_types import (
@@ -139,7 +140,7 @@ def _sampling(req, max_tokens: int) -> dict:
                 **sampling.generate_fields(req))  # top_k, min_p, penalties, logit_bias
 
 
-def response_format_constraint(fmt: ResponseFormat | None) -> p.Constraint | None:
+def response_format_constraint(fmt: ResponseFormat | None) -> p.ConstraintSpec | None:
     """Structured output: enforced by the worker's constrained decoding, never hoped for."""
     if fmt is None or fmt.type == "text":
         return None
@@ -400,7 +401,8 @@ class Job:
         if isinstance(msg, p.Failed):
             yield self.failure(msg)
             return
-        reason, text, calls = msg.finish_reason, "".join(held), None
+        reason: ReplyFinishReason = msg.finish_reason
+        text, calls = "".join(held), None
         if mode == "constrained":
             # Issue 23: the reply is the call list and nothing else. Cut by max_tokens before
             # its first call closed it holds no call: an empty answer with the worker's
@@ -496,8 +498,8 @@ class Job:
     def failure(self, msg: p.Failed) -> ApiError:
         """The worker's terminal error; a constraint it refused names the field that carried it."""
         error = from_failed(msg)
-        if msg.code == INVALID_CONSTRAINT:
-            error.param = "tools" if isinstance(self.gen.constraint, p.ToolCall) else self.format_param
+        if msg.code == "invalid_constraint":
+            error.param = "tools" if isinstance(self.gen.constraint, p.ToolCallConstraint) else self.format_param
         elif msg.code == FIM_UNSUPPORTED:
             error.param = "suffix"
         return error
@@ -557,7 +559,7 @@ class Job:
                 return last
         return b""
 
-    def chunk(self, text: str | None, *, role: bool = False, finish: str | None = None,
+    def chunk(self, text: str | None, *, role: bool = False, finish: ReplyFinishReason | None = None,
               calls: list[ToolCall] | None = None, logprobs: list[p.TokenLogprobs] | None = None) -> bytes:
         usage = None if self.include_usage else msgspec.UNSET
         body: ChatChunk | TextCompletion
@@ -610,7 +612,7 @@ class Calls(NamedTuple):
 
 class End(NamedTuple):
     finished: p.Finished
-    reason: str  # the worker's finish_reason, or "tool_calls" when the reply was calls
+    reason: ReplyFinishReason  # the worker's finish_reason, or "tool_calls" when the reply was calls
 
 
 Piece = Union[Text, Calls, End, ApiError]

@@ -21,11 +21,13 @@ Public names (stable): Metrics, GuardCollector, EVENT_KINDS.
 from __future__ import annotations
 
 import logging
+from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from shared.memory import NO_READING
+from shared.vocab import FailureCode, GuardEventKind, PressureLevel
 from supervisor.api import Supervisor
 from supervisor.readiness import kv_utilization, share
 
@@ -33,10 +35,11 @@ log = logging.getLogger("memvisor.metrics")
 
 # Guard event kinds that always have a series (0 until they happen), so a
 # dashboard can graph evictions before the first one.
-EVENT_KINDS = ("evict", "abort", "abort_load", "reclaim", "respawn", "refused", "crash", "wedged", "ttl",
-               "failed", "unload")
+# The event kinds whose counters exist from the start (at 0), so a rate() over them is defined.
+EVENT_KINDS: tuple[GuardEventKind, ...] = ("evict", "abort", "abort_load", "reclaim", "respawn", "refused", "crash",
+                                           "wedged", "ttl", "failed", "unload")
 
-LEVELS = {"ok": 0, "soft": 1, "hard": 2}
+LEVELS: dict[PressureLevel, int] = {"ok": 0, "soft": 1, "hard": 2}
 
 # Seconds; CPU-only tiny models answer in milliseconds, real ones in seconds.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -81,8 +84,8 @@ class Metrics:
         self.tokens.labels(model).inc(completion_tokens)
         self.outcomes.labels(model, "finished").inc()
 
-    def failed(self, model: str, code: str) -> None:
-        self.outcomes.labels(model, code or "failed").inc()
+    def failed(self, model: str, code: FailureCode | Literal["malformed_reply"]) -> None:
+        self.outcomes.labels(model, code).inc()
 
     def cancelled(self, model: str) -> None:
         self.outcomes.labels(model, "cancelled").inc()

@@ -26,10 +26,9 @@ from shared.embedding import EmbeddingSpec, read_embedding_spec
 from shared.gguf import GGUFError, read_header
 from shared.modelinfo import CONFIG_MAX_BYTES, context_length, read_config_json, read_small
 from supervisor.http.openai_types import BodyError
-from supervisor.offloop import OffLoopTimeout, off_loop
+from supervisor.offloop import MODEL_FILES_TIMEOUT, OffLoopTimeout, off_loop
 
 TOKENIZER_MAX_BYTES = 64 * 1024 * 1024  # tokenizer.json: tens of MB for the largest vocabularies
-READ_TIMEOUT = 10.0  # a model's small files, read off the loop
 GGUF_SPECIAL_TYPES = (3, 4)  # tokenizer.ggml.token_type: control and user-defined (the added tokens)
 
 
@@ -225,7 +224,7 @@ async def facts_of(paths: list[str]) -> dict[str, ModelFacts]:
         return {path: read_facts(path) for path in paths}
 
     try:
-        return await off_loop(read, READ_TIMEOUT, "reading model cards")
+        return await off_loop(read, MODEL_FILES_TIMEOUT, "reading model cards")
     except (OffLoopTimeout, OSError):
         return {path: ModelFacts() for path in paths}
 

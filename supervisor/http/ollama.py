@@ -251,7 +251,7 @@ def _number(value: Any, where: str, low: float, high: float) -> float:
     return float(value)
 
 
-def format_constraint(fmt: str | dict[str, Any] | None) -> p.Constraint | None:
+def format_constraint(fmt: str | dict[str, Any] | None) -> p.ConstraintSpec | None:
     """Ollama's `format`: "json" or a JSON schema -> the worker's constrained decoding."""
     if fmt is None or fmt == "":
         return None

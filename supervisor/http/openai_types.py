@@ -27,6 +27,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar, Union
 import msgspec
 from msgspec import Meta, Struct
 
+from shared.vocab import ErrorCode, ReplyFinishReason
 from supervisor.policy.status import ModelInfo
 from supervisor.readiness import LoadProgress, Readiness
 
@@ -105,7 +106,6 @@ KeepAlive = Union[int, float, str, None]
 
 
 # -- the sampling options (mapped to Generate by http/sampling.py) --------------
-MAX_TOP_LOGPROBS = 20  # OpenAI's bound (chat top_logprobs); completions' logprobs and Ollama's take the same
 MAX_LOGIT_BIAS = 1024  # entries; far past any real use, and keeps the worker's command frame small
 WHOLE_CONTEXT = 1 << 30  # a look-back longer than any context (Ollama's repeat_last_n -1)
 
@@ -288,7 +288,7 @@ class CompletionLogprobs(Struct, kw_only=True):
 class ChatChoice(Struct, kw_only=True):
     index: int
     message: ChatMessageOut
-    finish_reason: str
+    finish_reason: ReplyFinishReason
     logprobs: Union[ChoiceLogprobs, None] = None
 
 
@@ -316,7 +316,7 @@ class Delta(Struct, kw_only=True, omit_defaults=True):
 class ChunkChoice(Struct, kw_only=True):
     index: int
     delta: Delta
-    finish_reason: Union[str, None] = None
+    finish_reason: Union[ReplyFinishReason, None] = None
     logprobs: Union[ChoiceLogprobs, None] = None
 
 
@@ -338,7 +338,7 @@ class ChatChunk(_Chunk[ChunkChoice], kw_only=True):
 class TextChoice(Struct, kw_only=True):
     index: int
     text: str
-    finish_reason: Union[str, None] = None
+    finish_reason: Union[ReplyFinishReason, None] = None
     logprobs: Union[CompletionLogprobs, None] = None
 
 
@@ -379,7 +379,7 @@ class ErrorDetail(Struct, kw_only=True):
     message: str
     type: str
     param: Union[str, None] = None
-    code: Union[str, None] = None
+    code: Union[ErrorCode, None] = None
     # Set for memory refusals (SPEC A3, G1): the figures behind the refusal.
     binding: Union[str, msgspec.UnsetType] = msgspec.UNSET
     estimated_bytes: Union[int, msgspec.UnsetType] = msgspec.UNSET

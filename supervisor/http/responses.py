@@ -198,7 +198,7 @@ def tool_plan(req: ResponsesRequest) -> tools.ToolPlan | None:
     return tools.check_named(plan, "tool_choice")
 
 
-def _format(req: ResponsesRequest) -> p.Constraint | None:
+def _format(req: ResponsesRequest) -> p.ConstraintSpec | None:
     fmt = req.text.format if req.text is not None else None
     if fmt is None or fmt.type == "text":
         return None

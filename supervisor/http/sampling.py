@@ -21,8 +21,8 @@ from __future__ import annotations
 from typing import Any, Union
 
 from shared import protocol as p
+from shared.protocol import MAX_TOP_LOGPROBS
 from supervisor.http.openai_types import (
-    MAX_TOP_LOGPROBS,
     BodyError,
     ChoiceLogprobs,
     CompletionLogprobs,

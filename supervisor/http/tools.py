@@ -7,7 +7,7 @@ whether several calls may come at once. The plan gives the worker
 
   * the tools as JSON text for the model's chat template (`Generate.tools`),
     so the model is told about them the way it was trained to be;
-  * for `required` and `named`, a `ToolCall` constraint: the worker's
+  * for `required` and `named`, a `ToolCallConstraint`: the worker's
     constrained decoding then emits exactly `[{"name": ..., "arguments":
     {...}}]`, valid against the function's schema even on a random-weight
     demo model, which `parse_constrained` reads with msgspec;
@@ -58,12 +58,12 @@ class ToolPlan(msgspec.Struct, kw_only=True):
                                               "parameters": msgspec.json.decode(f.parameters)}}
             for f in self.functions]).decode()
 
-    def constraint(self) -> p.ToolCall | None:
+    def constraint(self) -> p.ToolCallConstraint | None:
         """required / named: the worker must emit the call list (constrained decoding)."""
         if self.choice not in ("required", "named"):
             return None
         fns = tuple(p.ToolFunction(name=f.name, parameters=f.parameters, strict=f.strict) for f in self.functions)
-        return p.ToolCall(functions=fns, mode=self.choice, name=self.named,
+        return p.ToolCallConstraint(functions=fns, mode=self.choice, name=self.named,
                           parallel=self.parallel and self.choice == "required")
 
     @property
@@ -139,7 +139,7 @@ def _call(raw: _Raw) -> Call:
 
 
 def parse_constrained(text: str) -> list[Call] | None:
-    """The `ToolCall` constraint's output: the calls, or None when not even one is whole.
+    """The `ToolCallConstraint`'s output: the calls, or None when not even one is whole.
 
     Cut short by max_tokens (the worker's wrap-up cannot always close a
     long call list in time), the calls completed before the cut are kept:

@@ -14,16 +14,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from shared.sizes import MiB
-from supervisor.lab.timeline import Timeline
+from supervisor.lab.timeline import MarkKind, Timeline
 
 _LEVEL_COLOURS = {"ok": "#c7e9c0", "soft": "#fdd0a2", "hard": "#fc9272"}
-_DECISION_STYLE = {
+_DECISION_STYLE: dict[MarkKind, tuple[str, str]] = {
     "stop": ("v", "#d62728"), "expire_ttl": ("v", "#8c564b"), "abort_requests": ("x", "#d62728"),
     "abort_load": ("x", "#9467bd"), "mark_for_unload": ("D", "#e377c2"), "reclaim": ("o", "#1f77b4"),
     "shrink_hot_cache": ("o", "#17becf"),
 }
-_EVENT_KINDS_SHOWN = {"spawn", "loaded", "exit", "crash", "respawn", "refused", "evict", "ttl", "failed",
-                      "prefill_rejected", "drill", "ceiling", "request", "load_failed", "wedged"}
+_EVENT_KINDS_SHOWN: frozenset[MarkKind] = frozenset({
+    "spawn", "loaded", "exit", "crash", "respawn", "refused", "evict", "ttl", "failed", "drill", "ceiling", "request",
+    "load_failed", "wedged"})
 
 
 def draw(timeline: Timeline, path: Path, *, title: str = "") -> Path:

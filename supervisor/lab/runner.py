@@ -182,7 +182,7 @@ def make_models(root: Path, scenarios: list[Scenario]) -> dict[tuple[int, int], 
             key = (m.size_mib, m.seed)
             path = root / f"lab-{m.size_mib}mib-s{m.seed}"
             if key not in paths and not (path / "config.json").exists():
-                subprocess.run([sys.executable, "-c", "import sys; from worker.modelgen import make_model; "
+                subprocess.run([sys.executable, "-c", "import sys; from modelfiles.modelgen import make_model; "
                                 "make_model(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))",
                                 str(path), str(m.size_mib * MiB), str(m.seed)], check=True, timeout=600)
             _long_context(path)

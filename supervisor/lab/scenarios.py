@@ -11,18 +11,18 @@ Public names (stable): SCENARIOS, by_name.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from shared import protocol as p
+from shared.limits import NO_CACHE_LIMIT_ENV
 from shared.sizes import MiB
 from supervisor.errors import LoadError
 from supervisor.lab.runner import LAB_MAX_TOKENS, Lab, ModelSpec, Scenario
-from worker.allocator import NO_CACHE_LIMIT_ENV
 
 SOFT, HARD = 0.90, 0.97  # the custom tier's thresholds (T4)
 
@@ -180,18 +180,28 @@ def _prompt_tokens(model_dir: str, text: str) -> int:
     return len(Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json")).encode(text).ids) + 1
 
 
-def _prefill_peak(model_dir: str, tokens: int, min_chunk: int = 256, max_chunk: int = 512) -> int:
-    """The worker's first estimate of a prefill peak (worker.prefill_cost.prior_cost
-    and worker.prefill_guard.estimate_prefill_peak, restated: no MLX here)."""
-    from worker.prefill_guard import PrefillCost, estimate_prefill_peak
+_PREFILL_PEAK = (
+    "import json, sys\n"
+    "from shared.modelinfo import dtype_bytes\n"
+    "from worker.prefill_cost import cost_from_config\n"
+    "from worker.prefill_guard import admission_peak\n"
+    "config = json.load(open(sys.argv[1]))\n"
+    "print(admission_peak(int(sys.argv[2]), cost_from_config(config, dtype_bytes(config)), int(sys.argv[3])))\n"
+)
 
-    c = json.loads((Path(model_dir) / "config.json").read_text())
-    hidden, heads, layers = c["hidden_size"], c["num_attention_heads"], c["num_hidden_layers"]
-    kv_heads = c.get("num_key_value_heads") or heads
-    head_dim = c.get("head_dim") or hidden // heads
-    kv = 2 * layers * kv_heads * head_dim * 2
-    act = 4 * (6 * hidden + 3 * c.get("intermediate_size", 4 * hidden)) + 4 * heads * max_chunk
-    return estimate_prefill_peak(tokens, PrefillCost(kv_per_token=kv, chunk_per_token=kv + act), min_chunk)
+
+async def _prefill_peak(model_dir: str, tokens: int, min_chunk: int = 256) -> int:
+    """What G1 will count for a prompt of `tokens` on this model before anything ran: the
+    worker's prior from config.json and its admission peak at the smallest chunk.
+
+    Worked out by the worker's own code in a child process: the supervisor imports
+    nothing of worker/ beyond its spawn target, and a copy of the arithmetic here
+    would drift from the worker's."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _PREFILL_PEAK, str(Path(model_dir) / "config.json"), str(tokens), str(min_chunk),
+        stdout=asyncio.subprocess.PIPE)
+    out, _ = await asyncio.wait_for(proc.communicate(), 120)
+    return int(out)
 
 
 def _prompt_of(model_dir: str, tokens: int) -> str:
@@ -216,7 +226,7 @@ async def g1_evict(lab: Lab) -> None:
     await lab.load("asker")
     path = lab.model_path("asker")
     prompt = _prompt_of(path, 250)
-    peak = _prefill_peak(path, _prompt_tokens(path, prompt))
+    peak = await _prefill_peak(path, _prompt_tokens(path, prompt))
     u = await lab.usage()
     shortfall = 4 * MiB
     ceiling = u + peak - shortfall

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
 from shared import protocol as p
+from shared.vocab import GuardEventKind, PressureLevel
+from supervisor.policy.decisions import DecisionKind, kind_of
 
 if TYPE_CHECKING:
     from supervisor.arbiter import Arbiter
@@ -30,12 +32,18 @@ class Point(msgspec.Struct, frozen=True, array_like=True):
     ceiling: int
     soft: int
     hard: int
-    level: str
+    level: PressureLevel
+
+
+# A step of a scenario itself, marked beside the guard's events.
+NoteKind = Literal["load", "ceiling", "drill", "request", "sigkill"]
+EventMarkKind = Literal[GuardEventKind, NoteKind]
+MarkKind = Literal[EventMarkKind, DecisionKind]
 
 
 class Mark(msgspec.Struct, frozen=True):
     t: float
-    kind: str       # a decision (stop, abort_requests, ...) or an event kind (spawn, crash, ...)
+    kind: MarkKind  # a decision carried out (stop, abort_requests, ...), an event (spawn, crash, ...) or a note
     label: str      # the model it concerns, or ""
     reason: str = ""
     decision: bool = False   # True: a policy decision carried out; False: an event
@@ -46,11 +54,11 @@ class Timeline(msgspec.Struct):
     points: list[Point] = []
     marks: list[Mark] = []
 
-    def decisions(self, kind: str | None = None, label: str | None = None) -> list[Mark]:
+    def decisions(self, kind: DecisionKind | None = None, label: str | None = None) -> list[Mark]:
         return [m for m in self.marks if m.decision and (kind is None or m.kind == kind)
                 and (label is None or m.label == label)]
 
-    def events(self, kind: str | None = None, label: str | None = None) -> list[Mark]:
+    def events(self, kind: EventMarkKind | None = None, label: str | None = None) -> list[Mark]:
         return [m for m in self.marks if not m.decision and (kind is None or m.kind == kind)
                 and (label is None or m.label == label)]
 
@@ -103,7 +111,7 @@ class Recorder:
         self.timeline.marks.sort(key=lambda m: m.t)
         return self.timeline
 
-    def note(self, kind: str, label: str = "", reason: str = "") -> None:
+    def note(self, kind: NoteKind, label: str = "", reason: str = "") -> None:
         """A step of the scenario itself (a drill started, a ceiling set)."""
         self.timeline.marks.append(Mark(self.now(), kind, label, reason))
 
@@ -120,8 +128,7 @@ class Recorder:
         if fresh:
             self._last_executed = fresh[-1][0]
         for t, x in fresh:
-            kind = x.__struct_config__.tag
-            self.timeline.marks.append(Mark(t - self.t0, str(kind), x.model, x.reason, decision=True))
+            self.timeline.marks.append(Mark(t - self.t0, kind_of(x), x.model, x.reason, decision=True))
 
     async def _run(self) -> None:
         while True:
@@ -150,6 +157,10 @@ class Recorder:
             points[-1] = point  # a flat stretch: keep its ends only (the record stays small)
         else:
             points.append(point)
+
+
+# Decisions a replayed trace does not mark: they are carried out every tick and change no memory.
+_NOT_MARKED: frozenset[DecisionKind] = frozenset({"set_limits", "set_concurrency"})
 
 
 def timeline_from_trace(lines, name: str, *, chained: bool = True) -> Timeline:
@@ -189,7 +200,7 @@ def timeline_from_trace(lines, name: str, *, chained: bool = True) -> Timeline:
                 case PauseAdmission() | ResumeAdmission() | Warn():
                     continue
                 case _:
-                    kind = str(x.__struct_config__.tag)
-                    if kind not in ("set_limits", "set_concurrency"):
+                    kind = kind_of(x)
+                    if kind not in _NOT_MARKED:
                         timeline.marks.append(Mark(t, kind, x.model, x.reason, decision=True))
     return timeline

@@ -15,9 +15,12 @@ MODEL_TOO_LARGE, INSUFFICIENT_MEMORY.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from shared.sizes import format_size
+from shared.vocab import Binding, PoolName, RefusalCode
 from supervisor.policy.ceilings import Ceilings, remedy, reserve_message
 from supervisor.policy.device import admit_device_load, device_ceilings_for
 from supervisor.policy.group import WorkerGroup, ceilings_for, is_idle, lru_key
@@ -64,7 +67,7 @@ def admit_load(s: Snapshot, model_id: str, size_bytes: int) -> LoadVerdict:
     usage, size, ceiling = _projected(g), max(0, size_bytes), c.admission_ceiling
     target = min(c.admission_soft_target, ceiling)  # A1
 
-    def refuse(after: int) -> tuple[str, str, str]:
+    def refuse(after: int) -> tuple[RefusalCode, str, str]:
         error, text = _refusal(model_id, c, size, after)
         return error, text, remedy("static" if c.reserve_exceeds_total else c.admission_binding, c.tier)
 
@@ -100,7 +103,7 @@ def admit(s: Snapshot, model_id: str, size_bytes: int) -> LoadVerdict:
     return msgspec.structs.replace(device, evict=evict, wait_for=wait_for, message=message)
 
 
-def _refusal(model_id: str, c: Ceilings, size: int, after: int) -> tuple[str, str]:
+def _refusal(model_id: str, c: Ceilings, size: int, after: int) -> tuple[RefusalCode, str]:
     """A3: (error code, words) naming the binding constraint (C1, C6)."""
     ceiling, binding = c.admission_ceiling, c.admission_binding
     if c.reserve_exceeds_total:
@@ -171,11 +174,11 @@ class FitReport(msgspec.Struct, frozen=True, kw_only=True):
     context_tokens: int
     usage: int
     ceiling: int
-    binding: str
+    binding: Binding
     evict: list[str]
     message: str
-    error: str = ""
-    pool: str = "host"  # D5: the pool the load counts against ("device" on a discrete GPU)
+    error: Literal[RefusalCode, ""] = ""
+    pool: PoolName = "host"  # D5: the pool the load counts against ("device" on a discrete GPU)
 
 
 def fit_report(s: Snapshot, model_id: str, weight_bytes: int, kv_per_token: int,

@@ -14,7 +14,7 @@ floors below are 1 byte and never 0 where a limit exists.
 
 Public names (stable): Ceilings, TierPreview, compute_ceilings, limits_for,
 worker_limit, hot_cache_budget, tier_preview, remedy, reserve_message,
-wired_limit_suggestion, wired_limit_advice, BINDINGS.
+wired_limit_suggestion, wired_limit_advice.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from typing import Literal
 import msgspec
 
 from shared.host import HostCounters
-from shared.limits import BINDINGS, Limits
+from shared.limits import Limits
 from shared.sizes import MiB, format_size
-from supervisor.policy.tiers import TIER_PARAMS, TIERS, other_app_ratio, reserve_bytes, resolve_thresholds
+from shared.vocab import TIERS, HostBinding, Tier
+from supervisor.policy.tiers import TIER_PARAMS, other_app_ratio, reserve_bytes, resolve_thresholds
 
 __all__ = [
-    "BINDINGS",
     "Ceilings",
     "TierPreview",
     "compute_ceilings",
@@ -58,7 +58,7 @@ class Ceilings(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """
 
     enabled: bool
-    tier: str
+    tier: Tier
     total: int
     reserve: int
     reserve_exceeds_total: bool  # C1: static had to be floored to 1 byte
@@ -74,9 +74,9 @@ class Ceilings(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     gpu_cap: int                 # C4 effective (raw + CPU side)
     gpu_cap_raw: int
     ceiling: int                 # C5
-    binding: str                 # C6: "static" | "dynamic" | "gpu_cap" | "" (guard off)
+    binding: HostBinding         # C6 (guard off: "")
     admission_ceiling: int       # C7
-    admission_binding: str
+    admission_binding: HostBinding
     residency_ceiling: int       # C8
     admission_soft_target: int   # C9
     abort_limit: int             # C10
@@ -101,7 +101,7 @@ def _reading_kind(host: HostCounters | None) -> Reading:
 
 
 def _dynamic_terms(
-    tier: str, host: HostCounters | None, own: int, own_gpu: int, reserve: int, static: int
+    tier: Tier, host: HostCounters | None, own: int, own_gpu: int, reserve: int, static: int
 ) -> tuple[Reading, int, int, int, int]:
     """C2: (reading, free, inactive_term, other_apps, dynamic).
 
@@ -151,7 +151,7 @@ def hot_cache_budget(hot_cache_max: int, soft: int) -> int:
     return min(hot_cache_max, soft // HOT_CACHE_SOFT_SHARE) if soft > 0 else hot_cache_max
 
 
-def _binding(ceiling: int, static: int, dynamic: int, gpu_cap: int) -> str:
+def _binding(ceiling: int, static: int, dynamic: int, gpu_cap: int) -> HostBinding:
     """C6: the first component equal to the ceiling, in the order static, dynamic, gpu_cap."""
     if ceiling <= 0:
         return ""
@@ -164,7 +164,7 @@ def _binding(ceiling: int, static: int, dynamic: int, gpu_cap: int) -> str:
 
 def compute_ceilings(
     *,
-    tier: str,
+    tier: Tier,
     enabled: bool = True,
     total: int,
     host: HostCounters | None,
@@ -296,7 +296,7 @@ def limits_for(
     )
 
 
-_REMEDY = {
+_REMEDY: dict[HostBinding, str] = {
     "dynamic": "close other apps to give memory back to the system",
     "gpu_cap": "raise the GPU memory cap (macOS: sudo sysctl iogpu.wired_limit_mb=N)",
     "static": "choose a tier that keeps less memory in reserve (e.g. aggressive instead "
@@ -304,7 +304,7 @@ _REMEDY = {
 }
 
 
-def remedy(binding: str, tier: str = "") -> str:
+def remedy(binding: HostBinding, tier: Tier | None = None) -> str:
     """C6: what a person can do about the constraint that binds.
 
     On the custom tier the dynamic component is the user's own ceiling (C3),
@@ -337,7 +337,7 @@ class TierPreview(msgspec.Struct, frozen=True, kw_only=True):
     dynamic_bytes: int
     gpu_cap_bytes: int
     ceiling_bytes: int
-    binding: str
+    binding: HostBinding
     soft_bytes: int
     hard_bytes: int
 

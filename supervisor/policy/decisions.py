@@ -5,16 +5,18 @@ written for people: the enforcer logs it and publishes it as an S2 event.
 Worker-directed decisions name the worker id and, for readable events and
 replay output, its model id. The enforcer carries them out in list order.
 
-Public names (stable): Decision and WorkerDecision (the unions), every class below, DESTRUCTIVE.
+Public names (stable): Decision and WorkerDecision (the unions), every class below, DESTRUCTIVE,
+DecisionKind and kind_of.
 """
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Literal, Union, cast, get_args
 
 import msgspec
 
 from shared.limits import Limits
+from shared.vocab import PoolName, PressureLevel
 
 
 class _Base(msgspec.Struct, tag_field="kind", frozen=True, kw_only=True, gc=False):
@@ -35,13 +37,13 @@ class Warn(_Base, tag="warn", frozen=True, kw_only=True, gc=False):
 class LevelChanged(_Base, tag="level_changed", frozen=True, kw_only=True, gc=False):
     """P1: the pressure level moved; carries the figures (of `pool`, D4) that moved it."""
 
-    from_level: str = msgspec.field(name="from")
-    to_level: str = msgspec.field(name="to")
+    from_level: PressureLevel = msgspec.field(name="from")
+    to_level: PressureLevel = msgspec.field(name="to")
     usage: int
     soft: int
     hard: int
     ceiling: int
-    pool: str = "host"  # D4: "host" or "device", the pool that sets the group's level
+    pool: PoolName = "host"  # D4: the pool that sets the group's level
 
 
 class PauseAdmission(_Base, tag="pause_admission", frozen=True, kw_only=True, gc=False):
@@ -52,13 +54,13 @@ class ResumeAdmission(_Base, tag="resume_admission", frozen=True, kw_only=True, 
     """P3: pressure is over; take new requests again."""
 
 
-class SetLimits(_ForWorker, tag="set_limits", frozen=True, kw_only=True, gc=False):
+class ApplyLimits(_ForWorker, tag="set_limits", frozen=True, kw_only=True, gc=False):
     """SPEC G / T6: the limits this worker's prefill guard must obey from now on."""
 
     limits: Limits
 
 
-class Reclaim(_ForWorker, tag="reclaim", frozen=True, kw_only=True, gc=False):
+class ReclaimPool(_ForWorker, tag="reclaim", frozen=True, kw_only=True, gc=False):
     """Return the MLX pool to the OS: at the next step boundary (P4, P5) or,
     with `idle_only`, the next time the worker is idle (P6 step 6)."""
 
@@ -72,7 +74,7 @@ class ShrinkHotCache(_ForWorker, tag="shrink_hot_cache", frozen=True, kw_only=Tr
     target_bytes: int
 
 
-class AbortRequests(_ForWorker, tag="abort_requests", frozen=True, kw_only=True, gc=False):
+class AbortWorkerRequests(_ForWorker, tag="abort_requests", frozen=True, kw_only=True, gc=False):
     """P6 steps 3 and 5: abort the worker's running and queued requests, keep it loaded."""
 
 
@@ -100,10 +102,10 @@ class ExpireTTL(_ForWorker, tag="expire_ttl", frozen=True, kw_only=True, gc=Fals
 
 # Decisions that name one worker; the enforcer carries each out on that worker.
 WorkerDecision = Union[
-    SetLimits,
-    Reclaim,
+    ApplyLimits,
+    ReclaimPool,
     ShrinkHotCache,
-    AbortRequests,
+    AbortWorkerRequests,
     AbortLoad,
     MarkForUnload,
     Stop,
@@ -119,6 +121,19 @@ Decision = Union[
     WorkerDecision,
 ]
 
+# Every decision's tag, as a closed vocabulary (the lab's timeline and its picture name them).
+DecisionKind = Literal["warn", "level_changed", "pause_admission", "resume_admission", "set_limits", "reclaim",
+                       "shrink_hot_cache", "abort_requests", "abort_load", "mark_for_unload", "stop",
+                       "set_concurrency", "expire_ttl"]
+
+assert set(get_args(DecisionKind)) == {c.__struct_config__.tag for c in get_args(Decision)}, "one kind per decision"
+
+
+def kind_of(decision: Decision) -> DecisionKind:
+    """The decision's tag (checked above to be one of DecisionKind)."""
+    return cast(DecisionKind, decision.__struct_config__.tag)
+
+
 # Decisions that take memory back from running work (pressure actions). TTL
 # expiry is not among them: it only ever unloads an idle model by config.
-DESTRUCTIVE = (ShrinkHotCache, AbortRequests, AbortLoad, MarkForUnload, Stop)
+DESTRUCTIVE = (ShrinkHotCache, AbortWorkerRequests, AbortLoad, MarkForUnload, Stop)

@@ -62,11 +62,12 @@ device_tier_preview.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, get_args
 
 import msgspec
 
 from shared.sizes import GiB, MiB, format_size
+from shared.vocab import TIERS, DeviceBinding, PressureLevel, RefusalCode, Tier
 from supervisor.policy.group import (
     EMERGENCY_MARGIN,
     EMERGENCY_TICKS,
@@ -76,8 +77,8 @@ from supervisor.policy.group import (
     lru_key,
     over_ceiling,
 )
-from supervisor.policy.snapshot import Level, Snapshot, WorkerRecord
-from supervisor.policy.tiers import TIERS, clamp, normalise_tier, resolve_thresholds
+from supervisor.policy.snapshot import Snapshot, WorkerRecord
+from supervisor.policy.tiers import clamp, normalise_tier, resolve_thresholds
 from supervisor.policy.verdict import DEVICE_TERMS, INSUFFICIENT_MEMORY, MODEL_TOO_LARGE, LoadVerdict, decide_load
 
 __all__ = [
@@ -107,7 +108,7 @@ __all__ = [
 DEVICE_EMERGENCY_MARGIN = EMERGENCY_MARGIN
 DEVICE_EMERGENCY_TICKS = EMERGENCY_TICKS
 
-DEVICE_BINDINGS = ("", "device_static", "device_others")
+DEVICE_BINDINGS: tuple[DeviceBinding, ...] = get_args(DeviceBinding)
 
 
 class DeviceReserveParams(NamedTuple):
@@ -118,7 +119,7 @@ class DeviceReserveParams(NamedTuple):
     reserve_max: int
 
 
-DEVICE_RESERVE_PARAMS: dict[str, DeviceReserveParams] = {
+DEVICE_RESERVE_PARAMS: dict[Tier, DeviceReserveParams] = {
     "safe": DeviceReserveParams(0.10, 1 * GiB, 8 * GiB),
     "balanced": DeviceReserveParams(0.05, 512 * MiB, 4 * GiB),
     "aggressive": DeviceReserveParams(0.02, 256 * MiB, 2 * GiB),
@@ -154,7 +155,7 @@ class DeviceCeilings(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """
 
     enabled: bool
-    tier: str                    # normalised (T2)
+    tier: Tier                   # normalised (T2)
     total: int
     free: int                    # 0 when unknown (see free_known)
     free_known: bool             # False: no free reading, dynamic = static
@@ -165,9 +166,9 @@ class DeviceCeilings(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     static: int                  # D3 device static
     dynamic: int                 # D3 device dynamic
     ceiling: int                 # D3; 0 = guard off
-    binding: str                 # "device_static" | "device_others" | "" (guard off)
+    binding: DeviceBinding       # "" when the guard is off
     admission_ceiling: int       # C7 on the device: ceiling, or static with the guard off
-    admission_binding: str
+    admission_binding: DeviceBinding
     admission_soft_target: int   # C9 on the device
     soft_threshold: float        # T4/T5 in force for the tier
     hard_threshold: float
@@ -235,14 +236,14 @@ def compute_device_ceilings(
     )
 
 
-def _binding(ceiling: int, static: int) -> str:
+def _binding(ceiling: int, static: int) -> DeviceBinding:
     """D3 (C6's order): device_static when it equals the ceiling, else device_others."""
     if ceiling <= 0:
         return ""
     return "device_static" if ceiling == static else "device_others"
 
 
-_REMEDY = {
+_REMEDY: dict[DeviceBinding, str] = {
     "device_others": "free device memory held by other processes on the GPU (nvidia-smi lists "
     "them), or use a smaller model or a shorter context",
     "device_static": "choose a tier that keeps less device memory in reserve (e.g. aggressive "
@@ -250,7 +251,7 @@ _REMEDY = {
 }
 
 
-def device_remedy(binding: str, tier: str = "") -> str:
+def device_remedy(binding: DeviceBinding, tier: str = "") -> str:
     """D3: what a person can do about the device constraint that binds ("" if none).
 
     On the custom tier device static is the user's `custom_device_ceiling`
@@ -277,7 +278,7 @@ def _held(w: WorkerRecord) -> int:
     return max(0, w.device_bytes)
 
 
-def device_level(usage: int, c: DeviceCeilings | None) -> Level:
+def device_level(usage: int, c: DeviceCeilings | None) -> PressureLevel:
     """P1 on the device: ok below soft, soft below hard, else hard.
 
     No device or the guard off (ceiling 0): always ok.
@@ -308,10 +309,10 @@ def device_emergency(
     return DeviceEmergency(*over_ceiling(usage, c.ceiling, over_ceiling_ticks, recheck))
 
 
-_LEVEL_RANK: dict[Level, int] = {"ok": 0, "soft": 1, "hard": 2}
+_LEVEL_RANK: dict[PressureLevel, int] = {"ok": 0, "soft": 1, "hard": 2}
 
 
-def worse_level(a: Level, b: Level) -> Level:
+def worse_level(a: PressureLevel, b: PressureLevel) -> PressureLevel:
     """D4: the group's level is the worse of the host's and the device's."""
     return a if _LEVEL_RANK[a] >= _LEVEL_RANK[b] else b
 
@@ -349,7 +350,7 @@ def admit_device_load(
         key=lru_key,
     )
 
-    def refuse(after: int) -> tuple[str, str, str]:
+    def refuse(after: int) -> tuple[RefusalCode, str, str]:
         error, text = _refusal(model_id, c, size, after)
         return error, text, device_remedy("device_static" if c.reserve_exceeds_total else c.admission_binding, c.tier)
 
@@ -359,7 +360,7 @@ def admit_device_load(
         wait_for=[w.worker for w in draining], refuse=refuse)
 
 
-def _refusal(model_id: str, c: DeviceCeilings, size: int, after: int) -> tuple[str, str]:
+def _refusal(model_id: str, c: DeviceCeilings, size: int, after: int) -> tuple[RefusalCode, str]:
     """A3 on the device: (error code, words naming the device pool and the binding)."""
     ceiling, binding = c.admission_ceiling, c.admission_binding
     if c.reserve_exceeds_total:
@@ -383,7 +384,7 @@ class DeviceTierPreview(msgspec.Struct, frozen=True, kw_only=True):
     static_bytes: int
     dynamic_bytes: int
     ceiling_bytes: int
-    binding: str
+    binding: DeviceBinding
     soft_bytes: int
     hard_bytes: int
 

@@ -18,8 +18,9 @@ from shared.sizes import GiB
 from shared.states import LIVE_STATES as _LIVE
 from shared.states import LOADING_STATES as _LOADING
 from shared.states import SERVING_STATES as _SERVING
+from shared.vocab import PressureLevel
 from supervisor.policy.ceilings import Ceilings, compute_ceilings
-from supervisor.policy.snapshot import Level, Snapshot, WorkerRecord
+from supervisor.policy.snapshot import Snapshot, WorkerRecord
 from supervisor.policy.tiers import normalise_tier
 
 
@@ -143,7 +144,7 @@ EMERGENCY_MARGIN = 2 * GiB       # P2: this far over the ceiling is an emergency
 EMERGENCY_TICKS = 2              # P2: ... or this many consecutive ticks at or over it
 
 
-def classify(usage: int, ceiling: int, soft: int, hard: int) -> Level:
+def classify(usage: int, ceiling: int, soft: int, hard: int) -> PressureLevel:
     """P1 on one pool: ok below soft, soft below hard, else hard (ceiling 0: the guard is off, ok)."""
     if ceiling <= 0 or usage < soft:
         return "ok"

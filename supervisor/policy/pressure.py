@@ -53,20 +53,21 @@ import msgspec
 from shared.limits import Limits
 from shared.sizes import GiB, MiB, format_size
 from shared.states import LOADING_STATES as _LOADING_STATES
+from shared.vocab import PressureLevel
 from supervisor.policy.ceilings import Ceilings, limits_for, reserve_message, worker_limit
 from supervisor.policy.decisions import (
     DESTRUCTIVE,
     AbortLoad,
-    AbortRequests,
+    AbortWorkerRequests,
+    ApplyLimits,
     Decision,
     ExpireTTL,
     LevelChanged,
     MarkForUnload,
     PauseAdmission,
-    Reclaim,
+    ReclaimPool,
     ResumeAdmission,
     SetConcurrency,
-    SetLimits,
     ShrinkHotCache,
     Stop,
     Warn,
@@ -90,7 +91,7 @@ from supervisor.policy.group import (
     over_ceiling,
     snapshot_total,
 )
-from supervisor.policy.snapshot import Level, PolicyState, Snapshot, WorkerRecord
+from supervisor.policy.snapshot import PolicyState, Snapshot, WorkerRecord
 from supervisor.policy.tiers import normalise_tier
 
 __all__ = [
@@ -120,7 +121,7 @@ class TickResult(msgspec.Struct, frozen=True, kw_only=True):
     state: PolicyState
     decisions: list[Decision]
     ceilings: Ceilings
-    level: Level
+    level: PressureLevel
     usage: int              # U2 measured
     projected_usage: int    # after the decisions, as projected (see module doc)
     emergency: bool
@@ -129,9 +130,9 @@ class TickResult(msgspec.Struct, frozen=True, kw_only=True):
     # D4: the discrete device pool (None: no device); `level` above is the worse of the two pools
     device: DeviceCeilings | None = None
     device_usage: int = 0
-    device_level: Level = "ok"
+    device_level: PressureLevel = "ok"
     device_emergency: bool = False
-    host_level: Level = "ok"
+    host_level: PressureLevel = "ok"
 
 
 def group_usage(s: Snapshot) -> int:
@@ -157,7 +158,7 @@ class _Pool:
     def usage_words(self) -> str:
         return "usage" if self.name == "host" else "device usage"
 
-    def classify(self) -> Level:
+    def classify(self) -> PressureLevel:
         """P1 on the projected usage (after P5's shrink, before P6 acts)."""
         return classify(self.projected, self.ceiling, self.soft, self.hard)
 
@@ -224,14 +225,14 @@ class _Tick:
 
     # -- P1 / P2 ----------------------------------------------------------------
 
-    def pressure(self) -> tuple[Level, int, bool]:
+    def pressure(self) -> tuple[PressureLevel, int, bool]:
         c, usage = self.c, self.g.usage
         over, emergency = over_ceiling(usage, c.ceiling, self.prev.over_ceiling_ticks, self.s.recheck)
         return classify(usage, c.ceiling, c.soft, c.hard), over, emergency
 
     # -- P3 and limits (T6) -----------------------------------------------------
 
-    def admission(self, level: Level) -> bool:
+    def admission(self, level: PressureLevel) -> bool:
         paused = level != "ok"
         if paused != self.prev.admission_paused:
             if paused:
@@ -241,7 +242,7 @@ class _Tick:
                 self.out.append(ResumeAdmission(reason="memory pressure is over"))
         return paused
 
-    def limits(self, paused: bool, level: Level) -> tuple[Limits, dict[str, int], int, dict[str, int]]:
+    def limits(self, paused: bool, level: PressureLevel) -> tuple[Limits, dict[str, int], int, dict[str, int]]:
         """Hand every worker the limits it does not have yet (T6: next tick at the latest).
 
         The common limits (nothing subtracted) and the caches' total are
@@ -284,11 +285,11 @@ class _Tick:
             limits = by_key.get((cap, mine))
             if limits is None:
                 limits = by_key[(cap, mine)] = self._worker_limits(common, cap, total - mine)
-            out.append(SetLimits(worker=w.worker, model=w.model, limits=limits, reason=(
+            out.append(ApplyLimits(worker=w.worker, model=w.model, limits=limits, reason=(
                 why or ("new worker" if had.get(w.worker) != w.pid else "other workers' prompt caches changed"))))
         return common, pids, total, own
 
-    def _cache_reductions(self, level: Level) -> tuple[int, dict[str, int]]:
+    def _cache_reductions(self, level: PressureLevel) -> tuple[int, dict[str, int]]:
         """C12: (the caches' bytes, each worker's own): its limits subtract the difference.
 
         When the caches leave no room under the ceiling for the group's next
@@ -309,7 +310,7 @@ class _Tick:
             used = sum(own.values())
         return used, own
 
-    def _give_way(self, keeps: dict[str, int], level: Level) -> None:
+    def _give_way(self, keeps: dict[str, int], level: PressureLevel) -> None:
         """H3 for C12: lower `keeps` to the cache bytes each worker keeps once the caches make room."""
         g = self.g
         movable = [w for w in g.cached if w.memory.cache_releasable > 0 and w.state != "draining"]
@@ -353,7 +354,7 @@ class _Tick:
         not see. The watermarks go out lowered by that overhead, so a worker's
         report comes at the crossing the enforcer will see, not half a GiB
         late. Rounded down to DEVICE_OVERHEAD_STEP so the limits (and a
-        SetLimits to every worker) do not change with every tick's jitter.
+        ApplyLimits to every worker) do not change with every tick's jitter.
         """
         mlx = sum(w.memory.mlx_active + w.memory.mlx_pool for w in self.g.live if w.device_bytes)
         overhead = max(0, self.g.device_bytes - mlx) // DEVICE_OVERHEAD_STEP * DEVICE_OVERHEAD_STEP
@@ -387,7 +388,7 @@ class _Tick:
             return seen, prev.seen_at, grew
         return current, now, grew
 
-    def discount_draining(self, level: Level, growth: float) -> None:
+    def discount_draining(self, level: PressureLevel, growth: float) -> None:
         """At hard, stops under way count as done only when they land before the ceiling.
 
         (Without a stop under way, P4-P6 apply as written.) They do not when the group grows fast enough to pass the ceiling
@@ -437,7 +438,7 @@ class _Tick:
                 out.append(AbortLoad(worker=w.worker, model=w.model, reason=f"{why}: abort its load"))
                 acted = True
                 continue
-            out.append(AbortRequests(worker=w.worker, model=w.model, reason=(
+            out.append(AbortWorkerRequests(worker=w.worker, model=w.model, reason=(
                 f"{why}: abort its requests now, whatever else is being stopped")))
             if is_idle(w):
                 self._stop(w, f"{why}: stop it (idle, nothing to finish)")
@@ -454,7 +455,7 @@ class _Tick:
         """P4's threshold: `[guard] pool_max` (M1 gives MLX the same figure), else 2 GiB."""
         return self.s.guard.pool_max or POOL_RECLAIM_FLOOR
 
-    def grace(self, level: Level, emergency: bool) -> bool:
+    def grace(self, level: PressureLevel, emergency: bool) -> bool:
         """P4: give fat allocator pools a chance to drain before anything destructive.
 
         Deferring eviction while a fat pool drains at the next step boundary is
@@ -469,7 +470,7 @@ class _Tick:
         fat = [w for w in self.g.live if w.memory.mlx_pool > floor and w.state != "draining"]
         used = self.prev.grace_ticks + (0 if self.s.recheck else 1)
         for w in fat:
-            self.out.append(Reclaim(worker=w.worker, model=w.model, reason=(
+            self.out.append(ReclaimPool(worker=w.worker, model=w.model, reason=(
                 f"{level} pressure: return the {format_size(w.memory.mlx_pool)} allocator pool "
                 f"(grace {used}/{GRACE_TICKS_MAX}, nothing destroyed)")))
         return bool(fat)
@@ -503,7 +504,7 @@ class _Tick:
             return
         for w in self.g.live:
             if w.worker in shrunk or (w.memory.mlx_pool > self.pool_floor and w.state != "draining"):
-                self.out.append(Reclaim(worker=w.worker, model=w.model,
+                self.out.append(ReclaimPool(worker=w.worker, model=w.model,
                                         reason=f"hard {_pressure(pool)}: return freed memory to the OS"))
 
     # -- P6 ------------------------------------------------------------------------
@@ -519,7 +520,7 @@ class _Tick:
         self.out.append(Stop(worker=w.worker, model=w.model, reason=reason))
         self._gone(w)
 
-    def stop_marked(self, level: Level) -> None:
+    def stop_marked(self, level: PressureLevel) -> None:
         """P6 step 1 at any level: a marked worker that has drained goes now.
 
         A mark is a promise made in an emergency (P6.3); keeping the model
@@ -533,7 +534,7 @@ class _Tick:
             when = f"{level} pressure" if level != "ok" else "after the pressure"
             self._stop(w, f"{when}: {w.model} was marked for unload in an emergency and has drained")
 
-    def evict(self, pool: _Pool, level: Level, emergency: bool, stepped: bool = False) -> None:
+    def evict(self, pool: _Pool, level: PressureLevel, emergency: bool, stepped: bool = False) -> None:
         """P6: act, in order, while projected usage is above soft.
 
         Step 1 (marked and drained) has run already, at every level
@@ -574,7 +575,7 @@ class _Tick:
                 and not is_idle(w) and pool.held(w) > 0]
         if busy:  # step 3
             w = min(busy, key=lru_key)
-            out.append(AbortRequests(worker=w.worker, model=w.model, reason=(
+            out.append(AbortWorkerRequests(worker=w.worker, model=w.model, reason=(
                 f"hard {_pressure(pool)}, no idle model to stop: abort requests of {w.model} "
                 "(least recently used)" + ("" if emergency else ", keep it loaded"))))
             if emergency:
@@ -589,21 +590,21 @@ class _Tick:
         if emergency and pool.projected >= pool.ceiling:  # step 5
             active = [w for w in self.g.serving if w.running or w.queued]
             for w in active:
-                out.append(AbortRequests(worker=w.worker, model=w.model, reason=(
+                out.append(AbortWorkerRequests(worker=w.worker, model=w.model, reason=(
                     f"memory emergency: {pool.usage_words} {format_size(pool.projected)} >= ceiling "
                     f"{format_size(pool.ceiling)}; abort requests of {w.model}, keep it loaded")))
             if active:
                 return
         # step 6; a worker P5 already asked to reclaim at its next step boundary needs no second ask
-        asked = {x.worker for x in out if isinstance(x, Reclaim)}
+        asked = {x.worker for x in out if isinstance(x, ReclaimPool)}
         for w in self.g.serving:
             if w.worker not in asked:
-                out.append(Reclaim(worker=w.worker, model=w.model, idle_only=True, reason=(
+                out.append(ReclaimPool(worker=w.worker, model=w.model, idle_only=True, reason=(
                     f"hard {_pressure(pool)}, nothing to evict: return the allocator pool when idle")))
 
     # -- P8 / P9 / P10 -------------------------------------------------------------
 
-    def walk_concurrency(self, level: Level) -> None:
+    def walk_concurrency(self, level: PressureLevel) -> None:
         """P8: one step per tick toward the configured maximum (ok) or 1 (pressure).
 
         One step at a time keeps a burst of finishing requests from refilling
@@ -637,7 +638,7 @@ class _Tick:
                 f"{w.model} idle for {idle_for:.0f} s, longer than its TTL of {ttl:g} s")))
             self._gone(w)
 
-    def interval(self, level: Level) -> float:
+    def interval(self, level: PressureLevel) -> float:
         """P9: fast while anything can change the answer, slow when all is quiet."""
         s, g = self.s, self.s.guard
         hint = s.activity_hint
@@ -718,7 +719,7 @@ def tick(s: Snapshot) -> TickResult:
             for pool, pool_level, pool_emergency in pools:
                 if pool_level == "ok":
                     continue
-                acting: Level = pool_level
+                acting: PressureLevel = pool_level
                 stepped = pool is t.host and t.grower_first(pool_emergency)
                 if pool_level == "hard":
                     t.shrink_hot_cache(pool)
@@ -743,7 +744,7 @@ def _pressure(pool: _Pool) -> str:
     return "pressure" if pool.name == "host" else "device memory pressure"
 
 
-def _level_changed(before: Level, level: Level, t: _Tick, host_level: Level, dev_usage: int) -> LevelChanged:
+def _level_changed(before: PressureLevel, level: PressureLevel, t: _Tick, host_level: PressureLevel, dev_usage: int) -> LevelChanged:
     """P1/D4: the figures of the pool that sets the group's level (the host on a tie)."""
     c, dc = t.c, t.dc
     if dc is None or level == host_level:
@@ -756,7 +757,7 @@ def _level_changed(before: Level, level: Level, t: _Tick, host_level: Level, dev
             f"{format_size(dc.hard)}, device ceiling {format_size(dc.ceiling)} ({dc.binding})"))
 
 
-def _level_reason(level: Level, usage: int, c: Ceilings) -> str:
+def _level_reason(level: PressureLevel, usage: int, c: Ceilings) -> str:
     if c.ceiling <= 0:
         return "the guard is off: no limit"
     return (f"usage {format_size(usage)} against soft {format_size(c.soft)}, hard "

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Iterator
 
 import msgspec
 
+from shared.vocab import PressureLevel
 from supervisor.policy.decisions import Decision
 from supervisor.policy.pressure import tick
 from supervisor.policy.snapshot import PolicyState, Snapshot
@@ -32,7 +33,7 @@ class ReplayTick(msgspec.Struct, frozen=True, kw_only=True):
 
     line: int
     now: float
-    level: str
+    level: PressureLevel
     usage: int
     projected_usage: int
     ceiling: int

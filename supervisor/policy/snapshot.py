@@ -10,12 +10,10 @@ also the replay trace's line format, so every type here round-trips through
 JSON and has a JSON Schema (`python -m supervisor schema`).
 
 Public names (stable): HostCounters, GuardSettings, WorkerRecord, PolicyState,
-Snapshot, Level. (Worker states and their sets: shared.states.)
+Snapshot. (Pressure levels: shared.vocab; worker states and their sets: shared.states.)
 """
 
 from __future__ import annotations
-
-from typing import Literal
 
 import msgspec
 
@@ -23,14 +21,12 @@ from shared.host import HostCounters
 from shared.limits import Limits
 from shared.memory import NO_READING, MemoryReading
 from shared.states import WorkerState
+from shared.vocab import PressureLevel
 
 # ---------------------------------------------------------------------------
 # Everything else a policy tick needs. A Snapshot is also the replay trace's
 # line format (one JSON object per line), so every type here is a plain
 # msgspec Struct that round-trips through JSON and has a JSON Schema.
-
-Level = Literal["ok", "soft", "hard"]
-
 
 class GuardSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The guard's knobs as they are right now (config plus T6 runtime changes).
@@ -95,7 +91,7 @@ class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 class PolicyState(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """What the policy carries from one tick to the next (returned by `tick`)."""
 
-    level: Level = "ok"
+    level: PressureLevel = "ok"
     over_ceiling_ticks: int = 0     # P2 consecutive ticks with usage >= ceiling
     grace_ticks: int = 0            # P4 grace ticks used in this pressure episode
     admission_paused: bool = False  # P3, as last decided

@@ -20,6 +20,7 @@ import msgspec
 
 from shared.protocol import DevicePool, GuardEvent
 from shared.states import LIVE_STATES
+from shared.vocab import HostBinding, PressureLevel, Tier
 from supervisor.policy.ceilings import remedy, reserve_message
 from supervisor.policy.device import device_remedy
 from supervisor.policy.pressure import TickResult
@@ -61,10 +62,10 @@ class GuardStatus(msgspec.Struct, frozen=True, kw_only=True):
     """S1: every figure the guard decides with, and why the ceiling is what it is."""
 
     enabled: bool
-    tier: str
+    tier: Tier
     custom_ceiling: int
     ceiling: int
-    binding: str
+    binding: HostBinding
     remedy: str
     static: int
     dynamic: int
@@ -89,7 +90,7 @@ class GuardStatus(msgspec.Struct, frozen=True, kw_only=True):
     soft_bytes: int
     hard_bytes: int
     usage: int
-    pressure_level: str
+    pressure_level: PressureLevel
     emergency: bool
     admission_paused: bool
     utilization: float         # usage / ceiling, 0 when there is no ceiling

@@ -7,7 +7,7 @@ small a reserve on `aggressive` jetsammed the server during model loads,
 thresholds that ignored the tier made `safe` evict at the same point as
 `aggressive`. Pure functions only; nothing here reads the machine.
 
-Public names (stable): TIERS, TierParams, TIER_PARAMS, normalise_tier, clamp,
+Public names (stable): TierParams, TIER_PARAMS, normalise_tier, clamp,
 reserve_bytes, other_app_ratio, resolve_thresholds, check_thresholds,
 ThresholdError, LEGACY_SOFT, LEGACY_HARD.
 """
@@ -18,9 +18,9 @@ import math
 from typing import NamedTuple
 
 from shared.sizes import GiB
+from shared.vocab import TIERS, Tier, parse
 
-TIERS = ("safe", "balanced", "aggressive", "custom")
-DEFAULT_TIER = "balanced"
+DEFAULT_TIER: Tier = "balanced"
 
 # T5: a saved 0.85 / 0.95 is the old global default, not a user's choice.
 LEGACY_SOFT = 0.85
@@ -43,7 +43,7 @@ class TierParams(NamedTuple):
     abort_margin: float     # G1/G2 prefill abort margin
 
 
-TIER_PARAMS: dict[str, TierParams] = {
+TIER_PARAMS: dict[Tier, TierParams] = {
     "safe": TierParams(0.20, 6 * GiB, 16 * GiB, 0.0, 0.85, 0.95, 0.90, 0.90),
     "balanced": TierParams(0.08, 3 * GiB, 8 * GiB, 0.0, 0.90, 0.95, 0.92, 0.93),
     "aggressive": TierParams(0.02, int(1.5 * GiB), 4 * GiB, 0.5, 0.95, 0.98, 0.97, 0.97),
@@ -51,16 +51,14 @@ TIER_PARAMS: dict[str, TierParams] = {
 }
 
 
-def normalise_tier(name: str | None) -> tuple[str, bool]:
+def normalise_tier(name: str | None) -> tuple[Tier, bool]:
     """T2: (tier, known). Strip and lower-case; unknown or empty -> balanced.
 
     `known` is False when the name had to be replaced, so the caller can say
     so once in the log instead of silently guarding with another tier.
     """
-    tier = (name or "").strip().lower()
-    if tier in TIER_PARAMS:
-        return tier, True
-    return DEFAULT_TIER, False
+    tier = parse((name or "").strip().lower(), TIERS)
+    return (DEFAULT_TIER, False) if tier is None else (tier, True)
 
 
 def clamp(x: float, lo: int, hi: int) -> int:
@@ -68,7 +66,7 @@ def clamp(x: float, lo: int, hi: int) -> int:
     return int(min(hi, max(lo, x)))
 
 
-def reserve_bytes(tier: str, total: int) -> int:
+def reserve_bytes(tier: Tier, total: int) -> int:
     """T1: memory `tier` leaves for the OS and other apps on a `total`-byte machine."""
     params = TIER_PARAMS[tier]
     if tier == "custom":
@@ -76,7 +74,7 @@ def reserve_bytes(tier: str, total: int) -> int:
     return clamp(total * params.share, params.reserve_min, params.reserve_max)
 
 
-def other_app_ratio(tier: str, compressor: bool) -> float:
+def other_app_ratio(tier: Tier, compressor: bool) -> float:
     """T3: share of other apps' anonymous active memory the OS can take back.
 
     Without a compressor or swap (Linux with no swap/zram/zswap) that memory
@@ -92,7 +90,7 @@ def _override(value: float | None, legacy: float) -> float | None:
     return float(value)
 
 
-def resolve_thresholds(tier: str, soft: float | None, hard: float | None) -> tuple[float, float]:
+def resolve_thresholds(tier: Tier, soft: float | None, hard: float | None) -> tuple[float, float]:
     """T5: the (soft, hard) fractions in force for `tier` (already normalised).
 
     An explicit value wins unless absent, <= 0 or the legacy default, so a

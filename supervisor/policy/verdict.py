@@ -15,11 +15,10 @@ from typing import Literal, NamedTuple
 import msgspec
 
 from shared.sizes import format_size
+from shared.vocab import Binding, PoolName, RefusalCode
 
-MODEL_TOO_LARGE = "model_too_large"
-INSUFFICIENT_MEMORY = "insufficient_memory"
-
-PoolName = Literal["host", "device"]
+MODEL_TOO_LARGE: RefusalCode = "model_too_large"
+INSUFFICIENT_MEMORY: RefusalCode = "insufficient_memory"
 
 
 class LoadVerdict(msgspec.Struct, frozen=True, kw_only=True):
@@ -30,8 +29,8 @@ class LoadVerdict(msgspec.Struct, frozen=True, kw_only=True):
     pool: PoolName = "host"
     evict: list[str] = []      # worker ids to stop first, least recently used first
     wait_for: list[str] = []   # draining workers whose memory the verdict counts as free
-    error: str = ""            # "" | "model_too_large" | "insufficient_memory"
-    binding: str = ""          # binding of the pool's admission ceiling (C6, D3)
+    error: Literal[RefusalCode, ""] = ""  # "" when admitted
+    binding: Binding = ""      # binding of the pool's admission ceiling (C6, D3)
     remedy: str = ""
     message: str = ""
     usage: int = 0             # the pool's projected usage before the load
@@ -54,9 +53,9 @@ DEVICE_TERMS = PoolTerms("device", " of device memory", "device ceiling", "devic
 
 
 def decide_load(
-    terms: PoolTerms, model_id: str, *, size: int, usage: int, ceiling: int, target: int, binding: str,
+    terms: PoolTerms, model_id: str, *, size: int, usage: int, ceiling: int, target: int, binding: Binding,
     enabled: bool, victims: Iterable[tuple[str, int]], wait_for: list[str],
-    refuse: Callable[[int], tuple[str, str, str]],
+    refuse: Callable[[int], tuple[RefusalCode, str, str]],
 ) -> LoadVerdict:
     """A2-A4 on one pool, the same for host RAM and a discrete device.
 

@@ -3,7 +3,7 @@
 Why: the real all-MiniLM-L6-v2 (90 MB, from a PyPI package) proves the vectors;
 the fast tests and the guard's edge cases want an embedding model that loads
 in a moment and can be shaped at will (its input limit, its Matryoshka
-dimensions, its pooling). Like worker/modelgen.py it imports no MLX: random
+dimensions, its pooling). Like modelfiles/modelgen.py it imports no MLX: random
 weights from numpy (seeded: the same seed gives the same bytes), a WordPiece
 tokenizer trained offline on modelgen's corpus, and the sentence-transformers
 files (modules.json, 1_Pooling/config.json, sentence_bert_config.json) that
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from worker.modelgen import INIT_STD, corpus_texts
-from worker.staging import staged_model_dir
+from modelfiles.modelgen import INIT_STD, corpus_texts
+from modelfiles.staging import staged_model_dir
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 CORPUS_CHARS = 200_000

@@ -1,15 +1,15 @@
 """Turn a GGUF file into an MLX model folder that `mlx_lm.load(DIR)` loads.
 
-`python -m worker.gguf_import FILE.gguf DIR [--force] [--json]`
+`python -m modelfiles.gguf_import FILE.gguf DIR [--force] [--json]`
 
-Why it lives in the worker room: it builds MLX arrays and writes them with
-MLX, and the supervisor never imports MLX. The supervisor runs this module as
+It builds MLX arrays and writes them with MLX (imported inside the functions
+that do), and the supervisor never imports MLX: the supervisor runs this module as
 a child process (`import-gguf`, and a `[[models]] path` ending in `.gguf`)
 and reads its progress, one JSON line a step (`shared.gguf.ImportLine`),
 from its stdout when `--json` is given.
 
 What it handles:
-  * the tensors are read from the file's blocks by `worker.gguf_tensors`
+  * the tensors are read from the file's blocks by `modelfiles.gguf_tensors`
     (not `mx.load`, whose Q4_K is wrong: see there); Q4_0, Q4_1 and Q8_0
     stay quantized as MLX affine triples (group 32), the K-quants and Q5_0/
     Q5_1 are dequantized to float16, and a note says which and how big;
@@ -35,6 +35,13 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from modelfiles.gguf_tensors import (
+    KEPT_QUANTIZED,
+    affine_triple,
+    check_supported,
+    plain_or_dequantized,
+)
+from modelfiles.staging import staged_model_dir
 from shared.gguf import (
     MLX_GROUP_SIZE,
     REQUANTIZE_BITS,
@@ -50,13 +57,6 @@ from shared.gguf import (
     read_header,
 )
 from shared.sizes import format_size
-from worker.gguf_tensors import (
-    KEPT_QUANTIZED,
-    affine_triple,
-    check_supported,
-    plain_or_dequantized,
-)
-from worker.staging import staged_model_dir
 
 ROPE_FREQS = "rope_freqs.weight"
 SHARD_BYTES = 2 * 1024**3
@@ -272,7 +272,7 @@ def _plan_shards(tensors: list[TensorInfo], requantize: int) -> list[list[Tensor
 
 
 def _convert_and_write(header: GGUFHeader, src: Path, out: Path, emit: Emit, requantize: int = 0) -> int:
-    """Read every tensor from the file's blocks (`worker.gguf_tensors`) and write the shards.
+    """Read every tensor from the file's blocks (`modelfiles.gguf_tensors`) and write the shards.
 
     One shard is held at a time, so a large file is imported in about
     SHARD_BYTES of memory (plus the page cache of the mapped file).
@@ -328,7 +328,7 @@ def _dequantized_note(header: GGUFHeader, requantize: int = 0) -> ImportNote | N
 def import_gguf(src: str | Path, dest: str | Path, emit: Emit = lambda line: None,
                 *, force: bool = False, requantize: int = 0) -> ImportDone:
     """Write the MLX folder for `src` into `dest`; built aside and moved in at the end."""
-    from worker.gguf_tokenizer import write_tokenizer
+    from modelfiles.gguf_tokenizer import write_tokenizer
 
     started = time.monotonic()
     src, dest = Path(src), Path(dest)
@@ -372,7 +372,7 @@ def _printer(as_json: bool) -> Emit:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m worker.gguf_import",
+    parser = argparse.ArgumentParser(prog="python -m modelfiles.gguf_import",
                                      description="Write an MLX model folder from a GGUF file.")
     parser.add_argument("gguf", help="the .gguf file")
     parser.add_argument("dir", help="the folder to write")

@@ -44,8 +44,8 @@ from typing import Callable, Iterator, Sequence
 import msgspec
 import numpy as np
 
+from modelfiles.staging import staged_model_dir
 from shared.sizes import MiB, format_size
-from worker.staging import staged_model_dir
 
 DTYPES = {"float16": ("F16", 2), "bfloat16": ("BF16", 2), "float32": ("F32", 4)}
 DEFAULT_DTYPE = "float16"
