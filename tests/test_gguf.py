@@ -350,7 +350,7 @@ def test_a_large_import_is_written_in_shards_that_mlx_lm_loads(tiny_model, gguf_
     import mlx.core as mx
     import mlx_lm
 
-    from worker import gguf_import
+    from modelfiles import gguf_import
 
     monkeypatch.setattr(gguf_import, "SHARD_BYTES", 1024 * 1024)
     done = gguf_import.import_gguf(gguf_file, tmp_path / "s")
