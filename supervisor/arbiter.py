@@ -51,8 +51,9 @@ from supervisor.fanout import EVENT_HISTORY, Hub, Subscription
 from supervisor.gate import Gate
 from supervisor.offloop import MODEL_FILES_TIMEOUT, OffLoopTimeout, off_loop
 from supervisor.policy.admission import FitReport, fit_report
-from supervisor.policy.status import ModelInfo, ServerStatus
+from supervisor.policy.status import DiskCacheStatus, ModelInfo, ServerStatus
 from supervisor.pool import (
+    CacheWritten,
     Exited,
     ModelView,
     Pool,
@@ -328,6 +329,8 @@ class Arbiter:
                 kind, reason = "load_failed", ev.reason
             case Reported():
                 kind, reason = ev.kind, ev.reason
+            case CacheWritten():
+                kind, reason = "disk_cache", ev.reason
             case Exited():
                 kind, reason = ("exit" if ev.expected else "crash"), f"{ev.reason}; {returned(ev.handle)}"
             case _:
@@ -749,12 +752,13 @@ class Arbiter:
         expires = None
         if ttl and handle is not None and handle.serving and not m.pinned:
             expires = max(0.0, ttl - idle)
+        disk = self.pool.caches.model(m.id)  # H5: as its last worker reported it
         return ModelInfo(
             id=m.id, path=m.path, pinned=m.pinned, state=view.state, worker=view.worker, pid=view.pid,
             failed_reason=view.reason, aliases=list(m.aliases), estimated_bytes=self._estimate(m),
             usage=memory.usage, mlx_active=memory.mlx_active, mlx_pool=memory.mlx_pool,
             cache_bytes=memory.cache_bytes, batch_bytes=memory.batch_bytes,
-            batch_live_bytes=memory.batch_live_bytes,
+            batch_live_bytes=memory.batch_live_bytes, disk_cache_bytes=disk.bytes, disk_cache_entries=disk.entries,
             idle_seconds=idle, ttl=ttl, expires_in=expires,
             restarts=len(self.pool.restarts.get(m.id, ())),
         )
@@ -841,8 +845,13 @@ class Arbiter:
             pid=os.getpid(), uptime=time.monotonic() - self.started, runtime_dir=str(self.runtime_dir),
             pub=self.endpoints.pub, http=self.http_address, guard=self.enforcer.status(),
             models=models, events=list(self.events)[-recent_events:], malformed_frames=self.bus.malformed_total,
-            counters=counters,
+            counters=counters, disk_cache=self.disk_cache(),
         )
+
+    def disk_cache(self) -> DiskCacheStatus:
+        """H5, H6 (proposed): the prompt cache's disk tier and shrink before drop, as workers reported them."""
+        g = self.config.guard
+        return self.pool.caches.status(int(g.disk_cache_max), self.pool.save_grace(), g.cache_quantize_bits)
 
     def counters(self) -> dict[str, int]:
         """Pool, gate and guard counters, for status and metrics."""

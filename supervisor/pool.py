@@ -30,6 +30,7 @@ from shared.ledger import Ledger, LedgerSample
 from shared.limits import Limits
 from shared.states import LIVE_STATES, LOADING_STATES, SERVING_STATES, WorkerState, WorkerTrigger, transition
 from shared.vocab import PoolName, WorkerEventKind
+from supervisor.cache_tiers import CacheBook, saved_words
 from supervisor.errors import LoadError
 from supervisor.streams import RequestStream, Streams
 from worker.main import run as worker_main  # the spawn target; imports no MLX at module level
@@ -114,6 +115,10 @@ class Spawned(_News):
     """A worker process was started for a model."""
 
 
+class CacheWritten(_News):
+    """H5 (proposed): what the worker wrote to the disk tier, and what its stop's deadline cost."""
+
+
 class WorkerLoaded(_News):
     """The worker loaded its model and serves."""
 
@@ -151,7 +156,7 @@ class Reported:
     reason: str
 
 
-PoolEvent = Union[Spawned, WorkerLoaded, WorkerLoadFailed, WorkerNeedsMemory, Exited, Reported]
+PoolEvent = Union[Spawned, WorkerLoaded, WorkerLoadFailed, WorkerNeedsMemory, Exited, Reported, CacheWritten]
 EventSink = Callable[[PoolEvent], None]
 
 
@@ -210,6 +215,7 @@ class Pool:
         self._calls: dict[str, tuple[WorkerHandle, asyncio.Future[p.TokensReply]]] = {}
         # Off only in the reaction benchmark's baseline (the seed's fixed 1 s poll).
         self.wake_on_watermark = True
+        self.caches = CacheBook()  # each model's prompt-cache disk tier, as its workers report it (H5)
 
     # -- lookups ------------------------------------------------------------
 
@@ -293,6 +299,10 @@ class Pool:
             max_concurrency=handle.concurrency,
             chunk_seconds=scfg.chunk_seconds,
             allow_drills=scfg.allow_drills,
+            # H5: the disk tier keeps what the memory tier held; with no memory tier it has nothing
+            disk_cache_max=int(self.config.guard.disk_cache_max) if self.config.guard.hot_cache_max else 0,
+            disk_cache_grace=self.save_grace(),
+            cache_quantize_bits=self.config.guard.cache_quantize_bits,
         )
         proc = self._mp.Process(
             target=worker_main, args=(msgspec.msgpack.encode(spec),), name=f"memvisor-{worker_id}", daemon=False
@@ -405,8 +415,25 @@ class Pool:
                     return  # the last word of a worker that has just exited: it changes nothing
                 handle.last_alive = time.monotonic()
                 handle.alive = msg
+            case p.CacheReport():
+                self._on_cache_report(msg)
             case _:
                 assert_never(msg)
+
+    def _on_cache_report(self, msg: p.CacheReport) -> None:
+        """H5: a worker's disk-tier figures; the last one comes as it exits, maybe after its reaping."""
+        handle = self.handles.get(msg.worker_id)
+        if handle is None:
+            last = self.last_exited.get(msg.model_id)
+            handle = last if isinstance(last, WorkerHandle) and last.worker_id == msg.worker_id else None
+        if handle is None or handle.pid != msg.pid or handle.model_id != msg.model_id:
+            self.bus.bad("reports", "cache report from an unknown worker", cause="unknown_peer")
+            return
+        self.caches.take(msg)
+        s = msg.stats
+        if msg.final and (s.written_entries or s.dropped_entries):
+            self.counters["disk_cache_saves"] += 1
+            self.on_event(CacheWritten(handle, saved_words(s)))
 
     # -- commands -------------------------------------------------------------
 
@@ -564,10 +591,14 @@ class Pool:
 
     async def _stop(self, handle: WorkerHandle, reason: str, kill_now: bool) -> None:
         grace = self.config.supervisor.stop_grace
-        if not kill_now and self.command(handle, p.Drain(reason=reason)):
-            if await self._wait_exit(handle, grace):
+        # H5: drained, the worker may write its prompt cache to disk for `save` seconds (its own
+        # deadline); the escalation waits that much longer and no more before SIGTERM.
+        save = self.save_grace()
+        if not kill_now and self.command(handle, p.Drain(reason=reason, save_seconds=save)):
+            if await self._wait_exit(handle, grace + save):
                 return
-            log.warning("Worker %s did not exit %.1f s after drain; sending SIGTERM", handle.worker_id, grace)
+            log.warning("Worker %s did not exit %.1f s after drain (%.1f s of it to write its prompt cache); "
+                        "sending SIGTERM", handle.worker_id, grace + save, save)
         self._signal(handle, signal.SIGTERM)
         if await self._wait_exit(handle, min(grace, 5.0)):
             return
@@ -589,6 +620,11 @@ class Pool:
             os.kill(handle.pid, sig)
         except ProcessLookupError:
             pass
+
+    def save_grace(self) -> float:
+        """H5: seconds a drained worker may spend writing its prompt cache (0: the disk tier is off)."""
+        g = self.config.guard
+        return g.disk_cache_grace if g.disk_cache_max and g.hot_cache_max else 0.0
 
     def kill(self, handle: WorkerHandle, reason: str, cause: StopCause = "request") -> asyncio.Task:
         """For a wedged worker (it will not obey a drain) or a second ^C (no time

@@ -626,7 +626,8 @@ def sse_response(events: AsyncIterator[bytes]) -> StreamingResponse:
 def _usage(msg: p.Finished) -> Usage:
     return Usage(prompt_tokens=msg.prompt_tokens, completion_tokens=msg.completion_tokens,
                  total_tokens=msg.prompt_tokens + msg.completion_tokens,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=msg.cached_tokens))
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=msg.cached_tokens,
+                                                           disk_cached_tokens=msg.cached_disk_tokens))
 
 
 def keep_alive_seconds(keep_alive, ttl: int | None) -> float | None:
