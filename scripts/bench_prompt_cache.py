@@ -1,7 +1,9 @@
 """Prompt cache (SPEC H1-H3): a growing chat's time to first token with and without it,
-and a mixed workload whose cache bytes must stay under a small budget.
+a mixed workload whose cache bytes must stay under a small budget, and the chat's
+next turn after its model was unloaded or evicted, with and without the disk tier (H5).
 
     python scripts/bench_prompt_cache.py [--size 8MiB] [--turns 10] [--requests 200]
+    python scripts/bench_prompt_cache.py --cases eviction [--size 8MiB]
 
 One run starts two supervisors (`python -m supervisor serve`, the real HTTP
 front door, a worker process each) on the same generated model: one with
@@ -23,15 +25,32 @@ front door, a worker process each) on the same generated model: one with
    step, is read every millisecond or so; the maximum of the group's sum is
    printed against the budget.
 
-The last line is the headline:
+3. Eviction (H5 as proposed, docs/spec-proposal-h5-h6.md): a ~1,500-token
+   system prompt and a first turn, on two more supervisors whose model is not
+   pinned, both with the memory tier: one with the disk tier
+   (`disk_cache_max = "auto"`, its own MEMVISOR_CACHE), one without
+   (`disk_cache_max = 0`). The model is then unloaded on both, once by
+   `POST /v1/models/chat/unload` and once by the guard under pressure (a
+   custom ceiling that puts the group's usage at the hard watermark: P5/P6
+   stop the idle model), and the next turn is asked. The model is loaded
+   again first and answers a two-word request (the same load and first pass
+   on both sides, which a shared machine makes noisy), so the TTFT is the prefill's:
+   the disk tier reads the conversation's KV back, the other side prefills
+   it all again. Printed per eviction: TTFT with and without, the prompt
+   tokens cached (and from disk), whether the greedy replies are the same,
+   and the bytes the disk tier wrote and read.
+
+The last line is the headline of the last case run:
 
     prompt cache: turn-10 TTFT X ms vs Y ms without (Z×)
+    disk tier: TTFT after an eviction X ms vs Y ms without (Z×) ...
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import tempfile
@@ -45,6 +64,7 @@ if str(ROOT) not in sys.path:
 
 from _serve import ServeProcess, bench_model  # noqa: E402  (scripts/ is on sys.path as the script's folder)
 
+from shared.probe import blas as found  # noqa: E402
 from shared.sizes import format_size, parse_size  # noqa: E402
 
 WORDS = ("memory pressure guard worker model cache prefix token budget ceiling supervisor "
@@ -67,14 +87,15 @@ def text(rng: random.Random, words: int) -> str:
 class Server(ServeProcess):
     """`python -m supervisor serve` in a subprocess, with its own config and runtime dir."""
 
-    def __init__(self, workdir: Path, name: str, models: dict[str, Path], guard: str) -> None:
+    def __init__(self, workdir: Path, name: str, models: dict[str, Path], guard: str, *, pinned: bool = True,
+                 env: dict[str, str] | None = None) -> None:
         # Pings are answered between engine steps, and on a busy 2-core machine one
         # 512-token prefill chunk can outlast the default 5 s heartbeat timeout.
         body = f"[guard]\n{guard}\n[supervisor]\nheartbeat_timeout = 120\n" + "".join(
-            f'[[models]]\nid = "{mid}"\npath = "{path}"\npinned = true\nmax_concurrency = 4\n'
+            f'[[models]]\nid = "{mid}"\npath = "{path}"\npinned = {str(pinned).lower()}\nmax_concurrency = 4\n'
             for mid, path in models.items())
         super().__init__(body, config=workdir / f"{name}.toml", runtime=workdir / f"rt-{name}",
-                         log=workdir / f"{name}.log", timeout=300.0, stop_grace=60.0)
+                         log=workdir / f"{name}.log", timeout=300.0, stop_grace=60.0, env=env)
 
     def chat(self, model: str, messages: list[dict], max_tokens: int) -> tuple[float, str, dict]:
         """Streamed greedy chat: (TTFT seconds, reply text, usage)."""
@@ -183,6 +204,125 @@ def mixed_bench(server: Server, requests: int, budget: int) -> tuple[float, int,
     return seen["max"], seen["hits"], seconds
 
 
+# -- 3. the next turn after an eviction, with and without the disk tier (H5) -----------------
+
+EVICTION_SYSTEM_WORDS = 690  # ~1,500 tokens
+
+
+def status(server: Server) -> dict:
+    import httpx
+
+    return httpx.get(f"{server.base}/status", timeout=30).json()
+
+
+def model_state(server: Server, model: str) -> str:
+    return next(m["state"] for m in status(server)["models"] if m["id"] == model)
+
+
+def wait_for(what: str, predicate, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def post(server: Server, path: str, body: dict | None = None) -> dict:
+    import httpx
+
+    r = httpx.post(f"{server.base}{path}", json=body, timeout=600) if body is not None else \
+        httpx.post(f"{server.base}{path}", timeout=600)
+    if r.status_code != 200:
+        raise SystemExit(f"{server.base}{path}: HTTP {r.status_code}: {r.text}")
+    return r.json()
+
+
+def unload(server: Server, model: str) -> None:
+    post(server, f"/v1/models/{model}/unload")
+
+
+def pressure_ceiling(guard: dict) -> int:
+    """A custom ceiling whose soft watermark (0.90 on the custom tier) is 2 MiB over the supervisor's
+    own usage: whatever P5's shrink and P4's reclaim give back, the worker keeps the group at the
+    hard watermark, and P6 stops it (the idle, unpinned model)."""
+    supervisor = guard["usage"] - sum(w["usage"] for w in guard["workers"])
+    return int((supervisor + 2 * 1024 ** 2) / 0.90)
+
+
+def evict_under_pressure(server: Server, model: str) -> None:
+    """P6 at hard: a custom ceiling that the model's worker alone puts the group over; the guard
+    stops the idle, unpinned model (after P5 shrank its cache); then the ceiling goes back."""
+    post(server, "/admin/guard", {"tier": "custom", "custom_ceiling": pressure_ceiling(status(server)["guard"])})
+    try:
+        wait_for(f"the guard to stop {model}", lambda: model_state(server, model) == "unloaded", 60)
+    finally:
+        post(server, "/admin/guard", {"tier": "balanced", "custom_ceiling": 0})
+    events = [e for e in status(server)["events"] if e["model_id"] == model and e["kind"] in ("evict", "shrink_cache")]
+    print(f"  {server.base}: " + "; ".join(f"{e['kind']}: {e['reason']}" for e in events[-2:]), flush=True)
+
+
+def disk_figures(server: Server) -> dict:
+    return status(server)["disk_cache"]
+
+
+def eviction_bench(disk: Server, plain: Server, reply_tokens: int) -> list[tuple]:
+    """Per eviction: (how, TTFT with the disk tier, TTFT without, usage with, same reply, written, read)."""
+    rng = random.Random(26)
+    messages = [{"role": "system", "content": text(rng, EVICTION_SYSTEM_WORDS)},
+                {"role": "user", "content": "turn 1: " + text(rng, USER_WORDS)}]
+    _, reply, usage = disk.chat("chat", messages, reply_tokens)
+    plain.chat("chat", messages, reply_tokens)
+    print(f"turn 1: {usage.get('prompt_tokens', 0)} prompt tokens, cold on both", flush=True)
+    rows = []
+    for turn, (how, evict) in enumerate((("unload", unload), ("guard under pressure", evict_under_pressure)), 2):
+        messages += [{"role": "assistant", "content": reply},
+                     {"role": "user", "content": f"turn {turn}: " + text(rng, USER_WORDS)}]
+        before = disk_figures(disk)
+        for server in (disk, plain):
+            evict(server, "chat")
+        wait_for("the disk tier's write to be reported",
+                 lambda b=before: disk_figures(disk)["written_entries"] > b["written_entries"], 30)
+        written = disk_figures(disk)["written_bytes"] - before["written_bytes"]
+        for server in (disk, plain):  # the same load and first pass on both sides: the TTFT below is the prefill's
+            post(server, "/v1/models/chat/load")
+            server.chat("chat", [{"role": "user", "content": "warm up"}], 1)
+        order = (disk, plain) if turn % 2 == 0 else (plain, disk)  # machine drift hits both alike
+        results = {id(server): server.chat("chat", messages, reply_tokens) for server in order}
+        (with_disk, reply, usage), (without, plain_reply, _) = results[id(disk)], results[id(plain)]
+        wait_for("the read's report", lambda b=before: disk_figures(disk)["read_entries"] > b["read_entries"], 30)
+        read = disk_figures(disk)["read_bytes"] - before["read_bytes"]
+        details = usage.get("prompt_tokens_details", {})
+        rows.append((how, with_disk, without, usage, reply == plain_reply, written, read))
+        print(f"turn {turn} after {how}: prompt {usage.get('prompt_tokens', 0)} tokens "
+              f"({details.get('cached_tokens', 0)} cached, {details.get('disk_cached_tokens', 0)} from disk)  "
+              f"TTFT {with_disk * 1000:8.1f} ms with the disk tier, {without * 1000:8.1f} ms without "
+              f"({without / with_disk:.1f}×); same reply: {reply == plain_reply}; disk wrote "
+              f"{format_size(written)}, read {format_size(read)}", flush=True)
+    return rows
+
+
+def private_cache(work: Path) -> dict[str, str]:
+    """An environment whose MEMVISOR_CACHE is a fresh folder (the BLAS copy linked, made once)."""
+    root = work / "cache-disk-tier"
+    root.mkdir(parents=True, exist_ok=True)
+    blas = found.cache_dir()
+    if blas.is_dir() and not (root / "blas").exists():
+        (root / "blas").symlink_to(blas, target_is_directory=True)
+    return {**os.environ, found.CACHE_ENV: str(root)}
+
+
+def run_eviction(work: Path, chat_model: Path, reply_tokens: int) -> list[tuple]:
+    memory = 'hot_cache_max = "1GiB"\n'
+    disk = Server(work, "disk-tier", {"chat": chat_model}, memory + 'disk_cache_max = "auto"', pinned=False,
+                  env=private_cache(work))
+    plain = Server(work, "no-disk-tier", {"chat": chat_model}, memory + "disk_cache_max = 0", pinned=False)
+    try:
+        return eviction_bench(disk, plain, reply_tokens)
+    finally:
+        disk.close()
+        plain.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="8MiB", help="the chat model's float32 weights")
@@ -191,23 +331,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=200, help="mixed workload size (0: skip it)")
     parser.add_argument("--budget", default="4MiB", help="hot_cache_max of the mixed workload")
     parser.add_argument("--workdir", default="", help="keep configs and supervisor logs here")
+    parser.add_argument("--cases", default="chat,mixed,eviction",
+                        help="which cases to run, comma-separated: chat, mixed, eviction")
     args = parser.parse_args(argv)
+    cases = set(args.cases.split(","))
     chat_model = ensure_model("prompt-cache-chat", parse_size(args.size), seed=11)
     budget = parse_size(args.budget)
+    rows: list[tuple] = []
+    evictions: list[tuple] = []
     with tempfile.TemporaryDirectory(prefix="bench-pc-") as tmp:
         work = Path(args.workdir or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        cached = Server(work, "cached", {"chat": chat_model}, 'hot_cache_max = "1GiB"')
-        plain = Server(work, "plain", {"chat": chat_model}, "hot_cache_max = 0")
-        try:
-            for server in (cached, plain):
-                server.chat("chat", [{"role": "user", "content": "warm up"}], 2)
-            rows = chat_bench(cached, plain, args.turns, args.reply_tokens)
-        finally:
-            cached.close()
-            plain.close()
+        if "chat" in cases:
+            cached = Server(work, "cached", {"chat": chat_model}, 'hot_cache_max = "1GiB"')
+            plain = Server(work, "plain", {"chat": chat_model}, "hot_cache_max = 0")
+            try:
+                for server in (cached, plain):
+                    server.chat("chat", [{"role": "user", "content": "warm up"}], 2)
+                rows = chat_bench(cached, plain, args.turns, args.reply_tokens)
+            finally:
+                cached.close()
+                plain.close()
+        if "eviction" in cases:
+            evictions = run_eviction(work, chat_model, args.reply_tokens)
         mixed = None
-        if args.requests:
+        if args.requests and "mixed" in cases:
             small = {f"m{seed - 11}": ensure_model("prompt-cache-small", 8 * 1024 ** 2, seed=seed)
                      for seed in (12, 13)}
             server = Server(work, "mixed", small, f"hot_cache_max = {budget}")
@@ -221,12 +369,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mixed workload: {args.requests} requests over 2 models in {seconds:.1f} s, {hits} cache hits; "
               f"group cache max {format_size(int(peak))} ({int(peak)} B) seen, {verdict} the "
               f"{format_size(budget)} ({budget} B) budget")
-    same = sum(row[3] for row in rows)
-    print(f"greedy replies identical with and without the cache (H1): {same} of {len(rows)} turns")
-    with_cache, without = rows[-1][:2]
     print("(one run on a shared machine: compare the ratio, not the absolute times)")
-    print(f"prompt cache: turn-{len(rows)} TTFT {with_cache * 1000:.0f} ms vs {without * 1000:.0f} ms "
-          f"without ({without / with_cache:.1f}×)")
+    if rows:
+        same = sum(row[3] for row in rows)
+        print(f"greedy replies identical with and without the cache (H1): {same} of {len(rows)} turns")
+        with_cache, without = rows[-1][:2]
+        print(f"prompt cache: turn-{len(rows)} TTFT {with_cache * 1000:.0f} ms vs {without * 1000:.0f} ms "
+              f"without ({without / with_cache:.1f}×)")
+    if evictions:
+        for how, with_disk, without, _usage, same_reply, written, read in evictions:
+            print(f"disk tier after {how}: TTFT {with_disk * 1000:.0f} ms vs {without * 1000:.0f} ms without "
+                  f"({without / with_disk:.1f}×), same greedy reply: {same_reply}; "
+                  f"wrote {format_size(written)}, read {format_size(read)}")
+        worst = min(without / with_disk for _how, with_disk, without, *_ in evictions)
+        same = sum(row[4] for row in evictions)
+        print(f"disk tier: TTFT after an eviction at least {worst:.1f}× faster than without "
+              f"({len(evictions)} evictions: unload, guard), same greedy reply {same} of {len(evictions)}")
     return 0
 
 

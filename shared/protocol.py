@@ -72,6 +72,17 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     max_concurrency: int = 4
     chunk_seconds: float = 1.0  # issue 16: the time one prefill chunk aims at
     allow_drills: bool = False
+    # The prompt cache's disk tier (H5 as proposed) and shrink before drop (H6).
+    # Bytes every model's entries on disk may hold together: DISK_CACHE_AUTO sizes it to the
+    # disk's free space, 0 turns the tier off (nothing written, nothing read).
+    disk_cache_max: int = 0
+    # H5: seconds a worker with nothing to run may spend writing the entries its memory tier
+    # drops (a shrink, a smaller cap) before dropping them; a stop's grace comes in its Drain
+    disk_cache_grace: float = 0.0
+    cache_quantize_bits: int = 0  # H6: 8 or 4 quantizes unused entries at soft pressure; 0 = off
+
+
+DISK_CACHE_AUTO = -1  # WorkerSpec.disk_cache_max: "auto", sized by the worker from the disk's free space
 
 
 # --------------------------------------------------------------------------
@@ -220,6 +231,7 @@ class Prompted(Msg, tag="prompted", kw_only=True):
     request_id: str
     prompt_tokens: int
     cached_tokens: int = 0
+    cached_disk_tokens: int = 0  # H5 (proposed): the part of cached_tokens read from the disk tier
 
 
 class Finished(Msg, tag="finished", kw_only=True):
@@ -228,6 +240,7 @@ class Finished(Msg, tag="finished", kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # H1: prompt tokens reused from the worker's prompt cache
+    cached_disk_tokens: int = 0  # H5 (proposed): the part of cached_tokens this request read from disk
     stop_sequence: str = ""  # issue 13: the stop string that ended it ("" = EOS, length, grammar)
 
 
@@ -481,9 +494,17 @@ class MemoryAnswer(Command, tag="memory_answer", kw_only=True):
 
 
 class Drain(Command, tag="drain", kw_only=True):
-    """Finish what runs, take nothing new, then exit."""
+    """Finish what runs, take nothing new, then exit.
+
+    `save_seconds` (H5 as proposed): once drained, the worker may
+    spend this long writing its prompt cache to the disk tier before it exits;
+    what is not written by then is dropped and counted. The supervisor's stop
+    escalation waits exactly this much longer before SIGTERM, no more. 0 (the
+    default, and every stop of a worker whose disk tier is off): write nothing.
+    """
 
     reason: str = ""
+    save_seconds: float = 0.0
 
 
 class Ping(Command, tag="ping", kw_only=True):
@@ -549,8 +570,54 @@ class Alive(Msg, tag="alive", kw_only=True):
     tokens: int = 0      # tokens generated so far (progress)
 
 
-WorkerReport = Union[Sample, WorkerEvent, Alive]
 # -- end issue 16 --------------------------------------------------------------
+
+
+# -- the prompt cache's tiers (H5, H6 as proposed, docs/spec-proposal-h5-h6.md) ------------
+class DiskCacheStats(msgspec.Struct, frozen=True, kw_only=True):
+    """One model's prompt-cache disk tier as its worker sees it, and what this worker did with it.
+
+    `entries`/`bytes` are this model's files, `all_bytes` every model's (what
+    `budget` bounds). The counters are this worker's since it started: read
+    when a request's prefix came from disk, written and dropped (not written
+    because the stop's deadline came first, H5) at its stop, evicted to stay
+    within the budget. `quantized_*` are the memory tier's shrink before drop (H6).
+    """
+
+    folder: str = ""
+    entries: int = 0
+    bytes: int = 0
+    all_bytes: int = 0
+    budget: int = 0               # the budget in force; 0 = the tier is off
+    read_entries: int = 0
+    read_bytes: int = 0
+    read_tokens: int = 0
+    written_entries: int = 0
+    written_bytes: int = 0
+    dropped_entries: int = 0
+    dropped_bytes: int = 0
+    evicted_entries: int = 0
+    evicted_bytes: int = 0
+    save_seconds: float = 0.0     # the last stop's write: how long it took ...
+    save_deadline: float = 0.0    # ... of how long it was given (Drain.save_seconds)
+    quantized_entries: int = 0    # H6: entries quantized in memory ...
+    quantized_bytes: int = 0      # ... and the bytes that returned
+
+
+class CacheReport(Msg, tag="cache_report", kw_only=True):
+    """Sent when the tiers' figures change: at start (the folder indexed), after a read
+    from disk or a quantization, and once after the stop's write (`final`), just
+    before the process exits; the supervisor keeps the last one per model."""
+
+    worker_id: str
+    model_id: str
+    pid: int
+    stats: DiskCacheStats
+    final: bool = False
+
+
+WorkerReport = Union[Sample, WorkerEvent, Alive, CacheReport]
+# -- end of the prompt cache's tiers --------------------------------------------
 
 
 # --------------------------------------------------------------------------

@@ -65,6 +65,8 @@ GuardEventKind = Literal[
     "reload", "reload_refused", "model_added", "model_changed", "model_removed",
     # the supervisor's own loop was late (a stall the watchdog saw)
     "stall",
+    # what a stopping worker wrote to the prompt cache's disk tier, and what its deadline cost (H5, proposed)
+    "disk_cache",
 ]
 
 # -- how requests end ------------------------------------------------------------------------

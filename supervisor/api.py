@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from supervisor.policy.admission import FitReport
     from supervisor.policy.pressure import TickResult
     from supervisor.policy.snapshot import Snapshot
-    from supervisor.policy.status import ModelInfo, ServerStatus
+    from supervisor.policy.status import DiskCacheStatus, ModelInfo, ServerStatus
     from supervisor.readiness import Readiness
     from supervisor.streams import RequestStream
     from supervisor.views import ModelView, WorkerView
@@ -79,6 +79,10 @@ class Supervisor(Protocol):
         ...
 
     def server_status(self, recent_events: int = ...) -> ServerStatus: ...
+
+    def disk_cache(self) -> DiskCacheStatus:
+        """The prompt cache's disk tier and shrink before drop (H5, H6 as proposed), per model and in all."""
+        ...
 
     # -- routing signals (issue 24) -------------------------------------------
 

@@ -55,6 +55,7 @@ from supervisor.gate import Gate
 from supervisor.models import Models
 from supervisor.pool import Pool
 from supervisor.process import (
+    CacheWritten,
     Exited,
     PoolEvent,
     Reported,
@@ -336,6 +337,8 @@ class Arbiter:
                 kind, reason = "wedged", ev.reason
             case Reported():
                 kind, reason = ev.kind, ev.reason
+            case CacheWritten():
+                kind, reason = "disk_cache", ev.reason
             case Exited():
                 kind, reason = ("exit" if ev.expected else "crash"), f"{ev.reason}; {returned(ev.handle)}"
             case _:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import msgspec
 
+from shared.protocol import DISK_CACHE_AUTO
 from shared.sizes import SizeError, parse_size
 from supervisor.policy.snapshot import GuardSettings
 from supervisor.policy.tiers import ThresholdError, check_thresholds, normalise_tier
@@ -153,6 +154,12 @@ class GuardConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # soft watermark, so the default also works under a small custom ceiling.
     hot_cache_max: int | str = 1024 ** 3
     pool_max: int | str = 2 * 1024 ** 3  # M1: MLX pool a worker may keep (mx.set_cache_limit)
+    # H5 (proposed, docs/spec-proposal-h5-h6.md): the prompt cache's disk tier, every model's
+    # entries together. "auto": a quarter of the cache folder's free disk (plus what the tier
+    # holds), measured by the worker that writes; 0 = off. Kept as int bytes, -1 for "auto".
+    disk_cache_max: int | str = "auto"
+    disk_cache_grace: float = 2.0    # H5: seconds a stopping worker may write its cache (0 = none)
+    cache_quantize_bits: int = 0     # H6: 8 or 4 quantizes unused entries at soft pressure; 0 = off
     safe_zone_ratio: float = 0.89    # G2
     min_chunk_tokens: int = 256      # G2
     poll_interval: float = 1.0       # P9 active cadence
@@ -168,6 +175,13 @@ class GuardConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         self.budget = _size("budget", self.budget)
         self.hot_cache_max = _size("hot_cache_max", self.hot_cache_max)
         self.pool_max = _size("pool_max", self.pool_max)
+        if isinstance(self.disk_cache_max, str) and self.disk_cache_max.strip().lower() == "auto":
+            self.disk_cache_max = DISK_CACHE_AUTO
+        elif self.disk_cache_max != DISK_CACHE_AUTO:  # -1: a config built before ("auto"), checked again
+            self.disk_cache_max = _size("disk_cache_max", self.disk_cache_max)
+        _between("disk_cache_grace", self.disk_cache_grace, 0.0, 60.0)
+        if self.cache_quantize_bits not in (0, 4, 8):
+            raise _FieldError("cache_quantize_bits", f"must be 0 (off), 4 or 8, got {self.cache_quantize_bits}")
         if not normalise_tier(self.tier)[1]:
             raise _FieldError("tier", f"unknown tier {self.tier!r}: choose safe, balanced, aggressive or custom")
         for name in ("soft_threshold", "hard_threshold"):

@@ -33,9 +33,11 @@ from shared.memory import NO_READING
 from shared.states import LOADING_STATES
 from supervisor import liveness
 from supervisor.bus import Bus
+from supervisor.cache_tiers import CacheBook, save_grace, saved_words
 from supervisor.config import Config, ModelConfig
 from supervisor.errors import LoadError
 from supervisor.process import (
+    CacheWritten,
     EventSink,
     Exited,
     Reported,
@@ -47,6 +49,7 @@ from supervisor.process import (
     WorkerLoadFailed,
     WorkerNeedsMemory,
     describe_exit,
+    worker_spec,
 )
 from supervisor.streams import RequestStream, Streams
 from supervisor.views import WorkerView
@@ -73,6 +76,9 @@ class Pool:
         self._pings: dict[tuple[str, int], asyncio.Future] = {}
         # Off only in the reaction benchmark's baseline (the seed's fixed 1 s poll).
         self.wake_on_watermark = True
+        self.caches = CacheBook()  # each model's prompt-cache disk tier, as its workers report it (H5)
+        # model id -> its last worker reaped: its final cache report may come after its exit
+        self.reaped: dict[str, WorkerHandle] = {}
 
     # -- lookups ------------------------------------------------------------
 
@@ -93,21 +99,7 @@ class Pool:
         slot = self._free_slots.pop(0)
         worker_id = f"{model.id}#{self._generation}"
         handle = WorkerHandle(worker_id, model, slot, self._generation)
-        scfg = self.config.supervisor
-        spec = p.WorkerSpec(
-            worker_id=worker_id,
-            model_id=model.id,
-            model_path=str(model.path),
-            slot=slot,
-            ledger_path=str(self.ledger.path),
-            commands=self.bus.endpoints.commands,
-            reports=self.bus.endpoints.reports,
-            supervisor_pid=os.getpid(),
-            heartbeat_timeout=scfg.heartbeat_timeout,
-            max_concurrency=handle.concurrency,
-            chunk_seconds=scfg.chunk_seconds,
-            allow_drills=scfg.allow_drills,
-        )
+        spec = worker_spec(handle, self.config, self.ledger.path, self.bus.endpoints)
         proc = self._mp.Process(
             target=worker_main, args=(msgspec.msgpack.encode(spec),), name=f"memvisor-{worker_id}", daemon=False
         )
@@ -220,8 +212,25 @@ class Pool:
                     return  # the last word of a worker that has just exited: it changes nothing
                 handle.beats.last_alive = time.monotonic()
                 handle.beats.alive = msg
+            case p.CacheReport():
+                self._on_cache_report(msg)
             case _:
                 assert_never(msg)
+
+    def _on_cache_report(self, msg: p.CacheReport) -> None:
+        """H5: a worker's disk-tier figures; the last one comes as it exits, maybe after its reaping."""
+        handle = self.handles.get(msg.worker_id)
+        if handle is None:
+            last = self.reaped.get(msg.model_id)
+            handle = last if last is not None and last.worker_id == msg.worker_id else None
+        if handle is None or handle.pid != msg.pid or handle.model_id != msg.model_id:
+            self.bus.bad("reports", "unknown_peer", "cache report from an unknown worker")
+            return
+        self.caches.take(msg)
+        s = msg.stats
+        if msg.final and (s.written_entries or s.dropped_entries):
+            self.counters["disk_cache_saves"] += 1
+            self.on_event(CacheWritten(handle, saved_words(s)))
 
     # -- commands -------------------------------------------------------------
 
@@ -388,10 +397,14 @@ class Pool:
 
     async def _stop(self, handle: WorkerHandle, reason: str, kill_now: bool) -> None:
         grace = self.config.supervisor.stop_grace
-        if not kill_now and self.command(handle, p.Drain(reason=reason)):
-            if await self._wait_exit(handle, grace):
+        # H5: drained, the worker may write its prompt cache to disk for `save` seconds (its own
+        # deadline); the escalation waits that much longer and no more before SIGTERM.
+        save = save_grace(self.config.guard)
+        if not kill_now and self.command(handle, p.Drain(reason=reason, save_seconds=save)):
+            if await self._wait_exit(handle, grace + save):
                 return
-            log.warning("Worker %s did not exit %.1f s after drain; sending SIGTERM", handle.worker_id, grace)
+            log.warning("Worker %s did not exit %.1f s after drain (%.1f s of it to write its prompt cache); "
+                        "sending SIGTERM", handle.worker_id, grace + save, save)
         self._signal(handle, signal.SIGTERM)
         if await self._wait_exit(handle, min(grace, 5.0)):
             return
@@ -450,6 +463,7 @@ class Pool:
         expected = handle.stopping is not None
         handle.exit_cause = describe_exit(code, expected, handle.signals_sent)
         handle.move("exit")
+        self.reaped[handle.model_id] = handle
         self.ledger.clear_slot(handle.slot)
         self._free_slots.append(handle.slot)
         self.by_identity.pop(handle.identity, None)

@@ -9,21 +9,27 @@ shared.states (`move`), so a late message cannot undo a decision.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Literal, Union
 
+from shared import protocol as p
 from shared.ledger import LedgerSample
 from shared.limits import Limits
 from shared.states import LIVE_STATES, SERVING_STATES, WorkerState, WorkerTrigger, transition
 from shared.vocab import PoolName, WorkerEventKind
+from supervisor.cache_tiers import save_grace
 from supervisor.liveness import Beats
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import multiprocess.process
 
-    from supervisor.config import ModelConfig
+    from supervisor.bus import Endpoints
+    from supervisor.config import Config, ModelConfig
 
 # Why a stop was asked for; a pinned model whose load the
 # guard aborted (P6 step 4), or that was killed as wedged, comes back as after a crash.
@@ -82,6 +88,29 @@ class WorkerHandle:
         return f"<worker {self.worker_id} pid={self.pid} {self.state}>"
 
 
+def worker_spec(handle: WorkerHandle, config: Config, ledger_path: Path, endpoints: Endpoints) -> p.WorkerSpec:
+    """What the new worker process is told: who it is, where to report, its settings."""
+    scfg, guard = config.supervisor, config.guard
+    return p.WorkerSpec(
+        worker_id=handle.worker_id,
+        model_id=handle.model_id,
+        model_path=str(handle.model.path),
+        slot=handle.slot,
+        ledger_path=str(ledger_path),
+        commands=endpoints.commands,
+        reports=endpoints.reports,
+        supervisor_pid=os.getpid(),
+        heartbeat_timeout=scfg.heartbeat_timeout,
+        max_concurrency=handle.concurrency,
+        chunk_seconds=scfg.chunk_seconds,
+        allow_drills=scfg.allow_drills,
+        # H5: the disk tier keeps what the memory tier held; with no memory tier it has nothing
+        disk_cache_max=int(guard.disk_cache_max) if guard.hot_cache_max else 0,
+        disk_cache_grace=save_grace(guard),
+        cache_quantize_bits=guard.cache_quantize_bits,
+    )
+
+
 # ---------------------------------------------------------------------------
 # what the pool tells the others about a worker (`Pool.on_event`)
 
@@ -96,6 +125,10 @@ class _News:
 
 class Spawned(_News):
     """A worker process was started for a model."""
+
+
+class CacheWritten(_News):
+    """H5 (proposed): what the worker wrote to the disk tier, and what its stop's deadline cost."""
 
 
 class WorkerLoaded(_News):
@@ -143,7 +176,7 @@ class Reported:
     reason: str
 
 
-PoolEvent = Union[Spawned, WorkerLoaded, WorkerLoadFailed, WorkerNeedsMemory, Wedged, Exited, Reported]
+PoolEvent = Union[Spawned, WorkerLoaded, WorkerLoadFailed, WorkerNeedsMemory, Wedged, Exited, Reported, CacheWritten]
 EventSink = Callable[[PoolEvent], None]
 
 

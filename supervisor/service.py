@@ -26,6 +26,7 @@ from shared import protocol as p
 from shared.embedding import WRONG_MODEL_KIND, EmbeddingSpec
 from shared.memory import NO_READING
 from supervisor.bus import FrameTooLarge
+from supervisor.cache_tiers import save_grace
 from supervisor.catalog import Catalog
 from supervisor.config import Config, ModelConfig
 from supervisor.enforcer import Enforcer
@@ -34,7 +35,7 @@ from supervisor.eventlog import EventLog
 from supervisor.gate import Gate
 from supervisor.models import Models
 from supervisor.policy.admission import FitReport, admits_request
-from supervisor.policy.status import ModelInfo, ServerStatus
+from supervisor.policy.status import DiskCacheStatus, ModelInfo, ServerStatus
 from supervisor.pool import Pool
 from supervisor.process import WorkerHandle
 from supervisor.readiness import Signals, loading_retry, saturated
@@ -245,8 +246,13 @@ class Service:
             pub=self.place.pub, http=self.place.http, guard=self.enforcer.status(),
             models=[self._model_info(m, now) for m in self.config.models],
             events=self.eventlog.recent(recent_events), malformed_frames=self.bus.malformed_total,
-            counters=self.counters(),
+            counters=self.counters(), disk_cache=self.disk_cache(),
         )
+
+    def disk_cache(self) -> DiskCacheStatus:
+        """H5, H6 (proposed): the prompt cache's disk tier and shrink before drop, as workers reported them."""
+        guard = self.config.guard
+        return self.pool.caches.status(int(guard.disk_cache_max), save_grace(guard), guard.cache_quantize_bits)
 
     def model_info(self, name: str) -> ModelInfo:
         return self._model_info(self.catalog.model(name), time.monotonic())
@@ -263,12 +269,13 @@ class Service:
         expires = None
         if ttl and handle is not None and handle.serving and not m.pinned:
             expires = max(0.0, ttl - idle)
+        disk = self.pool.caches.model(m.id)  # H5: as its last worker reported it
         return ModelInfo(
             id=m.id, path=m.path, pinned=m.pinned, state=view.state, worker=view.worker, pid=view.pid,
             failed_reason=view.reason, aliases=list(m.aliases), estimated_bytes=self.catalog.estimate_soon(m),
             usage=memory.usage, mlx_active=memory.mlx_active, mlx_pool=memory.mlx_pool,
             cache_bytes=memory.cache_bytes, batch_bytes=memory.batch_bytes, batch_live_bytes=memory.batch_live_bytes,
-            idle_seconds=idle, ttl=ttl, expires_in=expires,
+            disk_cache_bytes=disk.bytes, disk_cache_entries=disk.entries, idle_seconds=idle, ttl=ttl, expires_in=expires,
             restarts=self.models.restarts(m.id),
         )
 

@@ -10,17 +10,46 @@ test_http_harness.py) share `server`, `token_server` and
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import msgspec
 import pytest
 
+from shared.probe import blas as found
 from shared.sizes import MiB
 from worker import blas
 
 # issue 22: the tests that run MLX in this process get the workers' OpenBLAS too; it must be
 # opened before any test module imports mlx.core (MEMVISOR_BLAS=stock keeps MLX's own).
 blas.preload()
+USER_BLAS_COPY = found.cache_dir()  # made once (just now, if need be), under the user's MEMVISOR_CACHE
+
+
+def _cache_root(root: Path) -> Path:
+    """`root` as a MEMVISOR_CACHE whose BLAS copy is the user's (a link: made once, not per test)."""
+    if USER_BLAS_COPY.is_dir():
+        (root / "blas").symlink_to(USER_BLAS_COPY, target_is_directory=True)
+    return root
+
+
+# Workers keep their prompt cache's disk tier (H5) under MEMVISOR_CACHE: the tests' workers,
+# those of module-scoped servers too, never write into the user's ~/.cache ...
+_SESSION_CACHE = Path(tempfile.mkdtemp(prefix="memvisor-test-cache-"))
+atexit.register(shutil.rmtree, _SESSION_CACHE, ignore_errors=True)
+os.environ[found.CACHE_ENV] = str(_cache_root(_SESSION_CACHE))
+
+
+@pytest.fixture(autouse=True)
+def private_cache_dir(tmp_path_factory, monkeypatch) -> Path:
+    """... and each test's own workers get a folder of their own: a stop in one test must not
+    hand cached tokens to the next."""
+    root = _cache_root(tmp_path_factory.mktemp("cache", numbered=True))
+    monkeypatch.setenv(found.CACHE_ENV, str(root))
+    return root
 
 
 class TinyModels(msgspec.Struct, frozen=True):

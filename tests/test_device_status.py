@@ -435,11 +435,13 @@ def _metrics_text(snapshot: Snapshot) -> str:
     from prometheus_client import CollectorRegistry, generate_latest
 
     from supervisor.http.metrics import GuardCollector
+    from supervisor.policy.status import DiskCacheStatus
 
     result = tick(snapshot)
     sup = SimpleNamespace(
         last_tick=lambda: result, admission_paused=False, workers=lambda: [], counters=lambda: {},
-        malformed_frames=lambda: {}, config=Config(), last_snapshot=lambda: snapshot)
+        malformed_frames=lambda: {}, config=Config(), last_snapshot=lambda: snapshot,
+        disk_cache=lambda: DiskCacheStatus(max=0))
     registry = CollectorRegistry()
     registry.register(GuardCollector(sup))  # type: ignore[arg-type]
     return generate_latest(registry).decode()

@@ -140,7 +140,7 @@ def test_h1_usage_reports_cached_prompt_tokens_as_openai_does():
     usage = Usage(prompt_tokens=10, completion_tokens=2, total_tokens=12,
                   prompt_tokens_details=PromptTokensDetails(cached_tokens=8))
     body = msgspec.json.decode(msgspec.json.encode(usage))
-    assert body["prompt_tokens_details"] == {"cached_tokens": 8}
+    assert body["prompt_tokens_details"] == {"cached_tokens": 8, "disk_cached_tokens": 0}  # H5: the disk part
 
 
 def test_p4_the_pool_threshold_is_pool_max():

@@ -32,7 +32,8 @@ Event = Union[TokenOut, Finished, Failed, NeedMemory, Prompted]
 
 def prompted(seq: Seq) -> Prompted:
     """Issue 23: the prompt's length and cache reuse, final once its prefill starts."""
-    return Prompted(request_id=seq.id, prompt_tokens=len(seq.prompt), cached_tokens=seq.cached)
+    return Prompted(request_id=seq.id, prompt_tokens=len(seq.prompt), cached_tokens=seq.cached,
+                    cached_disk_tokens=seq.cached_disk)
 
 
 class Endings:
@@ -54,6 +55,7 @@ class Endings:
         self.ids.discard(seq.id)
         return Finished(request_id=seq.id, finish_reason=reason, prompt_tokens=len(seq.prompt),
                         completion_tokens=seq.generated, cached_tokens=seq.cached,
+                        cached_disk_tokens=seq.cached_disk,
                         stop_sequence=seq.stopper.hit if seq.stopper is not None else "")
 
     def store(self, seq: Seq) -> None:

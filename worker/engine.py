@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -41,6 +41,7 @@ from worker import memory, prompts
 from worker import prompt_cache as pc
 from worker.constrain import Constraint, ConstraintError, ConstraintFactory
 from worker.decode import DecodeStep
+from worker.disk_cache import DiskTier
 from worker.endings import Endings, Event
 from worker.memory import UsageFn
 from worker.prefill import (
@@ -104,6 +105,8 @@ class Engine:
                                    max_concurrency=max_concurrency, clock=clock)
         self._outbox: list[Event] = []
         self._constraints: ConstraintFactory | None = None  # built on the first constrained request
+        self.disk: DiskTier | None = None  # the prompt cache's disk tier (H5 as proposed), when on
+        self._spill_seconds = 0.0
 
     @classmethod
     def load(cls, path: str | Path, **kwargs) -> "Engine":
@@ -192,6 +195,58 @@ class Engine:
     def shrink_cache(self, target_bytes: int) -> int:
         """H3/P5: drop LRU unused entries toward `target_bytes`; bytes dropped (pool not yet returned)."""
         return self.prompt_cache.drop_lru(max(0, target_bytes))
+
+    def quantize_cache(self, bits: int, target_bytes: int = 0) -> tuple[int, int]:
+        """H6: quantize unused float entries (LRU first) toward `target_bytes`; (entries, bytes returned)."""
+        if not self.endings.cacheable:
+            return 0, 0
+        return self.prompt_cache.quantize_unused(bits, max(0, target_bytes))
+
+    def use_disk_tier(self, tier: DiskTier | None, spill_seconds: float = 0.0) -> None:
+        """H5: requests read their prefix from `tier` when it has a longer one than memory, and
+        what the memory tier drops while nothing runs is written there first (`spill_seconds` at most).
+
+        Every lookup consults it (at submit, and again when the prefill starts,
+        by which time the first limits have given the memory cache its cap)."""
+        self.disk = tier if self.endings.cacheable else None
+        self._spill_seconds = spill_seconds
+        on = self.disk is not None
+        self.prompt_cache.set_backing(self._read_from_disk if on else None)
+        self.prompt_cache.set_spill(self._spill if on and spill_seconds > 0 else None)
+
+    def _spill(self, victims: list[pc.Entry]) -> None:
+        """H5: entries the memory tier is about to drop (an H3 shrink, a smaller H2 cap), written first
+        when nothing runs: under pressure P5 and C12 empty an idle worker's cache just before P6 stops
+        it, which would leave the stop nothing to write. A busy worker drops at once (its requests
+        never wait on a disk); what the deadline cuts is dropped and counted."""
+        if self.disk is None or self.has_work or self.running:
+            return
+        try:
+            done = self.disk.save(victims, time.monotonic() + self._spill_seconds, given=self._spill_seconds)
+        except OSError as exc:
+            log.error("prompt cache not written to disk before it was dropped: %s", exc)
+            return
+        if done.written or done.dropped:
+            log.info("prompt cache to disk before dropping: %d entries written, %d not (deadline %.3f s)",
+                     done.written, done.dropped, self._spill_seconds)
+
+    def _read_from_disk(self, prompt: Sequence[int]) -> None:
+        """H5: the one disk entry this prompt needs, into the memory cache, when it beats memory's best.
+
+        An entry larger than the memory cache's cap is not read (H2 bounds what a
+        worker holds); one that cannot be read is a miss (the prefill runs)."""
+        tier, cache = self.disk, self.prompt_cache
+        if tier is None or cache.cap <= 0:
+            return
+        limit = len(prompt) - 1
+        found = tier.best(prompt, limit, longer_than=max(cache.longest(prompt, limit), MIN_REUSE_TOKENS - 1))
+        if found is None or found.nbytes > cache.cap:
+            return
+        layers = tier.load(found)
+        if layers is not None and cache.insert(found.tokens, layers):
+            entry = cache.get(found.tokens)
+            assert entry is not None  # just inserted
+            entry.disk, entry.from_disk = found.name, True
 
     # -- prompts ----------------------------------------------------------------------------
 

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -36,6 +38,7 @@ from worker.heartbeat import Heartbeat, StepClock
 
 if TYPE_CHECKING:  # types only: these import MLX, which loads in serve(), never at module level
     from worker.allocator import AllocatorLimits
+    from worker.disk_cache import DiskTier
     from worker.drill import DrillAllocation
     from worker.embedder import Embedder
     from worker.engine import Engine
@@ -45,6 +48,7 @@ if TYPE_CHECKING:  # types only: these import MLX, which loads in serve(), never
 log = logging.getLogger("memvisor.worker")
 
 PR_SET_PDEATHSIG = 1
+MAX_SAVE_SECONDS = 3600.0  # a Drain asking for more is a bad frame's number, not a grace
 # Tests only: seconds every engine step with work sleeps first, standing in for
 # a prefill chunk that computes for a long time (issue 16's wedge tests).
 STEP_DELAY_ENV = "MEMVISOR_TEST_STEP_DELAY"
@@ -133,6 +137,11 @@ class Worker:
         self.heartbeat.start()  # before MLX is imported: a stopped or stuck start or load is seen too
         self.bad_frames = 0
         self._logged_bad: set[MalformedCause] = set()
+        # the prompt cache's tiers (H5, H6 as proposed)
+        self.disk: DiskTier | None = None
+        self.save_seconds = 0.0   # what the Drain gave for writing the cache to disk
+        self.quantized = (0, 0)   # entries quantized in memory, bytes that returned
+        self._reported_from: tuple[p.DiskCacheStats | None, tuple[int, int]] | None = None
 
     # -- wire -----------------------------------------------------------------
 
@@ -200,6 +209,7 @@ class Worker:
             return 2
         if "gpu" in device and isinstance(self.engine, Engine):  # a GPU's first-use costs: paid here
             log.info("warm-up: a request alone and a group in %.2f s", self.engine.warm_up())
+        self.open_disk_tier()
         self.phase = "ready"
         now = time.monotonic()
         self.reply(p.Loaded(weight_bytes=self.engine.weight_bytes, seconds=now - started,
@@ -237,12 +247,15 @@ class Worker:
             for ev in events:
                 self.reply(ev)  # engine events are the wire's own Structs
             self.step_boundary()
+            self.quantize_at_soft(limits)
             now = time.monotonic()
             usage = self.write_sample(now)
             self.maybe_send_sample(now, usage, limits)
+            self.report_cache()
             # Not has_work alone: a request waiting for the supervisor's memory answer
             # leaves the engine idle, yet it runs and must end before we do.
             if self.draining and not self.engine.has_work and not self.engine.running:
+                self.save_cache()
                 log.info("drained; exiting")
                 return 0
 
@@ -310,6 +323,8 @@ class Worker:
             case p.Drain():
                 log.info("draining: %s", msg.reason or "asked by the supervisor")
                 self.draining = True
+                seconds = msg.save_seconds
+                self.save_seconds = min(seconds, MAX_SAVE_SECONDS) if math.isfinite(seconds) and seconds > 0 else 0.0
                 self.phase = "draining"
                 engine.abort_queued("the model is being unloaded: " + (msg.reason or "drain"), code="model_unloading")
             case p.Drill():
@@ -382,14 +397,85 @@ class Worker:
                     self.reply(p.Reclaimed(cmd=r.cmd, freed_bytes=freed))
 
     def shrink_cache(self, msg: p.ShrinkCache) -> None:
-        """H3: drop LRU entries no request uses, return the pool, report at once."""
+        """H3: drop LRU entries no request uses, return the pool, report at once.
+        H6 (as proposed): with quantization on, unused entries are quantized first and
+        only what that leaves over the target is dropped."""
         assert self.engine is not None  # commands are taken once the model is loaded
+        chat = self.chat_engine()
+        if chat is not None and self.spec.cache_quantize_bits:
+            self.count_quantized(*chat.quantize_cache(self.spec.cache_quantize_bits, msg.target_bytes))
         dropped = self.engine.shrink_cache(msg.target_bytes)
         freed = self.sampler.reclaim()
         log.info("prompt cache shrunk by %d bytes toward %d (%s); pool returned %d bytes",
                  dropped, msg.target_bytes, msg.reason or "asked by the supervisor", freed)
         self.reply(p.Reclaimed(cmd=msg.cmd, freed_bytes=freed))
         self.send_now = "shrink"
+
+    # -- the prompt cache's tiers (H5, H6 as proposed) ------------------------------
+
+    def chat_engine(self) -> Engine | None:
+        """The engine when it is a chat engine (an Embedder keeps no prompt cache); None before the load."""
+        from worker.engine import Engine
+
+        return self.engine if isinstance(self.engine, Engine) else None
+
+    def open_disk_tier(self) -> None:
+        """H5: index this model's folder (headers only) so requests can read their prefix back."""
+        from worker.disk_cache import DiskTier
+
+        chat = self.chat_engine()
+        if chat is not None and self.spec.disk_cache_max and chat.endings.cacheable:
+            self.disk = DiskTier.open(self.spec.model_id, Path(self.spec.model_path), self.spec.disk_cache_max)
+            chat.use_disk_tier(self.disk, spill_seconds=min(self.spec.disk_cache_grace, MAX_SAVE_SECONDS))
+        self.report_cache()
+
+    def save_cache(self) -> None:
+        """H5: drained, write the cache's entries within the grace the Drain gave; report, then exit."""
+        chat = self.chat_engine()
+        if self.disk is None or chat is None or self.save_seconds <= 0:
+            return
+        deadline = time.monotonic() + self.save_seconds
+        try:
+            done = self.disk.save(chat.prompt_cache.recent_first(), deadline, given=self.save_seconds)
+        except OSError as exc:  # a full or vanished disk costs the cache, never the stop
+            log.error("prompt cache not written to disk: %s", exc)
+            return
+        log.info("prompt cache to disk: %d entries (%d bytes) written in %.3f s of %.3f s; %d not written "
+                 "(deadline)", done.written, done.written_bytes, done.seconds, self.save_seconds, done.dropped)
+        self.report_cache(final=True)
+
+    def quantize_at_soft(self, limits: Limits) -> None:
+        """H6: at soft pressure, shrink unused entries before the guard has to drop them."""
+        bits = self.spec.cache_quantize_bits
+        if not bits or limits.soft_limit <= 0:
+            return
+        engine = self.chat_engine()
+        if engine is None or not engine.prompt_cache.quantizable():
+            return
+        if self.ledger.group_usage() < limits.soft_limit:
+            return
+        count, returned = engine.quantize_cache(bits)
+        if count:
+            freed = self.sampler.reclaim()
+            log.info("soft pressure: %d prompt-cache entries quantized to %d bits, %d bytes returned "
+                     "(pool gave back %d)", count, bits, returned, freed)
+            self.count_quantized(count, returned)
+            self.send_now = "shrink"
+
+    def count_quantized(self, count: int, returned: int) -> None:
+        self.quantized = (self.quantized[0] + count, self.quantized[1] + returned)
+
+    def report_cache(self, final: bool = False) -> None:
+        """The tiers' figures to the supervisor, when they changed (and always the last one).
+        Called every step: it compares two references before it builds anything."""
+        base = self.disk.stats if self.disk is not None else None
+        if (base, self.quantized) == self._reported_from and not final:
+            return
+        self._reported_from = (base, self.quantized)
+        stats = msgspec.structs.replace(base or p.DiskCacheStats(), quantized_entries=self.quantized[0],
+                                        quantized_bytes=self.quantized[1])
+        self._push(p.CacheReport(worker_id=self.spec.worker_id, model_id=self.spec.model_id, pid=os.getpid(),
+                                 stats=stats, final=final))
 
     def start_drill(self, msg: p.Drill) -> None:
         if not self.spec.allow_drills:

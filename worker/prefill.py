@@ -213,6 +213,8 @@ class Prefill:
         if seq.hit is not None:
             seq.cache = pc.PromptCache.fork(seq.hit)
             seq.cached = seq.pos = seq.hit.tokens
+            if seq.hit.entry.from_disk:  # the first request to reuse an entry read from disk says so
+                seq.cached_disk, seq.hit.entry.from_disk = seq.hit.tokens, False
             # The fork is a copy: from here on the entry is not in use (H3 may drop it).
             self.prompt_cache.release(seq.hit)
             seq.hit = None

@@ -19,27 +19,53 @@ is never touched.
 
 Bytes are measured, not estimated: an entry weighs the `nbytes` of the arrays
 it holds (H2), so the supervisor's C12 `used` is the sum of real buffers.
+
+Shrink before drop (H6 as proposed): an entry no request relies on may be
+quantized in place (mlx-lm's `QuantizedKVCache` layout: packed values, scales
+and biases per group of the head dimension), which returns about 70 % (8-bit)
+or 85 % (4-bit) of a float32 entry's bytes and keeps the prefix reusable.
+`fork()` gives a request float KV dequantized from it, so the engine's other
+rooms never see a quantized cache; the values are not the ones the model
+computed, so a reply may differ from the one without the cache (H1 holds only
+for entries that were never quantized).
+
+The disk tier (H5 as proposed, worker/disk_cache.py) reads an entry into this
+cache as any other (`from_disk` marks it until a request forks it, so that
+request reports the tokens as read from disk) and writes entries out when the
+worker stops (`disk` names the file an unchanged entry already has).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Union
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+Layer = Union[KVCache, QuantizedKVCache]
+QUANT_GROUPS = (64, 32)  # MLX's affine group sizes that divide common head dimensions, largest first
 
 
 class Entry:
     """One cached token sequence and the per-layer KV that encodes it."""
 
-    __slots__ = ("layers", "nbytes", "pins", "tokens")
+    __slots__ = ("disk", "from_disk", "layers", "nbytes", "pins", "tokens")
 
-    def __init__(self, tokens: tuple[int, ...], layers: list[KVCache]):
+    def __init__(self, tokens: tuple[int, ...], layers: Sequence[Layer]):
         self.tokens = tokens
-        self.layers = layers
+        self.layers = list(layers)
         self.nbytes = sum(c.nbytes for c in layers)
         self.pins = 0  # requests (running or queued) that will reuse it
+        self.disk = ""  # the disk tier's file that holds exactly this entry ("" when none does)
+        self.from_disk = False  # read from disk and not yet reused: its first fork says so
+
+    @property
+    def bits(self) -> int:
+        """0 for float KV, else the bits of its quantized values (H6)."""
+        first = self.layers[0] if self.layers else None
+        return first.bits if isinstance(first, QuantizedKVCache) else 0
 
 
 class Hit:
@@ -57,12 +83,60 @@ def supports(layers: Sequence) -> bool:
     return bool(layers) and all(type(c) is KVCache for c in layers)
 
 
+def storable(layers: Sequence) -> bool:
+    """What an entry may hold: every layer plain float KV, or every layer quantized (H6)."""
+    kinds = {type(c) for c in layers}
+    return bool(layers) and (kinds == {KVCache} or kinds == {QuantizedKVCache})
+
+
+def quant_group(head_dim: int) -> int:
+    """The affine group size for a head dimension; 0 when none divides it (not quantizable)."""
+    return next((g for g in QUANT_GROUPS if head_dim % g == 0), 0)
+
+
+def quantized(layer: KVCache, bits: int) -> QuantizedKVCache | None:
+    """`layer`'s tokens (its buffer's padding left out) quantized; None when the head dim does not allow it."""
+    assert layer.keys is not None and layer.values is not None  # stored entries are filled
+    n = layer.offset
+    group = quant_group(layer.keys.shape[-1])
+    if not group or layer.values.shape[-1] % group:
+        return None
+    keys = tuple(mx.quantize(layer.keys[..., :n, :], group_size=group, bits=bits))
+    values = tuple(mx.quantize(layer.values[..., :n, :], group_size=group, bits=bits))
+    mx.eval(keys, values)
+    out = QuantizedKVCache(group_size=group, bits=bits)
+    out.state = (keys, values, n, group, bits)
+    return out
+
+
+def _float_prefix(layer: Layer, n: int) -> tuple[mx.array, mx.array]:
+    """The first `n` tokens of a layer's keys and values as float arrays (dequantized if need be)."""
+    if isinstance(layer, QuantizedKVCache):
+        assert layer.keys is not None and layer.values is not None
+        kq, vq = ([part[..., :n, :] for part in layer.keys], [part[..., :n, :] for part in layer.values])
+        g, b = layer.group_size, layer.bits
+        return mx.dequantize(*kq, group_size=g, bits=b), mx.dequantize(*vq, group_size=g, bits=b)
+    assert layer.keys is not None and layer.values is not None
+    return layer.keys[..., :n, :], layer.values[..., :n, :]
+
+
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Tokens `a` and `b` (both tuples, or both lists) share at their start. Slices compare in C:
+    whole, then 64 at a time,
+    then one by one, so a long shared system prompt costs a few comparisons, not one per token
+    (the disk tier compares every prompt with each of its entries)."""
     n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
     i = 0
+    while i + 64 <= n and a[i:i + 64] == b[i:i + 64]:
+        i += 64
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+common_prefix = _common_prefix
 
 
 class PromptCache:
@@ -83,6 +157,8 @@ class PromptCache:
         self._pinned = 0  # bytes of pinned entries, kept as pins change (read at every step)
         self.hits = 0
         self.misses = 0
+        self._backing: Callable[[Sequence[int]], None] | None = None
+        self._spill: Callable[[list[Entry]], None] | None = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -108,12 +184,9 @@ class PromptCache:
         """
         if self.cap <= 0 or limit <= 0:
             return None
-        best: Entry | None = None
-        best_n = 0
-        for entry in self._entries.values():
-            n = min(_common_prefix(entry.tokens, prompt), limit)
-            if n > best_n or (n == best_n and best is not None and entry.nbytes < best.nbytes):
-                best, best_n = entry, n
+        if self._backing is not None:
+            self._backing(prompt)  # H5: the disk tier adds its entry first when it has a longer prefix
+        best, best_n = self._best(prompt, limit)
         if best is None or best_n < self.min_reuse:
             self.misses += 1
             return None
@@ -123,6 +196,35 @@ class PromptCache:
         best.pins += 1
         self._entries.move_to_end(best.tokens)
         return Hit(best, best_n)
+
+    def _best(self, prompt: Sequence[int], limit: int) -> tuple[Entry | None, int]:
+        best: Entry | None = None
+        best_n = 0
+        key = tuple(prompt)  # entries' tokens are tuples: slices compare only with slices of a tuple
+        for entry in self._entries.values():
+            n = min(_common_prefix(entry.tokens, key), limit)
+            if n > best_n or (n == best_n and best is not None and entry.nbytes < best.nbytes):
+                best, best_n = entry, n
+        return best, best_n
+
+    def set_spill(self, spill: Callable[[list[Entry]], None] | None) -> None:
+        """A slower tier (H5) that `drop_lru` offers the entries it is about to drop."""
+        self._spill = spill
+
+    def set_backing(self, fill: Callable[[Sequence[int]], None] | None) -> None:
+        """A slower tier (H5) that `lookup` lets insert the entry a prompt needs before it searches."""
+        self._backing = fill
+
+    def longest(self, prompt: Sequence[int], limit: int) -> int:
+        """Tokens the best entry would give `prompt` (at most `limit`), with nothing pinned or counted."""
+        return self._best(prompt, limit)[1] if self.cap > 0 and limit > 0 else 0
+
+    def get(self, tokens: Sequence[int]) -> Entry | None:
+        return self._entries.get(tuple(tokens))
+
+    def recent_first(self) -> list[Entry]:
+        """Every entry, most recently used first (what a stop writes to disk first, H5)."""
+        return list(reversed(self._entries.values()))
 
     def release(self, hit: Hit | None) -> None:
         """The request that pinned `hit` ended or looked again."""
@@ -138,9 +240,7 @@ class PromptCache:
         out: list[KVCache] = []
         for layer in hit.entry.layers:
             fresh = KVCache()
-            # a stored entry's layers are filled (mlx_lm types an empty KVCache's arrays as None)
-            assert layer.keys is not None and layer.values is not None
-            keys, values = layer.keys[..., :n, :], layer.values[..., :n, :]
+            keys, values = _float_prefix(layer, n)  # a quantized entry (H6) comes back as float KV
             room = KVCache.step
             fresh.keys = mx.concatenate(
                 [keys, mx.zeros((*keys.shape[:2], room, keys.shape[3]), keys.dtype)], axis=2)
@@ -153,13 +253,13 @@ class PromptCache:
 
     # -- storing -----------------------------------------------------------------
 
-    def insert(self, tokens: Sequence[int], layers: list[KVCache]) -> bool:
+    def insert(self, tokens: Sequence[int], layers: Sequence[Layer]) -> bool:
         """Keep `layers` (KV of exactly `tokens`); False when it was not kept.
 
         Unpinned entries that are prefixes of `tokens` go: the new entry serves
         every prefix they served. An entry larger than the whole cap is not kept.
         """
-        if self.cap <= 0 or not tokens or not supports(layers):
+        if self.cap <= 0 or not tokens or not storable(layers):
             return False
         if any(c.offset != len(tokens) for c in layers):
             return False  # a KV that does not encode exactly these tokens would poison reuse
@@ -173,6 +273,8 @@ class PromptCache:
                 self._entries.move_to_end(key)
                 return False
             self._remove(old)
+            if not old.bits and not entry.bits:
+                entry.disk = old.disk  # the same tokens' float KV (H1): its file still holds this entry
         for other in [e for e in self._entries.values() if not e.pins]:
             if len(other.tokens) < len(key) and key[:len(other.tokens)] == other.tokens:
                 self._remove(other)
@@ -196,16 +298,51 @@ class PromptCache:
 
     def drop_lru(self, to_bytes: int) -> int:
         """Drop least recently used unpinned entries until at most `to_bytes` remain; bytes dropped."""
-        dropped = 0
-        for entry in list(self._entries.values()):
-            if self.nbytes <= to_bytes:
-                break
-            if entry.pins:
-                continue
+        victims = self.lru_victims(to_bytes)
+        if victims and self._spill is not None:
+            self._spill(victims)
+        for entry in victims:
             self._remove(entry)
-            dropped += entry.nbytes
-        return dropped
+        return sum(entry.nbytes for entry in victims)
+
+    def lru_victims(self, to_bytes: int) -> list[Entry]:
+        """The entries `drop_lru(to_bytes)` would drop, least recently used first (H5 writes them first)."""
+        victims, held = [], self.nbytes
+        for entry in self._entries.values():
+            if held <= to_bytes:
+                break
+            if not entry.pins:
+                victims.append(entry)
+                held -= entry.nbytes
+        return victims
 
     def drop_unused(self) -> int:
         """H4: every entry no request relies on; bytes dropped."""
         return self.drop_lru(0)
+
+    # -- shrinking before dropping (H6) ------------------------------------------------
+
+    def quantizable(self) -> int:
+        """Entries a quantization would shrink: float, no request relying on them."""
+        return sum(1 for e in self._entries.values() if not e.pins and not e.bits)
+
+    def quantize_unused(self, bits: int, to_bytes: int = 0) -> tuple[int, int]:
+        """Quantize float entries no request relies on, least recently used first, until at most
+        `to_bytes` remain; (entries quantized, bytes returned). One entry at a time, each
+        evaluated before the next, so the float and quantized copies overlap for one entry only."""
+        count = returned = 0
+        for entry in list(self._entries.values()):
+            if self.nbytes <= to_bytes:
+                break
+            if entry.pins or entry.bits:
+                continue
+            layers = [quantized(layer, bits) if isinstance(layer, KVCache) else None for layer in entry.layers]
+            if any(layer is None for layer in layers):
+                return count, returned  # the model's head dim has no group size: nothing will quantize
+            before = entry.nbytes
+            entry.layers = [layer for layer in layers if layer is not None]
+            entry.nbytes = sum(layer.nbytes for layer in entry.layers)
+            # entry.disk stays: a file of these tokens holds the float values, better than these
+            self.nbytes -= before - entry.nbytes
+            count, returned = count + 1, returned + before - entry.nbytes
+        return count, returned

@@ -95,7 +95,7 @@ class Seq:
     __slots__ = (
         "id", "prompt", "max_tokens", "sample", "stopper", "state", "cache", "pos",
         "y", "detok", "generated", "retried", "deadline", "warned_soft", "constraint", "hit", "cached", "out",
-        "resuming",
+        "resuming", "cached_disk",
     )
 
     def __init__(self, request_id: str, prompt: list[int], max_tokens: int, sampler: Sampler,
@@ -117,6 +117,7 @@ class Seq:
         self.constraint: Constraint | None = constraint  # issue 13: grammar of the output
         self.hit: pc.Hit | None = None  # the prompt-cache entry it will reuse (pinned, H3)
         self.cached = 0            # prompt tokens taken from the prompt cache (H1)
+        self.cached_disk = 0       # ... of which the disk tier read for this request (H5 as proposed)
         self.out: list[int] = []   # generated token ids (the cache key after the prompt)
         self.resuming = False      # y is its last prompt token, fed by a decode step (a whole-prompt hit)
 

@@ -1,7 +1,8 @@
 """`ps`: the models a running supervisor knows, with their memory (Ollama's `ps`, and more).
 
 Per model: state, pinned, the A2 estimate next to the measured usage, MLX
-active and pool bytes, prompt-cache bytes, the decode batch's buffers and the
+active and pool bytes, prompt-cache bytes (in memory, and on disk: H5 as
+proposed, shown for unloaded models too), the decode batch's buffers and the
 live KV in them, idle time, TTL and when it expires, restarts. `--json` prints the `ModelInfo` list for scripts.
 """
 
@@ -46,15 +47,15 @@ def _seconds(s: float | None) -> str:
 
 
 def table(models: list[ModelInfo]) -> str:
-    header = ("MODEL", "STATE", "PIN", "ESTIMATE", "USAGE", "ACTIVE", "POOL", "CACHE", "BATCH", "LIVE KV", "IDLE",
-              "TTL", "EXPIRES", "RESTARTS")
+    header = ("MODEL", "STATE", "PIN", "ESTIMATE", "USAGE", "ACTIVE", "POOL", "CACHE", "DISK", "BATCH", "LIVE KV",
+              "IDLE", "TTL", "EXPIRES", "RESTARTS")
     rows = [header]
     for m in models:
         name = m.id + (f" ({', '.join(m.aliases)})" if m.aliases else "")
         rows.append((
             name, m.state, "yes" if m.pinned else "", _size(m.estimated_bytes), _size(m.usage),
-            _size(m.mlx_active), _size(m.mlx_pool), _size(m.cache_bytes), _size(m.batch_bytes),
-            _size(m.batch_live_bytes),
+            _size(m.mlx_active), _size(m.mlx_pool), _size(m.cache_bytes), _size(m.disk_cache_bytes),
+            _size(m.batch_bytes), _size(m.batch_live_bytes),
             _seconds(m.idle_seconds) if m.worker else "-", _seconds(m.ttl) if m.ttl else "-",
             _seconds(m.expires_in) if m.ttl and m.worker else "-", str(m.restarts),
         ))

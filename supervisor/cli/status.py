@@ -11,7 +11,7 @@ from shared import protocol as p
 from shared.sizes import format_size
 from supervisor.cli._control import connect
 from supervisor.client import NotRunning
-from supervisor.policy.status import ServerStatus, WorkerStatus
+from supervisor.policy.status import DiskCacheStatus, ServerStatus, WorkerStatus
 
 
 def add_arguments(parser):
@@ -65,24 +65,28 @@ def render(st: ServerStatus) -> str:
     lines.append(f"  prompt cache {size(g.hot_cache_used)} of {budget}"
                  f" (reserved off the other workers' limits: {size(g.hot_cache_reserved)})"
                  if g.hot_cache_max else "  prompt cache off (hot_cache_max = 0)")
+    lines += _disk_cache_lines(st.disk_cache)
     if g.device is not None:
         lines += _device_lines(g.device, g.enabled)
     dev = g.device is not None  # D6: a device column beside usage
     lines += ["", f"{'model':<20} {'state':<10} {'pid':>7} {'usage':>10} " + (f"{'device':>10} " if dev else "")
-              + f"{'mlx active':>10} {'pool':>9} {'cache':>9} {'batch':>9} {'run':>4} {'queue':>5} {'idle':>7} "
+              + f"{'mlx active':>10} {'pool':>9} {'cache':>9} {'disk':>9} {'batch':>9} {'run':>4} {'queue':>5} "
+              f"{'idle':>7} "
               f"{'restarts':>8}"]
     workers = {w.model: w for w in g.workers if w.state not in ("stopped", "dead")}
     for m in st.models:
         w = workers.get(m.id)
         pin = "*" if m.pinned else " "
         if w is None:
-            lines.append(f"{pin}{m.id:<19} {m.state:<10}" + (f"  {m.failed_reason}" if m.failed_reason else ""))
+            on_disk = f"  {size(m.disk_cache_bytes)} of prompt cache on disk" if m.disk_cache_bytes else ""
+            lines.append(f"{pin}{m.id:<19} {m.state:<10}" + (f"  {m.failed_reason}" if m.failed_reason else "")
+                         + on_disk)
             continue
         lines.append(
             f"{pin}{m.id:<19} {w.state:<10} {w.pid:>7} {size(w.usage):>10} "
             + (f"{size(w.device_bytes):>10} " if dev else "") + f"{size(w.mlx_active):>10} "
-            f"{size(w.mlx_pool):>9} {size(w.cache_bytes):>9} {size(w.batch_bytes):>9} {w.running:>4} {w.queued:>5} "
-            f"{w.idle_seconds:>6.0f}s {w.restarts:>8}"
+            f"{size(w.mlx_pool):>9} {size(w.cache_bytes):>9} {size(m.disk_cache_bytes):>9} {size(w.batch_bytes):>9} "
+            f"{w.running:>4} {w.queued:>5} {w.idle_seconds:>6.0f}s {w.restarts:>8}"
         )
     lines.append("(* pinned)")
     lines += _batch_lines([workers[m.id] for m in st.models if m.id in workers])
@@ -95,6 +99,24 @@ def render(st: ServerStatus) -> str:
     if st.malformed_frames:
         lines.append(f"\n{st.malformed_frames} malformed frame(s) refused since start")
     return "\n".join(lines)
+
+
+def _disk_cache_lines(d: DiskCacheStatus) -> list[str]:
+    """H5, H6 (proposed): the prompt cache's disk tier, and what shrink before drop returned."""
+    size = format_size
+    if d.max == 0:
+        lines = ["  prompt cache on disk: off (disk_cache_max = 0)"]
+    else:
+        budget = size(d.budget) if d.budget else ("auto" if d.max < 0 else size(d.max))
+        lines = [f"  prompt cache on disk {size(d.bytes)} of {budget} budget, {d.entries} entries"
+                 f" (a stop writes for up to {d.grace:g} s)",
+                 f"    read back {d.read_entries} ({size(d.read_bytes)}, {d.read_tokens} tokens);"
+                 f" written {d.written_entries} ({size(d.written_bytes)}); not written, a stop's deadline first:"
+                 f" {d.dropped_entries}; evicted over the budget {d.evicted_entries}"]
+    if d.quantize_bits or d.quantized_entries:
+        lines.append(f"  shrink before drop: {d.quantize_bits or 'off'}-bit, {d.quantized_entries} entries quantized,"
+                     f" {size(d.quantized_bytes)} returned")
+    return lines
 
 
 def _batch_lines(workers: list[WorkerStatus]) -> list[str]:

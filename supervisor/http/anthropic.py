@@ -211,8 +211,9 @@ class ToolUseBlock(Struct, kw_only=True, tag="tool_use", tag_field="type"):
 class AnthropicUsage(Struct, kw_only=True):
     input_tokens: int
     output_tokens: int
-    cache_read_input_tokens: int = 0  # H1: what the prompt cache supplied
+    cache_read_input_tokens: int = 0  # H1: what the prompt cache supplied (memory and disk)
     cache_creation_input_tokens: int = 0
+    disk_cache_read_input_tokens: int = 0  # H5 (proposed): the part of cache_read_input_tokens read from disk
 
 
 class Message(Struct, kw_only=True):
@@ -240,7 +241,8 @@ def _usage(fin: p.Finished | None) -> AnthropicUsage:
     if fin is None:
         return AnthropicUsage(input_tokens=0, output_tokens=0)
     return AnthropicUsage(input_tokens=fin.prompt_tokens, output_tokens=fin.completion_tokens,
-                          cache_read_input_tokens=fin.cached_tokens)
+                          cache_read_input_tokens=fin.cached_tokens,
+                          disk_cache_read_input_tokens=fin.cached_disk_tokens)
 
 
 def _tool_use(c: tools.Call) -> ToolUseBlock:
@@ -276,7 +278,8 @@ async def _events(job: Job, first, msg_id: str, model: str) -> AsyncIterator[lis
     prompted = job.stream.prompted
     start = Message(id=msg_id, model=model, content=[], usage=AnthropicUsage(
         input_tokens=prompted.prompt_tokens if prompted else 0, output_tokens=1,
-        cache_read_input_tokens=prompted.cached_tokens if prompted else 0))
+        cache_read_input_tokens=prompted.cached_tokens if prompted else 0,
+        disk_cache_read_input_tokens=prompted.cached_disk_tokens if prompted else 0))
     out = [_event("message_start", {"message": start}), _event("ping", {})]
     index, text_open = 0, False
     async for piece in job.pieces(first):
@@ -307,7 +310,8 @@ async def _events(job: Job, first, msg_id: str, model: str) -> AsyncIterator[lis
                 out.append(_event("message_delta", {
                     "delta": {"stop_reason": stop_reason, "stop_sequence": sequence},
                     "usage": {"output_tokens": usage.output_tokens, "input_tokens": usage.input_tokens,
-                              "cache_read_input_tokens": usage.cache_read_input_tokens}}))
+                              "cache_read_input_tokens": usage.cache_read_input_tokens,
+                              "disk_cache_read_input_tokens": usage.disk_cache_read_input_tokens}}))
                 out.append(_event("message_stop", {}))
             case ApiError():
                 out.append(_event("error", {"error": error_detail(piece)}))

@@ -315,7 +315,8 @@ class Completion:
 def _usage(msg: p.Finished) -> Usage:
     return Usage(prompt_tokens=msg.prompt_tokens, completion_tokens=msg.completion_tokens,
                  total_tokens=msg.prompt_tokens + msg.completion_tokens,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=msg.cached_tokens))
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=msg.cached_tokens,
+                                                           disk_cached_tokens=msg.cached_disk_tokens))
 
 
 def _model(sup: Supervisor, name: str):

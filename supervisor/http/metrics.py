@@ -116,6 +116,7 @@ class GuardCollector:
         if last is not None and last.device is not None:
             yield from self._device(last)
         yield from self._workers(sup.workers())
+        yield from self._disk_cache(sup.disk_cache())
         yield from self._capacity(last)
         yield from self._counters(sup.counters(), sup.malformed_frames())
 
@@ -214,6 +215,31 @@ class GuardCollector:
                                 "(SPEC H2)", value=total)
         yield GaugeMetricFamily("memvisor_prompt_cache_budget_bytes", "[guard] hot_cache_max (SPEC H2)",
                                 value=int(self.sup.config.guard.hot_cache_max))
+
+    def _disk_cache(self, d):
+        """H5, H6 (proposed): the prompt cache's disk tier as workers reported it, and shrink before drop."""
+        g, c = GaugeMetricFamily, CounterMetricFamily
+        per_model = g("memvisor_model_disk_cache_bytes", "A model's prompt-cache entries on disk (H5), as its last "
+                      "worker reported them; kept while the model is unloaded", labels=["model"])
+        for model, nbytes in d.models.items():
+            per_model.add_metric([model], nbytes)
+        yield per_model
+        yield g("memvisor_disk_cache_bytes", "Every model's prompt-cache entries on disk together (H5)", value=d.bytes)
+        yield g("memvisor_disk_cache_budget_bytes", "The disk tier's budget in force ([guard] disk_cache_max; "
+                "auto: sized to the free disk); 0 = off or not yet reported", value=d.budget)
+        for what, help_text in (("read", "read back by requests"), ("written", "written at worker stops"),
+                                ("dropped", "not written: the stop's deadline came first"),
+                                ("evicted", "removed, least recently used, to stay within the budget")):
+            yield c(f"memvisor_disk_cache_{what}_entries", f"Prompt-cache entries {help_text} (H5)",
+                    value=getattr(d, f"{what}_entries"))
+            yield c(f"memvisor_disk_cache_{what}_bytes", f"Bytes of prompt-cache entries {help_text} (H5)",
+                    value=getattr(d, f"{what}_bytes"))
+        yield c("memvisor_disk_cache_read_tokens", "Tokens held by the entries read back from the disk tier (H5)",
+                value=d.read_tokens)
+        yield c("memvisor_prompt_cache_quantized_entries", "Prompt-cache entries quantized instead of dropped (H6)",
+                value=d.quantized_entries)
+        yield c("memvisor_prompt_cache_quantized_bytes", "Bytes quantizing prompt-cache entries returned (H6)",
+                value=d.quantized_bytes)
 
     def _capacity(self, last):
         """Issue 24: what a picker in front of several hosts reads (the Gateway API Inference

@@ -236,7 +236,8 @@ class GuardSettingsIn(Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class PromptTokensDetails(Struct, kw_only=True):
-    cached_tokens: int = 0  # H1: prompt tokens the worker's prompt cache supplied
+    cached_tokens: int = 0  # H1: prompt tokens the worker's prompt cache supplied (memory and disk)
+    disk_cached_tokens: int = 0  # H5 (proposed): the part of cached_tokens read back from the disk tier
 
 
 class Usage(Struct, kw_only=True):

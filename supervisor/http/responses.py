@@ -248,7 +248,8 @@ class FunctionCallItem(Struct, kw_only=True, tag="function_call", tag_field="typ
 
 
 class InputDetails(Struct, kw_only=True):
-    cached_tokens: int = 0
+    cached_tokens: int = 0       # H1: from the prompt cache, memory and disk
+    disk_cached_tokens: int = 0  # H5 (proposed): the part read back from the disk tier
 
 
 class OutputDetails(Struct, kw_only=True):
@@ -291,7 +292,8 @@ class ResponseObject(Struct, kw_only=True):
 def _usage(fin: p.Finished) -> ResponsesUsage:
     return ResponsesUsage(input_tokens=fin.prompt_tokens, output_tokens=fin.completion_tokens,
                           total_tokens=fin.prompt_tokens + fin.completion_tokens,
-                          input_tokens_details=InputDetails(cached_tokens=fin.cached_tokens))
+                          input_tokens_details=InputDetails(cached_tokens=fin.cached_tokens,
+                                                            disk_cached_tokens=fin.cached_disk_tokens))
 
 
 def _call_item(c: tools.Call, arguments: str | None = None) -> FunctionCallItem:

@@ -10,7 +10,8 @@ and each worker's `device_bytes`. `device_pool` builds that struct from a tick
 result; the enforcer publishes the same struct on the ceiling and pressure
 topics (D6), so every surface shows one set of figures.
 
-Public names (stable): GuardStatus, WorkerStatus, build_status, device_pool.
+Public names (stable): GuardStatus, WorkerStatus, build_status, device_pool; DiskCacheStatus
+(the prompt cache's disk tier, in `ServerStatus`).
 """
 
 from __future__ import annotations
@@ -172,6 +173,37 @@ def build_status(snapshot: Snapshot, result: TickResult, device_name: str = "") 
     )
 
 
+class DiskCacheStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """The prompt cache's disk tier and shrink before drop (H5, H6 as proposed), as workers reported them.
+
+    `max` is `[guard] disk_cache_max` (-1 "auto", 0 off); `budget` the budget in
+    force and `bytes` every model's files, as the last worker to report measured
+    them (0 until one has); `models` the bytes per model id. The counters run
+    since the supervisor started: entries read back by requests, written at
+    stops, dropped (a stop's deadline came first), evicted (least recently used,
+    over the budget), and quantized in memory (with the bytes that returned).
+    """
+
+    max: int
+    budget: int = 0
+    bytes: int = 0
+    entries: int = 0
+    models: dict[str, int] = {}
+    grace: float = 0.0          # [guard] disk_cache_grace: what a stop gives the write
+    quantize_bits: int = 0      # [guard] cache_quantize_bits (0 = off)
+    read_entries: int = 0
+    read_bytes: int = 0
+    read_tokens: int = 0
+    written_entries: int = 0
+    written_bytes: int = 0
+    dropped_entries: int = 0
+    dropped_bytes: int = 0
+    evicted_entries: int = 0
+    evicted_bytes: int = 0
+    quantized_entries: int = 0
+    quantized_bytes: int = 0
+
+
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     """A configured or discovered model, loaded or not (`ps`, `/v1/models`, `status`).
 
@@ -193,6 +225,8 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     mlx_active: int = 0
     mlx_pool: int = 0
     cache_bytes: int = 0
+    disk_cache_bytes: int = 0     # H5 (proposed): its prompt-cache entries on disk, as last reported
+    disk_cache_entries: int = 0
     batch_bytes: int = 0       # the decode batch's buffers (issue 22) ...
     batch_live_bytes: int = 0  # ... and its live KV
     idle_seconds: float = 0.0
@@ -214,3 +248,4 @@ class ServerStatus(msgspec.Struct, frozen=True, kw_only=True):
     events: list[GuardEvent]          # S2, most recent last
     malformed_frames: int
     counters: dict[str, int]
+    disk_cache: DiskCacheStatus = msgspec.field(default_factory=lambda: DiskCacheStatus(max=0))  # H5, H6 (proposed)

@@ -211,7 +211,8 @@ function modelRows() {
   if (S.status) {
     for (const m of S.status.models) {
       if (!byId.has(m.id)) byId.set(m.id, { id: m.id });
-      Object.assign(byId.get(m.id), { state: m.state, pid: m.pid, worker: m.worker, pinned: m.pinned });
+      Object.assign(byId.get(m.id), { state: m.state, pid: m.pid, worker: m.worker, pinned: m.pinned,
+        disk: m.disk_cache_bytes });
     }
     const since = Date.now() / 1000 - S.statusAt;
     for (const w of S.status.guard.workers) {
@@ -224,7 +225,7 @@ function modelRows() {
   }
   for (const row of byId.values()) {   // an exit is shown at once, not at the next status
     if (row.worker && S.gone.has(row.worker)) byId.set(row.id, { id: row.id, ttl: row.ttl, pinned: row.pinned,
-      state: "unloaded" });
+      state: "unloaded", disk: row.disk });
   }
   for (const s of S.latest.values()) {
     const row = byId.get(s.model_id);
@@ -248,6 +249,7 @@ function renderModels() {
     tr.append(name, el("td", m.state || "–", "state-" + m.state), el("td", m.pid || "–"),
       el("td", fmt(m.usage), "num"), el("td", fmt(m.active), "num"), el("td", fmt(m.pool), "num"),
       el("td", m.cache === undefined ? "–" : fmt(m.cache), "num"),
+      el("td", m.disk ? fmt(m.disk) : "–", "num"),
       el("td", !m.batch ? "–" : fmt(m.batch) + " (live " + fmt(m.live || 0) + ")", "num"),
       el("td", m.running === undefined ? "–" : m.running + " / " + m.queued, "num"),
       el("td", m.idle === undefined ? "–" : dur(m.idle), "num"), el("td", ttl, "num"));
@@ -261,6 +263,19 @@ function renderModels() {
     return tr;
   });
   body.replaceChildren(...rows);
+}
+
+// H5, H6 (proposed): the prompt cache's disk tier under the models, as workers reported it
+function renderDiskCache() {
+  const d = S.status && S.status.disk_cache;
+  if (!d) return;
+  let text = d.max === 0 ? "prompt cache on disk: off" :
+    "prompt cache on disk: " + fmt(d.bytes) + " of " + (d.budget ? fmt(d.budget) : d.max < 0 ? "auto" : fmt(d.max)) +
+    " · " + d.entries + " entries · read back " + d.read_entries + " (" + d.read_tokens + " tokens) · written " +
+    d.written_entries + " · not written at a stop's deadline " + d.dropped_entries + " · evicted " + d.evicted_entries;
+  if (d.quantize_bits || d.quantized_entries) text += " · quantized " + d.quantized_entries + " (" +
+    fmt(d.quantized_bytes) + " returned)";
+  $("disk-cache").textContent = text;
 }
 
 function renderEvents() {
@@ -483,7 +498,7 @@ async function start() {
   setInterval(() => {
     if (!S.tablesDirty) return;
     S.tablesDirty = false;
-    renderCards(); renderEvents();
+    renderCards(); renderEvents(); renderDiskCache();
     syncGuardForm();
   }, 250);
   setInterval(renderModels, 1000);                         // idle clocks tick; a click survives a redraw
