@@ -85,15 +85,15 @@ PRETEND = {"device_name": "pretend", "architecture": "cpu", "total_memory": 80 *
 
 
 async def load(arb: Arbiter, pretend: bool):
-    handle = await arb.load("victim")
+    handle = await arb.models.load("victim")
     if pretend:  # a CUDA-shaped hello; its free figure stays as the hello said (as D1's fallback)
-        handle.device_info = dict(PRETEND)
+        arb.pool.set_device_info(handle, dict(PRETEND))
     return handle
 
 
 async def trial(arb: Arbiter, samples: Samples, rate: int, to: int, pretend: bool) -> dict | None:
     handle = await load(arb, pretend)
-    stream = await arb.generate("victim", p.Generate(request_id="", prompt="tell me a long story",
+    stream = await arb.service.generate("victim", p.Generate(request_id="", prompt="tell me a long story",
                                                      max_tokens=3000))
     deadline = time.monotonic() + 10
     while not (handle.sample and handle.sample.running) and time.monotonic() < deadline:
@@ -126,7 +126,7 @@ async def trial(arb: Arbiter, samples: Samples, rate: int, to: int, pretend: boo
             break
     arb.pool.command(handle, p.DrillStop())
     if not stream.done:
-        arb.cancel(stream)
+        arb.service.cancel(stream)
     await asyncio.sleep(0.3)
     poller.stopped.set()
     poller.join()
@@ -146,7 +146,7 @@ async def trial(arb: Arbiter, samples: Samples, rate: int, to: int, pretend: boo
     peak = max(on_device(s) for s in mine) + context + others
     nvml_peak = max((b for _t, b in poller.points), default=0) + others
     for _ in range(500):  # the episode ends before the next trial
-        if last_tick(arb).device_level == "ok" and not handle.requests:
+        if last_tick(arb).device_level == "ok" and not arb.pool.running(handle):
             break
         await settle(arb, 0.01)
     return {
@@ -193,7 +193,7 @@ async def main() -> int:
             await task
             return 2
         ceiling = last.device_usage + args.headroom
-        arb.update_guard(p.GuardUpdate(custom_device_ceiling=ceiling))  # T6: applied by the tick it runs
+        arb.service.update_guard(p.GuardUpdate(custom_device_ceiling=ceiling))  # T6: applied by the tick it runs
         dc = (await settle(arb)).device
         if dc is None:
             raise RuntimeError("the device pool left the guard's tick after the ceiling was set")

@@ -96,7 +96,7 @@ async def start(model_dir: Path, runtime: Path, headroom: int) -> tuple[Arbiter,
     task = asyncio.get_running_loop().create_task(arb.run())
     while not arb.http_address:
         await asyncio.sleep(0.01)
-    await arb.load("victim")
+    await arb.models.load("victim")
     await asyncio.sleep(0.5)
     arb.wake()
     await asyncio.sleep(0.2)

@@ -126,7 +126,7 @@ async def bench_round_trip(tmp: Path, pings: int) -> tuple[float, float]:
     task = asyncio.get_running_loop().create_task(arb.run())
     while not arb.running:
         await asyncio.sleep(0.01)
-    handle = await arb.load("m")
+    handle = await arb.models.load("m")
     for _ in range(200):  # warm up
         await arb.pool.ping(handle)
     rtts = sorted([await arb.pool.ping(handle) for _ in range(pings)])

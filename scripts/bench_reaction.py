@@ -77,8 +77,8 @@ class Samples:
 
 
 async def trial(arb: Arbiter, samples: Samples, rate: int, to: int) -> dict | None:
-    handle = await arb.load("victim")
-    stream = await arb.generate("victim", p.Generate(request_id="", prompt="tell me a long story",
+    handle = await arb.models.load("victim")
+    stream = await arb.service.generate("victim", p.Generate(request_id="", prompt="tell me a long story",
                                                      max_tokens=3000))  # within the 4,096-token context (issue 16)
     deadline = time.monotonic() + 10
     while not (handle.sample and handle.sample.running) and time.monotonic() < deadline:
@@ -107,7 +107,7 @@ async def trial(arb: Arbiter, samples: Samples, rate: int, to: int) -> dict | No
             break
     arb.pool.command(handle, p.DrillStop())
     if not stream.done:
-        arb.cancel(stream)
+        arb.service.cancel(stream)
     samples.drain()
     mine = [s for s in samples.items if s.worker_id == handle.worker_id and s.t >= start]
     over_hard = [s for s in mine if s.memory.usage + others >= hard]
@@ -127,7 +127,7 @@ async def trial(arb: Arbiter, samples: Samples, rate: int, to: int) -> dict | No
                   if len(grown) > 1 and grown[-1].t > first.t else float("nan"))
     # wait for the episode to end before the next trial
     for _ in range(500):
-        if last_tick(arb).level == "ok" and not arb.pool.handles.get(handle.worker_id, handle).requests:
+        if last_tick(arb).level == "ok" and not arb.pool.running(handle):
             break
         arb.wake()
         await asyncio.sleep(0.01)
@@ -154,7 +154,7 @@ async def run_mode(model_dir: Path, runtime: Path, args, *, baseline: bool) -> l
     while not arb.running:
         await asyncio.sleep(0.01)
     samples = Samples(arb.endpoints.pub)
-    await arb.load("victim")
+    await arb.models.load("victim")
     await asyncio.sleep(0.5)
     arb.wake()
     await asyncio.sleep(0.2)

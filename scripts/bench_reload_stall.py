@@ -53,7 +53,7 @@ async def measure(folder: Path, runtime: Path) -> tuple[float, float, str]:
     await asyncio.sleep(0.1)
     started = time.monotonic()
     try:
-        summary = await arb.reload("bench")
+        summary = await arb.service.reload("bench")
     except ServeError as exc:  # past RELOAD_TIMEOUT: refused, the running config kept
         summary = f"refused: {exc}"
     took = time.monotonic() - started

@@ -329,10 +329,10 @@ async def _obedience_run(ctx: "Context", chunk_seconds: float, row: Row) -> tupl
             if task.done():
                 task.result()  # it failed to start: say why rather than wait for ever
             await asyncio.sleep(0.01)
-        handle = await arb.load("big")
+        handle = await arb.models.load("big")
         prompt = " ".join(f"w{i % 97}" for i in range(ctx.prompt_words))
         row.requests += 1
-        stream = await arb.generate("big", p.Generate(request_id=f"ob{chunk_seconds}", prompt=prompt, max_tokens=2))
+        stream = await arb.service.generate("big", p.Generate(request_id=f"ob{chunk_seconds}", prompt=prompt, max_tokens=2))
         started = time.monotonic()
         worst = 0.0
         while stream.queue.empty():

@@ -10,8 +10,9 @@ policy's snapshot, the ledger's phases and the status all use these names.
         any live state --stop--> draining --exit--> stopped
         any live state --silent--> wedged (missed heartbeats or load timeout)
         a live state that was not stopping --exit--> dead
-        stopped | dead --give_up--> failed (restart intensity exhausted)
-        failed --retry--> stopped (a new worker may be started again)
+
+A model outlives its workers: whether it is failed, respawning or loading is
+the model's state (supervisor/model_states.py), not its last worker's.
 
 Late messages are absorbed, not applied: a `hello` or `loaded` from a worker
 already draining leaves it draining (a stop is final), and a wedged worker
@@ -26,10 +27,8 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-WorkerState = Literal[
-    "starting", "loading", "ready", "busy", "draining", "stopped", "dead", "wedged", "failed"
-]
-WorkerTrigger = Literal["hello", "loaded", "work", "idle", "stop", "silent", "exit", "give_up", "retry"]
+WorkerState = Literal["starting", "loading", "ready", "busy", "draining", "stopped", "dead", "wedged"]
+WorkerTrigger = Literal["hello", "loaded", "work", "idle", "stop", "silent", "exit"]
 
 _LIVE_MOVES: dict[WorkerTrigger, WorkerState] = {"stop": "draining", "silent": "wedged", "exit": "dead"}
 
@@ -44,9 +43,8 @@ TRANSITIONS: dict[WorkerState, dict[WorkerTrigger, WorkerState]] = {
     # Killed for silence: it stays wedged until it is gone, then it is dead.
     "wedged": {"hello": "wedged", "loaded": "wedged", "work": "wedged", "idle": "wedged",
                "stop": "wedged", "silent": "wedged", "exit": "dead"},
-    "stopped": {"give_up": "failed"},
-    "dead": {"give_up": "failed"},
-    "failed": {"retry": "stopped", "give_up": "failed"},
+    "stopped": {},  # the process is gone: nothing moves it any more
+    "dead": {},
 }
 
 # The process (and the memory it holds) exists.
@@ -56,7 +54,7 @@ SERVING_STATES: frozenset[WorkerState] = frozenset({"ready", "busy"})
 # A model load is in progress (P6 step 4, P9).
 LOADING_STATES: frozenset[WorkerState] = frozenset({"starting", "loading"})
 # The process is gone.
-GONE_STATES: frozenset[WorkerState] = frozenset({"stopped", "dead", "failed"})
+GONE_STATES: frozenset[WorkerState] = frozenset({"stopped", "dead"})
 
 # The states a worker writes into its ledger slot, by index ("empty": never written).
 PHASES: tuple[str, ...] = ("empty", "starting", "loading", "ready", "busy", "draining")

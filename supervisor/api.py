@@ -1,9 +1,11 @@
 """What the doors see of the supervisor: one narrow, typed interface.
 
-The HTTP front door, the control socket and the metrics talk to the arbiter
+The HTTP front door, the control socket and the metrics talk to the supervisor
 only through `Supervisor` (a `typing.Protocol`): they set nothing on it and
 probe nothing with getattr. Tests may hand them any object with these
-methods. Refusals come back as `supervisor.errors.ServeError`s.
+methods. Refusals come back as `supervisor.errors.ServeError`s. What it
+returns are frozen views (supervisor.views), never a worker's handle;
+`supervisor.service.Service` implements it.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ if TYPE_CHECKING:
     from supervisor.policy.pressure import TickResult
     from supervisor.policy.snapshot import Snapshot
     from supervisor.policy.status import DiskCacheStatus, ModelInfo, ServerStatus
-    from supervisor.pool import ModelView, WorkerHandle
     from supervisor.readiness import Readiness
     from supervisor.streams import RequestStream
+    from supervisor.views import ModelView, WorkerView
 
 
 class Supervisor(Protocol):
@@ -39,7 +41,7 @@ class Supervisor(Protocol):
         """What `ps` shows of one model (by id or alias)."""
         ...
 
-    async def load(self, model_id: str, *, explicit: bool = ...) -> WorkerHandle: ...
+    async def load(self, model_id: str, *, explicit: bool = ...) -> WorkerView: ...
 
     async def fit(self, model_id: str, context_tokens: int = ...) -> FitReport:
         """"Will it fit?" without spawning anything (LoadError 404 for an unknown model,
@@ -113,7 +115,7 @@ class Supervisor(Protocol):
     @property
     def admission_paused(self) -> bool: ...
 
-    def workers(self) -> list[WorkerHandle]: ...
+    def workers(self) -> list[WorkerView]: ...
 
     def counters(self) -> dict[str, int]: ...
 

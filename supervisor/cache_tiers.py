@@ -15,12 +15,23 @@ spawned for that model (`accept`).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from shared.protocol import CacheReport, DiskCacheStats
 from shared.sizes import format_size
 from supervisor.policy.status import DiskCacheStatus
 
+if TYPE_CHECKING:
+    from supervisor.config import GuardConfig
+
 COUNTERS = ("read_entries", "read_bytes", "read_tokens", "written_entries", "written_bytes", "dropped_entries",
             "dropped_bytes", "evicted_entries", "evicted_bytes", "quantized_entries", "quantized_bytes")
+
+
+def save_grace(guard: GuardConfig) -> float:
+    """Seconds a drained worker may spend writing its prompt cache (0: the disk tier is off;
+    with no memory tier it has nothing to keep)."""
+    return guard.disk_cache_grace if guard.disk_cache_max and guard.hot_cache_max else 0.0
 
 
 class CacheBook:

@@ -24,12 +24,16 @@ MAX_CONTEXT_TOKENS = (1 << 31) - 1
 
 
 async def handle_control(sup: Supervisor, msg: p.ControlRequest) -> p.ControlReply:
+    """The answer to one request; never an exception (the CLI waits for an answer)."""
     try:
         return await _answer(sup, msg)
     except ServeError as exc:
         return p.ControlError(code=exc.code, message=str(exc), http_status=exc.http_status)
     except ValueError as exc:  # bad tier / ceiling in a GuardUpdate
         return p.ControlError(code="invalid_request", message=str(exc), http_status=400)
+    except Exception as exc:  # a bug must still answer the CLI, not leave it waiting
+        log.exception("control request %s failed", type(msg).__name__)
+        return p.ControlError(code="internal_error", message=f"the supervisor failed: {exc!r}", http_status=500)
 
 
 async def _answer(sup: Supervisor, msg: p.ControlRequest) -> p.ControlReply:

@@ -14,11 +14,12 @@ The policy (supervisor.policy.pressure) is pure; this is the I/O around it. Each
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import os
 import time
-from typing import BinaryIO, Protocol
+from typing import BinaryIO, Callable
 
 import msgspec
 from typing_extensions import assert_never
@@ -29,17 +30,20 @@ from shared.ledger import Ledger
 from shared.memory import NO_READING
 from shared.probe import nvml
 from shared.sizes import MAX_SIZE, format_size
-from shared.vocab import GuardEventKind
+from shared.vocab import GuardEventKind, PoolName
 from shared.weights import WeightsError, estimate_weight_bytes, kv_bytes_per_token
-from supervisor.config import MIN_DEVICE_CEILING, ModelConfig, guard_settings
+from supervisor.bus import Bus
+from supervisor.config import MIN_DEVICE_CEILING, Config, ModelConfig, guard_settings
 from supervisor.errors import LoadError, ModelUnreadable
+from supervisor.eventlog import Emit
 from supervisor.policy import decisions as d
 from supervisor.policy import pressure as policy
 from supervisor.policy.admission import FitReport, admit, evict_for_prefill, fit_report
 from supervisor.policy.snapshot import PolicyState, Snapshot, WorkerRecord
 from supervisor.policy.status import GuardStatus, build_status, device_pool
 from supervisor.policy.tiers import ThresholdError, check_thresholds, normalise_tier
-from supervisor.pool import Pool, WorkerHandle
+from supervisor.pool import Pool
+from supervisor.process import WorkerHandle
 
 log = logging.getLogger("memvisor.guard")
 
@@ -49,20 +53,15 @@ DISABLE_RECLAIM_ENV = "MEMVISOR_DISABLE_PRESSURE_RECLAIM"
 _ACTS = (d.ReclaimPool, d.ShrinkHotCache, d.AbortWorkerRequests, d.AbortLoad, d.MarkForUnload, d.Stop, d.ExpireTTL)
 
 
-class PublishEvent(Protocol):
-    """How the enforcer publishes an S2 event (the arbiter's `emit`)."""
-
-    def __call__(self, kind: GuardEventKind, reason: str, *, worker_id: str = "", model_id: str = "",
-                 usage: int = 0, ceiling: int = 0) -> None: ...
-
-
 class Enforcer:
-    def __init__(self, *, config, pool: Pool, bus, ledger: Ledger, emit: PublishEvent) -> None:
+    def __init__(self, *, config: Config, pool: Pool, bus: Bus, ledger: Ledger, emit: Emit,
+                 restarts: Callable[[str], int]) -> None:
         self.config = config
         self.pool = pool
         self.bus = bus
         self.ledger = ledger
         self.emit = emit
+        self.restarts = restarts  # a model's respawns within its restart intensity (supervisor.models)
         self.settings = guard_settings(
             config, pressure_reclaim_disabled=os.environ.get(DISABLE_RECLAIM_ENV) == "1"
         )
@@ -84,7 +83,7 @@ class Enforcer:
 
     def snapshot(self, now: float, *, recheck: bool = False) -> Snapshot:
         self.pool.read_samples()
-        host = probe.read_host_counters(self.config.guard.budget)
+        host = probe.read_host_counters(int(self.config.guard.budget))
         own = probe.own_footprint() or 0
         self.ledger.write_supervisor(own, now)
         # One machine, one accelerator: any worker's device_info gives the cap
@@ -121,10 +120,10 @@ class Enforcer:
         return WorkerRecord(
             worker=h.worker_id, model=h.model_id, state=h.state, pid=h.pid, pinned=h.pinned,
             marked_for_unload=h.marked_for_unload, last_access=h.last_access,
-            running=max(s.running if s else 0, len(h.requests)), queued=s.queued if s else 0,
+            running=max(s.running if s else 0, self.pool.running(h)), queued=s.queued if s else 0,
             memory=memory, gpu_bytes=gpu, device_bytes=on_device,
             max_concurrency=h.model.max_concurrency, concurrency=h.concurrency, ttl=h.model.ttl,
-            restarts=len(self.pool.restarts.get(h.model_id, ())),
+            restarts=self.restarts(h.model_id),
         )
 
     # -- the tick ---------------------------------------------------------------
@@ -177,43 +176,41 @@ class Enforcer:
                 self.pool.set_limits(handle, msgspec.structs.replace(x.limits, max_concurrency=handle.concurrency))
                 return
             case d.SetConcurrency():
-                handle.concurrency = x.cap
-                if handle.last_limits is not None:
-                    self.pool.set_limits(handle, msgspec.structs.replace(handle.last_limits, max_concurrency=x.cap))
+                self.pool.set_concurrency(handle, x.cap)
                 return
         if (type(x), x.worker) in self._acted:
             return  # the P7 re-check repeats what this tick already did: once is enough
         self._acted.add((type(x), x.worker))
         self.executed.append((time.monotonic(), x))
         log.warning("%s %s: %s", type(x).__name__, handle.worker_id, x.reason)
+        usage, ceiling = result.usage, result.ceilings.ceiling
 
-        def announce(kind: GuardEventKind) -> None:
-            self.emit(kind, x.reason, worker_id=handle.worker_id, model_id=handle.model_id, usage=result.usage,
-                      ceiling=result.ceilings.ceiling)
+        def say(kind: GuardEventKind) -> None:
+            self.emit(kind, x.reason, worker_id=handle.worker_id, model_id=handle.model_id, usage=usage,
+                      ceiling=ceiling)
 
         match x:
             case d.ReclaimPool():
                 self.pool.command(handle, p.Reclaim(reason=x.reason, idle_only=x.idle_only))
-                announce("reclaim")
+                say("reclaim")
             case d.AbortWorkerRequests():
                 self.pool.command(handle, p.AbortRequests(reason=f"memory pressure: {x.reason}",
                                                           code="memory_pressure"))
-                announce("abort")
+                say("abort")
             case d.AbortLoad():
                 self.pool.kill(handle, f"load aborted: {x.reason}", cause="load_abort")
-                announce("abort_load")
+                say("abort_load")
             case d.MarkForUnload():
-                handle.marked_for_unload = True
-                announce("mark_for_unload")
+                self.pool.mark_for_unload(handle)
+                say("mark_for_unload")
             case d.Stop():
-                self.pool.stop(handle, f"evicted: {x.reason}", cause="evict")
-                announce("evict")
+                self.evict(handle, x.reason, f"evicted: {x.reason}", usage=usage, ceiling=ceiling)
             case d.ExpireTTL():
                 self.pool.stop(handle, f"TTL: {x.reason}", cause="ttl")
-                announce("ttl")
+                say("ttl")
             case d.ShrinkHotCache():  # H3: the worker drops, reclaims, reports at once
                 self.pool.command(handle, p.ShrinkCache(target_bytes=x.target_bytes, reason=x.reason))
-                announce("shrink_cache")
+                say("shrink_cache")
             case d.ApplyLimits() | d.SetConcurrency():
                 pass  # handled above
             case _:
@@ -334,9 +331,8 @@ class Enforcer:
                 for worker_id in verdict.evict:
                     h = self.pool.handles.get(worker_id)
                     if h is not None:
-                        self.emit("evict", f"to make room for {model.id}: {verdict.message}",
-                                  worker_id=h.worker_id, model_id=h.model_id)
-                        await self.pool.stop(h, f"evicted to load {model.id}", cause="evict")
+                        await self.evict(h, f"to make room for {model.id}: {verdict.message}",
+                                         f"evicted to load {model.id}")
                 continue
             if verdict.admitted:
                 return
@@ -345,12 +341,17 @@ class Enforcer:
             raise LoadError(verdict.message, code=verdict.error or "insufficient_memory", http_status=507)
         raise LoadError(f"could not make room for {model.id!r}", code="insufficient_memory", http_status=507)
 
-    def on_need_memory(self, handle: WorkerHandle, request_id: str, need_bytes: int, pool: str = "host") -> None:
-        import asyncio
+    def evict(self, handle: WorkerHandle, why: str, stop_reason: str, *, usage: int = 0,
+              ceiling: int = 0) -> asyncio.Task:
+        """Stop an idle model to make room, saying why: the one way the guard evicts,
+        whether the pressure policy (P6), a load's admission (A2) or a prefill (G1) asks."""
+        self.emit("evict", why, worker_id=handle.worker_id, model_id=handle.model_id, usage=usage, ceiling=ceiling)
+        return self.pool.stop(handle, stop_reason, cause="evict")
 
+    def on_need_memory(self, handle: WorkerHandle, request_id: str, need_bytes: int, pool: PoolName = "host") -> None:
         asyncio.get_running_loop().create_task(self._evict_for_prefill(handle, request_id, need_bytes, pool))
 
-    async def _evict_for_prefill(self, handle: WorkerHandle, request_id: str, need_bytes: int, pool: str) -> None:
+    async def _evict_for_prefill(self, handle: WorkerHandle, request_id: str, need_bytes: int, pool: PoolName) -> None:
         """G1: `need_bytes` is the worker's shortfall in `pool`; the answer goes once the victims have exited."""
         snapshot = self.snapshot(time.monotonic())
         victims = evict_for_prefill(snapshot, handle.worker_id, need_bytes, pool=pool)
@@ -359,9 +360,8 @@ class Enforcer:
         for worker_id in victims:
             h = self.pool.handles.get(worker_id)
             if h is not None:
-                self.emit("evict", (f"prefill of {request_id} on {handle.model_id} is {format_size(need_bytes)} "
-                                    f"short {where}; stop idle {h.model_id} ({format_size(held.get(worker_id, 0))})"),
-                          worker_id=h.worker_id, model_id=h.model_id)
-                await self.pool.stop(h, f"evicted for a prefill on {handle.model_id}", cause="evict")
+                await self.evict(h, f"prefill of {request_id} on {handle.model_id} is {format_size(need_bytes)} "
+                                    f"short {where}; stop idle {h.model_id} ({format_size(held.get(worker_id, 0))})",
+                                 f"evicted for a prefill on {handle.model_id}")
         if handle.live:
             self.pool.command(handle, p.MemoryAnswer(request_id=request_id, evicted=bool(victims)))

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from shared.vocab import ErrorCode
 
 if TYPE_CHECKING:
-    from supervisor.readiness import LoadProgress
+    from supervisor.views import LoadProgress
 
 
 class ServeError(RuntimeError):

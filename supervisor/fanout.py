@@ -16,7 +16,7 @@ Why it is built this way:
   and caches the bytes; every queue holds the same Frame. With nobody
   subscribed nothing is encoded at all.
 - **History for replay.** The guard's events (SPEC S2) are kept as long as
-  the arbiter keeps its own history; other topics for a few minutes, so a
+  the event log keeps its own history; other topics for a few minutes, so a
   dashboard opened now can draw the last minutes (`since`), and an
   EventSource that reconnects resumes after the last id it saw.
 """
@@ -33,7 +33,7 @@ import msgspec
 from shared import protocol as p
 
 QUEUE_MAX = 512          # frames a client may lag behind before it is dropped
-EVENT_HISTORY = 500      # guard events kept for replay (the arbiter's status keeps as many)
+EVENT_HISTORY = 500      # guard events kept for replay (the event log keeps as many for status)
 RECENT_HISTORY = 6000    # other frames kept for replay: minutes of samples for a few workers
 REPLAY_CHUNK = 512       # replayed frames written at once
 WAKE_DELAY = 0.05        # clients are woken at most this often (20 Hz): bursts become one write each

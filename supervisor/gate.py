@@ -11,15 +11,21 @@ Retry-After).
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
+from typing import TYPE_CHECKING, Callable
 
 from supervisor.errors import GateClosed
+from supervisor.policy.admission import admits_request
+
+if TYPE_CHECKING:
+    from supervisor.process import WorkerHandle
 
 
 class _Waiter:
     __slots__ = ("handle", "future", "deadline", "wait")
 
-    def __init__(self, handle, future: asyncio.Future, deadline: float, wait: float) -> None:
+    def __init__(self, handle: WorkerHandle, future: asyncio.Future, deadline: float, wait: float) -> None:
         self.handle = handle
         self.future = future
         self.deadline = deadline
@@ -38,14 +44,14 @@ class Gate:
     def depth(self) -> int:
         return len(self.waiters)
 
-    def waiting_for(self, handle) -> int:
+    def waiting_for(self, handle: WorkerHandle) -> int:
         """Requests queued here for one worker (a model's queue depth, issue 24)."""
         return sum(1 for w in self.waiters if w.handle is handle and not w.future.done())
 
     def waiting_for_model(self, model_id: str) -> int:
         return sum(1 for w in self.waiters if w.handle.model_id == model_id and not w.future.done())
 
-    async def wait(self, handle, deadline: float | None = None) -> None:
+    async def wait(self, handle: WorkerHandle, deadline: float | None = None) -> None:
         """Return once `release` lets this request in; GateClosed when full or too late.
 
         `deadline`: seconds this request will wait at most, when shorter than the
@@ -66,21 +72,19 @@ class Gate:
             if waiter in self.waiters:
                 self.waiters.remove(waiter)
 
-    def release(self, paused: bool) -> None:
-        """Let waiters through, oldest first.
-
-        Not paused: everyone. Paused (P3): one request per worker that has
-        nothing running, so an idle worker under pressure takes exactly one.
-        """
-        taken: set[int] = set()
+    def release(self, paused: bool, running: Callable[[WorkerHandle], int]) -> None:
+        """Let waiters through, oldest first, as SPEC P3 admits them: everyone when
+        not paused; while paused, one request per worker that runs nothing (the
+        ones let through in this round count as running)."""
+        taken: collections.Counter[int] = collections.Counter()
         for waiter in list(self.waiters):
             if waiter.future.done():
                 continue
             handle = waiter.handle
             if not handle.live:
                 waiter.future.set_result(None)  # the caller sees the dead worker
-            elif not paused or (not handle.requests and id(handle) not in taken):
-                taken.add(id(handle))
+            elif admits_request(paused, running(handle) + taken[id(handle)]):
+                taken[id(handle)] += 1
                 waiter.future.set_result(None)
 
     def expire(self, now: float) -> None:

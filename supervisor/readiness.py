@@ -4,7 +4,7 @@ Memory is a per-host resource, so each host runs its own supervisor and a
 router (LiteLLM, an Inference-Extension endpoint picker, a script) chooses
 among them per request. It needs, per model and cheaply, the answer to "if I
 send this host a request now, what happens?". `assess` gives it in one
-struct, from facts the arbiter already holds (no I/O but one footprint read
+struct, from facts the supervisor already holds (no I/O but one footprint read
 of a loading worker): `GET /health?model=ID`, each `/v1/models` card and the
 refusals of a request that will not wait all say the same thing.
 
@@ -25,16 +25,27 @@ States and what a request sent now meets:
 from __future__ import annotations
 
 import math
+import time
 from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
+from shared import probe
+from shared.states import LOADING_STATES
 from shared.vocab import ErrorCode
+from supervisor.config import host_name
+from supervisor.policy.admission import admits_request, fit_report
+from supervisor.views import LoadProgress
 
 if TYPE_CHECKING:
+    from supervisor.catalog import Catalog
     from supervisor.config import ModelConfig
+    from supervisor.enforcer import Enforcer
+    from supervisor.gate import Gate
+    from supervisor.models import Models
     from supervisor.policy.admission import FitReport
-    from supervisor.pool import ModelView, WorkerHandle
+    from supervisor.pool import Pool
+    from supervisor.views import ModelView, WorkerView
 
 ReadinessState = Literal["ready", "busy", "unloaded", "saturated", "loading", "paused", "unresponsive",
                          "draining", "failed", "does_not_fit"]
@@ -57,24 +68,6 @@ RETRY_PAUSED = 2
 RETRY_DRAINING = 2
 RETRY_LOADING_UNKNOWN = 2
 RETRY_LOADING_MAX = 30
-
-
-class LoadProgress(msgspec.Struct, frozen=True, kw_only=True):
-    """How far a model's load has come.
-
-    `state`: `queued` (no worker yet: waiting for the one-load-at-a-time
-    lock, admission's evictions, its files being read or imported),
-    `starting` (the process is importing MLX), `loading` (reading weights).
-    `bytes`: what the worker has taken since it started loading (its
-    footprint less the one it reported before the weights), against
-    `estimate_bytes`, A2's weight estimate (0: not known yet). `eta`:
-    seconds left at the rate so far (None until a tenth of it is in)."""
-
-    state: str
-    bytes: int
-    estimate_bytes: int
-    elapsed: float
-    eta: float | None = None
 
 
 class Readiness(msgspec.Struct, frozen=True, kw_only=True):
@@ -124,17 +117,17 @@ def saturated(model: ModelConfig, in_flight: int) -> bool:
     return in_flight >= model.max_concurrency + model.max_queue
 
 
-def assess(*, model: ModelConfig, host: str, view: ModelView, handle: WorkerHandle | None, waiting: int,
+def assess(*, model: ModelConfig, host: str, view: ModelView, worker: WorkerView | None, waiting: int,
            paused: bool, silent: float | None, progress: LoadProgress | None,
            fit: FitReport | None) -> Readiness:
-    """The model's readiness from the arbiter's facts.
+    """The model's readiness from the supervisor's facts.
 
-    `waiting`: its requests in the memory queue (P3); `silent`: seconds its
+    `worker`: its live worker, if any; `waiting`: its requests in the memory queue (P3); `silent`: seconds its
     worker has not answered a ping when that is past the unresponsive
     threshold (None: it answers, or is inside a long engine step);
     `progress`: set while a load is in flight; `fit`: the dry run for an
     unloaded model (None when the estimate is not read yet)."""
-    in_flight = len(handle.requests) + waiting if handle is not None else waiting
+    in_flight = worker.running + waiting if worker is not None else waiting
     running = min(in_flight, model.max_concurrency)
     state: ReadinessState
     retry: int | None = None
@@ -142,21 +135,21 @@ def assess(*, model: ModelConfig, host: str, view: ModelView, handle: WorkerHand
     if progress is not None:
         state, retry = "loading", loading_retry(progress)
         reason = f"loading ({progress.state}, {progress.elapsed:.1f} s so far)"
-    elif handle is not None and (handle.marked_for_unload or handle.stopping is not None):
-        state, retry, reason = "draining", RETRY_DRAINING, handle.stop_reason or "marked for unload"
-    elif handle is not None and handle.serving:
+    elif worker is not None and worker.leaving:
+        state, retry, reason = "draining", RETRY_DRAINING, worker.stop_reason or "marked for unload"
+    elif worker is not None and worker.serving:
         if silent is not None:
             state, retry = "unresponsive", RETRY_DRAINING
             reason = f"its worker has not answered a ping for {silent:.1f} s"
         elif saturated(model, in_flight):
             state, retry = "saturated", RETRY_SATURATED
             reason = f"{running} running and {in_flight - running} waiting (max_queue {model.max_queue})"
-        elif paused and handle.requests:
+        elif not admits_request(paused, worker.running):
             state, retry, reason = "paused", RETRY_PAUSED, "memory pressure has paused admission (SPEC P3)"
         else:
             state = "ready" if in_flight < model.max_concurrency else "busy"
-    elif handle is not None:  # live but neither serving nor loading: wedged, being killed
-        state, retry, reason = "unresponsive", RETRY_DRAINING, f"its worker is {handle.state}"
+    elif worker is not None:  # live but neither serving nor loading: wedged, being killed
+        state, retry, reason = "unresponsive", RETRY_DRAINING, f"its worker is {worker.state}"
     elif view.state == "failed":
         state, reason = "failed", view.reason
         retry = max(1, math.ceil(view.retry_in)) if view.retry_in >= 0 else None
@@ -167,8 +160,8 @@ def assess(*, model: ModelConfig, host: str, view: ModelView, handle: WorkerHand
     status = STATUS[state]
     code = (fit.error or CODES[state]) if fit is not None and state == "does_not_fit" else CODES.get(state)
     return Readiness(model=model.id, host=host, state=state, status=status, accepting=status == 200,
-                     loaded=handle is not None and handle.serving, code=code,
-                     worker=handle.worker_id if handle is not None else None, running=running,
+                     loaded=worker is not None and worker.serving, code=code,
+                     worker=worker.worker_id if worker is not None else None, running=running,
                      queued=in_flight - running, max_concurrency=model.max_concurrency, max_queue=model.max_queue,
                      retry_after=retry, progress=progress, reason=reason)
 
@@ -194,3 +187,46 @@ def kv_utilization(kv_bytes: int, room: int | None) -> float:
 def share(used: int, cap: int) -> float:
     """`used` of `cap`, 0..1 (0 when there is no cap)."""
     return min(1.0, max(0, used) / cap) if cap > 0 else 0.0
+
+
+class Signals:
+    """The routing signals, gathered from the parts that hold the facts: the model's
+    worker (the pool), its load (the models), its queue (the gate), the pressure
+    (the enforcer's last tick: no probe here) and its size (the catalog)."""
+
+    def __init__(self, *, catalog: Catalog, models: Models, pool: Pool, gate: Gate, enforcer: Enforcer) -> None:
+        self.catalog = catalog
+        self.models = models
+        self.pool = pool
+        self.gate = gate
+        self.enforcer = enforcer
+
+    def readiness(self, name: str) -> Readiness:
+        """What a request for the model would meet now (LoadError 404 for an unknown model)."""
+        model = self.catalog.model(name)
+        now = time.monotonic()
+        handle = self.pool.worker_for(model.id)
+        fit, snapshot, size = None, self.enforcer.last_snapshot, self.catalog.estimate(model)
+        if handle is None and snapshot is not None and size > 0:  # the last tick's figures: no probe here
+            fit = fit_report(snapshot, model.id, size, 0, 0)
+        return assess(model=handle.model if handle is not None else model, host=host_name(self.catalog.config),
+                      view=self.models.view(model.id), worker=self.pool.view(handle) if handle is not None else None,
+                      waiting=self.gate.waiting_for_model(model.id), paused=self.enforcer.admission_paused,
+                      silent=self.pool.unresponsive(handle, now) if handle is not None else None,
+                      progress=self.load_progress(model.id, now), fit=fit)
+
+    def load_progress(self, model_id: str, now: float) -> LoadProgress | None:
+        """How far the model's load in flight has come (None: no load in flight)."""
+        began = self.models.loading_since(model_id)
+        if began is None:
+            return None
+        handle = self.pool.worker_for(model_id)
+        model = self.catalog.config.model(model_id)
+        estimate = self.catalog.estimate(model) if model is not None else 0
+        if handle is None or handle.state not in LOADING_STATES:
+            return load_progress("queued", began, now, 0, estimate)
+        grown = 0
+        sample = handle.sample
+        if handle.state == "loading" and sample is not None and sample.phase == "loading":
+            grown = (probe.footprint(handle.pid) or 0) - sample.memory.usage  # since it reported, before its weights
+        return load_progress(handle.state, began, now, grown, estimate)

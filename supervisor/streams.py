@@ -10,42 +10,49 @@ clear error, and no stream is ever left waiting for a reply that cannot come.
 A worker's `Prompted` (issue 23) does not go into the queue: it is kept on the
 stream, where a front door that needs the prompt's length early reads it (it
 always arrives before the first token) or awaits it (`prompt_known`).
+
+A tokenizer call (`Tokenize`, `Detokenize`) is no stream: it waits for its one
+reply (`expect`), and it does not count as a request the worker runs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Union
+import uuid
+from typing import Union
 
 import msgspec
 
 from shared import protocol as p
 from shared.vocab import FailureCode
 
-if TYPE_CHECKING:
-    from supervisor.pool import WorkerHandle
-
 StreamReply = Union[p.TokenOut, p.Finished, p.Failed]
 # An embedding request's stream gets one message, its vectors or its error.
 EmbedReply = Union[p.Embedded, p.Failed]
 
 
+def new_request_id() -> str:
+    """The id of a request, made here only: the supervisor gives one to each request
+    a door hands it without one (the doors build their response ids from it)."""
+    return uuid.uuid4().hex
+
+
 class RequestStream:
     """One generation in flight: replies from the worker land in `queue`."""
 
-    __slots__ = ("request_id", "model_id", "worker", "queue", "created", "first_token", "done", "prompted",
+    __slots__ = ("request_id", "model_id", "worker_id", "queue", "created", "first_token", "done", "prompted",
                  "prompt_known")
 
-    def __init__(self, request_id: str, model_id: str, worker: WorkerHandle) -> None:
+    def __init__(self, request_id: str, model_id: str, worker_id: str) -> None:
         self.request_id = request_id
         self.model_id = model_id
-        self.worker = worker
+        self.worker_id = worker_id  # the worker serving it (X-Memvisor-Worker)
         self.queue: asyncio.Queue[object] = asyncio.Queue()
         self.created = time.monotonic()
         self.first_token: float | None = None
         self.done = False
-        self.prompted: p.Prompted | None = None  # issue 23: the prompt's length, once the worker says
+        self.prompted: p.Prompted | None = None  # the prompt's length, once the worker says
         self.prompt_known = asyncio.Event()  # set by Prompted, or by the end of a request that had none
 
     def put(self, msg: StreamReply | p.Prompted | p.Embedded) -> None:
@@ -64,29 +71,40 @@ class RequestStream:
 
 
 class Streams:
-    """The open streams, by request id; each worker handle keeps its own too."""
+    """The open streams: the one map of requests in flight, by request id and by worker.
+
+    Everyone who asks how many requests a worker runs (the policy's snapshot,
+    the admission gate, readiness, the metrics) asks here."""
 
     def __init__(self) -> None:
         self.by_id: dict[str, RequestStream] = {}
-        self.batches = 0  # issue 11: TokenBatch frames delivered (a worker decoding in batches)
+        self._by_worker: dict[str, dict[str, RequestStream]] = {}
+        self._calls: dict[str, tuple[str, asyncio.Future[p.TokensReply]]] = {}  # request id -> (worker, its reply)
+        self.batches = 0  # TokenBatch frames delivered (a worker decoding in batches)
 
-    def open(self, handle: WorkerHandle, request_id: str) -> RequestStream:
-        stream = RequestStream(request_id, handle.model_id, handle)
+    def open(self, worker_id: str, model_id: str, request_id: str) -> RequestStream:
+        stream = RequestStream(request_id, model_id, worker_id)
         self.by_id[request_id] = stream
-        handle.requests[request_id] = stream
-        handle.last_access = time.monotonic()
+        self._by_worker.setdefault(worker_id, {})[request_id] = stream
         return stream
 
-    def deliver(self, msg: StreamReply | p.Prompted | p.Embedded) -> None:
-        """A worker's reply for one request; a reply for a forgotten request is dropped."""
+    def running(self, worker_id: str) -> int:
+        """Requests the worker serves now (opened and not yet ended)."""
+        return len(self._by_worker.get(worker_id, ()))
+
+    def deliver(self, msg: StreamReply | p.Prompted | p.Embedded) -> RequestStream | None:
+        """A worker's reply for one request; a reply for a forgotten request is dropped.
+        Returns the stream when this reply ended it."""
         stream = self.by_id.get(msg.request_id)
         if stream is not None:
             stream.put(msg)
             if stream.done:
                 self.close(stream)
+                return stream
+        return None
 
     def deliver_batch(self, msg: p.TokenBatch) -> None:
-        """Issue 11: a batched decode step's tokens, one per request, from one frame."""
+        """A batched decode step's tokens, one per request, from one frame."""
         self.batches += 1
         by_id = self.by_id
         if msg.logprobs is not msgspec.UNSET:  # some row asked for logprobs
@@ -102,11 +120,41 @@ class Streams:
 
     def close(self, stream: RequestStream) -> None:
         self.by_id.pop(stream.request_id, None)
-        stream.worker.requests.pop(stream.request_id, None)
-        stream.worker.last_access = time.monotonic()
+        mine = self._by_worker.get(stream.worker_id)
+        if mine is not None:
+            mine.pop(stream.request_id, None)
+            if not mine:
+                del self._by_worker[stream.worker_id]
 
-    def fail_all(self, handle: WorkerHandle, code: FailureCode, message: str) -> None:
+    def fail_all(self, worker_id: str, code: FailureCode, message: str) -> None:
         """The worker is gone: every request it served ends with this error."""
-        for stream in list(handle.requests.values()):
+        for stream in list(self._by_worker.get(worker_id, {}).values()):
             stream.put(p.Failed(request_id=stream.request_id, code=code, message=message))
             self.close(stream)
+
+    # -- calls: one command, one reply ----------------------------------------------
+
+    def expect(self, worker_id: str, request_id: str) -> asyncio.Future[p.TokensReply]:
+        """The reply the worker will send to the call `request_id`."""
+        waiter: asyncio.Future[p.TokensReply] = asyncio.get_running_loop().create_future()
+        self._calls[request_id] = (worker_id, waiter)
+        return waiter
+
+    def awaits(self, request_id: str) -> bool:
+        return request_id in self._calls
+
+    def answer(self, msg: p.TokensReply) -> None:
+        entry = self._calls.pop(msg.request_id, None)
+        if entry is not None and not entry[1].done():
+            entry[1].set_result(msg)
+
+    def forget_call(self, request_id: str) -> None:
+        self._calls.pop(request_id, None)
+
+    def fail_calls(self, worker_id: str, error: Exception) -> None:
+        """The worker is gone: every call it had not answered fails with `error`."""
+        for request_id, (owner, waiter) in list(self._calls.items()):
+            if owner == worker_id:
+                if not waiter.done():
+                    waiter.set_exception(error)
+                del self._calls[request_id]

@@ -34,11 +34,12 @@ from shared import protocol as p
 from supervisor.config import Config, ModelConfig, SupervisorConfig
 from supervisor.errors import GateClosed, LoadError
 from supervisor.http.anthropic import MessagesRequest, messages_generate
-from supervisor.http.app import start_http
-from supervisor.http.generate import chat_generate, completion_generate, keep_alive_seconds
+from supervisor.http.generate import chat_generate, completion_generate
+from supervisor.http.keepalive import keep_alive_seconds
 from supervisor.http.openai_types import BodyError, ChatRequest, CompletionRequest, decode_body
 from supervisor.http.responses import ResponsesRequest, responses_generate
-from supervisor.streams import RequestStream
+from supervisor.http.server import start_http
+from supervisor.streams import RequestStream, new_request_id
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -89,21 +90,22 @@ RESPONSES_REFUSED = {"previous_response_id": "resp_1", "conversation": "c", "bac
 
 
 def _chat(**kw):
-    return chat_generate(decode_body(msgspec.json.encode({"model": "m", "messages": MSG, **kw}), ChatRequest))
+    return chat_generate(decode_body(msgspec.json.encode({"model": "m", "messages": MSG, **kw}), ChatRequest)).gen
 
 
 def _completion(**kw):
     return completion_generate(decode_body(msgspec.json.encode({"model": "m", "prompt": "x", **kw}),
-                                           CompletionRequest))
+                                           CompletionRequest)).gen
 
 
 def _anthropic(**kw):
     body = {"model": "m", "max_tokens": 4, "messages": MSG, **kw}
-    return messages_generate(decode_body(msgspec.json.encode(body), MessagesRequest))
+    return messages_generate(decode_body(msgspec.json.encode(body), MessagesRequest)).gen
 
 
 def _responses(**kw):
-    return responses_generate(decode_body(msgspec.json.encode({"model": "m", "input": "x", **kw}), ResponsesRequest))
+    return responses_generate(decode_body(msgspec.json.encode({"model": "m", "input": "x", **kw}),
+                                          ResponsesRequest)).gen
 
 
 WALKS = [
@@ -246,7 +248,8 @@ class StubSupervisor:
     async def generate(self, model_id, gen, max_wait=None):
         if isinstance(self.outcome, Exception):
             raise self.outcome
-        stream = RequestStream(gen.request_id, model_id, worker=None)  # type: ignore[arg-type]
+        gen.request_id = gen.request_id or new_request_id()  # as the supervisor does
+        stream = RequestStream(gen.request_id, model_id, "m#1")
         for msg in self.outcome(gen.request_id):
             stream.put(msg)  # as the pool delivers them: a Prompted is held, the rest queued
         return stream

@@ -245,11 +245,13 @@ def test_a_token_batch_with_columns_of_unequal_length_yields_no_tokens():
 def test_sse_token_chunk_is_byte_identical_to_the_full_chunk(kind, include_usage):
     """Issue 11: the per-token SSE chunk is encoded from a per-request frame, never differently."""
     from shared import protocol as p
-    from supervisor.http.generate import Job
+    from supervisor.http.generate import Completion
+    from supervisor.http.job import Job
 
-    job = Job(None, None, kind, "m", p.Generate(prompt="x", request_id="r1"), include_usage, 0.0, None)
+    job = Job(None, None, "m", p.Generate(prompt="x", request_id="r1"), 0.0, None)  # type: ignore[arg-type]
+    reply = Completion(job, kind, include_usage)
     for text in ["hello", ' "quoted"\n', "ünï\u2028", "\x00memvisor-token", "\\"]:
-        assert job.token_chunk(text) == job.chunk(text)
+        assert reply.token_chunk(text) == reply.chunk(text)
 
 
 def test_h3_pinned_bytes_kept_up_to_date_equal_the_sum_over_pinned_entries():

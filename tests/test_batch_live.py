@@ -72,7 +72,7 @@ def test_a_stream_that_leaves_mid_batch_is_aborted_and_the_others_stay_identical
             alone = [await _stream(c, i, max_tokens=40) for i in (1, 2)]
             together = await asyncio.gather(_stream(c, 1, max_tokens=40), leaver(c),
                                             _stream(c, 2, delay=0.1, max_tokens=40))
-            await until(lambda: not worker.requests, timeout=10, what="every stream closed")
+            await until(lambda: not server.arbiter.pool.running(worker), timeout=10, what="every stream closed")
             return alone, [together[0], together[2]]
 
     alone, together = server.run(main())

@@ -43,7 +43,7 @@ def test_issue21_a_dry_run_context_past_the_cap_is_refused_on_the_control_socket
     the report's size overflowed its encoding and the answer was an internal error."""
     async def main():
         async with Running(make_config([ModelConfig(id="a", path=str(tiny_models.a))]), runtime_dir) as arb:
-            reply = await handle_control(arb, p.LoadRequest(model="a", dry_run=True, context=2**63 - 1))
+            reply = await handle_control(arb.service, p.LoadRequest(model="a", dry_run=True, context=2**63 - 1))
             assert isinstance(reply, p.ControlError) and reply.code == "invalid_request"
             assert str(MAX_CONTEXT_TOKENS) in reply.message
             msgspec.msgpack.encode(reply)  # answerable

@@ -30,8 +30,8 @@ PRETEND = {"device_name": "stand-in", "architecture": "cpu", "total_memory": 80 
 
 
 async def _load_on_pretend_device(arb, model_id: str):
-    handle = await arb.load(model_id)
-    handle.device_info = dict(PRETEND)
+    handle = await arb.models.load(model_id)
+    arb.pool.set_device_info(handle, dict(PRETEND))
     for _ in range(100):
         arb.wake()
         await asyncio.sleep(0.05)
@@ -55,10 +55,10 @@ def test_d4_device_drill_is_stopped_by_the_guard_on_the_device_pool(tiny_models,
             # on a real GPU NVML's free leaves out what the driver keeps (D3 counts it as
             # others'): the custom value covers it, so the ceiling is 256 MiB over the group
             others = dc.others
-            arb.update_guard(p.GuardUpdate(custom_device_ceiling=held + others + 256 * MiB))  # T6: ticks now
+            arb.service.update_guard(p.GuardUpdate(custom_device_ceiling=held + others + 256 * MiB))  # T6: ticks now
             dc = arb.enforcer.last.device
             assert dc is not None and held < dc.ceiling <= held + others + 256 * MiB
-            stream = await arb.generate("a", p.Generate(request_id="r", prompt="tell me a story", max_tokens=3000))
+            stream = await arb.service.generate("a", p.Generate(request_id="r", prompt="tell me a story", max_tokens=3000))
             while not (handle.sample and handle.sample.running):
                 await asyncio.sleep(0.01)
             mark = len(arb.enforcer.executed)
@@ -78,7 +78,7 @@ def test_d4_device_drill_is_stopped_by_the_guard_on_the_device_pool(tiny_models,
             assert t - start < 1.0
             assert arb.enforcer.last.host_level == "ok"
             if not stream.done:
-                arb.cancel(stream)
+                arb.service.cancel(stream)
 
     asyncio.run(main())
 
@@ -92,13 +92,13 @@ def test_d5_a_load_refused_by_the_device_pool_names_it(tiny_models, runtime_dir)
     async def main():
         async with Running(config, runtime_dir) as arb:
             handle = await _load_on_pretend_device(arb, "a")
-            await arb.generate("a", p.Generate(request_id="r", prompt="hi", max_tokens=2000))  # busy: no victim
+            await arb.service.generate("a", p.Generate(request_id="r", prompt="hi", max_tokens=2000))  # busy: no victim
             while not (handle.sample and handle.sample.running):
                 await asyncio.sleep(0.01)
             held = arb.enforcer.last.device_usage
-            arb.update_guard(p.GuardUpdate(custom_device_ceiling=held + MiB))
+            arb.service.update_guard(p.GuardUpdate(custom_device_ceiling=held + MiB))
             with pytest.raises(LoadError) as refused:
-                await arb.load("b")
+                await arb.models.load("b")
             assert refused.value.http_status == 507
             assert "device" in str(refused.value) and refused.value.code in ("insufficient_memory", "model_too_large")
 

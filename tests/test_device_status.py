@@ -168,7 +168,7 @@ def _enforcer(device_name: str = "NVIDIA H200") -> tuple[Enforcer, _Bus]:
     bus = _Bus()
     handles = {"w1": SimpleNamespace(device_info={"device_name": device_name} if device_name else {})}
     enf = Enforcer(config=Config(), pool=SimpleNamespace(handles=handles), bus=bus, ledger=None,
-                   emit=lambda *a, **k: None)
+                   emit=lambda *a, **k: None, restarts=lambda _model: 0)
     return enf, bus
 
 

@@ -21,7 +21,7 @@ from shared.limits import Limits
 from shared.protocol import DISK_CACHE_AUTO, CacheReport, DiskCacheStats, Finished
 from shared.sizes import GiB
 from supervisor.cache_tiers import CacheBook
-from supervisor.config import Config, GuardConfig, parse_config
+from supervisor.config import GuardConfig, parse_config
 from worker import disk_cache, kv_files
 from worker import prompt_cache as pc
 from worker.disk_cache import DiskTier, model_identity
@@ -348,12 +348,10 @@ def test_h5_config_disk_cache_max_is_auto_by_default_a_size_or_off():
 
 
 def test_h5_the_stop_grace_is_off_without_a_disk_tier_or_without_a_memory_tier():
-    from supervisor.pool import Pool
+    from supervisor.cache_tiers import save_grace
 
     def grace(**guard) -> float:
-        pool = Pool.__new__(Pool)  # save_grace reads the config only
-        pool.config = Config(guard=GuardConfig(**guard))
-        return pool.save_grace()
+        return save_grace(GuardConfig(**guard))
 
     assert grace(disk_cache_grace=1.5) == 1.5
     assert grace(disk_cache_grace=1.5, disk_cache_max=0) == 0.0

@@ -108,7 +108,7 @@ def test_h5_a_deadline_too_short_writes_nothing_counts_it_and_does_not_hold_the_
             await live.openai().chat.completions.create(model="a", messages=messages(), max_tokens=4)
             handle = live.arbiter.pool.worker_for("a")
             started = time.monotonic()
-            assert await live.arbiter.unload("a")
+            assert await live.arbiter.service.unload("a")
             took = time.monotonic() - started
             await until(lambda: live.arbiter.pool.caches.model("a").save_deadline > 0, 10, "the final report")
             return handle, took
@@ -121,7 +121,7 @@ def test_h5_a_deadline_too_short_writes_nothing_counts_it_and_does_not_hold_the_
         assert handle.signals_sent == []
         assert took < 10.0  # the supervisor's escalation (stop_grace 30 s + 0.05 s) was never needed
         assert on_disk(private_cache_dir) == []  # no file, not even a partial one
-        assert live.arbiter.disk_cache().dropped_entries == 1
+        assert live.arbiter.service.disk_cache().dropped_entries == 1
         assert any(e.kind == "disk_cache" and "not written" in e.reason for e in live.arbiter.events)
 
 
@@ -134,7 +134,7 @@ def test_h5_a_write_that_hangs_is_cut_by_sigterm_at_the_stop_grace_plus_the_writ
             await live.openai().chat.completions.create(model="a", messages=messages(), max_tokens=4)
             handle = live.arbiter.pool.worker_for("a")
             started = time.monotonic()
-            assert await live.arbiter.unload("a")
+            assert await live.arbiter.service.unload("a")
             return handle, time.monotonic() - started
 
         handle, took = live.run(main(), timeout=120)
@@ -161,7 +161,7 @@ def test_h6_at_soft_pressure_a_worker_quantizes_its_unused_entries_and_a_later_r
                 # between the custom tier's soft (0.90) and hard (0.97) watermarks
                 r = await c.post("/admin/guard", json={"tier": "custom", "custom_ceiling": int(usage / 0.935)})
                 assert r.status_code == 200, r.text
-                await until(lambda: live.arbiter.disk_cache().quantized_entries >= 1, 30, "the quantization report")
+                await until(lambda: live.arbiter.service.disk_cache().quantized_entries >= 1, 30, "the quantization report")
                 r = await c.post("/admin/guard", json={"tier": "balanced", "custom_ceiling": 0})
                 assert r.status_code == 200, r.text
                 disk = (await c.get("/status")).json()["disk_cache"]

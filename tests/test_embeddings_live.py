@@ -244,9 +244,9 @@ def test_an_embedding_worker_is_guarded_like_a_chat_model(server):
 
     async def main():
         await ollama.AsyncClient(host=server.url()).embed(model="minilm", input="warm")
-        info = sup.model_info("minilm")
+        info = sup.service.model_info("minilm")
         await ollama.AsyncClient(host=server.url()).embed(model="tiny-embed", input="bye", keep_alive=0)
-        await until(lambda: sup.model_info("tiny-embed").state == "unloaded", 30, "tiny-embed unloaded")
+        await until(lambda: sup.service.model_info("tiny-embed").state == "unloaded", 30, "tiny-embed unloaded")
         return info
 
     info = server.run(main(), timeout=300)
@@ -266,8 +266,8 @@ def test_a_client_that_leaves_has_its_batch_aborted_in_the_worker(server):
     texts = [f"{' '.join(SENTENCES)} number {i}" for i in range(2000)]
 
     def running() -> int:
-        handle = next(h for h in sup.workers() if h.model_id == "minilm")
-        return handle.sample.running if handle.sample else 0
+        handle = sup.pool.worker_for("minilm")
+        return handle.sample.running if handle is not None and handle.sample else 0
 
     async def main():
         await server.openai().embeddings.create(model="minilm", input="warm")

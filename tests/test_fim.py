@@ -105,9 +105,9 @@ def test_completions_and_ollama_generate_carry_the_suffix_to_the_worker_untempla
     def body(**kw):
         return msgspec.json.encode({"model": "m", **kw})
 
-    gen = completion_generate(decode_body(body(prompt="", suffix="tail"), CompletionRequest))
+    gen = completion_generate(decode_body(body(prompt="", suffix="tail"), CompletionRequest)).gen
     assert (gen.prompt, gen.suffix, gen.messages) == ("", "tail", None)  # an empty prefix is a file's top
-    gen = generate_generate(decode_body(body(prompt="head", suffix="tail"), OllamaGenerateRequest))
+    gen = generate_generate(decode_body(body(prompt="head", suffix="tail"), OllamaGenerateRequest)).gen
     assert (gen.prompt, gen.suffix, gen.messages) == ("head", "tail", None)
     with pytest.raises(BodyError) as err:
         generate_generate(decode_body(body(prompt="head", suffix="tail", system="s"), OllamaGenerateRequest))

@@ -69,7 +69,7 @@ def test_suffix_on_a_model_without_fim_tokens_is_a_400_naming_suffix_before_any_
     err, refused = server.run(main())
     assert err.body["param"] == "suffix" and "fill-in-the-middle" in err.body["message"]
     assert refused.status_code == 400 and "suffix" in refused.error
-    assert server.arbiter.model_info("a").state == "unloaded"
+    assert server.arbiter.service.model_info("a").state == "unloaded"
 
 
 def test_ollama_generate_suffix_with_the_official_client(server, fim_prompt_tokens):

@@ -33,7 +33,7 @@ def test_d1_a_cuda_worker_names_its_device_and_nvml_counts_its_bytes(tiny_models
 
     async def main():
         async with Running(config, runtime_dir) as arb:
-            handle = await arb.load("a")
+            handle = await arb.models.load("a")
             assert probe.gpu_kind(handle.device_info) == "cuda", handle.device_info
             for _ in range(100):
                 arb.wake()
@@ -98,8 +98,8 @@ def test_m1_on_cuda_a_worker_samples_its_pool_within_pool_max_and_counts_its_ret
 
     async def main():
         async with Running(config, runtime_dir) as arb:
-            handle = await arb.load("a")
-            streams = [await arb.generate("a", p.Generate(request_id=f"r{i}", prompt="word " * (40 + 30 * i),
+            handle = await arb.models.load("a")
+            streams = [await arb.service.generate("a", p.Generate(request_id=f"r{i}", prompt="word " * (40 + 30 * i),
                                                           max_tokens=400)) for i in range(6)]
             pools, returns = [], 0
             while not all(s.done for s in streams):

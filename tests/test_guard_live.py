@@ -30,15 +30,15 @@ def test_p9_idle_cadence_is_applied_heartbeats_do_not_tick_the_policy(tiny_model
 
     async def main():
         async with Running(config, runtime_dir) as arb:
-            handle = await arb.load("a")
+            handle = await arb.models.load("a")
             await asyncio.sleep(3.0)  # the load's activity hint (2 s) runs out
-            ticks, pongs = arb.enforcer.ticks, handle.last_pong
+            ticks, pongs = arb.enforcer.ticks, handle.beats.last_pong
             await asyncio.sleep(3.0)
             assert arb.enforcer.status().poll_interval == 10.0
             assert arb.enforcer.ticks - ticks <= 1, "the policy ticked on heartbeats"
-            assert handle.last_pong > pongs, "heartbeats must go on"
+            assert handle.beats.last_pong > pongs, "heartbeats must go on"
             ticks = arb.enforcer.ticks
-            stream = await arb.generate("a", p.Generate(request_id="r", prompt="hi", max_tokens=4))
+            stream = await arb.service.generate("a", p.Generate(request_id="r", prompt="hi", max_tokens=4))
             await collect(stream)
             assert arb.enforcer.ticks > ticks, "a request is an event: it wakes the policy at once"
 
@@ -51,8 +51,8 @@ def test_u1_a_workers_sample_on_the_wire_counts_its_pool(tiny_models, runtime_di
 
     async def main():
         async with Running(config, runtime_dir) as arb:
-            handle = await arb.load("a")
-            stream = await arb.generate("a", p.Generate(request_id="r", prompt="the sea " * 40, max_tokens=2))
+            handle = await arb.models.load("a")
+            stream = await arb.service.generate("a", p.Generate(request_id="r", prompt="the sea " * 40, max_tokens=2))
             await collect(stream)
             deadline = time.monotonic() + 5
             while time.monotonic() < deadline:
@@ -84,9 +84,9 @@ def test_cuda_device_memory_is_reported_not_folded_into_the_host_ceiling(tiny_mo
 
     async def main():
         async with Running(config, runtime_dir) as arb:
-            handle = await arb.load("a")
-            handle.device_info = {"device_name": "NVIDIA H200", "architecture": "sm_90",
-                                  "total_memory": 1 * GiB}
+            handle = await arb.models.load("a")
+            arb.pool.set_device_info(handle, {"device_name": "NVIDIA H200", "architecture": "sm_90",
+                                              "total_memory": 1 * GiB})
             snap = arb.enforcer.snapshot(time.monotonic())
             assert snap.gpu_cap_raw == 0 and snap.device_total == 1 * GiB
             arb.enforcer.tick(time.monotonic())

@@ -181,13 +181,13 @@ def test_issue21_keep_alive_inf_nan_and_huge_are_400_before_any_generation(serve
     (-1, 0.0), ("-1", 0.0), ("-1m", 0.0), ("5m", 300.0), ("1h30m", 5400.0), ("90s", 90.0), (2.5, 2.5),
     ("1.5h", 5400.0), ("250ms", 0.25)])
 def test_issue21_keep_alive_accepts_finite_durations(keep_alive, seconds):
-    from supervisor.http.generate import keep_alive_seconds
+    from supervisor.http.keepalive import keep_alive_seconds
 
     assert keep_alive_seconds(keep_alive, None) == seconds
 
 
 def test_issue21_huge_ttl_is_400():
-    from supervisor.http.generate import keep_alive_seconds
+    from supervisor.http.keepalive import keep_alive_seconds
     from supervisor.http.openai_types import BodyError
 
     with pytest.raises(BodyError, match="ttl"):

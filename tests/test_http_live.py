@@ -245,7 +245,7 @@ def test_client_disconnect_mid_stream_aborts_the_request_in_the_worker(server):
                     if got > 20:
                         break
             # the response is closed: the connection is gone
-        await until(lambda: not worker.requests, timeout=10, what="the stream forgotten")
+        await until(lambda: not arb.pool.running(worker), timeout=10, what="the stream forgotten")
         await until(lambda: worker.sample is not None and worker.sample.running == 0, timeout=10,
                     what="the worker running nothing")
         tokens = worker.sample.tokens
@@ -267,10 +267,10 @@ def test_client_disconnect_during_a_whole_completion_aborts_it_too(server):
         async with server.client() as c:
             call = asyncio.ensure_future(c.post("/v1/completions", json={
                 "model": "pin", "prompt": "x", "max_tokens": LONG, "temperature": 0}))
-            await until(lambda: worker.requests, timeout=10, what="the request running")
+            await until(lambda: arb.pool.running(worker), timeout=10, what="the request running")
             await asyncio.sleep(0.5)
             call.cancel()  # httpx closes the connection
-        await until(lambda: not worker.requests, timeout=10, what="the stream forgotten")
+        await until(lambda: not arb.pool.running(worker), timeout=10, what="the stream forgotten")
         await until(lambda: worker.sample is not None and worker.sample.running == 0, timeout=10,
                     what="the worker running nothing")
         return worker.sample.tokens

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from shared import protocol as p
-from supervisor.http.app import endpoint_label, is_loopback_client
+from supervisor.http.auth import is_loopback_client
 from supervisor.http.errors import from_failed
 from supervisor.http.generate import chat_generate, completion_generate
 from supervisor.http.openai_types import (
@@ -22,6 +22,7 @@ from supervisor.http.openai_types import (
     GuardSettingsIn,
     decode_body,
 )
+from supervisor.http.server import endpoint_label
 
 
 def chat(**fields) -> ChatRequest:
@@ -74,10 +75,11 @@ def test_chat_becomes_generate_with_messages_for_the_chat_template():
     gen = chat(messages=[{"role": "developer", "content": "be brief"},
                          {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
                max_completion_tokens=7, temperature=0, stop="END", seed=3)
-    gen = chat_generate(gen)
+    gen = chat_generate(gen).gen
     assert [(m.role, m.content) for m in gen.messages] == [("system", "be brief"), ("user", "ab")]
     assert gen.prompt is None and gen.max_tokens == 7 and gen.temperature == 0.0
-    assert gen.stop == ["END"] and gen.seed == 3 and len(gen.request_id) == 32
+    assert gen.stop == ["END"] and gen.seed == 3
+    assert gen.request_id == ""  # the supervisor gives each request its id, in one place
 
 
 @pytest.mark.parametrize("seed", [-(2**63) - 1, 2**64])
@@ -86,15 +88,15 @@ def test_a_seed_the_wire_cannot_carry_is_a_400_naming_seed(seed):
     with pytest.raises(BodyError) as err:
         chat_generate(chat(seed=seed))
     assert err.value.param == "seed"
-    assert chat_generate(chat(seed=-1)).seed == -1
-    assert chat_generate(chat(seed=2**64 - 1)).seed == 2**64 - 1
-    assert msgspec.msgpack.encode(chat_generate(chat(seed=-(2**63))))  # the supervisor can send it
+    assert chat_generate(chat(seed=-1)).gen.seed == -1
+    assert chat_generate(chat(seed=2**64 - 1)).gen.seed == 2**64 - 1
+    assert msgspec.msgpack.encode(chat_generate(chat(seed=-(2**63))).gen)  # the supervisor can send it
 
 
 def test_defaults_bound_the_generation():
-    assert chat_generate(chat()).max_tokens == DEFAULT_CHAT_MAX_TOKENS
+    assert chat_generate(chat()).gen.max_tokens == DEFAULT_CHAT_MAX_TOKENS
     req = decode_body(b'{"model": "m", "prompt": "once"}', CompletionRequest)
-    gen = completion_generate(req)
+    gen = completion_generate(req).gen
     assert gen.prompt == "once" and gen.messages is None and gen.max_tokens == DEFAULT_COMPLETION_MAX_TOKENS
 
 
@@ -128,10 +130,10 @@ def _generate(api: str, body: dict) -> p.Generate:
 
     raw = msgspec.json.encode({"model": "m", **body})
     if api == "chat":
-        return chat_generate(decode_body(raw, ChatRequest))
+        return chat_generate(decode_body(raw, ChatRequest)).gen
     if api == "anthropic":
-        return messages_generate(decode_body(raw, MessagesRequest))
-    return responses_generate(decode_body(raw, ResponsesRequest))
+        return messages_generate(decode_body(raw, MessagesRequest)).gen
+    return responses_generate(decode_body(raw, ResponsesRequest)).gen
 
 
 _TEXT = {"type": "text", "text": "a"}

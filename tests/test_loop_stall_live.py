@@ -31,15 +31,15 @@ def test_issue21_a_loop_stall_longer_than_the_heartbeat_window_kills_no_worker(t
 
     async def main():
         async with Running(config, runtime_dir) as arb:
-            a = await arb.load("a")
-            b = await arb.load("b")
+            a = await arb.models.load("a")
+            b = await arb.models.load("b")
             await asyncio.sleep(0.5)
             time.sleep(2.5)  # the loop itself is stalled (as a slow rescan on it did)
             await asyncio.sleep(2.0)  # several beats after it
             assert arb.pool.counters["wedged"] == 0, [e.reason for e in arb.events if e.kind == "wedged"]
             assert a.live and b.live and a.pid and b.pid
             assert any(e.kind == "stall" for e in arb.events)
-            stream = await arb.generate("a", p.Generate(request_id="after", prompt="hi", max_tokens=2))
+            stream = await arb.service.generate("a", p.Generate(request_id="after", prompt="hi", max_tokens=2))
             _, end = await collect(stream)
             assert isinstance(end, p.Finished), end
 
@@ -75,13 +75,13 @@ def test_issue21_a_slow_reload_scan_runs_off_the_loop_and_is_applied_when_it_com
         arb = _running(config, runtime_dir, slow_rescan)
         task = await _started(arb)
         try:
-            reload = asyncio.get_running_loop().create_task(arb.reload("test"))
+            reload = asyncio.get_running_loop().create_task(arb.service.reload("test"))
             await asyncio.sleep(0.05)
             started = time.monotonic()
             await asyncio.sleep(0.2)
             assert time.monotonic() - started < 1.0  # the loop ran while the scan did
             with pytest.raises(ServeError) as busy:
-                await arb.reload("again")
+                await arb.service.reload("again")
             assert busy.value.code == "reload_busy"
             assert arb.config.model("e") is None  # not applied before the scan completes
             assert "added e" in await reload
@@ -105,7 +105,7 @@ def test_issue21_a_reload_that_raises_is_refused_and_said_never_dropped(tiny_mod
         task = await _started(arb)
         try:
             with pytest.raises(ServeError) as err:
-                await arb.reload("test")
+                await arb.service.reload("test")
             assert err.value.code == "invalid_config" and "My Model (4bit)" in str(err.value)
             assert arb.events[-1].kind == "reload_refused"
         finally:
@@ -128,7 +128,7 @@ def test_issue21_a_named_pipe_as_the_config_file_refuses_the_reload_at_once(tiny
         try:
             started = time.monotonic()
             with pytest.raises(ServeError) as err:
-                await arb.reload("test")
+                await arb.service.reload("test")
             assert "named pipe" in str(err.value) and time.monotonic() - started < 2.0
             assert arb.config.model("a") is not None
         finally:
@@ -155,10 +155,10 @@ def test_issue21_a_non_pinned_model_whose_reloaded_path_fails_is_not_respawned(t
         arb = _running(config, runtime_dir, lambda: moved)
         task = await _started(arb)
         try:
-            await arb.load("b")
-            await arb.reload("test")
+            await arb.models.load("b")
+            await arb.service.reload("test")
             await asyncio.sleep(2.5)  # a respawn would have come after 0.5 s
-            assert "b" not in arb._respawn_due
+            assert arb.models.life("b").state != "respawning"
             assert not any(e.kind == "respawn" for e in arb.events), [e.reason for e in arb.events]
         finally:
             await _stopped(arb, task)
@@ -180,10 +180,10 @@ def test_issue21_a_broken_non_pinned_model_is_marked_failed_not_spawned_per_requ
         task = await _started(arb)
         try:
             with pytest.raises(LoadError):
-                await arb.load("x")
+                await arb.models.load("x")
             for _ in range(3):
                 with pytest.raises(LoadError) as again:
-                    await arb.load("x")
+                    await arb.models.load("x")
                 assert again.value.code == "model_failed" and again.value.retry_after
             assert arb.pool.counters["spawned"] == 1
             assert any(e.kind == "failed" for e in arb.events)
@@ -203,9 +203,9 @@ def test_issue21_a_request_waiting_for_a_load_is_served_from_the_path_a_reload_m
         arb = _running(config, runtime_dir, lambda: moved)
         task = await _started(arb)
         try:
-            waiting = asyncio.get_running_loop().create_task(arb.load("a"))
+            waiting = asyncio.get_running_loop().create_task(arb.models.load("a"))
             await until(lambda: arb.pool.worker_for("a") is not None, what="loading")
-            await arb.reload("test")
+            await arb.service.reload("test")
             handle = await asyncio.wait_for(waiting, 120)
             assert handle.model.path == str(tiny_models.b) and handle.serving
         finally:

@@ -81,7 +81,7 @@ def test_issue21_refused_files_in_a_models_folder_are_no_model_a_404_naming_why_
                        "sparse": "no tensor data", "liar": "implausible GGUF counts"}
             for model_id, why in reasons.items():
                 with pytest.raises(LoadError) as err:
-                    await arb.load(model_id)
+                    await arb.models.load(model_id)
                 assert err.value.http_status == 404 and err.value.code == "model_not_found"
                 assert "were refused" in str(err.value) and why in str(err.value), str(err.value)
             refused = {e.model_id for e in arb.events if e.kind == "refused"}
@@ -89,10 +89,10 @@ def test_issue21_refused_files_in_a_models_folder_are_no_model_a_404_naming_why_
             assert not arb.pool.handles, "a refused model got a worker"
             # a reload finds one more, says it once, and keeps the rest said once
             _sparse_config(shutil.copytree(tiny_models.a, folder / "late"))
-            await arb.reload("test")
+            await arb.service.reload("test")
             assert [e.model_id for e in arb.events if e.kind == "refused"].count("late") == 1
             assert len([e for e in arb.events if e.kind == "refused"]) == 5
-            assert arb.counters()["model_files_refused"] == 5
+            assert arb.service.counters()["model_files_refused"] == 5
         finally:
             arb.stop()
             await asyncio.wait_for(task, 30)
@@ -107,7 +107,7 @@ def test_issue21_a_configured_model_with_a_1_gib_config_json_is_a_422_before_any
 
     async def main():
         async with Running(config, runtime_dir) as arb:
-            for attempt in (arb.load("big"), arb.fit("big")):
+            for attempt in (arb.models.load("big"), arb.service.fit("big")):
                 with pytest.raises(LoadError) as err:
                     await attempt
                 assert err.value.http_status == 422 and err.value.code == "model_unreadable"

@@ -50,11 +50,11 @@ def test_an_alias_routes_to_its_model(tiny_models, runtime_dir):
 
     async def main():
         async with Running(config, runtime_dir) as arb:
-            stream = await arb.generate("gpt-4o-mini", p.Generate(request_id="r1", prompt="hello", max_tokens=3))
+            stream = await arb.service.generate("gpt-4o-mini", p.Generate(request_id="r1", prompt="hello", max_tokens=3))
             _, end = await collect(stream)
             assert isinstance(end, p.Finished)
-            assert stream.worker.model_id == "a"
-            assert arb.model_info("gpt-4o-mini").state in ("ready", "busy")
+            assert stream.model_id == "a" and stream.worker_id.startswith("a#")
+            assert arb.service.model_info("gpt-4o-mini").state in ("ready", "busy")
 
     asyncio.run(main())
 
@@ -65,35 +65,35 @@ def test_dry_runs_agree_with_the_real_load_decisions(tiny_models, medium_model, 
 
     async def main():
         async with Running(config, runtime_dir) as arb:
-            await arb.load("a")
-            await arb.load("b")
+            await arb.models.load("a")
+            await arb.models.load("b")
             if any(probe.gpu_kind(h.device_info) == "cuda" for h in arb.pool.handles.values()):
                 pytest.skip("a host-RAM scenario: on a CUDA device loads count against the device pool "
                             "(D5; tests/test_device_live.py and tests/test_device_tick.py)")
-            await until(lambda: arb.model_info("a").usage > 0 and arb.model_info("b").usage > 0, what="samples")
+            await until(lambda: arb.service.model_info("a").usage > 0 and arb.service.model_info("b").usage > 0, what="samples")
             await asyncio.sleep(0.5)  # both past their first allocations
             arb.enforcer.tick(time.monotonic())
             usage = arb.enforcer.last.usage
-            size_small = (await arb.fit("small")).weight_bytes
+            size_small = (await arb.service.fit("small")).weight_bytes
             # room for what runs plus the small model only if one idle model goes first
             ceiling = usage + size_small // 2
-            arb.update_guard(p.GuardUpdate(tier="custom", custom_ceiling=int(ceiling / 0.9) + 1))
+            arb.service.update_guard(p.GuardUpdate(tier="custom", custom_ceiling=int(ceiling / 0.9) + 1))
             before = set(arb.pool.handles)
-            report = await arb.fit("small")
+            report = await arb.service.fit("small")
             assert set(arb.pool.handles) == before, "a dry run spawned or stopped something"
             assert report.fits and report.evict == ["a"], report
-            await arb.load("small")
+            await arb.models.load("small")
             assert arb.pool.worker_for("a") is None and arb.pool.worker_for("b") is not None
             # now a model larger than the whole ceiling: refused the same way, dry or not
-            arb.update_guard(p.GuardUpdate(tier="custom", custom_ceiling=size_small // 4))
+            arb.service.update_guard(p.GuardUpdate(tier="custom", custom_ceiling=size_small // 4))
             await until(lambda: arb.pool.worker_for("small") is None, what="pressure stops small")
-            refused = await arb.fit("small", context_tokens=100)
+            refused = await arb.service.fit("small", context_tokens=100)
             assert not refused.fits and refused.error == "model_too_large"
             assert refused.kv_bytes > 0 and refused.estimated_bytes == refused.weight_bytes + refused.kv_bytes
             with pytest.raises(LoadError) as err:
-                await arb.load("small")
+                await arb.models.load("small")
             assert err.value.http_status == 507 and err.value.code == refused.error
-            assert str(err.value) == (await arb.fit("small")).message  # the same words, dry or not
+            assert str(err.value) == (await arb.service.fit("small")).message  # the same words, dry or not
 
     asyncio.run(main())
 
@@ -104,11 +104,11 @@ def test_a2_estimate_is_within_25_percent_of_what_the_load_took(tiny_models, run
 
     async def main():
         async with Running(config, runtime_dir) as arb:
-            await arb.load("b")
-            estimate = arb.model_info("b").estimated_bytes
+            await arb.models.load("b")
+            estimate = arb.service.model_info("b").estimated_bytes
             # a sample taken once the weights are in (an early one may show a few bytes)
-            await until(lambda: arb.model_info("b").mlx_active > estimate // 2, what="a sample after the load")
-            info = arb.model_info("b")
+            await until(lambda: arb.service.model_info("b").mlx_active > estimate // 2, what="a sample after the load")
+            info = arb.service.model_info("b")
             error = abs(info.estimated_bytes - info.mlx_active) / info.mlx_active
             assert error <= 0.25, (info.estimated_bytes, info.mlx_active)
             on_cuda = any(probe.gpu_kind(h.device_info) == "cuda" for h in arb.pool.handles.values())
@@ -122,8 +122,8 @@ def test_ps_shows_memory_idle_ttl_and_expiry(tiny_models, runtime_dir):
 
     async def main():
         async with Running(config, runtime_dir) as arb:
-            await arb.load("a")
-            await until(lambda: arb.model_info("a").usage > 0, what="first sample")
+            await arb.models.load("a")
+            await until(lambda: arb.service.model_info("a").usage > 0, what="first sample")
             out = await asyncio.get_running_loop().run_in_executor(None, lambda: subprocess.run(
                 [sys.executable, "-m", "supervisor", "ps", "--json", "--runtime-dir", str(runtime_dir)],
                 cwd=ROOT, capture_output=True, text=True, timeout=60))
@@ -163,13 +163,13 @@ def test_reload_adds_removes_and_changes_models_while_another_streams(tiny_model
         task = asyncio.get_running_loop().create_task(arb.run())
         await until(lambda: arb.running, what="start")
         try:
-            a = await arb.load("a")
-            b = await arb.load("b")
-            d = await arb.load("d")
-            long = await arb.generate("a", p.Generate(request_id="long", prompt="once upon", max_tokens=400))
+            a = await arb.models.load("a")
+            b = await arb.models.load("b")
+            d = await arb.models.load("d")
+            long = await arb.service.generate("a", p.Generate(request_id="long", prompt="once upon", max_tokens=400))
             write(model("a", tiny_models.a, "ttl = 900\nmax_concurrency = 2") + model("c", tiny_models.small)
                   + model("d", tiny_models.b))
-            summary = await arb.reload("test")
+            summary = await arb.service.reload("test")
             assert "added c" in summary and "removed b" in summary and "changed a" in summary, summary
             assert "restarted d" in summary, summary
             await until(lambda: b.state == "stopped", what="removed model stopped")
@@ -184,7 +184,7 @@ def test_reload_adds_removes_and_changes_models_while_another_streams(tiny_model
             # a bad config is refused with its key path; the running one stays
             config_file.write_text('[guard]\nsoft_threshold = 1.5\n' + model("z", tiny_models.a))
             with pytest.raises(ServeError) as err:
-                await arb.reload("test")
+                await arb.service.reload("test")
             assert err.value.http_status == 400 and "guard.soft_threshold" in str(err.value)
             assert arb.config.model("c") is not None and arb.config.model("z") is None
             assert arb.events[-1].kind == "reload_refused"
@@ -208,10 +208,10 @@ def test_reload_over_the_control_socket_answers_with_the_changes(tiny_models, ru
         from supervisor.control import handle_control
 
         async with Running(config, runtime_dir) as arb:
-            refused = await handle_control(arb, p.ReloadRequest())
+            refused = await handle_control(arb.service, p.ReloadRequest())
             assert isinstance(refused, p.ControlError) and refused.code == "reload_unsupported"
-            arb.reload_config = lambda: msgspec.structs.replace(config, models=config.models[:1])
-            reply = await handle_control(arb, p.ReloadRequest())
+            arb.reloader.build = lambda: msgspec.structs.replace(config, models=config.models[:1])
+            reply = await handle_control(arb.service, p.ReloadRequest())
             assert isinstance(reply, p.ControlOk) and "removed b" in reply.detail
 
     asyncio.run(main())

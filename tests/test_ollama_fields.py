@@ -7,16 +7,16 @@ import msgspec
 import pytest
 
 from shared import protocol as p
-from supervisor.http import ollama
+from supervisor.http import ollama, ollama_models
 from supervisor.http.errors import ApiError
-from supervisor.http.modelfacts import digest, parameter_size, read_facts
+from supervisor.http.modelfacts import capabilities, digest, parameter_size, read_facts
 from supervisor.http.openai_types import BodyError, decode_body
 
 
 def chat(**body) -> p.Generate:
     body.setdefault("model", "a")
     body.setdefault("messages", [{"role": "user", "content": "Hi"}])
-    return ollama.chat_generate(decode_body(msgspec.json.encode(body), ollama.OllamaChatRequest))
+    return ollama.chat_generate(decode_body(msgspec.json.encode(body), ollama.OllamaChatRequest)).gen
 
 
 def test_ollama_options_map_to_sampling():
@@ -60,7 +60,7 @@ def test_ollama_format_maps_to_constrained_decoding():
 def test_ollama_keep_alive_uses_the_strict_parser():
     req = decode_body(b'{"model": "a", "keep_alive": "inf"}', ollama.OllamaChatRequest)
     with pytest.raises(BodyError):
-        ollama.g.keep_alive_seconds(req.keep_alive, None)
+        ollama.keep_alive_seconds(req.keep_alive, None)
 
 
 def test_ollama_tool_turns_answer_their_calls_by_made_up_ids():
@@ -89,10 +89,10 @@ def test_ollama_generate_refuses_what_it_cannot_honour(body, param):
 
 def test_ollama_generate_raw_skips_the_template():
     req = decode_body(b'{"model": "a", "prompt": "Hi", "raw": true}', ollama.OllamaGenerateRequest)
-    gen = ollama.generate_generate(req)
+    gen = ollama.generate_generate(req).gen
     assert gen.prompt == "Hi" and gen.messages is None
     req = decode_body(b'{"model": "a", "prompt": "Hi", "system": "S"}', ollama.OllamaGenerateRequest)
-    assert [m.role for m in ollama.generate_generate(req).messages] == ["system", "user"]
+    assert [m.role for m in ollama.generate_generate(req).gen.messages] == ["system", "user"]
 
 
 def test_ollama_error_shape_keeps_status_retry_after_and_figures():
@@ -114,12 +114,12 @@ def test_model_facts_from_config_and_tokenizer_config(tmp_path):
         '"3": {"content": "<|fim_middle|>"}}}')
     facts = read_facts(str(tmp_path))
     assert (facts.family, facts.context_length, facts.quantization_level) == ("qwen2", 32768, "Q4")
-    assert ollama.capabilities(facts) == ["completion", "tools", "insert"]
+    assert capabilities(facts) == ["completion", "tools", "insert"]
     assert parameter_size(500_000_000, facts) == "1.0B"
     assert facts.modified == (tmp_path / "config.json").stat().st_mtime
-    assert ollama.modified_at(facts).endswith("Z")
+    assert ollama_models.modified_at(facts).endswith("Z")
     bare = read_facts(str(tmp_path / "missing"))
-    assert ollama.capabilities(bare) == ["completion"] and bare.context_length is None
+    assert capabilities(bare) == ["completion"] and bare.context_length is None
     assert read_facts(str(tmp_path / "m.gguf")).format == "gguf"
 
 
@@ -128,9 +128,9 @@ def test_digest_is_stable_per_id_and_path():
 
 
 def test_ollama_hub_routes_say_there_is_no_hub():
-    exc = ollama.no_hub("/api/pull")
+    exc = ollama_models.no_hub("/api/pull")
     assert exc.status == 501 and "pull" in exc.message and "models_dirs" in exc.message
-    assert "upload blobs" in ollama.no_hub("/api/blobs/sha256:abc").message
+    assert "upload blobs" in ollama_models.no_hub("/api/blobs/sha256:abc").message
 
 
 def test_ollama_sdk_request_fields_are_all_declared():
@@ -139,7 +139,7 @@ def test_ollama_sdk_request_fields_are_all_declared():
     from ollama import _types as sdk
 
     for theirs, ours in ((sdk.ChatRequest, ollama.OllamaChatRequest), (sdk.GenerateRequest, ollama.OllamaGenerateRequest),
-                         (sdk.Message, ollama.OllamaMessage), (sdk.ShowRequest, ollama.ShowRequest)):
+                         (sdk.Message, ollama.OllamaMessage), (sdk.ShowRequest, ollama_models.ShowRequest)):
         assert set(theirs.model_fields) <= set(ours.__struct_fields__), theirs.__name__
 
 

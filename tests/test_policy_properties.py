@@ -19,7 +19,7 @@ from supervisor.policy.tiers import TIERS
 QUARTER = GiB // 4
 sizes = st.integers(0, 96).map(lambda q: q * QUARTER)
 maybe_size = st.none() | sizes
-STATES = ["starting", "loading", "ready", "busy", "draining", "stopped", "dead", "wedged", "failed"]
+STATES = ["starting", "loading", "ready", "busy", "draining", "stopped", "dead", "wedged"]
 
 hosts = st.builds(
     HostCounters, total=st.integers(0, 128).map(lambda g: g * GiB), free=maybe_size,

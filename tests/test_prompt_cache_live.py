@@ -62,9 +62,9 @@ def test_p5_hard_pressure_shrinks_the_prompt_cache_before_any_abort(tiny_models,
 
     async def main():
         async with Running(config, runtime_dir) as arb:
-            handle = await arb.load("a")
+            handle = await arb.models.load("a")
             for i in range(3):
-                stream = await arb.generate("a", p.Generate(request_id=f"r{i}", prompt=f"{i} {LONG}",
+                stream = await arb.service.generate("a", p.Generate(request_id=f"r{i}", prompt=f"{i} {LONG}",
                                                             max_tokens=4))
                 _, end = await collect(stream)
                 assert isinstance(end, p.Finished)

@@ -20,8 +20,7 @@ from test_supervisor_live import Running, collect, make_config
 
 from shared import protocol as p
 from supervisor.config import ModelConfig
-from supervisor.errors import ServeError
-from supervisor.pool import LoadError
+from supervisor.errors import LoadError, ServeError
 from worker.main import STEP_DELAY_ENV
 
 pytestmark = pytest.mark.slow
@@ -41,11 +40,11 @@ def test_issue16_a_worker_busy_in_a_step_longer_than_the_heartbeat_window_is_not
 
     async def main():
         async with Running(config, runtime_dir) as arb:
-            handle = await arb.load("a")
-            stream = await arb.generate("a", p.Generate(request_id="long", prompt="hello there", max_tokens=2))
+            handle = await arb.models.load("a")
+            stream = await arb.service.generate("a", p.Generate(request_id="long", prompt="hello there", max_tokens=2))
             _, end = await collect(stream)
             assert isinstance(end, p.Finished), end
-            assert handle.state in ("ready", "busy") and handle.alive is not None and handle.alive.steps > 0
+            assert handle.state in ("ready", "busy") and handle.beats.alive is not None and handle.beats.alive.steps > 0
             assert not any(e.kind == "wedged" for e in arb.events)
             assert arb.pool.counters["wedged"] == 0
 
@@ -60,8 +59,8 @@ def test_issue16_a_sigstopped_worker_inside_a_long_step_is_still_caught_within_t
 
     async def main():
         async with Running(config, runtime_dir) as arb:
-            handle = await arb.load("a")
-            stream = await arb.generate("a", p.Generate(request_id="stuck", prompt="hello", max_tokens=2))
+            handle = await arb.models.load("a")
+            stream = await arb.service.generate("a", p.Generate(request_id="stuck", prompt="hello", max_tokens=2))
             await until(lambda: arb.pool.step_seconds(handle, time.monotonic()) > 0.5, what="inside the step")
             stopped = time.monotonic()
             os.kill(handle.pid, signal.SIGSTOP)
@@ -82,8 +81,8 @@ def test_issue16_a_step_past_step_timeout_is_wedged_and_says_so(tiny_models, run
 
     async def main():
         async with Running(config, runtime_dir) as arb:
-            handle = await arb.load("a")
-            await arb.generate("a", p.Generate(request_id="forever", prompt="hello", max_tokens=2))
+            handle = await arb.models.load("a")
+            await arb.service.generate("a", p.Generate(request_id="forever", prompt="hello", max_tokens=2))
             await until(lambda: handle.exited.done(), timeout=30, what="step timeout")
             assert any(e.kind == "wedged" and "one engine step has run" in e.reason for e in arb.events)
 
@@ -95,7 +94,7 @@ def test_issue16_a_worker_that_dies_while_loading_is_a_503_not_a_500(tiny_models
 
     async def main():
         async with Running(config, runtime_dir) as arb:
-            loading = asyncio.get_running_loop().create_task(arb.load("a"))
+            loading = asyncio.get_running_loop().create_task(arb.models.load("a"))
             await until(lambda: arb.pool.worker_for("a") is not None, what="spawn")
             os.kill(arb.pool.worker_for("a").pid, signal.SIGKILL)
             with pytest.raises(LoadError) as err:
@@ -113,29 +112,29 @@ def test_issue16_a_failed_pinned_model_is_retried_after_its_backoff_and_at_once_
                          restart_max=1, restart_period=60.0, failed_retry_first=3.0, failed_retry_max=60.0)
 
     async def crash_until_failed(arb):
-        while "a" not in arb.pool.failed:
-            w = await arb.load("a", explicit=True)
+        while "a" not in arb.models.failed:
+            w = await arb.models.load("a", explicit=True)
             os.kill(w.pid, signal.SIGKILL)
             await until(lambda w=w: w.exited.done(), what="crash noticed")
-            await until(lambda: "a" in arb.pool.failed or arb.pool.worker_for("a") is not None,
+            await until(lambda: "a" in arb.models.failed or arb.pool.worker_for("a") is not None,
                         what="respawn or failure")
 
     async def main():
         async with Running(config, runtime_dir) as arb:
             await crash_until_failed(arb)
             with pytest.raises(LoadError, match="next try in") as err:
-                await arb.load("a")
+                await arb.models.load("a")
             assert err.value.http_status == 503 and 1 <= err.value.retry_after <= 3
-            assert "next try in" in arb.model_view("a").reason
+            assert "next try in" in arb.service.model_view("a").reason
             # healed by the backoff alone: a pinned model comes back by itself
             await until(lambda: (w := arb.pool.worker_for("a")) is not None and w.serving, timeout=30,
                         what="retried after the backoff")
             assert any(e.kind == "retry" for e in arb.events)
             await crash_until_failed(arb)
-            retry = arb.pool.retry_in("a", time.monotonic())
+            retry = arb.models.retry_in("a", time.monotonic())
             assert retry is not None and retry > 3.0  # the backoff grew
-            handle = await arb.load("a", explicit=True)  # the operator says: now
-            assert handle.serving and "a" not in arb.pool.failed
+            handle = await arb.models.load("a", explicit=True)  # the operator says: now
+            assert handle.serving and "a" not in arb.models.failed
 
     asyncio.run(main())
 
@@ -147,14 +146,14 @@ def test_issue16_prompt_plus_max_tokens_over_the_context_is_a_400_naming_both(ti
     async def main():
         async with Running(config, runtime_dir) as arb:
             with pytest.raises(ServeError) as capped:
-                await arb.generate("a", p.Generate(request_id="cap", prompt="x", max_tokens=1_000_000))
+                await arb.service.generate("a", p.Generate(request_id="cap", prompt="x", max_tokens=1_000_000))
             assert capped.value.http_status == 400 and "8192" in str(capped.value)
             with pytest.raises(ServeError) as whole:
-                await arb.generate("a", p.Generate(request_id="ctx", prompt="x", max_tokens=4096))
+                await arb.service.generate("a", p.Generate(request_id="ctx", prompt="x", max_tokens=4096))
             assert whole.value.code == "context_length_exceeded" and "4096" in str(whole.value)
             assert arb.pool.worker_for("a") is None  # refused before any worker was started
             long_prompt = " ".join(f"w{i}" for i in range(6000))
-            stream = await arb.generate("a", p.Generate(request_id="long", prompt=long_prompt, max_tokens=16))
+            stream = await arb.service.generate("a", p.Generate(request_id="long", prompt=long_prompt, max_tokens=16))
             _, end = await collect(stream)
             assert isinstance(end, p.Failed) and end.code == "context_length_exceeded"
             assert "plus max_tokens (16)" in end.message and "context of 4096 tokens" in end.message
@@ -173,8 +172,8 @@ def test_issue16_a_worker_sigstopped_while_loading_is_caught_within_the_heartbea
 
     async def main():
         async with Running(config, runtime_dir) as arb:
-            loading = asyncio.get_running_loop().create_task(arb.load("a"))
-            await until(lambda: (w := arb.pool.worker_for("a")) is not None and w.last_alive > 0, timeout=30,
+            loading = asyncio.get_running_loop().create_task(arb.models.load("a"))
+            await until(lambda: (w := arb.pool.worker_for("a")) is not None and w.beats.last_alive > 0, timeout=30,
                         what="first proof of life")
             handle = arb.pool.worker_for("a")
             stopped = time.monotonic()

@@ -100,3 +100,90 @@ def test_wire_package_imports_neither_side():
     for path in _modules("shared"):
         sides = {m for m in _imports(path) if m.split(".")[0] in ("supervisor", "worker", "modelfiles")}
         assert not sides, f"{path.relative_to(ROOT)} imports {sides}"
+
+
+def _module_name(path: Path, root: Path = ROOT) -> str:
+    return ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _imported_modules(path: Path, root: Path, known: set[str]) -> set[str]:
+    """The modules of `known` that `path` imports anywhere: at the top, inside a function,
+    or only for type checking (a cycle through annotations is still two rooms that
+    cannot be read one without the other)."""
+    name = _module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, `level - 1` folders up
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            names = [f"{base}.{a.name}" for a in node.names] + [base]
+        else:
+            continue
+        for imported in names:
+            while imported and imported not in known:  # `from a.b import c`: the module a.b.c, else a.b
+                imported = imported.rpartition(".")[0]
+            if imported:
+                found.add(imported)
+                break
+    return found
+
+
+def import_cycles(package: Path) -> list[list[str]]:
+    """Every set of modules of `package` (a folder) that import each other in a loop
+    (Tarjan's strongly connected components), each as a sorted list of names."""
+    root = package.parent
+    paths = {_module_name(p, root): p for p in sorted(package.rglob("*.py"))}
+    graph = {name: _imported_modules(path, root, set(paths)) - {name} for name, path in paths.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for name in sorted(graph):
+        if name not in index:
+            visit(name)
+    return cycles
+
+
+def test_the_cycle_finder_sees_type_checking_and_lazy_imports(tmp_path):
+    """The finder itself: a loop through a type-checking import and a lazy one is a
+    cycle; a module that only imports into the loop is not part of it."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.b import B\n")
+    (pkg / "b.py").write_text("def f():\n    from pkg import c\n")
+    (pkg / "c.py").write_text("import pkg.a\n")
+    (pkg / "d.py").write_text("from pkg.a import x\n")
+    (pkg / "e.py").write_text("from . import d\n")
+    assert import_cycles(pkg) == [["pkg.a", "pkg.b", "pkg.c"]]
+
+
+def test_no_import_cycle_under_the_supervisor():
+    """Each module of the supervisor can be read, and changed, without the ones it
+    imports reading it back: no two of them import each other, however indirectly."""
+    assert import_cycles(ROOT / "supervisor") == []

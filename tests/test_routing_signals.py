@@ -19,7 +19,6 @@ from test_http_harness import LiveServer, make_config
 from shared.sizes import GiB, MiB
 from supervisor.config import ConfigError, ModelConfig, parse_config
 from supervisor.policy.admission import FitReport
-from supervisor.pool import ModelView, WorkerHandle
 from supervisor.readiness import (
     CODES,
     STATUS,
@@ -29,25 +28,20 @@ from supervisor.readiness import (
     loading_retry,
     share,
 )
+from supervisor.views import ModelView, WorkerView
 
 pytestmark = pytest.mark.usefixtures("no_front_door_errors")
 
 MODEL = ModelConfig(id="m", path="/x", max_concurrency=2, max_queue=1)
 
 
-def handle(state: str = "ready", requests: int = 0, *, marked: bool = False) -> WorkerHandle:
-    async def make() -> WorkerHandle:
-        h = WorkerHandle("m#1", MODEL, 0, 1)
-        h.state = state  # type: ignore[assignment]
-        h.requests = {str(i): None for i in range(requests)}  # type: ignore[misc]
-        h.marked_for_unload = marked
-        return h
-
-    return asyncio.run(make())
+def worker(state: str = "ready", requests: int = 0, *, marked: bool = False) -> WorkerView:
+    return WorkerView(worker_id="m#1", model_id="m", pid=1, state=state, running=requests,  # type: ignore[arg-type]
+                      leaving=marked)
 
 
 def ready(h=None, *, view="unloaded", waiting=0, paused=False, silent=None, progress=None, fit=None, retry_in=-1.0):
-    return assess(model=MODEL, host="h1", view=ModelView(id="m", state=view, retry_in=retry_in), handle=h,
+    return assess(model=MODEL, host="h1", view=ModelView(id="m", state=view, retry_in=retry_in), worker=h,
                   waiting=waiting, paused=paused, silent=silent, progress=progress, fit=fit)
 
 
@@ -62,45 +56,45 @@ def fit(fits: bool) -> FitReport:
 
 
 def test_idle_loaded_model_is_ready_and_accepting():
-    r = ready(handle("ready"))
+    r = ready(worker("ready"))
     assert (r.state, r.status, r.accepting, r.loaded, r.code, r.retry_after) == ("ready", 200, True, True, None, None)
     assert (r.running, r.queued, r.worker, r.host) == (0, 0, "m#1", "h1")
 
 
 def test_every_slot_taken_with_queue_room_is_busy_but_accepting():
-    r = ready(handle("busy", requests=2))
+    r = ready(worker("busy", requests=2))
     assert (r.state, r.status, r.running, r.queued) == ("busy", 200, 2, 0)
 
 
 def test_slots_and_queue_full_is_saturated_429_with_retry_after():
     """max_concurrency 2 + max_queue 1: the third in flight fills it; the gate's waiters count."""
-    r = ready(handle("busy", requests=2), waiting=1)
+    r = ready(worker("busy", requests=2), waiting=1)
     assert (r.state, r.status, r.code, r.retry_after) == ("saturated", 429, "model_at_capacity", 1)
     assert (r.running, r.queued, r.accepting) == (2, 1, False)
 
 
 def test_paused_admission_refuses_only_when_the_worker_already_runs_something():
     """SPEC P3: an idle worker under pressure still takes one request."""
-    assert ready(handle("ready"), paused=True).state == "ready"
-    r = ready(handle("busy", requests=1), paused=True)
+    assert ready(worker("ready"), paused=True).state == "ready"
+    r = ready(worker("busy", requests=1), paused=True)
     assert (r.state, r.status, r.code, r.retry_after) == ("paused", 503, "admission_paused", 2)
 
 
 def test_a_silent_worker_is_unresponsive_503():
-    r = ready(handle("ready"), silent=3.2)
+    r = ready(worker("ready"), silent=3.2)
     assert (r.state, r.status, r.code) == ("unresponsive", 503, "worker_unresponsive")
     assert "3.2 s" in r.reason
 
 
 def test_a_load_in_flight_is_503_with_progress_and_its_retry_after():
     progress = load_progress("loading", began=10.0, now=14.0, grown=50 * MiB, estimate=100 * MiB)
-    r = ready(handle("loading"), progress=progress)
+    r = ready(worker("loading"), progress=progress)
     assert (r.state, r.status, r.code, r.loaded) == ("loading", 503, "model_loading", False)
     assert r.progress == progress and progress.eta == 4.0 and r.retry_after == 4
 
 
 def test_draining_and_failed_are_503():
-    assert ready(handle("ready", marked=True)).state == "draining"
+    assert ready(worker("ready", marked=True)).state == "draining"
     r = ready(view="failed", retry_in=7.2)
     assert (r.state, r.status, r.code, r.retry_after) == ("failed", 503, "model_failed", 8)
     assert ready(view="failed").retry_after is None  # nothing scheduled: no invitation to retry

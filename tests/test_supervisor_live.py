@@ -76,14 +76,14 @@ def test_spawn_load_generate_and_unload(tiny_models, runtime_dir):
 
     async def main():
         async with Running(config, runtime_dir) as arb:
-            handle = await arb.load("a")
+            handle = await arb.models.load("a")
             assert handle.state in ("ready", "busy") and handle.pid > 0
-            stream = await arb.generate("a", p.Generate(request_id="r1", prompt="hello", max_tokens=8))
+            stream = await arb.service.generate("a", p.Generate(request_id="r1", prompt="hello", max_tokens=8))
             text, end = await collect(stream)
             assert isinstance(end, p.Finished), end
             assert end.completion_tokens == 8 and end.finish_reason == "length"
             pid = handle.pid
-            assert await arb.unload("a")
+            assert await arb.service.unload("a")
             assert handle.state == "stopped" and "cleanly" in handle.exit_cause
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
@@ -101,7 +101,7 @@ def test_subscriber_receives_ceiling_sample_and_status_messages(tiny_models, run
             for topic in (b"ceiling", b"sample", b"status"):
                 sub.setsockopt(zmq.SUBSCRIBE, topic)
             sub.connect(arb.endpoints.pub)
-            await arb.load("a")
+            await arb.models.load("a")
             codec = p.Codec(p.Published)
             seen: dict[str, object] = {}
             deadline = time.monotonic() + 30
@@ -129,13 +129,13 @@ def test_sigkill_of_pinned_worker_is_logged_and_respawned(tiny_models, runtime_d
 
     async def main():
         async with Running(config, runtime_dir) as arb:
-            first = await arb.load("a")
+            first = await arb.models.load("a")
             os.kill(first.pid, signal.SIGKILL)
             await until(lambda: first.state == "dead", what="crash noticed")
             assert "Perhaps out of memory?" in first.exit_cause
             await until(lambda: (w := arb.pool.worker_for("a")) is not None and w is not first
                         and w.state in ("ready", "busy"), what="respawn")
-            stream = await arb.generate("a", p.Generate(request_id="after", prompt="hi", max_tokens=3))
+            stream = await arb.service.generate("a", p.Generate(request_id="after", prompt="hi", max_tokens=3))
             _, end = await collect(stream)
             assert isinstance(end, p.Finished)
             kinds = [e.kind for e in arb.events]
@@ -150,7 +150,7 @@ def test_sigstopped_worker_is_detected_as_wedged_killed_and_respawned(tiny_model
 
     async def main():
         async with Running(config, runtime_dir) as arb:
-            first = await arb.load("a")
+            first = await arb.models.load("a")
             os.kill(first.pid, signal.SIGSTOP)
             await until(lambda: first.state in ("wedged", "dead", "stopped") and first.exited.done(), timeout=20,
                         what="wedge detected and killed")
@@ -168,15 +168,15 @@ def test_restart_intensity_exhausted_marks_model_failed(tiny_models, runtime_dir
     async def main():
         async with Running(config, runtime_dir) as arb:
             for _ in range(3):
-                w = await arb.load("a")
+                w = await arb.models.load("a")
                 os.kill(w.pid, signal.SIGKILL)
                 await until(lambda w=w: w.state in ("dead", "failed"), what="crash noticed")  # failed: gave up
-                await until(lambda: "a" in arb.pool.failed or arb.pool.worker_for("a") is not None,
+                await until(lambda: "a" in arb.models.failed or arb.pool.worker_for("a") is not None,
                             what="respawn or failure")
-            await until(lambda: "a" in arb.pool.failed, what="model marked failed")
-            assert "2 restarts" in arb.pool.failed["a"]
+            await until(lambda: "a" in arb.models.failed, what="model marked failed")
+            assert "2 restarts" in arb.models.failed["a"]
             with pytest.raises(LoadError, match="marked failed") as err:
-                await arb.load("a")
+                await arb.models.load("a")
             assert err.value.http_status == 503
             await asyncio.sleep(1.0)
             assert arb.pool.worker_for("a") is None  # not respawned forever
@@ -192,8 +192,8 @@ def test_custom_ceiling_below_two_models_stops_the_idle_lru_one(tiny_models, run
 
     async def main():
         async with Running(config, runtime_dir) as arb:
-            a = await arb.load("a")
-            b = await arb.load("b")
+            a = await arb.models.load("a")
+            b = await arb.models.load("b")
             await until(lambda: a.sample is not None and b.sample is not None, what="samples")
             arb.wake()
             await asyncio.sleep(0.3)
@@ -231,7 +231,7 @@ def test_malformed_oversized_and_wrong_version_frames_are_counted_and_ignored(ti
 
     async def main():
         async with Running(config, runtime_dir) as arb:
-            await arb.load("a")
+            await arb.models.load("a")
             ep = arb.endpoints
             loop = asyncio.get_running_loop()
             sends = [
@@ -255,7 +255,7 @@ def test_malformed_oversized_and_wrong_version_frames_are_counted_and_ignored(ti
             await until(lambda: arb.bus.malformed_total >= 7, what="repeat counted")
             assert len([r for r in caplog.records if "refused a frame" in r.getMessage()]) == logged
             # and everything still works
-            stream = await arb.generate("a", p.Generate(request_id="still", prompt="ok", max_tokens=2))
+            stream = await arb.service.generate("a", p.Generate(request_id="still", prompt="ok", max_tokens=2))
             _, end = await collect(stream)
             assert isinstance(end, p.Finished)
 
@@ -324,8 +324,8 @@ def test_a_recorded_trace_replays_to_the_same_decisions(tiny_models, runtime_dir
         arb = Arbiter(config, runtime_dir, max_workers=8, http=False, trace=trace)
         task = asyncio.get_running_loop().create_task(arb.run())
         await until(lambda: arb.running, what="start")
-        await arb.load("a")
-        await arb.load("b")
+        await arb.models.load("a")
+        await arb.models.load("b")
         await until(lambda: all(h.sample for h in arb.pool.handles.values()), what="samples")
         arb.enforcer.update_guard(p.GuardUpdate(tier="custom", custom_ceiling=arb.enforcer.last.usage // 2))
         await until(lambda: len(arb.pool.handles) < 2, what="an eviction")
@@ -349,7 +349,7 @@ def test_a_worker_stuck_before_it_has_loaded_is_wedged_after_the_load_timeout(ti
 
     async def main():
         async with Running(config, runtime_dir) as arb:
-            loading = asyncio.get_running_loop().create_task(arb.load("a"))
+            loading = asyncio.get_running_loop().create_task(arb.models.load("a"))
             await until(lambda: arb.pool.worker_for("a") is not None, what="spawn")
             stuck = arb.pool.worker_for("a")
             os.kill(stuck.pid, signal.SIGSTOP)
@@ -370,7 +370,7 @@ def test_a_second_supervisor_refuses_a_runtime_dir_in_use_and_clients_see_a_dead
     cfg.write_text(f'[[models]]\nid = "a"\npath = "{tiny_models.a}"\n')
 
     async def arb_roundtrip(arb):
-        return await arb.pool.ping(await arb.load("a"))
+        return await arb.pool.ping(await arb.models.load("a"))
 
     async def main():
         async with Running(config, runtime_dir) as first:
@@ -401,13 +401,13 @@ def test_a_generate_too_large_for_the_worker_is_refused_not_left_hanging(tiny_mo
 
     async def main():
         async with Running(config, runtime_dir) as arb:
-            await arb.load("a")
+            await arb.models.load("a")
             big = p.Generate(request_id="big", prompt="x" * (p.MAX_FRAME_BYTES + 1), max_tokens=2)
             with pytest.raises(LoadError, match="too large") as err:
-                await arb.generate("a", big)
+                await arb.service.generate("a", big)
             assert (err.value.http_status, err.value.code) == (413, "request_too_large")
             assert arb.pool.streams.by_id == {}
-            stream = await arb.generate("a", p.Generate(request_id="small", prompt="ok", max_tokens=2))
+            stream = await arb.service.generate("a", p.Generate(request_id="small", prompt="ok", max_tokens=2))
             _, end = await collect(stream)
             assert isinstance(end, p.Finished)
 
@@ -422,7 +422,7 @@ def test_a_worker_stopped_while_loading_stays_draining_when_its_load_completes(t
 
     async def main():
         async with Running(config, runtime_dir) as arb:
-            loading = asyncio.get_running_loop().create_task(arb.load("a"))
+            loading = asyncio.get_running_loop().create_task(arb.models.load("a"))
             await until(lambda: arb.pool.worker_for("a") is not None, what="spawn")
             handle = arb.pool.worker_for("a")
             assert handle.state == "starting"
@@ -469,7 +469,7 @@ def test_a_worker_the_os_cannot_start_is_a_503_and_gives_its_ledger_slot_back(ti
                     resource.setrlimit(resource.RLIMIT_NOFILE, limits)
                 assert (err.value.http_status, err.value.code) == (503, "spawn_failed")
             assert arb.pool.handles == {}
-            assert (await arb.load("a")).state in ("ready", "busy")
+            assert (await arb.models.load("a")).state in ("ready", "busy")
 
     asyncio.run(main())
 
@@ -506,7 +506,7 @@ def test_a_request_whose_worker_exits_before_it_is_sent_is_refused_not_left_hang
     async def main():
         async with Running(config, runtime_dir) as arb:
             request = asyncio.get_running_loop().create_task(
-                arb.generate("a", p.Generate(request_id="r", prompt="hi", max_tokens=3)))
+                arb.service.generate("a", p.Generate(request_id="r", prompt="hi", max_tokens=3)))
             await until(lambda: arb.pool.worker_for("a") is not None, what="spawn")
             handle, wake = arb.pool.worker_for("a"), arb.pool.on_change
 
@@ -520,7 +520,7 @@ def test_a_request_whose_worker_exits_before_it_is_sent_is_refused_not_left_hang
             with pytest.raises(LoadError, match="stopped before the request reached it") as err:
                 await asyncio.wait_for(request, 30)
             assert (err.value.http_status, err.value.code) == (503, "worker_exited")
-            assert arb.pool.streams.by_id == {} and handle.requests == {}
+            assert arb.pool.streams.by_id == {} and arb.pool.running(handle) == 0
 
     asyncio.run(main())
 
@@ -536,8 +536,8 @@ def test_a_second_sigint_stops_draining_workers_without_waiting_out_the_drain(ti
         arb = Arbiter(config, runtime_dir, max_workers=8, http=False)
         task = asyncio.get_running_loop().create_task(arb.run())
         await until(lambda: arb.running, what="start")
-        handle = await arb.load("a")
-        stream = await arb.generate("a", p.Generate(request_id="long", prompt="hi", max_tokens=4000))  # within the context (issue 16)
+        handle = await arb.models.load("a")
+        stream = await arb.service.generate("a", p.Generate(request_id="long", prompt="hi", max_tokens=4000))  # within the context (issue 16)
         assert isinstance(await asyncio.wait_for(stream.queue.get(), 30), p.TokenOut)
         arb.on_signal(signal.SIGINT)
         await until(lambda: handle.stopping is not None, what="drain started")
@@ -559,7 +559,7 @@ def test_a_worker_event_cannot_pose_as_a_crash_and_mark_a_live_model_failed(tiny
 
     async def main():
         async with Running(config, runtime_dir) as arb:
-            handle = await arb.load("a")
+            handle = await arb.models.load("a")
             forged = msgspec.msgpack.encode({"type": "worker_event", "v": 1, "worker_id": handle.worker_id,
                                              "kind": "crash", "message": "forged"})
             loop = asyncio.get_running_loop()
@@ -567,7 +567,7 @@ def test_a_worker_event_cannot_pose_as_a_crash_and_mark_a_live_model_failed(tiny
                 await loop.run_in_executor(None, _send_raw, arb.endpoints.reports, zmq.PUSH, [forged])
                 await until(lambda n=n: arb.bus.malformed_total >= n, what="forged event refused")
                 await asyncio.sleep(0.6)  # past the first respawn backoff
-            assert "a" not in arb.pool.failed and arb.pool.worker_for("a") is handle
+            assert "a" not in arb.models.failed and arb.pool.worker_for("a") is handle
             assert not any(e.kind in ("crash", "respawn", "failed") for e in arb.events)
             codec = p.Codec(p.WorkerReport)  # what a real worker reports still goes through
             drill = p.WorkerEvent(worker_id=handle.worker_id, kind="drill", message="drill started")
@@ -587,7 +587,7 @@ def test_t6_a_custom_ceiling_past_64_bits_is_refused_and_the_guard_keeps_ticking
 
     async def main():
         async with Running(config, runtime_dir) as arb:
-            reply = await handle_control(arb, p.GuardUpdate(tier="custom", custom_ceiling=2**64 - 1))
+            reply = await handle_control(arb.service, p.GuardUpdate(tier="custom", custom_ceiling=2**64 - 1))
             assert isinstance(reply, p.ControlError) and reply.code == "invalid_request"
             assert "custom ceiling" in reply.message and arb.enforcer.settings.custom_ceiling == 0
             ticks = arb.enforcer.ticks
@@ -605,9 +605,9 @@ def test_a_pinned_model_that_cannot_load_is_retried_then_marked_failed(tmp_path,
 
     async def main():
         async with Running(config, runtime_dir) as arb:
-            await until(lambda: "gone" in arb.pool.failed, timeout=30, what="marked failed")
-            assert "load failed" in arb.pool.failed["gone"]
-            assert len(arb.pool.restarts["gone"]) == 2
+            await until(lambda: "gone" in arb.models.failed, timeout=30, what="marked failed")
+            assert "load failed" in arb.models.failed["gone"]
+            assert arb.models.restarts("gone") == 2
             assert [e.kind for e in arb.events].count("respawn") == 2
 
     asyncio.run(main())

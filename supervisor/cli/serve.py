@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from supervisor.arbiter import Arbiter
     from supervisor.bus import BusError, RuntimeDirBusy
-    from supervisor.http.app import FrontDoorError
+    from supervisor.http.server import FrontDoorError
 
     arbiter = Arbiter(config, args.runtime_dir, max_workers=args.max_workers, http=args.http != "off",
                       trace=args.trace, reload_config=lambda: build_config(args),

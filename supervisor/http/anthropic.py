@@ -21,7 +21,6 @@ string itself (the worker's `Finished.stop_sequence`).
 
 from __future__ import annotations
 
-import uuid
 from typing import Annotated, Any, AsyncIterator, Literal, Union
 
 import msgspec
@@ -30,10 +29,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from shared import protocol as p
-from supervisor.http import generate as g
 from supervisor.http import tools
 from supervisor.http.content import part_text, text_of
 from supervisor.http.errors import ApiError
+from supervisor.http.job import Calls, End, Job, Text, open_job
 from supervisor.http.openai_types import MAX_STOP_SEQUENCES, BodyError, KeepAlive, TopK, decode_body
 
 _encoder = msgspec.json.Encoder()
@@ -178,7 +177,7 @@ def tool_plan(req: MessagesRequest) -> tools.ToolPlan | None:
     return tools.check_named(plan, "tool_choice")
 
 
-def messages_generate(req: MessagesRequest) -> p.Generate:
+def messages_generate(req: MessagesRequest) -> tools.Planned:
     _refuse(req)
     if not req.messages:
         raise BodyError("messages: must contain at least one message", param="messages")
@@ -188,10 +187,10 @@ def messages_generate(req: MessagesRequest) -> p.Generate:
     stops = list(req.stop_sequences or [])
     if len(stops) > MAX_STOP_SEQUENCES or any(not s for s in stops):
         raise BodyError(f"stop_sequences: at most {MAX_STOP_SEQUENCES}, none empty", param="stop_sequences")
-    gen = p.Generate(request_id=uuid.uuid4().hex, messages=turns, max_tokens=req.max_tokens,
+    gen = p.Generate(request_id="", messages=turns, max_tokens=req.max_tokens,
                      temperature=1.0 if req.temperature is None else req.temperature,
                      top_p=1.0 if req.top_p is None else req.top_p, stop=stops, top_k=req.top_k or 0)
-    return g.with_tools(gen, tool_plan(req))
+    return tools.planned(gen, tool_plan(req))
 
 
 # ---------------------------------------------------------------------------
@@ -231,7 +230,7 @@ class Message(Struct, kw_only=True):
 _STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
-def _stop(end: g.End) -> tuple[str, str | None]:
+def _stop(end: End) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence): the worker says which stop string ended the reply."""
     if end.reason == "stop" and end.finished.stop_sequence:
         return "stop_sequence", end.finished.stop_sequence
@@ -256,9 +255,8 @@ def _event(name: str, body: dict) -> bytes:
 
 async def handle(request: Request, sup, metrics, body: bytes, started: float) -> Response:
     req = decode_body(body, MessagesRequest)
-    gen = messages_generate(req)
-    job = await g.open_job(request, sup, metrics, req, gen, started, plan=tool_plan(req))
-    msg_id = "msg_" + gen.request_id
+    job = await open_job(request, sup, metrics, req, messages_generate(req), started)
+    msg_id = "msg_" + job.gen.request_id
     if req.stream:
         return await job.streamed(request.receive, lambda first: _events(job, first, msg_id, req.model))
     text, calls, end = await job.collect(request.receive)
@@ -272,7 +270,7 @@ async def handle(request: Request, sup, metrics, body: bytes, started: float) ->
     return Response(_encoder.encode(reply), media_type="application/json")
 
 
-async def _events(job: g.Job, first, msg_id: str, model: str) -> AsyncIterator[list[bytes]]:
+async def _events(job: Job, first, msg_id: str, model: str) -> AsyncIterator[list[bytes]]:
     """Anthropic's event sequence, a list per piece for `Job.streamed`; a text block opens at
     the first text, a tool_use block per call. message_start reports the prompt's tokens and
     one output token, as Anthropic's does: the worker's `Prompted` (issue 23) always comes
@@ -286,13 +284,13 @@ async def _events(job: g.Job, first, msg_id: str, model: str) -> AsyncIterator[l
     index, text_open = 0, False
     async for piece in job.pieces(first):
         match piece:
-            case g.Text(text=t):
+            case Text(text=t):
                 if not text_open:
                     out.append(_event("content_block_start", {"index": index, "content_block": TextBlock(text="")}))
                     text_open = True
                 out.append(_event("content_block_delta", {"index": index,
                                                           "delta": {"type": "text_delta", "text": t}}))
-            case g.Calls(calls=calls):
+            case Calls(calls=calls):
                 if text_open:
                     out.append(_event("content_block_stop", {"index": index}))
                     index, text_open = index + 1, False
@@ -304,7 +302,7 @@ async def _events(job: g.Job, first, msg_id: str, model: str) -> AsyncIterator[l
                         "type": "input_json_delta", "partial_json": c.arguments}}))
                     out.append(_event("content_block_stop", {"index": index}))
                     index += 1
-            case g.End(finished=fin):
+            case End(finished=fin):
                 if text_open:
                     out.append(_event("content_block_stop", {"index": index}))
                 usage = _usage(fin)
@@ -349,9 +347,9 @@ async def prompt_tokens(request: Request, sup, metrics, req, gen: p.Generate, st
     tokenize command; the worker's `Prompted` (issue 23) is the exact count. The probe
     runs under the guard like any request and is aborted as soon as the count is in,
     when its prefill starts: no output token is made and at most one chunk prefilled."""
-    probe = p.Generate(request_id=uuid.uuid4().hex, messages=gen.messages, prompt=gen.prompt, max_tokens=1,
+    probe = p.Generate(request_id="", messages=gen.messages, prompt=gen.prompt, max_tokens=1,
                        temperature=0.0, tools=gen.tools)
-    job = await g.open_job(request, sup, metrics, req, probe, started)
+    job = await open_job(request, sup, metrics, req, tools.Planned(probe), started)
     prompted = await job.prompt(request.receive)
     if prompted is None:  # refused before its prefill (G1, context): collect raises the worker's error
         _text, _calls, end = await job.collect(request.receive)
@@ -366,8 +364,7 @@ async def count_tokens(request: Request, sup, metrics, body: bytes, started: flo
     req = MessagesRequest(model=c.model, max_tokens=1, messages=c.messages, system=c.system, tools=c.tools,
                           tool_choice=c.tool_choice, thinking=c.thinking, output_config=c.output_config,
                           keep_alive=c.keep_alive, ttl=c.ttl)
-    gen = messages_generate(req)
-    tokens = await prompt_tokens(request, sup, metrics, req, gen, started)
+    tokens = await prompt_tokens(request, sup, metrics, req, messages_generate(req).gen, started)
     return Response(_encoder.encode({"input_tokens": tokens}), media_type="application/json")
 
 

@@ -1,14 +1,9 @@
-"""The HTTP front door: OpenAI-compatible endpoints inside the supervisor's loop.
+"""The HTTP front door's routes: OpenAI-compatible endpoints and the others beside them.
 
-uvicorn serves a Starlette app in the arbiter's own asyncio loop, so a
-request reaches the pool, the gate and the enforcer with no thread hop and
-no lock (DESIGN.md: one loop). Starlette rather than FastAPI: the bodies are
-msgspec Structs validated by msgspec, so FastAPI's pydantic layer would only
-add a second validator and its import cost.
-
-Entry points for the arbiter: `start_http(sup)` (binds, starts uvicorn as a
-task, returns the server and the address it bound) and `build_app(sup)`.
-The front door sees the supervisor only through `supervisor.api.Supervisor`.
+Starlette rather than FastAPI: the bodies are msgspec Structs validated by
+msgspec, so FastAPI's pydantic layer would only add a second validator and
+its import cost. http/server.py serves these routes in the supervisor's own
+loop. The front door sees the supervisor only through `supervisor.api.Supervisor`.
 
 Endpoints (DESIGN.md contract):
   GET  /health                      200, or 503 while a pinned model is not ready
@@ -32,31 +27,19 @@ Endpoints (DESIGN.md contract):
   POST /v1/embeddings (and /embeddings), /api/embed, /api/embeddings
                                     embeddings (http/embeddings.py)
 
-Who may administer (load, unload, /admin/guard), issue 21: with
-`[supervisor] admin_token` set, whoever sends `Authorization: Bearer <token>`;
-with none, a loopback client that sends no `Origin` (curl, scripts, SDKs) or
-this server's own dashboard (its Origin is this server). A page from any other
-origin, even one in `cors_origins` and even on loopback, needs the token: a
-browser is a client, not an admin. Every request first passes the gate
+Who may administer (load, unload, /admin/guard): http/auth.py, with the API
+keys (with `[supervisor] api_keys` every /v1 call needs one). Every request first passes the gate
 (http/gate.py: Host, Origin, Content-Type, CORS) and the connection limits
-(http/limits.py: header/body deadlines, a connection cap). With
-`[supervisor] api_keys` every /v1 call needs a key (http/auth.py).
+(http/limits.py: header/body deadlines, a connection cap).
 """
 
 from __future__ import annotations
 
-import asyncio
-import hmac
-import ipaddress
 import logging
-import socket
 import time
 from typing import Awaitable, Callable
 
 import msgspec
-import uvicorn
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -66,23 +49,21 @@ from shared.sizes import SizeError, parse_size
 from shared.states import SERVING_STATES
 from shared.vocab import ErrorCode
 from supervisor.api import Supervisor
-from supervisor.config import host_name, parse_http
 from supervisor.control import MAX_CONTEXT_TOKENS
 from supervisor.errors import ServeError
 from supervisor.http import anthropic as http_anthropic
 from supervisor.http import embeddings as http_embeddings
 from supervisor.http import generate as http_generate
 from supervisor.http import ollama as http_ollama
+from supervisor.http import ollama_models
 from supervisor.http import responses as http_responses
-from supervisor.http import routing
 from supervisor.http import tokenize as http_tokenize
-from supervisor.http.auth import ApiKeys, EventTickets
+from supervisor.http.auth import ApiKeys, EventTickets, require_admin
 from supervisor.http.body import Disconnected, read_body
 from supervisor.http.dashboard import Dashboard
 from supervisor.http.errors import ApiError, from_serve_error
 from supervisor.http.events import EventsEndpoint
-from supervisor.http.gate import BrowserGate, HostCheck, OriginAllowlist, same_origin
-from supervisor.http.limits import GuardedH11, connection_cap, limit_logs, raise_fd_limit
+from supervisor.http.job import race_client
 from supervisor.http.metrics import Metrics
 from supervisor.http.modelfacts import ModelFacts, capabilities, facts_of
 from supervisor.http.openai_types import BodyError, GuardSettingsIn, ModelCard, ModelList, decode_body
@@ -90,10 +71,6 @@ from supervisor.http.openai_types import BodyError, GuardSettingsIn, ModelCard, 
 log = logging.getLogger("memvisor.http")
 
 _encoder = msgspec.json.Encoder()
-
-
-class FrontDoorError(RuntimeError):
-    """The front door cannot start (address in use, bad host); the message says why."""
 
 
 class HealthBody(msgspec.Struct, kw_only=True):
@@ -109,44 +86,6 @@ class UnloadBody(msgspec.Struct, kw_only=True):
 
 def json_response(body, status: int = 200) -> Response:
     return Response(_encoder.encode(body), status_code=status, media_type="application/json")
-
-
-# ---------------------------------------------------------------------------
-# admin access
-
-
-def is_loopback_client(host: str | None) -> bool:
-    if not host:
-        return False
-    try:
-        addr = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        addr = addr.ipv4_mapped
-    return addr.is_loopback
-
-
-def require_admin(request: Request, token: str) -> None:
-    """Bearer token when configured; otherwise loopback clients that are not a foreign page
-    (no Origin, or this server's own origin: the dashboard), issue 21."""
-    if token:
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-            raise ApiError(401, "this admin endpoint needs 'Authorization: Bearer <admin_token>'",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        return
-    client = request.client.host if request.client else None
-    if not is_loopback_client(client):
-        raise ApiError(403, f"admin endpoints accept only loopback clients (this one is {client}); "
-                            "set [supervisor] admin_token to allow remote administration",
-                       code="forbidden")
-    origin = request.headers.get("origin")
-    if origin is not None and not same_origin(request.scope):
-        raise ApiError(403, f"a page from {origin} may not administer this server: with no [supervisor] "
-                            "admin_token only loopback tools (which send no Origin) and this server's own "
-                            "dashboard may; set admin_token and send 'Authorization: Bearer <token>'",
-                       code="forbidden")
 
 
 # ---------------------------------------------------------------------------
@@ -210,7 +149,7 @@ class FrontDoor:
             except ServeError as exc:
                 raise from_serve_error(exc) from None
         try:
-            await http_generate.race_client(self.sup.load(model.id, explicit=True), request.receive)
+            await race_client(self.sup.load(model.id, explicit=True), request.receive)
         except ServeError as exc:
             raise from_serve_error(exc) from None
         return json_response((await self.cards([model]))[0])
@@ -275,17 +214,17 @@ class FrontDoor:
     # -- the Ollama API (issue 23) ----------------------------------------------
 
     async def ollama_version(self, request: Request) -> Response:
-        return json_response({"version": http_ollama.VERSION})
+        return json_response({"version": ollama_models.VERSION})
 
     async def ollama_tags(self, request: Request) -> Response:
-        return json_response(await http_ollama.tags(self.sup))
+        return json_response(await ollama_models.tags(self.sup))
 
     async def ollama_ps(self, request: Request) -> Response:
-        return json_response(await http_ollama.ps(self.sup))
+        return json_response(await ollama_models.ps(self.sup))
 
     async def ollama_show(self, request: Request) -> Response:
         body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
-        return json_response(await http_ollama.show(self.sup, body))
+        return json_response(await ollama_models.show(self.sup, body))
 
     async def ollama_chat(self, request: Request) -> Response:
         body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
@@ -298,7 +237,7 @@ class FrontDoor:
         return await http_ollama.handle_generate(request, self.sup, self.metrics, body, started)
 
     async def ollama_no_hub(self, request: Request) -> Response:
-        raise http_ollama.no_hub(request.url.path)
+        raise ollama_models.no_hub(request.url.path)
 
     # -- guard ----------------------------------------------------------------
 
@@ -463,7 +402,7 @@ def guarded(handler: Callable[[Request], Awaitable[Response]],
 _ROUTER_CODES: dict[int, ErrorCode] = {404: "unknown_endpoint", 405: "method_not_allowed"}
 
 
-async def _http_exception(request: Request, exc: Exception) -> Response:
+async def http_exception(request: Request, exc: Exception) -> Response:
     """The router's own 404/405, in the same JSON shape as everything else."""
     status = getattr(exc, "status_code", 500)
     words = {404: f"no such endpoint: {request.method} {request.url.path}",
@@ -473,62 +412,6 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
     return ApiError(status, message, code=code, headers=getattr(exc, "headers", None)).response()
 
 
-class Instrumented:
-    """ASGI wrapper: stamps the arrival time, counts every answer and its latency, and
-    names this host (and the worker that served) on every response (issue 24)."""
-
-    def __init__(self, app, metrics: Metrics, host: Callable[[], str]) -> None:
-        self.app = app
-        self.metrics = metrics
-        self.host = host  # read per response: a reload may rename the host
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = time.monotonic()
-        scope["memvisor.started"] = started
-        served = routing.begin(scope.get("headers", []))
-        status, complete = 0, False
-
-        async def tracked(message) -> None:
-            nonlocal status, complete
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                message = {**message, "headers": [*message.get("headers", []),
-                                                  *routing.response_headers(served, self.host())]}
-            elif message["type"] == "http.response.body" and not message.get("more_body", False):
-                complete = True
-            await send(message)
-
-        try:
-            await self.app(scope, receive, tracked)
-        finally:
-            # 499: the client left before the response ended (nginx's convention).
-            self.metrics.answered(endpoint_label(scope.get("path", "")), status if complete else 499,
-                                  time.monotonic() - started)
-
-
-_FIXED = {"/health", "/status", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
-          "/v1/messages", "/v1/responses", "/admin/guard", "/v1/events", "/", "/ui",
-          "/v1/messages/count_tokens", "/chat/completions", "/completions", "/models", "/messages",
-          "/messages/count_tokens", "/api/version", "/api/tags", "/api/ps", "/api/show", "/api/chat",
-          "/api/generate", "/v1/embeddings", "/embeddings", "/api/embed", "/api/embeddings", "/tokenize",
-          "/detokenize"}
-
-
-def endpoint_label(path: str) -> str:
-    """A bounded label: model ids and stray paths do not each make a series."""
-    if path in _FIXED:
-        return path
-    if path.startswith("/v1/models/"):
-        for action in ("load", "unload"):
-            if path.endswith("/" + action):
-                return "/v1/models/{id}/" + action
-        return "/v1/models/{id}"
-    return "other"
-
-
 def error_shape(path: str) -> Callable[[ApiError], Response]:
     """How a refusal before any route (the gate's) is rendered: in the calling API's shape."""
     if path in ("/v1/messages", "/v1/messages/count_tokens", "/messages", "/messages/count_tokens"):
@@ -536,79 +419,3 @@ def error_shape(path: str) -> Callable[[ApiError], Response]:
     if path.startswith("/api/"):
         return http_ollama.error_response  # issue 23
     return ApiError.response
-
-
-def build_app(sup: Supervisor):
-    """The ASGI app: Starlette routes behind the gate, inside the metrics wrapper."""
-    door = FrontDoor(sup)
-    app = Starlette(routes=door.routes(), exception_handlers={HTTPException: _http_exception})
-    host, _port = parse_http(sup.config.supervisor.http)
-    gate = BrowserGate(app, HostCheck(host), OriginAllowlist(sup.config.supervisor.cors_origins), error_shape)
-    return Instrumented(gate, door.metrics, lambda: host_name(sup.config))
-
-
-# ---------------------------------------------------------------------------
-# serving inside the arbiter's loop
-
-
-class EmbeddedServer(uvicorn.Server):
-    """uvicorn without its signal handlers: the arbiter owns SIGTERM/SIGINT."""
-
-    task: asyncio.Task[None] | None = None  # the serving task, once started
-
-    def capture_signals(self):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """Bind before starting, so a taken port is a clear error, not uvicorn's sys.exit."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        raise FrontDoorError(f"cannot resolve HTTP host {host!r}: {exc.strerror}") from None
-    family, kind, proto, _, address = infos[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(address)
-        sock.listen(2048)
-    except OSError as exc:
-        sock.close()
-        raise FrontDoorError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    sock.setblocking(False)
-    return sock
-
-
-def format_address(sock: socket.socket) -> str:
-    host, port = sock.getsockname()[:2]
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-async def start_http(sup: Supervisor) -> tuple[EmbeddedServer, str]:
-    """Serve the front door as a task of the running loop; returns once it accepts,
-    with the "HOST:PORT" actually bound (port 0 picks a free one)."""
-    scfg = sup.config.supervisor
-    host, port = parse_http(scfg.http)
-    limit_logs()
-    soft, _hard = raise_fd_limit()
-    cap = connection_cap(scfg.max_connections, soft)
-    if cap < scfg.max_connections:
-        log.warning("max_connections lowered from %d to %d: the open-file limit is %d", scfg.max_connections,
-                    cap, soft)
-    sock = bind(host, port)
-    protocol = GuardedH11.configured(scfg.header_timeout, scfg.body_timeout, cap)
-    config = uvicorn.Config(build_app(sup), lifespan="off", log_config=None, access_log=False,
-                            server_header=False, timeout_graceful_shutdown=5, http=protocol)
-    server = EmbeddedServer(config)
-    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]), name="memvisor-http")
-    server.task = task
-    while not server.started:
-        if task.done():
-            sock.close()
-            raise FrontDoorError(f"the HTTP server stopped while starting: {task.exception()!r}")
-        await asyncio.sleep(0.005)
-    address = format_address(sock)
-    log.info("front door listening on http://%s", address)
-    return server, address

@@ -1,4 +1,6 @@
-"""API keys for /v1/* (issue 13): `[supervisor] api_keys` and/or `api_keys_file`.
+"""Who may call what: API keys for /v1/* (issue 13), and who may administer.
+
+API keys: `[supervisor] api_keys` and/or `api_keys_file`.
 
 When any key is configured, every /v1 call must carry one, as OpenAI clients
 send it (`Authorization: Bearer KEY`) or as Anthropic's do (`x-api-key: KEY`);
@@ -10,12 +12,20 @@ Keys are compared in constant time: each given key and each configured key
 are hashed (SHA-256, so lengths leak nothing either) and every configured
 key is compared, with no early exit. Keys are kept only as digests and are
 never logged; a refusal names no key.
+
+Who may administer (load, unload, /admin/guard): with `[supervisor]
+admin_token` set, whoever sends `Authorization: Bearer <token>`; with none,
+a loopback client that sends no `Origin` (curl, scripts, SDKs) or this
+server's own dashboard (its Origin is this server). A page from any other
+origin, even one in `cors_origins` and even on loopback, needs the token: a
+browser is a client, not an admin (`require_admin`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import secrets
 import time
 from pathlib import Path
@@ -25,6 +35,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from supervisor.http.errors import ApiError
+from supervisor.http.gate import same_origin
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -127,3 +138,41 @@ class EventTickets:
     def cookie(self, ticket: str) -> str:
         return (f"{self.COOKIE}={ticket}; Path=/v1/events; Max-Age={int(self.TTL)}; HttpOnly; "
                 "SameSite=Strict")
+
+
+# ---------------------------------------------------------------------------
+# who may administer (load, unload, /admin/guard)
+
+
+def is_loopback_client(host: str | None) -> bool:
+    if not host:
+        return False
+    try:
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr.is_loopback
+
+
+def require_admin(request: Request, token: str) -> None:
+    """Bearer token when configured; otherwise loopback clients that are not a foreign page
+    (no Origin, or this server's own origin: the dashboard), issue 21."""
+    if token:
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+            raise ApiError(401, "this admin endpoint needs 'Authorization: Bearer <admin_token>'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return
+    client = request.client.host if request.client else None
+    if not is_loopback_client(client):
+        raise ApiError(403, f"admin endpoints accept only loopback clients (this one is {client}); "
+                            "set [supervisor] admin_token to allow remote administration",
+                       code="forbidden")
+    origin = request.headers.get("origin")
+    if origin is not None and not same_origin(request.scope):
+        raise ApiError(403, f"a page from {origin} may not administer this server: with no [supervisor] "
+                            "admin_token only loopback tools (which send no Origin) and this server's own "
+                            "dashboard may; set admin_token and send 'Authorization: Bearer <token>'",
+                       code="forbidden")

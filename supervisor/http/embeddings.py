@@ -33,7 +33,6 @@ import array
 import base64
 import sys
 import time
-import uuid
 from typing import Any, Literal, Union
 
 import msgspec
@@ -45,9 +44,10 @@ from shared import protocol as p
 from shared.embedding import WRONG_MODEL_KIND, EmbeddingSpec
 from supervisor.api import Supervisor
 from supervisor.errors import ServeError
-from supervisor.http import generate as g
 from supervisor.http import ollama
 from supervisor.http.errors import ApiError, from_failed, from_serve_error
+from supervisor.http.job import race_client
+from supervisor.http.keepalive import keep_alive_seconds
 from supervisor.http.metrics import Metrics
 from supervisor.http.openai_types import BodyError, KeepAlive, decode_body
 
@@ -154,18 +154,18 @@ async def run(request: Request, sup: Supervisor, metrics: Metrics, model: str, g
     """Route one embedding request to the model's worker and wait for its vectors,
     aborting it in the worker when the client goes away."""
     try:
-        spec = await g.race_client(sup.embedding_spec(model), request.receive)
+        spec = await race_client(sup.embedding_spec(model), request.receive)
         check_request(spec, model, given, dimensions)
-        cmd = p.Embed(request_id=uuid.uuid4().hex, texts=given.texts, token_ids=given.token_ids,
+        cmd = p.Embed(request_id="", texts=given.texts, token_ids=given.token_ids,
                       truncate=truncate, dimensions=dimensions)
-        stream = await g.race_client(sup.embed(model, cmd), request.receive)
+        stream = await race_client(sup.embed(model, cmd), request.receive)
     except ServeError as exc:
         raise from_serve_error(exc) from None
     if keep is not None:  # loaded now: its idle timer is this request's
         sup.keep_alive(model, keep)
     opened = time.monotonic()
     try:
-        msg = await g.race_client(stream.queue.get(), request.receive)
+        msg = await race_client(stream.queue.get(), request.receive)
     except BaseException:
         sup.cancel(stream, "client disconnected")
         metrics.cancelled(model)
@@ -219,7 +219,7 @@ class EmbeddingList(Struct, kw_only=True):
 async def handle_openai(request: Request, sup: Supervisor, metrics: Metrics, body: bytes) -> Response:
     req = decode_body(body, EmbeddingRequest)
     given = inputs(req.input)
-    keep = g.keep_alive_seconds(req.keep_alive, req.ttl)
+    keep = keep_alive_seconds(req.keep_alive, req.ttl)
     try:
         model = sup.model_config(req.model).id
     except ServeError as exc:
@@ -250,7 +250,7 @@ async def handle_embed(request: Request, sup: Supervisor, metrics: Metrics, body
     if len(texts) > 1 and not all(texts):
         raise BodyError("input: strings must not be empty", param="input")
     model = ollama.resolve(sup, req.model)
-    keep = g.keep_alive_seconds(req.keep_alive, None)
+    keep = keep_alive_seconds(req.keep_alive, None)
     if not texts or texts == [""]:  # Ollama's empty request: load the model, embed nothing
         await _load_only(request, sup, model, keep)
         return _json({"model": req.model, "embeddings": []})
@@ -267,7 +267,7 @@ async def handle_embeddings(request: Request, sup: Supervisor, metrics: Metrics,
     req = decode_body(body, OllamaEmbeddingsRequest)
     _options(req.options)
     model = ollama.resolve(sup, req.model)
-    keep = g.keep_alive_seconds(req.keep_alive, None)
+    keep = keep_alive_seconds(req.keep_alive, None)
     if not req.prompt:
         await _load_only(request, sup, model, keep)
         return _json({"embedding": []})
@@ -279,10 +279,10 @@ async def handle_embeddings(request: Request, sup: Supervisor, metrics: Metrics,
 async def _load_only(request: Request, sup: Supervisor, model: str, keep: float | None) -> None:
     """An empty Ollama request loads the model (a chat model is still refused: it has no vectors)."""
     try:
-        spec = await g.race_client(sup.embedding_spec(model), request.receive)
+        spec = await race_client(sup.embedding_spec(model), request.receive)
         if spec is None:
             check_request(spec, model, Inputs(texts=[]), None)
-        await g.race_client(sup.load(model, explicit=True), request.receive)
+        await race_client(sup.load(model, explicit=True), request.receive)
     except ServeError as exc:
         raise from_serve_error(exc) from None
     if keep is not None:

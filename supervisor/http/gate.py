@@ -26,7 +26,7 @@ every request:
    allowed origin gets `Access-Control-Allow-Origin` echoing it; a disallowed
    origin gets no CORS headers at all, so its page cannot read the answer.
 
-Who may administer is decided in app.py (`require_admin`) with `same_origin`
+Who may administer is decided in auth.py (`require_admin`) with `same_origin`
 from here: with no admin token, only loopback tools that send no Origin and
 this server's own dashboard.
 """

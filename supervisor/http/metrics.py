@@ -3,14 +3,14 @@
 Two kinds of figures, gathered two ways:
 
 - current values (ceiling and its components, usage, pressure level,
-  per-worker memory, queue depth) are read from the arbiter when Prometheus
+  per-worker memory, queue depth) are read from the supervisor when Prometheus
   scrapes, by `GuardCollector`; nothing is copied on every tick. With a
   discrete device (SPEC D6) its pool has series of its own
   (`memvisor_device_*`, `memvisor_worker_device_bytes`); without one they
   are absent, not 0;
 - things that happen (guard events, requests, tokens, time to first token)
   are counted where they happen: the front door calls `Metrics` directly and
-  the arbiter's guard events (SPEC S2) arrive through `on_event`.
+  the supervisor's guard events (SPEC S2) arrive through `on_event`.
 
 Each front door has its own registry, so several supervisors in one process
 (tests) never share or clash over series.
@@ -26,10 +26,10 @@ from typing import Literal
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from shared.memory import NO_READING
 from shared.vocab import FailureCode, GuardEventKind, PressureLevel
 from supervisor.api import Supervisor
 from supervisor.readiness import kv_utilization, share
+from supervisor.views import WorkerView
 
 log = logging.getLogger("memvisor.metrics")
 
@@ -101,7 +101,7 @@ class Metrics:
 
 
 class GuardCollector:
-    """Current values, read from the arbiter at scrape time."""
+    """Current values, read from the supervisor at scrape time."""
 
     def __init__(self, sup: Supervisor) -> None:
         self.sup = sup
@@ -176,7 +176,7 @@ class GuardCollector:
                 per_worker.add_metric([w.model, w.worker], w.device_bytes)
         yield per_worker
 
-    def _workers(self, handles):
+    def _workers(self, workers: list[WorkerView]):
         labels = ["model", "worker"]
         usage = GaugeMetricFamily("memvisor_worker_usage_bytes", "Worker usage (SPEC U1)", labels=labels)
         active = GaugeMetricFamily("memvisor_worker_mlx_active_bytes", "MLX active memory", labels=labels)
@@ -197,13 +197,13 @@ class GuardCollector:
                                       "Times a worker returned MLX's pool itself, over its cap (M1)",
                                       labels=labels)
         total = 0
-        for h in handles:
+        for h in workers:
             key = [h.model_id, h.worker_id]
-            m = h.sample.memory if h.sample else NO_READING
+            m = h.memory
             usage.add_metric(key, m.usage)
             active.add_metric(key, m.mlx_active)
             pool.add_metric(key, m.mlx_pool)
-            running.add_metric(key, len(h.requests))
+            running.add_metric(key, h.running)
             cache.add_metric(key, m.cache_bytes)
             batch.add_metric(key, m.batch_bytes)
             live.add_metric(key, m.batch_live_bytes)
@@ -269,11 +269,10 @@ class GuardCollector:
             queued.add_metric(key, r.queued)
             running.add_metric(key, r.running)
             ready.add_metric(key, int(r.accepting))
-            m = h.sample.memory if h.sample else NO_READING
+            m = h.memory
             kv_bytes = m.mlx_active - h.weight_bytes - m.cache_bytes if h.serving else 0
             kv.add_metric(key, kv_utilization(kv_bytes, room))
-            cap = h.last_limits.cache_cap if h.last_limits is not None else 0
-            prompt.add_metric(key, share(m.cache_bytes, cap))
+            prompt.add_metric(key, share(m.cache_bytes, h.cache_cap))
         yield from (queued, running, ready, kv, prompt)
         headroom = g("memvisor_memory_headroom_bytes", "Ceiling less usage, per memory pool (negative: over "
                      "the ceiling); absent while the guard sets no ceiling", labels=["pool"])

@@ -1,9 +1,9 @@
-"""The Ollama API on the same port (issue 23): `/api/version`, `/api/tags`, `/api/ps`,
-`/api/show`, `/api/chat`, `/api/generate`.
+"""The Ollama API on the same port (issue 23): `/api/chat` and `/api/generate`
+(http/ollama_models.py: `/api/version`, `/api/tags`, `/api/ps`, `/api/show`).
 
 Why: Open WebUI's Ollama connection, Continue, VS Code's Ollama provider and the
 official `ollama` Python client speak this API and not OpenAI's. It is the same
-path as `/v1/chat/completions` (http/generate.py: `open_stream`, `Job.pieces`),
+path as `/v1/chat/completions` (http/job.py: `open_stream`, `Job.pieces`),
 spelled Ollama's way:
 
 - streaming is the default and is NDJSON (one JSON object a line), not SSE;
@@ -27,24 +27,18 @@ spelled Ollama's way:
   `tool_calls` with `arguments` as an object;
 - `/api/generate`'s `suffix` fills in the middle on a model whose tokenizer has
   FIM tokens (its `/api/show` lists `insert`); elsewhere it is a 400 naming it;
-- `keep_alive` is Ollama's (the strict parser of generate.py); an empty
+- `keep_alive` is Ollama's (the strict parser of keepalive.py); an empty
   `prompt` / `messages` only loads the model (`done_reason: "load"`), or with
   `keep_alive: 0` unloads it (`"unload"`), as Ollama does;
 - errors are `{"error": "..."}` with the status kept: 404 for an unknown model,
   400 for bad input (and SPEC G1's `prefill_memory_exceeded`), 507 when the
   model does not fit, 503 with Retry-After under pressure; memvisor's figures
   (`code`, `binding`, bytes) ride along as extra keys.
-
-A model may be named with Ollama's `:latest` tag ("a:latest" is "a"), since
-clients append it.
 """
 
 from __future__ import annotations
 
-import sys
 import time
-import uuid
-from datetime import datetime, timedelta, timezone
 from typing import Any, AsyncIterator, Literal, Union
 
 import msgspec
@@ -53,15 +47,16 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from shared import protocol as p
-from shared.states import SERVING_STATES
 from supervisor.api import Supervisor
 from supervisor.errors import ServeError
-from supervisor.http import generate as g
 from supervisor.http import sampling as openai_sampling
 from supervisor.http import tools
 from supervisor.http.errors import ApiError, from_serve_error
+from supervisor.http.job import Calls, End, Job, Text, open_stream, race_client
+from supervisor.http.keepalive import UNLOAD_NOW, keep_alive_seconds
 from supervisor.http.metrics import Metrics
-from supervisor.http.modelfacts import ModelFacts, capabilities, digest, facts_of, parameter_size, require_fim
+from supervisor.http.modelfacts import require_fim
+from supervisor.http.ollama_models import now_rfc3339, resolve
 from supervisor.http.openai_types import (
     DEFAULT_CHAT_MAX_TOKENS,
     MAX_STOP_SEQUENCES,
@@ -71,11 +66,6 @@ from supervisor.http.openai_types import (
     LogprobOut,
     decode_body,
 )
-
-# Why 0.6.4: VS Code's Ollama provider (and Open WebUI's version check) refuse a server
-# older than 0.6.4, the release whose /api/show reports `capabilities`; we serve that shape.
-VERSION = "0.6.4"
-NEVER = datetime(9999, 12, 31, 23, 59, 59, tzinfo=timezone.utc)  # expires_at of a model that never expires
 
 _encoder = msgspec.json.Encoder()
 
@@ -133,12 +123,6 @@ class OllamaGenerateRequest(_Common, kw_only=True):
     width: Union[int, None] = None  # image generation: refused when set
     height: Union[int, None] = None
     steps: Union[int, None] = None
-
-
-class ShowRequest(Struct, kw_only=True, forbid_unknown_fields=True):
-    model: Union[str, None] = None
-    name: Union[str, None] = None  # the older spelling
-    verbose: Union[bool, None] = None
 
 
 # ---------------------------------------------------------------------------
@@ -324,14 +308,14 @@ def chat_messages(messages: list[OllamaMessage]) -> list[p.ChatMessage]:
     return out
 
 
-def chat_generate(req: OllamaChatRequest) -> p.Generate:
+def chat_generate(req: OllamaChatRequest) -> tools.Planned:
     _refuse_common(req)
-    gen = p.Generate(request_id=uuid.uuid4().hex, messages=chat_messages(req.messages or []),
+    gen = p.Generate(request_id="", messages=chat_messages(req.messages or []),
                      constraint=format_constraint(req.format), **_sampling(req))
-    return g.with_tools(gen, tool_plan(req.tools))
+    return tools.planned(gen, tool_plan(req.tools))
 
 
-def generate_generate(req: OllamaGenerateRequest) -> p.Generate:
+def generate_generate(req: OllamaGenerateRequest) -> tools.Planned:
     _refuse_common(req)
     if req.suffix and req.system:
         raise BodyError("system: a fill-in-the-middle prompt (suffix) has no system turn", param="system")
@@ -346,29 +330,21 @@ def generate_generate(req: OllamaGenerateRequest) -> p.Generate:
     for name in ("width", "height", "steps"):
         if getattr(req, name) is not None:
             raise BodyError(f"{name}: image generation is not supported (these are text models)", param=name)
-    common = dict(request_id=uuid.uuid4().hex, constraint=format_constraint(req.format), **_sampling(req))
-    if req.suffix:  # issue 23: the worker builds the prompt from its FIM tokens, no template
-        return p.Generate(prompt=req.prompt or "", suffix=req.suffix, **common)
+    common = dict(request_id="", constraint=format_constraint(req.format), **_sampling(req))
+    if req.suffix:  # the worker builds the prompt from its FIM tokens, no template
+        return tools.Planned(p.Generate(prompt=req.prompt or "", suffix=req.suffix, **common))
     if req.raw:
         if req.system:
             raise BodyError("system: raw prompts go to the model as they are; put the system text in the prompt",
                             param="system")
-        return p.Generate(prompt=req.prompt or "", **common)
+        return tools.Planned(p.Generate(prompt=req.prompt or "", **common))
     turns = [p.ChatMessage(role="system", content=req.system)] if req.system else []
     turns.append(p.ChatMessage(role="user", content=req.prompt or ""))
-    return p.Generate(messages=turns, **common)
+    return tools.Planned(p.Generate(messages=turns, **common))
 
 
 # ---------------------------------------------------------------------------
 # responses
-
-
-def now_rfc3339() -> str:
-    return rfc3339(datetime.now(timezone.utc))
-
-
-def rfc3339(when: datetime) -> str:
-    return when.astimezone(timezone.utc).isoformat().replace("+00:00", "Z")
 
 
 class Timings:
@@ -379,7 +355,7 @@ class Timings:
         self.started = started
         self.opened = opened
 
-    def stats(self, job: g.Job, fin: p.Finished) -> dict[str, int]:
+    def stats(self, job: Job, fin: p.Finished) -> dict[str, int]:
         end = time.monotonic()
         first = job.stream.first_token or end
         ns = 1_000_000_000
@@ -406,22 +382,21 @@ def _line(body: dict) -> bytes:
     return _encoder.encode(body) + b"\n"
 
 
-def done_reason(end: g.End) -> str:
+def done_reason(end: End) -> str:
     """Ollama's done_reason: "stop" (also when the reply was tool calls) or "length"."""
     return "length" if end.reason == "length" else "stop"
 
 
-async def _run(request: Request, sup: Supervisor, metrics: Metrics, req: _Common, gen: p.Generate,
+async def _run(request: Request, sup: Supervisor, metrics: Metrics, req: _Common, work: tools.Planned,
                started: float, *, chat: bool, empty: bool) -> Response:
     """One Ollama generation; `empty` (no messages, no prompt) only loads or unloads."""
     model = resolve(sup, req.model)
-    keep = g.keep_alive_seconds(req.keep_alive, None)
+    keep = keep_alive_seconds(req.keep_alive, None)
     if empty:
         return await _load_only(request, sup, req.model, model, keep, chat)
-    plan = tool_plan(req.tools) if isinstance(req, OllamaChatRequest) else None
-    stream = await g.open_stream(sup, model, gen, request.receive, keep)
+    stream = await open_stream(sup, model, work.gen, request.receive, keep)
     timings = Timings(started, time.monotonic())
-    job = g.Job(sup, metrics, "chat" if chat else "text", model, gen, False, started, stream, plan, "format")
+    job = Job(sup, metrics, model, work.gen, started, stream, work.plan, "format")
     if req.stream:
         first = await job.first(request.receive)
         return StreamingResponse(job.sse_body(_lines(job, first, req.model, chat, timings)),
@@ -436,7 +411,7 @@ async def _run(request: Request, sup: Supervisor, metrics: Metrics, req: _Common
     else:
         body["response"] = text
     body.update(done=True, done_reason=done_reason(end), **timings.stats(job, end.finished))
-    if gen.logprobs:
+    if job.gen.logprobs:
         body["logprobs"] = _logprobs(job.logprobs)
     return Response(_encoder.encode(body), media_type="application/json")
 
@@ -449,13 +424,13 @@ def _logprobs(items: list[p.TokenLogprobs]) -> list[LogprobOut]:
 async def _load_only(request: Request, sup: Supervisor, name: str, model: str, keep: float | None,
                      chat: bool) -> Response:
     """Ollama's empty request: load the model (or, with keep_alive 0, unload it)."""
-    if keep == g.UNLOAD_NOW:
+    if keep == UNLOAD_NOW:
         sup.model_config(model)  # an unknown model is still a 404
         await sup.unload(model, "unloaded by an Ollama keep_alive: 0 request")
         reason = "unload"
     else:
         try:
-            await g.race_client(sup.load(model, explicit=True), request.receive)
+            await race_client(sup.load(model, explicit=True), request.receive)
         except ServeError as exc:
             raise from_serve_error(exc) from None
         if keep is not None:
@@ -469,124 +444,30 @@ async def _load_only(request: Request, sup: Supervisor, name: str, model: str, k
     return Response(_encoder.encode(body), media_type="application/json")
 
 
-async def _lines(job: g.Job, first, name: str, chat: bool, timings: Timings) -> AsyncIterator[list[bytes]]:
+async def _lines(job: Job, first, name: str, chat: bool, timings: Timings) -> AsyncIterator[list[bytes]]:
     """The NDJSON objects of a streamed reply, a list per piece (for `Job.sse_body`,
     which writes bytes whatever their framing)."""
     async for piece in job.pieces(first):
         head: dict[str, Any] = {"model": name, "created_at": now_rfc3339()}
         match piece:
-            case g.Text(text=t):
+            case Text(text=t):
                 if not t:
                     continue
                 head.update({"message": {"role": "assistant", "content": t}} if chat else {"response": t})
                 if job.gen.logprobs:
                     head["logprobs"] = _logprobs(job.take_logprobs())
                 yield [_line({**head, "done": False})]
-            case g.Calls(calls=calls):
+            case Calls(calls=calls):
                 head.update({"message": {"role": "assistant", "content": "", "tool_calls": _calls_out(calls)}}
                             if chat else {"response": ""})
                 yield [_line({**head, "done": False})]
-            case g.End(finished=fin):
+            case End(finished=fin):
                 head.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
                 if job.gen.logprobs:  # tokens whose text never came out (held back, tool calls)
                     head["logprobs"] = _logprobs(job.take_logprobs())
                 yield [_line({**head, "done": True, "done_reason": done_reason(piece), **timings.stats(job, fin)})]
             case ApiError():
                 yield [_line(error_body(piece))]
-
-
-# ---------------------------------------------------------------------------
-# models
-
-
-def resolve(sup: Supervisor, name: str) -> str:
-    """The model id a request names: an id or alias, also with Ollama's ":latest" tag."""
-    if sup.config.model(name) is None and name.endswith(":latest"):
-        name = name.removesuffix(":latest")
-    try:
-        return sup.model_config(name).id
-    except ServeError as exc:
-        raise ApiError(404, f"model '{name}' not found: {exc}", code=exc.code) from None
-
-
-def details(facts: ModelFacts, estimated_bytes: int) -> dict[str, Any]:
-    return {"parent_model": "", "format": facts.format, "family": facts.family,
-            "families": [facts.family] if facts.family else None,
-            "parameter_size": parameter_size(estimated_bytes, facts),
-            "quantization_level": facts.quantization_level}
-
-
-def size_of(info, facts: ModelFacts) -> int:
-    """Bytes: measured when loaded, else A2's estimate (a .gguf file's size before it is read)."""
-    return info.usage or info.estimated_bytes or facts.file_bytes
-
-
-def _entry(info, facts: ModelFacts) -> dict[str, Any]:
-    return {"name": info.id, "model": info.id, "modified_at": modified_at(facts), "size": size_of(info, facts),
-            "digest": digest(info.id, info.path), "details": details(facts, info.estimated_bytes),
-            "capabilities": capabilities(facts)}  # an embedding model says so in the list
-
-
-async def tags(sup: Supervisor) -> dict[str, Any]:
-    infos = [sup.model_info(m.id) for m in sup.config.models]
-    facts = await facts_of([i.path for i in infos])
-    return {"models": [_entry(i, facts[i.path]) for i in infos]}
-
-
-async def ps(sup: Supervisor) -> dict[str, Any]:
-    """Loaded models. size_vram: all of it on Apple's unified memory, 0 elsewhere (the CPU;
-    a discrete GPU's share is not in ModelInfo yet)."""
-    infos = [i for i in (sup.model_info(m.id) for m in sup.config.models) if i.state in SERVING_STATES]
-    facts = await facts_of([i.path for i in infos])
-    out = []
-    for i in infos:
-        entry = _entry(i, facts[i.path])
-        expires = NEVER if i.expires_in is None else datetime.now(timezone.utc) + timedelta(seconds=i.expires_in)
-        entry.update(expires_at=rfc3339(expires), size_vram=entry["size"] if sys.platform == "darwin" else 0,
-                     context_length=facts[i.path].context_length or 0)
-        out.append(entry)
-    return {"models": out}
-
-
-def modified_at(facts: ModelFacts) -> str:
-    """When the model's files last changed (config.json's mtime); now when unknown."""
-    if not facts.modified:
-        return now_rfc3339()
-    return rfc3339(datetime.fromtimestamp(facts.modified, timezone.utc))
-
-
-async def show(sup: Supervisor, body: bytes) -> dict[str, Any]:
-    req = decode_body(body, ShowRequest)
-    name = req.model or req.name
-    if not name:
-        raise BodyError("model: required (the model to show)", param="model")
-    info = sup.model_info(resolve(sup, name))
-    facts = (await facts_of([info.path]))[info.path]
-    arch = facts.family or "unknown"
-    model_info: dict[str, Any] = {"general.architecture": arch, "general.basename": info.id}
-    if facts.context_length:
-        model_info[f"{arch}.context_length"] = facts.context_length
-    if facts.embedding is not None:  # Ollama's key for a vector's length
-        model_info[f"{arch}.embedding_length"] = facts.embedding.dims
-        model_info[f"{arch}.pooling_type"] = facts.embedding.pooling
-    if info.estimated_bytes and facts.bytes_per_parameter:
-        model_info["general.parameter_count"] = int(info.estimated_bytes / facts.bytes_per_parameter)
-    return {"license": "", "modelfile": "", "parameters": "", "template": facts.template,
-            "details": details(facts, info.estimated_bytes), "model_info": model_info,
-            "capabilities": capabilities(facts), "modified_at": modified_at(facts)}
-
-
-# Ollama's routes that manage a model store; memvisor serves folders on disk.
-NO_HUB = {"/api/pull": "pull", "/api/push": "push", "/api/create": "create", "/api/copy": "copy",
-          "/api/delete": "delete", "/api/blobs": "upload blobs"}
-
-
-def no_hub(path: str) -> ApiError:
-    """A clear 501 for routes that need Ollama's model store or hub."""
-    what = next((v for k, v in NO_HUB.items() if path == k or path.startswith(k + "/")), "manage models")
-    return ApiError(501, f"memvisor cannot {what} models: it has no model store or hub. It serves model "
-                         "folders on disk: add one under [[models]] or a models_dirs folder (then `python -m supervisor "
-                         "reload`), and it appears in /api/tags", code="not_implemented")
 
 
 # ---------------------------------------------------------------------------

@@ -29,7 +29,8 @@ from msgspec import Meta, Struct
 
 from shared.vocab import ErrorCode, ReplyFinishReason
 from supervisor.policy.status import ModelInfo
-from supervisor.readiness import LoadProgress, Readiness
+from supervisor.readiness import Readiness
+from supervisor.views import LoadProgress
 
 T = TypeVar("T")
 C = TypeVar("C")  # the choice type of a completion

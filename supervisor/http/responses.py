@@ -17,7 +17,6 @@ and `background` are refused rather than pretended.
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any, AsyncIterator, Union
 
 import msgspec
@@ -26,10 +25,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from shared import protocol as p
-from supervisor.http import generate as g
 from supervisor.http import sampling, tools
 from supervisor.http.content import text_of
 from supervisor.http.errors import ApiError
+from supervisor.http.job import Calls, End, Job, Text, open_job
 from supervisor.http.openai_types import (
     DEFAULT_CHAT_MAX_TOKENS,
     BodyError,
@@ -213,14 +212,14 @@ def _format(req: ResponsesRequest) -> p.ConstraintSpec | None:
     return p.JsonSchema(schema=_encoder.encode(js.schema).decode(), strict=bool(js.strict), name=js.name)
 
 
-def responses_generate(req: ResponsesRequest) -> p.Generate:
+def responses_generate(req: ResponsesRequest) -> tools.Planned:
     _refuse(req)
-    gen = p.Generate(request_id=uuid.uuid4().hex, messages=_messages(req),
+    gen = p.Generate(request_id="", messages=_messages(req),
                      max_tokens=req.max_output_tokens or DEFAULT_CHAT_MAX_TOKENS,
                      temperature=1.0 if req.temperature is None else req.temperature,
                      top_p=1.0 if req.top_p is None else req.top_p, constraint=_format(req),
                      **sampling.generate_fields(req), **_logprobs(req))
-    return g.with_tools(gen, tool_plan(req))
+    return tools.planned(gen, tool_plan(req))
 
 
 # ---------------------------------------------------------------------------
@@ -327,8 +326,8 @@ def _status(reason: str) -> str:
 
 async def handle(request: Request, sup, metrics, body: bytes, started: float) -> Response:
     req = decode_body(body, ResponsesRequest)
-    gen = responses_generate(req)
-    job = await g.open_job(request, sup, metrics, req, gen, started, plan=tool_plan(req), format_param="text.format")
+    job = await open_job(request, sup, metrics, req, responses_generate(req), started, format_param="text.format")
+    gen = job.gen
     shell = Shell(req, "resp_" + gen.request_id)
     if req.stream:
         return await job.streamed(request.receive, lambda first: _events(job, first, shell))
@@ -342,7 +341,7 @@ async def handle(request: Request, sup, metrics, body: bytes, started: float) ->
     return Response(_encoder.encode(reply), media_type="application/json")
 
 
-def _logprobs_out(job: g.Job, items: list[p.TokenLogprobs]) -> Union[list[LogprobOut], msgspec.UnsetType]:
+def _logprobs_out(job: Job, items: list[p.TokenLogprobs]) -> Union[list[LogprobOut], msgspec.UnsetType]:
     """Issue 23: an output_text's (or a delta's) logprobs, when the request asked for them."""
     return [sampling.logprob_out(item) for item in items] if job.gen.logprobs else msgspec.UNSET
 
@@ -357,7 +356,7 @@ class _Events:
         return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
 
 
-async def _events(job: g.Job, first, shell: Shell) -> AsyncIterator[list[bytes]]:
+async def _events(job: Job, first, shell: Shell) -> AsyncIterator[list[bytes]]:
     """The Responses event sequence, a list per piece for `Job.streamed`."""
     ev = _Events()
     out = [ev("response.created", response=shell.build("in_progress", [])),
@@ -367,14 +366,14 @@ async def _events(job: g.Job, first, shell: Shell) -> AsyncIterator[list[bytes]]
     text: list[str] | None = None  # the open message item's text
     async for piece in job.pieces(first):
         match piece:
-            case g.Text(text=t):
+            case Text(text=t):
                 if text is None:
                     text = []
                     out += _open_message(ev, len(output), msg_id)
                 text.append(t)
                 out.append(ev("response.output_text.delta", item_id=msg_id, output_index=len(output),
                               content_index=0, delta=t, logprobs=_logprobs_out(job, job.take_logprobs()) or []))
-            case g.Calls(calls=calls):
+            case Calls(calls=calls):
                 if text is not None:
                     output.append(_close_message(ev, out, len(output), msg_id, "".join(text), "completed",
                                                   _logprobs_out(job, job.logprobs)))
@@ -382,7 +381,7 @@ async def _events(job: g.Job, first, shell: Shell) -> AsyncIterator[list[bytes]]
                 for c in calls:
                     out += _call_events(ev, len(output), c)
                     output.append(_call_item(c))
-            case g.End(finished=fin, reason=reason):
+            case End(finished=fin, reason=reason):
                 if text is None and not output and not job.calls_only:
                     text = []
                     out += _open_message(ev, 0, msg_id)

@@ -13,7 +13,7 @@
   plain client that does not retry gets its answer after the load, as
   Ollama's and LM Studio's clients expect.
 
-The ASGI wrapper (app.Instrumented) opens one `Served` per request; the
+The ASGI wrapper (server.Instrumented) opens one `Served` per request; the
 generation path (generate.open_stream, shared by every API) reads it through
 `current()`, so each door gets the header without a change of its own.
 """

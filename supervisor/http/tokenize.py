@@ -22,7 +22,6 @@ Keyed like `/v1` and in OpenAI's error shape, as llama.cpp answers errors.
 
 from __future__ import annotations
 
-import uuid
 from typing import Annotated, Any, Union
 
 import msgspec
@@ -32,8 +31,8 @@ from starlette.responses import Response
 from shared import protocol as p
 from supervisor.api import Supervisor
 from supervisor.errors import ServeError
-from supervisor.http import generate as g
 from supervisor.http.errors import from_failed, from_serve_error
+from supervisor.http.generate import chat_generate
 from supervisor.http.openai_types import BodyError, ChatMessageIn, ChatRequest, ToolDef, decode_body
 
 _encoder = msgspec.json.Encoder()
@@ -72,7 +71,7 @@ def model_named(sup: Supervisor, name: str | None) -> str:
 
 
 def tokenize_command(req: TokenizeRequest) -> p.Tokenize:
-    rid = uuid.uuid4().hex
+    rid = ""  # the supervisor gives it its id
     if req.messages is None:
         if req.content is None:
             raise BodyError("content: required (the text to tokenize), or messages for a chat's prompt",
@@ -88,7 +87,7 @@ def tokenize_command(req: TokenizeRequest) -> p.Tokenize:
             raise BodyError(f"{name}: applies to content, not to messages (the chat template places the "
                             "special tokens)", param=name)
     chat = ChatRequest(model=req.model or "", messages=req.messages, tools=req.tools)
-    gen = g.chat_generate(chat)
+    gen = chat_generate(chat).gen
     return p.Tokenize(request_id=rid, messages=gen.messages, tools=gen.tools, with_pieces=req.with_pieces)
 
 
@@ -123,7 +122,7 @@ async def tokenize(sup: Supervisor, body: bytes) -> Response:
 
 async def detokenize(sup: Supervisor, body: bytes) -> Response:
     req = decode_body(body, DetokenizeRequest)
-    cmd = p.Detokenize(request_id=uuid.uuid4().hex, tokens=req.tokens)
+    cmd = p.Detokenize(request_id="", tokens=req.tokens)
     reply = await _ask(sup, model_named(sup, req.model), cmd)
     assert isinstance(reply, p.Detokenized)
     return Response(_encoder.encode({"content": reply.text}), media_type="application/json")

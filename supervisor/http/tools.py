@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from typing import Any, Literal, Union
+from typing import Any, Literal, NamedTuple, Union
 
 import msgspec
 
@@ -111,6 +111,28 @@ def check_named(plan: ToolPlan, param: str) -> ToolPlan:
     if plan.choice in ("required", "named") and not plan.functions:
         raise BodyError(f"{param}: a tool call is required but no tools were given", param=param)
     return plan
+
+
+class Planned(NamedTuple):
+    """A request as its API's translator made it: what the worker runs (`gen`, the plan's
+    tools and constraint on it) and how its reply is read for calls (`plan`; None: as text)."""
+
+    gen: p.Generate
+    plan: ToolPlan | None = None
+
+
+def planned(gen: p.Generate, plan: ToolPlan | None) -> Planned:
+    """The plan, applied to `gen` once: its tools for the chat template and, for
+    required/named, its constraint (a JSON output format cannot be enforced beside it)."""
+    if plan is None:
+        return Planned(gen)
+    call = plan.constraint()
+    if call is not None and gen.constraint is not None:
+        raise BodyError("tool_choice: a required tool call and a JSON output format cannot both be "
+                        "enforced on one reply; drop one", param="tool_choice")
+    gen.tools = plan.template_tools() if plan.functions else None
+    gen.constraint = call or gen.constraint
+    return Planned(gen, plan)
 
 
 # ---------------------------------------------------------------------------

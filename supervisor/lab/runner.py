@@ -95,7 +95,7 @@ class Lab:
         return bool(passed)
 
     async def load(self, model_id: str):
-        handle = await self.arb.load(model_id)
+        handle = await self.arb.models.load(model_id)
         self.rec.note("load", model_id)
         return handle
 
@@ -127,22 +127,22 @@ class Lab:
 
     def set_ceiling(self, ceiling: int, why: str = "") -> None:
         self.rec.note("ceiling", "", why or f"custom ceiling {ceiling // MiB} MiB")
-        self.arb.update_guard(p.GuardUpdate(tier="custom", custom_ceiling=int(ceiling)))
+        self.arb.service.update_guard(p.GuardUpdate(tier="custom", custom_ceiling=int(ceiling)))
 
     def drill(self, model_id: str, rate: int, to: int) -> None:
         """A fire drill in the model's worker (real MLX allocations), marked on the timeline."""
-        self.arb.start_drill(p.DrillRequest(model=model_id, rate=rate, to=to))
+        self.arb.service.start_drill(p.DrillRequest(model=model_id, rate=rate, to=to))
         self.rec.note("drill", model_id, f"{format_size(rate)}/s")
 
     async def generate(self, model_id: str, prompt: str, max_tokens: int) -> RequestStream:
-        stream = await self.arb.generate(model_id, p.Generate(request_id="", prompt=prompt, max_tokens=max_tokens))
+        stream = await self.arb.service.generate(model_id, p.Generate(request_id="", prompt=prompt, max_tokens=max_tokens))
         self.rec.note("request", model_id)
         return stream
 
     async def busy(self, model_id: str, timeout: float = 20.0) -> RequestStream:
         """A long generation, running once this returns."""
         stream = await self.generate(model_id, "tell me a long story about the sea", LAB_MAX_TOKENS)
-        handle = stream.worker
+        handle = self.arb.pool.handles[stream.worker_id]
         await self.until(lambda: handle.sample is not None and handle.sample.running > 0, timeout,
                          f"{model_id} running")
         return stream

@@ -114,7 +114,7 @@ async def emergency_mark(lab: Lab) -> None:
             loop.call_soon(lab.set_ceiling, u * 3, "pressure over (memory freed elsewhere)")
 
     ended: list[bool] = []
-    lab.arb.add_event_hook(end_pressure_at_the_mark)
+    lab.arb.service.add_event_hook(end_pressure_at_the_mark)
     lab.tasks.append(loop.create_task(keep_busy(stream)))
     await lab.until(lambda: handle.marked_for_unload, 8, "a marked")
     await lab.until(lambda: not handle.live, 8, "marked a stopped")
@@ -296,7 +296,7 @@ async def load_refused(lab: Lab) -> None:
         await lab.load("big")
     except LoadError as exc:
         error = exc
-    lab.arb.cancel(stream)
+    lab.arb.service.cancel(stream)
     t = lab.rec.timeline
     lab.check("A3 refused with 507", error is not None and error.http_status == 507, str(error))
     lab.check("A3 the message names the constraint", error is not None and "ceiling" in str(error), str(error))
@@ -345,7 +345,7 @@ async def pinned_respawn(lab: Lab) -> None:
     lab.check("respawned", bool(t.events("respawn", "pin")) and second is not None and second.pid != first.pid)
     end = await lab.end(await lab.generate("pin", "hello", 4), 20) if second is not None else None
     lab.check("serves again", isinstance(end, p.Finished), repr(end)[:200])
-    lab.check("not marked failed", "pin" not in lab.arb.pool.failed)
+    lab.check("not marked failed", "pin" not in lab.arb.models.failed)
 
 
 # -- issue 9: a grower while another model is being stopped ------------------------------------
@@ -402,7 +402,7 @@ def grow_while_big_stops(rate: int = 1024 * MiB, soft: float = SOFT,
         start = lab.rec.now()
         await lab.until(lambda: bool(lab.rec.timeline.events("exit", "idle")), 15, "the idle model's exit")
         if (grower := lab.arb.pool.worker_for("grower")) is not None and grower.serving:
-            lab.arb.start_drill(p.DrillRequest(model="grower", rate=0, to=0, stop=True))
+            lab.arb.service.start_drill(p.DrillRequest(model="grower", rate=0, to=0, stop=True))
         await lab.until(lambda: lab.level() == "ok", 8, "level ok")
         await asyncio.sleep(0.2)
         _judge_big_stop(lab, start)

@@ -92,7 +92,7 @@ class Recorder:
         self.timeline = Timeline(name=name)
         self._last_executed = self.t0  # monotonic time of the last decision taken in
         self._task: asyncio.Task | None = None
-        arb.add_event_hook(self._on_event)
+        arb.service.add_event_hook(self._on_event)
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -190,7 +190,7 @@ def timeline_from_trace(lines, name: str, *, chained: bool = True) -> Timeline:
         state = result.state
         t0 = snap.now if t0 is None else t0
         t = snap.now - t0
-        workers = {w.model: w.usage for w in snap.workers if w.state not in ("stopped", "dead", "failed")}
+        workers = {w.model: w.usage for w in snap.workers if w.state not in ("stopped", "dead")}
         c = result.ceilings
         timeline.points.append(Point(t, result.usage, workers, c.ceiling, c.soft, c.hard, result.level))
         for x in result.decisions:

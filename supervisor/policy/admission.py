@@ -1,4 +1,4 @@
-"""Admission of a model load (SPEC A1-A4) and eviction for a prefill (G1).
+"""Admission of a model load (SPEC A1-A4), of a request (P3), and eviction for a prefill (G1).
 
 Pure functions of a Snapshot, like the policy: they say which idle models to
 stop first and whether the load may then go ahead. A5 (one load at a time;
@@ -9,7 +9,7 @@ for them and for `wait_for` (workers already draining) to exit, then loads.
 Usage is projected the same way as in `supervisor.policy.pressure`: draining workers
 count as gone, each eviction subtracts the victim's usage.
 
-Public names (stable): LoadVerdict, admit_load, evict_for_prefill,
+Public names (stable): LoadVerdict, admit_load, admits_request, evict_for_prefill,
 MODEL_TOO_LARGE, INSUFFICIENT_MEMORY.
 """
 
@@ -28,9 +28,15 @@ from supervisor.policy.snapshot import Snapshot, WorkerRecord
 from supervisor.policy.verdict import HOST_TERMS, INSUFFICIENT_MEMORY, MODEL_TOO_LARGE, LoadVerdict, decide_load
 
 __all__ = [
-    "INSUFFICIENT_MEMORY", "MODEL_TOO_LARGE", "FitReport", "LoadVerdict", "admit", "admit_load", "evict_for_prefill",
-    "fit_report",
+    "INSUFFICIENT_MEMORY", "MODEL_TOO_LARGE", "FitReport", "LoadVerdict", "admit", "admit_load", "admits_request",
+    "evict_for_prefill", "fit_report",
 ]
+
+
+def admits_request(paused: bool, running: int) -> bool:
+    """SPEC P3: while pressure pauses admission, a worker with nothing running still
+    takes one request (so no model starves); one that runs any takes none."""
+    return not paused or running == 0
 
 def _projected(g: WorkerGroup) -> int:
     return g.usage - g.draining_usage

@@ -27,7 +27,7 @@ from supervisor.policy.tiers import normalise_tier
 class WorkerGroup:
     """One pass over the worker records.
 
-    Only workers whose process exists count (stopped, dead and failed ones
+    Only workers whose process exists count (stopped and dead ones
     hold no memory). `usage` is U2: supervisor footprint + each worker's U1
     usage; `own` is C2's group footprint; `draining_usage` is the part that a
     stop already under way will give back, and `draining_idle_usage` the part

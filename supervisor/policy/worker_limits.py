@@ -1,0 +1,147 @@
+"""The limits each worker is handed (T6), less the other workers' prompt caches (C12).
+
+Every tick works out the common limits from the ceilings and the level;
+a worker is sent its own (a `ApplyLimits`) only when something it is told
+changed: the common limits, its process (a respawn), or the other workers'
+cache bytes, which its limits subtract (C12). When the caches leave no room
+under the ceiling for the next step they give way first (H3). On a discrete
+device the workers also get the device watermarks in their own measure (D4).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from shared.limits import Limits
+from shared.sizes import MiB, format_size
+from shared.vocab import PressureLevel
+from supervisor.policy.ceilings import limits_for, worker_limit
+from supervisor.policy.decisions import ApplyLimits, ShrinkHotCache
+from supervisor.policy.device import DeviceCeilings
+from supervisor.policy.group import lru_key
+from supervisor.policy.tickstate import Tick
+
+DEVICE_OVERHEAD_STEP = 256 * MiB  # D4: the device watermarks handed to workers move in these steps
+
+
+def limits_to_hand_out(t: Tick, paused: bool, level: PressureLevel) -> tuple[Limits, dict[str, int], int, dict[str, int]]:
+    """Hand every worker the limits it does not have yet (T6: next tick at the latest).
+
+    The common limits (nothing subtracted) and the caches' total are
+    compared with the last ones handed out; a worker also gets its limits
+    when it is new, its pid changed (a respawn) or the other workers'
+    cache bytes (the total less its own) changed: its limits subtract them (C12).
+    Returns (common, worker -> pid, caches' total, worker -> own cache
+    bytes) for the next tick.
+
+    When none of those changed (the common case: a quiet tick), no worker
+    needs anything, and that is told by comparing the records whole
+    rather than worker by worker.
+    """
+    guard, prev, live, c = t.s.guard, t.prev, t.group.live, t.c
+    # H2: an equal share of the budget in force per worker that keeps a cache
+    # (a draining worker is on its way out), recomputed as they come and go
+    keepers = len(live) - t.group.draining_count
+    cache_cap = c.hot_cache_budget // keepers if c.hot_cache_budget > 0 and keepers else 0
+    common = limits_for(c, admission_paused=paused, safe_zone_ratio=guard.safe_zone_ratio,
+                        min_chunk_tokens=guard.min_chunk_tokens, cache_cap=cache_cap,
+                        pool_max=guard.pool_max, others_cache=0)
+    if t.dc is not None and t.dc.ceiling > 0:  # D4: workers report device crossings at once
+        common = _device_watermarks(t, common, t.dc)
+    had, had_own = prev.limited, prev.reduced
+    total, own = _cache_reductions(t, level)
+    changed = common != prev.limits
+    pids, before = t.group.pids, prev.cache_kept
+    if not changed and pids == had and total == before and own == had_own:
+        return common, had, total, had_own
+    why = ("first limits" if prev.limits is None else "limits changed") if changed else ""
+    needing = live if changed else [  # the common limits changed: every worker needs them
+        w for w in live if had.get(w.worker) != w.pid
+        or total - own.get(w.worker, 0) != before - had_own.get(w.worker, 0)]
+    if not needing and len(had) == len(live) and total == before and own == had_own:
+        return common, had, total, had_own
+    by_key: dict[tuple[int, int], Limits] = {}
+    out = t.out
+    for w in needing:
+        cap, mine = w.concurrency or w.max_concurrency, own.get(w.worker, 0)
+        limits = by_key.get((cap, mine))
+        if limits is None:
+            limits = by_key[(cap, mine)] = _worker_limits(common, cap, total - mine)
+        out.append(ApplyLimits(worker=w.worker, model=w.model, limits=limits, reason=(
+            why or ("new worker" if had.get(w.worker) != w.pid else "other workers' prompt caches changed"))))
+    return common, pids, total, own
+
+
+def _cache_reductions(t: Tick, level: PressureLevel) -> tuple[int, dict[str, int]]:
+    """C12: (the caches' bytes, each worker's own): its limits subtract the difference.
+
+    When the caches leave no room under the ceiling for the group's next
+    step (ceiling - every cache <= usage), they give way (H3): at hard P5
+    shrinks them this tick; below hard the least recently used entries no
+    request uses are dropped now (`ShrinkHotCache`; the worker then
+    reports at once) until there is room. What is asked to go is not
+    subtracted, and a limit is never brought down to a meaningless value
+    (`worker_limit`).
+    """
+    c, group = t.c, t.group
+    used = group.hot_used
+    if used <= 0 or c.ceiling <= 0:
+        return 0, {}
+    own = {w.worker: w.memory.cache_bytes for w in group.cached}
+    if c.ceiling - used <= group.usage:
+        _give_way(t, own, level)
+        used = sum(own.values())
+    return used, own
+
+
+def _give_way(t: Tick, keeps: dict[str, int], level: PressureLevel) -> None:
+    """H3 for C12: lower `keeps` to the cache bytes each worker keeps once the caches make room."""
+    group = t.group
+    movable = [w for w in group.cached if w.memory.cache_releasable > 0 and w.state != "draining"]
+    if level == "hard":  # P5 shrinks toward soft this tick (H3)
+        for w in movable:
+            keeps[w.worker] -= min(w.memory.cache_releasable, keeps[w.worker])
+        return
+    # dropping x bytes lowers usage and the caches alike: room once x > (caches + usage - ceiling) / 2
+    need = (sum(keeps.values()) + group.usage - t.c.ceiling) // 2 + 1
+    why = ""
+    for w in sorted(movable, key=lru_key):
+        take = min(w.memory.cache_releasable, keeps[w.worker], need)
+        if take <= 0:
+            continue
+        keeps[w.worker] -= take
+        why = why or (f"the prompt caches ({format_size(group.hot_used)}) leave no room under the ceiling "
+                      f"({format_size(t.c.ceiling)}) for the next step")
+        t.out.append(ShrinkHotCache(
+            worker=w.worker, model=w.model, target_bytes=keeps[w.worker],
+            reason=f"{why}: drop {format_size(take)}"))
+        t.cache_dropped.add(w.worker)
+        t.cache_drop_bytes += take
+        need -= take
+        if need <= 0:
+            return
+
+
+def _worker_limits(common: Limits, cap: int, others: int) -> Limits:
+    """One worker's limits: the common ones, its concurrency cap, less `others` (C12)."""
+    if not others:
+        return msgspec.structs.replace(common, max_concurrency=cap)
+    return msgspec.structs.replace(common, max_concurrency=cap,
+                                   hard_limit=worker_limit(common.hard_limit, others),
+                                   abort_limit=worker_limit(common.abort_limit, others))
+
+
+def _device_watermarks(t: Tick, common: Limits, dc: DeviceCeilings) -> Limits:
+    """The device pool's watermarks in the workers' own measure (D1's fallback).
+
+    A worker can only sum MLX active + pool from the ledger; NVML also
+    counts each process's CUDA context (about half a GiB), which MLX does
+    not see. The watermarks go out lowered by that overhead, so a worker's
+    report comes at the crossing the enforcer will see, not half a GiB
+    late. Rounded down to DEVICE_OVERHEAD_STEP so the limits (and a
+    ApplyLimits to every worker) do not change with every tick's jitter.
+    """
+    mlx = sum(w.memory.mlx_active + w.memory.mlx_pool for w in t.group.live if w.device_bytes)
+    overhead = max(0, t.group.device_bytes - mlx) // DEVICE_OVERHEAD_STEP * DEVICE_OVERHEAD_STEP
+    return msgspec.structs.replace(common, device_soft=max(1, dc.soft - overhead),
+                                   device_hard=max(1, dc.hard - overhead))
