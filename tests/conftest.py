@@ -4,7 +4,7 @@ Tiny models are generated once per test session (seconds, no download) so
 every test that needs a real MLX model uses the same few files.
 
 The live front-door modules (a real supervisor and its HTTP server, see
-test_http_harness.py) share `server`, `token_server` and
+http_harness.py) share `server`, `token_server` and
 `no_front_door_errors` from here.
 """
 
@@ -93,7 +93,7 @@ def runtime_dir(tmp_path_factory) -> Path:
 
 
 # ---------------------------------------------------------------------------
-# live front door (test_http_harness.LiveServer)
+# live front door (http_harness.LiveServer)
 
 
 @pytest.fixture
@@ -102,7 +102,7 @@ def no_front_door_errors(caplog):
 
     A live front-door module takes it for all its tests:
     `pytestmark = pytest.mark.usefixtures("no_front_door_errors")`."""
-    from test_http_harness import front_door_errors
+    from tests.http_harness import front_door_errors
 
     yield
     assert front_door_errors(caplog.get_records("call")) == []
@@ -114,9 +114,8 @@ def server(tiny_models, tmp_path_factory):
 
     A module that needs other models or settings defines its own `server`
     fixture, which pytest uses there instead of this one."""
-    from test_http_harness import LiveServer, make_config
-
     from supervisor.config import ModelConfig
+    from tests.http_harness import LiveServer, make_config
 
     models = [ModelConfig(id="a", path=str(tiny_models.a))]
     with LiveServer(make_config(models), tmp_path_factory.mktemp("rt")) as live:
@@ -125,8 +124,8 @@ def server(tiny_models, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def token_server(tmp_path_factory):
-    """A real supervisor with no models whose admin routes need test_http_harness.ADMIN_TOKEN."""
-    from test_http_harness import ADMIN_TOKEN, LiveServer, make_config
+    """A real supervisor with no models whose admin routes need http_harness.ADMIN_TOKEN."""
+    from tests.http_harness import ADMIN_TOKEN, LiveServer, make_config
 
     with LiveServer(make_config([], admin_token=ADMIN_TOKEN), tmp_path_factory.mktemp("rt")) as live:
         yield live

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from records import record
 
 from shared.host import HostCounters
 from shared.sizes import GiB, MiB
 from supervisor.policy.admission import INSUFFICIENT_MEMORY, MODEL_TOO_LARGE, admit_load, evict_for_prefill
 from supervisor.policy.snapshot import GuardSettings, Snapshot, WorkerRecord
+from tests.records import record
 
 GUARD = GuardSettings(tier="custom", custom_ceiling=10 * GiB, soft_threshold=0.8, hard_threshold=0.9)
 HOST = HostCounters(total=64 * GiB)

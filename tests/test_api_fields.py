@@ -385,10 +385,9 @@ def test_per_request_keep_alive_reaches_the_supervisor():
 def test_a3_507_from_real_admission_reaches_the_anthropic_and_responses_sdks(tmp_path):
     """SPEC A3 on a real supervisor (no worker is spawned: the model is refused from its
     safetensors header): each SDK raises for the 507 and the message names what binds."""
-    from test_http_frontdoor import fake_huge_model
-    from test_http_harness import LiveServer, make_config
-
     from shared.sizes import GiB
+    from tests.http_harness import LiveServer, make_config
+    from tests.test_http_frontdoor import fake_huge_model
 
     models = [ModelConfig(id="huge", path=str(fake_huge_model(tmp_path / "huge", 1024 * GiB)))]
     with LiveServer(make_config(models, api_keys=["k1"]), tmp_path / "rt") as live:

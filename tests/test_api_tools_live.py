@@ -12,7 +12,8 @@ import json
 import jsonschema
 import openai
 import pytest
-from test_http_harness import until
+
+from tests.http_harness import until
 
 # `server` (the tiny model as "a") and no_front_door_errors are conftest.py's
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_front_door_errors")]

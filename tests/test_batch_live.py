@@ -7,9 +7,9 @@ import asyncio
 
 import msgspec
 import pytest
-from test_http_harness import LiveServer, make_config, metric, parse_sse, until
 
 from supervisor.config import ModelConfig
+from tests.http_harness import LiveServer, make_config, metric, parse_sse, until
 
 pytestmark = pytest.mark.slow
 

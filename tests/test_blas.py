@@ -105,7 +105,7 @@ def test_probe_names_the_blas_workers_get():
 @pytest.mark.slow
 @linux_only
 def test_worker_hello_names_openblas_and_the_worker_maps_it(tiny_model, tmp_path):
-    from test_worker_process import FakeSupervisor
+    from tests.worker_harness import FakeSupervisor
 
     with FakeSupervisor(tmp_path, tiny_model, "w#blas") as sup:
         hello = sup.recv(p.Hello)

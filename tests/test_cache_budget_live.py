@@ -14,10 +14,10 @@ estimate another change is fixing.
 from __future__ import annotations
 
 import pytest
-from test_http_harness import LiveServer, make_config
 
 from shared.sizes import MiB
 from supervisor.config import GuardConfig, ModelConfig
+from tests.http_harness import LiveServer, make_config
 
 pytestmark = pytest.mark.slow
 

@@ -8,11 +8,11 @@ import subprocess
 import sys
 
 import msgspec
-from test_supervisor_live import Running, make_config
 
 from shared import protocol as p
 from supervisor.config import ModelConfig
 from supervisor.control import MAX_CONTEXT_TOKENS, handle_control
+from tests.arbiter_harness import Running, make_config
 
 ENV = {**os.environ, "PYTHONPATH": os.getcwd()}
 

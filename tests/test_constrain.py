@@ -226,7 +226,7 @@ def test_a_refused_token_is_flagged_not_raised(loaded):
 
 @pytest.mark.slow
 def test_a_worker_process_enforces_a_wire_constraint_and_refuses_a_bad_one(tiny_model, tmp_path):
-    from test_worker_process import FakeSupervisor
+    from tests.worker_harness import FakeSupervisor
 
     with FakeSupervisor(tmp_path, tiny_model, "w#c") as sup:
         sup.recv(p.Loaded)

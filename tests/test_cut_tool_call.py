@@ -15,9 +15,9 @@ import asyncio
 import json
 
 import pytest
-from test_api_fields import MSG, StubSupervisor, serving
 
 from shared import protocol as p
+from tests.test_api_fields import MSG, StubSupervisor, serving
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]

@@ -16,13 +16,13 @@ import asyncio
 import time
 
 import pytest
-from test_supervisor_live import Running, make_config
 
 from shared import protocol as p
 from shared.sizes import GiB, MiB
 from supervisor.config import GuardConfig, ModelConfig
 from supervisor.errors import LoadError
 from supervisor.policy import decisions as d
+from tests.arbiter_harness import Running, make_config
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,6 @@ from types import SimpleNamespace
 
 import msgspec
 import pytest
-from test_probe_nvml import fake_pynvml, proc
 
 from shared import probe
 from shared import protocol as p
@@ -32,6 +31,7 @@ from supervisor.policy.device import compute_device_ceilings, device_remedy
 from supervisor.policy.pressure import tick
 from supervisor.policy.snapshot import GuardSettings, Snapshot, WorkerRecord
 from supervisor.policy.status import GuardStatus, ModelInfo, ServerStatus, build_status, device_pool
+from tests.test_probe_nvml import fake_pynvml, proc
 
 DEVICE = 24 * GiB
 RESERVE = int(0.05 * DEVICE)  # D2 balanced: clamp(5 % of 24 GiB, 512 MiB, 4 GiB)

@@ -8,7 +8,6 @@ The machine: 64 GiB of host RAM on the custom tier with a 10 GiB host ceiling
 from __future__ import annotations
 
 import msgspec
-from records import record
 
 from shared.host import HostCounters
 from shared.sizes import GiB
@@ -16,6 +15,7 @@ from supervisor.policy import decisions as d
 from supervisor.policy.admission import admit
 from supervisor.policy.pressure import tick
 from supervisor.policy.snapshot import GuardSettings, Snapshot, WorkerRecord
+from tests.records import record
 
 GUARD = GuardSettings(tier="custom", custom_ceiling=10 * GiB, custom_device_ceiling=20 * GiB,
                       soft_threshold=0.8, hard_threshold=0.9)

@@ -14,14 +14,14 @@ import mlx.core as mx
 import msgspec
 import pytest
 from mlx_lm.models.cache import KVCache
-from test_engine import _engine as engine_for
-from test_engine import drive
 
 from shared.limits import Limits
 from shared.protocol import DISK_CACHE_AUTO, CacheReport, DiskCacheStats, Finished
 from shared.sizes import GiB
 from supervisor.cache_tiers import CacheBook
 from supervisor.config import GuardConfig, parse_config
+from tests.test_engine import _engine as engine_for
+from tests.test_engine import drive
 from worker import disk_cache, kv_files
 from worker import prompt_cache as pc
 from worker.disk_cache import DiskTier, model_identity
@@ -375,13 +375,12 @@ def test_h5_the_book_keeps_an_unloaded_models_bytes_and_adds_up_every_workers_co
 
 
 def test_h5_status_and_ps_show_the_disk_tier_also_for_an_unloaded_model():
-    from test_prompt_cache_budget import GUARD, HOST, worker
-
     from supervisor.cli.ps import table
     from supervisor.cli.status import render
     from supervisor.policy.pressure import tick
     from supervisor.policy.snapshot import Snapshot
     from supervisor.policy.status import DiskCacheStatus, ModelInfo, ServerStatus, build_status
+    from tests.test_prompt_cache_budget import GUARD, HOST, worker
 
     s = Snapshot(now=1.0, guard=GUARD, host=HOST, workers=[worker("a", 100 * 1024 ** 2)])
     models = [ModelInfo(id="m-a", path="/m", pinned=False, state="ready", worker="a", disk_cache_bytes=3 * 1024 ** 2),

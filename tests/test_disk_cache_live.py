@@ -14,10 +14,10 @@ import signal
 import time
 
 import pytest
-from test_http_harness import LiveServer, make_config, metric, until
 
 from shared.sizes import MiB
 from supervisor.config import GuardConfig, ModelConfig
+from tests.http_harness import LiveServer, make_config, metric, until
 from worker import kv_files
 
 pytestmark = pytest.mark.slow

@@ -20,10 +20,10 @@ import numpy as np
 import ollama
 import openai
 import pytest
-from test_http_harness import LiveServer, make_config, until
 
 from supervisor.config import ModelConfig
 from tests.bert_reference import NumpyBert, cosine
+from tests.http_harness import LiveServer, make_config, until
 
 
 def _minilm() -> Path | None:
@@ -295,9 +295,8 @@ def test_a_real_embedding_worker_embeds_and_refuses_generation_itself(tiny_embed
     """The Embed / Embedded pair from both ends: the worker's vectors, decoded as the front door
     decodes them, equal the numpy reference; a Generate the supervisor let through (its
     files unread after a reload) is still the worker's own `wrong_model_kind`."""
-    from test_worker_process import FakeSupervisor
-
     from shared import protocol as p
+    from tests.worker_harness import FakeSupervisor
 
     with FakeSupervisor(tmp_path, tiny_embedder, "e#1") as sup:
         loaded = sup.recv(p.Loaded)
@@ -317,9 +316,8 @@ def test_a_real_embedding_worker_embeds_and_refuses_generation_itself(tiny_embed
 
 
 def test_a_real_chat_worker_answers_an_embed_with_wrong_model_kind(tiny_model, tmp_path):
-    from test_worker_process import FakeSupervisor
-
     from shared import protocol as p
+    from tests.worker_harness import FakeSupervisor
 
     with FakeSupervisor(tmp_path, tiny_model, "c#1") as sup:
         sup.recv(p.Loaded)
@@ -334,11 +332,10 @@ def test_g1_an_embedding_worker_asks_for_room_beside_other_models_then_refuses(t
     """G1's contract from the worker's end: with other models' usage in the ledger the
     batch does not fit, so the worker asks for `need_bytes` (the shortfall); told nothing
     could be evicted, it refuses with `prefill_memory_exceeded` naming the limit."""
-    from test_worker_process import FakeSupervisor
-
     from shared import protocol as p
     from shared.limits import Limits
     from shared.sizes import GiB
+    from tests.worker_harness import FakeSupervisor
 
     with FakeSupervisor(tmp_path, tiny_embedder, "e#2") as sup:
         sup.recv(p.Loaded)

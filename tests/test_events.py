@@ -13,12 +13,12 @@ import json
 
 import msgspec
 import pytest
-from test_http_harness import ADMIN_TOKEN, LiveServer, make_config, non_loopback_address
 
 from shared import protocol as p
 from shared.memory import MemoryReading
 from supervisor import fanout
 from supervisor.fanout import Hub
+from tests.http_harness import ADMIN_TOKEN, LiveServer, make_config, non_loopback_address
 
 pytestmark = pytest.mark.usefixtures("no_front_door_errors")
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_gguf import write_gguf
 
 from shared import fim
 from shared.sizes import MiB
 from supervisor.http.modelfacts import gguf_facts, read_facts
+from tests.test_gguf import write_gguf
 from worker import prompts
 from worker.request import EngineError
 

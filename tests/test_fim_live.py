@@ -9,7 +9,8 @@ from __future__ import annotations
 import ollama
 import openai
 import pytest
-from test_gguf import write_gguf
+
+from tests.test_gguf import write_gguf
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_front_door_errors")]
 
@@ -18,9 +19,8 @@ PREFIX, SUFFIX = "def add(a, b):\n    ", "\n    return c\n"
 
 @pytest.fixture(scope="module")
 def server(fim_model, tiny_models, tmp_path_factory):
-    from test_http_harness import LiveServer, make_config
-
     from supervisor.config import ModelConfig
+    from tests.http_harness import LiveServer, make_config
 
     gguf = tmp_path_factory.mktemp("gguf") / "fim.gguf"
     write_gguf(fim_model, gguf)

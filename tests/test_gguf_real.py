@@ -15,9 +15,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from test_http_harness import LiveServer, make_config, until
 
 from supervisor.config import ModelConfig
+from tests.http_harness import LiveServer, make_config, until
 
 pytestmark = pytest.mark.slow
 

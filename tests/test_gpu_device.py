@@ -12,11 +12,11 @@ import asyncio
 import time
 
 import pytest
-from test_supervisor_live import Running, make_config
 
 from shared import probe
 from shared.probe import nvml
 from supervisor.config import ModelConfig
+from tests.arbiter_harness import Running, make_config
 
 pytestmark = [
     pytest.mark.slow,

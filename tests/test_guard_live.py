@@ -8,13 +8,13 @@ import asyncio
 import time
 
 import pytest
-from test_supervisor_live import Running, collect, make_config
 
 from shared import probe
 from shared import protocol as p
 from shared.probe import nvml
 from shared.sizes import GiB
 from supervisor.config import GuardConfig, ModelConfig
+from tests.arbiter_harness import Running, collect, make_config
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,6 @@ import threading
 import time
 from pathlib import Path
 
-import model_files
 import pytest
 
 from shared.gguf import GGUFError, read_header
@@ -24,6 +23,7 @@ from shared.modelinfo import context_length
 from shared.weights import WeightsError, estimate_weight_bytes, kv_bytes_per_token, tensor_bytes
 from supervisor.config import Config, SupervisorConfig
 from supervisor.discovery import with_discovered
+from tests import model_files
 
 
 def within(seconds: float, fn, *args):

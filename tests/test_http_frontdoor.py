@@ -14,10 +14,10 @@ import json
 from pathlib import Path
 
 import pytest
-from test_http_harness import ADMIN_TOKEN, LiveServer, make_config, metric, non_loopback_address
 
 from shared.sizes import GiB
 from supervisor.config import ModelConfig
+from tests.http_harness import ADMIN_TOKEN, LiveServer, make_config, metric, non_loopback_address
 
 pytestmark = pytest.mark.usefixtures("no_front_door_errors")
 

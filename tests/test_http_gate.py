@@ -12,11 +12,11 @@ browser itself does with the answers is the CORS spec's part.
 from __future__ import annotations
 
 import pytest
-from test_http_frontdoor import assert_openai_error, fake_huge_model
-from test_http_harness import ADMIN_TOKEN, LiveServer, make_config
 
 from shared.sizes import GiB
 from supervisor.config import ConfigError, ModelConfig, load_config
+from tests.http_harness import ADMIN_TOKEN, LiveServer, make_config
+from tests.test_http_frontdoor import assert_openai_error, fake_huge_model
 
 pytestmark = pytest.mark.usefixtures("no_front_door_errors")
 

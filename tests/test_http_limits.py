@@ -17,11 +17,11 @@ import resource
 import time
 
 import pytest
-from test_http_frontdoor import fake_huge_model
-from test_http_harness import LiveServer, make_config
 
 from shared.sizes import GiB
 from supervisor.config import ModelConfig
+from tests.http_harness import LiveServer, make_config
+from tests.test_http_frontdoor import fake_huge_model
 
 pytestmark = pytest.mark.usefixtures("no_front_door_errors")
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import openai
 import pytest
-from test_http_harness import LiveServer, make_config, metric, parse_sse, until
 
 from shared import protocol as p
 from supervisor.config import ModelConfig
+from tests.http_harness import LiveServer, make_config, metric, parse_sse, until
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_front_door_errors")]
 

@@ -11,13 +11,13 @@ import time
 
 import msgspec
 import pytest
-from test_http_harness import until
-from test_supervisor_live import Running, collect, make_config
 
 from shared import protocol as p
 from supervisor.arbiter import Arbiter
 from supervisor.config import Config, ModelConfig, load_config
 from supervisor.errors import LoadError, ServeError
+from tests.arbiter_harness import Running, collect, make_config
+from tests.http_harness import until
 
 pytestmark = pytest.mark.slow
 

@@ -19,17 +19,17 @@ import shutil
 import struct
 from pathlib import Path
 
-import model_files
 import pytest
-from test_http_harness import LiveServer
-from test_http_harness import make_config as http_config
-from test_supervisor_live import Running, make_config
 
 from supervisor.arbiter import Arbiter
 from supervisor.config import Config, ModelConfig, SupervisorConfig
 from supervisor.control import MAX_CONTEXT_TOKENS
 from supervisor.discovery import with_discovered
 from supervisor.errors import LoadError
+from tests import model_files
+from tests.arbiter_harness import Running, make_config
+from tests.http_harness import LiveServer
+from tests.http_harness import make_config as http_config
 
 pytestmark = pytest.mark.slow
 

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from test_http_harness import until
-from test_supervisor_live import Running, collect, make_config
 
 from shared import probe
 from shared import protocol as p
 from supervisor.config import Config, ModelConfig, load_config
 from supervisor.discovery import with_discovered
 from supervisor.errors import LoadError, ServeError
+from tests.arbiter_harness import Running, collect, make_config
+from tests.http_harness import until
 
 pytestmark = pytest.mark.slow
 
@@ -219,7 +219,7 @@ def test_reload_over_the_control_socket_answers_with_the_changes(tiny_models, ru
 
 def test_http_dry_run_and_model_cards(tiny_models, runtime_dir):
     """`POST /v1/models/{id}/load?dry_run=true` spawns nothing; the cards carry the `ps` fields."""
-    from test_http_harness import LiveServer
+    from tests.http_harness import LiveServer
 
     with LiveServer(make_config(_models(tiny_models)), runtime_dir) as server:
         async def main():

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from records import record
 
 from shared.host import HostCounters
 from shared.sizes import GiB
 from supervisor.policy import decisions as d
 from supervisor.policy.pressure import DESTRUCTIVE, tick
 from supervisor.policy.snapshot import GuardSettings, PolicyState, Snapshot, WorkerRecord
+from tests.records import record
 
 CEIL = 10 * GiB
 GUARD = GuardSettings(tier="custom", custom_ceiling=CEIL, soft_threshold=0.8, hard_threshold=0.9)

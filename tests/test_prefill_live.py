@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_http_harness import LiveServer, make_config, until
 
 from shared.sizes import MiB
 from supervisor.config import GuardConfig, ModelConfig
+from tests.http_harness import LiveServer, make_config, until
 from worker import prefill_cost
 from worker.prefill_guard import estimate_prefill_peak
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
-from test_engine import Run, drive
-from test_engine import _engine as engine_for
 
 from shared.limits import Limits
 from shared.protocol import ChatMessage, Finished, Generate, NeedMemory
 from shared.sizes import GiB, MiB
+from tests.test_engine import Run, drive
+from tests.test_engine import _engine as engine_for
 from worker.engine import Engine
 from worker.prefill_guard import admission_peak
 from worker.prompt_cache import PromptCache

@@ -8,15 +8,15 @@ import asyncio
 import time
 
 import pytest
-from test_http_harness import LiveServer, metric, until
-from test_http_harness import make_config as harness_config
-from test_supervisor_live import Running, collect
-from test_worker_process import FakeSupervisor
 
 from shared import protocol as p
 from shared.limits import Limits
 from shared.sizes import GiB, MiB
 from supervisor.config import GuardConfig, ModelConfig
+from tests.arbiter_harness import Running, collect
+from tests.http_harness import LiveServer, metric, until
+from tests.http_harness import make_config as harness_config
+from tests.worker_harness import FakeSupervisor
 
 pytestmark = pytest.mark.slow
 

@@ -107,9 +107,9 @@ def test_quantized_model_serves_token_identical_to_mlx_lm_and_status_matches_est
     """Through a real supervisor and worker: greedy output equals mlx_lm in-process; the worker's
     reported weights are the A2 estimate and its measured MLX bytes cover them."""
     import mlx_lm
-    from test_http_harness import LiveServer, make_config, until
 
     from supervisor.config import ModelConfig
+    from tests.http_harness import LiveServer, make_config, until
 
     path = quantized[4]
     model, tokenizer = mlx_lm.load(str(path))

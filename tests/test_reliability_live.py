@@ -15,12 +15,12 @@ import signal
 import time
 
 import pytest
-from test_http_harness import until
-from test_supervisor_live import Running, collect, make_config
 
 from shared import protocol as p
 from supervisor.config import ModelConfig
 from supervisor.errors import LoadError, ServeError
+from tests.arbiter_harness import Running, collect, make_config
+from tests.http_harness import until
 from worker.main import STEP_DELAY_ENV
 
 pytestmark = pytest.mark.slow

@@ -20,9 +20,9 @@ import time
 
 import openai
 import pytest
-from test_http_harness import LiveServer, make_config, metric
 
 from supervisor.config import ModelConfig
+from tests.http_harness import LiveServer, make_config, metric
 from worker.main import LOAD_DELAY_ENV, STEP_DELAY_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_front_door_errors")]

@@ -13,8 +13,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from test_http_frontdoor import fake_huge_model
-from test_http_harness import LiveServer, make_config
 
 from shared.sizes import GiB, MiB
 from supervisor.config import ConfigError, ModelConfig, parse_config
@@ -29,6 +27,8 @@ from supervisor.readiness import (
     share,
 )
 from supervisor.views import ModelView, WorkerView
+from tests.http_harness import LiveServer, make_config
+from tests.test_http_frontdoor import fake_huge_model
 
 pytestmark = pytest.mark.usefixtures("no_front_door_errors")
 

@@ -18,57 +18,21 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
-from test_http_harness import make_config as harness_config
-from test_http_harness import until
 
 from shared import protocol as p
 from supervisor.arbiter import Arbiter
 from supervisor.bus import Endpoints
-from supervisor.config import Config, ModelConfig
+from supervisor.config import ModelConfig
 from supervisor.errors import LoadError
 from supervisor.policy.decisions import Stop
 from supervisor.policy.snapshot import Snapshot
 from supervisor.policy.status import ServerStatus
+from tests.arbiter_harness import Running, collect, make_config
+from tests.http_harness import until
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def make_config(models, **sup) -> Config:
-    """The front door tests' config, with quicker heartbeats (wedges are tested here)."""
-    sup.setdefault("heartbeat_interval", 0.2)
-    sup.setdefault("heartbeat_timeout", 2.0)
-    return harness_config(models, **sup)
-
-
-class Running:
-    """An Arbiter running as a task of the test's loop."""
-
-    def __init__(self, config: Config, runtime_dir: Path) -> None:
-        self.arbiter = Arbiter(config, runtime_dir, max_workers=8, http=False)
-
-    async def __aenter__(self) -> Arbiter:
-        self.task = asyncio.get_running_loop().create_task(self.arbiter.run())
-        for _ in range(200):
-            if self.arbiter.running:
-                return self.arbiter
-            await asyncio.sleep(0.01)
-        raise RuntimeError("arbiter did not start")
-
-    async def __aexit__(self, *exc) -> None:
-        self.arbiter.stop()
-        await asyncio.wait_for(self.task, 30)
-
-
-async def collect(stream) -> tuple[str, object]:
-    text = []
-    while True:
-        msg = await asyncio.wait_for(stream.queue.get(), 60)
-        if isinstance(msg, p.TokenOut):
-            text.append(msg.text)
-        else:
-            return "".join(text), msg
 
 
 def test_spawn_load_generate_and_unload(tiny_models, runtime_dir):

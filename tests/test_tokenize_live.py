@@ -16,10 +16,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_front_door_errors")]
 
 @pytest.fixture(scope="module")
 def server(tiny_models, tmp_path_factory):
-    from test_http_harness import LiveServer, make_config
-
     from modelfiles.embedgen import make_embedding_model
     from supervisor.config import ModelConfig
+    from tests.http_harness import LiveServer, make_config
 
     embedder = tmp_path_factory.mktemp("models") / "tiny-embed"
     make_embedding_model(embedder)
