@@ -13,6 +13,8 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -22,6 +24,8 @@ import pytest
 from shared.probe import blas as found
 from shared.sizes import MiB
 from worker import blas
+
+REPO = Path(__file__).resolve().parent.parent
 
 # issue 22: the tests that run MLX in this process get the workers' OpenBLAS too; it must be
 # opened before any test module imports mlx.core (MEMVISOR_BLAS=stock keeps MLX's own).
@@ -76,6 +80,19 @@ def tiny_models(tmp_path_factory) -> TinyModels:
 def tiny_model(tiny_models) -> Path:
     """The one model most tests need."""
     return tiny_models.a
+
+
+@pytest.fixture(scope="session")
+def quantized(tmp_path_factory) -> dict[int, Path]:
+    """4- and 8-bit quantized tiny models, built by the script in a child process: training the
+    tokenizer in this process after a live supervisor ran here can deadlock (a leaked ZeroMQ
+    context finalized on a tokenizers thread)."""
+    root = tmp_path_factory.mktemp("quantized")
+    for bits in (4, 8):
+        subprocess.run([sys.executable, str(REPO / "scripts" / "make_model.py"), str(root / f"q{bits}"),
+                        "--size", "4MiB", "--seed", "5", "--quantize", str(bits), "--quiet"],
+                       check=True, capture_output=True)
+    return {bits: root / f"q{bits}" for bits in (4, 8)}
 
 
 @pytest.fixture(scope="module")

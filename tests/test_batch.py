@@ -258,7 +258,7 @@ def test_h3_pinned_bytes_kept_up_to_date_equal_the_sum_over_pinned_entries():
     """Issue 11 reads `releasable` once a decode step, so it is kept, not summed; it must not drift."""
     import random
 
-    from tests.test_prompt_cache import kv
+    from tests.test_h_prompt_cache import kv
     from worker.prompt_cache import PromptCache
 
     rng = random.Random(3)

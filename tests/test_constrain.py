@@ -224,30 +224,6 @@ def test_a_refused_token_is_flagged_not_raised(loaded):
     assert "broke the output constraint" in constraint.error and not constraint.done
 
 
-@pytest.mark.slow
-def test_a_worker_process_enforces_a_wire_constraint_and_refuses_a_bad_one(tiny_model, tmp_path):
-    from tests.worker_harness import FakeSupervisor
-
-    with FakeSupervisor(tmp_path, tiny_model, "w#c") as sup:
-        sup.recv(p.Loaded)
-        sup.send(Generate(request_id="bad", prompt="hi", max_tokens=8,
-                          constraint=p.JsonSchema(schema='{"type": "strnig"}')))
-        failed = sup.recv(Failed)
-        assert (failed.request_id, failed.code) == ("bad", "invalid_constraint") and "strnig" in failed.message
-        sup.send(Generate(request_id="call", prompt="hi", max_tokens=96, temperature=1.0, seed=7,
-                          constraint=p.ToolCallConstraint(functions=TOOLS, mode="named", name="get_weather")))
-        text = []
-        while True:
-            msg = sup.recv((TokenOut, Finished, Failed))
-            if not isinstance(msg, TokenOut):
-                break
-            text.append(msg.text)
-        assert isinstance(msg, Finished)
-        (call,) = json.loads("".join(text))
-        jsonschema.validate(call["arguments"], WEATHER)
-        assert sup.proc.is_alive()
-
-
 def test_a_one_token_budget_ends_with_length_and_a_valid_prefix(loaded):
     engine = _engine(loaded)
     engine.submit("one", _prompts(engine, 1)[0], max_tokens=1, constraint=p.JsonObject())

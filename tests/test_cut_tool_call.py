@@ -6,7 +6,7 @@ partial JSON as text; the calls completed before the cut are returned.
 
 The worker's output is given exactly (the real front door over HTTP, the SDKs as clients,
 a stub supervisor that feeds a real RequestStream as the pool does), so each cut lands
-where the test says; tests/test_llamacpp_findings_live.py cuts a real worker's reply.
+where the test says; tests/live/test_api_llamacpp_findings_live.py cuts a real worker's reply.
 """
 
 from __future__ import annotations

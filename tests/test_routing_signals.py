@@ -5,7 +5,7 @@ What a router reads: `GET /health?model=ID` (a status a request would get, with
 Retry-After), the `readiness` of each `/v1/models` card, `X-Memvisor-Host` on every
 response, and a machine-readable `code` in every refusal body, in every API's shape.
 The live end (429, a load's 503 with progress, a SIGSTOPped worker) is
-test_routing_live.py; a real router in front of several hosts is test_fleet_live.py.
+live/test_fleet_routing_live.py; a real router in front of several hosts is live/test_fleet_litellm_live.py.
 """
 
 from __future__ import annotations

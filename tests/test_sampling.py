@@ -2,7 +2,7 @@
 
 Logits here are made up so each option's effect is certain (which token wins
 by how much); tests/test_sampling_engine.py checks the same options on a real
-model, batched, and tests/test_sampling_live.py through the APIs.
+model, batched, and tests/live/test_sampling_live.py through the APIs.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HEADLINE = re.compile(r"chaos: (\d+) requests, (\d+) hung, (\d+) false kills, (\d+) 5xx, (\d+) orphans, "
                       r"(\d+) changed from a foreign origin")
 

@@ -25,7 +25,7 @@ from tests.http_harness import until
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def test_dry_runs_agree_with_the_real_load_decisions(tiny_models, medium_model, 
             await arb.models.load("b")
             if any(probe.gpu_kind(h.device_info) == "cuda" for h in arb.pool.handles.values()):
                 pytest.skip("a host-RAM scenario: on a CUDA device loads count against the device pool "
-                            "(D5; tests/test_device_live.py and tests/test_device_tick.py)")
+                            "(D5; tests/live/test_d_device_live.py and tests/test_d_device_tick.py)")
             await until(lambda: arb.service.model_info("a").usage > 0 and arb.service.model_info("b").usage > 0, what="samples")
             await asyncio.sleep(0.5)  # both past their first allocations
             arb.enforcer.tick(time.monotonic())

@@ -2,7 +2,7 @@
 
 Marked `gpu` and skipped without an NVIDIA device NVML can read (CI has
 none): `scripts/h200_run.sh tests` runs them on a lent H200. Everything else
-about the device pool runs here on the CPU (`test_device_live.py` with a
+about the device pool runs here on the CPU (`test_d_device_live.py` with a
 CUDA-shaped hello, the table tests).
 """
 

@@ -19,7 +19,7 @@ import pytest
 from shared import protocol as p
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NOFILE = 160
 
 

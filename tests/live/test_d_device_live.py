@@ -18,6 +18,7 @@ import time
 import pytest
 
 from shared import protocol as p
+from shared.probe import nvml
 from shared.sizes import GiB, MiB
 from supervisor.config import GuardConfig, ModelConfig
 from supervisor.errors import LoadError
@@ -101,5 +102,31 @@ def test_d5_a_load_refused_by_the_device_pool_names_it(tiny_models, runtime_dir)
                 await arb.models.load("b")
             assert refused.value.http_status == 507
             assert "device" in str(refused.value) and refused.value.code in ("insufficient_memory", "model_too_large")
+
+    asyncio.run(main())
+
+
+def test_cuda_device_memory_is_reported_not_folded_into_the_host_ceiling(tiny_models, runtime_dir, monkeypatch):
+    """A 24 GiB GPU on a bigger host made a 24 GiB host ceiling. The worker's
+    hello is replaced by what MLX's CUDA backend reports, and NVML is made
+    unreadable so the hello is the reading (D1's fallback; on a real GPU NVML
+    would give the real device instead)."""
+    monkeypatch.setattr(nvml, "read_device", lambda *a, **k: None)
+    config = make_config([ModelConfig(id="a", path=str(tiny_models.a))],
+                         guard=GuardConfig(tier="custom", custom_ceiling=0))
+
+    async def main():
+        async with Running(config, runtime_dir) as arb:
+            handle = await arb.models.load("a")
+            arb.pool.set_device_info(handle, {"device_name": "NVIDIA H200", "architecture": "sm_90",
+                                              "total_memory": 1 * GiB})
+            snap = arb.enforcer.snapshot(time.monotonic())
+            assert snap.gpu_cap_raw == 0 and snap.device_total == 1 * GiB
+            arb.enforcer.tick(time.monotonic())
+            status = arb.enforcer.status()
+            assert status.binding == "static" and status.gpu_cap == 0
+            assert status.ceiling > 1 * GiB
+            assert status.device is not None and status.device.total == 1 * GiB  # D6: its own pool
+            assert status.device.name == "NVIDIA H200"
 
     asyncio.run(main())

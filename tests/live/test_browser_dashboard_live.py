@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HEADROOM = 256 * MiB      # custom ceiling = group usage + this
 DRILL_RATE = "64MiB/s"    # a few seconds of climb: the chart shows the rise, not a step
 

@@ -380,7 +380,7 @@ def test_h5_status_and_ps_show_the_disk_tier_also_for_an_unloaded_model():
     from supervisor.policy.pressure import tick
     from supervisor.policy.snapshot import Snapshot
     from supervisor.policy.status import DiskCacheStatus, ModelInfo, ServerStatus, build_status
-    from tests.test_prompt_cache_budget import GUARD, HOST, worker
+    from tests.test_h_prompt_cache_budget import GUARD, HOST, worker
 
     s = Snapshot(now=1.0, guard=GUARD, host=HOST, workers=[worker("a", 100 * 1024 ** 2)])
     models = [ModelInfo(id="m-a", path="/m", pinned=False, state="ready", worker="a", disk_cache_bytes=3 * 1024 ** 2),

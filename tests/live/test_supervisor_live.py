@@ -32,7 +32,7 @@ from tests.http_harness import until
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_spawn_load_generate_and_unload(tiny_models, runtime_dir):
