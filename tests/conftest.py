@@ -1,4 +1,4 @@
-"""Shared fixtures.
+"""Shared fixtures, for tests/ and tests/live/ alike (tests/README.md).
 
 Tiny models are generated once per test session (seconds, no download) so
 every test that needs a real MLX model uses the same few files.
@@ -27,7 +27,7 @@ from worker import blas
 
 REPO = Path(__file__).resolve().parent.parent
 
-# issue 22: the tests that run MLX in this process get the workers' OpenBLAS too; it must be
+# The tests that run MLX in this process get the workers' OpenBLAS too (or they crawl); it must be
 # opened before any test module imports mlx.core (MEMVISOR_BLAS=stock keeps MLX's own).
 blas.preload()
 USER_BLAS_COPY = found.cache_dir()  # made once (just now, if need be), under the user's MEMVISOR_CACHE
@@ -150,7 +150,7 @@ def token_server(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def fim_model(tmp_path_factory) -> Path:
-    """Issue 23: a tiny model whose tokenizer has StarCoder's fill-in-the-middle tokens."""
+    """A tiny model whose tokenizer has StarCoder's fill-in-the-middle tokens."""
     from modelfiles.modelgen import FIM_TOKENS, make_model
 
     path = tmp_path_factory.mktemp("models") / "tiny-fim"

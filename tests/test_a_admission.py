@@ -103,7 +103,7 @@ def test_a2_draining_workers_count_as_gone_and_are_waited_for():
 def test_g1_need_bytes_is_the_shortfall_and_victims_cover_it():
     """G1: `need_bytes` is usage + peak - hard limit. Read as the whole extra
     (usage + need <= limit), a 1.14 GiB shortfall on a 10 GiB ceiling with the
-    group at 4 GiB evicted nothing and the retry was rejected (issue 9)."""
+    group at 4 GiB evicted nothing and the retry was rejected."""
     s = snap(w("me", 1.0, state="busy", running=1), w("old", 3.0, last_access=1))
     assert evict_for_prefill(s, "me", int(1.14 * GiB)) == ["old"]
 

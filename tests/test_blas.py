@@ -1,4 +1,4 @@
-"""Issue 22: Linux CPU workers compute with OpenBLAS, not MLX's bundled reference BLAS.
+"""Linux CPU workers compute with OpenBLAS, not MLX's bundled reference BLAS.
 
 MLX's Linux CPU wheel links netlib's libblas (~2 GFLOP/s float32 matmul);
 worker.blas opens OpenBLAS (scipy-openblas32 with its names renamed, or the

@@ -190,7 +190,7 @@ def test_c11_watermarks():
 
 
 def test_c12_empty_cache_reserves_nothing():
-    """Issue 21: the seed's rule reserved cache used + 512 MiB, so an empty cache
+    """The seed's rule reserved cache used + 512 MiB, so an empty cache
     took 512 MiB off every worker's limits (1 byte under a 511 MiB ceiling)."""
     empty = ceil("custom", custom_ceiling=511 * MiB, hot_cache_max=GiB, hot_cache_used=0)
     assert empty.hot_cache_reserved == 0
@@ -206,7 +206,7 @@ def test_c12_reservation_is_the_bytes_the_caches_hold():
 
 
 def test_h2_budget_in_force_is_bounded_by_a_quarter_of_soft():
-    """Issue 21: the default 1 GiB budget under a 511 MiB ceiling; 2026-12-01 H2."""
+    """The default 1 GiB budget under a 511 MiB ceiling took every limit to 1 byte; H2 as of 2026-12-01."""
     small = ceil("custom", custom_ceiling=511 * MiB, hot_cache_max=GiB)
     assert small.hot_cache_budget == small.soft // 4 == int(511 * MiB * 0.90) // 4
     large = ceil("custom", custom_ceiling=64 * GiB, hot_cache_max=GiB)

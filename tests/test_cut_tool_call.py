@@ -1,4 +1,4 @@
-"""A required tool call cut by max_tokens (issue 23, found by llama.cpp's server suite): the
+"""A required tool call cut by max_tokens (found by llama.cpp's server suite): the
 reply is the call list and nothing else. With no call closed before the cut it is an empty,
 well-formed answer (`tool_calls: []`, finish_reason "length"; Anthropic: no block and
 stop_reason "max_tokens"; Responses: no output item and status "incomplete"), never the

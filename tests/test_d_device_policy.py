@@ -410,6 +410,6 @@ def test_d2_config_bad_custom_device_ceiling_names_the_key(value, fragment):
 
 
 def test_d2_guard_settings_without_the_key_still_decode():
-    """Replay traces written before issue 17 have no custom_device_ceiling."""
+    """Replay traces written before the device pool had its custom ceiling lack the key."""
     g = msgspec.json.decode(b'{"tier": "custom", "custom_ceiling": 5}', type=GuardSettings)
     assert g.custom_device_ceiling == 0

@@ -1,4 +1,4 @@
-"""Issue 14 discovery and aliases, without processes: what a models folder
+"""Discovery and aliases, without processes: what a models folder
 and a Hugging Face cache tree turn into, and how aliases are checked."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Fill in the middle (issue 23): one table of FIM token spellings (shared/fim.py) decides
+"""Fill in the middle: one table of FIM token spellings (shared/fim.py) decides
 both what a model card promises (supervisor/http/modelfacts.py, from the model's files or
 GGUF header) and how the worker builds the prompt (worker/prompts.encode_fim)."""
 

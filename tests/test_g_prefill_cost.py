@@ -1,4 +1,4 @@
-"""SPEC G1/G2: the prefill cost model follows the real peak of a prefill (issue 21).
+"""SPEC G1/G2: the prefill cost model follows the real peak of a prefill.
 
 The first model (KV per token plus activations for one chunk) barely followed
 the prompt: on a 4 MiB float32 model it said 6.3 MiB for a 3,400-token prompt

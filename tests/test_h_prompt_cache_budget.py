@@ -59,7 +59,7 @@ def small(name: str, usage: int, cached: int = 0, releasable: int | None = None)
 
 
 def test_c12_small_custom_ceiling_with_the_default_budget_keeps_real_limits():
-    """Issue 21: under a 511 MiB custom ceiling the default 1 GiB budget took every
+    """Under a 511 MiB custom ceiling the default 1 GiB budget took every
     worker's limits to 1 byte: no watermark sample woke the guard (a 1 GiB/s drill
     went 194.6 % over) and every prompt was refused with "the limit is 1 B"."""
     result = tick(Snapshot(now=1.0, guard=SMALL, host=HOST, workers=[small("a", 200 * MiB), small("bb", 200 * MiB)]))

@@ -317,7 +317,7 @@ def test_p6_draining_workers_are_not_chosen_and_count_as_going():
 
 
 def test_p6_at_hard_a_growing_worker_is_acted_on_while_another_stop_is_under_way():
-    """Issue 9: a 1 GiB/s grower while an idle model was being stopped went
+    """A 1 GiB/s grower while an idle model was being stopped went
     44-61 % over the ceiling, because the draining model's bytes were counted
     as gone and nothing else happened until it had exited. A stop takes
     100-300 ms: when the group grows fast enough to reach the ceiling before
@@ -336,7 +336,7 @@ def test_p6_at_hard_a_growing_worker_is_acted_on_while_another_stop_is_under_way
 
 
 def test_p6_a_grower_that_crosses_soft_and_hard_within_50_ms_is_acted_on_at_hard():
-    """Issue 21: soft stopped the idle model; the grower reached hard 30 ms
+    """Soft stopped the idle model; the grower reached hard 30 ms
     later, within GROWTH_WINDOW, and the tick kept the rate measured before the
     burst (0.2 GiB/s): the stop under way was credited and nothing was done
     until the idle model had exited (14.1 % over the ceiling)."""

@@ -1,4 +1,4 @@
-"""Quantized MLX models (issue 12): generated as mlx_lm.convert writes them, sized right before loading,
+"""Quantized MLX models: generated as mlx_lm.convert writes them, sized right before loading,
 and costed right by the prefill guard's prior."""
 
 from __future__ import annotations

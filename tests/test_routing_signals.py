@@ -1,4 +1,4 @@
-"""Routing signals (issue 24), fast: the readiness table, the capacity arithmetic, and
+"""Routing signals, fast: the readiness table, the capacity arithmetic, and
 the front door's side against a real supervisor with no model loaded.
 
 What a router reads: `GET /health?model=ID` (a status a request would get, with

@@ -1,4 +1,4 @@
-"""Issue 21 through real HTTP and a real worker: a schema the worker cannot enforce (a
+"""Through real HTTP and a real worker: a schema the worker cannot enforce (a
 pattern whose regex explodes, an unsatisfiable schema) is a 400 naming the field that
 carried it, before any token, on chat (response_format, tools), Responses (text.format,
 tools) and Anthropic (tools), streamed or not. Before: a 500 mid-stream, or a 200 with "".
@@ -44,7 +44,7 @@ def _requests(schema: dict, stream: bool) -> list[tuple[str, dict, str]]:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("name", list(SCHEMAS))
-def test_i21_a_schema_that_cannot_be_enforced_is_a_400_before_any_token(server, name, stream):
+def test_a_schema_that_cannot_be_enforced_is_a_400_before_any_token(server, name, stream):
     async def main():
         answers = []
         async with server.client() as client:

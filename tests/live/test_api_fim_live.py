@@ -1,4 +1,4 @@
-"""Fill in the middle through a real supervisor and worker (issue 23): `suffix` on
+"""Fill in the middle through a real supervisor and worker: `suffix` on
 /v1/completions and on Ollama's /api/generate (the official client) works on a model whose
 tokenizer has FIM tokens, as a folder and as a GGUF file, and is a 400 naming `suffix`,
 refused before any load, on one without; /api/show's `insert` and the /v1/models card say

@@ -1,4 +1,4 @@
-"""Issue 23: what llama.cpp's server test suite found, pointed at memvisor, each pinned
+"""What llama.cpp's server test suite found, pointed at memvisor, each pinned
 against a real supervisor and worker: Anthropic's streamed message_start carried
 input_tokens 0, /v1/messages/count_tokens was a 404, clients that leave out /v1 got
 404s, and the model card had no context length."""

@@ -1,4 +1,4 @@
-"""Issue 23: the Ollama API with the official `ollama` Python client (and raw HTTP where
+"""The Ollama API with the official `ollama` Python client (and raw HTTP where
 the wire itself is the point) against a real supervisor and a real worker. The tiny
 model's weights are random: what is asserted is what the API, the stream and the
 template guarantee, not what the model says."""

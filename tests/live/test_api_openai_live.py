@@ -29,7 +29,7 @@ LONG = 100_000  # tokens: a generation that outlives any test unless aborted
 def long_context(model: Path, target: Path, tokens: int = 1_000_000) -> Path:
     """A copy of `model` whose config.json claims a context of `tokens` (its rotary
     embeddings do not mind): these tests need 40k-token prompts (G1) and
-    generations that outlive them, which issue 16's context check refuses on the
+    generations that outlive them, which the context check (prompt + max_tokens) refuses on the
     tiny model's 4,096 tokens."""
     shutil.copytree(model, target)
     config = json.loads((target / "config.json").read_text())

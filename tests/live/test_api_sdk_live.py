@@ -1,4 +1,4 @@
-"""Issue 13: the Anthropic Messages API and OpenAI's Responses API with the real SDKs
+"""The Anthropic Messages API and OpenAI's Responses API with the real SDKs
 (anthropic's messages.create / messages.stream, openai's responses.create) against a real
 supervisor and a real worker. The demo model's weights are random: what is asserted of
 its output is what the template, the stream and constrained decoding guarantee.

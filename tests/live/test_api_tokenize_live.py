@@ -1,4 +1,4 @@
-"""The supervisor's end of a Tokenize (issue 23) when its worker dies before answering:
+"""The supervisor's end of a Tokenize when its worker dies before answering:
 the waiting /tokenize gets a 503 `worker_exited` at once, not a hang until the timeout;
 and an embedding model's worker refuses it by kind."""
 

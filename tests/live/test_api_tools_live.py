@@ -1,4 +1,4 @@
-"""Issue 13 on /v1/chat/completions with the real openai SDK against a real supervisor:
+"""Tools and structured output on /v1/chat/completions with the real openai SDK against a real supervisor:
 tool calls (named, required, auto; streamed and not), structured output, keep_alive.
 
 The demo model has random weights, so what it says is noise: whatever is

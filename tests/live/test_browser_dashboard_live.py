@@ -1,4 +1,4 @@
-"""Issue 15: the dashboard in a real browser, during a fire drill.
+"""The dashboard in a real browser, during a fire drill.
 
 A real supervisor (`python -m supervisor serve`, its own process) runs a
 pinned model and a non-pinned one; headless Chromium (Debian's, through its
@@ -123,7 +123,7 @@ def event_rows(driver) -> list[dict]:
         " cells: [...tr.cells].map(td => td.textContent)}))")
 
 
-def test_issue15_dashboard_shows_a_fire_drill_live_with_the_guards_action_and_reason(supervisor, browser, tmp_path):
+def test_dashboard_shows_a_fire_drill_live_with_the_guards_action_and_reason(supervisor, browser, tmp_path):
     try:
         drill_scenario(supervisor, browser, tmp_path)
     except BaseException:

@@ -1,11 +1,11 @@
 """C12/H2 as revised 2026-12-01, through a real supervisor, real workers and real HTTP.
 
-Issue 21: with the default `hot_cache_max` (1 GiB) and a custom ceiling of a
+With the default `hot_cache_max` (1 GiB) and a custom ceiling of a
 few hundred MiB, C12's old reservation (cache used + 512 MiB) took every
 worker's limits down to almost nothing, and the front door's first check --
 models loaded on demand under a small custom ceiling, a `hi` prompt with
 max_tokens 8 to a second model -- was refused with "prompt needs about ...
-but the limit is ...". The issue measured it with three 300 MiB models under
+but the limit is ...". It was first seen with three 300 MiB models under
 1 GiB; here three 64 MiB models under 600 MiB make the same squeeze (the old
 limit would be 88 MiB), small enough for CPU MLX and clear of the prefill
 estimate another change is fixing.

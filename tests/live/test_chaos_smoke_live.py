@@ -1,4 +1,4 @@
-"""scripts/chaos.py runs and reports (issue 16): the quickest scenarios only,
+"""scripts/chaos.py runs and reports: the quickest scenarios only,
 so the slow suite knows the script still works; the full run is by hand."""
 
 from __future__ import annotations
@@ -30,13 +30,13 @@ def _chaos(*scenarios: str) -> tuple[list[str], tuple[int, ...]]:
     return lines, tuple(map(int, headline.groups()))
 
 
-def test_issue16_chaos_smoke_prints_a_table_and_a_clean_headline():
+def test_chaos_smoke_prints_a_table_and_a_clean_headline():
     _, (requests, *failures) = _chaos("configs", "http-fuzz")
     assert requests > 50 and failures == [0, 0, 0, 0, 0]
 
 
-def test_i21_chaos_browser_and_hostile_files_are_clean():
-    """Issue 21's attacks: no cross-site POST or rebinding Host gets through, and a models
+def test_chaos_browser_and_hostile_files_are_clean():
+    """The browser and file attacks: no cross-site POST or rebinding Host gets through, and a models
     folder of hostile files (a FIFO for weights, sparse and lying GGUFs, a 1 GiB sparse
     config.json) gives no hang, no 5xx (it gave 3 x 500 model_unreadable) and no false kill
     (the config.json's worker read it to 2 GiB and was killed as wedged)."""

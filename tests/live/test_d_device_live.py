@@ -1,4 +1,5 @@
-"""The device pool's rules across real processes (SPEC D1, D4), rehearsed on the CPU.
+"""The device pool's rules across real processes (SPEC D1, D4, D5, D6), rehearsed on the CPU;
+a CUDA device is its own pool and never folds into the host ceiling (SPEC C).
 
 CI has no GPU. These tests give a real worker's hello a CUDA-shaped
 `device_info` (an 80 GiB device), so the supervisor guards a device pool whose

@@ -1,4 +1,4 @@
-"""Two memvisor hosts behind a real LiteLLM proxy (issue 24): scripts/fleet.py's short run.
+"""Two memvisor hosts behind a real LiteLLM proxy: scripts/fleet.py's short run.
 
 One host is pushed into refusals three times (a fire drill to hard, a tiny custom
 ceiling, its worker SIGSTOPped) while plain clients that never retry send requests

@@ -1,4 +1,4 @@
-"""Routing signals from both ends (issue 24): a real supervisor with a real worker, and
+"""Routing signals from both ends: a real supervisor with a real worker, and
 a router-style client that reads the signals with the OpenAI SDK and httpx.
 
 - a model with max_concurrency 1 and max_queue 1: the third request in flight is a

@@ -1,4 +1,4 @@
-"""SPEC G1 end to end: a prompt that fits once an idle model is stopped is served (issue 21).
+"""SPEC G1 end to end: a prompt that fits once an idle model is stopped is served.
 
 Real supervisor, real workers, real HTTP. The worker's preflight finds its
 prefill short of the hard limit by less than the idle model holds, asks for

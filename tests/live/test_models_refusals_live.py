@@ -1,4 +1,4 @@
-"""Issue 21: model files that cannot be a model are refused in words, never as a 500
+"""Model files that cannot be a model are refused in words, never as a 500
 and never by a worker that reads them first.
 
 Before: a FIFO as model.safetensors, a sparse GGUF or one claiming 2**40 keys in a
@@ -62,7 +62,7 @@ def _hostile_folder(root: Path, tiny: Path) -> Path:
     return root
 
 
-def test_issue21_refused_files_in_a_models_folder_are_no_model_a_404_naming_why_and_a_refused_event(
+def test_refused_files_in_a_models_folder_are_no_model_a_404_naming_why_and_a_refused_event(
         tiny_models, tmp_path, runtime_dir):
     folder = _hostile_folder(tmp_path / "models", tiny_models.a)
     base = Config(supervisor=SupervisorConfig(models_dirs=[str(folder)], heartbeat_interval=0.2))
@@ -100,7 +100,7 @@ def test_issue21_refused_files_in_a_models_folder_are_no_model_a_404_naming_why_
     asyncio.run(main())
 
 
-def test_issue21_a_configured_model_with_a_1_gib_config_json_is_a_422_before_any_spawn(
+def test_a_configured_model_with_a_1_gib_config_json_is_a_422_before_any_spawn(
         tiny_models, tmp_path, runtime_dir):
     folder = _sparse_config(shutil.copytree(tiny_models.a, tmp_path / "big-config"), 1 << 30)
     config = make_config([ModelConfig(id="big", path=str(folder))])
@@ -117,7 +117,7 @@ def test_issue21_a_configured_model_with_a_1_gib_config_json_is_a_422_before_any
     asyncio.run(main())
 
 
-def test_issue21_the_worker_refuses_an_oversize_config_json_before_mlx_lm_reads_it(
+def test_the_worker_refuses_an_oversize_config_json_before_mlx_lm_reads_it(
         tiny_models, tmp_path, runtime_dir):
     """The supervisor's check skipped (a spawn straight from the pool): the worker's own."""
     folder = _sparse_config(shutil.copytree(tiny_models.a, tmp_path / "big-config"))
@@ -145,7 +145,7 @@ def server(tiny_models, tmp_path_factory):
         yield live
 
 
-def test_issue21_a_configured_model_with_a_fifo_for_weights_is_a_422_to_http_load_dry_run_and_chat(server):
+def test_a_configured_model_with_a_fifo_for_weights_is_a_422_to_http_load_dry_run_and_chat(server):
     async def main():
         async with server.client() as client:
             answers = [await client.post("/v1/models/fifo/load", json={}),
@@ -160,7 +160,7 @@ def test_issue21_a_configured_model_with_a_fifo_for_weights_is_a_422_to_http_loa
     server.run(main())
 
 
-def test_issue21_the_dry_run_context_is_bounded_as_the_cli_s(server):
+def test_the_dry_run_context_is_bounded_as_the_cli_s(server):
     async def main():
         async with server.client() as client:
             def dry(context: str):

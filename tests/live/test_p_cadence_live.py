@@ -1,5 +1,5 @@
-"""Issue 9: the guard's cross-process contracts, each through a real supervisor,
-real worker processes and the messages on the wire (the lab scenarios in
+"""SPEC P9 across real processes: the enforcer ticks at the cadence `status` reports, not on
+every heartbeat, and an event wakes it at once (the lab scenarios in
 tests/live/test_p_lab_live.py cover G1, P6 at hard with a stop under way, and P6.3)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Every lab scenario (supervisor/lab/scenarios.py) as a slow test: real
 workers, a real supervisor, the messages on the wire, and the SPEC rule's
 decisions checked on the recorded timeline. These are the cross-process
-regression tests of issue 9: g1-evict (G1's shortfall), grow-while-stopping
+regression tests of the guard's contracts: g1-evict (G1's shortfall), grow-while-stopping
 (P6 at hard while a stop is under way), emergency-mark (P6.3), pool-grace
 (U1 counting the pool, P4)."""
 
@@ -31,7 +31,7 @@ def test_lab_scenario(name, lab_models, tmp_path):
 
 
 def test_p6_a_grower_at_hard_is_acted_on_before_a_big_idle_model_exits(lab_models, tmp_path):
-    """Issue 21: at hard the guard waited for a 300 MiB idle model's exit (which
+    """At hard the guard waited for a 300 MiB idle model's exit (which
     takes hundreds of ms) before acting on a grower, because the stop under way
     was guessed to land in time. Here the grower (256 MiB/s asked) stops short of the
     ceiling, at 92 % of it, with hard at 85 %: only a guard that acts on the

@@ -1,4 +1,4 @@
-"""Issue 21: out of descriptors, the supervisor still reaps exited workers and
+"""Out of descriptors, the supervisor still reaps exited workers and
 stops on SIGTERM. A real `serve` process under a lowered RLIMIT_NOFILE, its
 front door flooded with connections that never send a request."""
 
@@ -51,7 +51,7 @@ def _ready(runtime_dir: Path) -> tuple[int, str]:
     raise AssertionError("the supervisor did not come up")
 
 
-def test_issue21_out_of_descriptors_a_dead_worker_is_still_reaped_and_sigterm_still_stops_it(
+def test_out_of_descriptors_a_dead_worker_is_still_reaped_and_sigterm_still_stops_it(
         tiny_models, tmp_path_factory):
     """Before: Process.join's lazy import failed with EMFILE inside the exit callback, so the
     killed worker stayed a zombie for good, and asyncio logged a traceback per refused

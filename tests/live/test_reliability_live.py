@@ -1,4 +1,4 @@
-"""Issue 16 with real worker processes, real ZeroMQ and real MLX on the CPU.
+"""Liveness and failure handling with real worker processes, real ZeroMQ and real MLX on the CPU.
 
 No healthy worker killed, no model failed for ever, no input that buys a 500.
 A long engine step is made deterministic with the worker's test-only step
@@ -31,7 +31,7 @@ def runtime_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("rt", numbered=True)
 
 
-def test_issue16_a_worker_busy_in_a_step_longer_than_the_heartbeat_window_is_not_killed(
+def test_a_worker_busy_in_a_step_longer_than_the_heartbeat_window_is_not_killed(
         tiny_models, runtime_dir, monkeypatch):
     """Before: one 3 s step against a 1.5 s window -> 'wedged', killed, 503 worker_exited."""
     monkeypatch.setenv(STEP_DELAY_ENV, "3.0")
@@ -51,7 +51,7 @@ def test_issue16_a_worker_busy_in_a_step_longer_than_the_heartbeat_window_is_not
     asyncio.run(main())
 
 
-def test_issue16_a_sigstopped_worker_inside_a_long_step_is_still_caught_within_the_window(
+def test_a_sigstopped_worker_inside_a_long_step_is_still_caught_within_the_window(
         tiny_models, runtime_dir, monkeypatch):
     monkeypatch.setenv(STEP_DELAY_ENV, "30.0")
     config = make_config([ModelConfig(id="a", path=str(tiny_models.a))],
@@ -74,7 +74,7 @@ def test_issue16_a_sigstopped_worker_inside_a_long_step_is_still_caught_within_t
     asyncio.run(main())
 
 
-def test_issue16_a_step_past_step_timeout_is_wedged_and_says_so(tiny_models, runtime_dir, monkeypatch):
+def test_a_step_past_step_timeout_is_wedged_and_says_so(tiny_models, runtime_dir, monkeypatch):
     monkeypatch.setenv(STEP_DELAY_ENV, "30.0")
     config = make_config([ModelConfig(id="a", path=str(tiny_models.a))],
                          heartbeat_interval=0.2, heartbeat_timeout=1.0, step_timeout=2.0)
@@ -89,7 +89,7 @@ def test_issue16_a_step_past_step_timeout_is_wedged_and_says_so(tiny_models, run
     asyncio.run(main())
 
 
-def test_issue16_a_worker_that_dies_while_loading_is_a_503_not_a_500(tiny_models, runtime_dir):
+def test_a_worker_that_dies_while_loading_is_a_503_not_a_500(tiny_models, runtime_dir):
     config = make_config([ModelConfig(id="a", path=str(tiny_models.a))])
 
     async def main():
@@ -105,7 +105,7 @@ def test_issue16_a_worker_that_dies_while_loading_is_a_503_not_a_500(tiny_models
     asyncio.run(main())
 
 
-def test_issue16_a_failed_pinned_model_is_retried_after_its_backoff_and_at_once_on_an_explicit_load(
+def test_a_failed_pinned_model_is_retried_after_its_backoff_and_at_once_on_an_explicit_load(
         tiny_models, runtime_dir):
     """Before: failed for ever; every 503 said Retry-After: 2."""
     config = make_config([ModelConfig(id="a", path=str(tiny_models.a), pinned=True)],
@@ -139,7 +139,7 @@ def test_issue16_a_failed_pinned_model_is_retried_after_its_backoff_and_at_once_
     asyncio.run(main())
 
 
-def test_issue16_prompt_plus_max_tokens_over_the_context_is_a_400_naming_both(tiny_models, runtime_dir):
+def test_prompt_plus_max_tokens_over_the_context_is_a_400_naming_both(tiny_models, runtime_dir):
     """Before: a 200k-token prompt (49x the context) was accepted; max_tokens up to 1,000,000 too."""
     config = make_config([ModelConfig(id="a", path=str(tiny_models.a))], max_tokens=8192)
 
@@ -161,7 +161,7 @@ def test_issue16_prompt_plus_max_tokens_over_the_context_is_a_400_naming_both(ti
     asyncio.run(main())
 
 
-def test_issue16_a_worker_sigstopped_while_loading_is_caught_within_the_heartbeat_window(
+def test_a_worker_sigstopped_while_loading_is_caught_within_the_heartbeat_window(
         tiny_models, runtime_dir, monkeypatch):
     """Before: only load_timeout (600 s) caught it, and every load waited behind it (A5)."""
     from worker.main import LOAD_DELAY_ENV

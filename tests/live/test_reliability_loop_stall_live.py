@@ -1,4 +1,4 @@
-"""Issue 21: the supervisor's one loop never waits on the disk, and a stall of
+"""The supervisor's one loop never waits on the disk, and a stall of
 the loop never kills healthy workers. Real worker processes, real ZeroMQ."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from tests.http_harness import until
 pytestmark = pytest.mark.slow
 
 
-def test_issue21_a_loop_stall_longer_than_the_heartbeat_window_kills_no_worker(tiny_models, runtime_dir):
+def test_a_loop_stall_longer_than_the_heartbeat_window_kills_no_worker(tiny_models, runtime_dir):
     """Before: the loop blocked 2.5 s against a 1 s window; at its next beat every
     worker, the pinned one included, was killed as wedged."""
     config = make_config([ModelConfig(id="a", path=str(tiny_models.a), pinned=True),
@@ -62,7 +62,7 @@ async def _stopped(arb: Arbiter, task: asyncio.Task) -> None:
     await asyncio.wait_for(task, 30)
 
 
-def test_issue21_a_slow_reload_scan_runs_off_the_loop_and_is_applied_when_it_completes(tiny_models, runtime_dir):
+def test_a_slow_reload_scan_runs_off_the_loop_and_is_applied_when_it_completes(tiny_models, runtime_dir):
     """Before: the rescan ran inside the loop; nothing else ran until it returned."""
     config = make_config([ModelConfig(id="a", path=str(tiny_models.a))])
     bigger = msgspec.structs.replace(config, models=[*config.models, ModelConfig(id="e", path=str(tiny_models.b))])
@@ -92,7 +92,7 @@ def test_issue21_a_slow_reload_scan_runs_off_the_loop_and_is_applied_when_it_com
     asyncio.run(main())
 
 
-def test_issue21_a_reload_that_raises_is_refused_and_said_never_dropped(tiny_models, runtime_dir):
+def test_a_reload_that_raises_is_refused_and_said_never_dropped(tiny_models, runtime_dir):
     """Before: a ValueError out of the rescan (a folder `My Model (4bit)`) left the
     SIGHUP task with an unretrieved exception: no event, no refusal."""
     config = make_config([ModelConfig(id="a", path=str(tiny_models.a))])
@@ -114,7 +114,7 @@ def test_issue21_a_reload_that_raises_is_refused_and_said_never_dropped(tiny_mod
     asyncio.run(main())
 
 
-def test_issue21_a_named_pipe_as_the_config_file_refuses_the_reload_at_once(tiny_models, runtime_dir, tmp_path):
+def test_a_named_pipe_as_the_config_file_refuses_the_reload_at_once(tiny_models, runtime_dir, tmp_path):
     config = make_config([ModelConfig(id="a", path=str(tiny_models.a))])
     fifo = tmp_path / "memvisor.toml"
     os.mkfifo(fifo)
@@ -143,7 +143,7 @@ def test_issue21_a_named_pipe_as_the_config_file_refuses_the_reload_at_once(tiny
             pass
 
 
-def test_issue21_a_non_pinned_model_whose_reloaded_path_fails_is_not_respawned(tiny_models, runtime_dir, tmp_path):
+def test_a_non_pinned_model_whose_reloaded_path_fails_is_not_respawned(tiny_models, runtime_dir, tmp_path):
     """Before: its failed load after the reload was scheduled for respawn like a pinned model's."""
     broken = tmp_path / "broken"
     broken.mkdir()
@@ -166,7 +166,7 @@ def test_issue21_a_non_pinned_model_whose_reloaded_path_fails_is_not_respawned(t
     asyncio.run(main())
 
 
-def test_issue21_a_broken_non_pinned_model_is_marked_failed_not_spawned_per_request(tiny_models, runtime_dir,
+def test_a_broken_non_pinned_model_is_marked_failed_not_spawned_per_request(tiny_models, runtime_dir,
                                                                                     tmp_path):
     """Before: each request for it started a worker that failed to load."""
     broken = tmp_path / "broken"
@@ -193,7 +193,7 @@ def test_issue21_a_broken_non_pinned_model_is_marked_failed_not_spawned_per_requ
     asyncio.run(main())
 
 
-def test_issue21_a_request_waiting_for_a_load_is_served_from_the_path_a_reload_moved_it_to(tiny_models,
+def test_a_request_waiting_for_a_load_is_served_from_the_path_a_reload_moved_it_to(tiny_models,
                                                                                          runtime_dir):
     """Before: the reload stopped the loading worker and the waiting request failed (worker_exited)."""
     config = make_config([ModelConfig(id="a", path=str(tiny_models.a))])

@@ -1,4 +1,4 @@
-"""Issue 23: the sampling options through HTTP, with the openai, anthropic and ollama clients,
+"""The sampling options through HTTP, with the openai, anthropic and ollama clients,
 against a real supervisor and a real worker (the tiny model as "a").
 
 The tiny model's greedy reply repeats one token, so the penalties' effect is countable;

@@ -501,7 +501,7 @@ def test_a_second_sigint_stops_draining_workers_without_waiting_out_the_drain(ti
         task = asyncio.get_running_loop().create_task(arb.run())
         await until(lambda: arb.running, what="start")
         handle = await arb.models.load("a")
-        stream = await arb.service.generate("a", p.Generate(request_id="long", prompt="hi", max_tokens=4000))  # within the context (issue 16)
+        stream = await arb.service.generate("a", p.Generate(request_id="long", prompt="hi", max_tokens=4000))  # within the context
         assert isinstance(await asyncio.wait_for(stream.queue.get(), 30), p.TokenOut)
         arb.on_signal(signal.SIGINT)
         await until(lambda: handle.stopping is not None, what="drain started")

@@ -1,4 +1,4 @@
-"""Issue 11 with real processes: concurrent streams through the front door, one worker
+"""Batched decode with real processes: concurrent streams through the front door, one worker
 decoding them as a batch, each stream token-identical to the same request alone."""
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def test_a_stream_that_leaves_mid_batch_is_aborted_and_the_others_stay_identical
     assert together == alone
 
 
-def test_issue22_status_ps_and_metrics_show_where_the_decode_batch_memory_goes(server):
+def test_status_ps_and_metrics_show_where_the_decode_batch_memory_goes(server):
     """The worker writes its decode batch's buffers, the live KV in them and its relayouts into
     its memory sample; status, ps (the models in /status) and /metrics show them. Checked against
     the model's own KV size: the live bytes are whole tokens of KV (2 layers x K and V x 1 head

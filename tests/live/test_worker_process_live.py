@@ -138,7 +138,7 @@ def _replies_until_finished(sup: FakeSupervisor, ids: set[str], timeout: float =
 
 
 def test_prompted_comes_before_the_first_token_and_agrees_with_finished(tiny_model, tmp_path):
-    """Issue 23: the worker's `Prompted` arrives before a request's first token, with the
+    """The worker's `Prompted` arrives before a request's first token, with the
     prompt length and prompt-cache reuse its `Finished` reports at the end (prefilled
     together, alone, and a repeated prompt served from the prompt cache)."""
     chat = [p.ChatMessage(role="user", content="memory pressure guard worker model cache " * 6)]
@@ -176,7 +176,7 @@ def _tokens_reply(sup: FakeSupervisor, rid: str, timeout: float = 60.0):
 
 
 def test_tokenize_and_detokenize_are_answered_while_a_generation_runs(tiny_model, tmp_path):
-    """Issue 23, the worker's end of /tokenize: each command gets one reply of its request id
+    """The worker's end of /tokenize: each command gets one reply of its request id
     (a bad token id a Failed naming it), between two steps of a running generation, which
     still finishes."""
     with FakeSupervisor(tmp_path, tiny_model, "w#1") as sup:
