@@ -1,4 +1,4 @@
-"""Where a token's time goes on the serving path (issue 22): the same decode, layer by layer, in one run.
+"""Where a token's time goes on the serving path: the same decode, layer by layer, in one run.
 
     python scripts/bench_path.py [--model DIR | --size 4MB --dtype float32] [--streams 1,8,32,64]
                                  [--tokens 256] [--runs 5] [--profile DIR]

@@ -70,7 +70,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     sample_interval: float = 0.25
     heartbeat_timeout: float = 5.0
     max_concurrency: int = 4
-    chunk_seconds: float = 1.0  # issue 16: the time one prefill chunk aims at
+    chunk_seconds: float = 1.0  # the time one prefill chunk aims at (its heartbeat cannot interrupt one)
     allow_drills: bool = False
     # The prompt cache's disk tier (H5 as proposed) and shrink before drop (H6).
     # Bytes every model's entries on disk may hold together: DISK_CACHE_AUTO sizes it to the
@@ -99,7 +99,7 @@ class Hello(Msg, tag="hello", kw_only=True):
     device_info: dict[str, Union[int, float, str]] = {}
     device: str = ""  # D1: where its arrays live, mx.default_device() ("Device(gpu, 0)")
     slot: int = -1
-    blas: str = ""    # issue 22: the BLAS its MLX computes with (worker.blas), "" from older workers
+    blas: str = ""    # the BLAS its MLX computes with (worker.blas), "" from older workers
 
 
 class Loaded(Msg, tag="loaded", kw_only=True):
@@ -159,9 +159,9 @@ class TokenOut(Msg, tag="token", kw_only=True):
     logprobs: Union[TokenLogprobs, msgspec.UnsetType] = msgspec.UNSET
 
 
-# -- issue 11: batched decode ------------------------------------------------------
+# -- batched decode ----------------------------------------------------------------
 class TokenBatch(Msg, tag="tokens", kw_only=True):
-    """The tokens of one decode step for several requests, in one frame (issue 11).
+    """The tokens of one decode step for several requests, in one frame.
 
     Why columns: a batched worker emits one token per sequence per step; one
     frame (one send, one receive, one decode) for all of them instead of one
@@ -193,7 +193,7 @@ class TokenBatch(Msg, tag="tokens", kw_only=True):
 
 
 def coalesce(events: list[Msg]) -> list[Msg]:
-    """A step's events with its `TokenOut`s folded into one `TokenBatch` (issue 11).
+    """A step's events with its `TokenOut`s folded into one `TokenBatch`.
 
     The batch takes the place of the first token; a request's tokens keep
     their order and still come before its own terminal event, which always
@@ -215,11 +215,10 @@ def coalesce(events: list[Msg]) -> list[Msg]:
             out.append(batch)
             batch = None
     return out
-# -- end issue 11 -------------------------------------------------------------------
 
 
 class Prompted(Msg, tag="prompted", kw_only=True):
-    """A request's prompt is final: its length and what the prompt cache gave (issue 23).
+    """A request's prompt is final: its length and what the prompt cache gave.
 
     Why: `Finished` says the same only at the end, but a front door may need the
     count at the start (Anthropic's streamed `message_start` carries `input_tokens`).
@@ -241,7 +240,7 @@ class Finished(Msg, tag="finished", kw_only=True):
     completion_tokens: int
     cached_tokens: int = 0  # H1: prompt tokens reused from the worker's prompt cache
     cached_disk_tokens: int = 0  # H5 (proposed): the part of cached_tokens this request read from disk
-    stop_sequence: str = ""  # issue 13: the stop string that ended it ("" = EOS, length, grammar)
+    stop_sequence: str = ""  # the stop string that ended it ("" = EOS, length, grammar)
 
 
 class Failed(Msg, tag="failed", kw_only=True):
@@ -284,7 +283,7 @@ class Embedded(Msg, tag="embedded", kw_only=True):
     token_counts: list[int]  # tokens of each input as embedded (after any truncation)
 
 
-# -- issue 23: the worker's tokenizer on request --------------------------------------
+# -- the worker's tokenizer on request ------------------------------------------------
 class Tokenized(Msg, tag="tokenized", kw_only=True):
     """The answer to `Tokenize`: the token ids and, when asked, each token's bytes (a
     token may hold part of a UTF-8 character, so bytes, not text)."""
@@ -299,12 +298,11 @@ class Detokenized(Msg, tag="detokenized", kw_only=True):
 
     request_id: str
     text: str
-# -- end issue 23 ------------------------------------------------------------------------
 
 
 WorkerReply = Union[Hello, Loaded, LoadFailed, Ack, Pong, Reclaimed, TokenOut, TokenBatch, Finished, Failed,
                     NeedMemory, Prompted, Embedded, Tokenized, Detokenized]
-TokensReply = Union[Tokenized, Detokenized, Failed]  # issue 23: what answers a Tokenize / Detokenize
+TokensReply = Union[Tokenized, Detokenized, Failed]  # what answers a Tokenize / Detokenize
 
 
 # --------------------------------------------------------------------------
@@ -346,14 +344,14 @@ class AbortRequests(Command, tag="abort", kw_only=True):
 class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     role: str
     content: str
-    # issue 13 (tool calling): an assistant turn's calls, as JSON text of
+    # tool calling: an assistant turn's calls, as JSON text of
     # `[{"id", "type": "function", "function": {"name", "arguments": {...}}}]`
     # (the shape HF chat templates read), and the call a `tool` turn answers.
     tool_calls: Union[str, None] = None
     tool_call_id: Union[str, None] = None
 
 
-# --- constrained decoding (issue 13) -------------------------------------
+# --- constrained decoding -----------------------------------------------
 # What the worker's output must match. Schemas travel as JSON text: a JSON
 # Schema is open-ended, so it is checked by the worker's grammar compiler (a
 # bad one fails its request with `invalid_request`), not by this decoder.
@@ -419,8 +417,8 @@ class Generate(Command, tag="generate", kw_only=True):
     top_p: float = 1.0
     stop: list[str] = []
     seed: Union[int, None] = None
-    constraint: Union[ConstraintSpec, None] = None  # issue 13: constrained decoding
-    # issue 13: JSON text of the tool list `[{"type": "function", "function": {...}}]`,
+    constraint: Union[ConstraintSpec, None] = None  # constrained decoding
+    # JSON text of the tool list `[{"type": "function", "function": {...}}]`,
     # handed to the model's chat template as `tools` (how the model learns of them)
     tools: Union[str, None] = None
     # the rest of the sampling settings (worker/sampling.py); each default leaves
@@ -437,12 +435,12 @@ class Generate(Command, tag="generate", kw_only=True):
     logit_bias: dict[int, float] = {}  # token id -> added to its logit
     logprobs: bool = False  # each token's TokenOut carries its TokenLogprobs
     top_logprobs: int = 0  # ... with this many most likely alternatives (at most MAX_TOP_LOGPROBS)
-    # issue 23: fill in the middle: `prompt` is the text before, this the text after
+    # fill in the middle: `prompt` is the text before, this the text after
     # (the worker builds the prompt from its tokenizer's FIM tokens; prompt only)
     suffix: Union[str, None] = None
 
 
-# -- issue 23: the worker's tokenizer on request --------------------------------------
+# -- the worker's tokenizer on request ------------------------------------------------
 # Why commands: only the worker holds the tokenizer and the chat template (the
 # supervisor never imports the tokenizer stack). The worker answers at once, between
 # two engine steps, with `Tokenized` / `Detokenized`, or a `Failed` of the same
@@ -466,7 +464,6 @@ class Tokenize(Command, tag="tokenize", kw_only=True):
 class Detokenize(Command, tag="detokenize", kw_only=True):
     request_id: str
     tokens: list[int]
-# -- end issue 23 ------------------------------------------------------------------------
 
 
 class Embed(Command, tag="embed", kw_only=True):
@@ -554,7 +551,7 @@ class WorkerEvent(Msg, tag="worker_event", kw_only=True):
     message: str
 
 
-# -- issue 16: liveness from the worker's heartbeat thread -------------------
+# -- liveness from the worker's heartbeat thread ----------------------------
 class Alive(Msg, tag="alive", kw_only=True):
     """Pushed by a worker's heartbeat thread (its own socket) every fraction
     of the heartbeat timeout, also while the step loop is inside one long
@@ -568,9 +565,6 @@ class Alive(Msg, tag="alive", kw_only=True):
     loop_seconds: float  # since the step loop last passed a step boundary
     steps: int           # step boundaries passed so far (progress)
     tokens: int = 0      # tokens generated so far (progress)
-
-
-# -- end issue 16 --------------------------------------------------------------
 
 
 # -- the prompt cache's tiers (H5, H6 as proposed, docs/spec-proposal-h5-h6.md) ------------

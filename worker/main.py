@@ -50,7 +50,7 @@ log = logging.getLogger("memvisor.worker")
 PR_SET_PDEATHSIG = 1
 MAX_SAVE_SECONDS = 3600.0  # a Drain asking for more is a bad frame's number, not a grace
 # Tests only: seconds every engine step with work sleeps first, standing in for
-# a prefill chunk that computes for a long time (issue 16's wedge tests).
+# a prefill chunk that computes for a long time (the wedge and liveness tests).
 STEP_DELAY_ENV = "MEMVISOR_TEST_STEP_DELAY"
 LOAD_DELAY_ENV = "MEMVISOR_TEST_LOAD_DELAY"  # the same, before the model loads
 
@@ -87,7 +87,7 @@ def run(spec_bytes: bytes) -> None:
         level=logging.INFO,
         format=f"%(asctime)s %(levelname)s worker {spec.worker_id}[{os.getpid()}]: %(message)s",
     )
-    blas.preload()  # issue 22: OpenBLAS before the first `import mlx.core`, so libmlx binds to it
+    blas.preload()  # OpenBLAS before the first `import mlx.core`, so libmlx binds to it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C in the terminal is the supervisor's to handle
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     worker = Worker(spec)
@@ -129,7 +129,7 @@ class Worker:
         self._last = NO_READING  # the latest reading, sent as is in the next Sample
         self.last_level = 0
         self.phase = "starting"
-        # issue 16: the heartbeat thread reports the step loop's progress
+        # the heartbeat thread reports the step loop's progress: a long step is work, not silence
         self.clock = StepClock()
         self.heartbeat = Heartbeat(self.ctx, spec.reports, spec.worker_id, self.clock,
                                    interval=min(1.0, spec.heartbeat_timeout / 4))
@@ -189,7 +189,7 @@ class Worker:
         self.write_sample(time.monotonic())
         started = time.monotonic()
         time.sleep(_test_step_delay(LOAD_DELAY_ENV))
-        # Defence in depth (issue 21): mlx_lm reads config.json whole, and a 1 GiB sparse
+        # Defence in depth: mlx_lm reads config.json whole, and a 1 GiB sparse
         # one took this worker to 2 GiB before it was killed as wedged; the supervisor
         # refuses such a model before a spawn, and so does the worker, before mlx_lm.
         try:
@@ -240,7 +240,7 @@ class Worker:
             self.clock.enter_step()
             if self.step_delay and self.engine.has_work:
                 time.sleep(self.step_delay)  # tests only: a long MLX step (the GIL released, as in eval)
-            # a step's tokens leave in one frame (issue 11); a shallow copy types the engine's
+            # a step's tokens leave in one frame; a shallow copy types the engine's
             # events as the list[Msg] coalesce takes (a list of a narrower type is not one)
             events = p.coalesce([*self.engine.step(limits, self.group_usage)])
             self.clock.leave_step(self.engine.tokens_total)
@@ -291,7 +291,7 @@ class Worker:
                     self._logged_bad.add(msg.cause)
                     log.warning("ignored a bad command frame: %s", msg.reason)
                 continue
-            self.clock.enter_step()  # tokenizing a long prompt is work too, not silence (issue 16)
+            self.clock.enter_step()  # tokenizing a long prompt is work too, not silence
             self.obey(msg)
             self.clock.leave_step(self.engine.tokens_total if self.engine else 0)
 
@@ -331,7 +331,7 @@ class Worker:
                 self.start_drill(msg)
             case p.DrillStop():
                 self.stop_drill("stopped by command")
-            case p.Tokenize() | p.Detokenize():  # issue 23: answered now, between two steps
+            case p.Tokenize() | p.Detokenize():  # answered now, between two steps
                 self.answer_tokens(msg)
             case _:
                 assert_never(msg)
@@ -339,7 +339,7 @@ class Worker:
             self.reply(p.Ack(cmd=msg.cmd))
 
     def answer_tokens(self, msg: p.Tokenize | p.Detokenize) -> None:
-        """Issue 23: the model's tokenizer on request (worker/tokens.py; it never raises)."""
+        """The model's tokenizer on request (worker/tokens.py; it never raises)."""
         from worker import tokens  # imports MLX (worker.request), which serve() has loaded by now
         from worker.engine import Engine
 
@@ -379,7 +379,7 @@ class Worker:
         if self.allocator is not None:
             self.allocator.hold_pool()  # M1 where MLX's allocator does not bound its own pool (CUDA)
         if self.drill is not None:
-            # issue 9: obey what arrived during the step (an abort ends the drill)
+            # obey what arrived during the step (an abort ends the drill)
             # before the drill grows again, as a runaway request would stop
             self.take_commands(block_ms=0)
         if self.drill is not None:
