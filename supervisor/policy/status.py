@@ -51,7 +51,7 @@ class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
     cache_bytes: int = 0        # H2: the worker's prompt cache (measured)
     cache_releasable: int = 0   # H3: the part no request uses
     device_bytes: int = 0       # D1: held on the discrete device (0 without one)
-    batch_bytes: int = 0        # the decode batch's KV buffers as allocated (issue 22) ...
+    batch_bytes: int = 0        # the decode batch's KV buffers as allocated ...
     batch_live_bytes: int = 0   # ... of which its live rows' own tokens
     batch_relayouts: int = 0    # whole-batch copies (growth, compaction) since the worker started
     pool_returns: int = 0       # M1: the worker returned its pool itself, over the cap (CUDA)
@@ -227,7 +227,7 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     cache_bytes: int = 0
     disk_cache_bytes: int = 0     # H5 (proposed): its prompt-cache entries on disk, as last reported
     disk_cache_entries: int = 0
-    batch_bytes: int = 0       # the decode batch's buffers (issue 22) ...
+    batch_bytes: int = 0       # the decode batch's buffers ...
     batch_live_bytes: int = 0  # ... and its live KV
     idle_seconds: float = 0.0
     ttl: float | None = None
