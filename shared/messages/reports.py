@@ -15,7 +15,8 @@ from shared.messages.base import Msg
 from shared.vocab import SampleReason, WorkerEventKind
 
 __all__ = [
-    "Sample", "WorkerEvent", "Alive", "DiskCacheStats", "CacheReport", "WorkerReport"
+    "Sample", "WorkerEvent", "Alive", "DiskCacheCounters", "COUNTER_NAMES", "DiskCacheStats", "CacheReport",
+    "WorkerReport",
 ]
 
 
@@ -60,7 +61,29 @@ class Alive(Msg, tag="alive", kw_only=True):
 
 
 # -- the prompt cache's tiers (H5, H6 as proposed, docs/spec-proposal-h5-h6.md) ------------
-class DiskCacheStats(msgspec.Struct, frozen=True, kw_only=True):
+class DiskCacheCounters(msgspec.Struct, frozen=True, kw_only=True):
+    """What the prompt cache's tiers did, counted: entries (and bytes, tokens) read back from
+    disk by requests, written at a stop, dropped (a stop's deadline came first, H5), evicted
+    over the budget, and quantized in memory with the bytes that returned (H6). One list of
+    counters, kept by a worker (`DiskCacheStats`) and summed by the supervisor (`DiskCacheStatus`)."""
+
+    read_entries: int = 0
+    read_bytes: int = 0
+    read_tokens: int = 0
+    written_entries: int = 0
+    written_bytes: int = 0
+    dropped_entries: int = 0
+    dropped_bytes: int = 0
+    evicted_entries: int = 0
+    evicted_bytes: int = 0
+    quantized_entries: int = 0
+    quantized_bytes: int = 0
+
+
+COUNTER_NAMES: tuple[str, ...] = DiskCacheCounters.__struct_fields__
+
+
+class DiskCacheStats(DiskCacheCounters, frozen=True, kw_only=True):
     """One model's prompt-cache disk tier as its worker sees it, and what this worker did with it.
 
     `entries`/`bytes` are this model's files, `all_bytes` every model's (what
@@ -75,19 +98,8 @@ class DiskCacheStats(msgspec.Struct, frozen=True, kw_only=True):
     bytes: int = 0
     all_bytes: int = 0
     budget: int = 0               # the budget in force; 0 = the tier is off
-    read_entries: int = 0
-    read_bytes: int = 0
-    read_tokens: int = 0
-    written_entries: int = 0
-    written_bytes: int = 0
-    dropped_entries: int = 0
-    dropped_bytes: int = 0
-    evicted_entries: int = 0
-    evicted_bytes: int = 0
     save_seconds: float = 0.0     # the last stop's write: how long it took ...
     save_deadline: float = 0.0    # ... of how long it was given (Drain.save_seconds)
-    quantized_entries: int = 0    # H6: entries quantized in memory ...
-    quantized_bytes: int = 0      # ... and the bytes that returned
 
 
 class CacheReport(Msg, tag="cache_report", kw_only=True):
