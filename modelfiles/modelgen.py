@@ -65,7 +65,7 @@ SPECIAL_TOKENS = [PAD, BOS, EOS, IM_START, IM_END]
 # Fill-in-the-middle tokens as StarCoder and SmolLM spell them (make_model's extra_special)
 FIM_TOKENS = ("<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>")
 
-# Tools (issue 13) in the Hermes/Qwen style: listed in a system turn, called as
+# Tools in the Hermes/Qwen style: listed in a system turn, called as
 # <tool_call>{"name": ..., "arguments": {...}}</tool_call>, which is what the
 # front door parses. Without tools the rendering is the plain ChatML of before.
 CHAT_TEMPLATE = (
@@ -458,8 +458,8 @@ def make_model(
 
     Files are built in a temporary sibling directory and moved in at the end,
     so an interrupted run never leaves a half-written model that looks whole.
-    `extra_special` adds special tokens after the trained vocabulary (issue 23:
-    FIM_TOKENS gives a model that can fill in the middle).
+    `extra_special` adds special tokens after the trained vocabulary
+    (FIM_TOKENS gives a model that can fill in the middle).
     """
     if seed < 0:
         raise ModelGenError(f"seed must be a non-negative integer, got {seed}")

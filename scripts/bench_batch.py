@@ -1,4 +1,4 @@
-"""Batched decode through the front door (issue 11): concurrent streams vs one at a time.
+"""Batched decode through the front door: concurrent streams vs one at a time.
 
     python scripts/bench_batch.py [--model DIR | --size 100MB --dtype float32]
                                   [--streams 1,4,8] [--tokens 64] [--runs 3]
@@ -27,7 +27,7 @@ are noisy; compare the ratios within one run. Last line:
 
     batch decode @N: X tok/s vs Y tok/s sequential (Z×)
 
-`--peers` runs scripts/bench_peers.py instead (issue 22): in one run the raw
+`--peers` runs scripts/bench_peers.py instead: in one run the raw
 in-process batched loop, `stream_generate`, memvisor and `mlx_lm.server`
 with the same client, TTFT and peak RSS per server (see that file).
 """
@@ -123,7 +123,7 @@ def idle_cpu_rate(server: Server, seconds: float = 10.0) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "--peers" in argv:  # issue 22: raw batched loop, memvisor and mlx_lm.server side by side
+    if "--peers" in argv:  # raw batched loop, memvisor and mlx_lm.server side by side
         from bench_peers import main as peers
 
         return peers([a for a in argv if a != "--peers"])

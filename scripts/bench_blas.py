@@ -1,4 +1,4 @@
-"""Issue 22: MLX on a Linux CPU with its bundled reference BLAS vs the OpenBLAS workers load.
+"""MLX on a Linux CPU with its bundled reference BLAS vs the OpenBLAS workers load.
 
     python scripts/bench_blas.py [--n 1024] [--size 100MiB] [--words 680] [--skip-prefill]
 

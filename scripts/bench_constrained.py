@@ -3,7 +3,7 @@
     python scripts/bench_constrained.py [--model DIR | --size SIZE --dtype D] [--tokens N]
                                         [--repeats R] [--streams S]
 
-Why: issue 13 holds constrained streams to >= 80% of the unconstrained
+Why: constrained streams are held to >= 80% of the unconstrained
 tokens/s. A constrained token costs its grammar mask (llguidance, then the
 bitmask applied to the MLX logits) and its look-ahead: the engine cannot
 queue a constrained sequence's next token before reading the current one.

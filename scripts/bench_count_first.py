@@ -1,5 +1,5 @@
-"""What reporting the real `input_tokens` in Anthropic's streamed `message_start` costs
-(issue 23). It first cost a one-token counting generation before every streamed
+"""What reporting the real `input_tokens` in Anthropic's streamed `message_start` costs.
+It first cost a one-token counting generation before every streamed
 /v1/messages request (a second prefill unless the prompt cache served it: 1.37x the
 chat TTFT with the cache on, 1.91x off); now the worker's `Prompted` message carries
 the count before the first token, and the ratio should be ~1.0 either way.

@@ -86,7 +86,7 @@ def slow_clients(port: int, count: int) -> None:
 async def start(model_dir: Path, runtime: Path, headroom: int) -> tuple[Arbiter, asyncio.Task]:
     config = Config(
         # hot_cache_max=0: the bench measures event fan-out, not the prompt cache (as bench_reaction;
-        # before issue 21 C12's used + 512 MiB reservation also left 1-byte limits here)
+        # C12's old used + 512 MiB reservation also left 1-byte limits here)
         guard=GuardConfig(tier="custom", custom_ceiling=0, hot_cache_max=0),
         supervisor=SupervisorConfig(http="127.0.0.1:0", heartbeat_interval=1.0, heartbeat_timeout=10.0,
                                     allow_drills=True),

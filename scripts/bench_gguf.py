@@ -1,6 +1,6 @@
 """Serve a GGUF file through memvisor and measure it: `python scripts/bench_gguf.py FILE.gguf [--runs N] [--tokens N]`.
 
-Prints (issue 12's closing figures):
+Prints:
   * import + first load time (a fresh cache, so the import really runs), and a
     second load from the cached folder;
   * the weight estimate made from the GGUF header before loading (SPEC A2)

@@ -9,7 +9,7 @@
   round trip  Ping -> Pong between the supervisor and a real worker process
               (its step loop, with a generated model loaded), p50 and p99
 
-Goals (issue 4): ingest >= 100k samples/s; round trip p99 <= 1 ms.
+Goals: ingest >= 100k samples/s; round trip p99 <= 1 ms.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What the decode batch holds and what a decode step allocates while requests join and leave (issue 22).
+"""What the decode batch holds and what a decode step allocates while requests join and leave.
 
     python scripts/bench_join_memory.py [--model DIR | --size 4MB] [--requests 24] [--stagger 6]
 
@@ -7,7 +7,7 @@ lengths and different max_tokens, so they leave one after another; they
 arrive all at once (prefilled together, joining together) and then, in a
 second round, one every `--stagger` steps (joining a batch that runs). Each
 round runs twice in the same process: with the batch's growth of the first
-cut of issue 22 (`PREVIOUS`: rows by half, positions in 256-token steps,
+cut of rows in place (`PREVIOUS`: rows by half, positions in 256-token steps,
 half the window as room behind, no compaction) and with the current one.
 
 Per round it prints:
@@ -19,7 +19,7 @@ Per round it prints:
   (whole-batch copies: growth and compaction);
 - **worst step**: for every step that neither relaid the buffers out nor
   ran with fewer than two rows, nor ran a prefill chunk, MLX's peak memory
-  over the active memory before the step. Before issue 22 (mlx-lm's
+  over the active memory before the step. Before rows in place (mlx-lm's
   `BatchKVCache`: `extend` on a join, `filter` on a leave) it was a copy of
   the whole batch; now it is about a row.
 """

@@ -1,8 +1,8 @@
 """How far over the ceiling a fast grower gets while the guard is stopping another model.
 
-Issue 9: the policy counted a draining worker's memory as already gone and
+Why: the policy once counted a draining worker's memory as already gone and
 took no other action until that worker had exited, so a grower in another
-model ran over the ceiling for as long as the stop took. Issue 21: the same
+model ran over the ceiling for as long as the stop took; and the same
 with the idle model much larger than the grower (its exit takes hundreds of
 ms), and with the default prompt-cache budget, whose old reservation took the
 workers' limits to 1 byte so no watermark sample woke the guard.

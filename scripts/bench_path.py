@@ -1,4 +1,4 @@
-"""Where a token's time goes on the serving path (issue 22): the same decode, layer by layer, in one run.
+"""Where a token's time goes on the serving path: the same decode, layer by layer, in one run.
 
     python scripts/bench_path.py [--model DIR | --size 4MB --dtype float32] [--streams 1,8,32,64]
                                  [--tokens 256] [--runs 5] [--profile DIR]
@@ -302,10 +302,10 @@ PARTS = (  # (label, substring of a frame): the first that a sample's stack hold
     ("prefill", "Prefill."),
     ("join/leave the batch", "DecodeBatch.join"),
     ("join/leave the batch", "DecodeBatch.keep"),
-    ("frames: coalesce, encode, send", "Worker.reply"),
+    ("frames: coalesce, encode, send", "Wire.reply"),
     ("frames: coalesce, encode, send", "coalesce"),
-    ("memory sample + ledger", "Worker.write_sample"),
-    ("memory sample + ledger", "Worker.maybe_send_sample"),
+    ("memory sample + ledger", "Readings.write"),
+    ("memory sample + ledger", "Readings.maybe_send"),
     ("commands (poll, recv)", "Worker.take_commands"),
     ("heartbeat thread", "Heartbeat.run"),
     ("SSE: render + write", "Job.sse_body"),

@@ -1,4 +1,4 @@
-"""The engine side by side (issue 22): the raw batched loop, memvisor and mlx-lm's own server.
+"""The engine side by side: the raw batched loop, memvisor and mlx-lm's own server.
 
     python scripts/bench_batch.py --peers [--model DIR | --size 4MB --dtype float32]
                                       [--streams 1,8,32,64] [--tokens 64] [--skip-mlx-server]

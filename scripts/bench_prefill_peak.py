@@ -21,7 +21,7 @@ Beside them: the guard's estimate for the same length and chunk size
 (`worker.prefill_guard.estimate_prefill_peak` with the prior of
 `worker.prefill_cost.prior_cost`, which is what G1 uses before anything was
 measured) and estimate / peak, where peak is the larger of the two (and
-estimate / MLX's peak). The goal (issue 21) is 1.00 <= estimate / peak <= 1.25.
+estimate / MLX's peak). The goal (G1) is 1.00 <= estimate / peak <= 1.25.
 
 On the 2-core CPU machines with MLX's reference BLAS a 3,400-token prompt on
 a 20 MiB float32 model takes one to three minutes; the default matrix keeps

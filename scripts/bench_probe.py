@@ -11,7 +11,7 @@ Measures, in one run on this machine:
     with a model loaded -- plus the exact smaps_rollup USS, whose cost grows
     with the process's resident memory.
 Each figure is the median over `--repeats` batches of the per-call average.
-Goals (issue 3): host reading <= 20 µs, footprint <= 30 µs per worker, both
+Goals: host reading <= 20 µs, footprint <= 30 µs per worker, both
 faster than psutil. The last line is `host probe: X µs (psutil Y µs)`.
 """
 

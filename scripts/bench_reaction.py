@@ -79,7 +79,7 @@ class Samples:
 async def trial(arb: Arbiter, samples: Samples, rate: int, to: int) -> dict | None:
     handle = await arb.models.load("victim")
     stream = await arb.service.generate("victim", p.Generate(request_id="", prompt="tell me a long story",
-                                                     max_tokens=3000))  # within the 4,096-token context (issue 16)
+                                                     max_tokens=3000))  # within the 4,096-token context (a longer one is refused)
     deadline = time.monotonic() + 10
     while not (handle.sample and handle.sample.running) and time.monotonic() < deadline:
         arb.wake()
@@ -143,7 +143,7 @@ async def trial(arb: Arbiter, samples: Samples, rate: int, to: int) -> dict | No
 async def run_mode(model_dir: Path, runtime: Path, args, *, baseline: bool) -> list[dict]:
     config = Config(
         # hot_cache_max=0: the trial measures the reaction to growth, not the prompt cache;
-        # before issue 21 this was also needed because C12 reserved cache used + 512 MiB
+        # once this was also needed because C12 reserved cache used + 512 MiB
         # (1-byte limits: no watermark crossing was ever reported)
         guard=GuardConfig(tier="custom", custom_ceiling=0, hot_cache_max=0),
         supervisor=SupervisorConfig(heartbeat_interval=1.0, heartbeat_timeout=10.0, allow_drills=True),

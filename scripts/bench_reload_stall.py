@@ -1,6 +1,6 @@
 """How long the supervisor's loop stops while a reload rescans a large models folder.
 
-Issue 21: a SIGHUP whose rescan of 150,000 empty folders outlasted the
+Why: a SIGHUP whose rescan of 150,000 empty folders outlasted the
 heartbeat window blocked the loop, and every worker was then killed as
 wedged. This starts a real Arbiter (no models, no front door), points its
 reload at a models folder of N empty folders (plus one model), and measures,
@@ -77,7 +77,7 @@ def main() -> None:
         model = folder / args.model_name
         model.mkdir()
         (model / "config.json").write_text("{}")
-        header = b'{"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}'  # discovery reads it (issue 21)
+        header = b'{"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}'  # discovery reads it: a model needs a readable header
         (model / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 16)
         took, worst, summary = asyncio.run(measure(folder, Path(tmp) / "rt"))
     print(f"{args.folders} empty folders: reload took {took:.2f} s; longest loop stall during it "

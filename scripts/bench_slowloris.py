@@ -1,4 +1,4 @@
-"""Slow-loris against a real `serve` (issue 21): does /health keep answering, and does SIGTERM stop it?
+"""Slow-loris against a real `serve`: does /health keep answering, and does SIGTERM stop it?
 
 Starts `python -m supervisor serve` with no models on a free loopback port,
 opens N connections that send a request line and then one header byte every

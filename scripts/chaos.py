@@ -1,4 +1,4 @@
-"""Chaos suite (issue 16): abuse a real supervisor and count what it costs.
+"""Chaos suite: abuse a real supervisor and count what it costs.
 
 Every scenario runs real processes on this machine, over loopback and ipc
 only, bounded in time and count:
@@ -62,7 +62,7 @@ class Row:
     e5xx: int = 0        # a 500 (or a crash, for the config scenario)
     orphans: int = 0
     false_kills: int = 0
-    foreign: int = 0     # issue 21: a foreign origin or Host changed the guard / what is loaded, or read state
+    foreign: int = 0     # a foreign origin or Host changed the guard / what is loaded, or read state
     leaks: str = "-"
     note: str = ""
 
@@ -286,7 +286,7 @@ def stream_kill(ctx: "Context") -> Row:
 
 def long_steps(ctx: "Context") -> Row:
     """Each step 2.5 s against a 1.5 s heartbeat window (the worker's test-only delay
-    sleeps with the GIL released, as MLX does): before issue 16 every one was a kill."""
+    sleeps with the GIL released, as MLX does): without the heartbeat thread every one was a kill."""
     row = Row("long-steps")
     config = base_config({"a": ctx.model_a}, heartbeat_timeout=1.5, heartbeat_interval=0.2)
     serve = Serve(ctx.work, config, ctx.runtime("ls"), env={"MEMVISOR_TEST_STEP_DELAY": "2.5"}).start()
@@ -589,7 +589,7 @@ def configs(ctx: "Context") -> Row:
                                    "--runtime-dir", str(ctx.runtime("cf")), "--http", "127.0.0.1:0"],
                                   cwd=ROOT, capture_output=True, text=True, timeout=30)
         except subprocess.TimeoutExpired:
-            row.hung += 1  # accepted: it served (before issue 16, most of these did)
+            row.hung += 1  # accepted: it served (a value that parses but breaks the system)
             continue
         if done.returncode == 2 and "configuration error" in done.stderr and "Traceback" not in done.stderr:
             row.clear += 1
@@ -635,7 +635,7 @@ def slow_subs(ctx: "Context") -> Row:
 
 
 # ---------------------------------------------------------------------------
-# issue 21: the browser, the half-sent request, the slow disk, the hostile file
+# the browser, the half-sent request, the slow disk, the hostile file
 
 FOREIGN = "http://evil.example"
 
@@ -966,7 +966,7 @@ def hostile_files(ctx: "Context") -> Row:
                         status = client.request(method, path, json=body, timeout=30 if body is not None else 5)
                         classify(row, status.status_code)
                         if status.status_code == 404 and "were refused" in status.text:
-                            said_refused += 1  # issue 21: no model, and the 404 says why
+                            said_refused += 1  # no model, and the 404 says why
                         if status.status_code >= 500 and status.status_code != 503:
                             print(f"   hostile-files: {path}: {status.status_code} {status.text[:300]}", file=sys.stderr)
                     except httpx.HTTPError:

@@ -3,7 +3,7 @@
     pip install llguidance xgrammar outlines-core   # only llguidance is a dependency
     python scripts/compare_constraint_libs.py [--model DIR] [--sequences N] [--vocab V]
 
-Why: issue 13 asks which library the worker should build on. This runs each
+Why: which library should the worker build on? This runs each
 one the way the worker would: a tokenizer built from the model's
 `tokenizer.json` (a byte-level BPE as `mlx_lm.load` gives it), schemas
 compiled once, and per generated token: fill the allowed-token bitmask, apply

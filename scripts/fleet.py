@@ -1,4 +1,4 @@
-"""Several memvisor hosts behind a real LiteLLM proxy, on this machine (issue 24).
+"""Several memvisor hosts behind a real LiteLLM proxy, on this machine.
 
 Starts N supervisors as "hosts" (each its own runtime dir and port, loopback
 only, its own host name), a LiteLLM proxy in front with every host as a

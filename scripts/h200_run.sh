@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU runs of issue 17 on a lent NVIDIA H200 (no package registry there).
+# The GPU runs on a lent NVIDIA H200 (no package registry there).
 #
 #   scripts/h200_run.sh parts    copy the first half of the mlx-cuda-13 wheel to /tmp/parts
 #   scripts/h200_run.sh install  join the halves, check the md5, install every wheel into /tmp/site
@@ -7,10 +7,10 @@
 #   scripts/h200_run.sh drill    the device fire drill (scripts/bench_device_drill.py)
 #   scripts/h200_run.sh batch    scripts/bench_batch.py on a 2 GiB bf16 model
 #   scripts/h200_run.sh peers    scripts/bench_peers.py: stream_generate, raw loop, memvisor, mlx_lm.server at
-#                                1/8/32/64 streams, TTFT, NVML peaks (issue 22; ~5-7 min, one command)
+#                                1/8/32/64 streams, TTFT, NVML peaks (~5-7 min, one command)
 #   scripts/h200_run.sh path     scripts/bench_path.py: where a token's time goes, layer by layer, at 1 and 64
 #                                streams (ceiling, engine in process, worker over ZeroMQ, server; ~3 min)
-#   scripts/h200_run.sh joinmem  scripts/bench_join_memory.py: the decode batch's buffers against its live KV (issue 22)
+#   scripts/h200_run.sh joinmem  scripts/bench_join_memory.py: the decode batch's buffers against its live KV
 #
 # Wheels travel in .whl/ (Python 3.12 manylinux), the ~90 MB mlx-cuda-13 wheel
 # in two halves (.gpu1/, .gpu2/, `split -b 46000000`) because one transfer is

@@ -1,4 +1,4 @@
-"""Run llama.cpp's server test suite against memvisor (issue 23).
+"""Run llama.cpp's server test suite against memvisor.
 
     python scripts/llamacpp_suite.py run TESTS_DIR [--gguf FILE] [--suite-python PY] [-- PYTEST ARGS]
 

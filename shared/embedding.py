@@ -17,7 +17,7 @@ which encoders the worker can run is the worker's business (it refuses the
 others by name at load).
 
 Every read goes through `shared.modelinfo.read_small` (regular files only,
-size-capped): a models folder is input (issue 21). Blocking: run it off the
+size-capped): a models folder is input. Blocking: run it off the
 supervisor's loop.
 """
 

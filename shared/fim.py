@@ -1,4 +1,4 @@
-"""Fill-in-the-middle token spellings (issue 23): which a tokenizer has, and in what order
+"""Fill-in-the-middle token spellings: which a tokenizer has, and in what order
 a prompt puts the prefix and the suffix.
 
 Why in `shared/`: the supervisor reads a model's small files (or a GGUF header) to

@@ -25,7 +25,7 @@ import msgspec
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 MAX_STRING_BYTES = 64 * 1024 * 1024  # a longer key or value is a corrupt file, not a model
-# Bounds on what a header may claim (issue 21: a 4 KB sparse file claiming
+# Bounds on what a header may claim (a file is input: a 4 KB sparse file claiming
 # billions of empty keys kept the supervisor parsing for 15.6 s). Real models
 # have tens of keys, thousands of tensors, vocabularies of a few 100k tokens
 # and tokenizer metadata of tens of MB.

@@ -21,7 +21,7 @@ class MemoryReading(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     cached arrays) and `cache_releasable` the part of it no running or queued
     request uses, all that a shrink may drop (H3).
 
-    Where the decode batch's memory goes (issue 22): `batch_bytes` are its KV
+    Where the decode batch's memory goes: `batch_bytes` are its KV
     buffers as allocated (rows x positions, free room included) and
     `batch_live_bytes` the live rows' own tokens in them; `batch_relayouts`
     counts the whole-batch copies (growth, compaction) since the worker

@@ -5,9 +5,9 @@ a models folder.
 Why: the supervisor refuses a request whose `max_tokens` cannot fit the
 model's context before any worker exists (it never imports MLX), and the
 worker refuses a prompt that, tokenized, leaves no room for `max_tokens`
-(issue 16: a 200k-token prompt, 49x the context, was accepted).
+(a 200k-token prompt, 49x the context, was accepted).
 
-Why the bounds (issue 21): a models folder is input. A named pipe called
+Why the bounds: a models folder is input. A named pipe called
 `config.json` or `model.safetensors` froze the supervisor for good at its
 `open()`, and a 1 GiB sparse config.json took it to 2.2 GB. Every read of a
 model's files goes through `open_regular`: it refuses what is not a regular
@@ -90,7 +90,7 @@ def config_refusal(path: str | os.PathLike[str]) -> str | None:
     """Why the model folder's config.json is refused (not a regular file, over
     CONFIG_MAX_BYTES, not a JSON object), or None when it is fine or absent.
 
-    Issue 21: `read_config_json` answers None for a refused file as for a
+    Why: `read_config_json` answers None for a refused file as for a
     missing one, so a 1 GiB sparse config.json passed every check and the
     worker read it (2 GiB RSS, killed as wedged). Whoever decides whether a
     model can be loaded asks this instead. A passing failure (EMFILE) is

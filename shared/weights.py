@@ -5,7 +5,7 @@ it, and that estimate is made in the supervisor, which never imports MLX. The
 safetensors header states every tensor's byte range, so the sum is exact and
 costs one small read per file (no tensor data is touched).
 
-Why a cache (issue 21): the supervisor's loop must never wait on the disk. The
+Why a cache: the supervisor's loop must never wait on the disk. The
 arbiter reads a model's headers on a worker thread, with a time bound, before
 anything on the loop asks; `estimate_weight_bytes` then answers from what was
 read, as long as the files have not changed since (their sizes and mtimes). A
@@ -154,7 +154,7 @@ def kv_bytes_per_token(path: str | os.PathLike[str]) -> int:
     it fit with N tokens of context?" needs before anything is loaded. A model
     whose config does not say is costed at 0 (weights only) rather than guessed.
     """
-    config = read_config_json(path)  # bounded: a regular file of at most a few MB (issue 21)
+    config = read_config_json(path)  # bounded: a regular file of at most a few MB
     if config is None:
         return 0
     return attention_shape(config).kv_bytes_per_token(dtype_bytes(config))

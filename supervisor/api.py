@@ -68,13 +68,13 @@ class Supervisor(Protocol):
         ...
 
     async def tokens(self, model_id: str, cmd: p.Tokenize | p.Detokenize) -> p.TokensReply:
-        """Issue 23: the model's tokenizer, asked through its worker (loaded on demand)."""
+        """The model's tokenizer, asked through its worker (loaded on demand)."""
         ...
 
     def cancel(self, stream: RequestStream, reason: str = ...) -> None: ...
 
     def keep_alive(self, model_id: str, seconds: float) -> None:
-        """Issue 13: a request's keep_alive/ttl becomes the loaded model's idle timer (P10;
+        """A request's keep_alive/ttl becomes the loaded model's idle timer (P10;
         0 = never expires) until its worker stops."""
         ...
 
@@ -84,7 +84,7 @@ class Supervisor(Protocol):
         """The prompt cache's disk tier and shrink before drop (H5, H6 as proposed), per model and in all."""
         ...
 
-    # -- routing signals (issue 24) -------------------------------------------
+    # -- routing signals: what a router in front reads -------------------------
 
     def readiness(self, name: str) -> Readiness:
         """What a request for the model would meet now (LoadError 404 for an unknown model)."""

@@ -10,7 +10,7 @@ Every frame goes through a `Codec`; what cannot be decoded is counted per
 socket and fixed cause, logged at most once a minute per cause, and dropped. Nothing a peer sends can
 raise into the loop.
 
-The PUB sockets are XPUBs with a last-value cache (issue 21): a new
+The PUB sockets are XPUBs with a last-value cache: a new
 subscriber's subscription reaches the loop, which sends it the latest
 ceiling, pressure and status at once instead of letting it wait up to one
 slow tick (10-30 s) for the next. ZeroMQ filters by topic only, so that
@@ -41,7 +41,7 @@ log = logging.getLogger("memvisor.bus")
 DRAIN_BATCH = 1000  # frames taken from one socket before the loop runs anything else
 # Messages queued per subscriber before PUB drops for it: a slow or stalled
 # subscriber costs at most this many frames of memory (status frames are the
-# largest, a few KiB), never 10,000 of them (issue 16).
+# largest, a few KiB), never 10,000 of them.
 PUB_HWM = 1000
 MAX_SUBSCRIBERS = 64  # the default of [supervisor] max_subscribers
 BAD_LOG_EVERY = 60.0  # seconds between two log lines of one refused-frame cause
@@ -158,7 +158,7 @@ class Bus:
     def __init__(self, ctx: zmq.Context, endpoints: Endpoints, max_subscribers: int = MAX_SUBSCRIBERS) -> None:
         self.ctx = ctx
         self.endpoints = endpoints
-        self.subscribers = SubscriberCap(ctx, max_subscribers)  # issue 16: before the PUB sockets bind
+        self.subscribers = SubscriberCap(ctx, max_subscribers)  # before the PUB sockets bind: no subscriber slips in uncounted
         self.malformed: Counter[tuple[str, BadCause]] = Counter()
         self._logged: dict[tuple[str, str], float] = {}  # (socket, cause) -> when last logged
         self.commands = self._bind(zmq.ROUTER, endpoints.commands)
@@ -176,9 +176,9 @@ class Bus:
         self.control_codec = p.Codec(p.ControlRequest)
         self.control_reply_codec = p.Codec(p.ControlReply)
         self._loop: asyncio.AbstractEventLoop | None = None
-        # issue 15: in-process subscribers of every PUB message (the SSE hub); called, never awaited
+        # in-process subscribers of every PUB message (the SSE hub); called, never awaited
         self.listeners: list[Callable[[p.Msg], None]] = []
-        # issue 21: the last frames published per state topic, and the topics a new subscriber
+        # the last frames published per state topic, and the topics a new subscriber
         # asked for since the last replay (a flood of subscriptions costs one replay per drain)
         self.latest: dict[str, list[bytes]] = {}
         self._wanted: dict[zmq.Socket, set[str]] = {}
@@ -343,7 +343,7 @@ class Bus:
         The key is never text the sender controls (a message type name, a
         version number, a peer identity): keyed on that, 100k distinct garbage
         frames grew the counter, the "logged once" set and the log without
-        bound (issue 16)."""
+        bound."""
         key = (socket_name, cause)
         self.malformed[key] += 1
         now = time.monotonic()
@@ -402,14 +402,14 @@ class Bus:
             if sock not in self._pub_rearmed and self._loop is not None:  # the send may have taken the
                 self._pub_rearmed.add(sock)  # FD's edge: look once this loop turn (an EVENTS read a send costs 3 us)
                 self._loop.call_soon(self._rearmed_drain, sock)
-        for listener in self.listeners:  # issue 15: the SSE hub (supervisor.fanout)
+        for listener in self.listeners:  # the SSE hub (supervisor.fanout)
             try:
                 listener(msg)
             except Exception:  # a bug there must not stop the guard that publishes
                 log.exception("in-process subscriber %r failed", listener)
 
     def add_listener(self, listener: Callable[[p.Msg], None]) -> None:
-        """issue 15: `listener(msg)` for every PUB message, in the loop, after the socket send."""
+        """`listener(msg)` for every PUB message, in the loop, after the socket send."""
         self.listeners.append(listener)
 
     def _rearm(self, sock: zmq.Socket) -> None:

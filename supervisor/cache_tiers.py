@@ -17,15 +17,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from shared.protocol import CacheReport, DiskCacheStats
+from shared.protocol import COUNTER_NAMES, CacheReport, DiskCacheStats
 from shared.sizes import format_size
 from supervisor.policy.status import DiskCacheStatus
 
 if TYPE_CHECKING:
     from supervisor.config import GuardConfig
 
-COUNTERS = ("read_entries", "read_bytes", "read_tokens", "written_entries", "written_bytes", "dropped_entries",
-            "dropped_bytes", "evicted_entries", "evicted_bytes", "quantized_entries", "quantized_bytes")
 
 
 def save_grace(guard: GuardConfig) -> float:
@@ -40,14 +38,14 @@ class CacheBook:
     def __init__(self) -> None:
         self.models: dict[str, DiskCacheStats] = {}
         self._worker: dict[str, str] = {}      # model id -> the worker its last report came from
-        self._done: dict[str, int] = dict.fromkeys(COUNTERS, 0)  # counters of workers superseded since
+        self._done: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)  # counters of workers superseded since
         self._all_bytes = 0
         self._budget = 0
 
     def take(self, msg: CacheReport) -> None:
         previous = self.models.get(msg.model_id)
         if previous is not None and self._worker.get(msg.model_id) != msg.worker_id:
-            for name in COUNTERS:  # a new worker of the model: the old one's counts are final
+            for name in COUNTER_NAMES:  # a new worker of the model: the old one's counts are final
                 self._done[name] += getattr(previous, name)
         self.models[msg.model_id] = msg.stats
         self._worker[msg.model_id] = msg.worker_id
@@ -58,7 +56,7 @@ class CacheBook:
         return self.models.get(model_id) or DiskCacheStats()
 
     def status(self, setting: int, grace: float, quantize_bits: int) -> DiskCacheStatus:
-        totals = {name: self._done[name] + sum(getattr(s, name) for s in self.models.values()) for name in COUNTERS}
+        totals = {name: self._done[name] + sum(getattr(s, name) for s in self.models.values()) for name in COUNTER_NAMES}
         return DiskCacheStatus(
             max=setting, budget=self._budget, bytes=self._all_bytes,
             entries=sum(s.entries for s in self.models.values()),

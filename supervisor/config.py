@@ -67,7 +67,7 @@ def _non_negative(field: str, value: float) -> None:
 def _between(field: str, value: float, low: float, high: float, unit: str = "seconds") -> None:
     """A number in [low, high]: values that parse but break the system at run
     time (a heartbeat every nanosecond, 10**20 concurrent requests) are refused
-    here, with the key path, not found by a traceback later (issue 16)."""
+    here, with the key path, not found by a traceback later."""
     if not (math.isfinite(value) and low <= value <= high):
         raise _FieldError(field, f"must be between {low:g} and {high:g} {unit}, got {value!r}")
 
@@ -107,7 +107,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-# issue 21: `[supervisor] cors_origins` by default: local pages on any port, as Ollama's OLLAMA_ORIGINS.
+# `[supervisor] cors_origins` by default: local pages on any port, as Ollama's OLLAMA_ORIGINS.
 DEFAULT_CORS_ORIGINS = [f"{scheme}://{host}:*" for scheme in ("http", "https")
                         for host in ("localhost", "127.0.0.1", "[::1]")]
 _ORIGIN_PATTERN_RE = re.compile(r"^(?:\*|null|[a-z][a-z0-9+.-]*://(?:\[[0-9a-fA-F:.*]+\]|[^:/\[\]\s]+)"
@@ -218,7 +218,7 @@ class SupervisorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     idle_timeout: float = 0.0        # P10 global TTL in seconds (0 = never)
     allow_drills: bool = False
     admin_token: str = ""
-    # issue 13: when any is set, /v1/* needs one (Bearer or x-api-key); a file has one a line
+    # when any is set, /v1/* needs one (Bearer or x-api-key); a file has one a line
     api_keys: list[str] = msgspec.field(default_factory=list)
     api_keys_file: str = ""
     queue_size: int = 64
@@ -230,19 +230,19 @@ class SupervisorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     heartbeat_timeout: float = 5.0
     load_timeout: float = 600.0      # a worker still loading after this long is wedged
     # A worker whose step loop is inside one engine step (its heartbeat thread
-    # says so) is alive, not wedged, for up to this long (issue 16).
+    # says so) is alive, not wedged, for up to this long: a long prefill chunk is work, not silence.
     step_timeout: float = 300.0
     # A failed model is tried again after failed_retry_first seconds, then after
     # a backoff that doubles each time it fails again, up to failed_retry_max.
     failed_retry_first: float = 10.0
     failed_retry_max: float = 300.0
     body_timeout: float = 30.0       # seconds a client has to send its whole request body
-    # issue 21: seconds a client has to send its request line and headers (a slow-loris
+    # seconds a client has to send its request line and headers (a slow-loris
     # connection is closed after this), and the most HTTP connections open at once
     # (beyond it the oldest one still sending headers is closed, or the new one gets a 503).
     header_timeout: float = 10.0
     max_connections: int = 1024
-    # issue 21: the pages (origins) that may call /v1/* (and /api/*) from a browser:
+    # the pages (origins) that may call /v1/* (and /api/*) from a browser:
     # SCHEME://HOST[:PORT], '*' for a wildcard part, ':*' for any port, or '*' for every origin.
     cors_origins: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_CORS_ORIGINS))
     # The time one prefill chunk aims at: commands wait at most about this long

@@ -19,7 +19,7 @@ from supervisor.errors import ServeError
 log = logging.getLogger("memvisor.control")
 
 # No model has a context near this; a count past it is a typo or an attack,
-# and one past 2**64 could not even be encoded in the answer (issue 21).
+# and one past 2**64 could not even be encoded in the answer.
 MAX_CONTEXT_TOKENS = (1 << 31) - 1
 
 

@@ -11,11 +11,11 @@ win over discovered ones with the same id.
 The scan is bounded (depth, models and entries looked at) so a models folder
 pointed at a home directory cannot stall the start; what it skips is said in a
 warning. A reload runs it on a worker thread, never on the supervisor's loop
-(issue 21). A folder name that is not a usable model id (`My Model (4bit)`)
+(a rescan of 150,000 folders would stall it). A folder name that is not a usable model id (`My Model (4bit)`)
 is served under a sanitised id (`My-Model-4bit`), said in a warning, or
 skipped with a warning when even that is not usable; it never stops `serve`.
 
-A model whose files are refused (issue 21: a named pipe as model.safetensors,
+A model whose files are refused (a models folder is input: a named pipe as model.safetensors,
 a sparse GGUF or one claiming 2**40 keys, a 1 GiB config.json) is not a model:
 it is skipped with a warning, and its id and the reason are kept
 (`last_refused`) so the supervisor says so in a `refused` event and a request
@@ -142,8 +142,8 @@ def _sanitise(name: str) -> str:
 
 def _found(name: str, entry: Path, path: Path, warnings: list[str], named: str = "") -> Found | None:
     """A model under `name` when it is a usable id; else under its sanitised form, said
-    in a warning; else nothing, said in a warning (issue 21: `My Model (4bit)` made
-    `serve` exit with a traceback, and a reload was silently dropped)."""
+    in a warning; else nothing, said in a warning (a bad folder name must neither stop
+    `serve` with a traceback nor silently drop a reload)."""
     from supervisor.config import check_model_id
 
     model_id = name if "/" in name else _sanitise(name)

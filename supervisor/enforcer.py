@@ -314,7 +314,7 @@ class Enforcer:
         """A2's estimate, read from the weight files before loading (no MLX)."""
         try:
             return estimate_weight_bytes(model.path)
-        except (WeightsError, OSError) as exc:  # 422, not "our bug" (issue 21; see ModelUnreadable)
+        except (WeightsError, OSError) as exc:  # 422, not "our bug" (see ModelUnreadable)
             raise ModelUnreadable(f"model {model.id!r} cannot be loaded from {model.path}: {exc}") from None
 
     def fit(self, model: ModelConfig, context_tokens: int = 0) -> FitReport:

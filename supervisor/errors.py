@@ -53,7 +53,7 @@ class ModelUnreadable(LoadError):
     """A configured model whose files are refused (not a regular file, over a size
     cap, a header that lies, no tensor data): 422, naming the file and the reason.
 
-    Why 422 (issue 21; it was 500, which says "our bug"): the request is well
+    Why 422 (not 500, which says "our bug"): the request is well
     formed (not 400) and names a model this server has (not 404), but that
     model cannot be processed as it stands; no retry cures it (not 503) until
     the operator fixes the files. A passing failure of the read (EMFILE) is a

@@ -45,7 +45,7 @@ class Gate:
         return len(self.waiters)
 
     def waiting_for(self, handle: WorkerHandle) -> int:
-        """Requests queued here for one worker (a model's queue depth, issue 24)."""
+        """Requests queued here for one worker (a model's queue depth, a router's signal)."""
         return sum(1 for w in self.waiters if w.handle is handle and not w.future.done())
 
     def waiting_for_model(self, model_id: str) -> int:

@@ -1,6 +1,6 @@
 """Work the supervisor's loop must not wait on: run on a thread, picked up later.
 
-Why (issue 21): the one loop reads heartbeats, reaps exits and answers
+Why: the one loop reads heartbeats, reaps exits and answers
 signals; a models-folder rescan of 150,000 folders or a named pipe called
 `model.safetensors` inside it stalled all of that (the pipe for good, SIGTERM
 ignored). Disk reads of model files and config files run here instead: each

@@ -23,7 +23,7 @@ from typing import Callable
 
 import msgspec
 import multiprocess
-import multiprocess.connection  # noqa: F401  (issue 21: Process.join imports it lazily; out of fds that failed)
+import multiprocess.connection  # noqa: F401  (Process.join imports it lazily, which fails once descriptors run out)
 from typing_extensions import assert_never
 
 from shared import protocol as p
@@ -135,7 +135,7 @@ class Pool:
             case p.TokenOut() | p.Finished() | p.Failed() | p.Prompted() | p.Embedded():
                 if self.streams.deliver(msg) is not None:  # its last reply: the worker is idle since now
                     handle.last_access = time.monotonic()
-            case p.TokenBatch():  # issue 11: one decode step's tokens for several requests
+            case p.TokenBatch():  # one decode step's tokens for several requests, in one frame
                 if msg.well_formed():
                     self.streams.deliver_batch(msg)
                 else:
@@ -449,7 +449,7 @@ class Pool:
         assert proc is not None
         try:
             proc.join(0)
-        except OSError as exc:  # out of descriptors (issue 21): keep trying, never lose the exit
+        except OSError as exc:  # out of descriptors: keep trying, never lose the exit
             if tries % 200 == 0:
                 log.warning("Reaping worker %s (pid %d) failed: %s; trying again", handle.worker_id, handle.pid, exc)
             asyncio.get_running_loop().call_later(0.05, self._reap, handle, tries + 1)
@@ -473,7 +473,7 @@ class Pool:
         gone = f"the worker serving {handle.model_id!r} {handle.exit_cause}"
         self.streams.fail_all(handle.worker_id, "worker_exited", gone)
         self.streams.fail_calls(handle.worker_id, LoadError(gone, code="worker_exited", http_status=503))
-        if not handle.loaded.done():  # a death, as after loading: 503, retry (issue 16; was a 500)
+        if not handle.loaded.done():  # a death, as after loading: 503, retry (not 500: nothing here is our bug)
             handle.loaded.set_exception(
                 LoadError(f"worker for {handle.model_id!r} {handle.exit_cause} before the model was loaded",
                           code="worker_exited", http_status=503))

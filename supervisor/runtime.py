@@ -23,7 +23,7 @@ def default_runtime_dir() -> Path:
 def runtime_dir_problem(path: Path) -> str | None:
     """Why a client cannot look for a supervisor in `path` (it is a file, say), or None.
 
-    Issue 21: `status --runtime-dir FILE` printed a NotADirectoryError traceback."""
+    Said in words: `status --runtime-dir FILE` printed a NotADirectoryError traceback."""
     if path.exists() and not path.is_dir():
         return f"--runtime-dir {path} is not a folder (a supervisor's runtime dir is one)"
     return None

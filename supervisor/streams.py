@@ -7,7 +7,7 @@ where the front door reads them. The router knows streams by request id and
 by worker, so a worker that exits can end every stream it was serving with a
 clear error, and no stream is ever left waiting for a reply that cannot come.
 
-A worker's `Prompted` (issue 23) does not go into the queue: it is kept on the
+A worker's `Prompted` (the prompt's final length) does not go into the queue: it is kept on the
 stream, where a front door that needs the prompt's length early reads it (it
 always arrives before the first token) or awaits it (`prompt_known`).
 

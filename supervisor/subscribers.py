@@ -1,4 +1,4 @@
-"""A cap on PUB subscribers (issue 16), enforced by ZeroMQ's own ZAP hook.
+"""A cap on PUB subscribers, enforced by ZeroMQ's own ZAP hook.
 
 Any number of subscribers could connect, and each could queue up to the
 high-water mark of messages in the supervisor's memory. PUB has no way to

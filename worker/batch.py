@@ -1,4 +1,4 @@
-"""Batched decode (issue 11): every decoding sequence of a worker in one forward pass per step.
+"""Batched decode: every decoding sequence of a worker in one forward pass per step.
 
 Why: a decode step of one sequence reads every weight of the model to
 produce one token; on a GPU that pass is launch- and bandwidth-bound, so B
@@ -6,7 +6,7 @@ sequences in one pass cost little more than one (an H200 went from ~300
 tokens/s at batch 1 to ~6,000 at batch 32). On a CPU the pass is
 compute-bound and the gain is small, but nothing is lost.
 
-Why rows in place (issue 22). Issue 11 joined with mlx-lm's `BatchKVCache`:
+Why rows in place. The first batched decode joined with mlx-lm's `BatchKVCache`:
 `extend` concatenates the newcomer onto the running batch and `filter`
 gathers the rows that stay, so every join and every leave copied the whole
 batch's KV, and for a moment held it twice. On an H200 at 64 streams that
@@ -35,7 +35,7 @@ length) and a step allocates only the one token it writes; the live rows'
 own tokens are `live_nbytes`, and the worker's memory sample carries both
 (and the relayouts) so `status` shows where the batch's memory goes.
 
-Why these steps (issue 22, measured by scripts/bench_join_memory.py): the
+Why these steps (measured by scripts/bench_join_memory.py): the
 first cut grew rows by half, positions in mlx-lm's 256-token steps with
 half the window as room behind, and never shrank before the batch emptied;
 its buffers held 3-4x the live KV (and a 256-position step of 64 rows of a
@@ -53,7 +53,7 @@ joining and leaving at different steps.
 
 The step keeps the engine's one-ahead pipelining: the next tokens of every
 row are queued (`mx.async_eval`) before the current ones are read, in one
-`tolist()` for the whole batch. A row under a grammar (issue 13) shares the
+`tolist()` for the whole batch. A row under a grammar shares the
 pass but not the look-ahead: its mask needs the token just read, so the
 engine samples it afterwards from the same logits and `place`s it.
 """
@@ -83,7 +83,7 @@ class Growth(msgspec.Struct, frozen=True):
 
 
 NOW = Growth()
-PREVIOUS = Growth(step=256, tail=2, rows=2, shrink_at=0)  # the first cut of issue 22, for the bench
+PREVIOUS = Growth(step=256, tail=2, rows=2, shrink_at=0)  # the first cut of rows in place, for the bench
 
 
 def _round_up(n: int, step: int) -> int:

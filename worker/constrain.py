@@ -1,4 +1,4 @@
-"""Constrained decoding: a grammar per sequence that masks the logits (issue 13).
+"""Constrained decoding: a grammar per sequence that masks the logits.
 
 The engine asks three things of a constrained sequence, once per token:
 `mask(logits)` (disallowed tokens become -inf before sampling), `accept(token)`
@@ -81,8 +81,8 @@ from shared.vocab import FailureCode
 INVALID_CONSTRAINT: FailureCode = "invalid_constraint"  # the front door names its param (a 400)
 CACHE_SIZE = 64  # compiled grammars kept per tokenizer
 WRAP_WINDOW = 256  # tokens before max_tokens where the wrap-up starts checking (see Constraint)
-PROBE_TOKENS = 32  # issue 21: tokens of the closing policy's dry run at compile (see _probe)
-# issue 21: every mask and every probe step is bounded by llguidance's lexer fuel (its defaults:
+PROBE_TOKENS = 32  # tokens of the closing policy's dry run at compile (see _probe)
+# every mask and every probe step is bounded by llguidance's lexer fuel (its defaults:
 # 1M initial, 200k a step, 250k lexer states): `(a|aa){1000}` exhausts them in ~60 ms and is
 # refused; tighter bounds also refused `(a|aa){200}`, a pattern that works.
 # llguidance's error texts when a grammar exceeds a bound rather than the model misbehaving
@@ -253,7 +253,7 @@ class ConstraintFactory:
     def _compile(self, spec: ConstraintSpec) -> llg.LLMatcher:
         """The spec's matcher, refused here (before any token) when it cannot be enforced.
 
-        Issue 21: llguidance builds its lexer lazily, so a pattern whose regex
+        Why: llguidance builds its lexer lazily, so a pattern whose regex
         explodes (`(a|aa){1000}`) compiled fine and failed on the first token
         inside it, mid-stream. So each regex of a JSON Schema is entered once
         on its own, and the whole grammar is walked a few tokens by the closing

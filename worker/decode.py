@@ -1,6 +1,6 @@
 """The decode step: one token for every decoding request, and what each token says.
 
-Why one step for all (issue 11): every unconstrained request is a row of one
+Why one step for all: every unconstrained request is a row of one
 batch (worker/batch.py) and advances in the same forward pass; a model whose
 KV cannot be batched (rotating, state-space caches) takes one pass per
 request instead (`_single`). A request joins the batch at the first decode
@@ -12,7 +12,7 @@ the next tokens are queued (`mx.async_eval`) before the current ones are
 read, greedy sampling skips the log-softmax, and events are the wire Structs
 themselves so the worker loop encodes them without copying.
 
-Constrained requests (issue 13) cannot sample ahead: the mask of their next
+Constrained requests cannot sample ahead: the mask of their next
 token depends on the token still in flight. Their forward pass still runs
 ahead (it needs only the lazy token) while the grammar computes the mask;
 the free ones are sampled first and keep their look-ahead.
@@ -145,7 +145,7 @@ class DecodeStep:
             seq.cache = None
 
     def _single(self, decoding: list[Seq], events: list[Event]) -> list[Seq]:
-        """One pass per request (no batching): the path before issue 11."""
+        """One pass per request (no batching): for KV that cannot be batched."""
         seqs = [seq for seq in decoding if seq.constraint is None]
         bound = [seq for seq in decoding if seq.constraint is not None]
         following: list[mx.array | None] = []
@@ -168,7 +168,7 @@ class DecodeStep:
         return survivors
 
     def _constrained(self, seqs: list[Seq], events: list[Event]) -> list[Seq]:
-        """Issue 13: queue the forward passes, then read each token and advance its grammar
+        """Queue the forward passes, then read each token and advance its grammar
         while they run, then queue the masked samples (only sampling waits for the mask)."""
         with mx.stream(generation_stream):
             ahead = [self.model(seq.token()[None], cache=seq.cache)[:, -1, :]
@@ -213,7 +213,7 @@ class DecodeStep:
             events.append(self.endings.finished(seq, "stop"))
             return True
         detok.add_token(token)
-        complete = False  # issue 13: the grammar of a constrained output is satisfied
+        complete = False  # the grammar of a constrained output is satisfied
         if seq.constraint is not None:
             if not seq.constraint.accept(token):
                 events.append(self.endings.fail(seq, seq.constraint.error_code, seq.constraint.error))

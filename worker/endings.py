@@ -31,7 +31,7 @@ Event = Union[TokenOut, Finished, Failed, NeedMemory, Prompted]
 
 
 def prompted(seq: Seq) -> Prompted:
-    """Issue 23: the prompt's length and cache reuse, final once its prefill starts."""
+    """The prompt's length and cache reuse, final once its prefill starts."""
     return Prompted(request_id=seq.id, prompt_tokens=len(seq.prompt), cached_tokens=seq.cached,
                     cached_disk_tokens=seq.cached_disk)
 

@@ -88,7 +88,7 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.weight_bytes = weight_bytes
-        self.context_length: int | None = None  # tokens; set by load() from config.json (issue 16)
+        self.context_length: int | None = None  # tokens; set by load() from config.json
         self.prompt_cache = pc.PromptCache(0, min_reuse=MIN_REUSE_TOKENS)  # H2: cap comes with limits
         layers = make_prompt_cache(model)
         cacheable = pc.supports(layers)
@@ -97,7 +97,7 @@ class Engine:
         self.prefill = Prefill(model, tokenizer, self.endings, layers=len(layers), max_chunk=max_chunk,
                                chunk_seconds=chunk_seconds, own_usage=own_usage_fn or _default_own_usage,
                                reclaim=reclaim, clock=clock, memory_wait=memory_wait, device=device)
-        # issue 11: unconstrained requests decode as rows of one batch; models whose KV is
+        # unconstrained requests decode as rows of one batch; models whose KV is
         # not plain attention (rotating, SSM) keep one forward pass per request.
         self.decode = DecodeStep(model, tokenizer, self.endings, batched=batch_decode and cacheable,
                                  max_rows=max(1, max_concurrency))
@@ -125,7 +125,7 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - any loader failure is a load error
             raise EngineError("load_failed", f"cannot load {directory}: {exc}") from exc
         engine = cls(model, tokenizer, weight_bytes=weight_bytes, **kwargs)
-        engine.context_length = context_length(directory)  # issue 16
+        engine.context_length = context_length(directory)  # a prompt over it is refused, not run
         return engine
 
     # -- what the rooms know, read from the front -------------------------------------------
@@ -284,7 +284,7 @@ class Engine:
             raise EngineError(INVALID_REQUEST, "prompt is empty")
         if max_tokens < 1:
             raise EngineError(INVALID_REQUEST, f"max_tokens must be at least 1, got {max_tokens}")
-        # issue 16: the prompt and the reply must fit the model's context window
+        # the prompt and the reply must fit the model's context window
         if self.context_length and len(prompt_tokens) + max_tokens > self.context_length:
             raise EngineError(CONTEXT_EXCEEDED, f"the prompt ({len(prompt_tokens)} tokens) plus max_tokens "
                                                 f"({max_tokens}) exceeds the model's context of "
@@ -311,7 +311,7 @@ class Engine:
         try:
             if cmd.messages is not None and cmd.prompt is None:
                 tokens = self.encode_chat(cmd.messages, cmd.tools)
-            elif cmd.prompt is not None and cmd.messages is None and cmd.suffix is not None:  # issue 23
+            elif cmd.prompt is not None and cmd.messages is None and cmd.suffix is not None:  # fill in the middle
                 tokens = prompts.encode_fim(self.tokenizer, cmd.prompt, cmd.suffix)
             elif cmd.prompt is not None and cmd.messages is None:
                 tokens = self.encode_prompt(cmd.prompt)
@@ -328,7 +328,7 @@ class Engine:
                                        message=f"the request could not be prepared: {exc!r}"))
 
     def _constraint(self, spec: ConstraintSpec, max_tokens: int) -> Constraint:
-        """Issue 13: the request's grammar; a spec that cannot be enforced is invalid_request."""
+        """The request's grammar; a spec that cannot be enforced is invalid_request."""
         try:
             if self._constraints is None:
                 vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)

@@ -3,7 +3,7 @@
 The step loop answers `Ping` only between engine steps, and one prefill chunk
 of a 300 MiB float16 model took 4.7-12.2 s on a small CPU: longer than the
 heartbeat window, so a healthy worker busy with a long prompt was killed as
-wedged (issue 16). MLX releases the GIL while it evaluates, so this thread
+wedged. MLX releases the GIL while it evaluates, so this thread
 keeps running and pushes `Alive` with what the loop is doing (in a step for
 how long, steps and tokens so far) on its own PUSH socket (ZeroMQ sockets are
 not thread-safe; this one is created and used only here).

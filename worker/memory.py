@@ -36,8 +36,8 @@ class Held(NamedTuple):
     """What the engine holds that MLX's counters do not name; every sample carries it.
 
     The prompt cache (H2, H3) and the decode batch's buffers against its live
-    KV, with the relayouts so far (issue 22: `status` shows where the batch's
-    memory goes).
+    KV, with the relayouts so far, so `status` shows where the batch's memory
+    goes.
     """
 
     cache_bytes: int = 0

@@ -65,7 +65,7 @@ class GuardedPool(NamedTuple):
 DEFAULT_MAX_CHUNK = 512
 MEMORY_WAIT_SECONDS = 10.0
 
-# issue 16: prefill chunks sized by time
+# prefill chunks sized by time: a chunk is work the heartbeat cannot interrupt
 CHUNK_SECONDS = 1.0     # the time one prefill chunk aims at
 FIRST_CHUNK = 64        # tokens of a chunk before any has been timed
 MIN_TIMED_CHUNK = 16    # never fewer per chunk (a chunk has a fixed cost too)
@@ -112,7 +112,7 @@ class Prefill:
         self.layers = layers
         self.max_chunk = max(1, max_chunk)
         self.cost = prefill_cost.prior_cost(model, self.max_chunk)
-        self.chunk_timer = ChunkTimer(chunk_seconds)  # issue 16: chunks sized by time too
+        self.chunk_timer = ChunkTimer(chunk_seconds)  # chunks sized by time too
         self.tokens = 0  # prompt tokens run through the model so far
         self._own_usage = own_usage
         self._reclaim = reclaim
@@ -122,7 +122,7 @@ class Prefill:
 
     def pool(self, limits: Limits, usage_fn: UsageFn) -> GuardedPool:
         """Where a prefill's peak lands: on a discrete device its KV and activations are device
-        memory, so G1-G3 hold them to the device pool's limits (SPEC D, issue 22) when the
+        memory, so G1-G3 hold them to the device pool's limits (SPEC D) when the
         supervisor guards one; host RAM otherwise, and on a device the supervisor does not see."""
         if self._device is not None and limits.device_hard > 0:
             return GuardedPool(guard.device_limits(limits), self._device.group, self._device.own)
@@ -234,7 +234,7 @@ class Prefill:
             n = plan.tokens
         else:
             n = min(self.max_chunk, remaining)
-        n = self.chunk_timer.cap(n)  # issue 16: a chunk also fits its time budget
+        n = self.chunk_timer.cap(n)  # a chunk also fits its time budget
         chunk = mx.array(seq.prompt[seq.pos:seq.pos + n])[None]
         memory.reset_peak()
         before = mx.get_active_memory()
@@ -282,7 +282,7 @@ class Prefill:
         seq.detok = self.tokenizer.detokenizer
         seq.move("first_token")
 
-    # -- a group (issue 22) --------------------------------------------------------------
+    # -- a group ------------------------------------------------------------------------
 
     def fits(self, seq: Seq, limits: Limits, usage_fn: UsageFn) -> bool:
         """G1 for one would-be member of a group."""

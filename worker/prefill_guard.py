@@ -245,7 +245,7 @@ def preflight(
     `done` is that prefix's length (the new tokens attend to it).
 
     The estimate is not padded as a whole: it is built to stay at or above
-    the measured peak (within 25 %, issue 21), and padding all of it would
+    the measured peak (within 25 %), and padding all of it would
     refuse, or cost someone their idle model for, prompts that fit. Only the
     chunk in flight is counted padded, as G2 will count it (`admission_peak`).
     """

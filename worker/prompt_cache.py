@@ -165,7 +165,7 @@ class PromptCache:
 
     @property
     def pinned_bytes(self) -> int:
-        # issue 11: kept up to date, not summed: the worker reads it with every sample, once a
+        # kept up to date, not summed: the worker reads it with every sample, once a
         # decode step, and a sum over every entry cost a batched step ~4% on a small model
         return self._pinned
 

@@ -1,4 +1,4 @@
-"""Prompt rendering (issue 22: out of engine.py): chat turns through the model's template, tools, BOS.
+"""Prompt rendering: chat turns through the model's template, tools, BOS.
 
 Nothing here runs the model; the engine calls these to turn a wire
 `Generate` into prompt tokens.
@@ -14,7 +14,7 @@ from worker.request import INVALID_REQUEST, EngineError
 
 
 def _turn(m) -> dict:
-    """A wire ChatMessage as the dict HF chat templates read (issue 13: tool turns too)."""
+    """A wire ChatMessage as the dict HF chat templates read (tool turns too)."""
     turn: dict = {"role": m.role, "content": m.content}
     if m.tool_calls:
         turn["tool_calls"] = json.loads(m.tool_calls)
@@ -34,7 +34,7 @@ TOOLS_IN_WORDS = ("You can call these tools. To call one, answer with "
 
 
 def _tools_in_words(turns: list[dict], tools: list) -> list[dict]:
-    """Issue 13: for a template with no place for tools, the Hermes wording the front door
+    """For a template with no place for tools, the Hermes wording the front door
     parses, in the system turn; earlier calls and results become plain text turns."""
     listing = TOOLS_IN_WORDS.replace("{tools}", "".join(json.dumps(t) + "\n" for t in tools))
     out: list[dict] = []
@@ -61,7 +61,7 @@ def encode_chat(tokenizer, messages: Iterable, tools: str | None = None) -> list
     if not turns:
         raise EngineError(INVALID_REQUEST, "messages must not be empty")
     extra: dict = {}
-    if tools:  # issue 13: tools through the template, or in words where it has no place for them
+    if tools:  # tools through the template, or in words where it has no place for them
         tool_list = json.loads(tools)
         if _knows_tools(getattr(tokenizer, "chat_template", None)):
             extra["tools"] = tool_list
@@ -81,7 +81,7 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
 
 
 def encode_fim(tokenizer, prefix: str, suffix: str) -> list[int]:
-    """Issue 23: a fill-in-the-middle prompt, from the tokenizer's own FIM tokens
+    """A fill-in-the-middle prompt, from the tokenizer's own FIM tokens
     (shared.fim; the supervisor's model cards read the same added tokens). The texts are
     tokenized with special-token text kept as text, so a prefix or suffix cannot smuggle
     in a FIM token; the BOS comes first when the tokenizer adds one."""

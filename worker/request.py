@@ -1,4 +1,4 @@
-"""One request inside the engine: its state, its KV and its output so far (issue 22).
+"""One request inside the engine: its state, its KV and its output so far.
 
 Everything the engine keeps per request lives in `Seq`, and everything that
 changes a request's state is the table below, in the manner of h11's
@@ -8,7 +8,7 @@ request:
 
     queued --admit--> preflight (G1) --start--> prefill --first_token--> decoding
     preflight --need_memory--> waiting --retry--> preflight   (G1 asked the supervisor)
-    preflight --group--> grouped --first_token--> decoding    (prefilled together, issue 22)
+    preflight --group--> grouped --first_token--> decoding    (prefilled together)
     grouped --split--> prefill                                (a group step did not fit: alone)
     any state but ended --end--> ended                        (Finished or Failed, exactly once)
 
@@ -114,7 +114,7 @@ class Seq:
         self.retried = False
         self.deadline = 0.0
         self.warned_soft = False
-        self.constraint: Constraint | None = constraint  # issue 13: grammar of the output
+        self.constraint: Constraint | None = constraint  # grammar of the output
         self.hit: pc.Hit | None = None  # the prompt-cache entry it will reuse (pinned, H3)
         self.cached = 0            # prompt tokens taken from the prompt cache (H1)
         self.cached_disk = 0       # ... of which the disk tier read for this request (H5 as proposed)

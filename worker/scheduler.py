@@ -5,7 +5,7 @@ A request is in exactly one of the scheduler's lines, and its state
 
     queue      queued                          submitted, not yet admitted
     line       preflight, waiting, prefill     the prefill line (only its head moves)
-    group      grouped                         prefilled together (issue 22)
+    group      grouped                         prefilled together
     decoding   decoding                        a token each step (the decode batch)
 
 **Admission** (SPEC P3, P8) moves requests from the queue to the prefill line
@@ -20,7 +20,7 @@ long prompt never stalls the streams already running. A prefill turn that
 ran nothing (the head waits for the supervisor's memory answer, or the guard
 refused it) leaves the turn to decode.
 
-**Grouping** (issue 22): requests waiting together at the front of the line
+**Grouping**: requests waiting together at the front of the line
 are prefilled together when each fits G1 alone and the group fits as a sum
 (worker/prefill.py asks the guard); the head of the line is always a member,
 so nobody is passed over.
@@ -176,7 +176,7 @@ class Scheduler:
             if not self.line:
                 return False  # they join the decode step of this very turn
             self.group = self._form_group(limits, usage_fn)
-            if self.group is not None:  # issue 23: a member's prompt is final (none reuses the cache)
+            if self.group is not None:  # a member's prompt is final (none reuses the cache)
                 events.extend(prompted(seq) for seq in self.group.live)
         if self.group is not None:
             self.prefill.group_step(self.group, limits, usage_fn, events)
@@ -220,7 +220,7 @@ class Scheduler:
 
     def _start_decoding(self, seq: Seq) -> None:
         self.decoding.append(seq)
-        self.decode.join(seq)  # it joins the batch at the next decode step (issue 11)
+        self.decode.join(seq)  # it joins the batch at the next decode step
 
     def _decode_turn(self, events: list[Event]) -> None:
         """One token for every decoding request; MLX raising fails them all, the worker lives."""
@@ -231,7 +231,7 @@ class Scheduler:
             self.decode.clear()
             self.endings.engine_failure(alive, exc, events)
 
-    # -- grouping (issue 22) -----------------------------------------------------------
+    # -- grouping ----------------------------------------------------------------------
 
     def _form_group(self, limits: Limits, usage_fn: UsageFn) -> PrefillGroup | None:
         """The requests at the front of the prefill line to prefill in one pass, or None.

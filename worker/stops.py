@@ -17,7 +17,7 @@ class StopMatcher:
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
         self.pending = ""
-        self.hit = ""  # the stop that ended the text (issue 13: Anthropic's stop_sequence)
+        self.hit = ""  # the stop that ended the text (Anthropic's stop_sequence)
 
     def feed(self, delta: str) -> tuple[str, bool]:
         """Return (text safe to emit, stopped). After a stop, nothing more is emitted."""

@@ -1,4 +1,4 @@
-"""The worker's tokenizer on request (issue 23): `Tokenize` and `Detokenize` commands.
+"""The worker's tokenizer on request: `Tokenize` and `Detokenize` commands.
 
 Why here: only the worker holds the model's tokenizer and chat template; the
 front door's `/tokenize` and `/detokenize` (llama.cpp's routes) ask it. Each

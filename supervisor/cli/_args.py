@@ -8,8 +8,8 @@ from shared.sizes import SizeError, parse_size
 
 
 def context_arg(text: str) -> int:
-    """argparse type for a count of context tokens: 0 .. MAX_CONTEXT_TOKENS (issue 21:
-    one over 2**64 could not be sent and printed a traceback)."""
+    """argparse type for a count of context tokens: 0 .. MAX_CONTEXT_TOKENS (one
+    over 2**64 could not be sent and printed a traceback)."""
     from supervisor.control import MAX_CONTEXT_TOKENS
 
     try:

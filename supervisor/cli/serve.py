@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"memvisor: configuration error: {exc}", file=sys.stderr)
         return 2
-    problems = config.path_problems()  # at start, not at the first load (issue 16)
+    problems = config.path_problems()  # at start, not at the first load
     if problems:
         for problem in problems:
             print(f"memvisor: configuration error: {args.config or 'demo'}: {problem}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""`POST /v1/messages`: the Anthropic Messages API (issue 13).
+"""`POST /v1/messages`: the Anthropic Messages API.
 
 The same path as chat completions (a `Generate` with messages, the model's
 chat template, the worker's stream), spelled the Anthropic way: `system`
@@ -260,7 +260,7 @@ async def handle(request: Request, sup, metrics, body: bytes, started: float) ->
     if req.stream:
         return await job.streamed(request.receive, lambda first: _events(job, first, msg_id, req.model))
     text, calls, end = await job.collect(request.receive)
-    # a required call cut before it closed (issue 23): no block at all, stop_reason max_tokens
+    # a required call cut before it closed: no block at all (half a call is no call), stop_reason max_tokens
     content: list[Union[TextBlock, ToolUseBlock]] = (
         [TextBlock(text=text)] if text or not (calls or job.calls_only) else [])
     content += [_tool_use(c) for c in calls]
@@ -273,7 +273,7 @@ async def handle(request: Request, sup, metrics, body: bytes, started: float) ->
 async def _events(job: Job, first, msg_id: str, model: str) -> AsyncIterator[list[bytes]]:
     """Anthropic's event sequence, a list per piece for `Job.streamed`; a text block opens at
     the first text, a tool_use block per call. message_start reports the prompt's tokens and
-    one output token, as Anthropic's does: the worker's `Prompted` (issue 23) always comes
+    one output token, as Anthropic's does: the worker's `Prompted` (the prompt's final length) always comes
     before the first token, so by `first` the stream holds the count."""
     prompted = job.stream.prompted
     start = Message(id=msg_id, model=model, content=[], usage=AnthropicUsage(
@@ -320,7 +320,7 @@ async def _events(job: Job, first, msg_id: str, model: str) -> AsyncIterator[lis
 
 
 # ---------------------------------------------------------------------------
-# token counting (issue 23)
+# token counting
 
 
 class CountTokensRequest(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -344,7 +344,7 @@ async def prompt_tokens(request: Request, sup, metrics, req, gen: p.Generate, st
 
     Why a generation: only the worker holds the tokenizer and the chat template (the
     supervisor never imports MLX, nor the tokenizer stack), and the protocol has no
-    tokenize command; the worker's `Prompted` (issue 23) is the exact count. The probe
+    tokenize command; the worker's `Prompted` is the exact count. The probe
     runs under the guard like any request and is aborted as soon as the count is in,
     when its prefill starts: no output token is made and at most one chunk prefilled."""
     probe = p.Generate(request_id="", messages=gen.messages, prompt=gen.prompt, max_tokens=1,

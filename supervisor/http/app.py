@@ -7,23 +7,23 @@ loop. The front door sees the supervisor only through `supervisor.api.Supervisor
 
 Endpoints (DESIGN.md contract):
   GET  /health                      200, or 503 while a pinned model is not ready
-  GET  /health?model=ID             that model's readiness, status as a request would get (issue 24)
+  GET  /health?model=ID             that model's readiness, status as a request would get
   GET  /status                      SPEC S1 + the PUB endpoint
   GET  /metrics                     Prometheus text
   GET  /v1/models, /v1/models/{id}
   POST /v1/chat/completions, /v1/completions   (JSON or SSE with "stream": true)
-  POST /v1/messages                 Anthropic Messages (issue 13, http/anthropic.py)
-  POST /v1/responses                OpenAI Responses (issue 13, http/responses.py)
+  POST /v1/messages                 Anthropic Messages (http/anthropic.py)
+  POST /v1/responses                OpenAI Responses (http/responses.py)
   POST /v1/models/{id}/load|unload  admin
   POST /admin/guard                 admin; SPEC T6 (tier, custom ceiling, on/off)
   GET  /v1/events                   the PUB topics as SSE (supervisor.http.events)
   GET  /, /ui, /ui/*                the dashboard (supervisor.http.dashboard)
-  POST /v1/messages/count_tokens    Anthropic token counting (issue 23)
+  POST /v1/messages/count_tokens    Anthropic token counting
   GET  /api/version, /api/tags, /api/ps; POST /api/show, /api/chat, /api/generate
-                                    the Ollama API (issue 23, http/ollama.py)
+                                    the Ollama API (http/ollama.py)
   /chat/completions, /completions, /models, /messages: the /v1 routes for clients
-  that leave the prefix out (issue 23)
-  POST /tokenize, /detokenize       llama.cpp's token routes (issue 23, http/tokenize.py)
+  that leave the prefix out
+  POST /tokenize, /detokenize       llama.cpp's token routes (http/tokenize.py)
   POST /v1/embeddings (and /embeddings), /api/embed, /api/embeddings
                                     embeddings (http/embeddings.py)
 
@@ -100,13 +100,13 @@ class FrontDoor:
         self.scfg = sup.config.supervisor
         self.metrics = Metrics(sup)
         self.created = int(time.time())
-        self.keys = ApiKeys.from_config(self.scfg)  # issue 13
-        self.tickets = EventTickets()  # issue 21: the dashboard's EventSource, with no key in its URL
+        self.keys = ApiKeys.from_config(self.scfg)  # with none configured, /v1 is open
+        self.tickets = EventTickets()  # the dashboard's EventSource, with no key in its URL
 
     # -- models ---------------------------------------------------------------
 
     def card(self, model, facts: ModelFacts) -> ModelCard:
-        """Issue 23: with the context length and the capabilities its files show (as /api/show's)."""
+        """With the context length and the capabilities its files show (as /api/show's)."""
         info = self.sup.model_info(model.id)
         return ModelCard(id=model.id, created=self.created, state=info.state, pinned=model.pinned,
                          worker=info.worker or None, pid=info.pid or None, context_length=facts.context_length,
@@ -141,7 +141,7 @@ class FrontDoor:
         model = self._model_config(request.path_params["model_id"])
         if request.query_params.get("dry_run", "").lower() in ("1", "true", "yes"):
             raw = request.query_params.get("context", "0")
-            if not raw.isdigit() or len(raw) > 10 or int(raw) > MAX_CONTEXT_TOKENS:  # as the CLI's (issue 21)
+            if not raw.isdigit() or len(raw) > 10 or int(raw) > MAX_CONTEXT_TOKENS:  # as the CLI's
                 raise ApiError(400, f"context must be a whole number of tokens, 0..{MAX_CONTEXT_TOKENS}, got "
                                f"{raw[:40]!r}", code="invalid_request", param="context")
             try:
@@ -201,7 +201,7 @@ class FrontDoor:
         started = request.scope.get("memvisor.started", time.monotonic())
         return await http_anthropic.count_tokens(request, self.sup, self.metrics, body, started)
 
-    # -- llama.cpp's token routes (issue 23, http/tokenize.py) ------------------
+    # -- llama.cpp's token routes (http/tokenize.py) ----------------------------
 
     async def tokenize(self, request: Request) -> Response:
         body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
@@ -211,7 +211,7 @@ class FrontDoor:
         body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
         return await http_tokenize.detokenize(self.sup, body)
 
-    # -- the Ollama API (issue 23) ----------------------------------------------
+    # -- the Ollama API ---------------------------------------------------------
 
     async def ollama_version(self, request: Request) -> Response:
         return json_response({"version": ollama_models.VERSION})
@@ -267,7 +267,7 @@ class FrontDoor:
     async def health(self, request: Request) -> Response:
         """503 while a pinned model is not serving: `failed` when one gave up, else `loading`.
 
-        `?model=ID` (issue 24): that model's readiness, with the status a request for it
+        `?model=ID`: that model's readiness, with the status a request for it
         would get now (200, 429, 503 or 507) and its Retry-After: a router's cheap probe."""
         if "model" in request.query_params:
             return self.model_health(request.query_params["model"])
@@ -299,12 +299,12 @@ class FrontDoor:
     async def metrics_text(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    # -- access (issue 15) ----------------------------------------------------
+    # -- access ---------------------------------------------------------------
 
     def read_access(self, request: Request) -> None:
-        """/v1/events: a /v1 call, so it needs an API key when keys are set (issue 13);
+        """/v1/events: a /v1 call, so it needs an API key when keys are set;
         /status and /metrics stay open, like /health. EventSource sends no headers: the
-        dashboard's ticket cookie (issue 21, set by POST /ui/ticket) opens it, and
+        dashboard's ticket cookie (set by POST /ui/ticket) opens it, and
         `?api_key=` still does for older clients (the dashboard never sends it)."""
         if self.keys.enabled and self.tickets.valid(request.cookies.get(EventTickets.COOKIE, "")):
             return
@@ -322,16 +322,16 @@ class FrontDoor:
     def routes(self) -> list[Route]:
         r = guarded
 
-        def v(handler, shape=ApiError.response):  # issue 13: /v1 needs an API key when keys are set
+        def v(handler, shape=ApiError.response):  # /v1 needs an API key when keys are set
             return guarded(self.keys.required(handler), shape)
 
-        def o(handler):  # issue 23: the Ollama API, keyed like /v1, errors in Ollama's shape
+        def o(handler):  # the Ollama API, keyed like /v1, errors in Ollama's shape
             return v(handler, http_ollama.error_response)
 
         anthropic = http_anthropic.error_response
         return [
-            Route("/v1/events", EventsEndpoint(self.sup, self.read_access), methods=["GET"]),  # issue 15
-            *Dashboard(self.sup, self.may_admin, self.keys, self.tickets).routes(r),  # issue 15
+            Route("/v1/events", EventsEndpoint(self.sup, self.read_access), methods=["GET"]),
+            *Dashboard(self.sup, self.may_admin, self.keys, self.tickets).routes(r),
             Route("/health", r(self.health), methods=["GET"]),
             Route("/status", r(self.status), methods=["GET"]),
             Route("/metrics", r(self.metrics_text), methods=["GET"]),
@@ -346,15 +346,15 @@ class FrontDoor:
             Route("/v1/responses", v(self.responses), methods=["POST"]),
             Route("/v1/embeddings", v(self.embeddings), methods=["POST"]),
             Route("/embeddings", v(self.embeddings), methods=["POST"]),
-            # issue 23: clients that leave out /v1 reach the same handlers
+            # clients that leave out /v1 reach the same handlers
             Route("/models", v(self.models), methods=["GET"]),
             Route("/chat/completions", v(self.chat), methods=["POST"]),
             Route("/completions", v(self.completions), methods=["POST"]),
             Route("/messages", v(self.messages, anthropic), methods=["POST"]),
             Route("/messages/count_tokens", v(self.count_tokens, anthropic), methods=["POST"]),
-            Route("/tokenize", v(self.tokenize), methods=["POST"]),  # issue 23: llama.cpp's
+            Route("/tokenize", v(self.tokenize), methods=["POST"]),  # llama.cpp's
             Route("/detokenize", v(self.detokenize), methods=["POST"]),
-            # issue 23: the Ollama API (its version check carries no data, so it needs no key)
+            # the Ollama API (its version check carries no data, so it needs no key)
             Route("/api/version", guarded(self.ollama_version, http_ollama.error_response), methods=["GET"]),
             Route("/api/tags", o(self.ollama_tags), methods=["GET"]),
             Route("/api/ps", o(self.ollama_ps), methods=["GET"]),
@@ -417,5 +417,5 @@ def error_shape(path: str) -> Callable[[ApiError], Response]:
     if path in ("/v1/messages", "/v1/messages/count_tokens", "/messages", "/messages/count_tokens"):
         return http_anthropic.error_response
     if path.startswith("/api/"):
-        return http_ollama.error_response  # issue 23
+        return http_ollama.error_response
     return ApiError.response

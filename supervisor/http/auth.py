@@ -1,4 +1,4 @@
-"""Who may call what: API keys for /v1/* (issue 13), and who may administer.
+"""Who may call what: API keys for /v1/*, and who may administer.
 
 API keys: `[supervisor] api_keys` and/or `api_keys_file`.
 
@@ -104,7 +104,7 @@ class ApiKeys:
 
 
 class EventTickets:
-    """Cookies that open GET /v1/events for the dashboard (issue 21: no secret in any URL).
+    """Cookies that open GET /v1/events for the dashboard (no secret in any URL).
 
     EventSource cannot send headers, and a key in `?api_key=` lands in the
     browser's history and in any proxy's log. So the page trades the key it
@@ -158,7 +158,7 @@ def is_loopback_client(host: str | None) -> bool:
 
 def require_admin(request: Request, token: str) -> None:
     """Bearer token when configured; otherwise loopback clients that are not a foreign page
-    (no Origin, or this server's own origin: the dashboard), issue 21."""
+    (no Origin, or this server's own origin: the dashboard): a page is not an admin."""
     if token:
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):

@@ -38,7 +38,7 @@ def too_large(limit: int, seen: str) -> ApiError:
 async def read_body(request: Request, limit: int, deadline: float = BODY_DEADLINE) -> bytes:
     """The whole body, or ApiError: 413 over `limit`, 408 when it has not all
     arrived within `deadline` seconds (a body shorter than its Content-Length
-    held its connection until the client gave up; issue 16)."""
+    would hold its connection until the client gave up)."""
     declared = request.headers.get("content-length")
     if declared is not None:
         try:

@@ -12,7 +12,7 @@ the guard switch need admin (this page from a loopback client, or the admin
 token when one is set; the page sends the token the user typed as a Bearer
 header, never in a URL). With `[supervisor] api_keys` the event stream needs
 a key too: the page trades the key it was given (as a header) for a ticket
-cookie at `POST /ui/ticket`, since EventSource cannot send headers (issue 21).
+cookie at `POST /ui/ticket`, since EventSource cannot send headers and no secret belongs in a URL.
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ class EmbeddingRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     encoding_format: Union[Literal["float", "base64"], None] = None
     dimensions: Union[int, None] = None
     user: Union[str, None] = None  # abuse tracking: changes nothing here
-    keep_alive: KeepAlive = None  # issue 13's idle timer, as on every other route
+    keep_alive: KeepAlive = None  # the per-request idle timer (P10), as on every other route
     ttl: Union[int, None] = None
 
 

@@ -47,7 +47,7 @@ _TYPE_BY_STATUS = {
     507: "insufficient_memory_error",
 }
 
-# Issue 24: every refusal body carries a machine-readable `code`; where a raise
+# Every refusal body carries a machine-readable `code`; where a raise
 # site names none, the status gives one, so a router never has to read words.
 _CODE_BY_STATUS: dict[int, ErrorCode] = {
     400: "invalid_request", 401: "invalid_api_key", 403: "forbidden", 404: "not_found",
@@ -62,8 +62,8 @@ _FAILED_STATUS: dict[FailureCode, tuple[int, int | None]] = {
     "prefill_memory_exceeded": (400, None),  # SPEC G1: the prompt does not fit
     "invalid_request": (400, None),
     "invalid_constraint": (400, None),  # a schema or grammar the worker cannot enforce
-    "context_length_exceeded": (400, None),  # issue 16: prompt + max_tokens over the context
-    FIM_UNSUPPORTED: (400, None),  # issue 23
+    "context_length_exceeded": (400, None),  # prompt + max_tokens over the context
+    FIM_UNSUPPORTED: (400, None),  # a suffix for a model whose tokenizer has no FIM tokens
     WRONG_MODEL_KIND: (400, None),  # chat to an embedding model, or the reverse
     "memory_pressure": (503, RETRY_AFTER_ABORT),  # P6.3/P6.5 aborted it
     "model_unloading": (503, RETRY_AFTER_ABORT),

@@ -1,4 +1,4 @@
-"""The gate in front of every route (issue 21): the browser is a client, not an admin.
+"""The gate in front of every route: the browser is a client, not an admin.
 
 A page in the user's browser can reach a loopback port as easily as curl can,
 and before this gate it could: a `text/plain` POST of `{"enabled": false}` to
@@ -47,7 +47,7 @@ from supervisor.http.errors import ApiError
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses",
                               "/chat/completions", "/completions", "/messages"})
 CORS_PREFIXES = ("/v1/", "/api/")
-# The API routes outside those prefixes (issue 23): the /v1 routes that clients leaving
+# The API routes outside those prefixes: the /v1 routes that clients leaving
 # out the prefix reach too, and llama.cpp's token routes. A browser client of them
 # needs the same CORS as /v1 gives, and gets no more.
 CORS_PATHS = frozenset({"/models", "/chat/completions", "/completions", "/messages", "/messages/count_tokens",

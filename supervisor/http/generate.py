@@ -251,7 +251,7 @@ class Completion:
             case Text(text=text):
                 if self.job.gen.logprobs:  # the tokens' logprobs ride with their text
                     return self.chunk(text, logprobs=self.job.take_logprobs())
-                return self.token_chunk(text) if text else b""  # the hot path (issue 11)
+                return self.token_chunk(text) if text else b""  # the hot path: one chunk per token
             case Calls(calls=calls):
                 deltas = [ToolCall(index=i, id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
                           for i, c in enumerate(calls)]
@@ -284,7 +284,7 @@ class Completion:
                            logprobs=None if logprobs is None else self.completion_logprobs(logprobs))])
         return b"data: " + _encoder.encode(body) + b"\n\n"
 
-    # -- issue 11: the per-token hot path ---------------------------------------------
+    # -- the per-token hot path ---------------------------------------------------------
     _MARK = "\x00memvisor-token\x00"  # JSON-encodes to an escape no real text can collide with
 
     def token_chunk(self, text: str) -> bytes:
@@ -301,7 +301,6 @@ class Completion:
             before, _, after = whole.partition(_encoder.encode(self._MARK))
             frame = self._token_frame = (before, after)
         return frame[0] + _encoder.encode(text) + frame[1]
-    # -- end issue 11 ------------------------------------------------------------------
 
     def usage_chunk(self, usage: Usage) -> bytes:
         body: ChatChunk | TextCompletion

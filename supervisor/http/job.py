@@ -94,7 +94,7 @@ async def open_job(request: Request, sup: Supervisor, metrics: Metrics, req, wor
 
 async def open_stream(sup: Supervisor, model: str, gen: p.Generate, receive: Receive,
                       keep_alive: float | None = None) -> RequestStream:
-    served = routing.current()  # issue 24: X-Memvisor-Max-Wait in, X-Memvisor-Worker out
+    served = routing.current()  # a router's X-Memvisor-Max-Wait in, X-Memvisor-Worker out
     try:
         stream = await race_client(sup.generate(model, gen, max_wait=served.max_wait()), receive)
         served.worker = stream.worker_id
@@ -268,7 +268,7 @@ class Job:
         return first
 
     async def prompt(self, receive: Receive) -> p.Prompted | None:
-        """Issue 23: the worker's `Prompted` (the prompt's length once its prefill starts), or
+        """The worker's `Prompted` (the prompt's length once its prefill starts), or
         None when the request ended without one (refused or failed first: its error stays in
         the queue for `first`/`collect`). A client that goes away cancels the request."""
         try:

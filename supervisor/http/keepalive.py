@@ -20,7 +20,7 @@ def keep_alive_seconds(keep_alive, ttl: int | None) -> float | None:
 
     0 unloads right after the request; a negative value keeps it loaded (P10's
     0 = never), as Ollama does; None leaves the configured timer alone. Parsed
-    strictly and before any generation starts (issue 21): "inf" was a 500 that
+    strictly and before any generation starts: "inf" was a 500 that
     left a generation running for nobody and "nan" meant "unload now", so only
     finite values up to MAX_KEEP_ALIVE pass."""
     if keep_alive is None and ttl is None:

@@ -1,4 +1,4 @@
-"""Bounds on what one client may hold (issue 21): header and body deadlines, a connection cap,
+"""Bounds on what one client may hold (a client is input): header and body deadlines, a connection cap,
 descriptor headroom, and logs that a flood cannot grow without bound.
 
 Before these, a client that opened connections and sent headers that never

@@ -242,7 +242,7 @@ class GuardCollector:
                 value=d.quantized_bytes)
 
     def _capacity(self, last):
-        """Issue 24: what a picker in front of several hosts reads (the Gateway API Inference
+        """What a picker in front of several hosts reads (the Gateway API Inference
         Extension's model-server protocol asks for queued requests and KV-cache utilisation;
         these are per model, since one host serves several), with memory headroom per pool."""
         g = GaugeMetricFamily
@@ -292,7 +292,7 @@ class GuardCollector:
         yield rejected
         workers = CounterMetricFamily("memvisor_workers", "Worker processes by what happened to them",
                                       labels=["what"])
-        for what in ("spawned", "exits", "respawns", "wedged"):  # wedged: killed for silence (issue 16)
+        for what in ("spawned", "exits", "respawns", "wedged"):  # wedged: killed for silence
             workers.add_metric([what], counters.get(what, 0))
         yield workers
         yield CounterMetricFamily("memvisor_samples", "Worker memory samples received",

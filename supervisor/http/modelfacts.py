@@ -1,12 +1,12 @@
 """What a model's small files say about it, for model cards (`/v1/models`, Ollama's
-`/api/tags`, `/api/show`), read without MLX (issue 23).
+`/api/tags`, `/api/show`), read without MLX.
 
 Why a module of its own: the OpenAI card wants the context length, Ollama's
 `/api/show` wants the architecture, the chat template, whether tools and
 fill-in-the-middle work, and a parameter size; all of it lives in
 `config.json` and `tokenizer_config.json` (or `chat_template.jinja`) beside the
 weights. Every read goes through `shared.modelinfo.read_small` (regular files
-only, size-capped: a models folder is input, issue 21) and callers run
+only, size-capped: a models folder is input) and callers run
 `read_facts` off the loop, so a slow disk never stalls a token stream.
 """
 
@@ -86,7 +86,7 @@ def read_facts(path: str) -> ModelFacts:
 
 
 def gguf_facts(path: Path) -> ModelFacts:
-    """Issue 23: what a GGUF header says (context length, family, template, FIM tokens),
+    """What a GGUF header says (context length, family, template, FIM tokens),
     read once per version of the file (its header holds the whole vocabulary)."""
     try:
         info = path.stat()
@@ -230,7 +230,7 @@ async def facts_of(paths: list[str]) -> dict[str, ModelFacts]:
 
 
 async def require_fim(model_id: str, path: str) -> None:
-    """Issue 23: a `suffix` (fill in the middle) is refused before any load when the model's
+    """A `suffix` (fill in the middle) is refused before any load when the model's
     tokenizer has no FIM tokens, as its card says (no `insert` capability)."""
     if not (await facts_of([path]))[path].fim:
         raise BodyError(f"suffix: model {model_id!r} cannot fill in the middle: its tokenizer has no "

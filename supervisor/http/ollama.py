@@ -1,4 +1,4 @@
-"""The Ollama API on the same port (issue 23): `/api/chat` and `/api/generate`
+"""The Ollama API on the same port: `/api/chat` and `/api/generate`
 (http/ollama_models.py: `/api/version`, `/api/tags`, `/api/ps`, `/api/show`).
 
 Why: Open WebUI's Ollama connection, Continue, VS Code's Ollama provider and the
@@ -115,7 +115,7 @@ class OllamaChatRequest(_Common, kw_only=True):
 class OllamaGenerateRequest(_Common, kw_only=True):
     prompt: Union[str, None] = None
     system: Union[str, None] = None
-    suffix: Union[str, None] = None  # fill in the middle (issue 23), on models with FIM tokens
+    suffix: Union[str, None] = None  # fill in the middle, on models with FIM tokens
     template: Union[str, None] = None  # refused: the model's own template is used
     context: Union[list[int], None] = None  # refused: send the conversation instead
     raw: Union[bool, None] = None  # true: the prompt goes to the model as is

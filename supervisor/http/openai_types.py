@@ -4,7 +4,7 @@ Bodies are decoded straight into these Structs by msgspec, so a wrong type is
 caught at the edge with the field path in the message (`max_tokens: Expected
 `int`, got `str``) and the handlers only ever see valid, typed values.
 
-Nothing is silently ignored (issue 13): an unknown field is a 400 naming it
+Nothing is silently ignored: an unknown field is a 400 naming it
 (`forbid_unknown_fields`), and every field of the OpenAI SDK's request types
 is declared here and either honoured, refused with a 400 naming it unless it
 has its neutral value (`n > 1`, `logprobs`, `logit_bias`, `echo`, ...), or
@@ -89,7 +89,7 @@ class ChatMessageIn(Struct, kw_only=True, forbid_unknown_fields=True):
     role: Role
     content: Union[str, list[ContentPart], None] = None
     name: Union[str, None] = None  # a participant's name: templates do not render it
-    tool_calls: Union[list[ToolCall], None] = None  # assistant turns (issue 13)
+    tool_calls: Union[list[ToolCall], None] = None  # assistant turns
     tool_call_id: Union[str, None] = None  # role "tool": the call it answers
     refusal: Union[str, None] = None  # an earlier assistant refusal: history only
     function_call: Any = None  # deprecated; refused when set
@@ -151,7 +151,7 @@ class _Sampling(SamplingFields, kw_only=True, forbid_unknown_fields=True):
     # chat's true/false (with top_logprobs), completions' count; the penalties,
     # logit_bias and the extra sampling fields come from SamplingFields
     logprobs: Union[bool, int, None] = None
-    # Per-request idle timers (issue 13): Ollama's keep_alive and LM Studio's ttl.
+    # Per-request idle timers (P10): Ollama's keep_alive and LM Studio's ttl.
     keep_alive: KeepAlive = None
     ttl: Union[int, None] = None
 
@@ -187,7 +187,7 @@ class ChatRequest(_Sampling, kw_only=True):
     max_tokens: Union[MaxTokens, None] = None
     max_completion_tokens: Union[MaxTokens, None] = None
     top_logprobs: Union[int, None] = None
-    # Honoured (issue 13): tool calling and structured output.
+    # Honoured: tool calling and structured output.
     tools: Union[list[ToolDef], None] = None
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: Union[bool, None] = None
@@ -360,14 +360,14 @@ class ModelCard(Struct, kw_only=True):
     pinned: bool = False
     worker: Union[str, None] = None
     pid: Union[int, None] = None
-    # issue 23: the model's context window in tokens (config.json), where known
+    # the model's context window in tokens (config.json), where known
     context_length: Union[int, None] = None
     # what it does, in Ollama's words ("completion", "tools", "insert", or "embedding" alone),
     # and "chat" where a chat template makes /v1/chat/completions usable
     capabilities: Union[list[str], None] = None
     # Everything `ps` shows: aliases, estimated vs measured bytes, idle time, expiry ...
     memvisor: Union[ModelInfo, None] = None
-    # issue 24: what a request sent now would meet (the routing signal; GET /health?model=ID)
+    # what a request sent now would meet (the routing signal; GET /health?model=ID)
     readiness: Union[Readiness, None] = None
 
 
@@ -385,7 +385,7 @@ class ErrorDetail(Struct, kw_only=True):
     binding: Union[str, msgspec.UnsetType] = msgspec.UNSET
     estimated_bytes: Union[int, msgspec.UnsetType] = msgspec.UNSET
     limit_bytes: Union[int, msgspec.UnsetType] = msgspec.UNSET
-    # issue 24: a model still loading, for a request that would not wait for it
+    # a model still loading, for a request that would not wait for it
     progress: Union[LoadProgress, msgspec.UnsetType] = msgspec.UNSET
 
 
@@ -402,7 +402,7 @@ _AT_PATH = re.compile(r"^(?P<reason>.*) - at (?P<key>`key` in )?`\$(?P<path>[^`]
 
 # Deepest nesting of arrays and objects a body may have. No request shape
 # needs more than a handful; msgspec recurses per level, and a body nested
-# 3,000 deep raised RecursionError (a 500; issue 16).
+# 3,000 deep raised RecursionError (a 500).
 MAX_JSON_DEPTH = 64
 _BRACKETS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
 

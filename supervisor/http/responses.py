@@ -1,4 +1,4 @@
-"""`POST /v1/responses`: OpenAI's Responses API (issue 13), stateless.
+"""`POST /v1/responses`: OpenAI's Responses API, stateless.
 
 `input` as text or as items (messages with text parts, earlier
 `function_call`s and their `function_call_output`s), `instructions` as the
@@ -147,7 +147,7 @@ LOGPROBS = "message.output_text.logprobs"
 
 
 def _logprobs(req: ResponsesRequest) -> dict[str, Any]:
-    """Issue 23: logprobs for `include: ["message.output_text.logprobs"]` or a `top_logprobs`."""
+    """Logprobs for `include: ["message.output_text.logprobs"]` or a `top_logprobs`."""
     if LOGPROBS not in (req.include or []) and req.top_logprobs is None:
         return {}
     return sampling.chat_logprobs(True, req.top_logprobs)
@@ -333,7 +333,7 @@ async def handle(request: Request, sup, metrics, body: bytes, started: float) ->
         return await job.streamed(request.receive, lambda first: _events(job, first, shell))
     text, calls, end = await job.collect(request.receive)
     output: list[Union[MessageItem, FunctionCallItem]] = []
-    if text or not (calls or job.calls_only):  # a required call cut before it closed: no item (issue 23)
+    if text or not (calls or job.calls_only):  # a required call cut before it closed: no item (half a call is no call)
         part = OutputText(text=text, logprobs=_logprobs_out(job, job.logprobs))
         output.append(MessageItem(id="msg_" + gen.request_id, content=[part], status=_status(end.reason)))
     output += [_call_item(c) for c in calls]
@@ -342,7 +342,7 @@ async def handle(request: Request, sup, metrics, body: bytes, started: float) ->
 
 
 def _logprobs_out(job: Job, items: list[p.TokenLogprobs]) -> Union[list[LogprobOut], msgspec.UnsetType]:
-    """Issue 23: an output_text's (or a delta's) logprobs, when the request asked for them."""
+    """An output_text's (or a delta's) logprobs, when the request asked for them."""
     return [sampling.logprob_out(item) for item in items] if job.gen.logprobs else msgspec.UNSET
 
 

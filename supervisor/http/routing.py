@@ -1,4 +1,4 @@
-"""What the front door tells a router, and what a router may ask of it (issue 24).
+"""What the front door tells a router, and what a router may ask of it.
 
 - Every response names this host in `X-Memvisor-Host`, and a generation names
   the worker that served it in `X-Memvisor-Worker`: behind a router, a client

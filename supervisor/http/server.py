@@ -39,7 +39,7 @@ class FrontDoorError(RuntimeError):
 
 class Instrumented:
     """ASGI wrapper: stamps the arrival time, counts every answer and its latency, and
-    names this host (and the worker that served) on every response (issue 24)."""
+    names this host (and the worker that served) on every response, for a router in front."""
 
     def __init__(self, app, metrics: Metrics, host: Callable[[], str]) -> None:
         self.app = app

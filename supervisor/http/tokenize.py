@@ -1,4 +1,4 @@
-"""`POST /tokenize` and `POST /detokenize`, as llama.cpp's server has them (issue 23).
+"""`POST /tokenize` and `POST /detokenize`, as llama.cpp's server has them.
 
 Why: clients count tokens before they send (to fit a context, to budget a
 prompt), and llama.cpp's clients and its own test suite use these two routes.

@@ -1,4 +1,4 @@
-"""Tool calling and structured output, shared by the three APIs (issue 13).
+"""Tool calling and structured output, shared by the three APIs.
 
 Each API (OpenAI chat, Anthropic Messages, OpenAI Responses) spells tools
 and tool_choice its own way; they all come down to a `ToolPlan`: the

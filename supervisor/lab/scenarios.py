@@ -348,7 +348,7 @@ async def pinned_respawn(lab: Lab) -> None:
     lab.check("not marked failed", "pin" not in lab.arb.models.failed)
 
 
-# -- issue 9: a grower while another model is being stopped ------------------------------------
+# -- P6: a grower while another model is being stopped ------------------------------------------
 
 
 async def grow_while_stopping(lab: Lab) -> None:
@@ -375,7 +375,7 @@ async def grow_while_stopping(lab: Lab) -> None:
 
 def grow_while_big_stops(rate: int = 1024 * MiB, soft: float = SOFT,
                          drill_to: float = 0.0) -> Callable[[Lab], Awaitable[None]]:
-    """Issue 21: a 1 GiB/s grower while a much larger idle model is being stopped.
+    """A 1 GiB/s grower while a much larger idle model is being stopped.
 
     The group sits just under soft; the drill takes it over soft, where the
     guard stops the idle model (P6.2), which at this size takes hundreds of
@@ -468,9 +468,9 @@ SCENARIOS: list[Scenario] = [
              (ModelSpec("short", 16, 0, ttl=2.0), ModelSpec("pinned", 16, 1, pinned=True)), ttl_expiry),
     Scenario("pinned-respawn", "restart intensity", "a pinned model that crashes is respawned",
              (ModelSpec("pin", 16, 0, pinned=True),), pinned_respawn),
-    Scenario("grow-while-stopping", "P6 issue 9", "a 1 GiB/s grower while an idle model is stopped",
+    Scenario("grow-while-stopping", "P6 draining", "a 1 GiB/s grower while an idle model is stopped",
              (ModelSpec("idle", 64, 3), ModelSpec("grower", 16, 0)), grow_while_stopping),
-    Scenario("grow-while-big-stops", "P6 issue 21", "a 1 GiB/s grower while a 300 MiB idle model is stopped",
+    Scenario("grow-while-big-stops", "P6 runaway", "a 1 GiB/s grower while a 300 MiB idle model is stopped",
              (ModelSpec("idle", 300, 4), ModelSpec("grower", 20, 0)), grow_while_big_stops()),
 ]
 

@@ -34,7 +34,7 @@ def measure_growth(t: Tick) -> tuple[dict[str, int], float, float]:
     watermark wake-ups) measures from the older baseline and keeps it.
     The span is floored at GROWTH_WINDOW, so sample jitter over a few ms
     is never read as a fast rate -- but a real burst is measured at
-    once. (Issue 21: keeping the previous estimate instead let a 1 GiB/s
+    once. (Keeping the previous estimate instead let a 1 GiB/s
     grower that crossed soft and hard within 50 ms ride on the rate
     measured before it started, and the stop under way was credited.)
     Sets `t.rates`: each non-draining worker's own rate (grower_first).
@@ -61,7 +61,7 @@ def discount_draining(t: Tick, level: PressureLevel, growth: float) -> None:
     (further, if it is over) within STOP_SECONDS by more than a 1 %
     tolerance, nor when any worker is a runaway grower (`_growers`):
     how long a stop takes depends on the size of what is stopped and on
-    the machine, so no guess of it may let a grower run on (issue 21).
+    the machine, so no guess of it may let a grower run on.
     Without growth, stopping more models would not bring the memory back sooner.
     """
     c, group = t.c, t.group

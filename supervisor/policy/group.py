@@ -39,8 +39,8 @@ class WorkerGroup:
     discrete device's pool (D1, D4; the supervisor holds nothing there).
 
     The same pass also gathers what the policy tick would otherwise walk the
-    workers again for (issue 21: the tick had grown to 1.3x the instructions of
-    the tick before the device pool, one extra pass at a time): `idle` (serving workers with
+    workers again for (one extra pass at a time, the tick had grown to 1.3x the
+    instructions of the tick before the device pool): `idle` (serving workers with
     nothing running or queued, `is_idle`, in snapshot order), `unpinned`
     (how many serving workers are not pinned), `pids` (worker -> pid of
     every live worker, T6's record of who holds which limits) and `usage_now`

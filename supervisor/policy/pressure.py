@@ -17,11 +17,11 @@ as it decides, from the worker records:
   go over the ceiling (or further over it) within STOP_SECONDS, the time a
   stop takes, by more than GROWTH_TOLERANCE of it. Then the
   draining bytes are not counted as gone and the next victim is acted on at
-  once (issue 9 measured 44-61 % over a 256 MiB ceiling while a 1 GiB/s
+  once (counting them as gone measured 44-61 % over a 256 MiB ceiling while a 1 GiB/s
   grower waited for an idle model's exit). Nor are they when a worker is a
   runaway grower (more than min(1 % of the ceiling, 64 MiB) per STOP_SECONDS):
   how long a stop takes depends on the size of what is stopped, so that
-  grower is acted on first, at once (issue 21: a 300 MiB model's exit let a
+  grower is acted on first, at once (waiting for a 300 MiB model's exit let a
   grower go 14.1 % over);
 - a hot-cache shrink (P5) subtracts the bytes asked for, at most what each
   worker reports as releasable (blocks no request uses);

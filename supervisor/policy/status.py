@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import msgspec
 
-from shared.protocol import DevicePool, GuardEvent
+from shared.protocol import DevicePool, DiskCacheCounters, GuardEvent
 from shared.states import LIVE_STATES
 from shared.vocab import HostBinding, PressureLevel, Tier
 from supervisor.policy.ceilings import remedy, reserve_message
@@ -51,7 +51,7 @@ class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
     cache_bytes: int = 0        # H2: the worker's prompt cache (measured)
     cache_releasable: int = 0   # H3: the part no request uses
     device_bytes: int = 0       # D1: held on the discrete device (0 without one)
-    batch_bytes: int = 0        # the decode batch's KV buffers as allocated (issue 22) ...
+    batch_bytes: int = 0        # the decode batch's KV buffers as allocated ...
     batch_live_bytes: int = 0   # ... of which its live rows' own tokens
     batch_relayouts: int = 0    # whole-batch copies (growth, compaction) since the worker started
     pool_returns: int = 0       # M1: the worker returned its pool itself, over the cap (CUDA)
@@ -173,7 +173,7 @@ def build_status(snapshot: Snapshot, result: TickResult, device_name: str = "") 
     )
 
 
-class DiskCacheStatus(msgspec.Struct, frozen=True, kw_only=True):
+class DiskCacheStatus(DiskCacheCounters, frozen=True, kw_only=True):
     """The prompt cache's disk tier and shrink before drop (H5, H6 as proposed), as workers reported them.
 
     `max` is `[guard] disk_cache_max` (-1 "auto", 0 off); `budget` the budget in
@@ -191,17 +191,6 @@ class DiskCacheStatus(msgspec.Struct, frozen=True, kw_only=True):
     models: dict[str, int] = {}
     grace: float = 0.0          # [guard] disk_cache_grace: what a stop gives the write
     quantize_bits: int = 0      # [guard] cache_quantize_bits (0 = off)
-    read_entries: int = 0
-    read_bytes: int = 0
-    read_tokens: int = 0
-    written_entries: int = 0
-    written_bytes: int = 0
-    dropped_entries: int = 0
-    dropped_bytes: int = 0
-    evicted_entries: int = 0
-    evicted_bytes: int = 0
-    quantized_entries: int = 0
-    quantized_bytes: int = 0
 
 
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -227,7 +216,7 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     cache_bytes: int = 0
     disk_cache_bytes: int = 0     # H5 (proposed): its prompt-cache entries on disk, as last reported
     disk_cache_entries: int = 0
-    batch_bytes: int = 0       # the decode batch's buffers (issue 22) ...
+    batch_bytes: int = 0       # the decode batch's buffers ...
     batch_live_bytes: int = 0  # ... and its live KV
     idle_seconds: float = 0.0
     ttl: float | None = None
