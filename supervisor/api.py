@@ -63,8 +63,8 @@ class Supervisor(Protocol):
         """How the model embeds (its folder's files, read off the loop), None for a chat model."""
         ...
 
-    async def embed(self, model_id: str, cmd: p.Embed) -> RequestStream:
-        """Like `generate`; the stream gets one `Embedded` or one `Failed`."""
+    async def embed(self, model_id: str, cmd: p.Embed, max_wait: float | None = ...) -> RequestStream:
+        """Like `generate` (`max_wait` too); the stream gets one `Embedded` or one `Failed`."""
         ...
 
     async def tokens(self, model_id: str, cmd: p.Tokenize | p.Detokenize) -> p.TokensReply:

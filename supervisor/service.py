@@ -145,12 +145,13 @@ class Service:
             await self.catalog.read(model)
         return self.catalog.embedding(model)
 
-    async def embed(self, model_id: str, cmd: p.Embed) -> RequestStream:
-        """An embedding request, under the same load, admission and gate as a generation."""
+    async def embed(self, model_id: str, cmd: p.Embed, max_wait: float | None = None) -> RequestStream:
+        """An embedding request, under the same load, admission and gate as a generation
+        (and the same bound on waiting for them, `max_wait`)."""
         if await self.embedding_spec(model_id) is None:
             raise ServeError(f"model {model_id!r} generates text; it is not an embedding model (serve a "
                              "sentence-transformers folder for embeddings)", code=WRONG_MODEL_KIND, http_status=400)
-        return await self._submit(self.catalog.model(model_id), cmd)
+        return await self._submit(self.catalog.model(model_id), cmd, max_wait)
 
     async def tokens(self, model_id: str, cmd: p.Tokenize | p.Detokenize) -> p.TokensReply:
         """The model's tokenizer on request, loaded on demand like a generation

@@ -44,7 +44,7 @@ from shared import protocol as p
 from shared.embedding import WRONG_MODEL_KIND, EmbeddingSpec
 from supervisor.api import Supervisor
 from supervisor.errors import ServeError
-from supervisor.http import ollama
+from supervisor.http import ollama, routing
 from supervisor.http.errors import ApiError, from_failed, from_serve_error
 from supervisor.http.job import race_client
 from supervisor.http.keepalive import keep_alive_seconds
@@ -158,7 +158,9 @@ async def run(request: Request, sup: Supervisor, metrics: Metrics, model: str, g
         check_request(spec, model, given, dimensions)
         cmd = p.Embed(request_id="", texts=given.texts, token_ids=given.token_ids,
                       truncate=truncate, dimensions=dimensions)
-        stream = await race_client(sup.embed(model, cmd), request.receive)
+        served = routing.current()  # a router's X-Memvisor-Max-Wait in, X-Memvisor-Worker out
+        stream = await race_client(sup.embed(model, cmd, max_wait=served.max_wait()), request.receive)
+        served.worker = stream.worker_id
     except ServeError as exc:
         raise from_serve_error(exc) from None
     if keep is not None:  # loaded now: its idle timer is this request's
