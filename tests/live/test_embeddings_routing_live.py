@@ -9,9 +9,9 @@ and an answer names the worker that computed it in `X-Memvisor-Worker`.
 from __future__ import annotations
 
 import pytest
-from test_http_harness import LiveServer, make_config
 
 from supervisor.config import ModelConfig
+from tests.http_harness import LiveServer, make_config
 from worker.main import LOAD_DELAY_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_front_door_errors")]
