@@ -27,7 +27,7 @@ on first use under the cache; `--litellm PATH` names an installed
 dependency pins (openai < 3) differ from this project's test extra.
 
     python scripts/fleet.py                      # 3 hosts, every fault, ~2-3 minutes
-    python scripts/fleet.py --quick --hosts 2    # the CI version (tests/test_fleet_live.py)
+    python scripts/fleet.py --quick --hosts 2    # the CI version (tests/live/test_fleet_litellm_live.py)
     python scripts/fleet.py --json               # one JSON object as the last line
 """
 
@@ -56,7 +56,7 @@ sys.path.insert(0, str(ROOT))
 from shared.sizes import MiB, format_size  # noqa: E402
 
 # A known-good LiteLLM release (1.107.0 was a compromised one; so were 1.82.7 and 1.82.8).
-# pyproject.toml's `fleet` extra pins the same (tests/test_fleet_live.py checks they agree).
+# pyproject.toml's `fleet` extra pins the same (tests/live/test_fleet_litellm_live.py checks they agree).
 LITELLM_PIN = "1.106.12"
 # What a clean install may hold as interpreter start-up hooks: the compromised releases
 # shipped a `.pth` file that ran on every Python start; anything else here is refused.

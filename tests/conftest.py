@@ -1,10 +1,10 @@
-"""Shared fixtures.
+"""Shared fixtures, for tests/ and tests/live/ alike (tests/README.md).
 
 Tiny models are generated once per test session (seconds, no download) so
 every test that needs a real MLX model uses the same few files.
 
 The live front-door modules (a real supervisor and its HTTP server, see
-test_http_harness.py) share `server`, `token_server` and
+http_harness.py) share `server`, `token_server` and
 `no_front_door_errors` from here.
 """
 
@@ -13,6 +13,8 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -23,7 +25,9 @@ from shared.probe import blas as found
 from shared.sizes import MiB
 from worker import blas
 
-# issue 22: the tests that run MLX in this process get the workers' OpenBLAS too; it must be
+REPO = Path(__file__).resolve().parent.parent
+
+# The tests that run MLX in this process get the workers' OpenBLAS too (or they crawl); it must be
 # opened before any test module imports mlx.core (MEMVISOR_BLAS=stock keeps MLX's own).
 blas.preload()
 USER_BLAS_COPY = found.cache_dir()  # made once (just now, if need be), under the user's MEMVISOR_CACHE
@@ -78,6 +82,19 @@ def tiny_model(tiny_models) -> Path:
     return tiny_models.a
 
 
+@pytest.fixture(scope="session")
+def quantized(tmp_path_factory) -> dict[int, Path]:
+    """4- and 8-bit quantized tiny models, built by the script in a child process: training the
+    tokenizer in this process after a live supervisor ran here can deadlock (a leaked ZeroMQ
+    context finalized on a tokenizers thread)."""
+    root = tmp_path_factory.mktemp("quantized")
+    for bits in (4, 8):
+        subprocess.run([sys.executable, str(REPO / "scripts" / "make_model.py"), str(root / f"q{bits}"),
+                        "--size", "4MiB", "--seed", "5", "--quantize", str(bits), "--quiet"],
+                       check=True, capture_output=True)
+    return {bits: root / f"q{bits}" for bits in (4, 8)}
+
+
 @pytest.fixture(scope="module")
 def loaded(tiny_model):
     """`tiny_model` loaded in this process by mlx-lm: (model, tokenizer), once per test module."""
@@ -93,7 +110,7 @@ def runtime_dir(tmp_path_factory) -> Path:
 
 
 # ---------------------------------------------------------------------------
-# live front door (test_http_harness.LiveServer)
+# live front door (http_harness.LiveServer)
 
 
 @pytest.fixture
@@ -102,7 +119,7 @@ def no_front_door_errors(caplog):
 
     A live front-door module takes it for all its tests:
     `pytestmark = pytest.mark.usefixtures("no_front_door_errors")`."""
-    from test_http_harness import front_door_errors
+    from tests.http_harness import front_door_errors
 
     yield
     assert front_door_errors(caplog.get_records("call")) == []
@@ -114,9 +131,8 @@ def server(tiny_models, tmp_path_factory):
 
     A module that needs other models or settings defines its own `server`
     fixture, which pytest uses there instead of this one."""
-    from test_http_harness import LiveServer, make_config
-
     from supervisor.config import ModelConfig
+    from tests.http_harness import LiveServer, make_config
 
     models = [ModelConfig(id="a", path=str(tiny_models.a))]
     with LiveServer(make_config(models), tmp_path_factory.mktemp("rt")) as live:
@@ -125,8 +141,8 @@ def server(tiny_models, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def token_server(tmp_path_factory):
-    """A real supervisor with no models whose admin routes need test_http_harness.ADMIN_TOKEN."""
-    from test_http_harness import ADMIN_TOKEN, LiveServer, make_config
+    """A real supervisor with no models whose admin routes need http_harness.ADMIN_TOKEN."""
+    from tests.http_harness import ADMIN_TOKEN, LiveServer, make_config
 
     with LiveServer(make_config([], admin_token=ADMIN_TOKEN), tmp_path_factory.mktemp("rt")) as live:
         yield live
@@ -134,7 +150,7 @@ def token_server(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def fim_model(tmp_path_factory) -> Path:
-    """Issue 23: a tiny model whose tokenizer has StarCoder's fill-in-the-middle tokens."""
+    """A tiny model whose tokenizer has StarCoder's fill-in-the-middle tokens."""
     from modelfiles.modelgen import FIM_TOKENS, make_model
 
     path = tmp_path_factory.mktemp("models") / "tiny-fim"

@@ -1,5 +1,5 @@
-"""The smallest model files discovery accepts (issue 21: it reads each header and
-refuses one that lies or declares no tensor data), for tests without MLX."""
+"""The smallest model files discovery accepts (it reads each header and refuses one that
+lies or declares no tensor data, so a test file must be honest), for tests without MLX."""
 
 from __future__ import annotations
 

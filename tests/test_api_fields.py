@@ -1,4 +1,4 @@
-"""Issue 13: nothing silently ignored, and refusals in each API's own shape.
+"""Nothing silently ignored, and refusals in each API's own shape.
 
 The field walk: every field of the openai SDK's chat and completions request
 types and of the anthropic SDK's MessageCreateParams is classified here as
@@ -156,7 +156,7 @@ EXTRAS = {"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.2, "repetition_cont
 
 
 @pytest.mark.parametrize("send", [_chat, _completion, _responses], ids=["chat", "completions", "responses"])
-def test_issue23_sampling_fields_and_extra_body_fields_reach_the_worker(send):
+def test_sampling_fields_and_extra_body_fields_reach_the_worker(send):
     gen = send(**EXTRAS, logit_bias={"42": 10, "7": -100})
     assert {name: getattr(gen, name) for name in EXTRAS} == EXTRAS
     assert gen.logit_bias == {42: 10.0, 7: -100.0}
@@ -165,7 +165,7 @@ def test_issue23_sampling_fields_and_extra_body_fields_reach_the_worker(send):
             plain.logit_bias, plain.logprobs) == (0, 0.0, 1.0, 0.0, 0.0, {}, False)
 
 
-def test_issue23_anthropic_top_k_reaches_the_worker():
+def test_anthropic_top_k_reaches_the_worker():
     assert _anthropic(top_k=3).top_k == 3
     assert _anthropic().top_k == 0
 
@@ -177,13 +177,13 @@ def test_issue23_anthropic_top_k_reaches_the_worker():
     (_chat, "logprobs", 3), (_completion, "logprobs", 21), (_completion, "logprobs", True),
     (_completion, "min_p", -0.1), (_responses, "top_logprobs", -1), (_responses, "top_k", "many"),
     (_anthropic, "top_k", -2)])
-def test_issue23_a_sampling_value_out_of_bounds_is_a_400_naming_it(send, field, value):
+def test_a_sampling_value_out_of_bounds_is_a_400_naming_it(send, field, value):
     with pytest.raises(BodyError) as err:
         send(**{field: value})
     assert err.value.param is not None and err.value.param.split("[")[0] == field, err.value
 
 
-def test_issue23_chat_top_logprobs_needs_logprobs_true_as_on_openai():
+def test_chat_top_logprobs_needs_logprobs_true_as_on_openai():
     with pytest.raises(BodyError) as err:
         _chat(top_logprobs=2)
     assert err.value.param == "top_logprobs"
@@ -191,7 +191,7 @@ def test_issue23_chat_top_logprobs_needs_logprobs_true_as_on_openai():
     assert not _chat(logprobs=False).logprobs
 
 
-def test_issue23_logprobs_spelled_each_apis_way_ask_the_worker_for_them():
+def test_logprobs_spelled_each_apis_way_ask_the_worker_for_them():
     assert (_completion(logprobs=3).logprobs, _completion(logprobs=3).top_logprobs) == (True, 3)
     assert (_completion(logprobs=0).logprobs, _completion(logprobs=0).top_logprobs) == (True, 0)
     included = _responses(include=["message.output_text.logprobs"])
@@ -385,10 +385,9 @@ def test_per_request_keep_alive_reaches_the_supervisor():
 def test_a3_507_from_real_admission_reaches_the_anthropic_and_responses_sdks(tmp_path):
     """SPEC A3 on a real supervisor (no worker is spawned: the model is refused from its
     safetensors header): each SDK raises for the 507 and the message names what binds."""
-    from test_http_frontdoor import fake_huge_model
-    from test_http_harness import LiveServer, make_config
-
     from shared.sizes import GiB
+    from tests.http_harness import LiveServer, make_config
+    from tests.test_http_frontdoor import fake_huge_model
 
     models = [ModelConfig(id="huge", path=str(fake_huge_model(tmp_path / "huge", 1024 * GiB)))]
     with LiveServer(make_config(models, api_keys=["k1"]), tmp_path / "rt") as live:
@@ -498,7 +497,7 @@ def with_logprobs(rid):
 WANT = [("Hel", -0.5), ("l", -1.5), ("o", -0.25)]
 
 
-def test_issue23_logprobs_come_back_in_openais_shapes_whole_and_streamed():
+def test_logprobs_come_back_in_openais_shapes_whole_and_streamed():
     async def main():
         async with serving(StubSupervisor(with_logprobs)) as (_, oa, _an):
             chat = await oa.chat.completions.create(model="m", messages=MSG, logprobs=True, top_logprobs=2)
@@ -536,7 +535,7 @@ def test_issue23_logprobs_come_back_in_openais_shapes_whole_and_streamed():
     assert plain.choices[0].logprobs is None  # asked for nothing: nothing reported
 
 
-def test_issue23_a_token_batch_carries_logprobs_only_for_the_rows_that_asked():
+def test_a_token_batch_carries_logprobs_only_for_the_rows_that_asked():
     lp = _lp("a", -0.1)
     batch = p.coalesce([p.TokenOut(request_id="r1", text="a", token_id=1, logprobs=lp),
                         p.TokenOut(request_id="r2", text="b", token_id=2)])[0]

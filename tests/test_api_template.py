@@ -1,4 +1,4 @@
-"""Issue 13: tools reach the model through its chat template, or in words when the template
+"""Tools reach the model through its chat template, or in words when the template
 has no place for them (the engine's prompt, a real tokenizer, no generation)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 11: batched decode in the engine, on real tiny models (CPU, float16 and float32).
+"""Batched decode in the engine, on real tiny models (CPU, float16 and float32).
 
 Every test here compares against what the same request gives alone: batching
 must change how fast tokens come, never which tokens come.
@@ -243,7 +243,7 @@ def test_a_token_batch_with_columns_of_unequal_length_yields_no_tokens():
 @pytest.mark.parametrize("kind", ["chat", "text"])
 @pytest.mark.parametrize("include_usage", [True, False])
 def test_sse_token_chunk_is_byte_identical_to_the_full_chunk(kind, include_usage):
-    """Issue 11: the per-token SSE chunk is encoded from a per-request frame, never differently."""
+    """The per-token SSE chunk is encoded from a per-request frame, never differently."""
     from shared import protocol as p
     from supervisor.http.generate import Completion
     from supervisor.http.job import Job
@@ -255,10 +255,10 @@ def test_sse_token_chunk_is_byte_identical_to_the_full_chunk(kind, include_usage
 
 
 def test_h3_pinned_bytes_kept_up_to_date_equal_the_sum_over_pinned_entries():
-    """Issue 11 reads `releasable` once a decode step, so it is kept, not summed; it must not drift."""
+    """The batch reads `releasable` once a decode step, so it is kept, not summed; it must not drift."""
     import random
 
-    from tests.test_prompt_cache import kv
+    from tests.test_h_prompt_cache import kv
     from worker.prompt_cache import PromptCache
 
     rng = random.Random(3)
@@ -283,7 +283,7 @@ def test_h3_pinned_bytes_kept_up_to_date_equal_the_sum_over_pinned_entries():
 
 
 def test_constrained_rows_join_the_batch_and_every_row_matches_its_request_alone(loaded):
-    """Issue 11 + 13: a grammar row samples after its mask, in the same batched pass as the rest."""
+    """A grammar row samples after its mask, in the same batched pass as the rest."""
     import json
 
     from shared import protocol as p
@@ -309,7 +309,7 @@ def test_constrained_rows_join_the_batch_and_every_row_matches_its_request_alone
     assert 3 in counting.batches, "the constrained rows never shared a pass with the free one"
 
 
-# ------------------------------------------------------------------ issue 22: rows in place
+# ------------------------------------------------------------------ rows joined and left in place
 
 
 def _kv(length: int, seed: int, layers: int = 3, heads: int = 4, dim: int = 32) -> list:
@@ -331,8 +331,8 @@ class _Row:
     sample = None
 
 
-def test_issue22_join_and_leave_copy_the_rows_that_move_never_the_running_batch():
-    """`BatchKVCache.extend`/`filter` copied the whole batch's KV on every join and leave (issue 22).
+def test_join_and_leave_copy_the_rows_that_move_never_the_running_batch():
+    """`BatchKVCache.extend`/`filter` copied the whole batch's KV on every join and leave.
 
     A newcomer is written into a free row and a leaver's hole is filled by
     the last row: the peak of either is a row's worth, far under one layer of
@@ -371,8 +371,8 @@ def test_issue22_join_and_leave_copy_the_rows_that_move_never_the_running_batch(
     assert sorted(batch.tokens()) == sorted(rows.index(row) for row in batch.rows)
 
 
-def test_issue22_buffers_shrink_to_the_live_rows_when_most_leave_and_live_bytes_count_their_tokens():
-    """Rows leaving left their buffers behind until the batch emptied (issue 22: 3-4x the live
+def test_buffers_shrink_to_the_live_rows_when_most_leave_and_live_bytes_count_their_tokens():
+    """Rows leaving left their buffers behind until the batch emptied (3-4x the live
     KV): once the buffers hold more than twice what the rows that stay fit in, those rows move
     into buffers that fit them. `live_nbytes` is the rows' own tokens, padding and room excluded."""
     import mlx.core as mx
@@ -396,7 +396,7 @@ def test_issue22_buffers_shrink_to_the_live_rows_when_most_leave_and_live_bytes_
             assert mx.array_equal(layer.values, theirs.values[..., :theirs.offset, :]).item()
 
 
-def test_issue22_greedy_output_stays_identical_when_the_buffers_shrink(loaded):
+def test_greedy_output_stays_identical_when_the_buffers_shrink(loaded):
     """Requests leave at different steps, so the buffers shrink under the ones that go on."""
     engine = _engine(loaded, max_chunk=8)
     engine.decode.batch.growth = Growth(step=4)
@@ -419,7 +419,7 @@ def test_issue22_greedy_output_stays_identical_when_the_buffers_shrink(loaded):
     assert {rid: run.tokens(rid) for rid in prompts} == alone
 
 
-def test_issue22_greedy_output_is_identical_through_joins_leaves_and_buffer_growth(loaded):
+def test_greedy_output_is_identical_through_joins_leaves_and_buffer_growth(loaded):
     """Eight requests of different lengths join and leave at different steps while the rows are
     full (capacity grows), a newcomer is longer than the room in front (the front grows) and the
     positions run out (the window moves): every stream is token-identical to its request alone."""
@@ -439,11 +439,11 @@ def test_issue22_greedy_output_is_identical_through_joins_leaves_and_buffer_grow
     assert engine.decode.batch.relayouts - relayouts >= 3, "the run never grew the buffers"
 
 
-def test_issue22_positions_running_out_after_the_longest_row_left_keep_every_row_identical(loaded):
+def test_positions_running_out_after_the_longest_row_left_keep_every_row_identical(loaded):
     """The longest row leaves first, so the window's start moves far up; then the positions
     run out in the forward pass itself (no join or leave around it) and the buffers are laid
     out again: every layer's window start must move with the rows, or they attend to zeros
-    and miss their own first tokens. (The first cut of issue 22 kept the old start there.)"""
+    and miss their own first tokens. (A first cut kept the old start there.)"""
     engine = _engine(loaded, max_chunk=8)
     engine.decode.batch.growth = Growth(step=4, shrink_at=0)  # no compaction: it would re-sync the layers
     prompts = {rid: engine.encode_prompt(PROMPTS[rid]) for rid in ("d", "c", "e")}
@@ -455,7 +455,7 @@ def test_issue22_positions_running_out_after_the_longest_row_left_keep_every_row
     assert {rid: run.tokens(rid) for rid in prompts} == alone
 
 
-# ------------------------------------------------------------------ issue 22: prefilled together
+# ------------------------------------------------------------------ requests prefilled together
 
 
 def _prefill_passes(shapes: "_Shapes") -> list[int]:
@@ -481,7 +481,7 @@ GROUP = {"g1": "The memory guard watches every model", "g2": "A worker holds one
          "g3": "Once upon a time there was a", "g4": "def main(): return the answer"}
 
 
-def test_issue22_requests_arriving_together_are_prefilled_in_one_pass_token_identical(loaded):
+def test_requests_arriving_together_are_prefilled_in_one_pass_token_identical(loaded):
     """Four requests submitted at once share their prefill passes, get their first tokens in the
     same step (fair first-token times) and stream exactly what each gives alone."""
     model, tokenizer = loaded
@@ -529,7 +529,7 @@ def _group_limits(engine: Engine, prompts: dict[str, list[int]], fit: int) -> tu
     return limits, guard.prefill_limit(limits).bytes - one * fit - one // 2
 
 
-def test_issue22_g1_a_group_over_the_limit_as_a_sum_is_split(loaded):
+def test_g1_a_group_over_the_limit_as_a_sum_is_split(loaded):
     """Each of four requests fits G1 alone, only two fit as a sum: the group is two, the rest
     follow, and every stream is identical to its request alone."""
     model, tokenizer = loaded
@@ -548,7 +548,7 @@ def test_issue22_g1_a_group_over_the_limit_as_a_sum_is_split(loaded):
         assert run.tokens(rid) == alone[rid], rid
 
 
-def test_issue22_g2_a_group_step_that_does_not_fit_is_split_and_each_goes_on_alone(loaded):
+def test_g2_a_group_step_that_does_not_fit_is_split_and_each_goes_on_alone(loaded):
     """Mid-prefill the room shrinks so that a chunk cannot give every row one token: the group
     splits, each request keeps the KV it has and finishes alone, token-identical."""
     model, tokenizer = loaded
@@ -576,7 +576,7 @@ def test_issue22_g2_a_group_step_that_does_not_fit_is_split_and_each_goes_on_alo
         assert run.tokens(rid) == alone[rid], rid
 
 
-def test_issue22_a_request_that_alone_does_not_fit_is_rejected_and_the_others_are_grouped(loaded):
+def test_a_request_that_alone_does_not_fit_is_rejected_and_the_others_are_grouped(loaded):
     model, tokenizer = loaded
     shapes = _Shapes(model)
     engine = Engine(shapes, tokenizer, own_usage_fn=lambda: 10 * GiB, max_chunk=16)

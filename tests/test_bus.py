@@ -1,4 +1,4 @@
-"""The bus under garbage (issue 16): real ZeroMQ sockets, no worker process.
+"""The bus under garbage: real ZeroMQ sockets, no worker process.
 
 Garbage frames were counted and "logged once" under keys built from text the
 sender controls (the message type a frame claims, the protocol version it
@@ -44,7 +44,7 @@ def _flood(tmp_path, frames: list[bytes | list[bytes]]) -> Bus:
     return asyncio.run(main())
 
 
-def test_issue16_distinct_garbage_frames_keep_a_fixed_number_of_counters_and_log_lines(tmp_path, caplog):
+def test_distinct_garbage_frames_keep_a_fixed_number_of_counters_and_log_lines(tmp_path, caplog):
     claims = [msgspec.msgpack.encode({"type": f"Evil{i}", "v": 1}) for i in range(2000)]
     versions = [msgspec.msgpack.encode({"type": "Sample", "v": 1000 + i}) for i in range(2000)]
     junk = [bytes([0xC1]) + i.to_bytes(4, "little") for i in range(2000)]
@@ -71,7 +71,7 @@ def test_each_refused_frame_is_counted_under_the_cause_the_decoder_gives(tmp_pat
                                    ("reports", "invalid_message"): 1, ("reports", "frame_count"): 1}
 
 
-def test_issue16_subscribers_past_the_cap_are_refused_and_one_gets_in_when_a_place_frees(tmp_path):
+def test_subscribers_past_the_cap_are_refused_and_one_gets_in_when_a_place_frees(tmp_path):
     """Any number could connect, each queueing up to the high-water mark."""
 
     async def main():
@@ -111,7 +111,7 @@ def _state(t: float) -> list:
             p.StatusMsg(t=t, status=b"{}")]
 
 
-def test_i21_a_new_subscriber_gets_the_latest_ceiling_pressure_and_status_at_once(tmp_path):
+def test_a_new_subscriber_gets_the_latest_ceiling_pressure_and_status_at_once(tmp_path):
     """`watch --topic ceiling --count 1` waited up to one slow tick (9.7 s measured) for its first
     message: a subscriber that connects between two ticks now gets the latest state topics at once
     (XPUB last-value cache), each subscription for the topics it covers."""

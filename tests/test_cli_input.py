@@ -1,4 +1,4 @@
-"""Issue 21: bad command-line input is a clear error, never a traceback."""
+"""Bad command-line input is a clear error, never a traceback."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import subprocess
 import sys
 
 import msgspec
-from test_supervisor_live import Running, make_config
 
 from shared import protocol as p
 from supervisor.config import ModelConfig
 from supervisor.control import MAX_CONTEXT_TOKENS, handle_control
+from tests.arbiter_harness import Running, make_config
 
 ENV = {**os.environ, "PYTHONPATH": os.getcwd()}
 
@@ -22,7 +22,7 @@ def memvisor(*argv: str) -> subprocess.CompletedProcess:
                           timeout=60, env=ENV)
 
 
-def test_issue21_status_with_a_file_as_runtime_dir_is_a_clear_error_not_a_traceback(tmp_path):
+def test_status_with_a_file_as_runtime_dir_is_a_clear_error_not_a_traceback(tmp_path):
     """Before: NotADirectoryError: [Errno 20] Not a directory: '.../endpoints.json' and its traceback."""
     file = tmp_path / "not-a-folder"
     file.write_text("x")
@@ -32,13 +32,13 @@ def test_issue21_status_with_a_file_as_runtime_dir_is_a_clear_error_not_a_traceb
         assert "is not a folder" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_issue21_load_context_over_2_to_the_64_is_a_clear_error_not_a_traceback(tmp_path):
+def test_load_context_over_2_to_the_64_is_a_clear_error_not_a_traceback(tmp_path):
     """Before: OverflowError: can't serialize ints > 2**64 - 1, with its traceback."""
     out = memvisor("load", "a", "--dry-run", "--context", str(2**65), "--runtime-dir", str(tmp_path))
     assert out.returncode == 2 and "--context" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_issue21_a_dry_run_context_past_the_cap_is_refused_on_the_control_socket(tiny_models, runtime_dir):
+def test_a_dry_run_context_past_the_cap_is_refused_on_the_control_socket(tiny_models, runtime_dir):
     """The control door refuses it too (another client than ours may send 2**63): before,
     the report's size overflowed its encoding and the answer was an internal error."""
     async def main():

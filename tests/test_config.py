@@ -179,7 +179,7 @@ def test_pub_tcp_is_opt_in_and_a_non_loopback_bind_requires_curve_keys():
         parse_config('[supervisor]\npub_tcp = "nowhere"\n')
 
 
-# Issue 16: configs that parsed but broke the system at run time are refused
+# Configs that parsed but broke the system at run time are refused
 # at load, with the key path. Each of these was accepted before.
 @pytest.mark.parametrize(
     "toml, fragment",
@@ -203,18 +203,18 @@ def test_pub_tcp_is_opt_in_and_a_non_loopback_bind_requires_curve_keys():
         ('[supervisor]\nstep_timeout = inf', "supervisor.step_timeout: must be between"),
     ],
 )
-def test_issue16_runtime_breaking_values_are_refused_with_the_key_path(toml, fragment):
+def test_runtime_breaking_values_are_refused_with_the_key_path(toml, fragment):
     with pytest.raises(ConfigError) as info:
         parse_config(toml, source="my.toml")
     assert fragment in str(info.value), str(info.value)
 
 
 @pytest.mark.parametrize("model_id", ["qwen", "mlx-community/Qwen2.5-0.5B-Instruct-4bit", "a:b@c+d", "loader"])
-def test_issue16_model_ids_the_routes_carry_are_accepted(model_id):
+def test_model_ids_the_routes_carry_are_accepted(model_id):
     parse_config(f'[[models]]\nid = "{model_id}"\npath = "/a"')
 
 
-def test_issue16_model_paths_are_checked_at_start(tmp_path):
+def test_model_paths_are_checked_at_start(tmp_path):
     folder = tmp_path / "m"
     folder.mkdir()
     afile = tmp_path / "weights.bin"

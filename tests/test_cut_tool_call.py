@@ -1,4 +1,4 @@
-"""A required tool call cut by max_tokens (issue 23, found by llama.cpp's server suite): the
+"""A required tool call cut by max_tokens (found by llama.cpp's server suite): the
 reply is the call list and nothing else. With no call closed before the cut it is an empty,
 well-formed answer (`tool_calls: []`, finish_reason "length"; Anthropic: no block and
 stop_reason "max_tokens"; Responses: no output item and status "incomplete"), never the
@@ -6,7 +6,7 @@ partial JSON as text; the calls completed before the cut are returned.
 
 The worker's output is given exactly (the real front door over HTTP, the SDKs as clients,
 a stub supervisor that feeds a real RequestStream as the pool does), so each cut lands
-where the test says; tests/test_llamacpp_findings_live.py cuts a real worker's reply.
+where the test says; tests/live/test_api_llamacpp_findings_live.py cuts a real worker's reply.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import asyncio
 import json
 
 import pytest
-from test_api_fields import MSG, StubSupervisor, serving
 
 from shared import protocol as p
+from tests.test_api_fields import MSG, StubSupervisor, serving
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]

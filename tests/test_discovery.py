@@ -1,4 +1,4 @@
-"""Issue 14 discovery and aliases, without processes: what a models folder
+"""Discovery and aliases, without processes: what a models folder
 and a Hugging Face cache tree turn into, and how aliases are checked."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import model_files
 import pytest
 
 from supervisor.config import Config, ConfigError, ModelConfig, SupervisorConfig, parse_config
 from supervisor.discovery import discover, with_discovered
+from tests import model_files
 
 
 def _fake_model(folder: Path) -> Path:

@@ -1,4 +1,4 @@
-"""The fire drill (issue 4): real MLX allocations at a set rate, released at once."""
+"""The fire drill: real MLX allocations at a set rate, released at once."""
 
 from __future__ import annotations
 

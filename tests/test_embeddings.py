@@ -3,7 +3,7 @@ arithmetic for a batch of inputs (worker.embed_guard, SPEC G1-G3), the worker's 
 on a generated tiny BERT with real MLX, checked against the numpy reference
 (tests/bert_reference.py), and the front door's reading of OpenAI's `input`.
 
-The real all-MiniLM-L6-v2 through real processes and both SDKs: test_embeddings_live.py."""
+The real all-MiniLM-L6-v2 through real processes and both SDKs: live/test_embeddings_live.py."""
 
 from __future__ import annotations
 

@@ -669,10 +669,10 @@ def test_mlx_failure_fails_the_requests_involved_and_the_engine_keeps_serving(lo
     assert isinstance(drive(engine).terminal("after"), Finished)
 
 
-# ------------------------------------------------------------------ issue 16
+# ------------------------------------------------------------------ prefill chunk time, context, warm-up
 
 
-def test_issue16_prefill_chunks_are_sized_by_time_not_only_by_memory(loaded):
+def test_prefill_chunks_are_sized_by_time_not_only_by_memory(loaded):
     """A step is how long a command waits: chunks aim at chunk_seconds whatever
     the memory plan allows (512 tokens took 4.7-12.2 s on a small CPU)."""
     from worker.prefill import FIRST_CHUNK, ChunkTimer
@@ -695,7 +695,7 @@ def test_issue16_prefill_chunks_are_sized_by_time_not_only_by_memory(loaded):
     assert ChunkTimer(0).cap(512) == 512  # 0 = by memory only
 
 
-def test_issue16_a_prompt_that_leaves_no_room_for_max_tokens_fails_naming_both(loaded):
+def test_a_prompt_that_leaves_no_room_for_max_tokens_fails_naming_both(loaded):
     engine = _engine(loaded)
     engine.context_length = 64
     prompt = _prompt(engine, "word " * 60)
@@ -706,7 +706,7 @@ def test_issue16_a_prompt_that_leaves_no_room_for_max_tokens_fails_naming_both(l
     assert "context of 64 tokens" in end.message
 
 
-def test_issue22_warm_up_leaves_no_trace_and_serving_is_unchanged(loaded):
+def test_warm_up_leaves_no_trace_and_serving_is_unchanged(loaded):
     """The GPU warm-up runs real requests (one alone, then a group) before serving; afterwards
     nothing of them is left: no request, no batch rows, counters and learned costs as loaded,
     and a request gets the tokens a fresh engine gives."""
@@ -725,7 +725,7 @@ def test_issue22_warm_up_leaves_no_trace_and_serving_is_unchanged(loaded):
     assert drive(engine).tokens("a") == want
 
 
-def test_issue22_streamed_text_of_a_long_reply_is_its_decode_and_the_detokenizer_keeps_a_tail(loaded):
+def test_streamed_text_of_a_long_reply_is_its_decode_and_the_detokenizer_keeps_a_tail(loaded):
     """worker/decode.py reads each token's text with `segment`, which lets mlx_lm's streaming
     detokenizer forget what was read (it copied the whole reply on every token): the text
     streamed is still exactly the decode of the tokens, and what the detokenizer holds stays small."""

@@ -1,4 +1,4 @@
-"""Issue 15: the PUB topics over HTTP (GET /v1/events, SSE) and the dashboard's files.
+"""The PUB topics over HTTP (GET /v1/events, SSE) and the dashboard's files.
 
 The hub (supervisor.fanout) is tested alone for what must hold however the
 doors use it: JSON made once per message, bounded queues, a lagging client
@@ -13,12 +13,12 @@ import json
 
 import msgspec
 import pytest
-from test_http_harness import ADMIN_TOKEN, LiveServer, make_config, non_loopback_address
 
 from shared import protocol as p
 from shared.memory import MemoryReading
 from supervisor import fanout
 from supervisor.fanout import Hub
+from tests.http_harness import ADMIN_TOKEN, LiveServer, make_config, non_loopback_address
 
 pytestmark = pytest.mark.usefixtures("no_front_door_errors")
 
@@ -49,7 +49,7 @@ def drain(sub) -> list:
 # the hub
 
 
-def test_issue15_json_is_encoded_once_per_message_not_once_per_client(monkeypatch):
+def test_json_is_encoded_once_per_message_not_once_per_client(monkeypatch):
     calls = []
     real = fanout.encode_json
     monkeypatch.setattr(fanout, "encode_json", lambda msg: calls.append(msg) or real(msg))
@@ -62,7 +62,7 @@ def test_issue15_json_is_encoded_once_per_message_not_once_per_client(monkeypatc
     assert json.loads(datas[0])["type"] == "sample"
 
 
-def test_issue15_nothing_is_encoded_while_nobody_listens(monkeypatch):
+def test_nothing_is_encoded_while_nobody_listens(monkeypatch):
     calls = []
     monkeypatch.setattr(fanout, "encode_json", lambda msg: calls.append(msg) or b"{}")
     hub = Hub()
@@ -71,7 +71,7 @@ def test_issue15_nothing_is_encoded_while_nobody_listens(monkeypatch):
     assert calls == []
 
 
-def test_issue15_a_client_that_falls_behind_is_dropped_with_a_final_message():
+def test_a_client_that_falls_behind_is_dropped_with_a_final_message():
     hub = Hub(queue_max=4)
     fast, slow = hub.subscribe(p.TOPICS), hub.subscribe(p.TOPICS)
     got = []
@@ -88,7 +88,7 @@ def test_issue15_a_client_that_falls_behind_is_dropped_with_a_final_message():
     assert hub.dropped == 1 and slow not in hub.subscribers and fast in hub.subscribers
 
 
-def test_issue15_a_long_replay_does_not_count_as_lagging():
+def test_a_long_replay_does_not_count_as_lagging():
     """The bound is on live messages: a dashboard asking for minutes of history
     (more frames than queue_max) gets all of them, in order, then live ones."""
     hub = Hub(queue_max=4)
@@ -103,7 +103,7 @@ def test_issue15_a_long_replay_does_not_count_as_lagging():
     assert hub.dropped == 0 and sub in hub.subscribers
 
 
-def test_issue15_topic_filter_applies_to_live_messages_and_replay():
+def test_topic_filter_applies_to_live_messages_and_replay():
     hub = Hub()
     hub.publish(event("evict"))
     hub.publish(pressure(10))
@@ -113,7 +113,7 @@ def test_issue15_topic_filter_applies_to_live_messages_and_replay():
     assert [json.loads(f.data)["usage"] for f in drain(sub)] == [10, 20]
 
 
-def test_issue15_default_replay_is_the_event_history_then_the_latest_state():
+def test_default_replay_is_the_event_history_then_the_latest_state():
     hub = Hub(event_history=3)
     hub.publish(ceiling(100))
     for i in range(5):
@@ -127,7 +127,7 @@ def test_issue15_default_replay_is_the_event_history_then_the_latest_state():
     assert [f.id for f in frames] == sorted(f.id for f in frames)
 
 
-def test_issue15_since_and_last_event_id_replay_everything_kept_after_them(monkeypatch):
+def test_since_and_last_event_id_replay_everything_kept_after_them(monkeypatch):
     clock = iter(range(100, 200))
     monkeypatch.setattr(fanout.time, "time", lambda: float(next(clock)))
     hub = Hub()
@@ -141,7 +141,7 @@ def test_issue15_since_and_last_event_id_replay_everything_kept_after_them(monke
     assert [f.id for f in stale] == [1, 2, 3, 4, 5, 6]
 
 
-def test_issue15_status_carries_s1_inline_as_json():
+def test_status_carries_s1_inline_as_json():
     hub = Hub()
     sub = hub.subscribe({"status"})
     hub.publish(p.StatusMsg(t=2.0, status=msgspec.json.encode({"guard": {"ceiling": 7}})))
@@ -149,7 +149,7 @@ def test_issue15_status_carries_s1_inline_as_json():
     assert body["type"] == "status" and body["status"] == {"guard": {"ceiling": 7}}
 
 
-def test_issue15_closing_the_hub_ends_every_stream_with_a_reason():
+def test_closing_the_hub_ends_every_stream_with_a_reason():
     hub = Hub()
     sub = hub.subscribe(p.TOPICS)
     hub.close("the supervisor is shutting down")
@@ -198,7 +198,7 @@ async def read_events(response, until, timeout: float = 10.0) -> list[tuple[str,
     return await Stream(response).until(until, timeout)
 
 
-def test_issue15_events_open_with_hello_replay_history_then_stream_live(server):
+def test_events_open_with_hello_replay_history_then_stream_live(server):
     arb = server.arbiter
 
     async def main():
@@ -222,7 +222,7 @@ def test_issue15_events_open_with_hello_replay_history_then_stream_live(server):
     assert live[2]["kind"] == "evict" and live[2]["model_id"] == "m" and int(live[0]) > 0
 
 
-def test_issue15_last_event_id_resumes_after_it(server):
+def test_last_event_id_resumes_after_it(server):
     arb = server.arbiter
 
     async def main():
@@ -242,7 +242,7 @@ def test_issue15_last_event_id_resumes_after_it(server):
 
 @pytest.mark.parametrize("query, param", [("topic=bogus", "topic"), ("since=yesterday", "since"),
                                           ("since=-5", "since"), ("last_event_id=x", "last_event_id")])
-def test_issue15_bad_query_is_a_400_that_names_the_parameter(server, query, param):
+def test_bad_query_is_a_400_that_names_the_parameter(server, query, param):
     async def main():
         async with server.client() as c:
             return await c.get("/v1/events?" + query)
@@ -252,7 +252,7 @@ def test_issue15_bad_query_is_a_400_that_names_the_parameter(server, query, para
     assert r.json()["error"]["param"] == param
 
 
-def test_issue15_a_client_that_reads_nothing_is_dropped_and_then_told_why(server):
+def test_a_client_that_reads_nothing_is_dropped_and_then_told_why(server):
     """The guard keeps publishing while a client takes no bytes; its queue stays
     bounded, it is dropped, and the final frame says why once it reads again."""
     arb = server.arbiter
@@ -287,7 +287,7 @@ def test_issue15_a_client_that_reads_nothing_is_dropped_and_then_told_why(server
     assert b"messages behind and was dropped" in final
 
 
-def test_issue15_dashboard_is_served_from_the_package_with_no_outside_source(server):
+def test_dashboard_is_served_from_the_package_with_no_outside_source(server):
     async def main():
         async with server.client() as c:
             return [await c.get(path) for path in ("/", "/ui", "/ui/dashboard.js", "/ui/dashboard.css",
@@ -303,7 +303,7 @@ def test_issue15_dashboard_is_served_from_the_package_with_no_outside_source(ser
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "unknown_endpoint"
 
 
-def test_issue15_session_says_admin_for_loopback_only_without_a_token(server):
+def test_session_says_admin_for_loopback_only_without_a_token(server):
     address = non_loopback_address()
 
     async def main():
@@ -322,7 +322,7 @@ def test_issue15_session_says_admin_for_loopback_only_without_a_token(server):
         assert remote["admin"] is False
 
 
-def test_issue15_session_needs_the_admin_token_when_one_is_set(token_server):
+def test_session_needs_the_admin_token_when_one_is_set(token_server):
     async def main():
         async with token_server.client() as c:
             without = (await c.get("/ui/session")).json()
@@ -337,10 +337,10 @@ def test_issue15_session_needs_the_admin_token_when_one_is_set(token_server):
 
 
 # ---------------------------------------------------------------------------
-# issue 21: a ZeroMQ subscriber gets the latest state at once, as /v1/events does
+# a ZeroMQ subscriber gets the latest state at once, as /v1/events does: a slow tick must not leave `watch` blank
 
 
-def test_i21_watch_gets_the_latest_ceiling_at_once_not_at_the_next_slow_tick(server, tmp_path):
+def test_watch_gets_the_latest_ceiling_at_once_not_at_the_next_slow_tick(server, tmp_path):
     """No model: the supervisor ticks every 30 s (unloaded_idle_interval). Measured before:
     `watch --topic ceiling --count 1` waited up to one slow tick (9.7 s) for its first message."""
     import os

@@ -1,4 +1,4 @@
-"""Fill in the middle (issue 23): one table of FIM token spellings (shared/fim.py) decides
+"""Fill in the middle: one table of FIM token spellings (shared/fim.py) decides
 both what a model card promises (supervisor/http/modelfacts.py, from the model's files or
 GGUF header) and how the worker builds the prompt (worker/prompts.encode_fim)."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_gguf import write_gguf
 
 from shared import fim
 from shared.sizes import MiB
 from supervisor.http.modelfacts import gguf_facts, read_facts
+from tests.test_gguf import write_gguf
 from worker import prompts
 from worker.request import EngineError
 

@@ -1,7 +1,7 @@
-"""GGUF import (issue 12) on a GGUF written here from a generated model, the way llama.cpp lays
+"""GGUF import on a GGUF written here from a generated model, the way llama.cpp lays
 one out: q/k rows permuted for its rotary layout, the tokenizer and chat template in metadata.
 
-The real quantized model (SmolLM2 Q4_1) is exercised in test_gguf_real.py (slow).
+The real quantized model (SmolLM2 Q4_1) is exercised in live/test_models_gguf_real_live.py (slow).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 21: hostile files in a models folder are refused quickly, never waited on.
+"""Hostile files in a models folder are refused quickly, never waited on.
 
 A named pipe called `model.safetensors` froze the supervisor for good (its
 open() waited for a writer), a 4 KB sparse GGUF claiming billions of empty
@@ -16,7 +16,6 @@ import threading
 import time
 from pathlib import Path
 
-import model_files
 import pytest
 
 from shared.gguf import GGUFError, read_header
@@ -24,6 +23,7 @@ from shared.modelinfo import context_length
 from shared.weights import WeightsError, estimate_weight_bytes, kv_bytes_per_token, tensor_bytes
 from supervisor.config import Config, SupervisorConfig
 from supervisor.discovery import with_discovered
+from tests import model_files
 
 
 def within(seconds: float, fn, *args):
@@ -64,7 +64,7 @@ def model_dir(tmp_path) -> Path:
     return folder
 
 
-def test_issue21_a_named_pipe_as_model_safetensors_is_refused_not_waited_on(model_dir):
+def test_a_named_pipe_as_model_safetensors_is_refused_not_waited_on(model_dir):
     fifo = model_dir / "model.safetensors"
     os.mkfifo(fifo)
     try:
@@ -74,7 +74,7 @@ def test_issue21_a_named_pipe_as_model_safetensors_is_refused_not_waited_on(mode
     assert isinstance(out.get("error"), WeightsError) and "named pipe" in str(out["error"])
 
 
-def test_issue21_a_named_pipe_as_config_json_is_refused_not_waited_on(model_dir):
+def test_a_named_pipe_as_config_json_is_refused_not_waited_on(model_dir):
     (model_dir / "config.json").unlink()
     fifo = model_dir / "config.json"
     os.mkfifo(fifo)
@@ -86,7 +86,7 @@ def test_issue21_a_named_pipe_as_config_json_is_refused_not_waited_on(model_dir)
     assert out.get("value", "hung") is None and kv.get("value", "hung") == 0
 
 
-def test_issue21_a_named_pipe_as_a_gguf_file_is_refused_not_waited_on(tmp_path):
+def test_a_named_pipe_as_a_gguf_file_is_refused_not_waited_on(tmp_path):
     fifo = tmp_path / "m.gguf"
     os.mkfifo(fifo)
     try:
@@ -96,7 +96,7 @@ def test_issue21_a_named_pipe_as_a_gguf_file_is_refused_not_waited_on(tmp_path):
     assert isinstance(out.get("error"), GGUFError) and "named pipe" in str(out["error"])
 
 
-def test_issue21_a_sparse_config_json_of_1_gib_is_not_read(model_dir):
+def test_a_sparse_config_json_of_1_gib_is_not_read(model_dir):
     with open(model_dir / "config.json", "r+b") as handle:
         handle.truncate(1 << 30)  # sparse: the disk holds a few KB
     out = within(3.0, kv_bytes_per_token, model_dir)
@@ -111,13 +111,13 @@ def _sparse_gguf(path: Path, n_kv: int, size: int = 1 << 30) -> Path:
     return path
 
 
-def test_issue21_a_sparse_gguf_claiming_millions_of_keys_is_refused_at_once(tmp_path):
+def test_a_sparse_gguf_claiming_millions_of_keys_is_refused_at_once(tmp_path):
     out = within(10.0, read_header, _sparse_gguf(tmp_path / "m.gguf", n_kv=1 << 28))
     assert isinstance(out.get("error"), GGUFError) and "implausible" in str(out["error"])
     assert out["seconds"] < 1.0
 
 
-def test_issue21_a_gguf_array_claiming_millions_of_strings_is_refused_at_once(tmp_path):
+def test_a_gguf_array_claiming_millions_of_strings_is_refused_at_once(tmp_path):
     path = tmp_path / "a.gguf"
     with open(path, "wb") as handle:  # one key "k": an array of 2**30 (empty) strings
         handle.write(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"k"
@@ -128,13 +128,13 @@ def test_issue21_a_gguf_array_claiming_millions_of_strings_is_refused_at_once(tm
     assert out["seconds"] < 1.0
 
 
-def test_issue21_a_safetensors_header_longer_than_its_file_is_refused_without_reading(model_dir):
+def test_a_safetensors_header_longer_than_its_file_is_refused_without_reading(model_dir):
     (model_dir / "model.safetensors").write_bytes(struct.pack("<Q", 90 * 1024 * 1024) + b"{}")
     with pytest.raises(WeightsError, match="implausible safetensors header length"):
         tensor_bytes(model_dir / "model.safetensors")
 
 
-def test_issue21_a_folder_name_that_is_no_model_id_is_served_sanitised_not_a_traceback(tmp_path):
+def test_a_folder_name_that_is_no_model_id_is_served_sanitised_not_a_traceback(tmp_path):
     """Before: `My Model (4bit)` raised out of with_discovered and `serve` exited with a traceback."""
     for name in ("My Model (4bit)", "ok-model", "((("):
         folder = tmp_path / name
@@ -147,7 +147,7 @@ def test_issue21_a_folder_name_that_is_no_model_id_is_served_sanitised_not_a_tra
     assert any("'((('" in w and "skipped" in w for w in warnings)
 
 
-def test_issue21_weight_estimates_are_read_once_until_the_files_change(model_dir):
+def test_weight_estimates_are_read_once_until_the_files_change(model_dir):
     header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
     weights = model_dir / "model.safetensors"
     weights.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 16)

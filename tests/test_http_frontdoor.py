@@ -14,10 +14,10 @@ import json
 from pathlib import Path
 
 import pytest
-from test_http_harness import ADMIN_TOKEN, LiveServer, make_config, metric, non_loopback_address
 
 from shared.sizes import GiB
 from supervisor.config import ModelConfig
+from tests.http_harness import ADMIN_TOKEN, LiveServer, make_config, metric, non_loopback_address
 
 pytestmark = pytest.mark.usefixtures("no_front_door_errors")
 
@@ -310,17 +310,17 @@ def test_model_list_and_ids_with_slashes(server):
     assert one.status_code == 200
     card = one.json()
     details = card.pop("memvisor")
-    readiness = card.pop("readiness")  # issue 24: what a request would meet (tested in test_routing_signals)
+    readiness = card.pop("readiness")  # what a request would meet (tested in test_routing_signals)
     assert readiness["model"] == "org/never-loaded" and readiness["loaded"] is False
     assert card | {"created": 0} == {"id": "org/never-loaded", "object": "model", "owned_by": "memvisor",
                                      "created": 0, "state": "unloaded", "pinned": False, "worker": None,
-                                     "pid": None, "context_length": None,  # issue 23: not known here
+                                     "pid": None, "context_length": None,  # not known for this model
                                      "capabilities": ["completion"]}  # nothing says it embeds
     assert details["id"] == "org/never-loaded" and details["state"] == "unloaded" and details["usage"] == 0
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/admin/guard"])
-def test_issue16_deeply_nested_json_is_400_not_a_500(server, path):
+def test_deeply_nested_json_is_400_not_a_500(server, path):
     """Nesting 3,000 deep raised RecursionError inside the decoder (a 500)."""
     nested = b'{"model": "huge", "extra": ' + b"[" * 3000 + b"]" * 3000 + b"}"
 
@@ -333,7 +333,7 @@ def test_issue16_deeply_nested_json_is_400_not_a_500(server, path):
     assert after.status_code == 200
 
 
-def test_issue16_a_body_shorter_than_its_content_length_is_408_within_the_deadline(server):
+def test_a_body_shorter_than_its_content_length_is_408_within_the_deadline(server):
     """It held its connection until the client gave up; now body_timeout (1 s here) ends it."""
     head = response_head(server, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                                  b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\"")
@@ -341,7 +341,7 @@ def test_issue16_a_body_shorter_than_its_content_length_is_408_within_the_deadli
 
 
 def test_ollama_a3_refusal_keeps_507_and_its_words_in_ollama_shape(server):
-    """Issue 23: a memory refusal through /api/chat is the same 507 naming what binds,
+    """A memory refusal through /api/chat is the same 507 naming what binds,
     as Ollama's `{"error": ...}` (the official client raises it with the status); the
     gate's refusals on /api/* come in that shape too."""
     import ollama

@@ -1,4 +1,4 @@
-"""Issue 21: the browser is a client, not an admin (supervisor/http/gate.py, require_admin).
+"""The browser is a client, not an admin (supervisor/http/gate.py, require_admin).
 
 Each attack a web page could make on a loopback supervisor, as real HTTP
 against a real supervisor (no model is loaded): a cross-origin `text/plain`
@@ -12,11 +12,11 @@ browser itself does with the answers is the CORS spec's part.
 from __future__ import annotations
 
 import pytest
-from test_http_frontdoor import assert_openai_error, fake_huge_model
-from test_http_harness import ADMIN_TOKEN, LiveServer, make_config
 
 from shared.sizes import GiB
 from supervisor.config import ConfigError, ModelConfig, load_config
+from tests.http_harness import ADMIN_TOKEN, LiveServer, make_config
+from tests.test_http_frontdoor import assert_openai_error, fake_huge_model
 
 pytestmark = pytest.mark.usefixtures("no_front_door_errors")
 
@@ -37,7 +37,7 @@ def guard_enabled(server) -> bool:
     return server.arbiter.enforcer.settings.enabled
 
 
-def test_issue21_a_cross_origin_text_plain_post_cannot_turn_the_guard_off(server):
+def test_a_cross_origin_text_plain_post_cannot_turn_the_guard_off(server):
     """The attack: a page's `fetch(..., {mode: "no-cors", body: '{"enabled": false}'})` is a
     "simple request" (text/plain, no preflight): it reached /admin/guard and was obeyed."""
 
@@ -61,7 +61,7 @@ def test_issue21_a_cross_origin_text_plain_post_cannot_turn_the_guard_off(server
     assert guard_enabled(server) is True
 
 
-def test_issue21_a_page_needs_the_admin_token_even_from_loopback(server):
+def test_a_page_needs_the_admin_token_even_from_loopback(server):
     """No token configured: a page from an allowed origin (a local UI) may call /v1 but not
     administer; curl (no Origin) and the dashboard (this server's own origin) still may."""
 
@@ -84,7 +84,7 @@ def test_issue21_a_page_needs_the_admin_token_even_from_loopback(server):
     assert bodyless.status_code == 200 and bodyless.json()["unloaded"] is False
 
 
-def test_issue21_a_page_with_the_admin_token_may_administer(token_server):
+def test_a_page_with_the_admin_token_may_administer(token_server):
     async def main():
         async with token_server.client() as c:
             return await c.post("/admin/guard", json={"tier": "safe"}, headers={
@@ -94,7 +94,7 @@ def test_issue21_a_page_with_the_admin_token_may_administer(token_server):
     assert r.status_code == 200 and r.json()["guard"]["tier"] == "safe"
 
 
-def test_issue21_a_rebinding_host_header_is_refused_on_every_route(server):
+def test_a_rebinding_host_header_is_refused_on_every_route(server):
     """DNS rebinding: evil.example resolves to 127.0.0.1, so the page's requests reach this
     port with `Host: evil.example:PORT`: it read /status and changed the tier."""
     host = f"evil.example:{server.port}"
@@ -121,7 +121,7 @@ def test_issue21_a_rebinding_host_header_is_refused_on_every_route(server):
     assert server.arbiter.enforcer.settings.tier != "aggressive"
 
 
-def test_issue21_generation_posts_need_json(server):
+def test_generation_posts_need_json(server):
     """A page's text/plain POST to a generation endpoint skips the preflight: 415, in each API's shape."""
 
     async def main():
@@ -136,7 +136,7 @@ def test_issue21_generation_posts_need_json(server):
     assert messages.status_code == 415 and messages.json()["type"] == "error"
 
 
-def test_issue21_cors_preflight_from_an_allowed_origin_is_204(server):
+def test_cors_preflight_from_an_allowed_origin_is_204(server):
     """A local web UI (http://localhost:3000) got a 405 on its preflight; now 204 with the headers
     the OpenAI and Anthropic browser SDKs send."""
 
@@ -163,7 +163,7 @@ def test_issue21_cors_preflight_from_an_allowed_origin_is_204(server):
         assert not any(h.startswith("access-control-") for h in refused.headers)
 
 
-def test_issue21_cors_headers_only_for_allowed_origins(server):
+def test_cors_headers_only_for_allowed_origins(server):
     async def main():
         async with server.client() as c:
             return (await c.get("/v1/models", headers={"Origin": "http://127.0.0.1:5173"}),
@@ -183,7 +183,7 @@ UNPREFIXED = ("/models", "/chat/completions", "/completions", "/messages", "/mes
               "/detokenize")
 
 
-def test_issue23_routes_without_v1_get_the_same_cors_and_no_more(server):
+def test_routes_without_v1_get_the_same_cors_and_no_more(server):
     """Clients that leave out /v1 (and llama.cpp's /tokenize, /detokenize): a local UI's
     preflight is answered and its responses readable, as on /v1; a foreign page's preflight
     and POST are refused, its reads carry no CORS header, a text/plain POST is a 415."""
@@ -213,7 +213,7 @@ def test_issue23_routes_without_v1_get_the_same_cors_and_no_more(server):
     assert_openai_error(plain, 415, "unsupported_media_type")
 
 
-def test_issue21_cors_origins_config(tmp_path):
+def test_cors_origins_config(tmp_path):
     from supervisor.http.gate import OriginAllowlist
 
     path = tmp_path / "m.toml"
@@ -227,7 +227,7 @@ def test_issue21_cors_origins_config(tmp_path):
             load_config(path)
 
 
-def test_issue21_host_names_that_are_this_server():
+def test_host_names_that_are_this_server():
     from supervisor.http.gate import HostCheck
 
     loopback, everywhere, named = HostCheck("127.0.0.1"), HostCheck("0.0.0.0"), HostCheck("box.lan")
@@ -244,7 +244,7 @@ def keyed_server(tmp_path_factory):
         yield live
 
 
-def test_issue21_the_dashboard_puts_no_secret_in_a_url():
+def test_the_dashboard_puts_no_secret_in_a_url():
     """The page put the admin token (or an API key) in its EventSource URL: in the history, in logs."""
     from supervisor.http.dashboard import read_static
 
@@ -254,7 +254,7 @@ def test_issue21_the_dashboard_puts_no_secret_in_a_url():
     assert '"/ui/ticket"' in script and "Authorization" in script
 
 
-def test_issue21_a_ticket_cookie_opens_the_event_stream_for_the_dashboard(keyed_server):
+def test_a_ticket_cookie_opens_the_event_stream_for_the_dashboard(keyed_server):
     """EventSource sends no headers: the key goes once, as a header, to POST /ui/ticket, and
     an HttpOnly SameSite=Strict cookie scoped to /v1/events opens the stream."""
 
@@ -292,7 +292,7 @@ def test_issue21_a_ticket_cookie_opens_the_event_stream_for_the_dashboard(keyed_
     assert opened[0] == 200 and opened[1].startswith(("event:", "id:", "retry:", ":", "data:"))
 
 
-def test_issue23_routes_without_v1_and_the_token_routes_need_the_api_key(keyed_server):
+def test_routes_without_v1_and_the_token_routes_need_the_api_key(keyed_server):
     """Keyed like /v1: no key is a 401; with it the request reaches its handler (no models
     here: `model` is then required, a 400 naming it)."""
     async def main():

@@ -1,4 +1,4 @@
-"""Issue 21: half-sent requests must not exhaust the front door (supervisor/http/limits.py).
+"""Half-sent requests must not exhaust the front door (supervisor/http/limits.py).
 
 Raw sockets against a real supervisor: headers that never end are closed
 within `header_timeout`; a connection beyond `max_connections` either closes
@@ -17,11 +17,11 @@ import resource
 import time
 
 import pytest
-from test_http_frontdoor import fake_huge_model
-from test_http_harness import LiveServer, make_config
 
 from shared.sizes import GiB
 from supervisor.config import ModelConfig
+from tests.http_harness import LiveServer, make_config
+from tests.test_http_frontdoor import fake_huge_model
 
 pytestmark = pytest.mark.usefixtures("no_front_door_errors")
 
@@ -52,7 +52,7 @@ async def read_until_closed(reader, limit: float) -> tuple[bytes, float]:
     return data, time.monotonic() - start
 
 
-def test_issue21_slow_loris_headers_are_closed_within_the_header_deadline(server):
+def test_slow_loris_headers_are_closed_within_the_header_deadline(server):
     """A byte of header every 0.2 s, never the blank line: the connection was held forever."""
 
     async def main():
@@ -82,7 +82,7 @@ def test_issue21_slow_loris_headers_are_closed_within_the_header_deadline(server
     assert b"header_timeout" in data
 
 
-def test_issue21_a_connection_that_sends_nothing_is_closed_too(server):
+def test_a_connection_that_sends_nothing_is_closed_too(server):
     async def main():
         reader, writer = await open_raw(server)
         data, after = await read_until_closed(reader, 10)
@@ -93,7 +93,7 @@ def test_issue21_a_connection_that_sends_nothing_is_closed_too(server):
     assert data == b"" and after < HEADER_TIMEOUT + 1.5
 
 
-def test_issue21_beyond_the_cap_the_oldest_idle_connection_makes_room(server):
+def test_beyond_the_cap_the_oldest_idle_connection_makes_room(server):
     """Twice the cap of silent connections: /health still answers at once."""
 
     async def main():
@@ -108,7 +108,7 @@ def test_issue21_beyond_the_cap_the_oldest_idle_connection_makes_room(server):
     assert health.status_code == 200
 
 
-def test_issue21_beyond_the_cap_with_every_connection_busy_is_a_quick_503(server):
+def test_beyond_the_cap_with_every_connection_busy_is_a_quick_503(server):
     """Every connection inside a request (a body still arriving): the next one gets a 503
     at once, not a hang; once they are gone, new connections are served again."""
 
@@ -140,7 +140,7 @@ def test_issue21_beyond_the_cap_with_every_connection_busy_is_a_quick_503(server
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/responses"])
-def test_issue21_body_timeout_holds_on_every_generation_endpoint(server, path):
+def test_body_timeout_holds_on_every_generation_endpoint(server, path):
     """A body shorter than its Content-Length: 408 within body_timeout on all three APIs
     (/v1/messages and /v1/responses read with the default 30 s before)."""
 
@@ -162,7 +162,7 @@ def test_issue21_body_timeout_holds_on_every_generation_endpoint(server, path):
 @pytest.mark.parametrize("keep_alive", ["inf", "nan", "-inf", "1e999", "Infinity", 1e300, "99999999h", "0x10",
                                         True, [1]])
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
-def test_issue21_keep_alive_inf_nan_and_huge_are_400_before_any_generation(server, path, keep_alive):
+def test_keep_alive_inf_nan_and_huge_are_400_before_any_generation(server, path, keep_alive):
     """"inf" was a 500 that left a generation running for nobody; "nan" meant "unload now"."""
     body = {"model": "huge", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
             "keep_alive": keep_alive}
@@ -180,13 +180,13 @@ def test_issue21_keep_alive_inf_nan_and_huge_are_400_before_any_generation(serve
 @pytest.mark.parametrize("keep_alive,seconds", [
     (-1, 0.0), ("-1", 0.0), ("-1m", 0.0), ("5m", 300.0), ("1h30m", 5400.0), ("90s", 90.0), (2.5, 2.5),
     ("1.5h", 5400.0), ("250ms", 0.25)])
-def test_issue21_keep_alive_accepts_finite_durations(keep_alive, seconds):
+def test_keep_alive_accepts_finite_durations(keep_alive, seconds):
     from supervisor.http.keepalive import keep_alive_seconds
 
     assert keep_alive_seconds(keep_alive, None) == seconds
 
 
-def test_issue21_huge_ttl_is_400():
+def test_huge_ttl_is_400():
     from supervisor.http.keepalive import keep_alive_seconds
     from supervisor.http.openai_types import BodyError
 
@@ -194,7 +194,7 @@ def test_issue21_huge_ttl_is_400():
         keep_alive_seconds(None, 10 ** 30)
 
 
-def test_issue21_the_open_file_limit_is_raised_and_a_reserve_kept():
+def test_the_open_file_limit_is_raised_and_a_reserve_kept():
     from supervisor.http.limits import FD_RESERVE, connection_cap, raise_fd_limit
 
     soft, hard = raise_fd_limit()
@@ -204,7 +204,7 @@ def test_issue21_the_open_file_limit_is_raised_and_a_reserve_kept():
     assert connection_cap(1024, 1 << 20) == 1024
 
 
-def test_issue21_a_repeated_log_line_passes_once_a_window_with_a_count():
+def test_a_repeated_log_line_passes_once_a_window_with_a_count():
     from supervisor.http.limits import RepeatFilter
 
     logger = logging.getLogger("memvisor.test.repeat")

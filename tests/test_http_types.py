@@ -58,7 +58,7 @@ def test_malformed_json_says_so(body, words):
 
 
 def test_unknown_fields_are_refused_naming_them():
-    """Issue 13: nothing silently ignored, on /v1 as on /admin/guard; the field is the param."""
+    """Nothing silently ignored, on /v1 as on /admin/guard; the field is the param."""
     assert chat(parallel_tool_calls=False, metadata={"a": "1"}, user="u").model == "m"
     for body, param in ((b'{"model": "m", "messages": [], "typical_p": 0.5}', "typical_p"),
                         (b'{"model": "m", "messages": [{"role": "user", "content": "x", "colour": 1}]}',
@@ -221,7 +221,7 @@ def test_metric_labels_stay_bounded():
 
 
 def test_a_tool_call_list_cut_by_max_tokens_keeps_its_whole_calls():
-    """Issue 13: the calls completed before the cut come back; a cut one is dropped."""
+    """The calls completed before the cut come back; a cut one is dropped."""
     from supervisor.http.tools import parse_constrained
 
     cut = '[{"name":"f","arguments":{"s":"a\\"}]"}},{"name":"f","arguments":{"s":"'

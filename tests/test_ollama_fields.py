@@ -1,4 +1,4 @@
-"""Issue 23: the Ollama request fields mapped to the worker's Generate, and the model
+"""The Ollama request fields mapped to the worker's Generate, and the model
 facts behind /api/tags and /api/show, without a server."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def test_ollama_options_map_to_sampling():
     assert chat(options={"num_predict": -1}).max_tokens == ollama.DEFAULT_CHAT_MAX_TOKENS
 
 
-def test_issue23_ollama_sampling_options_map_to_the_same_generate_fields():
+def test_ollama_sampling_options_map_to_the_same_generate_fields():
     gen = chat(options={"top_k": 5, "min_p": 0.1, "repeat_penalty": 1.3, "presence_penalty": 0.5,
                         "frequency_penalty": -0.25, "repeat_last_n": 16}, logprobs=True, top_logprobs=4)
     assert (gen.top_k, gen.min_p, gen.repetition_penalty, gen.presence_penalty, gen.frequency_penalty) == (

@@ -192,9 +192,9 @@ def test_probe_json_reports_every_number_with_its_source(capsys, tmp_path):
     assert main(["probe", "--json", "--runtime-dir", str(tmp_path)]) == 0
     out = json.loads(capsys.readouterr().out)
     own = out.pop("own")
-    out.pop("device")              # SPEC D6: the NVIDIA device's reading (tests/test_device_status.py) ...
+    out.pop("device")              # SPEC D6: the NVIDIA device's reading (tests/test_d_device_status.py) ...
     out.pop("device_unavailable")  # ... or why there is none
-    out.pop("blas")                # issue 22: the BLAS workers get (tests/test_blas.py)
+    out.pop("blas")                # the BLAS workers get (tests/test_blas.py)
     reading = msgspec.convert(out, HostReading)  # the rest is exactly a HostReading
     assert reading.physical_total > 0
     for key in ("free", "inactive", "file_backed", "active", "available", "total",

@@ -17,7 +17,7 @@ from shared.memory import MemoryReading
         (p.CommandMsg, p.SetLimits(cmd=7, limits=Limits(hard_limit=9, tier="safe"))),
         (p.CommandMsg, p.Generate(cmd=1, request_id="r", messages=[p.ChatMessage(role="user", content="hi")])),
         (p.WorkerReply, p.Hello(worker_id="w1", model_id="m", pid=3, device_info={"device_name": "cpu"})),
-        (p.WorkerReply, p.Prompted(request_id="r", prompt_tokens=12, cached_tokens=8)),  # issue 23
+        (p.WorkerReply, p.Prompted(request_id="r", prompt_tokens=12, cached_tokens=8)),  # before the first token
         (p.CommandMsg, p.Generate(request_id="r", prompt="x", top_k=5, min_p=0.1, repetition_penalty=1.2,
                                   presence_penalty=-0.5, frequency_context_size=8, logit_bias={3: -100.0, 9: 2.5},
                                   logprobs=True, top_logprobs=4)),
@@ -93,13 +93,13 @@ def test_every_published_message_has_a_topic():
 
 
 def test_the_schema_names_prompted_among_the_worker_replies():
-    """Issue 23: `python -m supervisor schema` documents the worker's early prompt count."""
+    """`python -m supervisor schema` documents the worker's early prompt count."""
     defs = msgspec.json.schema(p.all_message_types()["WorkerReply"])["$defs"]
     assert defs["Prompted"]["properties"]["type"] == {"enum": ["prompted"]}
 
 
 def test_the_schema_describes_logprobs_and_the_sampling_fields():
-    """Issue 23: the token messages' logprobs and Generate's sampling settings are in the schema."""
+    """The token messages' logprobs and Generate's sampling settings are in the schema."""
     replies = msgspec.json.schema(p.all_message_types()["WorkerReply"])["$defs"]
     assert "logprobs" in replies["TokenOut"]["properties"] and "logprobs" in replies["TokenBatch"]["properties"]
     assert replies["TokenLogprobs"]["type"] == "array"  # compact: [token, logprob, top]

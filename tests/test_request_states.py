@@ -1,4 +1,4 @@
-"""Issue 22: one request state table in the engine (worker/request.py), h11-style."""
+"""One request state table in the engine (worker/request.py), h11-style."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
-"""Routing signals (issue 24), fast: the readiness table, the capacity arithmetic, and
+"""Routing signals, fast: the readiness table, the capacity arithmetic, and
 the front door's side against a real supervisor with no model loaded.
 
 What a router reads: `GET /health?model=ID` (a status a request would get, with
 Retry-After), the `readiness` of each `/v1/models` card, `X-Memvisor-Host` on every
 response, and a machine-readable `code` in every refusal body, in every API's shape.
 The live end (429, a load's 503 with progress, a SIGSTOPped worker) is
-test_routing_live.py; a real router in front of several hosts is test_fleet_live.py.
+live/test_fleet_routing_live.py; a real router in front of several hosts is live/test_fleet_litellm_live.py.
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from test_http_frontdoor import fake_huge_model
-from test_http_harness import LiveServer, make_config
 
 from shared.sizes import GiB, MiB
 from supervisor.config import ConfigError, ModelConfig, parse_config
@@ -29,6 +27,8 @@ from supervisor.readiness import (
     share,
 )
 from supervisor.views import ModelView, WorkerView
+from tests.http_harness import LiveServer, make_config
+from tests.test_http_frontdoor import fake_huge_model
 
 pytestmark = pytest.mark.usefixtures("no_front_door_errors")
 

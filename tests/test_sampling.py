@@ -1,8 +1,8 @@
-"""Issue 23: each sampling option's effect, on the worker's per-request token picker.
+"""Each sampling option's effect, on the worker's per-request token picker.
 
 Logits here are made up so each option's effect is certain (which token wins
 by how much); tests/test_sampling_engine.py checks the same options on a real
-model, batched, and tests/test_sampling_live.py through the APIs.
+model, batched, and tests/live/test_sampling_live.py through the APIs.
 """
 
 from __future__ import annotations

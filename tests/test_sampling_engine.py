@@ -1,4 +1,4 @@
-"""Issue 23: the sampling options in the engine, on a real tiny model, alone and batched.
+"""The sampling options in the engine, on a real tiny model, alone and batched.
 
 The tiny model's greedy reply to PROMPT repeats one token, which makes the
 penalties' effect countable. Every batched test compares each row with the
@@ -151,7 +151,7 @@ def test_generate_carries_every_setting_to_the_request(engine):
     assert all(len(lp.top) == 3 for lp in _logprobs(run, "g"))
 
 
-def test_issue22_rows_with_the_same_plain_settings_are_picked_together_each_from_its_own_row(engine, monkeypatch):
+def test_rows_with_the_same_plain_settings_are_picked_together_each_from_its_own_row(engine, monkeypatch):
     """Rows whose pickers choose alike (temperature, top_p, min_p, top_k; no penalty, bias,
     logprobs or seed) take one pick for all of them (worker/sampling.py pick_rows), not a call
     each per step; each row's token still comes from its own row: with top_k=1 every row is

@@ -1,5 +1,5 @@
 """`serve` refuses what it cannot set up with one clear line and exit code 2,
-and leaves no socket behind (issue 8: a failing TCP PUB bind used to raise
+and leaves no socket behind (a failing TCP PUB bind used to raise
 NameError, because the arbiter caught a BusError it had not imported)."""
 
 import socket
@@ -32,7 +32,7 @@ def test_taken_pub_tcp_port_is_a_clean_error(tmp_path):
     assert not list(runtime.glob("*.sock")), "the failed start left sockets behind"
 
 
-def test_issue16_a_model_path_that_is_missing_or_a_file_stops_serve_at_start(tmp_path):
+def test_a_model_path_that_is_missing_or_a_file_stops_serve_at_start(tmp_path):
     """Before: found only when a worker tried to load it (a 500 at the first request)."""
     afile = tmp_path / "weights.bin"
     afile.write_bytes(b"x")

@@ -1,4 +1,4 @@
-"""Issue 23: a worker's `Prompted` is kept on its request's stream, never queued, and a
+"""A worker's `Prompted` is kept on its request's stream, never queued, and a
 request that ends without one still releases whoever awaits the count."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The worker's Tokenize / Detokenize answers (worker/tokens.py, issue 23) on a real
+"""The worker's Tokenize / Detokenize answers (worker/tokens.py) on a real
 tokenizer: the session's generated model, a byte-level BPE as GPT-2, Llama 3 and Qwen use."""
 
 from __future__ import annotations

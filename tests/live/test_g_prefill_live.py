@@ -1,0 +1,106 @@
+"""SPEC G1 end to end: a prompt that fits once an idle model is stopped is served.
+
+Real supervisor, real workers, real HTTP. The worker's preflight finds its
+prefill short of the hard limit by less than the idle model holds, asks for
+`need_bytes` (the shortfall), the supervisor stops the idle model, and the
+retried preflight fits. `hot_cache_max = 0` (the harness's default), so the
+limits are the ceiling's alone and the shortfall is exactly what the test sets.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shared.sizes import MiB
+from supervisor.config import GuardConfig, ModelConfig
+from tests.http_harness import LiveServer, make_config, until
+from worker import prefill_cost
+from worker.prefill_guard import estimate_prefill_peak
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_front_door_errors")]
+
+HARD = 0.97  # the custom tier's hard fraction (SPEC T4)
+TOKENS = 1800
+# G1 judges a prompt at the floor chunk: one chunk for the whole prompt makes its peak (~50 MiB)
+# large beside the usage's noise while the prefill stays a few seconds long.
+FLOOR = 2048
+WORDS = "memory pressure guard worker model cache prefix token budget ceiling ".split()
+
+
+@pytest.fixture(scope="module")
+def live(tiny_models, tmp_path_factory):
+    from modelfiles.modelgen import make_model
+
+    grower = tmp_path_factory.mktemp("prefill-live") / "m4-f32"
+    make_model(grower, 4 * MiB, 0, dtype="float32")  # float32: the fastest prefill on CPU
+    models = [ModelConfig(id="idle", path=str(tiny_models.a)), ModelConfig(id="big", path=str(grower))]
+    config = make_config(models, guard=GuardConfig(hot_cache_max=0, min_chunk_tokens=FLOOR))
+    with LiveServer(config, tmp_path_factory.mktemp("rt")) as server:
+        server.grower = grower
+        yield server
+
+
+def _prompt(model_dir, tokens: int) -> str:
+    """About `tokens` tokens of text for this model's tokenizer (and how many it really is)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    words = [WORDS[i % len(WORDS)] for i in range(tokens)]
+    while len(tokenizer.encode(" ".join(words)).ids) > tokens:
+        words.pop()
+    return " ".join(words)
+
+
+def _fitting_length(cost, usage: int) -> tuple[int, int]:
+    """The shortest prompt (from TOKENS up) whose peak lets one custom ceiling put the hard
+    limit 40 % of that peak short of usage + peak while usage stays under soft (0.90): the
+    larger the group's usage on this machine, the larger the peak must be."""
+    for tokens in range(TOKENS, 3801, 100):
+        peak = estimate_prefill_peak(tokens, cost, FLOOR)
+        if usage < 0.9 * (usage + 0.6 * peak) / HARD - 4 * MiB:
+            return tokens, peak
+    raise AssertionError(f"no prompt up to 3,800 tokens is large enough beside a usage of {usage} bytes")
+
+
+def test_g1_prompt_that_fits_once_an_idle_model_is_evicted_is_served(live):
+    config = json.loads((live.grower / "config.json").read_text())
+    cost = prefill_cost.cost_from_config(config, 4)
+    peak = estimate_prefill_peak(TOKENS, cost, FLOOR)
+    tokens = TOKENS
+
+    async def main():
+        async with live.client() as c:
+            for model in ("idle", "big"):
+                r = await c.post("/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2})
+                assert r.status_code == 200, r.text
+            idle = live.arbiter.pool.worker_for("idle")
+            await until(lambda: idle.sample is not None and idle.sample.memory.usage > peak,
+                        what="the idle model's usage")
+            # Hard limit at usage + 60 % of the prefill's estimated peak: short by 40 %, far less
+            # than the idle worker holds, and usage stays under soft (0.90 of the ceiling), where
+            # the supervisor would stop idle models on its own.
+            usage = (await c.get("/status")).json()["guard"]["usage"]
+            nonlocal tokens
+            tokens, need = _fitting_length(cost, usage)
+            assert idle.sample.memory.usage > 0.4 * need  # stopping the idle model covers the shortfall
+            prompt = _prompt(live.grower, tokens)
+            ceiling = int((usage + 0.6 * need) / HARD)
+            assert usage < 0.9 * ceiling - 4 * MiB
+            r = await c.post("/admin/guard", json={"tier": "custom", "custom_ceiling": ceiling})
+            assert r.status_code == 200, r.text
+            try:
+                served = await c.post("/v1/completions",
+                                      json={"model": "big", "prompt": prompt, "max_tokens": 2}, timeout=120)
+            finally:
+                r = await c.post("/admin/guard", json={"tier": "balanced", "custom_ceiling": 0})
+            return served, idle
+
+    served, idle = live.run(main(), timeout=180)
+    assert served.status_code == 200, served.text
+    assert served.json()["usage"]["prompt_tokens"] > tokens - 100
+    assert idle.state == "stopped"
+    evictions = [e for e in live.arbiter.events if e.kind == "evict" and e.model_id == "idle"]
+    assert evictions and "prefill of" in evictions[-1].reason
+    assert live.arbiter.pool.worker_for("big") is not None

@@ -1,0 +1,39 @@
+"""The tests' own layout as tests/README.md writes it: a test that spawns real processes is
+found in tests/live/, marked slow, named `*_live.py` with a prefix the README's table lists,
+and no test is named after an issue number."""
+
+import ast
+import re
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+LIVE = TESTS / "live"
+
+
+def _prefixes() -> list[str]:
+    rows = [line for line in (TESTS / "README.md").read_text().splitlines() if line.startswith("| `test_")]
+    return [name for row in rows for name in re.findall(r"`(test_\w+_)`", row.split("|")[1])]
+
+
+def _marks_the_module_slow(path: Path) -> bool:
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in node.targets):
+            return "pytest.mark.slow" in ast.unparse(node.value)
+    return False
+
+
+def test_live_files_are_slow_and_named_by_a_chapter_or_room_prefix():
+    prefixes = _prefixes()
+    assert "test_p_" in prefixes and "test_api_" in prefixes, prefixes
+    files = sorted(LIVE.glob("test_*.py"))
+    assert files
+    assert [f.name for f in files if not f.name.endswith("_live.py")] == []
+    assert [f.name for f in files if not _marks_the_module_slow(f)] == []
+    assert [f.name for f in files if not f.name.startswith(tuple(prefixes))] == []
+    assert [f.name for f in TESTS.glob("test_*_live.py")] == [], "a live file belongs in tests/live/"
+
+
+def test_no_test_is_named_after_an_issue_number():
+    named = [f"{f.relative_to(TESTS)}::{name}" for f in sorted(TESTS.rglob("test_*.py"))
+             for name in re.findall(r"def (test_(?:issue|i)\d+\w*)", f.read_text())]
+    assert named == []
