@@ -330,7 +330,9 @@ async def _obedience_run(ctx: "Context", chunk_seconds: float, row: Row) -> tupl
                 task.result()  # it failed to start: say why rather than wait for ever
             await asyncio.sleep(0.01)
         handle = await arb.models.load("big")
-        prompt = " ".join(f"w{i % 97}" for i in range(ctx.prompt_words))
+        # a prompt of each run's own from its first word: the timed run's KV, written to the
+        # disk tier at its stop, must not let the second run skip its prefill (H5)
+        prompt = f"run{int(chunk_seconds)} " + " ".join(f"w{i % 97}" for i in range(ctx.prompt_words))
         row.requests += 1
         stream = await arb.service.generate("big", p.Generate(request_id=f"ob{chunk_seconds}", prompt=prompt, max_tokens=2))
         started = time.monotonic()
@@ -1012,6 +1014,7 @@ class Context:
         self.sparse_bytes = (1 if args.quick else 2) << 30
         self.figures: dict[str, float] = {}
         self._n = 0
+        self._private_cache(work / "cache")
         from modelfiles.modelgen import make_model
 
         models = work / "models"
@@ -1019,6 +1022,20 @@ class Context:
         make_model(self.model_a, 2 * MiB, 0)
         make_model(self.model_b, 2 * MiB, 1)
         make_model(self.model_big, (8 if args.quick else 16) * MiB, 2)
+
+    @staticmethod
+    def _private_cache(root: Path) -> None:
+        """The supervisors started here, and their workers, keep their prompt cache's disk tier
+        (H5) in this run's folder, not the user's: a stop in one scenario must not hand cached
+        tokens to the next (obedience's prefills would be read back instead of computed), and
+        the throwaway models must leave nothing behind. The BLAS copy stays the user's (a link)."""
+        from shared.probe import blas as found
+
+        user_blas = found.cache_dir()
+        root.mkdir(parents=True, exist_ok=True)
+        if user_blas.is_dir():
+            (root / "blas").symlink_to(user_blas, target_is_directory=True)
+        os.environ[found.CACHE_ENV] = str(root)
 
     def runtime(self, tag: str) -> Path:
         self._n += 1
