@@ -35,7 +35,12 @@ def test_p6_a_grower_at_hard_is_acted_on_before_a_big_idle_model_exits(lab_model
     takes hundreds of ms) before acting on a grower, because the stop under way
     was guessed to land in time. Here the grower (256 MiB/s asked) stops short of the
     ceiling, at 92 % of it, with hard at 85 %: only a guard that acts on the
-    growth itself acts on it before that exit."""
+    growth itself acts on it before that exit.
+
+    The idle model's exit takes 190-690 ms here, and the grower needs ~120 ms
+    from soft to hard: on a fast exit (CI once) hard is never reached and the
+    run says nothing about P6. Such a run is repeated (at most three), and a
+    run whose setup held is judged on every check."""
     from dataclasses import replace
 
     from supervisor.lab.scenarios import grow_while_big_stops
@@ -43,6 +48,9 @@ def test_p6_a_grower_at_hard_is_acted_on_before_a_big_idle_model_exits(lab_model
     base = by_name(["grow-while-big-stops"])[0]
     sc = replace(base, name="grow-while-big-stops-short", soft_threshold=0.80, hard_threshold=0.85,
                  run=grow_while_big_stops(rate=256 * 2**20, soft=0.80, drill_to=0.92))
-    result = asyncio.run(run_one(sc, lab_models, None))
-    failed = [f"{c.name}: {c.detail}" for c in result.checks if not c.passed]
+    for _attempt in range(3):
+        result = asyncio.run(run_one(sc, lab_models, None))
+        failed = [f"{c.name}: {c.detail}" for c in result.checks if not c.passed]
+        if not any(name.startswith("setup:") for name in failed):
+            break
     assert result.passed, f"{failed or result.error} {result.figures}"
