@@ -398,3 +398,37 @@ def test_h5_status_and_ps_show_the_disk_tier_also_for_an_unloaded_model():
     assert "prompt cache on disk: off (disk_cache_max = 0)" in off
     listing = table(models).splitlines()
     assert "DISK" in listing[0] and "5 MiB" in listing[2]
+
+
+def test_h5_watch_shows_the_disk_tier_from_the_status_topic_and_nothing_when_it_is_off():
+    from rich.console import Console
+
+    from shared import protocol as p
+    from supervisor.cli.watch import _View
+    from supervisor.policy.pressure import tick
+    from supervisor.policy.snapshot import Snapshot
+    from supervisor.policy.status import DiskCacheStatus, ServerStatus, build_status
+    from tests.test_h_prompt_cache_budget import GUARD, HOST, worker
+
+    s = Snapshot(now=1.0, guard=GUARD, host=HOST, workers=[worker("a", 100 * 1024 ** 2)])
+    disk = DiskCacheStatus(max=DISK_CACHE_AUTO, budget=10 * GiB, bytes=8 * 1024 ** 2, entries=3, grace=2.0,
+                           read_entries=2, read_tokens=1500, written_entries=3, dropped_entries=1)
+    status = ServerStatus(pid=1, uptime=1.0, runtime_dir="rt", pub="ipc://pub", http="", guard=build_status(s, tick(s)),
+                          models=[], events=[], malformed_frames=0, counters={}, disk_cache=disk)
+
+    def shown(*msgs) -> str:
+        view = _View()
+        for msg in msgs:
+            view.take(msg)
+        console = Console(width=220, record=True, color_system=None)
+        console.print(view.render())
+        return console.export_text()
+
+    text = shown(p.StatusMsg(t=1.0, status=msgspec.json.encode(status)))
+    assert "prompt cache on disk 8 MiB of 10 GiB budget, 3 entries" in text
+    assert "read back 2 (1500 tokens)" in text and "written 3" in text and "dropped 1" in text
+    off = msgspec.structs.replace(status, disk_cache=DiskCacheStatus(max=0))
+    assert "on disk" not in shown(p.StatusMsg(t=1.0, status=msgspec.json.encode(off)))
+    # a status it cannot read leaves the last good line, and the view goes on
+    assert "on disk 8 MiB" in shown(p.StatusMsg(t=1.0, status=msgspec.json.encode(status)),
+                                    p.StatusMsg(t=2.0, status=b"{not json"))

@@ -19,6 +19,7 @@ from shared import protocol as p
 from shared.sizes import format_size
 from shared.vocab import GuardEventKind
 from supervisor.client import NotRunning, subscribe
+from supervisor.policy.status import DiskCacheStatus, ServerStatus
 
 # The events after which a worker's process is gone: its last sample leaves the view.
 WORKER_GONE: frozenset[GuardEventKind] = frozenset({"exit", "crash"})
@@ -75,6 +76,7 @@ class _View:
         self.pressure: p.PressureMsg | None = None
         self.samples: dict[str, p.Sample] = {}
         self.events: collections.deque[p.GuardEvent] = collections.deque(maxlen=12)
+        self.disk: DiskCacheStatus | None = None  # H5 (proposed): from the latest status message
 
     def take(self, msg) -> None:
         if isinstance(msg, p.CeilingMsg):
@@ -87,6 +89,11 @@ class _View:
             self.events.append(msg)
             if msg.kind in WORKER_GONE:
                 self.samples.pop(msg.worker_id, None)
+        elif isinstance(msg, p.StatusMsg):
+            try:
+                self.disk = msgspec.json.decode(msg.status, type=ServerStatus).disk_cache
+            except msgspec.DecodeError:  # a newer or broken supervisor: keep the last good line
+                pass
 
     def render(self):
         from rich.console import Group
@@ -119,6 +126,8 @@ class _View:
             cached = sum(s.memory.cache_bytes for s in self.samples.values())
             parts.append(f"prompt cache {format_size(cached)} / {format_size(c.hot_cache_max)} budget  "
                          f"reserved {format_size(c.hot_cache_reserved)}")
+        if self.disk is not None and self.disk.max != 0:
+            parts.append(_disk_line(self.disk))
         if not parts:
             parts.append("waiting for the supervisor's first tick ...")
         workers = Table("worker", "pid", "usage", "mlx active", "pool", "cache", "running", "queued",
@@ -146,6 +155,17 @@ def _device_line(d: p.DevicePool, width: int = 40) -> str:
             f"[{colour}]{bar}[/] {format_size(d.usage)} / {format_size(d.ceiling)} ({d.utilization:.0%})  "
             f"soft {format_size(d.soft_bytes)}  hard {format_size(d.hard_bytes)}  "
             f"binding: [bold]{d.binding or '-'}[/]  of {format_size(d.total)}")
+
+
+def _disk_line(d: DiskCacheStatus) -> str:
+    """H5 (proposed): the prompt cache's disk tier against its budget, and what the tier did since start."""
+    budget = format_size(d.budget) if d.budget else "auto"
+    line = (f"prompt cache on disk {format_size(d.bytes)} of {budget} budget, {d.entries} entries  "
+            f"read back {d.read_entries} ({d.read_tokens} tokens)  written {d.written_entries}  "
+            f"dropped {d.dropped_entries}  evicted {d.evicted_entries}")
+    if d.quantize_bits:
+        line += f"  quantized {d.quantized_entries} ({format_size(d.quantized_bytes)} returned)"
+    return line
 
 
 def _live(args) -> int:
