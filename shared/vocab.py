@@ -97,7 +97,7 @@ ServeCode = Literal[
     "internal_error", "spawn_failed", "too_many_workers", "overloaded", "model_unreadable", "model_at_capacity",
     "model_not_found", "model_not_loaded", "model_loading", "model_failed", "admission_paused",
     "worker_unresponsive", "worker_timeout", "drills_disabled", "reload_unsupported", "reload_busy", "reload_timeout",
-    "invalid_config", "invalid_guard_settings", "bad_reply",
+    "invalid_config", "invalid_guard_settings", "bad_reply", "shutting_down",
 ]
 
 # What the front door says for a status no raise site names, and its own refusals.

@@ -153,6 +153,7 @@ class Models:
         if self.pool.worker_for(model.id) is None:
             await self.catalog.read(model)  # off the loop, bounded, before the lock
         async with self._load_lock:  # A5: one model load at a time
+            self._refuse_if_shutting_down(model)
             if handle is None or not handle.live:
                 handle = self.pool.worker_for(model.id)
             if handle is not None and (handle.marked_for_unload or handle.stopping is not None):
@@ -161,12 +162,22 @@ class Models:
                 handle = None
             if handle is None:
                 await self.enforcer.admit(model)
-                handle = self.pool.spawn(await self.catalog.loadable(model))
+                loadable = await self.catalog.loadable(model)
+                self._refuse_if_shutting_down(model)
+                handle = self.pool.spawn(loadable)
                 self.enforcer.note_load_started(handle)
                 self.wake()
             await handle.loaded
         self.wake()
         return handle
+
+    def _refuse_if_shutting_down(self, model: ModelConfig) -> None:
+        """A load that waited (on the A5 lock, on admission) past the start of
+        shutdown starts nothing: the shutdown has already gathered the workers
+        it stops, so a worker spawned now would outlive its supervisor."""
+        if not self.running():
+            raise LoadError(f"not loading {model.id!r}: the supervisor is shutting down", code="shutting_down",
+                            http_status=503)
 
     async def load_quietly(self, model_id: str, why: str) -> None:
         """A load nobody waits for (pinned, respawn, reload): a failure is said, and a
@@ -175,6 +186,9 @@ class Models:
         try:
             await self.load(model_id)
         except LoadError as exc:
+            if exc.code == "shutting_down":
+                log.info("%s not loaded (%s): %s", model_id, why, exc)
+                return
             log.error("could not load %s (%s): %s", model_id, why, exc)
             model = self.config.model(model_id)
             if model is not None and model.pinned:

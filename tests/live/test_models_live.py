@@ -238,3 +238,31 @@ def test_http_dry_run_and_model_cards(tiny_models, runtime_dir):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "context"
     assert card["id"] == "a" and card["memvisor"]["aliases"] == ["gpt-4o-mini"]
     assert card["memvisor"]["estimated_bytes"] > 0
+
+
+def test_a_load_waiting_for_the_load_lock_starts_no_worker_once_shutdown_began(tiny_models, runtime_dir):
+    """A5 serialises loads; a load still waiting on that lock when the
+    supervisor starts to shut down must not spawn afterwards: the shutdown has
+    already gathered the workers it stops, so a late spawn would be an orphan
+    process outliving its supervisor."""
+    config = make_config(_models(tiny_models))
+
+    async def main():
+        running = Running(config, runtime_dir)
+        arb = await running.__aenter__()
+        lock = arb.models._load_lock
+        await lock.acquire()  # another load holds it
+        waiting = asyncio.get_running_loop().create_task(arb.models.load("a"))
+        await asyncio.sleep(0.2)
+        arb.stop("test")
+        await until(lambda: not arb.running, 5)
+        await asyncio.sleep(0.2)  # the shutdown is under way
+        lock.release()
+        with pytest.raises(LoadError) as refused:
+            await asyncio.wait_for(waiting, 30)
+        await asyncio.wait_for(running.task, 30)
+        return arb, refused.value
+
+    arb, refused = asyncio.run(main())
+    assert refused.code == "shutting_down" and refused.http_status == 503
+    assert arb.pool.counters["spawned"] == 0 and not arb.pool.handles
