@@ -19,19 +19,15 @@ import pytest
 
 from shared import probe as facade
 from shared.probe import ProbeError
-from shared.probe.linux import (
+from shared.probe.cgroups import _swap_allowed, locate_cgroup, parse_mountinfo, parse_proc_cgroup
+from shared.probe.linux import LinuxProbe, host_counters
+from shared.probe.procfs import (
     UNLIMITED,
-    LinuxProbe,
     Meminfo,
     ProcFile,
-    _swap_allowed,
-    host_counters,
-    locate_cgroup,
     parse_cgroup_stat,
     parse_limit,
     parse_meminfo,
-    parse_mountinfo,
-    parse_proc_cgroup,
     parse_psi,
     parse_smaps_rollup,
     parse_statm,

@@ -61,7 +61,6 @@ Private_Dirty + Private_Hugetlb) for `probe` and occasional checks.
 from __future__ import annotations
 
 import os
-import re
 import threading
 import time
 import weakref
@@ -74,444 +73,28 @@ from shared.probe import (
     HostReading,
     ProbeError,
     Psi,
-    PsiLine,
     TotalSource,
     choose_total,
     warn_once,
 )
+from shared.probe.cgroups import Container, find_container
+from shared.probe.procfs import (
+    ALL_FIELDS,
+    TICK_FIELDS,
+    CgroupStat,
+    Meminfo,
+    ProcFile,
+    parse_cgroup_stat,
+    parse_counter,
+    parse_meminfo,
+    parse_psi,
+    parse_smaps_rollup,
+    parse_statm,
+    read_once,
+    under,
+)
 
-# A cgroup "limit" this large means none: v1 writes PAGE_COUNTER_MAX pages
-# (0x7FFFFFFFFFFFF000 on 4 KiB pages), v2 writes "max".
-UNLIMITED = 1 << 62
-
-_READ_SIZE = 8192
 _MAX_FDS = 512
-
-
-# ---------------------------------------------------------------------------
-# Files kept open and re-read in place.
-
-
-class ProcFile:
-    """A /proc or /sys file opened once and re-read with `pread` at 0."""
-
-    __slots__ = ("path", "_fd", "_size")
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._fd = -1
-        self._size = _READ_SIZE
-
-    def read(self) -> bytes:
-        """The whole file; ProbeError naming the path when it cannot be read."""
-        for attempt in (0, 1):
-            try:
-                if self._fd < 0:
-                    self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-                return self._read_all()
-            except OSError as exc:
-                self.close()
-                if attempt or exc.errno not in _REOPEN_ERRNOS:
-                    raise ProbeError(f"cannot read {self.path}: {exc.strerror or exc}") from None
-        raise AssertionError("unreachable")
-
-    def _read_all(self) -> bytes:
-        while True:
-            data = os.pread(self._fd, self._size, 0)
-            if len(data) < self._size:
-                return data
-            self._size *= 2  # the text outgrew the buffer: read it whole
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            try:
-                os.close(self._fd)
-            except OSError:
-                pass
-            self._fd = -1
-
-
-# A stale descriptor (file replaced, cgroup re-created) is worth one reopen.
-_REOPEN_ERRNOS = frozenset({9, 19, 22})  # EBADF, ENODEV, EINVAL
-
-
-def read_once(path: str) -> bytes:
-    """Read a file that is only read on the slow path (no descriptor kept)."""
-    try:
-        with open(path, "rb") as fh:
-            return fh.read()
-    except OSError as exc:
-        raise ProbeError(f"cannot read {path}: {exc.strerror or exc}") from None
-
-
-# ---------------------------------------------------------------------------
-# Parsers: bytes in, typed values out. A field counts only when its line is
-# complete (ends in a newline), so a truncated file cannot yield a short
-# number that looks valid.
-
-
-def _line_value(data: bytes, key: bytes) -> bytes | None:
-    """The rest of the line that starts with `key` (key includes its separator)."""
-    if data.startswith(key):
-        start = len(key)
-    else:
-        i = data.find(b"\n" + key)
-        if i < 0:
-            return None
-        start = i + 1 + len(key)
-    end = data.find(b"\n", start)
-    if end < 0:
-        return None
-    return data[start:end]
-
-
-def _whole(text: bytes | None) -> int | None:
-    if text is None:
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        return None
-    return value if value >= 0 else None
-
-
-def meminfo_field(data: bytes, name: bytes) -> int | None:
-    """One /proc/meminfo field in bytes (`kB` lines) or as a bare count."""
-    rest = _line_value(data, name + b":")
-    if rest is None:
-        return None
-    parts = rest.split()
-    if not parts or len(parts) > 2 or (len(parts) == 2 and parts[1] != b"kB"):
-        return None
-    value = _whole(parts[0])
-    if value is None:
-        return None
-    return value * 1024 if len(parts) == 2 else value
-
-
-class Meminfo(msgspec.Struct, frozen=True, kw_only=True):
-    """The /proc/meminfo fields the guard uses, in bytes; None when absent."""
-
-    total: int | None = None
-    free: int | None = None
-    available: int | None = None
-    active_anon: int | None = None
-    inactive_anon: int | None = None
-    active_file: int | None = None
-    inactive_file: int | None = None
-    shmem: int | None = None
-    unevictable: int | None = None
-    swap_total: int | None = None
-    swap_free: int | None = None
-
-
-def _meminfo_keys(*names: tuple[str, str]) -> tuple[tuple[bytes, str], ...]:
-    return tuple((b"\n" + key.encode() + b":", attr) for attr, key in names)
-
-
-# The tick reads only what the counters need; `probe` reads the rest too.
-TICK_FIELDS = _meminfo_keys(
-    ("total", "MemTotal"), ("free", "MemFree"), ("available", "MemAvailable"),
-    ("active_anon", "Active(anon)"), ("active_file", "Active(file)"),
-    ("inactive_file", "Inactive(file)"), ("swap_total", "SwapTotal"),
-)
-ALL_FIELDS = TICK_FIELDS + _meminfo_keys(
-    ("inactive_anon", "Inactive(anon)"), ("shmem", "Shmem"),
-    ("unevictable", "Unevictable"), ("swap_free", "SwapFree"),
-)
-
-
-def parse_meminfo(data: bytes, fields: tuple[tuple[bytes, str], ...] = ALL_FIELDS) -> Meminfo:
-    """The named /proc/meminfo fields, in bytes.
-
-    One flat loop of `find`s (this runs every tick): a field is kept only
-    when its line is complete and reads `<number> kB`; anything else --
-    missing, truncated, garbage, negative -- leaves it None.
-    """
-    data = b"\n" + data
-    found: dict[str, int] = {}
-    for key, attr in fields:
-        i = data.find(key)
-        if i < 0:
-            continue
-        start = i + len(key)
-        end = data.find(b"\n", start)
-        if end < 0:
-            continue
-        parts = data[start:end].split()
-        if len(parts) != 2 or parts[1] != b"kB" or not parts[0].isdigit():
-            continue
-        found[attr] = int(parts[0]) * 1024
-    return Meminfo(**found)
-
-
-class CgroupStat(msgspec.Struct, frozen=True, kw_only=True):
-    """A cgroup's memory.stat (whole subtree), in bytes; None when absent."""
-
-    anon: int | None = None
-    file: int | None = None
-    shmem: int | None = None
-    active_anon: int | None = None
-    inactive_anon: int | None = None
-    active_file: int | None = None
-    inactive_file: int | None = None
-    hierarchical_limit: int | None = None   # v1 only: the limit over all ancestors
-
-
-# attribute -> (v2 key, v1 key). v1 `total_*` keys include the subtree.
-_STAT_KEYS = {
-    "anon": (b"anon", b"total_rss"),
-    "file": (b"file", b"total_cache"),
-    "shmem": (b"shmem", b"total_shmem"),
-    "active_anon": (b"active_anon", b"total_active_anon"),
-    "inactive_anon": (b"inactive_anon", b"total_inactive_anon"),
-    "active_file": (b"active_file", b"total_active_file"),
-    "inactive_file": (b"inactive_file", b"total_inactive_file"),
-}
-
-
-def parse_cgroup_stat(data: bytes, version: int) -> CgroupStat:
-    values: dict[str, int | None] = {}
-    for attr, (v2_key, v1_key) in _STAT_KEYS.items():
-        if version == 2:
-            values[attr] = _whole(_line_value(data, v2_key + b" "))
-        else:
-            value = _whole(_line_value(data, v1_key + b" "))
-            if value is None:  # a v1 cgroup without hierarchy: the plain key
-                value = _whole(_line_value(data, v1_key[len(b"total_"):] + b" "))
-            values[attr] = value
-    if version == 1:
-        values["hierarchical_limit"] = _whole(_line_value(data, b"hierarchical_memory_limit "))
-    return CgroupStat(**values)
-
-
-def parse_limit(data: bytes, path: str = "limit") -> int | None:
-    """A cgroup limit file: bytes, or None for "max" / a no-limit sentinel."""
-    text = data.strip()
-    if text == b"max":
-        return None
-    value = _whole(text)
-    if value is None or not data.endswith(b"\n"):
-        raise ProbeError(f"{path} is not a byte count: {data[:40]!r}")
-    return None if value >= UNLIMITED else value
-
-
-def parse_counter(data: bytes, path: str = "counter") -> int:
-    value = _whole(data.strip())
-    if value is None or not data.endswith(b"\n"):
-        raise ProbeError(f"{path} is not a byte count: {data[:40]!r}")
-    return value
-
-
-def _psi_line(rest: bytes) -> PsiLine:
-    fields = dict(part.split(b"=", 1) for part in rest.split())
-    return PsiLine(
-        avg10=float(fields[b"avg10"]), avg60=float(fields[b"avg60"]),
-        avg300=float(fields[b"avg300"]), total_us=int(fields[b"total"]),
-    )
-
-
-def parse_psi(data: bytes, source: str = "") -> Psi:
-    """A PSI file (`some ...` and usually `full ...`)."""
-    try:
-        some = _line_value(data, b"some ")
-        if some is None:
-            raise ValueError("no complete `some` line")
-        full = _line_value(data, b"full ")
-        return Psi(
-            some=_psi_line(some), full=None if full is None else _psi_line(full), source=source
-        )
-    except (ValueError, KeyError) as exc:
-        raise ProbeError(f"{source or 'PSI'} is not a pressure-stall file: {exc}") from None
-
-
-def parse_statm(data: bytes, page_size: int) -> int | None:
-    """Anonymous resident bytes from /proc/PID/statm (resident - shared).
-
-    None for a process without memory (a zombie reads all zeros).
-    """
-    parts = data.split()
-    if len(parts) < 3 or not data.endswith(b"\n"):
-        return None
-    resident, shared = _whole(parts[1]), _whole(parts[2])
-    if resident is None or shared is None or resident == 0:
-        return None
-    return max(0, resident - shared) * page_size
-
-
-def parse_smaps_rollup(data: bytes) -> int | None:
-    """USS: Private_Clean + Private_Dirty + Private_Hugetlb; None if unreadable."""
-    clean = meminfo_field(data, b"Private_Clean")
-    dirty = meminfo_field(data, b"Private_Dirty")
-    if clean is None or dirty is None:
-        return None
-    return clean + dirty + (meminfo_field(data, b"Private_Hugetlb") or 0)
-
-
-# ---------------------------------------------------------------------------
-# Where the process's memory cgroup is.
-
-
-class Mount(msgspec.Struct, frozen=True):
-    root: str         # the cgroup path mounted (field 4 of mountinfo)
-    mountpoint: str
-    fstype: str
-    options: tuple[str, ...]
-
-
-_OCTAL = re.compile(r"\\([0-7]{3})")
-
-
-def _unescape(field: str) -> str:
-    """mountinfo escapes space, tab, newline and backslash as \\ooo (slow path)."""
-    if "\\" not in field:
-        return field
-    return _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), field)
-
-
-def parse_mountinfo(data: bytes) -> list[Mount]:
-    """The cgroup mounts of /proc/self/mountinfo (others are not needed)."""
-    mounts = []
-    for line in data.decode(errors="replace").splitlines():
-        fields = line.split()
-        if "-" not in fields:
-            continue
-        sep = fields.index("-")
-        if sep < 5 or len(fields) < sep + 4:
-            continue
-        fstype = fields[sep + 1]
-        if fstype not in ("cgroup", "cgroup2"):
-            continue
-        mounts.append(Mount(
-            root=_unescape(fields[3]), mountpoint=_unescape(fields[4]),
-            fstype=fstype, options=tuple(fields[sep + 3].split(",")),
-        ))
-    return mounts
-
-
-class Membership(msgspec.Struct, frozen=True):
-    v1_memory: str | None = None   # the path in the v1 memory hierarchy
-    v2: str | None = None          # the path in the unified hierarchy
-
-
-def parse_proc_cgroup(data: bytes) -> Membership:
-    v1 = v2 = None
-    for line in data.decode(errors="replace").splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        hid, controllers, path = parts
-        if hid == "0" and controllers == "":
-            v2 = path
-        elif "memory" in controllers.split(","):
-            v1 = path
-    return Membership(v1_memory=v1, v2=v2)
-
-
-class CgroupPlace(msgspec.Struct, frozen=True):
-    """The process's memory cgroup: its version and the directories from the
-    process's own cgroup up to the top of the mount (the limits that apply)."""
-
-    version: int
-    dirs: tuple[str, ...]
-
-
-def _under(root: str, path: str) -> str:
-    return os.path.join(root, path.lstrip("/"))
-
-
-def locate_cgroup(root: str = "/") -> CgroupPlace | None:
-    """Find the memory cgroup of this process, or None when there is none.
-
-    A v1 memory controller wins over v2 (in a hybrid layout the unified
-    hierarchy carries no memory controller). Inside a cgroup namespace the
-    process sees itself at "/" of a mount whose root is its own cgroup.
-    """
-    member = parse_proc_cgroup(read_once(_under(root, "proc/self/cgroup")))
-    mounts = parse_mountinfo(read_once(_under(root, "proc/self/mountinfo")))
-    if member.v1_memory is not None:
-        version, path = 1, member.v1_memory
-        candidates = [m for m in mounts if m.fstype == "cgroup" and "memory" in m.options]
-    elif member.v2 is not None:
-        version, path = 2, member.v2
-        candidates = [m for m in mounts if m.fstype == "cgroup2"]
-    else:
-        return None
-    if not candidates:
-        return None
-    mount = candidates[0]
-    rel = path
-    if mount.root != "/" and (path == mount.root or path.startswith(mount.root + "/")):
-        rel = path[len(mount.root):]
-    top = _under(root, mount.mountpoint)
-    leaf = os.path.normpath(os.path.join(top, rel.lstrip("/")))
-    if not (leaf == top or leaf.startswith(top.rstrip("/") + "/")) or not os.path.isdir(leaf):
-        leaf = top  # the path is outside this mount (namespaced): the mount is ours
-    dirs = [leaf]
-    while dirs[-1] != top:
-        dirs.append(os.path.dirname(dirs[-1]))
-    return CgroupPlace(version=version, dirs=tuple(dirs))
-
-
-# ---------------------------------------------------------------------------
-# The container limit (slow path) and its live counters (tick path).
-
-
-class Container(msgspec.Struct, frozen=True, kw_only=True):
-    """The cgroup whose limit binds, as found on the last slow refresh."""
-
-    version: int
-    dir: str
-    limit: int | None         # None: no finite limit anywhere on the path
-    limit_source: str
-    swap_allowed: bool | None  # None: the cgroup does not say
-
-
-def _limit_files(version: int) -> tuple[str, ...]:
-    return ("memory.max", "memory.high") if version == 2 else ("memory.limit_in_bytes",)
-
-
-def _smallest_limit(place: CgroupPlace) -> tuple[int | None, str, str]:
-    """(limit, its file, its cgroup dir) -- the smallest finite limit on the path."""
-    best: tuple[int | None, str, str] = (None, "", place.dirs[0])
-    for directory in place.dirs:
-        for name in _limit_files(place.version):
-            path = os.path.join(directory, name)
-            if not os.path.exists(path):
-                continue
-            limit = parse_limit(read_once(path), path)
-            if limit is not None and (best[0] is None or limit < best[0]):
-                best = (limit, path, directory)
-    return best
-
-
-def _swap_allowed(version: int, directory: str, limit: int | None) -> bool | None:
-    """Whether the binding cgroup may swap at all (T3 inside a container)."""
-    try:
-        if version == 2:
-            path = os.path.join(directory, "memory.swap.max")
-            if not os.path.exists(path):
-                return None
-            swap = parse_limit(read_once(path), path)
-            return swap is None or swap > 0
-        path = os.path.join(directory, "memory.memsw.limit_in_bytes")
-        if not os.path.exists(path) or limit is None:
-            return None
-        memsw = parse_limit(read_once(path), path)
-        return memsw is None or memsw > limit
-    except ProbeError:
-        return None
-
-
-def find_container(root: str = "/") -> Container | None:
-    place = locate_cgroup(root)
-    if place is None:
-        return None
-    limit, source, directory = _smallest_limit(place)
-    return Container(
-        version=place.version, dir=directory, limit=limit, limit_source=source,
-        swap_allowed=_swap_allowed(place.version, directory, limit),
-    )
 
 
 # ---------------------------------------------------------------------------
@@ -600,7 +183,7 @@ class LinuxProbe:
         self.root = root
         self.slow_interval = slow_interval
         self._clock = clock
-        self._meminfo = ProcFile(_under(root, "proc/meminfo"))
+        self._meminfo = ProcFile(under(root, "proc/meminfo"))
         self._page_size = os.sysconf("SC_PAGE_SIZE")
         self._physical_fallback = 0
         self._next_slow = float("-inf")
@@ -711,7 +294,7 @@ class LinuxProbe:
         if f is None:
             if len(self._statm) >= _MAX_FDS:
                 self._drop(next(iter(self._statm)))
-            f = self._statm[pid] = ProcFile(_under(self.root, f"proc/{pid}/statm"))
+            f = self._statm[pid] = ProcFile(under(self.root, f"proc/{pid}/statm"))
         try:
             value = parse_statm(f.read(), self._page_size)
         except ProbeError:
@@ -723,7 +306,7 @@ class LinuxProbe:
     def exact_footprint(self, pid: int) -> int | None:
         """USS from /proc/PID/smaps_rollup; slow, for `probe` and spot checks."""
         try:
-            return parse_smaps_rollup(read_once(_under(self.root, f"proc/{pid}/smaps_rollup")))
+            return parse_smaps_rollup(read_once(under(self.root, f"proc/{pid}/smaps_rollup")))
         except ProbeError:
             return None
 
@@ -774,12 +357,12 @@ if hasattr(os, "register_at_fork"):
 def read_swap_kinds(root: str = "/") -> tuple[bool | None, bool | None]:
     """(zram active as swap, zswap enabled); None where the system does not say."""
     try:
-        swaps = read_once(_under(root, "proc/swaps")).decode(errors="replace").splitlines()[1:]
+        swaps = read_once(under(root, "proc/swaps")).decode(errors="replace").splitlines()[1:]
         zram: bool | None = any(line.split()[0].startswith("/dev/zram") for line in swaps if line)
     except ProbeError:
         zram = None
     try:
-        flag = read_once(_under(root, "sys/module/zswap/parameters/enabled")).strip()
+        flag = read_once(under(root, "sys/module/zswap/parameters/enabled")).strip()
         zswap: bool | None = flag in (b"Y", b"y", b"1")
     except ProbeError:
         zswap = None
@@ -788,7 +371,7 @@ def read_swap_kinds(root: str = "/") -> tuple[bool | None, bool | None]:
 
 def read_psi(root: str, container: Container | None) -> tuple[Psi | None, str | None]:
     """Memory PSI: the binding v2 cgroup's own file, else the host's."""
-    path = _under(root, "proc/pressure/memory")
+    path = under(root, "proc/pressure/memory")
     if container is not None and container.version == 2 and container.limit is not None:
         own = os.path.join(container.dir, "memory.pressure")
         if os.path.exists(own):
@@ -829,7 +412,7 @@ def _container_sources(meminfo: str, c: Container) -> dict[str, str]:
 
 
 def _sources(root: str, sample: _Sample) -> dict[str, str]:
-    meminfo = _under(root, "proc/meminfo")
+    meminfo = under(root, "proc/meminfo")
     c = sample.container
     if sample.stat is not None and c is not None:
         sources = _container_sources(meminfo, c)
