@@ -180,11 +180,11 @@ def test_cors_headers_only_for_allowed_origins(server):
 
 
 UNPREFIXED = ("/models", "/chat/completions", "/completions", "/messages", "/messages/count_tokens", "/tokenize",
-              "/detokenize")
+              "/detokenize", "/infill")
 
 
 def test_routes_without_v1_get_the_same_cors_and_no_more(server):
-    """Clients that leave out /v1 (and llama.cpp's /tokenize, /detokenize): a local UI's
+    """Clients that leave out /v1 (and llama.cpp's /tokenize, /detokenize, /infill): a local UI's
     preflight is answered and its responses readable, as on /v1; a foreign page's preflight
     and POST are refused, its reads carry no CORS header, a text/plain POST is a 415."""
     ask = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
@@ -297,11 +297,13 @@ def test_routes_without_v1_and_the_token_routes_need_the_api_key(keyed_server):
     here: `model` is then required, a 400 naming it)."""
     async def main():
         async with keyed_server.client() as c:
-            bare = [await c.post(path, json={"content": "x"}) for path in ("/tokenize", "/detokenize")]
+            bare = [await c.post(path, json={"content": "x"}) for path in ("/tokenize", "/detokenize", "/infill")]
             bare.append(await c.get("/models"))
-            keyed = await c.post("/tokenize", json={"content": "x"}, headers={"Authorization": "Bearer k-123"})
+            keyed = [await c.post(path, json={"content": "x"} if path == "/tokenize" else {"input_prefix": "x"},
+                                  headers={"Authorization": "Bearer k-123"}) for path in ("/tokenize", "/infill")]
         return bare, keyed
 
     bare, keyed = keyed_server.run(main())
-    assert [r.status_code for r in bare] == [401, 401, 401]
-    assert keyed.status_code == 400 and keyed.json()["error"]["param"] == "model"
+    assert [r.status_code for r in bare] == [401, 401, 401, 401]
+    for r in keyed:
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model"

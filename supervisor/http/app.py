@@ -24,6 +24,7 @@ Endpoints (DESIGN.md contract):
   /chat/completions, /completions, /models, /messages: the /v1 routes for clients
   that leave the prefix out
   POST /tokenize, /detokenize       llama.cpp's token routes (http/tokenize.py)
+  POST /infill                      llama.cpp's fill in the middle, for editor plugins (http/infill.py)
   POST /v1/embeddings (and /embeddings), /api/embed, /api/embeddings
                                     embeddings (http/embeddings.py)
 
@@ -54,6 +55,7 @@ from supervisor.errors import ServeError
 from supervisor.http import anthropic as http_anthropic
 from supervisor.http import embeddings as http_embeddings
 from supervisor.http import generate as http_generate
+from supervisor.http import infill as http_infill
 from supervisor.http import ollama as http_ollama
 from supervisor.http import ollama_models
 from supervisor.http import responses as http_responses
@@ -211,6 +213,11 @@ class FrontDoor:
         body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
         return await http_tokenize.detokenize(self.sup, body)
 
+    async def infill(self, request: Request) -> Response:
+        body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
+        started = request.scope.get("memvisor.started", time.monotonic())
+        return await http_infill.handle(request, self.sup, self.metrics, body, started)
+
     # -- the Ollama API ---------------------------------------------------------
 
     async def ollama_version(self, request: Request) -> Response:
@@ -354,6 +361,7 @@ class FrontDoor:
             Route("/messages/count_tokens", v(self.count_tokens, anthropic), methods=["POST"]),
             Route("/tokenize", v(self.tokenize), methods=["POST"]),  # llama.cpp's
             Route("/detokenize", v(self.detokenize), methods=["POST"]),
+            Route("/infill", v(self.infill), methods=["POST"]),
             # the Ollama API (its version check carries no data, so it needs no key)
             Route("/api/version", guarded(self.ollama_version, http_ollama.error_response), methods=["GET"]),
             Route("/api/tags", o(self.ollama_tags), methods=["GET"]),

@@ -44,14 +44,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from supervisor.http.errors import ApiError
 
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses",
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses", "/infill",
                               "/chat/completions", "/completions", "/messages"})
 CORS_PREFIXES = ("/v1/", "/api/")
 # The API routes outside those prefixes: the /v1 routes that clients leaving
-# out the prefix reach too, and llama.cpp's token routes. A browser client of them
+# out the prefix reach too, and llama.cpp's token and infill routes. A browser client of them
 # needs the same CORS as /v1 gives, and gets no more.
 CORS_PATHS = frozenset({"/models", "/chat/completions", "/completions", "/messages", "/messages/count_tokens",
-                        "/embeddings", "/tokenize", "/detokenize"})
+                        "/embeddings", "/tokenize", "/detokenize", "/infill"})
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 ALLOW_METHODS = "GET, POST, DELETE, OPTIONS"
 # What the OpenAI and Anthropic browser SDKs send; a preflight's own list is echoed too.

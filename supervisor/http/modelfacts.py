@@ -229,10 +229,11 @@ async def facts_of(paths: list[str]) -> dict[str, ModelFacts]:
         return {path: ModelFacts() for path in paths}
 
 
-async def require_fim(model_id: str, path: str) -> None:
-    """A `suffix` (fill in the middle) is refused before any load when the model's
-    tokenizer has no FIM tokens, as its card says (no `insert` capability)."""
+async def require_fim(model_id: str, path: str, param: str = "suffix") -> None:
+    """A `suffix` (fill in the middle; `param` names the field that carried it) is refused
+    before any load when the model's tokenizer has no FIM tokens, as its card says (no
+    `insert` capability)."""
     if not (await facts_of([path]))[path].fim:
-        raise BodyError(f"suffix: model {model_id!r} cannot fill in the middle: its tokenizer has no "
+        raise BodyError(f"{param}: model {model_id!r} cannot fill in the middle: its tokenizer has no "
                         "fill-in-the-middle tokens (such as <fim_prefix>/<fim_suffix>/<fim_middle> or "
-                        "<|fim_prefix|>...); send the prompt without a suffix", param="suffix")
+                        "<|fim_prefix|>...); send a plain completion instead", param=param)

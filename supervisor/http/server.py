@@ -78,7 +78,7 @@ _FIXED = {"/health", "/status", "/metrics", "/v1/models", "/v1/chat/completions"
           "/v1/messages/count_tokens", "/chat/completions", "/completions", "/models", "/messages",
           "/messages/count_tokens", "/api/version", "/api/tags", "/api/ps", "/api/show", "/api/chat",
           "/api/generate", "/v1/embeddings", "/embeddings", "/api/embed", "/api/embeddings", "/tokenize",
-          "/detokenize"}
+          "/detokenize", "/infill"}
 
 
 def endpoint_label(path: str) -> str:

@@ -102,3 +102,82 @@ def test_insert_capability_and_model_cards_agree_with_what_is_served(server):
         assert set(card.capabilities) - {"chat"} == set(shown.capabilities)
         assert "chat" in card.capabilities and "completion" in card.capabilities
         assert card.context_length == shown.modelinfo["llama.context_length"] > 0
+
+
+def _sse_objects(text: str) -> list[dict]:
+    import json
+
+    return [json.loads(line[len("data: "):]) for line in text.splitlines() if line.startswith("data: ")]
+
+
+def test_infill_as_llama_cpp_serves_it_equals_a_completion_with_that_suffix(server, fim_prompt_tokens):
+    """/infill (llama.vim, llama.vscode): the prefix and the cursor's line before, the
+    suffix after; the same greedy tokens as /v1/completions with `suffix`, whole and
+    streamed, in llama.cpp's shape; the plugins' own knobs are taken and ignored."""
+    line = "    "
+    body = {"model": "fim", "input_prefix": PREFIX[: -len(line)], "prompt": line, "input_suffix": SUFFIX,
+            "n_predict": 4, "temperature": 0, "samplers": ["top_k", "top_p"], "cache_prompt": True,
+            "t_max_prompt_ms": 500, "t_max_predict_ms": 1000, "n_indent": 4,
+            "response_fields": ["content", "timings/prompt_n"]}
+
+    async def main():
+        completion = await server.openai().completions.create(model="fim", prompt=PREFIX, suffix=SUFFIX,
+                                                              max_tokens=4, temperature=0)
+        async with server.client() as h:
+            whole = await h.post("/infill", json=body)
+            streamed = await h.post("/infill", json={**body, "stream": True})
+        return completion, whole, streamed
+
+    completion, whole, streamed = server.run(main(), timeout=300)
+    assert whole.status_code == 200, whole.text
+    reply = whole.json()
+    assert reply["content"] == completion.choices[0].text and reply["stop"] is True
+    assert reply["tokens_evaluated"] == fim_prompt_tokens == completion.usage.prompt_tokens
+    assert reply["tokens_predicted"] == completion.usage.completion_tokens
+    assert reply["stop_type"] == ("limit" if completion.choices[0].finish_reason == "length" else "eos")
+    events = _sse_objects(streamed.text)
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    assert [e["stop"] for e in events] == [False] * (len(events) - 1) + [True]
+    assert "".join(e["content"] for e in events) == reply["content"]
+    assert events[-1]["tokens_predicted"] == reply["tokens_predicted"]
+
+
+def test_infill_input_extra_is_context_before_the_prefix(server):
+    """llama.cpp's input_extra (other files) precedes the prefix: the prompt grows by
+    exactly the extra text's tokens."""
+    extra = "def sub(a, b):\n    return a - b\n\n"
+    body = {"input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 1, "temperature": 0, "model": "fim"}
+
+    async def main():
+        async with server.client() as h:
+            plain = await h.post("/infill", json=body)
+            more = await h.post("/infill", json={**body, "input_extra": [{"filename": "sub.py", "text": extra}]})
+            counted = await h.post("/tokenize", json={"model": "fim", "content": extra})
+        return plain.json(), more.json(), counted.json()
+
+    plain, more, counted = server.run(main(), timeout=300)
+    grew = more["tokens_evaluated"] - plain["tokens_evaluated"]
+    assert 0 < grew and abs(grew - len(counted["tokens"])) <= 1  # one merge across the seam at most
+
+
+def test_infill_refusals_name_the_field_before_any_load(server):
+    """llama.cpp's own test_invalid_input_extra_req cases, an unknown field, and a model
+    without FIM tokens: each a 400 naming what to fix; the non-FIM model stays unloaded."""
+    base = {"model": "a", "input_prefix": PREFIX, "input_suffix": SUFFIX}
+    bad_extras = [{}, {"filename": "ok"}, {"filename": 123}, {"filename": 123, "text": "abc"},
+                  {"filename": 123, "text": 456}]
+
+    async def main():
+        async with server.client() as h:
+            extras = [await h.post("/infill", json={**base, "model": "fim", "input_extra": [x]}) for x in bad_extras]
+            unknown = await h.post("/infill", json={**base, "model": "fim", "n_probs": 3})
+            no_fim = await h.post("/infill", json=base)
+        return extras, unknown, no_fim
+
+    extras, unknown, no_fim = server.run(main())
+    for r in extras:
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("input_extra"), r.text
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "n_probs"
+    assert no_fim.status_code == 400 and no_fim.json()["error"]["param"] == "input_suffix"
+    assert "fill-in-the-middle" in no_fim.json()["error"]["message"]
+    assert server.arbiter.service.model_info("a").state == "unloaded"
