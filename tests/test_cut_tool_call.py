@@ -121,3 +121,47 @@ def test_cut_required_calls_completed_before_the_cut_are_returned_on_every_api(o
     for response in (one_closed["responses"], one_closed["responses_stream"][-1].response):
         assert [o.type for o in response.output] == ["function_call"] and response.status == "incomplete"
         assert json.loads(response.output[0].arguments) == city
+
+
+# `tool_choice: auto`: the model opened a call (Hermes/Qwen `<tool_call>` tags) and max_tokens cut it.
+AUTO_NONE_CLOSED = ['<tool_call>\n{"name": "get_weather", ', '"arguments": {"ci']
+AUTO_ONE_CLOSED = ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n',
+                   '<tool_call>\n{"name": "get_we']
+
+
+def auto_replies(pieces: list[str]):
+    async def main():
+        async with serving(StubSupervisor(cut(pieces))) as (_, oa, an):
+            chat = dict(model="m", messages=MSG, tools=CHAT_TOOLS, max_tokens=9)
+            out = {"chat": await oa.chat.completions.create(**chat),
+                   "chat_stream": [c async for c in await oa.chat.completions.create(stream=True, **chat)]}
+            out["anthropic"] = await an.messages.create(model="m", max_tokens=9, messages=MSG, tools=ANTHROPIC_TOOLS)
+            out["responses"] = await oa.responses.create(model="m", input="Weather?", tools=RESPONSES_TOOLS,
+                                                         max_output_tokens=9)
+        return out
+
+    return asyncio.run(main())
+
+
+def test_cut_auto_call_with_none_closed_returns_no_half_call_as_text_on_every_api():
+    out = auto_replies(AUTO_NONE_CLOSED)
+    choice = out["chat"].choices[0]
+    assert choice.finish_reason == "length" and not choice.message.content and not choice.message.tool_calls
+    text, calls = _stream_text_and_calls(out["chat_stream"])
+    assert text == "" and calls == [] and out["chat_stream"][-1].choices[0].finish_reason == "length"
+    assert out["anthropic"].stop_reason == "max_tokens"
+    assert all(b.type != "text" or not b.text for b in out["anthropic"].content)
+    assert out["responses"].status == "incomplete"
+    assert out["responses"].output_text == "" and "<tool_call>" not in json.dumps(out["responses"].model_dump())
+
+
+def test_cut_auto_calls_completed_before_the_cut_are_returned_without_the_half_one():
+    out = auto_replies(AUTO_ONE_CLOSED)
+    choice = out["chat"].choices[0]
+    [call] = choice.message.tool_calls
+    assert json.loads(call.function.arguments) == {"city": "Oslo"} and choice.finish_reason == "length"
+    assert not choice.message.content
+    text, calls = _stream_text_and_calls(out["chat_stream"])
+    assert text == "" and [json.loads(c.function.arguments) for c in calls] == [{"city": "Oslo"}]
+    assert [b.type for b in out["anthropic"].content] == ["tool_use"]
+    assert [o.type for o in out["responses"].output] == ["function_call"]
