@@ -165,3 +165,16 @@ def test_cut_auto_calls_completed_before_the_cut_are_returned_without_the_half_o
     assert text == "" and [json.loads(c.function.arguments) for c in calls] == [{"city": "Oslo"}]
     assert [b.type for b in out["anthropic"].content] == ["tool_use"]
     assert [o.type for o in out["responses"].output] == ["function_call"]
+
+
+def test_cut_auto_reply_of_whitespace_or_plain_text_stays_content():
+    """Only an opened call is dropped: a reply cut before it said anything but blank lines
+    (a random-weight model's) or plain words keeps its text."""
+    for pieces in (["\n\n", "\n"], ["It is ", "sunny"], ["<tool", "s are fun"]):
+        choice = auto_replies(pieces)["chat"].choices[0]
+        assert choice.message.content == "".join(pieces) and choice.finish_reason == "length"
+
+
+def test_cut_auto_reply_inside_the_opening_tag_is_dropped():
+    choice = auto_replies(["  <tool_", "ca"])["chat"].choices[0]
+    assert not choice.message.content and not choice.message.tool_calls and choice.finish_reason == "length"

@@ -213,10 +213,11 @@ class Job:
             calls, text = tools.parse_constrained(text), ""
         elif mode == "auto" and text:
             text, calls = tools.parse_tagged(text)
-            if reason == "length" and tools.opens_with_call(text) is not False:
-                # A call the model had begun when max_tokens cut it: the calls before it
-                # stand, the half call is not passed off as the reply's text (the
-                # finish_reason says the reply was cut), as for a required call.
+            if reason == "length" and text.strip() and tools.opens_with_call(text) is not False:
+                # A call the model had begun (`<tool_call>`, or the start of the tag) when
+                # max_tokens cut it: the calls before it stand, the half call is not passed
+                # off as the reply's text (the finish_reason says the reply was cut), as for
+                # a required call. Whitespace alone stays the text it is.
                 text = ""
         if text:
             yield Text(text)
