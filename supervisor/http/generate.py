@@ -88,16 +88,17 @@ def _refuse_chat_extras(req: ChatRequest) -> None:
             raise BodyError(f"{name}: {why} is not supported by this server", param=name)
 
 
-def _stops(stop) -> list[str]:
+def stop_sequences(stop, limit: int = MAX_STOP_SEQUENCES) -> list[str]:
+    """`stop` as a list, at most `limit` of them (OpenAI's 4 unless the API allows more), none empty."""
     stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if len(stops) > MAX_STOP_SEQUENCES:
-        raise BodyError(f"stop: at most {MAX_STOP_SEQUENCES} sequences", param="stop")
+    if len(stops) > limit:
+        raise BodyError(f"stop: at most {limit} sequences", param="stop")
     if any(not s for s in stops):
         raise BodyError("stop: sequences must not be empty", param="stop")
     return stops
 
 
-def _seed(seed: int | None) -> int | None:
+def checked_seed(seed: int | None) -> int | None:
     """OpenAI's seeds are int64; the wire (msgpack) carries int64 and uint64.
     Past both the supervisor could not encode the worker's command (a 500)."""
     if seed is not None and not -(2**63) <= seed < 2**64:
@@ -108,7 +109,7 @@ def _seed(seed: int | None) -> int | None:
 def _sampling(req, max_tokens: int) -> dict:
     return dict(request_id="", max_tokens=max_tokens,  # "": the supervisor gives it its id
                 temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p, stop=_stops(req.stop), seed=_seed(req.seed),
+                top_p=1.0 if req.top_p is None else req.top_p, stop=stop_sequences(req.stop), seed=checked_seed(req.seed),
                 **sampling.generate_fields(req))  # top_k, min_p, penalties, logit_bias
 
 

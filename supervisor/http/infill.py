@@ -29,6 +29,7 @@ from starlette.responses import Response
 from shared import protocol as p
 from supervisor.api import Supervisor
 from supervisor.http.errors import ApiError
+from supervisor.http.generate import checked_seed, stop_sequences
 from supervisor.http.job import End, Job, Text, open_stream
 from supervisor.http.metrics import Metrics
 from supervisor.http.modelfacts import require_fim
@@ -48,7 +49,7 @@ from supervisor.http.tokenize import model_named
 from supervisor.streams import StreamReply
 
 _encoder = msgspec.json.Encoder()
-MAX_STOPS = 16
+MAX_STOPS = 16  # llama.cpp sets no limit; OpenAI's 4 would refuse a plugin's list
 
 
 class ExtraChunk(Struct, forbid_unknown_fields=True):
@@ -110,18 +111,14 @@ def _max_tokens(n_predict: int | None) -> int:
 
 def infill_generate(req: InfillRequest) -> p.Generate:
     """The request as the worker's FIM generation: context and prefix before the cursor, the suffix after."""
-    if len(req.stop) > MAX_STOPS or any(not s for s in req.stop):
-        raise BodyError(f"stop: at most {MAX_STOPS} sequences, none empty", param="stop")
-    if req.seed is not None and not -(2**63) <= req.seed < 2**64:
-        raise BodyError("seed: must fit in 64 bits", param="seed")
     before = "".join(chunk.text for chunk in req.input_extra) + req.input_prefix + req.prompt
     settings: dict[str, Any] = {name: value for name, value in (
         ("top_k", req.top_k), ("top_p", req.top_p), ("min_p", req.min_p), ("repetition_penalty", req.repeat_penalty),
         ("presence_penalty", req.presence_penalty), ("frequency_penalty", req.frequency_penalty))
         if value is not None}
     return p.Generate(request_id="", prompt=before, suffix=req.input_suffix, max_tokens=_max_tokens(req.n_predict),
-                      temperature=1.0 if req.temperature is None else req.temperature, stop=list(req.stop),
-                      seed=req.seed, **settings)
+                      temperature=1.0 if req.temperature is None else req.temperature,
+                      stop=stop_sequences(req.stop, MAX_STOPS), seed=checked_seed(req.seed), **settings)
 
 
 def _final(model: str, end: End) -> InfillReply:
