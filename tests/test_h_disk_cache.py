@@ -77,6 +77,12 @@ def ask(engine, prompt: list[int], rid: str = "r", max_tokens: int = 12) -> tupl
     return run.tokens(rid), end
 
 
+def save_all(engine):
+    """What a stop does: every entry of the engine's memory tier written to its disk tier."""
+    assert engine.disk is not None
+    return engine.disk.save(engine.prompt_cache.recent_first(), deadline=time.monotonic() + 60)
+
+
 def long_prompt(engine, words: str = "memory guard worker cache prefix ") -> list[int]:
     prompt = engine.encode_prompt(words * 40)
     assert len(prompt) >= disk_cache.MIN_TOKENS
@@ -243,9 +249,7 @@ def test_h5_a_new_engine_reads_the_entry_back_and_its_greedy_reply_is_identical(
     prompt = long_prompt(first)
     expected, end = ask(first, prompt)
     assert end.cached_tokens == 0
-    assert first.disk is not None
-    done = first.disk.save(first.prompt_cache.recent_first(), deadline=time.monotonic() + 60)
-    assert done.written == 1
+    assert save_all(first).written == 1
 
     second = engine_with(loaded, tmp_path, tiny_model)  # a new worker of the same model
     assert second.prompt_cache.nbytes == 0
@@ -262,8 +266,7 @@ def test_h5_memory_wins_when_it_has_as_much_and_no_file_is_read(loaded, tiny_mod
     engine = engine_with(loaded, tmp_path, tiny_model)
     prompt = long_prompt(engine)
     ask(engine, prompt)
-    assert engine.disk is not None
-    engine.disk.save(engine.prompt_cache.recent_first(), deadline=time.monotonic() + 60)
+    save_all(engine)
     _, end = ask(engine, prompt, rid="b")
     assert end.cached_tokens > 0 and end.cached_disk_tokens == 0 and engine.disk.stats.read_entries == 0
 
@@ -272,8 +275,7 @@ def test_h5_an_entry_over_the_memory_cap_is_not_read(loaded, tiny_model, tmp_pat
     engine = engine_with(loaded, tmp_path, tiny_model)
     prompt = long_prompt(engine)
     ask(engine, prompt)
-    assert engine.disk is not None
-    engine.disk.save(engine.prompt_cache.recent_first(), deadline=time.monotonic() + 60)
+    save_all(engine)
     small = engine_for(loaded, max_chunk=64)
     small.step(Limits(max_concurrency=8, cache_cap=1024), lambda: 0)
     small.use_disk_tier(tier(tmp_path, tiny_model))

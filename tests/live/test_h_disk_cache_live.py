@@ -40,6 +40,16 @@ async def stopped(live: LiveServer, handle) -> None:
     await until(lambda: handle.exited.done(), 60, f"{handle.worker_id} to exit")
 
 
+async def chat_then_unload(live: LiveServer):
+    """One chat on model `a` (an entry in its cache), then its unload: the worker it
+    had, and how long the unload took to return."""
+    await live.openai().chat.completions.create(model="a", messages=messages(), max_tokens=4)
+    handle = live.arbiter.pool.worker_for("a")
+    started = time.monotonic()
+    assert await live.arbiter.service.unload("a")
+    return handle, time.monotonic() - started
+
+
 def on_disk(cache_root) -> list:
     return sorted(p for p in (cache_root / "kv").rglob("*") if p.is_file())
 
@@ -105,11 +115,7 @@ def test_h5_a_deadline_too_short_writes_nothing_counts_it_and_does_not_hold_the_
     config = chat_config(tiny_models, disk_cache_grace=0.05)
     with LiveServer(config, runtime_dir) as live:
         async def main():
-            await live.openai().chat.completions.create(model="a", messages=messages(), max_tokens=4)
-            handle = live.arbiter.pool.worker_for("a")
-            started = time.monotonic()
-            assert await live.arbiter.service.unload("a")
-            took = time.monotonic() - started
+            handle, took = await chat_then_unload(live)
             await until(lambda: live.arbiter.pool.caches.model("a").save_deadline > 0, 10, "the final report")
             return handle, took
 
@@ -130,14 +136,7 @@ def test_h5_a_write_that_hangs_is_cut_by_sigterm_at_the_stop_grace_plus_the_writ
     monkeypatch.setenv(kv_files.SAVE_DELAY_ENV, "120")  # the first chunk never ends: a wedged disk
     config = chat_config(tiny_models, stop_grace=1.0, disk_cache_grace=1.0)
     with LiveServer(config, runtime_dir) as live:
-        async def main():
-            await live.openai().chat.completions.create(model="a", messages=messages(), max_tokens=4)
-            handle = live.arbiter.pool.worker_for("a")
-            started = time.monotonic()
-            assert await live.arbiter.service.unload("a")
-            return handle, time.monotonic() - started
-
-        handle, took = live.run(main(), timeout=120)
+        handle, took = live.run(chat_then_unload(live), timeout=120)
     # the supervisor end: SIGTERM after stop_grace + the write's grace (2 s), not after the write
     assert signal.SIGTERM in handle.signals_sent and signal.SIGKILL not in handle.signals_sent
     assert 2.0 <= took < 60.0
