@@ -434,3 +434,13 @@ def test_h5_watch_shows_the_disk_tier_from_the_status_topic_and_nothing_when_it_
     # a status it cannot read leaves the last good line, and the view goes on
     assert "on disk 8 MiB" in shown(p.StatusMsg(t=1.0, status=msgspec.json.encode(status)),
                                     p.StatusMsg(t=2.0, status=b"{not json"))
+
+
+def test_h5_watch_and_status_read_the_disk_budget_alike_before_any_worker_reported():
+    from supervisor.cli.status import disk_budget
+    from supervisor.cli.watch import _disk_line
+    from supervisor.policy.status import DiskCacheStatus
+
+    fixed = DiskCacheStatus(max=2 * GiB)  # configured, no worker has measured the folder yet
+    assert disk_budget(fixed) == "2 GiB" and "of 2 GiB budget" in _disk_line(fixed)
+    assert "of auto budget" in _disk_line(DiskCacheStatus(max=DISK_CACHE_AUTO))

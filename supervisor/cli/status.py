@@ -101,14 +101,18 @@ def render(st: ServerStatus) -> str:
     return "\n".join(lines)
 
 
+def disk_budget(d: DiskCacheStatus) -> str:
+    """The disk tier's budget as people read it: the one in force, else what the config asks."""
+    return format_size(d.budget) if d.budget else ("auto" if d.max < 0 else format_size(d.max))
+
+
 def _disk_cache_lines(d: DiskCacheStatus) -> list[str]:
     """H5, H6 (proposed): the prompt cache's disk tier, and what shrink before drop returned."""
     size = format_size
     if d.max == 0:
         lines = ["  prompt cache on disk: off (disk_cache_max = 0)"]
     else:
-        budget = size(d.budget) if d.budget else ("auto" if d.max < 0 else size(d.max))
-        lines = [f"  prompt cache on disk {size(d.bytes)} of {budget} budget, {d.entries} entries"
+        lines = [f"  prompt cache on disk {size(d.bytes)} of {disk_budget(d)} budget, {d.entries} entries"
                  f" (a stop writes for up to {d.grace:g} s)",
                  f"    read back {d.read_entries} ({size(d.read_bytes)}, {d.read_tokens} tokens);"
                  f" written {d.written_entries} ({size(d.written_bytes)}); not written, a stop's deadline first:"

@@ -18,6 +18,7 @@ import msgspec
 from shared import protocol as p
 from shared.sizes import format_size
 from shared.vocab import GuardEventKind
+from supervisor.cli.status import disk_budget
 from supervisor.client import NotRunning, subscribe
 from supervisor.policy.status import DiskCacheStatus, ServerStatus
 
@@ -159,8 +160,7 @@ def _device_line(d: p.DevicePool, width: int = 40) -> str:
 
 def _disk_line(d: DiskCacheStatus) -> str:
     """H5 (proposed): the prompt cache's disk tier against its budget, and what the tier did since start."""
-    budget = format_size(d.budget) if d.budget else "auto"
-    line = (f"prompt cache on disk {format_size(d.bytes)} of {budget} budget, {d.entries} entries  "
+    line = (f"prompt cache on disk {format_size(d.bytes)} of {disk_budget(d)} budget, {d.entries} entries  "
             f"read back {d.read_entries} ({d.read_tokens} tokens)  written {d.written_entries}  "
             f"dropped {d.dropped_entries}  evicted {d.evicted_entries}")
     if d.quantize_bits:
