@@ -135,3 +135,26 @@ def test_m2_the_banner_words():
 def test_m3_wired_helpers_read_the_recorded_page_counts():
     assert wired(BASE) == 300_000 * 16384 and wired(BASE + 1) - wired(BASE) == PAGE == 16 * 1024
     assert MiB < STRANDED_NOISE < GiB
+
+
+def test_m2_serve_says_at_start_what_wire_weights_does_here(tmp_path):
+    """The banner: `serve` logs the wiring line as it starts (off macOS: that the opt-in does nothing).
+    The start is cut short by a taken PUB port, after the banner."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    config = tmp_path / "memvisor.toml"
+    config.write_text(f'[guard]\nwire_weights = true\n[supervisor]\npub_tcp = "127.0.0.1:{taken.getsockname()[1]}"\n')
+    try:
+        out = subprocess.run([sys.executable, "-m", "supervisor", "serve", "--config", str(config), "--http", "off",
+                              "--runtime-dir", str(tmp_path / "run")],
+                             cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=60)
+    finally:
+        taken.close()
+    assert out.returncode == 2, out.stderr
+    assert wiring_line(True, sys.platform == "darwin") in out.stderr

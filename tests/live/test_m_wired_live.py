@@ -141,3 +141,24 @@ def test_m3_wired_memory_an_exit_did_not_give_back_is_an_event_and_comes_off_the
     assert MiB <= stranded and event.model_id == "a" and "did not come back 5 s after a#" in event.reason
     assert event.t - exited >= wired_policy.WIRED_RETURN_SECONDS - 0.5
     assert status.wired_stranded == stranded and status.static == static - stranded
+
+
+def test_m2_with_wire_weights_a_kernel_cap_below_the_suggestion_is_said_once(tiny_models, runtime_dir):
+    """The C13 line, once in the log and events however many ticks see it, and in status all along."""
+    from supervisor.config import GuardConfig
+
+    config = make_config([ModelConfig(id="a", path=str(tiny_models.a))],
+                         guard=GuardConfig(hot_cache_max=0, wire_weights=True))
+
+    async def main():
+        async with Running(config, runtime_dir) as arb:
+            handle = await arb.models.load("a")
+            total = arb.enforcer.status().total
+            arb.pool.set_device_info(handle, {**METAL, "max_recommended_working_set_size": total // 2})
+            for _ in range(3):  # three ticks (and their P7 re-checks) see the low cap
+                arb.enforcer.tick(time.monotonic())
+            return [e for e in arb.events if e.kind == "warning" and "sysctl" in e.reason], arb.enforcer.status()
+
+    said, status = asyncio.run(main())
+    assert len(said) == 1 and "sudo sysctl iogpu.wired_limit_mb=" in said[0].reason
+    assert status.wire_weights and status.wired_advice == said[0].reason
