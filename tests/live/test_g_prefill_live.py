@@ -68,11 +68,9 @@ def _fitting_length(cost, usage: int) -> tuple[int, int]:
     raise AssertionError(f"no prompt up to 3,800 tokens is large enough beside a usage of {usage} bytes")
 
 
-def test_g1_prompt_that_fits_once_an_idle_model_is_evicted_is_served(live):
-    config = json.loads((live.grower / "config.json").read_text())
-    cost = prefill_cost.cost_from_config(config, 4)
-    peak = estimate_prefill_peak(TOKENS, cost, FLOOR)
-    tokens = TOKENS
+def _served_once_the_idle_model_is_stopped(live, plan) -> None:
+    """Both models loaded; `plan(usage, idle worker)` gives the custom ceiling and the prompt's length;
+    the prompt to "big" under that ceiling must be served, once the idle model was stopped for it."""
 
     async def main():
         async with live.client() as c:
@@ -80,34 +78,41 @@ def test_g1_prompt_that_fits_once_an_idle_model_is_evicted_is_served(live):
                 r = await c.post("/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2})
                 assert r.status_code == 200, r.text
             idle = live.arbiter.pool.worker_for("idle")
-            await until(lambda: idle.sample is not None and idle.sample.memory.usage > peak,
+            await until(lambda: idle.sample is not None and idle.sample.memory.usage > 0,
                         what="the idle model's usage")
-            # Hard limit at usage + 60 % of the prefill's estimated peak: short by 40 %, far less
-            # than the idle worker holds, and usage stays under soft (0.90 of the ceiling), where
-            # the supervisor would stop idle models on its own.
-            usage = (await c.get("/status")).json()["guard"]["usage"]
-            nonlocal tokens
-            tokens, need = _fitting_length(cost, usage)
-            assert idle.sample.memory.usage > 0.4 * need  # stopping the idle model covers the shortfall
-            prompt = _prompt(live.grower, tokens)
-            ceiling = int((usage + 0.6 * need) / HARD)
-            assert usage < 0.9 * ceiling - 4 * MiB
+            ceiling, tokens = plan((await c.get("/status")).json()["guard"]["usage"], idle)
             r = await c.post("/admin/guard", json={"tier": "custom", "custom_ceiling": ceiling})
             assert r.status_code == 200, r.text
             try:
-                served = await c.post("/v1/completions",
-                                      json={"model": "big", "prompt": prompt, "max_tokens": 2}, timeout=120)
+                served = await c.post("/v1/completions", timeout=120, json={
+                    "model": "big", "prompt": _prompt(live.grower, tokens), "max_tokens": 2})
             finally:
-                r = await c.post("/admin/guard", json={"tier": "balanced", "custom_ceiling": 0})
-            return served, idle
+                await c.post("/admin/guard", json={"tier": "balanced", "custom_ceiling": 0})
+            return served, idle, tokens
 
-    served, idle = live.run(main(), timeout=180)
+    served, idle, tokens = live.run(main(), timeout=180)
     assert served.status_code == 200, served.text
     assert served.json()["usage"]["prompt_tokens"] > tokens - 100
     assert idle.state == "stopped"
     evictions = [e for e in live.arbiter.events if e.kind == "evict" and e.model_id == "idle"]
-    assert evictions and "prefill of" in evictions[-1].reason
+    assert evictions and "prefill of" in evictions[-1].reason  # the worker's request for room, not pressure
     assert live.arbiter.pool.worker_for("big") is not None
+
+
+def test_g1_prompt_that_fits_once_an_idle_model_is_evicted_is_served(live):
+    cost = prefill_cost.cost_from_config(json.loads((live.grower / "config.json").read_text()), 4)
+
+    def plan(usage: int, idle) -> tuple[int, int]:
+        # Hard limit at usage + 60 % of the prefill's estimated peak: short by 40 %, far less
+        # than the idle worker holds, and usage stays under soft (0.90 of the ceiling), where
+        # the supervisor would stop idle models on its own.
+        tokens, need = _fitting_length(cost, usage)
+        assert idle.sample.memory.usage > 0.4 * need  # stopping the idle model covers the shortfall
+        ceiling = int((usage + 0.6 * need) / HARD)
+        assert usage < 0.9 * ceiling - 4 * MiB
+        return ceiling, tokens
+
+    _served_once_the_idle_model_is_stopped(live, plan)
 
 
 SOFT_SIDE = 0.895  # the G2 report's ceiling: usage / 0.895, just under the custom tier's soft (0.90)
@@ -136,30 +141,9 @@ def test_g2_a_floor_chunk_short_of_room_asks_for_it_and_the_idle_model_is_stoppe
     room as G1 does, the idle model is stopped for it, and the prompt is served."""
     cost = prefill_cost.cost_from_config(json.loads((live.grower / "config.json").read_text()), 4)
 
-    async def main():
-        async with live.client() as c:
-            for model in ("idle", "big"):
-                r = await c.post("/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2})
-                assert r.status_code == 200, r.text
-            idle = live.arbiter.pool.worker_for("idle")
-            await until(lambda: idle.sample is not None and idle.sample.memory.usage > 0, what="the idle model's usage")
-            usage = (await c.get("/status")).json()["guard"]["usage"]
-            tokens, floor = _floor_in_the_gap(cost, usage)
-            assert idle.sample.memory.usage > 2 * floor  # stopping the idle model covers the shortfall
-            prompt = _prompt(live.grower, tokens)
-            r = await c.post("/admin/guard", json={"tier": "custom", "custom_ceiling": int(usage / SOFT_SIDE)})
-            assert r.status_code == 200, r.text
-            try:
-                served = await c.post("/v1/completions",
-                                      json={"model": "big", "prompt": prompt, "max_tokens": 2}, timeout=120)
-            finally:
-                r = await c.post("/admin/guard", json={"tier": "balanced", "custom_ceiling": 0})
-            return served, idle, tokens
+    def plan(usage: int, idle) -> tuple[int, int]:
+        tokens, floor = _floor_in_the_gap(cost, usage)
+        assert idle.sample.memory.usage > 2 * floor  # stopping the idle model covers the shortfall
+        return int(usage / SOFT_SIDE), tokens
 
-    served, idle, tokens = live.run(main(), timeout=180)
-    assert served.status_code == 200, served.text
-    assert served.json()["usage"]["prompt_tokens"] > tokens - 100
-    assert idle.state == "stopped"
-    evictions = [e for e in live.arbiter.events if e.kind == "evict" and e.model_id == "idle"]
-    assert evictions and "prefill of" in evictions[-1].reason  # the worker's request for room, not pressure
-    assert live.arbiter.pool.worker_for("big") is not None
+    _served_once_the_idle_model_is_stopped(live, plan)
