@@ -269,3 +269,20 @@ def gguf_header(tensors: list[tuple[str, tuple[int, ...], str]], name: str = "ti
         offset += -(-(elements // block * width) // 32) * 32
     head = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), 2) + meta + infos
     return head + bytes(-len(head) % 32), offset
+
+
+# ---------------------------------------------------------------------------
+# a supervisor that serves what is pulled
+
+
+def pull_server(config, runtime_dir: Path):
+    """A LiveServer (tests/http_harness.py) whose reload re-reads the pull record, as `serve`'s
+    does (`serve` rebuilds its config through supervisor.discovery.with_discovered)."""
+    from supervisor.arbiter import Arbiter
+    from supervisor.discovery import with_discovered
+    from tests.http_harness import LiveServer
+
+    live = LiveServer(config, runtime_dir)
+    live.arbiter = Arbiter(with_discovered(config)[0], runtime_dir, max_workers=8, http=True,
+                           reload_config=lambda: with_discovered(config)[0])
+    return live
