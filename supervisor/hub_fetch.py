@@ -218,11 +218,10 @@ def _cache_mode(folder: Path) -> int:
         probe.unlink(missing_ok=True)
 
 
-def _link(plan: Plan, cache: Path, endpoint: str, on_step: OnStep) -> Path:
+def _link(plan: Plan, cache: Path, endpoint: str, on_step: OnStep) -> None:
     """The blobs linked into `snapshots/<commit>/` by huggingface_hub, and `refs/<revision>`."""
     from huggingface_hub import hf_hub_download
 
-    snapshot = repo_folder(cache, plan.ref.repo) / "snapshots" / plan.commit
     for file in plan.files:
         on_step(Step(file=file.name, size=file.size, done=file.size, phase="linking"))
         try:
@@ -231,7 +230,6 @@ def _link(plan: Plan, cache: Path, endpoint: str, on_step: OnStep) -> Path:
             raise HubError(f"cannot link {file.name} into the cache: {str(exc).splitlines()[0][:300]}", 502) from None
     if plan.ref.revision != plan.commit:
         _write_ref(repo_folder(cache, plan.ref.repo), plan.ref.revision, plan.commit)
-    return snapshot
 
 
 def _write_ref(storage: Path, revision: str, commit: str) -> None:

@@ -407,3 +407,23 @@ def test_api_pull_and_delete_need_the_admin_token_when_one_is_set(token_pull_ser
 
 def repo_folder_exists(cache: Path, repo: str) -> bool:
     return (cache / f"models--{repo.replace('/', '--')}").exists()
+
+
+def test_api_pull_from_a_web_page_is_refused_before_the_hub_is_asked(server, hub, hf):
+    """A browser is a client, not an admin: a page of another origin is stopped by the gate
+    (403), and one the CORS list allows still may not pull without the admin token."""
+    hub.add_file("org/page", "config.json", b"{}")
+    asked = len(hub.requests)
+
+    async def main():
+        async with server.client() as c:
+            foreign = await c.post("/api/pull", json={"model": "org/page"}, headers={"Origin": "http://evil.example"})
+            allowed = await c.post("/api/pull", json={"model": "org/page"}, headers={"Origin": "http://localhost:3000"})
+            deleted = await c.request("DELETE", "/api/delete", json={"model": "org/page"},
+                                      headers={"Origin": "http://localhost:3000"})
+        return foreign, allowed, deleted
+
+    foreign, allowed, deleted = server.run(main())
+    assert foreign.status_code == 403 and foreign.json()["code"] == "origin_not_allowed"
+    assert allowed.status_code == 403 and deleted.status_code == 403 and "admin" in allowed.json()["error"]
+    assert len(hub.requests) == asked

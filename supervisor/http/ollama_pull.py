@@ -207,7 +207,7 @@ async def _progress(job: PullJob, sup: Supervisor) -> AsyncIterator[bytes]:
 
 def _said(exc: BaseException) -> str:
     """A failure in words; a disk's OSError keeps its reason (ENOSPC says the disk is full)."""
-    if isinstance(exc, OSError) and not isinstance(exc, HubError):
+    if isinstance(exc, OSError):
         return f"pull failed: {exc.strerror or exc}{f' ({exc.filename})' if exc.filename else ''}"
     return str(exc)
 
