@@ -41,6 +41,10 @@ _ETAG_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _GIT_OID_RE = re.compile(r"^[0-9a-f]{40}$")
 HASH_CHUNK = 4 * 1024 * 1024
+# huggingface_hub reads a download in chunks of 10 MiB and reports (so we can cancel) once a chunk;
+# 1 MiB chunks make a cancel land within a second on a slow link and keep more of an interrupted
+# file for the next pull to resume from. Its module setting, read at each download.
+PULL_CHUNK = 1024 * 1024
 
 Phase = Literal["pulling", "verifying", "linking"]
 
@@ -114,9 +118,11 @@ def _fetch_blob(plan: Plan, file: RepoFile, cache: Path, endpoint: str, on_step:
 def _download(location: str, url: str, partial: Path, size: int, progress: Callable[[int], None],
               cancel: threading.Event) -> None:
     """Append what `partial` lacks; a file that is somehow longer than the blob starts again."""
+    from huggingface_hub import constants
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import build_hf_headers
 
+    constants.DOWNLOAD_CHUNK_SIZE = min(constants.DOWNLOAD_CHUNK_SIZE, PULL_CHUNK)
     headers = build_hf_headers()
     if urlsplit(location).netloc != urlsplit(url).netloc:  # a CDN's signed URL: no hub token to it
         headers.pop("authorization", None)

@@ -65,8 +65,8 @@ def hf(tmp_path, monkeypatch, hub) -> Path:
 
 @pytest.fixture(scope="module")
 def big_model(tmp_path_factory) -> Path:
-    """24 MiB of weights: more than huggingface_hub's 10 MiB download chunk, so a dropped
-    connection leaves whole chunks on disk to resume from."""
+    """24 MiB of weights: many of the 1 MiB chunks a pull reads (supervisor/hub_fetch.py), so a
+    dropped connection leaves whole chunks on disk to resume from."""
     from modelfiles.modelgen import make_model
 
     path = tmp_path_factory.mktemp("big") / "model"
@@ -180,7 +180,7 @@ def test_pull_resumes_a_dropped_connection_with_a_range_request(hub, hf, big_mod
     hub.drop_once("org/drop", "model.safetensors", 15 * MiB)
     done = cli("pull", "org/drop", "--runtime-dir", str(runtime_dir))
     assert done.returncode == 0, done.stderr
-    assert hub.ranges("model.safetensors") and all(r.startswith("bytes=10485760-") for r in hub.ranges("model.safetensors"))
+    assert hub.ranges("model.safetensors") == [f"bytes={15 * MiB}-"]  # all it kept: whole 1 MiB chunks
     assert same_files(snapshot_of(hf, "org/drop"), big_model)
 
 
@@ -427,3 +427,35 @@ def test_api_pull_from_a_web_page_is_refused_before_the_hub_is_asked(server, hub
     assert foreign.status_code == 403 and foreign.json()["code"] == "origin_not_allowed"
     assert allowed.status_code == 403 and deleted.status_code == 403 and "admin" in allowed.json()["error"]
     assert len(hub.requests) == asked
+
+
+def test_api_pull_runs_off_the_loop_and_stops_when_the_client_goes_away(server, hub, hf, big_model):
+    """While a slow pull streams, the front door answers at once; when its client disconnects the
+    download stops at the next chunk, and what it fetched stays for a resume."""
+    hub.add_folder("org/api-gone", big_model)
+    size = (big_model / "model.safetensors").stat().st_size
+    key = "org/api-gone/model.safetensors"
+
+    async def main():
+        hub.bytes_per_second = 4 * MiB
+        try:
+            async with server.client() as c:
+                async with c.stream("POST", "/api/pull", json={"model": "org/api-gone"}) as answer:
+                    async for line in answer.aiter_lines():
+                        if json.loads(line).get("completed", 0) >= 10 * MiB:
+                            break
+                        started = time.monotonic()
+                        health = await c.get("/health")
+                        assert health.status_code == 200 and time.monotonic() - started < 1.0
+            await asyncio.sleep(1.0)  # the download hears the cancel at its next chunk
+            sent = hub.sent[key]
+            await asyncio.sleep(1.5)
+            return sent, hub.sent[key]
+        finally:
+            hub.bytes_per_second = 0
+
+    sent, later = server.run(main())
+    assert sent == later < size
+    kept = [p for p in (hf / "models--org--api-gone" / "blobs").iterdir() if p.name.endswith(".incomplete")]
+    assert len(kept) == 1 and kept[0].stat().st_size >= 10 * MiB
+    assert pulled.read() == []
