@@ -4,7 +4,7 @@
 `"stream": true` to the running supervisor's front door (its address is in
 the runtime dir's endpoints.json), so a model not loaded yet is loaded
 through the same admission as any request (SPEC A). While no token has come,
-it asks `GET /health?model=ID` for the load's progress (W6) to show it.
+it asks `GET /health?model=ID` for the load's progress to show it.
 The reply is read on a thread and handed over piece by piece, so the
 terminal stays responsive (progress, Ctrl-C) while the model loads.
 """

@@ -110,7 +110,7 @@ def test_chat_session_keeps_history_takes_several_lines_and_clears(serving):
 
 
 def test_chat_session_shows_the_load_and_streams_then_ctrl_d_leaves(serving):
-    """A model not loaded yet: a progress line while it loads (W6, /health?model=), then the
+    """A model not loaded yet: a progress line while it loads (/health?model=), then the
     reply; Ctrl-D at the prompt leaves with 0."""
     httpx.post(serving.url + "/v1/models/big/unload", timeout=60)
     term = Terminal([sys.executable, "-m", "supervisor", "chat", "big", "--runtime-dir", str(serving.runtime_dir),
