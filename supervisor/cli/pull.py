@@ -35,8 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from supervisor.hub_fit import note_now, refusal, room_from_machine, room_from_status
+    from supervisor.hub_fit import Room, note_now, refusal, room_from_machine, room_from_status
     from supervisor.hub_repo import HubError, RefError, describe, parse_ref, plan_for, quiet_transport_logs
+    from supervisor.pulled import RecordError
 
     quiet_transport_logs()
     try:
@@ -49,7 +50,11 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     print(describe(plan))
     status = _running(args)
-    room = room_from_status(status.guard) if status is not None else room_from_machine(args.tier)
+    try:
+        room = room_from_status(status.guard) if status is not None else room_from_machine(args.tier)
+    except (ImportError, OSError) as exc:  # no probe for this machine: the fit is not judged here
+        print(f"memvisor: cannot read this machine's memory ({exc}); the fit is judged at load", file=sys.stderr)
+        room = Room(ever=0, now=0, pool="host", tier=args.tier, source="", remedy="")
     why = refusal(plan, room)
     if why is not None and not args.force:
         return _fail(f"refused before downloading: {why} (--force pulls it anyway)")
@@ -60,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
         return 130
     except HubError as exc:
         return _fail(str(exc))
+    except (OSError, RecordError) as exc:  # the cache or the record: a full disk, a folder not ours
+        return _fail(f"pull failed: {exc}")
     print(f"pulled {entry.id} ({format_size(plan.download_bytes)}) into {entry.snapshot}")
     if note := note_now(entry.id, plan.weight_bytes, room):
         print(note)

@@ -42,5 +42,9 @@ def run(args: argparse.Namespace) -> int:
         if code == 1:
             print(f"memvisor: the running supervisor did not reload; it serves {entry.id} until it does",
                   file=sys.stderr)
-    print(f"removed {entry.id}: {pulled.delete_files(entry, left)}")
+    try:
+        print(f"removed {entry.id}: {pulled.delete_files(entry, left)}")
+    except OSError as exc:
+        print(f"memvisor: {entry.id} is no longer served, but its files stay: {exc}", file=sys.stderr)
+        return 1
     return 0

@@ -232,7 +232,7 @@ async def handle_delete(request: Request, sup: Supervisor, body: bytes) -> Respo
     name = _name(decode_body(body, DeleteBody))
     try:
         models = await off_loop(pulled.read, FILES_SECONDS, "pull-record")
-    except pulled.RecordError as exc:
+    except (OSError, pulled.RecordError) as exc:
         raise ApiError(500, str(exc), code="internal_error") from None
     entry = pulled.find(name, models)
     if entry is None:
@@ -240,11 +240,18 @@ async def handle_delete(request: Request, sup: Supervisor, body: bytes) -> Respo
             raise ApiError(409, f"{name} was not pulled: it is served from your config or a models folder, "
                                 "which memvisor never deletes (remove it there, then reload)", code="conflict")
         raise ApiError(404, f"model '{name}' not found among the pulled models", code="model_not_found")
-    left = await off_loop(lambda: pulled.forget(entry), FILES_SECONDS, "pull-record")
+    try:
+        left = await off_loop(lambda: pulled.forget(entry), FILES_SECONDS, "pull-record")
+    except (OSError, pulled.RecordError) as exc:
+        raise ApiError(500, f"cannot update the pull record: {exc}", code="internal_error") from None
     try:
         log.info("deleted %s: %s", entry.id, await sup.reload(f"deleted {entry.id}"))
     except ServeError as exc:
         log.warning("deleted %s, but the reload was refused (%s): it is served until a reload", entry.id, exc)
-    words = await off_loop(lambda: pulled.delete_files(entry, left), FILES_SECONDS, "pull-delete")
+    try:
+        words = await off_loop(lambda: pulled.delete_files(entry, left), FILES_SECONDS, "pull-delete")
+    except (OSError, OffLoopTimeout) as exc:
+        raise ApiError(500, f"{entry.id} is no longer served, but its files stay: {exc}",
+                       code="internal_error") from None
     return Response(_encoder.encode({"status": "success", "model": entry.id, "detail": words}),
                     media_type="application/json")
