@@ -9,6 +9,9 @@ It answers what huggingface_hub 2.x asks when `pull` runs it for real:
 - `GET` of the same with `Range: bytes=A-[B]` (206 and `Content-Range`), for a resumed
   download and for a GGUF header read before a pull.
 
+With `cdn=True` an LFS file's resolve URL answers as the real hub's does: 302 to a storage host
+(the same server under the name `localhost`) with `X-Linked-Etag` and `X-Linked-Size`.
+
 Errors carry the hub's `X-Error-Code` (`RepoNotFound`, `RevisionNotFound`, `EntryNotFound`)
 so huggingface_hub raises its own exceptions. The server counts the bytes of file data it
 sent per file, logs each request with its Range header, can drop a connection part-way
@@ -89,9 +92,13 @@ class Repo:
 class FakeHub:
     """The server and what it saw. `with FakeHub() as hub:`; `hub.url` is its HF_ENDPOINT."""
 
-    def __init__(self, token: str = "") -> None:
+    def __init__(self, token: str = "", cdn: bool = False) -> None:
         self.repos: dict[str, Repo] = {}
         self.token = token
+        # as the real hub: an LFS file's resolve URL answers 302 to a storage host (here the same
+        # server under the name `localhost`), with X-Linked-Etag and X-Linked-Size
+        self.cdn = cdn
+        self.cdn_authorization: list[str] = []  # the Authorization header each storage request carried
         self.sent: Counter[str] = Counter()       # "repo/file" -> bytes of file data sent
         self.requests: list[tuple[str, str, str]] = []  # (method, path, Range header or "")
         self.drops: dict[str, int] = {}           # "repo/file" -> drop the connection after this many bytes, once
@@ -134,6 +141,7 @@ class FakeHub:
 def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
     api = re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+?)(?:/revision/(?P<rev>[^/]+))?$")
     resolve = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>.+)$")
+    cdn = re.compile(r"^/cdn/(?P<repo>[^/]+/[^/]+)/(?P<file>.+)$")
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -151,6 +159,10 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             path = unquote(urlsplit(self.path).path)
             with hub.lock:
                 hub.requests.append((self.command, path, self.headers.get("Range", "")))
+            if (m := cdn.match(path)) and hub.cdn:
+                with hub.lock:
+                    hub.cdn_authorization.append(self.headers.get("Authorization", ""))
+                return self._file(m["repo"], "main", m["file"], head, stored=True)
             if hub.token and self.headers.get("Authorization", "") != f"Bearer {hub.token}":
                 return self._error(401, "RepoNotFound", "Invalid username or password.")
             if (m := api.match(path)) and not head:
@@ -174,13 +186,18 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             if repo is not None:
                 self._send(200, json.dumps(repo.listing()).encode(), {"Content-Type": "application/json"})
 
-        def _file(self, name: str, rev: str, file: str, head: bool) -> None:
+        def _file(self, name: str, rev: str, file: str, head: bool, stored: bool = False) -> None:
             repo = self._repo(name, rev)
             if repo is None:
                 return
             if file not in repo.files:
                 return self._error(404, "EntryNotFound", "Entry not found", commit=repo.commit)
             size = repo.size(file)
+            if hub.cdn and repo.lfs(file) and not stored:
+                port = hub.server.server_address[1]
+                return self._send(302, b"", {"Location": f"http://localhost:{port}/cdn/{repo.name}/{file}",
+                                             "X-Repo-Commit": repo.commit, "X-Linked-Etag": f'"{repo.etag(file)}"',
+                                             "X-Linked-Size": str(size), "ETag": '"pointer"'})
             start, end = 0, size
             status = 200
             headers = {"X-Repo-Commit": repo.commit, "ETag": f'"{repo.etag(file)}"', "Accept-Ranges": "bytes",

@@ -227,6 +227,24 @@ def test_pull_sends_the_hub_token_from_the_environment(tmp_path, monkeypatch, ti
     assert done.returncode == 0, done.stderr
 
 
+def test_pull_follows_the_hubs_redirect_to_storage_without_the_token(tmp_path, monkeypatch, big_model,
+                                                                     runtime_dir):
+    """As the real hub: an LFS file's URL answers 302 to a storage host. The pull takes the
+    etag and size from the redirect's X-Linked-* headers, fetches (and resumes) from storage,
+    and never sends the hub token there (it goes to the hub alone)."""
+    with FakeHub(token="hf_test_token", cdn=True) as private:
+        private.add_folder("org/cdn", big_model)
+        private.drop_once("org/cdn", "model.safetensors", 5 * MiB)
+        monkeypatch.setenv("HF_ENDPOINT", private.url)
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+        monkeypatch.setenv("HF_TOKEN", "hf_test_token")
+        done = cli("pull", "org/cdn", "--runtime-dir", str(runtime_dir))
+        assert done.returncode == 0, done.stderr
+        assert same_files(snapshot_of(tmp_path / "hf" / "hub", "org/cdn"), big_model)
+        assert len(private.cdn_authorization) >= 2 and set(private.cdn_authorization) == {""}
+
+
 def test_rm_removes_a_pulled_model_and_never_anything_else(hub, hf, tiny_model, runtime_dir):
     hub.add_folder("org/rm-me", tiny_model)
     assert cli("pull", "org/rm-me", "--runtime-dir", str(runtime_dir)).returncode == 0
