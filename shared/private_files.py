@@ -188,6 +188,16 @@ def write_private(path: Path, data: bytes, mode: int = FILE_MODE) -> None:
         raise
 
 
+def descriptor_path(fd: int) -> str | None:
+    """A path that opens the very file `fd` holds (`/proc/self/fd/N`, macOS's `/dev/fd/N`), for
+    a loader that takes a path (dlopen, MLX's reader): what was checked is what is read. None
+    where neither is mounted."""
+    for path in (f"/proc/self/fd/{fd}", f"/dev/fd/{fd}"):
+        if os.path.exists(path):
+            return path
+    return None
+
+
 def regular_of_ours(path: Path) -> os.stat_result | None:
     """`path`'s lstat when it is a regular file (not a link) of ours that nobody else can write;
     None for anything else (missing included)."""

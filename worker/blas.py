@@ -126,8 +126,7 @@ def _open_copy(plan: found.BlasPlan) -> BlasInfo:
     """The verified copy, loaded through the very descriptor that was checked (by its path where
     /proc is not mounted: the folder is ours alone, so only this user could swap it meanwhile)."""
     with found.open_verified_copy(Path(plan.load_path)) as handle:
-        by_fd = f"/proc/self/fd/{handle.fileno()}"
-        return _open(plan, by_fd if os.path.exists(by_fd) else plan.load_path)
+        return _open(plan, private_files.descriptor_path(handle.fileno()) or plan.load_path)
 
 
 def _threads() -> int:

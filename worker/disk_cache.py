@@ -293,8 +293,9 @@ class DiskTier:
             if problem is not None:
                 raise BadEntry(problem, info.st_ino)
             handle.seek(0)
+            source = private_files.descriptor_path(handle.fileno()) or handle  # MLX's own reader is ~2x faster
             try:
-                arrays = cast(dict[str, mx.array], mx.load(handle, format="safetensors"))
+                arrays = cast(dict[str, mx.array], mx.load(source, format="safetensors"))
                 mx.eval(list(arrays.values()))
             except (RuntimeError, ValueError) as exc:
                 raise BadEntry(f"MLX cannot read it: {exc}", info.st_ino) from None

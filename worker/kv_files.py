@@ -71,7 +71,7 @@ def _test_delay() -> float:
         return 0.0
 
 
-def _host_view(array: mx.array) -> np.ndarray:
+def host_view(array: mx.array) -> np.ndarray:
     """numpy's view of an evaluated MLX array's own buffer (strides kept, nothing copied)."""
     if array.dtype == mx.bfloat16:  # numpy has no bfloat16: the same bits as uint16
         array = array.view(mx.uint16)
@@ -135,7 +135,7 @@ def write_entry(path: Path, arrays: dict[str, mx.array], metadata: dict[str, str
             out.write(head)
             digest = xxhash.xxh3_128()
             for array in arrays.values():
-                for piece in _pieces(_host_view(array)):
+                for piece in _pieces(host_view(array)):
                     if delay:
                         time.sleep(delay)
                     if clock() >= deadline:
@@ -226,7 +226,7 @@ def checksum_problem(header: Header, arrays: dict[str, mx.array]) -> str | None:
         return f"no {CHECKSUM_ALGO} checksum in its metadata"
     digest = xxhash.xxh3_128()
     for key in header.tensors:
-        for piece in _pieces(_host_view(arrays[key])):
+        for piece in _pieces(host_view(arrays[key])):
             digest.update(piece)
     if f"{CHECKSUM_ALGO}:{digest.hexdigest()}" != written:
         return "its data does not match its checksum"

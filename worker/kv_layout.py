@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from worker import kv_files
@@ -100,8 +101,23 @@ def layout_problem(header: kv_files.Header, layout: KVLayout, tokens: int) -> st
 
 
 def finite_problem(arrays: dict[str, mx.array]) -> str | None:
-    """Why the loaded floats may not be used (a NaN or an infinity among them), or None."""
-    floats = [a for a in arrays.values() if mx.issubdtype(a.dtype, mx.floating)]
-    if floats and not mx.all(mx.stack([mx.all(mx.isfinite(a)) for a in floats])).item():
-        return "it holds NaN or infinite values"
+    """Why the loaded floats may not be used (a NaN or an infinity among them), or None.
+
+    Read as integers through numpy on the arrays' own buffers, a slice at a time: a float is
+    infinite or NaN exactly when its exponent bits are all ones. MLX's `isfinite` on the CPU
+    took 2 s for a 128 MiB float16 entry, numpy's 0.14 s, the exponent bits 0.03 s."""
+    for array in arrays.values():
+        code = kv_files.dtype_code(array.dtype)
+        if code in _EXPONENT and not _all_finite(array, *_EXPONENT[code]):
+            return "it holds NaN or infinite values"
     return None
+
+
+_EXPONENT: dict[str, tuple[type[np.unsignedinteger], int]] = {
+    "F16": (np.uint16, 0x7C00), "BF16": (np.uint16, 0x7F80), "F32": (np.uint32, 0x7F800000)}
+_SLICE = 1 << 20   # elements checked at a time: the temporary it needs stays small
+
+
+def _all_finite(array: mx.array, bits: type[np.unsignedinteger], exponent: int) -> bool:
+    flat = kv_files.host_view(array).view(bits).reshape(-1)  # no copy: a loaded array is contiguous
+    return all(int((flat[i:i + _SLICE] & exponent).max()) != exponent for i in range(0, flat.size, _SLICE))
