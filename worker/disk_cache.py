@@ -218,6 +218,7 @@ class DiskTier:
         if problem is not None:
             self._reject(path, ours.info.st_ino, problem)
             return None
+        self.scan.remember(ours)
         return DiskEntry(path.name, ours.tokens, ours.info.st_size, ours.info.st_mtime, ours.info.st_ino)
 
     def _reject(self, path: Path, ino: int, why: str) -> None:

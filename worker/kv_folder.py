@@ -176,6 +176,10 @@ class FolderScan:
                 self.note(path, str(exc))
         return folders
 
+    def remember(self, ours: Ours) -> None:
+        """A file proven ours elsewhere (the index): its header need not be read again."""
+        self._proven[ours.path] = (ours.info.st_ino, ours.info.st_size)
+
     def _proof(self, path: Path) -> Proven | None:
         info = private_files.regular_of_ours(path)
         if info is not None and self._proven.get(path) == (info.st_ino, info.st_size):
@@ -185,7 +189,7 @@ class FolderScan:
         except NotOurs as exc:
             self.note(path, str(exc))
             return None
-        self._proven[path] = (ours.info.st_ino, ours.info.st_size)
+        self.remember(ours)
         return Proven(path, ours.info.st_ino, ours.info.st_size, ours.info.st_mtime)
 
     def note(self, path: Path, why: str) -> None:
