@@ -29,7 +29,10 @@ spelled Ollama's way:
   FIM tokens (its `/api/show` lists `insert`); elsewhere it is a 400 naming it;
 - `keep_alive` is Ollama's (the strict parser of keepalive.py); an empty
   `prompt` / `messages` only loads the model (`done_reason: "load"`), or with
-  `keep_alive: 0` unloads it (`"unload"`), as Ollama does;
+  `keep_alive: 0` unloads it (`"unload"`), as Ollama does, under the admin
+  route's rule: an admin's unload drains the worker now, anyone else's lets the
+  model go once idle, and a pinned model is an admin's alone (403, `forbidden`,
+  the model stays loaded; docs/access.md);
 - errors are `{"error": "..."}` with the status kept: 404 for an unknown model,
   400 for bad input (and SPEC G1's `prefill_memory_exceeded`), 507 when the
   model does not fit, 503 with Retry-After under pressure; memvisor's figures
@@ -53,7 +56,7 @@ from supervisor.http import sampling as openai_sampling
 from supervisor.http import tools
 from supervisor.http.errors import ApiError, from_serve_error
 from supervisor.http.job import Calls, End, Job, Text, open_stream, race_client
-from supervisor.http.keepalive import UNLOAD_NOW, keep_alive_seconds
+from supervisor.http.keepalive import UNLOAD_NOW, is_admin, keep_alive_seconds
 from supervisor.http.metrics import Metrics
 from supervisor.http.modelfacts import require_fim
 from supervisor.http.ollama_models import now_rfc3339, resolve
@@ -424,9 +427,12 @@ def _logprobs(items: list[p.TokenLogprobs]) -> list[LogprobOut]:
 async def _load_only(request: Request, sup: Supervisor, name: str, model: str, keep: float | None,
                      chat: bool) -> Response:
     """Ollama's empty request: load the model (or, with keep_alive 0, unload it)."""
-    if keep == UNLOAD_NOW:
-        sup.model_config(model)  # an unknown model is still a 404
-        await sup.unload(model, "unloaded by an Ollama keep_alive: 0 request")
+    if keep == UNLOAD_NOW:  # an unload: who may is the admin route's rule (keepalive.py)
+        admin = is_admin(request, sup.config.supervisor.admin_token)
+        try:
+            await sup.unload(model, "unloaded by an Ollama keep_alive: 0 request", admin=admin)
+        except ServeError as exc:
+            raise from_serve_error(exc) from None
         reason = "unload"
     else:
         try:
