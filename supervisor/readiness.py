@@ -98,13 +98,14 @@ class Readiness(msgspec.Struct, frozen=True, kw_only=True):
 HealthStatus = Literal["ok", "loading", "failed"]
 
 
-class Health(msgspec.Struct, kw_only=True):
+class Health(msgspec.Struct, kw_only=True, omit_defaults=True):
     """GET /health: is this host up with its pinned models? 503 while one is on its way.
 
     `waiting`: pinned model -> why it does not serve yet (loading, respawning, a worker
     state, or `failed: ...`). `unloaded`: pinned models an admin unloaded on purpose ->
-    why; nothing loads them, a request would, so they keep the host at 200: a health
-    check that said `loading` for them said it for good, and a router dropped the host."""
+    why (left out while there are none); nothing loads them, a request would, so they keep
+    the host at 200: a health check that said `loading` for them said it for good, and a
+    router dropped the host."""
 
     status: HealthStatus
     waiting: dict[str, str]

@@ -46,7 +46,7 @@ from shared import protocol as p
 from shared.embedding import WRONG_MODEL_KIND, EmbeddingSpec
 from supervisor.api import Supervisor
 from supervisor.errors import ServeError
-from supervisor.http import ollama, routing
+from supervisor.http import ollama, ollama_options, routing
 from supervisor.http.errors import ApiError, from_failed, from_serve_error
 from supervisor.http.job import race_client
 from supervisor.http.keepalive import keep_alive_seconds
@@ -244,7 +244,7 @@ async def handle_openai(request: Request, sup: Supervisor, metrics: Metrics, bod
 def _options(options: dict[str, Any] | None) -> None:
     """Ollama's options, checked as on /api/chat; none changes a vector (sampling and
     placement), so the valid ones are accepted and the rest is a 400 naming it."""
-    ollama.sampling(options)
+    ollama_options.sampling(options)
 
 
 async def handle_embed(request: Request, sup: Supervisor, metrics: Metrics, body: bytes, started: float) -> Response:

@@ -103,7 +103,7 @@ def test_an_admins_unload_of_a_pinned_model_is_said_by_health_as_unloaded_not_lo
         assert health.status_code == 200, health.text
         body = health.json()
         assert body["status"] == "ok" and body["waiting"] == {} and "unloaded on purpose" in body["unloaded"]["a"]
-    assert back.done and reloaded.status_code == 200 and reloaded.json()["unloaded"] == {}
+    assert back.done and reloaded.status_code == 200 and "unloaded" not in reloaded.json()
     assert route.status_code == 200 and route.json()["unloaded"] is True
     assert model_health.status_code == 200 and model_health.json()["state"] == "unloaded"
     assert serving(server, "a")
