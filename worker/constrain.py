@@ -77,6 +77,7 @@ import numpy as np
 
 from shared.protocol import ConstraintSpec, JsonObject, JsonSchema, LarkGrammar, ToolCallConstraint
 from shared.vocab import FailureCode
+from worker.closing import Closers, closers_for, closing_cost, in_free_string, pick
 
 INVALID_CONSTRAINT: FailureCode = "invalid_constraint"  # the front door names its param (a 400)
 CACHE_SIZE = 64  # compiled grammars kept per tokenizer
@@ -119,31 +120,6 @@ def apply_bitmask(logits: mx.array, words: np.ndarray) -> mx.array:
     if bias.shape[0] < vocab:  # logits wider than the tokenizer: padding ids are never allowed
         bias = mx.concatenate([bias, mx.full((vocab - bias.shape[0],), float("-inf"), logits.dtype)])
     return logits + bias[:vocab]
-
-
-class Closers:
-    """What the wrap-up prefers (see `Constraint`), found once per tokenizer."""
-
-    __slots__ = ("bounds", "content", "eos", "lengths", "outside", "probe", "quote", "reach")
-
-    def __init__(self, eos: tuple[int, ...], quote: int, probe: int, outside: tuple[int, ...],
-                 lengths: np.ndarray, bounds: np.ndarray, content: np.ndarray):
-        self.eos = eos
-        self.quote = quote        # `"`: ends a free string
-        self.probe = probe        # `x`: allowed only inside a free string
-        self.outside = outside    # `]` `}` `,` `"` `0` `:` `[` `{`, in that order
-        self.lengths = lengths    # bytes per token id (longest allowed token = most progress)
-        self.bounds = bounds      # per token: the most it can add to the closing cost (`_jump_bounds`)
-        self.content = content    # per token: plain text inside a free string, which adds nothing
-        self.reach = int(bounds.max(initial=0))  # below this margin a free token could overrun
-
-    def fits(self, room: int, free: bool, n_words: int) -> np.ndarray:
-        """The bitmask (llguidance's layout, `n_words` 32-bit words) of tokens that add at most
-        `room` to the closing cost: in a free string, plain text adds nothing."""
-        added = np.where(self.content, 0, self.bounds) if free else self.bounds
-        bits = np.zeros(n_words * 32, dtype=bool)
-        bits[:added.size] = added <= room
-        return np.packbits(bits, bitorder="little").view(np.int32)
 
 
 class Constraint:
@@ -198,7 +174,7 @@ class Constraint:
             self._cost = closing_cost(self._matcher, self._closers, len(words), self._left)
             margin = self._left - self._cost
             self._next_check = margin - max(1, margin // 3)
-        self._free = _in_free_string(self._closers, words)
+        self._free = in_free_string(self._closers, words)
         self._policy = None
         if margin - 1 < self._closers.reach:
             self._keep_within(words, margin - 1)
@@ -206,7 +182,7 @@ class Constraint:
 
     def _keep_within(self, words: np.ndarray, room: int) -> None:
         """Keep the tokens that add at most `room` to the closing cost, and the policy's own."""
-        policy = _pick(self._closers, words)
+        policy = pick(self._closers, words)
         kept = words & self._closers.fits(room, self._free, len(words))
         if policy is not None:
             kept[policy >> 5] |= np.uint32(1 << (policy & 31)).view(np.int32)
@@ -252,7 +228,7 @@ class ConstraintFactory:
         self.vocab_size = vocab_size
         self._tokenizer = llg.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos)
         self._limits = llg.LLParserLimits()
-        self.closers = _closers(backend, eos, self._tokenizer, vocab_size)
+        self.closers = closers_for(backend, eos, self._tokenizer, vocab_size)
         # each spec's matcher and the closing policy's tokens from its start (or why it is refused)
         self._cache: OrderedDict[ConstraintSpec, tuple[llg.LLMatcher, int] | ConstraintError] = OrderedDict()
         self._cache_size = cache_size
@@ -330,55 +306,11 @@ class ConstraintFactory:
             if not words.any():
                 raise ConstraintError(f"{what}: no output satisfies it (no token is allowed"
                                       f"{' at the start' if not sim.is_accepting() else ''})")
-            token = _pick(self.closers, words)
+            token = pick(self.closers, words)
             if token is None:
                 return  # only tokens the policy does not rank: nothing known to be wrong
             if not sim.consume_token(token):
                 raise ConstraintError(f"{what}: {_first_line(sim.get_error())}")
-
-
-def closing_cost(matcher: llg.LLMatcher, closers: Closers, n_words: int, limit: int) -> int:
-    """Tokens the closing policy needs from the matcher's state (limit + 1: not within limit),
-    found on a copy."""
-    sim = matcher.deep_copy()
-    words = np.zeros(n_words, dtype=np.int32)
-    for used in range(limit):
-        if sim.is_stopped():
-            return used
-        sim.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
-        token = _pick(closers, words)
-        if token is None or not sim.consume_token(token):
-            return limit + 1
-        if token in closers.eos:
-            return used + 1
-    return limit if sim.is_stopped() else limit + 1
-
-
-def _allowed(words: np.ndarray, token: int) -> bool:
-    return token >= 0 and (int(words[token >> 5]) >> (token & 31)) & 1 == 1
-
-
-def _in_free_string(closers: Closers, words: np.ndarray) -> bool:
-    """Inside a string that any text may continue and a quote may end."""
-    return _allowed(words, closers.probe) and _allowed(words, closers.quote)
-
-
-def _pick(closers: Closers, words: np.ndarray) -> int | None:
-    """The closing policy's token in the state whose mask is `words` (see `Constraint`)."""
-    for token in closers.eos:
-        if _allowed(words, token):
-            return token
-    in_string = _allowed(words, closers.probe)
-    if in_string and _allowed(words, closers.quote):
-        return closers.quote
-    if not in_string:
-        for token in closers.outside:
-            if _allowed(words, token):
-                return token
-    bits = np.unpackbits(words.view(np.uint8), bitorder="little", count=closers.lengths.size)
-    scores = np.where(bits.astype(bool), closers.lengths, -1)
-    best = int(scores.argmax())
-    return best if scores[best] >= 0 else None
 
 
 def _first_line(error: str) -> str:
@@ -419,44 +351,6 @@ def _schema_patterns(node: object, where: str) -> Iterator[tuple[str, str]]:
                 yield from _schema_patterns(list(value.values()), where)
             elif key not in _VALUES:
                 yield from _schema_patterns(value, where)
-
-
-def _closers(backend, eos: list[int], tokenizer: llg.LLTokenizer, vocab: int) -> Closers:
-    def tid(text: str) -> int:
-        found = backend.token_to_id(text)
-        return -1 if found is None else found
-
-    texts = [b"" if tokenizer.is_special_token(i) else tokenizer.decode_bytes([i])
-             for i in range(min(vocab, tokenizer.vocab_size))]
-    lengths = np.pad(np.array([len(t) for t in texts], dtype=np.int32), (0, vocab - len(texts)))
-    bounds = np.pad(np.array([_jump_bound(t) for t in texts], dtype=np.int32), (0, vocab - len(texts)))
-    content = np.pad(np.array([_plain_text(t) for t in texts], dtype=bool), (0, vocab - len(texts)))
-    return Closers(eos=tuple(eos), quote=tid('"'), probe=tid("x"),
-                   outside=tuple(tid(c) for c in ("]", "}", ",", '"', "0", ":", "[", "{")),
-                   lengths=lengths, bounds=bounds, content=content)
-
-
-# The most one byte adds to the closing policy's count in JSON: `,` opens a key that needs
-# `"` `"` `:` `"` `"` (5); `"` opening a key needs `"` `:` `"` `"` (4); a letter starts
-# `false` (4 to go) or a `\u` escape (4 hex digits); a UTF-8 lead byte leaves up to 3
-# bytes to come; any other byte (`[`, `{`, `-`, `.`, a backslash, a digit) adds at most 1.
-_BYTE_BOUNDS = np.array([5 if b == ord(",") else 4 if b == ord('"') or chr(b).isascii() and chr(b).isalpha()
-                         else 3 if b >= 0x80 else 1 for b in range(256)], dtype=np.int32)
-
-
-def _jump_bound(text: bytes) -> int:
-    """The most a token of these bytes adds to the closing cost, wherever JSON allows it."""
-    return int(_BYTE_BOUNDS[np.frombuffer(text, dtype=np.uint8)].sum())
-
-
-def _plain_text(text: bytes) -> bool:
-    """Whole UTF-8 characters with no quote, backslash or control character: inside a free
-    string it leaves the closing cost as it was (the same quote still ends the string)."""
-    try:
-        decoded = text.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return bool(decoded) and not any(c in '"\\' or ord(c) < 0x20 for c in decoded)
 
 
 def grammar_for(spec: ConstraintSpec) -> str:
