@@ -103,10 +103,7 @@ function onEvent(ev) {
   S.seen.add(key);
   S.events.push(ev);
   if (S.events.length > 500) S.events.shift();
-  const prev = S.marks[S.marks.length - 1];
-  // a drill is reported twice (the supervisor's order, the worker's start): one mark
-  const echo = ev.kind === "drill" && prev && prev.kind === "drill" && prev.model_id === ev.model_id && ev.t - prev.t < 1;
-  if ((ACTIONS.has(ev.kind) || ev.kind === "level" || ev.kind === "drill") && !echo) S.marks.push(ev);
+  if (ACTIONS.has(ev.kind) || ev.kind === "level" || ev.kind === "drill") S.marks.push(ev);
   if (["exit", "crash", "evict", "unload"].includes(ev.kind) && ev.worker_id) S.latest.delete(ev.worker_id);
   if (["exit", "crash"].includes(ev.kind) && ev.worker_id) S.gone.add(ev.worker_id);
   S.dirty = S.tablesDirty = true;
