@@ -307,12 +307,15 @@ function drawChart() {
   const now = Date.now() / 1000, t0 = now - S.windowSec;
   const L = 70, R = 10, T = 18, B = 22, pw = w - L - R, ph = h - T - B;
   const visible = (series) => series.filter((pt) => pt[0] >= t0 - 30);
-  // scale to the ceiling in force and what is used: an earlier, larger ceiling runs off the top
-  let ymax = S.lines.ceiling.length ? S.lines.ceiling[S.lines.ceiling.length - 1][1] : MiB;
+  // the axis follows what is used, and takes in the watermarks once usage nears them (axis.js)
+  let peak = 0;
   for (const series of [S.lines.group, ...S.models.values()]) {
-    for (const [t, v] of series) if (t >= t0 && v > ymax) ymax = v;
+    for (const [t, v] of series) if (t >= t0 && v > peak) peak = v;
   }
-  ymax = Math.max(ymax, MiB) * 1.12;
+  const last = (series) => (series.length ? series[series.length - 1][1] : 0);
+  const marks = { ceiling: last(S.lines.ceiling), hard: last(S.lines.hard), soft: last(S.lines.soft) };
+  const axis = chartAxis(peak, marks), ymax = axis.top;
+  S.axis = axis;  // what the page drew, for the browser test
   const x = (t) => L + ((t - t0) / S.windowSec) * pw, y = (v) => T + ph - (v / ymax) * ph;
   // grid and axes
   ctx.font = "11px system-ui, sans-serif";
@@ -355,6 +358,10 @@ function drawChart() {
     ctx.fillText(label, x(ev.t) - 4, ly);
   }
   ctx.restore();
+  if (axis.above.length) {  // the watermarks over the axis, in words at its top edge
+    ctx.fillStyle = "#8b97a5"; ctx.textAlign = "right";
+    ctx.fillText(axis.above.map((name) => name + " " + fmt(marks[name])).join(" · ") + " ↑", L + pw - 4, T - 5);
+  }
   legend();
 }
 
