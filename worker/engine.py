@@ -305,7 +305,8 @@ class Engine:
         seq = Seq(request_id, list(prompt_tokens), max_tokens,
                   make_request_sampler(settings, prompt_tokens),
                   StopMatcher(stops) if stops else None,
-                  self._constraint(constraint, max_tokens) if constraint is not None else None, partition)
+                  self._constraint(constraint, max_tokens, partition) if constraint is not None else None,
+                  partition)
         self.endings.ids.add(request_id)
         self.scheduler.queue.append(seq)
         if self.endings.cacheable:  # pinned while queued: a shrink must not take what it will reuse (H3)
@@ -332,13 +333,14 @@ class Engine:
             self._outbox.append(Failed(request_id=cmd.request_id, code=ENGINE_ERROR,
                                        message=f"the request could not be prepared: {exc!r}"))
 
-    def _constraint(self, spec: ConstraintSpec, max_tokens: int) -> Constraint:
-        """The request's grammar; a spec that cannot be enforced is invalid_request."""
+    def _constraint(self, spec: ConstraintSpec, max_tokens: int, partition: str) -> Constraint:
+        """The request's grammar (compiled once per partition, H7 as proposed); a spec that
+        cannot be enforced is invalid_request."""
         try:
             if self._constraints is None:
                 vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
                 self._constraints = ConstraintFactory(self.tokenizer, vocab or len(self.tokenizer.vocab))
-            return self._constraints.build(spec, max_tokens)
+            return self._constraints.build(spec, max_tokens, partition)
         except ConstraintError as exc:
             raise EngineError(exc.code, exc.message) from None
 
