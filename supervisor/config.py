@@ -1,5 +1,5 @@
 """The supervisor's configuration: one TOML file with `[guard]`,
-`[supervisor]` and `[[models]]` (DESIGN.md contract).
+`[supervisor]` and `[[models]]` (docs/configuration.md).
 
 Every value is checked where it enters: an unknown key, a wrong type, a bad
 size or inconsistent thresholds raise `ConfigError` whose message starts with
@@ -154,7 +154,7 @@ class GuardConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # soft watermark, so the default also works under a small custom ceiling.
     hot_cache_max: int | str = 1024 ** 3
     pool_max: int | str = 2 * 1024 ** 3  # M1: MLX pool a worker may keep (mx.set_cache_limit)
-    # H5 (proposed, docs/spec-proposal-h5-h6.md): the prompt cache's disk tier, every model's
+    # H5 (docs/rules.md): the prompt cache's disk tier, every model's
     # entries together. "auto": a quarter of the cache folder's free disk (plus what the tier
     # holds), measured by the worker that writes; 0 = off. Kept as int bytes, -1 for "auto".
     disk_cache_max: int | str = "auto"

@@ -1,7 +1,7 @@
 """Worker processes: spawn, watch, stop with escalation, reap.
 
 One worker process per loaded model, as circus's watcher keeps its
-processes. The pool knows processes and their states (DESIGN.md: starting
+processes. The pool knows processes and their states (docs/architecture.md: starting
 -> loading -> ready <-> busy -> draining -> stopped, plus dead and wedged);
 it decides nothing about memory or about a model's life. The enforcer and
 the models ask it to spawn and stop; it tells them, through `on_event`,

@@ -1,4 +1,4 @@
-"""The TOML configuration (DESIGN.md contract; SPEC T5 thresholds).
+"""The TOML configuration (docs/configuration.md; T5 thresholds).
 
 Bad values must come back as one line naming the key path and the reason,
 never a traceback."""
@@ -167,7 +167,7 @@ def test_parse_http(text, expected):
 
 
 def test_pub_tcp_is_opt_in_and_a_non_loopback_bind_requires_curve_keys():
-    """DESIGN: TCP binds loopback unless told otherwise; beyond it, CURVE keys."""
+    """docs/architecture.md: TCP binds loopback unless told otherwise; beyond it, CURVE keys."""
     assert SupervisorConfig().pub_tcp == ""
     assert SupervisorConfig(pub_tcp="127.0.0.1:5556").pub_tcp == "127.0.0.1:5556"
     assert SupervisorConfig(pub_tcp="[::1]:5556").pub_tcp == "[::1]:5556"

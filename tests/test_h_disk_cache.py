@@ -1,4 +1,4 @@
-"""The prompt cache's disk tier and shrink before drop (H5, H6 as proposed in docs/spec-proposal-h5-h6.md):
+"""The prompt cache's disk tier and shrink before drop (H5, H6 in docs/rules.md):
 the file format, the folder and its budget, then through the engine on a real tiny model."""
 
 from __future__ import annotations

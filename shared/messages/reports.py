@@ -60,7 +60,7 @@ class Alive(Msg, tag="alive", kw_only=True):
     tokens: int = 0      # tokens generated so far (progress)
 
 
-# -- the prompt cache's tiers (H5, H6 as proposed, docs/spec-proposal-h5-h6.md) ------------
+# -- the prompt cache's tiers (H5, H6; docs/rules.md) ------------------------------------------
 class DiskCacheCounters(msgspec.Struct, frozen=True, kw_only=True):
     """What the prompt cache's tiers did, counted: entries (and bytes, tokens) read back from
     disk by requests, written at a stop, dropped (a stop's deadline came first, H5), evicted

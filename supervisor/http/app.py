@@ -5,7 +5,7 @@ msgspec, so FastAPI's pydantic layer would only add a second validator and
 its import cost. http/server.py serves these routes in the supervisor's own
 loop. The front door sees the supervisor only through `supervisor.api.Supervisor`.
 
-Endpoints (DESIGN.md contract):
+Endpoints (docs/api.md):
   GET  /health                      200, or 503 while a pinned model is not ready
   GET  /health?model=ID             that model's readiness, status as a request would get
   GET  /status                      SPEC S1 + the PUB endpoint

@@ -327,7 +327,7 @@ def reserve_message(c: Ceilings) -> str:
 
 
 class TierPreview(msgspec.Struct, frozen=True, kw_only=True):
-    """C14: one tier's ceiling right now. Field names are DESIGN.md's contract."""
+    """C14: one tier's ceiling right now. Field names are a contract (docs/operations.md)."""
 
     reserve_bytes: int
     free_bytes: int

@@ -1,4 +1,4 @@
-"""The prompt cache's disk tier (H5 as proposed, docs/spec-proposal-h5-h6.md) through a real
+"""The prompt cache's disk tier (H5, docs/rules.md) through a real
 supervisor, real worker processes, real ZeroMQ and real HTTP.
 
 Both ends of the stop's contract run for real: the pool computes the write's
