@@ -67,6 +67,8 @@ GuardEventKind = Literal[
     "stall",
     # what a stopping worker wrote to the prompt cache's disk tier, and what its deadline cost (H5, proposed)
     "disk_cache",
+    # wired memory a worker's exit did not give back within 5 s (M3, macOS): counted as lost
+    "wired_stranded",
 ]
 
 # -- how requests end ------------------------------------------------------------------------
