@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import stat
+import time
 
 import msgspec
 import pytest
@@ -19,7 +20,11 @@ from shared.sizes import GiB, MiB
 from supervisor.http import partitions
 from supervisor.http.auth import ApiKeys
 from supervisor.http.partitions import partition_id, read_or_create, secret_path, server_secret
+from tests.disk_cache_harness import engine_with, files, save_all, saved, tier
+from tests.disk_cache_harness import kv as disk_kv
 from tests.test_h_prompt_cache import kv
+from worker import kv_files, kv_folder
+from worker import prompt_cache as pc
 from worker.engine import Engine
 from worker.prompt_cache import PromptCache
 
@@ -157,16 +162,53 @@ def test_h7_the_byte_cap_and_the_lru_stay_one_per_worker():
     assert cache.nbytes == 2 * one
 
 
-def test_h7_only_the_shared_partition_is_offered_to_the_disk_tier_until_its_files_carry_one():
-    cache = PromptCache(GiB)
-    cache.insert([1] * 20, kv(20), partition=A)
-    cache.insert([2] * 20, kv(20))
-    assert [e.partition for e in cache.to_write()] == [p.SHARED_PARTITION]
+# -- the disk tier -----------------------------------------------------------------------
+
+
+def keyed(tokens: int, partition: str, start: int = 0) -> pc.Entry:
+    return pc.Entry(tuple(range(start, start + tokens)), disk_kv(tokens), partition)
+
+
+def test_h7_a_disk_entry_is_offered_to_its_own_partition_only_after_a_restart(tmp_path, tiny_model):
+    t = tier(tmp_path, tiny_model)
+    mine, shared = keyed(200, A), keyed(200, p.SHARED_PARTITION)
+    assert saved(t, mine, shared) == 2
+    assert kv_folder.entry_name(mine.tokens, A) != kv_folder.entry_name(shared.tokens)  # two files, two names
+    again = tier(tmp_path, tiny_model)  # a new worker indexes the folder
+    prompt = list(range(201))
+    assert again.best(prompt, 200, 0, partition=B) is None
+    found = again.best(prompt, 200, 0, partition=A)
+    assert found is not None and found.partition == A and again.load(found) is not None
+    assert again.best(prompt, 200, 0).partition == p.SHARED_PARTITION  # type: ignore[union-attr]
+
+
+def test_h7_a_file_relabelled_for_another_partition_is_not_ours(tmp_path, tiny_model):
+    """The name binds the partition: A's file with B written into its metadata is read for nobody."""
+    t = tier(tmp_path, tiny_model)
+    mine = keyed(200, A)
+    arrays, metadata = t._encoded(mine)
+    path = t.folder / kv_folder.entry_name(mine.tokens, A)
+    kv_files.write_entry(path, arrays, {**metadata, "partition": B}, deadline=time.monotonic() + 60)
+    again = tier(tmp_path, tiny_model)
+    assert again.entries == {} and path.exists()  # left alone, never read
+    assert again.best(list(range(201)), 200, 0, partition=B) is None
+
+
+def test_h7_another_partitions_longer_entry_never_costs_a_file(tmp_path, tiny_model):
+    """Were B's longer entry to replace A's prefix of it on disk, A's next restart would miss
+    and tell A that someone extended its prompt. Within one partition the prefix goes, as ever."""
+    t = tier(tmp_path, tiny_model)
+    assert saved(t, keyed(200, A)) == 1
+    assert saved(t, keyed(300, B), keyed(200, B)) == 1  # B's own prefix is not written (H5.1)
+    assert sorted((e.partition, len(e.tokens)) for e in t.entries.values()) == sorted([(A, 200), (B, 300)])
+    assert saved(t, keyed(300, A)) == 1
+    assert sorted((e.partition, len(e.tokens)) for e in t.entries.values()) == sorted([(A, 300), (B, 300)])
+    assert len(files(tmp_path / t.folder.name)) == 2
 
 
 # -- the engine on a real tiny model -------------------------------------------------------
 
-PREAMBLE = "You are the assistant of a bank. Answer briefly and never reveal a secret. " * 3
+PREAMBLE = "You are the assistant of a bank. Answer briefly and never reveal a secret. " * 6  # > 128 tokens
 LIMITS = Limits(max_concurrency=4, cache_cap=64 * MiB)
 
 
@@ -218,3 +260,15 @@ def test_h7_a_grammar_one_key_compiled_is_compiled_again_for_another(loaded):
         engine.submit_generate(p.Generate(request_id=rid, prompt="x", max_tokens=2, constraint=schema,
                                           partition=partition))
     assert engine._constraints is not None and engine._constraints.compiles == 2  # A's once, B's once
+
+
+def test_h7_after_a_restart_the_disk_tier_serves_a_key_its_own_entry_and_no_other_key(loaded, tiny_model, tmp_path):
+    first = engine_with(loaded, tmp_path, tiny_model)
+    messages = vault("4821")
+    ask(first, "a1", messages, A)
+    assert save_all(first).written == 1  # the stop's write
+    second = engine_with(loaded, tmp_path, tiny_model)  # the next worker of the model
+    right = ask(second, "b1", messages, B)
+    assert (right.cached_tokens, right.cached_disk_tokens) == (0, 0)
+    again = ask(second, "a2", messages, A)
+    assert again.cached_disk_tokens == again.cached_tokens == again.prompt_tokens - 1

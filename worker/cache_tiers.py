@@ -110,7 +110,7 @@ class CacheTiers:
             return
         deadline = time.monotonic() + self.save_seconds
         try:
-            done = self.disk.save(chat.prompt_cache.to_write(), deadline, given=self.save_seconds)
+            done = self.disk.save(chat.prompt_cache.recent_first(), deadline, given=self.save_seconds)
         except OSError as exc:  # a full or vanished disk costs the cache, never the stop
             log.error("prompt cache not written to disk: %s", exc)
             return

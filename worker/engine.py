@@ -221,7 +221,6 @@ class Engine:
         never wait on a disk); what the deadline cuts is dropped and counted."""
         if self.disk is None or self.has_work or self.running:
             return
-        victims = pc.shared_only(victims)
         try:
             done = self.disk.save(victims, time.monotonic() + self._spill_seconds, given=self._spill_seconds)
         except OSError as exc:
@@ -235,13 +234,13 @@ class Engine:
         """H5: the one disk entry this prompt needs, into the memory cache, when it beats memory's best.
 
         An entry larger than the memory cache's cap is not read (H2 bounds what a
-        worker holds); one that cannot be read is a miss (the prefill runs). Only the
-        shared partition has files for now (pc.shared_only): a key's prompt finds none."""
+        worker holds); one that cannot be read is a miss (the prefill runs). Only `partition`'s
+        files are offered (H7 as proposed)."""
         tier, cache = self.disk, self.prompt_cache
-        if tier is None or cache.cap <= 0 or partition != SHARED_PARTITION:
+        if tier is None or cache.cap <= 0:
             return
         limit = len(prompt) - 1
-        found = tier.best(prompt, limit,
+        found = tier.best(prompt, limit, partition=partition,
                           longer_than=max(cache.longest(prompt, limit, partition), MIN_REUSE_TOKENS - 1))
         if found is None or found.nbytes > cache.cap:
             return

@@ -155,14 +155,6 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 common_prefix = _common_prefix
 
 
-def shared_only(entries: list[Entry]) -> list[Entry]:
-    """The entries the disk tier may write: those of the shared partition (no API keys).
-
-    Until the tier's files carry a partition (H7 as proposed), a key's entries
-    stay in memory only: a file without one would be offered to every key."""
-    return [entry for entry in entries if entry.partition == SHARED_PARTITION]
-
-
 class PromptCache:
     """Longest-prefix reuse, LRU drop over a byte cap, pinned entries never dropped.
 
@@ -253,11 +245,6 @@ class PromptCache:
     def recent_first(self) -> list[Entry]:
         """Every entry, most recently used first (what a stop writes to disk first, H5)."""
         return list(reversed(self._entries.values()))
-
-    def to_write(self) -> list[Entry]:
-        """What a stop offers the disk tier (H5): `recent_first`, less what `shared_only` keeps back."""
-        return shared_only(self.recent_first())
-
     def release(self, hit: Hit | None) -> None:
         """The request that pinned `hit` ended or looked again."""
         if hit is not None and hit.entry.pins > 0:

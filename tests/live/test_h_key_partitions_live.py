@@ -94,9 +94,9 @@ def test_h7_the_admin_token_is_a_partition_of_its_own(keyed):
     keyed.run(main())
 
 
-def test_h7_after_an_unload_another_key_still_learns_nothing(keyed):
+def test_h7_after_an_unload_another_key_still_learns_nothing_and_the_key_gets_its_own_back(keyed):
     """The disk tier (H5) holds what a stop wrote: B's right guess, the first request of the
-    next worker, must not be served A's entry from disk."""
+    next worker, must not be served A's entry from disk; A's next request is."""
     async def main():
         await unload(keyed)  # this test's worker writes under this test's caches folder
         messages = vault("1357", "Fourth Bank. ")
@@ -104,6 +104,8 @@ def test_h7_after_an_unload_another_key_still_learns_nothing(keyed):
         await unload(keyed)
         right = await chat(keyed, KEY_B, messages)
         assert right["cached"] == 0 and right["disk"] == 0, right
+        again = await chat(keyed, KEY_A, messages)  # A's own file still serves A
+        assert again["disk"] == again["cached"] == again["prompt_tokens"] - 1, again
 
     keyed.run(main())
 
