@@ -198,7 +198,7 @@ def test_h7_another_partitions_longer_entry_never_costs_a_file(tmp_path, tiny_mo
     """Were B's longer entry to replace A's prefix of it on disk, A's next restart would miss
     and tell A that someone extended its prompt. Within one partition the prefix goes, as ever."""
     t = tier(tmp_path, tiny_model)
-    assert saved(t, keyed(200, A)) == 1
+    assert saved(t, keyed(300, B), keyed(200, A)) == 2  # one stop's write: A's is no prefix of B's
     assert saved(t, keyed(300, B), keyed(200, B)) == 1  # B's own prefix is not written (H5.1)
     assert sorted((e.partition, len(e.tokens)) for e in t.entries.values()) == sorted([(A, 200), (B, 300)])
     assert saved(t, keyed(300, A)) == 1
