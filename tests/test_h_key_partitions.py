@@ -14,6 +14,7 @@ import time
 import msgspec
 import pytest
 
+from shared import private_files
 from shared import protocol as p
 from shared.limits import Limits
 from shared.sizes import GiB, MiB
@@ -96,27 +97,38 @@ def test_h7_a_secret_folder_others_may_write_is_not_used(private_cache_dir, capl
     with caplog.at_level(logging.WARNING, "memvisor.http"):
         one, two = server_secret(), server_secret()
     assert one != two and not path.exists()  # a run's own secret each time, nothing written
-    assert "not used" in caplog.text and "770" in caplog.text
+    assert "not used" in caplog.text and "writable by group" in caplog.text
 
 
-def test_h7_a_secret_file_that_is_a_link_or_loose_or_short_is_refused(private_cache_dir, tmp_path):
+def test_h7_a_secret_file_that_is_a_link_a_folder_or_of_the_wrong_size_is_refused(private_cache_dir, tmp_path):
     path = secret_path()
     target = tmp_path / "elsewhere"
     target.write_bytes(b"x" * partitions.SECRET_BYTES)
     path.parent.mkdir(mode=0o700)
     path.symlink_to(target)
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match="link"):
         read_or_create(path)  # a link is not followed ...
     assert target.read_bytes() == b"x" * partitions.SECRET_BYTES  # ... nor written through
     path.unlink()
-    path.write_bytes(b"y" * partitions.SECRET_BYTES)
+    path.mkdir(mode=0o700)
+    with pytest.raises(OSError):
+        read_or_create(path)
+    path.rmdir()
+    for size, refusal in ((5, partitions.SecretRefused), (partitions.SECRET_BYTES + 1, OSError)):
+        path.write_bytes(b"y" * size)
+        os.chmod(path, 0o600)
+        with pytest.raises(refusal, match="bytes"):
+            read_or_create(path)
+
+
+def test_h7_a_secret_others_could_read_is_replaced_by_a_new_one(private_cache_dir, caplog):
+    path = secret_path()
+    first = server_secret()
     os.chmod(path, 0o644)
-    with pytest.raises(partitions.SecretRefused, match="mode 600"):
-        read_or_create(path)
-    os.chmod(path, 0o600)
-    path.write_bytes(b"short")
-    with pytest.raises(partitions.SecretRefused, match="5 bytes"):
-        read_or_create(path)
+    with caplog.at_level(logging.WARNING, "memvisor.http"):
+        second = server_secret()
+    assert second != first and server_secret() == second
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and "readable by others" in caplog.text
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to another user needs root")
@@ -124,7 +136,7 @@ def test_h7_a_secret_folder_of_another_user_is_not_used(private_cache_dir):
     path = secret_path()
     path.parent.mkdir(mode=0o700)
     os.chown(path.parent, 65534, 65534)
-    with pytest.raises(partitions.SecretRefused, match="uid 65534"):
+    with pytest.raises(private_files.NotPrivate, match="uid 65534"):
         read_or_create(path)
 
 

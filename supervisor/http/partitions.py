@@ -14,13 +14,13 @@ also opens /v1, is a key like the others: its own partition. Without keys there
 is one partition (`SHARED_PARTITION`) and nothing here runs.
 
 The secret must outlive a restart, or the disk tier would never again serve a
-key what it wrote for it: it is kept in `<caches root>/keys/partition.secret`
-(beside the BLAS copy and `kv/`, shared.probe.blas.cache_dir's parent), 32
-random bytes, 0600 in a 0700 folder, created without following a link and
-checked (owner, mode, size) before each use. A root or folder that another user
-owns or may write, or a file that fails the check, is not used: the server
-serves with a secret of this run only (every key keeps its own partition, the
-disk tier just cannot serve keys across a restart), and says so once.
+key what it wrote for it: it is kept in `$MEMVISOR_CACHE/keys/partition.secret`
+(beside the BLAS copy and `kv/`), 32 random bytes, 0600 in a 0700 folder,
+created without following a link and checked (owner, mode, size) before each
+use by shared/private_files.py, as the disk tier's files are. A folder that
+another user owns or may write, or a file that fails the check, is not used: the
+server serves with a secret of this run only (every key keeps its own partition,
+the disk tier just cannot serve keys across a restart), and says so once.
 
 The current caller's partition travels with the request (`serving` around the
 handler, `current` where the Generate is sent: http/job.py `open_stream`), as
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import errno
 import hashlib
 import hmac
 import logging
@@ -41,7 +40,7 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-from shared.probe import blas as found
+from shared import private_files
 from shared.protocol import SHARED_PARTITION
 
 log = logging.getLogger("memvisor.http")
@@ -58,11 +57,11 @@ def partition_id(secret: bytes, key: str) -> str:
 
 
 def secret_path() -> Path:
-    return found.cache_dir().parent / SECRET_FOLDER / SECRET_FILE
+    return private_files.cache_root() / SECRET_FOLDER / SECRET_FILE
 
 
 class SecretRefused(Exception):
-    """The secret's folder or file is not provably ours and private; the message says why."""
+    """The secret's file is not one this server can use; the message says why."""
 
 
 def server_secret(path: Path | None = None) -> bytes:
@@ -70,20 +69,22 @@ def server_secret(path: Path | None = None) -> bytes:
     path = path or secret_path()
     try:
         return read_or_create(path)
-    except (OSError, SecretRefused) as exc:
+    except (OSError, SecretRefused) as exc:  # NotPrivate is an OSError: it names the folder and what to do
         log.warning("API keys: the prompt-cache partition secret %s is not used (%s); this run uses one of "
                     "its own, so the disk tier serves no key what an earlier run wrote", path, exc)
         return secrets.token_bytes(SECRET_BYTES)
 
 
-# ---------------------------------------------------------------------------
-# the private folder and file (kept small: a shared module for private files may replace them)
-
-
 def read_or_create(path: Path) -> bytes:
-    """`path`'s secret, written first if there is none; SecretRefused when it is not ours alone."""
-    private_folder(path.parent.parent, exact=False)
-    private_folder(path.parent, exact=True)
+    """`path`'s secret, made first if there is none, in folders checked private from the caches
+    folder down (shared/private_files.py, as the disk tier's). A secret others could read is
+    replaced: the partitions it named are as good as known."""
+    private_files.private_path(path.parent.parent, path.parent.name)
+    info = private_files.regular_of_ours(path)
+    if info is not None and stat.S_IMODE(info.st_mode) & 0o077:
+        log.warning("API keys: %s was readable by others (mode %04o); a new secret replaces it (what the "
+                    "disk tier held for each key is not read again)", path, stat.S_IMODE(info.st_mode))
+        private_files.write_private(path, secrets.token_bytes(SECRET_BYTES))
     try:
         return _read(path)
     except FileNotFoundError:
@@ -92,32 +93,9 @@ def read_or_create(path: Path) -> bytes:
     return _read(path)
 
 
-def private_folder(folder: Path, *, exact: bool) -> None:
-    """`folder` made 0700 when missing; refused when it is a link, not ours, or writable by
-    group or others (`exact`: no group/other bits at all)."""
-    try:
-        folder.mkdir(mode=0o700, parents=True)
-    except FileExistsError:
-        pass
-    info = os.lstat(folder)
-    loose = stat.S_IMODE(info.st_mode) & (0o077 if exact else 0o022)
-    if not stat.S_ISDIR(info.st_mode):
-        raise SecretRefused(f"{folder} is not a folder (a link is not followed)")
-    if info.st_uid != os.geteuid():
-        raise SecretRefused(f"{folder} belongs to uid {info.st_uid}, not this server's user")
-    if loose:
-        raise SecretRefused(f"{folder} has mode {stat.S_IMODE(info.st_mode):o}: others may change it")
-
-
 def _read(path: Path) -> bytes:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or stat.S_IMODE(info.st_mode) & 0o077:
-            raise SecretRefused(f"{path} is not a file of this user's with mode 600")
-        data = os.read(fd, SECRET_BYTES + 1)
-    finally:
-        os.close(fd)
+    with private_files.open_private(path, SECRET_BYTES) as handle:  # no link, ours, nobody else writes it
+        data = handle.read(SECRET_BYTES + 1)
     if len(data) != SECRET_BYTES:
         raise SecretRefused(f"{path} holds {len(data)} bytes, not {SECRET_BYTES}")
     return data
@@ -126,20 +104,17 @@ def _read(path: Path) -> bytes:
 def _create(path: Path, secret: bytes) -> None:
     """Written whole under a private name, then linked into place: a reader never sees half a
     secret, and of two servers starting at once the first link wins (the other reads it)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
+    tmp = private_files.temporary_name(path)
+    fd = private_files.create_private(tmp)
     try:
-        os.write(fd, secret)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(secret)
+            os.fsync(out.fileno())
         os.link(tmp, path)
-    except OSError as exc:
-        if exc.errno != errno.EEXIST:
-            raise
+    except FileExistsError:
+        pass
     finally:
-        os.unlink(tmp)
+        tmp.unlink(missing_ok=True)  # ours: create_private made it
 
 
 # ---------------------------------------------------------------------------
