@@ -15,12 +15,7 @@ from rich.console import Console
 from shared import protocol as p
 from shared.memory import MemoryReading
 from supervisor.cli.watch import _View
-from tests.chat_harness import ROOT, Serving, cli_env
-
-
-def _cli(serving: Serving, *argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "supervisor", *argv, "--runtime-dir", str(serving.runtime_dir)],
-                          cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=60)
+from tests.chat_harness import ROOT, Serving, cli_env, run_cli
 
 
 def test_s2_watch_replays_the_events_status_shows_and_count_counts_them(tmp_path):
@@ -28,28 +23,28 @@ def test_s2_watch_replays_the_events_status_shows_and_count_counts_them(tmp_path
     `watch --json --topic event --count 5` waited silently for five new ones."""
     with Serving('[supervisor]\nhttp = "127.0.0.1:0"\n', tmp_path) as serving:
         for _ in range(3):
-            assert _cli(serving, "reload").returncode == 0
-        kept = json.loads(_cli(serving, "status", "--json").stdout)["events"]
+            assert run_cli(serving, "reload").returncode == 0
+        kept = json.loads(run_cli(serving, "status", "--json").stdout)["events"]
         assert len(kept) >= 3
-        out = _cli(serving, "watch", "--json", "--topic", "event", "--count", "3", "--timeout", "5s")
+        out = run_cli(serving, "watch", "--json", "--topic", "event", "--count", "3", "--timeout", "5s")
         assert out.returncode == 0, out.stderr
         lines = [json.loads(line) for line in out.stdout.splitlines()]
         assert [line["message"]["t"] for line in lines] == [e["t"] for e in kept[:3]]
         assert all(line["replayed"] and line["topic"] == "event" for line in lines)
-        quiet = _cli(serving, "watch", "--json", "--topic", "event", "--new", "--count", "1", "--timeout", "1")
+        quiet = run_cli(serving, "watch", "--json", "--topic", "event", "--new", "--count", "1", "--timeout", "1")
         assert quiet.returncode == 4 and quiet.stdout == "", quiet.stdout  # nothing new happened
 
 
 def test_s2_watch_gives_a_new_event_once_after_the_replayed_ones(tmp_path):
     with Serving('[supervisor]\nhttp = "127.0.0.1:0"\n', tmp_path) as serving:
-        assert _cli(serving, "reload").returncode == 0
-        kept = len(json.loads(_cli(serving, "status", "--json").stdout)["events"])
+        assert run_cli(serving, "reload").returncode == 0
+        kept = len(json.loads(run_cli(serving, "status", "--json").stdout)["events"])
         watch = subprocess.Popen([sys.executable, "-m", "supervisor", "watch", "--json", "--topic", "event",
                                   "--count", str(kept + 1), "--timeout", "20", "--runtime-dir",
                                   str(serving.runtime_dir)], cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True)
         time.sleep(3.0)  # it has replayed the history and waits on the live stream
-        assert _cli(serving, "reload").returncode == 0
+        assert run_cli(serving, "reload").returncode == 0
         out, err = watch.communicate(timeout=30)
     lines = [json.loads(line) for line in out.splitlines()]
     assert watch.returncode == 0, err

@@ -5,20 +5,13 @@ kept; a model file is listed once whichever way it is named."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import httpx
 
 from supervisor.config import Config, ModelConfig, SupervisorConfig
 from supervisor.discovery import with_discovered
 from tests import model_files
-from tests.chat_harness import ROOT, Serving, cli_env
-
-
-def _cli(serving: Serving, *argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "supervisor", *argv, "--runtime-dir", str(serving.runtime_dir)],
-                          cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=60)
+from tests.chat_harness import Serving, run_cli
 
 
 def _served(serving: Serving) -> list[str]:
@@ -34,12 +27,12 @@ def test_a_reload_naming_a_missing_models_folder_is_refused_and_the_running_conf
     with Serving(toml, tmp_path / "serve") as serving:
         assert _served(serving) == ["one"]
         (serving.folder / "memvisor.toml").write_text(toml.replace(str(folder), str(tmp_path / "modles")))
-        out = _cli(serving, "reload")
+        out = run_cli(serving, "reload")
         assert out.returncode == 1, out.stdout + out.stderr
         assert "configuration refused" in out.stderr and "supervisor.models_dirs[0]" in out.stderr
         assert f"{tmp_path / 'modles'}: no such folder" in out.stderr
         assert _served(serving) == ["one"]
-        status = json.loads(_cli(serving, "status", "--json").stdout)
+        status = json.loads(run_cli(serving, "status", "--json").stdout)
         assert status["events"][-1]["kind"] == "reload_refused"
 
 

@@ -4,24 +4,17 @@ and its end are one event each, in human units."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.chat_harness import ROOT, Serving, cli_env
+from tests.chat_harness import Serving, run_cli
 
 pytestmark = pytest.mark.slow
 
 
-def _cli(serving: Serving, *argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "supervisor", *argv, "--runtime-dir", str(serving.runtime_dir)],
-                          cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=60)
-
-
 def _drill_events(serving: Serving) -> list[str]:
-    events = json.loads(_cli(serving, "status", "--json").stdout)["events"]
+    events = json.loads(run_cli(serving, "status", "--json").stdout)["events"]
     return [e["reason"] for e in events if e["kind"] == "drill"]
 
 
@@ -32,13 +25,13 @@ def test_s2_a_drill_is_one_event_at_its_start_and_one_at_its_end_in_human_units(
             f'[[models]]\nid = "a"\npath = "{tiny_models.a}"\npinned = true\n')
     with Serving(toml, tmp_path) as serving:
         deadline = time.monotonic() + 60
-        while json.loads(_cli(serving, "status", "--json").stdout)["models"][0]["state"] != "ready":
+        while json.loads(run_cli(serving, "status", "--json").stdout)["models"][0]["state"] != "ready":
             assert time.monotonic() < deadline, "the pinned model did not load"
             time.sleep(0.5)
-        out = _cli(serving, "drill", "a", "--rate", "64MiB/s", "--to", "32MiB")
+        out = run_cli(serving, "drill", "a", "--rate", "64MiB/s", "--to", "32MiB")
         assert out.returncode == 0, out.stderr
         time.sleep(1.5)  # it has held its 32 MiB for a while
-        assert _cli(serving, "drill", "a", "--stop").returncode == 0
+        assert run_cli(serving, "drill", "a", "--stop").returncode == 0
         deadline = time.monotonic() + 10
         while len(_drill_events(serving)) < 2 and time.monotonic() < deadline:
             time.sleep(0.2)
