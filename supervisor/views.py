@@ -8,10 +8,15 @@ at the moment it asks.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import msgspec
 
 from shared.memory import NO_READING, MemoryReading
 from shared.states import LIVE_STATES, SERVING_STATES, WorkerState
+
+if TYPE_CHECKING:
+    from supervisor.process import WorkerHandle
 
 
 class ModelView(msgspec.Struct, frozen=True, kw_only=True):
@@ -54,6 +59,16 @@ class WorkerView(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def serving(self) -> bool:
         return self.state in SERVING_STATES
+
+
+def worker_view(handle: WorkerHandle, running: int) -> WorkerView:
+    """The handle as it stands, frozen (`running`: the requests the pool's streams map to it)."""
+    sample, limits = handle.sample, handle.last_limits
+    return WorkerView(worker_id=handle.worker_id, model_id=handle.model_id, pid=handle.pid, state=handle.state,
+                      running=running, stop_reason=handle.stop_reason,
+                      leaving=handle.marked_for_unload or handle.stopping is not None,
+                      memory=sample.memory if sample is not None else NO_READING,
+                      weight_bytes=handle.weight_bytes, cache_cap=limits.cache_cap if limits is not None else 0)
 
 
 class LoadProgress(msgspec.Struct, frozen=True, kw_only=True):

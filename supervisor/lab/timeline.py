@@ -169,7 +169,7 @@ def timeline_from_trace(lines, name: str, *, chained: bool = True) -> Timeline:
 
     A bad line is skipped (`replay` reports it); times are from the first line.
     """
-    from supervisor.policy.decisions import LevelChanged, PauseAdmission, ResumeAdmission, Warn
+    from supervisor.policy.decisions import LevelChanged, PauseAdmission, ResumeAdmission, StartSpare, Warn
     from supervisor.policy.pressure import tick
     from supervisor.policy.snapshot import Snapshot
 
@@ -197,7 +197,7 @@ def timeline_from_trace(lines, name: str, *, chained: bool = True) -> Timeline:
             match x:
                 case LevelChanged():
                     timeline.marks.append(Mark(t, "level", x.to_level, x.reason))
-                case PauseAdmission() | ResumeAdmission() | Warn():
+                case PauseAdmission() | ResumeAdmission() | Warn() | StartSpare():
                     continue
                 case _:
                     kind = kind_of(x)
