@@ -47,9 +47,9 @@ from _serve import ServeProcess, bench_model  # noqa: E402  (scripts/ is on sys.
 from _sse import stream_completion  # noqa: E402
 
 from shared.sizes import format_size, parse_size  # noqa: E402
+from shared.vocab import LOAD_PHASES  # noqa: E402
 
 MODEL_ID = "swap"
-PHASES = ("spawn", "spare", "hello", "read", "build", "warm_up", "ready", "first_token")
 
 FLOOR = """
 import time, sys
@@ -153,7 +153,7 @@ def floor_runs(model: Path, runs: int, workdir: Path) -> list[float]:
 
 
 def phase_table(label: str, phases: list[dict]) -> None:
-    names = [p for p in PHASES if any(p in ph for ph in phases)]
+    names = [p for p in LOAD_PHASES if any(p in ph for ph in phases)]
     if not names:
         print(f"  {label}: no load phases reported")
         return
@@ -161,6 +161,7 @@ def phase_table(label: str, phases: list[dict]) -> None:
     for name in names:
         values = [ph[name] for ph in phases if name in ph]
         print(f"    {name:<12} {statistics.median(values):7.3f}")
+    print(f"    {'in all':<12} {statistics.median(sum(ph.values()) for ph in phases):7.3f}")
 
 
 def thrash_part(workdir: Path) -> None:

@@ -21,23 +21,17 @@ request was waiting for (an explicit load, a pinned model) has no
 While a load runs, the worker's heartbeat reports its phase and the bytes it
 has read; `progress` says when that is worth an event: each new phase, and
 while reading, once a second. These are pure functions of times and messages;
-the pool keeps one `LoadClock` per worker and says what they return.
+the pool keeps one `LoadClock` per worker, and supervisor.load_timer says what
+they return.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from shared import protocol as p
 from shared.sizes import format_size
 from shared.vocab import LOAD_PHASES, LoadPhase
-from supervisor.process import LoadReported
-
-if TYPE_CHECKING:
-    from supervisor.process import EventSink, WorkerHandle
 
 FIRST_REQUEST_WINDOW = 1.0  # seconds: a request opened this soon after the load ended was waiting for it
 PROGRESS_EVERY = 1.0  # seconds between progress events within one phase (while the weights are read)
@@ -102,8 +96,10 @@ def progress(clock: LoadClock, alive: p.Alive, now: float) -> bool:
     """Take the worker's heartbeat; True when its progress is worth an event now."""
     if clock.loaded or not alive.load_phase:
         return False
-    moved = alive.load_phase != clock.phase
-    clock.phase = alive.load_phase
+    # the heartbeat and the hello travel on two sockets: a phase the clock has passed stays passed
+    moved = LOAD_PHASES.index(alive.load_phase) > LOAD_PHASES.index(clock.phase)
+    if moved:
+        clock.phase = alive.load_phase
     clock.bytes_read = max(clock.bytes_read, alive.bytes_read)
     if moved or now - clock.said_at >= PROGRESS_EVERY:
         clock.said_at = now
@@ -130,50 +126,4 @@ def phase_words(r: p.LoadReport) -> str:
     parts = ", ".join(f"{name.replace('_', ' ')} {seconds:.3f} s" for name, seconds in r.phases.items())
     how = "a spare took it" if r.spare else "a fresh worker"
     return f"{parts}; {sum(r.phases.values()):.3f} s in all ({how})"
-
-
-class LoadTimer:
-    """The pool's part: it hands over each message that moves a load's clock, and this
-    says the progress (W6) and, once the load is over, its phases (W3) as `LoadReported`.
-    It changes only the clocks, never the handles."""
-
-    def __init__(self, on_event: EventSink) -> None:
-        self.on_event = on_event
-
-    def loaded(self, handle: WorkerHandle, msg: p.Loaded, now: float) -> None:
-        clock = handle.load
-        if clock is None:
-            return
-        loaded(clock, msg, now)
-        asyncio.get_running_loop().call_later(FIRST_REQUEST_WINDOW, self._no_request, handle, clock)
-
-    def reply(self, handle: WorkerHandle, msg: p.WorkerReply) -> None:
-        """The load's first request answered: its first token closes the load's phases
-        (an answer without a token closes them without that phase)."""
-        clock = handle.load
-        if clock is None or clock.closed:
-            return
-        if isinstance(msg, (p.TokenOut, p.TokenBatch)):
-            first_token(clock, time.monotonic())
-            self._done(handle, clock)
-        elif isinstance(msg, (p.Finished, p.Failed, p.Embedded)) and msg.request_id == clock.first_request:
-            self._done(handle, clock)
-
-    def alive(self, handle: WorkerHandle, msg: p.Alive) -> None:
-        clock, now = handle.load, time.monotonic()
-        if clock is not None and progress(clock, msg, now):
-            r = report(clock, now)
-            self.on_event(LoadReported(handle, r, False, f"loading {handle.model_id}: {progress_words(r)}"))
-
-    def _no_request(self, handle: WorkerHandle, clock: LoadClock) -> None:
-        """No request was waiting for the load (an explicit load, a pinned model): its phases end at `loaded`."""
-        if handle.load is clock and not clock.first_request:
-            self._done(handle, clock)
-
-    def _done(self, handle: WorkerHandle, clock: LoadClock) -> None:
-        if clock.closed:
-            return
-        clock.closed = True
-        r = report(clock, time.monotonic())
-        self.on_event(LoadReported(handle, r, True, f"load of {handle.model_id}: {phase_words(r)}"))
 

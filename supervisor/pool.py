@@ -34,6 +34,7 @@ from supervisor.bus import Bus
 from supervisor.cache_tiers import CacheBook, save_grace, saved_words
 from supervisor.config import Config, ModelConfig
 from supervisor.errors import LoadError
+from supervisor.load_timer import LoadTimer
 from supervisor.process import (
     CacheWritten,
     EventSink,
@@ -51,7 +52,7 @@ from supervisor.process import (
 )
 from supervisor.spares import Spares
 from supervisor.streams import RequestStream, Streams
-from supervisor.views import WorkerView, worker_view
+from supervisor.views import WorkerView
 from worker.main import run as worker_main  # the spawn target; imports no MLX at module level
 
 log = logging.getLogger("memvisor.pool")
@@ -77,7 +78,7 @@ class Pool:
         self.wake_on_watermark = True
         self.caches = CacheBook()  # each model's prompt-cache disk tier, as its workers report it (H5)
         self.spares = Spares(self)  # W1, W2: the spare workers, carried out
-        self.timer = load_clock.LoadTimer(on_event)  # W3, W6: each load's phases and progress, said
+        self.timer = LoadTimer(on_event)  # W3, W6: each load's phases and progress, said
         # model id -> its last worker reaped: its final cache report may come after its exit
         self.reaped: dict[str, WorkerHandle] = {}
 
@@ -126,6 +127,7 @@ class Pool:
         words = f"to load {model.path}" if model is not None else "as a spare: MLX and the engine, no model (W1)"
         log.info("Spawned worker %s (pid %d) %s", worker_id, proc.pid, words)
         self.on_event(Spawned(handle, f"started worker pid {proc.pid} {words}"))
+        self.timer.began(handle)
         return handle
 
     # -- messages from workers ----------------------------------------------
@@ -318,7 +320,7 @@ class Pool:
 
     def view(self, handle: WorkerHandle) -> WorkerView:
         """A frozen copy of the worker as it stands, for the doors."""
-        return worker_view(handle, self.running(handle))
+        return handle.view(self.running(handle))
 
     def running(self, handle: WorkerHandle) -> int:
         """Requests the worker serves now (the streams keep the map)."""
@@ -474,16 +476,7 @@ class Pool:
         gone = f"the worker serving {handle.model_id!r} {handle.exit_cause}"
         self.streams.fail_all(handle.worker_id, "worker_exited", gone)
         self.streams.fail_calls(handle.worker_id, LoadError(gone, code="worker_exited", http_status=503))
-        if handle.spare:  # nothing awaits a spare's load
-            handle.loaded.cancel()
-        elif not handle.loaded.done():  # a death, as after loading: 503, retry (not 500: nothing here is our bug)
-            handle.loaded.set_exception(
-                LoadError(f"worker for {handle.model_id!r} {handle.exit_cause} before the model was loaded",
-                          code="worker_exited", http_status=503))
-        if not handle.exited.done():
-            handle.exited.set_result(code)
-        if not handle.greeted.done():
-            handle.greeted.set_result(False)
+        handle.ended(code)
         if handle.spare:
             self.spares.exited(expected, time.monotonic())
         self.handles.pop(handle.worker_id, None)

@@ -18,10 +18,13 @@ from typing import TYPE_CHECKING, Callable, Literal, Union
 from shared import protocol as p
 from shared.ledger import LedgerSample
 from shared.limits import Limits
+from shared.memory import NO_READING
 from shared.states import LIVE_STATES, SERVING_STATES, WorkerState, WorkerTrigger, transition
 from shared.vocab import PoolName, WorkerEventKind
 from supervisor.cache_tiers import save_grace
+from supervisor.errors import LoadError
 from supervisor.liveness import Beats
+from supervisor.views import WorkerView
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -116,6 +119,27 @@ class WorkerHandle:
     @property
     def serving(self) -> bool:
         return self.state in SERVING_STATES
+
+    def view(self, running: int) -> WorkerView:
+        """Frozen, for the doors (`running`: the requests the pool's streams map to it)."""
+        sample, limits = self.sample, self.last_limits
+        return WorkerView(worker_id=self.worker_id, model_id=self.model_id, pid=self.pid, state=self.state,
+                          running=running, stop_reason=self.stop_reason,
+                          leaving=self.marked_for_unload or self.stopping is not None,
+                          memory=sample.memory if sample is not None else NO_READING,
+                          weight_bytes=self.weight_bytes, cache_cap=limits.cache_cap if limits is not None else 0)
+
+    def ended(self, code: int | None) -> None:
+        """Its process is gone (`exit_cause` says how): whoever awaits its load, hello or exit is answered."""
+        if self._model is None:
+            self.loaded.cancel()  # nothing awaits a spare's load
+        elif not self.loaded.done():  # a death, as after loading: 503, retry (not 500: nothing here is our bug)
+            self.loaded.set_exception(LoadError(f"worker for {self.model_id!r} {self.exit_cause} before the model "
+                                                "was loaded", code="worker_exited", http_status=503))
+        if not self.exited.done():
+            self.exited.set_result(code)
+        if not self.greeted.done():
+            self.greeted.set_result(False)
 
     def move(self, event: WorkerTrigger) -> WorkerState:
         """The one place a worker's state changes (illegal moves raise)."""

@@ -19,15 +19,35 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from shared import protocol as p
 from supervisor import intensity, liveness, load_clock
-from supervisor.process import SpareNews, WorkerHandle, worker_spec
+from supervisor.process import EventSink, SpareNews, StopCause, WorkerHandle, worker_spec
 
 if TYPE_CHECKING:
-    from supervisor.config import ModelConfig
-    from supervisor.pool import Pool
+    from shared.ledger import Ledger
+    from supervisor.bus import Bus
+    from supervisor.config import Config, ModelConfig, SupervisorConfig
+    from supervisor.load_timer import LoadTimer
+
+
+class Pool(Protocol):
+    """What this part of the pool uses of the rest of it (supervisor.pool.Pool)."""
+
+    handles: dict[str, WorkerHandle]
+    config: Config
+    ledger: Ledger
+    bus: Bus
+    on_event: EventSink
+    timer: LoadTimer
+
+    def spawn(self, model: ModelConfig | None, *, began: float = 0.0, estimate: int = 0) -> WorkerHandle: ...
+
+    def command(self, handle: WorkerHandle, msg: p.Command) -> bool: ...
+
+    def stop(self, handle: WorkerHandle, reason: str, *, kill_now: bool = False,
+             cause: StopCause = "request") -> asyncio.Task: ...
 
 log = logging.getLogger("memvisor.pool")
 
@@ -102,6 +122,7 @@ class Spares:
                                                                 pool.bus.endpoints)))
         log.info("Spare %s (pid %d) takes model %s from %s", spare.worker_id, spare.pid, model.id, model.path)
         pool.on_event(SpareNews(spare, f"spare pid {spare.pid} takes model {model.id} (W1)"))
+        pool.timer.began(spare)
         return sent
 
     def load_begins(self) -> None:
@@ -123,13 +144,20 @@ class Spares:
             self.deaths.append(now)
 
     def due(self, now: float) -> float:
-        """When the next spare may start (0: now). After spares died unasked: each waits a
-        backoff that doubles; past `restart_max` within `restart_period`, the period's end."""
+        """When the next spare may start (0: now), after spares that died unasked."""
         scfg = self.pool.config.supervisor
         self.deaths = intensity.recent(self.deaths, now, scfg)
-        if not self.deaths:
-            return 0.0
-        delay = intensity.respawn_delay(len(self.deaths), scfg)
-        if delay is None:
-            return self.deaths[0] + scfg.restart_period
-        return self.deaths[-1] + delay
+        return next_start(self.deaths, now, scfg)
+
+
+def next_start(deaths: list[float], now: float, scfg: SupervisorConfig) -> float:
+    """When the next spare may start (0: now), given when spares died unasked: each waits a
+    backoff that doubles (supervisor.intensity); past `restart_max` of them within
+    `restart_period`, the end of the period of the oldest."""
+    recent = intensity.recent(deaths, now, scfg)
+    if not recent:
+        return 0.0
+    delay = intensity.respawn_delay(len(recent), scfg)
+    if delay is None:
+        return recent[0] + scfg.restart_period
+    return recent[-1] + delay

@@ -8,15 +8,13 @@ at the moment it asks.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Literal
 
 import msgspec
 
 from shared.memory import NO_READING, MemoryReading
 from shared.states import LIVE_STATES, SERVING_STATES, WorkerState
-
-if TYPE_CHECKING:
-    from supervisor.process import WorkerHandle
+from shared.vocab import LoadPhase
 
 
 class ModelView(msgspec.Struct, frozen=True, kw_only=True):
@@ -61,29 +59,26 @@ class WorkerView(msgspec.Struct, frozen=True, kw_only=True):
         return self.state in SERVING_STATES
 
 
-def worker_view(handle: WorkerHandle, running: int) -> WorkerView:
-    """The handle as it stands, frozen (`running`: the requests the pool's streams map to it)."""
-    sample, limits = handle.sample, handle.last_limits
-    return WorkerView(worker_id=handle.worker_id, model_id=handle.model_id, pid=handle.pid, state=handle.state,
-                      running=running, stop_reason=handle.stop_reason,
-                      leaving=handle.marked_for_unload or handle.stopping is not None,
-                      memory=sample.memory if sample is not None else NO_READING,
-                      weight_bytes=handle.weight_bytes, cache_cap=limits.cache_cap if limits is not None else 0)
-
-
 class LoadProgress(msgspec.Struct, frozen=True, kw_only=True):
     """How far a model's load has come.
 
     `state`: `queued` (no worker yet: waiting for the one-load-at-a-time
     lock, admission's evictions, its files being read or imported),
     `starting` (the process is importing MLX), `loading` (reading weights).
-    `bytes`: what the worker has taken since it started loading (its
-    footprint less the one it reported before the weights), against
-    `estimate_bytes`, A2's weight estimate (0: not known yet). `eta`:
-    seconds left at the rate so far (None until a tenth of it is in)."""
+    `phase` (SPEC W6): the load's phase in progress, finer (`admit`, `spawn`,
+    `hello`, `spare`, `build`, `read`, `tokenizer`, `warm_up`; see
+    shared.vocab.LoadPhase). `bytes`: what the worker has taken since it
+    started loading (its footprint less the one it reported before the
+    weights), against `estimate_bytes`, A2's weight estimate (0: not known
+    yet). `bytes_read` (W6): the weights the worker has read so far, as it
+    counts them (0 where its platform cannot). `eta`: seconds left at the
+    rate so far (None until a tenth of it is in), from the bytes read when
+    they are counted, else from `bytes`."""
 
     state: str
     bytes: int
     estimate_bytes: int
     elapsed: float
     eta: float | None = None
+    phase: LoadPhase | Literal[""] = ""
+    bytes_read: int = 0

@@ -59,7 +59,7 @@ class StepClock:
 
     def alive(self, worker_id: str, now: float) -> p.Alive:
         started, phase = self.step_started, self.load_phase
-        read = max(0, bytes_read_so_far() - self.read_base) if phase else 0
+        read = max(0, bytes_read_so_far() - self.read_base) if phase and phase != "hello" else 0  # the weights
         return p.Alive(worker_id=worker_id, pid=os.getpid(), step_seconds=now - started if started else 0.0,
                        loop_seconds=now - self.boundary, steps=self.steps, tokens=self.tokens, load_phase=phase,
                        bytes_read=read)

@@ -79,6 +79,8 @@ class Worker:
         self.heartbeat = Heartbeat(self.ctx, spec.reports, spec.worker_id, self.clock,
                                    interval=min(1.0, spec.heartbeat_timeout / 4))
         self.step_delay = delay_for_tests()
+        if not spec.spare:  # W6: a fresh worker's load is under way from its first heartbeat (its imports)
+            self.clock.load_phase = "hello"
         self.heartbeat.start()  # before MLX is imported: a stopped or stuck start or load is seen too
 
     # -- life -----------------------------------------------------------------

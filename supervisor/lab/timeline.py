@@ -147,7 +147,8 @@ class Recorder:
             s = arb.ledger.read_sample(h.slot)
             if s is None or s.pid != h.pid:
                 continue
-            label = h.model_id if h.model_id not in workers else f"{h.model_id}#{h.worker_id}"
+            name = h.model_id or "spare"  # W1: a spare has no model yet
+            label = name if name not in workers else f"{name}#{h.worker_id}"
             workers[label] = s.memory.usage
             total += s.memory.usage
         c = last.ceilings
