@@ -20,6 +20,7 @@ imports worker.main, which imports this module's importers).
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +32,16 @@ if TYPE_CHECKING:
     from worker.heartbeat import StepClock
 
 _PROC_IO = Path("/proc/self/io")
+# Tests only: seconds the `read` phase lasts after the weights are in (a client watching the
+# load's progress sees the phase and the bytes read; the delays of worker/loop.py come before).
+READ_DELAY_ENV = "MEMVISOR_TEST_READ_DELAY"
+
+
+def _read_delay() -> float:
+    try:
+        return max(0.0, float(os.environ.get(READ_DELAY_ENV, "0")))
+    except ValueError:
+        return 0.0
 
 
 def bytes_read_so_far() -> int:
@@ -76,6 +87,7 @@ def load_generator(directory: Path, meter: LoadMeter | None) -> tuple[Any, Any]:
         model, config = load_model(directory, lazy=True)  # the graph and the weights' places, nothing read
     with _phase(meter, "read"):
         mx.eval(model.parameters())
+        time.sleep(_read_delay())  # tests only: a slow disk, the weights in and the phase not over yet
     with _phase(meter, "tokenizer"):
         tokenizer = load_tokenizer(directory, None, eos_token_ids=config.get("eos_token_id", None))
     return model, tokenizer
