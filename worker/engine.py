@@ -24,6 +24,7 @@ first, so the loop has one place to forward from.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -122,8 +123,9 @@ class Engine:
             raise EngineError("load_failed", str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - any loader failure is a load error
             raise EngineError("load_failed", f"cannot load {directory}: {exc}") from exc
-        engine = cls(model, tokenizer, weight_bytes=weight_bytes, **kwargs)
-        engine.context_length = context_length(directory)  # a prompt over it is refused, not run
+        with meter.phase("build") if meter is not None else contextlib.nullcontext():  # the engine is built too
+            engine = cls(model, tokenizer, weight_bytes=weight_bytes, **kwargs)
+            engine.context_length = context_length(directory)  # a prompt over it is refused, not run
         return engine
 
     # -- what the rooms know, read from the front -------------------------------------------

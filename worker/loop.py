@@ -184,13 +184,14 @@ class Worker:
                 with meter.phase("warm_up"):
                     log.info("warm-up: a request alone and a group in %.2f s", self.engine.warm_up())
         except (EngineError, OSError, ValueError) as exc:
+            meter.done()
             log.error("cannot load %s: %s", self.spec.model_path, exc)
             self.wire.reply(p.LoadFailed(error=str(exc)))
             return 2
-        finally:
-            meter.done()
-        self.tiers = CacheTiers(self.spec, self.ledger, self.engine, self.sampler, self.wire.report)
-        self.tiers.open_disk()
+        with meter.phase("build"):  # the prompt cache's tiers (H5: its folder indexed) are built too
+            self.tiers = CacheTiers(self.spec, self.ledger, self.engine, self.sampler, self.wire.report)
+            self.tiers.open_disk()
+        meter.done()
         self.readings.enter("ready")
         now = time.monotonic()
         self.wire.reply(p.Loaded(weight_bytes=self.engine.weight_bytes, seconds=now - began,
