@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from shared import protocol as p
 from supervisor import intensity, liveness, load_clock
+from supervisor.errors import LoadError
 from supervisor.process import EventSink, SpareNews, StopCause, WorkerHandle, worker_spec
 
 if TYPE_CHECKING:
@@ -78,9 +79,16 @@ class Spares:
 
     # -- what the enforcer asks -------------------------------------------------------
 
-    def start(self, reason: str) -> WorkerHandle:
+    def start(self, reason: str) -> WorkerHandle | None:
+        """A spare, started now; None when the OS or the ledger has no room for one (it counts
+        as a death, so the next try waits a backoff instead of failing at every tick)."""
         log.info("Starting a spare worker: %s", reason)
-        return self.pool.spawn(None)
+        try:
+            return self.pool.spawn(None)
+        except LoadError as exc:
+            log.warning("Could not start a spare worker: %s", exc)
+            self.deaths.append(time.monotonic())
+            return None
 
     def stop(self, handle: WorkerHandle, reason: str) -> asyncio.Task:
         self.pool.on_event(SpareNews(handle, f"spare pid {handle.pid} stopped: {reason}"))
