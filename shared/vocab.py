@@ -78,6 +78,8 @@ GuardEventKind = Literal[
     "stall",
     # what a stopping worker wrote to the prompt cache's disk tier, and what its deadline cost (H5, proposed)
     "disk_cache",
+    # wired memory a worker's exit did not give back within 5 s (M3, macOS): counted as lost
+    "wired_stranded",
     # W1, W2: a spare worker started, handed a model, stopped to make room or under pressure
     "spare",
     # W6: a load in progress, its phase and the bytes read; W3: a finished load's phases

@@ -18,6 +18,7 @@ import collections
 import logging
 import os
 import signal
+import sys
 import time
 from typing import Callable
 
@@ -35,6 +36,7 @@ from supervisor.cache_tiers import CacheBook, save_grace, saved_words
 from supervisor.config import Config, ModelConfig
 from supervisor.errors import LoadError
 from supervisor.load_timer import LoadTimer
+from supervisor.policy.wired import sigkill_after
 from supervisor.process import (
     CacheWritten,
     EventSink,
@@ -81,6 +83,7 @@ class Pool:
         self.timer = LoadTimer(on_event)  # W3, W6: each load's phases and progress, said
         # model id -> its last worker reaped: its final cache report may come after its exit
         self.reaped: dict[str, WorkerHandle] = {}
+        self.macos_stop_rule = sys.platform == "darwin"  # M3: SIGKILL only after the whole stop_grace
 
     # -- lookups ------------------------------------------------------------
 
@@ -430,7 +433,7 @@ class Pool:
             log.warning("Worker %s did not exit %.1f s after drain (%.1f s of it to write its prompt cache); "
                         "sending SIGTERM", handle.worker_id, grace + save, save)
         self._signal(handle, signal.SIGTERM)
-        if await self._wait_exit(handle, min(grace, 5.0)):
+        if await self._wait_exit(handle, sigkill_after(grace, self.macos_stop_rule)):
             return
         # A hard kill is the last resort: on macOS it can strand wired Metal memory.
         log.error("Worker %s ignored SIGTERM; sending SIGKILL", handle.worker_id)

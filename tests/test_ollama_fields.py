@@ -127,9 +127,9 @@ def test_digest_is_stable_per_id_and_path():
     assert digest("a", "/m") == digest("a", "/m") != digest("a", "/n")
 
 
-def test_ollama_hub_routes_say_there_is_no_hub():
-    exc = ollama_models.no_hub("/api/pull")
-    assert exc.status == 501 and "pull" in exc.message and "models_dirs" in exc.message
+def test_ollama_store_routes_say_there_is_no_store():
+    exc = ollama_models.no_hub("/api/push")
+    assert exc.status == 501 and "push" in exc.message and "models_dirs" in exc.message and "/api/pull" in exc.message
     assert "upload blobs" in ollama_models.no_hub("/api/blobs/sha256:abc").message
 
 

@@ -118,8 +118,7 @@ class Worker:
         set_discrete_device(self.discrete)
         self.sampler = MemorySampler()
         self.readings = Readings(self.spec, self.ledger, self.sampler, self.wire.report)
-        self.allocator = AllocatorLimits(mx, device_info=info,
-                                         advise=lambda text: self.wire.event("wired_limit", text))
+        self.allocator = AllocatorLimits(mx, device_info=info)
         self.allocator.apply(self.limits)
         self.readings.enter("spare" if self.spec.spare else "loading")
         self.readings.write(time.monotonic(), None, self.allocator)  # the guard's tick the hello wakes reads it

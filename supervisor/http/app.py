@@ -5,7 +5,7 @@ msgspec, so FastAPI's pydantic layer would only add a second validator and
 its import cost. http/server.py serves these routes in the supervisor's own
 loop. The front door sees the supervisor only through `supervisor.api.Supervisor`.
 
-Endpoints (DESIGN.md contract):
+Endpoints (docs/api.md):
   GET  /health                      200, or 503 while a pinned model is not ready
   GET  /health?model=ID             that model's readiness, status as a request would get
   GET  /status                      SPEC S1 + the PUB endpoint
@@ -21,6 +21,7 @@ Endpoints (DESIGN.md contract):
   POST /v1/messages/count_tokens    Anthropic token counting
   GET  /api/version, /api/tags, /api/ps; POST /api/show, /api/chat, /api/generate
                                     the Ollama API (http/ollama.py)
+  POST /api/pull, DELETE /api/delete  admin; models from the Hugging Face hub (http/ollama_pull.py)
   /chat/completions, /completions, /models, /messages: the /v1 routes for clients
   that leave the prefix out
   POST /tokenize, /detokenize       llama.cpp's token routes (http/tokenize.py)
@@ -57,7 +58,7 @@ from supervisor.http import embeddings as http_embeddings
 from supervisor.http import generate as http_generate
 from supervisor.http import infill as http_infill
 from supervisor.http import ollama as http_ollama
-from supervisor.http import ollama_models
+from supervisor.http import ollama_models, ollama_pull
 from supervisor.http import responses as http_responses
 from supervisor.http import tokenize as http_tokenize
 from supervisor.http.auth import ApiKeys, EventTickets, require_admin
@@ -243,6 +244,14 @@ class FrontDoor:
         started = request.scope.get("memvisor.started", time.monotonic())
         return await http_ollama.handle_generate(request, self.sup, self.metrics, body, started)
 
+    async def ollama_pull(self, request: Request) -> Response:
+        body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
+        return await ollama_pull.handle_pull(request, self.sup, body)
+
+    async def ollama_delete(self, request: Request) -> Response:
+        body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
+        return await ollama_pull.handle_delete(request, self.sup, body)
+
     async def ollama_no_hub(self, request: Request) -> Response:
         raise ollama_models.no_hub(request.url.path)
 
@@ -371,9 +380,10 @@ class FrontDoor:
             Route("/api/generate", o(self.ollama_generate), methods=["POST"]),
             Route("/api/embed", o(self.ollama_embed), methods=["POST"]),
             Route("/api/embeddings", o(self.ollama_embeddings), methods=["POST"]),
+            Route("/api/pull", o(self.ollama_pull), methods=["POST"]),  # admin (http/ollama_pull.py)
+            Route("/api/delete", o(self.ollama_delete), methods=["DELETE"]),
             *[Route(path, o(self.ollama_no_hub), methods=["POST", "DELETE", "HEAD"])
-              for path in ("/api/pull", "/api/push", "/api/create", "/api/copy", "/api/delete",
-                           "/api/blobs/{digest}")],
+              for path in ("/api/push", "/api/create", "/api/copy", "/api/blobs/{digest}")],
             Route("/admin/guard", r(self.guard), methods=["POST"]),
         ]
 
