@@ -48,7 +48,6 @@ from starlette.routing import Route
 
 from shared import protocol as p
 from shared.sizes import SizeError, parse_size
-from shared.states import SERVING_STATES
 from shared.vocab import ErrorCode
 from supervisor.api import Supervisor
 from supervisor.control import MAX_CONTEXT_TOKENS
@@ -67,6 +66,7 @@ from supervisor.http.dashboard import Dashboard
 from supervisor.http.errors import ApiError, from_serve_error
 from supervisor.http.events import EventsEndpoint
 from supervisor.http.job import race_client
+from supervisor.http.keepalive import is_admin
 from supervisor.http.metrics import Metrics
 from supervisor.http.modelfacts import ModelFacts, capabilities, facts_of
 from supervisor.http.openai_types import BodyError, GuardSettingsIn, ModelCard, ModelList, decode_body
@@ -74,11 +74,6 @@ from supervisor.http.openai_types import BodyError, GuardSettingsIn, ModelCard, 
 log = logging.getLogger("memvisor.http")
 
 _encoder = msgspec.json.Encoder()
-
-
-class HealthBody(msgspec.Struct, kw_only=True):
-    status: str  # "ok" | "loading" | "failed"
-    waiting: dict[str, str]  # pinned model -> why it is not ready
 
 
 class UnloadBody(msgspec.Struct, kw_only=True):
@@ -160,7 +155,10 @@ class FrontDoor:
     async def unload(self, request: Request) -> Response:
         require_admin(request, self.scfg.admin_token)
         model = self._model_config(request.path_params["model_id"])
-        done = await self.sup.unload(model.id, "unloaded over HTTP")
+        try:
+            done = await self.sup.unload(model.id, "unloaded over HTTP", admin=True)
+        except ServeError as exc:
+            raise from_serve_error(exc) from None
         return json_response(UnloadBody(id=model.id, unloaded=done))
 
     # -- generation -----------------------------------------------------------
@@ -281,27 +279,15 @@ class FrontDoor:
         return json_response(self.sup.server_status())
 
     async def health(self, request: Request) -> Response:
-        """503 while a pinned model is not serving: `failed` when one gave up, else `loading`.
+        """503 while a pinned model is on its way up: `failed` when one gave up, else `loading`;
+        a pinned model an admin unloaded is listed under `unloaded` (supervisor/readiness.py).
 
         `?model=ID`: that model's readiness, with the status a request for it
         would get now (200, 429, 503 or 507) and its Retry-After: a router's cheap probe."""
         if "model" in request.query_params:
             return self.model_health(request.query_params["model"])
-        waiting: dict[str, str] = {}
-        failed = False
-        for model in self.sup.config.models:
-            if not model.pinned:
-                continue
-            view = self.sup.model_view(model.id)
-            if view.state == "failed":
-                failed = True
-                waiting[model.id] = f"failed: {view.reason}"
-            elif view.state == "unloaded":
-                waiting[model.id] = "not loaded yet"
-            elif view.state not in SERVING_STATES:
-                waiting[model.id] = view.state
-        status = "failed" if failed else "loading" if waiting else "ok"
-        return json_response(HealthBody(status=status, waiting=waiting), 503 if waiting else 200)
+        health = self.sup.health()
+        return json_response(health, 503 if health.waiting else 200)
 
     def model_health(self, name: str) -> Response:
         try:
@@ -327,11 +313,7 @@ class FrontDoor:
         self.keys.check(request, from_query=True)
 
     def may_admin(self, request: Request) -> bool:
-        try:
-            require_admin(request, self.scfg.admin_token)
-        except ApiError:
-            return False
-        return True
+        return is_admin(request, self.scfg.admin_token)
 
     # -- wiring ---------------------------------------------------------------
 

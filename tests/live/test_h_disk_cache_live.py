@@ -46,7 +46,7 @@ async def chat_then_unload(live: LiveServer):
     await live.openai().chat.completions.create(model="a", messages=messages(), max_tokens=4)
     handle = live.arbiter.pool.worker_for("a")
     started = time.monotonic()
-    assert await live.arbiter.service.unload("a")
+    assert await live.arbiter.service.unload("a", admin=True)
     return handle, time.monotonic() - started
 
 

@@ -124,7 +124,7 @@ def test_m3_wired_memory_an_exit_did_not_give_back_is_an_event_and_comes_off_the
             static = arb.enforcer.status().static
             stop = asyncio.Event()
             gaps = asyncio.get_running_loop().create_task(_loop_gaps(stop))
-            assert await arb.service.unload("a")
+            assert await arb.service.unload("a", admin=True)
             exited = time.time()
             await asyncio.sleep(wired_policy.WIRED_RETURN_SECONDS + 2)
             stop.set()
