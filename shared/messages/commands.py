@@ -4,7 +4,7 @@ the command socket (ROUTER -> DEALER): limits, reclaims, aborts, requests, drain
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 import msgspec
 
@@ -15,8 +15,8 @@ from shared.vocab import FailureCode
 __all__ = [
     "WorkerSpec", "DISK_CACHE_AUTO", "Command", "SetLimits", "Reclaim", "ShrinkCache", "AbortRequests",
     "ChatMessage", "JsonObject", "JsonSchema", "ToolFunction", "ToolCallConstraint", "LarkGrammar",
-    "ConstraintSpec", "Generate", "Tokenize", "Detokenize", "Embed", "MemoryAnswer", "Drain", "Ping", "Drill",
-    "DrillStop", "TakeModel", "CommandMsg"
+    "ConstraintSpec", "Partition", "SHARED_PARTITION", "Generate", "Tokenize", "Detokenize", "Embed", "MemoryAnswer",
+    "Drain", "Ping", "Drill", "DrillStop", "TakeModel", "CommandMsg"
 ]
 
 
@@ -153,6 +153,13 @@ ConstraintSpec = Union[JsonObject, JsonSchema, ToolCallConstraint, LarkGrammar]
 # --- end constrained decoding ----------------------------------------------
 
 
+# Whose prompt-cache entries a generation may see and leaves behind (SPEC H7 as proposed):
+# with API keys, a keyed hash of the caller's key the supervisor derives (never the key); without
+# keys, SHARED_PARTITION for everyone. A closed shape: a frame with any other text is Malformed.
+Partition = Annotated[str, msgspec.Meta(pattern="^([0-9a-f]{32})?$")]
+SHARED_PARTITION = ""
+
+
 class Generate(Command, tag="generate", kw_only=True):
     request_id: str
     messages: Union[list[ChatMessage], None] = None
@@ -183,6 +190,7 @@ class Generate(Command, tag="generate", kw_only=True):
     # fill in the middle: `prompt` is the text before, this the text after
     # (the worker builds the prompt from its tokenizer's FIM tokens; prompt only)
     suffix: Union[str, None] = None
+    partition: Partition = SHARED_PARTITION  # the prompt cache's partition (SPEC H7 as proposed)
 
 
 # -- the worker's tokenizer on request ------------------------------------------------
