@@ -95,7 +95,7 @@ def render(st: ServerStatus) -> str:
         )
     for w in g.workers:  # W1: spare workers, MLX imported and no model yet
         if not w.model and w.state not in ("stopped", "dead"):
-            lines.append(f" {'(spare)':<19} {w.state:<10} {w.pid:>7} "
+            lines.append(f" {'(spare)':<{name}} {w.state:<10} {w.pid:>7} "
                          f"{size(w.usage):>10}")
     lines.append("(* pinned)")
     lines += _batch_lines([workers[m.id] for m in st.models if m.id in workers])
