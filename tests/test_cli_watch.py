@@ -76,3 +76,4 @@ def test_watch_at_80_columns_keeps_every_model_name_whole():
     assert "300 MiB" in text and "…" not in text
     wide = _render(view, 160)
     assert "12345" in wide and "4002" in wide  # room enough: pid and tokens too
+    assert "waiting for the supervisor's first tick" in _render(_View(), 80)  # nothing yet: the headers alone

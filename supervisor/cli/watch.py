@@ -215,7 +215,7 @@ class _View:
             ("queue", [str(s.queued) for s in samples], False),
             ("tokens", [str(s.tokens) for s in samples], False),
         ]
-        need = {header: max(len(header), *(len(c) for c in column)) + 2 for header, column, _ in cells}
+        need = {header: max([len(header), *(len(c) for c in column)]) + 2 for header, column, _ in cells}
         room = width - PANEL_EDGES - sum(need[h] for h, _, kept in cells if kept)
         shown = []
         for header, column, kept in cells:
