@@ -95,6 +95,8 @@ def _taken(args: argparse.Namespace, config: Config) -> str | None:
         claim_runtime_dir(args.runtime_dir)
     except RuntimeDirBusy as exc:
         return str(exc)
+    except OSError:  # a folder we may not read: the arbiter's own checks of it say why
+        pass
     if args.http == "off":
         return None
     host, port = parse_http(config.supervisor.http)
