@@ -67,6 +67,8 @@ GuardEventKind = Literal[
     "stall",
     # what a stopping worker wrote to the prompt cache's disk tier, and what its deadline cost (H5, proposed)
     "disk_cache",
+    # swaps (SPEC W): models that evict each other (W5), weights read ahead into the page cache (W4)
+    "thrash", "prefetch",
 ]
 
 # -- how requests end ------------------------------------------------------------------------

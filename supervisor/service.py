@@ -277,7 +277,7 @@ class Service:
             usage=memory.usage, mlx_active=memory.mlx_active, mlx_pool=memory.mlx_pool,
             cache_bytes=memory.cache_bytes, batch_bytes=memory.batch_bytes, batch_live_bytes=memory.batch_live_bytes,
             disk_cache_bytes=disk.bytes, disk_cache_entries=disk.entries, idle_seconds=idle, ttl=ttl, expires_in=expires,
-            restarts=self.models.restarts(m.id),
+            restarts=self.models.restarts(m.id), prefetched_bytes=self.models.prefetch.bytes_for(m.id),
         )
 
     def counters(self) -> dict[str, int]:

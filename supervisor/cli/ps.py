@@ -3,7 +3,8 @@
 Per model: state, pinned, the A2 estimate next to the measured usage, MLX
 active and pool bytes, prompt-cache bytes (in memory, and on disk: H5 as
 proposed, shown for unloaded models too), the decode batch's buffers and the
-live KV in them, idle time, TTL and when it expires, restarts. `--json` prints the `ModelInfo` list for scripts.
+live KV in them, idle time, TTL and when it expires, restarts, and the bytes of
+its weights read ahead into the page cache (W4). `--json` prints the `ModelInfo` list for scripts.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def _seconds(s: float | None) -> str:
 
 def table(models: list[ModelInfo]) -> str:
     header = ("MODEL", "STATE", "PIN", "ESTIMATE", "USAGE", "ACTIVE", "POOL", "CACHE", "DISK", "BATCH", "LIVE KV",
-              "IDLE", "TTL", "EXPIRES", "RESTARTS")
+              "IDLE", "TTL", "EXPIRES", "RESTARTS", "PREFETCHED")
     rows = [header]
     for m in models:
         name = m.id + (f" ({', '.join(m.aliases)})" if m.aliases else "")
@@ -57,7 +58,7 @@ def table(models: list[ModelInfo]) -> str:
             _size(m.mlx_active), _size(m.mlx_pool), _size(m.cache_bytes), _size(m.disk_cache_bytes),
             _size(m.batch_bytes), _size(m.batch_live_bytes),
             _seconds(m.idle_seconds) if m.worker else "-", _seconds(m.ttl) if m.ttl else "-",
-            _seconds(m.expires_in) if m.ttl and m.worker else "-", str(m.restarts),
+            _seconds(m.expires_in) if m.ttl and m.worker else "-", str(m.restarts), _size(m.prefetched_bytes),
         ))
     if len(rows) == 1:
         return "no model is loaded (ps --all lists every known model)"

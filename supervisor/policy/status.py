@@ -222,6 +222,7 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     ttl: float | None = None
     expires_in: float | None = None
     restarts: int = 0
+    prefetched_bytes: int = 0  # W4: its weights read ahead into the page cache since it was last loaded
 
 
 class ServerStatus(msgspec.Struct, frozen=True, kw_only=True):
