@@ -67,6 +67,9 @@ class Run:
     thrash_episodes: int
     thrash_events: list[str]  # those still in /status's recent events
     requests: int
+    # before the first thrash event, and after it: (requests answered, swaps)
+    before_thrash: tuple[int, int] = (0, 0)
+    after_thrash: tuple[int, int] = (0, 0)
 
     @property
     def n_failed(self) -> int:
@@ -93,12 +96,17 @@ async def ceiling_for_one(http: httpx.AsyncClient, size: int) -> int:
     return ceiling
 
 
-async def client(http: httpx.AsyncClient, requests: int, concurrency: int) -> dict[str, int]:
-    """`requests` completions alternating a, b, a, ..., taken from one queue by `concurrency` callers."""
+async def client(http: httpx.AsyncClient, requests: int, concurrency: int,
+                 answered: list[float]) -> dict[str, int]:
+    """`requests` completions alternating a, b, a, ..., taken from one queue by `concurrency`
+    callers; the time each is answered goes to `answered`."""
     queue: asyncio.Queue[str] = asyncio.Queue()
     for i in range(requests):
         queue.put_nowait(MODELS[i % 2])
     failed: dict[str, int] = {}
+
+    def fail(why: str) -> None:
+        failed[why] = failed.get(why, 0) + 1
 
     async def caller() -> None:
         while not queue.empty():
@@ -106,32 +114,61 @@ async def client(http: httpx.AsyncClient, requests: int, concurrency: int) -> di
             try:
                 r = await http.post("/v1/completions", json={"model": model, "prompt": "the sea is", "max_tokens": 8},
                                     timeout=300)
-                if r.status_code != 200:
-                    code = r.json().get("error", {}).get("code", "") if r.headers.get("content-type", "").startswith(
-                        "application/json") else ""
-                    failed[f"{r.status_code} {code}"] = failed.get(f"{r.status_code} {code}", 0) + 1
             except httpx.HTTPError as exc:
-                failed[type(exc).__name__] = failed.get(type(exc).__name__, 0) + 1
+                fail(type(exc).__name__)
+                continue
+            answered.append(time.monotonic())
+            if r.status_code != 200:
+                json_body = r.headers.get("content-type", "").startswith("application/json")
+                fail(f"{r.status_code} {r.json().get('error', {}).get('code', '') if json_body else ''}")
 
     await asyncio.gather(*(caller() for _ in range(concurrency)))
     return failed
 
 
+async def watch(http: httpx.AsyncClient, seen: list[tuple[float, int, int]], done: asyncio.Event) -> None:
+    """(time, swaps, thrash episodes) from `/status` every 0.2 s, until `done`."""
+    while not done.is_set():
+        counters = (await http.get("/status")).json()["counters"]
+        seen.append((time.monotonic(), counters.get("swaps", 0), counters.get("thrash_episodes", 0)))
+        try:
+            await asyncio.wait_for(done.wait(), 0.2)
+        except asyncio.TimeoutError:
+            pass
+
+
+def split(seen: list[tuple[float, int, int]], answered: list[float]) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(requests, swaps) before the first thrash episode was seen, and after it."""
+    first, last = seen[0], seen[-1]
+    found = next((x for x in seen if x[2] > first[2]), None)
+    if found is None:
+        return (len(answered), last[1] - first[1]), (0, 0)
+    t, swaps = found[0], found[1] - first[1]
+    early = sum(1 for a in answered if a <= t)
+    return (early, swaps), (len(answered) - early, last[1] - first[1] - swaps)
+
+
 async def measure(name: str, base: str, size: int, requests: int, concurrency: int) -> Run:
     async with httpx.AsyncClient(base_url=base) as http:
         ceiling = await ceiling_for_one(http, size)
-        before = (await http.get("/status")).json()
+        seen: list[tuple[float, int, int]] = []
+        answered: list[float] = []
+        done = asyncio.Event()
+        watcher = asyncio.get_running_loop().create_task(watch(http, seen, done))
+        await asyncio.sleep(0.3)
         started = time.monotonic()
-        failed = await client(http, requests, concurrency)
+        failed = await client(http, requests, concurrency, answered)
         seconds = time.monotonic() - started
+        done.set()
+        await watcher
         after = (await http.get("/status")).json()
-
-    def grew(counter: str) -> int:
-        return int(after["counters"].get(counter, 0) - before["counters"].get(counter, 0))
-
+    counters = after["counters"]
+    seen.append((time.monotonic(), counters.get("swaps", 0), counters.get("thrash_episodes", 0)))
+    before_thrash, after_thrash = split(seen, answered)
     thrash = [e["reason"] for e in after["events"] if e["kind"] == "thrash"]
     print(f"  {name}: ceiling {format_size(ceiling)}, {seconds:.1f} s", file=sys.stderr, flush=True)
-    return Run(name, seconds, grew("swaps"), failed, grew("thrash_episodes"), thrash, requests)
+    return Run(name, seconds, seen[-1][1] - seen[0][1], failed, seen[-1][2] - seen[0][2], thrash, requests,
+               before_thrash, after_thrash)
 
 
 def run_config(name: str, paths: dict[str, Path], size: int, requests: int, concurrency: int) -> Run:
@@ -147,10 +184,12 @@ def run_config(name: str, paths: dict[str, Path], size: int, requests: int, conc
 
 def report(runs: list[Run], requests: int, concurrency: int) -> None:
     print(f"{requests} requests alternating a, b (concurrency {concurrency}); two models, a ceiling for one")
-    print(f"{'config':10s} {'total':>8s} {'swaps':>6s} {'req/swap':>9s} {'failed':>7s}  thrash events")
+    print(f"{'config':10s} {'total':>8s} {'swaps':>6s} {'req/swap':>9s} {'failed':>7s}  {'thrash':>6s}  "
+          "req/swap before thrash | after")
     for r in runs:
-        per = f"{r.requests / r.swaps:.1f}" if r.swaps else "-"
-        print(f"{r.name:10s} {r.seconds:7.1f}s {r.swaps:6d} {per:>9s} {r.n_failed:7d}  {r.thrash_episodes}"
+        print(f"{r.name:10s} {r.seconds:7.1f}s {r.swaps:6d} {per_swap(r.requests, r.swaps):>9s} {r.n_failed:7d}  "
+              f"{r.thrash_episodes:6d}  {per_swap(*r.before_thrash):>8s} ({r.before_thrash[0]}/{r.before_thrash[1]})"
+              f" | {per_swap(*r.after_thrash)} ({r.after_thrash[0]}/{r.after_thrash[1]})"
               + (f"   failures: {r.failed}" if r.failed else ""))
     on = next(r for r in runs if r.name == "on")
     ratio = on.requests / on.swaps if on.swaps else float("inf")
@@ -158,6 +197,10 @@ def report(runs: list[Run], requests: int, concurrency: int) -> None:
     print(f"\ngoal (W5 on): >= 3x fewer swaps than requests, none failed: {ratio:.1f}x, {on.n_failed} failed: {verdict}")
     for reason in on.thrash_events:
         print(f"  thrash: {reason}")
+
+
+def per_swap(requests: int, swaps: int) -> str:
+    return f"{requests / swaps:.1f}" if swaps else "-"
 
 
 def main() -> None:

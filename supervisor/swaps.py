@@ -115,17 +115,18 @@ class Swaps:
             return
         models = sorted({h.model_id for h in victims})
         thrash = together(self.groups, model.id, models)
-        began = time.monotonic()
+        began = worked = time.monotonic()
         said: set[str] = set()
         try:
             while True:
                 self.pool.read_samples()  # what admission will read: the workers' own latest counts
-                waited = time.monotonic() - began
-                busy = any(self.has_work(h) for h in victims)
-                step = hand_over(waited=waited, busy=busy, thrashing=thrash, hold=hold,
+                now = time.monotonic()
+                if any(self.has_work(h) for h in victims):
+                    worked = now
+                step = hand_over(waited=now - began, quiet=now - worked, thrashing=thrash, hold=hold,
                                  commit=self.config.supervisor.queue_deadline)
                 if step in ("go", "give_up"):
-                    self._done(model.id, models, step, waited, said)
+                    self._done(model.id, models, step, now - began, said)
                     return
                 if step not in said:
                     said.add(step)

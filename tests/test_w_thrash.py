@@ -10,7 +10,7 @@ import pytest
 from shared.host import HostCounters
 from shared.sizes import GiB, MiB
 from supervisor.policy.snapshot import GuardSettings, Snapshot, WorkerRecord
-from supervisor.policy.thrash import Swap, Thrash, changes, hand_over, in_the_way, recent, thrashing, together
+from supervisor.policy.thrash import SETTLE, Swap, Thrash, changes, hand_over, in_the_way, recent, thrashing, together
 from tests.records import record
 
 
@@ -65,33 +65,35 @@ def test_w5_an_episode_is_said_once_when_it_begins_and_once_when_it_ends():
     assert changes([ab5], []) == ([], [ab5])
 
 
-# (name, waited, busy, thrashing, hold, commit, expected)
+# (name, waited, quiet, thrashing, hold, commit, expected); quiet: seconds since the model had work
 HAND_OVER_TABLE = [
-    ("W5 off (hold 0): admission at once, busy or not", 0.0, True, True, 0.0, 60.0, "go"),
-    ("nothing left to serve: go at once", 0.0, False, True, 2.0, 60.0, "go"),
-    ("the hold ends at once when the loaded model has nothing queued", 1.0, False, True, 2.0, 60.0, "go"),
-    ("thrashing: the loaded model keeps serving", 0.0, True, True, 2.0, 60.0, "hold"),
-    ("thrashing: ... for up to thrash_hold", 1.99, True, True, 2.0, 60.0, "hold"),
-    ("thrashing: then it is closed and finishes what it has", 2.0, True, True, 2.0, 60.0, "close"),
-    ("thrashing: a closed model is waited for up to the commit", 61.9, True, True, 2.0, 60.0, "close"),
-    ("thrashing: past hold + commit, admission decides", 62.0, True, True, 2.0, 60.0, "give_up"),
-    ("not thrashing: closed at once, never held open", 0.0, True, False, 2.0, 60.0, "close"),
-    ("not thrashing: waited for up to the commit", 59.0, True, False, 2.0, 60.0, "close"),
-    ("not thrashing: past the commit, admission decides", 60.0, True, False, 2.0, 60.0, "give_up"),
+    ("W5 off (hold 0): admission at once, busy or not", 0.0, 0.0, True, 0.0, 60.0, "go"),
+    ("nothing left to serve: go", 0.0, SETTLE, True, 2.0, 60.0, "go"),
+    ("the hold ends as soon as the loaded model has nothing queued", 1.0, SETTLE, True, 2.0, 60.0, "go"),
+    ("... but not in the gap before a client's next request", 1.0, SETTLE / 2, True, 2.0, 60.0, "hold"),
+    ("thrashing: the loaded model keeps serving", 0.0, 0.0, True, 2.0, 60.0, "hold"),
+    ("thrashing: ... for up to thrash_hold", 1.99, 0.0, True, 2.0, 60.0, "hold"),
+    ("thrashing: then it is closed and finishes what it has", 2.0, 0.0, True, 2.0, 60.0, "close"),
+    ("thrashing: a closed model is waited for up to the commit", 61.9, 0.0, True, 2.0, 60.0, "close"),
+    ("thrashing: past hold + commit, admission decides", 62.0, 0.0, True, 2.0, 60.0, "give_up"),
+    ("not thrashing: closed at once, never held open", 0.0, 0.0, False, 2.0, 60.0, "close"),
+    ("not thrashing: waited for up to the commit", 59.0, 0.0, False, 2.0, 60.0, "close"),
+    ("not thrashing: past the commit, admission decides", 60.0, 0.0, False, 2.0, 60.0, "give_up"),
+    ("not thrashing: a closed model that is done: go", 0.5, SETTLE, False, 2.0, 60.0, "go"),
 ]
 
 
-@pytest.mark.parametrize("name,waited,busy,thrash,hold,commit,expected", HAND_OVER_TABLE,
+@pytest.mark.parametrize("name,waited,quiet,thrash,hold,commit,expected", HAND_OVER_TABLE,
                          ids=[t[0] for t in HAND_OVER_TABLE])
-def test_w5_hand_over(name, waited, busy, thrash, hold, commit, expected):
-    assert hand_over(waited=waited, busy=busy, thrashing=thrash, hold=hold, commit=commit) == expected
+def test_w5_hand_over(name, waited, quiet, thrash, hold, commit, expected):
+    assert hand_over(waited=waited, quiet=quiet, thrashing=thrash, hold=hold, commit=commit) == expected
 
 
 def test_w5_a_held_request_waits_at_most_thrash_hold_for_its_swap_to_begin():
     """Whatever the loaded model keeps doing, the hold is over after thrash_hold: from
     then on it takes nothing new (closed), so the swap has begun."""
     for waited in (2.0, 2.5, 10.0):
-        assert hand_over(waited=waited, busy=True, thrashing=True, hold=2.0, commit=60.0) != "hold"
+        assert hand_over(waited=waited, quiet=0.0, thrashing=True, hold=2.0, commit=60.0) != "hold"
 
 
 def _worker(worker: str, model: str, usage: int, *, running: int = 0, pinned: bool = False) -> WorkerRecord:

@@ -26,7 +26,8 @@ has just finished and that are about to be handed to it):
 
 Pure: time comes in as arguments, nothing here reads a clock.
 
-Public names (stable): Swap, Thrash, HandOver, thrashing, together, changes, hand_over, in_the_way, recent.
+Public names (stable): Swap, Thrash, HandOver, SETTLE, thrashing, together, changes, hand_over, in_the_way,
+recent.
 """
 
 from __future__ import annotations
@@ -122,12 +123,20 @@ def changes(before: Sequence[Thrash], after: Sequence[Thrash]) -> tuple[list[Thr
     return started, ended
 
 
-def hand_over(*, waited: float, busy: bool, thrashing: bool, hold: float, commit: float) -> HandOver:
+# A model whose requests all ended this recently still counts as busy: a client's next request
+# comes a few milliseconds after its last answer, and two requests batched together end in the
+# same step; a hold must not end in that gap (it would end a hold that W5 wants to go on).
+SETTLE = 0.05
+
+
+def hand_over(*, waited: float, quiet: float, thrashing: bool, hold: float, commit: float,
+              settle: float = SETTLE) -> HandOver:
     """What a load does about the models it must stop, `waited` seconds after it began asking.
 
-    `busy`: one of them still has work. `hold` is `[guard] thrash_hold` (0: W5
-    off, admission decides at once, as before W5); `commit` the longest a load
-    waits for a closed model to finish the work it has (`[supervisor]
+    `quiet`: seconds since those models last had work (0: they have some now);
+    they are busy while it is under `settle`. `hold` is `[guard] thrash_hold`
+    (0: W5 off, admission decides at once, as before W5); `commit` the longest
+    a load waits for a closed model to finish the work it has (`[supervisor]
     queue_deadline`, what a request already accepts to wait for admission).
 
     Thrashing: hold for up to `hold` seconds, then close and wait up to
@@ -136,7 +145,7 @@ def hand_over(*, waited: float, busy: bool, thrashing: bool, hold: float, commit
     served after them instead of refused for them (or, before W5, failing
     theirs); a job that outlasts `commit` still gets A3's answer.
     """
-    if hold <= 0 or not busy:
+    if hold <= 0 or quiet >= settle:
         return "go"
     if thrashing and waited < hold:
         return "hold"
