@@ -108,6 +108,7 @@ class Prefetcher:
         self.sequence: collections.deque[str] = collections.deque(maxlen=SEQUENCE)
         self.read: dict[str, int] = {}  # model -> bytes read ahead since it was last loaded
         self.reading: Reading | None = None
+        self.loaded_at = 0.0  # when a load was last seen in flight: a decision needs a guard tick after it
 
     def note_request(self, model_id: str) -> None:
         """A request asked for this model (the sequence the prediction reads)."""
@@ -126,18 +127,19 @@ class Prefetcher:
         return self.read.get(model_id, 0)
 
     def tick(self, now: float, *, loading: bool, failed: set[str]) -> None:
-        """Cancel a prefetch once the level is not ok; else maybe start one (not while a load runs)."""
+        """Cancel a prefetch once the level is not ok; else maybe start one (not while a load runs,
+        nor before the guard has measured the group since the last load)."""
         reading = self.reading
         if reading is not None:
             if not self._level_ok():
                 reading.why = "the memory level left ok"
                 reading.cancel.set()
             return
-        if not self.config.guard.prefetch or loading:
-            return
-        last = self.enforcer.last
-        if last is None:
-            return
+        if loading:
+            self.loaded_at = now
+        last, seen = self.enforcer.last, self.enforcer.last_snapshot
+        if not self.config.guard.prefetch or loading or last is None or seen is None or seen.now <= self.loaded_at:
+            return  # a tick from before a load's end has not seen the new worker's usage
         candidates = self._candidates(failed)
         choice = likely_next(candidates, list(self.sequence))
         if choice is None:

@@ -130,14 +130,24 @@ class Swaps:
                     return
                 if step not in said:
                     said.add(step)
-                    self.counters["thrash_holds" if step == "hold" else "swap_waits"] += 1
-                    log.info("Load of %s: %s %s (%s)", model.id, "holding for" if step == "hold" else "closing",
-                             ", ".join(models), "thrashing" if thrash else "finishing its requests")
+                    self._say(model.id, models, step, hold)
                 if step == "close":
                     self.closed.update(h.worker_id for h in victims)
                 await asyncio.sleep(HAND_OVER_POLL)
         finally:
             self.closed.difference_update(h.worker_id for h in victims)
+
+    def _say(self, model_id: str, models: list[str], step: str, hold: float) -> None:
+        """A hold is an event (it explains a request's wait); a close is counted and logged."""
+        them = ", ".join(models)
+        if step == "hold":
+            self.counters["thrash_holds"] += 1
+            why = f"load of {model_id} holds up to {hold:g} s while {them} serves its queued requests (thrash)"
+            log.info("%s", why)
+            self.emit("thrash", why, model_id=model_id)
+        else:
+            self.counters["swap_waits"] += 1
+            log.info("Load of %s: %s takes nothing new and finishes its requests first", model_id, them)
 
     def _done(self, model_id: str, models: list[str], step: str, waited: float, said: set[str]) -> None:
         if step == "give_up":
