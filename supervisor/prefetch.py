@@ -186,6 +186,9 @@ class Prefetcher:
             outcome = f"not done after {TIMEOUT:.0f} s"
         except (OSError, WeightsError, FileRefused) as exc:
             outcome = f"cannot read its files: {exc}"
+        except asyncio.CancelledError:  # the loop is closing: the thread stops at its next chunk
+            reading.cancel.set()
+            raise
         finally:
             if self.reading is reading:
                 self.reading = None
