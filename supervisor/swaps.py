@@ -11,16 +11,18 @@ A swap is a load that stops another non-pinned model to make room (A2). Here:
     serving (new arrivals too) for up to `thrash_hold` seconds, so a client
     that alternates pays one swap per hold; otherwise, and once the hold is
     over, they are closed (new requests for them wait for their next load)
-    and finish what they have. The hold ends at once when they have nothing
-    left. The decisions are `supervisor.policy.thrash.hand_over`'s.
+    and finish what they have. The hold ends as soon as they have had nothing
+    to do for 50 ms. The decisions are `supervisor.policy.thrash.hand_over`'s.
 
-Why the hand-over exists at all: admission stops idle models only, and a
-model whose load has just finished has requests about to be handed to it
-that no snapshot shows yet; a load that came next (the A5 lock's next
-waiter runs before them) stopped it under their feet, and they failed
-with `model_unloading`. A concurrent client alternating between two models
-that fit only one at a time lost 8 of 12 requests that way on main at
-8fb108d. Here those requests count as the model's work (`joining`).
+Why the hand-over exists at all: admission stops idle models only, and
+refuses (507) a load that a busy one is in the way of; and a model whose
+load has just finished has requests about to be handed to it that no
+snapshot shows yet: a load that came next (the A5 lock's next waiter runs
+before them) stopped it under their feet, and they failed with
+`model_unloading`. A concurrent client alternating between two models that
+fit only one at a time lost 8 of 12 requests that way on main at 8fb108d.
+Here those requests count as the model's work (`joining`), and a busy model
+in the way is waited for (at most `[supervisor] queue_deadline` once closed).
 
 `thrash_hold = 0` turns the hand-over off: a load is admitted as before W5.
 """
