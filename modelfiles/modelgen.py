@@ -7,7 +7,7 @@ tokenizer trained offline on an embedded corpus plus the docstrings of
 Python's own standard library, and a ChatML-style chat template.
 
 It deliberately imports neither MLX nor mlx_lm: the supervisor (which never
-imports MLX, see DESIGN.md) builds the demo models on first run through this
+imports MLX, see docs/architecture.md) builds the demo models on first run through this
 module. Weights are produced with numpy and streamed tensor by tensor into a
 safetensors file, so a ~100M-parameter model never needs more than one tensor
 in memory at a time.

@@ -133,8 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         model, tokenizer = loaded[0], loaded[1]
     engine = Engine(model, tokenizer, own_usage_fn=_zero)
     prompt = engine.encode_prompt(PROMPT)
-    run_engine(engine, prompt, 8, 1, False)  # warm up both paths (and compile the grammar once)
-    run_engine(engine, prompt, 8, 1, True)
+    # warm up both paths (and compile the grammar once), with a budget the schema can close in
+    run_engine(engine, prompt, args.tokens, 1, False)
+    run_engine(engine, prompt, args.tokens, 1, True)
     free, bound, outputs, free_cpu, bound_cpu = [], [], [], [], []
     for _ in range(args.repeats):
         rate, _, cpu = run_engine(engine, prompt, args.tokens, args.streams, False)

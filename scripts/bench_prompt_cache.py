@@ -25,7 +25,7 @@ front door, a worker process each) on the same generated model: one with
    step, is read every millisecond or so; the maximum of the group's sum is
    printed against the budget.
 
-3. Eviction (H5 as proposed, docs/spec-proposal-h5-h6.md): a ~1,500-token
+3. Eviction (H5, docs/rules.md): a ~1,500-token
    system prompt and a first turn, on two more supervisors whose model is not
    pinned, both with the memory tier: one with the disk tier
    (`disk_cache_max = "auto"`, its own MEMVISOR_CACHE), one without

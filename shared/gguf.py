@@ -18,7 +18,7 @@ import os
 import struct
 import sys
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import Any, Literal, Protocol
 
 import msgspec
 
@@ -145,8 +145,16 @@ def _type_by_name(name: str) -> tuple[str, int, int]:
     raise GGUFError(f"unknown ggml type {name!r}")
 
 
+class Readable(Protocol):
+    """What the header parser needs of a file: a local one, or a remote one read by ranges."""
+
+    def read(self, n: int, /) -> bytes: ...
+
+    def tell(self) -> int: ...
+
+
 class _Reader:
-    def __init__(self, handle: BinaryIO, path: Path):
+    def __init__(self, handle: Readable, path: Path):
         self.handle = handle
         self.path = path
         self.consumed = 0
@@ -202,6 +210,15 @@ def read_header(path: str | os.PathLike[str]) -> GGUFHeader:
         raise GGUFError(str(exc)) from None
     except (struct.error, UnicodeDecodeError, MemoryError) as exc:
         raise GGUFError(f"{path}: unreadable GGUF header ({exc})") from None
+
+
+def read_header_from(handle: Readable, label: str) -> GGUFHeader:
+    """The header from an open file-like object (`read`, `tell`): a remote file read by
+    Range requests (`pull` sizes a GGUF before fetching it). `label` names it in errors."""
+    try:
+        return _parse(_Reader(handle, Path(label)))
+    except (struct.error, UnicodeDecodeError, MemoryError) as exc:
+        raise GGUFError(f"{label}: unreadable GGUF header ({exc})") from None
 
 
 def _parse(reader: _Reader) -> GGUFHeader:

@@ -21,7 +21,7 @@ import errno
 import json
 import os
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -37,20 +37,27 @@ class FileRefused(OSError):
     """A model file that is not read: not a regular file, or over its size cap."""
 
 
-def open_regular(path: str | os.PathLike[str], max_bytes: int) -> BinaryIO:
+def open_regular(path: str | os.PathLike[str], max_bytes: int, *, flags: int = 0,
+                 check: Callable[[os.stat_result], str | None] | None = None) -> BinaryIO:
     """`path` opened for reading, when it is a regular file of at most `max_bytes`.
 
     The check is on the descriptor itself (fstat after an O_NONBLOCK open), so
-    a file swapped for a pipe between a check and the open is still refused."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    a file swapped for a pipe between a check and the open is still refused.
+    `flags` are added to the open's (the caches folder adds O_NOFOLLOW), and
+    `check` may refuse the file from its fstat: a reason, or None to accept
+    (shared/private_files.py refuses a file another user owns)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | flags)
     try:
         info = os.fstat(fd)
         if stat.S_ISDIR(info.st_mode):  # as open() says it
             raise IsADirectoryError(errno.EISDIR, "Is a directory", str(path))
         if not stat.S_ISREG(info.st_mode):
-            raise FileRefused(f"{path}: not a regular file ({_kind(info.st_mode)}); refused")
+            raise FileRefused(f"{path}: not a regular file ({file_kind(info.st_mode)}); refused")
         if info.st_size > max_bytes:
             raise FileRefused(f"{path}: {info.st_size} bytes, over the {max_bytes}-byte cap for this file; refused")
+        refused = check(info) if check is not None else None
+        if refused is not None:
+            raise FileRefused(refused)
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:
@@ -68,8 +75,9 @@ def read_small(path: str | os.PathLike[str], max_bytes: int = CONFIG_MAX_BYTES) 
     return data
 
 
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a device"),
+def file_kind(mode: int) -> str:
+    """What a file of `mode` is, in words (for a refusal's message)."""
+    for test, name in ((stat.S_ISREG, "a file"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a device"),
                        (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
         if test(mode):
             return name

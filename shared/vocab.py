@@ -67,6 +67,8 @@ GuardEventKind = Literal[
     "stall",
     # what a stopping worker wrote to the prompt cache's disk tier, and what its deadline cost (H5, proposed)
     "disk_cache",
+    # wired memory a worker's exit did not give back within 5 s (M3, macOS): counted as lost
+    "wired_stranded",
     # swaps (SPEC W): models that evict each other (W5), weights read ahead into the page cache (W4)
     "thrash", "prefetch",
 ]

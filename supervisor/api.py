@@ -22,9 +22,13 @@ if TYPE_CHECKING:
     from supervisor.policy.pressure import TickResult
     from supervisor.policy.snapshot import Snapshot
     from supervisor.policy.status import DiskCacheStatus, ModelInfo, ServerStatus
-    from supervisor.readiness import Readiness
+    from supervisor.readiness import Health, Readiness
     from supervisor.streams import RequestStream
     from supervisor.views import ModelView, WorkerView
+
+
+# An idle timer that has run out: P10 unloads the model as soon as it is idle (keep_alive 0).
+UNLOAD_WHEN_IDLE = 1e-3
 
 
 class Supervisor(Protocol):
@@ -52,7 +56,10 @@ class Supervisor(Protocol):
         """Re-read the config; what changed, in words (ServeError when it is refused)."""
         ...
 
-    async def unload(self, model_id: str, reason: str = ...) -> bool: ...
+    async def unload(self, model_id: str, reason: str = ..., *, admin: bool) -> bool:
+        """Every door's unload (ServeError 403 when `admin` is False and the model is pinned;
+        a non-admin's unload is the idle timer running out, P10). True when a worker was there."""
+        ...
 
     async def generate(self, model_id: str, gen: p.Generate, max_wait: float | None = ...) -> RequestStream:
         """`max_wait`: the most seconds the request may wait for a load, the memory
@@ -88,6 +95,10 @@ class Supervisor(Protocol):
 
     def readiness(self, name: str) -> Readiness:
         """What a request for the model would meet now (LoadError 404 for an unknown model)."""
+        ...
+
+    def health(self) -> Health:
+        """The host as GET /health says it: 503 while a pinned model is on its way up."""
         ...
 
     def update_guard(self, update: p.GuardUpdate) -> None:

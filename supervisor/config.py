@@ -1,5 +1,5 @@
 """The supervisor's configuration: one TOML file with `[guard]`,
-`[supervisor]` and `[[models]]` (DESIGN.md contract).
+`[supervisor]` and `[[models]]` (docs/configuration.md).
 
 Every value is checked where it enters: an unknown key, a wrong type, a bad
 size or inconsistent thresholds raise `ConfigError` whose message starts with
@@ -154,7 +154,7 @@ class GuardConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # soft watermark, so the default also works under a small custom ceiling.
     hot_cache_max: int | str = 1024 ** 3
     pool_max: int | str = 2 * 1024 ** 3  # M1: MLX pool a worker may keep (mx.set_cache_limit)
-    # H5 (proposed, docs/spec-proposal-h5-h6.md): the prompt cache's disk tier, every model's
+    # H5 (docs/rules.md): the prompt cache's disk tier, every model's
     # entries together. "auto": a quarter of the cache folder's free disk (plus what the tier
     # holds), measured by the worker that writes; 0 = off. Kept as int bytes, -1 for "auto".
     disk_cache_max: int | str = "auto"
@@ -162,6 +162,9 @@ class GuardConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     cache_quantize_bits: int = 0     # H6: 8 or 4 quantizes unused entries at soft pressure; 0 = off
     safe_zone_ratio: float = 0.89    # G2
     min_chunk_tokens: int = 256      # G2
+    # M2 (revised 2026-12-05): macOS workers wire nothing unless this opts in (mx.set_wired_limit
+    # under concurrent requests is the reproduced trigger of an IOGPU kernel panic, mlx#3186)
+    wire_weights: bool = False
     poll_interval: float = 1.0       # P9 active cadence
     loaded_idle_interval: float = 10.0
     unloaded_idle_interval: float = 30.0
@@ -479,6 +482,7 @@ def guard_settings(config: Config, *, pressure_reclaim_disabled: bool = False) -
         pool_max=int(g.pool_max),
         safe_zone_ratio=g.safe_zone_ratio,
         min_chunk_tokens=g.min_chunk_tokens,
+        wire_weights=g.wire_weights,
         poll_interval=g.poll_interval,
         loaded_idle_interval=g.loaded_idle_interval,
         unloaded_idle_interval=g.unloaded_idle_interval,

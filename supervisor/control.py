@@ -50,7 +50,7 @@ async def _answer(sup: Supervisor, msg: p.ControlRequest) -> p.ControlReply:
             handle = await sup.load(msg.model, explicit=True)
             return p.ControlOk(detail=f"{msg.model} is loaded (worker {handle.worker_id}, pid {handle.pid})")
         case p.UnloadRequest():
-            done = await sup.unload(msg.model)
+            done = await sup.unload(msg.model, admin=True)  # the socket is in a 0700 folder: its owner
             return p.ControlOk(detail=f"{msg.model} unloaded" if done else f"{msg.model} was not loaded")
         case p.DrillRequest():
             return p.ControlOk(detail=sup.start_drill(msg))

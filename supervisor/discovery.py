@@ -6,7 +6,8 @@ list each one by path. Each MLX model folder (a `config.json` beside
 model whose id is its folder (or file) name; the Hugging Face cache layout
 `models--org--name/snapshots/<revision>/` becomes `org/name`, at the revision
 `refs/main` points to (else the newest snapshot). Entries of the config file
-win over discovered ones with the same id.
+win over discovered ones with the same id. The models `pull` fetched from the hub
+(supervisor.pulled) are added the same way, before the folders are scanned.
 
 The scan is bounded (depth, models and entries looked at) so a models folder
 pointed at a home directory cannot stall the start; what it skips is said in a
@@ -209,23 +210,47 @@ def discover(dirs: list[str], known: set[str],
 
 
 def with_discovered(config: Config) -> tuple[Config, list[str]]:
-    """`config` plus the models its `models_dirs` hold (config entries win).
-    What it refused is kept for `last_refused`."""
+    """`config` plus the models `pull` fetched (supervisor.pulled) and those its `models_dirs`
+    hold (config entries win, then pulled ones). What it refused is kept for `last_refused`."""
     from supervisor.config import ModelConfig
 
     dirs = config.supervisor.models_dirs
     refused: dict[str, tuple[str, str]] = {}
-    found: list[Found] = []
-    warnings: list[str] = []
+    taken = config.names()
+    found, warnings = _pulled(taken, refused)
     if dirs:
-        found, warnings = discover(dirs, config.names(), refused)
+        more, dir_warnings = discover(dirs, taken | {f.id for f in found}, refused)
+        found, warnings = found + more, warnings + dir_warnings
     with _refused_lock:
         _last_refused.clear()
         _last_refused.update(refused)
-    if not dirs:
-        return config, []
+    if not found:
+        return config, warnings
     models = [*config.models, *(ModelConfig(id=f.id, path=f.path) for f in found)]
     return msgspec.structs.replace(config, models=models), warnings
+
+
+def _pulled(taken: set[str], refused: dict[str, tuple[str, str]]) -> tuple[list[Found], list[str]]:
+    """What `pull` fetched and is still on disk, checked as a models folder's finds are."""
+    from supervisor.pulled import served
+
+    pulled, warnings = served()
+    out: list[Found] = []
+    for m in pulled:
+        if m.id in taken:
+            warnings.append(f"pulled model {m.id}: the config names that id too; the config's entry is served")
+            continue
+        try:
+            why = refusal(str(m.path))
+        except OSError as exc:
+            warnings.append(f"pulled model {m.id}: cannot check its files now ({exc.strerror or exc}); kept")
+            why = None
+        if why is not None:
+            warnings.append(f"pulled model {m.id}: skipped, not a model: {why}")
+            refused[m.id] = (str(m.path), why)
+            continue
+        out.append(Found(id=m.id, path=str(m.path)))
+    return out, warnings
 
 
 def last_refused() -> dict[str, tuple[str, str]]:

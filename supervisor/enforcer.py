@@ -10,6 +10,11 @@ The policy (supervisor.policy.pressure) is pure; this is the I/O around it. Each
      reason (SPEC S2);
   4. when it acted, re-measure and tick again at once (P7);
   5. publish the ceiling and the pressure, and return P9's next interval.
+
+On macOS it also watches wired memory (M3): a worker seen in the last reading
+and gone from this one has exited, and a timer re-reads the OS's wired count
+5 s later (the loop never sleeps on it); what did not come back is a
+`wired_stranded` event and is taken off the ceilings (supervisor.policy.wired).
 """
 
 from __future__ import annotations
@@ -38,7 +43,9 @@ from supervisor.errors import LoadError, ModelUnreadable
 from supervisor.eventlog import Emit
 from supervisor.policy import decisions as d
 from supervisor.policy import pressure as policy
+from supervisor.policy import wired as wired_policy
 from supervisor.policy.admission import FitReport, admit, evict_for_prefill, fit_report
+from supervisor.policy.ceilings import Ceilings, wired_limit_advice
 from supervisor.policy.snapshot import PolicyState, Snapshot, WorkerRecord
 from supervisor.policy.status import GuardStatus, build_status, device_pool
 from supervisor.policy.tiers import ThresholdError, check_thresholds, normalise_tier
@@ -78,6 +85,11 @@ class Enforcer:
         # (monotonic time, decision) of every action carried out, for benchmarks and tests
         self.executed: collections.deque = collections.deque(maxlen=1000)
         self.device_info: dict = {}  # the last CUDA/Metal device_info a worker's hello gave
+        # M3 (macOS): the OS's wired count, None where there is none to watch; a test injects readings
+        self.read_wired: Callable[[], int | None] = probe.read_wired
+        self.wired_stranded = 0  # bytes worker exits left wired, off the ceilings until they come back
+        self._wired_last: tuple[int, int, list[WorkerRecord]] | None = None  # wired, ours, the workers then
+        self._wiring_said = ""  # M2: the C13 advice said once
 
     # -- inputs -----------------------------------------------------------------
 
@@ -95,10 +107,12 @@ class Enforcer:
         gpu_cap_raw, device_total = probe.host_gpu_cap(info) if info else (0, 0)
         device = self.read_device(info) if device_total else None
         workers = [self._record(h, device) for h in self.pool.handles.values()]
+        self._watch_wired(workers)
         return Snapshot(
             now=now, guard=self.settings, host=host, supervisor_footprint=own, gpu_cap_raw=gpu_cap_raw,
             device_total=device.total if device else 0, device_free=device.free if device else None,
             activity_hint=self.activity_hint, recheck=recheck, workers=workers, state=self.state,
+            wired_stranded=self.wired_stranded,
         )
 
     def read_device(self, info: dict) -> nvml.DeviceReading | None:
@@ -111,7 +125,7 @@ class Enforcer:
     def _record(self, h: WorkerHandle, device: nvml.DeviceReading | None) -> WorkerRecord:
         s = h.sample
         memory = s.memory if s else NO_READING
-        gpu = probe.gpu_share_of_usage(h.device_info, memory.mlx_active, memory.mlx_pool) if h.device_info else 0
+        gpu = _gpu_share(h)
         on_device = 0
         if device is not None and probe.gpu_kind(h.device_info) == "cuda":
             # D1: NVML's per-process bytes; else MLX active + pool as the worker measured them
@@ -126,6 +140,57 @@ class Enforcer:
             restarts=self.restarts(h.model_id),
         )
 
+    # -- wired memory (M3, macOS) ---------------------------------------------------
+
+    def _watch_wired(self, workers: list[WorkerRecord]) -> None:
+        """A worker in the last reading and not in this one has exited: its wired memory is
+        checked WIRED_RETURN_SECONDS later, by a timer. Stranded memory counts until it is back."""
+        wired = self.read_wired()
+        if wired is None:
+            self._wired_last = None
+            return
+        ours = sum(w.gpu_bytes for w in workers)
+        self.wired_stranded = wired_policy.still_stranded(self.wired_stranded, wired, ours)
+        last, self._wired_last = self._wired_last, (wired, ours, workers)
+        if last is None:
+            return
+        present = {w.worker for w in workers}
+        for w in last[2]:
+            if w.worker not in present and w.gpu_bytes > 0:
+                before = wired_policy.WiredBefore(worker=w.worker, model=w.model, held=w.gpu_bytes,
+                                                  wired=last[0], ours=last[1])
+                try:
+                    loop = asyncio.get_running_loop()
+                except RuntimeError:
+                    continue  # a one-off snapshot outside the loop: nothing could re-read later
+                loop.call_later(wired_policy.WIRED_RETURN_SECONDS, self._check_wired, before)
+
+    def _check_wired(self, before: wired_policy.WiredBefore) -> None:
+        """WIRED_RETURN_SECONDS after an exit: what did not come back is stranded (an event, and the ceilings)."""
+        wired = self.read_wired()
+        if wired is None:
+            return
+        self.pool.read_samples()
+        stranded = wired_policy.stranded_after_exit(before, wired, sum(map(_gpu_share, self.pool.handles.values())))
+        if not stranded:
+            return
+        self.wired_stranded += stranded
+        reason = (f"{stranded} bytes ({format_size(stranded)}) of wired memory did not come back "
+                  f"{wired_policy.WIRED_RETURN_SECONDS:g} s after {before.worker} exited; counted as other apps' "
+                  f"memory (off the static ceiling and the GPU cap) until the OS returns it, which may take a reboot")
+        log.error("%s", reason)
+        ceiling = self.last.ceilings.ceiling if self.last is not None else 0
+        self.emit("wired_stranded", reason, worker_id=before.worker, model_id=before.model, ceiling=ceiling)
+        self.pool.on_change()  # the ceilings changed: tick now (P9)
+
+    def _say_wiring(self, c: Ceilings) -> None:
+        """M2: with wiring on, a kernel cap below the C13 suggestion is said once, with the sysctl line."""
+        advice = wired_limit_advice(c.static, c.total, c.gpu_cap_raw) if self.settings.wire_weights else ""
+        if advice and advice != self._wiring_said:
+            self._wiring_said = advice
+            log.warning("%s", advice)
+            self.emit("warning", advice)
+
     # -- the tick ---------------------------------------------------------------
 
     def tick(self, now: float) -> float:
@@ -135,6 +200,7 @@ class Enforcer:
         if any(isinstance(x, _ACTS) for x in result.decisions):
             result = self._run(self.snapshot(time.monotonic(), recheck=True))
         self.ticks += 1
+        self._say_wiring(result.ceilings)
         self.publish(result)
         return self.fixed_interval or result.next_interval
 
@@ -365,3 +431,11 @@ class Enforcer:
                                  f"evicted for a prefill on {handle.model_id}")
         if handle.live:
             self.pool.command(handle, p.MemoryAnswer(request_id=request_id, evicted=bool(victims)))
+
+
+def _gpu_share(h: WorkerHandle) -> int:
+    """A worker's GPU share of its usage (SPEC C `own_gpu`; Metal: MLX active + pool), from its last sample."""
+    s = h.sample
+    if s is None or not h.device_info:
+        return 0
+    return probe.gpu_share_of_usage(h.device_info, s.memory.mlx_active, s.memory.mlx_pool)

@@ -1,7 +1,7 @@
 """GGUF files as models: the import cache and the importer child process.
 
 Why a child process: importing reads tensors with MLX, and the supervisor
-never imports MLX (DESIGN.md), so `modelfiles.gguf_import` runs as its own
+never imports MLX (docs/architecture.md), so `modelfiles.gguf_import` runs as its own
 process and reports progress as JSON lines (`shared.gguf.ImportLine`) on its
 stdout. `import-gguf` runs it in the foreground; a `[[models]] path` ending
 in `.gguf` runs it on the model's first load, before its worker is spawned,

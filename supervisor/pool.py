@@ -1,7 +1,7 @@
 """Worker processes: spawn, watch, stop with escalation, reap.
 
 One worker process per loaded model, as circus's watcher keeps its
-processes. The pool knows processes and their states (DESIGN.md: starting
+processes. The pool knows processes and their states (docs/architecture.md: starting
 -> loading -> ready <-> busy -> draining -> stopped, plus dead and wedged);
 it decides nothing about memory or about a model's life. The enforcer and
 the models ask it to spawn and stop; it tells them, through `on_event`,
@@ -18,6 +18,7 @@ import collections
 import logging
 import os
 import signal
+import sys
 import time
 from typing import Callable
 
@@ -36,6 +37,7 @@ from supervisor.bus import Bus
 from supervisor.cache_tiers import CacheBook, save_grace, saved_words
 from supervisor.config import Config, ModelConfig
 from supervisor.errors import LoadError
+from supervisor.policy.wired import sigkill_after
 from supervisor.process import (
     CacheWritten,
     EventSink,
@@ -79,6 +81,7 @@ class Pool:
         self.caches = CacheBook()  # each model's prompt-cache disk tier, as its workers report it (H5)
         # model id -> its last worker reaped: its final cache report may come after its exit
         self.reaped: dict[str, WorkerHandle] = {}
+        self.macos_stop_rule = sys.platform == "darwin"  # M3: SIGKILL only after the whole stop_grace
 
     # -- lookups ------------------------------------------------------------
 
@@ -406,7 +409,7 @@ class Pool:
             log.warning("Worker %s did not exit %.1f s after drain (%.1f s of it to write its prompt cache); "
                         "sending SIGTERM", handle.worker_id, grace + save, save)
         self._signal(handle, signal.SIGTERM)
-        if await self._wait_exit(handle, min(grace, 5.0)):
+        if await self._wait_exit(handle, sigkill_after(grace, self.macos_stop_rule)):
             return
         # A hard kill is the last resort: on macOS it can strand wired Metal memory.
         log.error("Worker %s ignored SIGTERM; sending SIGKILL", handle.worker_id)

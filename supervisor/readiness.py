@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Literal
 import msgspec
 
 from shared import probe
-from shared.states import LOADING_STATES
+from shared.states import LOADING_STATES, SERVING_STATES
 from shared.vocab import ErrorCode
 from supervisor.config import host_name
 from supervisor.policy.admission import admits_request, fit_report
@@ -93,6 +93,23 @@ class Readiness(msgspec.Struct, frozen=True, kw_only=True):
     retry_after: int | None = None
     progress: LoadProgress | None = None
     reason: str = ""
+
+
+HealthStatus = Literal["ok", "loading", "failed"]
+
+
+class Health(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """GET /health: is this host up with its pinned models? 503 while one is on its way.
+
+    `waiting`: pinned model -> why it does not serve yet (loading, respawning, a worker
+    state, or `failed: ...`). `unloaded`: pinned models an admin unloaded on purpose ->
+    why (left out while there are none); nothing loads them, a request would, so they keep
+    the host at 200: a health check that said `loading` for them said it for good, and a
+    router dropped the host."""
+
+    status: HealthStatus
+    waiting: dict[str, str]
+    unloaded: dict[str, str] = {}
 
 
 def load_progress(state: str, began: float, now: float, grown: int, estimate: int) -> LoadProgress:
@@ -200,6 +217,47 @@ class Signals:
         self.pool = pool
         self.gate = gate
         self.enforcer = enforcer
+        self._unloaded: dict[str, tuple[float, str]] = {}  # pinned model -> (when, why) an admin unloaded it
+
+    def note_unloaded(self, model_id: str, why: str) -> None:
+        """An admin unloads a pinned model on purpose: /health says so until a load begins."""
+        self._unloaded[model_id] = (time.monotonic(), why)
+
+    def health(self) -> Health:
+        """The host's health: each pinned model serving, on its way, failed, or unloaded on purpose."""
+        waiting: dict[str, str] = {}
+        unloaded: dict[str, str] = {}
+        failed = False
+        for model in self.catalog.config.models:
+            if model.pinned:
+                state = self._pinned(model.id)
+                if state.startswith("unloaded"):
+                    unloaded[model.id] = state
+                elif state != "serving":
+                    waiting[model.id] = state
+                    failed = failed or state.startswith("failed")
+        status: HealthStatus = "failed" if failed else "loading" if waiting else "ok"
+        return Health(status=status, waiting=waiting, unloaded=unloaded)
+
+    def _pinned(self, model_id: str) -> str:
+        """A pinned model in /health's words: "serving", "failed: ...", "unloaded ...", or why it waits."""
+        view = self.models.view(model_id)
+        if view.state == "failed":
+            return f"failed: {view.reason}"
+        if view.state in SERVING_STATES:
+            return "serving"
+        life = self.models.lives.get(model_id)
+        mark = self._unloaded.get(model_id)
+        if mark is not None and (life is None or life.load_began <= mark[0]):  # no load began since
+            return f"unloaded on purpose ({mark[1]}); a request loads it again"
+        self._unloaded.pop(model_id, None)
+        if view.state != "unloaded":
+            return view.state  # its worker is on its way up (or out)
+        if self.models.loading_since(model_id) is not None:
+            return "loading"
+        if life is not None and life.state == "respawning":
+            return "respawning"
+        return "not loaded yet"
 
     def readiness(self, name: str) -> Readiness:
         """What a request for the model would meet now (LoadError 404 for an unknown model)."""

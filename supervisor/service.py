@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable
 from shared import protocol as p
 from shared.embedding import WRONG_MODEL_KIND, EmbeddingSpec
 from shared.memory import NO_READING
+from supervisor.api import UNLOAD_WHEN_IDLE
 from supervisor.bus import FrameTooLarge
 from supervisor.cache_tiers import save_grace
 from supervisor.catalog import Catalog
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
     from supervisor.fanout import Hub, Subscription
     from supervisor.policy.pressure import TickResult
     from supervisor.policy.snapshot import Snapshot
-    from supervisor.readiness import Readiness
+    from supervisor.readiness import Health, Readiness
 
 log = logging.getLogger("memvisor.service")
 
@@ -64,6 +65,20 @@ class Place:
     started: float
     pub: str = ""
     http: str = ""  # HOST:PORT the front door bound ("" while it serves none)
+
+
+def unload_refusal(model: ModelConfig, admin: bool) -> str | None:
+    """Who may unload what, for every door (None: this one may).
+
+    A pinned model is the operator's promise that it stays loaded, so only an admin
+    (the admin route's own test: http/auth.py require_admin; the control socket, whose
+    socket only this user can open) takes it down. Anyone else may only ask for an
+    unpinned model's idle timer, which P10 would run out anyway."""
+    if model.pinned and not admin:
+        return (f"model {model.id!r} is pinned: only an admin may unload it (the same rule as "
+                f"POST /v1/models/{model.id}/unload: the admin token, or with none set a loopback tool that sends "
+                "no Origin); it stays loaded")
+    return None
 
 
 class Service:
@@ -101,8 +116,27 @@ class Service:
     async def fit(self, name: str, context_tokens: int = 0) -> FitReport:
         return await self.models.fit(name, context_tokens)
 
-    async def unload(self, name: str, reason: str = "unloaded on request") -> bool:
-        return await self.models.unload(name, reason)
+    async def unload(self, name: str, reason: str = "unloaded on request", *, admin: bool) -> bool:
+        """The one way a model leaves on someone's request, whichever door asks: the admin
+        route, the control socket, Ollama's `keep_alive: 0` with no prompt (docs/access.md).
+
+        `unload_refusal` says who may (a pinned model: an admin only). An admin's
+        unload drains the worker now, and a pinned model unloaded so is said as such
+        by /health, not as loading. Anyone else gets what their keep_alive with a prompt
+        gets: the model leaves once it is idle (P10), so no one's request is cut for it.
+        True when a worker was there to leave."""
+        model = self.catalog.model(name)
+        refused = unload_refusal(model, admin)
+        if refused is not None:
+            self.tallies["unload_refused"] += 1
+            raise ServeError(refused, code="forbidden", http_status=403)
+        if not admin:
+            there = self.pool.worker_for(model.id) is not None
+            self.keep_alive(model.id, UNLOAD_WHEN_IDLE)
+            return there
+        if model.pinned and self.pool.worker_for(model.id) is not None:
+            self.signals.note_unloaded(model.id, reason)  # before the drain: it is not loading meanwhile
+        return await self.models.unload(model.id, reason)
 
     async def reload(self, why: str) -> str:
         return await self._reload(why)
@@ -291,6 +325,9 @@ class Service:
 
     def readiness(self, name: str) -> Readiness:
         return self.signals.readiness(name)
+
+    def health(self) -> Health:
+        return self.signals.health()
 
     # -- the guard -----------------------------------------------------------------
 

@@ -39,6 +39,7 @@ from supervisor.http.keepalive import keep_alive_seconds
 from supervisor.http.openai_types import BodyError, ChatRequest, CompletionRequest, decode_body
 from supervisor.http.responses import ResponsesRequest, responses_generate
 from supervisor.http.server import start_http
+from supervisor.readiness import Health
 from supervisor.streams import RequestStream, new_request_id
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -262,6 +263,9 @@ class StubSupervisor:
 
     def model_info(self, model_id):
         raise LoadError("no info in the stub", http_status=404)
+
+    def health(self):
+        return Health(status="ok", waiting={})  # its one model is not pinned
 
     def add_event_hook(self, hook):
         pass

@@ -1,4 +1,4 @@
-"""The TOML configuration (DESIGN.md contract; SPEC T5 thresholds).
+"""The TOML configuration (docs/configuration.md; T5 thresholds).
 
 Bad values must come back as one line naming the key path and the reason,
 never a traceback."""
@@ -32,6 +32,7 @@ min_chunk_tokens = 128
 poll_interval = 0.5
 loaded_idle_interval = 5
 unloaded_idle_interval = 20
+wire_weights = true
 
 [supervisor]
 http = "0.0.0.0:9000"
@@ -69,6 +70,7 @@ def test_config_defaults_are_the_builtin_demo():
     assert c.supervisor.http == "127.0.0.1:8000"
     assert c.supervisor.max_body == MiB
     assert c.models == []
+    assert not c.guard.wire_weights and not guard_settings(c).wire_weights  # M2 (2026-12-05): no wiring
 
 
 def test_config_full_file_round_trip(tmp_path):
@@ -86,6 +88,7 @@ def test_config_full_file_round_trip(tmp_path):
     settings = guard_settings(c)
     assert settings.custom_ceiling == 12 * GiB and settings.idle_timeout == 600.0
     assert settings.tier == "Aggressive"  # normalised by the policy (T2), reported once there
+    assert settings.wire_weights  # M2: the opt-in reaches the policy, which hands out the residency
 
 
 @pytest.mark.parametrize(
@@ -100,6 +103,7 @@ def test_config_full_file_round_trip(tmp_path):
         ('[guard]\npoll_interval = 0', "guard.poll_interval: must be between 0.01 and 3600 seconds"),
         ('[guard]\nloaded_idle_interval = -1', "guard.loaded_idle_interval: must be between"),
         ('[guard]\nenabled = "yes"', "guard.enabled: Expected `bool`"),
+        ('[guard]\nwire_weights = 1', "guard.wire_weights: Expected `bool`"),
         ('[guard]\nsafe_zone_ratio = 1.5', "guard.safe_zone_ratio: must be in (0, 1]"),
         ('[guard]\nmin_chunk_tokens = 0', "guard.min_chunk_tokens: must be 1..1000000"),
         ('[supervisor]\nhttp = "localhost"', "supervisor.http: expected HOST:PORT"),
@@ -167,7 +171,7 @@ def test_parse_http(text, expected):
 
 
 def test_pub_tcp_is_opt_in_and_a_non_loopback_bind_requires_curve_keys():
-    """DESIGN: TCP binds loopback unless told otherwise; beyond it, CURVE keys."""
+    """docs/architecture.md: TCP binds loopback unless told otherwise; beyond it, CURVE keys."""
     assert SupervisorConfig().pub_tcp == ""
     assert SupervisorConfig(pub_tcp="127.0.0.1:5556").pub_tcp == "127.0.0.1:5556"
     assert SupervisorConfig(pub_tcp="[::1]:5556").pub_tcp == "[::1]:5556"

@@ -179,7 +179,7 @@ def test_an_unconstrained_request_beside_a_constrained_one_is_token_identical(lo
 
     engine = _engine(loaded)
     spec = p.JsonSchema(schema=json.dumps(PERSON))
-    engine.submit("c1", _prompts(engine, 1)[0], max_tokens=60, temperature=1.0, seed=3, constraint=spec)
+    engine.submit("c1", _prompts(engine, 1)[0], max_tokens=80, temperature=1.0, seed=3, constraint=spec)
     engine.submit("free", prompt, max_tokens=40)
     engine.submit("c2", _prompts(engine, 2)[1], max_tokens=60, constraint=p.JsonObject())
     runs = _run(engine)
@@ -224,11 +224,32 @@ def test_a_refused_token_is_flagged_not_raised(loaded):
     assert "broke the output constraint" in constraint.error and not constraint.done
 
 
-def test_a_one_token_budget_ends_with_length_and_a_valid_prefix(loaded):
+def test_a_budget_below_the_shortest_closing_json_is_refused_before_any_token(loaded):
+    """A one-token json_object ended as `{`, which does not parse: now the request is refused,
+    naming max_tokens and the shortest budget that closes (`{}`: 2 tokens)."""
     engine = _engine(loaded)
-    engine.submit("one", _prompts(engine, 1)[0], max_tokens=1, constraint=p.JsonObject())
-    events = _run(engine)["one"]
-    assert _text(events) == "{" and _end(events).finish_reason == "length"
+    engine.submit_generate(Generate(request_id="one", prompt="Hello", max_tokens=1, constraint=p.JsonObject()))
+    end = _end(_run(engine)["one"])
+    assert isinstance(end, Failed) and end.code == "invalid_constraint"
+    assert "max_tokens (1)" in end.message and "at least 2" in end.message
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_json_object_parses_at_every_budget_from_the_shortest_up(loaded, temperature):
+    """max_tokens 4-6 gave `{"":` .. `{"":""`: one free token (`"` opening a key) raised the
+    closing count by four while the wrap-up assumed one. Every budget from 2 up parses."""
+    engine = _engine(loaded)
+    budgets = list(range(2, 17)) + [24, 40]
+    for n in budgets:
+        for seed in range(3):
+            engine.submit(f"{n}-{seed}", engine.encode_prompt(f"Reply in JSON {seed}:"), max_tokens=n,
+                          temperature=temperature, seed=seed, constraint=p.JsonObject())
+    runs = _run(engine)
+    for n in budgets:
+        for seed in range(3):
+            events = runs[f"{n}-{seed}"]
+            assert isinstance(json.loads(_text(events)), dict), (n, seed, _text(events))
+            assert _end(events).completion_tokens <= n
 
 
 # ---------------------------------------------------------------------------

@@ -330,3 +330,28 @@ def test_every_field_of_the_sdks_embedding_request_is_declared_and_honoured_or_a
     honoured, accepted = {"model", "input", "dimensions", "encoding_format"}, {"user"}
     assert sdk == honoured | accepted
     assert sdk <= set(EmbeddingRequest.__struct_fields__)
+
+
+def test_an_empty_string_among_the_inputs_is_a_400_on_both_apis(tiny_embedder_dir, tmp_path_factory):
+    """`/api/embed` with `[""]` was a 200 with no vector (read as Ollama's empty request) while
+    `/v1/embeddings` refused it: both now read `input` with the same `inputs` and refuse it,
+    before any worker starts. Ollama's own empty request (no input, "" or []) still only loads."""
+    from supervisor.config import ModelConfig
+    from tests.http_harness import LiveServer, make_config
+
+    config = make_config([ModelConfig(id="emb", path=str(tiny_embedder_dir))], http="127.0.0.1:0")
+    with LiveServer(config, tmp_path_factory.mktemp("rt")) as live:
+        async def main():
+            async with live.client() as c:
+                return {(path, repr(given)): await c.post(path, json={"model": "emb", "input": given})
+                        for path in ("/v1/embeddings", "/api/embed") for given in ([""], ["a", ""], ["", "b"])}
+
+        answers = live.run(main())
+        started = live.arbiter.pool.worker_for("emb")
+    for (path, given), r in answers.items():
+        body = r.json()
+        assert r.status_code == 400, (path, given, body)
+        error = body["error"] if path == "/v1/embeddings" else body  # OpenAI's shape, Ollama's
+        message = error["message"] if path == "/v1/embeddings" else error["error"]
+        assert error["param"] == "input" and message == "input: strings must not be empty", (path, given)
+    assert started is None  # refused at the door: no worker was started for them

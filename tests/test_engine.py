@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from shared.limits import Limits
-from shared.protocol import ChatMessage, Failed, Finished, Generate, NeedMemory, TokenOut
+from shared.protocol import ChatMessage, Failed, Finished, Generate, NeedMemory, Prompted, TokenOut
 from shared.sizes import GiB
 from worker.engine import Engine, EngineError
 from worker.prefill_guard import padded_chunk_bytes
@@ -443,7 +443,9 @@ def test_g1_decoding_continues_while_another_request_waits_for_memory(loaded):
     drive(engine, GUARDED, lambda: usage["now"])
 
 
-def test_g2_no_room_for_the_floor_mid_prefill_aborts_and_frees_the_kv_cache(loaded):
+def test_g2_no_room_for_the_floor_mid_prefill_asks_once_then_aborts_and_frees_the_kv_cache(loaded):
+    """Mid-prefill the machine fills up: the floor chunk asks for room once (G2, 2026-12-05);
+    with nothing freed the request is refused and its KV so far goes back."""
     reclaims = []
     readings = iter([1 * GiB, 1 * GiB, 1 * GiB])  # preflight, first chunk plan, after chunk
 
@@ -453,11 +455,59 @@ def test_g2_no_room_for_the_floor_mid_prefill_aborts_and_frees_the_kv_cache(load
     engine = _engine(loaded, max_chunk=8, reclaim_fn=lambda: reclaims.append(1) or 0)
     engine.submit("long", _prompt(engine, "word " * 40), max_tokens=2)
     run = drive(engine, GUARDED, usage)
+    [need] = [ev for ev in run.events if isinstance(ev, NeedMemory)]
+    assert need.need_bytes > 0 and not engine.has_work  # held for the answer, its chunk so far kept
+    engine.memory_answer("long", evicted=False)
+    run.add(drive(engine, GUARDED, usage).events)
     end = run.terminal("long")
     assert isinstance(end, Failed) and end.code == "prefill_memory_exceeded"
     assert engine.prompt_tokens_processed == 8  # exactly one chunk ran
     assert reclaims, "the aborted prefill's memory was not returned"
     assert not run.tokens("long")
+    assert len([ev for ev in run.events if isinstance(ev, NeedMemory)]) == 1, "asked twice"
+
+
+def _g1_fits_g2_floor_does_not(engine: Engine, prompt: list[int]) -> int:
+    """A usage under which G1 lets `prompt` in (the hard limit) but G2's floor chunk does not fit its
+    target (hard x headroom safety): the gap the issue measured (usage just under soft)."""
+    target = int(GUARDED.hard_limit * GUARDED.prefill_headroom_safety)
+    usage = target - padded_chunk_bytes(engine.cost, 0, GUARDED.min_chunk_tokens) + 1
+    assert usage + padded_chunk_bytes(engine.cost, 0, len(prompt)) < GUARDED.hard_limit  # G1 fits
+    return usage
+
+
+def test_g2_a_floor_chunk_that_does_not_fit_asks_for_room_and_runs_once_it_is_made(loaded):
+    """G2 (2026-12-05): a prompt G1 let in asks the supervisor for room at its floor chunk, G1's
+    message and `need_bytes` meaning (the shortfall), and is served once the room is made."""
+    engine = _engine(loaded)
+    prompt = _prompt(engine, "word " * 20)
+    usage = {"now": _g1_fits_g2_floor_does_not(engine, prompt)}
+    engine.submit("r", prompt, max_tokens=3)
+    run = drive(engine, GUARDED, lambda: usage["now"])
+    [need] = [ev for ev in run.events if not isinstance(ev, Prompted)]  # G1 let it in: its prompt is final
+    target = int(GUARDED.hard_limit * GUARDED.prefill_headroom_safety)
+    assert isinstance(need, NeedMemory) and need.pool == "host"
+    assert need.need_bytes == usage["now"] + padded_chunk_bytes(engine.cost, 0, GUARDED.min_chunk_tokens) - target
+    assert not engine.has_work and engine.prompt_tokens_processed == 0  # held, nothing ran
+    usage["now"] = 1 * GiB  # the supervisor stopped an idle model
+    engine.memory_answer("r", evicted=True)
+    end = drive(engine, GUARDED, lambda: usage["now"]).terminal("r")
+    assert isinstance(end, Finished) and end.prompt_tokens == len(prompt)
+
+
+def test_g2_a_held_prefill_with_no_answer_retries_by_itself_after_the_wait(loaded):
+    """A lost answer must not strand a prefill held at its floor chunk either."""
+    clock = {"t": 0.0}
+    engine = _engine(loaded, clock=lambda: clock["t"], memory_wait=5.0)
+    prompt = _prompt(engine, "word " * 20)
+    usage = _g1_fits_g2_floor_does_not(engine, prompt)
+    engine.submit("r", prompt, max_tokens=2)
+    assert isinstance(engine.step(GUARDED, lambda: usage)[-1], NeedMemory)
+    assert engine.next_deadline() == 5.0
+    clock["t"] = 5.0
+    end = drive(engine, GUARDED, lambda: usage).terminal("r")
+    assert isinstance(end, Failed) and end.code == "prefill_memory_exceeded"
+    assert end.binding == "dynamic" and end.limit_bytes == int(GUARDED.hard_limit * GUARDED.prefill_headroom_safety)
 
 
 def test_g2_chunks_shrink_near_the_target(loaded):

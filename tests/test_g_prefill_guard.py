@@ -19,6 +19,7 @@ from worker.prefill_guard import (
     chunk_target,
     device_limits,
     estimate_prefill_peak,
+    floor_room,
     next_chunk,
     padded_chunk_bytes,
     prefill_limit,
@@ -211,6 +212,31 @@ def test_g2_floor_that_does_not_fit_aborts():
     assert plan.tokens == 0
     assert plan.limit_bytes == target
     assert plan.estimated_bytes > target
+
+
+def test_g2_floor_that_does_not_fit_asks_for_room_as_g1_does_with_the_shortfall():
+    """G2 (2026-12-05): the floor chunk asks the supervisor before refusing; `need_bytes` means
+    what G1's does: usage + the chunk's padded peak - its limit."""
+    target = chunk_target(LIMITS).bytes
+    usage = target - padded_chunk_bytes(COST, 0, 100)
+    plan = next_chunk(LIMITS, usage=usage, remaining=10_000, cost=COST, max_chunk=MAX_CHUNK)
+    verdict = floor_room(plan, usage, own_usage=GiB, retried=False)
+    assert verdict.verdict == "evict"
+    assert verdict.need_bytes == usage + padded_chunk_bytes(COST, 0, 256) - target > 0
+    assert (verdict.estimated_bytes, verdict.limit_bytes, verdict.binding) == (
+        plan.estimated_bytes, target, "dynamic")
+
+
+@pytest.mark.parametrize(("own", "retried"), [(GiB, True), (None, False)])
+def test_g2_floor_refuses_once_it_asked_or_when_no_eviction_could_help(own, retried):
+    """Asked once already, or this worker alone (with the chunk) over the target: the refusal."""
+    target = chunk_target(LIMITS).bytes
+    usage = target - padded_chunk_bytes(COST, 0, 100)
+    own = usage if own is None else own  # every byte of the usage is this worker's own
+    plan = next_chunk(LIMITS, usage=usage, remaining=10_000, cost=COST, max_chunk=MAX_CHUNK)
+    verdict = floor_room(plan, usage, own_usage=own, retried=retried)
+    assert (verdict.verdict, verdict.need_bytes) == ("reject", 0)
+    assert (verdict.estimated_bytes, verdict.limit_bytes) == (plan.estimated_bytes, target)
 
 
 def test_g2_floor_shrinks_to_the_tokens_left():

@@ -1,4 +1,4 @@
-"""The prompt cache's disk tier and shrink before drop (H5, H6 as proposed in docs/spec-proposal-h5-h6.md):
+"""The prompt cache's disk tier and shrink before drop (H5, H6 in docs/rules.md):
 the file format, the folder and its budget, then through the engine on a real tiny model."""
 
 from __future__ import annotations
@@ -8,86 +8,32 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import mlx.core as mx
 import msgspec
 import pytest
-from mlx_lm.models.cache import KVCache
 
 from shared.limits import Limits
-from shared.protocol import DISK_CACHE_AUTO, CacheReport, DiskCacheStats, Finished
+from shared.protocol import DISK_CACHE_AUTO, CacheReport, DiskCacheStats
 from shared.sizes import GiB
 from supervisor.cache_tiers import CacheBook
 from supervisor.config import GuardConfig, parse_config
-from tests.test_engine import _engine as engine_for
+from tests.disk_cache_harness import (
+    ROOMY,
+    ask,
+    engine_for,
+    engine_with,
+    entry,
+    files,
+    kv,
+    long_prompt,
+    save_all,
+    tier,
+)
 from tests.test_engine import drive
 from worker import disk_cache, kv_files
 from worker import prompt_cache as pc
-from worker.disk_cache import DiskTier, model_identity
-
-CACHED = Limits(max_concurrency=8, cache_cap=GiB)
-ROOMY = (1000 * GiB, 0, 500 * GiB)  # shutil.disk_usage's (total, used, free) of a roomy disk
-
-
-def roomy(_path) -> tuple[int, int, int]:
-    return ROOMY
-
-
-def tier(root: Path, model: Path, max_bytes: int = DISK_CACHE_AUTO, model_id: str = "m", **kw) -> DiskTier:
-    kw.setdefault("disk_usage", roomy)
-    opened = DiskTier.open(model_id, model, max_bytes, root=root, **kw)
-    assert opened is not None
-    return opened
-
-
-def kv(tokens: int, layers: int = 2, heads: int = 2, dim: int = 64, dtype=mx.float32, seed: int = 0) -> list[KVCache]:
-    """Real MLX KV of `tokens` tokens in mlx-lm's growing buffers (longer than the tokens)."""
-    mx.random.seed(seed)
-    out = []
-    for _ in range(layers):
-        c = KVCache()
-        x = mx.random.normal((1, heads, tokens, dim)).astype(dtype)
-        c.update_and_fetch(x, x * 2)
-        out.append(c)
-    mx.eval([(c.keys, c.values) for c in out])
-    return out
-
-
-def entry(tokens: int, start: int = 0, **kw) -> pc.Entry:
-    return pc.Entry(tuple(range(start, start + tokens)), kv(tokens, **kw))
-
-
-def files(root: Path) -> list[Path]:
-    return sorted(root.rglob("*"))
-
-
-def engine_with(loaded, cache_root: Path, model: Path, **kw):
-    engine = engine_for(loaded, max_chunk=64)
-    engine.step(CACHED, lambda: 0)  # the cap arrives with the first limits, as in a worker
-    engine.use_disk_tier(tier(cache_root, model, **kw))
-    return engine
-
-
-def ask(engine, prompt: list[int], rid: str = "r", max_tokens: int = 12) -> tuple[list[int], Finished]:
-    engine.submit(rid, prompt, max_tokens=max_tokens)
-    run = drive(engine, CACHED)
-    end = run.terminal(rid)
-    assert isinstance(end, Finished)
-    return run.tokens(rid), end
-
-
-def save_all(engine):
-    """What a stop does: every entry of the engine's memory tier written to its disk tier."""
-    assert engine.disk is not None
-    return engine.disk.save(engine.prompt_cache.recent_first(), deadline=time.monotonic() + 60)
-
-
-def long_prompt(engine, words: str = "memory guard worker cache prefix ") -> list[int]:
-    prompt = engine.encode_prompt(words * 40)
-    assert len(prompt) >= disk_cache.MIN_TOKENS
-    return prompt
-
+from worker.disk_cache import model_identity
 
 # ------------------------------------------------------------------ the file (H5.3)
 
@@ -101,7 +47,7 @@ def test_h5_entry_file_is_safetensors_holding_only_the_tokens_rows(tmp_path, dty
     n = kv_files.write_entry(path, arrays, {"tokens": "[1,2]"}, deadline=time.monotonic() + 60)
     assert n == path.stat().st_size
     back, metadata = mx.load(str(path), return_metadata=True)
-    assert metadata == {"tokens": "[1,2]"}
+    assert metadata["tokens"] == "[1,2]" and metadata[kv_files.CHECKSUM].startswith("xxh3_128:")  # H5.3
     for name, array in arrays.items():
         assert back[name].dtype == dtype and mx.array_equal(back[name], array).item()
     assert kv_files.read_metadata(path) == (metadata, sum(a.nbytes for a in arrays.values()))
@@ -146,11 +92,15 @@ def test_h5_a_write_the_deadline_cuts_leaves_no_partial_file(tmp_path, tiny_mode
 
 def test_h5_an_abandoned_write_of_a_dead_process_is_removed_at_the_next_index(tmp_path, tiny_model):
     t = tier(tmp_path, tiny_model)
+    t.save([entry(200)], deadline=time.monotonic() + 60)
+    (written,) = t.entries.values()
+    whole = (t.folder / written.name).read_bytes()
+    (t.folder / written.name).unlink()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    stale = t.folder / f"x.safetensors{kv_files.TMP_MARK}{int(dead.stdout)}"
-    mine = t.folder / f"y.safetensors{kv_files.TMP_MARK}{os.getpid()}"  # a write under way
-    stale.write_bytes(b"half")
-    mine.write_bytes(b"half")
+    stale = t.folder / f"{written.name}{kv_files.TMP_MARK}{int(dead.stdout)}"
+    mine = t.folder / f"{written.name}{kv_files.TMP_MARK}{os.getpid()}"  # a write under way
+    stale.write_bytes(whole[:len(whole) // 2])  # its header whole: provably ours (H5.3)
+    mine.write_bytes(whole[:len(whole) // 2])
     tier(tmp_path, tiny_model)
     assert not stale.exists() and mine.exists()
 
@@ -237,8 +187,9 @@ def test_h5_a_corrupt_file_is_a_miss_and_is_removed(tmp_path, tiny_model):
     t.save([entry(200)], deadline=time.monotonic() + 60)
     (found,) = t.entries.values()
     path = t.folder / found.name
-    path.write_bytes(path.read_bytes()[:100])
+    path.write_bytes(path.read_bytes()[:-100])  # cut in its data: the header still proves it ours
     assert t.load(found) is None and not path.exists() and t.entries == {}
+    assert t.stats.rejected_entries == 1
 
 
 # ------------------------------------------------------------------ through the engine (H5.5, H5.6)

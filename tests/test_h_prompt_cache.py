@@ -11,7 +11,7 @@ from shared.sizes import GiB, MiB
 from tests.test_engine import Run, drive
 from tests.test_engine import _engine as engine_for
 from worker.engine import Engine
-from worker.prefill_guard import admission_peak
+from worker.prefill_guard import admission_peak, padded_chunk_bytes
 from worker.prompt_cache import PromptCache
 
 
@@ -209,6 +209,29 @@ def test_h4_prefill_drops_own_unused_entries_before_asking_for_room(loaded):
     assert isinstance(run.terminal("new"), Finished)
     assert reclaims  # the dropped entries' memory went back to the OS, not only to the pool
     assert [key[:len(prompt)] for key in engine.prompt_cache._entries] == [tuple(prompt)]
+
+
+def test_h4_a_floor_chunk_short_of_room_drops_own_unused_entries_before_asking(loaded):
+    """G2 (2026-12-05) takes H4's order too: G1 lets the prompt in, its floor chunk fits the chunk
+    target only without this worker's own unused entries, so they go and nobody is asked."""
+    reclaims = []
+    engine = _engine(loaded, reclaim_fn=lambda: reclaims.append(1) or 0)
+    engine.submit("old", engine.encode_prompt("an old conversation " * 40), max_tokens=3)
+    drive(engine, CACHED)
+    held = engine.cache_bytes
+    limits = Limits(max_concurrency=8, cache_cap=GiB, hard_limit=64 * MiB, soft_limit=60 * MiB,
+                    hard_watermark=62 * MiB, abort_limit=64 * MiB, abort_margin=1.0,
+                    prefill_headroom_safety=0.9, min_chunk_tokens=16, static=64 * MiB)
+    prompt = engine.encode_prompt("something else entirely")
+    floor = padded_chunk_bytes(engine.cost, 0, len(prompt) - 1)  # the whole prompt is one floor chunk
+    target = int(64 * MiB * 0.9)
+    base = target - floor - held // 2  # the floor chunk fits without our cache, not with it
+    assert 0 < held and base + held + admission_peak(len(prompt), engine.cost, 16) <= 64 * MiB  # G1 fits
+    engine.submit("new", prompt, max_tokens=3)
+    run = drive(engine, limits, usage_fn=lambda: base + engine.cache_bytes)
+    assert not any(isinstance(ev, NeedMemory) for ev in run.events)
+    assert isinstance(run.terminal("new"), Finished)
+    assert reclaims  # the dropped entries' memory went back to the OS, not only to the pool
 
 
 def test_h3_a_running_request_reads_its_own_copy_so_its_source_entry_may_go(loaded):

@@ -110,11 +110,14 @@ def test_h2_no_budget_is_no_prompt_cache():
     assert caps(tick(Snapshot(now=1.0, guard=guard, host=HOST, workers=[worker("a")]))) == {"a": 0}
 
 
-def test_m1_pool_max_and_m2_residency_ride_in_the_limits():
-    result = tick(Snapshot(now=1.0, guard=GUARD, host=HOST, workers=[worker("a")]))
-    limits = next(x.limits for x in result.decisions if isinstance(x, d.ApplyLimits))
-    assert limits.pool_max == 2 * GiB
-    assert limits.residency == result.ceilings.residency_ceiling > 0
+def test_m1_pool_max_and_m2_residency_ride_in_the_limits_only_when_wiring_is_asked_for():
+    """M2 (2026-12-05): no residency ceiling (nothing wired) unless `[guard] wire_weights` opts in."""
+    for wire, expected in ((False, lambda c: 0), (True, lambda c: c.residency_ceiling)):
+        guard = msgspec.structs.replace(GUARD, wire_weights=wire)
+        result = tick(Snapshot(now=1.0, guard=guard, host=HOST, workers=[worker("a")]))
+        limits = next(x.limits for x in result.decisions if isinstance(x, d.ApplyLimits))
+        assert limits.pool_max == 2 * GiB
+        assert limits.residency == expected(result.ceilings) and result.ceilings.residency_ceiling > 0
 
 
 def test_c12_reservation_follows_the_measured_cache_bytes():

@@ -84,6 +84,33 @@ def test_a_page_needs_the_admin_token_even_from_loopback(server):
     assert bodyless.status_code == 200 and bodyless.json()["unloaded"] is False
 
 
+def test_a_page_on_another_local_port_cannot_administer_without_the_token(server):
+    """"Same origin" is scheme, host AND port: a page served on another loopback port (any local
+    dev server, any local app) is not this server's dashboard. A check that ignored the port let
+    such pages load, unload and retune the guard without a token, and was caught only because a
+    CORS header vanished; here the refusal itself is asserted, with the dashboard's own origin
+    (same host, this port) as the control."""
+    other = f"http://127.0.0.1:{server.port + 1 if server.port < 65535 else server.port - 1}"
+    before = server.arbiter.enforcer.settings.tier
+
+    async def main():
+        async with server.client() as c:
+            page = {"Origin": other}
+            refused = [await c.post("/v1/models/huge/load", headers={**page, "Content-Type": "application/json"}),
+                       await c.post("/v1/models/huge/unload", headers={**page, "Content-Type": "application/json"}),
+                       await c.post("/admin/guard", json={"tier": "aggressive"}, headers=page),
+                       await c.post("/admin/guard", json={"tier": "aggressive"},
+                                    headers={"Origin": other.replace("127.0.0.1", "localhost")})]
+            own = await c.post("/admin/guard", json={"tier": before}, headers={"Origin": server.url()})
+        return refused, own
+
+    refused, own = server.run(main())
+    for r in refused:
+        assert "may not administer" in assert_openai_error(r, 403, "forbidden")["message"]
+    assert server.arbiter.enforcer.settings.tier == before
+    assert own.status_code == 200  # the dashboard: this very origin
+
+
 def test_a_page_with_the_admin_token_may_administer(token_server):
     async def main():
         async with token_server.client() as c:

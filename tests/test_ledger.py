@@ -1,4 +1,4 @@
-"""The shared-memory ledger (DESIGN.md "Shared-memory ledger")."""
+"""The shared-memory ledger (docs/architecture.md, "The wire")."""
 
 import msgspec
 import multiprocess as mp

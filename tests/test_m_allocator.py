@@ -6,8 +6,6 @@ worker never calls set_wired_limit.
 
 from __future__ import annotations
 
-import pytest
-
 from shared.limits import Limits
 from shared.sizes import GiB, MiB
 from worker.allocator import AllocatorLimits, wired_suggestion
@@ -86,26 +84,36 @@ def test_m2_not_on_linux():
     assert not [c for c in mx.calls if c[0] == "wired"]
 
 
-def test_m2_macos_wires_min_of_residency_and_c13_suggestion():
+def test_m2_macos_wires_nothing_unless_handed_a_residency_ceiling():
+    """M2 (2026-12-05): the supervisor hands residency 0 unless `[guard] wire_weights` opts in."""
     mx = FakeMx()
     info = {"memory_size": 64 * GiB, "max_recommended_working_set_size": 63 * GiB}
-    alloc = AllocatorLimits(mx, platform="darwin", device_info=info, advise=pytest.fail)
+    alloc = AllocatorLimits(mx, platform="darwin", device_info=info)
+    alloc.apply(Limits(hard_limit=20 * GiB, pool_max=2 * GiB))
+    alloc.apply(Limits(hard_limit=18 * GiB, pool_max=2 * GiB))
+    assert not [c for c in mx.calls if c[0] == "wired"] and alloc.wired == 0
+
+
+def test_m2_macos_wires_min_of_residency_and_c13_suggestion_and_unwires_when_told():
+    mx = FakeMx()
+    info = {"memory_size": 64 * GiB, "max_recommended_working_set_size": 63 * GiB}
+    alloc = AllocatorLimits(mx, platform="darwin", device_info=info)
     alloc.apply(Limits(residency=40 * GiB))
     assert ("wired", 40 * GiB) in mx.calls
     alloc.apply(Limits(residency=63 * GiB))  # C13: never within 5% of RAM
     assert mx.calls[-1] == ("wired", wired_suggestion(63 * GiB, 64 * GiB))
     assert wired_suggestion(63 * GiB, 64 * GiB) == (64 * GiB - 64 * GiB // 20) // MiB * MiB
+    alloc.apply(Limits())  # wire_weights turned off (a reload): the residency set goes
+    assert mx.calls[-1] == ("wired", 0) and alloc.wired == 0
 
 
-def test_m2_kernel_cap_below_the_suggestion_wires_the_cap_and_advises_once():
+def test_m2_kernel_cap_below_the_suggestion_wires_the_cap():
     mx = FakeMx(wired_max=30 * GiB)
-    said: list[str] = []
     info = {"memory_size": 64 * GiB, "max_recommended_working_set_size": 30 * GiB}
-    alloc = AllocatorLimits(mx, platform="darwin", device_info=info, advise=said.append)
+    alloc = AllocatorLimits(mx, platform="darwin", device_info=info)
     alloc.apply(Limits(residency=40 * GiB))
     alloc.apply(Limits(residency=41 * GiB))
     assert [c for c in mx.calls if c[0] == "wired"] == [("wired", 30 * GiB)] * 2
-    assert len(said) == 1 and "sudo sysctl iogpu.wired_limit_mb=40960" in said[0]
 
 
 def test_m1_a_pool_over_its_cap_is_returned_by_the_worker_at_the_step_boundary_and_counted():

@@ -1,4 +1,4 @@
-"""The local model generator (DESIGN.md contract: `scripts/make_model.py DIR [--size] [--seed]`)."""
+"""The local model generator (docs/models.md: `scripts/make_model.py DIR [--size] [--seed]`)."""
 
 from __future__ import annotations
 
@@ -153,7 +153,7 @@ def test_cli_refuses_a_file_as_target(tmp_path, capsys):
 
 
 def test_script_runs_from_a_checkout_as_documented(tmp_path):
-    """DESIGN.md documents `python scripts/make_model.py DIR ...` run from the checkout."""
+    """docs/models.md documents `python scripts/make_model.py DIR ...` run from the checkout."""
     out = subprocess.run(
         [sys.executable, str(SCRIPT), str(tmp_path / "m"), "--size", "1MiB", "--seed", "3"],
         cwd=REPO, capture_output=True, text=True, timeout=120,

@@ -65,3 +65,116 @@ def test_a_failed_model_is_tried_again_after_a_doubling_backoff_that_starts_over
     assert delays == [5.0, 10.0, 20.0, 40.0, 80.0]
     # served for longer than twice the cap since its last failure: the backoff starts over
     assert intensity.failure_backoff(5, 200.0, 400.0, SCFG) == (1, 5.0)
+
+
+# ---------------------------------------------------------------------------
+# the respawn decisions themselves: Models (supervisor/models.py) driving intensity.py
+
+
+class Clock:
+    """The `time` Models reads: a clock the test moves (asyncio keeps its own)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+class NoWorker:
+    """The pool, as Models asks it while the pinned model's worker is down: none is up."""
+
+    def worker_for(self, model_id: str) -> None:
+        return None
+
+
+class Exited:
+    """What `Models.on_exit` reads of a worker that died."""
+
+    pinned, model_id, exit_cause = True, "m", "killed by SIGKILL"
+
+
+def _models(monkeypatch, tmp_path, **scfg):
+    """The real Models and Catalog for one pinned model whose files are gone, so each respawn's
+    load fails as a crashing worker's would, and the test's clock."""
+    import collections
+
+    from supervisor import models as models_module
+    from supervisor.catalog import Catalog
+    from supervisor.config import Config, ModelConfig
+    from supervisor.eventlog import EventLog
+    from supervisor.models import Models
+
+    clock = Clock()
+    monkeypatch.setattr(models_module, "time", clock)
+    config = Config(supervisor=SupervisorConfig(**scfg), models=[ModelConfig(id="m", path=str(tmp_path / "gone"),
+                                                                             pinned=True)])
+    events, counters = EventLog(), collections.Counter()
+    catalog = Catalog(config, emit=events.emit, counters=counters, discovered_refused={})
+    models = Models(config, catalog=catalog, pool=NoWorker(), enforcer=None, emit=events.emit,  # type: ignore[arg-type]
+                    wake=lambda: None, counters=counters, running=lambda: True)
+    return models, clock, counters
+
+
+async def _respawn(models, clock, after: float = 0.0) -> float:
+    """Move the clock to the respawn's due time, let `tick` start it, move the clock on by
+    `after` while its load fails, and wait for the decision; the delay it chose next."""
+    import asyncio
+
+    life = models.life("m")
+    clock.now = life.due
+    models.tick(clock.now)
+    clock.now += after
+    for _ in range(2000):
+        await asyncio.sleep(0.005)
+        if life.load is None and life.state in ("respawning", "failed"):
+            return life.due - clock.now
+    raise AssertionError(f"the respawn never settled: {life.state}")
+
+
+def test_restart_intensity_r_respawns_within_p_seconds_then_failed_with_a_doubling_backoff(monkeypatch, tmp_path):
+    """A pinned model that keeps dying, through the real decision code (Models.on_exit,
+    schedule_respawn, tick, give_up, retry; intensity's arithmetic): 3 respawns 0.5, 1, 2 s
+    apart, then failed naming the intensity; tried again after 5 s with a fresh history,
+    failed again, and the next try 10 s away.
+    Only a live test pinned this before: breaking the count (not recording a restart,
+    `>` for `>=`) left every fast test green."""
+    import asyncio
+
+    models, clock, counters = _models(monkeypatch, tmp_path, restart_max=3, restart_period=60.0,
+                                      failed_retry_first=5.0, failed_retry_max=80.0)
+
+    async def until_failed() -> list[float]:
+        delays = []
+        for _ in range(8):  # bounded: a count that never reaches the intensity must not hang the test
+            delays.append(await _respawn(models, clock))
+            if models.life("m").state == "failed":
+                break
+        return delays
+
+    async def main():
+        models.on_exit(Exited())
+        delays = [models.life("m").due - clock.now] + await until_failed()
+        first = (delays, models.view("m").reason, models.restarts("m"), counters["respawns"])
+        return first, await until_failed()  # its backoff passes: tried again, and fails again
+
+    (delays, reason, restarts, respawns), again = asyncio.run(main())
+    assert delays == [0.5, 1.0, 2.0, 5.0]  # the 4th: the failed model's next try
+    assert "3 restarts within 60 s" in reason and restarts == 3 and respawns == 3
+    # the try counts as the first restart of a fresh history; failed twice in a row: 10 s, doubled
+    assert again == [1.0, 2.0, 10.0]
+
+
+def test_restarts_further_apart_than_the_period_never_fail_the_model(monkeypatch, tmp_path):
+    """Ten crashes, each 61 s after the last respawn (period 60 s): each is the first within
+    the period, so each respawn waits the first backoff and the model is never failed."""
+    import asyncio
+
+    models, clock, _ = _models(monkeypatch, tmp_path, restart_max=3, restart_period=60.0)
+
+    async def main():
+        models.on_exit(Exited())
+        return [await _respawn(models, clock, after=61.0) for _ in range(10)]
+
+    delays = asyncio.run(main())
+    assert delays == [0.5] * 10 and models.life("m").state == "respawning"

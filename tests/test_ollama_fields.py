@@ -10,7 +10,7 @@ from shared import protocol as p
 from supervisor.http import ollama, ollama_models
 from supervisor.http.errors import ApiError
 from supervisor.http.modelfacts import capabilities, digest, parameter_size, read_facts
-from supervisor.http.openai_types import BodyError, decode_body
+from supervisor.http.openai_types import DEFAULT_CHAT_MAX_TOKENS, BodyError, decode_body
 
 
 def chat(**body) -> p.Generate:
@@ -23,7 +23,7 @@ def test_ollama_options_map_to_sampling():
     gen = chat(options={"temperature": 0, "top_p": 0.5, "num_predict": 7, "stop": ["\n"], "seed": 3,
                         "num_ctx": 4096, "num_thread": 8, "num_gpu": 99})
     assert (gen.temperature, gen.top_p, gen.max_tokens, gen.stop, gen.seed) == (0.0, 0.5, 7, ["\n"], 3)
-    assert chat(options={"num_predict": -1}).max_tokens == ollama.DEFAULT_CHAT_MAX_TOKENS
+    assert chat(options={"num_predict": -1}).max_tokens == DEFAULT_CHAT_MAX_TOKENS
 
 
 def test_ollama_sampling_options_map_to_the_same_generate_fields():
@@ -127,9 +127,9 @@ def test_digest_is_stable_per_id_and_path():
     assert digest("a", "/m") == digest("a", "/m") != digest("a", "/n")
 
 
-def test_ollama_hub_routes_say_there_is_no_hub():
-    exc = ollama_models.no_hub("/api/pull")
-    assert exc.status == 501 and "pull" in exc.message and "models_dirs" in exc.message
+def test_ollama_store_routes_say_there_is_no_store():
+    exc = ollama_models.no_hub("/api/push")
+    assert exc.status == 501 and "push" in exc.message and "models_dirs" in exc.message and "/api/pull" in exc.message
     assert "upload blobs" in ollama_models.no_hub("/api/blobs/sha256:abc").message
 
 

@@ -126,7 +126,7 @@ PINNED_WORDS = {
         "drill", "wired_limit", "spawn", "loaded", "load_failed", "exit", "crash", "wedged", "respawn", "unload",
         "import", "refused", "failed", "retry", "level", "admission", "warning", "reclaim", "shrink_cache", "abort",
         "abort_load", "mark_for_unload", "evict", "ttl", "guard", "reload", "reload_refused", "model_added",
-        "model_changed", "model_removed", "stall", "disk_cache", "thrash", "prefetch"),
+        "model_changed", "model_removed", "stall", "disk_cache", "wired_stranded", "thrash", "prefetch"),
     "FinishReason": ("stop", "length"),
     "SampleReason": ("tick", "watermark", "shrink"),
     "FailureCode": (

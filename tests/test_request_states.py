@@ -36,3 +36,14 @@ def test_one_request_through_grouped_prefill_split_and_decode():
     assert seen == ["queued", "preflight", "grouped", "prefill", "decoding", "ended"]
     with pytest.raises(IllegalMove):
         seq.move("end")  # a second terminal event
+
+
+def test_g2_a_prefill_held_for_room_goes_back_to_prefill_and_asks_no_more():
+    """G2 (2026-12-05): the floor chunk's request for room keeps the request's KV: `held`, then
+    back to `prefill`, not to G1's preflight (which would start its KV over)."""
+    seq = Seq("r", [1, 2, 3], 4, greedy, None)
+    for event in ("admit", "start", "need_memory"):
+        seq.move(event)  # type: ignore[arg-type]
+    assert seq.state == "held"
+    seq.retry_after_room()
+    assert (seq.state, seq.floor_retried, seq.retried) == ("prefill", True, False)

@@ -1,4 +1,4 @@
-"""DESIGN.md's rooms, checked by folder: the supervisor never imports MLX, the
+"""The rooms of docs/architecture.md, checked by folder: the supervisor never imports MLX, the
 pure policy (everything under supervisor/policy/) does no I/O, the worker
 imports nothing of the supervisor, the supervisor nothing of the worker but its
 spawn target, the model-files room (modelfiles/) neither side, and the wire

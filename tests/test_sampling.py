@@ -38,6 +38,25 @@ def test_top_k_1_picks_the_greedy_token_at_any_temperature(temperature, seed):
         assert _draw(picker, logits, 8) == [_best(logits)] * 8
 
 
+TINY = [1e-5, 1e-30, 1e-38, 1e-40, 1e-300, 5e-324]
+
+
+@pytest.mark.parametrize("temperature", TINY)
+def test_a_temperature_at_or_below_the_floor_is_greedy_whatever_the_seed(temperature):
+    """1e-40 and 1e-300 overflowed float32 (1/T = inf) and drew uniformly: the reply changed
+    with the seed. Every such picker, plain or with logprobs and a penalty (its own call),
+    is argmax, as temperature 0 is (worker/sampling.py GREEDY_AT_OR_BELOW)."""
+    from shared.protocol import Generate
+
+    assert Settings.of(Generate(request_id="r", prompt="x", temperature=temperature)).temperature == 0.0
+    for case in range(3):
+        logits = _logits(case)
+        for seed in (None, 1, 2, 3):
+            for extra in ({}, {"logprobs": True, "presence_penalty": 0.1}):
+                picker = make_request_sampler(Settings(temperature=temperature, seed=seed, **extra))
+                assert _draw(picker, logits, 6) == [_best(logits)] * 6, (temperature, seed, extra)
+
+
 def test_without_top_k_a_hot_sampler_leaves_the_greedy_token():
     """The control of the test above: at these temperatures other tokens do come."""
     logits = _logits(0)

@@ -1,4 +1,4 @@
-"""Sizes are read the same way everywhere (DESIGN.md contract)."""
+"""Sizes are read the same way everywhere (docs/configuration.md)."""
 
 import pytest
 

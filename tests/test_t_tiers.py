@@ -133,7 +133,7 @@ def test_t5_soft_above_one_tier_hard_is_fine_on_a_tier_with_higher_hard():
     assert check_thresholds("aggressive", 0.96, None) == (0.96, 0.98)
 
 
-# --- the `tiers` command (DESIGN.md contract, C14) ---------------------------
+# --- the `tiers` command (docs/operations.md, C14) ---------------------------
 
 FIELDS = {
     "reserve_bytes", "free_bytes", "inactive_bytes", "other_apps_bytes", "static_bytes",

@@ -9,10 +9,16 @@ supervisor to ask. Where the allocator does not bound its pool by that
 limit (MLX's CUDA backend: `../shared/device-cuda.md` found that
 `set_memory_limit` does not cap there, and the pool is its cache), the worker
 returns the pool itself at a step boundary when it is over the cap
-(`hold_pool`), counted in its memory sample. On macOS the worker also wires
-what it may keep resident
-(`set_wired_limit`), never more than C13 allows, so a model's weights are not
-paged out under pressure from other apps.
+(`hold_pool`), counted in its memory sample.
+
+On macOS the worker wires nothing by default (M2, revised 2026-12-05): a
+residency set (`set_wired_limit`) under concurrent requests and cache churn
+is the reproduced trigger of the IOGPU `completeMemory() prepare count
+underflow` kernel panic (ml-explore/mlx#3186). Only with `[guard]
+wire_weights = true` does the supervisor hand a residency ceiling
+(`Limits.residency` > 0); the worker then wires min(that, C13), within the
+kernel's cap, and unwires when it goes back to 0. The supervisor says when
+the kernel's cap is below the suggestion (once, with the `sysctl` line).
 
 MLX is passed in (`mx`), so the rules are tested with a fake that records
 calls; the macOS part (M2) is written and tested that way only, on Linux it
@@ -25,7 +31,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Callable
 from typing import Any
 
 from shared.limits import NO_CACHE_LIMIT_ENV, Limits
@@ -47,18 +52,15 @@ def wired_suggestion(desired: int, total: int) -> int:
 class AllocatorLimits:
     """Applies M1 whenever the limits change, and M2 once the residency ceiling is known."""
 
-    def __init__(self, mx: Any, *, device_info: dict | None = None, platform: str = sys.platform,
-                 advise: Callable[[str], None] | None = None):
+    def __init__(self, mx: Any, *, device_info: dict | None = None, platform: str = sys.platform):
         self.mx = mx
         self.info = device_info or {}
         self.macos = platform == "darwin"
-        self.advise = advise or (lambda text: log.warning("%s", text))
         self._applied: tuple[int, int] | None = None
         self._default_memory: int | None = None
         self._default_cache: int | None = None
         self._wired_for = 0
         self.wired = 0
-        self.advised = False
         self.pool_cap = 0       # the pool MLX was told it may keep (M1); 0 = never told
         self.pool_returns = 0   # step boundaries at which the pool was over it and returned here
         self.pool_returned = 0  # the bytes those returns gave back
@@ -70,9 +72,9 @@ class AllocatorLimits:
             self._applied = key
             self._set_memory(key[0])
             self._set_cache(key[1])
-        if self.macos and limits.residency > 0 and limits.residency != self._wired_for:
-            self._wired_for = limits.residency
-            self._wire(limits.residency)
+        if self.macos and max(0, limits.residency) != self._wired_for:
+            self._wired_for = max(0, limits.residency)
+            self._wire(self._wired_for)
 
     def _set_memory(self, hard: int) -> None:
         """0 (guard off) puts MLX's own default back."""
@@ -119,22 +121,16 @@ class AllocatorLimits:
         return freed
 
     def _wire(self, residency: int) -> None:
-        """M2: wire min(residency ceiling, C13 suggestion), within the kernel's cap."""
+        """M2: wire min(residency ceiling, C13 suggestion), within the kernel's cap; 0 unwires."""
         total = int(self.info.get("memory_size", 0) or 0)
         kernel_cap = int(self.info.get("max_recommended_working_set_size", 0) or 0)
         target = min(residency, wired_suggestion(residency, total))
-        if kernel_cap > 0 and kernel_cap < target:
-            if not self.advised:
-                self.advised = True
-                self.advise(
-                    f"the GPU cap ({kernel_cap // MiB} MiB) is below what this worker may keep "
-                    f"resident ({target // MiB} MiB); raise it with: "
-                    f"sudo sysctl iogpu.wired_limit_mb={target // MiB}")
-            target = kernel_cap
-        if target <= 0:
-            return
+        if 0 < kernel_cap < target:
+            target = kernel_cap  # the supervisor tells people how to raise it (C13)
+        if target <= 0 and self.wired <= 0:
+            return  # never wired: nothing to undo
         try:
-            self.mx.set_wired_limit(target)
-            self.wired = target
+            self.mx.set_wired_limit(max(0, target))
+            self.wired = max(0, target)
         except (ValueError, RuntimeError) as exc:  # the kernel refused: keep serving unwired
             log.warning("cannot wire %d bytes: %s", target, exc)

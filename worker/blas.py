@@ -37,6 +37,7 @@ from pathlib import Path
 
 import msgspec
 
+from shared import private_files
 from shared.probe import blas as found
 
 log = logging.getLogger("memvisor.worker.blas")
@@ -93,9 +94,7 @@ def _preload() -> BlasInfo:
     if plan.kind == "stock":
         return BlasInfo(kind="stock", warning="" if found.stock_chosen() else plan.reason)
     try:
-        if not plan.ready:
-            make_renamed_copy(Path(plan.source), Path(plan.load_path))
-        return _open(plan)
+        return _load(plan)
     except (OSError, subprocess.SubprocessError, ValueError) as exc:
         failed = str(exc) if plan.load_path in str(exc) else f"{plan.load_path}: {exc}"
     system = found.system_library() if plan.kind == "renamed" else None
@@ -109,6 +108,27 @@ def _preload() -> BlasInfo:
     return BlasInfo(kind="stock", warning=f"could not load a fast BLAS: {failed}")
 
 
+def _load(plan: found.BlasPlan) -> BlasInfo:
+    """The plan's library opened; the renamed copy only once verified (SPEC H5.3), and written
+    (again) when it is missing or is not the file we wrote. A refused folder raises NotPrivate."""
+    if plan.kind != "renamed":
+        return _open(plan)
+    if plan.ready:
+        try:
+            return _open_copy(plan)
+        except found.CopyChanged as exc:
+            log.warning("BLAS: %s; writing the copy again", exc)
+    make_renamed_copy(Path(plan.source), Path(plan.load_path))
+    return _open_copy(plan)
+
+
+def _open_copy(plan: found.BlasPlan) -> BlasInfo:
+    """The verified copy, loaded through the very descriptor that was checked (by its path where
+    /proc is not mounted: the folder is ours alone, so only this user could swap it meanwhile)."""
+    with found.open_verified_copy(Path(plan.load_path)) as handle:
+        return _open(plan, private_files.descriptor_path(handle.fileno()) or plan.load_path)
+
+
 def _threads() -> int:
     """OPENBLAS_NUM_THREADS when the user set it, else one fewer than the CPUs this process may use."""
     try:
@@ -117,11 +137,12 @@ def _threads() -> int:
         return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
-def _open(plan: found.BlasPlan) -> BlasInfo:
+def _open(plan: found.BlasPlan, target: str = "") -> BlasInfo:
+    """`target` (default the plan's path) opened into the global scope, its threads set."""
     global _handle
     threads = _threads()
     os.environ.setdefault("OPENBLAS_NUM_THREADS", str(threads))  # read by OpenBLAS as it loads
-    handle = ctypes.CDLL(plan.load_path, mode=ctypes.RTLD_GLOBAL)
+    handle = ctypes.CDLL(target or plan.load_path, mode=ctypes.RTLD_GLOBAL)
     if not hasattr(handle, "cblas_sgemm"):
         raise OSError("exports no cblas_sgemm (a prefixed or BLAS-less library)")
     config = ""
@@ -140,7 +161,9 @@ def make_renamed_copy(source: Path, dest: Path, prefix: str = found.PREFIX) -> N
     """Write `source` to `dest` with every dynamic name `scipy_x` renamed `x` (patchelf).
 
     Made once per package version into the user cache, through a temporary
-    file and a rename, so workers starting together never see half a file.
+    file and a rename, so workers starting together never see half a file;
+    the sha256 of what was written goes beside it (`NAME.sha256`), and a worker
+    loads the copy only when it still matches (found.open_verified_copy).
     """
     patchelf = found.patchelf_binary()
     if patchelf is None:
@@ -148,8 +171,10 @@ def make_renamed_copy(source: Path, dest: Path, prefix: str = found.PREFIX) -> N
     names = [n for n in dynamic_names(source) if n.startswith(prefix)]
     if not names:
         raise ValueError(f"{source} has no {prefix!r} names to rename")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+    if dest.parent == found.cache_dir():
+        found.blas_folder(create=True)  # the caches folder and blas/ made or checked ours alone (NotPrivate)
+    private_files.private_folder(dest.parent)
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:  # 0700, ours
         mapping = Path(tmp) / "names.map"
         mapping.write_text("".join(f"{n} {n[len(prefix):]}\n" for n in names))
         out = Path(tmp) / dest.name
@@ -157,8 +182,14 @@ def make_renamed_copy(source: Path, dest: Path, prefix: str = found.PREFIX) -> N
                                "--output", str(out), str(source)], capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise OSError(f"{patchelf} exited {done.returncode}: {done.stderr.strip()[-500:]}")
+        os.chmod(out, 0o700)
+        with open(out, "rb") as written:
+            digest = found.sha256_of(written)
+        record = Path(tmp) / found.checksum_path(dest).name
+        private_files.write_private(record, f"{digest}  {dest.name}\n".encode())
+        os.replace(record, found.checksum_path(dest))
         os.replace(out, dest)
-    log.info("BLAS: renamed %d names of %s into %s", len(names), source, dest)
+    log.info("BLAS: renamed %d names of %s into %s (sha256 %s)", len(names), source, dest, digest[:16])
 
 
 def dynamic_names(path: Path) -> list[str]:

@@ -57,10 +57,13 @@ class CacheTiers:
     def open_disk(self) -> None:
         """H5: index this model's folder (headers only) so requests can read their prefix back."""
         from worker.disk_cache import DiskTier
+        from worker.kv_layout import probe
 
         chat = self.chat
         if chat is not None and self.spec.disk_cache_max and chat.endings.cacheable:
-            self.disk = DiskTier.open(self.spec.model_id, Path(self.spec.model_path), self.spec.disk_cache_max)
+            model = chat.model  # the entries read back are checked against its KV (H5.3), learned at the first read
+            self.disk = DiskTier.open(self.spec.model_id, Path(self.spec.model_path), self.spec.disk_cache_max,
+                                      layout=lambda: probe(model))
             chat.use_disk_tier(self.disk, spill_seconds=min(self.spec.disk_cache_grace, MAX_SAVE_SECONDS))
         self.report()
 

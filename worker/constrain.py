@@ -77,6 +77,7 @@ import numpy as np
 
 from shared.protocol import ConstraintSpec, JsonObject, JsonSchema, LarkGrammar, ToolCallConstraint
 from shared.vocab import FailureCode
+from worker.closing import Closers, closers_for, closing_cost, in_free_string, pick
 
 INVALID_CONSTRAINT: FailureCode = "invalid_constraint"  # the front door names its param (a 400)
 CACHE_SIZE = 64  # compiled grammars kept per tokenizer
@@ -121,20 +122,6 @@ def apply_bitmask(logits: mx.array, words: np.ndarray) -> mx.array:
     return logits + bias[:vocab]
 
 
-class Closers:
-    """What the wrap-up prefers (see `Constraint`), found once per tokenizer."""
-
-    __slots__ = ("eos", "lengths", "outside", "probe", "quote")
-
-    def __init__(self, eos: tuple[int, ...], quote: int, probe: int, outside: tuple[int, ...],
-                 lengths: np.ndarray):
-        self.eos = eos
-        self.quote = quote        # `"`: ends a free string
-        self.probe = probe        # `x`: allowed only inside a free string
-        self.outside = outside    # `]` `}` `,` `"` `0` `:` `[` `{`, in that order
-        self.lengths = lengths    # bytes per token id (longest allowed token = most progress)
-
-
 class Constraint:
     """One sequence's grammar state (not shared: each request gets its own copy).
 
@@ -144,60 +131,76 @@ class Constraint:
     grammar counts how many tokens a fixed closing policy needs from here:
     EOS if the output may end; in a free string its closing quote; else the
     first allowed of `] } , " 0 : [ {` (close, move on, or start the shortest
-    value); else (a key, an enum, a pattern) the longest allowed token. When
-    that count reaches the tokens left, the sequence follows the same policy
-    (its mask keeps that one token) and so ends complete at or before
-    max_tokens. Checks are spaced by a third of the margin they found, so a
-    long budget costs a handful of dry runs. `wrapped` tells the engine the
-    budget shaped the output (it then finishes with "length").
+    value); else (a key, an enum, a pattern) the longest allowed token.
+
+    One free token can raise that count by more than one (`{"` opens a key that
+    needs `"`, `:`, a value and `}`), so checking the count alone let json_object
+    with max_tokens 4-6 end as `{"":""`. So `_cost` is an upper bound of the
+    count (exact after each dry run; each token adds at most its bound, the
+    policy's own token takes one off), and once the margin `left - _cost` is
+    within the largest bound a token has, the mask keeps only the tokens whose
+    bound still fits, and the policy's: the output then ends complete at or
+    before max_tokens, from any state that could close within the budget. The
+    bounds hold for JSON (json_object, and a schema's own structure); a schema
+    whose optional parts open required ones can still outgrow them, as a
+    grammar (Lark) can. Dry runs are spaced by a third of the margin they found,
+    so a long budget costs a handful. `wrapped` tells the engine the budget
+    shaped the output (it then finishes with "length").
     """
 
-    __slots__ = ("_closers", "_left", "_matcher", "_next_check", "_words", "error", "error_code", "wrapped")
+    __slots__ = ("_closers", "_cost", "_free", "_left", "_matcher", "_next_check", "_policy", "_words", "error",
+                 "error_code", "wrapped")
 
-    def __init__(self, matcher: llg.LLMatcher, vocab: int, closers: Closers, max_tokens: int):
+    def __init__(self, matcher: llg.LLMatcher, vocab: int, closers: Closers, max_tokens: int, cost: int):
         self._matcher = matcher
         self._words = np.zeros((vocab + 31) // 32, dtype=np.int32)
         self._closers = closers
         self._left = max_tokens
-        self._next_check = WRAP_WINDOW
+        self._cost = cost  # tokens the closing policy needs from here, at most
+        self._next_check = WRAP_WINDOW  # a margin at or below which the cost is measured again
+        self._free = False  # the state the token being chosen leaves is a free string
+        self._policy: int | None = None  # the closing policy's token in that state, when the mask kept it
         self.error = ""
         self.error_code: FailureCode = "engine_error"  # a refused token is our bug unless a grammar bound was hit
         self.wrapped = False
 
     def mask(self, logits: mx.array) -> mx.array:
-        """Disallow every token the grammar refuses next (synchronous: reads grammar state)."""
+        """Disallow every token the grammar refuses next, and near the end of the budget every
+        token that could leave it too short to close (synchronous: reads grammar state)."""
         words = self._words
         self._matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
-        if not self.wrapped and self._left <= self._next_check:
-            margin = self._left - self._closing_cost(self._left)
-            self.wrapped = margin <= 1
-            self._next_check = self._left - max(1, margin // 3)
-        if self.wrapped:
-            token = _pick(self._closers, words)
-            if token is not None:
-                words[:] = 0
-                words[token >> 5] = np.uint32(1 << (token & 31)).view(np.int32)
+        margin = self._left - self._cost
+        if margin <= self._next_check:
+            self._cost = closing_cost(self._matcher, self._closers, len(words), self._left)
+            margin = self._left - self._cost
+            self._next_check = margin - max(1, margin // 3)
+        self._free = in_free_string(self._closers, words)
+        self._policy = None
+        if margin - 1 < self._closers.reach:
+            self._keep_within(words, margin - 1)
         return apply_bitmask(logits, words)
 
-    def _closing_cost(self, limit: int) -> int:
-        """Tokens the closing policy needs from this state (limit + 1: not within limit)."""
-        sim = self._matcher.deep_copy()
-        words = np.zeros_like(self._words)
-        for used in range(limit):
-            if sim.is_stopped():
-                return used
-            sim.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
-            token = _pick(self._closers, words)
-            if token is None or not sim.consume_token(token):
-                return limit + 1
-            if token in self._closers.eos:
-                return used + 1
-        return limit if sim.is_stopped() else limit + 1
+    def _keep_within(self, words: np.ndarray, room: int) -> None:
+        """Keep the tokens that add at most `room` to the closing cost, and the policy's own."""
+        policy = pick(self._closers, words)
+        kept = words & self._closers.fits(room, self._free, len(words))
+        if policy is not None:
+            kept[policy >> 5] |= np.uint32(1 << (policy & 31)).view(np.int32)
+        elif not kept.any():
+            return  # no token the policy knows, none that fits: the grammar's own choice is all there is
+        if not np.array_equal(kept, words):
+            self.wrapped = True  # the budget shaped the output
+        words[:] = kept
+        self._policy = policy
 
     def accept(self, token: int) -> bool:
         """Advance by one token; False (and `error` set) when the grammar refuses it."""
         self._left -= 1
         if self._matcher.consume_token(token):
+            if token == self._policy:
+                self._cost -= 1  # the policy's own token: one fewer to close, by its definition
+            elif not (self._free and self._closers.content[token]):
+                self._cost += int(self._closers.bounds[token])
             return True
         reason = _first_line(self._matcher.get_error())
         self.error = f"token {token} broke the output constraint: {reason}"
@@ -225,8 +228,9 @@ class ConstraintFactory:
         self.vocab_size = vocab_size
         self._tokenizer = llg.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos)
         self._limits = llg.LLParserLimits()
-        self.closers = _closers(backend, eos, self._tokenizer, vocab_size)
-        self._cache: OrderedDict[ConstraintSpec, llg.LLMatcher | ConstraintError] = OrderedDict()
+        self.closers = closers_for(backend, eos, self._tokenizer, vocab_size)
+        # each spec's matcher and the closing policy's tokens from its start (or why it is refused)
+        self._cache: OrderedDict[ConstraintSpec, tuple[llg.LLMatcher, int] | ConstraintError] = OrderedDict()
         self._cache_size = cache_size
         self.compiles = 0
 
@@ -248,9 +252,14 @@ class ConstraintFactory:
             self._cache.move_to_end(spec)
         if isinstance(proto, ConstraintError):
             raise ConstraintError(proto.message, proto.code)
-        return Constraint(proto.deep_copy(), self.vocab_size, self.closers, max_tokens)
+        matcher, shortest = proto
+        if isinstance(spec, (JsonObject, JsonSchema)) and max_tokens < shortest <= WRAP_WINDOW:
+            raise ConstraintError(f"max_tokens ({max_tokens}) is too small for {_describe(spec)}: the shortest "
+                                  f"JSON the worker can close takes {shortest} tokens, so the reply could not "
+                                  f"parse; ask for at least {shortest}")
+        return Constraint(matcher.deep_copy(), self.vocab_size, self.closers, max_tokens, shortest)
 
-    def _compile(self, spec: ConstraintSpec) -> llg.LLMatcher:
+    def _compile(self, spec: ConstraintSpec) -> tuple[llg.LLMatcher, int]:
         """The spec's matcher, refused here (before any token) when it cannot be enforced.
 
         Why: llguidance builds its lexer lazily, so a pattern whose regex
@@ -270,7 +279,7 @@ class ConstraintFactory:
             raise
         self._probe(matcher.deep_copy(), f"{_describe(spec)} cannot be enforced")
         self.compiles += 1
-        return matcher
+        return matcher, closing_cost(matcher, self.closers, (self.vocab_size + 31) // 32, WRAP_WINDOW)
 
     def _probe_patterns(self, patterns: list[str], spec: ConstraintSpec, where: str = "a pattern") -> None:
         """Enter the lexer of a string matching any of `patterns` (where a regex explodes)."""
@@ -297,33 +306,11 @@ class ConstraintFactory:
             if not words.any():
                 raise ConstraintError(f"{what}: no output satisfies it (no token is allowed"
                                       f"{' at the start' if not sim.is_accepting() else ''})")
-            token = _pick(self.closers, words)
+            token = pick(self.closers, words)
             if token is None:
                 return  # only tokens the policy does not rank: nothing known to be wrong
             if not sim.consume_token(token):
                 raise ConstraintError(f"{what}: {_first_line(sim.get_error())}")
-
-
-def _pick(closers: Closers, words: np.ndarray) -> int | None:
-    """The closing policy's token in the state whose mask is `words` (see `Constraint`)."""
-
-    def allowed(token: int) -> bool:
-        return token >= 0 and (int(words[token >> 5]) >> (token & 31)) & 1 == 1
-
-    for token in closers.eos:
-        if allowed(token):
-            return token
-    in_string = allowed(closers.probe)
-    if in_string and allowed(closers.quote):
-        return closers.quote
-    if not in_string:
-        for token in closers.outside:
-            if allowed(token):
-                return token
-    bits = np.unpackbits(words.view(np.uint8), bitorder="little", count=closers.lengths.size)
-    scores = np.where(bits.astype(bool), closers.lengths, -1)
-    best = int(scores.argmax())
-    return best if scores[best] >= 0 else None
 
 
 def _first_line(error: str) -> str:
@@ -364,19 +351,6 @@ def _schema_patterns(node: object, where: str) -> Iterator[tuple[str, str]]:
                 yield from _schema_patterns(list(value.values()), where)
             elif key not in _VALUES:
                 yield from _schema_patterns(value, where)
-
-
-def _closers(backend, eos: list[int], tokenizer: llg.LLTokenizer, vocab: int) -> Closers:
-    def tid(text: str) -> int:
-        found = backend.token_to_id(text)
-        return -1 if found is None else found
-
-    lengths = np.array([0 if tokenizer.is_special_token(i) else len(tokenizer.decode_bytes([i]))
-                        for i in range(min(vocab, tokenizer.vocab_size))], dtype=np.int32)
-    lengths = np.pad(lengths, (0, vocab - lengths.size))
-    return Closers(eos=tuple(eos), quote=tid('"'), probe=tid("x"),
-                   outside=tuple(tid(c) for c in ("]", "}", ",", '"', "0", ":", "[", "{")),
-                   lengths=lengths)
 
 
 def grammar_for(spec: ConstraintSpec) -> str:

@@ -103,8 +103,7 @@ class Worker:
                                 device_info=info, device=device, slot=self.spec.slot, blas=blas.preload().line()))
         self.sampler = MemorySampler()
         self.readings = Readings(self.spec, self.ledger, self.sampler, self.wire.report)
-        self.allocator = AllocatorLimits(mx, device_info=info,
-                                         advise=lambda text: self.wire.event("wired_limit", text))
+        self.allocator = AllocatorLimits(mx, device_info=info)
         self.allocator.apply(self.limits)
         self.readings.enter("loading")
         self.readings.write(time.monotonic(), self.engine, self.allocator)

@@ -19,7 +19,11 @@ itself, so the group usage of SPEC U2 adds like with like.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import os
+import sys
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -109,7 +113,36 @@ def reclaim() -> int:
     """Return MLX's pool to the OS; the bytes it held (P4, P6.6, G3)."""
     before = mx.get_cache_memory()
     mx.clear_cache()
+    _trim_c_heap()
     return max(0, before - mx.get_cache_memory())
+
+
+@functools.cache
+def _glibc_malloc_trim() -> Callable[[int], int] | None:
+    """glibc's `malloc_trim`, or None where the C library has none (macOS, musl)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        trim: Callable[[int], int] = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+    return trim
+
+
+def _trim_c_heap() -> None:
+    """Give the C heap's free pages back to the OS after the pool was freed into it.
+
+    MLX's CPU buffers come from malloc. A buffer that malloc placed inside the
+    heap (a free region left by earlier allocations, not a fresh mmap) goes
+    back to the heap's free list when the pool is cleared, and the OS still
+    charges every page of it: a reclaim that U1 cannot see, in exactly the
+    long-lived worker whose heap has such regions. `malloc_trim(0)` returns
+    those free pages (glibc madvises the middle of the heap too); it costs
+    well under a millisecond and a reclaim is rare (P4, failures, commands).
+    """
+    trim = _glibc_malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 class MemorySampler:

@@ -10,7 +10,9 @@ chunk the prefill guard (SPEC G1-G3, worker/prefill_guard.py, pure) decides:
   request waits), then the request is refused (`prefill_memory_exceeded`).
 - **G2** for every chunk: how many tokens fit under the chunk target; a
   group that cannot give every row a token is split, each request going on
-  alone with its KV so far.
+  alone with its KV so far. When not even the floor chunk fits, the same
+  steps as G1 (2026-12-05): own unused entries, then the supervisor (the
+  request is `held` with its KV so far), then the refusal.
 - **G3** after every chunk: over the abort limit the pool is returned and,
   still over, the request (or the group) is refused.
 
@@ -40,7 +42,7 @@ from worker import prompt_cache as pc
 from worker.endings import Endings, Event, prompted
 from worker.group_prefill import PrefillGroup
 from worker.memory import UsageFn
-from worker.request import Seq
+from worker.request import WAITING_FOR_ROOM, Seq
 from worker.sampling import pick_rows
 
 log = logging.getLogger("memvisor.worker.engine")
@@ -133,21 +135,24 @@ class Prefill:
     def step(self, seq: Seq, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> bool:
         """Advance the request at the head of the prefill line; True when a chunk ran.
 
-        Afterwards its state says where it goes: still `waiting` or `prefill`
-        (it stays at the head), `decoding` (its first token is sampled) or
+        Afterwards its state says where it goes: still `waiting`, `prefill` or
+        `held` (it stays at the head), `decoding` (its first token is sampled) or
         `ended` (the guard refused it).
         """
-        if seq.state == "waiting":
+        if seq.state in WAITING_FOR_ROOM:
             if self._clock() < seq.deadline:
                 return False
-            seq.move("retry")
-            seq.retried = True
+            seq.retry_after_room()  # no answer came in time: try once more all the same
         pool = self.pool(limits, usage_fn)
         if seq.state == "preflight" and not self._preflight(seq, pool, events):
             return False
         remaining = len(seq.prompt) - 1 - seq.pos
-        if remaining > 0 and not self._run_chunk(seq, remaining, pool, events):
-            return True
+        if remaining > 0:
+            tokens = self._chunk_tokens(seq, remaining, pool, events)
+            if tokens == 0:
+                return seq.state == "ended"  # refused (the turn is used), or held for room (nothing ran)
+            if not self._run_chunk(seq, tokens, pool, events):
+                return True
         if seq.pos == len(seq.prompt) - 1:
             self._first_token(seq)
         return True
@@ -191,15 +196,20 @@ class Prefill:
             self._start(seq)
             events.append(prompted(seq))
             return True
+        self._ask_or_refuse(seq, verdict, pool, events)
+        return False
+
+    def _ask_or_refuse(self, seq: Seq, verdict: guard.Preflight, pool: GuardedPool, events: list[Event]) -> None:
+        """G1 and G2 alike: `evict` asks the supervisor for room (`NeedMemory`, the shortfall) and the
+        request waits for its answer; `reject` refuses it (`prefill_memory_exceeded`)."""
         if verdict.verdict == "evict":
             seq.move("need_memory")
             seq.deadline = self._clock() + self._memory_wait
             events.append(NeedMemory(request_id=seq.id, need_bytes=verdict.need_bytes,
                                      pool="device" if pool.limits.binding == guard.DEVICE else "host"))
-            return False
+            return
         events.append(self.endings.memory_failure(seq, verdict.estimated_bytes, verdict.limit_bytes,
                                                   verdict.binding))
-        return False
 
     def verdict(self, seq: Seq, pool: GuardedPool) -> guard.Preflight:
         """G1 for the tokens still to run; a reused prefix costs only its copy (see prompt_cache)."""
@@ -222,19 +232,36 @@ class Prefill:
             seq.cache = make_prompt_cache(self.model)
         seq.move("start")
 
-    def _run_chunk(self, seq: Seq, remaining: int, pool: GuardedPool, events: list[Event]) -> bool:
-        """G2 size, run, measure, G3 check; False when the request was refused."""
+    def _chunk_tokens(self, seq: Seq, remaining: int, pool: GuardedPool, events: list[Event]) -> int:
+        """G2: the next chunk's tokens (its time budget too); 0 when not even the floor chunk fits,
+        and the request is then held for room or refused (`_room_for_floor`)."""
+        if not guard.guard_on(pool.limits):
+            return self.chunk_timer.cap(min(self.max_chunk, remaining))
+        tokens = self._plan(seq, remaining, pool, pool.usage()).tokens
+        if tokens == 0:
+            tokens = self._room_for_floor(seq, remaining, pool, events)
+        return self.chunk_timer.cap(tokens) if tokens else 0  # a chunk also fits its time budget
+
+    def _plan(self, seq: Seq, remaining: int, pool: GuardedPool, usage: int) -> guard.ChunkPlan:
+        return guard.next_chunk(pool.limits, usage, remaining, self.cost, self.max_chunk, done=seq.pos)
+
+    def _room_for_floor(self, seq: Seq, remaining: int, pool: GuardedPool, events: list[Event]) -> int:
+        """G2 (2026-12-05) when not even the floor chunk fits, as G1: this worker's unused prompt-cache
+        entries go first (H4); then the supervisor is asked for room once (the request is `held`
+        with its KV so far, and retries with the answer); only then is it refused. The tokens
+        that fit once the entries went, else 0."""
+        if self.prompt_cache.drop_unused():
+            self._reclaim()
+        usage = pool.usage()
+        plan = self._plan(seq, remaining, pool, usage)
+        if plan.tokens:
+            return plan.tokens
+        self._ask_or_refuse(seq, guard.floor_room(plan, usage, pool.own(), retried=seq.floor_retried), pool, events)
+        return 0
+
+    def _run_chunk(self, seq: Seq, n: int, pool: GuardedPool, events: list[Event]) -> bool:
+        """Run `n` tokens (G2 sized them), measure, G3 check; False when the request was refused."""
         guarded = guard.guard_on(pool.limits)
-        if guarded:
-            plan = guard.next_chunk(pool.limits, pool.usage(), remaining, self.cost, self.max_chunk, done=seq.pos)
-            if plan.tokens == 0:
-                events.append(self.endings.memory_failure(seq, plan.estimated_bytes, plan.limit_bytes,
-                                                          plan.binding))
-                return False
-            n = plan.tokens
-        else:
-            n = min(self.max_chunk, remaining)
-        n = self.chunk_timer.cap(n)  # a chunk also fits its time budget
         chunk = mx.array(seq.prompt[seq.pos:seq.pos + n])[None]
         memory.reset_peak()
         before = mx.get_active_memory()

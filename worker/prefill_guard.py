@@ -278,7 +278,8 @@ def next_chunk(
     padded cost of a chunk (`chunk_bytes` x COST_PAD, on top of the `done`
     tokens already cached) says fits. The floor is `min_chunk_tokens` (or the
     tokens left, if fewer); when even the floor does not fit, the answer is 0
-    tokens: abort the request rather than push the machine over.
+    tokens: the request waits for room (`floor_room`) or is refused, rather
+    than push the machine over.
     """
     if remaining <= 0:
         return ChunkPlan(0)
@@ -300,6 +301,26 @@ def next_chunk(
     if floor_bytes <= room:
         return ChunkPlan(floor, usage + floor_bytes, target.bytes, target.binding)
     return ChunkPlan(0, usage + floor_bytes, target.bytes, target.binding)
+
+
+def floor_room(plan: ChunkPlan, usage: int, own_usage: int, *, retried: bool) -> Preflight:
+    """G2 (revised 2026-12-05) when not even the floor chunk fits (`plan.tokens` 0): ask for room as G1 does.
+
+    Why: G1 judges a prompt against the hard limit, G2 each chunk against the
+    lower chunk target (hard x headroom safety). A prompt G1 let through with
+    the group's usage just under soft was refused at its first floor chunk
+    while an idle 300 MiB model kept its memory: G1 would have asked the
+    supervisor to stop it. So the floor chunk asks too, with G1's meaning of
+    `need_bytes` (usage + the chunk's padded peak - its limit, the shortfall),
+    once per request (`retried`), and not when evicting every other model
+    could not help (`own_usage` + the chunk is over the limit by itself).
+    `reject` is the `prefill_memory_exceeded` refusal with the plan's numbers.
+    """
+    need = plan.estimated_bytes - plan.limit_bytes
+    hopeless = own_usage + (plan.estimated_bytes - usage) > plan.limit_bytes
+    if retried or hopeless or need <= 0:
+        return Preflight("reject", plan.estimated_bytes, plan.limit_bytes, plan.binding)
+    return Preflight("evict", plan.estimated_bytes, plan.limit_bytes, plan.binding, need_bytes=need)
 
 
 def padded_chunk_bytes(cost: PrefillCost, done: int, tokens: int) -> int:

@@ -8,12 +8,13 @@ request:
 
     queued --admit--> preflight (G1) --start--> prefill --first_token--> decoding
     preflight --need_memory--> waiting --retry--> preflight   (G1 asked the supervisor)
+    prefill --need_memory--> held --retry--> prefill          (G2: not even the floor chunk fit)
     preflight --group--> grouped --first_token--> decoding    (prefilled together)
     grouped --split--> prefill                                (a group step did not fit: alone)
     any state but ended --end--> ended                        (Finished or Failed, exactly once)
 
 The scheduler's lines (worker/scheduler.py) hold the states: the queue `queued`; the prefill line
-`preflight`, `waiting` and `prefill`; the prefill group `grouped`; the
+`preflight`, `waiting`, `prefill` and `held`; the prefill group `grouped`; the
 decode list (and the batch) `decoding`.
 """
 
@@ -29,14 +30,15 @@ from worker.constrain import Constraint
 from worker.sampling import Sampler
 from worker.stops import StopMatcher
 
-RequestState = Literal["queued", "preflight", "waiting", "prefill", "grouped", "decoding", "ended"]
+RequestState = Literal["queued", "preflight", "waiting", "prefill", "held", "grouped", "decoding", "ended"]
 RequestEvent = Literal["admit", "need_memory", "retry", "start", "group", "split", "first_token", "end"]
 
 TRANSITIONS: dict[RequestState, dict[RequestEvent, RequestState]] = {
     "queued": {"admit": "preflight", "end": "ended"},
     "preflight": {"need_memory": "waiting", "start": "prefill", "group": "grouped", "end": "ended"},
     "waiting": {"retry": "preflight", "end": "ended"},
-    "prefill": {"first_token": "decoding", "end": "ended"},
+    "prefill": {"need_memory": "held", "first_token": "decoding", "end": "ended"},
+    "held": {"retry": "prefill", "end": "ended"},
     "grouped": {"split": "prefill", "first_token": "decoding", "end": "ended"},
     "decoding": {"end": "ended"},
     "ended": {},  # a second ending would be a second terminal event: a bug, said loudly
@@ -61,6 +63,9 @@ def transition(state: RequestState, event: RequestEvent) -> RequestState:
 
 
 assert set(TRANSITIONS) == set(get_args(RequestState)), "every state has a row"
+
+# Waiting for the supervisor's answer to a request for room: G1 before the prefill, G2 inside it.
+WAITING_FOR_ROOM: tuple[RequestState, ...] = ("waiting", "held")
 
 LayerCaches = list[Any]  # one mlx_lm cache per layer (KVCache, rotating, ...): mlx_lm types it List[Any] too
 INVALID_REQUEST: FailureCode = "invalid_request"
@@ -94,7 +99,7 @@ class Seq:
 
     __slots__ = (
         "id", "prompt", "max_tokens", "sample", "stopper", "state", "cache", "pos",
-        "y", "detok", "generated", "retried", "deadline", "warned_soft", "constraint", "hit", "cached", "out",
+        "y", "detok", "generated", "retried", "floor_retried", "deadline", "warned_soft", "constraint", "hit", "cached", "out",
         "resuming", "cached_disk",
     )
 
@@ -111,7 +116,8 @@ class Seq:
         self.y: mx.array | None = None  # next token (lazy / in flight); a batch row's is the batch's
         self.detok: Detokenizer | None = None  # from the first output token on
         self.generated = 0
-        self.retried = False
+        self.retried = False       # G1 asked the supervisor for room (once per request)
+        self.floor_retried = False  # G2 asked for room for its floor chunk (once per request)
         self.deadline = 0.0
         self.warned_soft = False
         self.constraint: Constraint | None = constraint  # grammar of the output
@@ -124,6 +130,15 @@ class Seq:
     def move(self, event: RequestEvent) -> None:
         """The one way a request changes state (IllegalMove when the table does not allow it)."""
         self.state = transition(self.state, event)
+
+    def retry_after_room(self) -> None:
+        """The supervisor answered a request for room, or the wait ran out: G1 (`waiting`) or
+        G2 (`held`) tries again, and does not ask a second time."""
+        if self.state == "waiting":
+            self.retried = True
+        else:
+            self.floor_retried = True
+        self.move("retry")
 
     def kv(self) -> LayerCaches:
         """The sequence's own KV, which it has from its prefill until it joins a batch or ends."""

@@ -42,6 +42,19 @@ from mlx_lm.sample_utils import (
 
 from shared.protocol import MAX_TOP_LOGPROBS, Generate, TokenLogprobs, TopLogprob
 
+# At or below this temperature a request is greedy (`Settings.__post_init__`, the one place
+# every API's temperature passes). Why a floor at all: sampling divides the log-probabilities
+# by the temperature in float32, whose largest value is 3.4e38; at 1e-40 (float32 cannot even
+# hold it) or 1e-300 the scale 1/T overflowed to inf, every scaled value became -inf or NaN,
+# and the draw was uniform: the reply changed with the seed. Why 1e-5: at 1/T = 1e5 a draw
+# differs from argmax only between tokens whose log-probabilities lie within ~2e-4 of each
+# other (the Gumbel noise of a float32 draw spans ~21), finer than a trained model's float16
+# or bfloat16 logits resolve (a step of ~1e-3 at magnitude 1 in float16, ~8e-3 in bfloat16):
+# below it sampling is argmax plus noise on near-ties, which greedy settles, and it stays
+# far above where the float32 arithmetic breaks (1/T past 3.4e38, below ~3e-39). vLLM draws the
+# same line (its _SAMPLING_EPS, 1e-5).
+GREEDY_AT_OR_BELOW = 1e-5
+
 Sampler = Callable[[mx.array], mx.array]
 Filter = Callable[[mx.array], mx.array]
 Pending = tuple[mx.array, Union[mx.array, None], Union[mx.array, None]]  # a token's logprob, top ids, top logprobs
@@ -64,6 +77,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     logit_bias: dict[int, float] = {}
     logprobs: bool = False
     top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        # a temperature at or below the floor is greedy (GREEDY_AT_OR_BELOW says why), for
+        # the sampler, the batch's shared argmax and the seed alike; 0, a negative or a NaN
+        # value stay as they are for `check` to judge
+        if 0 < self.temperature <= GREEDY_AT_OR_BELOW:
+            msgspec.structs.force_setattr(self, "temperature", 0.0)
 
     @classmethod
     def of(cls, cmd: Generate) -> Settings:

@@ -4,7 +4,8 @@ A request is in exactly one of the scheduler's lines, and its state
 (worker/request.py) matches the line:
 
     queue      queued                          submitted, not yet admitted
-    line       preflight, waiting, prefill     the prefill line (only its head moves)
+    line       preflight, waiting, prefill,    the prefill line (only its head moves)
+               held
     group      grouped                         prefilled together
     decoding   decoding                        a token each step (the decode batch)
 
@@ -41,7 +42,7 @@ from worker.endings import Endings, Event, prompted
 from worker.group_prefill import PrefillGroup, worth_padding
 from worker.memory import UsageFn
 from worker.prefill import Prefill
-from worker.request import Seq
+from worker.request import WAITING_FOR_ROOM, Seq
 
 
 class Scheduler:
@@ -79,12 +80,12 @@ class Scheduler:
             # Only the head of the prefill line can move; while it waits for the
             # supervisor's answer, admitting more would not move anything either.
             head = self.line[0]
-            return head.state != "waiting" or self._clock() >= head.deadline
+            return head.state not in WAITING_FOR_ROOM or self._clock() >= head.deadline
         return bool(self.queue)
 
     def next_deadline(self) -> float | None:
         """Earliest time a request waiting for memory retries on its own (loop timeouts)."""
-        deadlines = [seq.deadline for seq in self.line if seq.state == "waiting"]
+        deadlines = [seq.deadline for seq in self.line if seq.state in WAITING_FOR_ROOM]
         return min(deadlines) if deadlines else None
 
     def remove(self, request_id: str) -> Seq | None:
@@ -126,11 +127,10 @@ class Scheduler:
         return seqs
 
     def memory_answer(self, request_id: str) -> bool:
-        """G1: the supervisor answered a request waiting for room; it retries once. False if none waits."""
+        """G1, G2: the supervisor answered a request waiting for room; it retries once. False if none waits."""
         for seq in self.line:
-            if seq.id == request_id and seq.state == "waiting":
-                seq.move("retry")
-                seq.retried = True
+            if seq.id == request_id and seq.state in WAITING_FOR_ROOM:
+                seq.retry_after_room()
                 return True
         return False
 

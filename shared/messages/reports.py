@@ -60,11 +60,12 @@ class Alive(Msg, tag="alive", kw_only=True):
     tokens: int = 0      # tokens generated so far (progress)
 
 
-# -- the prompt cache's tiers (H5, H6 as proposed, docs/spec-proposal-h5-h6.md) ------------
+# -- the prompt cache's tiers (H5, H6; docs/rules.md) ------------------------------------------
 class DiskCacheCounters(msgspec.Struct, frozen=True, kw_only=True):
     """What the prompt cache's tiers did, counted: entries (and bytes, tokens) read back from
     disk by requests, written at a stop, dropped (a stop's deadline came first, H5), evicted
-    over the budget, and quantized in memory with the bytes that returned (H6). One list of
+    over the budget, rejected (read back bad and removed, H5.3), and quantized in memory with
+    the bytes that returned (H6). One list of
     counters, kept by a worker (`DiskCacheStats`) and summed by the supervisor (`DiskCacheStatus`)."""
 
     read_entries: int = 0
@@ -76,6 +77,7 @@ class DiskCacheCounters(msgspec.Struct, frozen=True, kw_only=True):
     dropped_bytes: int = 0
     evicted_entries: int = 0
     evicted_bytes: int = 0
+    rejected_entries: int = 0     # read back bad (cut short, checksum, shape, NaN) and removed (H5.3)
     quantized_entries: int = 0
     quantized_bytes: int = 0
 
@@ -98,6 +100,7 @@ class DiskCacheStats(DiskCacheCounters, frozen=True, kw_only=True):
     bytes: int = 0
     all_bytes: int = 0
     budget: int = 0               # the budget in force; 0 = the tier is off
+    foreign_files: int = 0        # files and folders under kv/ not provably ours, left alone (H5.3)
     save_seconds: float = 0.0     # the last stop's write: how long it took ...
     save_deadline: float = 0.0    # ... of how long it was given (Drain.save_seconds)
 

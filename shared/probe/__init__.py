@@ -347,6 +347,22 @@ def exact_footprint(pid: int) -> int | None:
         return None
 
 
+def read_wired() -> int | None:
+    """SPEC M3: the OS's wired memory in bytes, read after every worker exit; None where there is no
+    such count to watch (only macOS strands wired memory) or it cannot be read. One
+    host_statistics64 call: no subprocess, nothing that waits."""
+    if sys.platform != "darwin":
+        return None
+    try:
+        from shared.probe.macos import MacProbe
+
+        backend = _get_backend()
+        return backend.wired_bytes() if isinstance(backend, MacProbe) else None
+    except Exception as exc:  # noqa: BLE001 - never let a probe break the guard
+        warn_once(f"wired:{type(exc).__name__}", f"wired memory reading failed: {exc!r}")
+        return None
+
+
 def own_footprint() -> int | None:
     """This process's footprint (the supervisor's share of U2, or a worker's U1)."""
     return footprint(os.getpid())

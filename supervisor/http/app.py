@@ -5,7 +5,7 @@ msgspec, so FastAPI's pydantic layer would only add a second validator and
 its import cost. http/server.py serves these routes in the supervisor's own
 loop. The front door sees the supervisor only through `supervisor.api.Supervisor`.
 
-Endpoints (DESIGN.md contract):
+Endpoints (docs/api.md):
   GET  /health                      200, or 503 while a pinned model is not ready
   GET  /health?model=ID             that model's readiness, status as a request would get
   GET  /status                      SPEC S1 + the PUB endpoint
@@ -21,6 +21,7 @@ Endpoints (DESIGN.md contract):
   POST /v1/messages/count_tokens    Anthropic token counting
   GET  /api/version, /api/tags, /api/ps; POST /api/show, /api/chat, /api/generate
                                     the Ollama API (http/ollama.py)
+  POST /api/pull, DELETE /api/delete  admin; models from the Hugging Face hub (http/ollama_pull.py)
   /chat/completions, /completions, /models, /messages: the /v1 routes for clients
   that leave the prefix out
   POST /tokenize, /detokenize       llama.cpp's token routes (http/tokenize.py)
@@ -47,7 +48,6 @@ from starlette.routing import Route
 
 from shared import protocol as p
 from shared.sizes import SizeError, parse_size
-from shared.states import SERVING_STATES
 from shared.vocab import ErrorCode
 from supervisor.api import Supervisor
 from supervisor.control import MAX_CONTEXT_TOKENS
@@ -57,7 +57,7 @@ from supervisor.http import embeddings as http_embeddings
 from supervisor.http import generate as http_generate
 from supervisor.http import infill as http_infill
 from supervisor.http import ollama as http_ollama
-from supervisor.http import ollama_models
+from supervisor.http import ollama_models, ollama_pull
 from supervisor.http import responses as http_responses
 from supervisor.http import tokenize as http_tokenize
 from supervisor.http.auth import ApiKeys, EventTickets, require_admin
@@ -66,6 +66,7 @@ from supervisor.http.dashboard import Dashboard
 from supervisor.http.errors import ApiError, from_serve_error
 from supervisor.http.events import EventsEndpoint
 from supervisor.http.job import race_client
+from supervisor.http.keepalive import is_admin
 from supervisor.http.metrics import Metrics
 from supervisor.http.modelfacts import ModelFacts, capabilities, facts_of
 from supervisor.http.openai_types import BodyError, GuardSettingsIn, ModelCard, ModelList, decode_body
@@ -73,11 +74,6 @@ from supervisor.http.openai_types import BodyError, GuardSettingsIn, ModelCard, 
 log = logging.getLogger("memvisor.http")
 
 _encoder = msgspec.json.Encoder()
-
-
-class HealthBody(msgspec.Struct, kw_only=True):
-    status: str  # "ok" | "loading" | "failed"
-    waiting: dict[str, str]  # pinned model -> why it is not ready
 
 
 class UnloadBody(msgspec.Struct, kw_only=True):
@@ -159,7 +155,10 @@ class FrontDoor:
     async def unload(self, request: Request) -> Response:
         require_admin(request, self.scfg.admin_token)
         model = self._model_config(request.path_params["model_id"])
-        done = await self.sup.unload(model.id, "unloaded over HTTP")
+        try:
+            done = await self.sup.unload(model.id, "unloaded over HTTP", admin=True)
+        except ServeError as exc:
+            raise from_serve_error(exc) from None
         return json_response(UnloadBody(id=model.id, unloaded=done))
 
     # -- generation -----------------------------------------------------------
@@ -243,6 +242,14 @@ class FrontDoor:
         started = request.scope.get("memvisor.started", time.monotonic())
         return await http_ollama.handle_generate(request, self.sup, self.metrics, body, started)
 
+    async def ollama_pull(self, request: Request) -> Response:
+        body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
+        return await ollama_pull.handle_pull(request, self.sup, body)
+
+    async def ollama_delete(self, request: Request) -> Response:
+        body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
+        return await ollama_pull.handle_delete(request, self.sup, body)
+
     async def ollama_no_hub(self, request: Request) -> Response:
         raise ollama_models.no_hub(request.url.path)
 
@@ -272,27 +279,15 @@ class FrontDoor:
         return json_response(self.sup.server_status())
 
     async def health(self, request: Request) -> Response:
-        """503 while a pinned model is not serving: `failed` when one gave up, else `loading`.
+        """503 while a pinned model is on its way up: `failed` when one gave up, else `loading`;
+        a pinned model an admin unloaded is listed under `unloaded` (supervisor/readiness.py).
 
         `?model=ID`: that model's readiness, with the status a request for it
         would get now (200, 429, 503 or 507) and its Retry-After: a router's cheap probe."""
         if "model" in request.query_params:
             return self.model_health(request.query_params["model"])
-        waiting: dict[str, str] = {}
-        failed = False
-        for model in self.sup.config.models:
-            if not model.pinned:
-                continue
-            view = self.sup.model_view(model.id)
-            if view.state == "failed":
-                failed = True
-                waiting[model.id] = f"failed: {view.reason}"
-            elif view.state == "unloaded":
-                waiting[model.id] = "not loaded yet"
-            elif view.state not in SERVING_STATES:
-                waiting[model.id] = view.state
-        status = "failed" if failed else "loading" if waiting else "ok"
-        return json_response(HealthBody(status=status, waiting=waiting), 503 if waiting else 200)
+        health = self.sup.health()
+        return json_response(health, 503 if health.waiting else 200)
 
     def model_health(self, name: str) -> Response:
         try:
@@ -318,11 +313,7 @@ class FrontDoor:
         self.keys.check(request, from_query=True)
 
     def may_admin(self, request: Request) -> bool:
-        try:
-            require_admin(request, self.scfg.admin_token)
-        except ApiError:
-            return False
-        return True
+        return is_admin(request, self.scfg.admin_token)
 
     # -- wiring ---------------------------------------------------------------
 
@@ -371,9 +362,10 @@ class FrontDoor:
             Route("/api/generate", o(self.ollama_generate), methods=["POST"]),
             Route("/api/embed", o(self.ollama_embed), methods=["POST"]),
             Route("/api/embeddings", o(self.ollama_embeddings), methods=["POST"]),
+            Route("/api/pull", o(self.ollama_pull), methods=["POST"]),  # admin (http/ollama_pull.py)
+            Route("/api/delete", o(self.ollama_delete), methods=["DELETE"]),
             *[Route(path, o(self.ollama_no_hub), methods=["POST", "DELETE", "HEAD"])
-              for path in ("/api/pull", "/api/push", "/api/create", "/api/copy", "/api/delete",
-                           "/api/blobs/{digest}")],
+              for path in ("/api/push", "/api/create", "/api/copy", "/api/blobs/{digest}")],
             Route("/admin/guard", r(self.guard), methods=["POST"]),
         ]
 

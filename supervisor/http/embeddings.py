@@ -20,7 +20,9 @@ the openai SDK asks for by default and decodes); `dimensions` where the model
 was trained for Matryoshka truncation (its config's `matryoshka_dimensions`),
 else a 400 naming it; `usage.prompt_tokens`. An input over the model's limit
 is a 400 (`context_length_exceeded`). Ollama's shape: `input` a string or a
-list of strings, `truncate` (default true: an over-long input is cut to the
+list of strings, checked by the same `inputs` as OpenAI's (an empty string in a
+list is a 400 on both; no input, `""` or `[]` is Ollama's empty request, which
+only loads the model), `truncate` (default true: an over-long input is cut to the
 limit), `embeddings` with `prompt_eval_count` and the durations in
 nanoseconds; `/api/embeddings` takes one `prompt` and answers one `embedding`.
 A request holds at most `EmbeddingSpec.input_cap()` inputs (2,048, fewer for
@@ -44,7 +46,7 @@ from shared import protocol as p
 from shared.embedding import WRONG_MODEL_KIND, EmbeddingSpec
 from supervisor.api import Supervisor
 from supervisor.errors import ServeError
-from supervisor.http import ollama, routing
+from supervisor.http import ollama, ollama_options, routing
 from supervisor.http.errors import ApiError, from_failed, from_serve_error
 from supervisor.http.job import race_client
 from supervisor.http.keepalive import keep_alive_seconds
@@ -242,21 +244,20 @@ async def handle_openai(request: Request, sup: Supervisor, metrics: Metrics, bod
 def _options(options: dict[str, Any] | None) -> None:
     """Ollama's options, checked as on /api/chat; none changes a vector (sampling and
     placement), so the valid ones are accepted and the rest is a 400 naming it."""
-    ollama.sampling(options)
+    ollama_options.sampling(options)
 
 
 async def handle_embed(request: Request, sup: Supervisor, metrics: Metrics, body: bytes, started: float) -> Response:
     req = decode_body(body, OllamaEmbedRequest)
     _options(req.options)
-    texts = [req.input] if isinstance(req.input, str) else list(req.input or [])
-    if len(texts) > 1 and not all(texts):
-        raise BodyError("input: strings must not be empty", param="input")
+    empty = not req.input  # no input, "" or []: Ollama's empty request, which only loads the model
+    given = Inputs(texts=[]) if empty else inputs(req.input)  # OpenAI's checks: [""] is a 400 on both
     model = ollama.resolve(sup, req.model)
     keep = keep_alive_seconds(req.keep_alive, None)
-    if not texts or texts == [""]:  # Ollama's empty request: load the model, embed nothing
+    if empty:
         await _load_only(request, sup, model, keep)
         return _json({"model": req.model, "embeddings": []})
-    out = await run(request, sup, metrics, model, Inputs(texts=texts), dimensions=req.dimensions,
+    out = await run(request, sup, metrics, model, given, dimensions=req.dimensions,
                     truncate=req.truncate is not False, keep=keep)
     end, ns = time.monotonic(), 1_000_000_000
     return _json({"model": req.model, "embeddings": [floats(row) for row in out.vectors],

@@ -5,6 +5,12 @@
 strictly and before any generation starts: "inf" was a 500 that left a
 generation running for nobody and "nan" meant "unload now", so only finite
 values up to MAX_KEEP_ALIVE pass.
+
+A timer is not an unload: P10 never expires a pinned model, whoever asks. Ollama's
+`keep_alive: 0` with no prompt is an unload, and goes through the supervisor's one
+unload (`Supervisor.unload`, its rule in service.py `unload_refusal`) with `is_admin`
+saying who asks: an API key alone could unload a pinned model there that the
+admin route refused it (docs/access.md).
 """
 
 from __future__ import annotations
@@ -12,7 +18,22 @@ from __future__ import annotations
 import math
 import re
 
+from starlette.requests import Request
+
+from supervisor.api import UNLOAD_WHEN_IDLE
+from supervisor.http.auth import require_admin
+from supervisor.http.errors import ApiError
 from supervisor.http.openai_types import BodyError
+
+
+def is_admin(request: Request, admin_token: str) -> bool:
+    """Whether the admin route would let this request in (http/auth.py `require_admin`):
+    every door's unload asks the same question."""
+    try:
+        require_admin(request, admin_token)
+    except ApiError:
+        return False
+    return True
 
 
 def keep_alive_seconds(keep_alive, ttl: int | None) -> float | None:
@@ -40,7 +61,7 @@ def keep_alive_seconds(keep_alive, ttl: int | None) -> float | None:
     return seconds if seconds > 0 else UNLOAD_NOW
 
 
-UNLOAD_NOW = 1e-3  # P10 expires an idle model whose idle time exceeds its TTL: at once
+UNLOAD_NOW = UNLOAD_WHEN_IDLE  # P10 expires an idle model whose idle time exceeds its TTL: at once
 MAX_KEEP_ALIVE = 10 * 365 * 86400.0  # ten years: longer is "forever", which is spelled -1
 _UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)")

@@ -1,5 +1,7 @@
 """The Ollama API's model routes: `/api/version`, `/api/tags`, `/api/ps`, `/api/show`,
-and the store's routes (`/api/pull` and the like), which memvisor cannot serve.
+and the store's routes memvisor cannot serve (`/api/push`, `/api/create`, ...).
+`/api/pull` and `/api/delete` (models from the Hugging Face hub) are
+http/ollama_pull.py.
 
 Each model is described from its folder's small files (http/modelfacts.py,
 read off the loop) and what the supervisor knows of it (`ModelInfo`): the
@@ -121,14 +123,14 @@ async def show(sup: Supervisor, body: bytes) -> dict[str, Any]:
             "capabilities": capabilities(facts), "modified_at": modified_at(facts)}
 
 
-# Ollama's routes that manage a model store; memvisor serves folders on disk.
-NO_HUB = {"/api/pull": "pull", "/api/push": "push", "/api/create": "create", "/api/copy": "copy",
-          "/api/delete": "delete", "/api/blobs": "upload blobs"}
+# Ollama's routes that manage its own model store; memvisor serves folders on disk
+# (and pulls from the Hugging Face hub: /api/pull, /api/delete).
+NO_HUB = {"/api/push": "push", "/api/create": "create", "/api/copy": "copy", "/api/blobs": "upload blobs"}
 
 
 def no_hub(path: str) -> ApiError:
     """A clear 501 for routes that need Ollama's model store or hub."""
     what = next((v for k, v in NO_HUB.items() if path == k or path.startswith(k + "/")), "manage models")
-    return ApiError(501, f"memvisor cannot {what} models: it has no model store or hub. It serves model "
-                         "folders on disk: add one under [[models]] or a models_dirs folder (then `python -m supervisor "
-                         "reload`), and it appears in /api/tags", code="not_implemented")
+    return ApiError(501, f"memvisor cannot {what} models: it has no model store of its own. It serves model "
+                         "folders on disk (add one under [[models]] or a models_dirs folder, then `python -m supervisor "
+                         "reload`) and pulls from the Hugging Face hub (/api/pull ORG/NAME)", code="not_implemented")

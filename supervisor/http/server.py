@@ -2,7 +2,7 @@
 
 uvicorn serves the Starlette app as a task of the supervisor's own asyncio
 loop, so a request reaches the pool, the gate and the enforcer with no
-thread hop and no lock (DESIGN.md: one loop). `start_http(sup)` binds first
+thread hop and no lock (docs/architecture.md: one loop). `start_http(sup)` binds first
 (a taken port is a clear error, not uvicorn's sys.exit), starts uvicorn and
 returns once it accepts, with the address it bound. `build_app(sup)` is the
 ASGI app: the routes (app.py) behind the gate (gate.py: Host, Origin,

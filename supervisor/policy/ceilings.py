@@ -90,6 +90,7 @@ class Ceilings(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     hot_cache_budget: int        # H2: min(hot_cache_max, soft // 4), the budget in force
     worker_ceiling: int          # ceiling minus every cache (C12): a worker that holds none gets this
     worker_abort_limit: int      # abort limit minus every cache (C12)
+    wired_stranded: int = 0      # M3: wired memory exits left behind, off static and the GPU cap
 
 
 def _reading_kind(host: HostCounters | None) -> Reading:
@@ -176,18 +177,27 @@ def compute_ceilings(
     hard_threshold: float | None = None,
     hot_cache_max: int = 0,
     hot_cache_used: int = 0,
+    stranded: int = 0,
 ) -> Ceilings:
     """C1-C12 for one tick. `tier` must already be normalised (T2).
 
     `total` is the machine's memory (already capped by a container limit or a
     budget); `own`/`own_gpu` the group's footprint and its GPU share.
+
+    `stranded` is wired memory that worker exits left behind (M3, macOS): the
+    kernel holds it for nobody until a reboot, so it is taken off static (C1)
+    and the GPU cap (C4, C8, C10), the candidates that do not read the host's
+    counters. Not off dynamic (C2): wired pages are neither free, inactive nor
+    active, so dynamic already leaves them out, and not into `other_apps`,
+    which is the share of other apps' memory the OS could compress away.
     """
     params = TIER_PARAMS[tier]
     reserve = reserve_bytes(tier, total)
+    stranded = max(0, stranded)
     static = total - reserve
     reserve_exceeds = static <= 0
-    if reserve_exceeds:
-        static = 1  # C1: never 0, which would read as "no limit"
+    static = max(1, static - stranded)  # C1: never 0, which would read as "no limit"
+    gpu_room = max(1, gpu_cap_raw - stranded) if gpu_cap_raw > 0 else 0  # the raw cap, less what is stranded
     if tier == "custom":
         reading = _reading_kind(host)
         free = inactive = other_apps = 0
@@ -197,7 +207,7 @@ def compute_ceilings(
             tier, host, own, own_gpu, reserve, static
         )
     cpu_side = max(0, own - own_gpu) if own_gpu > 0 else 0
-    gpu_cap = gpu_cap_raw + cpu_side if gpu_cap_raw > 0 else 0
+    gpu_cap = gpu_room + cpu_side if gpu_room > 0 else 0
     soft_t, hard_t = resolve_thresholds(tier, soft_threshold, hard_threshold)
 
     best = static
@@ -208,8 +218,8 @@ def compute_ceilings(
     ceiling = best if enabled else 0
     binding = _binding(ceiling, static, dynamic, gpu_cap)
     admission_ceiling = ceiling if enabled else static
-    residency = (min(static, gpu_cap_raw) if gpu_cap_raw > 0 else static) if enabled else 0
-    abort_limit = (min(static, gpu_cap) if gpu_cap_raw > 0 else static) if enabled else 0
+    residency = (min(static, gpu_room) if gpu_room > 0 else static) if enabled else 0
+    abort_limit = (min(static, gpu_cap) if gpu_room > 0 else static) if enabled else 0
     # C12 (2026-12-01): what the caches hold now, never room they might grow into
     reserved = max(0, hot_cache_used) if ceiling > 0 or abort_limit > 0 else 0
     soft = int(ceiling * soft_t) if ceiling > 0 else 0
@@ -247,6 +257,7 @@ def compute_ceilings(
         hot_cache_budget=hot_cache_budget(hot_cache_max, soft),
         worker_ceiling=worker_limit(ceiling, reserved),
         worker_abort_limit=worker_limit(abort_limit, reserved),
+        wired_stranded=stranded,
     )
 
 
@@ -260,6 +271,7 @@ def limits_for(
     cache_cap: int = 0,
     pool_max: int = 0,
     others_cache: int | None = None,
+    wire_weights: bool = False,
 ) -> Limits:
     """Everything SPEC G needs inside a worker, from this tick's ceilings.
 
@@ -270,7 +282,8 @@ def limits_for(
     (`others_cache`, C12; None: every cache, as for a worker holding none);
     the component ceilings ride along so a rejected prefill can name what
     binds (C6). `max_concurrency` 0 means "the policy's SetConcurrency
-    decisions carry the cap" (P8).
+    decisions carry the cap" (P8). The residency ceiling (C8) is what a macOS
+    worker may wire, handed out only with `wire_weights` (M2, 2026-12-05); 0 wires nothing.
     """
     others = c.hot_cache_reserved if others_cache is None else others_cache
     return Limits(
@@ -292,7 +305,7 @@ def limits_for(
         max_concurrency=max_concurrency,
         cache_cap=cache_cap,
         pool_max=pool_max,
-        residency=c.residency_ceiling,
+        residency=c.residency_ceiling if wire_weights else 0,
     )
 
 
@@ -327,7 +340,7 @@ def reserve_message(c: Ceilings) -> str:
 
 
 class TierPreview(msgspec.Struct, frozen=True, kw_only=True):
-    """C14: one tier's ceiling right now. Field names are DESIGN.md's contract."""
+    """C14: one tier's ceiling right now. Field names are a contract (docs/operations.md)."""
 
     reserve_bytes: int
     free_bytes: int

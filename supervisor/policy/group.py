@@ -123,7 +123,7 @@ def ceilings_for(s: Snapshot, group: WorkerGroup | None = None) -> Ceilings:
         tier=tier, enabled=guard.enabled, total=snapshot_total(s), host=s.host, own=g.own,
         own_gpu=g.own_gpu, gpu_cap_raw=s.gpu_cap_raw, custom_ceiling=guard.custom_ceiling,
         soft_threshold=guard.soft_threshold, hard_threshold=guard.hard_threshold,
-        hot_cache_max=guard.hot_cache_max, hot_cache_used=g.hot_used,
+        hot_cache_max=guard.hot_cache_max, hot_cache_used=g.hot_used, stranded=s.wired_stranded,
     )
 
 

@@ -45,6 +45,7 @@ class GuardSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     hot_cache_max: int = 0               # C12 budget shared by all workers, 0 = none
     safe_zone_ratio: float = 0.89        # G2, handed through in Limits
     min_chunk_tokens: int = 256          # G2, handed through in Limits
+    wire_weights: bool = False           # M2: hand workers the residency ceiling to wire (macOS), else 0
     poll_interval: float = 1.0           # P9
     loaded_idle_interval: float = 10.0
     unloaded_idle_interval: float = 30.0
@@ -129,6 +130,7 @@ class Snapshot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     device_total: int = 0                # a discrete device's memory (CUDA): its own pool (D), never folded in
     device_free: int | None = None       # D1: free on that device now; None: no reading (dynamic = static)
     activity_hint: float | None = None   # P9: last "activity is coming" hint (monotonic)
+    wired_stranded: int = 0              # M3: wired memory worker exits left behind (macOS), bytes
     recheck: bool = False
     workers: list[WorkerRecord] = []
     state: PolicyState = PolicyState()

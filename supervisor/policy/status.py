@@ -21,7 +21,7 @@ import msgspec
 from shared.protocol import DevicePool, DiskCacheCounters, GuardEvent
 from shared.states import LIVE_STATES
 from shared.vocab import HostBinding, PressureLevel, Tier
-from supervisor.policy.ceilings import remedy, reserve_message
+from supervisor.policy.ceilings import remedy, reserve_message, wired_limit_advice
 from supervisor.policy.device import device_remedy
 from supervisor.policy.pressure import TickResult
 from supervisor.policy.snapshot import Snapshot
@@ -101,6 +101,10 @@ class GuardStatus(msgspec.Struct, frozen=True, kw_only=True):
     # the group's, the worse of the two pools (D4).
     device: DevicePool | None = None
     custom_device_ceiling: int = 0   # D2: [guard] custom_device_ceiling (0 = unset)
+    # M2 (macOS): [guard] wire_weights, and with it the C13 line when the kernel's cap is below the suggestion
+    wire_weights: bool = False
+    wired_advice: str = ""
+    wired_stranded: int = 0          # M3: wired memory worker exits left behind, off static and the GPU cap
 
 
 def _warning(snapshot: Snapshot, result: TickResult) -> str:
@@ -170,6 +174,8 @@ def build_status(snapshot: Snapshot, result: TickResult, device_name: str = "") 
         utilization=result.usage / c.ceiling if c.ceiling > 0 else 0.0,
         poll_interval=result.next_interval, workers=workers,
         device=device_pool(result, device_name), custom_device_ceiling=snapshot.guard.custom_device_ceiling,
+        wire_weights=snapshot.guard.wire_weights, wired_stranded=c.wired_stranded,
+        wired_advice=wired_limit_advice(c.static, c.total, c.gpu_cap_raw) if snapshot.guard.wire_weights else "",
     )
 
 

@@ -45,7 +45,7 @@ def limits_to_hand_out(t: Tick, paused: bool, level: PressureLevel) -> tuple[Lim
     cache_cap = c.hot_cache_budget // keepers if c.hot_cache_budget > 0 and keepers else 0
     common = limits_for(c, admission_paused=paused, safe_zone_ratio=guard.safe_zone_ratio,
                         min_chunk_tokens=guard.min_chunk_tokens, cache_cap=cache_cap,
-                        pool_max=guard.pool_max, others_cache=0)
+                        pool_max=guard.pool_max, others_cache=0, wire_weights=guard.wire_weights)
     if t.dc is not None and t.dc.ceiling > 0:  # D4: workers report device crossings at once
         common = _device_watermarks(t, common, t.dc)
     had, had_own = prev.limited, prev.reduced

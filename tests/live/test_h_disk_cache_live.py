@@ -1,4 +1,4 @@
-"""The prompt cache's disk tier (H5 as proposed, docs/spec-proposal-h5-h6.md) through a real
+"""The prompt cache's disk tier (H5, docs/rules.md) through a real
 supervisor, real worker processes, real ZeroMQ and real HTTP.
 
 Both ends of the stop's contract run for real: the pool computes the write's
@@ -18,7 +18,7 @@ import pytest
 from shared.sizes import MiB
 from supervisor.config import GuardConfig, ModelConfig
 from tests.http_harness import LiveServer, make_config, metric, until
-from worker import kv_files
+from worker import kv_files, kv_folder
 
 pytestmark = pytest.mark.slow
 
@@ -46,12 +46,13 @@ async def chat_then_unload(live: LiveServer):
     await live.openai().chat.completions.create(model="a", messages=messages(), max_tokens=4)
     handle = live.arbiter.pool.worker_for("a")
     started = time.monotonic()
-    assert await live.arbiter.service.unload("a")
+    assert await live.arbiter.service.unload("a", admin=True)
     return handle, time.monotonic() - started
 
 
 def on_disk(cache_root) -> list:
-    return sorted(p for p in (cache_root / "kv").rglob("*") if p.is_file())
+    """The tier's files (its entries and any temporary file), not the budget's lock."""
+    return sorted(p for p in (cache_root / "kv").rglob("*") if p.is_file() and p.name != kv_folder.LOCK_NAME)
 
 
 def test_h5_an_entry_written_at_a_guard_ordered_stop_is_reused_by_the_next_worker(tiny_models, runtime_dir,

@@ -168,7 +168,7 @@ def test_real_gguf_a2_estimate_matches_measured_memory_and_the_import_is_reused(
     estimate = read_header(smollm2).mlx_bytes
 
     async def reload():
-        await arbiter.service.unload("smol")
+        await arbiter.service.unload("smol", admin=True)
         handle = await arbiter.models.load("smol")
         await until(lambda: handle.sample is not None or not handle.live, timeout=60, what="a sample")
         return handle

@@ -181,3 +181,40 @@ def test_a_bias_past_the_vocabulary_is_a_400_naming_logit_bias(server):
 
     err = server.run(main())
     assert err.status_code == 400 and "logit_bias" in err.message
+
+
+TINY = [1e-5, 1e-30, 1e-38, 1e-40, 1e-300, 5e-324]
+
+
+def test_a_tiny_temperature_is_greedy_on_every_api_whatever_the_seed(server):
+    """1e-40 and 1e-300 are in every API's range but overflowed float32 in the sampler, which
+    then drew uniformly: the reply changed with the seed. At or below the worker's floor
+    (worker/sampling.py GREEDY_AT_OR_BELOW) each API's reply is its temperature-0 reply, for
+    every seed (Responses and Messages take none: two unseeded runs)."""
+
+    async def main():
+        oa, an, ol = server.openai(), server.anthropic(), ollama.AsyncClient(host=server.url())
+
+        async def replies(temperature: float, seed: int | None) -> tuple[str, ...]:
+            seeded = {} if seed is None else {"seed": seed}
+            chat = await _chat(oa, temperature=temperature, **seeded)
+            text = await oa.completions.create(model="a", prompt="Once upon", max_tokens=N, temperature=temperature,
+                                               **seeded)
+            response = await oa.responses.create(model="a", input="Once upon a time", max_output_tokens=N,
+                                                 temperature=temperature)
+            message = await an.messages.create(model="a", max_tokens=N, messages=ASK,
+                                             extra_body={"temperature": temperature})
+            options = {"temperature": temperature, "num_predict": N, **seeded}
+            ol_chat = await ol.chat(model="a", messages=ASK, options=options)
+            ol_text = await ol.generate(model="a", prompt="Once upon", options=options)
+            return (chat.choices[0].message.content or "", text.choices[0].text, response.output_text,
+                    "".join(b.text for b in message.content if b.type == "text"), ol_chat.message.content or "",
+                    ol_text.response)
+
+        greedy = await replies(0.0, None)
+        return greedy, {(t, seed): await replies(t, seed) for t in TINY for seed in (1, 2)}
+
+    greedy, swept = server.run(main(), timeout=600)
+    assert all(greedy)  # six non-empty replies to compare with
+    for (temperature, seed), got in swept.items():
+        assert got == greedy, (temperature, seed)

@@ -47,7 +47,7 @@ def test_spawn_load_generate_and_unload(tiny_models, runtime_dir):
             assert isinstance(end, p.Finished), end
             assert end.completion_tokens == 8 and end.finish_reason == "length"
             pid = handle.pid
-            assert await arb.service.unload("a")
+            assert await arb.service.unload("a", admin=True)
             assert handle.state == "stopped" and "cleanly" in handle.exit_cause
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)

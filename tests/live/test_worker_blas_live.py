@@ -29,7 +29,7 @@ def test_worker_hello_names_openblas_and_the_worker_maps_it(tiny_model, tmp_path
         mapped = mapped_paths(hello.pid)
     plan = found.plan()
     assert plan.kind in ("renamed", "system") and plan.ready
-    # the kernel maps the file, not a link to it (tests link each test's MEMVISOR_CACHE/blas to the user's)
+    # the kernel maps the file the worker verified (each test's MEMVISOR_CACHE/blas holds hard links to one copy)
     assert os.path.realpath(plan.load_path) in mapped, sorted(m for m in mapped if "blas" in m)
     assert "OpenBLAS" in hello.blas and plan.load_path in hello.blas
 
