@@ -47,7 +47,7 @@ def test_w4_the_model_likely_asked_for_next_is_read_ahead_at_ok_and_never_counte
     async def go():
         async with Running(pair_config(pair), runtime_dir) as arb:
             await alternate(arb)
-            assert await arb.service.unload("b")
+            assert await arb.service.unload("b", admin=True)
             before = await usage(arb, settle=0.0)
             await until(lambda: read_ahead(arb, "b", "read ahead"), 15, "b read ahead")
             after = await usage(arb)
@@ -113,7 +113,7 @@ def test_w4_a_prefetch_in_progress_stops_at_soft(pair, tmp_path, runtime_dir):
                     loop.call_later(0.3, set_ceiling, arb, alone / 0.98)  # a alone: 98 % (soft)
 
             arb.service.add_event_hook(soft_once_reading)
-            assert await arb.service.unload("b")
+            assert await arb.service.unload("b", admin=True)
             await until(lambda: read_ahead(arb, "b", "prefetch of b stopped"), 20, "the prefetch stopped")
             return size, read_ahead(arb, "b", "prefetch of b stopped"), arb.service.model_info("b"), \
                 dict(arb.counters)
