@@ -203,6 +203,21 @@ def per_swap(requests: int, swaps: int) -> str:
     return f"{requests / swaps:.1f}" if swaps else "-"
 
 
+def run_all(*, size: int, dtype: str, requests: int, concurrency: int, names: list[str]) -> list[Run]:
+    """Each configuration's run against a fresh supervisor, then the whole run's figures printed."""
+    paths = {m: bench_model(f"thrash-{size}-s{21 + i}-{dtype}", size, 21 + i, dtype) for i, m in enumerate(MODELS)}
+    runs = [run_config(name, paths, size, requests, concurrency) for name in names]
+    report(runs, requests, concurrency)
+    return runs
+
+
+def part_d(workdir: Path | None = None) -> None:
+    """Issue 31's part (d) with the defaults, for scripts/bench_swap.py (its work folder is not
+    needed: each supervisor runs in a temporary folder, the models are the benchmarks' cache)."""
+    print("(d) thrash: two 300 MiB float32 models, a ceiling for one, 20 requests alternating, 4 callers")
+    run_all(size=parse_size("300MiB"), dtype="float32", requests=20, concurrency=4, names=list(CONFIGS))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=20)
@@ -212,14 +227,11 @@ def main() -> None:
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"which to run (default {','.join(CONFIGS)})")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
-    size = parse_size(args.size)
-    paths = {m: bench_model(f"thrash-{size}-s{21 + i}-{args.dtype}", size, 21 + i, args.dtype)
-             for i, m in enumerate(MODELS)}
     names = [n for n in args.configs.split(",") if n]
     if "on" not in names or any(n not in CONFIGS for n in names):
         raise SystemExit(f"--configs: choose among {', '.join(CONFIGS)}, 'on' included")
-    runs = [run_config(name, paths, size, args.requests, args.concurrency) for name in names]
-    report(runs, args.requests, args.concurrency)
+    runs = run_all(size=parse_size(args.size), dtype=args.dtype, requests=args.requests,
+                   concurrency=args.concurrency, names=names)
     if args.json:
         args.json.write_text(json.dumps([r.__dict__ for r in runs], indent=1))
 

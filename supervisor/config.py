@@ -227,6 +227,9 @@ _SUPERVISOR_RANGES = (
 )
 
 
+MAX_SPARE_WORKERS = 16  # each holds a Python with MLX imported; more wait for nothing
+
+
 class SupervisorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """`[supervisor]`: the front door, the pool and the bus."""
 
@@ -275,6 +278,9 @@ class SupervisorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     # Folders whose models are served without a [[models]] entry each
     # (supervisor.discovery); `serve --models-dir` adds to them.
     models_dirs: list[str] = msgspec.field(default_factory=list)
+    # SPEC W1: workers kept started with MLX and the engine imported and no model, so a
+    # load costs the weights and not a Python start (0 = none); W2: under pressure they go first.
+    spare_workers: int = 1
     # The name this host gives itself in the X-Memvisor-Host response header and the
     # routing signals, so a router in front of several hosts can say which one served
     # (or refused) a request ("" = this machine's name).
@@ -323,6 +329,8 @@ class SupervisorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
             problem = check_origin_pattern(origin)
             if problem is not None:
                 raise _FieldError("cors_origins", problem)
+        if not 0 <= self.spare_workers <= MAX_SPARE_WORKERS:
+            raise _FieldError("spare_workers", f"must be 0..{MAX_SPARE_WORKERS}, got {self.spare_workers}")
         if not 1 <= self.max_tokens <= 10_000_000:
             raise _FieldError("max_tokens", f"must be 1..10000000, got {self.max_tokens}")
         if self.heartbeat_timeout <= self.heartbeat_interval:
@@ -487,4 +495,5 @@ def guard_settings(config: Config, *, pressure_reclaim_disabled: bool = False) -
         loaded_idle_interval=g.loaded_idle_interval,
         unloaded_idle_interval=g.unloaded_idle_interval,
         pressure_reclaim_disabled=pressure_reclaim_disabled,
+        spare_workers=config.supervisor.spare_workers,
     )

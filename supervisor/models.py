@@ -141,10 +141,12 @@ class Models:
         self.prefetch.note_load(model.id)
         task = asyncio.get_running_loop().create_task(self._load(model, handle))
         life.load, life.load_began = task, now
+        self.pool.spares.load_begins()  # W1: no spare starts while a load is on its way
         task.add_done_callback(lambda _t: self._load_done(model.id, task))
         return task
 
     def _load_done(self, model_id: str, task: asyncio.Task) -> None:
+        self.pool.spares.load_ends()
         life = self.life(model_id)
         if life.load is task:  # else a retry let go of it: the model has moved on
             life.load = None
@@ -175,12 +177,36 @@ class Models:
                 self.swaps.after_admit(model, serving)
                 loadable = await self.catalog.loadable(model)
                 self._refuse_if_shutting_down(model)
-                handle = self.pool.spawn(loadable)
+                handle = await self._new_worker(loadable)
                 self.enforcer.note_load_started(handle)
                 self.wake()
-            await handle.loaded
+            handle = await self._loaded(handle)
         self.wake()
         return handle
+
+    async def _new_worker(self, model: ModelConfig) -> WorkerHandle:
+        """W1: a ready spare handed the model, else a fresh process (the load's `admit` phase ends here)."""
+        began, estimate = self.life(model.id).load_began, self.catalog.estimate(model)
+        spare = await self.pool.spares.take(model, began=began, estimate=estimate)
+        if spare is not None:
+            return spare
+        self._refuse_if_shutting_down(model)
+        return self.pool.spawn(model, began=began, estimate=estimate)
+
+    async def _loaded(self, handle: WorkerHandle) -> WorkerHandle:
+        """The worker once it has loaded; a spare that died while taking the model (killed,
+        found wedged) is replaced by a fresh worker once, so the load and its requests go on."""
+        try:
+            await handle.loaded
+            return handle
+        except LoadError as exc:
+            if exc.code != "worker_exited" or not _spare_lost(handle) or not self.running():
+                raise
+        log.warning("The spare that took %s %s; loading it in a fresh worker", handle.model_id, handle.exit_cause)
+        fresh = self.pool.spawn(handle.model, began=handle.load.began if handle.load else 0.0,
+                                estimate=self.catalog.estimate(handle.model))
+        await fresh.loaded
+        return fresh
 
     def _refuse_if_shutting_down(self, model: ModelConfig) -> None:
         """A load that waited (on the A5 lock, on admission) past the start of
@@ -245,7 +271,11 @@ class Models:
 
     def on_exit(self, handle: WorkerHandle) -> None:
         """A worker exited unexpectedly (or was killed as wedged, or its load aborted):
-        a pinned model comes back, within the restart intensity; others wait for demand."""
+        a pinned model comes back, within the restart intensity; others wait for demand.
+        A spare that died while taking a model is not the model's crash: its load goes on
+        in a fresh worker (`_loaded`)."""
+        if _spare_lost(handle):
+            return
         if handle.pinned and self.config.model(handle.model_id) is not None:
             self.schedule_respawn(handle.model_id, handle.exit_cause)
 
@@ -345,3 +375,10 @@ class Models:
             after = f"; next try in {retry:.0f} s (or at once on an explicit load)"
             return ModelView(id=model_id, state="failed", reason=self.lives[model_id].reason + after, retry_in=retry)
         return ModelView(id=model_id, state="unloaded")
+
+
+def _spare_lost(handle: WorkerHandle) -> bool:
+    """A spare handed this worker's model died before it had loaded it, unasked or found
+    wedged (not stopped on purpose: a load the guard aborted stays aborted)."""
+    return (handle.load is not None and handle.load.spare and not handle.load.loaded
+            and handle.stop_cause in (None, "wedged"))

@@ -305,13 +305,16 @@ class Service:
         if ttl and handle is not None and handle.serving and not m.pinned:
             expires = max(0.0, ttl - idle)
         disk = self.pool.caches.model(m.id)  # H5: as its last worker reported it
+        last = handle or self.pool.reaped.get(m.id)  # W3: its last load, timed, kept after an unload
+        load = last.load if last is not None else None
         return ModelInfo(
             id=m.id, path=m.path, pinned=m.pinned, state=view.state, worker=view.worker, pid=view.pid,
             failed_reason=view.reason, aliases=list(m.aliases), estimated_bytes=self.catalog.estimate_soon(m),
             usage=memory.usage, mlx_active=memory.mlx_active, mlx_pool=memory.mlx_pool,
             cache_bytes=memory.cache_bytes, batch_bytes=memory.batch_bytes, batch_live_bytes=memory.batch_live_bytes,
             disk_cache_bytes=disk.bytes, disk_cache_entries=disk.entries, idle_seconds=idle, ttl=ttl, expires_in=expires,
-            restarts=self.models.restarts(m.id), prefetched_bytes=self.models.prefetch.bytes_for(m.id),
+            restarts=self.models.restarts(m.id), load_phases=dict(load.phases) if load else {},
+            load_spare=load.spare if load else False, prefetched_bytes=self.models.prefetch.bytes_for(m.id),
         )
 
     def counters(self) -> dict[str, int]:

@@ -81,8 +81,20 @@ class Clock:
         return self.now
 
 
+class NoSpares:
+    """The pool's spares (W1), as Models tells them a load begins and ends."""
+
+    def load_begins(self) -> None:
+        pass
+
+    def load_ends(self) -> None:
+        pass
+
+
 class NoWorker:
     """The pool, as Models asks it while the pinned model's worker is down: none is up."""
+
+    spares = NoSpares()
 
     def worker_for(self, model_id: str) -> None:
         return None
@@ -95,9 +107,9 @@ class Unmeasured:
 
 
 class Exited:
-    """What `Models.on_exit` reads of a worker that died."""
+    """What `Models.on_exit` reads of a worker that died (a fresh one: no spare took its load)."""
 
-    pinned, model_id, exit_cause = True, "m", "killed by SIGKILL"
+    pinned, model_id, exit_cause, load, stop_cause = True, "m", "killed by SIGKILL", None, None
 
 
 def _models(monkeypatch, tmp_path, **scfg):

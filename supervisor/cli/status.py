@@ -90,6 +90,10 @@ def render(st: ServerStatus) -> str:
             f"{size(w.mlx_pool):>9} {size(w.cache_bytes):>9} {size(m.disk_cache_bytes):>9} {size(w.batch_bytes):>9} "
             f"{w.running:>4} {w.queued:>5} {w.idle_seconds:>6.0f}s {w.restarts:>8}"
         )
+    for w in g.workers:  # W1: spare workers, MLX imported and no model yet
+        if not w.model and w.state not in ("stopped", "dead"):
+            lines.append(f" {'(spare)':<19} {w.state:<10} {w.pid:>7} "
+                         f"{size(w.usage):>10}")
     lines.append("(* pinned)")
     lines += _batch_lines([workers[m.id] for m in st.models if m.id in workers])
     if st.events:

@@ -216,9 +216,10 @@ def config_for(sc: Scenario, paths: dict[tuple[int, int], Path]) -> Config:
                           thrash_hold=sc.thrash_hold),
         # A worker's loop answers heartbeats between prefill chunks; on a busy
         # 2-core CI machine one CPU chunk can take seconds.
+        # No spare worker (W1): the scenarios measure the guard on their own models' memory.
         supervisor=SupervisorConfig(heartbeat_interval=0.5, heartbeat_timeout=60.0, allow_drills=True,
                                     max_tokens=LAB_MAX_TOKENS,
-                                    restart_max=sc.restart_max, restart_period=60.0),
+                                    restart_max=sc.restart_max, restart_period=60.0, spare_workers=0),
         models=models,
     )
 
