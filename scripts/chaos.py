@@ -20,6 +20,8 @@ only, bounded in time and count:
   shared-root     a caches folder others could write, made before the server
   key-probe       one API key guessing another's secret from cached-token counts (memory, disk)
   plain-unload    an ordinary key unloading a pinned model through Ollama's keep_alive 0
+  spares          every load taking a spare while spares are SIGKILLed and SIGSTOPped
+  spare-squeeze   a spare's slow load when the ceiling drops to hard pressure
 
 and prints one table; the last line is the headline:
 
@@ -50,6 +52,7 @@ import zmq
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import chaos_swap as swap  # noqa: E402
 import chaos_trust as trust  # noqa: E402
 from _chaos_harness import (  # noqa: E402  (scripts/ is on sys.path as the script's folder)
     MiB,
@@ -765,7 +768,7 @@ def hostile_files(ctx: "Context") -> Row:
 SCENARIOS = {"stream-kill": stream_kill, "long-steps": long_steps, "obedience": obedience, "sup-kill": sup_kill,
              "respawn": respawn, "http-fuzz": http_fuzz, "zmq-fuzz": zmq_fuzz, "configs": configs,
              "slow-subs": slow_subs, "cross-site": cross_site, "slow-loris": slow_loris, "slow-reload": slow_reload,
-             "hostile-files": hostile_files, **trust.SCENARIOS}
+             "hostile-files": hostile_files, **trust.SCENARIOS, **swap.SCENARIOS}
 
 
 # ---------------------------------------------------------------------------

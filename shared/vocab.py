@@ -84,6 +84,8 @@ GuardEventKind = Literal[
     "spare",
     # W6: a load in progress, its phase and the bytes read; W3: a finished load's phases
     "load_progress", "load_phases",
+    # swaps (SPEC W): models that evict each other (W5), weights read ahead into the page cache (W4)
+    "thrash", "prefetch",
 ]
 
 # -- how requests end ------------------------------------------------------------------------

@@ -184,6 +184,16 @@ class GuardConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     poll_interval: Seconds = 1.0       # P9 active cadence
     loaded_idle_interval: Seconds = 10.0
     unloaded_idle_interval: Seconds = 30.0
+    # W5: non-pinned models that evict each other more than thrash_swaps times within
+    # thrash_window seconds thrash; a load among them then lets the loaded model serve its
+    # queued requests for up to thrash_hold seconds before the swap (0 = no hold and no
+    # hand-over: a load is admitted as before W5). docs/thrash-and-prefetch.md
+    thrash_swaps: int = 3
+    thrash_window: Seconds = 60.0
+    thrash_hold: Seconds = 2.0
+    # W4: with room and no pressure, read ahead (page cache only) the weights of the model most
+    # likely to be asked for next
+    prefetch: bool = True
 
     def __post_init__(self) -> None:
         self.custom_ceiling = _size("custom_ceiling", self.custom_ceiling)
@@ -218,6 +228,9 @@ class GuardConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise _FieldError("min_chunk_tokens", f"must be 1..1000000, got {self.min_chunk_tokens}")
         for name in ("poll_interval", "loaded_idle_interval", "unloaded_idle_interval"):
             _between(name, getattr(self, name), 0.01, 3600.0)
+        _between("thrash_swaps", self.thrash_swaps, 1, 1000, "swaps")
+        _between("thrash_window", self.thrash_window, 1.0, 86400.0)
+        _between("thrash_hold", self.thrash_hold, 0.0, 60.0)
 
 
 # (key, low, high) in seconds: below `low` a loop spins (a heartbeat every

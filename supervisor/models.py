@@ -35,7 +35,9 @@ from supervisor.eventlog import Emit
 from supervisor.model_states import ModelEvent, ModelState, model_transition
 from supervisor.policy.admission import FitReport, fit_report
 from supervisor.pool import Pool
+from supervisor.prefetch import Prefetcher
 from supervisor.process import WorkerHandle
+from supervisor.swaps import Swaps
 from supervisor.views import ModelView
 
 log = logging.getLogger("memvisor.models")
@@ -75,10 +77,14 @@ class Models:
         self.lives: dict[str, ModelLife] = {}
         self.running = running  # False once the supervisor shuts down: nothing respawns then
         self._load_lock = asyncio.Lock()  # A5: one model load at a time
+        self.swaps = Swaps(config, pool=pool, enforcer=enforcer, emit=emit, counters=counters)  # W5
+        self.prefetch = Prefetcher(config, catalog=catalog, pool=pool, enforcer=enforcer, emit=emit,
+                                   counters=counters)  # W4
 
     def renew(self, config: Config) -> None:
         """A reload: models no longer configured are forgotten (nothing of them is due)."""
         self.config = config
+        self.swaps.config = self.prefetch.config = config
         for model_id in [m for m in self.lives if config.model(m) is None]:
             del self.lives[model_id]
 
@@ -97,8 +103,9 @@ class Models:
         to an explicit load (HTTP load route, `load` command): that is the
         operator saying "try now"."""
         model = self.catalog.model(name)
+        self.prefetch.note_request(model.id)  # W4: the sequence the prediction reads
         handle = self.pool.worker_for(model.id)
-        if handle is not None and handle.serving and not handle.marked_for_unload:
+        if handle is not None and handle.serving and not handle.marked_for_unload and self.swaps.open_for(handle):
             return handle
         life = self.life(model.id)
         if life.state == "failed":
@@ -112,7 +119,8 @@ class Models:
                                 permanent=retry is None)
         task = life.load or self._start(model, handle)
         try:
-            return await asyncio.shield(task)
+            with self.swaps.joining(task):  # W5: this request is the worker's work until it resumes
+                return await asyncio.shield(task)
         except LoadError:
             current = self.config.model(name)
             if current is None or current.path == model.path or _moved > 2:
@@ -130,6 +138,7 @@ class Models:
             self._record_restart(life, now)
             self.emit("respawn", "pinned model respawned after its worker exited", model_id=model.id)
         life.move("load")
+        self.prefetch.note_load(model.id)
         task = asyncio.get_running_loop().create_task(self._load(model, handle))
         life.load, life.load_began = task, now
         self.pool.spares.load_begins()  # W1: no spare starts while a load is on its way
@@ -163,7 +172,9 @@ class Models:
                 await self.pool.stop(handle, handle.stop_reason or "marked for unload")
                 handle = None
             if handle is None:
+                serving = await self.swaps.before_admit(model)  # W5: the models in the way finish first
                 await self.enforcer.admit(model)
+                self.swaps.after_admit(model, serving)
                 loadable = await self.catalog.loadable(model)
                 self._refuse_if_shutting_down(model)
                 handle = await self._new_worker(loadable)
@@ -318,7 +329,10 @@ class Models:
                    default=now + 3600)
 
     def tick(self, now: float) -> None:
-        """Start the respawns and retries whose backoff has passed."""
+        """Start the respawns and retries whose backoff has passed; thrash that is over is said (W5)."""
+        self.swaps.tick(now)
+        self.prefetch.tick(now, loading=any(life.load is not None for life in self.lives.values()),
+                           failed=set(self.failed))
         for model_id, life in list(self.lives.items()):
             if life.state == "failed" and life.due <= now:
                 self.retry(model_id, "its backoff has passed")

@@ -315,7 +315,7 @@ class Service:
             cache_bytes=memory.cache_bytes, batch_bytes=memory.batch_bytes, batch_live_bytes=memory.batch_live_bytes,
             disk_cache_bytes=disk.bytes, disk_cache_entries=disk.entries, idle_seconds=idle, ttl=ttl, expires_in=expires,
             restarts=self.models.restarts(m.id), load_phases=dict(load.phases) if load else {},
-            load_spare=load.spare if load else False,
+            load_spare=load.spare if load else False, prefetched_bytes=self.models.prefetch.bytes_for(m.id),
         )
 
     def counters(self) -> dict[str, int]:

@@ -100,6 +100,12 @@ class NoWorker:
         return None
 
 
+class Unmeasured:
+    """The enforcer before its first tick, as `Models.tick`'s prefetch (W4) reads it: nothing to decide on."""
+
+    last = last_snapshot = None
+
+
 class Exited:
     """What `Models.on_exit` reads of a worker that died (a fresh one: no spare took its load)."""
 
@@ -123,7 +129,7 @@ def _models(monkeypatch, tmp_path, **scfg):
                                                                              pinned=True)])
     events, counters = EventLog(), collections.Counter()
     catalog = Catalog(config, emit=events.emit, counters=counters, discovered_refused={})
-    models = Models(config, catalog=catalog, pool=NoWorker(), enforcer=None, emit=events.emit,  # type: ignore[arg-type]
+    models = Models(config, catalog=catalog, pool=NoWorker(), enforcer=Unmeasured(), emit=events.emit,  # type: ignore[arg-type]
                     wake=lambda: None, counters=counters, running=lambda: True)
     return models, clock, counters
 

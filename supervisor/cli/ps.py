@@ -6,7 +6,8 @@ proposed, shown for unloaded models too), the decode batch's buffers and the
 live KV in them, idle time, TTL and when it expires, restarts, and what its
 last load took (SPEC W3: every phase's seconds in `--json`'s `load_phases`;
 `spare` when a spare worker took it). Spare workers (W1) are rows of their own,
-`(spare)` with no model id. `--json` prints the `ModelInfo` list for scripts.
+`(spare)` with no model id. PREFETCHED: the bytes of a model's weights read ahead
+into the page cache (W4). `--json` prints the `ModelInfo` list for scripts.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def _seconds(s: float | None) -> str:
 
 def table(models: list[ModelInfo]) -> str:
     header = ("MODEL", "STATE", "PIN", "ESTIMATE", "USAGE", "ACTIVE", "POOL", "CACHE", "DISK", "BATCH", "LIVE KV",
-              "IDLE", "TTL", "EXPIRES", "RESTARTS", "LOAD")
+              "IDLE", "TTL", "EXPIRES", "RESTARTS", "LOAD", "PREFETCHED")
     rows = [header]
     for m in models:
         name = (m.id or "(spare)") + (f" ({', '.join(m.aliases)})" if m.aliases else "")
@@ -74,7 +75,7 @@ def table(models: list[ModelInfo]) -> str:
             _size(m.mlx_active), _size(m.mlx_pool), _size(m.cache_bytes), _size(m.disk_cache_bytes),
             _size(m.batch_bytes), _size(m.batch_live_bytes),
             _seconds(m.idle_seconds) if m.worker else "-", _seconds(m.ttl) if m.ttl else "-",
-            _seconds(m.expires_in) if m.ttl and m.worker else "-", str(m.restarts), _load(m),
+            _seconds(m.expires_in) if m.ttl and m.worker else "-", str(m.restarts), _load(m), _size(m.prefetched_bytes),
         ))
     if len(rows) == 1:
         return "no model is loaded (ps --all lists every known model)"
