@@ -65,6 +65,7 @@ log = logging.getLogger("memvisor.worker.engine")
 
 MIN_REUSE_TOKENS = 16  # a shorter shared prefix (BOS, a template's first tokens) is no cache hit
 WARM_UP_ROWS = 4       # the group the warm-up prefills together (any group takes the masked kind)
+NO_TOKENIZER_LIMIT = int(1e30)  # transformers' own "no limit" (VERY_LARGE_INTEGER): it never warns past it
 
 
 class Engine:
@@ -123,6 +124,11 @@ class Engine:
             raise EngineError("load_failed", str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - any loader failure is a load error
             raise EngineError("load_failed", f"cannot load {directory}: {exc}") from exc
+        # The context limit is the engine's (config.json's, below): a prompt over it is refused,
+        # not run. The tokenizer's own model_max_length only made transformers log "Token indices
+        # sequence length is longer than the specified maximum ... indexing errors" for such a
+        # prompt, which reads like our crash; we never ask it to truncate, so it gets no limit.
+        tokenizer.model_max_length = NO_TOKENIZER_LIMIT
         with meter.phase("build") if meter is not None else contextlib.nullcontext():  # the engine is built too
             engine = cls(model, tokenizer, weight_bytes=weight_bytes, **kwargs)
             engine.context_length = context_length(directory)  # a prompt over it is refused, not run
