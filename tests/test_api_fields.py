@@ -215,7 +215,7 @@ def test_response_format_and_tool_choice_become_worker_constraints():
         _chat(tools=tools, tool_choice={"type": "function", "function": {"name": "g"}})
     assert err.value.param == "tool_choice"
     any_ = _anthropic(tools=[{"name": "f", "input_schema": schema}], tool_choice={"type": "any"})
-    assert any_.constraint.mode == "required" and any_.constraint.parallel
+    assert any_.constraint.mode == "required" and not any_.constraint.parallel  # one call unless asked
 
 
 @pytest.mark.parametrize("given, seconds", [({"keep_alive": "5m"}, 300.0), ({"keep_alive": "1h30m"}, 5400.0),

@@ -173,7 +173,7 @@ def tool_plan(req: MessagesRequest) -> tools.ToolPlan | None:
     if choice == "named" and not tc.name:
         raise BodyError("tool_choice.name: required with type \"tool\"", param="tool_choice.name")
     plan = tools.ToolPlan(functions=fns, choice=choice, named=tc.name or "",
-                          parallel=not tc.disable_parallel_tool_use)
+                          parallel=tc.disable_parallel_tool_use is False)
     return tools.check_named(plan, "tool_choice")
 
 

@@ -138,7 +138,7 @@ def chat_tool_plan(req: ChatRequest) -> ToolPlan | None:
         f = t.function
         fns.append(tools.function(f.name, f.description, f.parameters, f.strict, f"tools[{i}].function"))
     choice, named = tools.openai_choice(req.tool_choice, nested=True)
-    plan = ToolPlan(functions=fns, choice=choice, named=named, parallel=req.parallel_tool_calls is not False)
+    plan = ToolPlan(functions=fns, choice=choice, named=named, parallel=req.parallel_tool_calls is True)
     return tools.check_named(plan, "tool_choice")
 
 

@@ -193,7 +193,7 @@ def tool_plan(req: ResponsesRequest) -> tools.ToolPlan | None:
                             param=f"tools[{i}].type")
         fns.append(tools.function(t.name, t.description, t.parameters, t.strict, f"tools[{i}]"))
     choice, named = tools.openai_choice(req.tool_choice, nested=False)
-    plan = tools.ToolPlan(functions=fns, choice=choice, named=named, parallel=req.parallel_tool_calls is not False)
+    plan = tools.ToolPlan(functions=fns, choice=choice, named=named, parallel=req.parallel_tool_calls is True)
     return tools.check_named(plan, "tool_choice")
 
 
