@@ -84,11 +84,12 @@ async def race_client(coro: Awaitable[T], receive: Receive) -> T:
 
 
 async def open_job(request: Request, sup: Supervisor, metrics: Metrics, req, work: Planned, started: float, *,
-                   format_param: str = "response_format") -> Job:
+                   format_param: str = "response_format", receive: Receive | None = None) -> Job:
     """`work` routed to `req.model` under the request's keep_alive / ttl (`open_stream`:
-    a load, the queue), and the Job that reads its stream."""
+    a load, the queue), and the Job that reads its stream. `receive`: where a disconnect is
+    watched for (the request's own by default)."""
     keep = keep_alive_seconds(req.keep_alive, req.ttl)
-    stream = await open_stream(sup, req.model, work.gen, request.receive, keep)
+    stream = await open_stream(sup, req.model, work.gen, receive or request.receive, keep)
     return Job(sup, metrics, req.model, work.gen, started, stream, work.plan, format_param)
 
 
