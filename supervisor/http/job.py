@@ -8,10 +8,10 @@ The path of one request:
   -> tokens from the worker's RequestStream -> the API's JSON or SSE.
 
 Errors before the first token (load refused 507, queue full 503, prefill
-rejected 400 per G1) get a real HTTP status even for streamed requests: the
-SSE response only starts once the first token is there, which costs the
-client nothing (it could not have read a chunk earlier anyway). After that,
-a failure is one error event in the API's shape.
+rejected 400 per G1) get a real HTTP status even for streamed requests when
+they come within a second: a streamed response starts with the first token,
+or after that second with lines that say what it waits for (http/streaming.py).
+After that, a failure is one error event in the API's shape.
 
 A client that goes away is noticed while it waits (load, queue, generation)
 and its request is aborted in the worker (`Supervisor.cancel`), so nobody's

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import time
 
+import httpx2  # what the openai and anthropic SDKs read through
 import pytest
 
 from supervisor.config import ModelConfig
@@ -75,24 +76,62 @@ def test_headers_come_at_once_and_comments_tell_the_load_and_the_prefill_before_
     assert [line for _, line in lines if line][-1] == "data: [DONE]"
 
 
+class Tee(httpx2.AsyncBaseTransport):
+    """A transport that keeps every byte of the responses the SDK reads (the comments it skips too)."""
+
+    def __init__(self) -> None:
+        self.inner = httpx2.AsyncHTTPTransport()
+        self.seen = bytearray()
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        response = await self.inner.handle_async_request(request)
+        seen, upstream = self.seen, response.stream
+        assert isinstance(upstream, httpx2.AsyncByteStream)
+
+        class Copy(httpx2.AsyncByteStream):
+            async def __aiter__(self):
+                async for chunk in upstream:
+                    seen.extend(chunk)
+                    yield chunk
+
+            async def aclose(self) -> None:
+                await upstream.aclose()
+
+        return httpx2.Response(response.status_code, headers=response.headers, stream=Copy(),
+                              extensions=response.extensions)
+
+    def take(self) -> bytes:
+        out = bytes(self.seen)
+        self.seen.clear()
+        return out
+
+
 def test_the_openai_and_anthropic_sdks_read_through_the_comments(server):
-    """Each SDK's stream during a slow load parses, and its text is the non-streamed reply's."""
+    """Each SDK's stream during a slow load held `: loading` comments (the bytes it read say so),
+    parses, and its text is the non-streamed reply's."""
     kw = dict(model="a", max_tokens=4, temperature=0)
     an_kw = dict(model="a", max_tokens=4, extra_body={"temperature": 0})
+    tee = Tee()
+    read: list[bytes] = []
 
     async def main():
-        oa, an = server.openai(), server.anthropic()
+        http = httpx2.AsyncClient(transport=tee, timeout=120)
+        oa, an = server.openai(http_client=http), server.anthropic(http_client=http)
         await _unload(server)
         chat = [c async for c in await oa.chat.completions.create(messages=ASK, stream=True, **kw)]
+        read.append(tee.take())
         await _unload(server)
         text = [c async for c in await oa.completions.create(prompt=LONG, stream=True, **kw)]
+        read.append(tee.take())
         await _unload(server)
         async with an.messages.stream(messages=ASK, **an_kw) as s:
             streamed = [e async for e in s]
             message = await s.get_final_message()
+        read.append(tee.take())
         await _unload(server)
         events = [e async for e in await oa.responses.create(model="a", input="Say something", max_output_tokens=16,
                                                               temperature=0, stream=True)]
+        read.append(tee.take())
         whole_chat = await oa.chat.completions.create(messages=ASK, **kw)
         whole_text = await oa.completions.create(prompt=LONG, **kw)
         whole_msg = await an.messages.create(messages=ASK, **an_kw)
@@ -100,6 +139,8 @@ def test_the_openai_and_anthropic_sdks_read_through_the_comments(server):
         return chat, text, streamed, message, events, whole_chat, whole_text, whole_msg, whole_resp
 
     chat, text, streamed, message, events, whole_chat, whole_text, whole_msg, whole_resp = server.run(main(), 600)
+    for raw in read:  # each stream began with the load's comments, which the SDK skipped
+        assert raw.startswith(b": loading"), raw[:80]
     assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices) == whole_chat.choices[0].message.content
     assert "".join(c.choices[0].text for c in text if c.choices) == whole_text.choices[0].text
     assert streamed[0].type == "message_start" and message.content[0].text == whole_msg.content[0].text
@@ -149,3 +190,4 @@ def test_a_refusal_after_the_headers_is_an_error_event_the_sdk_raises(server):
 
     err = server.run(main(), timeout=300)
     assert "context" in str(err)
+    assert not isinstance(err, openai.APIStatusError)  # an event in a 200 stream, not the response's status
