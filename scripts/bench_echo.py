@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import Any
 
 from shared.limits import Limits
 from shared.protocol import Generate
@@ -43,7 +44,7 @@ def main() -> None:
     words = "the river runs past the old mill and the miller counts his sacks of flour "
     prompt = engine.tokenizer.encode(words * (args.tokens // 10 + 1))[:args.tokens]
     off, on = Limits(max_concurrency=4), Limits(max_concurrency=4, cache_cap=256 * MiB)
-    cases = {
+    cases: dict[str, tuple[dict[str, Any], Limits]] = {
         "plain max_tokens 1": (dict(max_tokens=1), off),
         "echo+logprobs max_tokens 0": (dict(max_tokens=0, echo=True, logprobs=True, top_logprobs=1), off),
         "echo+logprobs max_tokens 1, cache off": (dict(max_tokens=1, echo=True, logprobs=True, top_logprobs=1), off),

@@ -235,7 +235,7 @@ class Echoes:
                     Finished(request_id=job.request_id, finish_reason="length", prompt_tokens=n, completion_tokens=0)]
         kv = scored_kv(job)
         if kv is not None and self.endings.keeps_kv:  # its prefill reuses what the scoring computed (H1)
-            self.endings.prompt_cache.insert(*kv)
+            self.endings.prompt_cache.insert(*kv, partition=job.cmd.partition)
         self._queue(job.seq)
         return [echoed]
 

@@ -72,8 +72,9 @@ class Waiting:
         load = ready.progress
         if load is None:
             return "waiting" if ready.state in ("ready", "busy") else ready.state.replace("_", " ")
-        share = f" {min(99, 100 * load.bytes // load.estimate_bytes)}%" if load.estimate_bytes else ""
-        return f"loading{share} ({load.state}, {load.elapsed:.0f} s)"
+        done = load.bytes_read or load.bytes  # the weights read, where the worker counts them
+        share = f" {min(99, 100 * done // load.estimate_bytes)}%" if load.estimate_bytes else ""
+        return f"loading{share} ({load.phase or load.state}, {load.elapsed:.0f} s)"
 
     def _worker_side(self) -> str:
         waiting = [s for s in self.streams if s.first_token is None and not s.done]
