@@ -58,7 +58,6 @@ from _path_profile import profiled  # noqa: E402
 from _serve import ServeProcess, add_model_args, model_from_args  # noqa: E402
 from _sse import stream_completion  # noqa: E402
 
-
 FILLER = ("a keeper walked along the river every morning and counted the boats that passed the old mill "
           "while children waited at the bridge for the train that carried letters to the next town").split()
 PROMPT_WORDS = [0]  # --words: 0 keeps the short prompt
@@ -274,15 +273,12 @@ class WorkerLayer:
 
 class ServerLayer:
     def __init__(self, model_dir: Path, workdir: Path, max_rows: int) -> None:
-        import psutil
-
         self.server = ServeProcess(f'[[models]]\nid = "bench"\npath = "{model_dir}"\npinned = true\n'
                                    f"max_concurrency = {max_rows}\n", config=workdir / "bench.toml",
                                    runtime=workdir / "rt", log=workdir / "serve.log", timeout=300.0)
         self.url = f"{self.server.base}/v1/completions"
         self.round(2, 8)  # warm-up: the model loads on first use unless pinned, compile, first shapes
-        children = psutil.Process(self.server.proc.pid).children(recursive=True)
-        self.worker_pid = max(children, key=lambda c: c.memory_info().rss).pid
+        self.worker_pid = self.server.worker_pid("bench")  # not the spare (W1) beside it
 
     def cpu(self) -> Cpu:
         """The CPU of this process (the client), the supervisor and (once known) the worker."""
