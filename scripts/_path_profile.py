@@ -1,19 +1,19 @@
-"""Where each microsecond of a served token goes: py-spy's samples, weighed by CPU time.
+"""Where a served token's time goes: each process's CPU per token, and py-spy's shares of it.
 
 scripts/bench_path.py's `--profile DIR`: the server layer runs rounds for
 `seconds` while py-spy samples the worker and the supervisor (raw collapsed
-stacks into DIR) and `perf stat` counts their context switches. Each
-process's (and the worker's threads') CPU over those rounds, divided by the
-tokens streamed, is its CPU per token; a part's microseconds per token are
-its share of that process's samples times that figure.
+stacks into DIR) and `perf stat` counts their context switches. Printed per
+process: its CPU per token over those rounds (the worker's by thread), the
+context switches per token, and each part's share of the samples.
 
-Why weigh samples by CPU: py-spy samples only threads that are running
-(`--nonblocking`, idle threads dropped), so a part's share of samples is its
-share of the thread's CPU, not of wall time. py-spy sees Python threads
-only: MLX's evaluation thread (the matmuls themselves) is counted by its CPU
-alone, as "MLX compute", and so is ZeroMQ's I/O thread. The first PARTS
-entry whose mark a sample's stack holds names its part, so the list goes
-from the most specific mark to the least.
+Read the shares with care on a loaded machine: py-spy (`--nonblocking`,
+idle threads dropped) samples a thread that is running or waiting for a
+CPU, so a call that wakes another thread and loses the CPU to it (a ZeroMQ
+send wakes the I/O thread) collects samples out of proportion to its own
+instructions. py-spy sees Python threads only: MLX's evaluation thread and
+ZeroMQ's I/O thread show as CPU alone. The first PARTS entry whose mark a
+sample's stack holds names its part, so the list goes from the most
+specific mark to the least.
 """
 
 from __future__ import annotations
@@ -139,17 +139,16 @@ def profiled(server: Any, n: int, tokens: int, out: Path, seconds: float, rate: 
         count += run_round(n, tokens).tokens
     per_token = cpu.per_token(count)
     recorder.stop()
-    print(f"    profile @{n}: {count} tokens in {time.monotonic() - started:.1f} s; CPU us per token, by process "
-          "and part (py-spy shares of each Python thread's samples x its CPU):", flush=True)
-    worker_main = per_token.get("worker.main", 0.0) * 1e6
-    rows = [(f"worker main thread ({worker_main:.0f})", "worker", WORKER_PARTS, worker_main),
-            ("supervisor", "supervisor", SUPERVISOR_PARTS, per_token.get("supervisor", 0.0) * 1e6)]
-    for title, name, parts, us in rows:
+    print(f"    profile @{n}: {count} tokens in {time.monotonic() - started:.1f} s; per process: CPU us per token, "
+          "then each part's share of py-spy's samples (running or runnable time):", flush=True)
+    rows = [(f"worker main thread ({per_token.get('worker.main', 0.0) * 1e6:.0f} us)", "worker", WORKER_PARTS),
+            (f"supervisor ({per_token.get('supervisor', 0.0) * 1e6:.0f} us)", "supervisor", SUPERVISOR_PARTS)]
+    for title, name, parts in rows:
         got, samples = shares(recorder.files[name], parts)
         switches = recorder.switches(name)
         cs = "" if switches is None else f", {switches / max(1, count):.2f} context switches per token"
-        detail = "; ".join(f"{part} {share * us:.1f}" for part, share in sorted(got.items(), key=lambda x: -x[1])
-                           if share * us >= 0.5)
+        detail = "; ".join(f"{part} {share:.1%}" for part, share in sorted(got.items(), key=lambda x: -x[1])
+                           if share >= 0.005)
         print(f"      {title} ({samples} samples{cs}): {detail}", flush=True)
     rest = {k: v * 1e6 for k, v in per_token.items() if k.startswith("worker.") and k != "worker.main"}
     print("      worker's other threads (no Python stacks): "

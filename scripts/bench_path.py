@@ -31,7 +31,8 @@ MLX, so the ceilings compute with the same BLAS as the worker.
 
 `--profile DIR`: after the rounds at each N, server rounds for
 `--profile-seconds` under py-spy and perf stat (scripts/_path_profile.py):
-the CPU microseconds per token of each part of the path, by process.
+each process's CPU and context switches per token, and py-spy's shares of
+its samples per part of the path.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ import os
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Callable, Literal, cast
 
 import msgspec
 import zmq
@@ -281,7 +281,7 @@ class Bus:
         """Take up to DRAIN_BATCH frames, then yield to the loop and come back:
         a peer flooding one socket must not starve the others or the guard."""
         handler = self._handlers[sock]
-        ready, recv = sock.getsockopt, sock.recv
+        ready, recv = cast(Callable[[int], int], sock.getsockopt), sock.recv  # EVENTS and RCVMORE are ints
         for _ in range(DRAIN_BATCH):
             if not ready(_EVENTS) & _POLLIN:
                 return
