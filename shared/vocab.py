@@ -44,6 +44,10 @@ Binding = Literal[HostBinding, DeviceBinding]
 # or a ShrinkCache it just obeyed (H3).
 SampleReason = Literal["tick", "watermark", "shrink"]
 
+# How a worker's prefill turn shares its token budget among the prompts prefilling
+# (worker/scheduler.py): the fewest tokens left first, or equal shares.
+PrefillOrder = Literal["shortest", "round_robin"]
+
 # -- events (SPEC S2) ----------------------------------------------------------------------
 
 # What a worker may report as an event of its own. The supervisor's lifecycle

@@ -25,6 +25,7 @@ import msgspec
 
 from shared.protocol import DISK_CACHE_AUTO
 from shared.sizes import SizeError, parse_size
+from shared.vocab import PrefillOrder
 from supervisor.policy.snapshot import GuardSettings
 from supervisor.policy.tiers import ThresholdError, check_thresholds, normalise_tier
 
@@ -248,9 +249,13 @@ class SupervisorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     # the pages (origins) that may call /v1/* (and /api/*) from a browser:
     # SCHEME://HOST[:PORT], '*' for a wildcard part, ':*' for any port, or '*' for every origin.
     cors_origins: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_CORS_ORIGINS))
-    # The time one prefill chunk aims at: commands wait at most about this long
-    # for a step boundary (0 = chunks sized by memory only).
+    # The time one prefill turn aims at (its chunks of every prompt prefilling together):
+    # a running stream waits about this long between two tokens while others prefill, and a
+    # command waits about this long for a step boundary (0 = chunks sized by memory only).
     chunk_seconds: float = 1.0
+    # How a prefill turn shares that budget: "shortest" (fewest tokens left first) or
+    # "round_robin" (equal shares); worker/scheduler.py.
+    prefill_order: PrefillOrder = "shortest"
     max_tokens: int = 32768          # the most tokens one request may ask for
     max_subscribers: int = 64        # PUB subscribers at once (ipc and TCP together); more are refused
     max_body: int | str = "1MiB"

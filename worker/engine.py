@@ -11,7 +11,8 @@ Follow one request through the rooms:
 
     Engine.submit                  checks it, makes its `Seq` (worker/request.py: the state table)
     Scheduler (scheduler.py)       queue -> admission -> the prefill line, alone or in a group;
-                                   who runs this step: a prefill chunk or a decode token
+                                   who runs this step: a prefill turn (its token budget shared
+                                   by every prefilling request) or a decode token
     Prefill (prefill.py)           G1 before the first chunk, G2/G3 around each, the first token
     DecodeStep (decode.py)         one token per step in the decode batch (batch.py), emitted
     Endings (endings.py)           its one terminal event, its KV kept for the next (H1)
@@ -35,7 +36,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from shared.limits import Limits
 from shared.modelinfo import context_length
 from shared.protocol import ConstraintSpec, Failed, Generate
-from shared.vocab import FailureCode
+from shared.vocab import FailureCode, PrefillOrder
 from shared.weights import WeightsError, estimate_weight_bytes
 from worker import memory, prompts
 from worker import prompt_cache as pc
@@ -84,6 +85,7 @@ class Engine:
         chunk_seconds: float = CHUNK_SECONDS,
         batch_decode: bool = True,
         device: DeviceUsage | None = None,
+        prefill_order: PrefillOrder = "shortest",
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -102,7 +104,7 @@ class Engine:
         self.decode = DecodeStep(model, tokenizer, self.endings, batched=batch_decode and cacheable,
                                  max_rows=max(1, max_concurrency))
         self.scheduler = Scheduler(self.prefill, self.decode, self.endings,
-                                   max_concurrency=max_concurrency, clock=clock)
+                                   max_concurrency=max_concurrency, clock=clock, order=prefill_order)
         self._outbox: list[Event] = []
         self._constraints: ConstraintFactory | None = None  # built on the first constrained request
         self.disk: DiskTier | None = None  # the prompt cache's disk tier (H5 as proposed), when on

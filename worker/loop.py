@@ -334,4 +334,4 @@ def load_model(spec: p.WorkerSpec, device: DeviceUsage | None) -> Engine | Embed
     kwargs = dict(max_concurrency=spec.max_concurrency, chunk_seconds=spec.chunk_seconds)
     if read_embedding_spec(spec.model_path) is not None:
         return Embedder.load(spec.model_path, **kwargs)
-    return Engine.load(spec.model_path, device=device, **kwargs)
+    return Engine.load(spec.model_path, device=device, prefill_order=spec.prefill_order, **kwargs)

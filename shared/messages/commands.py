@@ -10,7 +10,7 @@ import msgspec
 
 from shared.limits import Limits
 from shared.messages.base import Msg
-from shared.vocab import FailureCode
+from shared.vocab import FailureCode, PrefillOrder
 
 __all__ = [
     "WorkerSpec", "DISK_CACHE_AUTO", "Command", "SetLimits", "Reclaim", "ShrinkCache", "AbortRequests",
@@ -34,7 +34,8 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     sample_interval: float = 0.25
     heartbeat_timeout: float = 5.0
     max_concurrency: int = 4
-    chunk_seconds: float = 1.0  # the time one prefill chunk aims at (its heartbeat cannot interrupt one)
+    chunk_seconds: float = 1.0  # the time one prefill turn aims at (its heartbeat cannot interrupt one)
+    prefill_order: PrefillOrder = "shortest"  # how a prefill turn's budget is shared (worker/scheduler.py)
     allow_drills: bool = False
     # The prompt cache's disk tier (H5 as proposed) and shrink before drop (H6).
     # Bytes every model's entries on disk may hold together: DISK_CACHE_AUTO sizes it to the
