@@ -26,6 +26,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
 from shared.protocol import TokenOut
+from worker import speculate
 from worker.batch import DecodeBatch
 from worker.endings import Endings, Event
 from worker.request import Detokenizer, Seq
@@ -105,6 +106,9 @@ class DecodeStep:
         batch.join(joining, [seq.kv() for seq in joining], [seq.token() for seq in joining])
         for seq in joining:
             seq.cache = seq.y = None  # the batch holds its KV and token now
+        checked = self._checked(events) if len(batch) == 1 else None
+        if checked is not None:
+            return checked
         logits = following = None
         if batch and any(seq.resuming or seq.generated + 1 < seq.max_tokens for seq in batch.rows):
             with mx.stream(generation_stream):
@@ -130,6 +134,33 @@ class DecodeStep:
         self._store(ended)
         batch.keep(keep, following)
         return survivors
+
+    def _checked(self, events: list[Event]) -> list[Seq] | None:
+        """A speculative step of the batch's only row (worker/speculate.py): its token in flight
+        and the guesses that follow it checked in one pass; None when it does not guess this
+        step (it may not, it pauses, or nothing was found) and the plain step runs."""
+        seq = self.batch.rows[0]
+        spec = seq.spec
+        room = seq.max_tokens - seq.generated - 2  # the token in flight and the next one come too
+        if spec is None or seq.resuming or seq.constraint is not None or room <= 0:
+            return None
+        want = spec.pace.want()
+        if want == 0:
+            return None
+        drafter = spec.drafter
+        if drafter is None:
+            drafter = spec.drafter = speculate.NgramDrafter(seq.prompt)
+        drafter.extend(seq.out[len(drafter.tokens) - len(seq.prompt):])
+        first = self.batch.tokens()[0]
+        drafter.append(first)
+        drafts = drafter.propose(min(want, room))
+        if not drafts:
+            return None
+        if speculate.verify(self.model, self.batch, seq, first, drafts, self.emit, events):
+            self._store([0])
+            self.batch.keep([], None)
+            return []
+        return [seq]
 
     def _store(self, ended: list[int]) -> None:
         """H1: the KV of the rows that ended, copied out in one evaluation (not one per row:

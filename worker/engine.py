@@ -55,8 +55,9 @@ from worker.prefill import (
 )
 from worker.prefill_guard import PrefillCost
 from worker.request import CONTEXT_EXCEEDED, ENGINE_ERROR, INVALID_REQUEST, EngineError, Seq
-from worker.sampling import Settings, check, make_request_sampler
+from worker.sampling import Settings, check, greedy, make_request_sampler
 from worker.scheduler import Scheduler
+from worker.speculate import Speculation
 from worker.stops import StopMatcher
 
 __all__ = ["Engine", "EngineError", "Event"]
@@ -86,6 +87,7 @@ class Engine:
         batch_decode: bool = True,
         device: DeviceUsage | None = None,
         prefill_order: PrefillOrder = "shortest",
+        speculative: bool = True,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -105,6 +107,8 @@ class Engine:
                                  max_rows=max(1, max_concurrency))
         self.scheduler = Scheduler(self.prefill, self.decode, self.endings,
                                    max_concurrency=max_concurrency, clock=clock, order=prefill_order)
+        # greedy requests decoding alone check guesses of their next tokens (worker/speculate.py)
+        self.speculative = speculative and self.decode.batched
         self._outbox: list[Event] = []
         self._constraints: ConstraintFactory | None = None  # built on the first constrained request
         self.disk: DiskTier | None = None  # the prompt cache's disk tier (H5 as proposed), when on
@@ -273,11 +277,13 @@ class Engine:
         seed: int | None = None,
         constraint: ConstraintSpec | None = None,
         sampling: Settings | None = None,
+        speculative: bool = True,
     ) -> None:
         """Queue a request; it is admitted by a later `step()` (SPEC P3, P8).
 
         `sampling` is the whole of its sampling settings (top_k, penalties,
-        logit_bias, logprobs ...); without it, temperature, top_p and seed make them."""
+        logit_bias, logprobs ...); without it, temperature, top_p and seed make them.
+        `speculative` False: it never guesses ahead (worker/speculate.py), even alone."""
         if not request_id:
             raise EngineError(INVALID_REQUEST, "request id must not be empty")
         if request_id in self.endings.ids:
@@ -299,10 +305,12 @@ class Engine:
         if vocab is not None and not all(0 <= t < vocab for t in prompt_tokens):
             raise EngineError(INVALID_REQUEST, f"prompt has token ids outside [0, {vocab})")
         stops = [s for s in stop if s]
-        seq = Seq(request_id, list(prompt_tokens), max_tokens,
-                  make_request_sampler(settings, prompt_tokens),
+        sampler = make_request_sampler(settings, prompt_tokens)
+        guesses = self.speculative and speculative and sampler is greedy and constraint is None
+        seq = Seq(request_id, list(prompt_tokens), max_tokens, sampler,
                   StopMatcher(stops) if stops else None,
-                  self._constraint(constraint, max_tokens) if constraint is not None else None)
+                  self._constraint(constraint, max_tokens) if constraint is not None else None,
+                  Speculation() if guesses else None)
         self.endings.ids.add(request_id)
         self.scheduler.queue.append(seq)
         if self.endings.cacheable:  # pinned while queued: a shrink must not take what it will reuse (H3)
@@ -320,7 +328,7 @@ class Engine:
             else:
                 raise EngineError(INVALID_REQUEST, "give exactly one of messages or prompt")
             self.submit(cmd.request_id, tokens, cmd.max_tokens, stop=cmd.stop, constraint=cmd.constraint,
-                        sampling=Settings.of(cmd))
+                        sampling=Settings.of(cmd), speculative=cmd.speculative)
         except EngineError as exc:
             self._outbox.append(Failed(request_id=cmd.request_id, code=exc.code, message=exc.message))
         except Exception as exc:  # noqa: BLE001 - raised from the worker's command loop it would kill

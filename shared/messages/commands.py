@@ -176,6 +176,7 @@ class Generate(Command, tag="generate", kw_only=True):
     logit_bias: dict[int, float] = {}  # token id -> added to its logit
     logprobs: bool = False  # each token's TokenOut carries its TokenLogprobs
     top_logprobs: int = 0  # ... with this many most likely alternatives (at most MAX_TOP_LOGPROBS)
+    speculative: bool = True  # False: never guess ahead (speculative decoding), even alone
     # fill in the middle: `prompt` is the text before, this the text after
     # (the worker builds the prompt from its tokenizer's FIM tokens; prompt only)
     suffix: Union[str, None] = None
