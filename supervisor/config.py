@@ -341,6 +341,9 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # with Retry-After (a router sends it to another host), never an unbounded queue.
     max_queue: int = 64
     aliases: list[str] = msgspec.field(default_factory=list)  # other names requests may use
+    # Another model's id or alias: a small model of the same vocabulary, loaded in this model's
+    # worker, whose guesses this model checks (speculative decoding, worker/draft.py); "" = none
+    draft: str = ""
 
     def __post_init__(self) -> None:
         if not self.id.strip():
@@ -361,6 +364,8 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise _FieldError(f"aliases[{j}]", "must not be empty")
             if alias == self.id:
                 raise _FieldError(f"aliases[{j}]", f"alias {alias!r} repeats the model's own id")
+        if self.draft and (self.draft == self.id or self.draft in self.aliases):
+            raise _FieldError("draft", f"{self.draft!r} is this model itself: a draft is a smaller model")
 
     def path_problem(self) -> str | None:
         """Why the model's path cannot be loaded (checked when serving starts,

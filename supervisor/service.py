@@ -305,13 +305,14 @@ class Service:
         if ttl and handle is not None and handle.serving and not m.pinned:
             expires = max(0.0, ttl - idle)
         disk = self.pool.caches.model(m.id)  # H5: as its last worker reported it
+        proposed, accepted = self.pool.streams.guesses.get(m.id, (0, 0))
         return ModelInfo(
             id=m.id, path=m.path, pinned=m.pinned, state=view.state, worker=view.worker, pid=view.pid,
             failed_reason=view.reason, aliases=list(m.aliases), estimated_bytes=self.catalog.estimate_soon(m),
             usage=memory.usage, mlx_active=memory.mlx_active, mlx_pool=memory.mlx_pool,
             cache_bytes=memory.cache_bytes, batch_bytes=memory.batch_bytes, batch_live_bytes=memory.batch_live_bytes,
             disk_cache_bytes=disk.bytes, disk_cache_entries=disk.entries, idle_seconds=idle, ttl=ttl, expires_in=expires,
-            restarts=self.models.restarts(m.id),
+            restarts=self.models.restarts(m.id), proposed_tokens=proposed, accepted_tokens=accepted,
         )
 
     def counters(self) -> dict[str, int]:

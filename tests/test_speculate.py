@@ -7,9 +7,9 @@ import pytest
 
 from shared.limits import Limits
 from shared.protocol import Finished
-from tests.engine_harness import drive
+from tests.engine_harness import OPEN, Run, drive
 from worker import speculate
-from worker.engine import Engine
+from worker.engine import Engine, EngineError
 from worker.speculate import FIRST_DRAFT, MAX_DRAFT, NgramDrafter, Pace, accepted_count
 
 
@@ -209,3 +209,73 @@ def test_a_stop_inside_accepted_guesses_ends_there_and_the_prompt_cache_keeps_ex
     assert again.terminal("again").cached_tokens == len(prompt) + change
     engine.submit("fresh", prompt + reply[:change + 1], max_tokens=8, speculative=False)
     assert again.tokens("again") == drive(engine).tokens("fresh")
+
+
+# ------------------------------------------------------------------ the draft model (worker/draft.py)
+
+
+@pytest.fixture(scope="module")
+def with_draft(tiny_models):
+    """tiny-a as the model, tiny-small (the same generated tokenizer) as its draft."""
+    import mlx_lm
+
+    from worker.draft import DraftModel
+
+    model, tokenizer = mlx_lm.load(str(tiny_models.a))
+    draft, _ = mlx_lm.load(str(tiny_models.small))
+    return model, tokenizer, DraftModel(draft, str(tiny_models.small))
+
+
+@pytest.mark.parametrize("text", PROMPTS)
+def test_draft_model_guesses_are_checked_and_the_output_stays_the_plain_one(with_draft, monkeypatch, text):
+    """With the text holding no guess (the n-gram drafter silenced), every guess is the draft
+    model's; whatever it guesses, the reply is the model's own greedy one."""
+    model, tokenizer, draft = with_draft
+    engine = Engine(model, tokenizer, own_usage_fn=lambda: 0, draft=draft)
+    prompt = engine.encode_prompt(text)
+    engine.submit("plain", prompt, max_tokens=24, speculative=False)
+    plain = drive(engine)
+    monkeypatch.setattr(NgramDrafter, "propose", lambda self, k: [])
+    monkeypatch.setattr(speculate, "MAX_PAUSE", 0)  # keep asking the draft after misses
+    engine.submit("drafted", prompt, max_tokens=24)
+    drafted = drive(engine)
+    assert drafted.tokens("drafted") == plain.tokens("plain")
+    end = drafted.terminal("drafted")
+    assert end.proposed_tokens > 0 and 0 <= end.accepted_tokens <= end.proposed_tokens
+
+
+def test_draft_state_is_rewound_to_the_tokens_the_model_kept(with_draft):
+    model, tokenizer, draft = with_draft
+    state = draft.state()
+    context = tokenizer.encode("Once upon a time there was")
+    guesses = draft.propose(state, context, 4)
+    assert len(guesses) == 4 and state.tokens == len(context) + 3
+    assert all(layer.offset == state.tokens for layer in state.cache)
+    draft.rewind(state, len(context) + 1)  # the model kept one guess
+    assert state.tokens == len(context) + 1 and all(layer.offset == len(context) + 1 for layer in state.cache)
+    again = draft.propose(state, [*context, guesses[0], 77], 2)  # caught up on the token it had not seen
+    fresh = draft.state()
+    assert again == draft.propose(fresh, [*context, guesses[0], 77], 2)
+
+
+def test_dropping_the_draft_under_pressure_keeps_every_reply_the_same(with_draft, monkeypatch):
+    model, tokenizer, draft = with_draft
+    engine = Engine(model, tokenizer, own_usage_fn=lambda: 0, draft=draft)
+    prompt = engine.encode_prompt(PROMPTS[1])
+    engine.submit("plain", prompt, max_tokens=20, speculative=False)
+    plain = drive(engine).tokens("plain")
+    monkeypatch.setattr(NgramDrafter, "propose", lambda self, k: [])
+    engine.submit("r", prompt, max_tokens=20)
+    run = Run()
+    for _ in range(3):
+        run.add(engine.step(OPEN, lambda: 0))
+    assert engine.drop_draft() and engine.draft is None and not engine.drop_draft()
+    run.add(drive(engine).events)
+    assert run.tokens("r") == plain
+
+
+def test_a_draft_of_another_vocabulary_fails_the_load_saying_why(tiny_model, fim_model):
+    with pytest.raises(EngineError) as refused:
+        Engine.load(tiny_model, draft_path=str(fim_model))
+    assert refused.value.code == "load_failed" and "draft model" in refused.value.message
+    assert "vocabulary" in refused.value.message or "token ids" in refused.value.message

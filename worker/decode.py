@@ -28,6 +28,7 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokeni
 from shared.protocol import TokenOut
 from worker import speculate
 from worker.batch import DecodeBatch
+from worker.draft import DraftModel
 from worker.endings import Endings, Event
 from worker.request import Detokenizer, Seq
 from worker.sampling import TokenPicker, TokenTexts, greedy
@@ -68,6 +69,7 @@ class DecodeStep:
         self.tokens_total = 0
         self._eos = frozenset(tokenizer.eos_token_ids)
         self.texts = TokenTexts(tokenizer)  # the logprobs name tokens by their text
+        self.draft: DraftModel | None = None  # guesses free text for a request decoding alone
 
     def join(self, seq: Seq) -> None:
         """A request that has its first token decodes from the next step on."""
@@ -154,9 +156,15 @@ class DecodeStep:
         first = self.batch.tokens()[0]
         drafter.append(first)
         drafts = drafter.propose(min(want, room))
+        if not drafts and self.draft is not None:  # the text holds no guess: the draft model's
+            spec.draft = spec.draft or self.draft.state()
+            drafts = self.draft.propose(spec.draft, drafter.tokens, min(want, room))
         if not drafts:
             return None
-        if speculate.verify(self.model, self.batch, seq, first, drafts, self.emit, events):
+        ended = speculate.verify(self.model, self.batch, seq, first, drafts, self.emit, events)
+        if spec.draft is not None:  # its KV keeps the tokens the model kept, not the rejected guesses
+            DraftModel.rewind(spec.draft, len(seq.prompt) + len(seq.out))
+        if ended:
             self._store([0])
             self.batch.keep([], None)
             return []

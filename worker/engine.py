@@ -43,6 +43,7 @@ from worker import prompt_cache as pc
 from worker.constrain import Constraint, ConstraintError, ConstraintFactory
 from worker.decode import DecodeStep
 from worker.disk_cache import DiskTier
+from worker.draft import DraftModel, same_vocabulary
 from worker.endings import Endings, Event
 from worker.memory import UsageFn
 from worker.prefill import (
@@ -88,6 +89,7 @@ class Engine:
         device: DeviceUsage | None = None,
         prefill_order: PrefillOrder = "shortest",
         speculative: bool = True,
+        draft: DraftModel | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -109,28 +111,26 @@ class Engine:
                                    max_concurrency=max_concurrency, clock=clock, order=prefill_order)
         # greedy requests decoding alone check guesses of their next tokens (worker/speculate.py)
         self.speculative = speculative and self.decode.batched
+        self.decode.draft = draft if self.speculative else None
         self._outbox: list[Event] = []
         self._constraints: ConstraintFactory | None = None  # built on the first constrained request
         self.disk: DiskTier | None = None  # the prompt cache's disk tier (H5 as proposed), when on
         self._spill_seconds = 0.0
 
     @classmethod
-    def load(cls, path: str | Path, **kwargs) -> "Engine":
-        """Load a local model directory with mlx_lm (never a download)."""
-        import mlx_lm
-
+    def load(cls, path: str | Path, *, draft_path: str = "", **kwargs) -> "Engine":
+        """Load a local model directory with mlx_lm (never a download), and its draft model
+        (worker/draft.py) from `draft_path` when one is named."""
         directory = Path(path)
-        if not (directory / "config.json").is_file():
-            raise EngineError("load_failed", f"no model at {directory}: config.json not found")
-        try:
-            weight_bytes = estimate_weight_bytes(directory)
-            # without return_config, load returns (model, tokenizer) (its type also allows a config)
-            model, tokenizer = cast(tuple[Any, Any], mlx_lm.load(str(directory)))
-        except WeightsError as exc:
-            raise EngineError("load_failed", str(exc)) from None
-        except Exception as exc:  # noqa: BLE001 - any loader failure is a load error
-            raise EngineError("load_failed", f"cannot load {directory}: {exc}") from exc
-        engine = cls(model, tokenizer, weight_bytes=weight_bytes, **kwargs)
+        weight_bytes, (model, tokenizer) = _load(directory)
+        draft = None
+        if draft_path:
+            draft_bytes, (draft_model, draft_tokenizer) = _load(Path(draft_path), what="draft model ")
+            problem = same_vocabulary(tokenizer, draft_tokenizer)
+            if problem is not None:
+                raise EngineError("load_failed", f"draft model {draft_path} cannot guess for {directory}: {problem}")
+            draft, weight_bytes = DraftModel(draft_model, draft_path), weight_bytes + draft_bytes
+        engine = cls(model, tokenizer, weight_bytes=weight_bytes, draft=draft, **kwargs)
         engine.context_length = context_length(directory)  # a prompt over it is refused, not run
         return engine
 
@@ -197,6 +197,22 @@ class Engine:
         batch = self.decode.batch
         return memory.Held(self.prompt_cache.nbytes, self.prompt_cache.releasable, batch.nbytes,
                            batch.live_nbytes, batch.relayouts)
+
+    @property
+    def draft(self) -> DraftModel | None:
+        return self.decode.draft
+
+    def drop_draft(self) -> bool:
+        """Under pressure the draft model goes first (worker/draft.py): its weights and every
+        request's KV in it; the requests go on guessing from their text alone. False: none held."""
+        if self.decode.draft is None:
+            return False
+        log.info("dropping the draft model %s under memory pressure", self.decode.draft.name)
+        self.decode.draft = None
+        for seq in self.decode.batch.rows + self.scheduler.decoding + self.decode.joining:
+            if seq.spec is not None:
+                seq.spec.draft = None
+        return True
 
     def shrink_cache(self, target_bytes: int) -> int:
         """H3/P5: drop LRU unused entries toward `target_bytes`; bytes dropped (pool not yet returned)."""
@@ -412,6 +428,22 @@ class Engine:
             self.prompt_cache.set_cap(limits.cache_cap)  # H2: over the cap, LRU goes
         self.scheduler.step(limits, usage_fn, events)
         return events
+
+
+def _load(directory: Path, what: str = "") -> tuple[int, tuple[Any, Any]]:
+    """(weight bytes, (model, tokenizer)) of a local folder; EngineError `load_failed` saying why."""
+    import mlx_lm
+
+    if not (directory / "config.json").is_file():
+        raise EngineError("load_failed", f"no {what}at {directory}: config.json not found")
+    try:
+        weight_bytes = estimate_weight_bytes(directory)
+        # without return_config, load returns (model, tokenizer) (its type also allows a config)
+        return weight_bytes, cast(tuple[Any, Any], mlx_lm.load(str(directory)))
+    except WeightsError as exc:
+        raise EngineError("load_failed", str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - any loader failure is a load error
+        raise EngineError("load_failed", f"cannot load {what}{directory}: {exc}") from exc
 
 
 def _default_own_usage() -> int:

@@ -42,6 +42,7 @@ from worker.batch import DecodeBatch
 from worker.sampling import greedy
 
 if TYPE_CHECKING:  # request.py imports this module
+    from worker.draft import DraftState
     from worker.endings import Event
     from worker.request import Seq
 
@@ -121,12 +122,14 @@ class Pace:
 
 
 class Speculation:
-    """One request's guessing: its drafter (built on first use), pace and counts."""
+    """One request's guessing: its drafter (built on first use), its KV in the draft model (when
+    the worker has one, worker/draft.py), pace and counts."""
 
-    __slots__ = ("drafter", "pace", "proposed", "accepted")
+    __slots__ = ("drafter", "draft", "pace", "proposed", "accepted")
 
     def __init__(self) -> None:
         self.drafter: NgramDrafter | None = None
+        self.draft: DraftState | None = None
         self.pace = Pace()
         self.proposed = 0   # guessed tokens checked
         self.accepted = 0   # ... that the model chose too (and were emitted)
@@ -149,7 +152,8 @@ Emit = Callable[["Seq", int, "list[Event]"], bool]  # DecodeStep.emit: (seq, tok
 def verify(model, batch: DecodeBatch, seq: Seq, first: int, drafts: list[int], emit: Emit,
            events: list[Event]) -> bool:
     """One checked step of the batch's only row: emit `first` (the token in flight) and the
-    accepted guesses, put the model's next choice in flight; True when the request ended.
+    accepted guesses, put the model's next choice in flight; True when the request ended
+    (the guesses it accepted are counted in `seq.spec`).
 
     The KV keeps exactly the tokens emitted (the rejected guesses' positions are rewound),
     so a request that ends here leaves the prompt cache the KV of its prompt and output."""

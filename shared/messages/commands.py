@@ -36,6 +36,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     max_concurrency: int = 4
     chunk_seconds: float = 1.0  # the time one prefill turn aims at (its heartbeat cannot interrupt one)
     prefill_order: PrefillOrder = "shortest"  # how a prefill turn's budget is shared (worker/scheduler.py)
+    draft_path: str = ""  # the draft model's folder (speculative decoding, worker/draft.py); "" = none
     allow_drills: bool = False
     # The prompt cache's disk tier (H5 as proposed) and shrink before drop (H6).
     # Bytes every model's entries on disk may hold together: DISK_CACHE_AUTO sizes it to the
