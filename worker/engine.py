@@ -25,17 +25,18 @@ first, so the loop has one place to forward from.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from mlx_lm.models.cache import make_prompt_cache
 
 from shared.limits import Limits
 from shared.modelinfo import context_length
-from shared.protocol import ConstraintSpec, Failed, Generate
+from shared.protocol import SHARED_PARTITION, ConstraintSpec, Failed, Generate
 from shared.vocab import FailureCode, PrefillOrder
 from shared.weights import WeightsError, estimate_weight_bytes
 from worker import memory, prompts
@@ -45,6 +46,7 @@ from worker.decode import DecodeStep
 from worker.disk_cache import DiskTier
 from worker.draft import DraftModel, same_vocabulary
 from worker.endings import Endings, Event
+from worker.loader import LoadMeter, load_generator
 from worker.memory import UsageFn
 from worker.prefill import (
     CHUNK_SECONDS,
@@ -67,6 +69,7 @@ log = logging.getLogger("memvisor.worker.engine")
 
 MIN_REUSE_TOKENS = 16  # a shorter shared prefix (BOS, a template's first tokens) is no cache hit
 WARM_UP_ROWS = 4       # the group the warm-up prefills together (any group takes the masked kind)
+NO_TOKENIZER_LIMIT = int(1e30)  # transformers' own "no limit" (VERY_LARGE_INTEGER): it never warns past it
 
 
 class Engine:
@@ -118,20 +121,27 @@ class Engine:
         self._spill_seconds = 0.0
 
     @classmethod
-    def load(cls, path: str | Path, *, draft_path: str = "", **kwargs) -> "Engine":
-        """Load a local model directory with mlx_lm (never a download), and its draft model
+    def load(cls, path: str | Path, *, meter: LoadMeter | None = None, draft_path: str = "", **kwargs) -> "Engine":
+        """Load a local model directory as mlx_lm.load does (never a download), each
+        phase timed on `meter` (SPEC W3, worker/loader.py), and its draft model
         (worker/draft.py) from `draft_path` when one is named."""
         directory = Path(path)
-        weight_bytes, (model, tokenizer) = _load(directory)
+        weight_bytes, (model, tokenizer) = _load(directory, meter)
         draft = None
         if draft_path:
-            draft_bytes, (draft_model, draft_tokenizer) = _load(Path(draft_path), what="draft model ")
+            draft_bytes, (draft_model, draft_tokenizer) = _load(Path(draft_path), None, what="draft model ")
             problem = same_vocabulary(tokenizer, draft_tokenizer)
             if problem is not None:
                 raise EngineError("load_failed", f"draft model {draft_path} cannot guess for {directory}: {problem}")
             draft, weight_bytes = DraftModel(draft_model, draft_path), weight_bytes + draft_bytes
-        engine = cls(model, tokenizer, weight_bytes=weight_bytes, draft=draft, **kwargs)
-        engine.context_length = context_length(directory)  # a prompt over it is refused, not run
+        # The context limit is the engine's (config.json's, below): a prompt over it is refused,
+        # not run. The tokenizer's own model_max_length only made transformers log "Token indices
+        # sequence length is longer than the specified maximum ... indexing errors" for such a
+        # prompt, which reads like our crash; we never ask it to truncate, so it gets no limit.
+        tokenizer.model_max_length = NO_TOKENIZER_LIMIT
+        with meter.phase("build") if meter is not None else contextlib.nullcontext():  # the engine is built too
+            engine = cls(model, tokenizer, weight_bytes=weight_bytes, draft=draft, **kwargs)
+            engine.context_length = context_length(directory)  # a prompt over it is refused, not run
         return engine
 
     # -- what the rooms know, read from the front -------------------------------------------
@@ -252,21 +262,23 @@ class Engine:
             log.info("prompt cache to disk before dropping: %d entries written, %d not (deadline %.3f s)",
                      done.written, done.dropped, self._spill_seconds)
 
-    def _read_from_disk(self, prompt: Sequence[int]) -> None:
+    def _read_from_disk(self, prompt: Sequence[int], partition: str) -> None:
         """H5: the one disk entry this prompt needs, into the memory cache, when it beats memory's best.
 
         An entry larger than the memory cache's cap is not read (H2 bounds what a
-        worker holds); one that cannot be read is a miss (the prefill runs)."""
+        worker holds); one that cannot be read is a miss (the prefill runs). Only `partition`'s
+        files are offered (H7 as proposed)."""
         tier, cache = self.disk, self.prompt_cache
         if tier is None or cache.cap <= 0:
             return
         limit = len(prompt) - 1
-        found = tier.best(prompt, limit, longer_than=max(cache.longest(prompt, limit), MIN_REUSE_TOKENS - 1))
+        found = tier.best(prompt, limit, partition=partition,
+                          longer_than=max(cache.longest(prompt, limit, partition), MIN_REUSE_TOKENS - 1))
         if found is None or found.nbytes > cache.cap:
             return
         layers = tier.load(found)
-        if layers is not None and cache.insert(found.tokens, layers):
-            entry = cache.get(found.tokens)
+        if layers is not None and cache.insert(found.tokens, layers, partition=partition):
+            entry = cache.get(found.tokens, partition)
             assert entry is not None  # just inserted
             entry.disk, entry.from_disk = found.name, True
 
@@ -293,12 +305,14 @@ class Engine:
         seed: int | None = None,
         constraint: ConstraintSpec | None = None,
         sampling: Settings | None = None,
+        partition: str = SHARED_PARTITION,
         speculative: bool = True,
     ) -> None:
         """Queue a request; it is admitted by a later `step()` (SPEC P3, P8).
 
         `sampling` is the whole of its sampling settings (top_k, penalties,
         logit_bias, logprobs ...); without it, temperature, top_p and seed make them.
+        `partition`: the prompt-cache entries it may reuse and leaves behind (H7 as proposed).
         `speculative` False: it never guesses ahead (worker/speculate.py), even alone."""
         if not request_id:
             raise EngineError(INVALID_REQUEST, "request id must not be empty")
@@ -325,12 +339,12 @@ class Engine:
         guesses = self.speculative and speculative and sampler is greedy and constraint is None
         seq = Seq(request_id, list(prompt_tokens), max_tokens, sampler,
                   StopMatcher(stops) if stops else None,
-                  self._constraint(constraint, max_tokens) if constraint is not None else None,
-                  Speculation() if guesses else None)
+                  self._constraint(constraint, max_tokens, partition) if constraint is not None else None,
+                  partition, Speculation() if guesses else None)
         self.endings.ids.add(request_id)
         self.scheduler.queue.append(seq)
         if self.endings.cacheable:  # pinned while queued: a shrink must not take what it will reuse (H3)
-            seq.hit = self.prompt_cache.lookup(seq.prompt, len(seq.prompt) - 1)
+            seq.hit = self.prompt_cache.lookup(seq.prompt, len(seq.prompt) - 1, partition=partition)
 
     def submit_generate(self, cmd: Generate) -> None:
         """Queue a wire `Generate`; bad input becomes its one terminal `Failed` (next step)."""
@@ -344,7 +358,7 @@ class Engine:
             else:
                 raise EngineError(INVALID_REQUEST, "give exactly one of messages or prompt")
             self.submit(cmd.request_id, tokens, cmd.max_tokens, stop=cmd.stop, constraint=cmd.constraint,
-                        sampling=Settings.of(cmd), speculative=cmd.speculative)
+                        sampling=Settings.of(cmd), partition=cmd.partition, speculative=cmd.speculative)
         except EngineError as exc:
             self._outbox.append(Failed(request_id=cmd.request_id, code=exc.code, message=exc.message))
         except Exception as exc:  # noqa: BLE001 - raised from the worker's command loop it would kill
@@ -353,13 +367,14 @@ class Engine:
             self._outbox.append(Failed(request_id=cmd.request_id, code=ENGINE_ERROR,
                                        message=f"the request could not be prepared: {exc!r}"))
 
-    def _constraint(self, spec: ConstraintSpec, max_tokens: int) -> Constraint:
-        """The request's grammar; a spec that cannot be enforced is invalid_request."""
+    def _constraint(self, spec: ConstraintSpec, max_tokens: int, partition: str) -> Constraint:
+        """The request's grammar (compiled once per partition, H7 as proposed); a spec that
+        cannot be enforced is invalid_request."""
         try:
             if self._constraints is None:
                 vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
                 self._constraints = ConstraintFactory(self.tokenizer, vocab or len(self.tokenizer.vocab))
-            return self._constraints.build(spec, max_tokens)
+            return self._constraints.build(spec, max_tokens, partition)
         except ConstraintError as exc:
             raise EngineError(exc.code, exc.message) from None
 
@@ -430,16 +445,13 @@ class Engine:
         return events
 
 
-def _load(directory: Path, what: str = "") -> tuple[int, tuple[Any, Any]]:
-    """(weight bytes, (model, tokenizer)) of a local folder; EngineError `load_failed` saying why."""
-    import mlx_lm
-
+def _load(directory: Path, meter: LoadMeter | None, what: str = "") -> tuple[int, tuple[Any, Any]]:
+    """(weight bytes, (model, tokenizer)) of a local folder, as mlx_lm.load gives them (W3's phases
+    on `meter`); EngineError `load_failed` saying why."""
     if not (directory / "config.json").is_file():
         raise EngineError("load_failed", f"no {what}at {directory}: config.json not found")
     try:
-        weight_bytes = estimate_weight_bytes(directory)
-        # without return_config, load returns (model, tokenizer) (its type also allows a config)
-        return weight_bytes, cast(tuple[Any, Any], mlx_lm.load(str(directory)))
+        return estimate_weight_bytes(directory), load_generator(directory, meter)
     except WeightsError as exc:
         raise EngineError("load_failed", str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - any loader failure is a load error

@@ -209,7 +209,7 @@ class Prefill:
         waits for them in the line, as it waited behind them before they shared
         turns; so does one that needs room while another request asks for it."""
         if self.endings.cacheable:  # look again: a request that finished meanwhile may cover more
-            hit = self.prompt_cache.lookup(seq.prompt, len(seq.prompt) - 1)
+            hit = self.prompt_cache.lookup(seq.prompt, len(seq.prompt) - 1, partition=seq.partition)
             self.prompt_cache.release(seq.hit)
             seq.hit = hit
         if not guard.guard_on(pool.limits):
