@@ -16,8 +16,9 @@ each alike):
 Every prompt is new (its first words name the round and the kind), so no prompt
 cache serves a prefix. The goals of issue 33: the short one's TTFT together
 <= 2 x alone, the long one's total together <= 1.25 x alone. Each server
-(`--orders`: one per prefill order, `[supervisor] prefill_order`; `--before DIR`:
-another checkout, e.g. main before the change, served the same way) runs its
+(`--orders`: one per prefill order, `[supervisor] prefill_order`, `@SECONDS` for
+its `chunk_seconds`; `--before DIR`: another checkout, e.g. main before the
+change, served the same way) runs its
 rounds while the others wait, and the ratios are medians of its rounds: on a
 shared machine compare ratios, never seconds across runs. The whole-run figures
 (each server's wall time for all its rounds) come first, then the per-kind ones.
@@ -129,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--short", type=int, default=100, help="tokens of the short prompt (default 100)")
     parser.add_argument("--tokens", type=int, default=16, help="max tokens of each reply (default 16)")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--orders", default="shortest", help="prefill orders to serve, comma-separated")
+    parser.add_argument("--orders", default="shortest,round_robin",
+                        help="servers: prefill orders, comma-separated, each with @SECONDS for its chunk_seconds "
+                             "(e.g. shortest,shortest@1,round_robin)")
     parser.add_argument("--chunk-seconds", type=float, help="[supervisor] chunk_seconds (default: the server's)")
     parser.add_argument("--before", type=Path, help="also serve from this checkout (e.g. main before the change)")
     parser.add_argument("--json", type=Path, help="write every figure here")
@@ -141,15 +144,18 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or bench_model(f"fairness-{parse_size(args.size)}-float32", parse_size(args.size), 11,
                                       "float32")
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
-    servers = [(order, ROOT, order) for order in args.orders.split(",") if order]
+    servers = []
+    for spec in filter(None, args.orders.split(",")):
+        order, _, seconds = spec.partition("@")
+        servers.append((spec, ROOT, order, float(seconds) if seconds else args.chunk_seconds))
     if args.before is not None:
-        servers.append(("before", args.before.resolve(), ""))
+        servers.append(("before", args.before.resolve(), "", args.chunk_seconds))
     print(f"model {model}; long {args.long} tokens, short {args.short}, {args.tokens} tokens each; "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-fairness-") as tmp:
-        for label, root, order in servers:
-            server = serve(label, root, config_text(model, order, args.chunk_seconds), Path(tmp))
+        for label, root, order, seconds in servers:
+            server = serve(label, root, config_text(model, order, seconds), Path(tmp))
             try:
                 asyncio.run(timed(server.base, text_of(tokenizer, "warm up", 64), 4))  # first-use costs
                 started = time.perf_counter()

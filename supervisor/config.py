@@ -284,7 +284,9 @@ class SupervisorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     # The time one prefill turn aims at (its chunks of every prompt prefilling together):
     # a running stream waits about this long between two tokens while others prefill, and a
     # command waits about this long for a step boundary (0 = chunks sized by memory only).
-    chunk_seconds: Seconds = 1.0
+    # 0.25 since fair prefill (1.0 before): a short prompt arriving mid-turn waits for the
+    # rest of that turn, and scripts/bench_fairness.py measured 1.0 well past 2x its TTFT alone.
+    chunk_seconds: Seconds = 0.25
     # How a prefill turn shares that budget: "shortest" (fewest tokens left first) or
     # "round_robin" (equal shares); worker/scheduler.py.
     prefill_order: PrefillOrder = "shortest"

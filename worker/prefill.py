@@ -68,7 +68,7 @@ DEFAULT_MAX_CHUNK = 512
 MEMORY_WAIT_SECONDS = 10.0
 
 # prefill chunks sized by time: a chunk is work the heartbeat cannot interrupt
-CHUNK_SECONDS = 1.0     # the time one prefill chunk aims at
+CHUNK_SECONDS = 0.25    # the time one prefill turn aims at (2026-12-05: 1.0 before fair prefill)
 FIRST_CHUNK = 64        # tokens of a chunk before any has been timed
 MIN_TIMED_CHUNK = 16    # never fewer per chunk (a chunk has a fixed cost too)
 UNTIMED = 1 << 30       # "no bound": a turn's budget with chunks sized by memory only

@@ -34,7 +34,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     sample_interval: float = 0.25
     heartbeat_timeout: float = 5.0
     max_concurrency: int = 4
-    chunk_seconds: float = 1.0  # the time one prefill turn aims at (its heartbeat cannot interrupt one)
+    chunk_seconds: float = 0.25  # the time one prefill turn aims at (its heartbeat cannot interrupt one)
     prefill_order: PrefillOrder = "shortest"  # how a prefill turn's budget is shared (worker/scheduler.py)
     draft_path: str = ""  # the draft model's folder (speculative decoding, worker/draft.py); "" = none
     allow_drills: bool = False
