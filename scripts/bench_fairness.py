@@ -40,8 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import _serve  # noqa: E402  (scripts/ is on sys.path as the script's folder)
-from _serve import ServeProcess, bench_model  # noqa: E402
+from _serve import bench_model, serve_private  # noqa: E402  (scripts/ is on sys.path as the script's folder)
 from _sse import stream_completion  # noqa: E402
 
 MODEL_ID = "fair"
@@ -95,21 +94,6 @@ def config_text(model: Path, order: str, chunk_seconds: float | None) -> str:
             f'[[models]]\nid = "{MODEL_ID}"\npath = "{model}"\nmax_concurrency = 4\npinned = true\n')
 
 
-def serve(label: str, root: Path, text: str, work: Path) -> ServeProcess:
-    env = dict(os.environ, PYTHONPATH=str(root), MEMVISOR_CACHE=str(work / "cache"))  # no disk tier of ours
-    folder = work / label
-    folder.mkdir()
-    runtime = folder / "run"
-    runtime.mkdir(mode=0o700)
-    saved = _serve.ROOT
-    _serve.ROOT = root  # the checkout that serves (--before: another one)
-    try:
-        return ServeProcess(text, config=folder / "config.toml", runtime=runtime, log=folder / "serve.log",
-                            timeout=300, env=env)
-    finally:
-        _serve.ROOT = saved
-
-
 def summary(label: str, rounds: list[dict], wall: float) -> dict:
     med = statistics.median
     short_alone = med(r["short"]["ttft"] for r in rounds)
@@ -155,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-fairness-") as tmp:
         for label, root, order, seconds in servers:
-            server = serve(label, root, config_text(model, order, seconds), Path(tmp))
+            server = serve_private(config_text(model, order, seconds), Path(tmp) / label, root=root)
             try:
                 asyncio.run(timed(server.base, text_of(tokenizer, "warm up", 64), 4))  # first-use costs
                 started = time.perf_counter()

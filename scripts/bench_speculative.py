@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from _serve import ServeProcess, bench_model  # noqa: E402
+from _serve import bench_model, serve_private  # noqa: E402
 from bench_concurrency import DEFAULT_GGUF, MODEL_ID, imported  # noqa: E402
 
 PASSAGE = (
@@ -94,12 +94,7 @@ def ngram(args) -> dict:
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
     out: dict[str, list] = {task: [] for task in TASKS}
     with tempfile.TemporaryDirectory(prefix="bench-speculative-") as tmp:
-        work = Path(tmp)
-        runtime = work / "run"
-        runtime.mkdir(mode=0o700)
-        server = ServeProcess(f'[[models]]\nid = "{MODEL_ID}"\npath = "{folder}"\npinned = true\n',
-                              config=work / "config.toml", runtime=runtime, log=work / "serve.log", timeout=300,
-                              env=dict(os.environ, MEMVISOR_CACHE=str(work / "cache")))
+        server = serve_private(f'[[models]]\nid = "{MODEL_ID}"\npath = "{folder}"\npinned = true\n', Path(tmp))
         try:
             asyncio.run(one(server.base, "Hello", 4, True))  # first-use costs
             for r in range(args.rounds):
