@@ -279,3 +279,11 @@ def test_a_draft_of_another_vocabulary_fails_the_load_saying_why(tiny_model, fim
         Engine.load(tiny_model, draft_path=str(fim_model))
     assert refused.value.code == "load_failed" and "draft model" in refused.value.message
     assert "vocabulary" in refused.value.message or "token ids" in refused.value.message
+
+
+def test_pace_counts_a_check_slower_than_plain_steps_as_a_miss():
+    """Where a pass over several tokens costs about one pass per token (MLX's quantized matmul on a
+    CPU), checks that were all right can still lose time: such a check backs off like a miss."""
+    pace = Pace()
+    pace.learn(2, 2, paid=False)
+    assert pace.k == FIRST_DRAFT and pace.want() == 0 and pace.misses == 1

@@ -20,6 +20,8 @@ the free ones are sampled first and keep their look-ahead.
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache
@@ -70,6 +72,9 @@ class DecodeStep:
         self._eos = frozenset(tokenizer.eos_token_ids)
         self.texts = TokenTexts(tokenizer)  # the logprobs name tokens by their text
         self.draft: DraftModel | None = None  # guesses free text for a request decoding alone
+        self.checked = 0  # checked steps so far
+        self._plain_before = False  # the last step was a plain one of one row (its pass is the next one's wait)
+        self.plain_seconds = 0.0  # a plain step of one row, as last measured (what a check must beat)
 
     def join(self, seq: Seq) -> None:
         """A request that has its first token decodes from the next step on."""
@@ -90,7 +95,15 @@ class DecodeStep:
 
     def run(self, decoding: list[Seq], events: list[Event]) -> list[Seq]:
         """One token for every request in `decoding`; the ones that go on."""
+        started = time.perf_counter()
+        alone = self.batched and len(self.batch) == 1 and not self.joining
+        checked = self.checked
         survivors = self._batched(events) if self.batched else self._single(decoding, events)
+        plain = alone and self.checked == checked and bool(survivors)
+        if plain and self._plain_before:  # a plain step of one row after another waits for one pass
+            took = time.perf_counter() - started
+            self.plain_seconds = took if self.plain_seconds <= 0 else 0.8 * self.plain_seconds + 0.2 * took
+        self._plain_before = plain
         self.steps += 1
         if self.steps % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
@@ -161,7 +174,8 @@ class DecodeStep:
             drafts = self.draft.propose(spec.draft, drafter.tokens, min(want, room))
         if not drafts:
             return None
-        ended = speculate.verify(self.model, self.batch, seq, first, drafts, self.emit, events)
+        self.checked += 1
+        ended = speculate.verify(self.model, self.batch, seq, first, drafts, self.emit, events, self.plain_seconds)
         if spec.draft is not None:  # its KV keeps the tokens the model kept, not the rejected guesses
             DraftModel.rewind(spec.draft, len(seq.prompt) + len(seq.out))
         if ended:

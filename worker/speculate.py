@@ -25,13 +25,15 @@ grammar) that decode alone in their worker (the decode batch has one row: a
 row's KV shares one write position with the others, and guesses accepted in
 different numbers would break it). A request may opt out (`speculative: false`).
 `Pace` keeps guessing from costing a request time where guesses miss: it
-drafts fewer tokens after a miss and pauses for a growing number of steps
-after misses in a row (scripts/bench_speculative.py measures a free chat
+drafts fewer tokens after a miss (or a check that emitted its tokens slower
+than plain steps would have) and pauses for a growing number of steps after
+misses in a row (scripts/bench_speculative.py measures a free chat
 beside an edit).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, cast
 
@@ -108,8 +110,12 @@ class Pace:
             return 0
         return self.k
 
-    def learn(self, proposed: int, accepted: int) -> None:
-        if accepted == 0:
+    def learn(self, proposed: int, accepted: int, paid: bool = True) -> None:
+        """After a check of `proposed` guesses of which `accepted` held; `paid` False: the checked
+        step emitted its tokens slower than plain steps emit one each (a check can cost more than
+        it saves where a pass over several tokens is not much cheaper than one per token, as
+        MLX's quantized matmul on a CPU), which counts as a miss."""
+        if accepted == 0 or not paid:
             self.misses += 1
             self.k = FIRST_DRAFT
             self.pause = min(MAX_PAUSE, 1 << (self.misses - 1))
@@ -150,13 +156,15 @@ Emit = Callable[["Seq", int, "list[Event]"], bool]  # DecodeStep.emit: (seq, tok
 
 
 def verify(model, batch: DecodeBatch, seq: Seq, first: int, drafts: list[int], emit: Emit,
-           events: list[Event]) -> bool:
+           events: list[Event], plain_seconds: float = 0.0) -> bool:
     """One checked step of the batch's only row: emit `first` (the token in flight) and the
     accepted guesses, put the model's next choice in flight; True when the request ended
-    (the guesses it accepted are counted in `seq.spec`).
+    (the guesses it accepted are counted in `seq.spec`). `plain_seconds`: what a plain step of
+    one row takes (0: not known yet); a check whose tokens came slower than that teaches `Pace`.
 
     The KV keeps exactly the tokens emitted (the rejected guesses' positions are rewound),
     so a request that ends here leaves the prompt cache the KV of its prompt and output."""
+    started = time.perf_counter()
     with mx.stream(generation_stream):
         logits = batch.verify(model, [first, *drafts])
         choices = greedy(logits)
@@ -174,7 +182,8 @@ def verify(model, batch: DecodeBatch, seq: Seq, first: int, drafts: list[int], e
     assert spec is not None  # only a request that may guess comes here
     spec.proposed += len(drafts)
     spec.accepted += fed - 1
-    spec.pace.learn(len(drafts), accepted)
+    elapsed = time.perf_counter() - started
+    spec.pace.learn(len(drafts), accepted, paid=plain_seconds <= 0 or elapsed <= fed * plain_seconds)
     if not ended:
         batch.y = choices[accepted:accepted + 1]
     return ended
