@@ -23,8 +23,8 @@ def _engine(loaded, **kwargs) -> Engine:
 
 
 def _timed(engine: Engine, tokens: int) -> None:
-    """As if chunks had been timed: a turn's budget is `tokens` (chunk_seconds 1)."""
-    engine.chunk_timer.per_token = 1.0 / tokens
+    """As if chunks had been timed: a turn's budget is `tokens` (what runs in chunk_seconds)."""
+    engine.chunk_timer.per_token = engine.chunk_timer.seconds / tokens
 
 
 def _first_token_step(engine: Engine, rid: str, limits: Limits = OPEN, usage=lambda: 0) -> tuple[int, list]:
