@@ -22,8 +22,7 @@ from shared import protocol as p
 from shared.vocab import ReplyFinishReason
 from supervisor.api import Supervisor
 from supervisor.errors import ServeError
-from supervisor.http import sampling, tools
-from supervisor.http.content import text_of
+from supervisor.http import images, sampling, tools
 from supervisor.http.errors import ApiError, from_serve_error
 from supervisor.http.job import Calls, End, Job, Piece, Receive, Text, open_job
 from supervisor.http.metrics import Metrics
@@ -142,11 +141,11 @@ def chat_tool_plan(req: ChatRequest) -> ToolPlan | None:
     return tools.check_named(plan, "tool_choice")
 
 
-def _chat_message(i: int, m) -> p.ChatMessage:
+def _chat_message(i: int, m, found: images.Found) -> p.ChatMessage:
     for name in ("function_call", "audio"):
         if getattr(m, name) is not None:
             raise BodyError(f"messages[{i}].{name}: not supported", param=f"messages[{i}].{name}")
-    text = text_of(m.content, f"messages[{i}].content", ("text", "input_text"))
+    text, parts = found.content(m.content, f"messages[{i}].content", ("text", "input_text"), images.openai_image)
     calls = None
     if m.tool_calls:
         calls = []
@@ -160,7 +159,7 @@ def _chat_message(i: int, m) -> p.ChatMessage:
     if m.role == "tool" and not m.tool_call_id:
         raise BodyError(f"messages[{i}].tool_call_id: a tool message needs the id of the call it answers",
                         param=f"messages[{i}].tool_call_id")
-    return p.ChatMessage(role="system" if m.role == "developer" else m.role, content=text,
+    return p.ChatMessage(role="system" if m.role == "developer" else m.role, content=text, parts=parts,
                          tool_calls=_encoder.encode(calls).decode() if calls else None,
                          tool_call_id=m.tool_call_id)
 
@@ -171,12 +170,13 @@ def chat_generate(req: ChatRequest) -> Planned:
     _refuse_chat_extras(req)
     if not req.messages:
         raise BodyError("messages: must contain at least one message", param="messages")
-    messages = [_chat_message(i, m) for i, m in enumerate(req.messages)]
+    found = images.Found()
+    messages = [_chat_message(i, m, found) for i, m in enumerate(req.messages)]
     max_tokens = req.max_completion_tokens or req.max_tokens or DEFAULT_CHAT_MAX_TOKENS
     fmt = response_format_constraint(req.response_format)
     logprobs = sampling.chat_logprobs(req.logprobs, req.top_logprobs)
-    return planned(p.Generate(messages=messages, constraint=fmt, **_sampling(req, max_tokens), **logprobs),
-                   chat_tool_plan(req))
+    return planned(p.Generate(messages=messages, constraint=fmt, images=found.images, **_sampling(req, max_tokens),
+                              **logprobs), chat_tool_plan(req))
 
 
 def completion_generate(req: CompletionRequest) -> Planned:
@@ -333,6 +333,7 @@ async def handle(request: Request, sup: Supervisor, metrics: Metrics, kind: str,
     if kind == "chat":
         req = decode_body(body, ChatRequest)
         work = chat_generate(req)
+        images.within_body(len(body), work.gen, sup.config.supervisor)
     else:
         req = decode_body(body, CompletionRequest)
         work = completion_generate(req)
