@@ -302,12 +302,14 @@ def eviction_bench(disk: Server, plain: Server, reply_tokens: int) -> list[tuple
 
 
 def private_cache(work: Path) -> dict[str, str]:
-    """An environment whose MEMVISOR_CACHE is a fresh folder (the BLAS copy linked, made once)."""
+    """An environment whose MEMVISOR_CACHE is a fresh private folder sharing the user's
+    verified BLAS copy (hard links, made once)."""
+    from worker import blas
+
     root = work / "cache-disk-tier"
-    root.mkdir(parents=True, exist_ok=True)
-    blas = found.cache_dir()
-    if blas.is_dir() and not (root / "blas").exists():
-        (root / "blas").symlink_to(blas, target_is_directory=True)
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    blas.preload()
+    blas.share_copy(root)
     return {**os.environ, found.CACHE_ENV: str(root)}
 
 

@@ -1028,13 +1028,13 @@ class Context:
         """The supervisors started here, and their workers, keep their prompt cache's disk tier
         (H5) in this run's folder, not the user's: a stop in one scenario must not hand cached
         tokens to the next (obedience's prefills would be read back instead of computed), and
-        the throwaway models must leave nothing behind. The BLAS copy stays the user's (a link)."""
+        the throwaway models must leave nothing behind. The BLAS copy is the user's (hard links)."""
         from shared.probe import blas as found
+        from worker import blas
 
-        user_blas = found.cache_dir()
-        root.mkdir(parents=True, exist_ok=True)
-        if user_blas.is_dir():
-            (root / "blas").symlink_to(user_blas, target_is_directory=True)
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        blas.preload()  # verifies (or writes) the user's copy, which the run's root then shares
+        blas.share_copy(root)
         os.environ[found.CACHE_ENV] = str(root)
 
     def runtime(self, tag: str) -> Path:

@@ -32,37 +32,12 @@ REPO = Path(__file__).resolve().parent.parent
 blas.preload()
 
 
-def _link_or_copy(source: Path, dest: Path) -> None:
-    """A hard link (the same verified file, no 25 MB written), or a copy across filesystems."""
-    try:
-        os.link(source, dest)
-    except OSError:
-        shutil.copyfile(source, dest)
-        os.chmod(dest, 0o700)
-
-
-def _stage_blas(stage: Path) -> list[Path]:
-    """The renamed BLAS copy this process verified and loaded (under the user's MEMVISOR_CACHE)
-    and its recorded sha256, placed once in `stage`: what every test's cache root links to."""
-    info = blas.in_use()
-    if info is None or info.kind != "renamed":
-        return []
-    stage.mkdir(mode=0o700)
-    staged = []
-    for source in (Path(info.path), found.checksum_path(Path(info.path))):
-        _link_or_copy(source, stage / source.name)
-        staged.append(stage / source.name)
-    return staged
-
-
 def _cache_root(root: Path) -> Path:
     """`root` as a MEMVISOR_CACHE whose BLAS copy is the session's: a private `blas/` of hard
-    links, which a worker verifies as it would its own copy (SPEC H5.3: a linked folder, as
-    these roots used to have, is refused)."""
-    if _STAGED and not (root / "blas").exists():
-        (root / "blas").mkdir(mode=0o700)
-        for file in _STAGED:
-            _link_or_copy(file, root / "blas" / file.name)
+    links to the copy staged once in the session's root, which a worker verifies as it would
+    its own copy (SPEC H5.3: a linked folder, as these roots used to have, is refused)."""
+    if _STAGED is not None:
+        blas.share_copy(root, _STAGED)
     return root
 
 
@@ -70,7 +45,9 @@ def _cache_root(root: Path) -> Path:
 # those of module-scoped servers too, never write into the user's ~/.cache ...
 _SESSION_CACHE = Path(tempfile.mkdtemp(prefix="memvisor-test-cache-"))
 atexit.register(shutil.rmtree, _SESSION_CACHE, ignore_errors=True)
-_STAGED = _stage_blas(_SESSION_CACHE / "blas")
+_LOADED = blas.in_use()  # staged once, from the user's copy this process verified
+_STAGED = (_SESSION_CACHE / "blas" / Path(_LOADED.path).name
+           if _LOADED is not None and blas.share_copy(_SESSION_CACHE) else None)
 os.environ[found.CACHE_ENV] = str(_cache_root(_SESSION_CACHE))
 
 

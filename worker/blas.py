@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -70,6 +71,31 @@ _handle: ctypes.CDLL | None = None   # held for the process's life: closing it w
 def in_use() -> BlasInfo | None:
     """What `preload` loaded in this process, None before it ran."""
     return _info
+
+
+def share_copy(root: Path, copy: Path | None = None) -> bool:
+    """Give the caches folder `root` a verified BLAS copy: a private `blas/` of hard links to
+    `copy` (default: the one this process verified and loaded) and its recorded sha256, or
+    copies across filesystems; a worker under `MEMVISOR_CACHE=root` verifies them as it would
+    its own. For the tests' and the scripts' throwaway cache roots: a linked folder is refused
+    (SPEC H5.3), and a fresh copy per root would cost each a patchelf run. False when there is
+    no copy to share."""
+    if copy is None:
+        info = in_use()
+        if info is None or info.kind != "renamed":
+            return False
+        copy = Path(info.path)
+    folder = root / "blas"
+    if folder.exists():
+        return True
+    folder.mkdir(mode=0o700, parents=True)
+    for source in (copy, found.checksum_path(copy)):
+        try:
+            os.link(source, folder / source.name)
+        except OSError:
+            shutil.copyfile(source, folder / source.name)
+            os.chmod(folder / source.name, 0o600)
+    return True
 
 
 def preload() -> BlasInfo:
