@@ -271,11 +271,14 @@ class Engine:
         seed: int | None = None,
         constraint: ConstraintSpec | None = None,
         sampling: Settings | None = None,
+        media: Any = None,
     ) -> None:
         """Queue a request; it is admitted by a later `step()` (SPEC P3, P8).
 
         `sampling` is the whole of its sampling settings (top_k, penalties,
-        logit_bias, logprobs ...); without it, temperature, top_p and seed make them."""
+        logit_bias, logprobs ...); without it, temperature, top_p and seed make them.
+        `media` is an image request's inputs (worker/vision.py): the request then keys the prompt
+        cache on its images' hashes (`media.key`) and prefills from their embeddings."""
         if not request_id:
             raise EngineError(INVALID_REQUEST, "request id must not be empty")
         if request_id in self.endings.ids:
@@ -297,10 +300,11 @@ class Engine:
         if vocab is not None and not all(0 <= t < vocab for t in prompt_tokens):
             raise EngineError(INVALID_REQUEST, f"prompt has token ids outside [0, {vocab})")
         stops = [s for s in stop if s]
-        seq = Seq(request_id, list(prompt_tokens), max_tokens,
+        seq = Seq(request_id, list(prompt_tokens if media is None else media.key), max_tokens,
                   make_request_sampler(settings, prompt_tokens),
                   StopMatcher(stops) if stops else None,
                   self._constraint(constraint, max_tokens) if constraint is not None else None)
+        seq.media = media
         self.endings.ids.add(request_id)
         self.scheduler.queue.append(seq)
         if self.endings.cacheable:  # pinned while queued: a shrink must not take what it will reuse (H3)
@@ -309,6 +313,8 @@ class Engine:
     def submit_generate(self, cmd: Generate) -> None:
         """Queue a wire `Generate`; bad input becomes its one terminal `Failed` (next step)."""
         try:
+            if cmd.images:  # the front door refuses these first; a vision model's engine takes them
+                raise EngineError("model_lacks_vision", "this model reads only text; send images to a vision model")
             if cmd.messages is not None and cmd.prompt is None:
                 tokens = self.encode_chat(cmd.messages, cmd.tools)
             elif cmd.prompt is not None and cmd.messages is None and cmd.suffix is not None:  # fill in the middle

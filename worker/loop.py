@@ -31,6 +31,7 @@ from shared.embedding import WRONG_MODEL_KIND, read_embedding_spec
 from shared.ledger import Ledger
 from shared.limits import Limits
 from shared.modelinfo import config_refusal
+from shared.vision import is_vision_model
 from worker import blas
 from worker.heartbeat import Heartbeat, StepClock
 from worker.wire import Wire
@@ -334,4 +335,8 @@ def load_model(spec: p.WorkerSpec, device: DeviceUsage | None) -> Engine | Embed
     kwargs = dict(max_concurrency=spec.max_concurrency, chunk_seconds=spec.chunk_seconds)
     if read_embedding_spec(spec.model_path) is not None:
         return Embedder.load(spec.model_path, **kwargs)
+    if is_vision_model(spec.model_path):  # images in: the chat engine with a vision tower (worker/vision.py)
+        from worker.vision import VisionEngine
+
+        return VisionEngine.load(spec.model_path, device=device, **kwargs)
     return Engine.load(spec.model_path, device=device, **kwargs)

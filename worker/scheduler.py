@@ -243,7 +243,7 @@ class Scheduler:
         request is passed over; with fewer than two members the head goes alone.
         """
         head = self.line[0]
-        if head.state != "preflight" or head.hit is not None:
+        if head.state != "preflight" or head.hit is not None or head.media is not None:
             return None
         if sum(1 for seq in self.line if seq.state == "preflight" and seq.hit is None) < 2:
             return None  # alone: no usage read here, the usual path reads it (G1 once)
@@ -252,8 +252,8 @@ class Scheduler:
         for seq in self.line:
             if len(members) >= self.prefill.max_chunk:
                 break
-            if seq.state != "preflight" or seq.hit is not None:
-                continue
+            if seq.state != "preflight" or seq.hit is not None or seq.media is not None:
+                continue  # an image request prefills alone (its embeddings, not token columns)
             if members and not worth_padding([len(m.prompt) for m in members], len(seq.prompt)):
                 continue
             if guarded and not self.prefill.fits(seq, limits, usage_fn):
