@@ -35,7 +35,7 @@ import io
 import logging
 import time
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
@@ -132,28 +132,15 @@ class VisionEngine(Engine):
     @classmethod
     def load(cls, path: str | Path, **kwargs) -> "VisionEngine":
         """A local VLM folder through mlx-vlm (never a download); its text half as mlx-lm's model."""
-        directory = Path(path)
-        config = read_config_json(directory)
-        if config is None:
-            raise EngineError("load_failed", f"no model at {directory}: config.json not found or unreadable")
-        try:
-            import mlx_vlm
-        except ImportError:
-            raise EngineError("load_failed", "this is a vision model and mlx-vlm is not installed: "
-                                             "pip install 'memvisor[vision]'") from None
-        try:
-            weight_bytes = estimate_weight_bytes(directory)
-            vlm, processor = mlx_vlm.load(str(directory))
-            text = text_model(vlm, config)
-            tokenizer = _tokenizer(directory, config)
-        except WeightsError as exc:
-            raise EngineError("load_failed", str(exc)) from None
-        except Exception as exc:  # noqa: BLE001 - any loader failure is a load error
-            raise EngineError("load_failed", f"cannot load {directory}: {exc}") from exc
-        engine = cls(text, tokenizer, weight_bytes=weight_bytes, **kwargs)
-        engine.context_length = context_length(directory)
-        engine.processor = processor
-        engine.vision = VisionPrefill(vlm, config, activation_width(text))
+        return cls.build(load_parts(path), **kwargs)
+
+    @classmethod
+    def build(cls, parts: "Parts", **kwargs) -> "VisionEngine":
+        """An engine on loaded parts (tests build several on one load)."""
+        engine = cls(parts.text, parts.tokenizer, weight_bytes=parts.weight_bytes, **kwargs)
+        engine.context_length = parts.context_length
+        engine.processor = parts.processor
+        engine.vision = VisionPrefill(parts.vlm, parts.config, activation_width(parts.text))
         engine.prefill.vision = engine.vision
         return engine
 
@@ -195,6 +182,40 @@ class VisionEngine(Engine):
         return Media(ids, cache_key(ids, positions, [image.digest for image in cmd.images], counts),
                      inputs["pixel_values"], inputs.get("pixel_attention_mask"), positions[-1] + 1,
                      embed_bytes=len(ids) * hidden * self.vision.width)
+
+
+class Parts(NamedTuple):
+    """A VLM folder as loaded: mlx-vlm's model and processor, its text half as mlx-lm's, the tokenizer."""
+
+    vlm: Any
+    processor: Any
+    text: Any
+    tokenizer: Any
+    config: dict[str, Any]
+    weight_bytes: int
+    context_length: int | None
+
+
+def load_parts(path: str | Path) -> Parts:
+    directory = Path(path)
+    config = read_config_json(directory)
+    if config is None:
+        raise EngineError("load_failed", f"no model at {directory}: config.json not found or unreadable")
+    try:
+        import mlx_vlm
+    except ImportError:
+        raise EngineError("load_failed", "this is a vision model and mlx-vlm is not installed: "
+                                         "pip install 'memvisor[vision]'") from None
+    try:
+        weight_bytes = estimate_weight_bytes(directory)
+        vlm, processor = mlx_vlm.load(str(directory))
+        text = text_model(vlm, config)
+        tokenizer = _tokenizer(directory, config)
+    except WeightsError as exc:
+        raise EngineError("load_failed", str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - any loader failure is a load error
+        raise EngineError("load_failed", f"cannot load {directory}: {exc}") from exc
+    return Parts(vlm, processor, text, tokenizer, config, weight_bytes, context_length(directory))
 
 
 def text_model(vlm: Any, config: dict[str, Any]) -> Any:
@@ -276,4 +297,4 @@ def cache_key(ids: list[int], positions: list[int], digests: list[str], counts: 
     return key
 
 
-__all__ = ["Media", "VisionEngine", "VisionPrefill", "cache_key", "text_model"]
+__all__ = ["Media", "Parts", "VisionEngine", "VisionPrefill", "cache_key", "load_parts", "text_model"]
