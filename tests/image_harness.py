@@ -11,11 +11,14 @@ import numpy as np
 from shared import protocol as p
 
 
-def image_bytes(width: int = 96, height: int = 64, fmt: str = "PNG", seed: int = 0) -> bytes:
-    """A noise image of this size, encoded (PNG, JPEG, WEBP, GIF, BMP, TIFF ...)."""
+def image_bytes(width: int = 96, height: int = 64, fmt: str = "PNG", seed: int = 0, flat: bool = False) -> bytes:
+    """A noise image of this size (`flat`: one colour, a few bytes as PNG), encoded (PNG, JPEG, WEBP, GIF,
+    BMP, TIFF ...)."""
     from PIL import Image
 
     pixels = np.random.default_rng(seed).integers(0, 255, (height, width, 3), dtype=np.uint8)
+    if flat:
+        pixels[:] = pixels[0, 0]
     out = io.BytesIO()
     Image.fromarray(pixels).save(out, fmt)
     return out.getvalue()
