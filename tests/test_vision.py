@@ -231,3 +231,28 @@ def _estimates(engine, seq) -> tuple[int, int]:
     finally:
         seq.media = media
     return text_only, with_image
+
+
+def test_a_request_behind_an_image_prefill_takes_every_other_turn_and_is_not_held_by_the_tower(parts):
+    """An image's prefill (its tower, then its image tokens) is longer than its token count says; the
+    request behind it prefills in the turns between, so a short one streams before the tower has run,
+    where behind a text prompt of the same token count it waits for the whole prefill."""
+    engine = engine_of(parts)
+    engine.submit_generate(ask("image", [image_turn("What is in it?")], [image_bytes(128, 128, seed=1)], 4))
+    engine.submit_generate(_request("text"))
+    towers_before_first = None
+    for _ in range(200):
+        out = engine.step(OPEN, lambda: 0)
+        if any(isinstance(ev, TokenOut) and ev.request_id == "text" for ev in out):
+            towers_before_first = engine.vision.runs
+            break
+    assert towers_before_first == 0
+    events, _ = run(engine)
+    assert isinstance(events["image"][-1], Finished)
+    baseline = engine_of(parts)
+    baseline.submit("prompt", list(range(5, 5 + len(engine.media(ask("p", [image_turn("What is in it?")],
+                                                                     [image_bytes(128, 128, seed=1)])).ids))), 4)
+    baseline.submit_generate(_request("text"))
+    steps = next(i for i in range(200) if any(isinstance(ev, TokenOut) and ev.request_id == "text"
+                                              for ev in baseline.step(Limits(max_concurrency=8), lambda: 0)))
+    assert steps >= 2  # behind text, it waits for at least the other prompt's chunk

@@ -33,8 +33,11 @@ RESIDUAL = 16.0
 SCORES = 1.0
 MLP = 2.0
 PIXELS = 3.0
-PRIOR_PAD = 1.05  # the prior's margin over the fit (the worst tower measured came within 3 % above it)
-LEARN_PAD = 1.10  # a measured peak's margin: the footprint rose up to 10 % above MLX's peak
+# Margins for what MLX's peak does not see: freed buffers the allocator keeps while a layer asks for
+# buffers of other sizes. In a fresh worker the anonymous memory (what the guard's usage counts) rose
+# up to 19 % above MLX's peak over the tower (scripts/bench_vision.py); the fit itself came within 3 %.
+PRIOR_PAD = 1.22
+LEARN_PAD = 1.20
 UNKNOWN_TILE = 64 * 1024 * 1024  # a tower whose config says too little: a cautious 64 MiB a tile
 
 
