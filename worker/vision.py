@@ -51,6 +51,7 @@ from worker.sampling import Settings
 
 log = logging.getLogger("memvisor.worker.vision")
 
+TEXT_FAMILIES = {"smolvlm": "llama", "idefics3": "llama"}  # the mlx-lm model of each family's text half
 KEY_BITS = 62  # a key value is -(1 + h), h < 2**62: negative, so never a token id, and within int64
 
 
@@ -71,7 +72,10 @@ class Media:
         self.embed_bytes = embed_bytes
 
     def pending(self, pos: int) -> bool:
-        """Whether the tower must run before the chunk at `pos` (a cache hit past the images skips it)."""
+        """Whether the tower must run before the chunk at `pos` (a cache hit past the images skips it,
+        and its tiles go at once)."""
+        if pos >= self.images_end:
+            self.pixels = self.mask = None
         return self.embeds is None and pos < self.images_end
 
     def inputs(self, pos: int, n: int) -> dict[str, Any]:
@@ -227,9 +231,11 @@ def text_model(vlm: Any, config: dict[str, Any]) -> Any:
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
 
-    text_config = dict(config.get("text_config") or {})
-    if not text_config:
-        text_config = {k: v for k, v in dataclasses.asdict(vlm.config.text_config).items() if v is not None}
+    # mlx-vlm's parsed values (its family's defaults, e.g. SmolVLM's rope_theta) under config.json's own
+    parsed = {k: v for k, v in dataclasses.asdict(vlm.config.text_config).items() if v is not None}
+    text_config = {**parsed, **(config.get("text_config") or {})}
+    if text_config.get("model_type") in TEXT_FAMILIES:  # a text config that names the VLM, not its decoder
+        text_config["model_type"] = TEXT_FAMILIES[text_config["model_type"]]
     text_config["tie_word_embeddings"] = False  # mlx-vlm's language model keeps its own lm_head
     model_class, args_class = _get_classes(text_config)
     model = model_class(args_class.from_dict(text_config))

@@ -19,11 +19,11 @@ keys the image's tokens on it, never on a URL.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 import hashlib
 import io
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Union
 
@@ -45,7 +45,7 @@ from supervisor.offloop import OffLoopTimeout, off_loop
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 DECODE_SECONDS = 30.0  # a decode within the pixel cap takes well under a second
 DECODES_AT_ONCE = 2    # images decoded at the same time: each holds up to max_image_pixels x 4 bytes
-_decoding = asyncio.Semaphore(DECODES_AT_ONCE)
+_decoding = threading.BoundedSemaphore(DECODES_AT_ONCE)  # taken on the decoding thread, never on the loop
 
 INVALID_IMAGE: FailureCode = "invalid_image"
 LACKS_VISION: FailureCode = "model_lacks_vision"
@@ -230,11 +230,14 @@ async def _checked(image: p.ImageInput, config: SupervisorConfig) -> p.ImageInpu
         except FetchError as exc:
             raise invalid(f"{image.param}: {exc}", image.param) from None
         image = p.ImageInput(data=data, param=image.param)
-    async with _decoding:
-        try:
-            return await off_loop(lambda: check(image, config), DECODE_SECONDS, "checking an image")
-        except OffLoopTimeout:
-            raise invalid(f"{image.param}: the image took too long to decode", image.param) from None
+    def decode() -> p.ImageInput:
+        with _decoding:
+            return check(image, config)
+
+    try:
+        return await off_loop(decode, DECODE_SECONDS, "checking an image")
+    except OffLoopTimeout:
+        raise invalid(f"{image.param}: the image took too long to decode", image.param) from None
 
 
 def check(image: p.ImageInput, config: SupervisorConfig) -> p.ImageInput:
