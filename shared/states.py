@@ -7,6 +7,7 @@ decision. The supervisor's pool keeps each worker's state with it; the
 policy's snapshot, the ledger's phases and the status all use these names.
 
     starting --hello--> loading --loaded--> ready <--work/idle--> busy
+    starting --wait--> spare --take--> loading      (SPEC W1: a spare worker, then its model)
         any live state --stop--> draining --exit--> stopped
         any live state --silent--> wedged (missed heartbeats or load timeout)
         a live state that was not stopping --exit--> dead
@@ -18,6 +19,10 @@ Late messages are absorbed, not applied: a `hello` or `loaded` from a worker
 already draining leaves it draining (a stop is final), and a wedged worker
 stays wedged while it is killed, so `status` says why it went.
 
+A spare (SPEC W1) is a worker started with MLX and the engine imported and no
+model: its hello says so (`wait`), and a load hands it a model (`take`), after
+which it loads like any worker. It serves no request while it waits.
+
 Public names (stable): WorkerState, WorkerTrigger, TRANSITIONS, transition,
 IllegalTransition, LIVE_STATES, SERVING_STATES, LOADING_STATES, GONE_STATES,
 PHASES.
@@ -27,28 +32,31 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-WorkerState = Literal["starting", "loading", "ready", "busy", "draining", "stopped", "dead", "wedged"]
-WorkerTrigger = Literal["hello", "loaded", "work", "idle", "stop", "silent", "exit"]
+WorkerState = Literal["starting", "loading", "ready", "busy", "draining", "stopped", "dead", "wedged", "spare"]
+WorkerTrigger = Literal["hello", "wait", "take", "loaded", "work", "idle", "stop", "silent", "exit"]
 
 _LIVE_MOVES: dict[WorkerTrigger, WorkerState] = {"stop": "draining", "silent": "wedged", "exit": "dead"}
 
 TRANSITIONS: dict[WorkerState, dict[WorkerTrigger, WorkerState]] = {
-    "starting": {"hello": "loading", **_LIVE_MOVES},
+    "starting": {"hello": "loading", "wait": "spare", **_LIVE_MOVES},
+    # W1: a spare waits with no model until a load hands it one
+    "spare": {"take": "loading", **_LIVE_MOVES},
     "loading": {"loaded": "ready", **_LIVE_MOVES},
     "ready": {"work": "busy", "idle": "ready", **_LIVE_MOVES},
     "busy": {"work": "busy", "idle": "ready", **_LIVE_MOVES},
     # A stop is final: late hellos, loads and samples change nothing.
-    "draining": {"hello": "draining", "loaded": "draining", "work": "draining", "idle": "draining",
-                 "stop": "draining", "silent": "draining", "exit": "stopped"},
+    "draining": {"hello": "draining", "wait": "draining", "loaded": "draining", "work": "draining",
+                 "idle": "draining", "stop": "draining", "silent": "draining", "exit": "stopped"},
     # Killed for silence: it stays wedged until it is gone, then it is dead.
-    "wedged": {"hello": "wedged", "loaded": "wedged", "work": "wedged", "idle": "wedged",
+    "wedged": {"hello": "wedged", "wait": "wedged", "loaded": "wedged", "work": "wedged", "idle": "wedged",
                "stop": "wedged", "silent": "wedged", "exit": "dead"},
     "stopped": {},  # the process is gone: nothing moves it any more
     "dead": {},
 }
 
 # The process (and the memory it holds) exists.
-LIVE_STATES: frozenset[WorkerState] = frozenset({"starting", "loading", "ready", "busy", "draining", "wedged"})
+LIVE_STATES: frozenset[WorkerState] = frozenset({"starting", "loading", "ready", "busy", "draining", "wedged",
+                                                 "spare"})
 # A model is loaded and takes requests.
 SERVING_STATES: frozenset[WorkerState] = frozenset({"ready", "busy"})
 # A model load is in progress (P6 step 4, P9).
@@ -57,7 +65,8 @@ LOADING_STATES: frozenset[WorkerState] = frozenset({"starting", "loading"})
 GONE_STATES: frozenset[WorkerState] = frozenset({"stopped", "dead"})
 
 # The states a worker writes into its ledger slot, by index ("empty": never written).
-PHASES: tuple[str, ...] = ("empty", "starting", "loading", "ready", "busy", "draining")
+# The order is the ledger's encoding: append, never reorder.
+PHASES: tuple[str, ...] = ("empty", "starting", "loading", "ready", "busy", "draining", "spare")
 
 
 class IllegalTransition(RuntimeError):

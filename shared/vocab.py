@@ -44,6 +44,17 @@ Binding = Literal[HostBinding, DeviceBinding]
 # or a ShrinkCache it just obeyed (H3).
 SampleReason = Literal["tick", "watermark", "shrink"]
 
+# -- a model's load (SPEC W3, W6) ----------------------------------------------------------
+
+# The phases of one load, in the order they happen: waiting for admission (the one-load lock,
+# evictions, its files read), a fresh process started (`spawn`: Python up to the worker's
+# entry; `hello`: MLX and the engine imported) or a spare handed the model (`spare`), the
+# model built with its weights not yet read (`build`), the weights read (`read`), its
+# tokenizer (`tokenizer`), a device's first-use costs (`warm_up`), and from the load's end
+# to the first token of the request that asked for it (`first_token`). A load in progress
+# says which one it is in.
+LoadPhase = Literal["admit", "spawn", "hello", "spare", "build", "read", "tokenizer", "warm_up", "first_token"]
+
 # -- events (SPEC S2) ----------------------------------------------------------------------
 
 # What a worker may report as an event of its own. The supervisor's lifecycle
@@ -69,6 +80,12 @@ GuardEventKind = Literal[
     "disk_cache",
     # wired memory a worker's exit did not give back within 5 s (M3, macOS): counted as lost
     "wired_stranded",
+    # W1, W2: a spare worker started, handed a model, stopped to make room or under pressure
+    "spare",
+    # W6: a load in progress, its phase and the bytes read; W3: a finished load's phases
+    "load_progress", "load_phases",
+    # swaps (SPEC W): models that evict each other (W5), weights read ahead into the page cache (W4)
+    "thrash", "prefetch",
 ]
 
 # -- how requests end ------------------------------------------------------------------------
@@ -143,4 +160,5 @@ TIERS: tuple[Tier, ...] = get_args(Tier)
 HOST_BINDINGS: tuple[HostBinding, ...] = get_args(HostBinding)
 LIMIT_BINDINGS: tuple[LimitBinding, ...] = get_args(LimitBinding)
 GUARD_EVENT_KINDS: tuple[GuardEventKind, ...] = get_args(GuardEventKind)
+LOAD_PHASES: tuple[LoadPhase, ...] = get_args(LoadPhase)
 ERROR_CODES: tuple[ErrorCode, ...] = get_args(ErrorCode)

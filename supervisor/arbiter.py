@@ -57,8 +57,10 @@ from supervisor.pool import Pool
 from supervisor.process import (
     CacheWritten,
     Exited,
+    LoadReported,
     PoolEvent,
     Reported,
+    SpareNews,
     Spawned,
     Wedged,
     WorkerHandle,
@@ -339,13 +341,18 @@ class Arbiter:
                 kind, reason = ev.kind, ev.reason
             case CacheWritten():
                 kind, reason = "disk_cache", ev.reason
+            case SpareNews():
+                kind, reason = "spare", ev.reason
+            case LoadReported():  # W6 while it loads, W3 once it is over
+                kind, reason = ("load_phases" if ev.done else "load_progress"), ev.reason
             case Exited():
                 kind, reason = ("exit" if ev.expected else "crash"), f"{ev.reason}; {returned(ev.handle)}"
             case _:
                 assert_never(ev)
         handle = ev.handle
         self.emit(kind, reason, worker_id=handle.worker_id, model_id=handle.model_id,
-                  usage=handle.sample.memory.usage if handle.sample else 0)
+                  usage=handle.sample.memory.usage if handle.sample else 0,
+                  load=ev.report if isinstance(ev, LoadReported) else None)
         if isinstance(ev, Exited) and (not ev.expected or handle.stop_cause in RESPAWN_CAUSES):
             self.models.on_exit(handle)
 

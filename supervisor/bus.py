@@ -266,6 +266,8 @@ class Bus:
     def _drain(self, sock: zmq.Socket) -> None:
         """Take up to DRAIN_BATCH frames, then yield to the loop and come back:
         a peer flooding one socket must not starve the others or the guard."""
+        if sock.closed:  # closed after this drain was scheduled (a start that failed, a shutdown)
+            return
         handler = self._handlers[sock]
         for _ in range(DRAIN_BATCH):
             if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:

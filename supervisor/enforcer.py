@@ -107,12 +107,14 @@ class Enforcer:
         gpu_cap_raw, device_total = probe.host_gpu_cap(info) if info else (0, 0)
         device = self.read_device(info) if device_total else None
         workers = [self._record(h, device) for h in self.pool.handles.values()]
+        spares = self.pool.spares
         self._watch_wired(workers)
         return Snapshot(
             now=now, guard=self.settings, host=host, supervisor_footprint=own, gpu_cap_raw=gpu_cap_raw,
             device_total=device.total if device else 0, device_free=device.free if device else None,
             activity_hint=self.activity_hint, recheck=recheck, workers=workers, state=self.state,
             wired_stranded=self.wired_stranded,
+            spare_bytes=spares.held, spare_due=spares.due(now), loads_waiting=spares.loads_waiting,
         )
 
     def read_device(self, info: dict) -> nvml.DeviceReading | None:
@@ -136,7 +138,7 @@ class Enforcer:
             marked_for_unload=h.marked_for_unload, last_access=h.last_access,
             running=max(s.running if s else 0, self.pool.running(h)), queued=s.queued if s else 0,
             memory=memory, gpu_bytes=gpu, device_bytes=on_device,
-            max_concurrency=h.model.max_concurrency, concurrency=h.concurrency, ttl=h.model.ttl,
+            max_concurrency=h.max_concurrency, concurrency=h.concurrency, ttl=h.ttl,
             restarts=self.restarts(h.model_id),
         )
 
@@ -230,6 +232,8 @@ class Enforcer:
                 self.admission_paused = isinstance(x, d.PauseAdmission)
                 self.emit("admission", ("paused: " if self.admission_paused else "resumed: ") + x.reason,
                           usage=usage, ceiling=ceiling)
+            case d.StartSpare():
+                self.pool.spares.start(x.reason)
             case _:
                 handle = self.pool.handles.get(x.worker)
                 if handle is not None:  # else the worker exited since the snapshot
@@ -277,6 +281,8 @@ class Enforcer:
             case d.ShrinkHotCache():  # H3: the worker drops, reclaims, reports at once
                 self.pool.command(handle, p.ShrinkCache(target_bytes=x.target_bytes, reason=x.reason))
                 say("shrink_cache")
+            case d.StopSpare():  # W2: the pool says it (a `spare` event)
+                self.pool.spares.stop(handle, x.reason)
             case d.ApplyLimits() | d.SetConcurrency():
                 pass  # handled above
             case _:
@@ -396,7 +402,9 @@ class Enforcer:
             if verdict.evict:
                 for worker_id in verdict.evict:
                     h = self.pool.handles.get(worker_id)
-                    if h is not None:
+                    if h is not None and h.spare:  # W2: a spare is room, stopped before any model
+                        await self.pool.spares.stop(h, f"to make room for {model.id}")
+                    elif h is not None:
                         await self.evict(h, f"to make room for {model.id}: {verdict.message}",
                                          f"evicted to load {model.id}")
                 continue
@@ -425,7 +433,9 @@ class Enforcer:
         where = "of the device pool's limit" if pool == "device" else "of its limit"
         for worker_id in victims:
             h = self.pool.handles.get(worker_id)
-            if h is not None:
+            if h is not None and h.spare:  # W2: a spare is stopped before any model
+                await self.pool.spares.stop(h, f"to make room for a prefill on {handle.model_id}")
+            elif h is not None:
                 await self.evict(h, f"prefill of {request_id} on {handle.model_id} is {format_size(need_bytes)} "
                                     f"short {where}; stop idle {h.model_id} ({format_size(held.get(worker_id, 0))})",
                                  f"evicted for a prefill on {handle.model_id}")

@@ -24,7 +24,7 @@ class Emit(Protocol):
     """What the pool, the enforcer, the models and the reload call to say what happened."""
 
     def __call__(self, kind: GuardEventKind, reason: str, *, worker_id: str = "", model_id: str = "", usage: int = 0,
-                 ceiling: int = 0) -> None: ...
+                 ceiling: int = 0, load: p.LoadReport | None = None) -> None: ...
 
 
 class EventLog:
@@ -34,9 +34,9 @@ class EventLog:
         self.bus: Bus | None = None  # attached once the sockets are bound
 
     def emit(self, kind: GuardEventKind, reason: str, *, worker_id: str = "", model_id: str = "", usage: int = 0,
-             ceiling: int = 0) -> None:
+             ceiling: int = 0, load: p.LoadReport | None = None) -> None:
         ev = p.GuardEvent(t=time.time(), kind=kind, reason=reason, worker_id=worker_id, model_id=model_id,
-                          usage=usage, ceiling=ceiling)
+                          usage=usage, ceiling=ceiling, load=load)
         self.events.append(ev)
         if self.bus is not None:
             self.bus.publish(ev)

@@ -99,6 +99,12 @@ def forgiven(b: Beats, now: float, stalled: float, loading: bool) -> Beats:
                  last_alive=max(b.last_alive, now) if b.last_alive else 0.0, alive=b.alive)
 
 
+def handed_off(b: Beats, now: float) -> Beats:
+    """W1: a spare was handed a model and loads it from now on: its load timeout counts from
+    here (not from its start, maybe long ago), and its heartbeat thread keeps its record."""
+    return Beats(spawned_at=now, last_pong=now, last_alive=b.last_alive, alive=b.alive)
+
+
 def stall_threshold(scfg: SupervisorConfig) -> float:
     """How late a heartbeat may be before the supervisor's loop counts as stalled: a
     silence can only be judged on time the loop could observe. Half the window at

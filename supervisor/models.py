@@ -35,7 +35,9 @@ from supervisor.eventlog import Emit
 from supervisor.model_states import ModelEvent, ModelState, model_transition
 from supervisor.policy.admission import FitReport, fit_report
 from supervisor.pool import Pool
+from supervisor.prefetch import Prefetcher
 from supervisor.process import WorkerHandle
+from supervisor.swaps import Swaps
 from supervisor.views import ModelView
 
 log = logging.getLogger("memvisor.models")
@@ -75,10 +77,14 @@ class Models:
         self.lives: dict[str, ModelLife] = {}
         self.running = running  # False once the supervisor shuts down: nothing respawns then
         self._load_lock = asyncio.Lock()  # A5: one model load at a time
+        self.swaps = Swaps(config, pool=pool, enforcer=enforcer, emit=emit, counters=counters)  # W5
+        self.prefetch = Prefetcher(config, catalog=catalog, pool=pool, enforcer=enforcer, emit=emit,
+                                   counters=counters)  # W4
 
     def renew(self, config: Config) -> None:
         """A reload: models no longer configured are forgotten (nothing of them is due)."""
         self.config = config
+        self.swaps.config = self.prefetch.config = config
         for model_id in [m for m in self.lives if config.model(m) is None]:
             del self.lives[model_id]
 
@@ -97,8 +103,9 @@ class Models:
         to an explicit load (HTTP load route, `load` command): that is the
         operator saying "try now"."""
         model = self.catalog.model(name)
+        self.prefetch.note_request(model.id)  # W4: the sequence the prediction reads
         handle = self.pool.worker_for(model.id)
-        if handle is not None and handle.serving and not handle.marked_for_unload:
+        if handle is not None and handle.serving and not handle.marked_for_unload and self.swaps.open_for(handle):
             return handle
         life = self.life(model.id)
         if life.state == "failed":
@@ -112,7 +119,8 @@ class Models:
                                 permanent=retry is None)
         task = life.load or self._start(model, handle)
         try:
-            return await asyncio.shield(task)
+            with self.swaps.joining(task):  # W5: this request is the worker's work until it resumes
+                return await asyncio.shield(task)
         except LoadError:
             current = self.config.model(name)
             if current is None or current.path == model.path or _moved > 2:
@@ -130,12 +138,15 @@ class Models:
             self._record_restart(life, now)
             self.emit("respawn", "pinned model respawned after its worker exited", model_id=model.id)
         life.move("load")
+        self.prefetch.note_load(model.id)
         task = asyncio.get_running_loop().create_task(self._load(model, handle))
         life.load, life.load_began = task, now
+        self.pool.spares.load_begins()  # W1: no spare starts while a load is on its way
         task.add_done_callback(lambda _t: self._load_done(model.id, task))
         return task
 
     def _load_done(self, model_id: str, task: asyncio.Task) -> None:
+        self.pool.spares.load_ends()
         life = self.life(model_id)
         if life.load is task:  # else a retry let go of it: the model has moved on
             life.load = None
@@ -161,15 +172,41 @@ class Models:
                 await self.pool.stop(handle, handle.stop_reason or "marked for unload")
                 handle = None
             if handle is None:
+                serving = await self.swaps.before_admit(model)  # W5: the models in the way finish first
                 await self.enforcer.admit(model)
+                self.swaps.after_admit(model, serving)
                 loadable = await self.catalog.loadable(model)
                 self._refuse_if_shutting_down(model)
-                handle = self.pool.spawn(loadable)
+                handle = await self._new_worker(loadable)
                 self.enforcer.note_load_started(handle)
                 self.wake()
-            await handle.loaded
+            handle = await self._loaded(handle)
         self.wake()
         return handle
+
+    async def _new_worker(self, model: ModelConfig) -> WorkerHandle:
+        """W1: a ready spare handed the model, else a fresh process (the load's `admit` phase ends here)."""
+        began, estimate = self.life(model.id).load_began, self.catalog.estimate(model)
+        spare = await self.pool.spares.take(model, began=began, estimate=estimate)
+        if spare is not None:
+            return spare
+        self._refuse_if_shutting_down(model)
+        return self.pool.spawn(model, began=began, estimate=estimate)
+
+    async def _loaded(self, handle: WorkerHandle) -> WorkerHandle:
+        """The worker once it has loaded; a spare that died while taking the model (killed,
+        found wedged) is replaced by a fresh worker once, so the load and its requests go on."""
+        try:
+            await handle.loaded
+            return handle
+        except LoadError as exc:
+            if exc.code != "worker_exited" or not _spare_lost(handle) or not self.running():
+                raise
+        log.warning("The spare that took %s %s; loading it in a fresh worker", handle.model_id, handle.exit_cause)
+        fresh = self.pool.spawn(handle.model, began=handle.load.began if handle.load else 0.0,
+                                estimate=self.catalog.estimate(handle.model))
+        await fresh.loaded
+        return fresh
 
     def _refuse_if_shutting_down(self, model: ModelConfig) -> None:
         """A load that waited (on the A5 lock, on admission) past the start of
@@ -234,7 +271,11 @@ class Models:
 
     def on_exit(self, handle: WorkerHandle) -> None:
         """A worker exited unexpectedly (or was killed as wedged, or its load aborted):
-        a pinned model comes back, within the restart intensity; others wait for demand."""
+        a pinned model comes back, within the restart intensity; others wait for demand.
+        A spare that died while taking a model is not the model's crash: its load goes on
+        in a fresh worker (`_loaded`)."""
+        if _spare_lost(handle):
+            return
         if handle.pinned and self.config.model(handle.model_id) is not None:
             self.schedule_respawn(handle.model_id, handle.exit_cause)
 
@@ -288,7 +329,10 @@ class Models:
                    default=now + 3600)
 
     def tick(self, now: float) -> None:
-        """Start the respawns and retries whose backoff has passed."""
+        """Start the respawns and retries whose backoff has passed; thrash that is over is said (W5)."""
+        self.swaps.tick(now)
+        self.prefetch.tick(now, loading=any(life.load is not None for life in self.lives.values()),
+                           failed=set(self.failed))
         for model_id, life in list(self.lives.items()):
             if life.state == "failed" and life.due <= now:
                 self.retry(model_id, "its backoff has passed")
@@ -331,3 +375,10 @@ class Models:
             after = f"; next try in {retry:.0f} s (or at once on an explicit load)"
             return ModelView(id=model_id, state="failed", reason=self.lives[model_id].reason + after, retry_in=retry)
         return ModelView(id=model_id, state="unloaded")
+
+
+def _spare_lost(handle: WorkerHandle) -> bool:
+    """A spare handed this worker's model died before it had loaded it, unasked or found
+    wedged (not stopped on purpose: a load the guard aborted stays aborted)."""
+    return (handle.load is not None and handle.load.spare and not handle.load.loaded
+            and handle.stop_cause in (None, "wedged"))

@@ -1,8 +1,8 @@
 """Worker processes: spawn, watch, stop with escalation, reap.
 
 One worker process per loaded model, as circus's watcher keeps its
-processes. The pool knows processes and their states (docs/architecture.md: starting
--> loading -> ready <-> busy -> draining -> stopped, plus dead and wedged);
+processes, and the spare workers that wait for a model (SPEC W1: their part is
+supervisor.spares). The pool knows processes and their states (shared.states);
 it decides nothing about memory or about a model's life. The enforcer and
 the models ask it to spawn and stop; it tells them, through `on_event`,
 everything that happened, as typed `PoolEvent`s, each with a cause people
@@ -24,19 +24,18 @@ from typing import Callable
 
 import msgspec
 import multiprocess
-import multiprocess.connection  # noqa: F401  (Process.join imports it lazily, which fails once descriptors run out)
 from typing_extensions import assert_never
 
 from shared import protocol as p
 from shared.ledger import Ledger
 from shared.limits import Limits
-from shared.memory import NO_READING
 from shared.states import LOADING_STATES
-from supervisor import liveness
+from supervisor import liveness, load_clock, reaping
 from supervisor.bus import Bus
 from supervisor.cache_tiers import CacheBook, save_grace, saved_words
 from supervisor.config import Config, ModelConfig
 from supervisor.errors import LoadError
+from supervisor.load_timer import LoadTimer
 from supervisor.policy.wired import sigkill_after
 from supervisor.process import (
     CacheWritten,
@@ -53,6 +52,7 @@ from supervisor.process import (
     describe_exit,
     worker_spec,
 )
+from supervisor.spares import Spares
 from supervisor.streams import RequestStream, Streams
 from supervisor.views import WorkerView
 from worker.main import run as worker_main  # the spawn target; imports no MLX at module level
@@ -79,6 +79,8 @@ class Pool:
         # Off only in the reaction benchmark's baseline (the seed's fixed 1 s poll).
         self.wake_on_watermark = True
         self.caches = CacheBook()  # each model's prompt-cache disk tier, as its workers report it (H5)
+        self.spares = Spares(self)  # W1, W2: the spare workers, carried out
+        self.timer = LoadTimer(on_event)  # W3, W6: each load's phases and progress, said
         # model id -> its last worker reaped: its final cache report may come after its exit
         self.reaped: dict[str, WorkerHandle] = {}
         self.macos_stop_rule = sys.platform == "darwin"  # M3: SIGKILL only after the whole stop_grace
@@ -94,13 +96,16 @@ class Pool:
 
     # -- spawning -------------------------------------------------------------
 
-    def spawn(self, model: ModelConfig) -> WorkerHandle:
+    def spawn(self, model: ModelConfig | None, *, began: float = 0.0, estimate: int = 0) -> WorkerHandle:
+        """A fresh worker process for `model`, or a spare with none (None, SPEC W1). `began`:
+        when the model's load began (W3's `admit` phase); `estimate`: A2's, for its progress."""
+        what = repr(model.id) if model is not None else "a spare"
         if not self._free_slots:
-            raise LoadError(f"no free ledger slot for {model.id!r} (all {self.ledger.n_slots} in use)",
+            raise LoadError(f"no free ledger slot for {what} (all {self.ledger.n_slots} in use)",
                             code="too_many_workers", http_status=503)
         self._generation += 1
         slot = self._free_slots.pop(0)
-        worker_id = f"{model.id}#{self._generation}"
+        worker_id = f"{model.id if model is not None else 'spare'}#{self._generation}"
         handle = WorkerHandle(worker_id, model, slot, self._generation)
         spec = worker_spec(handle, self.config, self.ledger.path, self.bus.endpoints)
         proc = self._mp.Process(
@@ -110,17 +115,22 @@ class Pool:
             proc.start()
         except OSError as exc:  # no descriptors or memory left for a process: the OS said no
             self._free_slots.append(slot)
-            log.error("Could not start a worker for model %s: %s", model.id, exc)
-            raise LoadError(f"could not start a worker process for {model.id!r}: {exc}", code="spawn_failed",
+            log.error("Could not start a worker for %s: %s", what, exc)
+            raise LoadError(f"could not start a worker process for {what}: {exc}", code="spawn_failed",
                             http_status=503) from None
         handle.proc = proc
         handle.pid = proc.pid
         self.handles[worker_id] = handle
         self.by_identity[handle.identity] = handle
-        asyncio.get_running_loop().add_reader(proc.sentinel, self._on_sentinel, handle)
+        reaping.on_exit(proc, lambda code: self._exited(handle, code), worker_id)
         self.counters["spawned"] += 1
-        log.info("Spawned worker %s (pid %d) for model %s from %s", worker_id, proc.pid, model.id, model.path)
-        self.on_event(Spawned(handle, f"started worker pid {proc.pid} to load {model.path}"))
+        if model is not None:
+            now = time.monotonic()
+            handle.load = load_clock.begin(began or now, now, spare=False, estimate=estimate)
+        words = f"to load {model.path}" if model is not None else "as a spare: MLX and the engine, no model (W1)"
+        log.info("Spawned worker %s (pid %d) %s", worker_id, proc.pid, words)
+        self.on_event(Spawned(handle, f"started worker pid {proc.pid} {words}"))
+        self.timer.began(handle)
         return handle
 
     # -- messages from workers ----------------------------------------------
@@ -138,9 +148,13 @@ class Pool:
             case p.TokenOut() | p.Finished() | p.Failed() | p.Prompted() | p.Embedded():
                 if self.streams.deliver(msg) is not None:  # its last reply: the worker is idle since now
                     handle.last_access = time.monotonic()
+                if handle.load is not None and handle.load.first_request:  # W3: the load's last phase
+                    self.timer.reply(handle, msg)
             case p.TokenBatch():  # one decode step's tokens for several requests, in one frame
                 if msg.well_formed():
                     self.streams.deliver_batch(msg)
+                    if handle.load is not None and handle.load.first_request:
+                        self.timer.reply(handle, msg)
                 else:
                     self.bus.bad("commands", "invalid_message", "token batch with columns of unequal length")
             case p.Pong():
@@ -166,7 +180,7 @@ class Pool:
                 assert_never(msg)
 
     def _on_hello(self, handle: WorkerHandle, msg: p.Hello) -> None:
-        if msg.pid != handle.pid or msg.worker_id != handle.worker_id:
+        if msg.pid != handle.pid or msg.worker_id != handle.worker_id or msg.spare != handle.spare:
             self.bus.bad("commands", "hello_mismatch", "hello that does not match the spawned process")
             return
         # D1: a worker whose arrays live on the CPU holds nothing on the accelerator
@@ -175,8 +189,15 @@ class Pool:
         self.set_device_info(handle, {} if on_cpu else dict(msg.device_info))
         log.info("Worker %s (%s) runs on %s %s", handle.worker_id, handle.model_id, msg.device or "an unnamed device",
                  msg.device_info.get("device_name", ""))
-        handle.move("hello")
-        handle.beats.last_pong = time.monotonic()
+        now = time.monotonic()
+        handle.move("wait" if msg.spare else "hello")
+        handle.beats.last_pong = now
+        if handle.load is not None:  # W3: the process's start and its imports, timed
+            load_clock.hello(handle.load, msg.started, now)
+        if msg.spare:
+            self.spares.greeted(handle, now)
+        if not handle.greeted.done():
+            handle.greeted.set_result(True)
         if handle.last_limits is not None:
             self.command(handle, p.SetLimits(limits=handle.last_limits))
         self.on_change()
@@ -186,6 +207,7 @@ class Pool:
         handle.move("loaded")  # a worker on its way out stays draining: a stop is final
         handle.last_access = time.monotonic()
         handle.beats.last_pong = handle.last_access
+        self.timer.loaded(handle, msg, handle.last_access)  # W3: the first token closes the load's phases
         if not handle.loaded.done():
             handle.loaded.set_result(True)
         log.info("Worker %s loaded %s (%.1f MB weights) in %.2f s",
@@ -215,6 +237,8 @@ class Pool:
                     return  # the last word of a worker that has just exited: it changes nothing
                 handle.beats.last_alive = time.monotonic()
                 handle.beats.alive = msg
+                if msg.load_phase:
+                    self.timer.alive(handle, msg)
             case p.CacheReport():
                 self._on_cache_report(msg)
             case _:
@@ -282,6 +306,8 @@ class Pool:
 
     def open_request(self, handle: WorkerHandle, request_id: str) -> RequestStream:
         handle.last_access = time.monotonic()
+        if handle.load is not None and not handle.load.closed:
+            load_clock.request_opened(handle.load, request_id, handle.last_access)
         return self.streams.open(handle.worker_id, handle.model_id, request_id)
 
     def cancel_request(self, stream: RequestStream, reason: str) -> None:
@@ -297,12 +323,7 @@ class Pool:
 
     def view(self, handle: WorkerHandle) -> WorkerView:
         """A frozen copy of the worker as it stands, for the doors."""
-        sample, limits = handle.sample, handle.last_limits
-        return WorkerView(worker_id=handle.worker_id, model_id=handle.model_id, pid=handle.pid, state=handle.state,
-                          running=self.running(handle), stop_reason=handle.stop_reason,
-                          leaving=handle.marked_for_unload or handle.stopping is not None,
-                          memory=sample.memory if sample is not None else NO_READING,
-                          weight_bytes=handle.weight_bytes, cache_cap=limits.cache_cap if limits is not None else 0)
+        return handle.view(self.running(handle))
 
     def running(self, handle: WorkerHandle) -> int:
         """Requests the worker serves now (the streams keep the map)."""
@@ -318,11 +339,12 @@ class Pool:
         scfg = self.config.supervisor
         for h in list(self.handles.values()):
             loading = h.state in LOADING_STATES
-            if (loading and h.stopping is None) or h.serving:
+            answers = h.serving or h.state == "spare"  # W1: a waiting spare is judged as a serving worker
+            if (loading and h.stopping is None) or answers:
                 why = liveness.wedged(h.beats, loading, now, scfg)
                 if why is not None:
                     self._wedged(h, why)
-                elif h.serving:
+                elif answers:
                     h.ping_seq += 1
                     self.command(h, p.Ping(seq=h.ping_seq))
 
@@ -384,6 +406,8 @@ class Pool:
                     h.sample = sample
                     if h.serving:
                         h.move("work" if sample.running or self.running(h) else "idle")
+                    elif h.state == "spare":
+                        self.spares.measured(sample.memory.usage)
 
     # -- stopping -------------------------------------------------------------
 
@@ -440,33 +464,12 @@ class Pool:
 
     # -- exits ----------------------------------------------------------------
 
-    def _on_sentinel(self, handle: WorkerHandle) -> None:
-        assert handle.proc is not None
-        asyncio.get_running_loop().remove_reader(handle.proc.sentinel)
-        self._reap(handle, 0)
-
-    def _reap(self, handle: WorkerHandle, tries: int) -> None:
-        """The sentinel fires as the child closes its pipe, a moment before the
-        kernel has its exit status; poll briefly rather than block the loop."""
-        proc = handle.proc
-        assert proc is not None
-        try:
-            proc.join(0)
-        except OSError as exc:  # out of descriptors: keep trying, never lose the exit
-            if tries % 200 == 0:
-                log.warning("Reaping worker %s (pid %d) failed: %s; trying again", handle.worker_id, handle.pid, exc)
-            asyncio.get_running_loop().call_later(0.05, self._reap, handle, tries + 1)
-            return
-        if proc.exitcode is None and tries < 200:
-            asyncio.get_running_loop().call_later(0.005, self._reap, handle, tries + 1)
-            return
-        self._exited(handle, proc.exitcode)
-
     def _exited(self, handle: WorkerHandle, code: int | None) -> None:
         expected = handle.stopping is not None
         handle.exit_cause = describe_exit(code, expected, handle.signals_sent)
         handle.move("exit")
-        self.reaped[handle.model_id] = handle
+        if not handle.spare:
+            self.reaped[handle.model_id] = handle
         self.ledger.clear_slot(handle.slot)
         self._free_slots.append(handle.slot)
         self.by_identity.pop(handle.identity, None)
@@ -476,12 +479,9 @@ class Pool:
         gone = f"the worker serving {handle.model_id!r} {handle.exit_cause}"
         self.streams.fail_all(handle.worker_id, "worker_exited", gone)
         self.streams.fail_calls(handle.worker_id, LoadError(gone, code="worker_exited", http_status=503))
-        if not handle.loaded.done():  # a death, as after loading: 503, retry (not 500: nothing here is our bug)
-            handle.loaded.set_exception(
-                LoadError(f"worker for {handle.model_id!r} {handle.exit_cause} before the model was loaded",
-                          code="worker_exited", http_status=503))
-        if not handle.exited.done():
-            handle.exited.set_result(code)
+        handle.ended(code)
+        if handle.spare:
+            self.spares.exited(expected, time.monotonic())
         self.handles.pop(handle.worker_id, None)
         self.counters["exits"] += 1
         self.on_event(Exited(handle, handle.exit_cause, expected, code))

@@ -18,10 +18,13 @@ from typing import TYPE_CHECKING, Callable, Literal, Union
 from shared import protocol as p
 from shared.ledger import LedgerSample
 from shared.limits import Limits
+from shared.memory import NO_READING
 from shared.states import LIVE_STATES, SERVING_STATES, WorkerState, WorkerTrigger, transition
 from shared.vocab import PoolName, WorkerEventKind
 from supervisor.cache_tiers import save_grace
+from supervisor.errors import LoadError
 from supervisor.liveness import Beats
+from supervisor.views import WorkerView
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -30,20 +33,25 @@ if TYPE_CHECKING:
 
     from supervisor.bus import Endpoints
     from supervisor.config import Config, ModelConfig
+    from supervisor.load_clock import LoadClock
 
 # Why a stop was asked for; a pinned model whose load the
 # guard aborted (P6 step 4), or that was killed as wedged, comes back as after a crash.
-StopCause = Literal["request", "evict", "ttl", "unload", "load_abort", "wedged", "shutdown"]
+# `spare`: a spare worker stopped to make room or under pressure (W2).
+StopCause = Literal["request", "evict", "ttl", "unload", "load_abort", "wedged", "shutdown", "spare"]
 
 
 class WorkerHandle:
-    """The supervisor's view of one worker process."""
+    """The supervisor's view of one worker process.
 
-    def __init__(self, worker_id: str, model: ModelConfig, slot: int, generation: int) -> None:
+    A spare (SPEC W1) has no model until a load hands it one (`adopt`): its
+    `model_id` is "" and asking for its `model` is a bug."""
+
+    def __init__(self, worker_id: str, model: ModelConfig | None, slot: int, generation: int) -> None:
         self.worker_id = worker_id
         self.identity = worker_id.encode()
-        self.model = model
-        self.model_id: str = model.id
+        self._model = model
+        self.model_id: str = model.id if model is not None else ""
         self.slot = slot
         self.generation = generation
         self.proc: multiprocess.process.BaseProcess | None = None
@@ -57,19 +65,52 @@ class WorkerHandle:
         self.device_info: dict = {}
         self.loaded: asyncio.Future = asyncio.get_running_loop().create_future()
         self.exited: asyncio.Future = asyncio.get_running_loop().create_future()
+        # its hello came (True), or it exited first (False): what a load waiting for a starting spare awaits
+        self.greeted: asyncio.Future = asyncio.get_running_loop().create_future()
         self.marked_for_unload = False
         self.stop_reason = ""
         self.stop_cause: StopCause | None = None
         self.stopping: asyncio.Task | None = None
         self.exit_cause = ""
-        self.concurrency = max(1, model.max_concurrency)
+        self.concurrency = max(1, model.max_concurrency) if model is not None else 1
         self.sample: LedgerSample | None = None
         self.last_limits: Limits | None = None
         self.signals_sent: list[int] = []
+        self.load: LoadClock | None = None  # W3, W6: its model's load, timed (None: a spare's wait)
+
+    @property
+    def model(self) -> ModelConfig:
+        """The model it serves or loads (a spare has none: asking is a bug, said loudly)."""
+        if self._model is None:
+            raise RuntimeError(f"worker {self.worker_id} is a spare: it has no model yet")
+        return self._model
+
+    @model.setter
+    def model(self, model: ModelConfig) -> None:
+        self._model = model
+
+    @property
+    def spare(self) -> bool:
+        """SPEC W1: started with no model, waiting for one (or starting to)."""
+        return self._model is None
+
+    def adopt(self, model: ModelConfig) -> None:
+        """W1's hand-off, on the supervisor's side: the spare becomes `model`'s worker."""
+        self._model = model
+        self.model_id = model.id
+        self.concurrency = max(1, model.max_concurrency)
 
     @property
     def pinned(self) -> bool:
-        return bool(self.model.pinned)
+        return self._model is not None and bool(self._model.pinned)
+
+    @property
+    def max_concurrency(self) -> int:
+        return self._model.max_concurrency if self._model is not None else 1
+
+    @property
+    def ttl(self) -> float | None:
+        return self._model.ttl if self._model is not None else None
 
     @property
     def live(self) -> bool:
@@ -78,6 +119,27 @@ class WorkerHandle:
     @property
     def serving(self) -> bool:
         return self.state in SERVING_STATES
+
+    def view(self, running: int) -> WorkerView:
+        """Frozen, for the doors (`running`: the requests the pool's streams map to it)."""
+        sample, limits = self.sample, self.last_limits
+        return WorkerView(worker_id=self.worker_id, model_id=self.model_id, pid=self.pid, state=self.state,
+                          running=running, stop_reason=self.stop_reason,
+                          leaving=self.marked_for_unload or self.stopping is not None,
+                          memory=sample.memory if sample is not None else NO_READING,
+                          weight_bytes=self.weight_bytes, cache_cap=limits.cache_cap if limits is not None else 0)
+
+    def ended(self, code: int | None) -> None:
+        """Its process is gone (`exit_cause` says how): whoever awaits its load, hello or exit is answered."""
+        if self._model is None:
+            self.loaded.cancel()  # nothing awaits a spare's load
+        elif not self.loaded.done():  # a death, as after loading: 503, retry (not 500: nothing here is our bug)
+            self.loaded.set_exception(LoadError(f"worker for {self.model_id!r} {self.exit_cause} before the model "
+                                                "was loaded", code="worker_exited", http_status=503))
+        if not self.exited.done():
+            self.exited.set_result(code)
+        if not self.greeted.done():
+            self.greeted.set_result(False)
 
     def move(self, event: WorkerTrigger) -> WorkerState:
         """The one place a worker's state changes (illegal moves raise)."""
@@ -93,8 +155,8 @@ def worker_spec(handle: WorkerHandle, config: Config, ledger_path: Path, endpoin
     scfg, guard = config.supervisor, config.guard
     return p.WorkerSpec(
         worker_id=handle.worker_id,
-        model_id=handle.model_id,
-        model_path=str(handle.model.path),
+        model_id=handle.model_id,  # "" for a spare: it waits for a TakeModel with the rest of this spec
+        model_path="" if handle.spare else str(handle.model.path),
         slot=handle.slot,
         ledger_path=str(ledger_path),
         commands=endpoints.commands,
@@ -133,6 +195,20 @@ class CacheWritten(_News):
 
 class WorkerLoaded(_News):
     """The worker loaded its model and serves."""
+
+
+class SpareNews(_News):
+    """W1, W2: a spare was handed a model, or is being stopped (its start is a `Spawned`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReported:
+    """W6: a load's progress (`done` False), or W3: its phases once it is over (`done`)."""
+
+    handle: WorkerHandle
+    report: p.LoadReport
+    done: bool
+    reason: str
 
 
 class WorkerLoadFailed(_News):
@@ -176,7 +252,8 @@ class Reported:
     reason: str
 
 
-PoolEvent = Union[Spawned, WorkerLoaded, WorkerLoadFailed, WorkerNeedsMemory, Wedged, Exited, Reported, CacheWritten]
+PoolEvent = Union[Spawned, WorkerLoaded, WorkerLoadFailed, WorkerNeedsMemory, Wedged, Exited, Reported, CacheWritten,
+                  SpareNews, LoadReported]
 EventSink = Callable[[PoolEvent], None]
 
 

@@ -32,7 +32,7 @@ import msgspec
 
 from shared import probe
 from shared.states import LOADING_STATES, SERVING_STATES
-from shared.vocab import ErrorCode
+from shared.vocab import ErrorCode, LoadPhase
 from supervisor.config import host_name
 from supervisor.policy.admission import admits_request, fit_report
 from supervisor.views import LoadProgress
@@ -112,15 +112,18 @@ class Health(msgspec.Struct, kw_only=True, omit_defaults=True):
     unloaded: dict[str, str] = {}
 
 
-def load_progress(state: str, began: float, now: float, grown: int, estimate: int) -> LoadProgress:
-    """`grown` bytes of `estimate` taken in the `now - began` seconds so far."""
+def load_progress(state: str, began: float, now: float, grown: int, estimate: int, *,
+                  phase: LoadPhase | Literal[""] = "", bytes_read: int = 0) -> LoadProgress:
+    """`grown` bytes of `estimate` taken in the `now - began` seconds so far; W6: the load's
+    `phase` and the weights' `bytes_read` as the worker counts them (the ETA's base when counted)."""
     elapsed = max(0.0, now - began)
     eta = None
-    if state == "loading" and estimate > 0 and grown >= estimate // 10:
-        done = min(1.0, grown / estimate)
+    done_bytes = bytes_read or grown
+    if state == "loading" and estimate > 0 and done_bytes >= estimate // 10:
+        done = min(1.0, done_bytes / estimate)
         eta = round(elapsed * (1.0 - done) / done, 2)
     return LoadProgress(state=state, bytes=max(0, grown), estimate_bytes=estimate, elapsed=round(elapsed, 2),
-                        eta=eta)
+                        eta=eta, phase=phase, bytes_read=max(0, bytes_read))
 
 
 def loading_retry(progress: LoadProgress | None) -> int:
@@ -282,9 +285,11 @@ class Signals:
         model = self.catalog.config.model(model_id)
         estimate = self.catalog.estimate(model) if model is not None else 0
         if handle is None or handle.state not in LOADING_STATES:
-            return load_progress("queued", began, now, 0, estimate)
+            return load_progress("queued", began, now, 0, estimate, phase="admit")
         grown = 0
         sample = handle.sample
         if handle.state == "loading" and sample is not None and sample.phase == "loading":
             grown = (probe.footprint(handle.pid) or 0) - sample.memory.usage  # since it reported, before its weights
-        return load_progress(handle.state, began, now, grown, estimate)
+        clock = handle.load  # W6: the phase and the weights read, as the worker's heartbeat said them
+        return load_progress(handle.state, began, now, grown, estimate, phase=clock.phase if clock else "",
+                             bytes_read=clock.bytes_read if clock else 0)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable
 from shared import protocol as p
 from shared.embedding import WRONG_MODEL_KIND, EmbeddingSpec
 from shared.memory import NO_READING
+from shared.sizes import format_size
 from supervisor.api import UNLOAD_WHEN_IDLE
 from supervisor.bus import FrameTooLarge
 from supervisor.cache_tiers import save_grace
@@ -305,13 +306,16 @@ class Service:
         if ttl and handle is not None and handle.serving and not m.pinned:
             expires = max(0.0, ttl - idle)
         disk = self.pool.caches.model(m.id)  # H5: as its last worker reported it
+        last = handle or self.pool.reaped.get(m.id)  # W3: its last load, timed, kept after an unload
+        load = last.load if last is not None else None
         return ModelInfo(
             id=m.id, path=m.path, pinned=m.pinned, state=view.state, worker=view.worker, pid=view.pid,
             failed_reason=view.reason, aliases=list(m.aliases), estimated_bytes=self.catalog.estimate_soon(m),
             usage=memory.usage, mlx_active=memory.mlx_active, mlx_pool=memory.mlx_pool,
             cache_bytes=memory.cache_bytes, batch_bytes=memory.batch_bytes, batch_live_bytes=memory.batch_live_bytes,
             disk_cache_bytes=disk.bytes, disk_cache_entries=disk.entries, idle_seconds=idle, ttl=ttl, expires_in=expires,
-            restarts=self.models.restarts(m.id),
+            restarts=self.models.restarts(m.id), load_phases=dict(load.phases) if load else {},
+            load_spare=load.spare if load else False, prefetched_bytes=self.models.prefetch.bytes_for(m.id),
         )
 
     def counters(self) -> dict[str, int]:
@@ -349,9 +353,9 @@ class Service:
         if request.rate <= 0 or request.to <= 0:
             raise ServeError("rate and size must be positive", code="invalid_request", http_status=400)
         self.pool.command(handle, p.Drill(rate=request.rate, to=request.to))
-        self.eventlog.emit("drill", f"fire drill: {request.rate} B/s up to {request.to} B",
-                           worker_id=handle.worker_id, model_id=request.model)
-        log.warning("fire drill on %s: growing %d B/s up to %d B", request.model, request.rate, request.to)
+        # the worker's own `drill` event says it started (it may refuse): one event, not two
+        log.warning("fire drill on %s: growing %s/s up to %s", request.model, format_size(request.rate),
+                    format_size(request.to))
         return f"drill started on {request.model} (worker pid {handle.pid})"
 
     # -- what the metrics and event streams read -----------------------------------

@@ -8,10 +8,13 @@ at the moment it asks.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from shared.memory import NO_READING, MemoryReading
 from shared.states import LIVE_STATES, SERVING_STATES, WorkerState
+from shared.vocab import LoadPhase
 
 
 class ModelView(msgspec.Struct, frozen=True, kw_only=True):
@@ -62,13 +65,20 @@ class LoadProgress(msgspec.Struct, frozen=True, kw_only=True):
     `state`: `queued` (no worker yet: waiting for the one-load-at-a-time
     lock, admission's evictions, its files being read or imported),
     `starting` (the process is importing MLX), `loading` (reading weights).
-    `bytes`: what the worker has taken since it started loading (its
-    footprint less the one it reported before the weights), against
-    `estimate_bytes`, A2's weight estimate (0: not known yet). `eta`:
-    seconds left at the rate so far (None until a tenth of it is in)."""
+    `phase` (SPEC W6): the load's phase in progress, finer (`admit`, `spawn`,
+    `hello`, `spare`, `build`, `read`, `tokenizer`, `warm_up`; see
+    shared.vocab.LoadPhase). `bytes`: what the worker has taken since it
+    started loading (its footprint less the one it reported before the
+    weights), against `estimate_bytes`, A2's weight estimate (0: not known
+    yet). `bytes_read` (W6): the weights the worker has read so far, as it
+    counts them (0 where its platform cannot). `eta`: seconds left at the
+    rate so far (None until a tenth of it is in), from the bytes read when
+    they are counted, else from `bytes`."""
 
     state: str
     bytes: int
     estimate_bytes: int
     elapsed: float
     eta: float | None = None
+    phase: LoadPhase | Literal[""] = ""
+    bytes_read: int = 0

@@ -32,6 +32,9 @@ def make_config(models, *, guard=None, **sup) -> Config:
     sup.setdefault("heartbeat_interval", 0.5)
     sup.setdefault("heartbeat_timeout", 10.0)
     sup.setdefault("stop_grace", 3.0)
+    # No spare worker (SPEC W1) unless a test asks: on a 2-core machine a spare's start is a
+    # second of CPU beside what the test measures, and many tests count spawns, exits and workers.
+    sup.setdefault("spare_workers", 0)
     # No prompt cache unless a test asks: these tests squeeze the ceiling to a few hundred
     # MiB and count bytes exactly; cached prompts would move the figures they compare.
     guard = guard or GuardConfig(hot_cache_max=0)

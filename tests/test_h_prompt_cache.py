@@ -30,6 +30,11 @@ def kv(tokens: int, layers: int = 2, fill: float = 1.0) -> list[KVCache]:
 ENTRY = sum(c.nbytes for c in kv(10))  # one entry of < 256 tokens: one KV step per layer
 
 
+def tokens(cache: PromptCache) -> list[tuple[int, ...]]:
+    """The token sequences the cache holds, least recently used first."""
+    return [entry.tokens for entry in reversed(cache.recent_first())]
+
+
 def test_h2_entry_bytes_are_the_arrays_it_holds():
     cache = PromptCache(GiB)
     layers = kv(10)
@@ -74,7 +79,7 @@ def test_insert_replaces_the_unpinned_prefixes_it_covers():
     hit = cache.lookup([3, 4, 0], limit=2)
     cache.insert([1, 2, 5, 6], kv(4))
     cache.insert([3, 4, 5, 6], kv(4))
-    assert sorted(e for e in cache._entries) == [(1, 2, 5, 6), (3, 4), (3, 4, 5, 6)]
+    assert sorted(tokens(cache)) == [(1, 2, 5, 6), (3, 4), (3, 4, 5, 6)]
     cache.release(hit)
     assert cache.nbytes == 3 * ENTRY
 
@@ -85,9 +90,9 @@ def test_h2_over_the_cap_least_recently_used_goes_first():
     cache.insert([2], kv(1))
     cache.release(cache.lookup([1, 0], limit=1))  # [1] is now the most recently used
     cache.insert([3], kv(1))
-    assert set(cache._entries) == {(1,), (3,)}
+    assert set(tokens(cache)) == {(1,), (3,)}
     assert cache.nbytes == 2 * ENTRY
-    assert cache.set_cap(ENTRY) == ENTRY and set(cache._entries) == {(3,)}
+    assert cache.set_cap(ENTRY) == ENTRY and set(tokens(cache)) == {(3,)}
 
 
 def test_h2_cap_zero_is_no_prompt_cache():
@@ -103,7 +108,7 @@ def test_h3_shrink_never_drops_an_entry_in_use():
     hit = cache.lookup([1, 1, 5], limit=2)
     assert cache.releasable == ENTRY
     assert cache.drop_lru(0) == ENTRY
-    assert set(cache._entries) == {(1, 1)} and cache.nbytes == ENTRY and cache.releasable == 0
+    assert set(tokens(cache)) == {(1, 1)} and cache.nbytes == ENTRY and cache.releasable == 0
     cache.release(hit)
     assert cache.drop_unused() == ENTRY and cache.nbytes == 0
 
@@ -169,7 +174,7 @@ def test_h2_over_its_cap_the_engine_drops_lru_at_the_next_step(loaded):
     assert len(engine.prompt_cache) == 3
     cap = engine.cache_bytes - 1
     engine.step(Limits(max_concurrency=8, cache_cap=cap), lambda: 0)
-    kept = [key[:len(prompts[0])] for key in engine.prompt_cache._entries]
+    kept = [key[:len(prompts[0])] for key in tokens(engine.prompt_cache)]
     assert engine.cache_bytes <= cap and len(kept) == 2
     assert tuple(prompts[0]) not in kept  # the least recently used went
 
@@ -208,7 +213,7 @@ def test_h4_prefill_drops_own_unused_entries_before_asking_for_room(loaded):
     assert not any(isinstance(ev, NeedMemory) for ev in run.events)
     assert isinstance(run.terminal("new"), Finished)
     assert reclaims  # the dropped entries' memory went back to the OS, not only to the pool
-    assert [key[:len(prompt)] for key in engine.prompt_cache._entries] == [tuple(prompt)]
+    assert [key[:len(prompt)] for key in tokens(engine.prompt_cache)] == [tuple(prompt)]
 
 
 def test_h4_a_floor_chunk_short_of_room_drops_own_unused_entries_before_asking(loaded):

@@ -81,17 +81,35 @@ class Clock:
         return self.now
 
 
+class NoSpares:
+    """The pool's spares (W1), as Models tells them a load begins and ends."""
+
+    def load_begins(self) -> None:
+        pass
+
+    def load_ends(self) -> None:
+        pass
+
+
 class NoWorker:
     """The pool, as Models asks it while the pinned model's worker is down: none is up."""
+
+    spares = NoSpares()
 
     def worker_for(self, model_id: str) -> None:
         return None
 
 
-class Exited:
-    """What `Models.on_exit` reads of a worker that died."""
+class Unmeasured:
+    """The enforcer before its first tick, as `Models.tick`'s prefetch (W4) reads it: nothing to decide on."""
 
-    pinned, model_id, exit_cause = True, "m", "killed by SIGKILL"
+    last = last_snapshot = None
+
+
+class Exited:
+    """What `Models.on_exit` reads of a worker that died (a fresh one: no spare took its load)."""
+
+    pinned, model_id, exit_cause, load, stop_cause = True, "m", "killed by SIGKILL", None, None
 
 
 def _models(monkeypatch, tmp_path, **scfg):
@@ -111,7 +129,7 @@ def _models(monkeypatch, tmp_path, **scfg):
                                                                              pinned=True)])
     events, counters = EventLog(), collections.Counter()
     catalog = Catalog(config, emit=events.emit, counters=counters, discovered_refused={})
-    models = Models(config, catalog=catalog, pool=NoWorker(), enforcer=None, emit=events.emit,  # type: ignore[arg-type]
+    models = Models(config, catalog=catalog, pool=NoWorker(), enforcer=Unmeasured(), emit=events.emit,  # type: ignore[arg-type]
                     wake=lambda: None, counters=counters, running=lambda: True)
     return models, clock, counters
 

@@ -126,7 +126,9 @@ PINNED_WORDS = {
         "drill", "wired_limit", "spawn", "loaded", "load_failed", "exit", "crash", "wedged", "respawn", "unload",
         "import", "refused", "failed", "retry", "level", "admission", "warning", "reclaim", "shrink_cache", "abort",
         "abort_load", "mark_for_unload", "evict", "ttl", "guard", "reload", "reload_refused", "model_added",
-        "model_changed", "model_removed", "stall", "disk_cache", "wired_stranded"),
+        "model_changed", "model_removed", "stall", "disk_cache", "wired_stranded", "spare", "load_progress",
+        "load_phases", "thrash", "prefetch"),
+    "LoadPhase": ("admit", "spawn", "hello", "spare", "build", "read", "tokenizer", "warm_up", "first_token"),
     "FinishReason": ("stop", "length"),
     "SampleReason": ("tick", "watermark", "shrink"),
     "FailureCode": (

@@ -229,27 +229,31 @@ class ConstraintFactory:
         self._tokenizer = llg.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos)
         self._limits = llg.LLParserLimits()
         self.closers = closers_for(backend, eos, self._tokenizer, vocab_size)
-        # each spec's matcher and the closing policy's tokens from its start (or why it is refused)
-        self._cache: OrderedDict[ConstraintSpec, tuple[llg.LLMatcher, int] | ConstraintError] = OrderedDict()
+        # each spec's matcher and the closing policy's tokens from its start (or why it is refused),
+        # by (prompt-cache partition, spec): a compile one API key paid is never another's fast path,
+        # whose time would say that someone sent that schema (SPEC H7 as proposed)
+        self._cache: OrderedDict[tuple[str, ConstraintSpec], tuple[llg.LLMatcher, int] | ConstraintError] = \
+            OrderedDict()
         self._cache_size = cache_size
         self.compiles = 0
 
-    def build(self, spec: ConstraintSpec, max_tokens: int) -> Constraint:
+    def build(self, spec: ConstraintSpec, max_tokens: int, partition: str = "") -> Constraint:
         """A fresh constraint for one request; ConstraintError names what is wrong.
 
         A refusal is cached like a grammar: a client resending a schema whose
         probe exhausts the lexer fuel costs the worker that probe once."""
-        proto = self._cache.get(spec)
+        key = (partition, spec)
+        proto = self._cache.get(key)
         if proto is None:
             try:
                 proto = self._compile(spec)
             except ConstraintError as exc:
                 proto = exc
-            self._cache[spec] = proto
+            self._cache[key] = proto
             if len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         else:
-            self._cache.move_to_end(spec)
+            self._cache.move_to_end(key)
         if isinstance(proto, ConstraintError):
             raise ConstraintError(proto.message, proto.code)
         matcher, shortest = proto

@@ -21,6 +21,11 @@ go first, whatever model they belong to. "auto" is a quarter of what the
 cache's filesystem has free plus what the tier already holds, and no write
 ever leaves that filesystem with less than max(1 GiB, 5 %) free.
 
+With API keys, each entry is one key's (SPEC H7 as proposed): its partition is
+in its metadata and its name (worker/kv_folder.py), a request is offered only
+its own partition's files, and a file never replaces or shadows another
+partition's (the budget stays one for all).
+
 Cheap at start: the index reads each file's header (its tokens), never its
 data. A request reads one file, in the worker, when its prompt shares a longer
 prefix with a disk entry than with anything in memory.
@@ -54,7 +59,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from shared import private_files
 from shared.modelinfo import read_small
-from shared.protocol import DISK_CACHE_AUTO, DiskCacheStats
+from shared.protocol import DISK_CACHE_AUTO, SHARED_PARTITION, DiskCacheStats
 from shared.sizes import GiB, format_size
 from worker import kv_files, kv_folder
 from worker import prompt_cache as pc
@@ -100,6 +105,7 @@ class DiskEntry(NamedTuple):
     nbytes: int      # the file's size
     used: float      # its mtime: when it was written or last read (LRU)
     ino: int = 0     # its inode when proven ours: what may be removed is that file, not what took its name
+    partition: str = SHARED_PARTITION  # whose requests it may serve (H7 as proposed)
 
 
 class SaveResult(NamedTuple):
@@ -219,7 +225,8 @@ class DiskTier:
             self._reject(path, ours.info.st_ino, problem)
             return None
         self.scan.remember(ours)
-        return DiskEntry(path.name, ours.tokens, ours.info.st_size, ours.info.st_mtime, ours.info.st_ino)
+        return DiskEntry(path.name, ours.tokens, ours.info.st_size, ours.info.st_mtime, ours.info.st_ino,
+                         ours.partition)
 
     def _reject(self, path: Path, ino: int, why: str) -> None:
         """An entry of ours that can never be used: out of the index, removed, counted."""
@@ -248,12 +255,16 @@ class DiskTier:
 
     # -- reading ---------------------------------------------------------------------------
 
-    def best(self, prompt: Sequence[int], limit: int, longer_than: int) -> DiskEntry | None:
-        """The entry sharing the longest prefix with `prompt` (at most `limit` tokens), when
-        that is more than `longer_than` tokens (what memory already gives)."""
+    def best(self, prompt: Sequence[int], limit: int, longer_than: int,
+             partition: str = SHARED_PARTITION) -> DiskEntry | None:
+        """`partition`'s entry sharing the longest prefix with `prompt` (at most `limit` tokens),
+        when that is more than `longer_than` tokens (what memory already gives). Another
+        partition's files are never candidates (H7 as proposed)."""
         best, best_n = None, longer_than
         key = tuple(prompt)
         for entry in self.entries.values():
+            if entry.partition != partition:
+                continue
             n = min(pc.common_prefix(entry.tokens, key), limit)
             if n > best_n:
                 best, best_n = entry, n
@@ -288,8 +299,9 @@ class DiskTier:
             info = os.fstat(handle.fileno())
             header = kv_files.read_header(handle, entry.name, info.st_size, complete=False)
             tokens = kv_folder.entry_tokens(path, header)
-            if header.metadata.get("identity") != self.identity or tokens != entry.tokens:
-                raise NotOurs("its tokens or model identity changed since the index read it")
+            if (header.metadata.get("identity") != self.identity or tokens != entry.tokens
+                    or kv_folder.entry_partition(path, header) != entry.partition):
+                raise NotOurs("its tokens, partition or model identity changed since the index read it")
             problem = _written_problem(header, info) or layout_problem(header, layout, len(tokens))
             if problem is not None:
                 raise BadEntry(problem, info.st_ino)
@@ -349,7 +361,7 @@ class DiskTier:
             log.info("prompt cache disk tier: %d-token entry (%s) does not fit the budget %s; not written",
                      len(entry.tokens), format_size(size), format_size(self.budget))
             return 0
-        name = entry_name(entry.tokens)
+        name = entry_name(entry.tokens, entry.partition)
         path = self.folder / name
         try:
             if os.path.lexists(path):
@@ -363,11 +375,13 @@ class DiskTier:
             return None
         info = private_files.regular_of_ours(path)
         entry.disk = name
-        self._added(DiskEntry(name, entry.tokens, nbytes, time.time(), info.st_ino if info else 0), files)
+        self._added(DiskEntry(name, entry.tokens, nbytes, time.time(), info.st_ino if info else 0, entry.partition),
+                    files)
         return nbytes
 
     def _worth_writing(self, entries: Sequence[pc.Entry]) -> list[pc.Entry]:
-        """Long enough, not on disk already (those are touched instead), not a prefix of another."""
+        """Long enough, not on disk already (those are touched instead), not a prefix of another
+        of its partition (another's longer entry must not cost it its file: H7 as proposed)."""
         todo = []
         for entry in entries:
             if len(entry.tokens) < MIN_TOKENS:
@@ -379,7 +393,8 @@ class DiskTier:
                 except OSError:
                     self.entries.pop(entry.disk, None)  # removed by another worker's budget: write it again
             n = len(entry.tokens)
-            if any(len(o.tokens) > n and o.tokens[:n] == entry.tokens for o in entries):
+            if any(len(o.tokens) > n and o.partition == entry.partition and o.tokens[:n] == entry.tokens
+                   for o in entries):
                 continue
             todo.append(entry)
         return todo
@@ -397,7 +412,7 @@ class DiskTier:
             else:
                 arrays[f"{i}.keys"], arrays[f"{i}.values"] = layer.keys[..., :n, :], layer.values[..., :n, :]
         metadata = {"format": FORMAT, "model": self.model_id, "identity": self.identity,
-                    "tokens": json.dumps(list(entry.tokens), separators=(",", ":")),
+                    "tokens": json.dumps(list(entry.tokens), separators=(",", ":")), "partition": entry.partition,
                     "layers": str(len(entry.layers)), "bits": str(entry.bits), "group_size": str(group)}
         return arrays, metadata
 
@@ -424,9 +439,11 @@ class DiskTier:
         return held + size <= self.budget and free - size >= floor
 
     def _added(self, new: DiskEntry, files: list[Proven]) -> None:
-        """A new file is in; this model's files that hold a prefix of it are not needed any more."""
+        """A new file is in; this model's files of its partition that hold a prefix of it are not
+        needed any more (another partition's stay: H7 as proposed)."""
         n = len(new.tokens)
-        for old in [e for e in self.entries.values() if len(e.tokens) < n and new.tokens[:len(e.tokens)] == e.tokens]:
+        for old in [e for e in self.entries.values()
+                    if len(e.tokens) < n and e.partition == new.partition and new.tokens[:len(e.tokens)] == e.tokens]:
             kv_folder.remove(self.folder / old.name, old.ino)
             del self.entries[old.name]
             files[:] = [f for f in files if f.path.name != old.name]

@@ -67,7 +67,7 @@ class Endings:
         first = seq.cache[0]
         if not isinstance(first, KVCache):
             return
-        self.prompt_cache.insert((seq.prompt + seq.out)[:first.offset], seq.cache)
+        self.prompt_cache.insert((seq.prompt + seq.out)[:first.offset], seq.cache, partition=seq.partition)
 
     def fail(self, seq: Seq, code: FailureCode, message: str, **extra) -> Failed:
         seq.move("end")

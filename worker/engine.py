@@ -24,17 +24,18 @@ first, so the loop has one place to forward from.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from mlx_lm.models.cache import make_prompt_cache
 
 from shared.limits import Limits
 from shared.modelinfo import context_length
-from shared.protocol import ConstraintSpec, Failed, Generate
+from shared.protocol import SHARED_PARTITION, ConstraintSpec, Failed, Generate
 from shared.vocab import FailureCode
 from shared.weights import WeightsError, estimate_weight_bytes
 from worker import memory, prompts
@@ -43,6 +44,7 @@ from worker.constrain import Constraint, ConstraintError, ConstraintFactory
 from worker.decode import DecodeStep
 from worker.disk_cache import DiskTier
 from worker.endings import Endings, Event
+from worker.loader import LoadMeter, load_generator
 from worker.memory import UsageFn
 from worker.prefill import (
     CHUNK_SECONDS,
@@ -64,6 +66,7 @@ log = logging.getLogger("memvisor.worker.engine")
 
 MIN_REUSE_TOKENS = 16  # a shorter shared prefix (BOS, a template's first tokens) is no cache hit
 WARM_UP_ROWS = 4       # the group the warm-up prefills together (any group takes the masked kind)
+NO_TOKENIZER_LIMIT = int(1e30)  # transformers' own "no limit" (VERY_LARGE_INTEGER): it never warns past it
 
 
 class Engine:
@@ -109,23 +112,27 @@ class Engine:
         self._spill_seconds = 0.0
 
     @classmethod
-    def load(cls, path: str | Path, **kwargs) -> "Engine":
-        """Load a local model directory with mlx_lm (never a download)."""
-        import mlx_lm
-
+    def load(cls, path: str | Path, *, meter: LoadMeter | None = None, **kwargs) -> "Engine":
+        """Load a local model directory as mlx_lm.load does (never a download), each
+        phase timed on `meter` (SPEC W3, worker/loader.py)."""
         directory = Path(path)
         if not (directory / "config.json").is_file():
             raise EngineError("load_failed", f"no model at {directory}: config.json not found")
         try:
             weight_bytes = estimate_weight_bytes(directory)
-            # without return_config, load returns (model, tokenizer) (its type also allows a config)
-            model, tokenizer = cast(tuple[Any, Any], mlx_lm.load(str(directory)))
+            model, tokenizer = load_generator(directory, meter)
         except WeightsError as exc:
             raise EngineError("load_failed", str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - any loader failure is a load error
             raise EngineError("load_failed", f"cannot load {directory}: {exc}") from exc
-        engine = cls(model, tokenizer, weight_bytes=weight_bytes, **kwargs)
-        engine.context_length = context_length(directory)  # a prompt over it is refused, not run
+        # The context limit is the engine's (config.json's, below): a prompt over it is refused,
+        # not run. The tokenizer's own model_max_length only made transformers log "Token indices
+        # sequence length is longer than the specified maximum ... indexing errors" for such a
+        # prompt, which reads like our crash; we never ask it to truncate, so it gets no limit.
+        tokenizer.model_max_length = NO_TOKENIZER_LIMIT
+        with meter.phase("build") if meter is not None else contextlib.nullcontext():  # the engine is built too
+            engine = cls(model, tokenizer, weight_bytes=weight_bytes, **kwargs)
+            engine.context_length = context_length(directory)  # a prompt over it is refused, not run
         return engine
 
     # -- what the rooms know, read from the front -------------------------------------------
@@ -230,21 +237,23 @@ class Engine:
             log.info("prompt cache to disk before dropping: %d entries written, %d not (deadline %.3f s)",
                      done.written, done.dropped, self._spill_seconds)
 
-    def _read_from_disk(self, prompt: Sequence[int]) -> None:
+    def _read_from_disk(self, prompt: Sequence[int], partition: str) -> None:
         """H5: the one disk entry this prompt needs, into the memory cache, when it beats memory's best.
 
         An entry larger than the memory cache's cap is not read (H2 bounds what a
-        worker holds); one that cannot be read is a miss (the prefill runs)."""
+        worker holds); one that cannot be read is a miss (the prefill runs). Only `partition`'s
+        files are offered (H7 as proposed)."""
         tier, cache = self.disk, self.prompt_cache
         if tier is None or cache.cap <= 0:
             return
         limit = len(prompt) - 1
-        found = tier.best(prompt, limit, longer_than=max(cache.longest(prompt, limit), MIN_REUSE_TOKENS - 1))
+        found = tier.best(prompt, limit, partition=partition,
+                          longer_than=max(cache.longest(prompt, limit, partition), MIN_REUSE_TOKENS - 1))
         if found is None or found.nbytes > cache.cap:
             return
         layers = tier.load(found)
-        if layers is not None and cache.insert(found.tokens, layers):
-            entry = cache.get(found.tokens)
+        if layers is not None and cache.insert(found.tokens, layers, partition=partition):
+            entry = cache.get(found.tokens, partition)
             assert entry is not None  # just inserted
             entry.disk, entry.from_disk = found.name, True
 
@@ -272,13 +281,15 @@ class Engine:
         constraint: ConstraintSpec | None = None,
         sampling: Settings | None = None,
         media: Any = None,
+        partition: str = SHARED_PARTITION,
     ) -> None:
         """Queue a request; it is admitted by a later `step()` (SPEC P3, P8).
 
         `sampling` is the whole of its sampling settings (top_k, penalties,
         logit_bias, logprobs ...); without it, temperature, top_p and seed make them.
         `media` is an image request's inputs (worker/vision.py): the request then keys the prompt
-        cache on its images' hashes (`media.key`) and prefills from their embeddings."""
+        cache on its images' hashes (`media.key`) and prefills from their embeddings.
+        `partition`: the prompt-cache entries it may reuse and leaves behind (H7 as proposed)."""
         if not request_id:
             raise EngineError(INVALID_REQUEST, "request id must not be empty")
         if request_id in self.endings.ids:
@@ -303,12 +314,13 @@ class Engine:
         seq = Seq(request_id, list(prompt_tokens if media is None else media.key), max_tokens,
                   make_request_sampler(settings, prompt_tokens),
                   StopMatcher(stops) if stops else None,
-                  self._constraint(constraint, max_tokens) if constraint is not None else None)
+                  self._constraint(constraint, max_tokens, partition) if constraint is not None else None,
+                  partition)
         seq.media = media
         self.endings.ids.add(request_id)
         self.scheduler.queue.append(seq)
         if self.endings.cacheable:  # pinned while queued: a shrink must not take what it will reuse (H3)
-            seq.hit = self.prompt_cache.lookup(seq.prompt, len(seq.prompt) - 1)
+            seq.hit = self.prompt_cache.lookup(seq.prompt, len(seq.prompt) - 1, partition=partition)
 
     def submit_generate(self, cmd: Generate) -> None:
         """Queue a wire `Generate`; bad input becomes its one terminal `Failed` (next step)."""
@@ -324,7 +336,7 @@ class Engine:
             else:
                 raise EngineError(INVALID_REQUEST, "give exactly one of messages or prompt")
             self.submit(cmd.request_id, tokens, cmd.max_tokens, stop=cmd.stop, constraint=cmd.constraint,
-                        sampling=Settings.of(cmd))
+                        sampling=Settings.of(cmd), partition=cmd.partition)
         except EngineError as exc:
             self._outbox.append(Failed(request_id=cmd.request_id, code=exc.code, message=exc.message))
         except Exception as exc:  # noqa: BLE001 - raised from the worker's command loop it would kill
@@ -333,13 +345,14 @@ class Engine:
             self._outbox.append(Failed(request_id=cmd.request_id, code=ENGINE_ERROR,
                                        message=f"the request could not be prepared: {exc!r}"))
 
-    def _constraint(self, spec: ConstraintSpec, max_tokens: int) -> Constraint:
-        """The request's grammar; a spec that cannot be enforced is invalid_request."""
+    def _constraint(self, spec: ConstraintSpec, max_tokens: int, partition: str) -> Constraint:
+        """The request's grammar (compiled once per partition, H7 as proposed); a spec that
+        cannot be enforced is invalid_request."""
         try:
             if self._constraints is None:
                 vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
                 self._constraints = ConstraintFactory(self.tokenizer, vocab or len(self.tokenizer.vocab))
-            return self._constraints.build(spec, max_tokens)
+            return self._constraints.build(spec, max_tokens, partition)
         except ConstraintError as exc:
             raise EngineError(exc.code, exc.message) from None
 

@@ -19,10 +19,15 @@ from __future__ import annotations
 import os
 import threading
 import time
+from typing import Literal
 
 import zmq
 
 from shared import protocol as p
+from shared.vocab import LoadPhase
+from worker.loader import bytes_read_so_far
+
+LOAD_REPORT_INTERVAL = 0.25  # seconds between reports while the model loads (W6)
 
 
 class StepClock:
@@ -34,6 +39,13 @@ class StepClock:
         self.boundary = time.monotonic()
         self.steps = 0
         self.tokens = 0
+        # W6: the phase of the model's load in progress ("" when none), and the process's
+        # bytes read when it began (worker.loader counts the weights read against it)
+        self.load_phase: LoadPhase | Literal[""] = ""
+        self.read_base = 0
+
+    def start_load(self, read_base: int) -> None:
+        self.read_base = read_base
 
     def enter_step(self) -> None:
         self.step_started = time.monotonic()
@@ -46,9 +58,11 @@ class StepClock:
         self.tokens = tokens
 
     def alive(self, worker_id: str, now: float) -> p.Alive:
-        started = self.step_started
+        started, phase = self.step_started, self.load_phase
+        read = max(0, bytes_read_so_far() - self.read_base) if phase and phase != "hello" else 0  # the weights
         return p.Alive(worker_id=worker_id, pid=os.getpid(), step_seconds=now - started if started else 0.0,
-                       loop_seconds=now - self.boundary, steps=self.steps, tokens=self.tokens)
+                       loop_seconds=now - self.boundary, steps=self.steps, tokens=self.tokens, load_phase=phase,
+                       bytes_read=read)
 
 
 class Heartbeat(threading.Thread):
@@ -75,7 +89,8 @@ class Heartbeat(threading.Thread):
                     sock.send(codec.encode(self.clock.alive(self.worker_id, time.monotonic())), zmq.NOBLOCK)
                 except zmq.Again:
                     pass
-                if self._halt.wait(self.interval):
+                # W6: a load's progress is worth a report four times a second
+                if self._halt.wait(min(self.interval, LOAD_REPORT_INTERVAL) if self.clock.load_phase else self.interval):
                     break
         finally:
             sock.close(0)

@@ -8,8 +8,14 @@ went with the first saves. Now nothing under `kv/` is followed when it is a
 symbolic link, and a file is ours only when it is a regular file of this
 user that nobody else can write, whose header parses as an entry
 (`FORMAT`) labelled for the very folder it lies in (its model and identity
-give that folder's name) and whose name is its tokens' hash. Anything else is
-left where it is, said once in the log and counted (`DiskCacheStats.foreign_files`).
+give that folder's name) and whose name is the hash of its partition and
+tokens. Anything else is left where it is, said once in the log and counted
+(`DiskCacheStats.foreign_files`).
+
+With API keys an entry belongs to one key's partition (SPEC H7 as proposed):
+its metadata names it, and its file name hashes it with the tokens, so the same
+tokens of two keys are two files and a file relabelled for another key no
+longer proves ours. The shared partition (no keys) keeps the names it had.
 
 Two supervisors with different `disk_cache_max` on one folder deleted each
 other's entries without a word: each budget was right by itself. The folder
@@ -37,7 +43,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from shared import private_files
-from shared.protocol import DISK_CACHE_AUTO
+from shared.protocol import DISK_CACHE_AUTO, SHARED_PARTITION
 from shared.sizes import format_size
 from worker import kv_files
 
@@ -47,6 +53,7 @@ FORMAT = "memvisor-kv/1"   # what a file's layout means; another value is never 
 SUFFIX = ".safetensors"
 LOCK_NAME = "budget.lock"
 _FOLDER = re.compile(r"[A-Za-z0-9._-]+-[0-9a-f]{16}")   # what folder_name makes
+_PARTITION = re.compile(r"([0-9a-f]{32})?")              # shared.protocol.Partition's shape
 LOCK_WAIT = 2.0            # seconds to wait for a moment's exclusive hold (a worker writing the setting) to end
 
 
@@ -56,8 +63,18 @@ def folder_name(model_id: str, identity: str) -> str:
     return f"{readable}-{identity[:16]}"
 
 
-def entry_name(tokens: Sequence[int]) -> str:
-    return hashlib.sha256(array("q", tokens).tobytes()).hexdigest()[:24] + SUFFIX
+def entry_name(tokens: Sequence[int], partition: str = SHARED_PARTITION) -> str:
+    """The file name of `partition`'s entry of `tokens` (the shared partition's: of the tokens alone)."""
+    salt = partition.encode() + b"\0" if partition else b""
+    return hashlib.sha256(salt + array("q", tokens).tobytes()).hexdigest()[:24] + SUFFIX
+
+
+def entry_partition(path: Path, header: kv_files.Header) -> str:
+    """The partition an entry's header names (none: the shared one); NotOurs when it is no partition."""
+    partition = header.metadata.get("partition", SHARED_PARTITION)
+    if _PARTITION.fullmatch(partition) is None:
+        raise NotOurs(f"{path.name} names no partition this server makes")
+    return partition
 
 
 def is_tier_folder(name: str) -> bool:
@@ -76,6 +93,11 @@ class Ours(NamedTuple):
     info: os.stat_result
     header: kv_files.Header
     tokens: tuple[int, ...]
+
+    @property
+    def partition(self) -> str:
+        """Whose entry it is (SPEC H7 as proposed): checked by `entry_tokens` when it was proven."""
+        return self.header.metadata.get("partition", SHARED_PARTITION)
 
     @property
     def whole(self) -> bool:
@@ -99,8 +121,8 @@ def entry_tokens(path: Path, header: kv_files.Header, *, written: bool = True) -
     if not all(type(t) is int for t in tokens):
         raise NotOurs(f"{path.name} has tokens that are not integers")
     name = path.name.split(private_files.TMP_MARK, 1)[0] if not written else path.name
-    if name != entry_name(tokens):
-        raise NotOurs(f"{path.name} is not named for its tokens")
+    if name != entry_name(tokens, entry_partition(path, header)):
+        raise NotOurs(f"{path.name} is not named for its partition and tokens")
     return tokens
 
 

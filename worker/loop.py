@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # types only: these import MLX, which loads in serve(), never
     from worker.drill import DrillAllocation
     from worker.embedder import Embedder
     from worker.engine import Engine
+    from worker.loader import LoadMeter
     from worker.prefill import DeviceUsage
 
 log = logging.getLogger("memvisor.worker")
@@ -59,8 +60,9 @@ def delay_for_tests(name: str = STEP_DELAY_ENV) -> float:
 
 
 class Worker:
-    def __init__(self, spec: p.WorkerSpec) -> None:
+    def __init__(self, spec: p.WorkerSpec, started: float = 0.0) -> None:
         self.spec = spec
+        self.started = started or time.monotonic()  # W3: when the process entered the worker's code
         self.ctx = zmq.Context()
         self.wire = Wire(self.ctx, spec)
         self.ledger = Ledger.attach(spec.ledger_path)
@@ -71,44 +73,96 @@ class Worker:
         self.reclaim_pending: list[p.Reclaim] = []
         self.shrink_pending: list[p.ShrinkCache] = []
         self.allocator: AllocatorLimits | None = None  # once MLX is loaded (M1, M2)
+        self.device = ""  # where MLX computes (mx.default_device()), once prepared
+        self.discrete = False  # ... and whether that is a discrete device (SPEC D)
         # the heartbeat thread reports the step loop's progress: a long step is work, not silence
         self.clock = StepClock()
         self.heartbeat = Heartbeat(self.ctx, spec.reports, spec.worker_id, self.clock,
                                    interval=min(1.0, spec.heartbeat_timeout / 4))
         self.step_delay = delay_for_tests()
+        if not spec.spare:  # W6: a fresh worker's load is under way from its first heartbeat (its imports)
+            self.clock.load_phase = "hello"
         self.heartbeat.start()  # before MLX is imported: a stopped or stuck start or load is seen too
 
     # -- life -----------------------------------------------------------------
 
     def serve(self) -> int:
-        """Load the model, say so, and run the loop; 2 when the model cannot be loaded."""
+        """Import MLX and the engine and say hello; a spare then waits for its model
+        (SPEC W1); load the model, say so, and run the loop. 2 when the model cannot be loaded."""
+        self.prepare()
+        if self.spec.spare:
+            taken = self.wait_as_spare()
+            if taken is None:
+                return 0  # drained (or its supervisor is gone) before any load named it
+            self.spec = self.readings.spec = taken
+        return self.load()
+
+    def prepare(self) -> None:
+        """Everything that does not depend on the model: what a spare has done before a load
+        names one (W1), and what a fresh worker does first (W3's `hello` phase)."""
         import mlx.core as mx
 
         from shared.probe import gpu_kind
         from worker.allocator import AllocatorLimits
-        from worker.cache_tiers import CacheTiers
-        from worker.engine import Engine, EngineError
-        from worker.memory import MemorySampler, device_bytes, set_discrete_device
-        from worker.prefill import DeviceUsage
+        from worker.loader import prepare_engine
+        from worker.memory import MemorySampler, set_discrete_device
         from worker.readings import Readings
 
+        device = prepare_engine()
         try:
             info: dict[str, int | float | str] = {
                 k: v for k, v in mx.device_info().items() if isinstance(v, (int, float, str))}
         except Exception:  # older MLX
             info = {}
-        device = str(mx.default_device())
-        discrete = gpu_kind(info) == "cuda" and "gpu" in device
-        set_discrete_device(discrete)
-        self.wire.reply(p.Hello(worker_id=self.spec.worker_id, model_id=self.spec.model_id, pid=os.getpid(),
-                                device_info=info, device=device, slot=self.spec.slot, blas=blas.preload().line()))
+        self.device = device
+        self.discrete = gpu_kind(info) == "cuda" and "gpu" in device
+        set_discrete_device(self.discrete)
         self.sampler = MemorySampler()
         self.readings = Readings(self.spec, self.ledger, self.sampler, self.wire.report)
         self.allocator = AllocatorLimits(mx, device_info=info)
         self.allocator.apply(self.limits)
+        self.readings.enter("spare" if self.spec.spare else "loading")
+        self.readings.write(time.monotonic(), None, self.allocator)  # the guard's tick the hello wakes reads it
+        self.wire.reply(p.Hello(worker_id=self.spec.worker_id, model_id=self.spec.model_id, pid=os.getpid(),
+                                device_info=info, device=device, slot=self.spec.slot, blas=blas.preload().line(),
+                                spare=self.spec.spare, started=self.started))
+
+    def wait_as_spare(self) -> p.WorkerSpec | None:
+        """W1: answer pings, show memory, obey a drain, until a `TakeModel` names the model."""
+        from worker.spare import SpareWait
+
+        assert self.allocator is not None  # prepare() set it up
+        wait = SpareWait(self.spec, self.wire.reply, self.sampler.reclaim)
+        log.info("spare: MLX and the engine imported; waiting for a model")
+        while not wait.over:
+            if self.wire.wait(int(self.spec.sample_interval * 1000)):
+                for msg in self.wire.commands():
+                    wait.obey(msg)
+                    if wait.over:
+                        break
+            if os.getppid() != self.spec.supervisor_pid:
+                log.error("the supervisor (pid %d) is gone; exiting", self.spec.supervisor_pid)
+                return None
+            self.limits = wait.limits
+            self.allocator.apply(self.limits)
+            now = time.monotonic()
+            self.clock.leave_step(0)  # a turn of the wait is a step boundary: the loop is not stuck
+            self.readings.write(now, None, self.allocator)
+            self.readings.maybe_send(now, self.limits, None)
+        return wait.taken
+
+    def load(self) -> int:
+        """Load the model named by the spec (phases timed, W3), say so, run the loop."""
+        from worker.cache_tiers import CacheTiers
+        from worker.engine import Engine, EngineError
+        from worker.loader import LoadMeter
+        from worker.memory import device_bytes
+        from worker.prefill import DeviceUsage
+
+        assert self.allocator is not None  # prepare() set it up
+        began = time.monotonic()
         self.readings.enter("loading")
-        self.readings.write(time.monotonic(), self.engine, self.allocator)
-        started = time.monotonic()
+        self.readings.write(began, self.engine, self.allocator)
         time.sleep(delay_for_tests(LOAD_DELAY_ENV))
         # Defence in depth: mlx_lm reads config.json whole, and a 1 GiB sparse
         # one took this worker to 2 GiB before it was killed as wedged; the supervisor
@@ -121,22 +175,28 @@ class Worker:
             log.error("cannot load %s: %s", self.spec.model_path, refused)
             self.wire.reply(p.LoadFailed(error=refused))
             return 2
+        meter = LoadMeter(self.clock)
         try:
             # on a discrete device a prefill's peak is device memory: G1-G3 hold it to the device pool
-            usage = DeviceUsage(self.readings.group_device_bytes, device_bytes) if discrete else None
-            self.engine = load_model(self.spec, usage)
+            usage = DeviceUsage(self.readings.group_device_bytes, device_bytes) if self.discrete else None
+            self.engine = load_model(self.spec, usage, meter)
+            if "gpu" in self.device and isinstance(self.engine, Engine):  # a GPU's first-use costs: paid here
+                with meter.phase("warm_up"):
+                    log.info("warm-up: a request alone and a group in %.2f s", self.engine.warm_up())
         except (EngineError, OSError, ValueError) as exc:
+            meter.done()
             log.error("cannot load %s: %s", self.spec.model_path, exc)
             self.wire.reply(p.LoadFailed(error=str(exc)))
             return 2
-        if "gpu" in device and isinstance(self.engine, Engine):  # a GPU's first-use costs: paid here
-            log.info("warm-up: a request alone and a group in %.2f s", self.engine.warm_up())
-        self.tiers = CacheTiers(self.spec, self.ledger, self.engine, self.sampler, self.wire.report)
-        self.tiers.open_disk()
+        with meter.phase("build"):  # the prompt cache's tiers (H5: its folder indexed) are built too
+            self.tiers = CacheTiers(self.spec, self.ledger, self.engine, self.sampler, self.wire.report)
+            self.tiers.open_disk()
+        meter.done()
         self.readings.enter("ready")
         now = time.monotonic()
-        self.wire.reply(p.Loaded(weight_bytes=self.engine.weight_bytes, seconds=now - started,
-                                 usage=self.readings.write(now, self.engine, self.allocator)))
+        self.wire.reply(p.Loaded(weight_bytes=self.engine.weight_bytes, seconds=now - began,
+                                 usage=self.readings.write(now, self.engine, self.allocator), began=began,
+                                 phases=meter.phases))
         return self.loop()
 
     def loop(self) -> int:
@@ -267,6 +327,8 @@ class Worker:
                 self.stop_drill("stopped by command")
             case p.Tokenize() | p.Detokenize():  # answered now, between two steps
                 self.answer_tokens(msg)
+            case p.TakeModel():  # W1: for spares only; this one serves a model already
+                self.wire.reply(p.Ack(cmd=msg.cmd, ok=False, detail="this worker is not a spare"))
             case _:
                 assert_never(msg)
         if isinstance(msg, (p.Drain, p.AbortRequests)):
@@ -315,28 +377,31 @@ class Worker:
 
         self.stop_drill("replaced by a new drill")
         self.drill = DrillAllocation(rate=msg.rate, target=msg.to, now=time.monotonic())
-        self.wire.event("drill", f"drill started: {msg.rate} B/s up to {msg.to} B")
+        self.wire.event("drill", self.drill.start_words())
         self.wire.reply(p.Ack(cmd=msg.cmd))
 
     def stop_drill(self, why: str) -> None:
         if self.drill is not None:
-            held = self.drill.release()
+            words = self.drill.release_words(why)
             self.drill = None
             self.sampler.reclaim()
-            self.wire.event("drill", f"drill released {held} B: {why}")
+            self.wire.event("drill", words)
 
 
-def load_model(spec: p.WorkerSpec, device: DeviceUsage | None) -> Engine | Embedder:
+def load_model(spec: p.WorkerSpec, device: DeviceUsage | None, meter: LoadMeter | None = None) -> Engine | Embedder:
     """A sentence-embedding folder gets the Embedder, any other the chat engine (which holds
-    its prefills to the device pool on a discrete device)."""
+    its prefills to the device pool on a discrete device); `meter` times the phases (W3)."""
     from worker.embedder import Embedder
     from worker.engine import Engine
 
     kwargs = dict(max_concurrency=spec.max_concurrency, chunk_seconds=spec.chunk_seconds)
     if read_embedding_spec(spec.model_path) is not None:
-        return Embedder.load(spec.model_path, **kwargs)
+        if meter is None:
+            return Embedder.load(spec.model_path, **kwargs)
+        with meter.phase("read"):  # its encoder is small: one phase
+            return Embedder.load(spec.model_path, **kwargs)
     if is_vision_model(spec.model_path):  # images in: the chat engine with a vision tower (worker/vision.py)
         from worker.vision import VisionEngine
 
-        return VisionEngine.load(spec.model_path, device=device, **kwargs)
-    return Engine.load(spec.model_path, device=device, **kwargs)
+        return VisionEngine.load(spec.model_path, device=device, meter=meter, **kwargs)
+    return Engine.load(spec.model_path, device=device, meter=meter, **kwargs)

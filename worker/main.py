@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 import msgspec
 
@@ -42,6 +43,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def run(spec_bytes: bytes) -> None:
     """Spawn target. Exit codes: 0 drained/told to stop, 2 load failed, 3 bad spec."""
+    started = time.monotonic()  # W3: the process's start ends here, its imports begin
     try:
         spec = msgspec.msgpack.decode(spec_bytes, type=p.WorkerSpec)
     except msgspec.DecodeError as exc:
@@ -55,7 +57,7 @@ def run(spec_bytes: bytes) -> None:
     blas.preload()  # OpenBLAS before the first `import mlx.core`, so libmlx binds to it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C in the terminal is the supervisor's to handle
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    worker = Worker(spec)
+    worker = Worker(spec, started)
     try:
         code = worker.serve()
     finally:

@@ -187,7 +187,7 @@ class Prefill:
     def _preflight(self, seq: Seq, pool: GuardedPool, events: list[Event]) -> bool:
         """G1 (with H4 first); True when the prefill may start now."""
         if self.endings.cacheable:  # look again: a request that finished meanwhile may cover more
-            hit = self.prompt_cache.lookup(seq.prompt, len(seq.prompt) - 1)
+            hit = self.prompt_cache.lookup(seq.prompt, len(seq.prompt) - 1, partition=seq.partition)
             self.prompt_cache.release(seq.hit)
             seq.hit = hit
         if not guard.guard_on(pool.limits):

@@ -29,6 +29,14 @@ rooms never see a quantized cache; the values are not the ones the model
 computed, so a reply may differ from the one without the cache (H1 holds only
 for entries that were never quantized).
 
+Partitions (SPEC H7 as proposed): with API keys, each key's entries are its
+own. An entry belongs to the partition of the request that computed it; a
+lookup, a prefix that a new entry makes redundant, and every count a reply
+carries see only the caller's partition, so `cached_tokens` can never tell one
+key whether another key sent a prompt (a shared system prompt included). The
+byte cap and the LRU stay one per worker (H2): a partition has no budget of its
+own. Without keys every request is in SHARED_PARTITION, as one cache.
+
 The disk tier (H5 as proposed, worker/disk_cache.py) reads an entry into this
 cache as any other (`from_disk` marks it until a request forks it, so that
 request reports the tokens as read from disk) and writes entries out when the
@@ -44,22 +52,30 @@ from typing import Union
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
+from shared.protocol import SHARED_PARTITION
+
 Layer = Union[KVCache, QuantizedKVCache]
+Key = tuple[str, tuple[int, ...]]  # (partition, tokens): what an entry is found by
 QUANT_GROUPS = (64, 32)  # MLX's affine group sizes that divide common head dimensions, largest first
 
 
 class Entry:
     """One cached token sequence and the per-layer KV that encodes it."""
 
-    __slots__ = ("disk", "from_disk", "layers", "nbytes", "pins", "tokens")
+    __slots__ = ("disk", "from_disk", "layers", "nbytes", "partition", "pins", "tokens")
 
-    def __init__(self, tokens: tuple[int, ...], layers: Sequence[Layer]):
+    def __init__(self, tokens: tuple[int, ...], layers: Sequence[Layer], partition: str = SHARED_PARTITION):
         self.tokens = tokens
+        self.partition = partition  # whose requests may reuse it (H7 as proposed)
         self.layers = list(layers)
         self.nbytes = sum(c.nbytes for c in layers)
         self.pins = 0  # requests (running or queued) that will reuse it
         self.disk = ""  # the disk tier's file that holds exactly this entry ("" when none does)
         self.from_disk = False  # read from disk and not yet reused: its first fork says so
+
+    @property
+    def key(self) -> Key:
+        return self.partition, self.tokens
 
     @property
     def bits(self) -> int:
@@ -152,12 +168,12 @@ class PromptCache:
     def __init__(self, cap: int = 0, *, min_reuse: int = 1):
         self.cap = max(0, cap)
         self.min_reuse = max(1, min_reuse)
-        self._entries: OrderedDict[tuple[int, ...], Entry] = OrderedDict()
+        self._entries: OrderedDict[Key, Entry] = OrderedDict()  # least recently used first, all partitions
         self.nbytes = 0
         self._pinned = 0  # bytes of pinned entries, kept as pins change (read at every step)
         self.hits = 0
         self.misses = 0
-        self._backing: Callable[[Sequence[int]], None] | None = None
+        self._backing: Callable[[Sequence[int], str], None] | None = None
         self._spill: Callable[[list[Entry]], None] | None = None
 
     def __len__(self) -> int:
@@ -176,8 +192,9 @@ class PromptCache:
 
     # -- reuse ---------------------------------------------------------------------
 
-    def lookup(self, prompt: Sequence[int], limit: int) -> Hit | None:
-        """The entry sharing the longest prefix with `prompt`, at most `limit` tokens, pinned.
+    def lookup(self, prompt: Sequence[int], limit: int, *, partition: str = SHARED_PARTITION) -> Hit | None:
+        """The entry of `partition` sharing the longest prefix with `prompt`, at most `limit`
+        tokens, pinned. Another partition's entries are never candidates (H7 as proposed).
 
         `limit` is len(prompt) - 1 for the engine: the last prompt token is
         always run, since its logits give the first output token.
@@ -185,8 +202,8 @@ class PromptCache:
         if self.cap <= 0 or limit <= 0:
             return None
         if self._backing is not None:
-            self._backing(prompt)  # H5: the disk tier adds its entry first when it has a longer prefix
-        best, best_n = self._best(prompt, limit)
+            self._backing(prompt, partition)  # H5: the disk tier adds its entry first when it has a longer prefix
+        best, best_n = self._best(prompt, limit, partition)
         if best is None or best_n < self.min_reuse:
             self.misses += 1
             return None
@@ -194,14 +211,16 @@ class PromptCache:
         if best.pins == 0:
             self._pinned += best.nbytes
         best.pins += 1
-        self._entries.move_to_end(best.tokens)
+        self._entries.move_to_end(best.key)
         return Hit(best, best_n)
 
-    def _best(self, prompt: Sequence[int], limit: int) -> tuple[Entry | None, int]:
+    def _best(self, prompt: Sequence[int], limit: int, partition: str) -> tuple[Entry | None, int]:
         best: Entry | None = None
         best_n = 0
         key = tuple(prompt)  # entries' tokens are tuples: slices compare only with slices of a tuple
         for entry in self._entries.values():
+            if entry.partition != partition:
+                continue
             n = min(_common_prefix(entry.tokens, key), limit)
             if n > best_n or (n == best_n and best is not None and entry.nbytes < best.nbytes):
                 best, best_n = entry, n
@@ -211,26 +230,26 @@ class PromptCache:
         """A slower tier (H5) that `drop_lru` offers the entries it is about to drop."""
         self._spill = spill
 
-    def set_backing(self, fill: Callable[[Sequence[int]], None] | None) -> None:
-        """A slower tier (H5) that `lookup` lets insert the entry a prompt needs before it searches."""
+    def set_backing(self, fill: Callable[[Sequence[int], str], None] | None) -> None:
+        """A slower tier (H5) that `lookup` lets insert the entry a prompt (of a partition) needs
+        before it searches."""
         self._backing = fill
 
-    def longest(self, prompt: Sequence[int], limit: int) -> int:
-        """Tokens the best entry would give `prompt` (at most `limit`), with nothing pinned or counted."""
-        return self._best(prompt, limit)[1] if self.cap > 0 and limit > 0 else 0
+    def longest(self, prompt: Sequence[int], limit: int, partition: str) -> int:
+        """Tokens `partition`'s best entry would give `prompt` (at most `limit`), nothing pinned or counted."""
+        return self._best(prompt, limit, partition)[1] if self.cap > 0 and limit > 0 else 0
 
-    def get(self, tokens: Sequence[int]) -> Entry | None:
-        return self._entries.get(tuple(tokens))
+    def get(self, tokens: Sequence[int], partition: str) -> Entry | None:
+        return self._entries.get((partition, tuple(tokens)))
 
     def recent_first(self) -> list[Entry]:
         """Every entry, most recently used first (what a stop writes to disk first, H5)."""
         return list(reversed(self._entries.values()))
-
     def release(self, hit: Hit | None) -> None:
         """The request that pinned `hit` ended or looked again."""
         if hit is not None and hit.entry.pins > 0:
             hit.entry.pins -= 1
-            if hit.entry.pins == 0 and self._entries.get(hit.entry.tokens) is hit.entry:
+            if hit.entry.pins == 0 and self._entries.get(hit.entry.key) is hit.entry:
                 self._pinned -= hit.entry.nbytes
 
     @staticmethod
@@ -253,20 +272,23 @@ class PromptCache:
 
     # -- storing -----------------------------------------------------------------
 
-    def insert(self, tokens: Sequence[int], layers: Sequence[Layer]) -> bool:
-        """Keep `layers` (KV of exactly `tokens`); False when it was not kept.
+    def insert(self, tokens: Sequence[int], layers: Sequence[Layer], *,
+               partition: str = SHARED_PARTITION) -> bool:
+        """Keep `layers` (KV of exactly `tokens`) for `partition`; False when it was not kept.
 
-        Unpinned entries that are prefixes of `tokens` go: the new entry serves
-        every prefix they served. An entry larger than the whole cap is not kept.
+        Unpinned entries of the same partition that are prefixes of `tokens` go:
+        the new entry serves every prefix they served. Another partition's are
+        left alone: dropping them would tell their owner what this one sent (H7
+        as proposed). An entry larger than the whole cap is not kept.
         """
         if self.cap <= 0 or not tokens or not storable(layers):
             return False
         if any(c.offset != len(tokens) for c in layers):
             return False  # a KV that does not encode exactly these tokens would poison reuse
-        key = tuple(tokens)
-        entry = Entry(key, layers)
+        entry = Entry(tuple(tokens), layers, partition)
         if entry.nbytes > self.cap:
             return False
+        key, seq = entry.key, entry.tokens
         old = self._entries.get(key)
         if old is not None:
             if old.pins:
@@ -275,8 +297,8 @@ class PromptCache:
             self._remove(old)
             if not old.bits and not entry.bits:
                 entry.disk = old.disk  # the same tokens' float KV (H1): its file still holds this entry
-        for other in [e for e in self._entries.values() if not e.pins]:
-            if len(other.tokens) < len(key) and key[:len(other.tokens)] == other.tokens:
+        for other in [e for e in self._entries.values() if not e.pins and e.partition == partition]:
+            if len(other.tokens) < len(seq) and seq[:len(other.tokens)] == other.tokens:
                 self._remove(other)
         self._entries[key] = entry
         self.nbytes += entry.nbytes
@@ -284,7 +306,7 @@ class PromptCache:
         return key in self._entries
 
     def _remove(self, entry: Entry) -> None:
-        del self._entries[entry.tokens]
+        del self._entries[entry.key]
         self.nbytes -= entry.nbytes
         if entry.pins:
             self._pinned -= entry.nbytes

@@ -24,6 +24,7 @@ from typing import Any, Literal, Protocol, cast, get_args
 
 import mlx.core as mx
 
+from shared.protocol import SHARED_PARTITION
 from shared.vocab import FailureCode
 from worker import prompt_cache as pc
 from worker.constrain import Constraint
@@ -100,12 +101,14 @@ class Seq:
     __slots__ = (
         "id", "prompt", "max_tokens", "sample", "stopper", "state", "cache", "pos",
         "y", "detok", "generated", "retried", "floor_retried", "deadline", "warned_soft", "constraint", "hit", "cached", "out",
-        "resuming", "cached_disk", "media",
+        "resuming", "cached_disk", "partition", "media",
     )
 
     def __init__(self, request_id: str, prompt: list[int], max_tokens: int, sampler: Sampler,
-                 stopper: StopMatcher | None, constraint: Constraint | None = None):
+                 stopper: StopMatcher | None, constraint: Constraint | None = None,
+                 partition: str = SHARED_PARTITION):
         self.id = request_id
+        self.partition = partition  # the prompt-cache partition it reads and fills (H7 as proposed)
         self.prompt = prompt
         self.max_tokens = max_tokens
         self.sample = sampler

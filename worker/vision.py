@@ -29,6 +29,7 @@ text engine's rooms:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import io
@@ -44,7 +45,8 @@ from shared.modelinfo import context_length, read_config_json
 from shared.protocol import Failed, Generate, ImageInput
 from shared.weights import WeightsError, estimate_weight_bytes
 from worker import memory, prompts, vision_cost
-from worker.engine import Engine
+from worker.engine import NO_TOKENIZER_LIMIT, Engine
+from worker.loader import LoadMeter
 from worker.prefill_cost import activation_width
 from worker.request import ENGINE_ERROR, INVALID_REQUEST, EngineError, Seq
 from worker.sampling import Settings
@@ -134,9 +136,13 @@ class VisionEngine(Engine):
     processor: Any
 
     @classmethod
-    def load(cls, path: str | Path, **kwargs) -> "VisionEngine":
-        """A local VLM folder through mlx-vlm (never a download); its text half as mlx-lm's model."""
-        return cls.build(load_parts(path), **kwargs)
+    def load(cls, path: str | Path, *, meter: LoadMeter | None = None, **kwargs) -> "VisionEngine":
+        """A local VLM folder through mlx-vlm (never a download); its text half as mlx-lm's model.
+        mlx-vlm reads the weights, the processor and the tokenizer in one call: one `read` phase (W3)."""
+        with meter.phase("read") if meter is not None else contextlib.nullcontext():
+            parts = load_parts(path)
+        with meter.phase("build") if meter is not None else contextlib.nullcontext():
+            return cls.build(parts, **kwargs)
 
     @classmethod
     def build(cls, parts: "Parts", **kwargs) -> "VisionEngine":
@@ -156,7 +162,7 @@ class VisionEngine(Engine):
         try:
             media = self.media(cmd)
             self.submit(cmd.request_id, media.ids, cmd.max_tokens, stop=cmd.stop, constraint=cmd.constraint,
-                        sampling=Settings.of(cmd), media=media)
+                        sampling=Settings.of(cmd), partition=cmd.partition, media=media)
         except EngineError as exc:
             self._outbox.append(Failed(request_id=cmd.request_id, code=exc.code, message=exc.message))
         except Exception as exc:  # noqa: BLE001 - as the text engine: this request fails, the worker lives
@@ -215,6 +221,8 @@ def load_parts(path: str | Path) -> Parts:
         vlm, processor = mlx_vlm.load(str(directory))
         text = text_model(vlm, config)
         tokenizer = _tokenizer(directory, config)
+        # the engine bounds prompts by the context (config.json); the tokenizers' own limit only warns
+        tokenizer.model_max_length = processor.tokenizer.model_max_length = NO_TOKENIZER_LIMIT
     except WeightsError as exc:
         raise EngineError("load_failed", str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - any loader failure is a load error

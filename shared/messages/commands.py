@@ -4,7 +4,7 @@ the command socket (ROUTER -> DEALER): limits, reclaims, aborts, requests, drain
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 import msgspec
 
@@ -14,9 +14,9 @@ from shared.vocab import FailureCode
 
 __all__ = [
     "WorkerSpec", "DISK_CACHE_AUTO", "Command", "SetLimits", "Reclaim", "ShrinkCache", "AbortRequests",
-    "ImageInput", "MessagePart", "ChatMessage", "JsonObject", "JsonSchema", "ToolFunction", "ToolCallConstraint", "LarkGrammar",
-    "ConstraintSpec", "Generate", "Tokenize", "Detokenize", "Embed", "MemoryAnswer", "Drain", "Ping", "Drill",
-    "DrillStop", "CommandMsg"
+    "ImageInput", "MessagePart", "ChatMessage", "JsonObject", "JsonSchema", "ToolFunction", "ToolCallConstraint",
+    "LarkGrammar", "ConstraintSpec", "Partition", "SHARED_PARTITION", "Generate", "Tokenize", "Detokenize", "Embed",
+    "MemoryAnswer", "Drain", "Ping", "Drill", "DrillStop", "TakeModel", "CommandMsg"
 ]
 
 
@@ -44,6 +44,11 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     # drops (a shrink, a smaller cap) before dropping them; a stop's grace comes in its Drain
     disk_cache_grace: float = 0.0
     cache_quantize_bits: int = 0  # H6: 8 or 4 quantizes unused entries at soft pressure; 0 = off
+
+    @property
+    def spare(self) -> bool:
+        """SPEC W1: started with no model (MLX and the engine imported), it waits for a `TakeModel`."""
+        return not self.model_id
 
 
 DISK_CACHE_AUTO = -1  # WorkerSpec.disk_cache_max: "auto", sized by the worker from the disk's free space
@@ -178,6 +183,13 @@ ConstraintSpec = Union[JsonObject, JsonSchema, ToolCallConstraint, LarkGrammar]
 # --- end constrained decoding ----------------------------------------------
 
 
+# Whose prompt-cache entries a generation may see and leaves behind (SPEC H7 as proposed):
+# with API keys, a keyed hash of the caller's key the supervisor derives (never the key); without
+# keys, SHARED_PARTITION for everyone. A closed shape: a frame with any other text is Malformed.
+Partition = Annotated[str, msgspec.Meta(pattern="^([0-9a-f]{32})?$")]
+SHARED_PARTITION = ""
+
+
 class Generate(Command, tag="generate", kw_only=True):
     request_id: str
     messages: Union[list[ChatMessage], None] = None
@@ -208,6 +220,7 @@ class Generate(Command, tag="generate", kw_only=True):
     # fill in the middle: `prompt` is the text before, this the text after
     # (the worker builds the prompt from its tokenizer's FIM tokens; prompt only)
     suffix: Union[str, None] = None
+    partition: Partition = SHARED_PARTITION  # the prompt cache's partition (SPEC H7 as proposed)
     # the images the messages' parts point at, in order (a vision model's; docs/vision.md)
     images: list[ImageInput] = []
 
@@ -291,5 +304,18 @@ class DrillStop(Command, tag="drill_stop", kw_only=True):
     pass
 
 
+class TakeModel(Command, tag="take_model", kw_only=True):
+    """SPEC W1, the hand-off: a spare worker becomes the worker of `spec`'s model.
+
+    `spec` is the whole start spec a fresh worker of that model would have been
+    spawned with; its worker id, slot, ledger and endpoints must be the spare's
+    own (the process keeps its identity), else the spare refuses it with
+    `LoadFailed`. The spare then loads as any worker does: `Loaded` or
+    `LoadFailed`. A worker that is not a spare refuses it the same way.
+    """
+
+    spec: WorkerSpec
+
+
 CommandMsg = Union[SetLimits, Reclaim, ShrinkCache, AbortRequests, Generate, MemoryAnswer, Drain, Ping, Drill, DrillStop,
-                   Embed, Tokenize, Detokenize]
+                   Embed, Tokenize, Detokenize, TakeModel]

@@ -8,10 +8,11 @@ import msgspec
 
 from shared.messages.base import Msg
 from shared.messages.reports import Sample
-from shared.vocab import DeviceBinding, GuardEventKind, HostBinding, PressureLevel, Tier
+from shared.vocab import DeviceBinding, GuardEventKind, HostBinding, LoadPhase, PressureLevel, Tier
 
 __all__ = [
-    "TOPICS", "DevicePool", "CeilingMsg", "PressureMsg", "GuardEvent", "StatusMsg", "Published", "TOPIC_OF"
+    "TOPICS", "DevicePool", "CeilingMsg", "PressureMsg", "LoadReport", "GuardEvent", "StatusMsg", "Published",
+    "TOPIC_OF"
 ]
 
 
@@ -78,6 +79,24 @@ class PressureMsg(Msg, tag="pressure", kw_only=True):
     device: Union[DevicePool, None] = None  # D6: the device pool's usage and level (None: no device)
 
 
+class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
+    """SPEC W3, W6: where one model's load stands, or what it cost once done.
+
+    Carried by the `load_progress` events (the phase it is in, the weights read
+    so far) and the `load_phases` event that closes a load (`phase` is then
+    `first_token`, and `phases` holds every phase's seconds). `bytes_read` is
+    what the worker has read of its weight files (0 where its platform cannot
+    count its own reads); `estimate_bytes` is A2's estimate of them.
+    """
+
+    phase: LoadPhase
+    bytes_read: int = 0
+    estimate_bytes: int = 0
+    elapsed: float = 0.0                 # seconds since the load began
+    phases: dict[LoadPhase, float] = {}  # seconds each finished phase took, in LoadPhase's order
+    spare: bool = False                  # the load took a spare worker (W1) instead of a fresh one
+
+
 class GuardEvent(Msg, tag="event", kw_only=True):
     """SPEC S2: every level change, eviction, abort, reclaim, kill, respawn,
     refused load ... with the reason people read."""
@@ -89,6 +108,7 @@ class GuardEvent(Msg, tag="event", kw_only=True):
     model_id: str = ""
     usage: int = 0
     ceiling: int = 0
+    load: Union[LoadReport, None] = None  # W3, W6: on `load_progress` and `load_phases` events
 
 
 class StatusMsg(Msg, tag="status", kw_only=True):

@@ -11,7 +11,7 @@ from typing import Literal, Union
 import msgspec
 
 from shared.messages.base import Msg
-from shared.vocab import FailureCode, FinishReason, LimitBinding
+from shared.vocab import FailureCode, FinishReason, LimitBinding, LoadPhase
 
 __all__ = [
     "Hello", "Loaded", "LoadFailed", "Ack", "Pong", "Reclaimed", "TopLogprob", "TokenLogprobs", "TokenOut",
@@ -31,12 +31,23 @@ class Hello(Msg, tag="hello", kw_only=True):
     device: str = ""  # D1: where its arrays live, mx.default_device() ("Device(gpu, 0)")
     slot: int = -1
     blas: str = ""    # the BLAS its MLX computes with (worker.blas), "" from older workers
+    # W1: a spare (no model) that now waits for a `TakeModel`; `model_id` is then ""
+    spare: bool = False
+    # W3: time.monotonic() when the process entered the worker's code (a shared clock on
+    # Linux and macOS): spawn -> `started` is the process's start, `started` -> hello its imports
+    started: float = 0.0
 
 
 class Loaded(Msg, tag="loaded", kw_only=True):
+    """The model is loaded. W3: `began` (time.monotonic()) is when the worker began
+    this load (after its hello, or as it took the model as a spare), `phases` the
+    seconds each of its own phases took (`read`, `build`, `tokenizer`, `warm_up`)."""
+
     weight_bytes: int
     seconds: float
     usage: int = 0
+    began: float = 0.0
+    phases: dict[LoadPhase, float] = {}
 
 
 class LoadFailed(Msg, tag="load_failed", kw_only=True):

@@ -6,13 +6,13 @@ thread's proof of life and the prompt cache's tiers' figures.
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Literal, Union
 
 import msgspec
 
 from shared.memory import MemoryReading
 from shared.messages.base import Msg
-from shared.vocab import SampleReason, WorkerEventKind
+from shared.vocab import LoadPhase, SampleReason, WorkerEventKind
 
 __all__ = [
     "Sample", "WorkerEvent", "Alive", "DiskCacheCounters", "COUNTER_NAMES", "DiskCacheStats", "CacheReport",
@@ -58,6 +58,10 @@ class Alive(Msg, tag="alive", kw_only=True):
     loop_seconds: float  # since the step loop last passed a step boundary
     steps: int           # step boundaries passed so far (progress)
     tokens: int = 0      # tokens generated so far (progress)
+    # W6: while the worker loads its model, the phase it is in and the bytes of weights read so
+    # far ("" and 0 once loaded, and on a platform that cannot count its own reads)
+    load_phase: Union[LoadPhase, Literal[""]] = ""
+    bytes_read: int = 0
 
 
 # -- the prompt cache's tiers (H5, H6; docs/rules.md) ------------------------------------------

@@ -13,6 +13,11 @@ are hashed (SHA-256, so lengths leak nothing either) and every configured
 key is compared, with no early exit. Keys are kept only as digests and are
 never logged; a refusal names no key.
 
+Each key is also its own prompt-cache partition (SPEC H7 as proposed,
+http/partitions.py): a keyed request runs with the partition named by an HMAC
+of its key under the server's secret, so no key's `cached_tokens` can tell what
+another key sent.
+
 Who may administer (load, unload, /admin/guard): with `[supervisor]
 admin_token` set, whoever sends `Authorization: Bearer <token>`; with none,
 a loopback client that sends no `Origin` (curl, scripts, SDKs) or this
@@ -34,6 +39,8 @@ from typing import Awaitable, Callable
 from starlette.requests import Request
 from starlette.responses import Response
 
+from shared.protocol import SHARED_PARTITION
+from supervisor.http import partitions
 from supervisor.http.errors import ApiError
 from supervisor.http.gate import same_origin
 
@@ -51,11 +58,13 @@ def read_keys_file(path: str) -> list[str]:
 
 
 class ApiKeys:
-    def __init__(self, keys: list[str], admin_token: str = "") -> None:
+    def __init__(self, keys: list[str], admin_token: str = "", secret: bytes | None = None) -> None:
         self._digests = [_digest(k) for k in keys if k]
         # The admin token also opens /v1 (it already opens the admin endpoints there).
         if admin_token and self._digests:
             self._digests.append(_digest(admin_token))
+        # What names each key's prompt-cache partition; read (or made) only when keys are on.
+        self._secret = (secret or partitions.server_secret()) if self._digests else b""
 
     @classmethod
     def from_config(cls, scfg) -> "ApiKeys":
@@ -75,13 +84,14 @@ class ApiKeys:
             ok |= hmac.compare_digest(probe, d)
         return ok
 
-    def check(self, request: Request, from_query: bool = False) -> None:
-        """401 unless the request carries a configured key (or keys are off).
+    def check(self, request: Request, from_query: bool = False) -> str:
+        """401 unless the request carries a configured key (or keys are off); the caller's
+        prompt-cache partition (SHARED_PARTITION without keys).
 
         `from_query`: also `?api_key=` (only /v1/events: a browser's EventSource
         cannot send headers)."""
         if not self._digests:
-            return
+            return SHARED_PARTITION
         scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
         given = bearer.strip() if scheme.lower() == "bearer" else ""
         given = given or request.headers.get("x-api-key", "").strip()
@@ -94,11 +104,13 @@ class ApiKeys:
         if not self.valid(given):
             raise ApiError(401, "the API key is not valid for this server", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
+        return partitions.partition_id(self._secret, given)
 
     def required(self, handler: Handler) -> Handler:
+        """`handler` for callers with a key, run in the key's prompt-cache partition."""
         async def keyed(request: Request) -> Response:
-            self.check(request)
-            return await handler(request)
+            with partitions.serving(self.check(request)):
+                return await handler(request)
 
         return keyed
 

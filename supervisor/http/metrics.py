@@ -44,6 +44,8 @@ LEVELS: dict[PressureLevel, int] = {"ok": 0, "soft": 1, "hard": 2}
 # Seconds; CPU-only tiny models answer in milliseconds, real ones in seconds.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# A load's phases: a spare's hand-off in milliseconds, a large model's read in minutes.
+LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
 class Metrics:
@@ -67,6 +69,10 @@ class Metrics:
                                 ["model", "outcome"], registry=r)
         self.events = Counter("memvisor_guard_events", "Guard events (SPEC S2) by kind: evictions, aborts, "
                               "reclaims, respawns, refused loads, crashes ...", ["kind"], registry=r)
+        self.load_phases = Histogram("memvisor_load_phase_seconds",
+                                     "Seconds each phase of a model load took (SPEC W3), by phase and by the "
+                                     "worker that loaded it: a spare handed the model, or a fresh process",
+                                     ["phase", "worker"], buckets=LOAD_BUCKETS, registry=r)
         for kind in EVENT_KINDS:
             self.events.labels(kind)
         r.register(GuardCollector(sup))
@@ -76,6 +82,10 @@ class Metrics:
 
     def on_event(self, event) -> None:
         self.events.labels(event.kind).inc()
+        if event.kind == "load_phases" and event.load is not None:  # W3: once per load, when it is over
+            worker = "spare" if event.load.spare else "fresh"
+            for phase, seconds in event.load.phases.items():
+                self.load_phases.labels(phase, worker).observe(seconds)
 
     def first_token(self, model: str, seconds: float) -> None:
         self.ttft.labels(model).observe(seconds)
@@ -196,8 +206,9 @@ class GuardCollector:
         returns = CounterMetricFamily("memvisor_worker_pool_returns",
                                       "Times a worker returned MLX's pool itself, over its cap (M1)",
                                       labels=labels)
-        total = 0
+        total = spares = 0
         for h in workers:
+            spares += not h.model_id and h.live  # W1: a spare worker has no model yet
             key = [h.model_id, h.worker_id]
             m = h.memory
             usage.add_metric(key, m.usage)
@@ -211,6 +222,8 @@ class GuardCollector:
             returns.add_metric(key, m.pool_returns)
             total += m.cache_bytes
         yield from (usage, active, pool, running, cache, batch, live, relayouts, returns)
+        yield GaugeMetricFamily("memvisor_spare_workers", "Spare workers starting or waiting for a model "
+                                "(SPEC W1; their memory is in the worker series with model \"\")", value=spares)
         yield GaugeMetricFamily("memvisor_prompt_cache_bytes", "All workers' prompt caches together "
                                 "(SPEC H2)", value=total)
         yield GaugeMetricFamily("memvisor_prompt_cache_budget_bytes", "[guard] hot_cache_max (SPEC H2)",
@@ -261,7 +274,7 @@ class GuardCollector:
         room = soft - last.usage if soft > 0 else None
         seen: set[str] = set()
         for h in self.sup.workers():
-            if h.model_id in seen or not h.live:  # a stopping worker beside its successor: one series
+            if h.model_id in seen or not h.live or not h.model_id:  # one series a model (a spare has none)
                 continue
             seen.add(h.model_id)
             r = self.sup.readiness(h.model_id)

@@ -24,7 +24,7 @@ _DECISION_STYLE: dict[MarkKind, tuple[str, str]] = {
 }
 _EVENT_KINDS_SHOWN: frozenset[MarkKind] = frozenset({
     "spawn", "loaded", "exit", "crash", "respawn", "refused", "evict", "ttl", "failed", "drill", "ceiling", "request",
-    "load_failed", "wedged"})
+    "load_failed", "wedged", "thrash", "prefetch"})
 
 
 def draw(timeline: Timeline, path: Path, *, title: str = "") -> Path:

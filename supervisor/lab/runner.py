@@ -78,6 +78,8 @@ class Scenario:
     # Environment for the scenario's workers (spawned processes inherit it).
     worker_env: tuple[tuple[str, str], ...] = ()
     hot_cache_max: int = 0  # H2's budget ([guard] hot_cache_max); 0: no prompt cache
+    thrash_hold: float = 2.0  # W5 ([guard] thrash_hold); 0: loads admitted as before W5
+    max_concurrency: int = 1  # each model's (the thrash scenario batches its requests)
 
 
 @dataclass
@@ -205,17 +207,19 @@ def _long_context(path: Path) -> None:
 
 def config_for(sc: Scenario, paths: dict[tuple[int, int], Path]) -> Config:
     models = [ModelConfig(id=m.id, path=str(paths[(m.size_mib, m.seed)]), pinned=m.pinned, ttl=m.ttl,
-                          max_concurrency=1) for m in sc.models]
+                          max_concurrency=sc.max_concurrency) for m in sc.models]
     return Config(
         # No disk tier (H5): the lab's throwaway models must leave nothing in the user's cache
         # folder, and a stop's write would stretch the stop times its scenarios measure.
         guard=GuardConfig(tier="custom", custom_ceiling=0, pool_max=sc.pool_max, hot_cache_max=sc.hot_cache_max,
-                          soft_threshold=sc.soft_threshold, hard_threshold=sc.hard_threshold, disk_cache_max=0),
+                          soft_threshold=sc.soft_threshold, hard_threshold=sc.hard_threshold, disk_cache_max=0,
+                          thrash_hold=sc.thrash_hold),
         # A worker's loop answers heartbeats between prefill chunks; on a busy
         # 2-core CI machine one CPU chunk can take seconds.
+        # No spare worker (W1): the scenarios measure the guard on their own models' memory.
         supervisor=SupervisorConfig(heartbeat_interval=0.5, heartbeat_timeout=60.0, allow_drills=True,
                                     max_tokens=LAB_MAX_TOKENS,
-                                    restart_max=sc.restart_max, restart_period=60.0),
+                                    restart_max=sc.restart_max, restart_period=60.0, spare_workers=0),
         models=models,
     )
 

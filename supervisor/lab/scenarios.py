@@ -23,6 +23,7 @@ from shared.limits import NO_CACHE_LIMIT_ENV
 from shared.sizes import MiB
 from supervisor.errors import LoadError
 from supervisor.lab.runner import LAB_MAX_TOKENS, Lab, ModelSpec, Scenario
+from supervisor.lab.swap_scenarios import thrash
 
 SOFT, HARD = 0.90, 0.97  # the custom tier's thresholds (T4)
 
@@ -461,9 +462,10 @@ SCENARIOS: list[Scenario] = [
     Scenario("load-evicts", "A1 A2 A3", "a load evicts the idle LRU model to fit",
              (ModelSpec("a", 16, 0), ModelSpec("b", 16, 1), ModelSpec("big", 32, 2)), load_evicts,
              soft_threshold=0.97, hard_threshold=0.99),
+    # A3 as written: W5's hand-over would first wait (queue_deadline) for the busy model
     Scenario("load-refused", "A3", "a load that cannot fit: 507",
              (ModelSpec("a", 16, 0), ModelSpec("big", 64, 3)), load_refused,
-             soft_threshold=0.97, hard_threshold=0.99),
+             soft_threshold=0.97, hard_threshold=0.99, thrash_hold=0.0),
     Scenario("ttl", "P10 P9", "an idle model past its TTL is stopped on time",
              (ModelSpec("short", 16, 0, ttl=2.0), ModelSpec("pinned", 16, 1, pinned=True)), ttl_expiry),
     Scenario("pinned-respawn", "restart intensity", "a pinned model that crashes is respawned",
@@ -472,6 +474,9 @@ SCENARIOS: list[Scenario] = [
              (ModelSpec("idle", 64, 3), ModelSpec("grower", 16, 0)), grow_while_stopping),
     Scenario("grow-while-big-stops", "P6 runaway", "a 1 GiB/s grower while a 300 MiB idle model is stopped",
              (ModelSpec("idle", 300, 4), ModelSpec("grower", 20, 0)), grow_while_big_stops()),
+    Scenario("thrash", "W5", "a client alternating between two models that fit one at a time",
+             (ModelSpec("a", 32, 5), ModelSpec("b", 32, 6)), thrash, soft_threshold=0.97, hard_threshold=0.99,
+             max_concurrency=4),
 ]
 
 

@@ -147,7 +147,8 @@ class Recorder:
             s = arb.ledger.read_sample(h.slot)
             if s is None or s.pid != h.pid:
                 continue
-            label = h.model_id if h.model_id not in workers else f"{h.model_id}#{h.worker_id}"
+            name = h.model_id or "spare"  # W1: a spare has no model yet
+            label = name if name not in workers else f"{name}#{h.worker_id}"
             workers[label] = s.memory.usage
             total += s.memory.usage
         c = last.ceilings
@@ -169,7 +170,7 @@ def timeline_from_trace(lines, name: str, *, chained: bool = True) -> Timeline:
 
     A bad line is skipped (`replay` reports it); times are from the first line.
     """
-    from supervisor.policy.decisions import LevelChanged, PauseAdmission, ResumeAdmission, Warn
+    from supervisor.policy.decisions import LevelChanged, PauseAdmission, ResumeAdmission, StartSpare, Warn
     from supervisor.policy.pressure import tick
     from supervisor.policy.snapshot import Snapshot
 
@@ -197,7 +198,7 @@ def timeline_from_trace(lines, name: str, *, chained: bool = True) -> Timeline:
             match x:
                 case LevelChanged():
                     timeline.marks.append(Mark(t, "level", x.to_level, x.reason))
-                case PauseAdmission() | ResumeAdmission() | Warn():
+                case PauseAdmission() | ResumeAdmission() | Warn() | StartSpare():
                     continue
                 case _:
                     kind = kind_of(x)

@@ -7,7 +7,8 @@ requests for a loading model wait for it) is the pool's job: it calls
 for them and for `wait_for` (workers already draining) to exit, then loads.
 
 Usage is projected the same way as in `supervisor.policy.pressure`: draining workers
-count as gone, each eviction subtracts the victim's usage.
+count as gone, each eviction subtracts the victim's usage. Spare workers (W2) are
+the first room taken, before any idle model.
 
 Public names (stable): LoadVerdict, admit_load, admits_request, evict_for_prefill,
 MODEL_TOO_LARGE, INSUFFICIENT_MEMORY.
@@ -25,6 +26,7 @@ from supervisor.policy.ceilings import Ceilings, remedy, reserve_message
 from supervisor.policy.device import admit_device_load, device_ceilings_for
 from supervisor.policy.group import WorkerGroup, ceilings_for, is_idle, lru_key
 from supervisor.policy.snapshot import Snapshot, WorkerRecord
+from supervisor.policy.spares import room_victims
 from supervisor.policy.verdict import HOST_TERMS, INSUFFICIENT_MEMORY, MODEL_TOO_LARGE, LoadVerdict, decide_load
 
 __all__ = [
@@ -48,6 +50,11 @@ def _idle_victims(g: WorkerGroup, exclude_model: str = "", exclude_worker: str =
          if not w.pinned and is_idle(w) and w.model != exclude_model and w.worker != exclude_worker),
         key=lru_key,
     )
+
+
+def _room(g: WorkerGroup, exclude_model: str = "", exclude_worker: str = "") -> list[WorkerRecord]:
+    """A2, G1: what a load or a prefill stops for room, in order: the spares (W2), then idle models by LRU."""
+    return room_victims(g) + _idle_victims(g, exclude_model=exclude_model, exclude_worker=exclude_worker)
 
 
 def _take(victims: list[WorkerRecord], usage: int, need: int, target: int) -> tuple[list[str], int]:
@@ -79,7 +86,7 @@ def admit_load(s: Snapshot, model_id: str, size_bytes: int) -> LoadVerdict:
 
     return decide_load(
         HOST_TERMS, model_id, size=size, usage=usage, ceiling=ceiling, target=target, binding=c.admission_binding,
-        enabled=c.enabled, victims=((w.worker, w.usage) for w in _idle_victims(g, exclude_model=model_id)),
+        enabled=c.enabled, victims=((w.worker, w.usage) for w in _room(g, exclude_model=model_id)),
         wait_for=[w.worker for w in g.live if w.state == "draining"], refuse=refuse)
 
 
@@ -130,9 +137,9 @@ def evict_for_prefill(s: Snapshot, worker: str, need_bytes: int, *, pool: str = 
     `need_bytes` is the worker's shortfall (usage + peak - its hard limit, as
     SPEC G1 words it), not the prefill's whole size: the worker already counted
     the group's usage against its own limit, so what is asked for is what the
-    victims must give back. Victims are idle, non-pinned, least recently used
-    first, never the asking worker; they are taken until the usage they held
-    covers the shortfall.
+    victims must give back. Victims are the spare workers first (W2), then idle,
+    non-pinned models, least recently used first, never the asking worker; they
+    are taken until the usage they held covers the shortfall.
 
     With `pool` "device" the shortfall is in the discrete device's pool
     (SPEC D: a prefill's peak on a CUDA worker is device memory): a victim
@@ -153,7 +160,7 @@ def evict_for_prefill(s: Snapshot, worker: str, need_bytes: int, *, pool: str = 
             return []
     chosen: list[str] = []
     freed = 0
-    for w in _idle_victims(g, exclude_worker=worker):
+    for w in _room(g, exclude_worker=worker):
         held = w.device_bytes if device else w.usage
         if freed >= need:
             break
@@ -193,7 +200,7 @@ def fit_report(s: Snapshot, model_id: str, weight_bytes: int, kv_per_token: int,
     plus `context_tokens` of KV cache."""
     kv = max(0, kv_per_token) * max(0, context_tokens)
     verdict = admit(s, model_id, weight_bytes + kv)
-    by_worker = {w.worker: w.model for w in s.workers}
+    by_worker = {w.worker: w.model or f"a spare worker ({w.worker})" for w in s.workers}
     return FitReport(
         model=model_id, fits=verdict.admitted, estimated_bytes=weight_bytes + kv, weight_bytes=weight_bytes,
         kv_bytes=kv, context_tokens=max(0, context_tokens), usage=verdict.usage, ceiling=verdict.ceiling,

@@ -100,6 +100,14 @@ class ExpireTTL(_ForWorker, tag="expire_ttl", frozen=True, kw_only=True, gc=Fals
     """P10: the model sat idle longer than its TTL; unload it."""
 
 
+class StartSpare(_Base, tag="start_spare", frozen=True, kw_only=True, gc=False):
+    """W1: start one spare worker (MLX and the engine imported, no model)."""
+
+
+class StopSpare(_ForWorker, tag="stop_spare", frozen=True, kw_only=True, gc=False):
+    """W2: under pressure, a spare worker is the first thing stopped."""
+
+
 # Decisions that name one worker; the enforcer carries each out on that worker.
 WorkerDecision = Union[
     ApplyLimits,
@@ -111,6 +119,7 @@ WorkerDecision = Union[
     Stop,
     SetConcurrency,
     ExpireTTL,
+    StopSpare,
 ]
 
 Decision = Union[
@@ -118,13 +127,14 @@ Decision = Union[
     LevelChanged,
     PauseAdmission,
     ResumeAdmission,
+    StartSpare,
     WorkerDecision,
 ]
 
 # Every decision's tag, as a closed vocabulary (the lab's timeline and its picture name them).
 DecisionKind = Literal["warn", "level_changed", "pause_admission", "resume_admission", "set_limits", "reclaim",
                        "shrink_hot_cache", "abort_requests", "abort_load", "mark_for_unload", "stop",
-                       "set_concurrency", "expire_ttl"]
+                       "set_concurrency", "expire_ttl", "start_spare", "stop_spare"]
 
 assert set(get_args(DecisionKind)) == {c.__struct_config__.tag for c in get_args(Decision)}, "one kind per decision"
 

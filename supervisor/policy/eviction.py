@@ -206,8 +206,8 @@ def evict(t: Tick, pool: MemoryPool, level: PressureLevel, emergency: bool, step
     stopped = t.stopped
     idle = sorted((w for w in t.group.idle if not w.pinned and not w.marked_for_unload
                    and w.worker not in stopped), key=lru_key)
-    # every worker stopped so far this tick was serving and unpinned (P6.1, the grower, step 2)
-    loaded_unpinned = t.group.unpinned - len(stopped)
+    # every serving worker stopped so far this tick was unpinned (P6.1, the grower, step 2); spares serve none
+    loaded_unpinned = t.group.unpinned - sum(1 for w in t.group.serving if w.worker in stopped)
     soft_words = ""
     for w in idle:  # step 2
         if pool.projected <= soft:

@@ -45,12 +45,14 @@ class WorkerGroup:
     (how many serving workers are not pinned), `pids` (worker -> pid of
     every live worker, T6's record of who holds which limits) and `usage_now`
     (worker -> usage of every live worker not draining, the growth estimate's
-    sample).
+    sample). `spares`: the spare workers not draining, starting or waiting
+    (SPEC W1: no model); they are neither serving nor loading.
     """
 
     __slots__ = ("usage", "own", "own_gpu", "hot_used", "draining_usage", "draining_idle_usage", "live",
                  "serving", "loading", "active", "unknown", "growing", "device_bytes",
-                 "draining_device_bytes", "cached", "draining_count", "idle", "unpinned", "pids", "usage_now")
+                 "draining_device_bytes", "cached", "draining_count", "idle", "unpinned", "pids", "usage_now",
+                 "spares")
 
     def __init__(self, s: Snapshot) -> None:
         usage = own = s.supervisor_footprint
@@ -60,6 +62,7 @@ class WorkerGroup:
         loading: list[WorkerRecord] = []
         cached: list[WorkerRecord] = []
         idle: list[WorkerRecord] = []
+        spares: list[WorkerRecord] = []
         pids: dict[str, int] = {}
         usage_now: dict[str, int] = {}
         active = unknown = busy = False
@@ -87,7 +90,9 @@ class WorkerGroup:
                 active = True
                 continue
             usage_now[w.worker] = m.usage
-            if state in _SERVING:
+            if not w.model:  # W1: a spare, starting or waiting; not a load, not serving
+                spares.append(w)
+            elif state in _SERVING:
                 serving.append(w)
                 if not w.pinned:
                     n_unpinned += 1
@@ -106,6 +111,7 @@ class WorkerGroup:
         self.device_bytes, self.draining_device_bytes = device, draining_device
         self.draining_count = n_draining
         self.idle, self.unpinned, self.pids, self.usage_now = idle, n_unpinned, pids, usage_now
+        self.spares = spares
         self.growing = bool(loading) or busy
 
 

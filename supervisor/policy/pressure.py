@@ -39,7 +39,8 @@ victims. The pressure level, P2's emergency count and the admission pause are
 always decided on measured usage.
 
 The rules live beside this module: P4-P6 in eviction.py, the limits handed to
-each worker in worker_limits.py, the tick's working state in tickstate.py.
+each worker in worker_limits.py, spare workers (W1, W2) in spares.py, the
+tick's working state in tickstate.py.
 
 Public names (stable): tick, TickResult, group_usage, EMERGENCY_MARGIN,
 EMERGENCY_TICKS, POOL_RECLAIM_FLOOR (the default of GuardSettings.pool_max),
@@ -91,6 +92,7 @@ from supervisor.policy.group import (
     over_ceiling,
 )
 from supervisor.policy.snapshot import PolicyState, Snapshot
+from supervisor.policy.spares import keep_spares, stop_spares
 from supervisor.policy.tickstate import Tick
 from supervisor.policy.worker_limits import limits_to_hand_out
 
@@ -259,9 +261,10 @@ def tick(s: Snapshot) -> TickResult:
     """Decide one tick. Pure: the same snapshot always gives the same result.
 
     Order of the decisions: warnings, level change, admission pause/resume,
-    limits, P6.1 stops of drained marked workers (any level), P4 grace
-    reclaim or P5/P6 pressure actions (host pool, then device pool: D4), P8
-    concurrency steps, P10 TTL expiries.
+    limits, W2 stops of spares (any pressure), P6.1 stops of drained marked
+    workers (any level), P4 grace reclaim or P5/P6 pressure actions (host
+    pool, then device pool: D4), P8 concurrency steps, P10 TTL expiries, W1
+    a spare's start.
     """
     t = Tick(s)
     if s.host is None and s.state.last_total <= 0 and s.guard.enabled:
@@ -281,6 +284,7 @@ def tick(s: Snapshot) -> TickResult:
     seen, seen_at, growth = measure_growth(t)
     discount_draining(t, host_level, growth)
     t.host.projected -= t.cache_drop_bytes  # C12's cache drop, asked in limits_to_hand_out
+    stop_spares(t, level)  # W2: spares before anything else, at any pressure
     stop_marked(t, level)
     grace = 0 if level == "ok" else prev.grace_ticks
     if level != "ok":
@@ -302,6 +306,7 @@ def tick(s: Snapshot) -> TickResult:
                 evict(t, pool, acting, pool_emergency, stepped=stepped)
     walk_concurrency(t, level)
     expire_ttl(t)
+    keep_spares(t, level)  # W1: in the quiet after loads and requests, with room
     interval = next_interval(t, level)
     state = PolicyState(
         level=level, over_ceiling_ticks=over, grace_ticks=grace, admission_paused=paused,

@@ -51,6 +51,7 @@ class GuardSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     unloaded_idle_interval: float = 30.0
     pressure_reclaim_disabled: bool = False  # P4's environment switch
     pool_max: int = 2 * 1024**3          # M1: the pool a worker may keep; P4: larger is worth a grace reclaim
+    spare_workers: int = 0               # W1: spare workers to keep ([supervisor] spare_workers; 0 = none)
 
 
 class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, gc=False):
@@ -63,7 +64,8 @@ class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     enforcer. `last_access` is the monotonic time the model last finished or
     started a request (the pool restarts it while busy, P10). `concurrency` is
     the walked cap now applied (0 = not set yet: the configured maximum). A
-    worker id names one process: a respawn gets a new id or pid.
+    worker id names one process: a respawn gets a new id or pid. A spare
+    (SPEC W1) has no model: `model` is "" (model ids are never empty).
     """
 
     worker: str
@@ -134,3 +136,8 @@ class Snapshot(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     recheck: bool = False
     workers: list[WorkerRecord] = []
     state: PolicyState = PolicyState()
+    # W1, W2: what a new spare is expected to hold (the last waiting spare's usage; 0: none seen
+    # yet), when the next may start after spares died (0: now), and model loads on their way
+    spare_bytes: int = 0
+    spare_due: float = 0.0
+    loads_waiting: int = 0

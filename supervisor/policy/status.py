@@ -20,7 +20,7 @@ import msgspec
 
 from shared.protocol import DevicePool, DiskCacheCounters, GuardEvent
 from shared.states import LIVE_STATES
-from shared.vocab import HostBinding, PressureLevel, Tier
+from shared.vocab import HostBinding, LoadPhase, PressureLevel, Tier
 from supervisor.policy.ceilings import remedy, reserve_message, wired_limit_advice
 from supervisor.policy.device import device_remedy
 from supervisor.policy.pressure import TickResult
@@ -228,6 +228,10 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     ttl: float | None = None
     expires_in: float | None = None
     restarts: int = 0
+    # W3: the seconds each phase of its last load took (supervisor.load_clock), kept after an unload
+    load_phases: dict[LoadPhase, float] = {}
+    load_spare: bool = False  # ... and whether a spare worker took that load (W1)
+    prefetched_bytes: int = 0  # W4: its weights read ahead into the page cache since it was last loaded
 
 
 class ServerStatus(msgspec.Struct, frozen=True, kw_only=True):

@@ -43,7 +43,7 @@ async def chat(live: LiveServer):
 async def unload(live: LiveServer) -> None:
     """Unload `a` and wait for its worker's last cache report (what it wrote at its stop)."""
     handle = live.arbiter.pool.worker_for("a")
-    assert handle is not None and await live.arbiter.service.unload("a")
+    assert handle is not None and await live.arbiter.service.unload("a", admin=True)
     await until(lambda: handle.exited.done(), 60, "the worker to exit")
 
 

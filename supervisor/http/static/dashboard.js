@@ -17,6 +17,7 @@ const S = {
   colors: new Map(),
   latest: new Map(),             // worker id -> latest Sample
   gone: new Set(),               // workers whose exit came after the last status
+  progress: new Map(),           // model id -> its load in progress (W6: the last load_progress event's)
   own: 0,                        // group usage the samples do not cover (the supervisor itself)
   events: [], seen: new Set(), marks: [],
   windowSec: 300, dirty: true, tablesDirty: true, formSynced: "",
@@ -91,8 +92,9 @@ function onPressure(m) {
 function onSample(m) {
   const t = m.t + S.offset;
   S.latest.set(m.worker_id, m);
-  if (!S.models.has(m.model_id)) S.models.set(m.model_id, []);
-  push(S.models.get(m.model_id), t, m.memory.usage);
+  const series = m.model_id || "spare";   // W1: a spare worker has no model yet
+  if (!S.models.has(series)) S.models.set(series, []);
+  push(S.models.get(series), t, m.memory.usage);
   if (S.pressure) push(S.lines.group, t, S.own + samplesTotal());
   S.dirty = S.tablesDirty = true;
 }
@@ -103,13 +105,19 @@ function onEvent(ev) {
   S.seen.add(key);
   S.events.push(ev);
   if (S.events.length > 500) S.events.shift();
-  const prev = S.marks[S.marks.length - 1];
-  // a drill is reported twice (the supervisor's order, the worker's start): one mark
-  const echo = ev.kind === "drill" && prev && prev.kind === "drill" && prev.model_id === ev.model_id && ev.t - prev.t < 1;
-  if ((ACTIONS.has(ev.kind) || ev.kind === "level" || ev.kind === "drill") && !echo) S.marks.push(ev);
+  if (ACTIONS.has(ev.kind) || ev.kind === "level" || ev.kind === "drill") S.marks.push(ev);
   if (["exit", "crash", "evict", "unload"].includes(ev.kind) && ev.worker_id) S.latest.delete(ev.worker_id);
   if (["exit", "crash"].includes(ev.kind) && ev.worker_id) S.gone.add(ev.worker_id);
+  // W6: a load's phase and the weights read, until it is over
+  if (ev.kind === "load_progress" && ev.load && ev.model_id) S.progress.set(ev.model_id, ev.load);
+  if (["loaded", "load_phases", "load_failed", "exit", "crash"].includes(ev.kind)) S.progress.delete(ev.model_id);
   S.dirty = S.tablesDirty = true;
+}
+
+function progressWords(load) {
+  const phase = load.phase.replace("_", " ");
+  if (load.phase !== "read" || !load.bytes_read) return phase;
+  return phase + " " + fmt(load.bytes_read) + (load.estimate_bytes ? " / " + fmt(load.estimate_bytes) : "");
 }
 
 function onStatus(st) {
@@ -216,6 +224,11 @@ function modelRows() {
     }
     const since = Date.now() / 1000 - S.statusAt;
     for (const w of S.status.guard.workers) {
+      if (!w.model && !S.gone.has(w.worker) && !["stopped", "dead"].includes(w.state)) {   // W1: a spare
+        byId.set("spare:" + w.worker, { id: "(spare)", spare: true, state: w.state === "starting" ? "starting" :
+          w.state, pid: w.pid, worker: w.worker, usage: w.usage, active: w.mlx_active, pool: w.mlx_pool });
+        continue;
+      }
       const row = byId.get(w.model);
       if (!row) continue;
       Object.assign(row, { usage: w.usage, active: w.mlx_active, pool: w.mlx_pool, running: w.running,
@@ -223,9 +236,14 @@ function modelRows() {
         batch: w.batch_bytes, live: w.batch_live_bytes });
     }
   }
-  for (const row of byId.values()) {   // an exit is shown at once, not at the next status
-    if (row.worker && S.gone.has(row.worker)) byId.set(row.id, { id: row.id, ttl: row.ttl, pinned: row.pinned,
+  for (const [key, row] of byId) {   // an exit is shown at once, not at the next status
+    if (row.spare && S.gone.has(row.worker)) byId.delete(key);
+    else if (row.worker && S.gone.has(row.worker)) byId.set(key, { id: row.id, ttl: row.ttl, pinned: row.pinned,
       state: "unloaded", disk: row.disk });
+  }
+  for (const [id, load] of S.progress) {
+    const row = byId.get(id);
+    if (row) row.progress = progressWords(load);
   }
   for (const s of S.latest.values()) {
     const row = byId.get(s.model_id);
@@ -246,7 +264,8 @@ function renderModels() {
     name.append(el("span", m.pinned ? " (pinned)" : "", "hint"));
     const ttl = m.pinned ? "pinned" : !m.ttl ? "never" :
       dur(m.ttl) + (m.idle !== undefined ? " (in " + dur(Math.max(0, m.ttl - m.idle)) + ")" : "");
-    tr.append(name, el("td", m.state || "–", "state-" + m.state), el("td", m.pid || "–"),
+    const state = (m.state || "–") + (m.progress ? " · " + m.progress : "");
+    tr.append(name, el("td", state, "state-" + m.state), el("td", m.pid || "–"),
       el("td", fmt(m.usage), "num"), el("td", fmt(m.active), "num"), el("td", fmt(m.pool), "num"),
       el("td", m.cache === undefined ? "–" : fmt(m.cache), "num"),
       el("td", m.disk ? fmt(m.disk) : "–", "num"),
@@ -254,12 +273,13 @@ function renderModels() {
       el("td", m.running === undefined ? "–" : m.running + " / " + m.queued, "num"),
       el("td", m.idle === undefined ? "–" : dur(m.idle), "num"), el("td", ttl, "num"));
     const act = el("td", undefined, "admin-only");
+    tr.append(act);
+    if (m.spare) return tr;   // a spare is not loaded or unloaded by hand
     const loaded = m.state && !["unloaded", "failed", "stopped", "dead"].includes(m.state);
     const button = el("button", loaded ? "unload" : "load");
     button.type = "button";
     button.dataset.action = button.textContent;
     act.append(button);
-    tr.append(act);
     return tr;
   });
   body.replaceChildren(...rows);
@@ -310,12 +330,15 @@ function drawChart() {
   const now = Date.now() / 1000, t0 = now - S.windowSec;
   const L = 70, R = 10, T = 18, B = 22, pw = w - L - R, ph = h - T - B;
   const visible = (series) => series.filter((pt) => pt[0] >= t0 - 30);
-  // scale to the ceiling in force and what is used: an earlier, larger ceiling runs off the top
-  let ymax = S.lines.ceiling.length ? S.lines.ceiling[S.lines.ceiling.length - 1][1] : MiB;
+  // the axis follows what is used, and takes in the watermarks once usage nears them (axis.js)
+  let peak = 0;
   for (const series of [S.lines.group, ...S.models.values()]) {
-    for (const [t, v] of series) if (t >= t0 && v > ymax) ymax = v;
+    for (const [t, v] of series) if (t >= t0 && v > peak) peak = v;
   }
-  ymax = Math.max(ymax, MiB) * 1.12;
+  const last = (series) => (series.length ? series[series.length - 1][1] : 0);
+  const marks = { ceiling: last(S.lines.ceiling), hard: last(S.lines.hard), soft: last(S.lines.soft) };
+  const axis = chartAxis(peak, marks), ymax = axis.top;
+  S.axis = axis;  // what the page drew, for the browser test
   const x = (t) => L + ((t - t0) / S.windowSec) * pw, y = (v) => T + ph - (v / ymax) * ph;
   // grid and axes
   ctx.font = "11px system-ui, sans-serif";
@@ -358,6 +381,10 @@ function drawChart() {
     ctx.fillText(label, x(ev.t) - 4, ly);
   }
   ctx.restore();
+  if (axis.above.length) {  // the watermarks over the axis, in words at its top edge
+    ctx.fillStyle = "#8b97a5"; ctx.textAlign = "right";
+    ctx.fillText(axis.above.map((name) => name + " " + fmt(marks[name])).join(" · ") + " ↑", L + pw - 4, T - 5);
+  }
   legend();
 }
 
