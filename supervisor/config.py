@@ -308,7 +308,7 @@ class SupervisorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     max_image_bytes: int | str = "8MiB"
     max_image_pixels: int = 4096 * 4096
     fetch_image_urls: bool = False
-    image_fetch_timeout: float = 10.0
+    image_fetch_timeout: Seconds = 10.0
 
     def __post_init__(self) -> None:
         self._check_images()
