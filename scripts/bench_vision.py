@@ -32,7 +32,6 @@ import asyncio
 import gc
 import io
 import json
-import re
 import statistics
 import subprocess
 import sys
@@ -45,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from _serve import ServeProcess, cache_root  # noqa: E402
+from _serve import ServeProcess, cache_root, proc_status  # noqa: E402
 from _sse import stream_completion  # noqa: E402
 
 from worker import blas  # noqa: E402
@@ -164,14 +163,6 @@ def served(model_dir: Path, images: int, side: int, tokens: int, streams: int, r
 # -- 2. the prefill peak ------------------------------------------------------------------------
 
 
-def _status(key: str) -> int | None:
-    try:
-        match = re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
-    except OSError:
-        return None
-    return int(match.group(1)) * 1024 if match else None
-
-
 class AnonPeak:
     """The most the process's anonymous resident memory (Linux `RssAnon`: what the guard's usage, SPEC U1,
     counts) grew above its start while the block ran, sampled every millisecond on a thread (MLX
@@ -180,7 +171,7 @@ class AnonPeak:
     def __enter__(self) -> "AnonPeak":
         import threading
 
-        self.start = _status("RssAnon") or 0
+        self.start = proc_status("RssAnon") or 0
         self.high = self.start
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._watch, daemon=True)
@@ -189,12 +180,12 @@ class AnonPeak:
 
     def _watch(self) -> None:
         while not self.done.wait(0.001):
-            self.high = max(self.high, _status("RssAnon") or 0)
+            self.high = max(self.high, proc_status("RssAnon") or 0)
 
     def __exit__(self, *exc) -> None:
         self.done.set()
         self.thread.join()
-        self.high = max(self.high, _status("RssAnon") or 0)
+        self.high = max(self.high, proc_status("RssAnon") or 0)
 
     @property
     def grown(self) -> int:
