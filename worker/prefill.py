@@ -222,9 +222,8 @@ class Prefill:
         reused = seq.hit.tokens if seq.hit is not None else 0
         extra = int(reused * self.cost.kv_per_token)
         if seq.media is not None:  # an image request: its embeddings and the vision tower's peak too
-            tokens = len(seq.prompt) - reused
-            text = guard.admission_peak(tokens, self.cost, pool.limits.min_chunk_tokens, done=reused)
-            extra += self.vision.extra_bytes(seq, reused, tokens, text)
+            text = guard.admission_peak(len(seq.prompt) - reused, self.cost, pool.limits.min_chunk_tokens, done=reused)
+            extra += self.vision.extra_bytes(seq, reused, text)
         return guard.preflight(pool.limits, pool.usage(), len(seq.prompt) - reused, self.cost,
                                own_usage=pool.own(), retried=seq.retried, extra_bytes=extra, done=reused)
 

@@ -99,7 +99,7 @@ class VisionPrefill:
         self.cost = vision_cost.prior(config, width)
         self.runs = 0
 
-    def extra_bytes(self, seq: Seq, reused: int, tokens: int, lm_peak: int) -> int:
+    def extra_bytes(self, seq: Seq, reused: int, lm_peak: int) -> int:
         """What an image request's prefill needs beyond its text estimate `lm_peak` (G1): its input
         embeddings, held through the chunks up to the last image, and the tower's peak where that is
         higher than the text's (they do not overlap: the tower's buffers are freed before the chunks)."""

@@ -126,8 +126,8 @@ def anthropic_image(block: Any, where: str) -> p.ImageInput | None:
         return from_base64(source["data"], f"{where}.source.data")
     if kind == "url" and isinstance(source.get("url"), str):
         return from_url(source["url"], f"{where}.source.url")
-    raise invalid(f"{where}.source: an image source is {{\"type\": \"base64\", \"media_type\", \"data\"}} "
-                  f"or {{\"type\": \"url\", \"url\"}} (got type {kind!r})", f"{where}.source")
+    raise BodyError(f"{where}.source: an image source is {{\"type\": \"base64\", \"media_type\", \"data\"}} "
+                    f"or {{\"type\": \"url\", \"url\"}} (got type {kind!r})", param=f"{where}.source")
 
 
 def from_url(url: str, param: str) -> p.ImageInput:
