@@ -256,3 +256,18 @@ def test_a_request_behind_an_image_prefill_takes_every_other_turn_and_is_not_hel
     steps = next(i for i in range(200) if any(isinstance(ev, TokenOut) and ev.request_id == "text"
                                               for ev in baseline.step(Limits(max_concurrency=8), lambda: 0)))
     assert steps >= 2  # behind text, it waits for at least the other prompt's chunk
+
+
+def test_h1_the_same_image_under_another_api_keys_partition_is_never_a_hit(parts):
+    """The image's hash keys its tokens within the request's prompt-cache partition (one per API key):
+    another key sending the same image and text prefills it all, tower included."""
+    engine = engine_of(parts)
+    turn = [image_turn("What is this?")]
+    picture = image_bytes(96, 64, seed=8)
+    for rid, partition in (("a1", "a" * 32), ("a2", "a" * 32), ("b1", "b" * 32)):
+        engine.submit_generate(msgspec.structs.replace(ask(rid, turn, [picture]), partition=partition))
+        events, _ = run(engine)
+        assert isinstance(events[rid][-1], Finished)
+        cached = events[rid][-1].cached_tokens
+        assert (cached > 0) == (rid == "a2"), (rid, cached)
+    assert engine.vision.runs == 2
