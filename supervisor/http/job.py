@@ -150,7 +150,11 @@ class Job:
         return asyncio.ensure_future(watcher())
 
     async def next_message(self) -> StreamReply:
-        msg = await self.stream.queue.get()
+        return self.took(await self.stream.queue.get())
+
+    def took(self, msg: object) -> StreamReply:
+        """`msg`, just taken from the stream's queue, counted (the first token's time, the
+        tokens, their logprobs, the end); a client that went away raises Disconnected."""
         if not isinstance(msg, (p.TokenOut, p.Finished, p.Failed)):  # _CLIENT_GONE
             self.cancel("client disconnected")
             raise Disconnected()
