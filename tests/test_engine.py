@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import mlx.core as mx
 import msgspec
 import pytest
@@ -11,6 +9,7 @@ import pytest
 from shared.limits import Limits
 from shared.protocol import ChatMessage, Failed, Finished, Generate, NeedMemory, Prompted, TokenOut
 from shared.sizes import GiB
+from tests.engine_harness import Run, drive  # noqa: F401 - other test files import them from here too
 from worker.engine import Engine, EngineError
 from worker.prefill_guard import padded_chunk_bytes
 from worker.stops import StopMatcher
@@ -22,40 +21,6 @@ def _engine(loaded, **kwargs) -> Engine:
     model, tokenizer = loaded
     kwargs.setdefault("own_usage_fn", lambda: 0)
     return Engine(model, tokenizer, **kwargs)
-
-
-class Run:
-    """Events of a run, per request, in order."""
-
-    def __init__(self):
-        self.events: list = []
-        self.by_id: dict[str, list] = defaultdict(list)
-
-    def add(self, events):
-        for ev in events:
-            self.events.append(ev)
-            self.by_id[ev.request_id].append(ev)
-
-    def text(self, rid: str) -> str:
-        return "".join(ev.text for ev in self.by_id[rid] if isinstance(ev, TokenOut))
-
-    def tokens(self, rid: str) -> list[int]:
-        return [ev.token_id for ev in self.by_id[rid] if isinstance(ev, TokenOut) and ev.token_id >= 0]
-
-    def terminal(self, rid: str):
-        ends = [ev for ev in self.by_id[rid] if isinstance(ev, (Finished, Failed))]
-        assert len(ends) == 1, f"{rid}: {len(ends)} terminal events"
-        assert self.by_id[rid][-1] is ends[0], f"{rid}: events after the terminal one"
-        return ends[0]
-
-
-def drive(engine: Engine, limits: Limits = OPEN, usage_fn=lambda: 0, max_steps: int = 2000) -> Run:
-    run = Run()
-    for _ in range(max_steps):
-        if not engine.has_work:
-            return run
-        run.add(engine.step(limits, usage_fn))
-    raise AssertionError("engine still busy after max_steps")
 
 
 def _prompt(engine: Engine, text: str = "Once upon a time") -> list[int]:
@@ -220,7 +185,7 @@ def test_engine_max_concurrency_caps_even_generous_limits(loaded):
 def test_p3_paused_admission_takes_one_when_idle_and_none_beside_a_running_one(loaded):
     """Pressure pauses new work, but a worker with nothing running still takes one request,
     so pressure never starves everyone (SPEC P3)."""
-    engine = _engine(loaded)
+    engine = _engine(loaded, speculative=False)  # one token a step: the one running still runs after 3
     paused = Limits(max_concurrency=4, admission_paused=True)
     for i in range(3):
         engine.submit(f"r{i}", _prompt(engine), max_tokens=4)
