@@ -16,6 +16,9 @@ At each stream count N (N requests sent at once, greedy, `--tokens` each), four 
   `/v1/completions` read by scripts/_sse.py's lean client: plus the
   supervisor, HTTP and SSE.
 
+No layer guesses ahead (`speculative` off): the ceilings decode one token
+per step, and so does every layer set against them.
+
 The rate is the decode window's: tokens from the moment every stream has its
 first token to the moment the first one ends, over that time, so prefill is in
 no layer's figure (the ceiling's is decode alone too). Next to it, the CPU each
@@ -180,7 +183,7 @@ class EngineLayer:
         for i in range(n):
             rid = f"r{i}"
             ids[rid] = i
-            engine.submit(rid, engine.encode_prompt(prompt(i)), max_tokens=tokens)
+            engine.submit(rid, engine.encode_prompt(prompt(i)), max_tokens=tokens, speculative=False)
         times: list[list[float]] = [[] for _ in range(n)]
         limits = Limits(max_concurrency=n)
         cpu = Cpu(bench=os.getpid())
@@ -249,7 +252,7 @@ class WorkerLayer:
         cpu = Cpu(bench=os.getpid(), worker=cast(int, self.proc.pid))
         cpu.start()
         for rid, i in ids.items():
-            self.send(p.Generate(request_id=rid, prompt=prompt(i), max_tokens=tokens))
+            self.send(p.Generate(request_id=rid, prompt=prompt(i), max_tokens=tokens, speculative=False))
         ended = 0
         while ended < n:
             while self.pull.poll(0):
@@ -301,7 +304,7 @@ class ServerLayer:
         return Round(window_rate([s.times for s in streams]), count, cpu.per_token(count))
 
     async def _streams(self, n: int, tokens: int):
-        body = {"model": "bench", "max_tokens": tokens, "temperature": 0, "stream": True}
+        body = {"model": "bench", "max_tokens": tokens, "temperature": 0, "stream": True, "speculative": False}
         return await asyncio.gather(*(stream_completion(self.url, {**body, "prompt": prompt(i)}) for i in range(n)))
 
     def close(self) -> None:
