@@ -104,7 +104,7 @@ class Worker:
         from shared.probe import gpu_kind
         from worker.allocator import AllocatorLimits
         from worker.loader import prepare_engine
-        from worker.memory import MemorySampler, device_bytes, set_discrete_device
+        from worker.memory import MemorySampler, set_discrete_device
         from worker.readings import Readings
 
         device = prepare_engine()
@@ -117,7 +117,7 @@ class Worker:
         self.discrete = gpu_kind(info) == "cuda" and "gpu" in device
         set_discrete_device(self.discrete)
         self.sampler = MemorySampler()
-        self.readings = Readings(self.spec, self.ledger, self.sampler, self.wire.report, device_bytes)
+        self.readings = Readings(self.spec, self.ledger, self.sampler, self.wire.report)
         self.allocator = AllocatorLimits(mx, device_info=info)
         self.allocator.apply(self.limits)
         self.readings.enter("spare" if self.spec.spare else "loading")
@@ -220,7 +220,9 @@ class Worker:
             self.step_boundary()
             if self.tiers.quantize_at_soft(limits):
                 self.readings.soon("shrink")
-            self.readings.after_step(time.monotonic(), limits, self.engine, self.allocator)
+            now = time.monotonic()
+            self.readings.write(now, self.engine, self.allocator)
+            self.readings.maybe_send(now, limits, self.engine)
             self.tiers.report()
             # Not has_work alone: a request waiting for the supervisor's memory answer
             # leaves the engine idle, yet it runs and must end before we do.
@@ -266,7 +268,6 @@ class Worker:
             pending = [r for r in self.reclaim_pending if not (r.idle_only and self.engine.has_work)]
             if pending:
                 freed = self.sampler.reclaim()
-                self.readings.refresh()
                 for r in pending:
                     self.reclaim_pending.remove(r)
                     self.wire.reply(p.Reclaimed(cmd=r.cmd, freed_bytes=freed))
@@ -289,7 +290,6 @@ class Worker:
             self.clock.enter_step()  # tokenizing a long prompt is work too, not silence
             self.obey(msg)
             self.clock.leave_step(self.engine.tokens_total if self.engine else 0)
-            self.readings.refresh()  # what it changed is read after the next step
 
     def obey(self, msg: p.CommandMsg) -> None:
         engine = self.engine

@@ -7,18 +7,6 @@ steady rate, and at once when the group crosses a watermark (either way) or the
 worker has just given memory back, so the guard never waits a whole interval to
 see what changed. Both carry the very same reading.
 
-How often: after a step, a full reading (the footprint from /proc, the
-ledger slot, the group's level: 25-35 us timed alone, and several times that
-beside MLX's evaluation thread on a loaded CPU) is taken when one may have
-moved since the last: `READ_GAP` has passed, MLX's own bytes (active + pool:
-counters that cost 0.1 us) moved by `MOVED_BYTES`, the group sat within
-`NEAR_SHARE` of a watermark, the limits changed, a request started or ended,
-a command was obeyed, or memory was just given back. A runaway allocation
-is MLX's and is read at the step it happens; what grows outside MLX is seen
-within READ_GAP. A step on a GPU takes longer than READ_GAP, so there every
-step is still read; at one stream on a CPU (a step every 1.5-2 ms) about
-two in three are skipped.
-
 MLX is not imported here: the sampler and the engine come in loaded.
 """
 
@@ -32,7 +20,6 @@ from shared import protocol as p
 from shared.ledger import Ledger
 from shared.limits import Limits
 from shared.memory import NO_READING
-from shared.sizes import MiB
 from shared.vocab import SampleReason
 
 if TYPE_CHECKING:  # types only: these import MLX
@@ -42,31 +29,19 @@ if TYPE_CHECKING:  # types only: these import MLX
     from worker.memory import Held, MemorySampler
 
 
-READ_GAP = 0.005  # seconds between two full readings while nothing moves (module docstring)
-MOVED_BYTES = 1 * MiB  # MLX's active + pool bytes moved this much: read at once
-NEAR_SHARE = 0.02  # the group within this share of the worker's ceiling from a watermark: read every step
-
-
 class Readings:
     def __init__(self, spec: p.WorkerSpec, ledger: Ledger, sampler: MemorySampler,
-                 report: Callable[[p.Msg], None], mlx_bytes: Callable[[], int]) -> None:
+                 report: Callable[[p.Msg], None]) -> None:
         self.spec = spec
         self.ledger = ledger
         self.sampler = sampler
         self._report = report
-        self._mlx_bytes = mlx_bytes  # MLX's active + pool bytes: cheap counters, read every step
         self.phase = "starting"
         self.urgent: SampleReason | None = None  # a reason to publish the next sample at once
         self.seq = 0
         self.last_sent = 0.0
         self._last = NO_READING  # the latest reading, sent as is in the next Sample
         self.last_level = 0
-        # what the last full reading saw, to tell whether the next step needs one
-        self._read_at = float("-inf")
-        self._read_mlx = 0
-        self._read_work = (0, 0)  # (running, queued)
-        self._read_limits: Limits | None = None
-        self.near = False  # the group was near a watermark at the last reading
 
     def enter(self, phase: str) -> None:
         """The worker's phase as the ledger shows it; "ready" and "busy" then follow the work."""
@@ -75,20 +50,6 @@ class Readings:
     def soon(self, why: SampleReason) -> None:
         """Publish the next sample at once (memory was just given back), not at the next tick."""
         self.urgent = why
-
-    def refresh(self) -> None:
-        """Take a full reading after the next step (a command was obeyed, memory given back)."""
-        self._read_at = float("-inf")
-
-    def after_step(self, now: float, limits: Limits, engine: Engine | Embedder,
-                   allocator: AllocatorLimits) -> None:
-        """The loop's reading after a step: a full one (`write`, `maybe_send`) when something
-        may have moved since the last (module docstring), else none."""
-        if (now - self._read_at >= READ_GAP or self.near or self.urgent is not None
-                or (engine.running, engine.queued) != self._read_work or limits != self._read_limits
-                or abs(self._mlx_bytes() - self._read_mlx) >= MOVED_BYTES):
-            self.write(now, engine, allocator)
-            self.maybe_send(now, limits, engine)
 
     def write(self, now: float, engine: Engine | Embedder | None, allocator: AllocatorLimits | None) -> int:
         """Measure once (U1, H2) and put the reading where the supervisor reads it."""
@@ -105,23 +66,17 @@ class Readings:
             tokens=engine.tokens_total if engine else 0, phase=self.phase,
         )
         self._last = s
-        self._read_at, self._read_mlx, self._read_work = now, s.mlx_active + s.mlx_pool, (running, queued)
         return s.usage
 
     def maybe_send(self, now: float, limits: Limits, engine: Engine | Embedder | None) -> None:
         """Steady rate, and at once when the group crosses a watermark (either way)."""
         level = 0
-        self.near = False
-        self._read_limits = limits
         if limits.hard_limit > 0:
             group = self.ledger.group_usage()
-            marks = (limits.soft_limit, limits.hard_watermark, limits.hard_limit)
-            level = sum(group >= mark for mark in marks)
-            self.near = _near(group, marks, limits.hard_limit)
+            level = (group >= limits.soft_limit) + (group >= limits.hard_watermark) + (group >= limits.hard_limit)
         if limits.device_hard > 0:  # D4: the device pool's watermarks, on the group's device bytes
             on_device = self.ledger.group_device_bytes()
             level += 4 * ((on_device >= limits.device_soft) + (on_device >= limits.device_hard))
-            self.near = self.near or _near(on_device, (limits.device_soft, limits.device_hard), limits.device_hard)
         crossed = level != self.last_level
         self.last_level = level
         why: SampleReason = "watermark" if crossed else self.urgent or "tick"
@@ -150,11 +105,6 @@ class Readings:
         mine = self.ledger.read_sample(self.spec.slot)
         others = self.ledger.group_device_bytes() - (mine.memory.mlx_active + mine.memory.mlx_pool if mine else 0)
         return others + device_bytes()
-
-
-def _near(value: int, marks: tuple[int, ...], scale: int) -> bool:
-    """Whether `value` is within NEAR_SHARE of `scale` from one of `marks` (either side)."""
-    return any(abs(value - mark) < NEAR_SHARE * scale for mark in marks)
 
 
 def _held(engine: Engine | Embedder) -> Held:
