@@ -254,7 +254,7 @@ async def _streamed(request: Request, sup: Supervisor, metrics: Metrics, req: Co
         jobs, firsts = ready
         replies = _replies(jobs, req, works, include_usage)
         if len(jobs) == 1:  # one prompt: its own chunks, usage and [DONE]
-            return replies[0].sse(firsts[0])
+            return jobs[0].sse_body(replies[0].chunks(firsts[0]))
         return _merged(jobs, firsts, replies, include_usage)
 
     def discard(ready: tuple[list[Job], list[StreamReply]]) -> None:

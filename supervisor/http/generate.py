@@ -253,49 +253,6 @@ class Completion:
             logprobs = sampling.join_logprobs(columns, self.completion_logprobs(self.job.logprobs))
         return TextChoice(index=self.index, text=before + text, finish_reason=end.reason, logprobs=logprobs)
 
-    def sse(self, first: StreamReply) -> AsyncIterator[bytes]:
-        """The streamed reply's SSE body: a plain reply's own loop, any other through the pieces."""
-        return self._plain_sse(first) if self.plain else self.job.sse_body(self.chunks(first))
-
-    @property
-    def plain(self) -> bool:
-        """Text and nothing to add to it: no tool calls to look for, no logprobs, no constraint,
-        no echo, and the request's last chunks are this reply's own."""
-        job = self.job
-        return ((job.plan is None or job.plan.mode == "text") and not job.gen.logprobs
-                and job.gen.constraint is None and not self.echo and self.final)
-
-    async def _plain_sse(self, first: StreamReply) -> AsyncIterator[bytes]:
-        """`job.sse_body(self.chunks(first))` byte for byte, for a `plain` reply, in one loop.
-
-        Why: there each token went through four layers (`next_message`, `pieces`,
-        `chunks`, `sse_body`: three async generators and a coroutine, each a frame
-        resumed per token) to become one `token_chunk`; at one stream on a CPU
-        that was a tenth of the supervisor's work per token. Tokens already
-        queued leave in one write, as `sse_body` sends them; the end, its usage
-        and `[DONE]` go in one write. tests/live/test_api_stream_bytes_live.py
-        holds the bytes to the general path's.
-        """
-        job = self.job
-        queue = job.stream.queue
-        out = [self.chunk(None, role=True)] if self.kind == "chat" else []
-        msg = first
-        try:
-            while isinstance(msg, p.TokenOut):
-                if msg.text:
-                    out.append(self.token_chunk(msg.text))
-                if queue.empty():
-                    if out:
-                        yield b"".join(out)
-                        out = []
-                    msg = job.took(await queue.get())
-                else:
-                    msg = job.took(queue.get_nowait())
-            end = job.failure(msg) if isinstance(msg, p.Failed) else End(msg, msg.finish_reason)
-            yield b"".join([*out, self.render(end), SSE_DONE])
-        finally:
-            job.cancel("client disconnected")  # a no-op once the worker's end was read
-
     async def chunks(self, first: StreamReply) -> AsyncIterator[list[bytes]]:
         """A streamed chat or text completion's SSE events, a list per piece: the echoed
         prompt first when asked (as one chunk, its logprobs with it)."""
@@ -399,6 +356,6 @@ async def handle(request: Request, sup: Supervisor, metrics: Metrics, body: byte
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
     if req.stream:
         return await stream_job(request, sup, metrics, req, work, started,
-                                body=lambda job, first: Completion(job, "chat", include_usage).sse(first))
+                                lambda job, first: Completion(job, "chat", include_usage).chunks(first))
     job = await open_job(request, sup, metrics, req, work, started)
     return await Completion(job, "chat", include_usage).whole(request.receive)

@@ -150,11 +150,7 @@ class Job:
         return asyncio.ensure_future(watcher())
 
     async def next_message(self) -> StreamReply:
-        return self.took(await self.stream.queue.get())
-
-    def took(self, msg: object) -> StreamReply:
-        """`msg`, just taken from the stream's queue, counted (the first token's time, the
-        tokens, their logprobs, the end); a client that went away raises Disconnected."""
+        msg = await self.stream.queue.get()
         if not isinstance(msg, (p.TokenOut, p.Finished, p.Failed)):  # _CLIENT_GONE
             self.cancel("client disconnected")
             raise Disconnected()

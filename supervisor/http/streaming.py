@@ -159,26 +159,18 @@ def openai_error_event(exc: ApiError) -> bytes:
 
 
 async def stream_job(request: Request, sup: Supervisor, metrics: Metrics, req, work: Planned, started: float,
-                     events: Callable[[Job, StreamReply], AsyncIterator[list[bytes]]] | None = None, *,
-                     body: Callable[[Job, StreamReply], AsyncIterator[bytes]] | None = None,
+                     events: Callable[[Job, StreamReply], AsyncIterator[list[bytes]]], *,
                      format_param: str = "response_format",
                      failure: Callable[[ApiError], bytes] = openai_error_event) -> Response:
-    """One generation as an SSE reply (`events` renders its pieces, from its first message,
-    for `Job.sse_body`; or `body` renders the whole body), its headers within EARLY seconds
-    and a comment each second while it waits."""
+    """One generation as an SSE reply (`events` renders its pieces, from its first message),
+    its headers within EARLY seconds and a comment each second while it waits."""
     waiting = Waiting(sup, req.model)
-
-    def render(job: Job, first: StreamReply) -> AsyncIterator[bytes]:
-        if body is not None:
-            return body(job, first)
-        assert events is not None, "stream_job renders with events or body"
-        return job.sse_body(events(job, first))
 
     async def start() -> tuple[Job, StreamReply]:
         job = await open_job(request, sup, metrics, req, work, started, format_param=format_param, receive=never)
         waiting.streams.append(job.stream)
         return job, await job.first(never)
 
-    early = Early(start(), lambda ready: render(*ready), idle=lambda: sse_comment(waiting),
+    early = Early(start(), lambda ready: ready[0].sse_body(events(*ready)), idle=lambda: sse_comment(waiting),
                   failure=failure, discard=lambda ready: ready[0].cancel("client disconnected"))
     return await early.response(request.receive)
