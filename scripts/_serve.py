@@ -88,6 +88,17 @@ def wait_ready(proc: subprocess.Popen, runtime: Path, log: Path, timeout: float)
     raise SystemExit(f"the supervisor did not become healthy in {timeout:.0f} s; see {log}")
 
 
+def proc_status(key: str) -> int | None:
+    """A `kB` line of Linux's /proc/self/status in bytes (VmRSS, VmHWM, RssAnon ...); None elsewhere."""
+    import re
+
+    try:
+        match = re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
+    except OSError:
+        return None
+    return int(match.group(1)) * 1024 if match else None
+
+
 def cache_root() -> Path:
     """Where the benchmarks keep the models they generate, between runs."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")

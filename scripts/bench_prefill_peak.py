@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import re
 import subprocess
 import sys
 import time
@@ -46,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from _serve import bench_model  # noqa: E402  (scripts/ is on sys.path as the script's folder)
+from _serve import bench_model, proc_status  # noqa: E402  (scripts/ is on sys.path as the script's folder)
 
 from shared.sizes import format_size, parse_size  # noqa: E402
 
@@ -56,14 +55,6 @@ DEFAULT_CHUNKS = "256,512,1024,2048"
 BIG_MODEL = 64 * 1024 * 1024   # from this size on, prompts stop at BIG_LENGTH tokens
 BIG_LENGTH = 1024
 SLOW_LENGTH = 1800             # 20 MiB float16 is ~3x slower than float32: stop here
-
-
-def _status_kib(key: str) -> int | None:
-    try:
-        match = re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
-    except OSError:
-        return None
-    return int(match.group(1)) * 1024 if match else None
 
 
 def _reset_hwm() -> bool:
@@ -89,7 +80,7 @@ def prefill_once(model, tokens: int, chunk: int, vocab: int) -> dict:
     mx.reset_peak_memory()
     before = mx.get_active_memory()
     hwm_ok = _reset_hwm()
-    rss_before = _status_kib("VmRSS")
+    rss_before = proc_status("VmRSS")
     started = time.monotonic()
     pos = 0
     while pos < tokens - 1:
@@ -104,7 +95,7 @@ def prefill_once(model, tokens: int, chunk: int, vocab: int) -> dict:
         mx.eval(logits)
     elapsed = time.monotonic() - started
     mlx_peak = mx.get_peak_memory() - before
-    hwm = _status_kib("VmHWM")
+    hwm = proc_status("VmHWM")
     footprint = hwm - rss_before if hwm_ok and hwm is not None and rss_before is not None else None
     del logits, cache
     mx.clear_cache()

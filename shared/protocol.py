@@ -42,6 +42,10 @@ from shared.vocab import MalformedCause
 # Largest frame any socket accepts; zmq enforces it with ZMQ_MAXMSGSIZE, so an
 # oversized frame is dropped by the transport before it costs memory.
 MAX_FRAME_BYTES = 4 * 1024 * 1024
+# Commands to a worker (supervisor -> worker only) may carry a request's images, which the
+# front door bounds ([supervisor] max_images x max_image_bytes, at most MAX_IMAGE_PAYLOAD).
+MAX_IMAGE_PAYLOAD = 64 * 1024 * 1024
+MAX_COMMAND_BYTES = MAX_FRAME_BYTES + MAX_IMAGE_PAYLOAD
 
 # --------------------------------------------------------------------------
 # decoding at the edge
@@ -74,18 +78,19 @@ class Codec:
     that a zero-copy send might still hold).
     """
 
-    def __init__(self, union: Any) -> None:
+    def __init__(self, union: Any, max_bytes: int = MAX_FRAME_BYTES) -> None:
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(union)
         self.union = union
+        self.max_bytes = max_bytes
 
     def encode(self, msg: Msg) -> bytes:
         return self._enc.encode(msg)
 
     def decode(self, frame: bytes) -> Any:
         """The message, or `Malformed` (never raises)."""
-        if len(frame) > MAX_FRAME_BYTES:
-            return Malformed("too_large", f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+        if len(frame) > self.max_bytes:
+            return Malformed("too_large", f"frame of {len(frame)} bytes exceeds {self.max_bytes}")
         try:
             msg = self._dec.decode(frame)
         except msgspec.DecodeError as exc:

@@ -105,6 +105,8 @@ FailureCode = Literal[
     # the request itself (a 400 for the client to fix)
     "invalid_request", "invalid_constraint", "context_length_exceeded", "prefill_memory_exceeded", "wrong_model_kind",
     "fim_unsupported",
+    # images (docs/vision.md): one that is not a usable image or is over a cap, or any image for a text model
+    "invalid_image", "model_lacks_vision",
     # the guard or the supervisor took it away (a 503 worth a retry)
     "aborted", "memory_pressure", "model_unloading", "worker_exited", "client_disconnected",
     # the worker could not run it (our bug, or MLX's: a 500)

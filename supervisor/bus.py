@@ -137,7 +137,7 @@ class BusError(RuntimeError):
 
 
 class FrameTooLarge(ValueError):
-    """A command the worker's codec would drop unread (over MAX_FRAME_BYTES)."""
+    """A command the worker's codec would drop unread (over MAX_COMMAND_BYTES)."""
 
 
 def _split_host_port(address: str) -> tuple[str, int]:
@@ -385,9 +385,9 @@ class Bus:
         the worker would drop it unread, so a Generate would never get its
         terminal message and its client would wait forever."""
         frame = self.command_codec.encode(msg)
-        if len(frame) > p.MAX_FRAME_BYTES:
+        if len(frame) > p.MAX_COMMAND_BYTES:
             raise FrameTooLarge(f"{type(msg).__name__} of {len(frame)} bytes exceeds the "
-                                f"{p.MAX_FRAME_BYTES} bytes a worker accepts")
+                                f"{p.MAX_COMMAND_BYTES} bytes a worker accepts")
         try:
             self.commands.send_multipart([identity, frame], zmq.NOBLOCK)
             return True

@@ -32,7 +32,7 @@ import msgspec
 import msgspec.inspect as mi
 
 from shared.durations import DurationError, parse_duration
-from shared.protocol import DISK_CACHE_AUTO
+from shared.protocol import DISK_CACHE_AUTO, MAX_IMAGE_PAYLOAD
 from shared.sizes import SizeError, parse_size
 from shared.vocab import PrefillOrder
 from supervisor.policy.snapshot import GuardSettings
@@ -308,8 +308,17 @@ class SupervisorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     # routing signals, so a router in front of several hosts can say which one served
     # (or refused) a request ("" = this machine's name).
     host_name: str = ""
+    # Images in (docs/vision.md): at most `max_images` a request (0 turns images off), each at most
+    # `max_image_bytes` as sent and `max_image_pixels` (width x height). http(s) image URLs are fetched
+    # only with `fetch_image_urls`, within `image_fetch_timeout` seconds and `max_image_bytes`.
+    max_images: int = 8
+    max_image_bytes: int | str = "8MiB"
+    max_image_pixels: int = 4096 * 4096
+    fetch_image_urls: bool = False
+    image_fetch_timeout: Seconds = 10.0
 
     def __post_init__(self) -> None:
+        self._check_images()
         if len(self.host_name) > 64 or not all(c.isalnum() or c in "-_.:" for c in self.host_name):
             raise _FieldError("host_name", "at most 64 letters, digits and - _ . : (it goes in a header)")
         try:
@@ -362,6 +371,21 @@ class SupervisorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
                 f"must be longer than heartbeat_interval ({self.heartbeat_interval}), "
                 f"got {self.heartbeat_timeout}",
             )
+
+
+    def _check_images(self) -> None:
+        self.max_image_bytes = _size("max_image_bytes", self.max_image_bytes)
+        if not 0 <= self.max_images <= 256:
+            raise _FieldError("max_images", f"must be 0..256, got {self.max_images}")
+        if self.max_image_bytes < 1:
+            raise _FieldError("max_image_bytes", "must be at least 1 byte")
+        if self.max_images * self.max_image_bytes > MAX_IMAGE_PAYLOAD:
+            raise _FieldError("max_image_bytes", f"max_images x max_image_bytes must be at most "
+                                                 f"{MAX_IMAGE_PAYLOAD // 2**20} MiB (one request's images travel "
+                                                 "to the worker in one frame)")
+        if not 1 <= self.max_image_pixels <= 2**31:
+            raise _FieldError("max_image_pixels", f"must be 1..{2**31}, got {self.max_image_pixels}")
+        _between("image_fetch_timeout", self.image_fetch_timeout, 0.1, 600.0)
 
 
 MAX_CONCURRENCY = 1024  # requests one worker runs at once; far past what one model batches

@@ -99,6 +99,21 @@ def quantized(tmp_path_factory) -> dict[int, Path]:
     return {bits: root / f"q{bits}" for bits in (4, 8)}
 
 
+TINY_VLM_DIMS = ("VisionDims(hidden=128, layers=2, intermediate=256, heads=2, kv_heads=1, vision_hidden=64, "
+                 "vision_layers=2, vision_intermediate=128, vision_heads=2, patch=16, tile=64, scale=2, tiles=2)")
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory) -> Path:
+    """A tiny SmolVLM (modelfiles/vlmgen.py: 4 image tokens a tile, up to 2x2 tiles and a global one),
+    written by a child process for the reason `quantized` gives."""
+    path = tmp_path_factory.mktemp("vlm") / "tiny-vlm"
+    subprocess.run([sys.executable, "-c", "from modelfiles.vlmgen import VisionDims, make_vision_model; "
+                    f"make_vision_model({str(path)!r}, {TINY_VLM_DIMS}, seed=7)"],
+                   check=True, capture_output=True, cwd=REPO)
+    return path
+
+
 @pytest.fixture(scope="module")
 def loaded(tiny_model):
     """`tiny_model` loaded in this process by mlx-lm: (model, tokenizer), once per test module."""

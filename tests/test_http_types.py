@@ -116,7 +116,8 @@ def test_defaults_bound_the_generation():
         ({"presence_penalty": 2.5}, "presence_penalty"),  # ... within -2..2
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type"),
+        # an image part needs its image (docs/vision.md; images themselves: tests/test_api_images.py)
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].image_url.url"),
     ],
 )
 def test_known_parameters_we_cannot_honour_are_refused_not_ignored(fields, param):
@@ -145,7 +146,7 @@ _TEXT = {"type": "text", "text": "a"}
     [
         ("chat", {"messages": [{"role": "user", "content": [_TEXT, {"type": "text"}]}]}, "messages[0].content[1].text"),
         ("anthropic", {"max_tokens": 5, "messages": [{"role": "user", "content": [_TEXT, {"type": "image"}]}]},
-         "messages[0].content[1].type"),
+         "messages[0].content[1].source"),  # an image block needs its source (docs/vision.md)
         ("anthropic", {"max_tokens": 5, "messages": [{"role": "user", "content": [
             {"type": "text", "text": "a", "citations": [{"type": "x"}]}]}]}, "messages[0].content[0].citations"),
         ("anthropic", {"max_tokens": 5, "system": [_TEXT, {"type": "document"}], "messages": [
@@ -154,7 +155,7 @@ _TEXT = {"type": "text", "text": "a"}
             {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image"}]}]}]},
          "messages[0].content[0].content[0].type"),
         ("responses", {"input": [{"role": "user", "content": [{"type": "input_text", "text": "a"},
-                                                             {"type": "input_image"}]}]}, "input[0].content[1].type"),
+                                                             {"type": "input_image"}]}]}, "input[0].content[1].image_url"),
         ("responses", {"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "x"}]}]},
          "input[0].output[0].type"),
     ],

@@ -81,7 +81,8 @@ def test_ollama_tool_turns_answer_their_calls_by_made_up_ids():
 @pytest.mark.parametrize("body, param", [({"suffix": "x", "system": "s"}, "system"),
                                          ({"template": "{{ .Prompt }}"}, "template"),
                                          ({"context": [1, 2]}, "context"), ({"think": True}, "think"),
-                                         ({"images": ["aGk="]}, "images"), ({"width": 64}, "width")])
+                                         # images go to a vision model, never beside a raw prompt (docs/vision.md)
+                                         ({"images": ["aGk="], "raw": True}, "images"), ({"width": 64}, "width")])
 def test_ollama_generate_refuses_what_it_cannot_honour(body, param):
     req = decode_body(msgspec.json.encode({"model": "a", "prompt": "Hi", **body}), ollama.OllamaGenerateRequest)
     with pytest.raises(BodyError) as err:

@@ -133,7 +133,8 @@ PINNED_WORDS = {
     "SampleReason": ("tick", "watermark", "shrink"),
     "FailureCode": (
         "invalid_request", "invalid_constraint", "context_length_exceeded", "prefill_memory_exceeded",
-        "wrong_model_kind", "fim_unsupported", "aborted", "memory_pressure", "model_unloading", "worker_exited", "client_disconnected",
+        "wrong_model_kind", "fim_unsupported", "invalid_image", "model_lacks_vision", "aborted", "memory_pressure",
+        "model_unloading", "worker_exited", "client_disconnected",
         "engine_error", "load_failed"),
     "RefusalCode": ("model_too_large", "insufficient_memory"),
 }

@@ -309,6 +309,7 @@ class Engine:
         seed: int | None = None,
         constraint: ConstraintSpec | None = None,
         sampling: Settings | None = None,
+        media: Any = None,
         partition: str = SHARED_PARTITION,
         speculative: bool = True,
     ) -> None:
@@ -316,11 +317,16 @@ class Engine:
 
         `sampling` is the whole of its sampling settings (top_k, penalties,
         logit_bias, logprobs ...); without it, temperature, top_p and seed make them.
+        `media` is an image request's inputs (worker/vision.py): the request then keys the prompt
+        cache on its images' hashes (`media.key`) and prefills from their embeddings.
         `partition`: the prompt-cache entries it may reuse and leaves behind (H7 as proposed).
         `speculative` False: it never guesses ahead (worker/speculate.py), even alone."""
         settings = sampling or Settings(temperature=temperature, top_p=top_p, seed=seed)
-        self._queue(self._new_seq(request_id, prompt_tokens, max_tokens, stop, constraint, settings, partition,
-                                  speculative))
+        seq = self._new_seq(request_id, prompt_tokens, max_tokens, stop, constraint, settings, partition,
+                            speculative and media is None)
+        if media is not None:
+            seq.prompt, seq.media = list(media.key), media
+        self._queue(seq)
 
     def _new_seq(self, request_id: str, prompt_tokens: list[int], max_tokens: int, stop: Iterable[str],
                  constraint: ConstraintSpec | None, settings: Settings, partition: str,
@@ -369,6 +375,8 @@ class Engine:
     def submit_generate(self, cmd: Generate) -> None:
         """Queue a wire `Generate`; bad input becomes its one terminal `Failed` (next step)."""
         try:
+            if cmd.images:  # the front door refuses these first; a vision model's engine takes them
+                raise EngineError("model_lacks_vision", "this model reads only text; send images to a vision model")
             if cmd.echo and (cmd.messages is not None or cmd.suffix is not None):
                 raise EngineError(INVALID_REQUEST, "echo: only a plain completion prompt can be echoed")
             tokens = self._prompt_of(cmd)

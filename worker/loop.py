@@ -31,6 +31,7 @@ from shared.embedding import WRONG_MODEL_KIND, read_embedding_spec
 from shared.ledger import Ledger
 from shared.limits import Limits
 from shared.modelinfo import config_refusal
+from shared.vision import is_vision_model
 from worker import blas
 from worker.heartbeat import Heartbeat, StepClock
 from worker.wire import Wire
@@ -395,13 +396,19 @@ def load_model(spec: p.WorkerSpec, device: DeviceUsage | None, meter: LoadMeter 
     from worker.embedder import Embedder
     from worker.engine import Engine
 
+    kwargs = dict(max_concurrency=spec.max_concurrency, chunk_seconds=spec.chunk_seconds)
     if read_embedding_spec(spec.model_path) is not None:
         if meter is None:
-            return Embedder.load(spec.model_path, max_concurrency=spec.max_concurrency,
-                                 chunk_seconds=spec.chunk_seconds)
+            return Embedder.load(spec.model_path, **kwargs)
         with meter.phase("read"):  # its encoder is small: one phase
-            return Embedder.load(spec.model_path, max_concurrency=spec.max_concurrency,
-                                 chunk_seconds=spec.chunk_seconds)
+            return Embedder.load(spec.model_path, **kwargs)
+    if is_vision_model(spec.model_path):  # images in: the chat engine with a vision tower (worker/vision.py)
+        from worker.engine import EngineError
+        from worker.vision import VisionEngine
+
+        if spec.draft_path:  # mlx-vlm's towers feed the prefill; a draft model would guess without them
+            raise EngineError("load_failed", f"{spec.model_path} is a vision model: a draft model cannot guess for it")
+        return VisionEngine.load(spec.model_path, device=device, meter=meter, prefill_order=spec.prefill_order,
+                                 **kwargs)
     return Engine.load(spec.model_path, device=device, meter=meter, prefill_order=spec.prefill_order,
-                       draft_path=spec.draft_path, max_concurrency=spec.max_concurrency,
-                       chunk_seconds=spec.chunk_seconds)
+                       draft_path=spec.draft_path, **kwargs)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
@@ -122,6 +122,7 @@ class Prefill:
         self._clock = clock
         self._memory_wait = memory_wait
         self._device = device  # set when MLX's arrays live on a discrete device (CUDA)
+        self.vision: Any = None  # a vision model's worker.vision.VisionPrefill (image requests' tower turn)
 
     def pool(self, limits: Limits, usage_fn: UsageFn) -> GuardedPool:
         """Where a prefill's peak lands: on a discrete device its KV and activations are device
@@ -168,6 +169,11 @@ class Prefill:
         pool = self.pool(limits, usage_fn)
         if seq.state == "preflight" and not self._preflight(seq, pool, events, reserved, may_ask):
             return 0
+        if seq.media is not None and seq.media.pending(seq.pos):  # an image request's tower: the rest of the turn
+            self.vision.run(seq)
+            if guard.guard_on(pool.limits):
+                self._after_chunk([seq], pool, events)  # G3 after it, as after a chunk (a refusal ends it)
+            return max(1, budget)
         remaining = len(seq.prompt) - 1 - seq.pos
         used = 0
         if remaining > 0:
@@ -245,9 +251,12 @@ class Prefill:
         """G1 for the tokens still to run; a reused prefix costs only its copy (see prompt_cache),
         and the prefills beside it what they will still grow (`reserved`)."""
         reused = seq.hit.tokens if seq.hit is not None else 0
+        extra = int(reused * self.cost.kv_per_token) + reserved
+        if seq.media is not None:  # an image request: its embeddings and the vision tower's peak too
+            text = guard.admission_peak(len(seq.prompt) - reused, self.cost, pool.limits.min_chunk_tokens, done=reused)
+            extra += self.vision.extra_bytes(seq, reused, text)
         return guard.preflight(pool.limits, pool.usage(), len(seq.prompt) - reused, self.cost,
-                               own_usage=pool.own(), retried=seq.retried,
-                               extra_bytes=int(reused * self.cost.kv_per_token) + reserved, done=reused)
+                               own_usage=pool.own(), retried=seq.retried, extra_bytes=extra, done=reused)
 
     def _start(self, seq: Seq) -> None:
         """The request's KV: a fork of its cache hit (H1), else empty."""
@@ -299,7 +308,7 @@ class Prefill:
         before = mx.get_active_memory()
         started = time.monotonic()
         with mx.stream(generation_stream):
-            self.model(chunk, cache=seq.cache)
+            self.model(chunk, cache=seq.cache, **(seq.media.inputs(seq.pos, n) if seq.media is not None else {}))
             mx.eval([c.state for c in seq.kv()])
         self.chunk_timer.learn(time.monotonic() - started, n)
         self.cost = prefill_cost.learn(self.cost, mx.get_peak_memory() - before, n, done=seq.pos)

@@ -13,9 +13,13 @@ from shared import fim
 from worker.request import INVALID_REQUEST, EngineError
 
 
-def _turn(m) -> dict:
-    """A wire ChatMessage as the dict HF chat templates read (tool turns too)."""
+def _turn(m, images: bool = False) -> dict:
+    """A wire ChatMessage as the dict HF chat templates read (tool turns too); with `images`, a
+    turn with parts gets them as the content list vision templates read (text and image parts)."""
     turn: dict = {"role": m.role, "content": m.content}
+    if images and m.parts:
+        turn["content"] = [{"type": "image"} if part.image is not None else {"type": "text", "text": part.text or ""}
+                           for part in m.parts]
     if m.tool_calls:
         turn["tool_calls"] = json.loads(m.tool_calls)
     if m.tool_call_id:
@@ -55,9 +59,19 @@ def _tools_in_words(turns: list[dict], tools: list) -> list[dict]:
 
 def encode_chat(tokenizer, messages: Iterable, tools: str | None = None) -> list[int]:
     """Chat messages through the model's chat template, ready for the reply."""
+    return list(_apply_template(tokenizer, messages, tools))
+
+
+def render_chat(tokenizer, messages: Iterable, tools: str | None = None) -> str:
+    """The same as text, images as the template marks them (a vision model's processor expands the
+    marks into image tokens: worker/vision.py)."""
+    return str(_apply_template(tokenizer, messages, tools, images=True))
+
+
+def _apply_template(tokenizer, messages: Iterable, tools: str | None, images: bool = False):
     if not tokenizer.has_chat_template:
         raise EngineError(INVALID_REQUEST, "this model has no chat template; use completions")
-    turns = [m if isinstance(m, dict) else _turn(m) for m in messages]
+    turns = [m if isinstance(m, dict) else _turn(m, images) for m in messages]
     if not turns:
         raise EngineError(INVALID_REQUEST, "messages must not be empty")
     extra: dict = {}
@@ -67,8 +81,10 @@ def encode_chat(tokenizer, messages: Iterable, tools: str | None = None) -> list
             extra["tools"] = tool_list
         else:
             turns = _tools_in_words(turns, tool_list)
+    if images:
+        extra["tokenize"] = False
     try:
-        return list(tokenizer.apply_chat_template(turns, add_generation_prompt=True, **extra))
+        return tokenizer.apply_chat_template(turns, add_generation_prompt=True, **extra)
     except Exception as exc:  # noqa: BLE001 - jinja raises whatever the template says
         raise EngineError(INVALID_REQUEST, f"chat template rejected the messages: {exc}") from None
 

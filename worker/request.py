@@ -102,7 +102,7 @@ class Seq:
     __slots__ = (
         "id", "prompt", "max_tokens", "sample", "stopper", "state", "cache", "pos",
         "y", "detok", "generated", "retried", "floor_retried", "deadline", "warned_soft", "constraint", "hit", "cached", "out",
-        "resuming", "cached_disk", "partition", "spec",
+        "resuming", "cached_disk", "partition", "spec", "media",
     )
 
     def __init__(self, request_id: str, prompt: list[int], max_tokens: int, sampler: Sampler,
@@ -131,6 +131,7 @@ class Seq:
         self.out: list[int] = []   # generated token ids (the cache key after the prompt)
         self.resuming = False      # y is its last prompt token, fed by a decode step (a whole-prompt hit)
         self.spec = spec           # its guessing (worker/speculate.py), when it may guess
+        self.media: Any = None     # an image request's worker.vision.Media (its prompt is then the cache key)
 
     def move(self, event: RequestEvent) -> None:
         """The one way a request changes state (IllegalMove when the table does not allow it)."""

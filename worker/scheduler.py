@@ -200,12 +200,14 @@ class Scheduler:
                 self.group = self._form_group(limits, usage_fn)
                 if self.group is not None:  # a member's prompt is final (none reuses the cache)
                     events.extend(prompted(seq) for seq in self.group.live)
-        budget = self.prefill.turn_budget()
+        budget = whole = self.prefill.turn_budget()
         work = self._turn_order()
         ran = False
         for i, item in enumerate(work):
             if budget <= 0:
                 break
+            if budget < whole and _tower_pending(item):
+                continue  # an image's tower is not in its token count: it takes a turn of its own
             share = budget if self.order == "shortest" else max(1, -(-budget // (len(work) - i)))
             used, moved = self._advance(item, share, limits, usage_fn, events)
             budget -= used
@@ -326,7 +328,8 @@ class Scheduler:
         members from the back. The first fresh request that fits is always a
         member; with fewer than two members each goes alone.
         """
-        fresh = [seq for seq in self.line if seq.state == "preflight" and seq.hit is None]
+        # An image request prefills alone: its embeddings, not token columns.
+        fresh = [seq for seq in self.line if seq.state == "preflight" and seq.hit is None and seq.media is None]
         if len(fresh) < 2:
             return None  # alone: no usage read here, the usual path reads it (G1 once)
         guarded = guard.guard_on(limits)
@@ -349,3 +352,11 @@ class Scheduler:
             self.line.remove(seq)
             seq.move("group")
         return PrefillGroup(members, [seq.prompt for seq in members], self.prefill.layers)
+
+
+def _tower_pending(item: Work) -> bool:
+    """Whether `item` is an image request whose vision tower runs in its next prefill step
+    (worker/vision.py): a request behind it would wait for the whole tower, which the
+    turn's token budget does not see."""
+    return isinstance(item, Seq) and item.media is not None and item.media.pending(item.pos)
+

@@ -37,7 +37,7 @@ class Wire:
         self.push.setsockopt(zmq.LINGER, 1000)
         self.push.setsockopt(zmq.SNDHWM, 1000)
         self.push.connect(spec.reports)
-        self.commands_codec = p.Codec(p.CommandMsg)
+        self.commands_codec = p.Codec(p.CommandMsg, max_bytes=p.MAX_COMMAND_BYTES)  # images ride in Generate
         self.replies = p.Codec(p.WorkerReply)
         self.reports = p.Codec(p.WorkerReport)
         self.bad_frames = 0

@@ -14,9 +14,9 @@ from shared.vocab import FailureCode, PrefillOrder
 
 __all__ = [
     "WorkerSpec", "DISK_CACHE_AUTO", "Command", "SetLimits", "Reclaim", "ShrinkCache", "AbortRequests",
-    "ChatMessage", "JsonObject", "JsonSchema", "ToolFunction", "ToolCallConstraint", "LarkGrammar",
-    "ConstraintSpec", "Partition", "SHARED_PARTITION", "Generate", "Tokenize", "Detokenize", "Embed", "MemoryAnswer",
-    "Drain", "Ping", "Drill", "DrillStop", "TakeModel", "CommandMsg"
+    "ImageInput", "MessagePart", "ChatMessage", "JsonObject", "JsonSchema", "ToolFunction", "ToolCallConstraint",
+    "LarkGrammar", "ConstraintSpec", "Partition", "SHARED_PARTITION", "Generate", "Tokenize", "Detokenize", "Embed",
+    "MemoryAnswer", "Drain", "Ping", "Drill", "DrillStop", "TakeModel", "CommandMsg"
 ]
 
 
@@ -88,9 +88,39 @@ class AbortRequests(Command, tag="abort", kw_only=True):
     code: FailureCode = "aborted"
 
 
+class ImageInput(msgspec.Struct, frozen=True, kw_only=True):
+    """One image of a request (images in: docs/vision.md).
+
+    The front door checks every image before its `Generate` is sent
+    (supervisor/http/images.py: decoded with Pillow, format, pixels and bytes
+    within the caps) and fills `digest`, `width`, `height` and `format`; a
+    worker refuses an image without a digest. `digest` (sha256 of `data`) is
+    what the prompt cache keys the image's tokens on, never a URL. `url` and
+    `param` live only inside the front door: an http(s) URL still to fetch and
+    the body field the image came from (errors name it)."""
+
+    data: bytes = b""
+    digest: str = ""
+    width: int = 0
+    height: int = 0
+    format: str = ""  # Pillow's name: PNG, JPEG, WEBP, GIF
+    url: str = ""
+    param: str = ""
+
+
+class MessagePart(msgspec.Struct, frozen=True, kw_only=True):
+    """One part of a turn whose content mixes text and images, in order: `text`, or
+    `image` (an index into `Generate.images`)."""
+
+    text: Union[str, None] = None
+    image: Union[int, None] = None
+
+
 class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     role: str
     content: str
+    # a turn with images: its parts in order (`content` is then their text, joined); None for text
+    parts: Union[list[MessagePart], None] = None
     # tool calling: an assistant turn's calls, as JSON text of
     # `[{"id", "type": "function", "function": {"name", "arguments": {...}}}]`
     # (the shape HF chat templates read), and the call a `tool` turn answers.
@@ -201,6 +231,8 @@ class Generate(Command, tag="generate", kw_only=True):
     # (the prompt scored, nothing generated)
     echo: bool = False
     partition: Partition = SHARED_PARTITION  # the prompt cache's partition (SPEC H7 as proposed)
+    # the images the messages' parts point at, in order (a vision model's; docs/vision.md)
+    images: list[ImageInput] = []
 
 
 # -- the worker's tokenizer on request ------------------------------------------------

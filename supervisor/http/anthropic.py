@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from shared import protocol as p
-from supervisor.http import tools
+from supervisor.http import images, tools
 from supervisor.http.content import part_text, text_of
 from supervisor.http.errors import ApiError
 from supervisor.http.job import Calls, End, Job, Text, open_job
@@ -134,13 +134,14 @@ def _text_of(content: Union[str, list[Block], None], where: str) -> str:
     return text_of(content, where)
 
 
-def _turns(i: int, m: MessageIn) -> list[p.ChatMessage]:
+def _turns(i: int, m: MessageIn, found: images.Found) -> list[p.ChatMessage]:
     """One Anthropic message -> chat turns: tool results become `tool` turns, tool uses calls."""
     where = f"messages[{i}].content"
     if isinstance(m.content, str):
         return [p.ChatMessage(role=m.role, content=m.content)]
     turns: list[p.ChatMessage] = []
     text: list[str] = []
+    parts: list[p.MessagePart] = []  # text and images in order, where an image is among them
     calls: list[dict] = []
     for j, b in enumerate(m.content):
         if b.type == "tool_result" and m.role == "user":
@@ -152,10 +153,13 @@ def _turns(i: int, m: MessageIn) -> list[p.ChatMessage]:
             if not b.id or not b.name:
                 raise BodyError(f"{where}[{j}]: a tool_use block needs id and name", param=f"{where}[{j}]")
             calls.append({"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input or {}}})
+        elif (image := images.anthropic_image(b, f"{where}[{j}]")) is not None:
+            parts.append(found.part(image))
         else:
             text.append(_block_text(b, f"{where}[{j}]"))
-    if text or calls:
-        turns.append(p.ChatMessage(role=m.role, content="".join(text),
+            parts.append(p.MessagePart(text=text[-1]))
+    if text or calls or len(parts) > len(text):
+        turns.append(p.ChatMessage(role=m.role, content="".join(text), parts=parts if len(parts) > len(text) else None,
                                    tool_calls=_encoder.encode(calls).decode() if calls else None))
     return turns
 
@@ -183,14 +187,16 @@ def messages_generate(req: MessagesRequest) -> tools.Planned:
     if not req.messages:
         raise BodyError("messages: must contain at least one message", param="messages")
     turns = [p.ChatMessage(role="system", content=_text_of(req.system, "system"))] if req.system else []
+    found = images.Found()
     for i, m in enumerate(req.messages):
-        turns += _turns(i, m)
+        turns += _turns(i, m, found)
     stops = list(req.stop_sequences or [])
     if len(stops) > MAX_STOP_SEQUENCES or any(not s for s in stops):
         raise BodyError(f"stop_sequences: at most {MAX_STOP_SEQUENCES}, none empty", param="stop_sequences")
     gen = p.Generate(request_id="", messages=turns, max_tokens=req.max_tokens,
                      temperature=1.0 if req.temperature is None else req.temperature,
-                     top_p=1.0 if req.top_p is None else req.top_p, stop=stops, top_k=req.top_k or 0)
+                     top_p=1.0 if req.top_p is None else req.top_p, stop=stops, top_k=req.top_k or 0,
+                     images=found.images)
     return tools.planned(gen, tool_plan(req))
 
 
@@ -257,6 +263,7 @@ def _event(name: str, body: dict) -> bytes:
 async def handle(request: Request, sup, metrics, body: bytes, started: float) -> Response:
     req = decode_body(body, MessagesRequest)
     work = messages_generate(req)
+    images.within_body(len(body), work.gen, sup.config.supervisor)
     if req.stream:  # headers at once, a comment each second while it waits (http/streaming.py)
         return await stream_job(request, sup, metrics, req, work, started,
                                 lambda job, first: _events(job, first, "msg_" + job.gen.request_id, req.model),

@@ -66,6 +66,7 @@ from supervisor.http.body import Disconnected, read_body
 from supervisor.http.dashboard import Dashboard
 from supervisor.http.errors import ApiError, from_serve_error
 from supervisor.http.events import EventsEndpoint
+from supervisor.http.images import body_limit as images_body_limit
 from supervisor.http.job import race_client
 from supervisor.http.keepalive import is_admin
 from supervisor.http.metrics import Metrics
@@ -165,7 +166,7 @@ class FrontDoor:
     # -- generation -----------------------------------------------------------
 
     async def chat(self, request: Request) -> Response:
-        body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
+        body = await read_body(request, self._body_limit(), self.scfg.body_timeout)
         started = request.scope.get("memvisor.started", time.monotonic())
         return await http_generate.handle(request, self.sup, self.metrics, body, started)
 
@@ -174,13 +175,17 @@ class FrontDoor:
         started = request.scope.get("memvisor.started", time.monotonic())
         return await http_completions.handle(request, self.sup, self.metrics, body, started)
 
+    def _body_limit(self) -> int:
+        """`max_body`, plus room for the images a route that takes them may carry (http/images.py)."""
+        return images_body_limit(self.scfg)
+
     async def messages(self, request: Request) -> Response:
-        body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
+        body = await read_body(request, self._body_limit(), self.scfg.body_timeout)
         started = request.scope.get("memvisor.started", time.monotonic())
         return await http_anthropic.handle(request, self.sup, self.metrics, body, started)
 
     async def responses(self, request: Request) -> Response:
-        body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
+        body = await read_body(request, self._body_limit(), self.scfg.body_timeout)
         started = request.scope.get("memvisor.started", time.monotonic())
         return await http_responses.handle(request, self.sup, self.metrics, body, started)
 
@@ -233,12 +238,12 @@ class FrontDoor:
         return json_response(await ollama_models.show(self.sup, body))
 
     async def ollama_chat(self, request: Request) -> Response:
-        body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
+        body = await read_body(request, self._body_limit(), self.scfg.body_timeout)
         started = request.scope.get("memvisor.started", time.monotonic())
         return await http_ollama.handle_chat(request, self.sup, self.metrics, body, started)
 
     async def ollama_generate(self, request: Request) -> Response:
-        body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
+        body = await read_body(request, self._body_limit(), self.scfg.body_timeout)
         started = request.scope.get("memvisor.started", time.monotonic())
         return await http_ollama.handle_generate(request, self.sup, self.metrics, body, started)
 

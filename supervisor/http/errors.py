@@ -65,6 +65,8 @@ _FAILED_STATUS: dict[FailureCode, tuple[int, int | None]] = {
     "context_length_exceeded": (400, None),  # prompt + max_tokens over the context
     FIM_UNSUPPORTED: (400, None),  # a suffix for a model whose tokenizer has no FIM tokens
     WRONG_MODEL_KIND: (400, None),  # chat to an embedding model, or the reverse
+    "invalid_image": (400, None),  # an image the worker's processor could not read (docs/vision.md)
+    "model_lacks_vision": (400, None),  # images for a model that reads only text
     "memory_pressure": (503, RETRY_AFTER_ABORT),  # P6.3/P6.5 aborted it
     "model_unloading": (503, RETRY_AFTER_ABORT),
     "worker_exited": (503, RETRY_AFTER_ABORT),

@@ -23,8 +23,7 @@ from starlette.responses import Response
 from shared import protocol as p
 from shared.vocab import ReplyFinishReason
 from supervisor.api import Supervisor
-from supervisor.http import sampling, tools
-from supervisor.http.content import text_of
+from supervisor.http import images, sampling, tools
 from supervisor.http.errors import ApiError
 from supervisor.http.job import Calls, End, Job, Piece, Receive, Text, open_job
 from supervisor.http.metrics import Metrics
@@ -144,11 +143,11 @@ def chat_tool_plan(req: ChatRequest) -> ToolPlan | None:
     return tools.check_named(plan, "tool_choice")
 
 
-def _chat_message(i: int, m) -> p.ChatMessage:
+def _chat_message(i: int, m, found: images.Found) -> p.ChatMessage:
     for name in ("function_call", "audio"):
         if getattr(m, name) is not None:
             raise BodyError(f"messages[{i}].{name}: not supported", param=f"messages[{i}].{name}")
-    text = text_of(m.content, f"messages[{i}].content", ("text", "input_text"))
+    text, parts = found.content(m.content, f"messages[{i}].content", ("text", "input_text"), images.openai_image)
     calls = None
     if m.tool_calls:
         calls = []
@@ -162,7 +161,7 @@ def _chat_message(i: int, m) -> p.ChatMessage:
     if m.role == "tool" and not m.tool_call_id:
         raise BodyError(f"messages[{i}].tool_call_id: a tool message needs the id of the call it answers",
                         param=f"messages[{i}].tool_call_id")
-    return p.ChatMessage(role="system" if m.role == "developer" else m.role, content=text,
+    return p.ChatMessage(role="system" if m.role == "developer" else m.role, content=text, parts=parts,
                          tool_calls=_encoder.encode(calls).decode() if calls else None,
                          tool_call_id=m.tool_call_id)
 
@@ -173,12 +172,13 @@ def chat_generate(req: ChatRequest) -> Planned:
     _refuse_chat_extras(req)
     if not req.messages:
         raise BodyError("messages: must contain at least one message", param="messages")
-    messages = [_chat_message(i, m) for i, m in enumerate(req.messages)]
+    found = images.Found()
+    messages = [_chat_message(i, m, found) for i, m in enumerate(req.messages)]
     max_tokens = req.max_completion_tokens or req.max_tokens or DEFAULT_CHAT_MAX_TOKENS
     fmt = response_format_constraint(req.response_format)
     logprobs = sampling.chat_logprobs(req.logprobs, req.top_logprobs)
-    return planned(p.Generate(messages=messages, constraint=fmt, **common_fields(req, max_tokens), **logprobs),
-                   chat_tool_plan(req))
+    return planned(p.Generate(messages=messages, constraint=fmt, images=found.images, **common_fields(req, max_tokens),
+                              **logprobs), chat_tool_plan(req))
 
 
 # ---------------------------------------------------------------------------
@@ -353,6 +353,7 @@ async def handle(request: Request, sup: Supervisor, metrics: Metrics, body: byte
     """`/v1/chat/completions`: decode, validate, route to the model's worker, answer (JSON or SSE)."""
     req = decode_body(body, ChatRequest)
     work = chat_generate(req)
+    images.within_body(len(body), work.gen, sup.config.supervisor)
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
     if req.stream:
         return await stream_job(request, sup, metrics, req, work, started,

@@ -39,7 +39,7 @@ from shared.fim import FIM_UNSUPPORTED
 from shared.vocab import ReplyFinishReason
 from supervisor.api import Supervisor
 from supervisor.errors import ServeError
-from supervisor.http import partitions, routing, tools
+from supervisor.http import images, partitions, routing, tools
 from supervisor.http.body import Disconnected
 from supervisor.http.errors import ApiError, from_failed, from_serve_error
 from supervisor.http.keepalive import keep_alive_seconds
@@ -96,6 +96,7 @@ async def open_job(request: Request, sup: Supervisor, metrics: Metrics, req, wor
 async def open_stream(sup: Supervisor, model: str, gen: p.Generate, receive: Receive,
                       keep_alive: float | None = None) -> RequestStream:
     served = routing.current()  # a router's X-Memvisor-Max-Wait in, X-Memvisor-Worker out
+    gen = await images.prepare(sup, model, gen)  # fetched, decoded and checked (a 400 naming the field)
     gen.partition = partitions.current()  # the caller's key's prompt cache, and only it (H7 as proposed)
     try:
         stream = await race_client(sup.generate(model, gen, max_wait=served.max_wait()), receive)

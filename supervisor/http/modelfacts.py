@@ -25,6 +25,7 @@ from shared import fim
 from shared.embedding import EmbeddingSpec, read_embedding_spec
 from shared.gguf import GGUFError, read_header
 from shared.modelinfo import CONFIG_MAX_BYTES, context_length, read_config_json, read_small
+from shared.vision import vision_family
 from shared.weights import WeightsError, WeightsSummary, summarize_weights, weight_files
 from supervisor.http.openai_types import BodyError
 from supervisor.offloop import MODEL_FILES_TIMEOUT, OffLoopTimeout, off_loop
@@ -50,6 +51,7 @@ class ModelFacts(msgspec.Struct, kw_only=True):
     file_bytes: int = 0  # the weight files' size on disk: a .gguf file's own, a folder's model*.safetensors
     modified: float = 0.0  # mtime of config.json (a .gguf file's own); 0: unknown
     embedding: EmbeddingSpec | None = None  # a sentence-embedding model's facts (None: it generates)
+    vision: bool = False  # it reads images (shared/vision.py; docs/vision.md)
 
 
 def digest(model_id: str, path: str) -> str:
@@ -84,6 +86,7 @@ def read_facts(path: str) -> ModelFacts:
     if isinstance(template, str) and template:
         facts.template, facts.has_template = template, True
     facts.fim = _has_fim(folder, tok)
+    facts.vision = vision_family(config) is not None
     facts.embedding = read_embedding_spec(folder)
     if facts.embedding is not None:  # the longest input it embeds, not its position table
         facts.context_length = facts.embedding.max_tokens
@@ -151,7 +154,7 @@ def capabilities(facts: ModelFacts) -> list[str]:
     `embedding` alone for an embedding model; else `completion`, `tools` with a chat
     template (one that takes `tools` renders them, another gets them in words from the
     worker, and required calls are constrained decoding either way), `insert` when the
-    tokenizer has fill-in-the-middle tokens."""
+    tokenizer has fill-in-the-middle tokens, `vision` when it reads images (docs/vision.md)."""
     if facts.embedding is not None:
         return ["embedding"]
     caps = ["completion"]
@@ -159,6 +162,8 @@ def capabilities(facts: ModelFacts) -> list[str]:
         caps.append("tools")
     if facts.fim:
         caps.append("insert")
+    if facts.vision:
+        caps.append("vision")
     return caps
 
 

@@ -52,8 +52,8 @@ from starlette.responses import Response
 from shared import protocol as p
 from supervisor.api import Supervisor
 from supervisor.errors import ServeError
+from supervisor.http import images, tools
 from supervisor.http import sampling as openai_sampling
-from supervisor.http import tools
 from supervisor.http.errors import ApiError, from_serve_error
 from supervisor.http.job import Calls, End, Job, Text, open_stream, race_client
 from supervisor.http.keepalive import UNLOAD_NOW, is_admin, keep_alive_seconds
@@ -92,7 +92,7 @@ class OllamaToolCall(Struct, kw_only=True):
 class OllamaMessage(Struct, kw_only=True, forbid_unknown_fields=True):
     role: Literal["system", "user", "assistant", "tool"]
     content: Union[str, None] = ""
-    images: Union[list[Any], None] = None  # refused when set: text models
+    images: Union[list[Any], None] = None  # base64 images, for a vision model (http/images.py)
     thinking: Union[str, None] = None  # an earlier turn's reasoning: history only, templates do not render it
     tool_calls: Union[list[OllamaToolCall], None] = None
     tool_name: Union[str, None] = None  # a tool turn: the function it answers
@@ -165,14 +165,12 @@ def tool_plan(raw: list[dict[str, Any]] | None) -> tools.ToolPlan | None:
     return tools.ToolPlan(functions=fns, choice="auto")
 
 
-def chat_messages(messages: list[OllamaMessage]) -> list[p.ChatMessage]:
+def chat_messages(messages: list[OllamaMessage], found: images.Found) -> list[p.ChatMessage]:
     """Ollama turns -> chat turns. Ollama's calls have no ids and a tool turn names its
     function, not its call: ids are made up and a tool turn answers the oldest open call."""
     out: list[p.ChatMessage] = []
     open_calls: list[tuple[str, str]] = []  # (id, function name) of calls not answered yet
     for i, m in enumerate(messages):
-        if m.images:
-            raise BodyError(f"messages[{i}].images: these are text models", param=f"messages[{i}].images")
         calls = None
         if m.tool_calls:
             calls = []
@@ -196,6 +194,7 @@ def chat_messages(messages: list[OllamaMessage]) -> list[p.ChatMessage]:
                 answers = open_calls.pop(match)[0]
             answers = answers or m.tool_name or "call_0"
         out.append(p.ChatMessage(role=m.role, content=m.content or "",
+                                 parts=found.leading(m.images, f"messages[{i}].images", m.content or ""),
                                  tool_calls=_encoder.encode(calls).decode() if calls else None,
                                  tool_call_id=answers))
     return out
@@ -203,7 +202,8 @@ def chat_messages(messages: list[OllamaMessage]) -> list[p.ChatMessage]:
 
 def chat_generate(req: OllamaChatRequest) -> tools.Planned:
     _refuse_common(req)
-    gen = p.Generate(request_id="", messages=chat_messages(req.messages or []),
+    found = images.Found()
+    gen = p.Generate(request_id="", messages=chat_messages(req.messages or [], found), images=found.images,
                      constraint=format_constraint(req.format), **_sampling(req))
     return tools.planned(gen, tool_plan(req.tools))
 
@@ -218,8 +218,8 @@ def generate_generate(req: OllamaGenerateRequest) -> tools.Planned:
     if req.context:
         raise BodyError("context: token contexts are not kept; send the conversation to /api/chat",
                         param="context")
-    if req.images:
-        raise BodyError("images: these are text models", param="images")
+    if req.images and (req.suffix or req.raw):
+        raise BodyError("images: a raw or fill-in-the-middle prompt cannot carry images", param="images")
     for name in ("width", "height", "steps"):
         if getattr(req, name) is not None:
             raise BodyError(f"{name}: image generation is not supported (these are text models)", param=name)
@@ -232,8 +232,10 @@ def generate_generate(req: OllamaGenerateRequest) -> tools.Planned:
                             param="system")
         return tools.Planned(p.Generate(prompt=req.prompt or "", **common))
     turns = [p.ChatMessage(role="system", content=req.system)] if req.system else []
-    turns.append(p.ChatMessage(role="user", content=req.prompt or ""))
-    return tools.Planned(p.Generate(messages=turns, **common))
+    found = images.Found()
+    turns.append(p.ChatMessage(role="user", content=req.prompt or "",
+                               parts=found.leading(req.images, "images", req.prompt or "")))
+    return tools.Planned(p.Generate(messages=turns, images=found.images, **common))
 
 
 # ---------------------------------------------------------------------------
@@ -409,13 +411,16 @@ def error_response(exc: ApiError) -> Response:
 
 async def handle_chat(request: Request, sup: Supervisor, metrics: Metrics, body: bytes, started: float) -> Response:
     req = decode_body(body, OllamaChatRequest)
-    return await _run(request, sup, metrics, req, chat_generate(req), started, chat=True, empty=not req.messages)
+    work = chat_generate(req)
+    images.within_body(len(body), work.gen, sup.config.supervisor)
+    return await _run(request, sup, metrics, req, work, started, chat=True, empty=not req.messages)
 
 
 async def handle_generate(request: Request, sup: Supervisor, metrics: Metrics, body: bytes,
                           started: float) -> Response:
     req = decode_body(body, OllamaGenerateRequest)
     gen = generate_generate(req)
+    images.within_body(len(body), gen.gen, sup.config.supervisor)
     if req.suffix:
         model = sup.model_config(resolve(sup, req.model))
         await require_fim(model.id, model.path)

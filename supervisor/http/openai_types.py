@@ -62,12 +62,15 @@ class BodyError(ValueError):
 
 
 class ContentPart(Struct, kw_only=True):
-    """One part of a multi-part message; only text parts can reach a text model.
+    """One part of a multi-part message: text, or an image for a vision model (http/images.py).
 
-    Lenient about the part's other keys: a non-text part is refused by type."""
+    Lenient about the part's other keys: a part of another type is refused by type."""
 
     type: str
     text: Union[str, None] = None
+    image_url: Any = None  # chat: {"url", "detail"}; Responses' input_image: the URL itself
+    file_id: Any = None  # Responses' input_image: refused (no files API)
+    detail: Any = None  # Responses' input_image: accepted, no effect (the processor sizes the image)
 
 
 class FunctionCall(Struct, kw_only=True):

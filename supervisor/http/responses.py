@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from shared import protocol as p
-from supervisor.http import sampling, tools
+from supervisor.http import images, sampling, tools
 from supervisor.http.content import text_of
 from supervisor.http.errors import ApiError
 from supervisor.http.job import Calls, End, Job, Text, open_job
@@ -154,7 +154,7 @@ def _logprobs(req: ResponsesRequest) -> dict[str, Any]:
     return sampling.chat_logprobs(True, req.top_logprobs)
 
 
-def _messages(req: ResponsesRequest) -> list[p.ChatMessage]:
+def _messages(req: ResponsesRequest, found: images.Found) -> list[p.ChatMessage]:
     turns = [p.ChatMessage(role="system", content=req.instructions)] if req.instructions else []
     if isinstance(req.input, str):
         return turns + [p.ChatMessage(role="user", content=req.input)]
@@ -164,7 +164,8 @@ def _messages(req: ResponsesRequest) -> list[p.ChatMessage]:
             if item.role not in ("user", "assistant", "system", "developer"):
                 raise BodyError(f"{where}.role: {item.role!r} is not a message role", param=f"{where}.role")
             role = "system" if item.role == "developer" else item.role
-            turns.append(p.ChatMessage(role=role, content=text_of(item.content, f"{where}.content", _TEXT_PARTS)))
+            text, parts = found.content(item.content, f"{where}.content", _TEXT_PARTS, images.responses_image)
+            turns.append(p.ChatMessage(role=role, content=text, parts=parts))
         elif item.type == "function_call":
             try:
                 args = msgspec.json.decode(item.arguments or "{}")
@@ -215,7 +216,8 @@ def _format(req: ResponsesRequest) -> p.ConstraintSpec | None:
 
 def responses_generate(req: ResponsesRequest) -> tools.Planned:
     _refuse(req)
-    gen = p.Generate(request_id="", messages=_messages(req),
+    found = images.Found()
+    gen = p.Generate(request_id="", messages=_messages(req, found), images=found.images,
                      max_tokens=req.max_output_tokens or DEFAULT_CHAT_MAX_TOKENS,
                      temperature=1.0 if req.temperature is None else req.temperature,
                      top_p=1.0 if req.top_p is None else req.top_p, constraint=_format(req),
@@ -328,6 +330,7 @@ def _status(reason: str) -> str:
 async def handle(request: Request, sup, metrics, body: bytes, started: float) -> Response:
     req = decode_body(body, ResponsesRequest)
     work = responses_generate(req)
+    images.within_body(len(body), work.gen, sup.config.supervisor)
     if req.stream:  # headers at once, a comment each second while it waits (http/streaming.py)
         return await stream_job(request, sup, metrics, req, work, started,
                                 lambda job, first: _events(job, first, Shell(req, "resp_" + job.gen.request_id)),
