@@ -4,7 +4,8 @@ In the manner of h11's `_state.py`: the states, the triggers that move them and
 the legal moves as one table, and one `transition()` that refuses an illegal
 move loudly (`IllegalTransition`) instead of letting a late message undo a
 decision. The supervisor's pool keeps each worker's state with it; the
-policy's snapshot, the ledger's phases and the status all use these names.
+policy's snapshot, the ledger's phases (shared.vocab.WorkerPhase) and the status all use these
+names.
 
     starting --hello--> loading --loaded--> ready <--work/idle--> busy
     starting --wait--> spare --take--> loading      (SPEC W1: a spare worker, then its model)
@@ -24,8 +25,8 @@ model: its hello says so (`wait`), and a load hands it a model (`take`), after
 which it loads like any worker. It serves no request while it waits.
 
 Public names (stable): WorkerState, WorkerTrigger, TRANSITIONS, transition,
-IllegalTransition, LIVE_STATES, SERVING_STATES, LOADING_STATES, GONE_STATES,
-PHASES.
+IllegalTransition, LIVE_STATES, SERVING_STATES, LOADING_STATES, GONE_STATES.
+(The phases a worker writes into its ledger slot: shared.vocab.WorkerPhase.)
 """
 
 from __future__ import annotations
@@ -63,10 +64,6 @@ SERVING_STATES: frozenset[WorkerState] = frozenset({"ready", "busy"})
 LOADING_STATES: frozenset[WorkerState] = frozenset({"starting", "loading"})
 # The process is gone.
 GONE_STATES: frozenset[WorkerState] = frozenset({"stopped", "dead"})
-
-# The states a worker writes into its ledger slot, by index ("empty": never written).
-# The order is the ledger's encoding: append, never reorder.
-PHASES: tuple[str, ...] = ("empty", "starting", "loading", "ready", "busy", "draining", "spare")
 
 
 class IllegalTransition(RuntimeError):
