@@ -6,7 +6,7 @@ import pytest
 
 from supervisor import intensity
 from supervisor.config import SupervisorConfig
-from supervisor.model_states import MODEL_TRANSITIONS, IllegalModelMove, model_transition
+from supervisor.model_states import MODEL_TRANSITIONS, IllegalMove, model_transition
 
 SCFG = SupervisorConfig(restart_max=3, restart_period=60.0, failed_retry_first=5.0, failed_retry_max=80.0)
 
@@ -37,7 +37,7 @@ def test_each_legal_move(state, event, after):
     ("failed", "exit"),
 ])
 def test_an_illegal_move_raises_instead_of_undoing_a_decision(state, event):
-    with pytest.raises(IllegalModelMove, match=f"{state!r} cannot take event {event!r}"):
+    with pytest.raises(IllegalMove, match=f"{state!r} cannot take event {event!r}"):
         model_transition(state, event)
 
 
