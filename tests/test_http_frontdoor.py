@@ -166,7 +166,7 @@ def test_a3_model_larger_than_the_ceiling_is_507_naming_binding_and_remedy(serve
     binding = server.arbiter.enforcer.last.ceilings.binding
     assert binding and binding in error["message"]
     assert "choose a lower tier" in error["message"] or "close other apps" in error["message"]
-    assert server.arbiter.pool.counters["spawned"] == 0
+    assert server.arbiter.pool.counters.spawned == 0
     assert metric(metrics, "memvisor_guard_events_total", kind="refused") >= 1
     assert {m["id"]: m["state"] for m in models}["huge"] == "unloaded"
 
@@ -361,4 +361,4 @@ def test_ollama_a3_refusal_keeps_507_and_its_words_in_ollama_shape(server):
     assert refused.status_code == 507 and binding and binding in refused.error
     assert plain.status_code == 415 and isinstance(plain.json()["error"], str)
     assert forever.status_code == 400 and forever.json()["param"] == "keep_alive"
-    assert server.arbiter.pool.counters["spawned"] == 0
+    assert server.arbiter.pool.counters.spawned == 0

@@ -115,11 +115,10 @@ class Exited:
 def _models(monkeypatch, tmp_path, **scfg):
     """The real Models and Catalog for one pinned model whose files are gone, so each respawn's
     load fails as a crashing worker's would, and the test's clock."""
-    import collections
-
     from supervisor import models as models_module
     from supervisor.catalog import Catalog
     from supervisor.config import Config, ModelConfig
+    from supervisor.counters import SupervisorCounters
     from supervisor.eventlog import EventLog
     from supervisor.models import Models
 
@@ -127,7 +126,7 @@ def _models(monkeypatch, tmp_path, **scfg):
     monkeypatch.setattr(models_module, "time", clock)
     config = Config(supervisor=SupervisorConfig(**scfg), models=[ModelConfig(id="m", path=str(tmp_path / "gone"),
                                                                              pinned=True)])
-    events, counters = EventLog(), collections.Counter()
+    events, counters = EventLog(), SupervisorCounters()
     catalog = Catalog(config, emit=events.emit, counters=counters, discovered_refused={})
     models = Models(config, catalog=catalog, pool=NoWorker(), enforcer=Unmeasured(), emit=events.emit,  # type: ignore[arg-type]
                     wake=lambda: None, counters=counters, running=lambda: True)
@@ -173,7 +172,7 @@ def test_restart_intensity_r_respawns_within_p_seconds_then_failed_with_a_doubli
     async def main():
         models.on_exit(Exited())
         delays = [models.life("m").due - clock.now] + await until_failed()
-        first = (delays, models.view("m").reason, models.restarts("m"), counters["respawns"])
+        first = (delays, models.view("m").reason, models.restarts("m"), counters.respawns)
         return first, await until_failed()  # its backoff passes: tried again, and fails again
 
     (delays, reason, restarts, respawns), again = asyncio.run(main())

@@ -204,7 +204,7 @@ def test_an_unusable_max_wait_header_is_a_400_naming_it(server, value):
     r = server.run(main())
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "invalid_header" and r.json()["error"]["param"] == "x-memvisor-max-wait"
-    assert server.arbiter.pool.counters["spawned"] == 0
+    assert server.arbiter.pool.counters.spawned == 0
 
 
 def test_every_refusal_body_has_a_code_in_every_api_shape(server):
