@@ -87,7 +87,7 @@ def test_config_full_file_round_trip(tmp_path):
     assert c.model("big").ttl == 300 and c.model("big").max_concurrency == 2
     settings = guard_settings(c)
     assert settings.custom_ceiling == 12 * GiB and settings.idle_timeout == 600.0
-    assert settings.tier == "Aggressive"  # normalised by the policy (T2), reported once there
+    assert settings.tier == "aggressive"  # T2: normalised where it enters, the guard reads a Tier
     assert settings.wire_weights  # M2: the opt-in reaches the policy, which hands out the residency
 
 

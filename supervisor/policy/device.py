@@ -78,7 +78,7 @@ from supervisor.policy.group import (
     over_ceiling,
 )
 from supervisor.policy.snapshot import Snapshot, WorkerRecord
-from supervisor.policy.tiers import clamp, normalise_tier, resolve_thresholds
+from supervisor.policy.tiers import clamp, resolve_thresholds
 from supervisor.policy.verdict import DEVICE_TERMS, INSUFFICIENT_MEMORY, MODEL_TOO_LARGE, LoadVerdict, decide_load
 
 __all__ = [
@@ -126,17 +126,16 @@ DEVICE_RESERVE_PARAMS: dict[Tier, DeviceReserveParams] = {
 }
 
 
-def device_reserve(tier: str, device_total: int, custom_device_ceiling: int = 0) -> int:
+def device_reserve(tier: Tier, device_total: int, custom_device_ceiling: int = 0) -> int:
     """D2: device memory `tier` leaves free on a `device_total`-byte device.
 
-    `tier` is normalised here (T2: unknown -> balanced; reporting an unknown
-    name once is the host tick's job). On `custom` a set
+    On `custom` a set
     `custom_device_ceiling` is the device static ceiling, so the reserve is
     what the device has beyond it, floored at 0 (a custom value above the
     device caps at the device); unset (0) falls back to balanced's reserve.
     `custom_device_ceiling` is ignored on the other tiers.
     """
-    name, _ = normalise_tier(tier)
+    name = tier
     total = max(0, device_total)
     if name == "custom":
         if custom_device_ceiling > 0:
@@ -155,7 +154,7 @@ class DeviceCeilings(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """
 
     enabled: bool
-    tier: Tier                   # normalised (T2)
+    tier: Tier
     total: int
     free: int                    # 0 when unknown (see free_known)
     free_known: bool             # False: no free reading, dynamic = static
@@ -178,7 +177,7 @@ class DeviceCeilings(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
 def compute_device_ceilings(
     *,
-    tier: str,
+    tier: Tier,
     total: int,
     free: int | None,
     group_bytes: int,
@@ -189,13 +188,12 @@ def compute_device_ceilings(
 ) -> DeviceCeilings | None:
     """D2-D3 for one tick; None when there is no device (`total` <= 0).
 
-    `tier` is normalised here (T2). `soft_threshold`/`hard_threshold` are the
-    guard's raw overrides (GuardSettings), resolved per T5 as for the host.
+    `soft_threshold`/`hard_threshold` are the guard's raw overrides
+    (GuardSettings), resolved per T5 as for the host.
     """
     if total <= 0:
         return None
-    name, _ = normalise_tier(tier)
-    reserve = device_reserve(name, total, custom_device_ceiling)
+    reserve = device_reserve(tier, total, custom_device_ceiling)
     static = total - reserve
     exceeds = static <= 0
     if exceeds:
@@ -211,10 +209,10 @@ def compute_device_ceilings(
     ceiling = best if enabled else 0
     binding = _binding(ceiling, static)
     admission_ceiling = ceiling if enabled else static
-    soft_t, hard_t = resolve_thresholds(name, soft_threshold, hard_threshold)
+    soft_t, hard_t = resolve_thresholds(tier, soft_threshold, hard_threshold)
     return DeviceCeilings(
         enabled=enabled,
-        tier=name,
+        tier=tier,
         total=total,
         free=free_now,
         free_known=free is not None,
@@ -251,13 +249,13 @@ _REMEDY: dict[DeviceBinding, str] = {
 }
 
 
-def device_remedy(binding: DeviceBinding, tier: str = "") -> str:
+def device_remedy(binding: DeviceBinding, tier: Tier | None = None) -> str:
     """D3: what a person can do about the device constraint that binds ("" if none).
 
     On the custom tier device static is the user's `custom_device_ceiling`
     (D2), so the remedy is to set or raise it.
     """
-    if binding == "device_static" and normalise_tier(tier)[0] == "custom":
+    if binding == "device_static" and tier == "custom":
         return ("set or raise [guard] custom_device_ceiling, or use a smaller model or a "
                 "shorter context")
     return _REMEDY.get(binding, "")

@@ -21,7 +21,6 @@ from shared.states import SERVING_STATES as _SERVING
 from shared.vocab import PressureLevel
 from supervisor.policy.ceilings import Ceilings, compute_ceilings
 from supervisor.policy.snapshot import Snapshot, WorkerRecord
-from supervisor.policy.tiers import normalise_tier
 
 
 class WorkerGroup:
@@ -121,12 +120,11 @@ def snapshot_total(s: Snapshot) -> int:
 
 
 def ceilings_for(s: Snapshot, group: WorkerGroup | None = None) -> Ceilings:
-    """C1-C12 for this snapshot, with the tier normalised (T2)."""
+    """C1-C12 for this snapshot."""
     g = group if group is not None else WorkerGroup(s)
     guard = s.guard
-    tier, _ = normalise_tier(guard.tier)
     return compute_ceilings(
-        tier=tier, enabled=guard.enabled, total=snapshot_total(s), host=s.host, own=g.own,
+        tier=guard.tier, enabled=guard.enabled, total=snapshot_total(s), host=s.host, own=g.own,
         own_gpu=g.own_gpu, gpu_cap_raw=s.gpu_cap_raw, custom_ceiling=guard.custom_ceiling,
         soft_threshold=guard.soft_threshold, hard_threshold=guard.hard_threshold,
         hot_cache_max=guard.hot_cache_max, hot_cache_used=g.hot_used, stranded=s.wired_stranded,

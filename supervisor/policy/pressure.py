@@ -138,16 +138,9 @@ def group_usage(s: Snapshot) -> int:
 # the rules of this module: warnings, P1-P3, P8-P10 (P4-P6: eviction.py; limits: worker_limits.py)
 
 
-def warnings(t: Tick) -> tuple[str | None, bool, bool]:
-    s, prev, c, out = t.s, t.prev, t.c, t.out
-    tier_warned = prev.tier_warned
-    if t.tier_known:
-        tier_warned = None
-    elif s.guard.tier != tier_warned:
-        tier_warned = s.guard.tier
-        out.append(Warn(reason="T2", message=(
-            f"unknown memory guard tier {s.guard.tier!r}; using 'balanced' "
-            "(choose safe, balanced, aggressive or custom)")))
+def warnings(t: Tick) -> tuple[bool, bool]:
+    """Say once what the guard cannot see or cannot give (C2, C1, D2); (no reading, reserve too large)."""
+    prev, c, out = t.prev, t.c, t.out
     no_reading = c.enabled and c.tier != "custom" and c.reading == "none"
     if no_reading and not prev.no_reading_warned:
         out.append(Warn(reason="C2", message=(
@@ -158,7 +151,7 @@ def warnings(t: Tick) -> tuple[str | None, bool, bool]:
     device_short = t.dc is not None and t.dc.reserve_exceeds_total
     if device_short and not prev.reserve_warned:
         out.append(Warn(reason="D2", message=device_reserve_message(t.dc)))
-    return tier_warned, no_reading, c.reserve_exceeds_total or device_short
+    return no_reading, c.reserve_exceeds_total or device_short
 
 
 def host_pressure(t: Tick) -> tuple[PressureLevel, int, bool]:
@@ -270,7 +263,7 @@ def tick(s: Snapshot) -> TickResult:
     if s.host is None and s.state.last_total <= 0 and s.guard.enabled:
         return _hold_still(s, t)
     c, dc, prev = t.c, t.dc, s.state
-    tier_warned, no_reading, reserve_warned = warnings(t)
+    no_reading, reserve_warned = warnings(t)
     host_level, over, host_emergency = host_pressure(t)
     dev_usage = t.group.device_bytes
     dev_level = device_level(dev_usage, dc)
@@ -310,7 +303,7 @@ def tick(s: Snapshot) -> TickResult:
     interval = next_interval(t, level)
     state = PolicyState(
         level=level, over_ceiling_ticks=over, grace_ticks=grace, admission_paused=paused,
-        tier_warned=tier_warned, no_reading_warned=no_reading, reserve_warned=reserve_warned,
+        no_reading_warned=no_reading, reserve_warned=reserve_warned,
         last_total=t.total, interval=interval, limits=common, limited=limited, cache_kept=cache_kept, reduced=reduced,
         usage_seen=seen,
         seen_at=seen_at, growth=growth, device_over_ceiling_ticks=dev_over)

@@ -17,7 +17,6 @@ from supervisor.policy.decisions import Decision, Stop
 from supervisor.policy.device import device_ceilings_for
 from supervisor.policy.group import WorkerGroup, ceilings_for, classify, snapshot_total
 from supervisor.policy.snapshot import Snapshot, WorkerRecord
-from supervisor.policy.tiers import normalise_tier
 
 
 class MemoryPool:
@@ -63,7 +62,6 @@ class Tick:
         self.prev = s.state
         self.out: list[Decision] = []
         self.group = WorkerGroup(s)
-        self.tier_known = normalise_tier(s.guard.tier)[1]
         self.total = snapshot_total(s)
         self.c = ceilings_for(s, self.group)
         self.stopped: set[str] = set()
