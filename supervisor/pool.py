@@ -284,11 +284,10 @@ class Pool:
         handle.model = model
         handle.concurrency = min(handle.concurrency, model.max_concurrency)
 
-    def set_concurrency(self, handle: WorkerHandle, cap: int) -> None:
-        """P8: the worker's request slots, sent with its limits."""
-        handle.concurrency = cap
-        if handle.last_limits is not None:
-            self.set_limits(handle, msgspec.structs.replace(handle.last_limits, max_concurrency=cap))
+    def set_concurrency(self, handle: WorkerHandle, limits: Limits) -> None:
+        """P8: the worker's request slots (`limits.max_concurrency`), sent with the rest of its limits."""
+        handle.concurrency = limits.max_concurrency
+        self.set_limits(handle, limits)
 
     def set_device_info(self, handle: WorkerHandle, info: dict) -> None:
         """The accelerator the worker's MLX sees, as its hello described it (D1)."""

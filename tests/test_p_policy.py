@@ -404,6 +404,28 @@ def test_p8_recheck_does_not_walk():
     assert not of(r, d.SetConcurrency)
 
 
+def test_p8_a_step_carries_the_worker_s_whole_limits_with_the_new_cap():
+    """The policy's decisions are complete: the enforcer sends them as they are, merging nothing."""
+    r = tick(snap(busy("a", 2.0, concurrency=2, max_concurrency=4)))
+    [given] = of(r, d.ApplyLimits)
+    [step] = of(r, d.SetConcurrency)
+    assert given.limits.max_concurrency == 2  # the cap it runs with now
+    assert step.cap == step.limits.max_concurrency == 3
+    assert msgspec.structs.replace(step.limits, max_concurrency=2) == given.limits
+    assert r.state.caps == {"a": 3}
+
+
+def test_t6_a_cap_changed_outside_the_policy_is_handed_out_again():
+    """A spare that took a model (W1) runs with its model's cap: the limits it held as a spare
+    said 1. The policy keeps the cap each worker's limits carry and hands them out again."""
+    spare = w("s", model="", state="spare", pid=5, concurrency=1, max_concurrency=1)
+    took = w("s", model="m-s", state="loading", pid=5, concurrency=4, max_concurrency=4)
+    r = run(snap(spare), snap(took))
+    assert [(x.worker, x.limits.max_concurrency, x.reason) for x in of(r, d.ApplyLimits)] == [
+        ("s", 4, "its request slots changed")]
+    assert not of(run(snap(spare), snap(took), snap(took)), d.ApplyLimits)
+
+
 # --- P9 cadence -------------------------------------------------------------
 
 

@@ -42,7 +42,8 @@ class WorkerGroup:
     instructions of the tick before the device pool): `idle` (serving workers with
     nothing running or queued, `is_idle`, in snapshot order), `unpinned`
     (how many serving workers are not pinned), `pids` (worker -> pid of
-    every live worker, T6's record of who holds which limits) and `usage_now`
+    every live worker, T6's record of who holds which limits), `caps` (worker
+    -> the concurrency cap it runs with, P8: what its limits must carry) and `usage_now`
     (worker -> usage of every live worker not draining, the growth estimate's
     sample). `spares`: the spare workers not draining, starting or waiting
     (SPEC W1: no model); they are neither serving nor loading.
@@ -50,7 +51,7 @@ class WorkerGroup:
 
     __slots__ = ("usage", "own", "own_gpu", "hot_used", "draining_usage", "draining_idle_usage", "live",
                  "serving", "loading", "active", "unknown", "growing", "device_bytes",
-                 "draining_device_bytes", "cached", "draining_count", "idle", "unpinned", "pids", "usage_now",
+                 "draining_device_bytes", "cached", "draining_count", "idle", "unpinned", "pids", "caps", "usage_now",
                  "spares")
 
     def __init__(self, s: Snapshot) -> None:
@@ -63,6 +64,7 @@ class WorkerGroup:
         idle: list[WorkerRecord] = []
         spares: list[WorkerRecord] = []
         pids: dict[str, int] = {}
+        caps: dict[str, int] = {}
         usage_now: dict[str, int] = {}
         active = unknown = busy = False
         n_unpinned = 0
@@ -72,6 +74,7 @@ class WorkerGroup:
                 continue
             live.append(w)
             pids[w.worker] = w.pid
+            caps[w.worker] = w.concurrency or w.max_concurrency
             m = w.memory
             usage += m.usage
             own += m.footprint
@@ -109,7 +112,7 @@ class WorkerGroup:
         self.active, self.unknown = active, unknown
         self.device_bytes, self.draining_device_bytes = device, draining_device
         self.draining_count = n_draining
-        self.idle, self.unpinned, self.pids, self.usage_now = idle, n_unpinned, pids, usage_now
+        self.idle, self.unpinned, self.pids, self.caps, self.usage_now = idle, n_unpinned, pids, caps, usage_now
         self.spares = spares
         self.growing = bool(loading) or busy
 

@@ -175,21 +175,26 @@ def walk_concurrency(t: Tick, level: PressureLevel) -> None:
     """P8: one step per tick toward the configured maximum (ok) or 1 (pressure).
 
     One step at a time keeps a burst of finishing requests from refilling
-    every slot the moment the level dips below soft.
+    every slot the moment the level dips below soft. The step comes with the
+    worker's whole limits carrying the new cap, and is what `caps` keeps.
     """
-    if t.s.recheck:
+    if t.s.recheck or t.hand_out is None:
         return
     ok = level == "ok"
     reason = ("ok: one step toward the configured maximum" if ok
               else f"{level} pressure: one step toward 1")
-    stopped, out = t.stopped, t.out
+    stopped, out, limits_of, caps = t.stopped, t.out, t.hand_out.limits, t.caps
     for w in t.group.serving:
         cap = w.concurrency or w.max_concurrency
         target = w.max_concurrency if ok else 1
         if cap == target or w.worker in stopped:
             continue
-        out.append(SetConcurrency(worker=w.worker, model=w.model, reason=reason,
-                                  cap=cap + 1 if cap < target else cap - 1))
+        cap = cap + 1 if cap < target else cap - 1
+        if caps is t.group.caps:
+            caps = t.caps = dict(caps)  # the group's record stays as read
+        caps[w.worker] = cap
+        out.append(SetConcurrency(worker=w.worker, model=w.model, reason=reason, cap=cap,
+                                  limits=limits_of(w.worker, cap)))
 
 
 def expire_ttl(t: Tick) -> None:
@@ -305,7 +310,7 @@ def tick(s: Snapshot) -> TickResult:
         level=level, over_ceiling_ticks=over, grace_ticks=grace, admission_paused=paused,
         no_reading_warned=no_reading, reserve_warned=reserve_warned,
         last_total=t.total, interval=interval, limits=common, limited=limited, cache_kept=cache_kept, reduced=reduced,
-        usage_seen=seen,
+        caps=t.caps, usage_seen=seen,
         seen_at=seen_at, growth=growth, device_over_ceiling_ticks=dev_over)
     return TickResult(state=state, decisions=t.out, ceilings=c, level=level, usage=t.group.usage,
                       projected_usage=t.projected, emergency=emergency, next_interval=interval,

@@ -107,6 +107,7 @@ class PolicyState(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     limited: dict[str, int] = {}    # worker id -> pid that received `limits`
     cache_kept: int = 0             # C12: the caches' bytes the limits handed out were built on ...
     reduced: dict[str, int] = {}    # ... and each worker's own share of them (its limits subtract the rest)
+    caps: dict[str, int] = {}       # worker id -> the concurrency cap its limits carry (P8)
     usage_seen: dict[str, int] = {}  # worker id -> usage at `seen_at` (growth estimate, P6 at hard)
     seen_at: float = 0.0
     growth: float = 0.0             # bytes/s the non-draining workers grew by, last estimate

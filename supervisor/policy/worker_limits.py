@@ -1,11 +1,17 @@
 """The limits each worker is handed (T6), less the other workers' prompt caches (C12).
 
 Every tick works out the common limits from the ceilings and the level;
-a worker is sent its own (a `ApplyLimits`) only when something it is told
-changed: the common limits, its process (a respawn), or the other workers'
+a worker is sent its own (an `ApplyLimits`) only when something it is told
+changed: the common limits, its process (a respawn), its request slots (a
+spare that took a model, a reload that lowered them), or the other workers'
 cache bytes, which its limits subtract (C12). When the caches leave no room
 under the ceiling for the next step they give way first (H3). On a discrete
 device the workers also get the device watermarks in their own measure (D4).
+
+What a decision carries is complete: every field the worker is told,
+its concurrency cap (P8) included, so the enforcer only sends it. The caps
+each worker's limits carry are kept from tick to tick (`PolicyState.caps`),
+so a cap that changed outside the policy is handed out again.
 """
 
 from __future__ import annotations
@@ -15,11 +21,11 @@ import msgspec
 from shared.limits import Limits
 from shared.sizes import MiB, format_size
 from shared.vocab import PressureLevel
-from supervisor.policy.ceilings import limits_for, worker_limit
+from supervisor.policy.ceilings import limits_for
 from supervisor.policy.decisions import ApplyLimits, ShrinkHotCache
 from supervisor.policy.device import DeviceCeilings
 from supervisor.policy.group import lru_key
-from supervisor.policy.tickstate import Tick
+from supervisor.policy.tickstate import HandOut, Tick
 
 DEVICE_OVERHEAD_STEP = 256 * MiB  # D4: the device watermarks handed to workers move in these steps
 
@@ -29,10 +35,11 @@ def limits_to_hand_out(t: Tick, paused: bool, level: PressureLevel) -> tuple[Lim
 
     The common limits (nothing subtracted) and the caches' total are
     compared with the last ones handed out; a worker also gets its limits
-    when it is new, its pid changed (a respawn) or the other workers'
-    cache bytes (the total less its own) changed: its limits subtract them (C12).
-    Returns (common, worker -> pid, caches' total, worker -> own cache
-    bytes) for the next tick.
+    when it is new, its pid changed (a respawn), its cap is not the one its
+    limits carry, or the other workers' cache bytes (the total less its own)
+    changed: its limits subtract them (C12). Returns (common, worker -> pid,
+    caches' total, worker -> own cache bytes) for the next tick, and leaves
+    `t.hand_out` for P8's walk.
 
     When none of those changed (the common case: a quiet tick), no worker
     needs anything, and that is told by comparing the records whole
@@ -48,27 +55,26 @@ def limits_to_hand_out(t: Tick, paused: bool, level: PressureLevel) -> tuple[Lim
                         pool_max=guard.pool_max, others_cache=0, wire_weights=guard.wire_weights)
     if t.dc is not None and t.dc.ceiling > 0:  # D4: workers report device crossings at once
         common = _device_watermarks(t, common, t.dc)
-    had, had_own = prev.limited, prev.reduced
+    had, had_own, had_caps = prev.limited, prev.reduced, prev.caps
     total, own = _cache_reductions(t, level)
+    t.hand_out = hand_out = HandOut(common, total, own)
     changed = common != prev.limits
-    pids, before = t.group.pids, prev.cache_kept
-    if not changed and pids == had and total == before and own == had_own:
+    pids, caps, before = t.group.pids, t.group.caps, prev.cache_kept
+    if not changed and pids == had and total == before and own == had_own and caps == had_caps:
         return common, had, total, had_own
     why = ("first limits" if prev.limits is None else "limits changed") if changed else ""
     needing = live if changed else [  # the common limits changed: every worker needs them
-        w for w in live if had.get(w.worker) != w.pid
+        w for w in live if had.get(w.worker) != w.pid or had_caps.get(w.worker) != caps[w.worker]
         or total - own.get(w.worker, 0) != before - had_own.get(w.worker, 0)]
     if not needing and len(had) == len(live) and total == before and own == had_own:
         return common, had, total, had_own
-    by_key: dict[tuple[int, int], Limits] = {}
-    out = t.out
+    out, limits_of = t.out, hand_out.limits
     for w in needing:
-        cap, mine = w.concurrency or w.max_concurrency, own.get(w.worker, 0)
-        limits = by_key.get((cap, mine))
-        if limits is None:
-            limits = by_key[(cap, mine)] = _worker_limits(common, cap, total - mine)
-        out.append(ApplyLimits(worker=w.worker, model=w.model, limits=limits, reason=(
-            why or ("new worker" if had.get(w.worker) != w.pid else "other workers' prompt caches changed"))))
+        worker = w.worker
+        out.append(ApplyLimits(worker=worker, model=w.model, limits=limits_of(worker, caps[worker]), reason=(
+            why or ("new worker" if had.get(worker) != w.pid else
+                    "its request slots changed" if had_caps.get(worker) != caps[worker] else
+                    "other workers' prompt caches changed"))))
     return common, pids, total, own
 
 
@@ -120,15 +126,6 @@ def _give_way(t: Tick, keeps: dict[str, int], level: PressureLevel) -> None:
         need -= take
         if need <= 0:
             return
-
-
-def _worker_limits(common: Limits, cap: int, others: int) -> Limits:
-    """One worker's limits: the common ones, its concurrency cap, less `others` (C12)."""
-    if not others:
-        return msgspec.structs.replace(common, max_concurrency=cap)
-    return msgspec.structs.replace(common, max_concurrency=cap,
-                                   hard_limit=worker_limit(common.hard_limit, others),
-                                   abort_limit=worker_limit(common.abort_limit, others))
 
 
 def _device_watermarks(t: Tick, common: Limits, dc: DeviceCeilings) -> Limits:
