@@ -405,14 +405,15 @@ def test_p8_recheck_does_not_walk():
 
 
 def test_p8_a_step_carries_the_worker_s_whole_limits_with_the_new_cap():
-    """The policy's decisions are complete: the enforcer sends them as they are, merging nothing."""
-    r = tick(snap(busy("a", 2.0, concurrency=2, max_concurrency=4)))
+    """The policy's decisions are complete, one per worker: the enforcer sends them as they
+    are, merging nothing (a takes a step, b is at its maximum)."""
+    r = tick(snap(busy("a", 2.0, concurrency=2, max_concurrency=4), busy("b", 2.0, concurrency=4, max_concurrency=4)))
     [given] = of(r, d.ApplyLimits)
     [step] = of(r, d.SetConcurrency)
-    assert given.limits.max_concurrency == 2  # the cap it runs with now
-    assert step.cap == step.limits.max_concurrency == 3
-    assert msgspec.structs.replace(step.limits, max_concurrency=2) == given.limits
-    assert r.state.caps == {"a": 3}
+    assert (given.worker, given.limits.max_concurrency) == ("b", 4)
+    assert (step.worker, step.cap, step.limits.max_concurrency) == ("a", 3, 3)
+    assert msgspec.structs.replace(step.limits, max_concurrency=4) == given.limits
+    assert r.state.caps == {"a": 3, "b": 4}
 
 
 def test_t6_a_cap_changed_outside_the_policy_is_handed_out_again():

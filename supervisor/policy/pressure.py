@@ -39,8 +39,8 @@ victims. The pressure level, P2's emergency count and the admission pause are
 always decided on measured usage.
 
 The rules live beside this module: P4-P6 in eviction.py, the limits handed to
-each worker in worker_limits.py, spare workers (W1, W2) in spares.py, the
-tick's working state in tickstate.py.
+each worker and P8's concurrency walk in worker_limits.py, spare workers (W1,
+W2) in spares.py, the tick's working state in tickstate.py.
 
 Public names (stable): tick, TickResult, group_usage, EMERGENCY_MARGIN,
 EMERGENCY_TICKS, POOL_RECLAIM_FLOOR (the default of GuardSettings.pool_max),
@@ -62,7 +62,6 @@ from supervisor.policy.decisions import (
     LevelChanged,
     PauseAdmission,
     ResumeAdmission,
-    SetConcurrency,
     Warn,
 )
 from supervisor.policy.device import (
@@ -135,7 +134,7 @@ def group_usage(s: Snapshot) -> int:
 
 
 # ---------------------------------------------------------------------------
-# the rules of this module: warnings, P1-P3, P8-P10 (P4-P6: eviction.py; limits: worker_limits.py)
+# the rules of this module: warnings, P1-P3, P9, P10 (P4-P6: eviction.py; limits and P8: worker_limits.py)
 
 
 def warnings(t: Tick) -> tuple[bool, bool]:
@@ -169,32 +168,6 @@ def admission(t: Tick, level: PressureLevel) -> bool:
         else:
             t.out.append(ResumeAdmission(reason="memory pressure is over"))
     return paused
-
-
-def walk_concurrency(t: Tick, level: PressureLevel) -> None:
-    """P8: one step per tick toward the configured maximum (ok) or 1 (pressure).
-
-    One step at a time keeps a burst of finishing requests from refilling
-    every slot the moment the level dips below soft. The step comes with the
-    worker's whole limits carrying the new cap, and is what `caps` keeps.
-    """
-    if t.s.recheck or t.hand_out is None:
-        return
-    ok = level == "ok"
-    reason = ("ok: one step toward the configured maximum" if ok
-              else f"{level} pressure: one step toward 1")
-    stopped, out, limits_of, caps = t.stopped, t.out, t.hand_out.limits, t.caps
-    for w in t.group.serving:
-        cap = w.concurrency or w.max_concurrency
-        target = w.max_concurrency if ok else 1
-        if cap == target or w.worker in stopped:
-            continue
-        cap = cap + 1 if cap < target else cap - 1
-        if caps is t.group.caps:
-            caps = t.caps = dict(caps)  # the group's record stays as read
-        caps[w.worker] = cap
-        out.append(SetConcurrency(worker=w.worker, model=w.model, reason=reason, cap=cap,
-                                  limits=limits_of(w.worker, cap)))
 
 
 def expire_ttl(t: Tick) -> None:
@@ -259,10 +232,10 @@ def tick(s: Snapshot) -> TickResult:
     """Decide one tick. Pure: the same snapshot always gives the same result.
 
     Order of the decisions: warnings, level change, admission pause/resume,
-    limits, W2 stops of spares (any pressure), P6.1 stops of drained marked
-    workers (any level), P4 grace reclaim or P5/P6 pressure actions (host
-    pool, then device pool: D4), P8 concurrency steps, P10 TTL expiries, W1
-    a spare's start.
+    limits and P8's concurrency steps (one decision per worker, each with its
+    whole limits), W2 stops of spares (any pressure), P6.1 stops of drained
+    marked workers (any level), P4 grace reclaim or P5/P6 pressure actions
+    (host pool, then device pool: D4), P10 TTL expiries, W1 a spare's start.
     """
     t = Tick(s)
     if s.host is None and s.state.last_total <= 0 and s.guard.enabled:
@@ -278,7 +251,7 @@ def tick(s: Snapshot) -> TickResult:
     if level != prev.level:
         t.out.append(_level_changed(prev.level, level, t, host_level, dev_usage))
     paused = admission(t, level)
-    common, limited, cache_kept, reduced = limits_to_hand_out(t, paused, host_level)
+    common, limited, cache_kept, reduced = limits_to_hand_out(t, paused, level, host_level)
     seen, seen_at, growth = measure_growth(t)
     discount_draining(t, host_level, growth)
     t.host.projected -= t.cache_drop_bytes  # C12's cache drop, asked in limits_to_hand_out
@@ -302,7 +275,6 @@ def tick(s: Snapshot) -> TickResult:
                     shrink_hot_cache(t, pool)
                     acting = pool.classify()
                 evict(t, pool, acting, pool_emergency, stepped=stepped)
-    walk_concurrency(t, level)
     expire_ttl(t)
     keep_spares(t, level)  # W1: in the quiet after loads and requests, with room
     interval = next_interval(t, level)

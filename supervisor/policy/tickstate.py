@@ -12,11 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import msgspec
-
-from shared.limits import Limits
 from shared.vocab import PressureLevel
-from supervisor.policy.ceilings import worker_limit
 from supervisor.policy.decisions import Decision, Stop
 from supervisor.policy.device import device_ceilings_for
 from supervisor.policy.group import WorkerGroup, ceilings_for, classify, snapshot_total
@@ -50,34 +46,6 @@ class MemoryPool:
         return classify(self.projected, self.ceiling, self.soft, self.hard)
 
 
-class HandOut:
-    """This tick's limits for workers: the common ones, the caches' bytes and each worker's
-    own (C12), and the complete limits built so far by (cap, own cache bytes)."""
-
-    __slots__ = ("common", "total", "own", "built")
-
-    def __init__(self, common: Limits, total: int, own: dict[str, int]) -> None:
-        self.common, self.total, self.own = common, total, own
-        self.built: dict[tuple[int, int], Limits] = {}
-
-    def limits(self, worker: str, cap: int) -> Limits:
-        """Everything `worker` is told with `cap` request slots: the common limits less the others' caches."""
-        mine = self.own.get(worker, 0)
-        limits = self.built.get((cap, mine))
-        if limits is None:
-            limits = self.built[(cap, mine)] = worker_limits(self.common, cap, self.total - mine)
-        return limits
-
-
-def worker_limits(common: Limits, cap: int, others: int) -> Limits:
-    """One worker's limits: the common ones, its concurrency cap, less `others` (C12)."""
-    if not others:
-        return msgspec.structs.replace(common, max_concurrency=cap)
-    return msgspec.structs.replace(common, max_concurrency=cap,
-                                   hard_limit=worker_limit(common.hard_limit, others),
-                                   abort_limit=worker_limit(common.abort_limit, others))
-
-
 def _host_bytes(w: WorkerRecord) -> int:
     return w.usage
 
@@ -108,8 +76,7 @@ class Tick:
         self.cache_dropped: set[str] = set()  # workers told to drop their caches for C12
         self.cache_drop_bytes = 0  # ... and the bytes that takes off the projection
         self.growers: list[WorkerRecord] = []  # runaway growers at hard (discount_draining)
-        self.hand_out: HandOut | None = None  # the limits handed out this tick (worker_limits.py)
-        self.caps = self.group.caps  # worker -> the cap its limits carry after this tick (P8)
+        self.caps = self.group.caps  # worker -> the cap its limits carry after this tick (P8, worker_limits.py)
 
     @property
     def projected(self) -> int:
