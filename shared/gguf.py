@@ -47,6 +47,15 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
     30: ("BF16", 1, 2),
 }
 
+# llama.cpp's `general.file_type` (enum llama_ftype) -> the name its tools and Ollama show.
+FILE_TYPES: dict[int, str] = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S",
+    12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K",
+    19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS", 23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL",
+    26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S", 29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16",
+    36: "TQ1_0", 37: "TQ2_0",
+}
+
 # What stays quantized once imported (MLX affine, group 32): bits per weight it stores.
 MLX_QUANTIZED_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
 MLX_GROUP_SIZE = 32
@@ -136,6 +145,17 @@ class GGUFHeader(msgspec.Struct, frozen=True):
     @property
     def file_tensor_bytes(self) -> int:
         return sum(t.file_bytes for t in self.tensors)
+
+    def file_type_name(self) -> str:
+        """How llama.cpp names the file's quantization (`Q4_K_M`, `Q8_0`, `F16`): its
+        `general.file_type`, else the ggml type holding most of the weights ("" for none)."""
+        kind = self.metadata.get("general.file_type")
+        if isinstance(kind, int) and not isinstance(kind, bool) and kind in FILE_TYPES:
+            return FILE_TYPES[kind]
+        by_type: dict[str, int] = {}
+        for t in self.tensors:
+            by_type[t.type_name] = by_type.get(t.type_name, 0) + t.elements
+        return max(by_type, key=by_type.__getitem__, default="")
 
 
 def _type_by_name(name: str) -> tuple[str, int, int]:

@@ -15,10 +15,15 @@ read still under way answers "still being read" instead of reading again.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import threading
+from collections import Counter
 from pathlib import Path
+from typing import Any
+
+import msgspec
 
 from shared.gguf import GGUFError, is_gguf_path, read_header
 from shared.modelinfo import FileRefused, attention_shape, dtype_bytes, open_regular, read_config_json
@@ -41,8 +46,8 @@ def weight_files(path: str | os.PathLike[str]) -> list[Path]:
     return files
 
 
-def tensor_bytes(file: str | os.PathLike[str]) -> int:
-    """Bytes of tensor data one safetensors file declares in its header."""
+def safetensors_header(file: str | os.PathLike[str]) -> dict[str, Any]:
+    """One safetensors file's header (tensor name -> dtype, shape, data_offsets), read bounded."""
     try:
         handle = open_regular(file, sys.maxsize)
     except FileRefused as exc:
@@ -63,8 +68,13 @@ def tensor_bytes(file: str | os.PathLike[str]) -> int:
         raise WeightsError(f"{file}: unreadable safetensors header ({exc})") from None
     if not isinstance(header, dict):
         raise WeightsError(f"{file}: safetensors header is not an object")
+    return header
+
+
+def tensor_bytes(file: str | os.PathLike[str]) -> int:
+    """Bytes of tensor data one safetensors file declares in its header."""
     total = 0
-    for name, entry in header.items():
+    for name, entry in safetensors_header(file).items():
         if name == "__metadata__":
             continue
         try:
@@ -73,6 +83,73 @@ def tensor_bytes(file: str | os.PathLike[str]) -> int:
         except (TypeError, KeyError, ValueError):
             raise WeightsError(f"{file}: tensor {name!r} has no valid data_offsets") from None
     return total
+
+
+class WeightsSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """What a model's weight files say of the model itself (Ollama's model cards: `size`,
+    `parameter_size`, `quantization_level`), read from headers only.
+
+    `parameters` counts the model's own parameters: a quantized matrix (MLX packs 32/bits
+    values in each uint32) counts its unpacked values, and its scales and biases are not
+    parameters. `file_bytes` is the weight files' size on disk (what Ollama calls a model's
+    size). `dtype` is the type holding most parameters: safetensors' (`F16`, `BF16`, `F32`) or,
+    for a GGUF, its file type as llama.cpp names it (`Q4_K_M`, `Q8_0`, `F16`)."""
+
+    parameters: int = 0
+    file_bytes: int = 0
+    dtype: str = ""
+
+
+def summarize_weights(path: str | os.PathLike[str]) -> WeightsSummary:
+    """The summary of the model at `path` (a folder, or a .gguf file); WeightsError when its
+    headers cannot be read."""
+    if is_gguf_path(path):
+        return _gguf_summary(Path(path).expanduser())
+    config = read_config_json(path) or {}
+    quant = config.get("quantization")
+    quant = quant if isinstance(quant, dict) else {}
+    parameters, by_dtype, file_bytes = 0, Counter[str](), 0
+    for file in weight_files(path):
+        file_bytes += file.stat().st_size
+        header = safetensors_header(file)
+        for name, entry in header.items():
+            count, dtype = _parameters_of(name, entry, header, quant)
+            parameters += count
+            by_dtype[dtype] += count
+    dtype = by_dtype.most_common(1)[0][0] if by_dtype else ""
+    return WeightsSummary(parameters=parameters, file_bytes=file_bytes, dtype=dtype)
+
+
+def _parameters_of(name: str, entry: object, header: dict[str, Any], quant: dict[str, Any]) -> tuple[int, str]:
+    """(parameters, dtype) of one tensor: 0 for metadata and for a quantized matrix's scales and
+    biases; a packed uint32 matrix counts 32/bits values a word (the layer's own bits when the
+    config gives some, else the model's)."""
+    if name == "__metadata__" or not isinstance(entry, dict):
+        return 0, ""
+    shape, dtype = entry.get("shape"), entry.get("dtype")
+    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+        return 0, ""
+    count = math.prod(shape)
+    stem, _, leaf = name.rpartition(".")
+    packed = header.get(f"{stem}.weight", {})
+    if leaf in ("scales", "biases") and isinstance(packed, dict) and packed.get("dtype") == "U32":
+        return 0, ""
+    if dtype == "U32" and leaf == "weight" and f"{stem}.scales" in header:
+        layer = quant.get(stem)
+        bits = (layer if isinstance(layer, dict) else quant).get("bits")
+        if isinstance(bits, int) and not isinstance(bits, bool) and 1 <= bits <= 32:
+            return count * 32 // bits, f"Q{bits}"
+    return count, str(dtype)
+
+
+def _gguf_summary(path: Path) -> WeightsSummary:
+    try:
+        header = read_header(path)
+        size = path.stat().st_size
+    except (GGUFError, OSError) as exc:
+        raise WeightsError(str(exc)) from None
+    return WeightsSummary(parameters=sum(t.elements for t in header.tensors), file_bytes=size,
+                          dtype=header.file_type_name())
 
 
 _PENDING = object()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import zmq
 
@@ -66,6 +66,7 @@ def subscribe(
     *,
     endpoint: str = "",
     server_key: str = "",
+    first: Callable[[], list[tuple[str, object]]] | None = None,
 ) -> Iterator[tuple[str, object]]:
     """Yield (topic, message) from the supervisor's PUB socket.
 
@@ -73,7 +74,9 @@ def subscribe(
     another (e.g. its opt-in TCP PUB), and `server_key` is that endpoint's
     CURVE public key (Z85) when it has one. Messages that do not decode are
     skipped (a newer supervisor may publish what this client does not know).
-    `timeout` bounds the wait for each one.
+    `timeout` bounds the wait for each one. `first` is called once the socket is
+    connected, before any message is read, and what it returns is yielded first
+    (`watch` replays the supervisor's recent events so).
     """
     endpoint = endpoint or Endpoints.load(runtime_dir).pub
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -90,6 +93,8 @@ def subscribe(
     sock.connect(endpoint)
     codec = p.Codec(p.Published)
     try:
+        if first is not None:
+            yield from first()
         while True:
             if timeout is not None and not sock.poll(int(timeout * 1000), zmq.POLLIN):
                 raise TimeoutError(f"no message on {topics or 'any topic'} within {timeout} s")

@@ -8,22 +8,30 @@ without reading a traceback. `Config()` is the built-in demo's configuration.
 
 Size fields accept what `shared.sizes.parse_size` accepts (`"1.5GiB"`,
 `"1536MiB"`, `"2GB"` or integer bytes) and hold plain `int` bytes once built.
+Duration fields (typed `Seconds`) accept what `shared.durations.parse_duration`
+accepts (`"10m"`, `"90s"`, `"1h30m"` or a number of seconds), the grammar of
+Ollama's `keep_alive`, and hold plain `float` seconds once built. An unknown
+key is named with the key it may have meant (`models[0].pinnned: unknown key;
+did you mean pinned?`).
 
 Public names (stable): Config, GuardConfig, SupervisorConfig, ModelConfig,
-ConfigError, load_config, parse_config, resolve_thresholds, normalise_tier,
+ConfigError, config_from, load_config, parse_config, resolve_thresholds, normalise_tier,
 parse_http.
 """
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 import socket
 from pathlib import Path
-from typing import cast
+from typing import Annotated, Any, cast
 
 import msgspec
+import msgspec.inspect as mi
 
+from shared.durations import DurationError, parse_duration
 from shared.protocol import DISK_CACHE_AUTO
 from shared.sizes import SizeError, parse_size
 from shared.vocab import Tier
@@ -36,6 +44,7 @@ __all__ = [
     "GuardConfig",
     "ModelConfig",
     "SupervisorConfig",
+    "config_from",
     "load_config",
     "parse_config",
     "guard_settings",
@@ -52,6 +61,12 @@ class _FieldError(ValueError):
 
     def __init__(self, field: str, reason: str) -> None:
         super().__init__(f"{field}: {reason}")
+
+
+# A duration: float seconds once built; the file may also write "10m", "90s", "1h30m"
+# (shared.durations, the grammar keep_alive takes). `_read_durations` turns those into
+# seconds before msgspec checks the types, so the field stays a plain float for its readers.
+Seconds = Annotated[float, msgspec.Meta(extra={"duration": True})]
 
 
 def _size(field: str, value: int | str) -> int:
@@ -160,23 +175,23 @@ class GuardConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # entries together. "auto": a quarter of the cache folder's free disk (plus what the tier
     # holds), measured by the worker that writes; 0 = off. Kept as int bytes, -1 for "auto".
     disk_cache_max: int | str = "auto"
-    disk_cache_grace: float = 2.0    # H5: seconds a stopping worker may write its cache (0 = none)
+    disk_cache_grace: Seconds = 2.0    # H5: seconds a stopping worker may write its cache (0 = none)
     cache_quantize_bits: int = 0     # H6: 8 or 4 quantizes unused entries at soft pressure; 0 = off
     safe_zone_ratio: float = 0.89    # G2
     min_chunk_tokens: int = 256      # G2
     # M2 (revised 2026-12-05): macOS workers wire nothing unless this opts in (mx.set_wired_limit
     # under concurrent requests is the reproduced trigger of an IOGPU kernel panic, mlx#3186)
     wire_weights: bool = False
-    poll_interval: float = 1.0       # P9 active cadence
-    loaded_idle_interval: float = 10.0
-    unloaded_idle_interval: float = 30.0
+    poll_interval: Seconds = 1.0       # P9 active cadence
+    loaded_idle_interval: Seconds = 10.0
+    unloaded_idle_interval: Seconds = 30.0
     # W5: non-pinned models that evict each other more than thrash_swaps times within
     # thrash_window seconds thrash; a load among them then lets the loaded model serve its
     # queued requests for up to thrash_hold seconds before the swap (0 = no hold and no
     # hand-over: a load is admitted as before W5). docs/thrash-and-prefetch.md
     thrash_swaps: int = 3
-    thrash_window: float = 60.0
-    thrash_hold: float = 2.0
+    thrash_window: Seconds = 60.0
+    thrash_hold: Seconds = 2.0
     # W4: with room and no pressure, read ahead (page cache only) the weights of the model most
     # likely to be asked for next
     prefetch: bool = True
@@ -238,39 +253,39 @@ class SupervisorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     """`[supervisor]`: the front door, the pool and the bus."""
 
     http: str = "127.0.0.1:8000"
-    idle_timeout: float = 0.0        # P10 global TTL in seconds (0 = never)
+    idle_timeout: Seconds = 0.0        # P10 global TTL in seconds (0 = never)
     allow_drills: bool = False
     admin_token: str = ""
     # when any is set, /v1/* needs one (Bearer or x-api-key); a file has one a line
     api_keys: list[str] = msgspec.field(default_factory=list)
     api_keys_file: str = ""
     queue_size: int = 64
-    queue_deadline: float = 60.0
+    queue_deadline: Seconds = 60.0
     restart_max: int = 3
-    restart_period: float = 60.0
-    stop_grace: float = 10.0
-    heartbeat_interval: float = 1.0
-    heartbeat_timeout: float = 5.0
-    load_timeout: float = 600.0      # a worker still loading after this long is wedged
+    restart_period: Seconds = 60.0
+    stop_grace: Seconds = 10.0
+    heartbeat_interval: Seconds = 1.0
+    heartbeat_timeout: Seconds = 5.0
+    load_timeout: Seconds = 600.0      # a worker still loading after this long is wedged
     # A worker whose step loop is inside one engine step (its heartbeat thread
     # says so) is alive, not wedged, for up to this long: a long prefill chunk is work, not silence.
-    step_timeout: float = 300.0
+    step_timeout: Seconds = 300.0
     # A failed model is tried again after failed_retry_first seconds, then after
     # a backoff that doubles each time it fails again, up to failed_retry_max.
-    failed_retry_first: float = 10.0
-    failed_retry_max: float = 300.0
-    body_timeout: float = 30.0       # seconds a client has to send its whole request body
+    failed_retry_first: Seconds = 10.0
+    failed_retry_max: Seconds = 300.0
+    body_timeout: Seconds = 30.0       # seconds a client has to send its whole request body
     # seconds a client has to send its request line and headers (a slow-loris
     # connection is closed after this), and the most HTTP connections open at once
     # (beyond it the oldest one still sending headers is closed, or the new one gets a 503).
-    header_timeout: float = 10.0
+    header_timeout: Seconds = 10.0
     max_connections: int = 1024
     # the pages (origins) that may call /v1/* (and /api/*) from a browser:
     # SCHEME://HOST[:PORT], '*' for a wildcard part, ':*' for any port, or '*' for every origin.
     cors_origins: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_CORS_ORIGINS))
     # The time one prefill chunk aims at: commands wait at most about this long
     # for a step boundary (0 = chunks sized by memory only).
-    chunk_seconds: float = 1.0
+    chunk_seconds: Seconds = 1.0
     max_tokens: int = 32768          # the most tokens one request may ask for
     max_subscribers: int = 64        # PUB subscribers at once (ipc and TCP together); more are refused
     max_body: int | str = "1MiB"
@@ -355,7 +370,7 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     id: str
     path: str
     pinned: bool = False
-    ttl: float | None = None
+    ttl: Seconds | None = None
     max_concurrency: int = 4
     # Requests that may wait for one of its max_concurrency slots; one more is a 429
     # with Retry-After (a router sends it to another host), never an unbounded queue.
@@ -434,7 +449,8 @@ _FIELD_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\[\d+\])?(\.[A-Za-z_][A-Za-z0-9_
 
 
 def _key_path_message(exc: msgspec.ValidationError) -> str:
-    """Turn msgspec's "reason - at `$.guard`" into "guard.key: reason"."""
+    """Turn msgspec's "reason - at `$.guard`" into "guard.key: reason"; an unknown key
+    with the known keys it is closest to."""
     text = str(exc)
     match = _PATH_RE.match(text)
     path, reason = (match["path"].lstrip("."), match["reason"]) if match else ("", text)
@@ -443,7 +459,8 @@ def _key_path_message(exc: msgspec.ValidationError) -> str:
         path, reason = _join(path, field), rest
     unknown = re.match(r"Object contains unknown field `([^`]+)`", reason)
     if unknown:
-        path, reason = _join(path, unknown[1]), "unknown key"
+        reason = "unknown key" + _did_you_mean(unknown[1], _known_keys(path))
+        path = _join(path, unknown[1])
     return f"{path}: {reason}" if path else reason
 
 
@@ -451,14 +468,83 @@ def _join(path: str, field: str) -> str:
     return f"{path}.{field}" if path else field
 
 
+def _did_you_mean(key: str, known: list[str]) -> str:
+    """"; did you mean pinned?" for a key one typo away from a known one (difflib's ratio)."""
+    close = difflib.get_close_matches(key, known, n=2, cutoff=0.7)
+    if not close:
+        return ""
+    return "; did you mean " + " or ".join(close) + "?"
+
+
+def _struct_at(path: str) -> mi.StructType | None:
+    """The table that `path` ("models[0]", "guard", "") names in the config's schema."""
+    info: mi.Type = mi.type_info(Config)
+    for part in filter(None, re.sub(r"\[\d+\]", "", path).split(".")):
+        if not isinstance(info, mi.StructType):
+            return None
+        field = next((f for f in info.fields if f.encode_name == part), None)
+        if field is None:
+            return None
+        info = field.type
+        if isinstance(info, mi.ListType):
+            info = info.item_type
+    return info if isinstance(info, mi.StructType) else None
+
+
+def _known_keys(path: str) -> list[str]:
+    table = _struct_at(path)
+    return [f.encode_name for f in table.fields] if table is not None else []
+
+
+def _is_duration(info: mi.Type) -> bool:
+    if isinstance(info, mi.Metadata):
+        return bool((info.extra or {}).get("duration"))
+    if isinstance(info, mi.UnionType):
+        return any(_is_duration(t) for t in info.types)
+    return False
+
+
+def _read_durations(raw: Any, info: mi.Type, path: str) -> Any:
+    """`raw` with every duration written as text ("10m") turned into seconds, walking the
+    config's schema; a duration that does not parse is a ConfigError naming its key."""
+    if isinstance(info, mi.ListType) and isinstance(raw, list):
+        return [_read_durations(item, info.item_type, f"{path}[{i}]") for i, item in enumerate(raw)]
+    if not (isinstance(info, mi.StructType) and isinstance(raw, dict)):
+        return raw
+    out = dict(raw)
+    for field in info.fields:
+        key = field.encode_name
+        if key not in out:
+            continue
+        if _is_duration(field.type) and isinstance(out[key], str):
+            try:
+                out[key] = parse_duration(out[key])
+            except DurationError as exc:
+                raise ConfigError(f"{_join(path, key)}: {exc}") from None
+        else:
+            out[key] = _read_durations(out[key], field.type, _join(path, key))
+    return out
+
+
+def config_from(raw: Any, source: str = "config") -> Config:
+    """A validated `Config` from plain data (a decoded TOML file, or `to_builtins` of one with
+    the command line's changes), or ConfigError naming `source` and the key path."""
+    try:
+        raw = _read_durations(raw, mi.type_info(Config), "")
+        return msgspec.convert(raw, type=Config)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {_key_path_message(exc)}") from None
+
+
 def parse_config(text: str | bytes, source: str = "config") -> Config:
     """Decode TOML text into a validated `Config`, or raise `ConfigError`."""
     try:
-        return msgspec.toml.decode(text, type=Config)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(f"{source}: {_key_path_message(exc)}") from None
+        raw = msgspec.toml.decode(text)
     except msgspec.DecodeError as exc:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    return config_from(raw, source)
 
 
 def load_config(path: str | Path) -> Config:

@@ -25,6 +25,7 @@ for it is a 404 naming why, instead of a load that fails as if it were our bug.
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 from pathlib import Path
@@ -75,6 +76,23 @@ def _hf_snapshot(repo: Path) -> Path | None:
             return chosen
     candidates = [d for d in snapshots.iterdir() if d.is_dir()] if snapshots.is_dir() else []
     return max(candidates, key=lambda d: d.stat().st_mtime, default=None)
+
+
+def folder_problem(folder: str) -> str | None:
+    """Why `folder` cannot be a models folder (missing, not a folder, unreadable), or None.
+
+    Checked when serving starts and at each reload (serve.build_config): a typo in
+    `--models-dir` used to serve zero models with a warning; now it stops the start, and a
+    reload naming such a folder is refused with the running config kept."""
+    path = Path(folder).expanduser()
+    try:
+        if not path.is_dir():
+            return f"{folder}: no such folder" if not path.exists() else f"{folder}: not a folder"
+        with os.scandir(path) as entries:
+            next(entries, None)
+    except OSError as exc:
+        return f"{folder}: cannot read it: {exc.strerror or exc}"
+    return None
 
 
 def scan(root: Path, warnings: list[str]) -> list[Found]:
@@ -178,11 +196,23 @@ def refusal(path: str) -> str | None:
     return None
 
 
-def discover(dirs: list[str], known: set[str],
-             refused: dict[str, tuple[str, str]] | None = None) -> tuple[list[Found], list[str]]:
-    """Models in `dirs` whose id is not in `known` (config entries win); plus warnings.
+def same_file_key(path: str) -> str:
+    """What identifies a model's files whatever path names them (`~`, `..`, a link): its real path."""
+    try:
+        return os.path.realpath(Path(path).expanduser())
+    except (OSError, ValueError):
+        return path
 
-    Two folders offering the same id: the first one scanned keeps it. A model
+
+def discover(dirs: list[str], known: set[str],
+             refused: dict[str, tuple[str, str]] | None = None,
+             known_paths: set[str] | frozenset[str] = frozenset()) -> tuple[list[Found], list[str]]:
+    """Models in `dirs` whose id is not in `known` and whose files are not in `known_paths`
+    (`same_file_key`s: config entries win, by id and by file); plus warnings.
+
+    One model file is one listing: a GGUF that is a [[models]] entry under one id and lies
+    in a models folder under its file name is served once, as the entry says. Two folders
+    offering the same id: the first one scanned keeps it. A model
     whose files are refused is left out, said in a warning and put in `refused`
     (id -> (path, why)); one whose files cannot be read for a passing reason
     (out of descriptors) is kept: its load will say.
@@ -190,11 +220,18 @@ def discover(dirs: list[str], known: set[str],
     warnings: list[str] = []
     taken = set(known)
     out: list[Found] = []
+    taken_paths = set(known_paths)
     for folder in dirs:
-        for model in scan(Path(folder).expanduser(), warnings):
-            if model.id in taken:
+        models = scan(Path(folder).expanduser(), warnings)
+        if not models and Path(folder).expanduser().is_dir():
+            warnings.append(f"models folder {folder} holds no model yet (a folder with config.json and "
+                            "model*.safetensors, or a .gguf file); add one and run `reload`")
+        for model in models:
+            key = same_file_key(model.path)
+            if model.id in taken or key in taken_paths:
                 continue
             taken.add(model.id)
+            taken_paths.add(key)
             try:
                 why = refusal(model.path)
             except OSError as exc:
@@ -219,7 +256,8 @@ def with_discovered(config: Config) -> tuple[Config, list[str]]:
     taken = config.names()
     found, warnings = _pulled(taken, refused)
     if dirs:
-        more, dir_warnings = discover(dirs, taken | {f.id for f in found}, refused)
+        paths = {same_file_key(p) for p in (*(m.path for m in config.models), *(f.path for f in found))}
+        more, dir_warnings = discover(dirs, taken | {f.id for f in found}, refused, paths)
         found, warnings = found + more, warnings + dir_warnings
     with _refused_lock:
         _last_refused.clear()

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable
 from shared import protocol as p
 from shared.embedding import WRONG_MODEL_KIND, EmbeddingSpec
 from shared.memory import NO_READING
+from shared.sizes import format_size
 from supervisor.api import UNLOAD_WHEN_IDLE
 from supervisor.bus import FrameTooLarge
 from supervisor.cache_tiers import save_grace
@@ -352,9 +353,9 @@ class Service:
         if request.rate <= 0 or request.to <= 0:
             raise ServeError("rate and size must be positive", code="invalid_request", http_status=400)
         self.pool.command(handle, p.Drill(rate=request.rate, to=request.to))
-        self.eventlog.emit("drill", f"fire drill: {request.rate} B/s up to {request.to} B",
-                           worker_id=handle.worker_id, model_id=request.model)
-        log.warning("fire drill on %s: growing %d B/s up to %d B", request.model, request.rate, request.to)
+        # the worker's own `drill` event says it started (it may refuse): one event, not two
+        log.warning("fire drill on %s: growing %s/s up to %s", request.model, format_size(request.rate),
+                    format_size(request.to))
         return f"drill started on {request.model} (worker pid {handle.pid})"
 
     # -- what the metrics and event streams read -----------------------------------

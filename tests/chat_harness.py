@@ -178,3 +178,9 @@ class RecordingProxy:
                     self.wfile.write(b"0\r\n\r\n")
 
         return Handler
+
+
+def run_cli(serving: Serving, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """`python -m supervisor ARGV --runtime-dir` of the running `serving`, to completion."""
+    return subprocess.run([sys.executable, "-m", "supervisor", *argv, "--runtime-dir", str(serving.runtime_dir)],
+                          cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=timeout)

@@ -94,12 +94,12 @@ def test_config_full_file_round_trip(tmp_path):
 @pytest.mark.parametrize(
     "toml, fragment",
     [
-        ('[guard]\nsoft_treshold = 0.9', "guard.soft_treshold: unknown key"),
-        ('[gaurd]\ntier = "safe"', "gaurd: unknown key"),
+        ('[guard]\nsoft_treshold = 0.9', "guard.soft_treshold: unknown key; did you mean soft_threshold?"),
+        ('[gaurd]\ntier = "safe"', "gaurd: unknown key; did you mean guard?"),
         ('[guard]\nbudget = "12 parsecs"', "guard.budget: unknown unit"),
         ('[guard]\nbudget = -5', "guard.budget: size must not be negative"),
         ('[guard]\nhot_cache_max = "1.5"', "guard.hot_cache_max: a byte count must be whole"),
-        ('[guard]\npoll_interval = "fast"', "guard.poll_interval: Expected `float`, got `str`"),
+        ('[guard]\npoll_interval = "fast"', "guard.poll_interval: 'fast' is not a duration"),
         ('[guard]\npoll_interval = 0', "guard.poll_interval: must be between 0.01 and 3600 seconds"),
         ('[guard]\nloaded_idle_interval = -1', "guard.loaded_idle_interval: must be between"),
         ('[guard]\nenabled = "yes"', "guard.enabled: Expected `bool`"),
@@ -229,3 +229,96 @@ def test_model_paths_are_checked_at_start(tmp_path):
     problems = config.path_problems()
     assert problems == [f"models[1].path: {tmp_path / 'absent'}: no such file or folder",
                         f"models[2].path: {afile}: not a model folder (nor a .gguf file)"]
+
+
+@pytest.mark.parametrize(
+    "toml, message",
+    [
+        ('[[models]]\nid = "a"\npath = "/a"\npinnned = true', "models[0].pinnned: unknown key; did you mean pinned?"),
+        ('[supervisor]\nidle_timout = 5', "supervisor.idle_timout: unknown key; did you mean idle_timeout?"),
+        ('[guard]\nteir = "safe"', "guard.teir: unknown key; did you mean tier?"),
+        ('[[model]]\nid = "a"', "model: unknown key; did you mean models?"),
+        ('[guard]\nzzz = 1', "guard.zzz: unknown key"),
+    ],
+)
+def test_an_unknown_key_keeps_its_key_path_and_says_which_known_key_it_may_mean(toml, message):
+    with pytest.raises(ConfigError) as info:
+        parse_config(toml, source="my.toml")
+    assert str(info.value) == f"my.toml: {message}"
+
+
+def _duration_fields() -> list[tuple[str, str]]:
+    """(table, key) of every field typed `Seconds`, read from the schema, so a new one is covered."""
+    import msgspec.inspect as mi
+
+    from supervisor.config import Config
+
+    out = []
+    for table in mi.type_info(Config).fields:
+        info = table.type.item_type if isinstance(table.type, mi.ListType) else table.type
+        for field in info.fields:
+            types = field.type.types if isinstance(field.type, mi.UnionType) else (field.type,)
+            if any(isinstance(t, mi.Metadata) and (t.extra or {}).get("duration") for t in types):
+                out.append((table.encode_name, field.encode_name))
+    return out
+
+
+def test_every_config_value_in_seconds_takes_a_duration_with_units():
+    """keep_alive took "10m" while the config refused it: every duration in the file takes the
+    same grammar (shared.durations), a bare number still being seconds."""
+    import msgspec.inspect as mi
+
+    from supervisor.config import Config
+
+    fields = _duration_fields()
+    timelike = ("timeout", "ttl", "deadline", "grace", "period", "interval", "retry", "seconds", "window", "hold")
+    for table in mi.type_info(Config).fields:  # nothing that reads as a time is left a bare float
+        info = table.type.item_type if isinstance(table.type, mi.ListType) else table.type
+        for field in info.fields:
+            if set(field.encode_name.split("_")) & set(timelike):
+                assert (table.encode_name, field.encode_name) in fields, field.encode_name
+    assert {"idle_timeout", "ttl", "queue_deadline", "heartbeat_timeout", "step_timeout", "body_timeout",
+            "header_timeout", "restart_period", "failed_retry_first", "disk_cache_grace", "stop_grace"} <= {
+        key for _, key in fields}
+    for table, key in fields:
+        head = "[[models]]\nid = \"a\"\npath = \"/a\"\n" if table == "models" else f"[{table}]\n"
+        config = parse_config(f'{head}{key} = "1.5s"')
+        section = config.models[0] if table == "models" else getattr(config, table)
+        assert getattr(section, key) == 1.5, key
+
+
+@pytest.mark.parametrize("text, seconds", [('"10m"', 600.0), ('"90s"', 90.0), ('"1h30m"', 5400.0), ("90", 90.0),
+                                           ('"250ms"', 0.25), ('"120"', 120.0), ("2.5", 2.5)])
+def test_a_duration_is_a_number_of_seconds_or_go_units(text, seconds):
+    assert parse_config(f"[supervisor]\nidle_timeout = {text}").supervisor.idle_timeout == seconds
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ('"10 minutes"', "supervisor.idle_timeout: '10 minutes' is not a duration"),
+    ('"inf"', "supervisor.idle_timeout: 'inf' is not a duration"),
+    ('"-5m"', "supervisor.idle_timeout: must be zero or a positive number of seconds"),
+    ('"2d"', "supervisor.idle_timeout: '2d' is not a duration"),
+    ("true", "supervisor.idle_timeout: Expected `float`, got `bool`"),
+])
+def test_a_duration_that_cannot_be_read_names_its_key(text, fragment):
+    with pytest.raises(ConfigError) as info:
+        parse_config(f"[supervisor]\nidle_timeout = {text}", source="my.toml")
+    assert fragment in str(info.value)
+
+
+def test_keep_alive_and_the_config_read_durations_with_one_grammar():
+    from shared.durations import parse_duration
+    from supervisor.http.keepalive import keep_alive_seconds
+
+    for text in ("10m", "1h30m", "90s", "250ms", "1.5h"):
+        assert keep_alive_seconds(text, None) == parse_duration(text) == parse_config(
+            f'[supervisor]\nidle_timeout = "{text}"').supervisor.idle_timeout
+
+
+def test_cli_seconds_flags_take_durations():
+    from supervisor.cli import build_parser
+
+    assert build_parser("watch").parse_args(["watch", "--timeout", "2m"]).timeout == 120.0
+    assert build_parser("status").parse_args(["status", "--timeout", "1m30s"]).timeout == 90.0
+    with pytest.raises(SystemExit):
+        build_parser("status").parse_args(["status", "--timeout", "soon"])

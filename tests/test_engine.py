@@ -756,6 +756,36 @@ def test_a_prompt_that_leaves_no_room_for_max_tokens_fails_naming_both(loaded):
     assert "context of 64 tokens" in end.message
 
 
+def test_an_over_long_prompt_is_refused_by_us_without_the_tokenizers_own_warning(tiny_model, tmp_path):
+    """transformers logs "Token indices sequence length is longer than the specified maximum
+    ... will result in indexing errors" when a prompt passes the tokenizer's model_max_length,
+    for a prompt the engine then refuses cleanly: a line that reads like our crash. The
+    engine keeps the context limit (config.json's) and the tokenizer is told it has none."""
+    import json
+    import logging
+    import shutil
+
+    folder = tmp_path / "short"
+    shutil.copytree(tiny_model, folder)
+    for name, key in (("config.json", "max_position_embeddings"), ("tokenizer_config.json", "model_max_length")):
+        data = json.loads((folder / name).read_text())
+        data[key] = 64
+        (folder / name).write_text(json.dumps(data))
+    said: list[str] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    library = logging.getLogger("transformers")  # its own handler; it does not propagate to the root
+    library.addHandler(handler)
+    try:
+        engine = Engine.load(folder)
+        engine.submit_generate(Generate(request_id="r", prompt="word " * 200, max_tokens=4))
+        end = drive(engine).terminal("r")
+    finally:
+        library.removeHandler(handler)
+    assert isinstance(end, Failed) and end.code == "context_length_exceeded" and "context of 64 tokens" in end.message
+    assert not [line for line in said if "Token indices sequence length" in line], said
+
+
 def test_warm_up_leaves_no_trace_and_serving_is_unchanged(loaded):
     """The GPU warm-up runs real requests (one alone, then a group) before serving; afterwards
     nothing of them is left: no request, no batch rows, counters and learned costs as loaded,

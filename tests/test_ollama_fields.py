@@ -3,6 +3,8 @@ facts behind /api/tags and /api/show, without a server."""
 
 from __future__ import annotations
 
+import sys
+
 import msgspec
 import pytest
 
@@ -115,7 +117,7 @@ def test_model_facts_from_config_and_tokenizer_config(tmp_path):
     facts = read_facts(str(tmp_path))
     assert (facts.family, facts.context_length, facts.quantization_level) == ("qwen2", 32768, "Q4")
     assert capabilities(facts) == ["completion", "tools", "insert"]
-    assert parameter_size(500_000_000, facts) == "1.0B"
+    assert parameter_size(500_000_000, facts) == "1B"  # no weights here: estimated from the bytes and bits
     assert facts.modified == (tmp_path / "config.json").stat().st_mtime
     assert ollama_models.modified_at(facts).endswith("Z")
     bare = read_facts(str(tmp_path / "missing"))
@@ -148,3 +150,77 @@ def test_ollama_calls_come_back_with_object_arguments():
 
     [out] = ollama._calls_out([tools.Call(id="call_1", name="w", arguments='{"c": "x"}')])
     assert out == {"id": "call_1", "function": {"index": 0, "name": "w", "arguments": {"c": "x"}}}
+
+
+def _llama_parameters(config: dict) -> int:
+    """A llama's parameter count from its dimensions (tied embeddings), worked out apart from
+    the weight files, to check the count read from their headers."""
+    h, inter, layers, vocab = (config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                                   "vocab_size"))
+    q, kv = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * inter + 2 * h
+    return vocab * h + layers * per_layer + h
+
+
+def test_ollama_parameter_size_and_quantization_come_from_the_weights(tiny_model, quantized):
+    """Before: parameter_size was guessed from A2's estimate and quantization_level empty
+    without a torch_dtype; a 4-bit model's packed words are counted unpacked, its scales and
+    biases not at all."""
+    import json
+
+    for folder, level in ((tiny_model, "F16"), (quantized[4], "Q4"), (quantized[8], "Q8")):
+        config = json.loads((folder / "config.json").read_text())
+        facts = read_facts(str(folder))
+        assert facts.parameters == _llama_parameters(config), folder
+        assert (facts.family, facts.quantization_level) == ("llama", level)
+        assert facts.file_bytes == sum(f.stat().st_size for f in folder.glob("model*.safetensors"))
+
+
+def test_ollama_parameter_size_is_written_as_ollama_writes_it():
+    from supervisor.http.modelfacts import ModelFacts, human_number
+
+    assert [human_number(n) for n in (134_515_008, 135_000_000, 1_711_376_384, 8_000_000_000, 12_345, 999)] == [
+        "134.52M", "135M", "1.7B", "8B", "12K", "999"]
+    assert parameter_size(0, ModelFacts(parameters=1_711_376_384)) == "1.7B"
+    assert parameter_size(0, ModelFacts()) == ""
+
+
+def test_ollama_quantization_of_a_gguf_is_its_llama_cpp_file_type(tmp_path):
+    from tests import model_files
+
+    facts = read_facts(str(model_files.gguf(tmp_path / "m.gguf")))
+    assert (facts.family, facts.parameters, facts.quantization_level) == ("llama", 4, "F32")
+    assert facts.file_bytes == (tmp_path / "m.gguf").stat().st_size
+
+
+def test_ollama_size_is_the_weight_files_not_the_workers_memory(tiny_model):
+    """Before: `size` was the worker's usage, which grew from 222 MB to 631 MB in one session for
+    a 98 MB model; Ollama gives the model's fixed size."""
+    from supervisor.policy.status import ModelInfo
+
+    facts = read_facts(str(tiny_model))
+    info = ModelInfo(id="a", path=str(tiny_model), pinned=False, state="ready", usage=631_000_000,
+                     estimated_bytes=2_000_000)
+    assert ollama_models.size_of(info, facts) == facts.file_bytes
+    assert facts.file_bytes == (tiny_model / "model.safetensors").stat().st_size
+
+
+def test_ollama_size_vram_is_zero_on_the_cpu_and_the_device_share_on_a_gpu():
+    from supervisor.policy.snapshot import Snapshot, WorkerRecord
+
+    cpu = Snapshot(now=0.0, workers=[WorkerRecord(worker="a#1", model="a")])
+    gpu = Snapshot(now=0.0, device_total=80 << 30, workers=[WorkerRecord(worker="a#1", model="a",
+                                                                         device_bytes=900)])
+    if sys.platform == "darwin":  # unified memory: the whole model is the GPU's
+        assert ollama_models.size_vram(1000, "a#1", cpu) == 1000
+        return
+    assert ollama_models.size_vram(1000, "a#1", cpu) == 0
+    assert ollama_models.size_vram(1000, "a#1", None) == 0
+    assert ollama_models.size_vram(1000, "a#1", gpu) == 900
+    assert ollama_models.size_vram(500, "a#1", gpu) == 500  # the KV on the device is not the model's size
+
+
+def test_ollama_never_expires_as_ollama_says_it_for_keep_alive_minus_one():
+    """Go's longest duration from now, as Ollama's `ps` gives for keep_alive -1 (its CLI shows
+    "Forever"), not the year 9999."""
+    assert 292 * 365 * 86400 < ollama_models.FOREVER.total_seconds() < 293 * 365 * 86400

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from shared.sizes import MiB
+from shared.sizes import MiB, format_size
 
 PIECE_BYTES = 64 * MiB   # largest single array, so one advance never stalls long
 MIN_STEP_BYTES = 1 * MiB  # below this, wait for the next advance (no confetti of tiny arrays)
@@ -82,3 +82,13 @@ class DrillAllocation:
         self.held = 0
         mx.clear_cache()
         return held
+
+    def start_words(self) -> str:
+        """The drill's event as people read it ("drill started: 64 MiB/s up to 1 GiB"). The
+        worker's event is the drill's only one: it says the drill runs, which the command
+        that asked for it cannot know."""
+        return f"drill started: {format_size(self.rate)}/s up to {format_size(self.target)}"
+
+    def release_words(self, why: str) -> str:
+        """Release it (as `release`), in words for its event: "drill released 512 MiB: why"."""
+        return f"drill released {format_size(self.release())}: {why}"

@@ -376,15 +376,15 @@ class Worker:
 
         self.stop_drill("replaced by a new drill")
         self.drill = DrillAllocation(rate=msg.rate, target=msg.to, now=time.monotonic())
-        self.wire.event("drill", f"drill started: {msg.rate} B/s up to {msg.to} B")
+        self.wire.event("drill", self.drill.start_words())
         self.wire.reply(p.Ack(cmd=msg.cmd))
 
     def stop_drill(self, why: str) -> None:
         if self.drill is not None:
-            held = self.drill.release()
+            words = self.drill.release_words(why)
             self.drill = None
             self.sampler.reclaim()
-            self.wire.event("drill", f"drill released {held} B: {why}")
+            self.wire.event("drill", words)
 
 
 def load_model(spec: p.WorkerSpec, device: DeviceUsage | None, meter: LoadMeter | None = None) -> Engine | Embedder:

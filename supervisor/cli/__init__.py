@@ -39,9 +39,19 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def prog_name(argv0: str) -> str:
+    """How the user ran us, for `--help` and usage lines: `memvisor` (the installed command,
+    or whatever name it has), or `python -m supervisor` (argv[0] is then this package's
+    __main__.py, which argparse would print as it is)."""
+    path = Path(argv0)
+    if path.name == "__main__.py" or not path.name:
+        return "python -m supervisor"
+    return path.name
+
+
 def _base_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m supervisor",
+        prog=prog_name(sys.argv[0] if sys.argv else ""),
         description="memvisor: run several MLX models, one process each, under a memory guard.",
     )
     parser.add_argument(

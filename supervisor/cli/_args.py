@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from shared.durations import DurationError, parse_duration
 from shared.sizes import SizeError, parse_size
 
 
@@ -27,3 +28,15 @@ def size_arg(text: str) -> int:
         return parse_size(text)
     except SizeError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def duration_arg(text: str) -> float:
+    """argparse type for a flag that takes seconds: `30`, `90s`, `10m`, `1h30m` (the config's
+    and keep_alive's grammar, shared.durations); more than zero."""
+    try:
+        seconds = parse_duration(text)
+    except DurationError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text!r}")
+    return seconds

@@ -11,8 +11,8 @@ from pathlib import Path
 import msgspec
 
 from shared.sizes import SizeError, parse_size
-from supervisor.config import Config, ConfigError, load_config
-from supervisor.discovery import with_discovered
+from supervisor.config import Config, ConfigError, config_from, load_config, parse_http
+from supervisor.discovery import folder_problem, with_discovered
 from supervisor.policy.wired import wiring_line
 
 log = logging.getLogger("memvisor.serve")
@@ -63,15 +63,50 @@ def build_config(args: argparse.Namespace) -> Config:
         raw["supervisor"]["allow_drills"] = True
     if args.host_name is not None:
         raw["supervisor"]["host_name"] = args.host_name
+    _check_models_dirs(raw["supervisor"]["models_dirs"], args)
     raw["supervisor"]["models_dirs"] = [*raw["supervisor"]["models_dirs"], *args.models_dir]
-    try:
-        config = msgspec.convert(raw, type=Config)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(f"command line: {exc}") from None
+    config = config_from(raw, "command line")
     config, warnings = with_discovered(config)
     for warning in warnings:
         log.warning("%s", warning)
     return config
+
+
+def _check_models_dirs(from_file: list[str], args: argparse.Namespace) -> None:
+    """A models folder that is missing or unreadable stops the start (and refuses a reload,
+    the running config kept): a typo must not serve zero models behind a warning."""
+    named = [(f"{args.config}: supervisor.models_dirs[{i}]", d) for i, d in enumerate(from_file)]
+    named += [("--models-dir", d) for d in args.models_dir]
+    for where, folder in named:
+        problem = folder_problem(folder)
+        if problem is not None:
+            raise ConfigError(f"{where}: {problem}")
+
+
+def _taken(args: argparse.Namespace, config: Config) -> str | None:
+    """What another process holds that this supervisor needs, in one line with the remedy,
+    checked before anything starts (a taken port used to print six tracebacks first): the
+    runtime dir of a live supervisor, then the HTTP address. The arbiter checks both again
+    as it binds (another process may take them in between); this is the early, quiet word."""
+    from supervisor.bus import RuntimeDirBusy, claim_runtime_dir
+    from supervisor.http.server import FrontDoorError, bind
+
+    try:
+        claim_runtime_dir(args.runtime_dir)
+    except RuntimeDirBusy as exc:
+        return str(exc)
+    except OSError:  # a folder we may not read: the arbiter's own checks of it say why
+        pass
+    if args.http == "off":
+        return None
+    host, port = parse_http(config.supervisor.http)
+    if port == 0:
+        return None
+    try:
+        bind(host, port).close()
+    except FrontDoorError as exc:
+        return f"{exc}; choose another address with --http HOST:PORT (or [supervisor] http in the config)"
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,6 +126,11 @@ def run(args: argparse.Namespace) -> int:
     from supervisor.arbiter import Arbiter
     from supervisor.bus import BusError, RuntimeDirBusy
     from supervisor.http.server import FrontDoorError
+
+    refusal = _taken(args, config)
+    if refusal is not None:
+        print(f"memvisor: {refusal}", file=sys.stderr)
+        return 2
 
     wiring = wiring_line(config.guard.wire_weights, sys.platform == "darwin")  # M2: said at start when on
     if wiring:

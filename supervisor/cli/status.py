@@ -9,6 +9,7 @@ import msgspec
 
 from shared import protocol as p
 from shared.sizes import format_size
+from supervisor.cli._args import duration_arg
 from supervisor.cli._control import connect
 from supervisor.client import NotRunning
 from supervisor.policy.status import DiskCacheStatus, GuardStatus, ServerStatus, WorkerStatus
@@ -17,7 +18,8 @@ from supervisor.policy.wired import wiring_line
 
 def add_arguments(parser):
     parser.add_argument("--json", action="store_true", help="the whole status as one JSON object")
-    parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the supervisor")
+    parser.add_argument("--timeout", type=duration_arg, default=10.0,
+                        help="how long to wait for the supervisor: seconds, or e.g. 90s, 2m (default 10)")
 
 
 def run(args) -> int:
@@ -71,7 +73,8 @@ def render(st: ServerStatus) -> str:
     if g.device is not None:
         lines += _device_lines(g.device, g.enabled)
     dev = g.device is not None  # D6: a device column beside usage
-    lines += ["", f"{'model':<20} {'state':<10} {'pid':>7} {'usage':>10} " + (f"{'device':>10} " if dev else "")
+    name = max(19, *(len(m.id) for m in st.models)) if st.models else 19  # a model's name is never cut
+    lines += ["", f"{'model':<{name + 1}} {'state':<10} {'pid':>7} {'usage':>10} " + (f"{'device':>10} " if dev else "")
               + f"{'mlx active':>10} {'pool':>9} {'cache':>9} {'disk':>9} {'batch':>9} {'run':>4} {'queue':>5} "
               f"{'idle':>7} "
               f"{'restarts':>8}"]
@@ -81,18 +84,18 @@ def render(st: ServerStatus) -> str:
         pin = "*" if m.pinned else " "
         if w is None:
             on_disk = f"  {size(m.disk_cache_bytes)} of prompt cache on disk" if m.disk_cache_bytes else ""
-            lines.append(f"{pin}{m.id:<19} {m.state:<10}" + (f"  {m.failed_reason}" if m.failed_reason else "")
+            lines.append(f"{pin}{m.id:<{name}} {m.state:<10}" + (f"  {m.failed_reason}" if m.failed_reason else "")
                          + on_disk)
             continue
         lines.append(
-            f"{pin}{m.id:<19} {w.state:<10} {w.pid:>7} {size(w.usage):>10} "
+            f"{pin}{m.id:<{name}} {w.state:<10} {w.pid:>7} {size(w.usage):>10} "
             + (f"{size(w.device_bytes):>10} " if dev else "") + f"{size(w.mlx_active):>10} "
             f"{size(w.mlx_pool):>9} {size(w.cache_bytes):>9} {size(m.disk_cache_bytes):>9} {size(w.batch_bytes):>9} "
             f"{w.running:>4} {w.queued:>5} {w.idle_seconds:>6.0f}s {w.restarts:>8}"
         )
     for w in g.workers:  # W1: spare workers, MLX imported and no model yet
         if not w.model and w.state not in ("stopped", "dead"):
-            lines.append(f" {'(spare)':<19} {w.state:<10} {w.pid:>7} "
+            lines.append(f" {'(spare)':<{name}} {w.state:<10} {w.pid:>7} "
                          f"{size(w.usage):>10}")
     lines.append("(* pinned)")
     lines += _batch_lines([workers[m.id] for m in st.models if m.id in workers])

@@ -16,10 +16,10 @@ admin route refused it (docs/access.md).
 from __future__ import annotations
 
 import math
-import re
 
 from starlette.requests import Request
 
+from shared.durations import DurationError, parse_duration
 from supervisor.api import UNLOAD_WHEN_IDLE
 from supervisor.http.auth import require_admin
 from supervisor.http.errors import ApiError
@@ -63,10 +63,6 @@ def keep_alive_seconds(keep_alive, ttl: int | None) -> float | None:
 
 UNLOAD_NOW = UNLOAD_WHEN_IDLE  # P10 expires an idle model whose idle time exceeds its TTL: at once
 MAX_KEEP_ALIVE = 10 * 365 * 86400.0  # ten years: longer is "forever", which is spelled -1
-_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)")
-_DURATION = re.compile(r"([+-]?)((?:(?:\d+(?:\.\d*)?|\.\d+)(?:ns|us|µs|ms|s|m|h))+)")
-_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
 
 
 def _bounded(seconds: float, given: object) -> float:
@@ -79,14 +75,10 @@ def _bounded(seconds: float, given: object) -> float:
 
 
 def _duration(text: str) -> float:
-    """"5m", "1h30m", "90s", "-1", "0" (Go durations, as Ollama takes them): decimal
-    numbers only, so "inf", "nan", "1e999" and "0x10" are refused, not read by float()."""
-    text = text.strip()
-    if _NUMBER.fullmatch(text):
-        return float(text)
-    match = _DURATION.fullmatch(text)
-    if match is None:
+    """"5m", "1h30m", "90s", "-1", "0" (Go durations, as Ollama takes them): the one grammar
+    of shared.durations, which the config's durations read too."""
+    try:
+        return parse_duration(text)
+    except DurationError:
         raise BodyError(f"keep_alive: {text!r} is not a duration like \"5m\", \"1h\", \"0\" or \"-1\"",
-                        param="keep_alive")
-    total = sum(float(a) * _UNITS[u] for a, u in _PART.findall(match[2]))
-    return -total if match[1] == "-" else total
+                        param="keep_alive") from None

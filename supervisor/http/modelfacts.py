@@ -25,6 +25,7 @@ from shared import fim
 from shared.embedding import EmbeddingSpec, read_embedding_spec
 from shared.gguf import GGUFError, read_header
 from shared.modelinfo import CONFIG_MAX_BYTES, context_length, read_config_json, read_small
+from shared.weights import WeightsError, WeightsSummary, summarize_weights, weight_files
 from supervisor.http.openai_types import BodyError
 from supervisor.offloop import MODEL_FILES_TIMEOUT, OffLoopTimeout, off_loop
 
@@ -41,9 +42,12 @@ class ModelFacts(msgspec.Struct, kw_only=True):
     template: str = ""  # the chat template, as the tokenizer config carries it
     has_template: bool = False
     fim: bool = False  # the tokenizer has fill-in-the-middle tokens (shared.fim)
-    quantization_level: str = ""  # "Q4", "Q8", "F16", "BF16", "F32"
+    # MLX's affine quantization "Q4", "Q8" (bits; another mode by its name, "MXFP4"), plain
+    # "F16", "BF16", "F32"; a GGUF's file type as llama.cpp names it ("Q4_K_M", "Q8_0")
+    quantization_level: str = ""
     bytes_per_parameter: float = 0.0  # from the dtype or quantization bits (0: unknown)
-    file_bytes: int = 0  # a .gguf file's own size
+    parameters: int = 0  # counted from the weight files' headers (shared.weights; 0: unknown)
+    file_bytes: int = 0  # the weight files' size on disk: a .gguf file's own, a folder's model*.safetensors
     modified: float = 0.0  # mtime of config.json (a .gguf file's own); 0: unknown
     embedding: EmbeddingSpec | None = None  # a sentence-embedding model's facts (None: it generates)
 
@@ -66,6 +70,7 @@ def read_facts(path: str) -> ModelFacts:
         pass
     config = read_config_json(folder) or {}
     _dtype_facts(facts, config)
+    _weights_facts(facts, folder)
     model_type = config.get("model_type")
     if isinstance(model_type, str):
         facts.family = model_type[:64]
@@ -97,13 +102,34 @@ def gguf_facts(path: Path) -> ModelFacts:
     return facts
 
 
+def _weights_facts(facts: ModelFacts, folder: Path) -> None:
+    """The parameter count and file size from the weight files' headers (once per version of
+    the files); the dtype holding most parameters when config.json names none."""
+    try:
+        signature = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in weight_files(folder))
+        summary = _summary(str(folder), signature)
+    except (OSError, WeightsError):
+        return
+    facts.parameters, facts.file_bytes = summary.parameters, summary.file_bytes
+    if not facts.quantization_level and summary.dtype in PLAIN_DTYPES:
+        facts.quantization_level, facts.bytes_per_parameter = summary.dtype, PLAIN_DTYPES[summary.dtype]
+
+
+@functools.lru_cache(maxsize=64)
+def _summary(path: str, _signature: tuple) -> WeightsSummary:
+    return summarize_weights(path)
+
+
 @functools.lru_cache(maxsize=32)
 def _gguf_header_facts(path: str, _mtime_ns: int, _size: int) -> ModelFacts:
     facts = ModelFacts(format="gguf")
     try:
-        meta = read_header(path).metadata
+        header = read_header(path)
     except (OSError, GGUFError):
         return facts
+    meta = header.metadata
+    facts.parameters = sum(t.elements for t in header.tensors)
+    facts.quantization_level = header.file_type_name()
     arch = meta.get("general.architecture")
     if isinstance(arch, str):
         facts.family = arch[:64]
@@ -136,16 +162,25 @@ def capabilities(facts: ModelFacts) -> list[str]:
     return caps
 
 
+PLAIN_DTYPES = {"F16": 2.0, "BF16": 2.0, "F32": 4.0}
+_TORCH_DTYPES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
+
+
 def _dtype_facts(facts: ModelFacts, config: dict[str, Any]) -> None:
+    """config.json's quantization (mlx-lm writes `quantization`: bits, group size, mode), else
+    its torch_dtype. MLX's affine 4-bit is not a GGUF type, so it is named by its bits ("Q4"),
+    not as the llama.cpp type it resembles."""
     quant = config.get("quantization") or config.get("quantization_config")
     bits = quant.get("bits") if isinstance(quant, dict) else None
     if isinstance(bits, int) and not isinstance(bits, bool) and 1 <= bits <= 16:
-        facts.quantization_level, facts.bytes_per_parameter = f"Q{bits}", bits / 8
+        mode = quant.get("mode") if isinstance(quant, dict) else None
+        name = f"Q{bits}" if mode in (None, "affine") or not isinstance(mode, str) else mode.upper()[:16]
+        facts.quantization_level, facts.bytes_per_parameter = name, bits / 8
         return
     dtype = config.get("torch_dtype") or config.get("dtype")
-    sizes = {"float16": ("F16", 2.0), "bfloat16": ("BF16", 2.0), "float32": ("F32", 4.0)}
-    if isinstance(dtype, str) and dtype in sizes:
-        facts.quantization_level, facts.bytes_per_parameter = sizes[dtype]
+    if isinstance(dtype, str) and dtype in _TORCH_DTYPES:
+        facts.quantization_level = _TORCH_DTYPES[dtype]
+        facts.bytes_per_parameter = PLAIN_DTYPES[facts.quantization_level]
 
 
 def _has_fim(folder: Path, tok: dict[str, Any]) -> bool:
@@ -207,15 +242,26 @@ def _read_text(path: Path) -> str | None:
 
 
 def parameter_size(estimated_bytes: int, facts: ModelFacts) -> str:
-    """Ollama's "8.0B"-style size, estimated from the weights' bytes and their dtype
-    ("" when either is unknown)."""
-    if not estimated_bytes or not facts.bytes_per_parameter:
-        return ""
-    count = estimated_bytes / facts.bytes_per_parameter
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if count >= scale:
-            return f"{count / scale:.1f}{unit}"
-    return f"{count:.0f}"
+    """Ollama's parameter size ("135M", "134.52M", "1.7B", "8B"), as its HumanNumber writes it:
+    from the count in the weights' headers, else estimated from their bytes and dtype ("" when
+    neither is known)."""
+    count = facts.parameters
+    if not count and estimated_bytes and facts.bytes_per_parameter:
+        count = int(estimated_bytes / facts.bytes_per_parameter)
+    return human_number(count) if count else ""
+
+
+def human_number(count: int) -> str:
+    """1.7B, 8B, 134.52M, 135M, 12K, 999: a whole number of billions or millions without decimals."""
+    if count >= 1_000_000_000:
+        value = count / 1e9
+        return f"{value:.0f}B" if value.is_integer() else f"{value:.1f}B"
+    if count >= 1_000_000:
+        value = count / 1e6
+        return f"{value:.0f}M" if value.is_integer() else f"{value:.2f}M"
+    if count >= 1000:
+        return f"{count / 1000:.0f}K"
+    return str(count)
 
 
 async def facts_of(paths: list[str]) -> dict[str, ModelFacts]:

@@ -3,10 +3,12 @@ and the store's routes memvisor cannot serve (`/api/push`, `/api/create`, ...).
 `/api/pull` and `/api/delete` (models from the Hugging Face hub) are
 http/ollama_pull.py.
 
-Each model is described from its folder's small files (http/modelfacts.py,
-read off the loop) and what the supervisor knows of it (`ModelInfo`): the
-size measured once loaded, else A2's estimate; `/api/ps` lists the loaded
-ones with when they expire. A model may be named with Ollama's `:latest` tag
+Each model is described from its folder's small files and its weights'
+headers (http/modelfacts.py, read off the loop) and what the supervisor knows
+of it (`ModelInfo`). `size` is what Ollama gives: the model's weight files on
+disk, fixed whatever the worker holds now (the worker's memory is `ps`'s and
+`/status`'s); `/api/ps` lists the loaded ones with when they expire and
+`size_vram` as Ollama means it (docs/api.md). A model may be named with Ollama's `:latest` tag
 ("a:latest" is "a"), since clients append it. The generation routes are
 http/ollama.py.
 """
@@ -25,11 +27,14 @@ from supervisor.errors import ServeError
 from supervisor.http.errors import ApiError
 from supervisor.http.modelfacts import ModelFacts, capabilities, digest, facts_of, parameter_size
 from supervisor.http.openai_types import BodyError, decode_body
+from supervisor.policy.snapshot import Snapshot
 
 # Why 0.6.4: VS Code's Ollama provider (and Open WebUI's version check) refuse a server
 # older than 0.6.4, the release whose /api/show reports `capabilities`; we serve that shape.
 VERSION = "0.6.4"
-NEVER = datetime(9999, 12, 31, 23, 59, 59, tzinfo=timezone.utc)  # expires_at of a model that never expires
+# A model that never expires: Ollama's keep_alive -1 is Go's longest time.Duration, and its
+# `ps` answers now + that (about 292 years; its own CLI shows "Forever" past 20 years).
+FOREVER = timedelta(microseconds=(2**63 - 1) // 1000)
 
 
 class ShowRequest(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -64,8 +69,8 @@ def details(facts: ModelFacts, estimated_bytes: int) -> dict[str, Any]:
 
 
 def size_of(info, facts: ModelFacts) -> int:
-    """Bytes: measured when loaded, else A2's estimate (a .gguf file's size before it is read)."""
-    return info.usage or info.estimated_bytes or facts.file_bytes
+    """Bytes, as Ollama gives them: the weight files' size, else A2's estimate."""
+    return facts.file_bytes or info.estimated_bytes
 
 
 def _entry(info, facts: ModelFacts) -> dict[str, Any]:
@@ -81,18 +86,31 @@ async def tags(sup: Supervisor) -> dict[str, Any]:
 
 
 async def ps(sup: Supervisor) -> dict[str, Any]:
-    """Loaded models. size_vram: all of it on Apple's unified memory, 0 elsewhere (the CPU;
-    a discrete GPU's share is not in ModelInfo yet)."""
+    """Loaded models, each with `expires_at` (P10's timer, or FOREVER) and `size_vram`."""
     infos = [i for i in (sup.model_info(m.id) for m in sup.config.models) if i.state in SERVING_STATES]
     facts = await facts_of([i.path for i in infos])
+    snapshot = sup.last_snapshot()
     out = []
+    now = datetime.now(timezone.utc)
     for i in infos:
         entry = _entry(i, facts[i.path])
-        expires = NEVER if i.expires_in is None else datetime.now(timezone.utc) + timedelta(seconds=i.expires_in)
-        entry.update(expires_at=rfc3339(expires), size_vram=entry["size"] if sys.platform == "darwin" else 0,
+        expires = now + (FOREVER if i.expires_in is None else timedelta(seconds=i.expires_in))
+        entry.update(expires_at=rfc3339(expires), size_vram=size_vram(entry["size"], i.worker, snapshot),
                      context_length=facts[i.path].context_length or 0)
         out.append(entry)
     return {"models": out}
+
+
+def size_vram(size: int, worker: str, snapshot: Snapshot | None) -> int:
+    """How much of `size` the GPU holds, as Ollama reports it: all of it on Apple's unified
+    memory (Metal reads the weights where they are), the device's share on a discrete GPU (the
+    worker's device bytes, at most `size`), 0 on the CPU."""
+    if sys.platform == "darwin":
+        return size
+    if snapshot is None or snapshot.device_total <= 0:
+        return 0
+    held = next((w.device_bytes for w in snapshot.workers if w.worker == worker), 0)
+    return min(size, held)
 
 
 def modified_at(facts: ModelFacts) -> str:
@@ -116,7 +134,9 @@ async def show(sup: Supervisor, body: bytes) -> dict[str, Any]:
     if facts.embedding is not None:  # Ollama's key for a vector's length
         model_info[f"{arch}.embedding_length"] = facts.embedding.dims
         model_info[f"{arch}.pooling_type"] = facts.embedding.pooling
-    if info.estimated_bytes and facts.bytes_per_parameter:
+    if facts.parameters:
+        model_info["general.parameter_count"] = facts.parameters
+    elif info.estimated_bytes and facts.bytes_per_parameter:
         model_info["general.parameter_count"] = int(info.estimated_bytes / facts.bytes_per_parameter)
     return {"license": "", "modelfile": "", "parameters": "", "template": facts.template,
             "details": details(facts, info.estimated_bytes), "model_info": model_info,

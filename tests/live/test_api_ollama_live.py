@@ -6,6 +6,7 @@ template guarantee, not what the model says."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import ollama
 import pytest
@@ -91,14 +92,22 @@ def test_ollama_unknown_model_is_404_and_unhonoured_option_400(server):
 
 
 def test_ollama_ps_lists_the_loaded_model_with_expiry(server):
+    """`size` is the weight files' size, the same in /api/tags and /api/ps and after work (it was
+    the worker's memory, which grows); no TTL is Ollama's keep_alive -1: now + Go's longest
+    duration, year 2300 or so."""
     async def main():
         c = client(server)
         await c.generate(model="a", prompt="Hi", options={"num_predict": 1})
-        return await c.ps()
+        first = await c.ps()
+        await c.generate(model="a", prompt="Hi " * 50, options={"num_predict": 16})
+        return first, await c.ps(), await c.list()
 
-    ps = server.run(main())
-    [entry] = ps.models
-    assert entry.model == "a" and entry.size > 0 and entry.size_vram in (0, entry.size) and entry.expires_at is not None
+    first, later, tags = server.run(main())
+    [entry] = first.models
+    weights = sum(f.stat().st_size for f in Path(server.arbiter.config.models[0].path).glob("model*.safetensors"))
+    assert entry.model == "a" and entry.size == weights == later.models[0].size == tags.models[0].size
+    assert entry.size_vram in (0, entry.size) and entry.expires_at.year > 2300
+    assert entry.details.parameter_size and entry.details.quantization_level == "F16"
 
 
 def test_ollama_empty_request_loads_and_keep_alive_zero_unloads(server):

@@ -147,6 +147,13 @@ def drill_scenario(supervisor, browser, tmp_path) -> None:
     assert "live" in browser.find_element(By.ID, "conn").text
     # SPEC D6: no discrete device here, so no device pool on the page
     assert not browser.find_element(By.ID, "device-card").is_displayed()
+    # the y axis follows what is used, not the far ceiling (the lines lay flat on the floor)
+    axis = wait_for(lambda: browser.execute_script(
+        "const peak = Math.max(0, ...S.lines.group.map(p => p[1]));"
+        " return S.axis && peak > 0 ? {top: S.axis.top, above: S.axis.above, peak: peak,"
+        " ceiling: S.ceiling.ceiling} : null"), 20, "the chart's axis")
+    if axis["peak"] < axis["ceiling"] / 4:  # a machine with room: the ceiling is far above the models
+        assert axis["peak"] < axis["top"] <= 2 * axis["peak"] and "ceiling" in axis["above"], axis
 
     # admin from the page (loopback): load the victim, then a small custom ceiling
     browser.execute_script("document.querySelector(`#models tr[data-model='victim'] button`).click()")
@@ -192,6 +199,9 @@ def drill_scenario(supervisor, browser, tmp_path) -> None:
     assert group_peak >= soft and peak > 100 * MiB
     assert browser.execute_script("return document.getElementById('chart').toDataURL()") != chart_before
     assert browser.execute_script("return S.marks.some(e => e.kind === 'drill')")
+    # near the watermarks the axis takes them in: the ceiling is a line on the chart
+    axis = browser.execute_script("return S.axis")
+    assert "ceiling" in axis["shown"] and axis["top"] >= browser.execute_script("return S.ceiling.ceiling"), axis
 
     shot = tmp_path / "dashboard.png"
     assert browser.save_screenshot(str(shot))

@@ -39,6 +39,7 @@ def serving(tiny_models, big_model, tmp_path_factory):
 hot_cache_max = 0
 [supervisor]
 http = "127.0.0.1:0"
+spare_workers = 0  # a load from a fresh process: long enough for the chat to show its progress
 [[models]]
 id = "tiny"
 path = "{tiny_models.a}"

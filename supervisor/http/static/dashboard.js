@@ -105,10 +105,7 @@ function onEvent(ev) {
   S.seen.add(key);
   S.events.push(ev);
   if (S.events.length > 500) S.events.shift();
-  const prev = S.marks[S.marks.length - 1];
-  // a drill is reported twice (the supervisor's order, the worker's start): one mark
-  const echo = ev.kind === "drill" && prev && prev.kind === "drill" && prev.model_id === ev.model_id && ev.t - prev.t < 1;
-  if ((ACTIONS.has(ev.kind) || ev.kind === "level" || ev.kind === "drill") && !echo) S.marks.push(ev);
+  if (ACTIONS.has(ev.kind) || ev.kind === "level" || ev.kind === "drill") S.marks.push(ev);
   if (["exit", "crash", "evict", "unload"].includes(ev.kind) && ev.worker_id) S.latest.delete(ev.worker_id);
   if (["exit", "crash"].includes(ev.kind) && ev.worker_id) S.gone.add(ev.worker_id);
   // W6: a load's phase and the weights read, until it is over
@@ -333,12 +330,15 @@ function drawChart() {
   const now = Date.now() / 1000, t0 = now - S.windowSec;
   const L = 70, R = 10, T = 18, B = 22, pw = w - L - R, ph = h - T - B;
   const visible = (series) => series.filter((pt) => pt[0] >= t0 - 30);
-  // scale to the ceiling in force and what is used: an earlier, larger ceiling runs off the top
-  let ymax = S.lines.ceiling.length ? S.lines.ceiling[S.lines.ceiling.length - 1][1] : MiB;
+  // the axis follows what is used, and takes in the watermarks once usage nears them (axis.js)
+  let peak = 0;
   for (const series of [S.lines.group, ...S.models.values()]) {
-    for (const [t, v] of series) if (t >= t0 && v > ymax) ymax = v;
+    for (const [t, v] of series) if (t >= t0 && v > peak) peak = v;
   }
-  ymax = Math.max(ymax, MiB) * 1.12;
+  const last = (series) => (series.length ? series[series.length - 1][1] : 0);
+  const marks = { ceiling: last(S.lines.ceiling), hard: last(S.lines.hard), soft: last(S.lines.soft) };
+  const axis = chartAxis(peak, marks), ymax = axis.top;
+  S.axis = axis;  // what the page drew, for the browser test
   const x = (t) => L + ((t - t0) / S.windowSec) * pw, y = (v) => T + ph - (v / ymax) * ph;
   // grid and axes
   ctx.font = "11px system-ui, sans-serif";
@@ -381,6 +381,10 @@ function drawChart() {
     ctx.fillText(label, x(ev.t) - 4, ly);
   }
   ctx.restore();
+  if (axis.above.length) {  // the watermarks over the axis, in words at its top edge
+    ctx.fillStyle = "#8b97a5"; ctx.textAlign = "right";
+    ctx.fillText(axis.above.map((name) => name + " " + fmt(marks[name])).join(" · ") + " ↑", L + pw - 4, T - 5);
+  }
   legend();
 }
 
