@@ -16,6 +16,7 @@ import pytest
 from shared import protocol as p
 from shared.limits import Limits
 from shared.protocol import Failed, Finished, Generate, TokenOut
+from tests.constrain_harness import ADD, TOOLS, WEATHER
 from worker.constrain import ConstraintError, ConstraintFactory, closed_properties, tool_call_schema
 from worker.engine import Engine
 
@@ -39,13 +40,6 @@ PERSON = {
     "required": ["name", "age", "color", "address", "tags", "member"],
     "additionalProperties": False,
 }
-
-WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
-           "required": ["city", "unit"], "additionalProperties": False}
-ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "number"}},
-       "required": ["a", "b"], "additionalProperties": False}
-TOOLS = (p.ToolFunction(name="get_weather", parameters=json.dumps(WEATHER)),
-         p.ToolFunction(name="add", parameters=json.dumps(ADD)))
 
 
 def _engine(loaded) -> Engine:

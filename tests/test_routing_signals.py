@@ -27,8 +27,8 @@ from supervisor.readiness import (
     share,
 )
 from supervisor.views import ModelView, WorkerView
+from tests.frontdoor_harness import fake_huge_model
 from tests.http_harness import LiveServer, make_config
-from tests.test_http_frontdoor import fake_huge_model
 
 pytestmark = pytest.mark.usefixtures("no_front_door_errors")
 

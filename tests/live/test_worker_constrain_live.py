@@ -11,7 +11,7 @@ import pytest
 
 from shared import protocol as p
 from shared.protocol import Failed, Finished, Generate, TokenOut
-from tests.test_constrain import TOOLS, WEATHER
+from tests.constrain_harness import TOOLS, WEATHER
 from tests.worker_harness import FakeSupervisor
 
 pytestmark = pytest.mark.slow
