@@ -56,7 +56,9 @@ def test_only_restarts_within_the_period_count():
     assert intensity.recent([40.0, 41.0], 100.0, SCFG) == [40.0, 41.0]
 
 
-def test_a_failed_model_is_tried_again_after_a_doubling_backoff_that_starts_over_after_a_quiet_spell():
+def test_the_failed_backoff_doubles_with_each_failure_and_starts_over_after_a_quiet_spell():
+    """intensity.failure_backoff's arithmetic alone; the retry it schedules runs through Models
+    in test_restart_intensity_r_respawns_within_p_seconds_then_failed_with_a_doubling_backoff."""
     failures, delays, last = 0, [], 0.0
     for now in (0.0, 10.0, 30.0, 70.0, 200.0):
         failures, delay = intensity.failure_backoff(failures, last, now, SCFG)
