@@ -47,6 +47,26 @@ class ServeProcess:
             self.proc.kill()
 
 
+def serve_private(config_text: str, work: Path, *, root: Path | None = None, timeout: float = 300) -> ServeProcess:
+    """A server on `config_text` whose runtime dir, log and `MEMVISOR_CACHE` are its own, under
+    `work`: no prompt cache on disk from another run feeds it. `root`: the checkout that serves
+    (PYTHONPATH and working folder; this one by default)."""
+    global ROOT
+    work.mkdir(parents=True, exist_ok=True)
+    runtime = work / "run"
+    runtime.mkdir(mode=0o700)
+    env = dict(os.environ, MEMVISOR_CACHE=str(work / "cache"))
+    saved = ROOT
+    if root is not None:
+        env["PYTHONPATH"] = str(root)
+        ROOT = root
+    try:
+        return ServeProcess(config_text, config=work / "config.toml", runtime=runtime, log=work / "serve.log",
+                            timeout=timeout, env=env)
+    finally:
+        ROOT = saved
+
+
 def wait_ready(proc: subprocess.Popen, runtime: Path, log: Path, timeout: float) -> str:
     """The front door's base URL once `/health` answers 200 (the bound port is in
     endpoints.json); SystemExit naming the log when the supervisor exits or stalls."""

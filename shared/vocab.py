@@ -49,6 +49,10 @@ WorkerPhase = Literal["empty", "starting", "loading", "ready", "busy", "draining
 # or a ShrinkCache it just obeyed (H3).
 SampleReason = Literal["tick", "watermark", "shrink"]
 
+# How a worker's prefill turn shares its token budget among the prompts prefilling
+# (worker/scheduler.py): the fewest tokens left first, or equal shares.
+PrefillOrder = Literal["shortest", "round_robin"]
+
 # -- a model's load (SPEC W3, W6) ----------------------------------------------------------
 
 # The phases of one load, in the order they happen: waiting for admission (the one-load lock,

@@ -159,8 +159,8 @@ class Catalog:
             if embedding is not None:
                 context = embedding.max_tokens
             try:
-                return context, estimate_weight_bytes(model.path), kv, embedding
-            except (WeightsError, FileRefused) as exc:  # changed since refusal() looked
+                return context, estimate_weight_bytes(model.path) + self._draft_bytes(model), kv, embedding
+            except (WeightsError, FileRefused, ModelUnreadable) as exc:  # changed since refusal() looked
                 return context, str(exc), kv, embedding
 
         try:
@@ -184,13 +184,39 @@ class Catalog:
             self.emit("refused", f"cannot read {model.path}: {size}", model_id=model.id)
         raise ModelUnreadable(f"model {model.id!r} cannot be loaded from {model.path}: {size}")
 
+    def _draft_bytes(self, model: ModelConfig) -> int:
+        """A2: the draft model's weights load in the same worker, so the model's estimate holds them."""
+        if not model.draft:
+            return 0
+        draft = self.draft_of(model)
+        why = refusal(draft.path)
+        if why is not None:
+            raise ModelUnreadable(f"its draft {draft.id!r}: {why}")
+        return estimate_weight_bytes(draft.path)
+
     async def loadable(self, model: ModelConfig) -> ModelConfig:
         """The model as its worker loads it: a `.gguf` path becomes the MLX folder
-        imported from it (imported now, in a child process, on its first load)."""
+        imported from it (imported now, in a child process, on its first load), and
+        `draft` (a model's id in the config) becomes the folder its worker loads the
+        draft model from (worker/draft.py)."""
+        if model.draft:
+            draft = self.draft_of(model)
+            folder = await self._folder(msgspec.structs.replace(draft, draft=""))
+            model = msgspec.structs.replace(model, draft=folder)
+        return msgspec.structs.replace(model, path=await self._folder(model))
+
+    def draft_of(self, model: ModelConfig) -> ModelConfig:
+        """The model `draft` names; ModelUnreadable when it names none."""
+        draft = self.config.model(model.draft)
+        if draft is None:
+            raise ModelUnreadable(f"model {model.id!r}: its draft {model.draft!r} names no model")
+        return draft
+
+    async def _folder(self, model: ModelConfig) -> str:
         from supervisor.gguf import GGUFImportError, cache_folder, ensure_imported, is_imported
 
         if not is_gguf_path(model.path):
-            return model
+            return model.path
         try:
             if not is_imported(cache_folder(model.path)):
                 self.emit("import", f"importing {model.path} into the cache (first load)", model_id=model.id)
@@ -201,4 +227,4 @@ class Catalog:
             if isinstance(exc, OSError) and exc.errno in PASSING_ERRNOS:
                 raise LoadError(words, code="model_unreadable", http_status=503, retry_after=1) from None
             raise ModelUnreadable(words) from None
-        return msgspec.structs.replace(model, path=str(folder))
+        return str(folder)

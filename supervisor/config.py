@@ -34,7 +34,7 @@ import msgspec.inspect as mi
 from shared.durations import DurationError, parse_duration
 from shared.protocol import DISK_CACHE_AUTO
 from shared.sizes import SizeError, parse_size
-from shared.vocab import Tier
+from shared.vocab import PrefillOrder, Tier
 from supervisor.policy.snapshot import GuardSettings
 from supervisor.policy.tiers import ThresholdError, check_thresholds, normalise_tier
 
@@ -283,9 +283,15 @@ class SupervisorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     # the pages (origins) that may call /v1/* (and /api/*) from a browser:
     # SCHEME://HOST[:PORT], '*' for a wildcard part, ':*' for any port, or '*' for every origin.
     cors_origins: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_CORS_ORIGINS))
-    # The time one prefill chunk aims at: commands wait at most about this long
-    # for a step boundary (0 = chunks sized by memory only).
-    chunk_seconds: Seconds = 1.0
+    # The time one prefill turn aims at (its chunks of every prompt prefilling together):
+    # a running stream waits about this long between two tokens while others prefill, and a
+    # command waits about this long for a step boundary (0 = chunks sized by memory only).
+    # 0.25 since fair prefill (1.0 before): a short prompt arriving mid-turn waits for the
+    # rest of that turn, and scripts/bench_fairness.py measured 1.0 well past 2x its TTFT alone.
+    chunk_seconds: Seconds = 0.25
+    # How a prefill turn shares that budget: "shortest" (fewest tokens left first) or
+    # "round_robin" (equal shares); worker/scheduler.py.
+    prefill_order: PrefillOrder = "shortest"
     max_tokens: int = 32768          # the most tokens one request may ask for
     max_subscribers: int = 64        # PUB subscribers at once (ipc and TCP together); more are refused
     max_body: int | str = "1MiB"
@@ -376,6 +382,9 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # with Retry-After (a router sends it to another host), never an unbounded queue.
     max_queue: int = 64
     aliases: list[str] = msgspec.field(default_factory=list)  # other names requests may use
+    # Another model's id or alias: a small model of the same vocabulary, loaded in this model's
+    # worker, whose guesses this model checks (speculative decoding, worker/draft.py); "" = none
+    draft: str = ""
 
     def __post_init__(self) -> None:
         if not self.id.strip():
@@ -396,6 +405,8 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise _FieldError(f"aliases[{j}]", "must not be empty")
             if alias == self.id:
                 raise _FieldError(f"aliases[{j}]", f"alias {alias!r} repeats the model's own id")
+        if self.draft and (self.draft == self.id or self.draft in self.aliases):
+            raise _FieldError("draft", f"{self.draft!r} is this model itself: a draft is a smaller model")
 
     def path_problem(self) -> str | None:
         """Why the model's path cannot be loaded (checked when serving starts,

@@ -308,6 +308,7 @@ class Service:
         disk = self.pool.caches.model(m.id)  # H5: as its last worker reported it
         last = handle or self.pool.reaped.get(m.id)  # W3: its last load, timed, kept after an unload
         load = last.load if last is not None else None
+        proposed, accepted = self.pool.streams.guesses.get(m.id, (0, 0))
         return ModelInfo(
             id=m.id, path=m.path, pinned=m.pinned, state=view.state, worker=view.worker, pid=view.pid,
             failed_reason=view.reason, aliases=list(m.aliases), estimated_bytes=self.catalog.estimate_soon(m),
@@ -316,6 +317,7 @@ class Service:
             disk_cache_bytes=disk.bytes, disk_cache_entries=disk.entries, idle_seconds=idle, ttl=ttl, expires_in=expires,
             restarts=self.models.restarts(m.id), load_phases=dict(load.phases) if load else {},
             load_spare=load.spare if load else False, prefetched_bytes=self.models.prefetch.bytes_for(m.id),
+            proposed_tokens=proposed, accepted_tokens=accepted,
         )
 
     def counters(self) -> dict[str, int]:

@@ -94,6 +94,8 @@ class Streams:
         self._by_worker: dict[str, dict[str, RequestStream]] = {}
         self._calls: dict[str, tuple[str, asyncio.Future[p.TokensReply]]] = {}  # request id -> (worker, its reply)
         self.batches = 0  # TokenBatch frames delivered (a worker decoding in batches)
+        # per model: (guessed tokens checked, accepted) over every finished request (speculative decoding)
+        self.guesses: dict[str, tuple[int, int]] = {}
 
     def open(self, worker_id: str, model_id: str, request_id: str) -> RequestStream:
         stream = RequestStream(request_id, model_id, worker_id)
@@ -111,6 +113,9 @@ class Streams:
         stream = self.by_id.get(msg.request_id)
         if stream is not None:
             stream.put(msg)
+            if isinstance(msg, p.Finished) and msg.proposed_tokens:
+                proposed, accepted = self.guesses.get(stream.model_id, (0, 0))
+                self.guesses[stream.model_id] = (proposed + msg.proposed_tokens, accepted + msg.accepted_tokens)
             if stream.done:
                 self.close(stream)
                 return stream

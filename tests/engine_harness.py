@@ -1,4 +1,5 @@
-"""The engine driven step by step on a real tiny model, for the engine's test modules (no tests here)."""
+"""Driving an engine in a test: a tiny model's engine, its events per request, steps until it has no
+work, and the limits the engine tests share (no tests here)."""
 
 from __future__ import annotations
 

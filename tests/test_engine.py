@@ -177,7 +177,7 @@ def test_engine_max_concurrency_caps_even_generous_limits(loaded):
 def test_p3_paused_admission_takes_one_when_idle_and_none_beside_a_running_one(loaded):
     """Pressure pauses new work, but a worker with nothing running still takes one request,
     so pressure never starves everyone (SPEC P3)."""
-    engine = engine_for(loaded)
+    engine = engine_for(loaded, speculative=False)  # one token a step: the one running still runs after 3
     paused = Limits(max_concurrency=4, admission_paused=True)
     for i in range(3):
         engine.submit(f"r{i}", _prompt(engine), max_tokens=4)

@@ -391,6 +391,26 @@ class DecodeBatch:
         mx.async_eval(following)
         return logits, following
 
+    def verify(self, model, tokens: list[int]) -> mx.array:
+        """The only row's `tokens` (its token in flight, then guesses) through the model in one
+        pass: their logits (len(tokens), vocab), lazy; every position stays in the KV until
+        `rewind` takes the rejected ones back (worker/speculate.py)."""
+        assert len(self.rows) == 1, "a checked step runs on a batch of one row"
+        self._reserve(1, 0, len(tokens))
+        logits = model(mx.array([tokens], mx.uint32), cache=self.layers)[0]
+        offset = self.layers[0].offset + len(tokens)
+        for layer in self.layers:
+            layer.offset = offset
+        return logits
+
+    def rewind(self, positions: int) -> None:
+        """Take the last `positions` written positions back out of every row's KV."""
+        if positions <= 0:
+            return
+        for layer in self.layers:
+            layer.idx -= positions
+        self._sync()
+
     def _in_flight(self) -> mx.array:
         """`y`, which a batch with rows always has (None only while it is empty)."""
         assert self.y is not None, "the batch has no rows"

@@ -20,13 +20,17 @@ the free ones are sampled first and keep their look-ahead.
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
 from shared.protocol import TokenOut
+from worker import speculate
 from worker.batch import DecodeBatch
+from worker.draft import DraftModel
 from worker.endings import Endings, Event
 from worker.request import Detokenizer, Seq
 from worker.sampling import TokenPicker, TokenTexts, greedy
@@ -67,6 +71,10 @@ class DecodeStep:
         self.tokens_total = 0
         self._eos = frozenset(tokenizer.eos_token_ids)
         self.texts = TokenTexts(tokenizer)  # the logprobs name tokens by their text
+        self.draft: DraftModel | None = None  # guesses free text for a request decoding alone
+        self.checked = 0  # checked steps so far
+        self._plain_before = False  # the last step was a plain one of one row (its pass is the next one's wait)
+        self.plain_seconds = 0.0  # a plain step of one row, as last measured (what a check must beat)
 
     def join(self, seq: Seq) -> None:
         """A request that has its first token decodes from the next step on."""
@@ -87,7 +95,15 @@ class DecodeStep:
 
     def run(self, decoding: list[Seq], events: list[Event]) -> list[Seq]:
         """One token for every request in `decoding`; the ones that go on."""
+        started = time.perf_counter()
+        alone = self.batched and len(self.batch) == 1 and not self.joining
+        checked = self.checked
         survivors = self._batched(events) if self.batched else self._single(decoding, events)
+        plain = alone and self.checked == checked and bool(survivors)
+        if plain and self._plain_before:  # a plain step of one row after another waits for one pass
+            took = time.perf_counter() - started
+            self.plain_seconds = took if self.plain_seconds <= 0 else 0.8 * self.plain_seconds + 0.2 * took
+        self._plain_before = plain
         self.steps += 1
         if self.steps % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
@@ -105,6 +121,9 @@ class DecodeStep:
         batch.join(joining, [seq.kv() for seq in joining], [seq.token() for seq in joining])
         for seq in joining:
             seq.cache = seq.y = None  # the batch holds its KV and token now
+        checked = self._checked(events) if len(batch) == 1 else None
+        if checked is not None:
+            return checked
         logits = following = None
         if batch and any(seq.resuming or seq.generated + 1 < seq.max_tokens for seq in batch.rows):
             with mx.stream(generation_stream):
@@ -130,6 +149,40 @@ class DecodeStep:
         self._store(ended)
         batch.keep(keep, following)
         return survivors
+
+    def _checked(self, events: list[Event]) -> list[Seq] | None:
+        """A speculative step of the batch's only row (worker/speculate.py): its token in flight
+        and the guesses that follow it checked in one pass; None when it does not guess this
+        step (it may not, it pauses, or nothing was found) and the plain step runs."""
+        seq = self.batch.rows[0]
+        spec = seq.spec
+        room = seq.max_tokens - seq.generated - 2  # the token in flight and the next one come too
+        if spec is None or seq.resuming or seq.constraint is not None or room <= 0:
+            return None
+        want = spec.pace.want()
+        if want == 0:
+            return None
+        drafter = spec.drafter
+        if drafter is None:
+            drafter = spec.drafter = speculate.NgramDrafter(seq.prompt)
+        drafter.extend(seq.out[len(drafter.tokens) - len(seq.prompt):])
+        first = self.batch.tokens()[0]
+        drafter.append(first)
+        drafts = drafter.propose(min(want, room))
+        if not drafts and self.draft is not None:  # the text holds no guess: the draft model's
+            spec.draft = spec.draft or self.draft.state()
+            drafts = self.draft.propose(spec.draft, drafter.tokens, min(want, room))
+        if not drafts:
+            return None
+        self.checked += 1
+        ended = speculate.verify(self.model, self.batch, seq, first, drafts, self.emit, events, self.plain_seconds)
+        if spec.draft is not None:  # its KV keeps the tokens the model kept, not the rejected guesses
+            DraftModel.rewind(spec.draft, len(seq.prompt) + len(seq.out))
+        if ended:
+            self._store([0])
+            self.batch.keep([], None)
+            return []
+        return [seq]
 
     def _store(self, ended: list[int]) -> None:
         """H1: the KV of the rows that ended, copied out in one evaluation (not one per row:

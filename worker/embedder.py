@@ -79,6 +79,10 @@ class EmbedJob:
 class Embedder:
     """Sentence embeddings for one loaded model (see module doc)."""
 
+    def drop_draft(self) -> bool:
+        """An embedding model guesses nothing (worker/draft.py is the chat engine's): nothing to drop."""
+        return False
+
     def __init__(self, model: Bert, tokenizer: Tokenizer, spec: EmbeddingSpec, *, weight_bytes: int = 0,
                  max_concurrency: int = 64, chunk_seconds: float = CHUNK_SECONDS,
                  own_usage_fn: UsageFn | None = None, reclaim_fn: Callable[[], int] | None = None,

@@ -53,10 +53,13 @@ class Endings:
     def finished(self, seq: Seq, reason: FinishReason) -> Finished:
         seq.move("end")
         self.ids.discard(seq.id)
+        spec = seq.spec
         return Finished(request_id=seq.id, finish_reason=reason, prompt_tokens=len(seq.prompt),
                         completion_tokens=seq.generated, cached_tokens=seq.cached,
                         cached_disk_tokens=seq.cached_disk,
-                        stop_sequence=seq.stopper.hit if seq.stopper is not None else "")
+                        stop_sequence=seq.stopper.hit if seq.stopper is not None else "",
+                        proposed_tokens=spec.proposed if spec is not None else 0,
+                        accepted_tokens=spec.accepted if spec is not None else 0)
 
     def store(self, seq: Seq) -> None:
         """H1: keep what the request computed (prompt and the tokens fed back) for the next one."""

@@ -11,7 +11,8 @@ Follow one request through the rooms:
 
     Engine.submit                  checks it, makes its `Seq` (worker/request.py: the state table)
     Scheduler (scheduler.py)       queue -> admission -> the prefill line, alone or in a group;
-                                   who runs this step: a prefill chunk or a decode token
+                                   who runs this step: a prefill turn (its token budget shared
+                                   by every prefilling request) or a decode token
     Prefill (prefill.py)           G1 before the first chunk, G2/G3 around each, the first token
     DecodeStep (decode.py)         one token per step in the decode batch (batch.py), emitted
     Endings (endings.py)           its one terminal event, its KV kept for the next (H1)
@@ -29,19 +30,21 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from mlx_lm.models.cache import make_prompt_cache
 
 from shared.limits import Limits
 from shared.modelinfo import context_length
 from shared.protocol import SHARED_PARTITION, ConstraintSpec, Failed, Generate
-from shared.vocab import FailureCode
+from shared.vocab import FailureCode, PrefillOrder
 from shared.weights import WeightsError, estimate_weight_bytes
 from worker import memory, prompts
 from worker import prompt_cache as pc
 from worker.constrain import Constraint, ConstraintError, ConstraintFactory
 from worker.decode import DecodeStep
 from worker.disk_cache import DiskTier
+from worker.draft import DraftModel, same_vocabulary
 from worker.echo import Echoes, PromptScorer, Scoring
 from worker.endings import Endings, Event
 from worker.loader import LoadMeter, load_generator
@@ -56,8 +59,9 @@ from worker.prefill import (
 )
 from worker.prefill_guard import PrefillCost
 from worker.request import CONTEXT_EXCEEDED, ENGINE_ERROR, INVALID_REQUEST, EngineError, Seq
-from worker.sampling import Settings, check, make_request_sampler
+from worker.sampling import Settings, check, greedy, make_request_sampler
 from worker.scheduler import Scheduler
+from worker.speculate import Speculation
 from worker.stops import StopMatcher
 
 __all__ = ["Engine", "EngineError", "Event"]
@@ -87,6 +91,9 @@ class Engine:
         chunk_seconds: float = CHUNK_SECONDS,
         batch_decode: bool = True,
         device: DeviceUsage | None = None,
+        prefill_order: PrefillOrder = "shortest",
+        speculative: bool = True,
+        draft: DraftModel | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -105,7 +112,10 @@ class Engine:
         self.decode = DecodeStep(model, tokenizer, self.endings, batched=batch_decode and cacheable,
                                  max_rows=max(1, max_concurrency))
         self.scheduler = Scheduler(self.prefill, self.decode, self.endings,
-                                   max_concurrency=max_concurrency, clock=clock)
+                                   max_concurrency=max_concurrency, clock=clock, order=prefill_order)
+        # greedy requests decoding alone check guesses of their next tokens (worker/speculate.py)
+        self.speculative = speculative and self.decode.batched
+        self.decode.draft = draft if self.speculative else None
         self.echoes = Echoes(PromptScorer(model, tokenizer, self.prefill, self.decode.texts, reclaim),
                              self.endings, self._queue)
         self._score_turn = True  # an echo's scoring chunk and the scheduler's step take turns
@@ -115,26 +125,26 @@ class Engine:
         self._spill_seconds = 0.0
 
     @classmethod
-    def load(cls, path: str | Path, *, meter: LoadMeter | None = None, **kwargs) -> "Engine":
+    def load(cls, path: str | Path, *, meter: LoadMeter | None = None, draft_path: str = "", **kwargs) -> "Engine":
         """Load a local model directory as mlx_lm.load does (never a download), each
-        phase timed on `meter` (SPEC W3, worker/loader.py)."""
+        phase timed on `meter` (SPEC W3, worker/loader.py), and its draft model
+        (worker/draft.py) from `draft_path` when one is named."""
         directory = Path(path)
-        if not (directory / "config.json").is_file():
-            raise EngineError("load_failed", f"no model at {directory}: config.json not found")
-        try:
-            weight_bytes = estimate_weight_bytes(directory)
-            model, tokenizer = load_generator(directory, meter)
-        except WeightsError as exc:
-            raise EngineError("load_failed", str(exc)) from None
-        except Exception as exc:  # noqa: BLE001 - any loader failure is a load error
-            raise EngineError("load_failed", f"cannot load {directory}: {exc}") from exc
+        weight_bytes, (model, tokenizer) = _load(directory, meter)
+        draft = None
+        if draft_path:
+            draft_bytes, (draft_model, draft_tokenizer) = _load(Path(draft_path), None, what="draft model ")
+            problem = same_vocabulary(tokenizer, draft_tokenizer)
+            if problem is not None:
+                raise EngineError("load_failed", f"draft model {draft_path} cannot guess for {directory}: {problem}")
+            draft, weight_bytes = DraftModel(draft_model, draft_path), weight_bytes + draft_bytes
         # The context limit is the engine's (config.json's, below): a prompt over it is refused,
         # not run. The tokenizer's own model_max_length only made transformers log "Token indices
         # sequence length is longer than the specified maximum ... indexing errors" for such a
         # prompt, which reads like our crash; we never ask it to truncate, so it gets no limit.
         tokenizer.model_max_length = NO_TOKENIZER_LIMIT
         with meter.phase("build") if meter is not None else contextlib.nullcontext():  # the engine is built too
-            engine = cls(model, tokenizer, weight_bytes=weight_bytes, **kwargs)
+            engine = cls(model, tokenizer, weight_bytes=weight_bytes, draft=draft, **kwargs)
             engine.context_length = context_length(directory)  # a prompt over it is refused, not run
         return engine
 
@@ -201,6 +211,22 @@ class Engine:
         batch = self.decode.batch
         return memory.Held(self.prompt_cache.nbytes, self.prompt_cache.releasable, batch.nbytes,
                            batch.live_nbytes, batch.relayouts)
+
+    @property
+    def draft(self) -> DraftModel | None:
+        return self.decode.draft
+
+    def drop_draft(self) -> bool:
+        """Under pressure the draft model goes first (worker/draft.py): its weights and every
+        request's KV in it; the requests go on guessing from their text alone. False: none held."""
+        if self.decode.draft is None:
+            return False
+        log.info("dropping the draft model %s under memory pressure", self.decode.draft.name)
+        self.decode.draft = None
+        for seq in self.decode.batch.rows + self.scheduler.decoding + self.decode.joining:
+            if seq.spec is not None:
+                seq.spec.draft = None
+        return True
 
     def shrink_cache(self, target_bytes: int) -> int:
         """H3/P5: drop LRU unused entries toward `target_bytes`; bytes dropped (pool not yet returned)."""
@@ -284,17 +310,21 @@ class Engine:
         constraint: ConstraintSpec | None = None,
         sampling: Settings | None = None,
         partition: str = SHARED_PARTITION,
+        speculative: bool = True,
     ) -> None:
         """Queue a request; it is admitted by a later `step()` (SPEC P3, P8).
 
         `sampling` is the whole of its sampling settings (top_k, penalties,
         logit_bias, logprobs ...); without it, temperature, top_p and seed make them.
-        `partition`: the prompt-cache entries it may reuse and leaves behind (H7 as proposed)."""
+        `partition`: the prompt-cache entries it may reuse and leaves behind (H7 as proposed).
+        `speculative` False: it never guesses ahead (worker/speculate.py), even alone."""
         settings = sampling or Settings(temperature=temperature, top_p=top_p, seed=seed)
-        self._queue(self._new_seq(request_id, prompt_tokens, max_tokens, stop, constraint, settings, partition))
+        self._queue(self._new_seq(request_id, prompt_tokens, max_tokens, stop, constraint, settings, partition,
+                                  speculative))
 
     def _new_seq(self, request_id: str, prompt_tokens: list[int], max_tokens: int, stop: Iterable[str],
-                 constraint: ConstraintSpec | None, settings: Settings, partition: str) -> Seq:
+                 constraint: ConstraintSpec | None, settings: Settings, partition: str,
+                 speculative: bool = False) -> Seq:
         """The request checked and made (EngineError names what is wrong), not yet queued."""
         if max_tokens < 1:
             raise EngineError(INVALID_REQUEST, f"max_tokens must be at least 1, got {max_tokens}")
@@ -303,10 +333,12 @@ class Engine:
         if problem is not None:
             raise EngineError(INVALID_REQUEST, problem)
         stops = [s for s in stop if s]
-        return Seq(request_id, list(prompt_tokens), max_tokens, make_request_sampler(settings, prompt_tokens),
+        sampler = make_request_sampler(settings, prompt_tokens)
+        guesses = self.speculative and speculative and sampler is greedy and constraint is None
+        return Seq(request_id, list(prompt_tokens), max_tokens, sampler,
                    StopMatcher(stops) if stops else None,
                    self._constraint(constraint, max_tokens, partition) if constraint is not None else None,
-                   partition)
+                   partition, Speculation() if guesses else None)
 
     @property
     def _vocab(self) -> int | None:
@@ -344,7 +376,7 @@ class Engine:
                 self._submit_echo(cmd, tokens)
             else:
                 self.submit(cmd.request_id, tokens, cmd.max_tokens, stop=cmd.stop, constraint=cmd.constraint,
-                            sampling=Settings.of(cmd), partition=cmd.partition)
+                            sampling=Settings.of(cmd), partition=cmd.partition, speculative=cmd.speculative)
         except EngineError as exc:
             self._outbox.append(Failed(request_id=cmd.request_id, code=exc.code, message=exc.message))
         except Exception as exc:  # noqa: BLE001 - raised from the worker's command loop it would kill
@@ -474,6 +506,19 @@ class Engine:
             self._score_turn = True
             self.scheduler.step(limits, usage_fn, events)
         return events
+
+
+def _load(directory: Path, meter: LoadMeter | None, what: str = "") -> tuple[int, tuple[Any, Any]]:
+    """(weight bytes, (model, tokenizer)) of a local folder, as mlx_lm.load gives them (W3's phases
+    on `meter`); EngineError `load_failed` saying why."""
+    if not (directory / "config.json").is_file():
+        raise EngineError("load_failed", f"no {what}at {directory}: config.json not found")
+    try:
+        return estimate_weight_bytes(directory), load_generator(directory, meter)
+    except WeightsError as exc:
+        raise EngineError("load_failed", str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - any loader failure is a load error
+        raise EngineError("load_failed", f"cannot load {what}{directory}: {exc}") from exc
 
 
 def _default_own_usage() -> int:

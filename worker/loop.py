@@ -257,6 +257,8 @@ class Worker:
             self.take_commands(block_ms=0)
         if self.drill is not None:
             self.drill.advance(time.monotonic())
+        if (self.shrink_pending or self.reclaim_pending) and self.engine is not None:
+            self.engine.drop_draft()  # under pressure the draft model goes first (worker/draft.py)
         for shrink in self.shrink_pending:
             self.wire.reply(p.Reclaimed(cmd=shrink.cmd, freed_bytes=self.tiers.shrink(shrink)))
             self.readings.soon("shrink")
@@ -393,10 +395,13 @@ def load_model(spec: p.WorkerSpec, device: DeviceUsage | None, meter: LoadMeter 
     from worker.embedder import Embedder
     from worker.engine import Engine
 
-    kwargs = dict(max_concurrency=spec.max_concurrency, chunk_seconds=spec.chunk_seconds)
     if read_embedding_spec(spec.model_path) is not None:
         if meter is None:
-            return Embedder.load(spec.model_path, **kwargs)
+            return Embedder.load(spec.model_path, max_concurrency=spec.max_concurrency,
+                                 chunk_seconds=spec.chunk_seconds)
         with meter.phase("read"):  # its encoder is small: one phase
-            return Embedder.load(spec.model_path, **kwargs)
-    return Engine.load(spec.model_path, device=device, meter=meter, **kwargs)
+            return Embedder.load(spec.model_path, max_concurrency=spec.max_concurrency,
+                                 chunk_seconds=spec.chunk_seconds)
+    return Engine.load(spec.model_path, device=device, meter=meter, prefill_order=spec.prefill_order,
+                       draft_path=spec.draft_path, max_concurrency=spec.max_concurrency,
+                       chunk_seconds=spec.chunk_seconds)

@@ -68,9 +68,10 @@ DEFAULT_MAX_CHUNK = 512
 MEMORY_WAIT_SECONDS = 10.0
 
 # prefill chunks sized by time: a chunk is work the heartbeat cannot interrupt
-CHUNK_SECONDS = 1.0     # the time one prefill chunk aims at
+CHUNK_SECONDS = 0.25    # the time one prefill turn aims at (2026-12-05: 1.0 before fair prefill)
 FIRST_CHUNK = 64        # tokens of a chunk before any has been timed
 MIN_TIMED_CHUNK = 16    # never fewer per chunk (a chunk has a fixed cost too)
+UNTIMED = 1 << 30       # "no bound": a turn's budget with chunks sized by memory only
 
 
 class ChunkTimer:
@@ -132,32 +133,55 @@ class Prefill:
 
     # -- one request ---------------------------------------------------------------------
 
-    def step(self, seq: Seq, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> bool:
-        """Advance the request at the head of the prefill line; True when a chunk ran.
+    def turn_budget(self) -> int:
+        """The tokens one prefill turn may run, shared by every request prefilling (worker/scheduler.py):
+        what runs in `chunk_seconds` at the last measured pace (ChunkTimer), so a running stream
+        waits about that long between two tokens whoever prefills."""
+        return self.chunk_timer.cap(UNTIMED)
 
-        Afterwards its state says where it goes: still `waiting`, `prefill` or
-        `held` (it stays at the head), `decoding` (its first token is sampled) or
-        `ended` (the guard refused it).
+    def reserved(self, prefilling: list[Seq | PrefillGroup]) -> int:
+        """KV bytes the prefills under way will still add (G1 for a request starting beside them):
+        their usage is in the reading, the growth still to come is not."""
+        total = 0.0
+        for item in prefilling:
+            if isinstance(item, PrefillGroup):
+                total += len(item.live) * (guard.kv_bytes(self.cost, item.length) - guard.kv_bytes(self.cost, item.pos))
+            else:
+                total += guard.kv_bytes(self.cost, len(item.prompt)) - guard.kv_bytes(self.cost, item.pos)
+        return int(total * (1.0 + self.cost.kv_slack))
+
+    def step(self, seq: Seq, limits: Limits, usage_fn: UsageFn, events: list[Event], budget: int, *,
+             reserved: int = 0, may_ask: bool = True) -> int:
+        """Advance one prefilling request by a chunk of at most `budget` tokens; the tokens run.
+
+        `reserved`: what the other prefills will still grow (G1 counts it);
+        `may_ask`: False while another request waits for the supervisor's answer
+        (then one that needs room waits, without asking a second time).
+        Afterwards its state says where it goes: still `preflight`, `waiting`,
+        `prefill` or `held` (it stays in the line), `decoding` (its first token
+        is sampled) or `ended` (the guard refused it).
         """
         if seq.state in WAITING_FOR_ROOM:
             if self._clock() < seq.deadline:
-                return False
+                return 0
             seq.retry_after_room()  # no answer came in time: try once more all the same
         pool = self.pool(limits, usage_fn)
-        if seq.state == "preflight" and not self._preflight(seq, pool, events):
-            return False
+        if seq.state == "preflight" and not self._preflight(seq, pool, events, reserved, may_ask):
+            return 0
         remaining = len(seq.prompt) - 1 - seq.pos
+        used = 0
         if remaining > 0:
-            tokens = self._chunk_tokens(seq, remaining, pool, events)
-            if tokens == 0:
-                return seq.state == "ended"  # refused (the turn is used), or held for room (nothing ran)
-            if not self._run_chunk(seq, tokens, pool, events):
-                return True
+            tokens = self._chunk_tokens(seq, min(remaining, max(1, budget)), pool, events)
+            if tokens == 0 or not self._run_chunk(seq, tokens, pool, events):
+                return tokens  # refused or held for room (nothing ran), or refused after its chunk
+            used = tokens
         if seq.pos == len(seq.prompt) - 1:
             self._first_token(seq)
-        return True
+            used += 1
+        return used
 
-    def resume(self, seq: Seq, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> None:
+    def resume(self, seq: Seq, limits: Limits, usage_fn: UsageFn, events: list[Event], *,
+               reserved: int = 0) -> None:
         """A request whose whole prompt but its last token is in the prompt cache (H1): G1, its KV
         forked from the entry, and on to the decode batch with its last prompt token in flight.
 
@@ -168,7 +192,7 @@ class Prefill:
         their first; worker/decode.py emits nothing for the prompt token itself.
         Afterwards its state says where it goes, as after `step`.
         """
-        if not self._preflight(seq, self.pool(limits, usage_fn), events):
+        if not self._preflight(seq, self.pool(limits, usage_fn), events, reserved, True):
             return
         if seq.pos != len(seq.prompt) - 1:
             return  # the entry no longer covers it all: it prefills the usual way at the head
@@ -178,8 +202,12 @@ class Prefill:
         seq.detok = self.tokenizer.detokenizer
         seq.move("first_token")
 
-    def _preflight(self, seq: Seq, pool: GuardedPool, events: list[Event]) -> bool:
-        """G1 (with H4 first); True when the prefill may start now."""
+    def _preflight(self, seq: Seq, pool: GuardedPool, events: list[Event], reserved: int, may_ask: bool) -> bool:
+        """G1 (with H4 first); True when the prefill may start now.
+
+        A request that fits only once the prefills beside it are done (`reserved`)
+        waits for them in the line, as it waited behind them before they shared
+        turns; so does one that needs room while another request asks for it."""
         if self.endings.cacheable:  # look again: a request that finished meanwhile may cover more
             hit = self.prompt_cache.lookup(seq.prompt, len(seq.prompt) - 1, partition=seq.partition)
             self.prompt_cache.release(seq.hit)
@@ -188,14 +216,16 @@ class Prefill:
             self._start(seq)
             events.append(prompted(seq))
             return True
-        verdict = self.verdict(seq, pool)
+        verdict = self.verdict(seq, pool, reserved)
         if verdict.verdict != "fits" and self.prompt_cache.drop_unused():
             self._reclaim()  # H4: our own unused entries go before anyone else's model
-            verdict = self.verdict(seq, pool)
+            verdict = self.verdict(seq, pool, reserved)
         if verdict.verdict == "fits":
             self._start(seq)
             events.append(prompted(seq))
             return True
+        if reserved > 0 or (not may_ask and verdict.verdict == "evict"):
+            return False  # it waits for the prefills beside it, or for the answer another one waits for
         self._ask_or_refuse(seq, verdict, pool, events)
         return False
 
@@ -211,12 +241,13 @@ class Prefill:
         events.append(self.endings.memory_failure(seq, verdict.estimated_bytes, verdict.limit_bytes,
                                                   verdict.binding))
 
-    def verdict(self, seq: Seq, pool: GuardedPool) -> guard.Preflight:
-        """G1 for the tokens still to run; a reused prefix costs only its copy (see prompt_cache)."""
+    def verdict(self, seq: Seq, pool: GuardedPool, reserved: int = 0) -> guard.Preflight:
+        """G1 for the tokens still to run; a reused prefix costs only its copy (see prompt_cache),
+        and the prefills beside it what they will still grow (`reserved`)."""
         reused = seq.hit.tokens if seq.hit is not None else 0
         return guard.preflight(pool.limits, pool.usage(), len(seq.prompt) - reused, self.cost,
                                own_usage=pool.own(), retried=seq.retried,
-                               extra_bytes=int(reused * self.cost.kv_per_token), done=reused)
+                               extra_bytes=int(reused * self.cost.kv_per_token) + reserved, done=reused)
 
     def _start(self, seq: Seq) -> None:
         """The request's KV: a fork of its cache hit (H1), else empty."""
@@ -233,14 +264,15 @@ class Prefill:
         seq.move("start")
 
     def _chunk_tokens(self, seq: Seq, remaining: int, pool: GuardedPool, events: list[Event]) -> int:
-        """G2: the next chunk's tokens (its time budget too); 0 when not even the floor chunk fits,
-        and the request is then held for room or refused (`_room_for_floor`)."""
+        """G2: the next chunk's tokens, `remaining` being what the turn's budget leaves it; 0 when
+        not even the floor chunk fits, and the request is then held for room or refused
+        (`_room_for_floor`)."""
         if not guard.guard_on(pool.limits):
-            return self.chunk_timer.cap(min(self.max_chunk, remaining))
+            return min(self.max_chunk, remaining)
         tokens = self._plan(seq, remaining, pool, pool.usage()).tokens
         if tokens == 0:
             tokens = self._room_for_floor(seq, remaining, pool, events)
-        return self.chunk_timer.cap(tokens) if tokens else 0  # a chunk also fits its time budget
+        return tokens
 
     def _plan(self, seq: Seq, remaining: int, pool: GuardedPool, usage: int) -> guard.ChunkPlan:
         return guard.next_chunk(pool.limits, usage, remaining, self.cost, self.max_chunk, done=seq.pos)
@@ -313,11 +345,11 @@ class Prefill:
 
     # -- a group ------------------------------------------------------------------------
 
-    def fits(self, seq: Seq, limits: Limits, usage_fn: UsageFn) -> bool:
+    def fits(self, seq: Seq, limits: Limits, usage_fn: UsageFn, *, reserved: int = 0) -> bool:
         """G1 for one would-be member of a group."""
-        return self.verdict(seq, self.pool(limits, usage_fn)).verdict == "fits"
+        return self.verdict(seq, self.pool(limits, usage_fn), reserved).verdict == "fits"
 
-    def group_fits(self, members: list[Seq], limits: Limits, usage_fn: UsageFn) -> bool:
+    def group_fits(self, members: list[Seq], limits: Limits, usage_fn: UsageFn, *, reserved: int = 0) -> bool:
         """G1 for the group: usage plus the sum of each member's estimate, its KV padded to the
         longest; and G2's view of the group's first step (one column each) under the chunk target,
         since a group that cannot take its first step would only be split again."""
@@ -327,26 +359,28 @@ class Prefill:
         padded = max(len(seq.prompt) for seq in members)
         peak = sum(guard.admission_peak(padded, self.cost, limits.min_chunk_tokens) for _ in members)
         first = len(members) * guard.padded_chunk_bytes(self.cost, 0, 1)
-        return ((limit.bytes == 0 or usage + peak <= limit.bytes)
+        return ((limit.bytes == 0 or usage + reserved + peak <= limit.bytes)
                 and (target.bytes == 0 or usage + first <= target.bytes))
 
-    def group_step(self, group: PrefillGroup, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> None:
-        """One chunk of columns for every row (G2 for the group's tokens, G3 after), or the first tokens.
+    def group_step(self, group: PrefillGroup, limits: Limits, usage_fn: UsageFn, events: list[Event],
+                   budget: int) -> int:
+        """One chunk of columns for every row within `budget` tokens (G2 for the group's tokens, G3
+        after), and the first tokens once the prompts are in; the tokens run (padding included).
 
         Afterwards the members' states say where they go: all still `grouped`,
         all `prefill` (split: each goes on alone), all `decoding`, or all `ended`.
         """
         rows = len(group)
         pool = self.pool(limits, usage_fn)
+        used = 0
         if group.remaining > 0:
-            columns = min(group.remaining, max(1, self.max_chunk // rows))
+            columns = min(group.remaining, max(1, min(self.max_chunk, budget) // rows))
             guarded = guard.guard_on(pool.limits)
             if guarded:
                 columns = self._group_columns(group, pool.limits, pool.usage(), columns)
                 if columns == 0:
                     self._split(group)  # a step for the group does not fit: each goes on alone (G2)
-                    return
-            columns = min(columns, max(1, self.chunk_timer.cap(columns * rows) // rows))
+                    return 0
             done = group.pos
             real = group.real_tokens(columns)
             memory.reset_peak()
@@ -358,11 +392,13 @@ class Prefill:
             self.cost = prefill_cost.learn(self.cost, (mx.get_peak_memory() - before) // rows, columns, done=done)
             self.tokens += real
             mx.clear_cache()
+            used = columns * rows
             if guarded and not self._after_chunk(group.live, pool, events):
-                return
+                return used
             if group.remaining > 0:
-                return
+                return used
         self._group_first_tokens(group)
+        return used + len(group.live)
 
     def _group_columns(self, group: PrefillGroup, limits: Limits, usage: int, columns: int) -> int:
         """G2 for the group: G2's plan for one row, then as many columns as fit for every row

@@ -30,6 +30,7 @@ from shared.vocab import FailureCode
 from worker import prompt_cache as pc
 from worker.constrain import Constraint
 from worker.sampling import Sampler
+from worker.speculate import Speculation
 from worker.stops import StopMatcher
 
 RequestState = Literal["queued", "preflight", "waiting", "prefill", "held", "grouped", "decoding", "ended"]
@@ -85,12 +86,12 @@ class Seq:
     __slots__ = (
         "id", "prompt", "max_tokens", "sample", "stopper", "state", "cache", "pos",
         "y", "detok", "generated", "retried", "floor_retried", "deadline", "warned_soft", "constraint", "hit", "cached", "out",
-        "resuming", "cached_disk", "partition",
+        "resuming", "cached_disk", "partition", "spec",
     )
 
     def __init__(self, request_id: str, prompt: list[int], max_tokens: int, sampler: Sampler,
                  stopper: StopMatcher | None, constraint: Constraint | None = None,
-                 partition: str = SHARED_PARTITION):
+                 partition: str = SHARED_PARTITION, spec: Speculation | None = None):
         self.id = request_id
         self.partition = partition  # the prompt-cache partition it reads and fills (H7 as proposed)
         self.prompt = prompt
@@ -113,6 +114,7 @@ class Seq:
         self.cached_disk = 0       # ... of which the disk tier read for this request (H5 as proposed)
         self.out: list[int] = []   # generated token ids (the cache key after the prompt)
         self.resuming = False      # y is its last prompt token, fed by a decode step (a whole-prompt hit)
+        self.spec = spec           # its guessing (worker/speculate.py), when it may guess
 
     def move(self, event: RequestEvent) -> None:
         """The one way a request changes state (IllegalMove when the table does not allow it)."""

@@ -4,7 +4,7 @@ A request is in exactly one of the scheduler's lines, and its state
 (worker/request.py) matches the line:
 
     queue      queued                          submitted, not yet admitted
-    line       preflight, waiting, prefill,    the prefill line (only its head moves)
+    line       preflight, waiting, prefill,    prefilling alone (several at once)
                held
     group      grouped                         prefilled together
     decoding   decoding                        a token each step (the decode batch)
@@ -14,17 +14,37 @@ while fewer than the concurrency cap run; while the supervisor pauses
 admission, one is taken only when nothing runs.
 
 **The turn.** A step is short, because the supervisor's commands (new
-limits, reclaim, abort) take effect between steps: it is EITHER one prefill
-chunk (of the head of the line, or of the group) OR one decode token for
-every decoding request. When both kinds of work wait they alternate, so a
-long prompt never stalls the streams already running. A prefill turn that
-ran nothing (the head waits for the supervisor's memory answer, or the guard
-refused it) leaves the turn to decode.
+limits, reclaim, abort) take effect between steps: it is EITHER a prefill
+turn OR one decode token for every decoding request. When both kinds of work
+wait they alternate, so a running stream waits at most one prefill turn
+between two tokens. A prefill turn that ran nothing (everyone waits for the
+supervisor's memory answer, or the guard refused them) leaves the turn to decode.
 
-**Grouping**: requests waiting together at the front of the line
-are prefilled together when each fits G1 alone and the group fits as a sum
-(worker/prefill.py asks the guard); the head of the line is always a member,
-so nobody is passed over.
+**Fair prefill** (2026-12-05). A prefill turn has a token budget: the tokens
+the prefill runs in `chunk_seconds` (worker/prefill.py `Prefill.turn_budget`),
+shared by every request that is prefilling, not given to the first in line
+alone. Before, the head of the line took whole turns until its prompt was
+done: a 6,969-token prompt held a 117-token one behind it for 252.8 s. Now
+each turn walks the prefilling requests in `PrefillOrder`:
+
+- `shortest` (the default): the request with the fewest tokens still to run
+  first, then the next, while the budget lasts. A short prompt's first token
+  waits for at most the turn in flight and its own tokens, never for a long
+  prompt's whole prefill; the long one loses only the short one's work
+  (scripts/bench_fairness.py measured both orders).
+- `round_robin`: the budget in equal shares, everyone a chunk each turn.
+
+Each chunk is still sized by G2 and checked by G3 on its own, with the usage
+read before it (which holds every chunk run before it in the turn), so the
+turn as a whole stays under the chunk target; and G1 for a request that
+starts while others prefill counts the KV they are still to grow
+(`Prefill.reserved`). While one request waits for the supervisor's memory
+answer, no new prefill starts (one request for room at a time); those already
+prefilling go on.
+
+**Grouping**: fresh requests waiting together in the line are prefilled
+together when each fits G1 alone and the group fits as a sum (worker/prefill.py
+asks the guard); the first of them that fits is always a member.
 
 The prefill and decode rooms never move a request between lines: after they
 ran, the request's state says where it goes, and the moves are all here.
@@ -34,8 +54,10 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from typing import Union
 
 from shared.limits import Limits
+from shared.vocab import PrefillOrder
 from worker import prefill_guard as guard
 from worker.decode import DecodeStep
 from worker.endings import Endings, Event, prompted
@@ -44,22 +66,26 @@ from worker.memory import UsageFn
 from worker.prefill import Prefill
 from worker.request import WAITING_FOR_ROOM, Seq
 
+Work = Union[Seq, PrefillGroup]  # what a prefill turn advances: a request alone, or the group
+
 
 class Scheduler:
-    """The lines, admission, the prefill/decode turn and grouping."""
+    """The lines, admission, the prefill/decode turn, the prefill budget and grouping."""
 
     def __init__(self, prefill: Prefill, decode: DecodeStep, endings: Endings, *,
-                 max_concurrency: int, clock: Callable[[], float]) -> None:
+                 max_concurrency: int, clock: Callable[[], float], order: PrefillOrder = "shortest") -> None:
         self.prefill = prefill
         self.decode = decode
         self.endings = endings
         self.max_concurrency = max(1, max_concurrency)
+        self.order: PrefillOrder = order
         self.queue: deque[Seq] = deque()
         self.line: deque[Seq] = deque()
         self.group: PrefillGroup | None = None
         self.decoding: list[Seq] = []
         self._prefill_turn = True
         self._clock = clock
+        self._rotation = 0  # round robin: who goes first this turn
 
     # -- where requests are ------------------------------------------------------------
 
@@ -77,11 +103,19 @@ class Scheduler:
         if self.decoding or self.group is not None:
             return True
         if self.line:
-            # Only the head of the prefill line can move; while it waits for the
-            # supervisor's answer, admitting more would not move anything either.
-            head = self.line[0]
-            return head.state not in WAITING_FOR_ROOM or self._clock() >= head.deadline
+            # While a request waits for the supervisor's answer no new prefill starts,
+            # and admitting more would not move anything either.
+            return any(self._movable(seq) for seq in self.line)
         return bool(self.queue)
+
+    def _room_wait(self) -> bool:
+        """True while a request waits for the supervisor's answer (no new prefill starts)."""
+        return any(seq.state in WAITING_FOR_ROOM for seq in self.line)
+
+    def _movable(self, seq: Seq) -> bool:
+        if seq.state in WAITING_FOR_ROOM:
+            return self._clock() >= seq.deadline
+        return seq.state != "preflight" or not self._room_wait()
 
     def next_deadline(self) -> float | None:
         """Earliest time a request waiting for memory retries on its own (loop timeouts)."""
@@ -137,10 +171,10 @@ class Scheduler:
     # -- the step ----------------------------------------------------------------------
 
     def step(self, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> None:
-        """Admit what the limits allow, then run one prefill chunk or one decode token each."""
+        """Admit what the limits allow, then run one prefill turn or one decode token each."""
         self._admit(limits)
         if (self.line or self.group is not None) and (self._prefill_turn or not self.decoding):
-            if self._prefill_turn_ran(limits, usage_fn, events):
+            if self._prefill_step(limits, usage_fn, events):
                 self._prefill_turn = False
                 return
         if self.decoding:
@@ -157,66 +191,115 @@ class Scheduler:
             seq.move("admit")
             self.line.append(seq)
 
-    def _prefill_turn_ran(self, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> bool:
-        """The prefill turn; True when it used the step. MLX raising fails the requests involved."""
-        try:
-            return self._prefill_step(limits, usage_fn, events)
-        except Exception as exc:  # noqa: BLE001 - the requests involved fail, the worker lives
-            if self.group is not None:
-                failed, self.group = self.group.live, None
-            else:
-                failed = [self.line.popleft()]
-            self.endings.engine_failure(failed, exc, events)
-            return True
-
     def _prefill_step(self, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> bool:
-        """Advance the prefill group, else the head of the prefill line; True when a chunk ran."""
-        if self.group is None and self.decode.batched:
+        """One prefill turn: the budget shared by the group and the prefilling requests in
+        `order`; True when it ran anything (a chunk, a first token, a refusal)."""
+        if self.decode.batched:
             self._resume_hits(limits, usage_fn, events)
-            if not self.line:
-                return False  # they join the decode step of this very turn
-            self.group = self._form_group(limits, usage_fn)
-            if self.group is not None:  # a member's prompt is final (none reuses the cache)
-                events.extend(prompted(seq) for seq in self.group.live)
-        if self.group is not None:
-            self.prefill.group_step(self.group, limits, usage_fn, events)
-            self._after_group(self.group)
-            return True
-        head = self.line[0]
-        ran = self.prefill.step(head, limits, usage_fn, events)
-        if head.state in ("decoding", "ended"):
-            self.line.popleft()
-            if head.state == "decoding":
-                self._start_decoding(head)
+            if self.group is None and self.line and not self._room_wait():
+                self.group = self._form_group(limits, usage_fn)
+                if self.group is not None:  # a member's prompt is final (none reuses the cache)
+                    events.extend(prompted(seq) for seq in self.group.live)
+        budget = self.prefill.turn_budget()
+        work = self._turn_order()
+        ran = False
+        for i, item in enumerate(work):
+            if budget <= 0:
+                break
+            share = budget if self.order == "shortest" else max(1, -(-budget // (len(work) - i)))
+            used, moved = self._advance(item, share, limits, usage_fn, events)
+            budget -= used
+            ran = ran or used > 0 or moved
         return ran
 
-    def _resume_hits(self, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> None:
-        """The requests at the front of the line whose whole prompt but the last token is cached
-        go to the decode batch without a prefill turn of their own (Prefill.resume), in order,
-        until one is not such a request or has to wait for memory."""
-        while self.line:
-            seq = self.line[0]
-            if seq.state != "preflight" or seq.hit is None or seq.hit.tokens != len(seq.prompt) - 1:
-                return
-            self.prefill.resume(seq, limits, usage_fn, events)
-            if seq.state not in ("decoding", "ended"):
-                return  # waiting for memory, or prefilling after all: it is the head now
-            self.line.popleft()
-            if seq.state == "decoding":
-                self._start_decoding(seq)
+    def _turn_order(self) -> list[Work]:
+        """The group and the line's movable requests, in the order this turn serves them."""
+        work: list[Work] = [seq for seq in self.line if self._movable(seq)]
+        if self.group is not None:
+            work.insert(0, self.group)
+        if self.order == "shortest":
+            return sorted(work, key=self._to_run)  # stable: equal ones keep their line order
+        if work:
+            self._rotation = (self._rotation + 1) % len(work)
+            work = work[self._rotation:] + work[:self._rotation]
+        return work
 
-    def _after_group(self, group: PrefillGroup) -> None:
-        """Where the group's members go after its step (their states say it)."""
+    def _to_run(self, item: Work) -> int:
+        """Tokens still to run before `item`'s first token (a group: over all its rows)."""
+        if isinstance(item, PrefillGroup):
+            return (item.remaining + 1) * len(item.live)
+        cached = item.hit.tokens if item.state == "preflight" and item.hit is not None else 0
+        return len(item.prompt) - max(item.pos, cached)
+
+    def _advance(self, item: Work, budget: int, limits: Limits, usage_fn: UsageFn,
+                 events: list[Event]) -> tuple[int, bool]:
+        """One chunk of `item` within `budget` tokens: (tokens run, whether it moved on: ended,
+        split or done). MLX raising fails the requests involved, not the worker."""
+        reserved = self.prefill.reserved(self._prefilling(besides=item))
+        try:
+            if isinstance(item, PrefillGroup):
+                used = self.prefill.group_step(item, limits, usage_fn, events, budget)
+                moved = self._after_group(item)
+                return used, moved
+            state = item.state
+            used = self.prefill.step(item, limits, usage_fn, events, budget, reserved=reserved,
+                                     may_ask=not self._room_wait())
+        except Exception as exc:  # noqa: BLE001 - the requests involved fail, the worker lives
+            self._fail(item, exc, events)
+            return 0, True
+        if item.state in ("decoding", "ended"):
+            self.line.remove(item)
+            if item.state == "decoding":
+                self._start_decoding(item)
+        return used, item.state != state
+
+    def _fail(self, item: Work, exc: Exception, events: list[Event]) -> None:
+        if isinstance(item, PrefillGroup):
+            failed = item.live
+            if self.group is item:
+                self.group = None
+        else:
+            failed = [item]
+            if item in self.line:
+                self.line.remove(item)
+        self.endings.engine_failure(failed, exc, events)
+
+    def _prefilling(self, besides: Work | None = None) -> list[Work]:
+        """The group and the requests whose prefill has started (their KV still grows)."""
+        work: list[Work] = [seq for seq in self.line if seq is not besides and seq.state in ("prefill", "held")]
+        if self.group is not None and self.group is not besides:
+            work.append(self.group)
+        return work
+
+    def _resume_hits(self, limits: Limits, usage_fn: UsageFn, events: list[Event]) -> None:
+        """The requests in the line whose whole prompt but the last token is cached go to the
+        decode batch without a prefill turn of their own (Prefill.resume), in line order."""
+        for seq in list(self.line):
+            if seq.state != "preflight" or seq.hit is None or seq.hit.tokens != len(seq.prompt) - 1:
+                continue
+            if self._room_wait():
+                return
+            self.prefill.resume(seq, limits, usage_fn, events,
+                                reserved=self.prefill.reserved(self._prefilling()))
+            if seq.state in ("decoding", "ended"):
+                self.line.remove(seq)
+                if seq.state == "decoding":
+                    self._start_decoding(seq)
+
+    def _after_group(self, group: PrefillGroup) -> bool:
+        """Where the group's members go after its step (their states say it); True when they moved."""
         live = group.live
         if any(seq.state == "grouped" for seq in live):
-            return
-        self.group = None
+            return False
+        if self.group is group:
+            self.group = None
         for seq in reversed(live):
             if seq.state == "prefill":  # split: back at the front of the line, in their order
                 self.line.appendleft(seq)
         for seq in live:
             if seq.state == "decoding":
                 self._start_decoding(seq)
+        return True
 
     def _start_decoding(self, seq: Seq) -> None:
         self.decoding.append(seq)
@@ -234,35 +317,31 @@ class Scheduler:
     # -- grouping ----------------------------------------------------------------------
 
     def _form_group(self, limits: Limits, usage_fn: UsageFn) -> PrefillGroup | None:
-        """The requests at the front of the prefill line to prefill in one pass, or None.
+        """The fresh requests of the prefill line to prefill in one pass, or None.
 
         A member has not started, reuses no prompt-cache entry (a fork is its
         own KV), fits G1 alone, and does not make the group mostly padding; the
-        group must fit G1 as the sum of its members' estimates, else it loses
-        members from the back. The head of the line is always a member, so no
-        request is passed over; with fewer than two members the head goes alone.
+        group must fit G1 as the sum of its members' estimates (on top of the KV
+        the requests prefilling beside it will still grow), else it loses
+        members from the back. The first fresh request that fits is always a
+        member; with fewer than two members each goes alone.
         """
-        head = self.line[0]
-        if head.state != "preflight" or head.hit is not None:
-            return None
-        if sum(1 for seq in self.line if seq.state == "preflight" and seq.hit is None) < 2:
+        fresh = [seq for seq in self.line if seq.state == "preflight" and seq.hit is None]
+        if len(fresh) < 2:
             return None  # alone: no usage read here, the usual path reads it (G1 once)
         guarded = guard.guard_on(limits)
+        reserved = self.prefill.reserved(self._prefilling())
         members: list[Seq] = []
-        for seq in self.line:
+        for seq in fresh:
             if len(members) >= self.prefill.max_chunk:
                 break
-            if seq.state != "preflight" or seq.hit is not None:
-                continue
             if members and not worth_padding([len(m.prompt) for m in members], len(seq.prompt)):
                 continue
-            if guarded and not self.prefill.fits(seq, limits, usage_fn):
-                if seq is head:
-                    return None  # the head's own G1 (NeedMemory, reject) goes the usual way
-                continue
+            if guarded and not self.prefill.fits(seq, limits, usage_fn, reserved=reserved):
+                continue  # its own G1 (NeedMemory, reject) goes the usual way, in its own turn
             members.append(seq)
         if guarded:
-            while len(members) > 1 and not self.prefill.group_fits(members, limits, usage_fn):
+            while len(members) > 1 and not self.prefill.group_fits(members, limits, usage_fn, reserved=reserved):
                 members.pop()
         if len(members) < 2:
             return None

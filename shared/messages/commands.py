@@ -10,7 +10,7 @@ import msgspec
 
 from shared.limits import Limits
 from shared.messages.base import Msg
-from shared.vocab import FailureCode
+from shared.vocab import FailureCode, PrefillOrder
 
 __all__ = [
     "WorkerSpec", "DISK_CACHE_AUTO", "Command", "SetLimits", "Reclaim", "ShrinkCache", "AbortRequests",
@@ -34,7 +34,9 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     sample_interval: float = 0.25
     heartbeat_timeout: float = 5.0
     max_concurrency: int = 4
-    chunk_seconds: float = 1.0  # the time one prefill chunk aims at (its heartbeat cannot interrupt one)
+    chunk_seconds: float = 0.25  # the time one prefill turn aims at (its heartbeat cannot interrupt one)
+    prefill_order: PrefillOrder = "shortest"  # how a prefill turn's budget is shared (worker/scheduler.py)
+    draft_path: str = ""  # the draft model's folder (speculative decoding, worker/draft.py); "" = none
     allow_drills: bool = False
     # The prompt cache's disk tier (H5 as proposed) and shrink before drop (H6).
     # Bytes every model's entries on disk may hold together: DISK_CACHE_AUTO sizes it to the
@@ -187,6 +189,7 @@ class Generate(Command, tag="generate", kw_only=True):
     logit_bias: dict[int, float] = {}  # token id -> added to its logit
     logprobs: bool = False  # each token's TokenOut carries its TokenLogprobs
     top_logprobs: int = 0  # ... with this many most likely alternatives (at most MAX_TOP_LOGPROBS)
+    speculative: bool = True  # False: never guess ahead (speculative decoding), even alone
     # fill in the middle: `prompt` is the text before, this the text after
     # (the worker builds the prompt from its tokenizer's FIM tokens; prompt only)
     suffix: Union[str, None] = None

@@ -213,6 +213,10 @@ class Finished(Msg, tag="finished", kw_only=True):
     cached_tokens: int = 0  # H1: prompt tokens reused from the worker's prompt cache
     cached_disk_tokens: int = 0  # H5 (proposed): the part of cached_tokens this request read from disk
     stop_sequence: str = ""  # the stop string that ended it ("" = EOS, length, grammar)
+    # Speculative decoding (worker/speculate.py): guessed tokens the model checked, and those of
+    # them it chose too (part of completion_tokens); OpenAI's accepted/rejected_prediction_tokens
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 class Failed(Msg, tag="failed", kw_only=True):

@@ -3,8 +3,8 @@
 Per model: state, pinned, the A2 estimate next to the measured usage, MLX
 active and pool bytes, prompt-cache bytes (in memory, and on disk: H5 as
 proposed, shown for unloaded models too), the decode batch's buffers and the
-live KV in them, idle time, TTL and when it expires, restarts, and what its
-last load took (SPEC W3: every phase's seconds in `--json`'s `load_phases`;
+live KV in them, speculative decoding's accepted of proposed tokens (GUESSES),
+idle time, TTL and when it expires, restarts, and what its last load took (SPEC W3: every phase's seconds in `--json`'s `load_phases`;
 `spare` when a spare worker took it). Spare workers (W1) are rows of their own,
 `(spare)` with no model id. PREFETCHED: the bytes of a model's weights read ahead
 into the page cache (W4). `--json` prints the `ModelInfo` list for scripts.
@@ -64,16 +64,23 @@ def _seconds(s: float | None) -> str:
     return f"{s:.0f}s" if s < 120 else f"{s / 60:.0f}m"
 
 
+def _guesses(m: ModelInfo) -> str:
+    """Speculative decoding: accepted of proposed tokens, and the share."""
+    if not m.proposed_tokens:
+        return "-"
+    return f"{m.accepted_tokens}/{m.proposed_tokens} ({100 * m.accepted_tokens / m.proposed_tokens:.0f}%)"
+
+
 def table(models: list[ModelInfo]) -> str:
     header = ("MODEL", "STATE", "PIN", "ESTIMATE", "USAGE", "ACTIVE", "POOL", "CACHE", "DISK", "BATCH", "LIVE KV",
-              "IDLE", "TTL", "EXPIRES", "RESTARTS", "LOAD", "PREFETCHED")
+              "GUESSES", "IDLE", "TTL", "EXPIRES", "RESTARTS", "LOAD", "PREFETCHED")
     rows = [header]
     for m in models:
         name = (m.id or "(spare)") + (f" ({', '.join(m.aliases)})" if m.aliases else "")
         rows.append((
             name, m.state, "yes" if m.pinned else "", _size(m.estimated_bytes), _size(m.usage),
             _size(m.mlx_active), _size(m.mlx_pool), _size(m.cache_bytes), _size(m.disk_cache_bytes),
-            _size(m.batch_bytes), _size(m.batch_live_bytes),
+            _size(m.batch_bytes), _size(m.batch_live_bytes), _guesses(m),
             _seconds(m.idle_seconds) if m.worker else "-", _seconds(m.ttl) if m.ttl else "-",
             _seconds(m.expires_in) if m.ttl and m.worker else "-", str(m.restarts), _load(m), _size(m.prefetched_bytes),
         ))

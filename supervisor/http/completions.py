@@ -44,6 +44,7 @@ from supervisor.http.openai_types import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     BodyError,
     CompletionRequest,
+    CompletionTokensDetails,
     PromptTokensDetails,
     TextCompletion,
     Usage,
@@ -169,10 +170,15 @@ async def open_all(request: Request, sup: Supervisor, metrics: Metrics, req: Com
 
 def _total(ends: list[p.Finished]) -> Usage:
     prompt, completion = sum(e.prompt_tokens for e in ends), sum(e.completion_tokens for e in ends)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 prompt_tokens_details=PromptTokensDetails(
-                     cached_tokens=sum(e.cached_tokens for e in ends),
-                     disk_cached_tokens=sum(e.cached_disk_tokens for e in ends)))
+    usage = Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                  prompt_tokens_details=PromptTokensDetails(
+                      cached_tokens=sum(e.cached_tokens for e in ends),
+                      disk_cached_tokens=sum(e.cached_disk_tokens for e in ends)))
+    proposed, accepted = sum(e.proposed_tokens for e in ends), sum(e.accepted_tokens for e in ends)
+    if proposed:  # speculative decoding, as usage_of says it for one prompt
+        usage.completion_tokens_details = CompletionTokensDetails(accepted_prediction_tokens=accepted,
+                                                                  rejected_prediction_tokens=proposed - accepted)
+    return usage
 
 
 def _replies(jobs: list[Job], req: CompletionRequest, works: list[Planned], include_usage: bool) -> list[Completion]:

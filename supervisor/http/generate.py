@@ -39,6 +39,7 @@ from supervisor.http.openai_types import (
     ChatRequest,
     ChunkChoice,
     CompletionLogprobs,
+    CompletionTokensDetails,
     Delta,
     FunctionCall,
     PromptTokensDetails,
@@ -110,7 +111,7 @@ def common_fields(req, max_tokens: int, stops: int = MAX_STOP_SEQUENCES) -> dict
     return dict(request_id="", max_tokens=max_tokens,  # "": the supervisor gives it its id
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p, stop=stop_sequences(req.stop, stops),
-                seed=checked_seed(req.seed),
+                seed=checked_seed(req.seed), speculative=req.speculative is not False,
                 **sampling.generate_fields(req))  # top_k, min_p, penalties, logit_bias
 
 
@@ -337,10 +338,15 @@ class Completion:
 
 
 def usage_of(msg: p.Finished) -> Usage:
-    return Usage(prompt_tokens=msg.prompt_tokens, completion_tokens=msg.completion_tokens,
-                 total_tokens=msg.prompt_tokens + msg.completion_tokens,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=msg.cached_tokens,
-                                                           disk_cached_tokens=msg.cached_disk_tokens))
+    usage = Usage(prompt_tokens=msg.prompt_tokens, completion_tokens=msg.completion_tokens,
+                  total_tokens=msg.prompt_tokens + msg.completion_tokens,
+                  prompt_tokens_details=PromptTokensDetails(cached_tokens=msg.cached_tokens,
+                                                            disk_cached_tokens=msg.cached_disk_tokens))
+    if msg.proposed_tokens:
+        usage.completion_tokens_details = CompletionTokensDetails(
+            accepted_prediction_tokens=msg.accepted_tokens,
+            rejected_prediction_tokens=msg.proposed_tokens - msg.accepted_tokens)
+    return usage
 
 
 async def handle(request: Request, sup: Supervisor, metrics: Metrics, body: bytes, started: float) -> Response:

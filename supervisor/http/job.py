@@ -163,7 +163,7 @@ class Job:
         else:
             self.finished = True
             if isinstance(msg, p.Finished):
-                self.metrics.finished(self.model, msg.completion_tokens)
+                self.metrics.finished(self.model, msg.completion_tokens, msg.proposed_tokens, msg.accepted_tokens)
             else:
                 self.metrics.failed(self.model, msg.code)
         return msg

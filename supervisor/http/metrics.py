@@ -64,6 +64,10 @@ class Metrics:
                               "(includes on-demand loads and waiting in the admission queue)",
                               ["model"], buckets=TTFT_BUCKETS, registry=r)
         self.tokens = Counter("memvisor_generated_tokens", "Completion tokens generated", ["model"], registry=r)
+        self.proposed = Counter("memvisor_speculative_proposed_tokens", "Speculative decoding: guessed tokens "
+                                "the model checked", ["model"], registry=r)
+        self.accepted = Counter("memvisor_speculative_accepted_tokens", "Speculative decoding: guessed tokens "
+                                "the model chose too (part of the generated tokens)", ["model"], registry=r)
         self.outcomes = Counter("memvisor_generations", "Generation requests by outcome "
                                 "(finished, cancelled by the client, or the worker's error code)",
                                 ["model", "outcome"], registry=r)
@@ -90,9 +94,12 @@ class Metrics:
     def first_token(self, model: str, seconds: float) -> None:
         self.ttft.labels(model).observe(seconds)
 
-    def finished(self, model: str, completion_tokens: int) -> None:
+    def finished(self, model: str, completion_tokens: int, proposed: int = 0, accepted: int = 0) -> None:
         self.tokens.labels(model).inc(completion_tokens)
         self.outcomes.labels(model, "finished").inc()
+        if proposed:
+            self.proposed.labels(model).inc(proposed)
+            self.accepted.labels(model).inc(accepted)
 
     def failed(self, model: str, code: FailureCode | Literal["malformed_reply"]) -> None:
         self.outcomes.labels(model, code).inc()

@@ -154,6 +154,8 @@ class _Sampling(SamplingFields, kw_only=True, forbid_unknown_fields=True):
     # Per-request idle timers (P10): Ollama's keep_alive and LM Studio's ttl.
     keep_alive: KeepAlive = None
     ttl: Union[int, None] = None
+    # false: the worker never guesses ahead (speculative decoding); null or true: it may
+    speculative: Union[bool, None] = None
 
 
 class FunctionDef(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -244,11 +246,20 @@ class PromptTokensDetails(Struct, kw_only=True):
     disk_cached_tokens: int = 0  # H5 (proposed): the part of cached_tokens read back from the disk tier
 
 
+class CompletionTokensDetails(Struct, kw_only=True):
+    """Speculative decoding: guessed tokens the model chose too, and those it did not (OpenAI's
+    names, from its Predicted Outputs); only when the request guessed at all."""
+
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
 class Usage(Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = msgspec.field(default_factory=PromptTokensDetails)
+    completion_tokens_details: Union[CompletionTokensDetails, msgspec.UnsetType] = msgspec.UNSET
 
 
 class ChatMessageOut(Struct, kw_only=True, omit_defaults=True):

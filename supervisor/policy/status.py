@@ -224,6 +224,9 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     disk_cache_entries: int = 0
     batch_bytes: int = 0       # the decode batch's buffers ...
     batch_live_bytes: int = 0  # ... and its live KV
+    # speculative decoding since the supervisor started: guessed tokens checked, and accepted
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
     idle_seconds: float = 0.0
     ttl: float | None = None
     expires_in: float | None = None

@@ -57,8 +57,9 @@ def test_anthropic_tool_use_named_validates_and_tool_result_is_accepted(server):
     async def main():
         client = server.anthropic()
         first = await client.messages.create(
-            model="a", max_tokens=60, tools=tools, tool_choice={"type": "tool", "name": "get_weather"},
-            messages=[{"role": "user", "content": "Weather in Oslo?"}])
+            model="a", max_tokens=60, tools=tools,
+            tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+            messages=[{"role": "user", "content": "Weather in Oslo?"}])  # one call: a second could be cut
         use = first.content[-1]
         follow = [{"role": "user", "content": "Weather in Oslo?"},
                   {"role": "assistant", "content": [{"type": "tool_use", "id": use.id, "name": use.name,
@@ -122,8 +123,8 @@ def test_responses_function_tool_required_streamed_and_json_schema_text(server):
         called = await client.responses.create(model="a", input="Weather?", tools=tools, tool_choice="required",
                                                max_output_tokens=60)
         events = [e async for e in await client.responses.create(
-            model="a", input="Weather?", tools=tools, max_output_tokens=60, stream=True,
-            tool_choice={"type": "function", "name": "get_weather"})]
+            model="a", input="Weather?", tools=tools, max_output_tokens=60, stream=True, parallel_tool_calls=False,
+            tool_choice={"type": "function", "name": "get_weather"})]  # exactly one call, as asserted below
         shaped = await client.responses.create(model="a", input="Weather?", max_output_tokens=60, text={
             "format": {"type": "json_schema", "name": "w", "schema": WEATHER, "strict": True}})
         return called, events, shaped
