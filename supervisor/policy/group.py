@@ -73,10 +73,11 @@ class WorkerGroup:
             if state not in _LIVE:
                 continue
             live.append(w)
-            pids[w.worker] = w.pid
-            caps[w.worker] = w.concurrency or w.max_concurrency
-            m = w.memory
-            usage += m.usage
+            name, m = w.worker, w.memory
+            pids[name] = w.pid
+            caps[name] = w.concurrency or w.max_concurrency
+            u = m.usage
+            usage += u
             own += m.footprint
             own_gpu += w.gpu_bytes
             device += w.device_bytes
@@ -85,13 +86,13 @@ class WorkerGroup:
                 cached.append(w)
             if state == "draining":
                 n_draining += 1
-                draining += m.usage
+                draining += u
                 draining_device += w.device_bytes
                 if not (w.running or w.queued):
-                    draining_idle += m.usage
+                    draining_idle += u
                 active = True
                 continue
-            usage_now[w.worker] = m.usage
+            usage_now[name] = u
             if not w.model:  # W1: a spare, starting or waiting; not a load, not serving
                 spares.append(w)
             elif state in _SERVING:

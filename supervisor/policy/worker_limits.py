@@ -71,28 +71,38 @@ def limits_to_hand_out(
     common_why = "first limits" if prev.limits is None else "limits changed"
     stepped = (f"{level} pressure: one step toward 1" if level != "ok"
                else "ok: one step toward the configured maximum")
+    # the limits built so far: by cap for a worker that keeps no cache (most), else by (cap, own bytes)
+    plain: dict[int, Limits] = {}
     built: dict[tuple[int, int], Limits] = {}
     out, sent = t.out, False
     for w in live:
         worker = w.worker
         step = steps.get(worker) if steps else None
-        cap = caps[worker] if step is None else step
         if step is not None:
+            cap = step
             why = stepped
         elif changed:
+            cap = caps[worker]
             why = common_why
-        elif had.get(worker) != w.pid:
-            why = "new worker"
-        elif had_caps.get(worker) != cap:
-            why = "its request slots changed"
-        elif total - own.get(worker, 0) != before - had_own.get(worker, 0):
-            why = "other workers' prompt caches changed"
         else:
-            continue
+            cap = caps[worker]
+            if had.get(worker) != w.pid:
+                why = "new worker"
+            elif had_caps.get(worker) != cap:
+                why = "its request slots changed"
+            elif total - own.get(worker, 0) != before - had_own.get(worker, 0):
+                why = "other workers' prompt caches changed"
+            else:
+                continue
         mine = own.get(worker, 0) if own else 0
-        limits = built.get((cap, mine))
-        if limits is None:
-            limits = built[(cap, mine)] = worker_limits(common, cap, total - mine)
+        if not mine:
+            limits = plain.get(cap)
+            if limits is None:
+                limits = plain[cap] = worker_limits(common, cap, total)
+        else:
+            limits = built.get((cap, mine))
+            if limits is None:
+                limits = built[(cap, mine)] = worker_limits(common, cap, total - mine)
         sent = True
         if step is None:
             out.append(ApplyLimits(worker=worker, model=w.model, limits=limits, reason=why))
