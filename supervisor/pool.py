@@ -14,7 +14,6 @@ supervisor.models's (with supervisor.intensity's arithmetic).
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import os
 import signal
@@ -34,6 +33,7 @@ from supervisor import liveness, load_clock, reaping
 from supervisor.bus import Bus
 from supervisor.cache_tiers import CacheBook, save_grace, saved_words
 from supervisor.config import Config, ModelConfig
+from supervisor.counters import SupervisorCounters
 from supervisor.errors import LoadError
 from supervisor.load_timer import LoadTimer
 from supervisor.policy.wired import sigkill_after
@@ -61,7 +61,7 @@ log = logging.getLogger("memvisor.pool")
 
 class Pool:
     def __init__(self, *, bus: Bus, ledger: Ledger, config: Config, on_event: EventSink, on_change: Callable[[], None],
-                 counters: collections.Counter[str] | None = None) -> None:
+                 counters: SupervisorCounters | None = None) -> None:
         self.bus = bus
         self.ledger = ledger
         self.config = config
@@ -74,7 +74,7 @@ class Pool:
         self._cmd = 0
         self._free_slots = list(range(ledger.n_slots))
         self._mp = multiprocess.get_context("spawn")
-        self.counters: collections.Counter[str] = counters if counters is not None else collections.Counter()
+        self.counters = counters if counters is not None else SupervisorCounters()
         self._pings: dict[tuple[str, int], asyncio.Future] = {}
         # Off only in the reaction benchmark's baseline (the seed's fixed 1 s poll).
         self.wake_on_watermark = True
@@ -123,7 +123,7 @@ class Pool:
         self.handles[worker_id] = handle
         self.by_identity[handle.identity] = handle
         reaping.on_exit(proc, lambda code: self._exited(handle, code), worker_id)
-        self.counters["spawned"] += 1
+        self.counters.spawned += 1
         if model is not None:
             now = time.monotonic()
             handle.load = load_clock.begin(began or now, now, spare=False, estimate=estimate)
@@ -222,7 +222,7 @@ class Pool:
                 if handle is None or msg.pid != handle.pid:
                     self.bus.bad("reports", "unknown_peer", "sample from an unknown worker")
                     return
-                self.counters["samples"] += 1
+                self.counters.samples += 1
                 self.bus.publish(msg)
                 if msg.why in ("watermark", "shrink") and self.wake_on_watermark:
                     # P9: a watermark crossing is answered now, not at the next tick; H3: so is a shrink
@@ -256,7 +256,7 @@ class Pool:
         self.caches.take(msg)
         s = msg.stats
         if msg.final and (s.written_entries or s.dropped_entries):
-            self.counters["disk_cache_saves"] += 1
+            self.counters.disk_cache_saves += 1
             self.on_event(CacheWritten(handle, saved_words(s)))
 
     # -- commands -------------------------------------------------------------
@@ -284,11 +284,10 @@ class Pool:
         handle.model = model
         handle.concurrency = min(handle.concurrency, model.max_concurrency)
 
-    def set_concurrency(self, handle: WorkerHandle, cap: int) -> None:
-        """P8: the worker's request slots, sent with its limits."""
-        handle.concurrency = cap
-        if handle.last_limits is not None:
-            self.set_limits(handle, msgspec.structs.replace(handle.last_limits, max_concurrency=cap))
+    def set_concurrency(self, handle: WorkerHandle, limits: Limits) -> None:
+        """P8: the worker's request slots (`limits.max_concurrency`), sent with the rest of its limits."""
+        handle.concurrency = limits.max_concurrency
+        self.set_limits(handle, limits)
 
     def set_device_info(self, handle: WorkerHandle, info: dict) -> None:
         """The accelerator the worker's MLX sees, as its hello described it (D1)."""
@@ -349,7 +348,7 @@ class Pool:
                     self.command(h, p.Ping(seq=h.ping_seq))
 
     def _wedged(self, handle: WorkerHandle, why: str) -> None:
-        self.counters["wedged"] += 1
+        self.counters.wedged += 1
         log.error("Worker %s (pid %d): %s: wedged; killing it", handle.worker_id, handle.pid, why)
         handle.move("silent")
         self.on_event(Wedged(handle, why))
@@ -483,7 +482,7 @@ class Pool:
         if handle.spare:
             self.spares.exited(expected, time.monotonic())
         self.handles.pop(handle.worker_id, None)
-        self.counters["exits"] += 1
+        self.counters.exits += 1
         self.on_event(Exited(handle, handle.exit_cause, expected, code))
         self.on_change()
 

@@ -14,7 +14,7 @@ import pytest
 from shared import protocol as p
 from shared.host import HostCounters
 from shared.sizes import GiB, MiB
-from shared.states import IllegalTransition, transition
+from shared.states import IllegalMove, transition
 from supervisor import load_clock
 from supervisor.config import SupervisorConfig
 from supervisor.policy import decisions as d
@@ -153,7 +153,7 @@ def test_w1_a_spare_waits_then_loads_its_model():
 @pytest.mark.parametrize("state, event", [("spare", "hello"), ("spare", "loaded"), ("spare", "work"),
                                           ("ready", "take"), ("loading", "wait")])
 def test_w1_illegal_spare_moves_are_refused(state, event):
-    with pytest.raises(IllegalTransition):
+    with pytest.raises(IllegalMove):
         transition(state, event)
 
 
