@@ -29,6 +29,16 @@ class ServeProcess:
             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "wb"))  # noqa: SIM115
         self.base = wait_ready(self.proc, runtime, log, timeout)
 
+    def worker_pid(self, model_id: str) -> int:
+        """The pid of the worker serving `model_id` (from /status), not a spare's."""
+        import httpx
+
+        models = httpx.get(f"{self.base}/status", timeout=30).json()["models"]
+        pid = next((m.get("pid") for m in models if m["id"] == model_id), None)
+        if not pid:
+            raise SystemExit(f"/status names no worker for {model_id!r}; see {self.log}")
+        return int(pid)
+
     def close(self) -> None:
         self.proc.terminate()
         try:

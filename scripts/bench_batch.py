@@ -29,7 +29,8 @@ are noisy; compare the ratios within one run. Last line:
 
 `--peers` runs scripts/bench_peers.py instead: in one run the raw
 in-process batched loop, `stream_generate`, memvisor and `mlx_lm.server`
-with the same client, TTFT and peak RSS per server (see that file).
+by the team's reference streaming client, TTFT and peak memory per server
+(see that file).
 """
 
 from __future__ import annotations

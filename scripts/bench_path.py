@@ -22,16 +22,17 @@ no layer's figure (the ceiling's is decode alone too). Next to it, the CPU each
 process spent per token over the whole round (the worker split by thread:
 main, MLX's CPU eval thread, ZeroMQ's I/O thread, ...; these need no quiet
 machine to mean something). Rounds are interleaved (every layer once, then
-again), best and median kept, as timeit does: on a shared machine the best
-round is the least disturbed. The ratios to the ceiling at the end are the
-figures to compare.
+again); each layer's median is set against the ceiling's, and each round
+against the ceiling's round beside it (the median of those ratios is the
+figure to compare on a shared machine: neighbours saw the same load).
 
 This process loads OpenBLAS the way a worker does (worker/blas.py) before
 MLX, so the ceilings compute with the same BLAS as the worker.
 
-`--profile DIR`: one more server round per N under py-spy (200 Hz, raw
-collapsed stacks of the worker and the supervisor into DIR), summarised as
-the share of samples in each part of the path.
+`--profile DIR`: after the rounds at each N, server rounds for
+`--profile-seconds` under py-spy and perf stat (scripts/_path_profile.py):
+each process's CPU and context switches per token, and py-spy's shares of
+its samples per part of the path.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ import argparse
 import asyncio
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -55,12 +55,21 @@ from worker import blas  # noqa: E402
 
 blas.preload()  # before MLX: the ceilings use the worker's BLAS
 
+from _path_profile import profiled  # noqa: E402
 from _serve import ServeProcess, add_model_args, model_from_args  # noqa: E402
 from _sse import stream_completion  # noqa: E402
 
+FILLER = ("a keeper walked along the river every morning and counted the boats that passed the old mill "
+          "while children waited at the bridge for the train that carried letters to the next town").split()
+PROMPT_WORDS = [0]  # --words: 0 keeps the short prompt
+
 
 def prompt(i: int) -> str:
-    return f"Story {i % 10}: once upon a time, in a small town by the sea"
+    """Stream i's prompt: ten distinct ones, so later rounds meet the prompt cache as a server would."""
+    words = PROMPT_WORDS[0]
+    if not words:
+        return f"Story {i % 10}: once upon a time, in a small town by the sea"
+    return f"Story {i % 10}: " + " ".join((FILLER * (words // len(FILLER) + 1))[:words])
 
 
 class Round:
@@ -265,19 +274,20 @@ class WorkerLayer:
 
 class ServerLayer:
     def __init__(self, model_dir: Path, workdir: Path, max_rows: int) -> None:
-        import psutil
-
         self.server = ServeProcess(f'[[models]]\nid = "bench"\npath = "{model_dir}"\npinned = true\n'
                                    f"max_concurrency = {max_rows}\n", config=workdir / "bench.toml",
                                    runtime=workdir / "rt", log=workdir / "serve.log", timeout=300.0)
         self.url = f"{self.server.base}/v1/completions"
         self.round(2, 8)  # warm-up: the model loads on first use unless pinned, compile, first shapes
-        children = psutil.Process(self.server.proc.pid).children(recursive=True)
-        self.worker_pid = max(children, key=lambda c: c.memory_info().rss).pid
+        self.worker_pid = self.server.worker_pid("bench")  # not the spare (W1) beside it
+
+    def cpu(self) -> Cpu:
+        """The CPU of this process (the client), the supervisor and (once known) the worker."""
+        return Cpu(bench=os.getpid(), supervisor=self.server.proc.pid,
+                   **({"worker": self.worker_pid} if hasattr(self, "worker_pid") else {}))
 
     def round(self, n: int, tokens: int) -> Round:
-        cpu = Cpu(bench=os.getpid(), supervisor=self.server.proc.pid,
-                  **({"worker": self.worker_pid} if hasattr(self, "worker_pid") else {}))
+        cpu = self.cpu()
         cpu.start()
         streams = asyncio.run(self._streams(n, tokens))
         count = sum(len(s.times) for s in streams)
@@ -291,64 +301,6 @@ class ServerLayer:
         self.server.close()
 
 
-# ------------------------------------------------------------------ profile
-
-
-PARTS = (  # (label, substring of a frame): the first that a sample's stack holds names its part
-    ("forward pass (graph build + MLX eval)", "DecodeBatch.forward"),
-    ("forward pass (graph build + MLX eval)", "DecodeStep._single"),
-    ("read tokens (wait for the step)", "DecodeBatch.tokens"),
-    ("emit (detokenize, stops, events)", "DecodeStep.emit"),
-    ("prefill", "Prefill."),
-    ("join/leave the batch", "DecodeBatch.join"),
-    ("join/leave the batch", "DecodeBatch.keep"),
-    ("frames: coalesce, encode, send", "Wire.reply"),
-    ("frames: coalesce, encode, send", "coalesce"),
-    ("memory sample + ledger", "Readings.write"),
-    ("memory sample + ledger", "Readings.maybe_send"),
-    ("commands (poll, recv)", "Worker.take_commands"),
-    ("heartbeat thread", "Heartbeat.run"),
-    ("SSE: render + write", "Job.sse_body"),
-    ("SSE: render + write", "StreamingResponse"),
-    ("tokens routed to streams", "Streams.deliver"),
-    ("bus: ZeroMQ receive", "Bus."),
-    ("HTTP: uvicorn/h11", "h11_impl"),
-    ("guard tick", "Enforcer."),
-    ("event loop idle (epoll)", "EpollSelector.select"),
-)
-
-
-def summarise(path: Path) -> list[tuple[str, float]]:
-    """Share of py-spy samples per part of the path (PARTS), from a raw collapsed-stack file."""
-    shares: dict[str, int] = {}
-    total = 0
-    for line in path.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not count.isdigit():
-            continue
-        total += int(count)
-        label = next((label for label, mark in PARTS if mark in stack), "other")
-        shares[label] = shares.get(label, 0) + int(count)
-    return sorted(((label, n / max(1, total)) for label, n in shares.items()), key=lambda x: -x[1])
-
-
-def profiled(server: ServerLayer, n: int, tokens: int, out: Path) -> None:
-    spy = Path(sys.executable).with_name("py-spy")
-    procs = {"worker": server.worker_pid, "supervisor": server.server.proc.pid}
-    spies = {name: subprocess.Popen([str(spy), "record", "-p", str(pid), "-r", "200", "-f", "raw", "--nonblocking",
-                                     "-o", str(out / f"{name}-{n}.txt")],
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-             for name, pid in procs.items()}
-    time.sleep(1.0)  # py-spy attaches
-    server.round(n, tokens)
-    for proc in spies.values():
-        proc.send_signal(2)
-        proc.wait(60)
-    for name in procs:
-        parts = summarise(out / f"{name}-{n}.txt")
-        print(f"    py-spy {name} @{n}: " + "; ".join(f"{label} {share:.0%}" for label, share in parts if share >= 0.01))
-
-
 # ------------------------------------------------------------------ main
 
 
@@ -357,11 +309,15 @@ def main(argv: list[str] | None = None) -> int:
     add_model_args(parser, size="4MB", streams="1,8,32,64", tokens=256)
     parser.add_argument("--runs", type=int, default=5, help="interleaved rounds per layer and count")
     parser.add_argument("--layers", default="ceiling,engine,worker,server", help="which layers, in order")
-    parser.add_argument("--profile", type=Path, help="also py-spy one server round per count into this folder")
+    parser.add_argument("--words", type=int, default=0, help="a prompt of this many words (0: ~15 tokens)")
+    parser.add_argument("--profile", type=Path, help="also py-spy the server's rounds per count into this folder")
+    parser.add_argument("--profile-seconds", type=float, default=15.0, help="server rounds under py-spy per count")
+    parser.add_argument("--profile-rate", type=int, default=400, help="py-spy samples per second")
     args = parser.parse_args(argv)
     counts = sorted({int(s) for s in args.streams.split(",") if s.strip()})
     names = [s.strip() for s in args.layers.split(",") if s.strip()]
     model = model_from_args(args, "engine")
+    PROMPT_WORDS[0] = args.words
     print(f"model {model}; BLAS: {blas.preload().line()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-path-") as tmp:
         work = Path(tmp)
@@ -382,8 +338,9 @@ def main(argv: list[str] | None = None) -> int:
                         rounds[name].append(layer.round(n, args.tokens))
                 report(n, rounds)
                 if args.profile and "server" in layers:
-                    args.profile.mkdir(parents=True, exist_ok=True)
-                    profiled(layers["server"], n, args.tokens, args.profile)
+                    server = layers["server"]
+                    profiled(server, n, args.tokens, args.profile, args.profile_seconds, args.profile_rate,
+                             server.round, server.cpu)
         finally:
             for name in ("worker", "server"):
                 if name in layers:
@@ -392,15 +349,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(n: int, rounds: dict[str, list[Round]]) -> None:
-    best = {name: max(r.rate for r in rs) for name, rs in rounds.items()}
-    top = best.get("ceiling") or max(best.values())
+    """Per layer: best and median rate, and against the ceiling both the ratio of the medians and
+    the median of each round's ratio to the ceiling's round beside it (rounds were taken in turn,
+    so a round's neighbour saw the same load)."""
+    names = list(rounds)
+    base = "ceiling" if "ceiling" in rounds else names[0]
+    top = rounds[base]
+    top_median = statistics.median(r.rate for r in top)
     for name, rs in rounds.items():
         median = statistics.median(r.rate for r in rs)
+        paired = statistics.median(r.rate / t.rate for r, t in zip(rs, top) if t.rate)
         keys = sorted({k for r in rs for k in r.cpu})
         cpu = {k: statistics.median(r.cpu.get(k, 0.0) for r in rs) * 1e6 for k in keys}
         cpu_line = " ".join(f"{k} {v:.0f}" for k, v in cpu.items() if v >= 1)
-        print(f"@{n:<3} {name:8} best {best[name]:8.0f} tok/s ({best[name] / top:4.0%} of ceiling), median "
-              f"{median:8.0f}; CPU us/token (median): {cpu_line}", flush=True)
+        print(f"@{n:<3} {name:8} median {median:8.0f} tok/s ({median / top_median:4.0%} of the {base}'s median; "
+              f"per-round ratio median {paired:4.0%}), best {max(r.rate for r in rs):8.0f}; "
+              f"CPU us/token (median): {cpu_line}; rounds: {' '.join(f'{r.rate:.0f}' for r in rs)}", flush=True)
 
 
 if __name__ == "__main__":

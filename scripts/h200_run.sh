@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # The GPU runs on a lent NVIDIA H200 (no package registry there).
 #
+#   scripts/h200_run.sh stage    HERE, before a lease: copy the team's reference streaming client
+#                                (../shared/bench/stream_client.py) into .bench/, which travels with the
+#                                work tree (untracked, not ignored); `peers` measures with it
 #   scripts/h200_run.sh parts    copy the first half of the mlx-cuda-13 wheel to /tmp/parts
 #   scripts/h200_run.sh install  join the halves, check the md5, install every wheel into /tmp/site
 #   scripts/h200_run.sh tests    the slow real-process tests that matter on a GPU
 #   scripts/h200_run.sh drill    the device fire drill (scripts/bench_device_drill.py)
 #   scripts/h200_run.sh batch    scripts/bench_batch.py on a 2 GiB bf16 model
-#   scripts/h200_run.sh peers    scripts/bench_peers.py: stream_generate, raw loop, memvisor, mlx_lm.server at
-#                                1/8/32/64 streams, TTFT, NVML peaks (~5-7 min, one command)
+#   scripts/h200_run.sh peers    scripts/bench_peers.py with the reference client: the ceilings (stream_generate,
+#                                raw loop), memvisor, mlx_lm.server (one warm instance each) at 1/8/32/64 streams,
+#                                ~256-token prompts, 256 tokens, 2 rounds; whole-run rate and decode window, TTFT,
+#                                NVML peaks (whole GPU and per process); rounds in $OUT/peers.json (~5 min)
 #   scripts/h200_run.sh path     scripts/bench_path.py: where a token's time goes, layer by layer, at 1 and 64
 #                                streams (ceiling, engine in process, worker over ZeroMQ, server; ~3 min)
 #   scripts/h200_run.sh joinmem  scripts/bench_join_memory.py: the decode batch's buffers against its live KV
@@ -25,6 +30,11 @@ export PYTHONUNBUFFERED=1
 PY=python3
 
 case "${1:-}" in
+stage)
+    mkdir -p .bench
+    cp "${STREAM_CLIENT:-../shared/bench/stream_client.py}" .bench/stream_client.py
+    sha256sum .bench/stream_client.py
+    ;;
 parts)
     mkdir -p /tmp/parts
     cp .gpu1/mlxcuda.part.* /tmp/parts/ 2>/dev/null || true
@@ -65,8 +75,10 @@ batch)
         --runs 1 2>&1 | grep -v " INFO " | tee "$OUT/batch.log" | tail -20
     ;;
 peers)
-    timeout "${2:-540}" $PY scripts/bench_peers.py --size 2GiB --dtype bfloat16 --streams 1,8,32,64 --tokens 128 \
-        --runs 1 2>&1 | grep -v " INFO " | tee "$OUT/peers.log" | tail -30
+    [ -f .bench/stream_client.py ] || { echo "no .bench/stream_client.py: run '$0 stage' before the lease" >&2; exit 2; }
+    timeout "${2:-570}" $PY scripts/bench_peers.py --size 2GiB --dtype bfloat16 --streams 1,8,32,64 --tokens 256 \
+        --words 135 --rounds 2 --client .bench/stream_client.py --json "$OUT/peers.json" \
+        2>&1 | grep -v " INFO " | tee "$OUT/peers.log" | tail -40
     ;;
 path)
     timeout "${2:-400}" $PY scripts/bench_path.py --size 2GiB --dtype bfloat16 --streams 1,64 --tokens 128 \
@@ -77,7 +89,7 @@ joinmem)
         2>&1 | grep -v " INFO " | tee "$OUT/joinmem.log" | tail -10
     ;;
 *)
-    echo "usage: $0 parts|install|tests|drill|batch|peers|path|joinmem" >&2
+    echo "usage: $0 stage|parts|install|tests|drill|batch|peers|path|joinmem" >&2
     exit 2
     ;;
 esac

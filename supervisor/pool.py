@@ -145,7 +145,7 @@ class Pool:
                 self.streams.answer(msg)
             case p.Failed() if self.streams.awaits(msg.request_id):  # ... or its refusal
                 self.streams.answer(msg)
-            case p.TokenOut() | p.Finished() | p.Failed() | p.Prompted() | p.Embedded():
+            case p.TokenOut() | p.Finished() | p.Failed() | p.Prompted() | p.PrefillProgress() | p.Echoed() | p.Embedded():
                 if self.streams.deliver(msg) is not None:  # its last reply: the worker is idle since now
                     handle.last_access = time.monotonic()
                 if handle.load is not None and handle.load.first_request:  # W3: the load's last phase

@@ -9,7 +9,10 @@ clear error, and no stream is ever left waiting for a reply that cannot come.
 
 A worker's `Prompted` (the prompt's final length) does not go into the queue: it is kept on the
 stream, where a front door that needs the prompt's length early reads it (it
-always arrives before the first token) or awaits it (`prompt_known`).
+always arrives before the first token) or awaits it (`prompt_known`). So are the
+latest `PrefillProgress` (what a streamed reply shows its client while a long
+prompt prefills) and an echo's `Echoed` (the prompt as the model read it, which
+comes before the first token and the end).
 
 A tokenizer call (`Tokenize`, `Detokenize`) is no stream: it waits for its one
 reply (`expect`), and it does not count as a request the worker runs.
@@ -30,6 +33,8 @@ from shared.vocab import FailureCode
 StreamReply = Union[p.TokenOut, p.Finished, p.Failed]
 # An embedding request's stream gets one message, its vectors or its error.
 EmbedReply = Union[p.Embedded, p.Failed]
+# What a stream keeps instead of queueing: facts about the request a front door reads when it needs them.
+Kept = Union[p.Prompted, p.PrefillProgress, p.Echoed]
 
 
 def new_request_id() -> str:
@@ -42,7 +47,7 @@ class RequestStream:
     """One generation in flight: replies from the worker land in `queue`."""
 
     __slots__ = ("request_id", "model_id", "worker_id", "queue", "created", "first_token", "done", "prompted",
-                 "prompt_known")
+                 "prompt_known", "progress", "echoed")
 
     def __init__(self, request_id: str, model_id: str, worker_id: str) -> None:
         self.request_id = request_id
@@ -54,9 +59,17 @@ class RequestStream:
         self.done = False
         self.prompted: p.Prompted | None = None  # the prompt's length, once the worker says
         self.prompt_known = asyncio.Event()  # set by Prompted, or by the end of a request that had none
+        self.progress: p.PrefillProgress | None = None  # the latest, while a long prompt prefills
+        self.echoed: p.Echoed | None = None  # an echo's prompt, before its first token
 
-    def put(self, msg: StreamReply | p.Prompted | p.Embedded) -> None:
+    def put(self, msg: StreamReply | Kept | p.Embedded) -> None:
         if self.done:
+            return
+        if isinstance(msg, p.PrefillProgress):
+            self.progress = msg
+            return
+        if isinstance(msg, p.Echoed):
+            self.echoed = msg
             return
         if isinstance(msg, p.Prompted):
             self.prompted = msg
@@ -92,7 +105,7 @@ class Streams:
         """Requests the worker serves now (opened and not yet ended)."""
         return len(self._by_worker.get(worker_id, ()))
 
-    def deliver(self, msg: StreamReply | p.Prompted | p.Embedded) -> RequestStream | None:
+    def deliver(self, msg: StreamReply | Kept | p.Embedded) -> RequestStream | None:
         """A worker's reply for one request; a reply for a forgotten request is dropped.
         Returns the stream when this reply ended it."""
         stream = self.by_id.get(msg.request_id)

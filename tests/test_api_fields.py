@@ -34,7 +34,8 @@ from shared import protocol as p
 from supervisor.config import Config, ModelConfig, SupervisorConfig
 from supervisor.errors import GateClosed, LoadError
 from supervisor.http.anthropic import MessagesRequest, messages_generate
-from supervisor.http.generate import chat_generate, completion_generate
+from supervisor.http.completions import completion_generates
+from supervisor.http.generate import chat_generate
 from supervisor.http.keepalive import keep_alive_seconds
 from supervisor.http.openai_types import BodyError, ChatRequest, CompletionRequest, decode_body
 from supervisor.http.responses import ResponsesRequest, responses_generate
@@ -71,7 +72,7 @@ COMPLETION_HONOURED = {"model", "prompt", "max_tokens", "temperature", "top_p", 
                        "n", "best_of", "echo", "suffix", "logprobs", "presence_penalty", "frequency_penalty",
                        "logit_bias"}
 COMPLETION_ACCEPTED = {"user"}
-COMPLETION_REFUSED = {"best_of": 2, "echo": True, "n": 3}
+COMPLETION_REFUSED = {"best_of": 2, "n": 3}
 ANTHROPIC_HONOURED = {"model", "max_tokens", "messages", "system", "stop_sequences", "tools", "tool_choice"}
 ANTHROPIC_ACCEPTED = {"metadata", "service_tier", "cache_control", "inference_geo", "speed", "user_profile_id",
                       "workspace_id"}
@@ -95,8 +96,8 @@ def _chat(**kw):
 
 
 def _completion(**kw):
-    return completion_generate(decode_body(msgspec.json.encode({"model": "m", "prompt": "x", **kw}),
-                                           CompletionRequest)).gen
+    return completion_generates(decode_body(msgspec.json.encode({"model": "m", "prompt": "x", **kw}),
+                                            CompletionRequest))[0].gen
 
 
 def _anthropic(**kw):
@@ -215,7 +216,7 @@ def test_response_format_and_tool_choice_become_worker_constraints():
         _chat(tools=tools, tool_choice={"type": "function", "function": {"name": "g"}})
     assert err.value.param == "tool_choice"
     any_ = _anthropic(tools=[{"name": "f", "input_schema": schema}], tool_choice={"type": "any"})
-    assert any_.constraint.mode == "required" and any_.constraint.parallel
+    assert any_.constraint.mode == "required" and not any_.constraint.parallel  # one call unless asked
 
 
 @pytest.mark.parametrize("given, seconds", [({"keep_alive": "5m"}, 300.0), ({"keep_alive": "1h30m"}, 5400.0),

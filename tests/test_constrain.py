@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import msgspec
 import pytest
 
 from shared import protocol as p
 from shared.limits import Limits
 from shared.protocol import Failed, Finished, Generate, TokenOut
-from worker.constrain import ConstraintError, ConstraintFactory, tool_call_schema
+from worker.constrain import ConstraintError, ConstraintFactory, closed_properties, tool_call_schema
 from worker.engine import Engine
 
 WIDE = Limits(max_concurrency=32)
@@ -214,6 +215,75 @@ def test_parallel_required_tool_calls_allow_several_calls_named_exactly_one():
     jsonschema.validate([call, call], many)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([call, call], one)
+
+
+SUCCESS = {"type": "object", "properties": {"success": {"type": "boolean", "const": True}}}  # no additionalProperties
+
+
+def test_required_tool_arguments_take_only_the_declared_properties(loaded):
+    """SmolLM2 with a required call whose one parameter is `success` wrote
+    `{"success":true,"description":"test","type":"object",...` until max_tokens: JSON Schema
+    lets an object carry undeclared properties, and the grammar let them through. Closed to
+    the declared ones (as llama.cpp's grammar is), and one call unless parallel calls were
+    asked for, a random-weight model's only way out is the one call, closed within 48 tokens."""
+    engine = _engine(loaded)
+    spec = p.ToolCallConstraint(functions=(p.ToolFunction(name="done", parameters=json.dumps(SUCCESS),
+                                                          strict=False),), mode="required")
+    for i, prompt in enumerate(_prompts(engine, 6)):
+        engine.submit(f"t{i}", prompt, max_tokens=48, temperature=1.0, seed=i, constraint=spec)
+    runs = _run(engine)
+    for i in range(6):  # `success` is not required: `{}` is the other way out
+        assert _text(runs[f"t{i}"]) in ('[{"name":"done","arguments":{"success":true}}]',
+                                        '[{"name":"done","arguments":{}}]')
+        assert _end(runs[f"t{i}"]).finish_reason == "stop"
+
+
+def test_closed_properties_close_only_what_the_schema_leaves_open():
+    schema = {"type": "object", "properties": {
+        "loc": {"type": "object", "properties": {"city": {"type": "string"}}},
+        "meta": {"type": "object", "additionalProperties": True, "properties": {"a": {"type": "string"}}},
+        "tags": {"type": "object", "additionalProperties": {"type": "integer"}},
+        "any": {"type": "object"},
+        "list": {"type": "array", "items": {"properties": {"x": {"type": "integer"}}}},
+        "either": {"anyOf": [{"properties": {"p": {"type": "string"}}}, {"type": "null"}]},
+        "both": {"allOf": [{"properties": {"q": {"type": "string"}}}, {"properties": {"r": {"type": "string"}}}]},
+        "ref": {"$ref": "#/$defs/point"},
+        "const": {"const": {"properties": {"kept": 1}}}},
+        "$defs": {"point": {"type": "object", "properties": {"x": {"type": "number"}}}}}
+    closed = closed_properties(schema)
+    ok = {"loc": {"city": "x"}, "meta": {"a": "y", "b": 1}, "tags": {"t": 1}, "any": {"z": []},
+          "list": [{"x": 1}], "either": {"p": "s"}, "both": {"q": "1", "r": "2"}, "ref": {"x": 1.5},
+          "const": {"properties": {"kept": 1}}}
+    jsonschema.validate(ok, closed)
+    for extra in ({"extra": 1}, {"loc": {"city": "x", "description": "copied"}}, {"list": [{"x": 1, "y": 2}]},
+                  {"either": {"p": "s", "type": "object"}}, {"ref": {"x": 1, "y": 2}}):
+        jsonschema.validate(extra, schema)  # the schema as given allowed it
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(extra, closed)
+    assert schema["properties"]["loc"] == {"type": "object", "properties": {"city": {"type": "string"}}}
+
+
+def test_a_required_call_is_one_call_unless_parallel_calls_are_asked_for():
+    from supervisor.http.anthropic import MessagesRequest, messages_generate
+    from supervisor.http.generate import chat_generate
+    from supervisor.http.openai_types import ChatRequest
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": SUCCESS}}]
+
+    def chat(**kw):
+        req = msgspec.convert({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": tools,
+                               "tool_choice": "required", **kw}, ChatRequest)
+        return chat_generate(req).gen.constraint.parallel
+
+    def messages(**kw):
+        req = msgspec.convert({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}],
+                               "tools": [{"name": "f", "input_schema": SUCCESS}],
+                               "tool_choice": {"type": "any", **kw}}, MessagesRequest)
+        return messages_generate(req).gen.constraint.parallel
+
+    assert (chat(), chat(parallel_tool_calls=False), chat(parallel_tool_calls=True)) == (False, False, True)
+    assert (messages(), messages(disable_parallel_tool_use=True),
+            messages(disable_parallel_tool_use=False)) == (False, False, True)
 
 
 def test_a_refused_token_is_flagged_not_raised(loaded):

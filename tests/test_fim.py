@@ -98,14 +98,14 @@ def test_model_facts_say_insert_exactly_where_the_worker_builds_a_fim_prompt(fim
 def test_completions_and_ollama_generate_carry_the_suffix_to_the_worker_untemplated():
     import msgspec
 
-    from supervisor.http.generate import completion_generate
+    from supervisor.http.completions import completion_generates
     from supervisor.http.ollama import OllamaGenerateRequest, generate_generate
     from supervisor.http.openai_types import BodyError, CompletionRequest, decode_body
 
     def body(**kw):
         return msgspec.json.encode({"model": "m", **kw})
 
-    gen = completion_generate(decode_body(body(prompt="", suffix="tail"), CompletionRequest)).gen
+    gen = completion_generates(decode_body(body(prompt="", suffix="tail"), CompletionRequest))[0].gen
     assert (gen.prompt, gen.suffix, gen.messages) == ("", "tail", None)  # an empty prefix is a file's top
     gen = generate_generate(decode_body(body(prompt="head", suffix="tail"), OllamaGenerateRequest)).gen
     assert (gen.prompt, gen.suffix, gen.messages) == ("head", "tail", None)

@@ -352,7 +352,8 @@ def test_ollama_a3_refusal_keeps_507_and_its_words_in_ollama_shape(server):
         except ollama.ResponseError as exc:
             refused = exc
         async with server.client() as c:
-            plain = await c.post("/api/chat", content=b'{"model": "huge"}', headers={"content-type": "text/plain"})
+            plain = await c.post("/api/chat", content=b'{"model": "huge"}',  # a page's (curl's is taken)
+                                 headers={"content-type": "text/plain", "Origin": "http://localhost:3000"})
             forever = await c.post("/api/generate", json={"model": "huge", "prompt": "hi", "keep_alive": "inf"})
         return refused, plain, forever
 

@@ -163,6 +163,45 @@ def test_generation_posts_need_json(server):
     assert messages.status_code == 415 and messages.json()["type"] == "error"
 
 
+CURL_FORM = {"Content-Type": "application/x-www-form-urlencoded"}  # what `curl -d '{...}'` declares
+
+
+def test_ollama_routes_take_curl_d_json_without_an_origin_and_pages_still_need_json(server):
+    """Ollama's docs call `curl http://localhost:11434/api/chat -d '{...}'`, which declares a form;
+    Ollama reads the JSON, memvisor answered 415. Without an Origin (curl, scripts) the read and
+    generation routes now take it; a page (which always sends Origin on a POST) still needs an
+    allowed origin and JSON, and Ollama's admin route /api/pull keeps the rule for everyone."""
+    show = b'{"model": "huge"}'
+    chat = b'{"model": "huge", "messages": [{"role": "user", "content": "hi"}], "stream": false}'
+
+    async def main():
+        async with server.client() as c:
+            curl = {path: await c.post(path, content=body, headers=CURL_FORM) for path, body in (
+                ("/api/show", show), ("/api/chat", chat), ("/api/generate", b'{"model": "huge", "prompt": "hi"}'),
+                ("/api/embed", b'{"model": "huge", "input": "hi"}'),
+                ("/api/embeddings", b'{"model": "huge", "prompt": "hi"}'))}
+            bare = await c.post("/api/show", content=show, headers={"Content-Type": ""})
+            not_json = await c.post("/api/show", content=b"model=huge", headers=CURL_FORM)
+            evil = await c.post("/api/chat", content=chat, headers={**CURL_FORM, "Origin": EVIL})
+            local_page = await c.post("/api/chat", content=chat, headers={**CURL_FORM, "Origin": LOCAL_UI})
+            pull = await c.post("/api/pull", content=b'{"model": "org/name"}', headers=CURL_FORM)
+            openai = await c.post("/v1/chat/completions", content=chat, headers=CURL_FORM)
+        return curl, bare, not_json, evil, local_page, pull, openai
+
+    curl, bare, not_json, evil, local_page, pull, openai = server.run(main())
+    assert curl["/api/show"].status_code == 200 and curl["/api/show"].json()["details"]["format"] == "safetensors"
+    for path in ("/api/chat", "/api/generate"):  # past the gate: admission refuses the 1 TiB model
+        assert curl[path].status_code == 507, (path, curl[path].text)
+    for path in ("/api/embed", "/api/embeddings"):  # past the gate: the route says it is no embedding model
+        assert curl[path].status_code == 400 and "not an embedding model" in curl[path].json()["error"]
+    assert bare.status_code == 200
+    assert not_json.status_code == 400 and "error" in not_json.json()
+    assert evil.status_code == 403 and "evil.example" in evil.json()["error"]
+    assert local_page.status_code == 415 and "application/json" in local_page.json()["error"]
+    assert pull.status_code == 415
+    assert_openai_error(openai, 415, "unsupported_media_type")
+
+
 def test_cors_preflight_from_an_allowed_origin_is_204(server):
     """A local web UI (http://localhost:3000) got a 405 on its preflight; now 204 with the headers
     the OpenAI and Anthropic browser SDKs send."""

@@ -11,8 +11,9 @@ import pytest
 
 from shared import protocol as p
 from supervisor.http.auth import is_loopback_client
+from supervisor.http.completions import completion_generates
 from supervisor.http.errors import from_failed
-from supervisor.http.generate import chat_generate, completion_generate
+from supervisor.http.generate import chat_generate
 from supervisor.http.openai_types import (
     DEFAULT_CHAT_MAX_TOKENS,
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -96,7 +97,7 @@ def test_a_seed_the_wire_cannot_carry_is_a_400_naming_seed(seed):
 def test_defaults_bound_the_generation():
     assert chat_generate(chat()).gen.max_tokens == DEFAULT_CHAT_MAX_TOKENS
     req = decode_body(b'{"model": "m", "prompt": "once"}', CompletionRequest)
-    gen = completion_generate(req).gen
+    gen = completion_generates(req)[0].gen
     assert gen.prompt == "once" and gen.messages is None and gen.max_tokens == DEFAULT_COMPLETION_MAX_TOKENS
 
 
@@ -176,13 +177,38 @@ def test_text_parts_are_joined_in_every_api(api, body):
     assert [(m.role, m.content) for m in _generate(api, body).messages] == [("user", "ab")]
 
 
-@pytest.mark.parametrize("fields, param", [({"echo": True}, "echo"), ({"prompt": ["a", "b"]}, "prompt"),
-                                           ({"prompt": ""}, "prompt"), ({"best_of": 3}, "best_of")])
+@pytest.mark.parametrize("fields, param", [
+    ({"prompt": ""}, "prompt"), ({"prompt": ["a", ""]}, "prompt"), ({"prompt": []}, "prompt"),
+    ({"prompt": [[]]}, "prompt"), ({"prompt": [1, "x"]}, "prompt"), ({"prompt": [-1]}, "prompt"),
+    ({"prompt": [[1], [True]]}, "prompt"), ({"prompt": {"a": 1}}, "prompt"), ({"prompt": ["a"] * 257}, "prompt"),
+    ({"max_tokens": 0}, "max_tokens"), ({"echo": True, "suffix": "y"}, "echo"),
+    ({"prompt": ["a", "b"], "suffix": "y"}, "suffix"), ({"best_of": 3}, "best_of"),
+    ({"stop": [str(i) for i in range(17)]}, "stop")])
 def test_completion_refusals_name_the_parameter(fields, param):
     body = {"model": "m", "prompt": "x", **fields}
     with pytest.raises(BodyError) as err:
-        completion_generate(decode_body(msgspec.json.encode(body), CompletionRequest))
+        completion_generates(decode_body(msgspec.json.encode(body), CompletionRequest))
     assert err.value.param == param
+
+
+def test_completion_prompts_are_strings_token_ids_or_lists_of_either():
+    """lm-evaluation-harness sends token ids, several prompts per request (`[[17872, 42, ...], ...]`),
+    echo with max_tokens 0 or 1, and its task's stop strings plus the EOS text: each prompt is a
+    Generate of its own; "Expected `str`, got `array`", "exactly one prompt per request" and
+    "echo: not supported" were 400s."""
+
+    def gens(**fields):
+        body = {"model": "m", "prompt": "x", **fields}
+        return [w.gen for w in completion_generates(decode_body(msgspec.json.encode(body), CompletionRequest))]
+
+    assert [(g.prompt, g.prompt_tokens) for g in gens(prompt="hi")] == [("hi", None)]
+    assert [(g.prompt, g.prompt_tokens) for g in gens(prompt=[1, 2, 3])] == [(None, [1, 2, 3])]
+    assert [(g.prompt, g.prompt_tokens) for g in gens(prompt=[[1, 2], "b", [3]])] == [
+        (None, [1, 2]), ("b", None), (None, [3])]
+    [echo] = gens(prompt=[[5, 6]], echo=True, logprobs=1, max_tokens=0, temperature=0, seed=1234)
+    assert (echo.echo, echo.max_tokens, echo.logprobs, echo.top_logprobs) == (True, 0, True, 1)
+    assert len(gens(prompt=["a"] * 256)) == 256
+    assert gens(stop=[str(i) for i in range(16)])[0].stop == [str(i) for i in range(16)]
 
 
 def test_g1_prefill_rejection_is_a_400_with_the_figures():

@@ -9,6 +9,7 @@ with the probe's own parser.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import shutil
 import subprocess
@@ -515,7 +516,11 @@ def test_u1_live_footprint_follows_allocations_and_matches_status():
     probe = LinuxProbe()
     pid = os.getpid()
     before = probe.footprint(pid)
-    block = bytearray(64 * 1024 * 1024)  # zero-filled: every page touched
+    # A fresh anonymous mapping with every page written: a bytearray could reuse
+    # pages an earlier test freed but the allocator kept resident.
+    block = mmap.mmap(-1, 64 * 1024 * 1024, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    for offset in range(0, len(block), mmap.PAGESIZE):
+        block[offset] = 1
     after = probe.footprint(pid)
     status = dict(l.split(":", 1) for l in Path(f"/proc/{pid}/status").read_text().splitlines())
     rss_anon = int(status["RssAnon"].split()[0]) * 1024
@@ -526,7 +531,7 @@ def test_u1_live_footprint_follows_allocations_and_matches_status():
     smaps = kb_fields(Path(f"/proc/{pid}/smaps_rollup"))
     assert exact is not None
     assert abs(exact - smaps["Private_Clean"] - smaps["Private_Dirty"]) < 8 * 1024 * 1024
-    del block
+    block.close()
 
 
 def test_u1_live_footprint_of_an_exited_child_is_none():

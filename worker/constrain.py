@@ -390,7 +390,7 @@ def tool_call_schema(spec: ToolCallConstraint) -> tuple[dict, bool]:
     calls = [{
         "type": "object",
         "properties": {"name": {"const": fn.name},
-                       "arguments": _parse_schema(fn.parameters, f"tools[{fn.name}].parameters")},
+                       "arguments": closed_properties(_parse_schema(fn.parameters, f"tools[{fn.name}].parameters"))},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     } for fn in chosen]
@@ -400,6 +400,44 @@ def tool_call_schema(spec: ToolCallConstraint) -> tuple[dict, bool]:
     if not many:
         schema["maxItems"] = 1
     return schema, all(fn.strict for fn in chosen)
+
+
+# Keys whose value is a schema, and those whose value maps names (or positions) to schemas:
+# where `closed_properties` looks for more objects. `allOf` is left alone: closing each of its
+# parts would forbid the properties the other parts declare.
+_SUBSCHEMA = frozenset({"items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
+                        "additionalProperties", "unevaluatedItems"})
+_SUBSCHEMAS = frozenset({"anyOf", "oneOf", "prefixItems"})
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def closed_properties(schema: Any) -> Any:
+    """A tool's parameters with every object that declares `properties` closed to them.
+
+    Why: JSON Schema lets an object carry any property it does not declare, and a
+    small model given a schema copies it into the arguments: SmolLM2, asked for a
+    required call whose one parameter was `{"success": {"const": true}}`, wrote
+    `{"success":true,"description":"test","type":"object","properties":{...` until
+    max_tokens. llama.cpp's grammar admits only the declared properties, and OpenAI's
+    strict mode asks for `additionalProperties: false`; so does this, unless the
+    schema itself allows more (`additionalProperties` true or a schema for them,
+    `patternProperties`, `unevaluatedProperties`). A copy: the caller's schema stays
+    as it was (the compiled grammar is cached by the wire spec)."""
+    if isinstance(schema, list):
+        return [closed_properties(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SUBSCHEMA or key in _SUBSCHEMAS:
+            out[key] = closed_properties(value)
+        elif key in _NAMED and isinstance(value, dict):
+            out[key] = {name: closed_properties(sub) for name, sub in value.items()}
+        else:
+            out[key] = value  # values (enum, const, default), allOf, and keywords about this node
+    if isinstance(schema.get("properties"), dict) and not any(key in schema for key in _OPEN_KEYS):
+        out["additionalProperties"] = False
+    return out
 
 
 def _parse_schema(text: str, where: str) -> dict:

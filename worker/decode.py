@@ -188,6 +188,12 @@ class DecodeStep:
         mx.async_eval(following)
         return survivors
 
+    @staticmethod
+    def _reports(seq: Seq) -> bool:
+        """The request asked for its tokens' logprobs."""
+        picker = seq.sample
+        return type(picker) is TokenPicker and picker.top >= 0
+
     def _token(self, seq: Seq, text: str, token: int) -> TokenOut:
         """The token's event, with its logprobs when its request asked."""
         picker = seq.sample
@@ -208,7 +214,9 @@ class DecodeStep:
             if seq.stopper is not None:
                 text, hit = seq.stopper.feed(text)
                 text = text if hit else text + seq.stopper.flush()
-            if text:
+            if self._reports(seq):  # the EOS is a completion token: its logprob too (its text never shows)
+                events.append(self._token(seq, text, token))
+            elif text:
                 events.append(TokenOut(request_id=seq.id, text=text))
             events.append(self.endings.finished(seq, "stop"))
             return True

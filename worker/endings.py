@@ -19,7 +19,7 @@ from typing import Union
 
 from mlx_lm.models.cache import KVCache
 
-from shared.protocol import Failed, Finished, NeedMemory, Prompted, TokenOut
+from shared.protocol import Echoed, Failed, Finished, NeedMemory, PrefillProgress, Prompted, TokenOut
 from shared.vocab import FailureCode, FinishReason, LimitBinding
 from worker import prefill_guard as guard
 from worker import prompt_cache as pc
@@ -27,7 +27,7 @@ from worker.request import ENGINE_ERROR, Seq
 
 log = logging.getLogger("memvisor.worker.engine")
 
-Event = Union[TokenOut, Finished, Failed, NeedMemory, Prompted]
+Event = Union[TokenOut, Finished, Failed, NeedMemory, Prompted, PrefillProgress, Echoed]
 
 
 def prompted(seq: Seq) -> Prompted:

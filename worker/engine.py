@@ -42,6 +42,7 @@ from worker import prompt_cache as pc
 from worker.constrain import Constraint, ConstraintError, ConstraintFactory
 from worker.decode import DecodeStep
 from worker.disk_cache import DiskTier
+from worker.echo import Echoes, PromptScorer, Scoring
 from worker.endings import Endings, Event
 from worker.loader import LoadMeter, load_generator
 from worker.memory import UsageFn
@@ -105,6 +106,9 @@ class Engine:
                                  max_rows=max(1, max_concurrency))
         self.scheduler = Scheduler(self.prefill, self.decode, self.endings,
                                    max_concurrency=max_concurrency, clock=clock)
+        self.echoes = Echoes(PromptScorer(model, tokenizer, self.prefill, self.decode.texts, reclaim),
+                             self.endings, self._queue)
+        self._score_turn = True  # an echo's scoring chunk and the scheduler's step take turns
         self._outbox: list[Event] = []
         self._constraints: ConstraintFactory | None = None  # built on the first constrained request
         self.disk: DiskTier | None = None  # the prompt cache's disk tier (H5 as proposed), when on
@@ -176,7 +180,7 @@ class Engine:
     @property
     def has_work(self) -> bool:
         """False when `step()` would do nothing (the loop may then block on its sockets)."""
-        return bool(self._outbox) or self.scheduler.has_work
+        return bool(self._outbox) or bool(self.echoes.jobs) or self.scheduler.has_work
 
     def next_deadline(self) -> float | None:
         """Earliest time a request waiting for memory retries on its own (loop timeouts)."""
@@ -286,50 +290,61 @@ class Engine:
         `sampling` is the whole of its sampling settings (top_k, penalties,
         logit_bias, logprobs ...); without it, temperature, top_p and seed make them.
         `partition`: the prompt-cache entries it may reuse and leaves behind (H7 as proposed)."""
+        settings = sampling or Settings(temperature=temperature, top_p=top_p, seed=seed)
+        self._queue(self._new_seq(request_id, prompt_tokens, max_tokens, stop, constraint, settings, partition))
+
+    def _new_seq(self, request_id: str, prompt_tokens: list[int], max_tokens: int, stop: Iterable[str],
+                 constraint: ConstraintSpec | None, settings: Settings, partition: str) -> Seq:
+        """The request checked and made (EngineError names what is wrong), not yet queued."""
+        if max_tokens < 1:
+            raise EngineError(INVALID_REQUEST, f"max_tokens must be at least 1, got {max_tokens}")
+        self._check_prompt(request_id, prompt_tokens, max_tokens)
+        problem = check(settings, self._vocab)
+        if problem is not None:
+            raise EngineError(INVALID_REQUEST, problem)
+        stops = [s for s in stop if s]
+        return Seq(request_id, list(prompt_tokens), max_tokens, make_request_sampler(settings, prompt_tokens),
+                   StopMatcher(stops) if stops else None,
+                   self._constraint(constraint, max_tokens, partition) if constraint is not None else None,
+                   partition)
+
+    @property
+    def _vocab(self) -> int | None:
+        return getattr(getattr(self.model, "args", None), "vocab_size", None)
+
+    def _check_prompt(self, request_id: str, prompt_tokens: list[int], max_tokens: int) -> None:
         if not request_id:
             raise EngineError(INVALID_REQUEST, "request id must not be empty")
         if request_id in self.endings.ids:
             raise EngineError(INVALID_REQUEST, f"request id {request_id!r} is already in use")
         if not prompt_tokens:
             raise EngineError(INVALID_REQUEST, "prompt is empty")
-        if max_tokens < 1:
-            raise EngineError(INVALID_REQUEST, f"max_tokens must be at least 1, got {max_tokens}")
         # the prompt and the reply must fit the model's context window
         if self.context_length and len(prompt_tokens) + max_tokens > self.context_length:
             raise EngineError(CONTEXT_EXCEEDED, f"the prompt ({len(prompt_tokens)} tokens) plus max_tokens "
                                                 f"({max_tokens}) exceeds the model's context of "
                                                 f"{self.context_length} tokens; shorten the prompt or lower max_tokens")
-        settings = sampling or Settings(temperature=temperature, top_p=top_p, seed=seed)
-        vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
-        problem = check(settings, vocab)
-        if problem is not None:
-            raise EngineError(INVALID_REQUEST, problem)
+        vocab = self._vocab
         if vocab is not None and not all(0 <= t < vocab for t in prompt_tokens):
             raise EngineError(INVALID_REQUEST, f"prompt has token ids outside [0, {vocab})")
-        stops = [s for s in stop if s]
-        seq = Seq(request_id, list(prompt_tokens), max_tokens,
-                  make_request_sampler(settings, prompt_tokens),
-                  StopMatcher(stops) if stops else None,
-                  self._constraint(constraint, max_tokens, partition) if constraint is not None else None,
-                  partition)
-        self.endings.ids.add(request_id)
+
+    def _queue(self, seq: Seq) -> None:
+        self.endings.ids.add(seq.id)
         self.scheduler.queue.append(seq)
         if self.endings.cacheable:  # pinned while queued: a shrink must not take what it will reuse (H3)
-            seq.hit = self.prompt_cache.lookup(seq.prompt, len(seq.prompt) - 1, partition=partition)
+            seq.hit = self.prompt_cache.lookup(seq.prompt, len(seq.prompt) - 1, partition=seq.partition)
 
     def submit_generate(self, cmd: Generate) -> None:
         """Queue a wire `Generate`; bad input becomes its one terminal `Failed` (next step)."""
         try:
-            if cmd.messages is not None and cmd.prompt is None:
-                tokens = self.encode_chat(cmd.messages, cmd.tools)
-            elif cmd.prompt is not None and cmd.messages is None and cmd.suffix is not None:  # fill in the middle
-                tokens = prompts.encode_fim(self.tokenizer, cmd.prompt, cmd.suffix)
-            elif cmd.prompt is not None and cmd.messages is None:
-                tokens = self.encode_prompt(cmd.prompt)
+            if cmd.echo and (cmd.messages is not None or cmd.suffix is not None):
+                raise EngineError(INVALID_REQUEST, "echo: only a plain completion prompt can be echoed")
+            tokens = self._prompt_of(cmd)
+            if cmd.echo:
+                self._submit_echo(cmd, tokens)
             else:
-                raise EngineError(INVALID_REQUEST, "give exactly one of messages or prompt")
-            self.submit(cmd.request_id, tokens, cmd.max_tokens, stop=cmd.stop, constraint=cmd.constraint,
-                        sampling=Settings.of(cmd), partition=cmd.partition)
+                self.submit(cmd.request_id, tokens, cmd.max_tokens, stop=cmd.stop, constraint=cmd.constraint,
+                            sampling=Settings.of(cmd), partition=cmd.partition)
         except EngineError as exc:
             self._outbox.append(Failed(request_id=cmd.request_id, code=exc.code, message=exc.message))
         except Exception as exc:  # noqa: BLE001 - raised from the worker's command loop it would kill
@@ -337,6 +352,39 @@ class Engine:
             log.exception("request %s could not be prepared", cmd.request_id)
             self._outbox.append(Failed(request_id=cmd.request_id, code=ENGINE_ERROR,
                                        message=f"the request could not be prepared: {exc!r}"))
+
+    def _prompt_of(self, cmd: Generate) -> list[int]:
+        """The request's prompt tokens: chat turns through the template, a completion prompt (with
+        its FIM suffix), or token ids as given."""
+        if sum(x is not None for x in (cmd.messages, cmd.prompt, cmd.prompt_tokens)) != 1:
+            raise EngineError(INVALID_REQUEST, "give exactly one of messages or prompt (its text or prompt_tokens)")
+        if cmd.messages is not None:
+            return self.encode_chat(cmd.messages, cmd.tools)
+        if cmd.prompt_tokens is not None:
+            if cmd.suffix is not None:
+                raise EngineError(INVALID_REQUEST, "suffix: fill in the middle takes a text prompt, not token ids")
+            return list(cmd.prompt_tokens)
+        assert cmd.prompt is not None  # one of the three
+        if cmd.suffix is not None:  # fill in the middle
+            return prompts.encode_fim(self.tokenizer, cmd.prompt, cmd.suffix)
+        return self.encode_prompt(cmd.prompt)
+
+    # -- echo (worker/echo.py) ----------------------------------------------------------------
+
+    def _submit_echo(self, cmd: Generate, tokens: list[int]) -> None:
+        """An echo: its prompt scored first when logprobs are asked, then its generation queued
+        (none with max_tokens 0)."""
+        settings = Settings.of(cmd)
+        if cmd.max_tokens > 0:
+            seq: Seq | None = self._new_seq(cmd.request_id, tokens, cmd.max_tokens, cmd.stop, cmd.constraint,
+                                            settings, cmd.partition)
+        else:
+            seq = None
+            self._check_prompt(cmd.request_id, tokens, 0)
+            problem = check(settings, self._vocab)
+            if problem is not None:
+                raise EngineError(INVALID_REQUEST, problem)
+        self._outbox.extend(self.echoes.add(Scoring(cmd, tokens, seq)))
 
     def _constraint(self, spec: ConstraintSpec, max_tokens: int, partition: str) -> Constraint:
         """The request's grammar (compiled once per partition, H7 as proposed); a spec that
@@ -354,16 +402,22 @@ class Engine:
     def abort(self, request_id: str, reason: str, code: FailureCode = "aborted") -> bool:
         """End one request with a terminal `Failed` (next step); False for an unknown id."""
         seq = self.scheduler.remove(request_id)
-        if seq is None:
+        if seq is not None:
+            self._outbox.append(self.endings.fail(seq, code, reason))
+            return True
+        failed = self.echoes.abort(request_id, code, reason)
+        if failed is None:
             return False
-        self._outbox.append(self.endings.fail(seq, code, reason))
+        self._outbox.append(failed)
         return True
 
     def abort_all(self, reason: str, code: FailureCode = "aborted") -> int:
         """End every request, queued ones included (P6.3, P6.5); how many were ended."""
         seqs = self.scheduler.remove_all()
         self._outbox.extend(self.endings.fail(seq, code, reason) for seq in seqs)
-        return len(seqs)
+        echoes = self.echoes.abort_all(code, reason)
+        self._outbox.extend(echoes)
+        return len(seqs) + len(echoes)
 
     def abort_queued(self, reason: str, code: FailureCode = "aborted") -> int:
         """End the requests not yet admitted (drain: running ones finish, the rest go)."""
@@ -406,13 +460,19 @@ class Engine:
     # -- the step ---------------------------------------------------------------------------
 
     def step(self, limits: Limits, usage_fn: UsageFn) -> list[Event]:
-        """The outbox, then one step of the scheduler (worker/scheduler.py) under `limits`."""
+        """The outbox, then one step of the scheduler (worker/scheduler.py) under `limits`, or, turn
+        about with it, one chunk of an echo's scoring (worker/echo.py): a step stays one chunk long."""
         events = self._outbox
         self._outbox = []
         if self.endings.cacheable and (limits.cache_cap != self.prompt_cache.cap
                                        or self.prompt_cache.nbytes > limits.cache_cap):
             self.prompt_cache.set_cap(limits.cache_cap)  # H2: over the cap, LRU goes
-        self.scheduler.step(limits, usage_fn, events)
+        if self.echoes.jobs and (self._score_turn or not self.scheduler.has_work):
+            self._score_turn = False
+            self.echoes.step(limits, usage_fn, events)
+        else:
+            self._score_turn = True
+            self.scheduler.step(limits, usage_fn, events)
         return events
 
 

@@ -35,7 +35,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 from shared.limits import Limits
-from shared.protocol import NeedMemory
+from shared.protocol import NeedMemory, PrefillProgress
 from worker import memory, prefill_cost
 from worker import prefill_guard as guard
 from worker import prompt_cache as pc
@@ -274,6 +274,8 @@ class Prefill:
         seq.pos += n
         self.tokens += n
         mx.clear_cache()  # as mlx_lm does after every chunk: transient buffers go back
+        if seq.pos < len(seq.prompt) - 1:  # more chunks to come: the waiting client hears how far (one line each)
+            events.append(PrefillProgress(request_id=seq.id, done=seq.pos, total=len(seq.prompt)))
         return not guarded or self._after_chunk([seq], pool, events)
 
     def _after_chunk(self, seqs: list[Seq], pool: GuardedPool, events: list[Event]) -> bool:

@@ -20,6 +20,9 @@ from shared.vocab import MalformedCause, WorkerEventKind
 
 log = logging.getLogger("memvisor.worker")
 
+# Plain ints (pyzmq's constants are enum members: `int & IntFlag` goes through enum's machinery)
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+
 
 class Wire:
     def __init__(self, ctx: zmq.Context, spec: p.WorkerSpec) -> None:
@@ -61,8 +64,14 @@ class Wire:
 
     def commands(self) -> Iterator[p.CommandMsg]:
         """Every command frame already queued, decoded, one at a time (the next is read
-        only once the caller has obeyed the last); never blocks."""
+        only once the caller has obeyed the last); never blocks.
+
+        The loop asks once a step, and nearly always nothing waits: asking the
+        socket's EVENTS first makes that answer cost 1.3 us of CPU, where a
+        receive that raises zmq.Again cost 3.2 (issue 33's profile of the loop)."""
         while True:
+            if not self.dealer.getsockopt(_EVENTS) & _POLLIN:
+                return
             try:
                 frame = self.dealer.recv(zmq.NOBLOCK)
             except zmq.Again:

@@ -190,6 +190,13 @@ class Generate(Command, tag="generate", kw_only=True):
     # fill in the middle: `prompt` is the text before, this the text after
     # (the worker builds the prompt from its tokenizer's FIM tokens; prompt only)
     suffix: Union[str, None] = None
+    # A completion prompt already in the model's token ids (lm-evaluation-harness sends
+    # them), taken as it is: no BOS added. Exactly one of messages, prompt, prompt_tokens.
+    prompt_tokens: Union[list[int], None] = None
+    # OpenAI completions' echo: the worker answers `Echoed` (the prompt's text and, with
+    # `logprobs`, each prompt token's logprob) before the reply; with echo, max_tokens may be 0
+    # (the prompt scored, nothing generated)
+    echo: bool = False
     partition: Partition = SHARED_PARTITION  # the prompt cache's partition (SPEC H7 as proposed)
 
 

@@ -15,8 +15,8 @@ from shared.vocab import FailureCode, FinishReason, LimitBinding, LoadPhase
 
 __all__ = [
     "Hello", "Loaded", "LoadFailed", "Ack", "Pong", "Reclaimed", "TopLogprob", "TokenLogprobs", "TokenOut",
-    "TokenBatch", "coalesce", "Prompted", "Finished", "Failed", "NeedMemory", "Embedded", "Tokenized",
-    "Detokenized", "WorkerReply", "TokensReply"
+    "TokenBatch", "coalesce", "Prompted", "PrefillProgress", "Echoed", "Finished", "Failed", "NeedMemory",
+    "Embedded", "Tokenized", "Detokenized", "WorkerReply", "TokensReply"
 ]
 
 
@@ -175,6 +175,36 @@ class Prompted(Msg, tag="prompted", kw_only=True):
     cached_disk_tokens: int = 0  # H5 (proposed): the part of cached_tokens read from the disk tier
 
 
+class PrefillProgress(Msg, tag="prefill_progress", kw_only=True):
+    """A long prompt's prefill has run `done` of its `total` tokens.
+
+    Why: a prompt of thousands of tokens can prefill for minutes before its first
+    token, and a streamed reply then says nothing; a proxy in front cut one after
+    600 s. Sent after each prefill chunk that leaves more to run (a prompt that fits
+    one chunk sends none); the front door shows it to a streamed request's client
+    while it waits (SSE comment lines)."""
+
+    request_id: str
+    done: int
+    total: int
+
+
+class Echoed(Msg, tag="echoed", kw_only=True):
+    """The prompt of a `Generate` with `echo`, as the model read it, before its reply.
+
+    `text`: the prompt's tokens decoded (a token-id prompt has no other text).
+    With `logprobs`: `tokens`, each prompt token's own text, and `logprobs`, the
+    log-probability of prompt tokens 2..n given the ones before (with the request's
+    `top_logprobs` alternatives); the first token has none (OpenAI's null).
+    Why its own message: lm-evaluation-harness's multiple-choice tasks score
+    prompts this way (echo, logprobs, max_tokens 1 or 0)."""
+
+    request_id: str
+    text: str
+    tokens: list[str] = []
+    logprobs: list[TokenLogprobs] = []
+
+
 class Finished(Msg, tag="finished", kw_only=True):
     request_id: str
     finish_reason: FinishReason
@@ -243,5 +273,5 @@ class Detokenized(Msg, tag="detokenized", kw_only=True):
 
 
 WorkerReply = Union[Hello, Loaded, LoadFailed, Ack, Pong, Reclaimed, TokenOut, TokenBatch, Finished, Failed,
-                    NeedMemory, Prompted, Embedded, Tokenized, Detokenized]
+                    NeedMemory, Prompted, PrefillProgress, Echoed, Embedded, Tokenized, Detokenized]
 TokensReply = Union[Tokenized, Detokenized, Failed]  # what answers a Tokenize / Detokenize

@@ -34,6 +34,7 @@ from supervisor.http.content import part_text, text_of
 from supervisor.http.errors import ApiError
 from supervisor.http.job import Calls, End, Job, Text, open_job
 from supervisor.http.openai_types import MAX_STOP_SEQUENCES, BodyError, KeepAlive, TopK, decode_body
+from supervisor.http.streaming import stream_job
 
 _encoder = msgspec.json.Encoder()
 
@@ -173,7 +174,7 @@ def tool_plan(req: MessagesRequest) -> tools.ToolPlan | None:
     if choice == "named" and not tc.name:
         raise BodyError("tool_choice.name: required with type \"tool\"", param="tool_choice.name")
     plan = tools.ToolPlan(functions=fns, choice=choice, named=tc.name or "",
-                          parallel=not tc.disable_parallel_tool_use)
+                          parallel=tc.disable_parallel_tool_use is False)
     return tools.check_named(plan, "tool_choice")
 
 
@@ -255,10 +256,13 @@ def _event(name: str, body: dict) -> bytes:
 
 async def handle(request: Request, sup, metrics, body: bytes, started: float) -> Response:
     req = decode_body(body, MessagesRequest)
-    job = await open_job(request, sup, metrics, req, messages_generate(req), started)
+    work = messages_generate(req)
+    if req.stream:  # headers at once, a comment each second while it waits (http/streaming.py)
+        return await stream_job(request, sup, metrics, req, work, started,
+                                lambda job, first: _events(job, first, "msg_" + job.gen.request_id, req.model),
+                                failure=lambda exc: _event("error", {"error": error_detail(exc)}))
+    job = await open_job(request, sup, metrics, req, work, started)
     msg_id = "msg_" + job.gen.request_id
-    if req.stream:
-        return await job.streamed(request.receive, lambda first: _events(job, first, msg_id, req.model))
     text, calls, end = await job.collect(request.receive)
     # a required call cut before it closed: no block at all (half a call is no call), stop_reason max_tokens
     content: list[Union[TextBlock, ToolUseBlock]] = (

@@ -53,6 +53,7 @@ from supervisor.api import Supervisor
 from supervisor.control import MAX_CONTEXT_TOKENS
 from supervisor.errors import ServeError
 from supervisor.http import anthropic as http_anthropic
+from supervisor.http import completions as http_completions
 from supervisor.http import embeddings as http_embeddings
 from supervisor.http import generate as http_generate
 from supervisor.http import infill as http_infill
@@ -164,15 +165,14 @@ class FrontDoor:
     # -- generation -----------------------------------------------------------
 
     async def chat(self, request: Request) -> Response:
-        return await self._generate(request, "chat")
-
-    async def completions(self, request: Request) -> Response:
-        return await self._generate(request, "text")
-
-    async def _generate(self, request: Request, kind: str) -> Response:
         body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
         started = request.scope.get("memvisor.started", time.monotonic())
-        return await http_generate.handle(request, self.sup, self.metrics, kind, body, started)
+        return await http_generate.handle(request, self.sup, self.metrics, body, started)
+
+    async def completions(self, request: Request) -> Response:
+        body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)
+        started = request.scope.get("memvisor.started", time.monotonic())
+        return await http_completions.handle(request, self.sup, self.metrics, body, started)
 
     async def messages(self, request: Request) -> Response:
         body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)

@@ -20,6 +20,12 @@ every request:
    or comes from a page, must declare `application/json` (415). A page can
    only send JSON cross-origin after a preflight, which the allowlist answers,
    so no page can slip a state change past CORS as `text/plain` or a form.
+   One exception, for curl and scripts: Ollama's read and generation routes
+   (`OLLAMA_ANY_CONTENT_TYPE`) take a JSON body under any content type when the
+   request carries no Origin, as Ollama itself does (its own docs call
+   `curl http://localhost:11434/api/chat -d '{...}'`, which sends a form's
+   content type). Browsers send Origin on every POST, so a page never meets the
+   exception, and Ollama's admin routes (`/api/pull`, `/api/delete`) keep the rule.
 4. **CORS** for /v1/*, /api/* (the Ollama-style routes) and the API routes without
    a prefix (`/chat/completions`, `/models`, `/tokenize`, ...): a preflight from an
    allowed origin gets 204 with the methods and headers; a response to an
@@ -52,6 +58,10 @@ CORS_PREFIXES = ("/v1/", "/api/")
 # needs the same CORS as /v1 gives, and gets no more.
 CORS_PATHS = frozenset({"/models", "/chat/completions", "/completions", "/messages", "/messages/count_tokens",
                         "/embeddings", "/tokenize", "/detokenize", "/infill"})
+# Ollama's routes that read a JSON body whatever its declared type when no Origin comes with it
+# (curl -d, scripts): none of them administers; what a body there may do, keep_alive 0's unload
+# included, is decided by the route as for any client (http/keepalive.py).
+OLLAMA_ANY_CONTENT_TYPE = frozenset({"/api/chat", "/api/generate", "/api/embed", "/api/embeddings", "/api/show"})
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 ALLOW_METHODS = "GET, POST, DELETE, OPTIONS"
 # What the OpenAI and Anthropic browser SDKs send; a preflight's own list is echoed too.
@@ -235,6 +245,8 @@ class BrowserGate:
                                  "add that origin to [supervisor] cors_origins to let it use /v1",
                             code="origin_not_allowed")
         content_type = headers.get("content-type")
+        if origin is None and path in OLLAMA_ANY_CONTENT_TYPE:
+            return None  # curl -d: the body is read as JSON, and is refused as bad JSON otherwise
         if not is_json(content_type) and (path in GENERATION_PATHS or origin is not None or _has_body(headers)):
             given = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
             return ApiError(415, f"{method} {path} takes a JSON body: send 'Content-Type: application/json' "

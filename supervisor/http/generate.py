@@ -1,9 +1,11 @@
-"""`/v1/chat/completions` and `/v1/completions`: OpenAI's requests in, its completions out.
+"""`/v1/chat/completions`, and the reply of `/v1/completions`: OpenAI's requests in, its completions out.
 
-An OpenAI chat or completions body becomes the worker's `Generate` (and its
-tool plan, http/tools.py); the request then runs as any other (http/job.py:
-the load, the queue, the stream, a client that leaves), and `Completion`
-renders its reply as one JSON completion or SSE chunks. `response_format`
+An OpenAI chat body becomes the worker's `Generate` (and its tool plan,
+http/tools.py); the request then runs as any other (http/job.py: the load, the
+queue, the stream, a client that leaves; http/streaming.py: a streamed reply's
+early headers), and `Completion` renders its reply as one JSON completion or
+SSE chunks, a text completion's choices too (http/completions.py reads the
+completions body: several prompts, token ids, echo). `response_format`
 maps to the worker's JSON constraints, and `keep_alive` / `ttl` set the
 model's idle timer (http/keepalive.py).
 """
@@ -21,16 +23,13 @@ from starlette.responses import Response
 from shared import protocol as p
 from shared.vocab import ReplyFinishReason
 from supervisor.api import Supervisor
-from supervisor.errors import ServeError
 from supervisor.http import sampling, tools
 from supervisor.http.content import text_of
-from supervisor.http.errors import ApiError, from_serve_error
+from supervisor.http.errors import ApiError
 from supervisor.http.job import Calls, End, Job, Piece, Receive, Text, open_job
 from supervisor.http.metrics import Metrics
-from supervisor.http.modelfacts import require_fim
 from supervisor.http.openai_types import (
     DEFAULT_CHAT_MAX_TOKENS,
-    DEFAULT_COMPLETION_MAX_TOKENS,
     MAX_STOP_SEQUENCES,
     BodyError,
     ChatChoice,
@@ -40,7 +39,6 @@ from supervisor.http.openai_types import (
     ChatRequest,
     ChunkChoice,
     CompletionLogprobs,
-    CompletionRequest,
     Delta,
     FunctionCall,
     PromptTokensDetails,
@@ -51,6 +49,7 @@ from supervisor.http.openai_types import (
     Usage,
     decode_body,
 )
+from supervisor.http.streaming import stream_job
 from supervisor.http.tools import Planned, ToolPlan, planned
 from supervisor.streams import StreamReply
 
@@ -64,7 +63,7 @@ SSE_DONE = b"data: [DONE]\n\n"
 # request -> Generate
 
 
-def _refuse_unsupported(req, *names: str) -> None:
+def refuse_unsupported(req, *names: str) -> None:
     """Known OpenAI parameters we cannot honour are refused, not ignored."""
     if req.n not in (None, 1):
         raise BodyError("n: only n=1 is supported", param="n")
@@ -106,10 +105,12 @@ def checked_seed(seed: int | None) -> int | None:
     return seed
 
 
-def _sampling(req, max_tokens: int) -> dict:
+def common_fields(req, max_tokens: int, stops: int = MAX_STOP_SEQUENCES) -> dict:
+    """The Generate fields chat and completions spell alike (`stops`: how many stop sequences)."""
     return dict(request_id="", max_tokens=max_tokens,  # "": the supervisor gives it its id
                 temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p, stop=stop_sequences(req.stop), seed=checked_seed(req.seed),
+                top_p=1.0 if req.top_p is None else req.top_p, stop=stop_sequences(req.stop, stops),
+                seed=checked_seed(req.seed),
                 **sampling.generate_fields(req))  # top_k, min_p, penalties, logit_bias
 
 
@@ -138,7 +139,7 @@ def chat_tool_plan(req: ChatRequest) -> ToolPlan | None:
         f = t.function
         fns.append(tools.function(f.name, f.description, f.parameters, f.strict, f"tools[{i}].function"))
     choice, named = tools.openai_choice(req.tool_choice, nested=True)
-    plan = ToolPlan(functions=fns, choice=choice, named=named, parallel=req.parallel_tool_calls is not False)
+    plan = ToolPlan(functions=fns, choice=choice, named=named, parallel=req.parallel_tool_calls is True)
     return tools.check_named(plan, "tool_choice")
 
 
@@ -167,7 +168,7 @@ def _chat_message(i: int, m) -> p.ChatMessage:
 
 def chat_generate(req: ChatRequest) -> Planned:
     """OpenAI chat -> Generate with messages (the worker applies the model's chat template)."""
-    _refuse_unsupported(req)
+    refuse_unsupported(req)
     _refuse_chat_extras(req)
     if not req.messages:
         raise BodyError("messages: must contain at least one message", param="messages")
@@ -175,25 +176,8 @@ def chat_generate(req: ChatRequest) -> Planned:
     max_tokens = req.max_completion_tokens or req.max_tokens or DEFAULT_CHAT_MAX_TOKENS
     fmt = response_format_constraint(req.response_format)
     logprobs = sampling.chat_logprobs(req.logprobs, req.top_logprobs)
-    return planned(p.Generate(messages=messages, constraint=fmt, **_sampling(req, max_tokens), **logprobs),
+    return planned(p.Generate(messages=messages, constraint=fmt, **common_fields(req, max_tokens), **logprobs),
                    chat_tool_plan(req))
-
-
-def completion_generate(req: CompletionRequest) -> Planned:
-    """Legacy completions: the prompt goes to the model as is, no template."""
-    _refuse_unsupported(req, "echo")
-    if req.best_of not in (None, 1):
-        raise BodyError("best_of: only 1 is supported", param="best_of")
-    prompt = req.prompt
-    if isinstance(prompt, list):
-        if len(prompt) != 1:
-            raise BodyError("prompt: exactly one prompt per request is supported", param="prompt")
-        prompt = prompt[0]
-    if not prompt and req.suffix is None:  # fill in the middle may start at the top of a file
-        raise BodyError("prompt: must not be empty", param="prompt")
-    return Planned(p.Generate(prompt=prompt, suffix=req.suffix,
-                              **_sampling(req, req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS),
-                              **sampling.completion_logprobs(req.logprobs)))
 
 
 # ---------------------------------------------------------------------------
@@ -201,17 +185,40 @@ def completion_generate(req: CompletionRequest) -> Planned:
 
 
 class Completion:
-    """A job's reply as an OpenAI chat or text completion: one JSON body, or SSE chunks."""
+    """A job's reply as an OpenAI chat or text completion: one JSON body, or SSE chunks.
 
-    def __init__(self, job: Job, kind: str, include_usage: bool) -> None:
+    A text completion may be one choice of several (`index`, one per prompt, and
+    `final` False: the request's last chunks are its own, http/completions.py) and may
+    `echo` its prompt before the reply: `prompt` as the client sent it, else (token ids)
+    as the worker's `Echoed` decodes it."""
+
+    def __init__(self, job: Job, kind: str, include_usage: bool, *, index: int = 0, echo: bool = False,
+                 prompt: str | None = None, final: bool = True, request_id: str = "") -> None:
         self.job = job
         self.kind = kind  # "chat" | "text"
         self.model = job.model
-        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + job.gen.request_id
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + (request_id or job.gen.request_id)
         self.created = int(time.time())
         self.include_usage = include_usage
+        self.index = index
+        self.echo = echo
+        self.prompt = prompt
+        self.final = final
         self._token_frame: tuple[bytes, bytes] | None = None  # see token_chunk
         self._offset = 0  # completions' text_offset of the next token reported
+        self.end: p.Finished | None = None  # the worker's end, once rendered
+
+    def echoed(self) -> tuple[str, CompletionLogprobs | None]:
+        """The echoed prompt and, with logprobs, its tokens' columns (the first token's are null,
+        as OpenAI's); the reply's own offsets then follow it."""
+        if not self.echo:
+            return "", None
+        echoed = self.job.stream.echoed
+        text = self.prompt if self.prompt is not None else (echoed.text if echoed is not None else "")
+        self._offset = len(text)
+        if not self.job.gen.logprobs or echoed is None:
+            return text, None
+        return text, sampling.echo_logprobs(echoed)
 
     def completion_logprobs(self, items: list[p.TokenLogprobs]) -> CompletionLogprobs:
         """Completions' columns for `items`, their text offsets following the tokens before them."""
@@ -221,7 +228,7 @@ class Completion:
 
     async def whole(self, receive: Receive) -> Response:
         text, calls, end = await self.job.collect(receive)
-        usage = _usage(end.finished)
+        usage = usage_of(end.finished)
         body: ChatCompletion | TextCompletion
         job = self.job
         if self.kind == "chat":
@@ -233,19 +240,31 @@ class Completion:
             body = ChatCompletion(id=self.id, created=self.created, model=self.model, usage=usage, choices=[
                 ChatChoice(index=0, message=message, finish_reason=end.reason, logprobs=logprobs)])
         else:
-            body = TextCompletion(id=self.id, created=self.created, model=self.model, usage=usage, choices=[
-                TextChoice(index=0, text=text, finish_reason=end.reason,
-                           logprobs=self.completion_logprobs(job.logprobs) if job.gen.logprobs else None)])
+            body = TextCompletion(id=self.id, created=self.created, model=self.model, usage=usage,
+                                  choices=[self.text_choice(text, end)])
         return Response(_encoder.encode(body), media_type="application/json")
 
+    def text_choice(self, text: str, end: End) -> TextChoice:
+        """A text completion's choice: the echoed prompt (if asked) and the reply."""
+        before, columns = self.echoed()
+        logprobs = None
+        if self.job.gen.logprobs:
+            logprobs = sampling.join_logprobs(columns, self.completion_logprobs(self.job.logprobs))
+        return TextChoice(index=self.index, text=before + text, finish_reason=end.reason, logprobs=logprobs)
+
     async def chunks(self, first: StreamReply) -> AsyncIterator[list[bytes]]:
-        """A streamed chat or text completion's SSE events, a list per piece."""
+        """A streamed chat or text completion's SSE events, a list per piece: the echoed
+        prompt first when asked (as one chunk, its logprobs with it)."""
         out = [self.chunk(None, role=True)] if self.kind == "chat" else []
+        if self.echo:
+            text, columns = self.echoed()
+            out.append(self._text_chunk(text, None, columns))
         async for piece in self.job.pieces(first):
             out.append(self.render(piece))
             yield out
             out = []
-        yield [SSE_DONE]
+        if self.final:
+            yield [SSE_DONE]
 
     def render(self, piece: Piece) -> bytes:
         match piece:
@@ -261,12 +280,13 @@ class Completion:
                 log.info("request %s failed mid-stream: %s: %s", self.id, piece.code, piece.message)
                 return b"data: " + piece.body() + b"\n\n"
             case End(finished=fin, reason=reason):
+                self.end = fin
                 last = self.chunk(None, finish=reason)
                 held = self.job.take_logprobs() if self.job.gen.logprobs else []
                 if held:  # tokens whose text never came out (held back, or tool calls): theirs before the end
                     last = self.chunk("", logprobs=held) + last
-                if self.include_usage:
-                    last += self.usage_chunk(_usage(fin))
+                if self.include_usage and self.final:
+                    last += self.usage_chunk(usage_of(fin))
                 return last
         return b""
 
@@ -280,9 +300,13 @@ class Completion:
                                  logprobs=None if logprobs is None else sampling.chat_choice_logprobs(logprobs))
             body = ChatChunk(id=self.id, created=self.created, model=self.model, usage=usage, choices=[choice])
         else:
-            body = TextCompletion(id=self.id, created=self.created, model=self.model, usage=usage, choices=[
-                TextChoice(index=0, text=text or "", finish_reason=finish,
-                           logprobs=None if logprobs is None else self.completion_logprobs(logprobs))])
+            return self._text_chunk(text or "", finish, None if logprobs is None else self.completion_logprobs(logprobs))
+        return b"data: " + _encoder.encode(body) + b"\n\n"
+
+    def _text_chunk(self, text: str, finish: ReplyFinishReason | None, logprobs: CompletionLogprobs | None) -> bytes:
+        body = TextCompletion(id=self.id, created=self.created, model=self.model,
+                              usage=None if self.include_usage else msgspec.UNSET,
+                              choices=[TextChoice(index=self.index, text=text, finish_reason=finish, logprobs=logprobs)])
         return b"data: " + _encoder.encode(body) + b"\n\n"
 
     # -- the per-token hot path ---------------------------------------------------------
@@ -312,36 +336,20 @@ class Completion:
         return b"data: " + _encoder.encode(body) + b"\n\n"
 
 
-def _usage(msg: p.Finished) -> Usage:
+def usage_of(msg: p.Finished) -> Usage:
     return Usage(prompt_tokens=msg.prompt_tokens, completion_tokens=msg.completion_tokens,
                  total_tokens=msg.prompt_tokens + msg.completion_tokens,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=msg.cached_tokens,
                                                            disk_cached_tokens=msg.cached_disk_tokens))
 
 
-def _model(sup: Supervisor, name: str):
-    try:
-        return sup.model_config(name)
-    except ServeError as exc:
-        raise from_serve_error(exc) from None
-
-
-async def handle(request: Request, sup: Supervisor, metrics: Metrics, kind: str, body: bytes,
-                 started: float) -> Response:
-    """Decode, validate, route to the model's worker, answer (JSON or SSE)."""
-    req: ChatRequest | CompletionRequest
-    if kind == "chat":
-        req = decode_body(body, ChatRequest)
-        work = chat_generate(req)
-    else:
-        req = decode_body(body, CompletionRequest)
-        work = completion_generate(req)
-        if req.suffix is not None:  # refused before any load where the card says no insert
-            model = _model(sup, req.model)
-            await require_fim(model.id, model.path)
+async def handle(request: Request, sup: Supervisor, metrics: Metrics, body: bytes, started: float) -> Response:
+    """`/v1/chat/completions`: decode, validate, route to the model's worker, answer (JSON or SSE)."""
+    req = decode_body(body, ChatRequest)
+    work = chat_generate(req)
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
-    job = await open_job(request, sup, metrics, req, work, started)
-    reply = Completion(job, kind, include_usage)
     if req.stream:
-        return await job.streamed(request.receive, reply.chunks)
-    return await reply.whole(request.receive)
+        return await stream_job(request, sup, metrics, req, work, started,
+                                lambda job, first: Completion(job, "chat", include_usage).chunks(first))
+    job = await open_job(request, sup, metrics, req, work, started)
+    return await Completion(job, "chat", include_usage).whole(request.receive)

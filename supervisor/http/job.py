@@ -8,10 +8,10 @@ The path of one request:
   -> tokens from the worker's RequestStream -> the API's JSON or SSE.
 
 Errors before the first token (load refused 507, queue full 503, prefill
-rejected 400 per G1) get a real HTTP status even for streamed requests: the
-SSE response only starts once the first token is there, which costs the
-client nothing (it could not have read a chunk earlier anyway). After that,
-a failure is one error event in the API's shape.
+rejected 400 per G1) get a real HTTP status even for streamed requests when
+they come within a second: a streamed response starts with the first token,
+or after that second with lines that say what it waits for (http/streaming.py).
+After that, a failure is one error event in the API's shape.
 
 A client that goes away is noticed while it waits (load, queue, generation)
 and its request is aborted in the worker (`Supervisor.cancel`), so nobody's
@@ -84,11 +84,12 @@ async def race_client(coro: Awaitable[T], receive: Receive) -> T:
 
 
 async def open_job(request: Request, sup: Supervisor, metrics: Metrics, req, work: Planned, started: float, *,
-                   format_param: str = "response_format") -> Job:
+                   format_param: str = "response_format", receive: Receive | None = None) -> Job:
     """`work` routed to `req.model` under the request's keep_alive / ttl (`open_stream`:
-    a load, the queue), and the Job that reads its stream."""
+    a load, the queue), and the Job that reads its stream. `receive`: where a disconnect is
+    watched for (the request's own by default)."""
     keep = keep_alive_seconds(req.keep_alive, req.ttl)
-    stream = await open_stream(sup, req.model, work.gen, request.receive, keep)
+    stream = await open_stream(sup, req.model, work.gen, receive or request.receive, keep)
     return Job(sup, metrics, req.model, work.gen, started, stream, work.plan, format_param)
 
 

@@ -47,7 +47,7 @@ from typing import Any, AsyncIterator, Literal, Union
 import msgspec
 from msgspec import Struct
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from shared import protocol as p
 from supervisor.api import Supervisor
@@ -67,6 +67,8 @@ from supervisor.http.openai_types import (
     LogprobOut,
     decode_body,
 )
+from supervisor.http.streaming import Early, Waiting, never
+from supervisor.streams import StreamReply
 
 _encoder = msgspec.json.Encoder()
 
@@ -285,13 +287,11 @@ async def _run(request: Request, sup: Supervisor, metrics: Metrics, req: _Common
     keep = keep_alive_seconds(req.keep_alive, None)
     if empty:
         return await _load_only(request, sup, req.model, model, keep, chat)
+    if req.stream:
+        return await _streamed(request, sup, metrics, req, work, started, model, keep, chat)
     stream = await open_stream(sup, model, work.gen, request.receive, keep)
     timings = Timings(started, time.monotonic())
     job = Job(sup, metrics, model, work.gen, started, stream, work.plan, "format")
-    if req.stream:
-        first = await job.first(request.receive)
-        return StreamingResponse(job.sse_body(_lines(job, first, req.model, chat, timings)),
-                                 media_type="application/x-ndjson")
     text, calls, end = await job.collect(request.receive)
     body: dict[str, Any] = {"model": req.model, "created_at": now_rfc3339()}
     if chat:
@@ -305,6 +305,31 @@ async def _run(request: Request, sup: Supervisor, metrics: Metrics, req: _Common
     if job.gen.logprobs:
         body["logprobs"] = _logprobs(job.logprobs)
     return Response(_encoder.encode(body), media_type="application/json")
+
+
+async def _streamed(request: Request, sup: Supervisor, metrics: Metrics, req: _Common, work: tools.Planned,
+                    started: float, model: str, keep: float | None, chat: bool) -> Response:
+    """NDJSON, its headers at once (http/streaming.py); while the request waits (a load, the
+    queue, a long prefill) an empty chunk each second: Ollama's clients parse every line as
+    JSON, so an empty line or a comment would break them, and an empty chunk adds nothing."""
+    waiting = Waiting(sup, model)
+
+    async def start() -> tuple[Job, Timings, StreamReply]:
+        stream = await open_stream(sup, model, work.gen, never, keep)
+        waiting.streams.append(stream)
+        timings = Timings(started, time.monotonic())
+        job = Job(sup, metrics, model, work.gen, started, stream, work.plan, "format")
+        return job, timings, await job.first(never)
+
+    def idle() -> bytes:
+        head: dict[str, Any] = {"model": req.model, "created_at": now_rfc3339()}
+        head.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
+        return _line({**head, "done": False})
+
+    early = Early(start(), lambda ready: ready[0].sse_body(_lines(ready[0], ready[2], req.model, chat, ready[1])),
+                  idle=idle, failure=lambda exc: _line(error_body(exc)),
+                  discard=lambda ready: ready[0].cancel("client disconnected"), media_type="application/x-ndjson")
+    return await early.response(request.receive)
 
 
 def _logprobs(items: list[p.TokenLogprobs]) -> list[LogprobOut]:

@@ -213,10 +213,14 @@ class ChatRequest(_Sampling, kw_only=True):
 
 
 class CompletionRequest(_Sampling, kw_only=True):
-    """`POST /v1/completions` (the legacy text completion)."""
+    """`POST /v1/completions` (the legacy text completion).
 
-    prompt: Union[str, list[str]]
-    max_tokens: Union[MaxTokens, None] = None
+    `prompt`: a string, a list of strings, token ids, or a list of token-id lists
+    (msgspec takes one array type in a union, so http/completions.py reads it);
+    `max_tokens` 0 only with `echo` (the prompt scored, nothing generated)."""
+
+    prompt: Any
+    max_tokens: Union[Annotated[int, Meta(ge=0, le=1_000_000)], None] = None
     echo: bool = False
     suffix: Union[str, None] = None
     best_of: Union[int, None] = None
@@ -277,11 +281,12 @@ class ChoiceLogprobs(Struct, kw_only=True):
 
 
 class CompletionLogprobs(Struct, kw_only=True):
-    """Legacy completions' `choices[i].logprobs`: columns, one entry per token."""
+    """Legacy completions' `choices[i].logprobs`: columns, one entry per token (an echoed
+    prompt's first token has null for its logprob and alternatives, as OpenAI's)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[Union[float, None]]
+    top_logprobs: list[Union[dict[str, float], None]]
     text_offset: list[int]
 # -- end of logprobs -------------------------------------------------------------------
 

@@ -42,6 +42,7 @@ from supervisor.http.openai_types import (
     TopP,
     decode_body,
 )
+from supervisor.http.streaming import stream_job
 
 _encoder = msgspec.json.Encoder()
 
@@ -193,7 +194,7 @@ def tool_plan(req: ResponsesRequest) -> tools.ToolPlan | None:
                             param=f"tools[{i}].type")
         fns.append(tools.function(t.name, t.description, t.parameters, t.strict, f"tools[{i}]"))
     choice, named = tools.openai_choice(req.tool_choice, nested=False)
-    plan = tools.ToolPlan(functions=fns, choice=choice, named=named, parallel=req.parallel_tool_calls is not False)
+    plan = tools.ToolPlan(functions=fns, choice=choice, named=named, parallel=req.parallel_tool_calls is True)
     return tools.check_named(plan, "tool_choice")
 
 
@@ -326,11 +327,14 @@ def _status(reason: str) -> str:
 
 async def handle(request: Request, sup, metrics, body: bytes, started: float) -> Response:
     req = decode_body(body, ResponsesRequest)
-    job = await open_job(request, sup, metrics, req, responses_generate(req), started, format_param="text.format")
+    work = responses_generate(req)
+    if req.stream:  # headers at once, a comment each second while it waits (http/streaming.py)
+        return await stream_job(request, sup, metrics, req, work, started,
+                                lambda job, first: _events(job, first, Shell(req, "resp_" + job.gen.request_id)),
+                                format_param="text.format")
+    job = await open_job(request, sup, metrics, req, work, started, format_param="text.format")
     gen = job.gen
     shell = Shell(req, "resp_" + gen.request_id)
-    if req.stream:
-        return await job.streamed(request.receive, lambda first: _events(job, first, shell))
     text, calls, end = await job.collect(request.receive)
     output: list[Union[MessageItem, FunctionCallItem]] = []
     if text or not (calls or job.calls_only):  # a required call cut before it closed: no item (half a call is no call)

@@ -93,6 +93,22 @@ def chat_choice_logprobs(items: list[p.TokenLogprobs]) -> ChoiceLogprobs:
     return ChoiceLogprobs(content=[logprob_out(item) for item in items])
 
 
+def echo_logprobs(echoed: p.Echoed) -> CompletionLogprobs:
+    """An echoed prompt's columns: every prompt token, the first with null (it has no context)."""
+    after = completion_choice_logprobs(echoed.logprobs, len(echoed.tokens[0]) if echoed.tokens else 0)
+    return CompletionLogprobs(tokens=echoed.tokens, token_logprobs=[None, *after.token_logprobs],
+                              top_logprobs=[None, *after.top_logprobs], text_offset=[0, *after.text_offset])
+
+
+def join_logprobs(first: CompletionLogprobs | None, then: CompletionLogprobs) -> CompletionLogprobs:
+    """The echoed prompt's columns followed by the reply's."""
+    if first is None:
+        return then
+    return CompletionLogprobs(tokens=first.tokens + then.tokens, token_logprobs=first.token_logprobs + then.token_logprobs,
+                              top_logprobs=first.top_logprobs + then.top_logprobs,
+                              text_offset=first.text_offset + then.text_offset)
+
+
 def completion_choice_logprobs(items: list[p.TokenLogprobs], offset: int) -> CompletionLogprobs:
     """Legacy completions' columns; `offset` is where the first token starts in the reply's text.
     Alternatives with the same text keep the most likely (a JSON object has one key per text)."""
@@ -100,7 +116,7 @@ def completion_choice_logprobs(items: list[p.TokenLogprobs], offset: int) -> Com
     for item in items:
         offsets.append(offset)
         offset += len(item.token)
-    tops: list[dict[str, float]] = []
+    tops: list[dict[str, float] | None] = []
     for item in items:
         top: dict[str, float] = {}
         for t in item.top:

@@ -49,7 +49,11 @@ class ToolPlan(msgspec.Struct, kw_only=True):
     functions: list[Function]
     choice: Choice = "auto"
     named: str = ""
-    parallel: bool = True
+    # A required call is one call unless the request asks for several (OpenAI's
+    # `parallel_tool_calls: true`, Anthropic's `disable_parallel_tool_use: false`), as
+    # llama.cpp decides: left to the grammar, a small model that could go on calling did,
+    # until max_tokens, though both APIs would allow several when the field is absent.
+    parallel: bool = False
 
     def template_tools(self) -> str:
         """The tools as HF chat templates read them (OpenAI's chat shape)."""

@@ -87,9 +87,10 @@ def test_d4_device_drill_is_stopped_by_the_guard_on_the_device_pool(tiny_models,
 
 def test_d5_a_load_refused_by_the_device_pool_names_it(tiny_models, runtime_dir):
     """A second model that does not fit the device ceiling is refused with 507
-    naming the device pool, although host RAM has room for it."""
+    naming the device pool, although host RAM has room for it. `thrash_hold = 0`: A3 as
+    written, a busy model is no victim (with W5's holds on, the load would wait for it)."""
     config = make_config([ModelConfig(id="a", path=str(tiny_models.a)), ModelConfig(id="b", path=str(tiny_models.b))],
-                         guard=GuardConfig(tier="custom", custom_ceiling=64 * GiB, hot_cache_max=0))
+                         guard=GuardConfig(tier="custom", custom_ceiling=64 * GiB, hot_cache_max=0, thrash_hold=0))
 
     async def main():
         async with Running(config, runtime_dir) as arb:
