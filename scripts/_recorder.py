@@ -23,6 +23,7 @@ from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
 HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
+HEAD = 4096  # bytes of each reply kept in the record
 
 
 @dataclass
@@ -37,6 +38,7 @@ class Exchange:
     first_byte_s: float = 0.0
     total_s: float = 0.0
     reply_bytes: int = 0
+    reply_head: str = ""  # the reply's first bytes, as text (what a stream opens with)
     began: float = field(default_factory=time.time)
     full: object = field(default=None, repr=False)  # the whole JSON body, kept out of dump()
 
@@ -112,6 +114,8 @@ class Recorder:
                 async for chunk in reply.aiter_raw():
                     if not ex.first_byte_s:
                         ex.first_byte_s = round(time.monotonic() - started, 3)
+                    if ex.reply_bytes < HEAD:
+                        ex.reply_head += chunk[:HEAD - ex.reply_bytes].decode("utf-8", "replace")
                     ex.reply_bytes += len(chunk)
                     yield chunk
             finally:
