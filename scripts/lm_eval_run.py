@@ -248,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                "prompts_per_request": per_request, "check": check(venv, folder, samples),
                "work": str(work)}
     summary["wall_s"] = time.monotonic() - started
+    (work / "summary.json").write_text(json.dumps(summary, indent=1))
     report(summary)
     if args.json:
         print(json.dumps(summary))

@@ -66,7 +66,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def webui_env(work: Path, upstream: str) -> dict[str, str]:
+def webui_env(work: Path, upstream: str, titles: bool) -> dict[str, str]:
     """Open WebUI's settings: offline, no sign-in, both connections on memvisor."""
     configs = {name: json.dumps({"0": {"prefix_id": name}}) for name in CONNECTIONS}
     return {**os.environ,
@@ -79,22 +79,23 @@ def webui_env(work: Path, upstream: str) -> dict[str, str]:
             "RAG_EMBEDDING_ENGINE": "openai", "RAG_EMBEDDING_MODEL": "", "BYPASS_EMBEDDING_AND_RETRIEVAL": "True",
             "ENABLE_WEB_SEARCH": "False", "ENABLE_VERSION_UPDATE_CHECK": "False", "SCARF_NO_ANALYTICS": "true",
             "DO_NOT_TRACK": "true", "ANONYMIZED_TELEMETRY": "false", "ENABLE_PERSISTENT_CONFIG": "False",
-            # the follow-up tasks Open WebUI runs after each answer would queue behind the next chat
-            # on this 2-core CPU; the title task stays (one more real request per chat)
-            "ENABLE_FOLLOW_UP_GENERATION": "False", "ENABLE_TAGS_GENERATION": "False",
-            "ENABLE_AUTOCOMPLETE_GENERATION": "False"}
+            # the side tasks Open WebUI runs beside each chat: the title task asks for up to 1000
+            # tokens, non-streamed, which SmolLM2 fills on a shared CPU for minutes while it holds
+            # one of the model's max_concurrency slots (the second chat then waits, `: queued`)
+            "ENABLE_TITLE_GENERATION": str(titles), "ENABLE_FOLLOW_UP_GENERATION": "False",
+            "ENABLE_TAGS_GENERATION": "False", "ENABLE_AUTOCOMPLETE_GENERATION": "False"}
 
 
 class WebUI:
     """`open-webui serve` from its venv on a free loopback port, until closed."""
 
-    def __init__(self, venv: Path, work: Path, upstream: str, timeout: float) -> None:
+    def __init__(self, venv: Path, work: Path, upstream: str, timeout: float, titles: bool) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = work / "webui.log"
         self.proc = subprocess.Popen(
             [str(venv / "bin" / "open-webui"), "serve", "--host", "127.0.0.1", "--port", str(self.port)],
-            cwd=work, env=webui_env(work, upstream), stdout=open(self.log, "wb"),  # noqa: SIM115
+            cwd=work, env=webui_env(work, upstream, titles), stdout=open(self.log, "wb"),  # noqa: SIM115
             stderr=subprocess.STDOUT)
         started = time.monotonic()
         while time.monotonic() - started < timeout:
@@ -154,19 +155,28 @@ def browse(venv: Path, url: str, work: Path, timeout: float) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def is_chat(body: object) -> bool:
+    """The user's question itself (not a side task such as the title's), for our model."""
+    if not isinstance(body, dict) or body.get("model") != MODEL_ID or not isinstance(body.get("messages"), list):
+        return False
+    last = body["messages"][-1] if body["messages"] else {}
+    return isinstance(last, dict) and last.get("role") == "user" and last.get("content") == PROMPT
+
+
 def checks(result: dict, exchanges: list[dict]) -> list[tuple[str, bool]]:
     """What the run must show, each as (statement, held)."""
     listed = {m["id"] for m in result["models"]}
     out = [(f"Open WebUI lists {name}.{MODEL_ID}", f"{name}.{MODEL_ID}" in listed) for name in CONNECTIONS]
     for chat, (name, route) in zip(result["chats"], CONNECTIONS.items(), strict=True):
-        ours = [e for e in exchanges if e["path"] == route and isinstance(e["body"], dict)
-                and e["body"].get("model") == MODEL_ID]
+        ours = [e for e in exchanges if e["path"] == route and is_chat(e["body"])]
         streamed = [e for e in ours if e["body"].get("stream", name == "ollama")]
+        stored = chat["stored"].strip()
+        ended = [e for e in streamed if e["status"] == 200 and ("[DONE]" in e["reply_tail"]
+                                                                or '"done":true' in e["reply_tail"])]
         out += [(f"{name}: the chat was answered and stored done, no error",
-                 chat["done"] and bool(chat["stored"].strip()) and not chat["error"]),
-                (f"{name}: the page shows the stored answer", chat["stored"].strip()[:40] in chat["shown"]),
-                (f"{name}: memvisor served it on {route}, streamed, 200",
-                 bool(streamed) and all(e["status"] == 200 for e in ours))]
+                 chat["done"] and bool(stored) and not chat["error"]),
+                (f"{name}: the page shows the stored answer", bool(stored) and stored[:40] in chat["shown"]),
+                (f"{name}: memvisor streamed it on {route} to its end, 200", bool(ended) and len(ended) == len(ours))]
     failed = [f"{e['method']} {e['path']} {e['status']}" for e in exchanges if e["status"] >= 400]
     out.append((f"no request to memvisor failed{' (' + ', '.join(failed) + ')' if failed else ''}", not failed))
     return out
@@ -191,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=300, help="per step, seconds (default 300)")
     ap.add_argument("--builtin-tools", action="store_true", help="leave Open WebUI's 36 built-in tools on "
                     "(its default; each chat then prefills ~6,900 more tokens)")
+    ap.add_argument("--titles", action="store_true", help="leave Open WebUI's title task on (its default; one "
+                    "more request per chat, non-streamed, up to 1000 tokens)")
     ap.add_argument("--json", action="store_true", help="print the summary as one JSON object, last")
     args = ap.parse_args(argv)
     started = time.monotonic()
@@ -205,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with Recorder(served.base) as recorder:
             say("open-webui", f"starting Open WebUI {OPEN_WEBUI_PIN} on memvisor {served.base} (via {recorder.url})")
-            webui = WebUI(webui_venv, work, recorder.url, args.timeout)
+            webui = WebUI(webui_venv, work, recorder.url, args.timeout, args.titles)
             try:
                 say("open-webui", f"up at {webui.url} in {webui.start_s:.0f} s; chatting in Chromium")
                 if not args.builtin_tools:
@@ -213,13 +225,12 @@ def main(argv: list[str] | None = None) -> int:
                 result = browse(browser_venv, webui.url, work, args.timeout)
             finally:
                 webui.close()
-                exchanges = recorder.dump()
-                (work / "requests.json").write_text(json.dumps(recorder.dump(full=True), indent=1))
+                exchanges, whole = recorder.dump(), recorder.dump(full=True)
+                (work / "requests.json").write_text(json.dumps(whole, indent=1))
     finally:
         served.close()
     summary = {"open_webui": OPEN_WEBUI_PIN, "webui_start_s": webui.start_s, "builtin_tools": args.builtin_tools,
-               **result,
-               "requests": shapes(exchanges), "checks": checks(result, exchanges),
+               "titles": args.titles, **result, "requests": shapes(exchanges), "checks": checks(result, whole),
                "wall_s": time.monotonic() - started, "work": str(work)}
     report(summary)
     if args.json:
