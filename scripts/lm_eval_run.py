@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -149,7 +150,7 @@ def reference_loglikelihoods(folder: Path, encoded: list[tuple[list[int], list[i
         # the logprob of each continuation token at the position before it, gathered in one go
         positions = mx.arange(len(context) - 1, len(tokens) - 1)
         picked = logprobs[positions, mx.array(continuation)]
-        out.append(float(mx.sum(picked).item()))
+        out.append(math.fsum(picked.tolist()))
     return out
 
 
