@@ -53,53 +53,25 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import _venv  # noqa: E402  (scripts/ is on sys.path as the script's folder)
+
 from shared.sizes import MiB, format_size  # noqa: E402
 
 # A known-good LiteLLM release (1.107.0 was a compromised one; so were 1.82.7 and 1.82.8).
 # pyproject.toml's `fleet` extra pins the same (tests/live/test_fleet_litellm_live.py checks they agree).
 LITELLM_PIN = "1.106.12"
-# What a clean install may hold as interpreter start-up hooks: the compromised releases
-# shipped a `.pth` file that ran on every Python start; anything else here is refused.
-ALLOWED_PTH = {"distutils-precedence.pth"}
 MODEL = "tiny"
 FAULTS = ("drill", "ceiling", "sigstop")
 PROMPT = "Tell me about the fleet"
 
 
-def cache_root() -> Path:
-    base = os.environ.get("MEMVISOR_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache"), "memvisor")
-    return Path(base)
-
-
 def say(text: str) -> None:
-    print(f"[fleet {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
-
-
-# ---------------------------------------------------------------------------
-# LiteLLM, in a virtual environment of its own
+    _venv.say("fleet", text)
 
 
 def ensure_litellm(pin: str = LITELLM_PIN) -> Path:
-    """The `litellm` executable of the pinned release, installed once into the cache."""
-    venv = cache_root() / f"litellm-{pin}"
-    exe = venv / "bin" / "litellm"
-    marker = venv / ".installed"
-    if not marker.exists():
-        say(f"installing litellm[proxy]=={pin} into {venv} (once)")
-        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
-        subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet",
-                        f"litellm[proxy]=={pin}"], check=True)
-        marker.write_text(pin)
-    check_start_up_hooks(venv)
-    return exe
-
-
-def check_start_up_hooks(venv: Path) -> None:
-    hooks = {p.name for p in venv.glob("lib/python*/site-packages/*.pth")} - ALLOWED_PTH
-    if hooks:
-        raise SystemExit(f"refusing to run LiteLLM from {venv}: unexpected start-up hooks {sorted(hooks)} "
-                         "(a compromised release installs one); remove the folder and check the pin")
+    """The `litellm` executable of the pinned release, installed once into the cache (scripts/_venv.py)."""
+    return _venv.ensure_venv("litellm", pin, [f"litellm[proxy]=={pin}"]) / "bin" / "litellm"
 
 
 def free_port() -> int:
