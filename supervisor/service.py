@@ -25,6 +25,7 @@ from shared import protocol as p
 from shared.embedding import WRONG_MODEL_KIND, EmbeddingSpec
 from shared.memory import NO_READING
 from shared.sizes import format_size
+from supervisor.admission_queue import Gate
 from supervisor.api import UNLOAD_WHEN_IDLE
 from supervisor.bus import FrameTooLarge
 from supervisor.cache_tiers import save_grace
@@ -34,7 +35,6 @@ from supervisor.counters import SupervisorCounters
 from supervisor.enforcer import Enforcer
 from supervisor.errors import AtCapacity, LoadError, NotReady, ServeError
 from supervisor.eventlog import EventLog
-from supervisor.gate import Gate
 from supervisor.models import Models
 from supervisor.policy.admission import FitReport, admits_request
 from supervisor.policy.status import DiskCacheStatus, ModelInfo, ServerStatus
