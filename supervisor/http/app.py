@@ -31,7 +31,7 @@ Endpoints (docs/api.md):
 
 Who may administer (load, unload, /admin/guard): http/auth.py, with the API
 keys (with `[supervisor] api_keys` every /v1 call needs one). Every request first passes the gate
-(http/gate.py: Host, Origin, Content-Type, CORS) and the connection limits
+(http/browser_guard.py: Host, Origin, Content-Type, CORS) and the connection limits
 (http/limits.py: header/body deadlines, a connection cap).
 """
 
