@@ -32,7 +32,7 @@ Endpoints (docs/api.md):
 Who may administer (load, unload, /admin/guard): http/auth.py, with the API
 keys (with `[supervisor] api_keys` every /v1 call needs one). Every request first passes the gate
 (http/browser_guard.py: Host, Origin, Content-Type, CORS) and the connection limits
-(http/limits.py: header/body deadlines, a connection cap).
+(http/connection_limits.py: header/body deadlines, a connection cap).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from supervisor.config import host_name, parse_http
 from supervisor.http import routing
 from supervisor.http.app import FrontDoor, error_shape, http_exception
 from supervisor.http.browser_guard import BrowserGate, HostCheck, OriginAllowlist
-from supervisor.http.limits import GuardedH11, connection_cap, limit_logs, raise_fd_limit
+from supervisor.http.connection_limits import GuardedH11, connection_cap, limit_logs, raise_fd_limit
 from supervisor.http.metrics import Metrics
 
 log = logging.getLogger("memvisor.http")
