@@ -31,7 +31,7 @@ from shared.limits import Limits
 from shared.states import LOADING_STATES
 from supervisor import liveness, load_clock, reaping
 from supervisor.bus import Bus
-from supervisor.cache_tiers import CacheBook, save_grace, saved_words
+from supervisor.cache_book import CacheBook, save_grace, saved_words
 from supervisor.config import Config, ModelConfig
 from supervisor.counters import SupervisorCounters
 from supervisor.errors import LoadError

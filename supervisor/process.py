@@ -21,7 +21,7 @@ from shared.limits import Limits
 from shared.memory import NO_READING
 from shared.states import LIVE_STATES, SERVING_STATES, WorkerState, WorkerTrigger, transition
 from shared.vocab import PoolName, WorkerEventKind
-from supervisor.cache_tiers import save_grace
+from supervisor.cache_book import save_grace
 from supervisor.errors import LoadError
 from supervisor.liveness import Beats
 from supervisor.views import WorkerView

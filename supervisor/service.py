@@ -28,7 +28,7 @@ from shared.sizes import format_size
 from supervisor.admission_queue import Gate
 from supervisor.api import UNLOAD_WHEN_IDLE
 from supervisor.bus import FrameTooLarge
-from supervisor.cache_tiers import save_grace
+from supervisor.cache_book import save_grace
 from supervisor.catalog import Catalog
 from supervisor.config import Config, ModelConfig
 from supervisor.counters import SupervisorCounters
