@@ -39,7 +39,7 @@ from shared.modelinfo import context_length
 from shared.protocol import SHARED_PARTITION, ConstraintSpec, Failed, Generate
 from shared.vocab import FailureCode, PrefillOrder
 from shared.weights import WeightsError, estimate_weight_bytes
-from worker import memory, prompts
+from worker import own_memory, prompts
 from worker import prompt_cache as pc
 from worker.constrain import Constraint, ConstraintError, ConstraintFactory
 from worker.decode import DecodeStep
@@ -48,7 +48,7 @@ from worker.draft import DraftModel, same_vocabulary
 from worker.echo import Echoes, PromptScorer, Scoring
 from worker.endings import Endings, Event
 from worker.loader import LoadMeter, load_generator
-from worker.memory import UsageFn
+from worker.own_memory import UsageFn
 from worker.prefill import (
     CHUNK_SECONDS,
     DEFAULT_MAX_CHUNK,
@@ -206,10 +206,10 @@ class Engine:
         """H3: the part no running or queued request relies on."""
         return self.prompt_cache.releasable
 
-    def held(self) -> memory.Held:
+    def held(self) -> own_memory.Held:
         """What the prompt cache and the decode batch hold, for the worker's memory sample."""
         batch = self.decode.batch
-        return memory.Held(self.prompt_cache.nbytes, self.prompt_cache.releasable, batch.nbytes,
+        return own_memory.Held(self.prompt_cache.nbytes, self.prompt_cache.releasable, batch.nbytes,
                            batch.live_nbytes, batch.relayouts)
 
     @property
@@ -530,8 +530,8 @@ def _load(directory: Path, meter: LoadMeter | None, what: str = "") -> tuple[int
 
 
 def _default_own_usage() -> int:
-    return memory.usage()
+    return own_memory.usage()
 
 
 def _default_reclaim() -> int:
-    return memory.reclaim()
+    return own_memory.reclaim()
