@@ -33,8 +33,8 @@ from supervisor.config import ModelConfig
 from supervisor.errors import GateClosed, LoadError
 from supervisor.http.anthropic import MessagesRequest, messages_generate
 from supervisor.http.completions import completion_generates
-from supervisor.http.generate import chat_generate
 from supervisor.http.keepalive import keep_alive_seconds
+from supervisor.http.openai import chat_generate
 from supervisor.http.openai_types import BodyError, ChatRequest, CompletionRequest, decode_body
 from supervisor.http.responses import ResponsesRequest, responses_generate
 from tests.frontdoor_harness import MSG, StubSupervisor, serving
