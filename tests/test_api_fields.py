@@ -411,7 +411,7 @@ def test_a_failure_after_the_first_token_is_an_error_event_each_sdk_sees():
 
 
 def test_api_keys_config_refuses_empty_keys_and_a_missing_file_and_reads_one_key_a_line(tmp_path):
-    from supervisor.config import ConfigError, load_config
+    from supervisor.config_file import ConfigError, load_config
     from supervisor.http.auth import ApiKeys
 
     keys = tmp_path / "keys"

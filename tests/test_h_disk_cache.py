@@ -17,7 +17,8 @@ from shared.limits import Limits
 from shared.protocol import DISK_CACHE_AUTO, CacheReport, DiskCacheStats
 from shared.sizes import GiB
 from supervisor.cache_book import CacheBook
-from supervisor.config import GuardConfig, parse_config
+from supervisor.config import GuardConfig
+from supervisor.config_file import parse_config
 from tests.disk_cache_harness import (
     ROOMY,
     ask,

@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 
 from shared.sizes import GiB
-from supervisor.config import ConfigError, ModelConfig, load_config
+from supervisor.config import ModelConfig
+from supervisor.config_file import ConfigError, load_config
 from tests.frontdoor_harness import assert_openai_error, fake_huge_model
 from tests.http_harness import ADMIN_TOKEN, LiveServer, make_config
 
