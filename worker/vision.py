@@ -45,7 +45,8 @@ from shared.modelinfo import context_length, read_config_json
 from shared.protocol import Failed, Generate, ImageInput
 from shared.weights import WeightsError, estimate_weight_bytes
 from worker import own_memory, prompts, vision_cost
-from worker.engine import NO_TOKENIZER_LIMIT, Engine
+from worker.engine import Engine
+from worker.folder_load import NO_TOKENIZER_LIMIT
 from worker.loader import LoadMeter
 from worker.prefill_cost import activation_width
 from worker.request import ENGINE_ERROR, INVALID_REQUEST, EngineError, Seq
