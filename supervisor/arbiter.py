@@ -119,7 +119,7 @@ class Arbiter:
         self.wake_event = asyncio.Event()
         self._bind()
         self._build()
-        self.bus.attach(self.loop, self.pool.on_reply, self.pool.on_report, self.on_control)
+        self.bus.attach(self.loop, self.pool.messages.on_reply, self.pool.messages.on_report, self.on_control)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             self.loop.add_signal_handler(sig, self.on_signal, sig)
         self.endpoints.save(self.runtime_dir)

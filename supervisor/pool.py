@@ -24,7 +24,6 @@ from typing import Callable
 
 import msgspec
 import multiprocess
-from typing_extensions import assert_never
 
 from shared import protocol as p
 from shared.ledger import Ledger
@@ -32,29 +31,25 @@ from shared.limits import Limits
 from shared.states import LOADING_STATES
 from supervisor import liveness, load_clock, reaping
 from supervisor.bus import Bus
-from supervisor.cache_tiers import CacheBook, save_grace, saved_words
+from supervisor.cache_tiers import CacheBook, save_grace
 from supervisor.config import Config, ModelConfig
 from supervisor.errors import LoadError
 from supervisor.load_timer import LoadTimer
 from supervisor.policy.wired import sigkill_after
 from supervisor.process import (
-    CacheWritten,
     EventSink,
     Exited,
-    Reported,
     Spawned,
     StopCause,
     Wedged,
     WorkerHandle,
-    WorkerLoaded,
-    WorkerLoadFailed,
-    WorkerNeedsMemory,
     describe_exit,
     worker_spec,
 )
 from supervisor.spares import Spares
 from supervisor.streams import RequestStream, Streams
 from supervisor.views import WorkerView
+from supervisor.worker_messages import WorkerMessages
 from worker.main import run as worker_main  # the spawn target; imports no MLX at module level
 
 log = logging.getLogger("memvisor.pool")
@@ -75,11 +70,11 @@ class Pool:
         self._free_slots = list(range(ledger.n_slots))
         self._mp = multiprocess.get_context("spawn")
         self.counters: collections.Counter[str] = counters if counters is not None else collections.Counter()
-        self._pings: dict[tuple[str, int], asyncio.Future] = {}
         # Off only in the reaction benchmark's baseline (the seed's fixed 1 s poll).
         self.wake_on_watermark = True
         self.caches = CacheBook()  # each model's prompt-cache disk tier, as its workers report it (H5)
         self.spares = Spares(self)  # W1, W2: the spare workers, carried out
+        self.messages = WorkerMessages(self)  # what the workers say, routed (the bus's handlers)
         self.timer = LoadTimer(on_event)  # W3, W6: each load's phases and progress, said
         # model id -> its last worker reaped: its final cache report may come after its exit
         self.reaped: dict[str, WorkerHandle] = {}
@@ -132,132 +127,6 @@ class Pool:
         self.on_event(Spawned(handle, f"started worker pid {proc.pid} {words}"))
         self.timer.began(handle)
         return handle
-
-    # -- messages from workers ----------------------------------------------
-
-    def on_reply(self, identity: bytes, msg: p.WorkerReply) -> None:
-        handle = self.by_identity.get(identity)
-        if handle is None or not handle.live:
-            self.bus.bad("commands", "unknown_peer", "message from an unknown or stopped worker")
-            return
-        match msg:
-            case p.Tokenized() | p.Detokenized():  # a tokenizer call's answer
-                self.streams.answer(msg)
-            case p.Failed() if self.streams.awaits(msg.request_id):  # ... or its refusal
-                self.streams.answer(msg)
-            case p.TokenOut() | p.Finished() | p.Failed() | p.Prompted() | p.PrefillProgress() | p.Echoed() | p.Embedded():
-                if self.streams.deliver(msg) is not None:  # its last reply: the worker is idle since now
-                    handle.last_access = time.monotonic()
-                if handle.load is not None and handle.load.first_request:  # W3: the load's last phase
-                    self.timer.reply(handle, msg)
-            case p.TokenBatch():  # one decode step's tokens for several requests, in one frame
-                if msg.well_formed():
-                    self.streams.deliver_batch(msg)
-                    if handle.load is not None and handle.load.first_request:
-                        self.timer.reply(handle, msg)
-                else:
-                    self.bus.bad("commands", "invalid_message", "token batch with columns of unequal length")
-            case p.Pong():
-                handle.beats.last_pong = time.monotonic()
-                waiter = self._pings.pop((handle.worker_id, msg.seq), None)
-                if waiter is not None and not waiter.done():
-                    waiter.set_result(handle.beats.last_pong)
-            case p.Hello():
-                self._on_hello(handle, msg)
-            case p.Loaded():
-                self._on_loaded(handle, msg)
-            case p.LoadFailed():
-                if not handle.loaded.done():  # the files are unusable: retrying will not help
-                    handle.loaded.set_exception(LoadError(f"model {handle.model_id!r} failed to load: {msg.error}",
-                                                          http_status=503, permanent=True))
-                handle.marked_for_unload = True
-                self.on_event(WorkerLoadFailed(handle, msg.error))
-            case p.NeedMemory():
-                self.on_event(WorkerNeedsMemory(handle, msg.request_id, msg.need_bytes, msg.pool))
-            case p.Ack() | p.Reclaimed():
-                pass  # informational; the sample that follows carries the effect
-            case _:
-                assert_never(msg)
-
-    def _on_hello(self, handle: WorkerHandle, msg: p.Hello) -> None:
-        if msg.pid != handle.pid or msg.worker_id != handle.worker_id or msg.spare != handle.spare:
-            self.bus.bad("commands", "hello_mismatch", "hello that does not match the spawned process")
-            return
-        # D1: a worker whose arrays live on the CPU holds nothing on the accelerator
-        # its MLX can see (an empty `device` is an older worker: trust its info)
-        on_cpu = msg.device.startswith("Device(cpu")
-        self.set_device_info(handle, {} if on_cpu else dict(msg.device_info))
-        log.info("Worker %s (%s) runs on %s %s", handle.worker_id, handle.model_id, msg.device or "an unnamed device",
-                 msg.device_info.get("device_name", ""))
-        now = time.monotonic()
-        handle.move("wait" if msg.spare else "hello")
-        handle.beats.last_pong = now
-        if handle.load is not None:  # W3: the process's start and its imports, timed
-            load_clock.hello(handle.load, msg.started, now)
-        if msg.spare:
-            self.spares.greeted(handle, now)
-        if not handle.greeted.done():
-            handle.greeted.set_result(True)
-        if handle.last_limits is not None:
-            self.command(handle, p.SetLimits(limits=handle.last_limits))
-        self.on_change()
-
-    def _on_loaded(self, handle: WorkerHandle, msg: p.Loaded) -> None:
-        handle.weight_bytes = msg.weight_bytes
-        handle.move("loaded")  # a worker on its way out stays draining: a stop is final
-        handle.last_access = time.monotonic()
-        handle.beats.last_pong = handle.last_access
-        self.timer.loaded(handle, msg, handle.last_access)  # W3: the first token closes the load's phases
-        if not handle.loaded.done():
-            handle.loaded.set_result(True)
-        log.info("Worker %s loaded %s (%.1f MB weights) in %.2f s",
-                 handle.worker_id, handle.model_id, msg.weight_bytes / 1e6, msg.seconds)
-        self.on_event(WorkerLoaded(handle, f"model loaded in {msg.seconds:.2f} s"))
-        self.on_change()
-
-    def on_report(self, msg: p.WorkerReport) -> None:
-        match msg:
-            case p.Sample():
-                handle = self.handles.get(msg.worker_id)
-                if handle is None or msg.pid != handle.pid:
-                    self.bus.bad("reports", "unknown_peer", "sample from an unknown worker")
-                    return
-                self.counters["samples"] += 1
-                self.bus.publish(msg)
-                if msg.why in ("watermark", "shrink") and self.wake_on_watermark:
-                    # P9: a watermark crossing is answered now, not at the next tick; H3: so is a shrink
-                    self.on_change()
-            case p.WorkerEvent():
-                handle = self.handles.get(msg.worker_id)
-                if handle is not None:
-                    self.on_event(Reported(handle, msg.kind, msg.message))
-            case p.Alive():
-                handle = self.handles.get(msg.worker_id)
-                if handle is None or msg.pid != handle.pid:
-                    return  # the last word of a worker that has just exited: it changes nothing
-                handle.beats.last_alive = time.monotonic()
-                handle.beats.alive = msg
-                if msg.load_phase:
-                    self.timer.alive(handle, msg)
-            case p.CacheReport():
-                self._on_cache_report(msg)
-            case _:
-                assert_never(msg)
-
-    def _on_cache_report(self, msg: p.CacheReport) -> None:
-        """H5: a worker's disk-tier figures; the last one comes as it exits, maybe after its reaping."""
-        handle = self.handles.get(msg.worker_id)
-        if handle is None:
-            last = self.reaped.get(msg.model_id)
-            handle = last if last is not None and last.worker_id == msg.worker_id else None
-        if handle is None or handle.pid != msg.pid or handle.model_id != msg.model_id:
-            self.bus.bad("reports", "unknown_peer", "cache report from an unknown worker")
-            return
-        self.caches.take(msg)
-        s = msg.stats
-        if msg.final and (s.written_entries or s.dropped_entries):
-            self.counters["disk_cache_saves"] += 1
-            self.on_event(CacheWritten(handle, saved_words(s)))
 
     # -- commands -------------------------------------------------------------
 
@@ -376,13 +245,13 @@ class Pool:
         handle.ping_seq += 1
         key = (handle.worker_id, handle.ping_seq)
         waiter = asyncio.get_running_loop().create_future()
-        self._pings[key] = waiter
+        self.messages.pings[key] = waiter
         sent = time.monotonic()
         self.command(handle, p.Ping(seq=handle.ping_seq))
         try:
             return await asyncio.wait_for(waiter, timeout) - sent
         finally:
-            self._pings.pop(key, None)
+            self.messages.pings.pop(key, None)
 
     async def call(self, handle: WorkerHandle, cmd: p.Tokenize | p.Detokenize, timeout: float) -> p.TokensReply:
         """A command the worker answers with one reply of the same request id (or a
