@@ -41,7 +41,7 @@ from typing_extensions import assert_never
 from shared import protocol as p
 from shared.ledger import Ledger
 from shared.sizes import format_size
-from shared.vocab import GuardEventKind
+from shared.vocab import GuardEventKind, StopCause
 from supervisor import liveness
 from supervisor.bus import Bus, BusError, Endpoints, claim_runtime_dir, pid_alive
 from supervisor.catalog import Catalog
@@ -81,7 +81,7 @@ STATUS_EVERY = 2.0  # seconds between `status` messages on PUB
 ACCEPT_LOG_EVERY = 5.0  # seconds between log lines about failing accept() calls
 # Stopped exits after which a pinned model comes back as after a crash: the
 # guard aborted its load (P6 step 4), or it was killed for silence.
-RESPAWN_CAUSES = ("load_abort", "wedged")
+RESPAWN_CAUSES: tuple[StopCause, ...] = ("load_abort", "wedged")
 
 
 class Arbiter:
@@ -353,7 +353,7 @@ class Arbiter:
         self.emit(kind, reason, worker_id=handle.worker_id, model_id=handle.model_id,
                   usage=handle.sample.memory.usage if handle.sample else 0,
                   load=ev.report if isinstance(ev, LoadReported) else None)
-        if isinstance(ev, Exited) and (not ev.expected or handle.stop_cause in RESPAWN_CAUSES):
+        if isinstance(ev, Exited) and (not ev.expected or handle.left_because(*RESPAWN_CAUSES)):
             self.models.on_exit(handle)
 
     def on_control(self, identity: bytes, msg: p.ControlRequest) -> None:

@@ -29,6 +29,7 @@ from shared import protocol as p
 from shared.ledger import Ledger
 from shared.limits import Limits
 from shared.states import LOADING_STATES
+from shared.vocab import StopCause
 from supervisor import liveness, load_clock, reaping
 from supervisor.bus import Bus
 from supervisor.cache_tiers import CacheBook, save_grace
@@ -40,7 +41,6 @@ from supervisor.process import (
     EventSink,
     Exited,
     Spawned,
-    StopCause,
     Wedged,
     WorkerHandle,
     describe_exit,
@@ -163,10 +163,6 @@ class Pool:
         """The accelerator the worker's MLX sees, as its hello described it (D1)."""
         handle.device_info = info
 
-    def mark_for_unload(self, handle: WorkerHandle) -> None:
-        """P6.3: the worker is stopped once it is idle; no new request is routed to it."""
-        handle.marked_for_unload = True
-
     def set_limits(self, handle: WorkerHandle, limits: Limits) -> None:
         """Limits go to the ledger (read before every prefill chunk) and as a command."""
         self.ledger.write_limits(handle.slot, limits)
@@ -283,13 +279,7 @@ class Pool:
     def stop(self, handle: WorkerHandle, reason: str, *, kill_now: bool = False,
              cause: StopCause = "request") -> asyncio.Task:
         """Drain -> SIGTERM -> SIGKILL, each after a grace period. Idempotent."""
-        if handle.stopping is not None:
-            return handle.stopping
-        handle.stop_reason = reason
-        handle.stop_cause = cause
-        handle.move("stop")
-        handle.stopping = asyncio.get_running_loop().create_task(self._stop(handle, reason, kill_now))
-        return handle.stopping
+        return handle.stop(cause, reason, lambda: self._stop(handle, reason, kill_now))
 
     async def _stop(self, handle: WorkerHandle, reason: str, kill_now: bool) -> None:
         grace = self.config.supervisor.stop_grace
@@ -344,7 +334,7 @@ class Pool:
         self.by_identity.pop(handle.identity, None)
         level = logging.INFO if expected and code == 0 else logging.ERROR
         log.log(level, "Worker %s (pid %d, model %s) %s%s", handle.worker_id, handle.pid, handle.model_id,
-                handle.exit_cause, f" [{handle.stop_reason}]" if handle.stop_reason else "")
+                handle.exit_cause, f" [{handle.leaving.reason}]" if handle.leaving and handle.leaving.reason else "")
         gone = f"the worker serving {handle.model_id!r} {handle.exit_cause}"
         self.streams.fail_all(handle.worker_id, "worker_exited", gone)
         self.streams.fail_calls(handle.worker_id, LoadError(gone, code="worker_exited", http_status=503))

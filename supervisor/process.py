@@ -13,14 +13,16 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Literal, Union
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, Union
+
+import msgspec
 
 from shared import protocol as p
 from shared.ledger import LedgerSample
 from shared.limits import Limits
 from shared.memory import NO_READING
 from shared.states import LIVE_STATES, SERVING_STATES, WorkerState, WorkerTrigger, transition
-from shared.vocab import PoolName, WorkerEventKind
+from shared.vocab import LeaveCause, PoolName, StopCause, WorkerEventKind
 from supervisor.cache_tiers import save_grace
 from supervisor.errors import LoadError
 from supervisor.liveness import Beats
@@ -35,10 +37,19 @@ if TYPE_CHECKING:
     from supervisor.config import Config, ModelConfig
     from supervisor.load_clock import LoadClock
 
-# Why a stop was asked for; a pinned model whose load the
-# guard aborted (P6 step 4), or that was killed as wedged, comes back as after a crash.
-# `spare`: a spare worker stopped to make room or under pressure (W2).
-StopCause = Literal["request", "evict", "ttl", "unload", "load_abort", "wedged", "shutdown", "spare"]
+
+
+class Leaving(msgspec.Struct, frozen=True):
+    """Why a worker is on its way out, one value instead of four flags (mark, stopping, cause, reason).
+
+    Set when P6.3 marks the worker (or its load failed: `cause` "marked") or when its stop
+    begins (the stop's cause); never cleared, since a worker on its way out never comes back.
+    `reason`: the stop's words, the status's `stop_reason` ("" while only marked).
+    `marked`: the mark came first; `marked_for_unload` keeps saying so while it drains."""
+
+    cause: LeaveCause
+    reason: str = ""
+    marked: bool = False
 
 
 class WorkerHandle:
@@ -67,10 +78,8 @@ class WorkerHandle:
         self.exited: asyncio.Future = asyncio.get_running_loop().create_future()
         # its hello came (True), or it exited first (False): what a load waiting for a starting spare awaits
         self.greeted: asyncio.Future = asyncio.get_running_loop().create_future()
-        self.marked_for_unload = False
-        self.stop_reason = ""
-        self.stop_cause: StopCause | None = None
-        self.stopping: asyncio.Task | None = None
+        self.leaving: Leaving | None = None  # marked, or its stop begun: why (never cleared)
+        self.stopping: asyncio.Task | None = None  # its stop's escalation (Pool.stop), once begun
         self.exit_cause = ""
         self.concurrency = max(1, model.max_concurrency) if model is not None else 1
         self.sample: LedgerSample | None = None
@@ -120,12 +129,35 @@ class WorkerHandle:
     def serving(self) -> bool:
         return self.state in SERVING_STATES
 
+    @property
+    def marked_for_unload(self) -> bool:
+        """P6.3: no new request is routed to it; it is stopped once it is idle."""
+        return self.leaving is not None and self.leaving.marked
+
+    def left_because(self, *causes: LeaveCause) -> bool:
+        """It is on its way out for one of `causes`."""
+        return self.leaving is not None and self.leaving.cause in causes
+
+    def mark(self) -> None:
+        """P6.3's mark (or a failed load's): it stays what it is and takes nothing new."""
+        self.leaving = (Leaving("marked", marked=True) if self.leaving is None
+                        else msgspec.structs.replace(self.leaving, marked=True))
+
+    def stop(self, cause: StopCause, reason: str, escalate: Callable[[], Coroutine[Any, Any, None]]) -> asyncio.Task:
+        """Its stop begins, once: `escalate()` (the pool's drain -> SIGTERM -> SIGKILL) runs as a
+        task that every later ask gets back, with the first cause and reason kept."""
+        if self.stopping is None:
+            self.leaving = Leaving(cause, reason, marked=self.marked_for_unload)
+            self.move("stop")
+            self.stopping = asyncio.get_running_loop().create_task(escalate())
+        return self.stopping
+
     def view(self, running: int) -> WorkerView:
         """Frozen, for the doors (`running`: the requests the pool's streams map to it)."""
         sample, limits = self.sample, self.last_limits
         return WorkerView(worker_id=self.worker_id, model_id=self.model_id, pid=self.pid, state=self.state,
-                          running=running, stop_reason=self.stop_reason,
-                          leaving=self.marked_for_unload or self.stopping is not None,
+                          running=running, stop_reason=self.leaving.reason if self.leaving is not None else "",
+                          leaving=self.leaving is not None,
                           memory=sample.memory if sample is not None else NO_READING,
                           weight_bytes=self.weight_bytes, cache_cap=limits.cache_cap if limits is not None else 0)
 

@@ -22,9 +22,10 @@ import time
 from typing import TYPE_CHECKING, Protocol
 
 from shared import protocol as p
+from shared.vocab import StopCause
 from supervisor import intensity, liveness, load_clock
 from supervisor.errors import LoadError
-from supervisor.process import EventSink, SpareNews, StopCause, WorkerHandle, worker_spec
+from supervisor.process import EventSink, SpareNews, WorkerHandle, worker_spec
 
 if TYPE_CHECKING:
     from shared.ledger import Ledger

@@ -169,7 +169,7 @@ class WorkerMessages:
         if not handle.loaded.done():
             handle.loaded.set_exception(LoadError(f"model {handle.model_id!r} failed to load: {msg.error}",
                                                   http_status=503, permanent=True))
-        handle.marked_for_unload = True
+        handle.mark()
         self.pool.on_event(WorkerLoadFailed(handle, msg.error))
 
     # -- the reports socket: samples, events, heartbeats, cache figures ---------------
