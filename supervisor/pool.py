@@ -6,7 +6,8 @@ supervisor.spares). The pool knows processes and their states (shared.states);
 it decides nothing about memory or about a model's life. The enforcer and
 the models ask it to spawn and stop; it tells them, through `on_event`,
 everything that happened, as typed `PoolEvent`s, each with a cause people
-can read. It alone changes a `WorkerHandle` (supervisor.process); whether a
+can read; what a handle is told changes it through the handle's own methods
+(supervisor.process). What workers send is read by supervisor.worker_messages; whether a
 worker is alive is supervisor.liveness's judgement, when a model comes back
 supervisor.models's (with supervisor.intensity's arithmetic).
 """
@@ -43,7 +44,6 @@ from supervisor.process import (
     Spawned,
     Wedged,
     WorkerHandle,
-    describe_exit,
     worker_spec,
 )
 from supervisor.spares import Spares
@@ -113,15 +113,12 @@ class Pool:
             log.error("Could not start a worker for %s: %s", what, exc)
             raise LoadError(f"could not start a worker process for {what}: {exc}", code="spawn_failed",
                             http_status=503) from None
-        handle.proc = proc
-        handle.pid = proc.pid
+        now = time.monotonic()
+        handle.started(proc, load_clock.begin(began or now, now, spare=False, estimate=estimate) if model else None)
         self.handles[worker_id] = handle
         self.by_identity[handle.identity] = handle
         reaping.on_exit(proc, lambda code: self._exited(handle, code), worker_id)
         self.counters["spawned"] += 1
-        if model is not None:
-            now = time.monotonic()
-            handle.load = load_clock.begin(began or now, now, spare=False, estimate=estimate)
         words = f"to load {model.path}" if model is not None else "as a spare: MLX and the engine, no model (W1)"
         log.info("Spawned worker %s (pid %d) %s", worker_id, proc.pid, words)
         self.on_event(Spawned(handle, f"started worker pid {proc.pid} {words}"))
@@ -134,7 +131,7 @@ class Pool:
         self._cmd += 1
         msg.cmd = self._cmd
         if isinstance(msg, p.SetLimits):
-            handle.last_limits = msg.limits
+            handle.limits_sent(msg.limits)
         ok = self.bus.send_command(handle.identity, msg)
         if not ok:
             log.debug("command %s to %s not delivered (not connected yet)", type(msg).__name__, handle.worker_id)
@@ -142,26 +139,11 @@ class Pool:
 
     # -- what others decide about a worker, set here -------------------------------
 
-    def set_ttl(self, handle: WorkerHandle, seconds: float) -> None:
-        """A request's keep_alive: the worker's own copy of its model's config carries the
-        TTL P10 reads, so it lasts until that worker stops."""
-        handle.model = msgspec.structs.replace(handle.model, ttl=seconds)
-
-    def reconfigure(self, handle: WorkerHandle, model: ModelConfig) -> None:
-        """A reload changed the model in place: pinned and ttl are read from it; P8 walks
-        the concurrency toward the new maximum."""
-        handle.model = model
-        handle.concurrency = min(handle.concurrency, model.max_concurrency)
-
     def set_concurrency(self, handle: WorkerHandle, cap: int) -> None:
         """P8: the worker's request slots, sent with its limits."""
-        handle.concurrency = cap
+        handle.set_concurrency(cap)
         if handle.last_limits is not None:
             self.set_limits(handle, msgspec.structs.replace(handle.last_limits, max_concurrency=cap))
-
-    def set_device_info(self, handle: WorkerHandle, info: dict) -> None:
-        """The accelerator the worker's MLX sees, as its hello described it (D1)."""
-        handle.device_info = info
 
     def set_limits(self, handle: WorkerHandle, limits: Limits) -> None:
         """Limits go to the ledger (read before every prefill chunk) and as a command."""
@@ -170,9 +152,10 @@ class Pool:
             self.command(handle, p.SetLimits(limits=limits))
 
     def open_request(self, handle: WorkerHandle, request_id: str) -> RequestStream:
-        handle.last_access = time.monotonic()
+        now = time.monotonic()
+        handle.used(now)
         if handle.load is not None and not handle.load.closed:
-            load_clock.request_opened(handle.load, request_id, handle.last_access)
+            load_clock.request_opened(handle.load, request_id, now)
         return self.streams.open(handle.worker_id, handle.model_id, request_id)
 
     def cancel_request(self, stream: RequestStream, reason: str) -> None:
@@ -184,7 +167,7 @@ class Pool:
         stream.done = True
         self.streams.close(stream)
         if handle is not None:
-            handle.last_access = time.monotonic()
+            handle.used(time.monotonic())
 
     def view(self, handle: WorkerHandle) -> WorkerView:
         """A frozen copy of the worker as it stands, for the doors."""
@@ -210,8 +193,7 @@ class Pool:
                 if why is not None:
                     self._wedged(h, why)
                 elif answers:
-                    h.ping_seq += 1
-                    self.command(h, p.Ping(seq=h.ping_seq))
+                    self.command(h, p.Ping(seq=h.next_ping()))
 
     def _wedged(self, handle: WorkerHandle, why: str) -> None:
         self.counters["wedged"] += 1
@@ -224,7 +206,7 @@ class Pool:
         """The supervisor's own loop could not run for `stalled` seconds: every worker
         gets a fresh heartbeat window (supervisor.liveness.forgiven)."""
         for h in self.handles.values():
-            h.beats = liveness.forgiven(h.beats, now, stalled, h.state in LOADING_STATES)
+            h.forgive(now, stalled, h.state in LOADING_STATES)
 
     def step_seconds(self, handle: WorkerHandle, now: float) -> float:
         """How long the worker's current engine step has run (0 between steps)."""
@@ -238,12 +220,11 @@ class Pool:
 
     async def ping(self, handle: WorkerHandle, timeout: float = 5.0) -> float:
         """Round trip of one command to the worker's step loop and back, in seconds."""
-        handle.ping_seq += 1
-        key = (handle.worker_id, handle.ping_seq)
+        key = (handle.worker_id, handle.next_ping())
         waiter = asyncio.get_running_loop().create_future()
         self.messages.pings[key] = waiter
         sent = time.monotonic()
-        self.command(handle, p.Ping(seq=handle.ping_seq))
+        self.command(handle, p.Ping(seq=key[1]))
         try:
             return await asyncio.wait_for(waiter, timeout) - sent
         finally:
@@ -258,7 +239,7 @@ class Pool:
             if not self.command(handle, cmd):
                 raise LoadError(f"the worker for {handle.model_id!r} is not reachable", code="worker_exited",
                                 http_status=503)
-            handle.last_access = time.monotonic()  # a use of the model: its idle timer starts again
+            handle.used(time.monotonic())  # a use of the model: its idle timer starts again
             return await asyncio.wait_for(waiter, timeout)
         finally:
             self.streams.forget_call(cmd.request_id)
@@ -268,10 +249,8 @@ class Pool:
             if h.live:
                 sample = self.ledger.read_sample(h.slot)
                 if sample is not None and sample.pid == h.pid:
-                    h.sample = sample
-                    if h.serving:
-                        h.move("work" if sample.running or self.running(h) else "idle")
-                    elif h.state == "spare":
+                    h.sampled(sample, busy=h.serving and bool(sample.running or self.running(h)))
+                    if h.state == "spare":
                         self.spares.measured(sample.memory.usage)
 
     # -- stopping -------------------------------------------------------------
@@ -307,7 +286,7 @@ class Pool:
             return False
 
     def _signal(self, handle: WorkerHandle, sig: int) -> None:
-        handle.signals_sent.append(sig)
+        handle.signalled(sig)
         try:
             os.kill(handle.pid, sig)
         except ProcessLookupError:
@@ -325,8 +304,7 @@ class Pool:
 
     def _exited(self, handle: WorkerHandle, code: int | None) -> None:
         expected = handle.stopping is not None
-        handle.exit_cause = describe_exit(code, expected, handle.signals_sent)
-        handle.move("exit")
+        handle.ended(code)  # its exit_cause, its state, and whoever awaits it answered
         if not handle.spare:
             self.reaped[handle.model_id] = handle
         self.ledger.clear_slot(handle.slot)
@@ -338,7 +316,6 @@ class Pool:
         gone = f"the worker serving {handle.model_id!r} {handle.exit_cause}"
         self.streams.fail_all(handle.worker_id, "worker_exited", gone)
         self.streams.fail_calls(handle.worker_id, LoadError(gone, code="worker_exited", http_status=503))
-        handle.ended(code)
         if handle.spare:
             self.spares.exited(expected, time.monotonic())
         self.handles.pop(handle.worker_id, None)

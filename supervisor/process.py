@@ -1,9 +1,14 @@
 """One worker process as the supervisor holds it: its handle, its state, its news, how it ended.
 
-A `WorkerHandle` is live state, and only the pool changes it (spawn, the
-worker's messages, liveness, stops, exits): everyone else reads it, and the
-doors see frozen `WorkerView`s. Its state moves only through the table in
-shared.states (`move`), so a late message cannot undo a decision.
+A `WorkerHandle` is live state, and it changes only through its own methods,
+as h11's `ConnectionState` changes only through `process_event`: each says
+what happened to the worker (it said hello, loaded, was sampled, was asked to
+stop, exited) and updates what that fact touches, so no caller sets a field
+and forgets its neighbour (tests/test_worker_handle.py holds every other
+module to it). The pool, the message router, the spares, the enforcer and the
+models call them; the doors see frozen `WorkerView`s. Its state moves only
+through the table in shared.states (`move`), so a late message cannot undo a
+decision; why it leaves is one `Leaving` value.
 """
 
 from __future__ import annotations
@@ -23,9 +28,9 @@ from shared.limits import Limits
 from shared.memory import NO_READING
 from shared.states import LIVE_STATES, SERVING_STATES, WorkerState, WorkerTrigger, transition
 from shared.vocab import LeaveCause, PoolName, StopCause, WorkerEventKind
+from supervisor import liveness, load_clock
 from supervisor.cache_tiers import save_grace
 from supervisor.errors import LoadError
-from supervisor.liveness import Beats
 from supervisor.views import WorkerView
 
 if TYPE_CHECKING:
@@ -69,7 +74,7 @@ class WorkerHandle:
         self.pid: int = 0
         self.state: WorkerState = "starting"
         now = time.monotonic()
-        self.beats = Beats(spawned_at=now, last_pong=now)  # supervisor.liveness reads them
+        self.beats = liveness.Beats(spawned_at=now, last_pong=now)  # supervisor.liveness reads them
         self.last_access = now
         self.ping_seq = 0
         self.weight_bytes = 0
@@ -94,20 +99,11 @@ class WorkerHandle:
             raise RuntimeError(f"worker {self.worker_id} is a spare: it has no model yet")
         return self._model
 
-    @model.setter
-    def model(self, model: ModelConfig) -> None:
-        self._model = model
-
     @property
     def spare(self) -> bool:
         """SPEC W1: started with no model, waiting for one (or starting to)."""
         return self._model is None
 
-    def adopt(self, model: ModelConfig) -> None:
-        """W1's hand-off, on the supervisor's side: the spare becomes `model`'s worker."""
-        self._model = model
-        self.model_id = model.id
-        self.concurrency = max(1, model.max_concurrency)
 
     @property
     def pinned(self) -> bool:
@@ -161,8 +157,109 @@ class WorkerHandle:
                           memory=sample.memory if sample is not None else NO_READING,
                           weight_bytes=self.weight_bytes, cache_cap=limits.cache_cap if limits is not None else 0)
 
+    # -- what happened to the worker: the one place its fields change ----------------------
+
+    def started(self, proc: multiprocess.process.BaseProcess, load: LoadClock | None) -> None:
+        """Its process runs; `load`: its model's load, timed (None: a spare, whose wait is not a load)."""
+        self.proc, self.pid, self.load = proc, proc.pid or 0, load
+
+    def said_hello(self, hello: p.Hello, now: float) -> None:
+        """Its process runs our code: it loads (a spare waits for a model); whoever awaits that
+        is answered. D1: a worker whose arrays live on the CPU holds nothing on the accelerator
+        its MLX can see (an empty `device` is an older worker: trust its info)."""
+        self.device_info = {} if hello.device.startswith("Device(cpu") else dict(hello.device_info)
+        self.move("wait" if hello.spare else "hello")
+        self.beats.last_pong = now
+        if self.load is not None:  # W3: the process's start and its imports, timed
+            load_clock.hello(self.load, hello.started, now)
+        if not self.greeted.done():
+            self.greeted.set_result(True)
+
+    def set_device_info(self, info: dict) -> None:
+        """D1: the accelerator its MLX sees (its hello's; drills and tests pretend one)."""
+        self.device_info = info
+
+    def adopt(self, model: ModelConfig, load: LoadClock, now: float) -> None:
+        """W1's hand-off, on the supervisor's side: the spare becomes `model`'s worker and loads
+        it from now on (its load timeout counts from here, supervisor.liveness.handed_off)."""
+        self._model = model
+        self.model_id = model.id
+        self.concurrency = max(1, model.max_concurrency)
+        self.move("take")
+        self.beats = liveness.handed_off(self.beats, now)
+        self.load = load
+
+    def has_loaded(self, weight_bytes: int, now: float) -> None:
+        """Its model is loaded (a worker on its way out stays draining: a stop is final)."""
+        self.weight_bytes = weight_bytes
+        self.move("loaded")
+        self.last_access = self.beats.last_pong = now
+        if not self.loaded.done():
+            self.loaded.set_result(True)
+
+    def load_failed(self, error: str) -> None:
+        """Its files are unusable: retrying will not help (a permanent error); it exits next."""
+        if not self.loaded.done():
+            self.loaded.set_exception(LoadError(f"model {self.model_id!r} failed to load: {error}",
+                                                http_status=503, permanent=True))
+        self.mark()
+
+    def used(self, now: float) -> None:
+        """A request opened or ended, or a tokenizer call went out: its idle time (P10) starts again."""
+        self.last_access = now
+
+    def next_ping(self) -> int:
+        """The sequence number of the ping about to be sent (its pong names it)."""
+        self.ping_seq += 1
+        return self.ping_seq
+
+    def ponged(self, now: float) -> None:
+        """Its step loop answered a ping."""
+        self.beats.last_pong = now
+
+    def heard(self, alive: p.Alive, now: float) -> None:
+        """Its heartbeat thread reported, with how long the engine step in progress has run."""
+        self.beats.last_alive = now
+        self.beats.alive = alive
+
+    def forgive(self, now: float, stalled: float, loading: bool) -> None:
+        """The supervisor's loop stalled: no silence over that time counts (supervisor.liveness)."""
+        self.beats = liveness.forgiven(self.beats, now, stalled, loading)
+
+    def sampled(self, sample: LedgerSample, busy: bool) -> None:
+        """Its ledger slot's latest reading; a serving worker is busy or idle by it."""
+        self.sample = sample
+        if self.serving:
+            self.move("work" if busy else "idle")
+
+    def limits_sent(self, limits: Limits) -> None:
+        """The limits it was last sent (sent again after its hello; the view's cache share)."""
+        self.last_limits = limits
+
+    def set_concurrency(self, cap: int) -> None:
+        """P8: its request slots."""
+        self.concurrency = cap
+
+    def keep_alive(self, seconds: float) -> None:
+        """A request's keep_alive: its own copy of its model's config carries the TTL P10
+        reads, so it lasts until this worker stops."""
+        self._model = msgspec.structs.replace(self.model, ttl=seconds)
+
+    def reconfigure(self, model: ModelConfig) -> None:
+        """A reload changed the model in place: pinned and ttl are read from it; P8 walks
+        the concurrency toward the new maximum."""
+        self._model = model
+        self.concurrency = min(self.concurrency, model.max_concurrency)
+
+    def signalled(self, sig: int) -> None:
+        """A signal was sent to it (an exit by that signal was asked for, describe_exit)."""
+        self.signals_sent.append(sig)
+
     def ended(self, code: int | None) -> None:
-        """Its process is gone (`exit_cause` says how): whoever awaits its load, hello or exit is answered."""
+        """Its process is gone: `exit_cause` says how, in words, and whoever awaits its load,
+        hello or exit is answered."""
+        self.exit_cause = describe_exit(code, self.stopping is not None, self.signals_sent)
+        self.move("exit")
         if self._model is None:
             self.loaded.cancel()  # nothing awaits a spare's load
         elif not self.loaded.done():  # a death, as after loading: 503, retry (not 500: nothing here is our bug)

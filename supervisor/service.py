@@ -270,7 +270,7 @@ class Service:
         config carries the TTL P10 reads, so it lasts until that worker stops."""
         handle = self.pool.worker_for(self.catalog.model(model_id).id)
         if handle is not None:
-            self.pool.set_ttl(handle, seconds)
+            handle.keep_alive(seconds)
             self.wake()
 
     # -- status --------------------------------------------------------------------

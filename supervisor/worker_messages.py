@@ -24,9 +24,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 from typing_extensions import assert_never
 
 from shared import protocol as p
-from supervisor import load_clock
 from supervisor.cache_tiers import saved_words
-from supervisor.errors import LoadError
 from supervisor.process import (
     CacheWritten,
     EventSink,
@@ -89,7 +87,7 @@ class WorkerMessages:
                 pool.streams.answer(msg)
             case p.TokenOut() | p.Finished() | p.Failed() | p.Prompted() | p.PrefillProgress() | p.Echoed() | p.Embedded():
                 if pool.streams.deliver(msg) is not None:  # its last reply: the worker is idle since now
-                    handle.last_access = time.monotonic()
+                    handle.used(time.monotonic())
                 if handle.load is not None and handle.load.first_request:  # W3: the load's last phase
                     pool.timer.reply(handle, msg)
             case p.Tokenized() | p.Detokenized():  # a tokenizer call's answer
@@ -119,10 +117,11 @@ class WorkerMessages:
             pool.timer.reply(handle, msg)
 
     def _pong(self, handle: WorkerHandle, msg: p.Pong) -> None:
-        handle.beats.last_pong = time.monotonic()
+        now = time.monotonic()
+        handle.ponged(now)
         waiter = self.pings.pop((handle.worker_id, msg.seq), None)
         if waiter is not None and not waiter.done():
-            waiter.set_result(handle.beats.last_pong)
+            waiter.set_result(now)
 
     def _hello(self, handle: WorkerHandle, msg: p.Hello) -> None:
         """The process runs our code: it is loading (or, a spare, waiting for a model);
@@ -131,45 +130,28 @@ class WorkerMessages:
         if msg.pid != handle.pid or msg.worker_id != handle.worker_id or msg.spare != handle.spare:
             pool.bus.bad("commands", "hello_mismatch", "hello that does not match the spawned process")
             return
-        # D1: a worker whose arrays live on the CPU holds nothing on the accelerator
-        # its MLX can see (an empty `device` is an older worker: trust its info)
-        on_cpu = msg.device.startswith("Device(cpu")
-        handle.device_info = {} if on_cpu else dict(msg.device_info)
+        now = time.monotonic()
+        handle.said_hello(msg, now)  # D1: its device; its state; its load's hello phase
         log.info("Worker %s (%s) runs on %s %s", handle.worker_id, handle.model_id, msg.device or "an unnamed device",
                  msg.device_info.get("device_name", ""))
-        now = time.monotonic()
-        handle.move("wait" if msg.spare else "hello")
-        handle.beats.last_pong = now
-        if handle.load is not None:  # W3: the process's start and its imports, timed
-            load_clock.hello(handle.load, msg.started, now)
         if msg.spare:
             pool.spares.greeted(handle, now)
-        if not handle.greeted.done():
-            handle.greeted.set_result(True)
         if handle.last_limits is not None:
             pool.command(handle, p.SetLimits(limits=handle.last_limits))
         pool.on_change()
 
     def _loaded(self, handle: WorkerHandle, msg: p.Loaded) -> None:
         pool = self.pool
-        handle.weight_bytes = msg.weight_bytes
-        handle.move("loaded")  # a worker on its way out stays draining: a stop is final
-        handle.last_access = time.monotonic()
-        handle.beats.last_pong = handle.last_access
-        pool.timer.loaded(handle, msg, handle.last_access)  # W3: the first token closes the load's phases
-        if not handle.loaded.done():
-            handle.loaded.set_result(True)
+        now = time.monotonic()
+        handle.has_loaded(msg.weight_bytes, now)
+        pool.timer.loaded(handle, msg, now)  # W3: the first token closes the load's phases
         log.info("Worker %s loaded %s (%.1f MB weights) in %.2f s",
                  handle.worker_id, handle.model_id, msg.weight_bytes / 1e6, msg.seconds)
         pool.on_event(WorkerLoaded(handle, f"model loaded in {msg.seconds:.2f} s"))
         pool.on_change()
 
     def _load_failed(self, handle: WorkerHandle, msg: p.LoadFailed) -> None:
-        """The files are unusable: retrying will not help (a permanent error); the worker exits next."""
-        if not handle.loaded.done():
-            handle.loaded.set_exception(LoadError(f"model {handle.model_id!r} failed to load: {msg.error}",
-                                                  http_status=503, permanent=True))
-        handle.mark()
+        handle.load_failed(msg.error)  # marked: it exits next, and its load's waiters hear why
         self.pool.on_event(WorkerLoadFailed(handle, msg.error))
 
     # -- the reports socket: samples, events, heartbeats, cache figures ---------------
@@ -205,8 +187,7 @@ class WorkerMessages:
         handle = self.pool.handles.get(msg.worker_id)
         if handle is None or msg.pid != handle.pid:
             return  # the last word of a worker that has just exited: it changes nothing
-        handle.beats.last_alive = time.monotonic()
-        handle.beats.alive = msg
+        handle.heard(msg, time.monotonic())
         if msg.load_phase:
             self.pool.timer.alive(handle, msg)
 
