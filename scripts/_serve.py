@@ -20,13 +20,15 @@ class ServeProcess:
     """
 
     def __init__(self, config_text: str, *, config: Path, runtime: Path, log: Path, timeout: float,
-                 env: dict[str, str] | None = None, stop_grace: float = 30.0) -> None:
+                 env: dict[str, str] | None = None, stop_grace: float = 30.0, root: Path = ROOT) -> None:
+        """`root`: the checkout whose code serves (another one's for an A/B run: `python -m` takes its
+        working directory's packages first, and the workers it spawns inherit that path)."""
         config.write_text(config_text)
         self.runtime, self.log, self.stop_grace = runtime, log, stop_grace
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "supervisor", "serve", "--config", str(config), "--runtime-dir",
              str(runtime), "--http", "127.0.0.1:0"],
-            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "wb"))  # noqa: SIM115
+            cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "wb"))  # noqa: SIM115
         self.base = wait_ready(self.proc, runtime, log, timeout)
 
     def worker_pid(self, model_id: str) -> int:

@@ -16,18 +16,27 @@ At each stream count N (N requests sent at once, greedy, `--tokens` each), four 
   `/v1/completions` read by scripts/_sse.py's lean client: plus the
   supervisor, HTTP and SSE.
 
+No layer guesses ahead (`speculative` off): the ceilings decode one token
+per step, and so does every layer set against them.
+
 The rate is the decode window's: tokens from the moment every stream has its
 first token to the moment the first one ends, over that time, so prefill is in
 no layer's figure (the ceiling's is decode alone too). Next to it, the CPU each
 process spent per token over the whole round (the worker split by thread:
 main, MLX's CPU eval thread, ZeroMQ's I/O thread, ...; these need no quiet
 machine to mean something). Rounds are interleaved (every layer once, then
-again); each layer's median is set against the ceiling's, and each round
-against the ceiling's round beside it (the median of those ratios is the
-figure to compare on a shared machine: neighbours saw the same load).
+again, every other time in the reverse order); each layer's median is set
+against the ceiling's, and each round against the ceiling's round beside it
+(the median of those ratios is the figure to compare on a shared machine:
+neighbours saw the same load).
 
 This process loads OpenBLAS the way a worker does (worker/blas.py) before
 MLX, so the ceilings compute with the same BLAS as the worker.
+
+`--against DIR`: a fifth layer, **base**: the server layer served by the
+checkout in DIR (e.g. `git archive main | tar -x -C DIR`), in turn with the
+others, so a change's before and after meet the same load; each layer's line
+then also gives its per-round ratio to the base's round beside it.
 
 `--profile DIR`: after the rounds at each N, server rounds for
 `--profile-seconds` under py-spy and perf stat (scripts/_path_profile.py):
@@ -174,7 +183,7 @@ class EngineLayer:
         for i in range(n):
             rid = f"r{i}"
             ids[rid] = i
-            engine.submit(rid, engine.encode_prompt(prompt(i)), max_tokens=tokens)
+            engine.submit(rid, engine.encode_prompt(prompt(i)), max_tokens=tokens, speculative=False)
         times: list[list[float]] = [[] for _ in range(n)]
         limits = Limits(max_concurrency=n)
         cpu = Cpu(bench=os.getpid())
@@ -243,7 +252,7 @@ class WorkerLayer:
         cpu = Cpu(bench=os.getpid(), worker=cast(int, self.proc.pid))
         cpu.start()
         for rid, i in ids.items():
-            self.send(p.Generate(request_id=rid, prompt=prompt(i), max_tokens=tokens))
+            self.send(p.Generate(request_id=rid, prompt=prompt(i), max_tokens=tokens, speculative=False))
         ended = 0
         while ended < n:
             while self.pull.poll(0):
@@ -273,10 +282,11 @@ class WorkerLayer:
 
 
 class ServerLayer:
-    def __init__(self, model_dir: Path, workdir: Path, max_rows: int) -> None:
+    def __init__(self, model_dir: Path, workdir: Path, max_rows: int, root: Path = ROOT, tag: str = "") -> None:
         self.server = ServeProcess(f'[[models]]\nid = "bench"\npath = "{model_dir}"\npinned = true\n'
-                                   f"max_concurrency = {max_rows}\n", config=workdir / "bench.toml",
-                                   runtime=workdir / "rt", log=workdir / "serve.log", timeout=300.0)
+                                   f"max_concurrency = {max_rows}\n", config=workdir / f"bench{tag}.toml",
+                                   runtime=workdir / f"rt{tag}", log=workdir / f"serve{tag}.log", timeout=300.0,
+                                   root=root)
         self.url = f"{self.server.base}/v1/completions"
         self.round(2, 8)  # warm-up: the model loads on first use unless pinned, compile, first shapes
         self.worker_pid = self.server.worker_pid("bench")  # not the spare (W1) beside it
@@ -294,7 +304,7 @@ class ServerLayer:
         return Round(window_rate([s.times for s in streams]), count, cpu.per_token(count))
 
     async def _streams(self, n: int, tokens: int):
-        body = {"model": "bench", "max_tokens": tokens, "temperature": 0, "stream": True}
+        body = {"model": "bench", "max_tokens": tokens, "temperature": 0, "stream": True, "speculative": False}
         return await asyncio.gather(*(stream_completion(self.url, {**body, "prompt": prompt(i)}) for i in range(n)))
 
     def close(self) -> None:
@@ -309,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     add_model_args(parser, size="4MB", streams="1,8,32,64", tokens=256)
     parser.add_argument("--runs", type=int, default=5, help="interleaved rounds per layer and count")
     parser.add_argument("--layers", default="ceiling,engine,worker,server", help="which layers, in order")
+    parser.add_argument("--against", type=Path, help="a checkout whose server runs as the 'base' layer (A/B)")
     parser.add_argument("--words", type=int, default=0, help="a prompt of this many words (0: ~15 tokens)")
     parser.add_argument("--profile", type=Path, help="also py-spy the server's rounds per count into this folder")
     parser.add_argument("--profile-seconds", type=float, default=15.0, help="server rounds under py-spy per count")
@@ -316,6 +327,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     counts = sorted({int(s) for s in args.streams.split(",") if s.strip()})
     names = [s.strip() for s in args.layers.split(",") if s.strip()]
+    if args.against is not None:
+        if not (args.against / "supervisor" / "__main__.py").is_file():
+            raise SystemExit(f"--against: {args.against} is not a memvisor checkout")
+        names.append("base")
     model = model_from_args(args, "engine")
     PROMPT_WORDS[0] = args.words
     print(f"model {model}; BLAS: {blas.preload().line()}", flush=True)
@@ -325,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         makers: dict[str, Callable[[], Any]] = {
             "ceiling": lambda: ceiling, "engine": lambda: EngineLayer(ceiling),
             "worker": lambda: WorkerLayer(model, work, max(counts)),
-            "server": lambda: ServerLayer(model, work, max(counts))}
+            "server": lambda: ServerLayer(model, work, max(counts)),
+            "base": lambda: ServerLayer(model, work, max(counts), root=args.against.resolve(), tag="-base")}
         layers = {name: makers[name]() for name in names}
         try:
             for name in ("ceiling", "engine"):
@@ -333,8 +349,9 @@ def main(argv: list[str] | None = None) -> int:
                     layers[name].round(2, 8)  # warm-up
             for n in counts:
                 rounds: dict[str, list[Round]] = {name: [] for name in layers}
-                for _ in range(args.runs):
-                    for name, layer in layers.items():
+                for run in range(args.runs):
+                    order = list(layers.items())  # every other round backwards: a load that drifts
+                    for name, layer in order if run % 2 == 0 else order[::-1]:  # favours no layer
                         rounds[name].append(layer.round(n, args.tokens))
                 report(n, rounds)
                 if args.profile and "server" in layers:
@@ -342,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
                     profiled(server, n, args.tokens, args.profile, args.profile_seconds, args.profile_rate,
                              server.round, server.cpu)
         finally:
-            for name in ("worker", "server"):
+            for name in ("worker", "server", "base"):
                 if name in layers:
                     layers[name].close()
     return 0
@@ -362,8 +379,12 @@ def report(n: int, rounds: dict[str, list[Round]]) -> None:
         keys = sorted({k for r in rs for k in r.cpu})
         cpu = {k: statistics.median(r.cpu.get(k, 0.0) for r in rs) * 1e6 for k in keys}
         cpu_line = " ".join(f"{k} {v:.0f}" for k, v in cpu.items() if v >= 1)
+        against = ""
+        if "base" in rounds and name != "base":
+            ab = [r.rate / b.rate for r, b in zip(rs, rounds["base"]) if b.rate]
+            against = f"; per-round ratio to the base {statistics.median(ab):4.0%}" if ab else ""
         print(f"@{n:<3} {name:8} median {median:8.0f} tok/s ({median / top_median:4.0%} of the {base}'s median; "
-              f"per-round ratio median {paired:4.0%}), best {max(r.rate for r in rs):8.0f}; "
+              f"per-round ratio median {paired:4.0%}{against}), best {max(r.rate for r in rs):8.0f}; "
               f"CPU us/token (median): {cpu_line}; rounds: {' '.join(f'{r.rate:.0f}' for r in rs)}", flush=True)
 
 

@@ -34,8 +34,7 @@ import msgspec
 
 from shared.limits import Limits
 from shared.memory import MemoryReading
-from shared.states import PHASES
-from shared.vocab import LIMIT_BINDINGS, TIERS
+from shared.vocab import LIMIT_BINDINGS, TIERS, WORKER_PHASES, WorkerPhase
 
 MAGIC = b"MVLEDGR1"
 LAYOUT_VERSION = 4  # 2: cache bytes in samples; cache cap, pool max, residency in limits;
@@ -67,7 +66,7 @@ class LedgerSample(msgspec.Struct, frozen=True, kw_only=True):
     running: int
     queued: int
     tokens: int
-    phase: str
+    phase: WorkerPhase
 
 
 class LedgerError(RuntimeError):
@@ -170,14 +169,14 @@ class Ledger:
         running: int = 0,
         queued: int = 0,
         tokens: int = 0,
-        phase: str = "ready",
+        phase: WorkerPhase = "ready",
     ) -> None:
         self._check(slot)
         m = memory
         values = (
             pid, t, m.usage, m.footprint, m.mlx_active, m.mlx_pool, m.mlx_peak, m.cache_bytes,
             m.cache_releasable, m.batch_bytes, m.batch_live_bytes, m.batch_relayouts, m.pool_returns,
-            m.pool_returned, running, queued, tokens, PHASES.index(phase),
+            m.pool_returned, running, queued, tokens, WORKER_PHASES.index(phase),
         )  # fmt: skip
         self._write(self._samples_at + slot * _SAMPLE_SLOT, _SAMPLE, values)
 
@@ -197,7 +196,7 @@ class Ledger:
         )
         return LedgerSample(
             pid=pid, t=t, memory=memory, running=running, queued=queued, tokens=tokens,
-            phase=PHASES[phase] if 0 <= phase < len(PHASES) else "empty",
+            phase=WORKER_PHASES[phase] if 0 <= phase < len(WORKER_PHASES) else "empty",
         )
 
     def clear_slot(self, slot: int) -> None:

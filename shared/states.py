@@ -2,9 +2,10 @@
 
 In the manner of h11's `_state.py`: the states, the triggers that move them and
 the legal moves as one table, and one `transition()` that refuses an illegal
-move loudly (`IllegalTransition`) instead of letting a late message undo a
+move loudly (`IllegalMove`, shared/state_table.py) instead of letting a late message undo a
 decision. The supervisor's pool keeps each worker's state with it; the
-policy's snapshot, the ledger's phases and the status all use these names.
+policy's snapshot, the ledger's phases (shared.vocab.WorkerPhase) and the status all use these
+names.
 
     starting --hello--> loading --loaded--> ready <--work/idle--> busy
     starting --wait--> spare --take--> loading      (SPEC W1: a spare worker, then its model)
@@ -24,13 +25,15 @@ model: its hello says so (`wait`), and a load hands it a model (`take`), after
 which it loads like any worker. It serves no request while it waits.
 
 Public names (stable): WorkerState, WorkerTrigger, TRANSITIONS, transition,
-IllegalTransition, LIVE_STATES, SERVING_STATES, LOADING_STATES, GONE_STATES,
-PHASES.
+IllegalMove, LIVE_STATES, SERVING_STATES, LOADING_STATES, GONE_STATES.
+(The phases a worker writes into its ledger slot: shared.vocab.WorkerPhase.)
 """
 
 from __future__ import annotations
 
 from typing import Literal, get_args
+
+from shared.state_table import IllegalMove, state_machine
 
 WorkerState = Literal["starting", "loading", "ready", "busy", "draining", "stopped", "dead", "wedged", "spare"]
 WorkerTrigger = Literal["hello", "wait", "take", "loaded", "work", "idle", "stop", "silent", "exit"]
@@ -54,6 +57,9 @@ TRANSITIONS: dict[WorkerState, dict[WorkerTrigger, WorkerState]] = {
     "dead": {},
 }
 
+__all__ = ["GONE_STATES", "LIVE_STATES", "LOADING_STATES", "SERVING_STATES", "TRANSITIONS", "IllegalMove",
+           "WorkerState", "WorkerTrigger", "transition"]
+
 # The process (and the memory it holds) exists.
 LIVE_STATES: frozenset[WorkerState] = frozenset({"starting", "loading", "ready", "busy", "draining", "wedged",
                                                  "spare"})
@@ -64,26 +70,6 @@ LOADING_STATES: frozenset[WorkerState] = frozenset({"starting", "loading"})
 # The process is gone.
 GONE_STATES: frozenset[WorkerState] = frozenset({"stopped", "dead"})
 
-# The states a worker writes into its ledger slot, by index ("empty": never written).
-# The order is the ledger's encoding: append, never reorder.
-PHASES: tuple[str, ...] = ("empty", "starting", "loading", "ready", "busy", "draining", "spare")
 
-
-class IllegalTransition(RuntimeError):
-    """A move the table does not allow: a bug in the caller, said loudly."""
-
-    def __init__(self, state: WorkerState, event: WorkerTrigger) -> None:
-        super().__init__(f"a worker in state {state!r} cannot take event {event!r}")
-        self.state = state
-        self.event = event
-
-
-def transition(state: WorkerState, event: WorkerTrigger) -> WorkerState:
-    """The state after `event`, or IllegalTransition."""
-    try:
-        return TRANSITIONS[state][event]
-    except KeyError:
-        raise IllegalTransition(state, event) from None
-
-
-assert set(TRANSITIONS) == set(get_args(WorkerState)), "every state has a row"
+transition = state_machine("worker", TRANSITIONS, get_args(WorkerState))
+"""The state after an event, or IllegalMove (shared.state_table)."""

@@ -40,6 +40,11 @@ DeviceBinding = Literal["", "device_static", "device_others"]
 # A refusal names the binding of the pool that refused (A3, D5).
 Binding = Literal[HostBinding, DeviceBinding]
 
+# What a worker's ledger slot says it is doing (shared/ledger.py): the live worker states a
+# worker itself knows (shared.states.WorkerState), and "empty" for a slot never written. The
+# ledger stores a phase by its index in this order: append, never reorder.
+WorkerPhase = Literal["empty", "starting", "loading", "ready", "busy", "draining", "spare"]
+
 # Why a worker sent a sample now: its steady rate, a watermark it crossed (P9's wake-up),
 # or a ShrinkCache it just obeyed (H3).
 SampleReason = Literal["tick", "watermark", "shrink"]
@@ -171,6 +176,7 @@ PRESSURE_LEVELS: tuple[PressureLevel, ...] = get_args(PressureLevel)
 TIERS: tuple[Tier, ...] = get_args(Tier)
 HOST_BINDINGS: tuple[HostBinding, ...] = get_args(HostBinding)
 LIMIT_BINDINGS: tuple[LimitBinding, ...] = get_args(LimitBinding)
+WORKER_PHASES: tuple[WorkerPhase, ...] = get_args(WorkerPhase)
 GUARD_EVENT_KINDS: tuple[GuardEventKind, ...] = get_args(GuardEventKind)
 LOAD_PHASES: tuple[LoadPhase, ...] = get_args(LoadPhase)
 ERROR_CODES: tuple[ErrorCode, ...] = get_args(ErrorCode)

@@ -26,7 +26,6 @@ The arbiter builds the parts and hands each what it needs:
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import os
 import signal
@@ -47,6 +46,7 @@ from supervisor.bus import Bus, BusError, Endpoints, claim_runtime_dir, pid_aliv
 from supervisor.catalog import Catalog
 from supervisor.config import Config
 from supervisor.control import handle_control
+from supervisor.counters import SupervisorCounters
 from supervisor.discovery import last_refused
 from supervisor.enforcer import Enforcer
 from supervisor.eventlog import EventLog
@@ -101,7 +101,7 @@ class Arbiter:
         self.events = self.eventlog.events  # SPEC S2's bounded history
         self.emit = self.eventlog.emit
         self.hub = Hub(event_history=EVENT_HISTORY)  # the PUB topics for GET /v1/events
-        self.counters: collections.Counter[str] = collections.Counter()
+        self.counters = SupervisorCounters()
         self.started = time.monotonic()
         self._signals = 0
         self._accept_logged = -ACCEPT_LOG_EVERY
@@ -238,12 +238,12 @@ class Arbiter:
         second, 50-90 MB of log a minute) and the loop spends its time writing them."""
         exc = context.get("exception")
         if isinstance(exc, OSError) and "accept" in str(context.get("message", "")):
-            self.counters["accept_errors"] += 1
+            self.counters.accept_errors += 1
             now = time.monotonic()
             if now - self._accept_logged >= ACCEPT_LOG_EVERY:
                 self._accept_logged = now
                 log.error("the front door cannot accept connections: %s (%d times so far; said at most "
-                          "once every %.0f s)", exc.strerror or exc, self.counters["accept_errors"],
+                          "once every %.0f s)", exc.strerror or exc, self.counters.accept_errors,
                           ACCEPT_LOG_EVERY)
             return
         loop.default_exception_handler(context)
@@ -251,7 +251,7 @@ class Arbiter:
     def on_stall(self, late: float, now: float) -> None:
         """The loop itself did not run for `late` seconds (a callback that blocked,
         a machine that froze): judge every worker afresh instead of killing them all."""
-        self.counters["loop_stalls"] += 1
+        self.counters.loop_stalls += 1
         what = (f"the supervisor's loop was stalled for {late:.1f} s; every worker gets a fresh "
                 f"heartbeat window (no silence during a stall counts)")
         log.warning("%s", what)

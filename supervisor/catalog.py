@@ -14,7 +14,6 @@ A `.gguf` path loads from the MLX folder imported from it on first load.
 from __future__ import annotations
 
 import asyncio
-import collections
 import errno
 import logging
 
@@ -25,6 +24,7 @@ from shared.gguf import is_gguf_path
 from shared.modelinfo import FileRefused, context_length
 from shared.weights import WeightsError, estimate_weight_bytes, kv_bytes_per_token
 from supervisor.config import Config, ModelConfig
+from supervisor.counters import SupervisorCounters
 from supervisor.discovery import refusal
 from supervisor.errors import LoadError, ModelUnreadable
 from supervisor.eventlog import Emit
@@ -42,7 +42,7 @@ class ReadFailed(LoadError):
 
 
 class Catalog:
-    def __init__(self, config: Config, *, emit: Emit, counters: collections.Counter[str],
+    def __init__(self, config: Config, *, emit: Emit, counters: SupervisorCounters,
                  discovered_refused: dict[str, tuple[str, str]]) -> None:
         self.config = config
         self.emit = emit
@@ -86,7 +86,7 @@ class Catalog:
         for model_id, (path, why) in self.discovered_refused.items():
             if (path, why) not in self._said:
                 self._said.add((path, why))
-                self.counters["model_files_refused"] += 1
+                self.counters.model_files_refused += 1
                 log.warning("Models folder: %s (%s) is not served: %s", model_id, path, why)
                 self.emit("refused", f"not a model, not served: {why}", model_id=model_id)
 
@@ -179,7 +179,7 @@ class Catalog:
         self._estimates[model.path] = 0
         if (model.path, size) not in self._said:  # said once, counted once
             self._said.add((model.path, size))
-            self.counters["model_files_refused"] += 1
+            self.counters.model_files_refused += 1
             log.error("Model %s: cannot read %s: %s", model.id, model.path, size)
             self.emit("refused", f"cannot read {model.path}: {size}", model_id=model.id)
         raise ModelUnreadable(f"model {model.id!r} cannot be loaded from {model.path}: {size}")

@@ -26,7 +26,7 @@ import math
 import re
 import socket
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 import msgspec
 import msgspec.inspect as mi
@@ -34,7 +34,7 @@ import msgspec.inspect as mi
 from shared.durations import DurationError, parse_duration
 from shared.protocol import DISK_CACHE_AUTO, MAX_IMAGE_PAYLOAD
 from shared.sizes import SizeError, parse_size
-from shared.vocab import PrefillOrder
+from shared.vocab import PrefillOrder, Tier
 from supervisor.policy.snapshot import GuardSettings
 from supervisor.policy.tiers import ThresholdError, check_thresholds, normalise_tier
 
@@ -159,7 +159,7 @@ class GuardConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """`[guard]`: the memory guard (SPEC T, C, P). Sizes in bytes once built."""
 
     enabled: bool = True
-    tier: str = "balanced"           # T2: normalised by the policy; unknown -> balanced
+    tier: str = "balanced"           # T2: normalised here (a Tier once built); unknown -> an error
     custom_ceiling: int | str = 0    # C3: 0 = unset (not a candidate)
     custom_device_ceiling: int | str = 0  # D2: the device ceiling on the custom tier (0 = unset)
     soft_threshold: float | None = None  # T5: absent/<=0/0.85 -> tier default
@@ -212,15 +212,17 @@ class GuardConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _between("disk_cache_grace", self.disk_cache_grace, 0.0, 60.0)
         if self.cache_quantize_bits not in (0, 4, 8):
             raise _FieldError("cache_quantize_bits", f"must be 0 (off), 4 or 8, got {self.cache_quantize_bits}")
-        if not normalise_tier(self.tier)[1]:
+        tier, known = normalise_tier(self.tier)
+        if not known:
             raise _FieldError("tier", f"unknown tier {self.tier!r}: choose safe, balanced, aggressive or custom")
+        self.tier = tier  # T2, once, where the name enters: the guard reads a Tier
         for name in ("soft_threshold", "hard_threshold"):
             value = getattr(self, name)
             if value is not None and math.isfinite(value) and value < 0:
                 raise _FieldError(name, f"must not be negative, got {value!r} (leave it out or 0 for the "
                                         "tier default)")
         try:
-            check_thresholds(self.tier, self.soft_threshold, self.hard_threshold)
+            check_thresholds(tier, self.soft_threshold, self.hard_threshold)
         except ThresholdError as exc:
             raise _FieldError(exc.key, exc.reason) from None
         if not (math.isfinite(self.safe_zone_ratio) and 0 < self.safe_zone_ratio <= 1):
@@ -603,7 +605,7 @@ def guard_settings(config: Config, *, pressure_reclaim_disabled: bool = False) -
     g = config.guard
     return GuardSettings(
         enabled=g.enabled,
-        tier=g.tier,
+        tier=cast(Tier, g.tier),  # normalised by GuardConfig.__post_init__
         custom_ceiling=int(g.custom_ceiling),  # sizes are int bytes once built
         custom_device_ceiling=int(g.custom_device_ceiling),
         soft_threshold=g.soft_threshold,

@@ -242,11 +242,11 @@ class Enforcer:
     def act(self, x: d.WorkerDecision, handle: WorkerHandle, result: policy.TickResult) -> None:
         """Carry out a decision about one worker; each action is done once a tick (P7)."""
         match x:
-            case d.ApplyLimits():
-                self.pool.set_limits(handle, msgspec.structs.replace(x.limits, max_concurrency=handle.concurrency))
+            case d.ApplyLimits():  # complete: the policy's limits carry the worker's cap
+                self.pool.set_limits(handle, x.limits)
                 return
             case d.SetConcurrency():
-                self.pool.set_concurrency(handle, x.cap)
+                self.pool.set_concurrency(handle, x.limits)
                 return
         if (type(x), x.worker) in self._acted:
             return  # the P7 re-check repeats what this tick already did: once is enough

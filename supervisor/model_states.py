@@ -18,12 +18,14 @@ doing about the model itself:
 A load that ends after its model moved on (its worker exited mid-load, or it
 was given up) changes nothing: `done` is absorbed by respawning and failed,
 as a late `loaded` is by a draining worker. Any other move is a bug, and
-`model_transition` says so loudly (`IllegalModelMove`).
+`model_transition` says so loudly (`IllegalMove`, shared/state_table.py).
 """
 
 from __future__ import annotations
 
 from typing import Literal, get_args
+
+from shared.state_table import IllegalMove, state_machine
 
 ModelState = Literal["steady", "loading", "respawning", "failed"]
 ModelEvent = Literal["load", "done", "exit", "give_up", "retry"]
@@ -35,22 +37,8 @@ MODEL_TRANSITIONS: dict[ModelState, dict[ModelEvent, ModelState]] = {
     "failed": {"retry": "steady", "give_up": "failed", "done": "failed"},
 }
 
-
-class IllegalModelMove(RuntimeError):
-    """A move the table does not allow: a bug in the caller, said loudly."""
-
-    def __init__(self, state: ModelState, event: ModelEvent) -> None:
-        super().__init__(f"a model in state {state!r} cannot take event {event!r}")
-        self.state = state
-        self.event = event
+__all__ = ["MODEL_TRANSITIONS", "IllegalMove", "ModelEvent", "ModelState", "model_transition"]
 
 
-def model_transition(state: ModelState, event: ModelEvent) -> ModelState:
-    """The state after `event`, or IllegalModelMove."""
-    try:
-        return MODEL_TRANSITIONS[state][event]
-    except KeyError:
-        raise IllegalModelMove(state, event) from None
-
-
-assert set(MODEL_TRANSITIONS) == set(get_args(ModelState)), "every state has a row"
+model_transition = state_machine("model", MODEL_TRANSITIONS, get_args(ModelState))
+"""The state after an event, or IllegalMove (shared.state_table)."""

@@ -20,7 +20,6 @@ supervisor is doing about each model.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import math
 import time
@@ -29,6 +28,7 @@ from typing import Callable
 from supervisor import intensity
 from supervisor.catalog import Catalog
 from supervisor.config import Config, ModelConfig
+from supervisor.counters import SupervisorCounters
 from supervisor.enforcer import Enforcer
 from supervisor.errors import LoadError
 from supervisor.eventlog import Emit
@@ -66,7 +66,7 @@ class ModelLife:
 
 class Models:
     def __init__(self, config: Config, *, catalog: Catalog, pool: Pool, enforcer: Enforcer, emit: Emit,
-                 wake: Callable[[], None], counters: collections.Counter[str], running: Callable[[], bool]) -> None:
+                 wake: Callable[[], None], counters: SupervisorCounters, running: Callable[[], bool]) -> None:
         self.config = config
         self.catalog = catalog
         self.pool = pool
@@ -346,7 +346,7 @@ class Models:
 
     def _record_restart(self, life: ModelLife, now: float) -> None:
         life.restarts.append(now)
-        self.counters["respawns"] += 1
+        self.counters.respawns += 1
 
     # -- what the model is ---------------------------------------------------------
 

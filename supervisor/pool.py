@@ -15,7 +15,6 @@ supervisor.models's (with supervisor.intensity's arithmetic).
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import os
 import signal
@@ -35,6 +34,7 @@ from supervisor import liveness, load_clock, reaping
 from supervisor.bus import Bus
 from supervisor.cache_tiers import CacheBook, save_grace
 from supervisor.config import Config, ModelConfig
+from supervisor.counters import SupervisorCounters
 from supervisor.errors import LoadError
 from supervisor.load_timer import LoadTimer
 from supervisor.policy.wired import sigkill_after
@@ -56,7 +56,7 @@ log = logging.getLogger("memvisor.pool")
 
 class Pool:
     def __init__(self, *, bus: Bus, ledger: Ledger, config: Config, on_event: EventSink, on_change: Callable[[], None],
-                 counters: collections.Counter[str] | None = None) -> None:
+                 counters: SupervisorCounters | None = None) -> None:
         self.bus = bus
         self.ledger = ledger
         self.config = config
@@ -69,7 +69,7 @@ class Pool:
         self._cmd = 0
         self._free_slots = list(range(ledger.n_slots))
         self._mp = multiprocess.get_context("spawn")
-        self.counters: collections.Counter[str] = counters if counters is not None else collections.Counter()
+        self.counters = counters if counters is not None else SupervisorCounters()
         # Off only in the reaction benchmark's baseline (the seed's fixed 1 s poll).
         self.wake_on_watermark = True
         self.caches = CacheBook()  # each model's prompt-cache disk tier, as its workers report it (H5)
@@ -118,7 +118,7 @@ class Pool:
         self.handles[worker_id] = handle
         self.by_identity[handle.identity] = handle
         reaping.on_exit(proc, lambda code: self._exited(handle, code), worker_id)
-        self.counters["spawned"] += 1
+        self.counters.spawned += 1
         words = f"to load {model.path}" if model is not None else "as a spare: MLX and the engine, no model (W1)"
         log.info("Spawned worker %s (pid %d) %s", worker_id, proc.pid, words)
         self.on_event(Spawned(handle, f"started worker pid {proc.pid} {words}"))
@@ -139,11 +139,10 @@ class Pool:
 
     # -- what others decide about a worker, set here -------------------------------
 
-    def set_concurrency(self, handle: WorkerHandle, cap: int) -> None:
-        """P8: the worker's request slots, sent with its limits."""
-        handle.set_concurrency(cap)
-        if handle.last_limits is not None:
-            self.set_limits(handle, msgspec.structs.replace(handle.last_limits, max_concurrency=cap))
+    def set_concurrency(self, handle: WorkerHandle, limits: Limits) -> None:
+        """P8: the worker's request slots (`limits.max_concurrency`), sent with the rest of its limits."""
+        handle.set_concurrency(limits.max_concurrency)
+        self.set_limits(handle, limits)
 
     def set_limits(self, handle: WorkerHandle, limits: Limits) -> None:
         """Limits go to the ledger (read before every prefill chunk) and as a command."""
@@ -196,7 +195,7 @@ class Pool:
                     self.command(h, p.Ping(seq=h.next_ping()))
 
     def _wedged(self, handle: WorkerHandle, why: str) -> None:
-        self.counters["wedged"] += 1
+        self.counters.wedged += 1
         log.error("Worker %s (pid %d): %s: wedged; killing it", handle.worker_id, handle.pid, why)
         handle.move("silent")
         self.on_event(Wedged(handle, why))
@@ -319,7 +318,7 @@ class Pool:
         if handle.spare:
             self.spares.exited(expected, time.monotonic())
         self.handles.pop(handle.worker_id, None)
-        self.counters["exits"] += 1
+        self.counters.exits += 1
         self.on_event(Exited(handle, handle.exit_cause, expected, code))
         self.on_change()
 

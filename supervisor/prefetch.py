@@ -36,6 +36,7 @@ from shared.sizes import MiB, format_size
 from shared.weights import WeightsError, weight_files
 from supervisor.catalog import Catalog
 from supervisor.config import Config, ModelConfig
+from supervisor.counters import SupervisorCounters
 from supervisor.enforcer import Enforcer
 from supervisor.eventlog import Emit
 from supervisor.offloop import OffLoopTimeout, off_loop
@@ -98,7 +99,7 @@ def read_ahead(files: list[Path], reading: Reading, keep_going: Callable[[], boo
 
 class Prefetcher:
     def __init__(self, config: Config, *, catalog: Catalog, pool: Pool, enforcer: Enforcer, emit: Emit,
-                 counters: collections.Counter[str]) -> None:
+                 counters: SupervisorCounters) -> None:
         self.config = config
         self.catalog = catalog
         self.pool = pool
@@ -170,7 +171,7 @@ class Prefetcher:
 
     def _start(self, model: ModelConfig, size: int) -> None:
         reading = self.reading = Reading(model=model.id, size=size)
-        self.counters["prefetches"] += 1
+        self.counters.prefetches += 1
         why = f"reading ahead {format_size(size)} of {model.id}'s weights into the page cache (likely next)"
         log.info("Prefetch: %s", why)
         self.emit("prefetch", why, model_id=model.id)
@@ -193,12 +194,12 @@ class Prefetcher:
             if self.reading is reading:
                 self.reading = None
         self.read[model.id] = reading.done
-        self.counters["prefetch_bytes"] += reading.done
+        self.counters.prefetch_bytes += reading.done
         took = time.monotonic() - began
         if outcome == "done":
             words = f"read ahead {format_size(reading.done)} of {model.id}'s weights in {took:.2f} s"
         else:
-            self.counters["prefetch_cancelled"] += 1
+            self.counters.prefetch_cancelled += 1
             words = f"prefetch of {model.id} stopped after {format_size(reading.done)} ({took:.2f} s): {outcome}"
         log.info("Prefetch: %s", words)
         self.emit("prefetch", words, model_id=model.id)

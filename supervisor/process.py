@@ -295,7 +295,7 @@ def worker_spec(handle: WorkerHandle, config: Config, ledger_path: Path, endpoin
         max_concurrency=handle.concurrency,
         chunk_seconds=scfg.chunk_seconds,
         prefill_order=scfg.prefill_order,
-        draft_path=handle.model.draft,  # the draft's folder (Catalog.loadable made it one)
+        draft_path="" if handle.spare else handle.model.draft,  # the draft's folder (Catalog.loadable made it one)
         allow_drills=scfg.allow_drills,
         # H5: the disk tier keeps what the memory tier held; with no memory tier it has nothing
         disk_cache_max=int(guard.disk_cache_max) if guard.hot_cache_max else 0,

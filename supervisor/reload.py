@@ -13,7 +13,6 @@ the running config kept, past RELOAD_TIMEOUT.
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from shared.modelinfo import FileRefused, open_regular
 from shared.vocab import ErrorCode
 from supervisor.catalog import Catalog
 from supervisor.config import Config, ConfigError, guard_settings
+from supervisor.counters import SupervisorCounters
 from supervisor.discovery import last_refused
 from supervisor.enforcer import Enforcer
 from supervisor.errors import ServeError
@@ -46,7 +46,7 @@ LIVE_SETTINGS = frozenset({"idle_timeout", "models_dirs", "admin_token", "queue_
 class Reloader:
     def __init__(self, config: Config, *, build: Callable[[], Config] | None, config_file: Path | None,
                  catalog: Catalog, models: Models, pool: Pool, enforcer: Enforcer, emit: Emit,
-                 counters: collections.Counter[str], configure: Callable[[Config], None],
+                 counters: SupervisorCounters, configure: Callable[[Config], None],
                  wake: Callable[[], None]) -> None:
         self.config = config
         self.build = build  # re-reads the file and the models folders (None: there is nothing to re-read)
@@ -125,7 +125,7 @@ class Reloader:
         finally:
             if not late:
                 self.since = None
-        self.counters["reloads_refused"] += 1
+        self.counters.reloads_refused += 1
         self.emit("reload_refused", f"{why}: {words}")
         raise ServeError(f"configuration refused: {words}", code=code, http_status=status)
 

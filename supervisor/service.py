@@ -14,7 +14,6 @@ a worker's handle.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import os
 import time
@@ -31,6 +30,7 @@ from supervisor.bus import FrameTooLarge
 from supervisor.cache_tiers import save_grace
 from supervisor.catalog import Catalog
 from supervisor.config import Config, ModelConfig
+from supervisor.counters import SupervisorCounters
 from supervisor.enforcer import Enforcer
 from supervisor.errors import AtCapacity, LoadError, NotReady, ServeError
 from supervisor.eventlog import EventLog
@@ -85,7 +85,7 @@ def unload_refusal(model: ModelConfig, admin: bool) -> str | None:
 class Service:
     def __init__(self, config: Config, *, place: Place, catalog: Catalog, models: Models, pool: Pool,
                  enforcer: Enforcer, gate: Gate, bus: Bus, hub: Hub, eventlog: EventLog,
-                 counters: collections.Counter[str], wake: Callable[[], None],
+                 counters: SupervisorCounters, wake: Callable[[], None],
                  reload: Callable[[str], Awaitable[str]]) -> None:
         self.config = config
         self.place = place
@@ -129,7 +129,7 @@ class Service:
         model = self.catalog.model(name)
         refused = unload_refusal(model, admin)
         if refused is not None:
-            self.tallies["unload_refused"] += 1
+            self.tallies.unload_refused += 1
             raise ServeError(refused, code="forbidden", http_status=403)
         if not admin:
             there = self.pool.worker_for(model.id) is not None
@@ -252,7 +252,7 @@ class Service:
         wait, a 503 when its worker has stopped answering (a router tries another host)."""
         in_flight = self.pool.running(handle) + self.gate.waiting_for(handle)
         if saturated(handle.model, in_flight):
-            self.tallies["at_capacity"] += 1
+            self.tallies.at_capacity += 1
             raise AtCapacity(f"model {model.id!r} runs {handle.model.max_concurrency} requests and "
                              f"{in_flight - handle.model.max_concurrency} more wait (max_queue "
                              f"{handle.model.max_queue}); retry later or elsewhere", retry_after=1)
@@ -322,7 +322,7 @@ class Service:
 
     def counters(self) -> dict[str, int]:
         """Pool, gate and guard counters, for status and metrics."""
-        counters = dict(self.tallies)
+        counters = self.tallies.as_dict()
         counters.update(gate_rejected_full=self.gate.rejected_full, gate_rejected_deadline=self.gate.rejected_deadline,
                         gate_depth=self.gate.depth, guard_ticks=self.enforcer.ticks,
                         pub_subscribers=self.bus.subscribers.connected,

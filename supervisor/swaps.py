@@ -37,6 +37,7 @@ import time
 from collections.abc import Iterator
 
 from supervisor.config import Config, ModelConfig
+from supervisor.counters import SupervisorCounters
 from supervisor.enforcer import Enforcer
 from supervisor.errors import ModelUnreadable
 from supervisor.eventlog import Emit
@@ -53,7 +54,7 @@ HAND_OVER_POLL = 0.02
 
 class Swaps:
     def __init__(self, config: Config, *, pool: Pool, enforcer: Enforcer, emit: Emit,
-                 counters: collections.Counter[str]) -> None:
+                 counters: SupervisorCounters) -> None:
         self.config = config
         self.pool = pool
         self.enforcer = enforcer
@@ -143,17 +144,17 @@ class Swaps:
         """A hold is an event (it explains a request's wait); a close is counted and logged."""
         them = ", ".join(models)
         if step == "hold":
-            self.counters["thrash_holds"] += 1
+            self.counters.thrash_holds += 1
             why = f"load of {model_id} holds up to {hold:g} s while {them} serves its queued requests (thrash)"
             log.info("%s", why)
             self.emit("thrash", why, model_id=model_id)
         else:
-            self.counters["swap_waits"] += 1
+            self.counters.swap_waits += 1
             log.info("Load of %s: %s takes nothing new and finishes its requests first", model_id, them)
 
     def _done(self, model_id: str, models: list[str], step: str, waited: float, said: set[str]) -> None:
         if step == "give_up":
-            self.counters["swap_waits_given_up"] += 1
+            self.counters.swap_waits_given_up += 1
             log.warning("Load of %s: %s still busy after %.1f s; admission decides now", model_id,
                         ", ".join(models), waited)
         elif said:
@@ -166,7 +167,7 @@ class Swaps:
             handle = self.pool.handles.get(worker_id)
             if handle is None or handle.left_because("evict"):
                 self.log.append(Swap(t=now, loaded=model.id, evicted=evicted))
-                self.counters["swaps"] += 1
+                self.counters.swaps += 1
         self.tick(now, model.id)
 
     # -- thrash ----------------------------------------------------------------------------
@@ -179,7 +180,7 @@ class Swaps:
         started, ended = changes(self.groups, groups)
         self.groups = groups
         for g in started:
-            self.counters["thrash_episodes"] += 1
+            self.counters.thrash_episodes += 1
             hold = (f"a load among them lets the loaded model serve its queued requests for up to "
                     f"{guard.thrash_hold:g} s first" if guard.thrash_hold > 0 else "no hold (thrash_hold = 0)")
             why = f"{g.words()} within {guard.thrash_window:g} s (more than thrash_swaps = {guard.thrash_swaps}): {hold}"

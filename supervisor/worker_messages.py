@@ -16,7 +16,6 @@ bad frame and changes nothing (SPEC: bad input never crashes the supervisor).
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import time
 from typing import TYPE_CHECKING, Callable, Protocol
@@ -38,6 +37,7 @@ from supervisor.process import (
 if TYPE_CHECKING:
     from supervisor.bus import Bus
     from supervisor.cache_tiers import CacheBook
+    from supervisor.counters import SupervisorCounters
     from supervisor.load_timer import LoadTimer
     from supervisor.spares import Spares
     from supervisor.streams import Streams
@@ -56,7 +56,7 @@ class Pool(Protocol):
     caches: CacheBook
     spares: Spares
     timer: LoadTimer
-    counters: collections.Counter[str]
+    counters: SupervisorCounters
     on_event: EventSink
     on_change: Callable[[], None]
     wake_on_watermark: bool
@@ -177,7 +177,7 @@ class WorkerMessages:
         if handle is None or msg.pid != handle.pid:
             pool.bus.bad("reports", "unknown_peer", "sample from an unknown worker")
             return
-        pool.counters["samples"] += 1
+        pool.counters.samples += 1
         pool.bus.publish(msg)
         if msg.why in ("watermark", "shrink") and pool.wake_on_watermark:
             # P9: a watermark crossing is answered now, not at the next tick; H3: so is a shrink
@@ -204,5 +204,5 @@ class WorkerMessages:
         pool.caches.take(msg)
         s = msg.stats
         if msg.final and (s.written_entries or s.dropped_entries):
-            pool.counters["disk_cache_saves"] += 1
+            pool.counters.disk_cache_saves += 1
             pool.on_event(CacheWritten(handle, saved_words(s)))

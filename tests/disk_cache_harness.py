@@ -12,8 +12,7 @@ from mlx_lm.models.cache import KVCache
 from shared.limits import Limits
 from shared.protocol import DISK_CACHE_AUTO, Finished
 from shared.sizes import GiB
-from tests.test_engine import _engine as engine_for
-from tests.test_engine import drive
+from tests.engine_harness import drive, engine_for
 from worker import disk_cache, kv_folder
 from worker import prompt_cache as pc
 from worker.disk_cache import DiskTier

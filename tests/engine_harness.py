@@ -1,4 +1,5 @@
-"""Driving an engine in a test: its events per request, and steps until it has no work."""
+"""Driving an engine in a test: a tiny model's engine, its events per request, steps until it has no
+work, and the limits the engine tests share (no tests here)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,16 @@ from collections import defaultdict
 
 from shared.limits import Limits
 from shared.protocol import Failed, Finished, TokenOut
+from shared.sizes import GiB
 from worker.engine import Engine
 
 OPEN = Limits(max_concurrency=8)  # guard off, room for everyone
+
+
+def engine_for(loaded, **kwargs) -> Engine:
+    model, tokenizer = loaded
+    kwargs.setdefault("own_usage_fn", lambda: 0)
+    return Engine(model, tokenizer, **kwargs)
 
 
 class Run:
@@ -43,3 +51,9 @@ def drive(engine: Engine, limits: Limits = OPEN, usage_fn=lambda: 0, max_steps: 
             return run
         run.add(engine.step(limits, usage_fn))
     raise AssertionError("engine still busy after max_steps")
+
+
+GUARDED = Limits(soft_limit=9 * GiB, hard_limit=10 * GiB, hard_watermark=int(9.5 * GiB),
+                 abort_limit=12 * GiB, abort_margin=0.93, prefill_headroom_safety=0.92,
+                 static=12 * GiB, dynamic=10 * GiB, ceiling=10 * GiB, binding="dynamic",
+                 min_chunk_tokens=4, max_concurrency=4)

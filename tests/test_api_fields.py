@@ -17,11 +17,9 @@ are 401s in each API's shape, /health stays open, and no key is logged.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 import anthropic
-import httpx
 import msgspec
 import openai
 import pytest
@@ -31,7 +29,7 @@ from openai.types.completion_create_params import CompletionCreateParamsBase as 
 from openai.types.responses.response_create_params import ResponseCreateParamsBase as ResponseParams
 
 from shared import protocol as p
-from supervisor.config import Config, ModelConfig, SupervisorConfig
+from supervisor.config import ModelConfig
 from supervisor.errors import GateClosed, LoadError
 from supervisor.http.anthropic import MessagesRequest, messages_generate
 from supervisor.http.completions import completion_generates
@@ -39,11 +37,7 @@ from supervisor.http.generate import chat_generate
 from supervisor.http.keepalive import keep_alive_seconds
 from supervisor.http.openai_types import BodyError, ChatRequest, CompletionRequest, decode_body
 from supervisor.http.responses import ResponsesRequest, responses_generate
-from supervisor.http.server import start_http
-from supervisor.readiness import Health
-from supervisor.streams import RequestStream, new_request_id
-
-MSG = [{"role": "user", "content": "hi"}]
+from tests.frontdoor_harness import MSG, StubSupervisor, serving
 
 
 def _fields(typed_dict) -> set[str]:
@@ -236,42 +230,6 @@ def test_a_bad_keep_alive_is_a_400_naming_it():
 # the real app, a stub supervisor: refusals and keys through the SDKs
 
 
-class StubSupervisor:
-    """What the front door needs of the arbiter; `generate` does what the test says."""
-
-    def __init__(self, outcome, **scfg) -> None:
-        self.outcome = outcome
-        self.config = Config(supervisor=SupervisorConfig(http="127.0.0.1:0", **scfg), models=[ModelConfig(id="m", path="/nonexistent")])
-        self.kept: list[float] = []
-
-    def model_config(self, model_id):
-        return self.config.models[0]
-
-    async def generate(self, model_id, gen, max_wait=None):
-        if isinstance(self.outcome, Exception):
-            raise self.outcome
-        gen.request_id = gen.request_id or new_request_id()  # as the supervisor does
-        stream = RequestStream(gen.request_id, model_id, "m#1")
-        for msg in self.outcome(gen.request_id):
-            stream.put(msg)  # as the pool delivers them: a Prompted is held, the rest queued
-        return stream
-
-    def cancel(self, stream, reason=""):
-        pass
-
-    def keep_alive(self, model_id, seconds):
-        self.kept.append(seconds)
-
-    def model_info(self, model_id):
-        raise LoadError("no info in the stub", http_status=404)
-
-    def health(self):
-        return Health(status="ok", waiting={})  # its one model is not pinned
-
-    def add_event_hook(self, hook):
-        pass
-
-
 NO_FIT = LoadError("model m needs 9.0 GiB but the ceiling leaves 2.0 GiB (binding: dynamic)",
                    code="model_too_large", http_status=507)
 QUEUE_FULL = GateClosed("the queue is full while memory pressure pauses admission; retry later", retry_after=7)
@@ -285,20 +243,6 @@ def prefill_refused(rid):
 def hello(rid):
     return [p.TokenOut(request_id=rid, text="Hello"),
             p.Finished(request_id=rid, finish_reason="stop", prompt_tokens=3, completion_tokens=1)]
-
-
-@contextlib.asynccontextmanager
-async def serving(sup):
-    """The real front door (uvicorn, real HTTP) around the stub, and the three clients."""
-    server, address = await start_http(sup)
-    url = f"http://{address}"
-    try:
-        async with httpx.AsyncClient(base_url=url) as http:
-            yield (http, openai.AsyncOpenAI(base_url=url + "/v1", api_key="k1", max_retries=0),
-                   anthropic.AsyncAnthropic(base_url=url, api_key="k1", max_retries=0))
-    finally:
-        server.should_exit = True
-        await server.task
 
 
 @pytest.mark.parametrize("outcome, status, exc_oa, exc_an", [
@@ -391,8 +335,8 @@ def test_a3_507_from_real_admission_reaches_the_anthropic_and_responses_sdks(tmp
     """SPEC A3 on a real supervisor (no worker is spawned: the model is refused from its
     safetensors header): each SDK raises for the 507 and the message names what binds."""
     from shared.sizes import GiB
+    from tests.frontdoor_harness import fake_huge_model
     from tests.http_harness import LiveServer, make_config
-    from tests.test_http_frontdoor import fake_huge_model
 
     models = [ModelConfig(id="huge", path=str(fake_huge_model(tmp_path / "huge", 1024 * GiB)))]
     with LiveServer(make_config(models, api_keys=["k1"]), tmp_path / "rt") as live:

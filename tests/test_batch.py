@@ -11,7 +11,7 @@ import pytest
 from shared.limits import Limits
 from shared.protocol import Failed, Finished, TokenOut
 from shared.sizes import GiB, MiB
-from tests.test_engine import OPEN, Run, drive
+from tests.engine_harness import OPEN, Run, drive
 from worker.batch import Growth
 from worker.engine import Engine
 
@@ -258,7 +258,7 @@ def test_h3_pinned_bytes_kept_up_to_date_equal_the_sum_over_pinned_entries():
     """The batch reads `releasable` once a decode step, so it is kept, not summed; it must not drift."""
     import random
 
-    from tests.test_h_prompt_cache import kv
+    from tests.prompt_cache_harness import kv
     from worker.prompt_cache import PromptCache
 
     rng = random.Random(3)
@@ -513,7 +513,7 @@ def _tight_limits() -> Limits:
     left is exactly what the tests below give."""
     import msgspec
 
-    from tests.test_engine import GUARDED
+    from tests.engine_harness import GUARDED
 
     return msgspec.structs.replace(GUARDED, prefill_headroom_safety=1.0, soft_limit=0, min_chunk_tokens=1)
 

@@ -22,15 +22,10 @@ from pathlib import Path
 import pytest
 
 from shared.probe import blas as found
+from tests.blas_harness import linux_only, mapped_paths
 from worker import blas
 
 ROOT = Path(__file__).resolve().parent.parent
-linux_only = pytest.mark.skipif(not found.applies(), reason="MLX on macOS uses Accelerate; nothing to load")
-
-
-def mapped_paths(pid: int | str) -> set[str]:
-    with open(f"/proc/{pid}/maps") as maps:
-        return {line.split()[-1] for line in maps if len(line.split()) >= 6}
 
 
 @linux_only

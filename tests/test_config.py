@@ -17,6 +17,7 @@ from supervisor.config import (
     parse_config,
     parse_http,
 )
+from supervisor.policy.tiers import resolve_thresholds
 
 FULL = """
 [guard]
@@ -87,7 +88,7 @@ def test_config_full_file_round_trip(tmp_path):
     assert c.model("big").ttl == 300 and c.model("big").max_concurrency == 2
     settings = guard_settings(c)
     assert settings.custom_ceiling == 12 * GiB and settings.idle_timeout == 600.0
-    assert settings.tier == "Aggressive"  # normalised by the policy (T2), reported once there
+    assert settings.tier == "aggressive"  # T2: normalised where it enters, the guard reads a Tier
     assert settings.wire_weights  # M2: the opt-in reaches the policy, which hands out the residency
 
 
@@ -145,16 +146,20 @@ def test_t5_bad_thresholds_are_config_errors(toml, fragment):
 
 
 @pytest.mark.parametrize(
-    "toml",
+    "toml, tier, in_force",
     [
-        '[guard]\nsoft_threshold = 0.85\nhard_threshold = 0.95',  # legacy defaults: tier defaults
-        '[guard]\ntier = "aggressive"\nsoft_threshold = 0.96',     # below aggressive's 0.98
-        '[guard]\nsoft_threshold = 0\nhard_threshold = 0',         # 0: tier defaults
-        '[guard]\ntier = " Safe "',                                  # T2: normalised
+        ('[guard]\nsoft_threshold = 0.85\nhard_threshold = 0.95', "balanced", (0.90, 0.95)),  # legacy: tier defaults
+        ('[guard]\ntier = "aggressive"\nsoft_threshold = 0.96', "aggressive", (0.96, 0.98)),  # below its 0.98
+        ('[guard]\nsoft_threshold = 0\nhard_threshold = 0', "balanced", (0.90, 0.95)),  # 0: tier defaults
+        ('[guard]\nsoft_threshold = 0.8\nhard_threshold = 0.9', "balanced", (0.80, 0.90)),  # explicit wins
+        ('[guard]\ntier = " Safe "', "safe", (0.85, 0.95)),  # T2: normalised
     ],
 )
-def test_t5_accepted_thresholds(toml):
-    parse_config(toml)
+def test_t5_accepted_thresholds_are_the_ones_in_force(toml, tier, in_force):
+    """An accepted config guards with the thresholds T5 puts in force, not merely parses."""
+    guard = guard_settings(parse_config(toml))
+    assert guard.tier == tier
+    assert resolve_thresholds(guard.tier, guard.soft_threshold, guard.hard_threshold) == in_force
 
 
 def test_config_missing_file_is_a_clear_error(tmp_path):

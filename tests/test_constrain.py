@@ -14,132 +14,62 @@ import msgspec
 import pytest
 
 from shared import protocol as p
-from shared.limits import Limits
 from shared.protocol import Failed, Finished, Generate, TokenOut
+from tests.constrain_harness import ADD, PERSON, TOOLS, WEATHER, end_of, json_prompts, run_wide, text_of
+from tests.engine_harness import engine_for
 from worker.constrain import ConstraintError, ConstraintFactory, closed_properties, tool_call_schema
-from worker.engine import Engine
-
-WIDE = Limits(max_concurrency=32)
-
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string"},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "color": {"enum": ["red", "green", "blue"]},
-        "address": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-            "required": ["city", "zip"],
-            "additionalProperties": False,
-        },
-        "tags": {"type": "array", "items": {"type": "string"}},
-        "member": {"type": "boolean"},
-    },
-    "required": ["name", "age", "color", "address", "tags", "member"],
-    "additionalProperties": False,
-}
-
-WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
-           "required": ["city", "unit"], "additionalProperties": False}
-ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "number"}},
-       "required": ["a", "b"], "additionalProperties": False}
-TOOLS = (p.ToolFunction(name="get_weather", parameters=json.dumps(WEATHER)),
-         p.ToolFunction(name="add", parameters=json.dumps(ADD)))
-
-
-def _engine(loaded) -> Engine:
-    model, tokenizer = loaded
-    return Engine(model, tokenizer, own_usage_fn=lambda: 0)
-
-
-def _run(engine: Engine, max_steps: int = 5000) -> dict[str, list]:
-    by_id: dict[str, list] = {}
-    for _ in range(max_steps):
-        if not engine.has_work:
-            return by_id
-        for ev in engine.step(WIDE, lambda: 0):
-            by_id.setdefault(ev.request_id, []).append(ev)
-    raise AssertionError("engine still busy")
-
-
-def _text(events: list) -> str:
-    return "".join(ev.text for ev in events if isinstance(ev, TokenOut))
-
-
-def _end(events: list):
-    assert isinstance(events[-1], (Finished, Failed))
-    return events[-1]
-
-
-def _prompts(engine: Engine, n: int) -> list[list[int]]:
-    return [engine.encode_prompt(f"Reply in JSON, request number {i}:") for i in range(n)]
-
-
-@pytest.mark.slow  # 20 x 96 tokens each: 10-30 s on a shared CPU
-@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
-def test_json_schema_output_validates_20_of_20(loaded, temperature):
-    engine = _engine(loaded)
-    spec = p.JsonSchema(schema=json.dumps(PERSON), name="person")
-    for i, prompt in enumerate(_prompts(engine, 20)):
-        engine.submit(f"r{i}", prompt, max_tokens=96, temperature=temperature, seed=i, constraint=spec)
-    runs = _run(engine)
-    for i in range(20):
-        assert isinstance(_end(runs[f"r{i}"]), Finished)
-        jsonschema.validate(json.loads(_text(runs[f"r{i}"])), PERSON)
-    assert engine._constraints.compiles == 1  # twenty requests, one compile
 
 
 def test_named_tool_call_arguments_validate(loaded):
-    engine = _engine(loaded)
+    engine = engine_for(loaded)
     spec = p.ToolCallConstraint(functions=TOOLS, mode="named", name="add")
-    for i, prompt in enumerate(_prompts(engine, 5)):
+    for i, prompt in enumerate(json_prompts(engine, 5)):
         engine.submit(f"t{i}", prompt, max_tokens=96, temperature=1.0, seed=i, constraint=spec)
-    runs = _run(engine)
+    runs = run_wide(engine)
     for i in range(5):
-        calls = json.loads(_text(runs[f"t{i}"]))
+        calls = json.loads(text_of(runs[f"t{i}"]))
         assert [call["name"] for call in calls] == ["add"]
         jsonschema.validate(calls[0]["arguments"], ADD)
 
 
 def test_required_tool_call_is_one_of_the_functions_with_valid_arguments(loaded):
-    engine = _engine(loaded)
+    engine = engine_for(loaded)
     spec = p.ToolCallConstraint(functions=TOOLS, mode="required")
-    for i, prompt in enumerate(_prompts(engine, 6)):
+    for i, prompt in enumerate(json_prompts(engine, 6)):
         engine.submit(f"t{i}", prompt, max_tokens=96, temperature=1.0, seed=i, constraint=spec)
-    runs = _run(engine)
+    runs = run_wide(engine)
     schemas = {"get_weather": WEATHER, "add": ADD}
     for i in range(6):
-        (call,) = json.loads(_text(runs[f"t{i}"]))
+        (call,) = json.loads(text_of(runs[f"t{i}"]))
         jsonschema.validate(call["arguments"], schemas[call["name"]])
 
 
 def test_json_object_yields_a_json_object(loaded):
-    engine = _engine(loaded)
-    for i, prompt in enumerate(_prompts(engine, 6)):
+    engine = engine_for(loaded)
+    for i, prompt in enumerate(json_prompts(engine, 6)):
         engine.submit(f"o{i}", prompt, max_tokens=64, temperature=1.0 if i % 2 else 0.0, seed=i,
                       constraint=p.JsonObject())
-    runs = _run(engine)
+    runs = run_wide(engine)
     for i in range(6):
-        assert isinstance(json.loads(_text(runs[f"o{i}"])), dict)
+        assert isinstance(json.loads(text_of(runs[f"o{i}"])), dict)
 
 
 def test_an_output_the_budget_closes_is_complete_and_finishes_with_length(loaded):
-    engine = _engine(loaded)
+    engine = engine_for(loaded)
     spec = p.JsonSchema(schema=json.dumps(PERSON))
-    engine.submit("w", _prompts(engine, 1)[0], max_tokens=80, constraint=spec)  # greedy never closes alone
-    events = _run(engine)["w"]
-    jsonschema.validate(json.loads(_text(events)), PERSON)
-    assert _end(events).finish_reason == "length" and _end(events).completion_tokens <= 80
+    engine.submit("w", json_prompts(engine, 1)[0], max_tokens=80, constraint=spec)  # greedy never closes alone
+    events = run_wide(engine)["w"]
+    jsonschema.validate(json.loads(text_of(events)), PERSON)
+    assert end_of(events).finish_reason == "length" and end_of(events).completion_tokens <= 80
 
 
 def test_a_complete_grammar_finishes_with_stop_before_max_tokens(loaded):
-    engine = _engine(loaded)
+    engine = engine_for(loaded)
     spec = p.JsonSchema(schema=json.dumps({"enum": ["red", "green", "blue"]}))
-    engine.submit("e", _prompts(engine, 1)[0], max_tokens=50, constraint=spec)
-    events = _run(engine)["e"]
-    end = _end(events)
-    assert json.loads(_text(events)) in ("red", "green", "blue")
+    engine.submit("e", json_prompts(engine, 1)[0], max_tokens=50, constraint=spec)
+    events = run_wide(engine)["e"]
+    end = end_of(events)
+    assert json.loads(text_of(events)) in ("red", "green", "blue")
     assert end.finish_reason == "stop" and end.completion_tokens < 50
 
 
@@ -153,15 +83,15 @@ def test_a_complete_grammar_finishes_with_stop_before_max_tokens(loaded):
     (p.LarkGrammar(lark="start: ("), "grammar"),
 ])
 def test_an_invalid_constraint_fails_its_request_clearly_and_the_engine_serves_on(loaded, spec, named):
-    engine = _engine(loaded)
-    prompt = _prompts(engine, 1)[0]
+    engine = engine_for(loaded)
+    prompt = json_prompts(engine, 1)[0]
     engine.submit_generate(Generate(request_id="bad", prompt="Hello", max_tokens=8, constraint=spec))
     engine.submit("good", prompt, max_tokens=8)
-    runs = _run(engine)
-    failed = _end(runs["bad"])
+    runs = run_wide(engine)
+    failed = end_of(runs["bad"])
     assert isinstance(failed, Failed) and failed.code == "invalid_constraint"
     assert named in failed.message
-    assert isinstance(_end(runs["good"]), Finished)
+    assert isinstance(end_of(runs["good"]), Finished)
 
 
 def test_unstrict_schema_ignores_what_it_cannot_enforce(loaded):
@@ -173,30 +103,30 @@ def test_unstrict_schema_ignores_what_it_cannot_enforce(loaded):
 
 
 def test_an_unconstrained_request_beside_a_constrained_one_is_token_identical(loaded):
-    alone = _engine(loaded)
+    alone = engine_for(loaded)
     prompt = alone.encode_prompt("Once upon a time")
     alone.submit("free", prompt, max_tokens=40)
-    expected = _run(alone)["free"]
+    expected = run_wide(alone)["free"]
 
-    engine = _engine(loaded)
+    engine = engine_for(loaded)
     spec = p.JsonSchema(schema=json.dumps(PERSON))
-    engine.submit("c1", _prompts(engine, 1)[0], max_tokens=80, temperature=1.0, seed=3, constraint=spec)
+    engine.submit("c1", json_prompts(engine, 1)[0], max_tokens=80, temperature=1.0, seed=3, constraint=spec)
     engine.submit("free", prompt, max_tokens=40)
-    engine.submit("c2", _prompts(engine, 2)[1], max_tokens=60, constraint=p.JsonObject())
-    runs = _run(engine)
+    engine.submit("c2", json_prompts(engine, 2)[1], max_tokens=60, constraint=p.JsonObject())
+    runs = run_wide(engine)
     tokens = [ev.token_id for ev in runs["free"] if isinstance(ev, TokenOut)]
     assert tokens == [ev.token_id for ev in expected if isinstance(ev, TokenOut)]
-    assert _text(runs["free"]) == _text(expected)
+    assert text_of(runs["free"]) == text_of(expected)
 
 
 def test_a_lark_grammar_is_enforced(loaded):
-    engine = _engine(loaded)
+    engine = engine_for(loaded)
     spec = p.LarkGrammar(lark='start: ("yes" | "no") " " NUM\nNUM: /[0-9]{1,3}/')
-    for i, prompt in enumerate(_prompts(engine, 4)):
+    for i, prompt in enumerate(json_prompts(engine, 4)):
         engine.submit(f"g{i}", prompt, max_tokens=20, temperature=1.0, seed=i, constraint=spec)
-    runs = _run(engine)
+    runs = run_wide(engine)
     for i in range(4):
-        word, number = _text(runs[f"g{i}"]).split(" ")
+        word, number = text_of(runs[f"g{i}"]).split(" ")
         assert word in ("yes", "no") and number.isdigit() and len(number) <= 3
 
 
@@ -226,16 +156,16 @@ def test_required_tool_arguments_take_only_the_declared_properties(loaded):
     lets an object carry undeclared properties, and the grammar let them through. Closed to
     the declared ones (as llama.cpp's grammar is), and one call unless parallel calls were
     asked for, a random-weight model's only way out is the one call, closed within 48 tokens."""
-    engine = _engine(loaded)
+    engine = engine_for(loaded)
     spec = p.ToolCallConstraint(functions=(p.ToolFunction(name="done", parameters=json.dumps(SUCCESS),
                                                           strict=False),), mode="required")
-    for i, prompt in enumerate(_prompts(engine, 6)):
+    for i, prompt in enumerate(json_prompts(engine, 6)):
         engine.submit(f"t{i}", prompt, max_tokens=48, temperature=1.0, seed=i, constraint=spec)
-    runs = _run(engine)
+    runs = run_wide(engine)
     for i in range(6):  # `success` is not required: `{}` is the other way out
-        assert _text(runs[f"t{i}"]) in ('[{"name":"done","arguments":{"success":true}}]',
+        assert text_of(runs[f"t{i}"]) in ('[{"name":"done","arguments":{"success":true}}]',
                                         '[{"name":"done","arguments":{}}]')
-        assert _end(runs[f"t{i}"]).finish_reason == "stop"
+        assert end_of(runs[f"t{i}"]).finish_reason == "stop"
 
 
 def test_closed_properties_close_only_what_the_schema_leaves_open():
@@ -297,9 +227,9 @@ def test_a_refused_token_is_flagged_not_raised(loaded):
 def test_a_budget_below_the_shortest_closing_json_is_refused_before_any_token(loaded):
     """A one-token json_object ended as `{`, which does not parse: now the request is refused,
     naming max_tokens and the shortest budget that closes (`{}`: 2 tokens)."""
-    engine = _engine(loaded)
+    engine = engine_for(loaded)
     engine.submit_generate(Generate(request_id="one", prompt="Hello", max_tokens=1, constraint=p.JsonObject()))
-    end = _end(_run(engine)["one"])
+    end = end_of(run_wide(engine)["one"])
     assert isinstance(end, Failed) and end.code == "invalid_constraint"
     assert "max_tokens (1)" in end.message and "at least 2" in end.message
 
@@ -308,18 +238,18 @@ def test_a_budget_below_the_shortest_closing_json_is_refused_before_any_token(lo
 def test_json_object_parses_at_every_budget_from_the_shortest_up(loaded, temperature):
     """max_tokens 4-6 gave `{"":` .. `{"":""`: one free token (`"` opening a key) raised the
     closing count by four while the wrap-up assumed one. Every budget from 2 up parses."""
-    engine = _engine(loaded)
+    engine = engine_for(loaded)
     budgets = list(range(2, 17)) + [24, 40]
     for n in budgets:
         for seed in range(3):
             engine.submit(f"{n}-{seed}", engine.encode_prompt(f"Reply in JSON {seed}:"), max_tokens=n,
                           temperature=temperature, seed=seed, constraint=p.JsonObject())
-    runs = _run(engine)
+    runs = run_wide(engine)
     for n in budgets:
         for seed in range(3):
             events = runs[f"{n}-{seed}"]
-            assert isinstance(json.loads(_text(events)), dict), (n, seed, _text(events))
-            assert _end(events).completion_tokens <= n
+            assert isinstance(json.loads(text_of(events)), dict), (n, seed, text_of(events))
+            assert end_of(events).completion_tokens <= n
 
 
 # ---------------------------------------------------------------------------
@@ -354,21 +284,21 @@ def test_an_exploding_pattern_is_refused_at_compile_not_mid_stream(loaded, spec,
     {"allOf": [{"type": "string"}, {"type": "integer"}]},
 ])
 def test_an_unsatisfiable_schema_fails_before_any_token(loaded, schema):
-    engine = _engine(loaded)
+    engine = engine_for(loaded)
     engine.submit_generate(Generate(request_id="u", prompt="Hello", max_tokens=8,
                                     constraint=p.JsonSchema(schema=json.dumps(schema))))
-    events = _run(engine)["u"]
+    events = run_wide(engine)["u"]
     assert len(events) == 1 and isinstance(events[0], Failed) and events[0].code == "invalid_constraint"
     assert "Unsatisfiable" in events[0].message
 
 
 def test_an_exploding_pattern_fails_its_request_before_any_token(loaded):
-    engine = _engine(loaded)
+    engine = engine_for(loaded)
     spec = p.JsonSchema(schema=json.dumps({"type": "object", "properties": {"x": {"type": "string",
                                                                                   "pattern": EXPLODING}},
                                            "required": ["x"]}))
     engine.submit_generate(Generate(request_id="x", prompt="Hello", max_tokens=32, constraint=spec))
-    events = _run(engine)["x"]
+    events = run_wide(engine)["x"]
     assert [type(ev) for ev in events] == [Failed] and events[0].code == "invalid_constraint"
 
 

@@ -17,7 +17,7 @@ import json
 import pytest
 
 from shared import protocol as p
-from tests.test_api_fields import MSG, StubSupervisor, serving
+from tests.frontdoor_harness import MSG, StubSupervisor, serving
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]

@@ -104,11 +104,12 @@ def test_d2_custom_device_ceiling_is_ignored_on_other_tiers():
     assert device_reserve("safe", 24 * GiB, 20 * GiB) == device_reserve("safe", 24 * GiB)
 
 
-@pytest.mark.parametrize("name, same_as", [(" Safe ", "safe"), ("AGGRESSIVE", "aggressive"),
-                                           ("bogus", "balanced"), ("", "balanced")])
-def test_d2_tier_names_are_normalised_as_t2(name, same_as):
-    assert device_reserve(name, 24 * GiB) == device_reserve(same_as, 24 * GiB)
-    assert dev(name).tier == same_as
+@pytest.mark.parametrize("name, same_as", [(" Safe ", "safe"), ("AGGRESSIVE", "aggressive")])
+def test_d2_the_device_pool_reads_the_tier_normalised_where_it_entered(name, same_as):
+    """T2 happens once, at the edge (here the config); the device pool gets a Tier."""
+    tier = guard_settings(parse_config(f'[guard]\ntier = "{name}"')).tier
+    assert device_reserve(tier, 24 * GiB) == device_reserve(same_as, 24 * GiB)
+    assert dev(tier).tier == same_as
 
 
 # -- D3 device ceiling -----------------------------------------------------------

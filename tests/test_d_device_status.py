@@ -31,7 +31,7 @@ from supervisor.policy.device import compute_device_ceilings, device_remedy
 from supervisor.policy.pressure import tick
 from supervisor.policy.snapshot import GuardSettings, Snapshot, WorkerRecord
 from supervisor.policy.status import GuardStatus, ModelInfo, ServerStatus, build_status, device_pool
-from tests.test_probe_nvml import fake_pynvml, proc
+from tests.nvml_harness import fake_pynvml, proc
 
 DEVICE = 24 * GiB
 RESERVE = int(0.05 * DEVICE)  # D2 balanced: clamp(5 % of 24 GiB, 512 MiB, 4 GiB)

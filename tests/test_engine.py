@@ -9,18 +9,10 @@ import pytest
 from shared.limits import Limits
 from shared.protocol import ChatMessage, Failed, Finished, Generate, NeedMemory, Prompted, TokenOut
 from shared.sizes import GiB
-from tests.engine_harness import Run, drive  # noqa: F401 - other test files import them from here too
+from tests.engine_harness import GUARDED, OPEN, Run, drive, engine_for
 from worker.engine import Engine, EngineError
 from worker.prefill_guard import padded_chunk_bytes
 from worker.stops import StopMatcher
-
-OPEN = Limits(max_concurrency=8)  # guard off, room for everyone
-
-
-def _engine(loaded, **kwargs) -> Engine:
-    model, tokenizer = loaded
-    kwargs.setdefault("own_usage_fn", lambda: 0)
-    return Engine(model, tokenizer, **kwargs)
 
 
 def _prompt(engine: Engine, text: str = "Once upon a time") -> list[int]:
@@ -31,7 +23,7 @@ def _prompt(engine: Engine, text: str = "Once upon a time") -> list[int]:
 
 
 def test_generates_exactly_max_tokens_and_streams_the_decoded_text(loaded):
-    engine = _engine(loaded)
+    engine = engine_for(loaded)
     engine.submit("r", _prompt(engine), max_tokens=12)
     run = drive(engine)
     end = run.terminal("r")
@@ -51,7 +43,7 @@ def test_greedy_tokens_match_plain_mlx_lm(loaded):
     from mlx_lm.generate import generate_step
 
     model, _ = loaded
-    engine = _engine(loaded, max_chunk=4)  # several prefill chunks
+    engine = engine_for(loaded, max_chunk=4)  # several prefill chunks
     prompt = _prompt(engine, "The memory guard watches every model and steps in early.")
     expected = [tok for tok, _ in generate_step(mx.array(prompt), model, max_tokens=16)]
     engine.submit("r", prompt, max_tokens=16)
@@ -59,7 +51,7 @@ def test_greedy_tokens_match_plain_mlx_lm(loaded):
 
 
 def test_stop_sequence_ends_generation_and_is_not_emitted(loaded):
-    engine = _engine(loaded)
+    engine = engine_for(loaded)
     engine.submit("free", _prompt(engine), max_tokens=24)
     full = drive(engine).text("free")
     stop = full[len(full) // 2: len(full) // 2 + 3]
@@ -92,7 +84,7 @@ def test_eos_token_finishes_with_stop_and_is_not_text(tiny_model):
 
 
 def test_chat_messages_go_through_the_chat_template(loaded):
-    engine = _engine(loaded)
+    engine = engine_for(loaded)
     messages = [ChatMessage(role="user", content="Say hello")]
     expected = loaded[1].apply_chat_template([{"role": "user", "content": "Say hello"}],
                                              add_generation_prompt=True)
@@ -105,14 +97,14 @@ def test_chat_messages_go_through_the_chat_template(loaded):
 
 
 def test_completion_prompt_gets_bos_once(loaded):
-    engine = _engine(loaded)
+    engine = engine_for(loaded)
     bos = loaded[1].bos_token_id
     assert engine.encode_prompt("hi")[0] == bos
     assert engine.encode_prompt("<s>hi").count(bos) == 1
 
 
 def test_seeded_sampling_repeats_whatever_runs_beside_it(loaded):
-    engine = _engine(loaded)
+    engine = engine_for(loaded)
     prompt = _prompt(engine)
     engine.submit("alone", prompt, max_tokens=10, temperature=1.0, top_p=0.9, seed=42)
     alone = drive(engine).tokens("alone")
@@ -128,7 +120,7 @@ def test_negative_seed_samples_as_its_64_bit_twos_complement(loaded):
     """OpenAI seeds are int64; MLX keys take uint64 only. A negative seed used to
     raise TypeError inside the worker's command loop and kill the worker, failing
     every stream on it (and, repeated, marking a pinned model failed)."""
-    engine = _engine(loaded)
+    engine = engine_for(loaded)
     prompt = _prompt(engine)
     engine.submit("neg", prompt, max_tokens=6, temperature=1.0, seed=-1)
     engine.submit("max", prompt, max_tokens=6, temperature=1.0, seed=2**64 - 1)
@@ -141,7 +133,7 @@ def test_negative_seed_samples_as_its_64_bit_twos_complement(loaded):
 
 
 def test_two_sequences_interleave_with_their_own_kv_caches(loaded):
-    engine = _engine(loaded)
+    engine = engine_for(loaded)
     p1, p2 = _prompt(engine, "Once upon a time"), _prompt(engine, "def main():")
     solo = {}
     for rid, prompt in (("one", p1), ("two", p2)):
@@ -157,7 +149,7 @@ def test_two_sequences_interleave_with_their_own_kv_caches(loaded):
 
 
 def test_p8_concurrency_cap_is_respected(loaded):
-    engine = _engine(loaded)
+    engine = engine_for(loaded)
     for i in range(3):
         engine.submit(f"r{i}", _prompt(engine), max_tokens=5)
     limits = Limits(max_concurrency=2)
@@ -175,7 +167,7 @@ def test_p8_concurrency_cap_is_respected(loaded):
 
 
 def test_engine_max_concurrency_caps_even_generous_limits(loaded):
-    engine = _engine(loaded, max_concurrency=1)
+    engine = engine_for(loaded, max_concurrency=1)
     engine.submit("a", _prompt(engine), max_tokens=3)
     engine.submit("b", _prompt(engine), max_tokens=3)
     engine.step(Limits(max_concurrency=8), lambda: 0)
@@ -185,7 +177,7 @@ def test_engine_max_concurrency_caps_even_generous_limits(loaded):
 def test_p3_paused_admission_takes_one_when_idle_and_none_beside_a_running_one(loaded):
     """Pressure pauses new work, but a worker with nothing running still takes one request,
     so pressure never starves everyone (SPEC P3)."""
-    engine = _engine(loaded, speculative=False)  # one token a step: the one running still runs after 3
+    engine = engine_for(loaded, speculative=False)  # one token a step: the one running still runs after 3
     paused = Limits(max_concurrency=4, admission_paused=True)
     for i in range(3):
         engine.submit(f"r{i}", _prompt(engine), max_tokens=4)
@@ -201,7 +193,7 @@ def test_p3_paused_admission_takes_one_when_idle_and_none_beside_a_running_one(l
 
 def test_prefill_chunks_alternate_with_decode_steps(loaded):
     """A long prompt arriving must not freeze streams already running."""
-    engine = _engine(loaded, max_chunk=8)
+    engine = engine_for(loaded, max_chunk=8)
     engine.submit("running", _prompt(engine), max_tokens=40)
     while not engine.tokens_total:
         engine.step(OPEN, lambda: 0)
@@ -220,7 +212,7 @@ def test_prefill_chunks_alternate_with_decode_steps(loaded):
 
 
 def test_abort_gives_exactly_one_terminal_failed_wherever_the_request_is(loaded):
-    engine = _engine(loaded)
+    engine = engine_for(loaded)
     for rid in ("decoding", "queued"):
         engine.submit(rid, _prompt(engine), max_tokens=50)
     limits = Limits(max_concurrency=1)
@@ -238,7 +230,7 @@ def test_abort_gives_exactly_one_terminal_failed_wherever_the_request_is(loaded)
 
 
 def test_abort_all_and_abort_queued(loaded):
-    engine = _engine(loaded)
+    engine = engine_for(loaded)
     for i in range(3):
         engine.submit(f"r{i}", _prompt(engine), max_tokens=50)
     limits = Limits(max_concurrency=1)
@@ -265,7 +257,7 @@ def test_abort_all_and_abort_queued(loaded):
     ],
 )
 def test_bad_generate_becomes_one_invalid_request_failure(loaded, cmd, fragment):
-    engine = _engine(loaded)
+    engine = engine_for(loaded)
     engine.submit_generate(cmd)
     end = drive(engine).terminal("x")
     assert isinstance(end, Failed) and end.code == "invalid_request"
@@ -301,7 +293,7 @@ def test_a_generate_that_cannot_be_prepared_fails_alone_and_the_engine_keeps_ser
 
 
 def test_duplicate_request_id_and_out_of_vocab_tokens_are_refused(loaded):
-    engine = _engine(loaded)
+    engine = engine_for(loaded)
     engine.submit("same", [1, 2, 3], max_tokens=2)
     with pytest.raises(EngineError, match="already in use"):
         engine.submit("same", [1, 2, 3])
@@ -332,15 +324,9 @@ def test_load_errors_name_the_path(tmp_path):
 
 # ------------------------------------------------------------------ prefill guard (G1-G3)
 
-GUARDED = Limits(soft_limit=9 * GiB, hard_limit=10 * GiB, hard_watermark=int(9.5 * GiB),
-                 abort_limit=12 * GiB, abort_margin=0.93, prefill_headroom_safety=0.92,
-                 static=12 * GiB, dynamic=10 * GiB, ceiling=10 * GiB, binding="dynamic",
-                 min_chunk_tokens=4, max_concurrency=4)
-
-
 def test_g1_need_memory_then_retry_once_after_the_answer(loaded):
     usage = {"now": 10 * GiB - 1024}  # no room for any prompt
-    engine = _engine(loaded)
+    engine = engine_for(loaded)
     engine.submit("r", _prompt(engine), max_tokens=3)
     events = engine.step(GUARDED, lambda: usage["now"])
     assert [type(ev) for ev in events] == [NeedMemory]
@@ -354,7 +340,7 @@ def test_g1_need_memory_then_retry_once_after_the_answer(loaded):
 
 
 def test_g1_still_no_room_after_retry_rejects_with_estimate_limit_and_binding(loaded):
-    engine = _engine(loaded)
+    engine = engine_for(loaded)
     engine.submit("r", _prompt(engine), max_tokens=3)
     full = lambda: 10 * GiB - 1024  # noqa: E731
     assert isinstance(engine.step(GUARDED, full)[0], NeedMemory)
@@ -370,7 +356,7 @@ def test_g1_still_no_room_after_retry_rejects_with_estimate_limit_and_binding(lo
 def test_g1_no_answer_retries_by_itself_after_the_wait(loaded):
     """A lost answer must not strand the request forever."""
     clock = {"t": 0.0}
-    engine = _engine(loaded, clock=lambda: clock["t"], memory_wait=5.0)
+    engine = engine_for(loaded, clock=lambda: clock["t"], memory_wait=5.0)
     engine.submit("r", _prompt(engine), max_tokens=2)
     full = lambda: 10 * GiB - 1024  # noqa: E731
     assert isinstance(engine.step(GUARDED, full)[0], NeedMemory)
@@ -384,7 +370,7 @@ def test_g1_no_answer_retries_by_itself_after_the_wait(loaded):
 
 def test_g1_prompt_too_big_for_the_machine_is_rejected_without_eviction(loaded):
     """Evicting other users' models cannot help when this worker alone is over the limit."""
-    engine = _engine(loaded, own_usage_fn=lambda: 10 * GiB)
+    engine = engine_for(loaded, own_usage_fn=lambda: 10 * GiB)
     engine.submit("r", _prompt(engine), max_tokens=2)
     run = drive(engine, GUARDED, lambda: 10 * GiB)
     assert not [ev for ev in run.events if isinstance(ev, NeedMemory)]
@@ -393,7 +379,7 @@ def test_g1_prompt_too_big_for_the_machine_is_rejected_without_eviction(loaded):
 
 def test_g1_decoding_continues_while_another_request_waits_for_memory(loaded):
     usage = {"now": 1 * GiB}
-    engine = _engine(loaded)
+    engine = engine_for(loaded)
     engine.submit("running", _prompt(engine), max_tokens=30)
     while not engine.tokens_total:
         engine.step(GUARDED, lambda: usage["now"])
@@ -417,7 +403,7 @@ def test_g2_no_room_for_the_floor_mid_prefill_asks_once_then_aborts_and_frees_th
     def usage():
         return next(readings, 10 * GiB)  # then the machine fills up
 
-    engine = _engine(loaded, max_chunk=8, reclaim_fn=lambda: reclaims.append(1) or 0)
+    engine = engine_for(loaded, max_chunk=8, reclaim_fn=lambda: reclaims.append(1) or 0)
     engine.submit("long", _prompt(engine, "word " * 40), max_tokens=2)
     run = drive(engine, GUARDED, usage)
     [need] = [ev for ev in run.events if isinstance(ev, NeedMemory)]
@@ -444,7 +430,7 @@ def _g1_fits_g2_floor_does_not(engine: Engine, prompt: list[int]) -> int:
 def test_g2_a_floor_chunk_that_does_not_fit_asks_for_room_and_runs_once_it_is_made(loaded):
     """G2 (2026-12-05): a prompt G1 let in asks the supervisor for room at its floor chunk, G1's
     message and `need_bytes` meaning (the shortfall), and is served once the room is made."""
-    engine = _engine(loaded)
+    engine = engine_for(loaded)
     prompt = _prompt(engine, "word " * 20)
     usage = {"now": _g1_fits_g2_floor_does_not(engine, prompt)}
     engine.submit("r", prompt, max_tokens=3)
@@ -463,7 +449,7 @@ def test_g2_a_floor_chunk_that_does_not_fit_asks_for_room_and_runs_once_it_is_ma
 def test_g2_a_held_prefill_with_no_answer_retries_by_itself_after_the_wait(loaded):
     """A lost answer must not strand a prefill held at its floor chunk either."""
     clock = {"t": 0.0}
-    engine = _engine(loaded, clock=lambda: clock["t"], memory_wait=5.0)
+    engine = engine_for(loaded, clock=lambda: clock["t"], memory_wait=5.0)
     prompt = _prompt(engine, "word " * 20)
     usage = _g1_fits_g2_floor_does_not(engine, prompt)
     engine.submit("r", prompt, max_tokens=2)
@@ -476,7 +462,7 @@ def test_g2_a_held_prefill_with_no_answer_retries_by_itself_after_the_wait(loade
 
 
 def test_g2_chunks_shrink_near_the_target(loaded):
-    engine = _engine(loaded, max_chunk=64)
+    engine = engine_for(loaded, max_chunk=64)
     prompt = _prompt(engine, "word " * 80)
     engine.submit("r", prompt, max_tokens=1)
     target = int(GUARDED.hard_limit * GUARDED.prefill_headroom_safety)
@@ -495,7 +481,7 @@ def test_g3_over_abort_limit_reclaims_then_continues_when_that_was_enough(loaded
     def usage():
         return next(readings, 1 * GiB)  # after the reclaim: fine again
 
-    engine = _engine(loaded, max_chunk=8, reclaim_fn=lambda: calls.append("reclaim") or 0)
+    engine = engine_for(loaded, max_chunk=8, reclaim_fn=lambda: calls.append("reclaim") or 0)
     engine.submit("r", _prompt(engine, "word " * 20), max_tokens=2)
     end = drive(engine, GUARDED, usage).terminal("r")
     assert isinstance(end, Finished)
@@ -508,7 +494,7 @@ def test_g3_still_over_abort_limit_after_reclaim_fails_the_request(loaded):
     def usage():
         return next(readings, 13 * GiB)
 
-    engine = _engine(loaded, max_chunk=8, reclaim_fn=lambda: 0)
+    engine = engine_for(loaded, max_chunk=8, reclaim_fn=lambda: 0)
     engine.submit("r", _prompt(engine, "word " * 20), max_tokens=2)
     end = drive(engine, GUARDED, usage).terminal("r")
     assert isinstance(end, Failed) and end.code == "prefill_memory_exceeded"
@@ -523,7 +509,7 @@ ON_DEVICE = msgspec.structs.replace(GUARDED, device_soft=18 * GiB, device_hard=1
 def _on_device(loaded, group, own=lambda: 0, **kw) -> Engine:
     from worker.prefill import DeviceUsage
 
-    return _engine(loaded, device=DeviceUsage(group=group, own=own), **kw)
+    return engine_for(loaded, device=DeviceUsage(group=group, own=own), **kw)
 
 
 def test_g1_d_on_a_device_the_prefill_is_held_to_the_device_pool_not_host_ram(loaded):
@@ -538,7 +524,7 @@ def test_g1_d_on_a_device_the_prefill_is_held_to_the_device_pool_not_host_ram(lo
     assert isinstance(end, Failed) and end.code == "prefill_memory_exceeded"
     assert end.binding == "device" and end.limit_bytes == 19 * GiB
     assert "of device memory" in end.message and "device pool" in end.message
-    cpu = _engine(loaded)  # no discrete device: host RAM, whatever the limits say of a device
+    cpu = engine_for(loaded)  # no discrete device: host RAM, whatever the limits say of a device
     unguarded = _on_device(loaded, group=lambda: 19 * GiB - 1024)  # no device watermarks handed out
     for engine, limits in ((cpu, ON_DEVICE), (unguarded, GUARDED)):
         engine.submit("r", _prompt(engine, "word " * 20), max_tokens=2)
@@ -586,7 +572,7 @@ def test_g3_d_over_the_device_hard_watermark_after_a_chunk_fails_naming_the_devi
 
 
 def test_g2_measured_cost_replaces_the_prior(loaded):
-    engine = _engine(loaded, max_chunk=16)
+    engine = engine_for(loaded, max_chunk=16)
     engine.submit("short", _prompt(engine, "hi"), max_tokens=1)
     drive(engine)
     assert engine.cost == prior_of(engine), "a tiny chunk's fixed costs must not be learned"
@@ -628,7 +614,7 @@ def test_stop_matcher_picks_the_earliest_of_several_stops():
 
 def test_memory_counters_track_running_queued_tokens(loaded):
     """The figures the worker writes into every sample (running, queued, tokens)."""
-    engine = _engine(loaded)
+    engine = engine_for(loaded)
     engine.submit("a", _prompt(engine), max_tokens=4)
     engine.submit("b", _prompt(engine), max_tokens=4)
     assert (engine.running, engine.queued, engine.tokens_total) == (0, 2, 0)
@@ -640,7 +626,7 @@ def test_memory_counters_track_running_queued_tokens(loaded):
 
 def test_idle_while_the_head_waits_for_memory_even_with_more_queued(loaded):
     """No busy loop: while the only movable request waits for the supervisor, there is no work."""
-    engine = _engine(loaded)
+    engine = engine_for(loaded)
     engine.submit("head", _prompt(engine), max_tokens=2)
     engine.submit("next", _prompt(engine), max_tokens=2)
     full = lambda: 10 * GiB - 1024  # noqa: E731
@@ -692,7 +678,7 @@ def test_prefill_chunks_are_sized_by_time_not_only_by_memory(loaded):
     the memory plan allows (512 tokens took 4.7-12.2 s on a small CPU)."""
     from worker.prefill import FIRST_CHUNK, ChunkTimer
 
-    engine = _engine(loaded, max_chunk=512, chunk_seconds=1.0)
+    engine = engine_for(loaded, max_chunk=512, chunk_seconds=1.0)
     engine.chunk_timer.per_token = 0.1  # as if the last chunk took 0.1 s a token: 10 tokens fit 1 s
     engine.submit("long", _prompt(engine, "word " * 300), max_tokens=1)
     engine.step(OPEN, lambda: 0)
@@ -711,7 +697,7 @@ def test_prefill_chunks_are_sized_by_time_not_only_by_memory(loaded):
 
 
 def test_a_prompt_that_leaves_no_room_for_max_tokens_fails_naming_both(loaded):
-    engine = _engine(loaded)
+    engine = engine_for(loaded)
     engine.context_length = 64
     prompt = _prompt(engine, "word " * 60)
     engine.submit_generate(Generate(request_id="r", prompt="word " * 60, max_tokens=16))
@@ -755,11 +741,11 @@ def test_warm_up_leaves_no_trace_and_serving_is_unchanged(loaded):
     """The GPU warm-up runs real requests (one alone, then a group) before serving; afterwards
     nothing of them is left: no request, no batch rows, counters and learned costs as loaded,
     and a request gets the tokens a fresh engine gives."""
-    fresh = _engine(loaded)
+    fresh = engine_for(loaded)
     prompt = _prompt(fresh)
     fresh.submit("a", prompt, max_tokens=6)
     want = drive(fresh).tokens("a")
-    engine = _engine(loaded)
+    engine = engine_for(loaded)
     cost, per_token = engine.cost, engine.chunk_timer.per_token
     assert engine.warm_up() > 0
     assert not engine.has_work and engine.running == 0 and engine.queued == 0

@@ -11,7 +11,7 @@ import pytest
 from shared import fim
 from shared.sizes import MiB
 from supervisor.http.modelfacts import gguf_facts, read_facts
-from tests.test_gguf import write_gguf
+from tests.gguf_harness import write_gguf
 from worker import prompts
 from worker.request import EngineError
 

@@ -30,7 +30,7 @@ from tests.disk_cache_harness import (
     save_all,
     tier,
 )
-from tests.test_engine import drive
+from tests.engine_harness import drive
 from worker import disk_cache, kv_files
 from worker import prompt_cache as pc
 from worker.disk_cache import model_identity
@@ -333,7 +333,7 @@ def test_h5_status_and_ps_show_the_disk_tier_also_for_an_unloaded_model():
     from supervisor.policy.pressure import tick
     from supervisor.policy.snapshot import Snapshot
     from supervisor.policy.status import DiskCacheStatus, ModelInfo, ServerStatus, build_status
-    from tests.test_h_prompt_cache_budget import GUARD, HOST, worker
+    from tests.prompt_cache_harness import GUARD, HOST, worker
 
     s = Snapshot(now=1.0, guard=GUARD, host=HOST, workers=[worker("a", 100 * 1024 ** 2)])
     models = [ModelInfo(id="m-a", path="/m", pinned=False, state="ready", worker="a", disk_cache_bytes=3 * 1024 ** 2),
@@ -361,7 +361,7 @@ def test_h5_watch_shows_the_disk_tier_from_the_status_topic_and_nothing_when_it_
     from supervisor.policy.pressure import tick
     from supervisor.policy.snapshot import Snapshot
     from supervisor.policy.status import DiskCacheStatus, ServerStatus, build_status
-    from tests.test_h_prompt_cache_budget import GUARD, HOST, worker
+    from tests.prompt_cache_harness import GUARD, HOST, worker
 
     s = Snapshot(now=1.0, guard=GUARD, host=HOST, workers=[worker("a", 100 * 1024 ** 2)])
     disk = DiskCacheStatus(max=DISK_CACHE_AUTO, budget=10 * GiB, bytes=8 * 1024 ** 2, entries=3, grace=2.0,

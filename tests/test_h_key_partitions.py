@@ -23,7 +23,7 @@ from supervisor.http.auth import ApiKeys
 from supervisor.http.partitions import partition_id, read_or_create, secret_path, server_secret
 from tests.disk_cache_harness import engine_with, files, save_all, saved, tier
 from tests.disk_cache_harness import kv as disk_kv
-from tests.test_h_prompt_cache import kv
+from tests.prompt_cache_harness import kv
 from worker import kv_files, kv_folder
 from worker import prompt_cache as pc
 from worker.engine import Engine

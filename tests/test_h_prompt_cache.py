@@ -3,29 +3,15 @@
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
 
 from shared.limits import Limits
 from shared.protocol import ChatMessage, Finished, Generate, NeedMemory
 from shared.sizes import GiB, MiB
-from tests.test_engine import Run, drive
-from tests.test_engine import _engine as engine_for
+from tests.engine_harness import Run, drive, engine_for
+from tests.prompt_cache_harness import kv
 from worker.engine import Engine
 from worker.prefill_guard import admission_peak, padded_chunk_bytes
 from worker.prompt_cache import PromptCache
-
-
-def kv(tokens: int, layers: int = 2, fill: float = 1.0) -> list[KVCache]:
-    """Real MLX KV of `tokens` tokens, as a model's layers would hold it."""
-    out = []
-    for _ in range(layers):
-        c = KVCache()
-        x = mx.full((1, 2, tokens, 4), fill, dtype=mx.float32)
-        c.update_and_fetch(x, x)
-        out.append(c)
-    mx.eval([(c.keys, c.values) for c in out])
-    return out
-
 
 ENTRY = sum(c.nbytes for c in kv(10))  # one entry of < 256 tokens: one KV step per layer
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import msgspec
 
-from shared.host import HostCounters
 from shared.memory import MemoryReading
 from shared.sizes import GiB, MiB
 from supervisor.config import guard_settings, parse_config
@@ -13,15 +12,7 @@ from supervisor.policy import decisions as d
 from supervisor.policy.pressure import tick
 from supervisor.policy.snapshot import GuardSettings, Snapshot, WorkerRecord
 from supervisor.policy.status import build_status
-
-GUARD = GuardSettings(tier="custom", custom_ceiling=10 * GiB, soft_threshold=0.8, hard_threshold=0.9,
-                      hot_cache_max=3 * GiB, pool_max=2 * GiB)
-HOST = HostCounters(total=64 * GiB)
-
-
-def worker(name: str, cached: int = 0) -> WorkerRecord:
-    return WorkerRecord(worker=name, model=f"m-{name}", pid=100 + len(name), memory=MemoryReading(usage=GiB, footprint=GiB, cache_bytes=cached,
-                                                                        cache_releasable=cached))
+from tests.prompt_cache_harness import GUARD, HOST, worker
 
 
 def caps(result) -> dict[str, int]:

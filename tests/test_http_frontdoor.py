@@ -10,33 +10,18 @@ a traceback, and the server must keep serving afterwards.
 from __future__ import annotations
 
 import asyncio
-import json
-from pathlib import Path
 
 import pytest
 
 from shared.sizes import GiB
 from supervisor.config import ModelConfig
+from tests.frontdoor_harness import assert_openai_error, fake_huge_model
 from tests.http_harness import ADMIN_TOKEN, LiveServer, make_config, metric, non_loopback_address
 
 pytestmark = pytest.mark.usefixtures("no_front_door_errors")
 
 MAX_BODY = 64 * 1024
 JSON = {"content-type": "application/json"}
-
-
-def fake_huge_model(root: Path, claimed_bytes: int) -> Path:
-    """A model directory whose safetensors header claims `claimed_bytes` of weights.
-
-    Admission sizes a model from its headers before spawning anything (SPEC
-    A2), so this is refused exactly as a real model that large would be.
-    """
-    root.mkdir(parents=True, exist_ok=True)
-    header = json.dumps({"w": {"dtype": "F16", "shape": [claimed_bytes // 2], "data_offsets": [0, claimed_bytes]}})
-    raw = header.encode()
-    (root / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw)
-    (root / "config.json").write_text("{}")
-    return root
 
 
 @pytest.fixture(scope="module")
@@ -60,18 +45,6 @@ def response_head(server, request: bytes) -> bytes:
         return head
 
     return server.run(main())
-
-
-def assert_openai_error(response, status: int, code: str | None = None) -> dict:
-    """The one error shape every failure has (and no traceback in it)."""
-    assert response.status_code == status, response.text
-    assert response.headers["content-type"].startswith("application/json")
-    error = response.json()["error"]
-    assert set(error) >= {"message", "type", "param", "code"}
-    assert error["message"] and "Traceback" not in error["message"]
-    if code is not None:
-        assert error["code"] == code
-    return error
 
 
 def test_unknown_model_is_404_on_every_door(server):
@@ -168,7 +141,7 @@ def test_a3_model_larger_than_the_ceiling_is_507_naming_binding_and_remedy(serve
     binding = server.arbiter.enforcer.last.ceilings.binding
     assert binding and binding in error["message"]
     assert "choose a lower tier" in error["message"] or "close other apps" in error["message"]
-    assert server.arbiter.pool.counters["spawned"] == 0
+    assert server.arbiter.pool.counters.spawned == 0
     assert metric(metrics, "memvisor_guard_events_total", kind="refused") >= 1
     assert {m["id"]: m["state"] for m in models}["huge"] == "unloaded"
 
@@ -364,4 +337,4 @@ def test_ollama_a3_refusal_keeps_507_and_its_words_in_ollama_shape(server):
     assert refused.status_code == 507 and binding and binding in refused.error
     assert plain.status_code == 415 and isinstance(plain.json()["error"], str)
     assert forever.status_code == 400 and forever.json()["param"] == "keep_alive"
-    assert server.arbiter.pool.counters["spawned"] == 0
+    assert server.arbiter.pool.counters.spawned == 0

@@ -15,8 +15,8 @@ import pytest
 
 from shared.sizes import GiB
 from supervisor.config import ConfigError, ModelConfig, load_config
+from tests.frontdoor_harness import assert_openai_error, fake_huge_model
 from tests.http_harness import ADMIN_TOKEN, LiveServer, make_config
-from tests.test_http_frontdoor import assert_openai_error, fake_huge_model
 
 pytestmark = pytest.mark.usefixtures("no_front_door_errors")
 

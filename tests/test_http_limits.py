@@ -20,8 +20,8 @@ import pytest
 
 from shared.sizes import GiB
 from supervisor.config import ModelConfig
+from tests.frontdoor_harness import fake_huge_model
 from tests.http_harness import LiveServer, make_config
-from tests.test_http_frontdoor import fake_huge_model
 
 pytestmark = pytest.mark.usefixtures("no_front_door_errors")
 

@@ -6,7 +6,7 @@ import pytest
 
 from supervisor import intensity
 from supervisor.config import SupervisorConfig
-from supervisor.model_states import MODEL_TRANSITIONS, IllegalModelMove, model_transition
+from supervisor.model_states import MODEL_TRANSITIONS, IllegalMove, model_transition
 
 SCFG = SupervisorConfig(restart_max=3, restart_period=60.0, failed_retry_first=5.0, failed_retry_max=80.0)
 
@@ -37,7 +37,7 @@ def test_each_legal_move(state, event, after):
     ("failed", "exit"),
 ])
 def test_an_illegal_move_raises_instead_of_undoing_a_decision(state, event):
-    with pytest.raises(IllegalModelMove, match=f"{state!r} cannot take event {event!r}"):
+    with pytest.raises(IllegalMove, match=f"{state!r} cannot take event {event!r}"):
         model_transition(state, event)
 
 
@@ -56,7 +56,9 @@ def test_only_restarts_within_the_period_count():
     assert intensity.recent([40.0, 41.0], 100.0, SCFG) == [40.0, 41.0]
 
 
-def test_a_failed_model_is_tried_again_after_a_doubling_backoff_that_starts_over_after_a_quiet_spell():
+def test_the_failed_backoff_doubles_with_each_failure_and_starts_over_after_a_quiet_spell():
+    """intensity.failure_backoff's arithmetic alone; the retry it schedules runs through Models
+    in test_restart_intensity_r_respawns_within_p_seconds_then_failed_with_a_doubling_backoff."""
     failures, delays, last = 0, [], 0.0
     for now in (0.0, 10.0, 30.0, 70.0, 200.0):
         failures, delay = intensity.failure_backoff(failures, last, now, SCFG)
@@ -115,11 +117,10 @@ class Exited:
 def _models(monkeypatch, tmp_path, **scfg):
     """The real Models and Catalog for one pinned model whose files are gone, so each respawn's
     load fails as a crashing worker's would, and the test's clock."""
-    import collections
-
     from supervisor import models as models_module
     from supervisor.catalog import Catalog
     from supervisor.config import Config, ModelConfig
+    from supervisor.counters import SupervisorCounters
     from supervisor.eventlog import EventLog
     from supervisor.models import Models
 
@@ -127,7 +128,7 @@ def _models(monkeypatch, tmp_path, **scfg):
     monkeypatch.setattr(models_module, "time", clock)
     config = Config(supervisor=SupervisorConfig(**scfg), models=[ModelConfig(id="m", path=str(tmp_path / "gone"),
                                                                              pinned=True)])
-    events, counters = EventLog(), collections.Counter()
+    events, counters = EventLog(), SupervisorCounters()
     catalog = Catalog(config, emit=events.emit, counters=counters, discovered_refused={})
     models = Models(config, catalog=catalog, pool=NoWorker(), enforcer=Unmeasured(), emit=events.emit,  # type: ignore[arg-type]
                     wake=lambda: None, counters=counters, running=lambda: True)
@@ -173,7 +174,7 @@ def test_restart_intensity_r_respawns_within_p_seconds_then_failed_with_a_doubli
     async def main():
         models.on_exit(Exited())
         delays = [models.life("m").due - clock.now] + await until_failed()
-        first = (delays, models.view("m").reason, models.restarts("m"), counters["respawns"])
+        first = (delays, models.view("m").reason, models.restarts("m"), counters.respawns)
         return first, await until_failed()  # its backoff passes: tried again, and fails again
 
     (delays, reason, restarts, respawns), again = asyncio.run(main())

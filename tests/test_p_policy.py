@@ -1,4 +1,4 @@
-"""SPEC P1-P10 (and T2, T6, C1, C2 as the tick sees them), one table per rule.
+"""SPEC P1-P10 (and T6, C1, C2 as the tick sees them), one table per rule.
 
 The guard here uses the custom tier with a 10 GiB ceiling on a 64 GiB machine
 and explicit thresholds, so soft is 8 GiB and hard 9 GiB: every figure below
@@ -404,6 +404,29 @@ def test_p8_recheck_does_not_walk():
     assert not of(r, d.SetConcurrency)
 
 
+def test_p8_a_step_carries_the_worker_s_whole_limits_with_the_new_cap():
+    """The policy's decisions are complete, one per worker: the enforcer sends them as they
+    are, merging nothing (a takes a step, b is at its maximum)."""
+    r = tick(snap(busy("a", 2.0, concurrency=2, max_concurrency=4), busy("b", 2.0, concurrency=4, max_concurrency=4)))
+    [given] = of(r, d.ApplyLimits)
+    [step] = of(r, d.SetConcurrency)
+    assert (given.worker, given.limits.max_concurrency) == ("b", 4)
+    assert (step.worker, step.cap, step.limits.max_concurrency) == ("a", 3, 3)
+    assert msgspec.structs.replace(step.limits, max_concurrency=4) == given.limits
+    assert r.state.caps == {"a": 3, "b": 4}
+
+
+def test_t6_a_cap_changed_outside_the_policy_is_handed_out_again():
+    """A spare that took a model (W1) runs with its model's cap: the limits it held as a spare
+    said 1. The policy keeps the cap each worker's limits carry and hands them out again."""
+    spare = w("s", model="", state="spare", pid=5, concurrency=1, max_concurrency=1)
+    took = w("s", model="m-s", state="loading", pid=5, concurrency=4, max_concurrency=4)
+    r = run(snap(spare), snap(took))
+    assert [(x.worker, x.limits.max_concurrency, x.reason) for x in of(r, d.ApplyLimits)] == [
+        ("s", 4, "its request slots changed")]
+    assert not of(run(snap(spare), snap(took), snap(took)), d.ApplyLimits)
+
+
 # --- P9 cadence -------------------------------------------------------------
 
 
@@ -479,19 +502,6 @@ def test_guard_off_no_destructive_decision_and_admission_resumes():
     assert not [x for x in r.decisions if isinstance(x, DESTRUCTIVE)]
     assert of(r, d.ResumeAdmission)
     assert all(x.limits.hard_limit == 0 for x in of(r, d.ApplyLimits))
-
-
-def test_t2_unknown_tier_is_reported_once():
-    bad = msgspec.structs.replace(GUARD, tier="Turbo")
-    first = tick(snap(guard=bad, host=HostCounters(total=64 * GiB, free=32 * GiB)))
-    assert [x.reason for x in of(first, d.Warn)] == ["T2"]
-    assert first.ceilings.tier == "balanced"
-    assert not of(run(snap(guard=bad), snap(guard=bad)), d.Warn)
-    other = msgspec.structs.replace(GUARD, tier="nitro")
-    assert of(run(snap(guard=bad), snap(guard=other)), d.Warn)
-    empty = msgspec.structs.replace(GUARD, tier="")
-    assert [x.reason for x in of(run(snap(guard=bad), snap(guard=empty)), d.Warn)] == ["T2"]
-    assert not of(run(snap(guard=bad), snap(guard=GUARD), snap(guard=GUARD)), d.Warn)
 
 
 def test_t6_new_limits_reach_every_worker_on_the_next_tick():

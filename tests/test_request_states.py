@@ -6,7 +6,8 @@ from typing import get_args
 
 import pytest
 
-from worker.request import TRANSITIONS, IllegalMove, RequestEvent, RequestState, Seq, transition
+from shared.state_table import IllegalMove
+from worker.request import TRANSITIONS, RequestEvent, RequestState, Seq, transition
 from worker.sampling import greedy
 
 

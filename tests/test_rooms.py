@@ -187,3 +187,9 @@ def test_no_import_cycle_under_the_supervisor():
     """Each module of the supervisor can be read, and changed, without the ones it
     imports reading it back: no two of them import each other, however indirectly."""
     assert import_cycles(ROOT / "supervisor") == []
+
+
+def test_no_import_cycle_in_the_wire_package():
+    """shared/ the same way: the probe's backends take its types from shared/probe/base.py,
+    never from the package that chooses among them (which imports them lazily)."""
+    assert import_cycles(ROOT / "shared") == []

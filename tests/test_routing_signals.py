@@ -27,8 +27,8 @@ from supervisor.readiness import (
     share,
 )
 from supervisor.views import ModelView, WorkerView
+from tests.frontdoor_harness import fake_huge_model
 from tests.http_harness import LiveServer, make_config
-from tests.test_http_frontdoor import fake_huge_model
 
 pytestmark = pytest.mark.usefixtures("no_front_door_errors")
 
@@ -204,7 +204,7 @@ def test_an_unusable_max_wait_header_is_a_400_naming_it(server, value):
     r = server.run(main())
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "invalid_header" and r.json()["error"]["param"] == "x-memvisor-max-wait"
-    assert server.arbiter.pool.counters["spawned"] == 0
+    assert server.arbiter.pool.counters.spawned == 0
 
 
 def test_every_refusal_body_has_a_code_in_every_api_shape(server):

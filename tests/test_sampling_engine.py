@@ -16,7 +16,7 @@ import msgspec
 import pytest
 
 from shared.protocol import Failed, Generate, TokenOut
-from tests.test_engine import Run, drive
+from tests.engine_harness import Run, drive
 from worker.engine import Engine
 from worker.sampling import Settings
 

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from shared.sizes import GiB
 from supervisor.cli import main
+from supervisor.config import guard_settings, parse_config
+from supervisor.policy.decisions import Warn
+from supervisor.policy.replay import ReplayTick, replay_lines
 from supervisor.policy.tiers import (
     TIER_PARAMS,
     ThresholdError,
@@ -58,6 +62,50 @@ def test_t1_reserve_truncates_toward_zero():
 )
 def test_t2_tier_names_are_normalised_unknown_becomes_balanced(name, tier, known):
     assert normalise_tier(name) == (tier, known)
+
+
+TRACE = Path(__file__).parent / "fixtures" / "traces" / "pressure_episode.jsonl"
+
+
+def _trace(*tiers: str, tier_warned: bool = False) -> list[bytes]:
+    """The episode's first line once per tier name, as a trace (recorded before T2 moved to the
+    edge when `tier_warned`: such traces carry it in their state)."""
+    first = json.loads(TRACE.read_bytes().splitlines()[0])
+    lines = []
+    for tier in tiers:
+        first["guard"]["tier"] = tier
+        if tier_warned:
+            first["state"]["tier_warned"] = ""
+        lines.append(json.dumps(first).encode())
+    return lines
+
+
+def _t2_warnings(*tiers: str) -> list[list[str]]:
+    return [[x.message for x in t.decisions if isinstance(x, Warn) and x.reason == "T2"]
+            for t in replay_lines(_trace(*tiers))]
+
+
+def test_t2_a_trace_with_an_unknown_tier_guards_with_balanced_and_says_so_once():
+    """A trace is where a tier name enters the policy without a config's refusal: the tick
+    reads only tiers (GuardSettings.tier is a Tier), so the name is normalised there, once."""
+    assert _t2_warnings("Turbo") == [["unknown memory guard tier 'Turbo'; using 'balanced' "
+                                      "(choose safe, balanced, aggressive or custom)"]]
+    assert _t2_warnings("Turbo", "Turbo") == [[_t2_warnings("Turbo")[0][0]], []]
+    assert [bool(w) for w in _t2_warnings("Turbo", "nitro")] == [True, True]
+    assert [bool(w) for w in _t2_warnings("Turbo", "")] == [True, True]
+    assert [bool(w) for w in _t2_warnings("Turbo", "balanced", "balanced")] == [True, False, False]
+    balanced, turbo, safe, spaced = replay_lines(_trace("balanced", "Turbo", "safe", " Safe "), chained=False)
+    assert isinstance(turbo, ReplayTick) and turbo.ceiling == balanced.ceiling != safe.ceiling  # type: ignore[union-attr]
+    assert spaced.ceiling == safe.ceiling and not _t2_warnings(" Safe ")[0]  # type: ignore[union-attr]
+
+
+def test_t2_a_trace_recorded_with_the_tick_s_tier_report_still_replays():
+    (old,) = replay_lines(_trace("Turbo", tier_warned=True))
+    assert isinstance(old, ReplayTick) and "T2" in [x.reason for x in old.decisions if isinstance(x, Warn)]
+
+
+def test_t2_the_config_hands_the_guard_a_normalised_tier():
+    assert guard_settings(parse_config('[guard]\ntier = " Safe "')).tier == "safe"
 
 
 @pytest.mark.parametrize(

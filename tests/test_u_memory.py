@@ -12,16 +12,27 @@ import mlx.core as mx
 import pytest
 
 from shared.probe import footprint
-from shared.sizes import MiB
-from worker.memory import MemorySampler, sample
+from shared.sizes import GiB, MiB
+from worker.memory import MemorySampler, sample, u1_usage
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def test_u1_usage_is_max_of_active_and_footprint_pool_included():
-    reading = sample()
-    assert reading.usage == max(reading.mlx_active, reading.footprint)
-    assert reading.footprint > 0
+    """Both sides of the max, and a buffer MLX keeps in its pool is not taken off usage: the
+    pool is memory the OS charges (a reading that subtracts it sits below the footprint)."""
+    assert u1_usage(3 * GiB, GiB) == 3 * GiB  # active above the footprint: the floor
+    assert u1_usage(GiB, 3 * GiB) == 3 * GiB
+    limit = mx.set_cache_limit(1 << 32)
+    try:
+        held = mx.ones((64 * MiB,), dtype=mx.uint8)
+        mx.eval(held)
+        del held  # into MLX's pool, not back to the OS
+        reading = sample()
+    finally:
+        mx.set_cache_limit(limit)
+    assert reading.mlx_pool >= 64 * MiB
+    assert reading.usage >= reading.footprint > 0
 
 
 def test_u1_footprint_is_the_probe_reading_not_rss():
@@ -50,7 +61,7 @@ def test_u1_usage_follows_mlx_allocations():
 _POOL_IN_THE_HEAP = """
 import ctypes, json, sys
 import mlx.core as mx
-from shared.sizes import MiB
+from shared.sizes import GiB, MiB
 from worker.memory import reclaim, sample
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p

@@ -14,7 +14,7 @@ import pytest
 from shared import protocol as p
 from shared.host import HostCounters
 from shared.sizes import GiB, MiB
-from shared.states import IllegalTransition, transition
+from shared.states import IllegalMove, transition
 from supervisor import load_clock
 from supervisor.config import SupervisorConfig
 from supervisor.policy import decisions as d
@@ -153,7 +153,7 @@ def test_w1_a_spare_waits_then_loads_its_model():
 @pytest.mark.parametrize("state, event", [("spare", "hello"), ("spare", "loaded"), ("spare", "work"),
                                           ("ready", "take"), ("loading", "wait")])
 def test_w1_illegal_spare_moves_are_refused(state, event):
-    with pytest.raises(IllegalTransition):
+    with pytest.raises(IllegalMove):
         transition(state, event)
 
 
@@ -256,3 +256,29 @@ def test_w6_a_late_heartbeat_never_moves_a_load_back():
     load_clock.hello(clock, 0.1, 1.0)
     load_clock.progress(clock, alive("hello"), 1.1)
     assert clock.phase == "build"
+
+
+def test_w1_a_spare_is_spawned_with_no_model_and_takes_its_model_and_draft_at_the_hand_off(tmp_path):
+    """A spare's start spec names no model and no draft (the spawn must not read a model it does
+    not have); the spec its TakeModel carries names the adopted model's folder and draft."""
+    import asyncio
+
+    from supervisor import load_clock
+    from supervisor.bus import Endpoints
+    from supervisor.config import Config, ModelConfig
+    from supervisor.process import WorkerHandle, worker_spec
+
+    ends = Endpoints(commands="ipc://c", reports="ipc://r", pub="ipc://p", control="ipc://x")
+
+    async def specs() -> tuple[p.WorkerSpec, p.WorkerSpec]:  # a handle's futures need a loop
+        handle = WorkerHandle("spare#1", None, 3, 1)
+        started = worker_spec(handle, Config(), tmp_path / "ledger", ends)
+        handle.move("wait")  # its hello said it is a spare: only then can it take a model
+        model = ModelConfig(id="big", path=str(tmp_path / "big"), draft=str(tmp_path / "small"))
+        handle.adopt(model, load_clock.begin(0.0, 0.0, spare=True, estimate=0), 0.0)
+        return started, worker_spec(handle, Config(), tmp_path / "ledger", ends)
+
+    started, taken = asyncio.run(specs())
+    assert (started.model_id, started.model_path, started.draft_path) == ("", "", "")
+    assert (taken.model_path, taken.draft_path) == (str(tmp_path / "big"), str(tmp_path / "small"))
+    assert (taken.worker_id, taken.slot) == ("spare#1", 3)

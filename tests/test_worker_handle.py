@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import supervisor
-from shared.states import IllegalTransition
+from shared.state_table import IllegalMove
 from supervisor.config import ModelConfig
 from supervisor.errors import LoadError
 from supervisor.process import Leaving, WorkerHandle
@@ -99,7 +99,7 @@ def test_an_exit_says_how_it_ended_and_a_late_move_is_refused():
         handle.ended(-9)  # SIGKILL nobody sent
         assert handle.state == "dead" and "Perhaps out of memory?" in handle.exit_cause
         assert handle.exited.result() == -9
-        with pytest.raises(IllegalTransition):
+        with pytest.raises(IllegalMove):
             handle.move("hello")
         with pytest.raises(LoadError):
             handle.loaded.result()

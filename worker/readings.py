@@ -20,7 +20,7 @@ from shared import protocol as p
 from shared.ledger import Ledger
 from shared.limits import Limits
 from shared.memory import NO_READING
-from shared.vocab import SampleReason
+from shared.vocab import SampleReason, WorkerPhase
 
 if TYPE_CHECKING:  # types only: these import MLX
     from worker.allocator import AllocatorLimits
@@ -36,14 +36,14 @@ class Readings:
         self.ledger = ledger
         self.sampler = sampler
         self._report = report
-        self.phase = "starting"
+        self.phase: WorkerPhase = "starting"
         self.urgent: SampleReason | None = None  # a reason to publish the next sample at once
         self.seq = 0
         self.last_sent = 0.0
         self._last = NO_READING  # the latest reading, sent as is in the next Sample
         self.last_level = 0
 
-    def enter(self, phase: str) -> None:
+    def enter(self, phase: WorkerPhase) -> None:
         """The worker's phase as the ledger shows it; "ready" and "busy" then follow the work."""
         self.phase = phase
 

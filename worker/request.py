@@ -25,6 +25,7 @@ from typing import Any, Literal, Protocol, cast, get_args
 import mlx.core as mx
 
 from shared.protocol import SHARED_PARTITION
+from shared.state_table import state_machine
 from shared.vocab import FailureCode
 from worker import prompt_cache as pc
 from worker.constrain import Constraint
@@ -47,24 +48,7 @@ TRANSITIONS: dict[RequestState, dict[RequestEvent, RequestState]] = {
 }
 
 
-class IllegalMove(RuntimeError):
-    """A move the table does not allow: a bug in the engine, said loudly."""
-
-    def __init__(self, state: RequestState, event: RequestEvent) -> None:
-        super().__init__(f"a request in state {state!r} cannot take event {event!r}")
-        self.state = state
-        self.event = event
-
-
-def transition(state: RequestState, event: RequestEvent) -> RequestState:
-    """The state after `event`, or IllegalMove."""
-    try:
-        return TRANSITIONS[state][event]
-    except KeyError:
-        raise IllegalMove(state, event) from None
-
-
-assert set(TRANSITIONS) == set(get_args(RequestState)), "every state has a row"
+transition = state_machine("request", TRANSITIONS, get_args(RequestState))
 
 # Waiting for the supervisor's answer to a request for room: G1 before the prefill, G2 inside it.
 WAITING_FOR_ROOM: tuple[RequestState, ...] = ("waiting", "held")

@@ -15,134 +15,57 @@ Two promises hold on every platform:
 * The import stays light (msgspec and the standard library only): worker
   processes import this module to measure their own footprint, and a worker
   must never pay for, or be broken by, the supervisor's heavier machinery.
+
+The types and the helpers the backends share live in `shared.probe.base`
+(re-exported here), so no backend imports this module back.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import threading
-from typing import Any, Literal
-
-import msgspec
+from typing import Any
 
 from shared.host import HostCounters
+from shared.probe.base import (
+    GpuKind,
+    HostReading,
+    ProbeError,
+    Psi,
+    PsiLine,
+    TotalSource,
+    _warned,  # noqa: F401 - one warning per cause; tests clear it as `probe._warned`
+    choose_total,
+    gpu_kind,
+    warn_once,
+)
 from shared.sizes import MiB
 
-log = logging.getLogger("memvisor.probe")
-
-TotalSource = Literal["physical", "container", "budget"]
-GpuKind = Literal["metal", "cuda", "cpu"]
-
-
-class ProbeError(Exception):
-    """A reading that could not be taken; the message names the file or call."""
-
-
-class PsiLine(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One line of a pressure-stall file: % of time stalled, and total µs."""
-
-    avg10: float
-    avg60: float
-    avg300: float
-    total_us: int
-
-
-class Psi(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Memory pressure stall information (Linux PSI)."""
-
-    some: PsiLine
-    full: PsiLine | None = None   # absent on kernels that only report `some`
-    source: str = ""
-
-
-class HostReading(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Everything `probe` shows; `counters` is what the policy consumes.
-
-    `sources` maps each number to the file (and field) or call it came from,
-    so a wrong ceiling can be traced to the reading behind it. `detail` holds
-    platform figures that are shown but not used by the formulas (wired,
-    speculative, anon, shmem ...), in bytes unless the key says otherwise.
-    """
-
-    platform: str
-    counters: HostCounters
-    physical_total: int
-    container_limit: int | None = None
-    container_usage: int | None = None
-    cgroup: str | None = None          # "v1 <dir>" / "v2 <dir>": the memory cgroup whose
-                                       # limit binds, else the process's own
-    budget: int = 0
-    total_source: TotalSource = "physical"
-    swap_total: int | None = None
-    zram: bool | None = None           # a zram device is active as swap
-    zswap: bool | None = None          # the zswap front-end is enabled
-    psi: Psi | None = None
-    detail: dict[str, int] = {}
-    sources: dict[str, str] = {}
-    warnings: list[str] = []
-
-
-# ---------------------------------------------------------------------------
-# One warning per cause.
-
-_warned: set[str] = set()
-_warned_lock = threading.Lock()
-
-
-def warn_once(cause: str, message: str) -> str:
-    """Log `message` the first time `cause` is seen; return it either way.
-
-    The returned text goes into the reading's `warnings`, so `probe` and
-    status can show a degraded reading every time without the log repeating.
-    """
-    with _warned_lock:
-        first = cause not in _warned
-        _warned.add(cause)
-    if first:
-        log.warning("%s", message)
-    return message
-
-
-def choose_total(
-    physical: int, container: int | None, budget: int
-) -> tuple[int, TotalSource]:
-    """SPEC C inputs: total = min(physical, container limit, budget).
-
-    Ties go to the first of physical, container, budget, so a budget equal to
-    the RAM does not claim to bind. A container limit or budget of 0 or less
-    is not a candidate (0 means "none", never "no memory").
-    """
-    total: int = physical
-    source: TotalSource = "physical"
-    if container is not None and 0 < container < total:
-        total, source = container, "container"
-    if budget > 0 and budget < total:
-        total, source = budget, "budget"
-    return total, source
-
+__all__ = [
+    "GpuKind",
+    "HostReading",
+    "ProbeError",
+    "Psi",
+    "PsiLine",
+    "TotalSource",
+    "choose_total",
+    "exact_footprint",
+    "footprint",
+    "gpu_cap_from_device_info",
+    "gpu_kind",
+    "gpu_share_of_usage",
+    "host_gpu_cap",
+    "own_footprint",
+    "read_host",
+    "read_host_counters",
+    "read_wired",
+    "warn_once",
+]
 
 # ---------------------------------------------------------------------------
 # GPU caps (SPEC C: gpu_cap_raw; C4). The supervisor never imports MLX: each
 # worker sends `mx.device_info()` in its hello and these turn it into numbers.
-
-
-
-def gpu_kind(info: dict[str, Any]) -> GpuKind:
-    """Which accelerator a worker's `mx.device_info()` describes.
-
-    Metal reports `max_recommended_working_set_size`; the CUDA backend reports
-    `total_memory` (mlx/backend/cuda/device_info.cpp); the CPU backend only
-    names the architecture and device.
-    """
-    if not isinstance(info, dict):
-        return "cpu"
-    if "max_recommended_working_set_size" in info:
-        return "metal"
-    if "total_memory" in info:
-        return "cuda"
-    return "cpu"
 
 
 def _info_int(info: dict[str, Any], key: str) -> int:

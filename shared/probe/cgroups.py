@@ -13,7 +13,7 @@ import re
 
 import msgspec
 
-from shared.probe import ProbeError
+from shared.probe.base import ProbeError
 from shared.probe.procfs import parse_limit, read_once, under
 
 # ---------------------------------------------------------------------------

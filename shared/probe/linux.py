@@ -69,7 +69,7 @@ from collections.abc import Callable
 import msgspec
 
 from shared.host import HostCounters
-from shared.probe import (
+from shared.probe.base import (
     HostReading,
     ProbeError,
     Psi,

@@ -61,7 +61,7 @@ from typing import Any
 import msgspec
 
 from shared.host import HostCounters
-from shared.probe import HostReading, ProbeError, TotalSource, choose_total, warn_once
+from shared.probe.base import HostReading, ProbeError, TotalSource, choose_total, warn_once
 
 HOST_VM_INFO64 = 4
 KERN_SUCCESS = 0

@@ -49,7 +49,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from shared.probe import gpu_kind, warn_once
+from shared.probe.base import gpu_kind, warn_once
 
 DeviceSource = Literal["nvml", "device_info"]
 

@@ -12,7 +12,7 @@ import os
 
 import msgspec
 
-from shared.probe import ProbeError, Psi, PsiLine
+from shared.probe.base import ProbeError, Psi, PsiLine
 
 # A cgroup "limit" this large means none: v1 writes PAGE_COUNTER_MAX pages
 # (0x7FFFFFFFFFFFF000 on 4 KiB pages), v2 writes "max".

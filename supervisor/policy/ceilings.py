@@ -26,7 +26,9 @@ import msgspec
 from shared.host import HostCounters
 from shared.limits import Limits
 from shared.sizes import MiB, format_size
-from shared.vocab import TIERS, HostBinding, Tier
+from shared.vocab import HostBinding, Tier
+from supervisor.policy.pools import first_binding, pool_marks, previews, remedy
+from supervisor.policy.pools import reserve_message as pool_reserve_message
 from supervisor.policy.tiers import TIER_PARAMS, other_app_ratio, reserve_bytes, resolve_thresholds
 
 __all__ = [
@@ -152,17 +154,6 @@ def hot_cache_budget(hot_cache_max: int, soft: int) -> int:
     return min(hot_cache_max, soft // HOT_CACHE_SOFT_SHARE) if soft > 0 else hot_cache_max
 
 
-def _binding(ceiling: int, static: int, dynamic: int, gpu_cap: int) -> HostBinding:
-    """C6: the first component equal to the ceiling, in the order static, dynamic, gpu_cap."""
-    if ceiling <= 0:
-        return ""
-    if ceiling == static:
-        return "static"
-    if ceiling == dynamic:
-        return "dynamic"
-    return "gpu_cap"
-
-
 def compute_ceilings(
     *,
     tier: Tier,
@@ -210,19 +201,17 @@ def compute_ceilings(
     gpu_cap = gpu_room + cpu_side if gpu_room > 0 else 0
     soft_t, hard_t = resolve_thresholds(tier, soft_threshold, hard_threshold)
 
-    best = static
+    best = static  # C5: the smallest candidate; dynamic and the GPU cap only when they are one
     if 0 < dynamic < best:
         best = dynamic
     if 0 < gpu_cap < best:
         best = gpu_cap
-    ceiling = best if enabled else 0
-    binding = _binding(ceiling, static, dynamic, gpu_cap)
-    admission_ceiling = ceiling if enabled else static
+    ceiling, admission_ceiling, soft_target, soft, hard = pool_marks(enabled, best, static, soft_t, hard_t)
+    binding: HostBinding = first_binding(ceiling, (("static", static), ("dynamic", dynamic), ("gpu_cap", gpu_cap)), "")
     residency = (min(static, gpu_room) if gpu_room > 0 else static) if enabled else 0
     abort_limit = (min(static, gpu_cap) if gpu_room > 0 else static) if enabled else 0
     # C12 (2026-12-01): what the caches hold now, never room they might grow into
     reserved = max(0, hot_cache_used) if ceiling > 0 or abort_limit > 0 else 0
-    soft = int(ceiling * soft_t) if ceiling > 0 else 0
     return Ceilings(
         enabled=enabled,
         tier=tier,
@@ -245,14 +234,14 @@ def compute_ceilings(
         admission_ceiling=admission_ceiling,
         admission_binding=binding if enabled else "static",
         residency_ceiling=residency,
-        admission_soft_target=int(admission_ceiling * soft_t),
+        admission_soft_target=soft_target,
         abort_limit=abort_limit,
         soft_threshold=soft_t,
         hard_threshold=hard_t,
         headroom_safety=params.headroom_safety,
         abort_margin=params.abort_margin,
         soft=soft,
-        hard=int(ceiling * hard_t) if ceiling > 0 else 0,
+        hard=hard,
         hot_cache_reserved=reserved,
         hot_cache_budget=hot_cache_budget(hot_cache_max, soft),
         worker_ceiling=worker_limit(ceiling, reserved),
@@ -309,34 +298,9 @@ def limits_for(
     )
 
 
-_REMEDY: dict[HostBinding, str] = {
-    "dynamic": "close other apps to give memory back to the system",
-    "gpu_cap": "raise the GPU memory cap (macOS: sudo sysctl iogpu.wired_limit_mb=N)",
-    "static": "choose a tier that keeps less memory in reserve (e.g. aggressive instead "
-    "of balanced), or use a smaller model or a shorter context",
-}
-
-
-def remedy(binding: HostBinding, tier: Tier | None = None) -> str:
-    """C6: what a person can do about the constraint that binds.
-
-    On the custom tier the dynamic component is the user's own ceiling (C3),
-    so the remedy is to raise it, not to close other apps.
-    """
-    if tier == "custom" and binding == "dynamic":
-        return "raise the custom ceiling (serve --custom-ceiling SIZE, or POST /admin/guard)"
-    return _REMEDY.get(binding, "")
-
-
 def reserve_message(c: Ceilings) -> str:
     """C1: the words for a tier that reserves more than the machine has ("" otherwise)."""
-    if not c.reserve_exceeds_total:
-        return ""
-    return (
-        f"tier {c.tier!r} reserves {format_size(c.reserve)} but the machine has only "
-        f"{format_size(c.total)}; every model load is refused until you choose a tier "
-        "that reserves less"
-    )
+    return pool_reserve_message("host", c.tier, c.reserve, c.total, c.reserve_exceeds_total)
 
 
 class TierPreview(msgspec.Struct, frozen=True, kw_only=True):
@@ -371,27 +335,19 @@ def tier_preview(
     Thresholds follow T5 per tier, as they would if that tier were chosen.
     """
     total = host.total if host is not None else 0
-    out: dict[str, TierPreview] = {}
-    for tier in TIERS:
-        c = compute_ceilings(
-            tier=tier, total=total, host=host, own=own, own_gpu=own_gpu,
-            gpu_cap_raw=gpu_cap_raw, custom_ceiling=custom_ceiling,
-            soft_threshold=soft_threshold, hard_threshold=hard_threshold,
-        )
-        out[tier] = TierPreview(
-            reserve_bytes=c.reserve,
-            free_bytes=c.free,
-            inactive_bytes=c.inactive,
-            other_apps_bytes=c.other_apps,
-            static_bytes=c.static,
-            dynamic_bytes=c.dynamic,
-            gpu_cap_bytes=c.gpu_cap,
-            ceiling_bytes=c.ceiling,
-            binding=c.binding,
-            soft_bytes=c.soft,
-            hard_bytes=c.hard,
-        )
-    return out
+
+    def ceilings(tier: Tier) -> Ceilings:
+        return compute_ceilings(tier=tier, total=total, host=host, own=own, own_gpu=own_gpu, gpu_cap_raw=gpu_cap_raw,
+                                custom_ceiling=custom_ceiling, soft_threshold=soft_threshold,
+                                hard_threshold=hard_threshold)
+
+    def line(c: Ceilings) -> TierPreview:
+        return TierPreview(reserve_bytes=c.reserve, free_bytes=c.free, inactive_bytes=c.inactive,
+                           other_apps_bytes=c.other_apps, static_bytes=c.static, dynamic_bytes=c.dynamic,
+                           gpu_cap_bytes=c.gpu_cap, ceiling_bytes=c.ceiling, binding=c.binding, soft_bytes=c.soft,
+                           hard_bytes=c.hard)
+
+    return previews(ceilings, line)
 
 
 def wired_limit_suggestion(desired: int, total: int) -> int:

@@ -55,7 +55,8 @@ class ResumeAdmission(_Base, tag="resume_admission", frozen=True, kw_only=True, 
 
 
 class ApplyLimits(_ForWorker, tag="set_limits", frozen=True, kw_only=True, gc=False):
-    """SPEC G / T6: the limits this worker's prefill guard must obey from now on."""
+    """SPEC G / T6: the limits this worker's prefill guard must obey from now on: all of them,
+    its concurrency cap (P8) included; the enforcer sends them as they are."""
 
     limits: Limits
 
@@ -91,9 +92,11 @@ class Stop(_ForWorker, tag="stop", frozen=True, kw_only=True, gc=False):
 
 
 class SetConcurrency(_ForWorker, tag="set_concurrency", frozen=True, kw_only=True, gc=False):
-    """P8: the worker's cap on concurrent sequences, one step per tick."""
+    """P8: the worker's cap on concurrent sequences, one step per tick, and its whole limits
+    with that cap (`limits.max_concurrency == cap`): the enforcer sends them as they are."""
 
     cap: int
+    limits: Limits
 
 
 class ExpireTTL(_ForWorker, tag="expire_ttl", frozen=True, kw_only=True, gc=False):

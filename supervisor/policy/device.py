@@ -67,7 +67,7 @@ from typing import NamedTuple, get_args
 import msgspec
 
 from shared.sizes import GiB, MiB, format_size
-from shared.vocab import TIERS, DeviceBinding, PressureLevel, RefusalCode, Tier
+from shared.vocab import DeviceBinding, PressureLevel, RefusalCode, Tier
 from supervisor.policy.group import (
     EMERGENCY_MARGIN,
     EMERGENCY_TICKS,
@@ -77,8 +77,9 @@ from supervisor.policy.group import (
     lru_key,
     over_ceiling,
 )
+from supervisor.policy.pools import first_binding, pool_marks, previews, remedy, reserve_message
 from supervisor.policy.snapshot import Snapshot, WorkerRecord
-from supervisor.policy.tiers import clamp, normalise_tier, resolve_thresholds
+from supervisor.policy.tiers import clamp, resolve_thresholds
 from supervisor.policy.verdict import DEVICE_TERMS, INSUFFICIENT_MEMORY, MODEL_TOO_LARGE, LoadVerdict, decide_load
 
 __all__ = [
@@ -126,17 +127,16 @@ DEVICE_RESERVE_PARAMS: dict[Tier, DeviceReserveParams] = {
 }
 
 
-def device_reserve(tier: str, device_total: int, custom_device_ceiling: int = 0) -> int:
+def device_reserve(tier: Tier, device_total: int, custom_device_ceiling: int = 0) -> int:
     """D2: device memory `tier` leaves free on a `device_total`-byte device.
 
-    `tier` is normalised here (T2: unknown -> balanced; reporting an unknown
-    name once is the host tick's job). On `custom` a set
+    On `custom` a set
     `custom_device_ceiling` is the device static ceiling, so the reserve is
     what the device has beyond it, floored at 0 (a custom value above the
     device caps at the device); unset (0) falls back to balanced's reserve.
     `custom_device_ceiling` is ignored on the other tiers.
     """
-    name, _ = normalise_tier(tier)
+    name = tier
     total = max(0, device_total)
     if name == "custom":
         if custom_device_ceiling > 0:
@@ -155,7 +155,7 @@ class DeviceCeilings(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """
 
     enabled: bool
-    tier: Tier                   # normalised (T2)
+    tier: Tier
     total: int
     free: int                    # 0 when unknown (see free_known)
     free_known: bool             # False: no free reading, dynamic = static
@@ -178,7 +178,7 @@ class DeviceCeilings(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
 def compute_device_ceilings(
     *,
-    tier: str,
+    tier: Tier,
     total: int,
     free: int | None,
     group_bytes: int,
@@ -189,13 +189,12 @@ def compute_device_ceilings(
 ) -> DeviceCeilings | None:
     """D2-D3 for one tick; None when there is no device (`total` <= 0).
 
-    `tier` is normalised here (T2). `soft_threshold`/`hard_threshold` are the
-    guard's raw overrides (GuardSettings), resolved per T5 as for the host.
+    `soft_threshold`/`hard_threshold` are the guard's raw overrides
+    (GuardSettings), resolved per T5 as for the host.
     """
     if total <= 0:
         return None
-    name, _ = normalise_tier(tier)
-    reserve = device_reserve(name, total, custom_device_ceiling)
+    reserve = device_reserve(tier, total, custom_device_ceiling)
     static = total - reserve
     exceeds = static <= 0
     if exceeds:
@@ -207,14 +206,13 @@ def compute_device_ceilings(
         free_now = max(0, free)
         others = max(0, total - free_now - group)
         dynamic = max(1, free_now + group - reserve)
-    best = min(static, dynamic)
-    ceiling = best if enabled else 0
-    binding = _binding(ceiling, static)
-    admission_ceiling = ceiling if enabled else static
-    soft_t, hard_t = resolve_thresholds(name, soft_threshold, hard_threshold)
+    soft_t, hard_t = resolve_thresholds(tier, soft_threshold, hard_threshold)
+    ceiling, admission_ceiling, soft_target, soft, hard = pool_marks(
+        enabled, min(static, dynamic), static, soft_t, hard_t)
+    binding: DeviceBinding = first_binding(ceiling, (("device_static", static), ("device_others", dynamic)), "")
     return DeviceCeilings(
         enabled=enabled,
-        tier=name,
+        tier=tier,
         total=total,
         free=free_now,
         free_known=free is not None,
@@ -228,50 +226,24 @@ def compute_device_ceilings(
         binding=binding,
         admission_ceiling=admission_ceiling,
         admission_binding=binding if enabled else "device_static",
-        admission_soft_target=int(admission_ceiling * soft_t),
+        admission_soft_target=soft_target,
         soft_threshold=soft_t,
         hard_threshold=hard_t,
-        soft=int(ceiling * soft_t) if ceiling > 0 else 0,
-        hard=int(ceiling * hard_t) if ceiling > 0 else 0,
+        soft=soft,
+        hard=hard,
     )
 
 
-def _binding(ceiling: int, static: int) -> DeviceBinding:
-    """D3 (C6's order): device_static when it equals the ceiling, else device_others."""
-    if ceiling <= 0:
-        return ""
-    return "device_static" if ceiling == static else "device_others"
-
-
-_REMEDY: dict[DeviceBinding, str] = {
-    "device_others": "free device memory held by other processes on the GPU (nvidia-smi lists "
-    "them), or use a smaller model or a shorter context",
-    "device_static": "choose a tier that keeps less device memory in reserve (e.g. aggressive "
-    "instead of balanced), or use a smaller model or a shorter context",
-}
-
-
-def device_remedy(binding: DeviceBinding, tier: str = "") -> str:
-    """D3: what a person can do about the device constraint that binds ("" if none).
-
-    On the custom tier device static is the user's `custom_device_ceiling`
-    (D2), so the remedy is to set or raise it.
-    """
-    if binding == "device_static" and normalise_tier(tier)[0] == "custom":
-        return ("set or raise [guard] custom_device_ceiling, or use a smaller model or a "
-                "shorter context")
-    return _REMEDY.get(binding, "")
+device_remedy = remedy
+"""D3: what a person can do about the device constraint that binds (pools.remedy: one table for both
+pools; on the custom tier device static is the user's `custom_device_ceiling`, D2, so it says to raise it)."""
 
 
 def device_reserve_message(c: DeviceCeilings | None) -> str:
     """C1 on the device: the words for a reserve that takes the whole device ("" otherwise)."""
-    if c is None or not c.reserve_exceeds_total:
+    if c is None:
         return ""
-    return (
-        f"tier {c.tier!r} reserves {format_size(c.reserve)} of device memory but the device "
-        f"has only {format_size(c.total)}; every model load is refused until you choose a "
-        "tier that reserves less"
-    )
+    return reserve_message("device", c.tier, c.reserve, c.total, c.reserve_exceeds_total)
 
 
 def _held(w: WorkerRecord) -> int:
@@ -402,27 +374,17 @@ def device_tier_preview(
     Empty when there is no device (`device_total` 0), so `tiers` shows the
     host pool alone. Thresholds follow T5 per tier, as for the host preview.
     """
-    out: dict[str, DeviceTierPreview] = {}
-    for tier in TIERS:
-        c = compute_device_ceilings(
-            tier=tier, total=device_total, free=device_free, group_bytes=group_bytes,
-            custom_device_ceiling=custom_device_ceiling,
-            soft_threshold=soft_threshold, hard_threshold=hard_threshold,
-        )
-        if c is None:
-            return {}
-        out[tier] = DeviceTierPreview(
-            reserve_bytes=c.reserve,
-            free_bytes=c.free,
-            others_bytes=c.others,
-            static_bytes=c.static,
-            dynamic_bytes=c.dynamic,
-            ceiling_bytes=c.ceiling,
-            binding=c.binding,
-            soft_bytes=c.soft,
-            hard_bytes=c.hard,
-        )
-    return out
+    def ceilings(tier: Tier) -> DeviceCeilings | None:
+        return compute_device_ceilings(tier=tier, total=device_total, free=device_free, group_bytes=group_bytes,
+                                       custom_device_ceiling=custom_device_ceiling, soft_threshold=soft_threshold,
+                                       hard_threshold=hard_threshold)
+
+    def line(c: DeviceCeilings) -> DeviceTierPreview:
+        return DeviceTierPreview(reserve_bytes=c.reserve, free_bytes=c.free, others_bytes=c.others,
+                                 static_bytes=c.static, dynamic_bytes=c.dynamic, ceiling_bytes=c.ceiling,
+                                 binding=c.binding, soft_bytes=c.soft, hard_bytes=c.hard)
+
+    return previews(ceilings, line)
 
 
 def device_ceilings_for(s: Snapshot, g: WorkerGroup) -> DeviceCeilings | None:

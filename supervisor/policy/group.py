@@ -21,7 +21,6 @@ from shared.states import SERVING_STATES as _SERVING
 from shared.vocab import PressureLevel
 from supervisor.policy.ceilings import Ceilings, compute_ceilings
 from supervisor.policy.snapshot import Snapshot, WorkerRecord
-from supervisor.policy.tiers import normalise_tier
 
 
 class WorkerGroup:
@@ -43,7 +42,8 @@ class WorkerGroup:
     instructions of the tick before the device pool): `idle` (serving workers with
     nothing running or queued, `is_idle`, in snapshot order), `unpinned`
     (how many serving workers are not pinned), `pids` (worker -> pid of
-    every live worker, T6's record of who holds which limits) and `usage_now`
+    every live worker, T6's record of who holds which limits), `caps` (worker
+    -> the concurrency cap it runs with, P8: what its limits must carry) and `usage_now`
     (worker -> usage of every live worker not draining, the growth estimate's
     sample). `spares`: the spare workers not draining, starting or waiting
     (SPEC W1: no model); they are neither serving nor loading.
@@ -51,7 +51,7 @@ class WorkerGroup:
 
     __slots__ = ("usage", "own", "own_gpu", "hot_used", "draining_usage", "draining_idle_usage", "live",
                  "serving", "loading", "active", "unknown", "growing", "device_bytes",
-                 "draining_device_bytes", "cached", "draining_count", "idle", "unpinned", "pids", "usage_now",
+                 "draining_device_bytes", "cached", "draining_count", "idle", "unpinned", "pids", "caps", "usage_now",
                  "spares")
 
     def __init__(self, s: Snapshot) -> None:
@@ -64,6 +64,7 @@ class WorkerGroup:
         idle: list[WorkerRecord] = []
         spares: list[WorkerRecord] = []
         pids: dict[str, int] = {}
+        caps: dict[str, int] = {}
         usage_now: dict[str, int] = {}
         active = unknown = busy = False
         n_unpinned = 0
@@ -72,9 +73,11 @@ class WorkerGroup:
             if state not in _LIVE:
                 continue
             live.append(w)
-            pids[w.worker] = w.pid
-            m = w.memory
-            usage += m.usage
+            name, m = w.worker, w.memory
+            pids[name] = w.pid
+            caps[name] = w.concurrency or w.max_concurrency
+            u = m.usage
+            usage += u
             own += m.footprint
             own_gpu += w.gpu_bytes
             device += w.device_bytes
@@ -83,13 +86,13 @@ class WorkerGroup:
                 cached.append(w)
             if state == "draining":
                 n_draining += 1
-                draining += m.usage
+                draining += u
                 draining_device += w.device_bytes
                 if not (w.running or w.queued):
-                    draining_idle += m.usage
+                    draining_idle += u
                 active = True
                 continue
-            usage_now[w.worker] = m.usage
+            usage_now[name] = u
             if not w.model:  # W1: a spare, starting or waiting; not a load, not serving
                 spares.append(w)
             elif state in _SERVING:
@@ -110,7 +113,7 @@ class WorkerGroup:
         self.active, self.unknown = active, unknown
         self.device_bytes, self.draining_device_bytes = device, draining_device
         self.draining_count = n_draining
-        self.idle, self.unpinned, self.pids, self.usage_now = idle, n_unpinned, pids, usage_now
+        self.idle, self.unpinned, self.pids, self.caps, self.usage_now = idle, n_unpinned, pids, caps, usage_now
         self.spares = spares
         self.growing = bool(loading) or busy
 
@@ -121,12 +124,11 @@ def snapshot_total(s: Snapshot) -> int:
 
 
 def ceilings_for(s: Snapshot, group: WorkerGroup | None = None) -> Ceilings:
-    """C1-C12 for this snapshot, with the tier normalised (T2)."""
+    """C1-C12 for this snapshot."""
     g = group if group is not None else WorkerGroup(s)
     guard = s.guard
-    tier, _ = normalise_tier(guard.tier)
     return compute_ceilings(
-        tier=tier, enabled=guard.enabled, total=snapshot_total(s), host=s.host, own=g.own,
+        tier=guard.tier, enabled=guard.enabled, total=snapshot_total(s), host=s.host, own=g.own,
         own_gpu=g.own_gpu, gpu_cap_raw=s.gpu_cap_raw, custom_ceiling=guard.custom_ceiling,
         soft_threshold=guard.soft_threshold, hard_threshold=guard.hard_threshold,
         hot_cache_max=guard.hot_cache_max, hot_cache_used=g.hot_used, stranded=s.wired_stranded,

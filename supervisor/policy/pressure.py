@@ -39,8 +39,8 @@ victims. The pressure level, P2's emergency count and the admission pause are
 always decided on measured usage.
 
 The rules live beside this module: P4-P6 in eviction.py, the limits handed to
-each worker in worker_limits.py, spare workers (W1, W2) in spares.py, the
-tick's working state in tickstate.py.
+each worker and P8's concurrency walk in worker_limits.py, spare workers (W1,
+W2) in spares.py, the tick's working state in tickstate.py.
 
 Public names (stable): tick, TickResult, group_usage, EMERGENCY_MARGIN,
 EMERGENCY_TICKS, POOL_RECLAIM_FLOOR (the default of GuardSettings.pool_max),
@@ -62,7 +62,6 @@ from supervisor.policy.decisions import (
     LevelChanged,
     PauseAdmission,
     ResumeAdmission,
-    SetConcurrency,
     Warn,
 )
 from supervisor.policy.device import (
@@ -135,19 +134,12 @@ def group_usage(s: Snapshot) -> int:
 
 
 # ---------------------------------------------------------------------------
-# the rules of this module: warnings, P1-P3, P8-P10 (P4-P6: eviction.py; limits: worker_limits.py)
+# the rules of this module: warnings, P1-P3, P9, P10 (P4-P6: eviction.py; limits and P8: worker_limits.py)
 
 
-def warnings(t: Tick) -> tuple[str | None, bool, bool]:
-    s, prev, c, out = t.s, t.prev, t.c, t.out
-    tier_warned = prev.tier_warned
-    if t.tier_known:
-        tier_warned = None
-    elif s.guard.tier != tier_warned:
-        tier_warned = s.guard.tier
-        out.append(Warn(reason="T2", message=(
-            f"unknown memory guard tier {s.guard.tier!r}; using 'balanced' "
-            "(choose safe, balanced, aggressive or custom)")))
+def warnings(t: Tick) -> tuple[bool, bool]:
+    """Say once what the guard cannot see or cannot give (C2, C1, D2); (no reading, reserve too large)."""
+    prev, c, out = t.prev, t.c, t.out
     no_reading = c.enabled and c.tier != "custom" and c.reading == "none"
     if no_reading and not prev.no_reading_warned:
         out.append(Warn(reason="C2", message=(
@@ -158,7 +150,7 @@ def warnings(t: Tick) -> tuple[str | None, bool, bool]:
     device_short = t.dc is not None and t.dc.reserve_exceeds_total
     if device_short and not prev.reserve_warned:
         out.append(Warn(reason="D2", message=device_reserve_message(t.dc)))
-    return tier_warned, no_reading, c.reserve_exceeds_total or device_short
+    return no_reading, c.reserve_exceeds_total or device_short
 
 
 def host_pressure(t: Tick) -> tuple[PressureLevel, int, bool]:
@@ -176,27 +168,6 @@ def admission(t: Tick, level: PressureLevel) -> bool:
         else:
             t.out.append(ResumeAdmission(reason="memory pressure is over"))
     return paused
-
-
-def walk_concurrency(t: Tick, level: PressureLevel) -> None:
-    """P8: one step per tick toward the configured maximum (ok) or 1 (pressure).
-
-    One step at a time keeps a burst of finishing requests from refilling
-    every slot the moment the level dips below soft.
-    """
-    if t.s.recheck:
-        return
-    ok = level == "ok"
-    reason = ("ok: one step toward the configured maximum" if ok
-              else f"{level} pressure: one step toward 1")
-    stopped, out = t.stopped, t.out
-    for w in t.group.serving:
-        cap = w.concurrency or w.max_concurrency
-        target = w.max_concurrency if ok else 1
-        if cap == target or w.worker in stopped:
-            continue
-        out.append(SetConcurrency(worker=w.worker, model=w.model, reason=reason,
-                                  cap=cap + 1 if cap < target else cap - 1))
 
 
 def expire_ttl(t: Tick) -> None:
@@ -261,16 +232,16 @@ def tick(s: Snapshot) -> TickResult:
     """Decide one tick. Pure: the same snapshot always gives the same result.
 
     Order of the decisions: warnings, level change, admission pause/resume,
-    limits, W2 stops of spares (any pressure), P6.1 stops of drained marked
-    workers (any level), P4 grace reclaim or P5/P6 pressure actions (host
-    pool, then device pool: D4), P8 concurrency steps, P10 TTL expiries, W1
-    a spare's start.
+    limits and P8's concurrency steps (one decision per worker, each with its
+    whole limits), W2 stops of spares (any pressure), P6.1 stops of drained
+    marked workers (any level), P4 grace reclaim or P5/P6 pressure actions
+    (host pool, then device pool: D4), P10 TTL expiries, W1 a spare's start.
     """
     t = Tick(s)
     if s.host is None and s.state.last_total <= 0 and s.guard.enabled:
         return _hold_still(s, t)
     c, dc, prev = t.c, t.dc, s.state
-    tier_warned, no_reading, reserve_warned = warnings(t)
+    no_reading, reserve_warned = warnings(t)
     host_level, over, host_emergency = host_pressure(t)
     dev_usage = t.group.device_bytes
     dev_level = device_level(dev_usage, dc)
@@ -280,7 +251,7 @@ def tick(s: Snapshot) -> TickResult:
     if level != prev.level:
         t.out.append(_level_changed(prev.level, level, t, host_level, dev_usage))
     paused = admission(t, level)
-    common, limited, cache_kept, reduced = limits_to_hand_out(t, paused, host_level)
+    common, limited, cache_kept, reduced = limits_to_hand_out(t, paused, level, host_level)
     seen, seen_at, growth = measure_growth(t)
     discount_draining(t, host_level, growth)
     t.host.projected -= t.cache_drop_bytes  # C12's cache drop, asked in limits_to_hand_out
@@ -304,15 +275,14 @@ def tick(s: Snapshot) -> TickResult:
                     shrink_hot_cache(t, pool)
                     acting = pool.classify()
                 evict(t, pool, acting, pool_emergency, stepped=stepped)
-    walk_concurrency(t, level)
     expire_ttl(t)
     keep_spares(t, level)  # W1: in the quiet after loads and requests, with room
     interval = next_interval(t, level)
     state = PolicyState(
         level=level, over_ceiling_ticks=over, grace_ticks=grace, admission_paused=paused,
-        tier_warned=tier_warned, no_reading_warned=no_reading, reserve_warned=reserve_warned,
+        no_reading_warned=no_reading, reserve_warned=reserve_warned,
         last_total=t.total, interval=interval, limits=common, limited=limited, cache_kept=cache_kept, reduced=reduced,
-        usage_seen=seen,
+        caps=t.caps, usage_seen=seen,
         seen_at=seen_at, growth=growth, device_over_ceiling_ticks=dev_over)
     return TickResult(state=state, decisions=t.out, ceilings=c, level=level, usage=t.group.usage,
                       projected_usage=t.projected, emergency=emergency, next_interval=interval,

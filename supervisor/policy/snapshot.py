@@ -21,7 +21,7 @@ from shared.host import HostCounters
 from shared.limits import Limits
 from shared.memory import NO_READING, MemoryReading
 from shared.states import WorkerState
-from shared.vocab import PressureLevel
+from shared.vocab import PressureLevel, Tier
 
 # ---------------------------------------------------------------------------
 # Everything else a policy tick needs. A Snapshot is also the replay trace's
@@ -31,12 +31,13 @@ from shared.vocab import PressureLevel
 class GuardSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The guard's knobs as they are right now (config plus T6 runtime changes).
 
-    `tier` is passed as given; the policy normalises it (T2) so an unknown name
-    is reported once instead of being silently replaced upstream.
+    `tier` is one of the tiers: a name from outside is normalised once, where it
+    enters (T2: the config, `POST /admin/guard`, a replayed trace), so the tick
+    never reads a name it has to check again.
     """
 
     enabled: bool = True
-    tier: str = "balanced"
+    tier: Tier = "balanced"
     custom_ceiling: int = 0              # C3 bytes, 0 = unset
     custom_device_ceiling: int = 0       # D2 bytes, 0 = unset (custom: balanced's device reserve)
     soft_threshold: float | None = None  # T5 raw overrides
@@ -98,7 +99,6 @@ class PolicyState(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     over_ceiling_ticks: int = 0     # P2 consecutive ticks with usage >= ceiling
     grace_ticks: int = 0            # P4 grace ticks used in this pressure episode
     admission_paused: bool = False  # P3, as last decided
-    tier_warned: str | None = None  # T2: the unknown tier name already reported
     no_reading_warned: bool = False  # C2: "no memory reading" already reported
     reserve_warned: bool = False    # C1: "tier reserves more than the machine" reported
     last_total: int = 0             # total of the last reading (used when host is None)
@@ -107,6 +107,7 @@ class PolicyState(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     limited: dict[str, int] = {}    # worker id -> pid that received `limits`
     cache_kept: int = 0             # C12: the caches' bytes the limits handed out were built on ...
     reduced: dict[str, int] = {}    # ... and each worker's own share of them (its limits subtract the rest)
+    caps: dict[str, int] = {}       # worker id -> the concurrency cap its limits carry (P8)
     usage_seen: dict[str, int] = {}  # worker id -> usage at `seen_at` (growth estimate, P6 at hard)
     seen_at: float = 0.0
     growth: float = 0.0             # bytes/s the non-draining workers grew by, last estimate

@@ -17,7 +17,6 @@ from supervisor.policy.decisions import Decision, Stop
 from supervisor.policy.device import device_ceilings_for
 from supervisor.policy.group import WorkerGroup, ceilings_for, classify, snapshot_total
 from supervisor.policy.snapshot import Snapshot, WorkerRecord
-from supervisor.policy.tiers import normalise_tier
 
 
 class MemoryPool:
@@ -63,7 +62,6 @@ class Tick:
         self.prev = s.state
         self.out: list[Decision] = []
         self.group = WorkerGroup(s)
-        self.tier_known = normalise_tier(s.guard.tier)[1]
         self.total = snapshot_total(s)
         self.c = ceilings_for(s, self.group)
         self.stopped: set[str] = set()
@@ -78,6 +76,7 @@ class Tick:
         self.cache_dropped: set[str] = set()  # workers told to drop their caches for C12
         self.cache_drop_bytes = 0  # ... and the bytes that takes off the projection
         self.growers: list[WorkerRecord] = []  # runaway growers at hard (discount_draining)
+        self.caps = self.group.caps  # worker -> the cap its limits carry after this tick (P8, worker_limits.py)
 
     @property
     def projected(self) -> int:

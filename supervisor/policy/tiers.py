@@ -54,8 +54,10 @@ TIER_PARAMS: dict[Tier, TierParams] = {
 def normalise_tier(name: str | None) -> tuple[Tier, bool]:
     """T2: (tier, known). Strip and lower-case; unknown or empty -> balanced.
 
-    `known` is False when the name had to be replaced, so the caller can say
-    so once in the log instead of silently guarding with another tier.
+    Called where a name enters, never inside a tick: the config and
+    `POST /admin/guard` refuse a name that is not `known` (a bad value is a
+    configuration error with its key), and a replayed trace guards with
+    balanced and says so once (supervisor.policy.replay).
     """
     tier = parse((name or "").strip().lower(), TIERS)
     return (DEFAULT_TIER, False) if tier is None else (tier, True)
@@ -115,7 +117,7 @@ class ThresholdError(ValueError):
         self.reason = reason
 
 
-def check_thresholds(tier: str, soft: float | None, hard: float | None) -> tuple[float, float]:
+def check_thresholds(tier: Tier, soft: float | None, hard: float | None) -> tuple[float, float]:
     """T5: validate explicit thresholds against `tier` and return the fractions in force.
 
     Raises `ThresholdError` when a threshold is not a number, is above 1, or
@@ -129,12 +131,11 @@ def check_thresholds(tier: str, soft: float | None, hard: float | None) -> tuple
             raise ThresholdError(key, f"must be a number, got {value!r}")
         if value is not None and value > 1:
             raise ThresholdError(key, f"must be at most 1 (a fraction of the ceiling), got {value}")
-    name, _ = normalise_tier(tier)
-    soft_in_force, hard_in_force = resolve_thresholds(name, soft, hard)
+    soft_in_force, hard_in_force = resolve_thresholds(tier, soft, hard)
     if soft_in_force >= hard_in_force:
         raise ThresholdError(
             "soft_threshold",
             f"soft {soft_in_force} must be below hard {hard_in_force} "
-            f"(thresholds in force for tier {name!r})",
+            f"(thresholds in force for tier {tier!r})",
         )
     return soft_in_force, hard_in_force

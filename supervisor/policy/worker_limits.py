@@ -1,11 +1,23 @@
 """The limits each worker is handed (T6), less the other workers' prompt caches (C12).
 
 Every tick works out the common limits from the ceilings and the level;
-a worker is sent its own (a `ApplyLimits`) only when something it is told
-changed: the common limits, its process (a respawn), or the other workers'
+a worker is sent its own (an `ApplyLimits`) only when something it is told
+changed: the common limits, its process (a respawn), its request slots (a
+spare that took a model, a reload that lowered them), or the other workers'
 cache bytes, which its limits subtract (C12). When the caches leave no room
 under the ceiling for the next step they give way first (H3). On a discrete
 device the workers also get the device watermarks in their own measure (D4).
+
+What a decision carries is complete: every field the worker is told,
+its concurrency cap (P8) included, so the enforcer only sends it. The caps
+each worker's limits carry are kept from tick to tick (`PolicyState.caps`),
+so a cap that changed outside the policy is handed out again.
+
+P8's step is decided here too, before eviction, so a worker is told once a
+tick: a step comes as a `SetConcurrency` with the whole limits, never beside
+an `ApplyLimits` for the same worker. A worker stopped later in the same tick
+(P5, P6) may so have been sent its step first; the stop follows it in the
+decision list and the step is then moot.
 """
 
 from __future__ import annotations
@@ -16,7 +28,7 @@ from shared.limits import Limits
 from shared.sizes import MiB, format_size
 from shared.vocab import PressureLevel
 from supervisor.policy.ceilings import limits_for, worker_limit
-from supervisor.policy.decisions import ApplyLimits, ShrinkHotCache
+from supervisor.policy.decisions import ApplyLimits, SetConcurrency, ShrinkHotCache
 from supervisor.policy.device import DeviceCeilings
 from supervisor.policy.group import lru_key
 from supervisor.policy.tickstate import Tick
@@ -24,52 +36,124 @@ from supervisor.policy.tickstate import Tick
 DEVICE_OVERHEAD_STEP = 256 * MiB  # D4: the device watermarks handed to workers move in these steps
 
 
-def limits_to_hand_out(t: Tick, paused: bool, level: PressureLevel) -> tuple[Limits, dict[str, int], int, dict[str, int]]:
-    """Hand every worker the limits it does not have yet (T6: next tick at the latest).
+def limits_to_hand_out(
+    t: Tick, paused: bool, level: PressureLevel, host_level: PressureLevel
+) -> tuple[Limits, dict[str, int], int, dict[str, int]]:
+    """Hand every worker the limits it does not have yet (T6: next tick at the latest), and
+    P8's step of its concurrency cap, one decision per worker.
 
     The common limits (nothing subtracted) and the caches' total are
     compared with the last ones handed out; a worker also gets its limits
-    when it is new, its pid changed (a respawn) or the other workers'
-    cache bytes (the total less its own) changed: its limits subtract them (C12).
-    Returns (common, worker -> pid, caches' total, worker -> own cache
-    bytes) for the next tick.
+    when it is new, its pid changed (a respawn), its cap is not the one its
+    limits carry, or the other workers' cache bytes (the total less its own)
+    changed: its limits subtract them (C12). A worker whose cap takes a step
+    this tick gets its whole limits with the new cap (`SetConcurrency`),
+    the others that need theirs an `ApplyLimits`. Returns (common, worker ->
+    pid, caches' total, worker -> own cache bytes) for the next tick; `t.caps`
+    is then each worker's cap as handed out.
 
     When none of those changed (the common case: a quiet tick), no worker
     needs anything, and that is told by comparing the records whole
     rather than worker by worker.
     """
-    guard, prev, live, c = t.s.guard, t.prev, t.group.live, t.c
+    prev, live = t.prev, t.group.live
+    common = _common_limits(t, paused)
+    had, had_own, had_caps = prev.limited, prev.reduced, prev.caps
+    total, own = _cache_reductions(t, host_level)
+    steps = concurrency_steps(t, level)
+    pids, caps, before = t.group.pids, t.group.caps, prev.cache_kept
+    changed = common != prev.limits
+    if not steps:
+        if not changed and pids == had and total == before and own == had_own and caps == had_caps:
+            return common, had, total, had_own
+    else:
+        t.caps = {**caps, **steps}
+    common_why = "first limits" if prev.limits is None else "limits changed"
+    stepped = (f"{level} pressure: one step toward 1" if level != "ok"
+               else "ok: one step toward the configured maximum")
+    # the limits built so far: by cap for a worker that keeps no cache (most), else by (cap, own bytes)
+    plain: dict[int, Limits] = {}
+    built: dict[tuple[int, int], Limits] = {}
+    out, sent = t.out, False
+    for w in live:
+        worker = w.worker
+        step = steps.get(worker) if steps else None
+        if step is not None:
+            cap = step
+            why = stepped
+        elif changed:
+            cap = caps[worker]
+            why = common_why
+        else:
+            cap = caps[worker]
+            if had.get(worker) != w.pid:
+                why = "new worker"
+            elif had_caps.get(worker) != cap:
+                why = "its request slots changed"
+            elif total - own.get(worker, 0) != before - had_own.get(worker, 0):
+                why = "other workers' prompt caches changed"
+            else:
+                continue
+        mine = own.get(worker, 0) if own else 0
+        if not mine:
+            limits = plain.get(cap)
+            if limits is None:
+                limits = plain[cap] = worker_limits(common, cap, total)
+        else:
+            limits = built.get((cap, mine))
+            if limits is None:
+                limits = built[(cap, mine)] = worker_limits(common, cap, total - mine)
+        sent = True
+        if step is None:
+            out.append(ApplyLimits(worker=worker, model=w.model, limits=limits, reason=why))
+        else:
+            out.append(SetConcurrency(worker=worker, model=w.model, limits=limits, cap=step, reason=why))
+    if not sent and len(had) == len(live) and total == before and own == had_own:
+        return common, had, total, had_own
+    return common, pids, total, own
+
+
+def concurrency_steps(t: Tick, level: PressureLevel) -> dict[str, int]:
+    """P8: worker -> its cap one step toward the configured maximum (ok) or 1 (pressure).
+
+    One step a tick keeps a burst of finishing requests from refilling every
+    slot the moment the level dips below soft. A recheck (P7) is not a new
+    tick: no step.
+    """
+    if t.s.recheck:
+        return {}
+    ok = level == "ok"
+    steps: dict[str, int] = {}
+    for w in t.group.serving:
+        cap = w.concurrency or w.max_concurrency
+        target = w.max_concurrency if ok else 1
+        if cap != target:
+            steps[w.worker] = cap + 1 if cap < target else cap - 1
+    return steps
+
+
+def _common_limits(t: Tick, paused: bool) -> Limits:
+    """The limits every worker is told, before its own cap and the others' caches (C12)."""
+    guard, c = t.s.guard, t.c
     # H2: an equal share of the budget in force per worker that keeps a cache
     # (a draining worker is on its way out), recomputed as they come and go
-    keepers = len(live) - t.group.draining_count
+    keepers = len(t.group.live) - t.group.draining_count
     cache_cap = c.hot_cache_budget // keepers if c.hot_cache_budget > 0 and keepers else 0
     common = limits_for(c, admission_paused=paused, safe_zone_ratio=guard.safe_zone_ratio,
                         min_chunk_tokens=guard.min_chunk_tokens, cache_cap=cache_cap,
                         pool_max=guard.pool_max, others_cache=0, wire_weights=guard.wire_weights)
     if t.dc is not None and t.dc.ceiling > 0:  # D4: workers report device crossings at once
         common = _device_watermarks(t, common, t.dc)
-    had, had_own = prev.limited, prev.reduced
-    total, own = _cache_reductions(t, level)
-    changed = common != prev.limits
-    pids, before = t.group.pids, prev.cache_kept
-    if not changed and pids == had and total == before and own == had_own:
-        return common, had, total, had_own
-    why = ("first limits" if prev.limits is None else "limits changed") if changed else ""
-    needing = live if changed else [  # the common limits changed: every worker needs them
-        w for w in live if had.get(w.worker) != w.pid
-        or total - own.get(w.worker, 0) != before - had_own.get(w.worker, 0)]
-    if not needing and len(had) == len(live) and total == before and own == had_own:
-        return common, had, total, had_own
-    by_key: dict[tuple[int, int], Limits] = {}
-    out = t.out
-    for w in needing:
-        cap, mine = w.concurrency or w.max_concurrency, own.get(w.worker, 0)
-        limits = by_key.get((cap, mine))
-        if limits is None:
-            limits = by_key[(cap, mine)] = _worker_limits(common, cap, total - mine)
-        out.append(ApplyLimits(worker=w.worker, model=w.model, limits=limits, reason=(
-            why or ("new worker" if had.get(w.worker) != w.pid else "other workers' prompt caches changed"))))
-    return common, pids, total, own
+    return common
+
+
+def worker_limits(common: Limits, cap: int, others: int) -> Limits:
+    """One worker's limits: the common ones, its concurrency cap, less `others` (C12)."""
+    if not others:
+        return msgspec.structs.replace(common, max_concurrency=cap)
+    return msgspec.structs.replace(common, max_concurrency=cap,
+                                   hard_limit=worker_limit(common.hard_limit, others),
+                                   abort_limit=worker_limit(common.abort_limit, others))
 
 
 def _cache_reductions(t: Tick, level: PressureLevel) -> tuple[int, dict[str, int]]:
@@ -120,15 +204,6 @@ def _give_way(t: Tick, keeps: dict[str, int], level: PressureLevel) -> None:
         need -= take
         if need <= 0:
             return
-
-
-def _worker_limits(common: Limits, cap: int, others: int) -> Limits:
-    """One worker's limits: the common ones, its concurrency cap, less `others` (C12)."""
-    if not others:
-        return msgspec.structs.replace(common, max_concurrency=cap)
-    return msgspec.structs.replace(common, max_concurrency=cap,
-                                   hard_limit=worker_limit(common.hard_limit, others),
-                                   abort_limit=worker_limit(common.abort_limit, others))
 
 
 def _device_watermarks(t: Tick, common: Limits, dc: DeviceCeilings) -> Limits:

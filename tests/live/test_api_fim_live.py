@@ -10,7 +10,7 @@ import ollama
 import openai
 import pytest
 
-from tests.test_gguf import write_gguf
+from tests.gguf_harness import write_gguf
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_front_door_errors")]
 

@@ -265,4 +265,4 @@ def test_a_load_waiting_for_the_load_lock_starts_no_worker_once_shutdown_began(t
 
     arb, refused = asyncio.run(main())
     assert refused.code == "shutting_down" and refused.http_status == 503
-    assert arb.pool.counters["spawned"] == 0 and not arb.pool.handles
+    assert arb.pool.counters.spawned == 0 and not arb.pool.handles

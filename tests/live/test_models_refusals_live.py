@@ -113,7 +113,7 @@ def test_a_configured_model_with_a_1_gib_config_json_is_a_422_before_any_spawn(
                     await attempt
                 assert err.value.http_status == 422 and err.value.code == "model_unreadable"
                 assert "config.json" in str(err.value) and "cap" in str(err.value), str(err.value)
-            assert arb.pool.counters["spawned"] == 0 and not arb.pool.handles, "a worker was spawned"
+            assert arb.pool.counters.spawned == 0 and not arb.pool.handles, "a worker was spawned"
 
     asyncio.run(main())
 

@@ -46,7 +46,7 @@ def test_a_worker_busy_in_a_step_longer_than_the_heartbeat_window_is_not_killed(
             assert isinstance(end, p.Finished), end
             assert handle.state in ("ready", "busy") and handle.beats.alive is not None and handle.beats.alive.steps > 0
             assert not any(e.kind == "wedged" for e in arb.events)
-            assert arb.pool.counters["wedged"] == 0
+            assert arb.pool.counters.wedged == 0
 
     asyncio.run(main())
 

@@ -36,7 +36,7 @@ def test_a_loop_stall_longer_than_the_heartbeat_window_kills_no_worker(tiny_mode
             await asyncio.sleep(0.5)
             time.sleep(2.5)  # the loop itself is stalled (as a slow rescan on it did)
             await asyncio.sleep(2.0)  # several beats after it
-            assert arb.pool.counters["wedged"] == 0, [e.reason for e in arb.events if e.kind == "wedged"]
+            assert arb.pool.counters.wedged == 0, [e.reason for e in arb.events if e.kind == "wedged"]
             assert a.live and b.live and a.pid and b.pid
             assert any(e.kind == "stall" for e in arb.events)
             stream = await arb.service.generate("a", p.Generate(request_id="after", prompt="hi", max_tokens=2))
@@ -185,7 +185,7 @@ def test_a_broken_non_pinned_model_is_marked_failed_not_spawned_per_request(tiny
                 with pytest.raises(LoadError) as again:
                     await arb.models.load("x")
                 assert again.value.code == "model_failed" and again.value.retry_after
-            assert arb.pool.counters["spawned"] == 1
+            assert arb.pool.counters.spawned == 1
             assert any(e.kind == "failed" for e in arb.events)
         finally:
             await _stopped(arb, task)

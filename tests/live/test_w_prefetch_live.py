@@ -51,7 +51,7 @@ def test_w4_the_model_likely_asked_for_next_is_read_ahead_at_ok_and_never_counte
             before = await usage(arb, settle=0.0)
             await until(lambda: read_ahead(arb, "b", "read ahead"), 15, "b read ahead")
             after = await usage(arb)
-            return before, after, arb.service.model_info("b"), read_ahead(arb, "a", ""), dict(arb.counters)
+            return before, after, arb.service.model_info("b"), read_ahead(arb, "a", ""), arb.counters.as_dict()
 
     before, after, b, for_a, counters = asyncio.run(go())
     weights = (pair["b"] / "model.safetensors").stat().st_size
@@ -116,7 +116,7 @@ def test_w4_a_prefetch_in_progress_stops_at_soft(pair, tmp_path, runtime_dir):
             assert await arb.service.unload("b", admin=True)
             await until(lambda: read_ahead(arb, "b", "prefetch of b stopped"), 20, "the prefetch stopped")
             return size, read_ahead(arb, "b", "prefetch of b stopped"), arb.service.model_info("b"), \
-                dict(arb.counters)
+                arb.counters.as_dict()
 
     size, stopped, b, counters = asyncio.run(go())
     assert "the memory level left ok" in stopped[0].reason, stopped[0].reason

@@ -85,6 +85,31 @@ def test_w1_a_load_takes_the_waiting_spare_and_a_new_spare_follows(tiny_models, 
     asyncio.run(main())
 
 
+def test_w1_the_model_a_spare_takes_runs_with_the_model_s_request_slots(tiny_models, runtime_dir):
+    """A spare's limits carry one request slot (it has no model); the worker that took model a
+    is handed a's max_concurrency in the limits its scheduler reads (its ledger slot). The
+    custom ceiling holds every other limit still, so only the policy's record of the cap each
+    worker's limits carry can send them (before, the enforcer merged the cap into limits sent
+    for other reasons, and none came)."""
+    config = make_config([ModelConfig(id="a", path=str(tiny_models.a), max_concurrency=3)], spare_workers=1,
+                         guard=GuardConfig(hot_cache_max=0, tier="custom", custom_ceiling="64GiB"))
+
+    def slots(arb: Arbiter, handle: WorkerHandle) -> int:
+        arb.wake()
+        limits = arb.pool.ledger.read_limits(handle.slot)
+        return limits.max_concurrency if limits is not None else 0
+
+    async def main():
+        async with Running(config, runtime_dir) as arb:
+            spare = await ready_spare(arb)
+            await until(lambda: slots(arb, spare) == 1, 10, "the spare's limits")
+            handle = await arb.models.load("a")
+            assert handle is spare and handle.concurrency == 3
+            await until(lambda: slots(arb, handle) == 3, 10, "a's request slots in the worker's limits")
+
+    asyncio.run(main())
+
+
 def test_w2_a_load_that_needs_room_stops_the_spare_and_not_the_idle_model(tiny_models, model_48, runtime_dir):
     """Under a ceiling whose soft target leaves room for the 48 MiB model only without the
     spare (~60 MiB), admission stops the spare (A2 counts it as room) and evicts no model.

@@ -45,7 +45,7 @@ def test_w5_a_concurrent_alternating_client_loses_no_request(pair, runtime_dir):
                 tasks.append(asyncio.get_running_loop().create_task(ask(arb, "ab"[i % 2])))
                 await asyncio.sleep(0.3)
             answers = await asyncio.gather(*tasks)
-            return answers, arb.counters["swaps"]
+            return answers, arb.counters.swaps
 
     answers, swaps = asyncio.run(go())
     assert [a.outcome for a in answers] == ["ok"] * 12
@@ -73,7 +73,7 @@ def test_w5_thrash_is_said_and_a_held_load_lets_the_loaded_model_serve_new_arriv
                 lane.stopped = True
             await asyncio.gather(*tasks)
             evicted = [e for e in events(arb, "evict") if e.worker_id == old.worker_id]
-            return thrash, old.worker_id, lanes, b, evicted, arb.counters["thrash_holds"]
+            return thrash, old.worker_id, lanes, b, evicted, arb.counters.thrash_holds
 
     thrash, old, lanes, b, evicted, holds = asyncio.run(go())
     assert thrash and "a, b evicted each other 2 times" in thrash[0].reason, [e.reason for e in thrash]
@@ -102,7 +102,7 @@ def test_w5_the_hold_ends_at_once_when_the_loaded_model_has_nothing_queued(pair,
             asked = time.time()
             assert (await ask(arb, "b")).outcome == "ok"
             evicted = [e for e in events(arb, "evict") if e.worker_id == old.worker_id]
-            return evicted[0].t - asked, arb.counters["thrash_holds"]
+            return evicted[0].t - asked, arb.counters.thrash_holds
 
     began, holds = asyncio.run(go())
     assert began < 1.0 and holds == 0, f"the swap began {began:.2f} s after the request; {holds} holds"

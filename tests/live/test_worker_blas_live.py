@@ -13,7 +13,7 @@ import pytest
 
 from shared import protocol as p
 from shared.probe import blas as found
-from tests.test_blas import linux_only, mapped_paths
+from tests.blas_harness import linux_only, mapped_paths
 
 pytestmark = [pytest.mark.slow, linux_only]
 
