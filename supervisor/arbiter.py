@@ -220,7 +220,7 @@ class Arbiter:
                 next_beat = now + self.config.supervisor.heartbeat_interval
                 if late > liveness.stall_threshold(self.config.supervisor):
                     self.on_stall(late, now)
-                self.pool.heartbeat(now)
+                self.pool.watchdog.heartbeat(now)
             self.models.tick(now)
             self.gate.expire(now)
             if woken or now >= next_tick:
@@ -255,7 +255,7 @@ class Arbiter:
         what = (f"the supervisor's loop was stalled for {late:.1f} s; every worker gets a fresh "
                 f"heartbeat window (no silence during a stall counts)")
         log.warning("%s", what)
-        self.pool.forgive(now, late)
+        self.pool.watchdog.forgive(now, late)
         self.emit("stall", what)
 
     async def sleep(self, timeout: float) -> bool:

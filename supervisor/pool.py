@@ -1,15 +1,16 @@
-"""Worker processes: spawn, watch, stop with escalation, reap.
+"""Worker processes: spawn, command, stop with escalation, kill, reap, shut down.
 
-One worker process per loaded model, as circus's watcher keeps its
-processes, and the spare workers that wait for a model (SPEC W1: their part is
-supervisor.spares). The pool knows processes and their states (shared.states);
-it decides nothing about memory or about a model's life. The enforcer and
-the models ask it to spawn and stop; it tells them, through `on_event`,
-everything that happened, as typed `PoolEvent`s, each with a cause people
-can read; what a handle is told changes it through the handle's own methods
-(supervisor.process). What workers send is read by supervisor.worker_messages; whether a
-worker is alive is supervisor.liveness's judgement, when a model comes back
-supervisor.models's (with supervisor.intensity's arithmetic).
+One worker process per loaded model, as circus's watcher keeps its processes,
+and the spare workers that wait for a model (SPEC W1: their part is
+supervisor.spares). The pool knows processes; it decides nothing about memory
+or about a model's life. The enforcer and the models ask it to spawn and stop;
+it tells them, through `on_event`, everything that happened, as typed
+`PoolEvent`s, each with a cause people can read. Its neighbours each hold one
+job it used to do itself, so this file reads as a process's life:
+supervisor.worker_messages reads what workers send, supervisor.watchdog pings
+them and kills the wedged (by supervisor.liveness's judgement), and a handle
+changes only through its own methods (supervisor.process). When a model comes
+back is supervisor.models's call (with supervisor.intensity's arithmetic).
 """
 
 from __future__ import annotations
@@ -28,9 +29,8 @@ import multiprocess
 from shared import protocol as p
 from shared.ledger import Ledger
 from shared.limits import Limits
-from shared.states import LOADING_STATES
 from shared.vocab import StopCause
-from supervisor import liveness, load_clock, reaping
+from supervisor import load_clock, reaping
 from supervisor.bus import Bus
 from supervisor.cache_tiers import CacheBook, save_grace
 from supervisor.config import Config, ModelConfig
@@ -38,23 +38,20 @@ from supervisor.counters import SupervisorCounters
 from supervisor.errors import LoadError
 from supervisor.load_timer import LoadTimer
 from supervisor.policy.wired import sigkill_after
-from supervisor.process import (
-    EventSink,
-    Exited,
-    Spawned,
-    Wedged,
-    WorkerHandle,
-    worker_spec,
-)
+from supervisor.process import EventSink, Exited, Spawned, WorkerHandle, worker_spec
 from supervisor.spares import Spares
 from supervisor.streams import RequestStream, Streams
 from supervisor.views import WorkerView
+from supervisor.watchdog import Watchdog
 from supervisor.worker_messages import WorkerMessages
 from worker.main import run as worker_main  # the spawn target; imports no MLX at module level
 
 log = logging.getLogger("memvisor.pool")
 
+
 class Pool:
+    """The worker processes, by id and by bus identity, with their request streams."""
+
     def __init__(self, *, bus: Bus, ledger: Ledger, config: Config, on_event: EventSink, on_change: Callable[[], None],
                  counters: SupervisorCounters | None = None) -> None:
         self.bus = bus
@@ -75,6 +72,7 @@ class Pool:
         self.caches = CacheBook()  # each model's prompt-cache disk tier, as its workers report it (H5)
         self.spares = Spares(self)  # W1, W2: the spare workers, carried out
         self.messages = WorkerMessages(self)  # what the workers say, routed (the bus's handlers)
+        self.watchdog = Watchdog(self)  # the heartbeat: pings, silence judged, the wedged killed
         self.timer = LoadTimer(on_event)  # W3, W6: each load's phases and progress, said
         # model id -> its last worker reaped: its final cache report may come after its exit
         self.reaped: dict[str, WorkerHandle] = {}
@@ -114,7 +112,8 @@ class Pool:
             raise LoadError(f"could not start a worker process for {what}: {exc}", code="spawn_failed",
                             http_status=503) from None
         now = time.monotonic()
-        handle.started(proc, load_clock.begin(began or now, now, spare=False, estimate=estimate) if model else None)
+        handle.started(proc, load_clock.begin(began or now, now, spare=False, estimate=estimate)
+                       if model is not None else None)
         self.handles[worker_id] = handle
         self.by_identity[handle.identity] = handle
         reaping.on_exit(proc, lambda code: self._exited(handle, code), worker_id)
@@ -128,6 +127,8 @@ class Pool:
     # -- commands -------------------------------------------------------------
 
     def command(self, handle: WorkerHandle, msg: p.Command) -> bool:
+        """Send `msg`, numbered; False when the worker is not connected yet (its hello resends
+        the limits, the only command that must not be lost)."""
         self._cmd += 1
         msg.cmd = self._cmd
         if isinstance(msg, p.SetLimits):
@@ -137,7 +138,7 @@ class Pool:
             log.debug("command %s to %s not delivered (not connected yet)", type(msg).__name__, handle.worker_id)
         return ok
 
-    # -- what others decide about a worker, set here -------------------------------
+    # -- a worker's limits and requests ---------------------------------------------
 
     def set_concurrency(self, handle: WorkerHandle, limits: Limits) -> None:
         """P8: the worker's request slots (`limits.max_concurrency`), sent with the rest of its limits."""
@@ -176,59 +177,6 @@ class Pool:
         """Requests the worker serves now (the streams keep the map)."""
         return self.streams.running(handle.worker_id)
 
-    # -- liveness ---------------------------------------------------------------
-
-    def heartbeat(self, now: float) -> None:
-        """Ping every serving worker; kill those silent past their window (wedged).
-
-        A draining worker is left to its stop's own escalation (supervisor.liveness
-        says what silence means while loading and inside a long engine step)."""
-        scfg = self.config.supervisor
-        for h in list(self.handles.values()):
-            loading = h.state in LOADING_STATES
-            answers = h.serving or h.state == "spare"  # W1: a waiting spare is judged as a serving worker
-            if (loading and h.stopping is None) or answers:
-                why = liveness.wedged(h.beats, loading, now, scfg)
-                if why is not None:
-                    self._wedged(h, why)
-                elif answers:
-                    self.command(h, p.Ping(seq=h.next_ping()))
-
-    def _wedged(self, handle: WorkerHandle, why: str) -> None:
-        self.counters.wedged += 1
-        log.error("Worker %s (pid %d): %s: wedged; killing it", handle.worker_id, handle.pid, why)
-        handle.move("silent")
-        self.on_event(Wedged(handle, why))
-        self.kill(handle, "wedged", cause="wedged")
-
-    def forgive(self, now: float, stalled: float) -> None:
-        """The supervisor's own loop could not run for `stalled` seconds: every worker
-        gets a fresh heartbeat window (supervisor.liveness.forgiven)."""
-        for h in self.handles.values():
-            h.forgive(now, stalled, h.state in LOADING_STATES)
-
-    def step_seconds(self, handle: WorkerHandle, now: float) -> float:
-        """How long the worker's current engine step has run (0 between steps)."""
-        return liveness.step_seconds(handle.beats, now, self.config.supervisor)
-
-    def unresponsive(self, handle: WorkerHandle, now: float) -> float | None:
-        """Seconds a serving worker has not answered a ping, past half its window; else None."""
-        if not handle.serving:
-            return None
-        return liveness.unresponsive(handle.beats, now, self.config.supervisor)
-
-    async def ping(self, handle: WorkerHandle, timeout: float = 5.0) -> float:
-        """Round trip of one command to the worker's step loop and back, in seconds."""
-        key = (handle.worker_id, handle.next_ping())
-        waiter = asyncio.get_running_loop().create_future()
-        self.messages.pings[key] = waiter
-        sent = time.monotonic()
-        self.command(handle, p.Ping(seq=key[1]))
-        try:
-            return await asyncio.wait_for(waiter, timeout) - sent
-        finally:
-            self.messages.pings.pop(key, None)
-
     async def call(self, handle: WorkerHandle, cmd: p.Tokenize | p.Detokenize, timeout: float) -> p.TokensReply:
         """A command the worker answers with one reply of the same request id (or a
         `Failed`); LoadError 503 when the worker cannot be reached or exits first,
@@ -244,6 +192,7 @@ class Pool:
             self.streams.forget_call(cmd.request_id)
 
     def read_samples(self) -> None:
+        """Each live worker's ledger slot, read at the tick: its memory, and busy or idle by it."""
         for h in self.handles.values():
             if h.live:
                 sample = self.ledger.read_sample(h.slot)

@@ -26,7 +26,7 @@ from shared import protocol as p
 from shared.ledger import LedgerSample
 from shared.limits import Limits
 from shared.memory import NO_READING
-from shared.states import LIVE_STATES, SERVING_STATES, WorkerState, WorkerTrigger, transition
+from shared.states import LIVE_STATES, LOADING_STATES, SERVING_STATES, WorkerState, WorkerTrigger, transition
 from shared.vocab import LeaveCause, PoolName, StopCause, WorkerEventKind
 from supervisor import liveness, load_clock
 from supervisor.cache_tiers import save_grace
@@ -222,9 +222,9 @@ class WorkerHandle:
         self.beats.last_alive = now
         self.beats.alive = alive
 
-    def forgive(self, now: float, stalled: float, loading: bool) -> None:
+    def forgive(self, now: float, stalled: float) -> None:
         """The supervisor's loop stalled: no silence over that time counts (supervisor.liveness)."""
-        self.beats = liveness.forgiven(self.beats, now, stalled, loading)
+        self.beats = liveness.forgiven(self.beats, now, stalled, self.state in LOADING_STATES)
 
     def sampled(self, sample: LedgerSample, busy: bool) -> None:
         """Its ledger slot's latest reading; a serving worker is busy or idle by it."""

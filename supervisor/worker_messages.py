@@ -15,7 +15,6 @@ bad frame and changes nothing (SPEC: bad input never crashes the supervisor).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import TYPE_CHECKING, Callable, Protocol
@@ -41,6 +40,7 @@ if TYPE_CHECKING:
     from supervisor.load_timer import LoadTimer
     from supervisor.spares import Spares
     from supervisor.streams import Streams
+    from supervisor.watchdog import Watchdog
 
 log = logging.getLogger("memvisor.pool")
 
@@ -60,6 +60,7 @@ class Pool(Protocol):
     on_event: EventSink
     on_change: Callable[[], None]
     wake_on_watermark: bool
+    watchdog: Watchdog
 
     def command(self, handle: WorkerHandle, msg: p.Command) -> bool: ...
 
@@ -69,8 +70,6 @@ class WorkerMessages:
 
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
-        # (worker id, ping seq) -> who awaits that pong (Pool.ping's round trip)
-        self.pings: dict[tuple[str, int], asyncio.Future] = {}
 
     # -- the command socket: replies to commands, and a worker's own news -----------
 
@@ -93,7 +92,7 @@ class WorkerMessages:
             case p.Tokenized() | p.Detokenized():  # a tokenizer call's answer
                 pool.streams.answer(msg)
             case p.Pong():
-                self._pong(handle, msg)
+                pool.watchdog.ponged(handle, msg.seq, time.monotonic())
             case p.Hello():
                 self._hello(handle, msg)
             case p.Loaded():
@@ -115,13 +114,6 @@ class WorkerMessages:
         pool.streams.deliver_batch(msg)
         if handle.load is not None and handle.load.first_request:
             pool.timer.reply(handle, msg)
-
-    def _pong(self, handle: WorkerHandle, msg: p.Pong) -> None:
-        now = time.monotonic()
-        handle.ponged(now)
-        waiter = self.pings.pop((handle.worker_id, msg.seq), None)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(now)
 
     def _hello(self, handle: WorkerHandle, msg: p.Hello) -> None:
         """The process runs our code: it is loading (or, a spare, waiting for a model);
