@@ -334,7 +334,7 @@ def test_a_second_supervisor_refuses_a_runtime_dir_in_use_and_clients_see_a_dead
     cfg.write_text(f'[[models]]\nid = "a"\npath = "{tiny_models.a}"\n')
 
     async def arb_roundtrip(arb):
-        return await arb.pool.ping(await arb.models.load("a"))
+        return await arb.pool.watchdog.ping(await arb.models.load("a"))
 
     async def main():
         async with Running(config, runtime_dir) as first:
