@@ -87,7 +87,7 @@ PRETEND = {"device_name": "pretend", "architecture": "cpu", "total_memory": 80 *
 async def load(arb: Arbiter, pretend: bool):
     handle = await arb.models.load("victim")
     if pretend:  # a CUDA-shaped hello; its free figure stays as the hello said (as D1's fallback)
-        arb.pool.set_device_info(handle, dict(PRETEND))
+        handle.set_device_info(dict(PRETEND))
     return handle
 
 

@@ -128,8 +128,8 @@ async def bench_round_trip(tmp: Path, pings: int) -> tuple[float, float]:
         await asyncio.sleep(0.01)
     handle = await arb.models.load("m")
     for _ in range(200):  # warm up
-        await arb.pool.ping(handle)
-    rtts = sorted([await arb.pool.ping(handle) for _ in range(pings)])
+        await arb.pool.watchdog.ping(handle)
+    rtts = sorted([await arb.pool.watchdog.ping(handle) for _ in range(pings)])
     arb.stop()
     await task
     p50, p99 = rtts[len(rtts) // 2] * 1e3, rtts[int(len(rtts) * 0.99)] * 1e3

@@ -167,7 +167,7 @@ async def _obedience_run(ctx: "Context", chunk_seconds: float, row: Row) -> tupl
         started = time.monotonic()
         worst = 0.0
         while stream.queue.empty():
-            worst = max(worst, await arb.pool.ping(handle, timeout=120))
+            worst = max(worst, await arb.pool.watchdog.ping(handle, timeout=120))
         first = await stream.queue.get()
         prefill = time.monotonic() - started
         while not isinstance(first, (p.Finished, p.Failed)):

@@ -71,6 +71,14 @@ LoadPhase = Literal["admit", "spawn", "hello", "spare", "build", "read", "tokeni
 # able to pose as one: anything else is refused at decoding.
 WorkerEventKind = Literal["drill", "wired_limit"]
 
+# Why a stop of a worker was asked for (supervisor.process.Leaving). A pinned model
+# whose load the guard aborted (P6 step 4), or that was killed as wedged, comes back
+# as after a crash; `spare`: a spare worker stopped to make room or under pressure (W2).
+StopCause = Literal["request", "evict", "ttl", "unload", "load_abort", "wedged", "shutdown", "spare"]
+# Why a worker is on its way out: `marked` (P6.3, or a load that failed) takes nothing new
+# and waits to be stopped once idle; the rest say why its stop began.
+LeaveCause = Literal["marked", StopCause]
+
 # Every kind of `GuardEvent` the supervisor publishes on the `event` topic.
 GuardEventKind = Literal[
     WorkerEventKind,

@@ -40,7 +40,7 @@ from typing_extensions import assert_never
 from shared import protocol as p
 from shared.ledger import Ledger
 from shared.sizes import format_size
-from shared.vocab import GuardEventKind
+from shared.vocab import GuardEventKind, StopCause
 from supervisor import liveness
 from supervisor.admission_queue import Gate
 from supervisor.bus import Bus, BusError, Endpoints, claim_runtime_dir, pid_alive
@@ -81,7 +81,7 @@ STATUS_EVERY = 2.0  # seconds between `status` messages on PUB
 ACCEPT_LOG_EVERY = 5.0  # seconds between log lines about failing accept() calls
 # Stopped exits after which a pinned model comes back as after a crash: the
 # guard aborted its load (P6 step 4), or it was killed for silence.
-RESPAWN_CAUSES = ("load_abort", "wedged")
+RESPAWN_CAUSES: tuple[StopCause, ...] = ("load_abort", "wedged")
 
 
 class Arbiter:
@@ -119,7 +119,7 @@ class Arbiter:
         self.wake_event = asyncio.Event()
         self._bind()
         self._build()
-        self.bus.attach(self.loop, self.pool.on_reply, self.pool.on_report, self.on_control)
+        self.bus.attach(self.loop, self.pool.messages.on_reply, self.pool.messages.on_report, self.on_control)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             self.loop.add_signal_handler(sig, self.on_signal, sig)
         self.endpoints.save(self.runtime_dir)
@@ -220,7 +220,7 @@ class Arbiter:
                 next_beat = now + self.config.supervisor.heartbeat_interval
                 if late > liveness.stall_threshold(self.config.supervisor):
                     self.on_stall(late, now)
-                self.pool.heartbeat(now)
+                self.pool.watchdog.heartbeat(now)
             self.models.tick(now)
             self.gate.expire(now)
             if woken or now >= next_tick:
@@ -255,7 +255,7 @@ class Arbiter:
         what = (f"the supervisor's loop was stalled for {late:.1f} s; every worker gets a fresh "
                 f"heartbeat window (no silence during a stall counts)")
         log.warning("%s", what)
-        self.pool.forgive(now, late)
+        self.pool.watchdog.forgive(now, late)
         self.emit("stall", what)
 
     async def sleep(self, timeout: float) -> bool:
@@ -353,7 +353,7 @@ class Arbiter:
         self.emit(kind, reason, worker_id=handle.worker_id, model_id=handle.model_id,
                   usage=handle.sample.memory.usage if handle.sample else 0,
                   load=ev.report if isinstance(ev, LoadReported) else None)
-        if isinstance(ev, Exited) and (not ev.expected or handle.stop_cause in RESPAWN_CAUSES):
+        if isinstance(ev, Exited) and (not ev.expected or handle.left_because(*RESPAWN_CAUSES)):
             self.models.on_exit(handle)
 
     def on_control(self, identity: bytes, msg: p.ControlRequest) -> None:

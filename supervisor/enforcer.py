@@ -271,7 +271,7 @@ class Enforcer:
                 self.pool.kill(handle, f"load aborted: {x.reason}", cause="load_abort")
                 say("abort_load")
             case d.MarkForUnload():
-                self.pool.mark_for_unload(handle)
+                handle.mark()
                 say("mark_for_unload")
             case d.Stop():
                 self.evict(handle, x.reason, f"evicted: {x.reason}", usage=usage, ceiling=ceiling)

@@ -167,9 +167,9 @@ class Models:
             self._refuse_if_shutting_down(model)
             if handle is None or not handle.live:
                 handle = self.pool.worker_for(model.id)
-            if handle is not None and (handle.marked_for_unload or handle.stopping is not None):
+            if handle is not None and handle.leaving is not None:
                 # on its way out (pressure or unload): let it finish, then load afresh
-                await self.pool.stop(handle, handle.stop_reason or "marked for unload")
+                await self.pool.stop(handle, handle.leaving.reason or "marked for unload")
                 handle = None
             if handle is None:
                 serving = await self.swaps.before_admit(model)  # W5: the models in the way finish first
@@ -381,4 +381,4 @@ def _spare_lost(handle: WorkerHandle) -> bool:
     """A spare handed this worker's model died before it had loaded it, unasked or found
     wedged (not stopped on purpose: a load the guard aborted stays aborted)."""
     return (handle.load is not None and handle.load.spare and not handle.load.loaded
-            and handle.stop_cause in (None, "wedged"))
+            and (handle.leaving is None or handle.left_because("marked", "wedged")))

@@ -1,14 +1,16 @@
-"""Worker processes: spawn, watch, stop with escalation, reap.
+"""Worker processes: spawn, command, stop with escalation, kill, reap, shut down.
 
-One worker process per loaded model, as circus's watcher keeps its
-processes, and the spare workers that wait for a model (SPEC W1: their part is
-supervisor.spares). The pool knows processes and their states (shared.states);
-it decides nothing about memory or about a model's life. The enforcer and
-the models ask it to spawn and stop; it tells them, through `on_event`,
-everything that happened, as typed `PoolEvent`s, each with a cause people
-can read. It alone changes a `WorkerHandle` (supervisor.process); whether a
-worker is alive is supervisor.liveness's judgement, when a model comes back
-supervisor.models's (with supervisor.intensity's arithmetic).
+One worker process per loaded model, as circus's watcher keeps its processes,
+and the spare workers that wait for a model (SPEC W1: their part is
+supervisor.spares). The pool knows processes; it decides nothing about memory
+or about a model's life. The enforcer and the models ask it to spawn and stop;
+it tells them, through `on_event`, everything that happened, as typed
+`PoolEvent`s, each with a cause people can read. Its neighbours each hold one
+job it used to do itself, so this file reads as a process's life:
+supervisor.worker_messages reads what workers send, supervisor.watchdog pings
+them and kills the wedged (by supervisor.liveness's judgement), and a handle
+changes only through its own methods (supervisor.process). When a model comes
+back is supervisor.models's call (with supervisor.intensity's arithmetic).
 """
 
 from __future__ import annotations
@@ -23,43 +25,33 @@ from typing import Callable
 
 import msgspec
 import multiprocess
-from typing_extensions import assert_never
 
 from shared import protocol as p
 from shared.ledger import Ledger
 from shared.limits import Limits
-from shared.states import LOADING_STATES
-from supervisor import liveness, load_clock, reaping
+from shared.vocab import StopCause
+from supervisor import load_clock, reaping
 from supervisor.bus import Bus
-from supervisor.cache_book import CacheBook, save_grace, saved_words
+from supervisor.cache_book import CacheBook, save_grace
 from supervisor.config import Config, ModelConfig
 from supervisor.counters import SupervisorCounters
 from supervisor.errors import LoadError
 from supervisor.load_timer import LoadTimer
 from supervisor.policy.wired import sigkill_after
-from supervisor.process import (
-    CacheWritten,
-    EventSink,
-    Exited,
-    Reported,
-    Spawned,
-    StopCause,
-    Wedged,
-    WorkerHandle,
-    WorkerLoaded,
-    WorkerLoadFailed,
-    WorkerNeedsMemory,
-    describe_exit,
-    worker_spec,
-)
+from supervisor.process import EventSink, Exited, Spawned, WorkerHandle, worker_spec
 from supervisor.spares import Spares
 from supervisor.streams import RequestStream, Streams
 from supervisor.views import WorkerView
+from supervisor.watchdog import Watchdog
+from supervisor.worker_messages import WorkerMessages
 from worker.main import run as worker_main  # the spawn target; imports no MLX at module level
 
 log = logging.getLogger("memvisor.pool")
 
+
 class Pool:
+    """The worker processes, by id and by bus identity, with their request streams."""
+
     def __init__(self, *, bus: Bus, ledger: Ledger, config: Config, on_event: EventSink, on_change: Callable[[], None],
                  counters: SupervisorCounters | None = None) -> None:
         self.bus = bus
@@ -75,11 +67,12 @@ class Pool:
         self._free_slots = list(range(ledger.n_slots))
         self._mp = multiprocess.get_context("spawn")
         self.counters = counters if counters is not None else SupervisorCounters()
-        self._pings: dict[tuple[str, int], asyncio.Future] = {}
         # Off only in the reaction benchmark's baseline (the seed's fixed 1 s poll).
         self.wake_on_watermark = True
         self.caches = CacheBook()  # each model's prompt-cache disk tier, as its workers report it (H5)
         self.spares = Spares(self)  # W1, W2: the spare workers, carried out
+        self.messages = WorkerMessages(self)  # what the workers say, routed (the bus's handlers)
+        self.watchdog = Watchdog(self)  # the heartbeat: pings, silence judged, the wedged killed
         self.timer = LoadTimer(on_event)  # W3, W6: each load's phases and progress, said
         # model id -> its last worker reaped: its final cache report may come after its exit
         self.reaped: dict[str, WorkerHandle] = {}
@@ -118,184 +111,39 @@ class Pool:
             log.error("Could not start a worker for %s: %s", what, exc)
             raise LoadError(f"could not start a worker process for {what}: {exc}", code="spawn_failed",
                             http_status=503) from None
-        handle.proc = proc
-        handle.pid = proc.pid
+        now = time.monotonic()
+        handle.started(proc, load_clock.begin(began or now, now, spare=False, estimate=estimate)
+                       if model is not None else None)
         self.handles[worker_id] = handle
         self.by_identity[handle.identity] = handle
         reaping.on_exit(proc, lambda code: self._exited(handle, code), worker_id)
         self.counters.spawned += 1
-        if model is not None:
-            now = time.monotonic()
-            handle.load = load_clock.begin(began or now, now, spare=False, estimate=estimate)
         words = f"to load {model.path}" if model is not None else "as a spare: MLX and the engine, no model (W1)"
         log.info("Spawned worker %s (pid %d) %s", worker_id, proc.pid, words)
         self.on_event(Spawned(handle, f"started worker pid {proc.pid} {words}"))
         self.timer.began(handle)
         return handle
 
-    # -- messages from workers ----------------------------------------------
-
-    def on_reply(self, identity: bytes, msg: p.WorkerReply) -> None:
-        handle = self.by_identity.get(identity)
-        if handle is None or not handle.live:
-            self.bus.bad("commands", "unknown_peer", "message from an unknown or stopped worker")
-            return
-        match msg:
-            case p.Tokenized() | p.Detokenized():  # a tokenizer call's answer
-                self.streams.answer(msg)
-            case p.Failed() if self.streams.awaits(msg.request_id):  # ... or its refusal
-                self.streams.answer(msg)
-            case p.TokenOut() | p.Finished() | p.Failed() | p.Prompted() | p.PrefillProgress() | p.Echoed() | p.Embedded():
-                if self.streams.deliver(msg) is not None:  # its last reply: the worker is idle since now
-                    handle.last_access = time.monotonic()
-                if handle.load is not None and handle.load.first_request:  # W3: the load's last phase
-                    self.timer.reply(handle, msg)
-            case p.TokenBatch():  # one decode step's tokens for several requests, in one frame
-                if msg.well_formed():
-                    self.streams.deliver_batch(msg)
-                    if handle.load is not None and handle.load.first_request:
-                        self.timer.reply(handle, msg)
-                else:
-                    self.bus.bad("commands", "invalid_message", "token batch with columns of unequal length")
-            case p.Pong():
-                handle.beats.last_pong = time.monotonic()
-                waiter = self._pings.pop((handle.worker_id, msg.seq), None)
-                if waiter is not None and not waiter.done():
-                    waiter.set_result(handle.beats.last_pong)
-            case p.Hello():
-                self._on_hello(handle, msg)
-            case p.Loaded():
-                self._on_loaded(handle, msg)
-            case p.LoadFailed():
-                if not handle.loaded.done():  # the files are unusable: retrying will not help
-                    handle.loaded.set_exception(LoadError(f"model {handle.model_id!r} failed to load: {msg.error}",
-                                                          http_status=503, permanent=True))
-                handle.marked_for_unload = True
-                self.on_event(WorkerLoadFailed(handle, msg.error))
-            case p.NeedMemory():
-                self.on_event(WorkerNeedsMemory(handle, msg.request_id, msg.need_bytes, msg.pool))
-            case p.Ack() | p.Reclaimed():
-                pass  # informational; the sample that follows carries the effect
-            case _:
-                assert_never(msg)
-
-    def _on_hello(self, handle: WorkerHandle, msg: p.Hello) -> None:
-        if msg.pid != handle.pid or msg.worker_id != handle.worker_id or msg.spare != handle.spare:
-            self.bus.bad("commands", "hello_mismatch", "hello that does not match the spawned process")
-            return
-        # D1: a worker whose arrays live on the CPU holds nothing on the accelerator
-        # its MLX can see (an empty `device` is an older worker: trust its info)
-        on_cpu = msg.device.startswith("Device(cpu")
-        self.set_device_info(handle, {} if on_cpu else dict(msg.device_info))
-        log.info("Worker %s (%s) runs on %s %s", handle.worker_id, handle.model_id, msg.device or "an unnamed device",
-                 msg.device_info.get("device_name", ""))
-        now = time.monotonic()
-        handle.move("wait" if msg.spare else "hello")
-        handle.beats.last_pong = now
-        if handle.load is not None:  # W3: the process's start and its imports, timed
-            load_clock.hello(handle.load, msg.started, now)
-        if msg.spare:
-            self.spares.greeted(handle, now)
-        if not handle.greeted.done():
-            handle.greeted.set_result(True)
-        if handle.last_limits is not None:
-            self.command(handle, p.SetLimits(limits=handle.last_limits))
-        self.on_change()
-
-    def _on_loaded(self, handle: WorkerHandle, msg: p.Loaded) -> None:
-        handle.weight_bytes = msg.weight_bytes
-        handle.move("loaded")  # a worker on its way out stays draining: a stop is final
-        handle.last_access = time.monotonic()
-        handle.beats.last_pong = handle.last_access
-        self.timer.loaded(handle, msg, handle.last_access)  # W3: the first token closes the load's phases
-        if not handle.loaded.done():
-            handle.loaded.set_result(True)
-        log.info("Worker %s loaded %s (%.1f MB weights) in %.2f s",
-                 handle.worker_id, handle.model_id, msg.weight_bytes / 1e6, msg.seconds)
-        self.on_event(WorkerLoaded(handle, f"model loaded in {msg.seconds:.2f} s"))
-        self.on_change()
-
-    def on_report(self, msg: p.WorkerReport) -> None:
-        match msg:
-            case p.Sample():
-                handle = self.handles.get(msg.worker_id)
-                if handle is None or msg.pid != handle.pid:
-                    self.bus.bad("reports", "unknown_peer", "sample from an unknown worker")
-                    return
-                self.counters.samples += 1
-                self.bus.publish(msg)
-                if msg.why in ("watermark", "shrink") and self.wake_on_watermark:
-                    # P9: a watermark crossing is answered now, not at the next tick; H3: so is a shrink
-                    self.on_change()
-            case p.WorkerEvent():
-                handle = self.handles.get(msg.worker_id)
-                if handle is not None:
-                    self.on_event(Reported(handle, msg.kind, msg.message))
-            case p.Alive():
-                handle = self.handles.get(msg.worker_id)
-                if handle is None or msg.pid != handle.pid:
-                    return  # the last word of a worker that has just exited: it changes nothing
-                handle.beats.last_alive = time.monotonic()
-                handle.beats.alive = msg
-                if msg.load_phase:
-                    self.timer.alive(handle, msg)
-            case p.CacheReport():
-                self._on_cache_report(msg)
-            case _:
-                assert_never(msg)
-
-    def _on_cache_report(self, msg: p.CacheReport) -> None:
-        """H5: a worker's disk-tier figures; the last one comes as it exits, maybe after its reaping."""
-        handle = self.handles.get(msg.worker_id)
-        if handle is None:
-            last = self.reaped.get(msg.model_id)
-            handle = last if last is not None and last.worker_id == msg.worker_id else None
-        if handle is None or handle.pid != msg.pid or handle.model_id != msg.model_id:
-            self.bus.bad("reports", "unknown_peer", "cache report from an unknown worker")
-            return
-        self.caches.take(msg)
-        s = msg.stats
-        if msg.final and (s.written_entries or s.dropped_entries):
-            self.counters.disk_cache_saves += 1
-            self.on_event(CacheWritten(handle, saved_words(s)))
-
     # -- commands -------------------------------------------------------------
 
     def command(self, handle: WorkerHandle, msg: p.Command) -> bool:
+        """Send `msg`, numbered; False when the worker is not connected yet (its hello resends
+        the limits, the only command that must not be lost)."""
         self._cmd += 1
         msg.cmd = self._cmd
         if isinstance(msg, p.SetLimits):
-            handle.last_limits = msg.limits
+            handle.limits_sent(msg.limits)
         ok = self.bus.send_command(handle.identity, msg)
         if not ok:
             log.debug("command %s to %s not delivered (not connected yet)", type(msg).__name__, handle.worker_id)
         return ok
 
-    # -- what others decide about a worker, set here -------------------------------
-
-    def set_ttl(self, handle: WorkerHandle, seconds: float) -> None:
-        """A request's keep_alive: the worker's own copy of its model's config carries the
-        TTL P10 reads, so it lasts until that worker stops."""
-        handle.model = msgspec.structs.replace(handle.model, ttl=seconds)
-
-    def reconfigure(self, handle: WorkerHandle, model: ModelConfig) -> None:
-        """A reload changed the model in place: pinned and ttl are read from it; P8 walks
-        the concurrency toward the new maximum."""
-        handle.model = model
-        handle.concurrency = min(handle.concurrency, model.max_concurrency)
+    # -- a worker's limits and requests ---------------------------------------------
 
     def set_concurrency(self, handle: WorkerHandle, limits: Limits) -> None:
         """P8: the worker's request slots (`limits.max_concurrency`), sent with the rest of its limits."""
-        handle.concurrency = limits.max_concurrency
+        handle.set_concurrency(limits.max_concurrency)
         self.set_limits(handle, limits)
-
-    def set_device_info(self, handle: WorkerHandle, info: dict) -> None:
-        """The accelerator the worker's MLX sees, as its hello described it (D1)."""
-        handle.device_info = info
-
-    def mark_for_unload(self, handle: WorkerHandle) -> None:
-        """P6.3: the worker is stopped once it is idle; no new request is routed to it."""
-        handle.marked_for_unload = True
 
     def set_limits(self, handle: WorkerHandle, limits: Limits) -> None:
         """Limits go to the ledger (read before every prefill chunk) and as a command."""
@@ -304,9 +152,10 @@ class Pool:
             self.command(handle, p.SetLimits(limits=limits))
 
     def open_request(self, handle: WorkerHandle, request_id: str) -> RequestStream:
-        handle.last_access = time.monotonic()
+        now = time.monotonic()
+        handle.used(now)
         if handle.load is not None and not handle.load.closed:
-            load_clock.request_opened(handle.load, request_id, handle.last_access)
+            load_clock.request_opened(handle.load, request_id, now)
         return self.streams.open(handle.worker_id, handle.model_id, request_id)
 
     def cancel_request(self, stream: RequestStream, reason: str) -> None:
@@ -318,7 +167,7 @@ class Pool:
         stream.done = True
         self.streams.close(stream)
         if handle is not None:
-            handle.last_access = time.monotonic()
+            handle.used(time.monotonic())
 
     def view(self, handle: WorkerHandle) -> WorkerView:
         """A frozen copy of the worker as it stands, for the doors."""
@@ -327,61 +176,6 @@ class Pool:
     def running(self, handle: WorkerHandle) -> int:
         """Requests the worker serves now (the streams keep the map)."""
         return self.streams.running(handle.worker_id)
-
-    # -- liveness ---------------------------------------------------------------
-
-    def heartbeat(self, now: float) -> None:
-        """Ping every serving worker; kill those silent past their window (wedged).
-
-        A draining worker is left to its stop's own escalation (supervisor.liveness
-        says what silence means while loading and inside a long engine step)."""
-        scfg = self.config.supervisor
-        for h in list(self.handles.values()):
-            loading = h.state in LOADING_STATES
-            answers = h.serving or h.state == "spare"  # W1: a waiting spare is judged as a serving worker
-            if (loading and h.stopping is None) or answers:
-                why = liveness.wedged(h.beats, loading, now, scfg)
-                if why is not None:
-                    self._wedged(h, why)
-                elif answers:
-                    h.ping_seq += 1
-                    self.command(h, p.Ping(seq=h.ping_seq))
-
-    def _wedged(self, handle: WorkerHandle, why: str) -> None:
-        self.counters.wedged += 1
-        log.error("Worker %s (pid %d): %s: wedged; killing it", handle.worker_id, handle.pid, why)
-        handle.move("silent")
-        self.on_event(Wedged(handle, why))
-        self.kill(handle, "wedged", cause="wedged")
-
-    def forgive(self, now: float, stalled: float) -> None:
-        """The supervisor's own loop could not run for `stalled` seconds: every worker
-        gets a fresh heartbeat window (supervisor.liveness.forgiven)."""
-        for h in self.handles.values():
-            h.beats = liveness.forgiven(h.beats, now, stalled, h.state in LOADING_STATES)
-
-    def step_seconds(self, handle: WorkerHandle, now: float) -> float:
-        """How long the worker's current engine step has run (0 between steps)."""
-        return liveness.step_seconds(handle.beats, now, self.config.supervisor)
-
-    def unresponsive(self, handle: WorkerHandle, now: float) -> float | None:
-        """Seconds a serving worker has not answered a ping, past half its window; else None."""
-        if not handle.serving:
-            return None
-        return liveness.unresponsive(handle.beats, now, self.config.supervisor)
-
-    async def ping(self, handle: WorkerHandle, timeout: float = 5.0) -> float:
-        """Round trip of one command to the worker's step loop and back, in seconds."""
-        handle.ping_seq += 1
-        key = (handle.worker_id, handle.ping_seq)
-        waiter = asyncio.get_running_loop().create_future()
-        self._pings[key] = waiter
-        sent = time.monotonic()
-        self.command(handle, p.Ping(seq=handle.ping_seq))
-        try:
-            return await asyncio.wait_for(waiter, timeout) - sent
-        finally:
-            self._pings.pop(key, None)
 
     async def call(self, handle: WorkerHandle, cmd: p.Tokenize | p.Detokenize, timeout: float) -> p.TokensReply:
         """A command the worker answers with one reply of the same request id (or a
@@ -392,20 +186,19 @@ class Pool:
             if not self.command(handle, cmd):
                 raise LoadError(f"the worker for {handle.model_id!r} is not reachable", code="worker_exited",
                                 http_status=503)
-            handle.last_access = time.monotonic()  # a use of the model: its idle timer starts again
+            handle.used(time.monotonic())  # a use of the model: its idle timer starts again
             return await asyncio.wait_for(waiter, timeout)
         finally:
             self.streams.forget_call(cmd.request_id)
 
     def read_samples(self) -> None:
+        """Each live worker's ledger slot, read at the tick: its memory, and busy or idle by it."""
         for h in self.handles.values():
             if h.live:
                 sample = self.ledger.read_sample(h.slot)
                 if sample is not None and sample.pid == h.pid:
-                    h.sample = sample
-                    if h.serving:
-                        h.move("work" if sample.running or self.running(h) else "idle")
-                    elif h.state == "spare":
+                    h.sampled(sample, busy=h.serving and bool(sample.running or self.running(h)))
+                    if h.state == "spare":
                         self.spares.measured(sample.memory.usage)
 
     # -- stopping -------------------------------------------------------------
@@ -413,13 +206,7 @@ class Pool:
     def stop(self, handle: WorkerHandle, reason: str, *, kill_now: bool = False,
              cause: StopCause = "request") -> asyncio.Task:
         """Drain -> SIGTERM -> SIGKILL, each after a grace period. Idempotent."""
-        if handle.stopping is not None:
-            return handle.stopping
-        handle.stop_reason = reason
-        handle.stop_cause = cause
-        handle.move("stop")
-        handle.stopping = asyncio.get_running_loop().create_task(self._stop(handle, reason, kill_now))
-        return handle.stopping
+        return handle.stop(cause, reason, lambda: self._stop(handle, reason, kill_now))
 
     async def _stop(self, handle: WorkerHandle, reason: str, kill_now: bool) -> None:
         grace = self.config.supervisor.stop_grace
@@ -447,7 +234,7 @@ class Pool:
             return False
 
     def _signal(self, handle: WorkerHandle, sig: int) -> None:
-        handle.signals_sent.append(sig)
+        handle.signalled(sig)
         try:
             os.kill(handle.pid, sig)
         except ProcessLookupError:
@@ -465,8 +252,7 @@ class Pool:
 
     def _exited(self, handle: WorkerHandle, code: int | None) -> None:
         expected = handle.stopping is not None
-        handle.exit_cause = describe_exit(code, expected, handle.signals_sent)
-        handle.move("exit")
+        handle.ended(code)  # its exit_cause, its state, and whoever awaits it answered
         if not handle.spare:
             self.reaped[handle.model_id] = handle
         self.ledger.clear_slot(handle.slot)
@@ -474,11 +260,10 @@ class Pool:
         self.by_identity.pop(handle.identity, None)
         level = logging.INFO if expected and code == 0 else logging.ERROR
         log.log(level, "Worker %s (pid %d, model %s) %s%s", handle.worker_id, handle.pid, handle.model_id,
-                handle.exit_cause, f" [{handle.stop_reason}]" if handle.stop_reason else "")
+                handle.exit_cause, f" [{handle.leaving.reason}]" if handle.leaving and handle.leaving.reason else "")
         gone = f"the worker serving {handle.model_id!r} {handle.exit_cause}"
         self.streams.fail_all(handle.worker_id, "worker_exited", gone)
         self.streams.fail_calls(handle.worker_id, LoadError(gone, code="worker_exited", http_status=503))
-        handle.ended(code)
         if handle.spare:
             self.spares.exited(expected, time.monotonic())
         self.handles.pop(handle.worker_id, None)

@@ -273,7 +273,7 @@ class Signals:
         return assess(model=handle.model if handle is not None else model, host=host_name(self.catalog.config),
                       view=self.models.view(model.id), worker=self.pool.view(handle) if handle is not None else None,
                       waiting=self.gate.waiting_for_model(model.id), paused=self.enforcer.admission_paused,
-                      silent=self.pool.unresponsive(handle, now) if handle is not None else None,
+                      silent=self.pool.watchdog.unresponsive(handle, now) if handle is not None else None,
                       progress=self.load_progress(model.id, now), fit=fit)
 
     def load_progress(self, model_id: str, now: float) -> LoadProgress | None:

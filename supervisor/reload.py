@@ -157,7 +157,7 @@ class Reloader:
             changes.append(f"changed {model_id} ({words})")
             handle = self.pool.worker_for(model_id)
             if handle is not None:
-                self.pool.reconfigure(handle, after)
+                handle.reconfigure(after)
             elif after.pinned:
                 self.models.load_soon(model_id, "pinned by a reload")
             self.emit("model_changed", words, model_id=model_id)

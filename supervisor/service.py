@@ -256,7 +256,7 @@ class Service:
             raise AtCapacity(f"model {model.id!r} runs {handle.model.max_concurrency} requests and "
                              f"{in_flight - handle.model.max_concurrency} more wait (max_queue "
                              f"{handle.model.max_queue}); retry later or elsewhere", retry_after=1)
-        silent = self.pool.unresponsive(handle, time.monotonic())
+        silent = self.pool.watchdog.unresponsive(handle, time.monotonic())
         if max_wait is not None and silent is not None:
             raise NotReady(f"the worker for {model.id!r} has not answered for {silent:.1f} s",
                            code="worker_unresponsive", retry_after=2)
@@ -270,7 +270,7 @@ class Service:
         config carries the TTL P10 reads, so it lasts until that worker stops."""
         handle = self.pool.worker_for(self.catalog.model(model_id).id)
         if handle is not None:
-            self.pool.set_ttl(handle, seconds)
+            handle.keep_alive(seconds)
             self.wake()
 
     # -- status --------------------------------------------------------------------

@@ -22,9 +22,10 @@ import time
 from typing import TYPE_CHECKING, Protocol
 
 from shared import protocol as p
-from supervisor import intensity, liveness, load_clock
+from shared.vocab import StopCause
+from supervisor import intensity, load_clock
 from supervisor.errors import LoadError
-from supervisor.process import EventSink, SpareNews, StopCause, WorkerHandle, worker_spec
+from supervisor.process import EventSink, SpareNews, WorkerHandle, worker_spec
 
 if TYPE_CHECKING:
     from shared.ledger import Ledger
@@ -122,10 +123,7 @@ class Spares:
     def _hand_off(self, spare: WorkerHandle, model: ModelConfig, *, began: float, estimate: int) -> bool:
         """The spare becomes `model`'s worker (False: the command could not be sent)."""
         pool, now = self.pool, time.monotonic()
-        spare.adopt(model)
-        spare.move("take")
-        spare.beats = liveness.handed_off(spare.beats, now)
-        spare.load = load_clock.begin(began or now, now, spare=True, estimate=estimate)
+        spare.adopt(model, load_clock.begin(began or now, now, spare=True, estimate=estimate), now)
         sent = pool.command(spare, p.TakeModel(spec=worker_spec(spare, pool.config, pool.ledger.path,
                                                                 pool.bus.endpoints)))
         log.info("Spare %s (pid %d) takes model %s from %s", spare.worker_id, spare.pid, model.id, model.path)

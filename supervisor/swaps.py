@@ -165,7 +165,7 @@ class Swaps:
         now = time.monotonic()
         for worker_id, evicted in serving.items():
             handle = self.pool.handles.get(worker_id)
-            if handle is None or (handle.stopping is not None and handle.stop_cause == "evict"):
+            if handle is None or handle.left_because("evict"):
                 self.log.append(Swap(t=now, loaded=model.id, evicted=evicted))
                 self.counters.swaps += 1
         self.tick(now, model.id)

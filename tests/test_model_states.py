@@ -111,7 +111,7 @@ class Unmeasured:
 class Exited:
     """What `Models.on_exit` reads of a worker that died (a fresh one: no spare took its load)."""
 
-    pinned, model_id, exit_cause, load, stop_cause = True, "m", "killed by SIGKILL", None, None
+    pinned, model_id, exit_cause, load, leaving = True, "m", "killed by SIGKILL", None, None
 
 
 def _models(monkeypatch, tmp_path, **scfg):

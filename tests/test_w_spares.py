@@ -263,6 +263,7 @@ def test_w1_a_spare_is_spawned_with_no_model_and_takes_its_model_and_draft_at_th
     not have); the spec its TakeModel carries names the adopted model's folder and draft."""
     import asyncio
 
+    from supervisor import load_clock
     from supervisor.bus import Endpoints
     from supervisor.config import Config, ModelConfig
     from supervisor.process import WorkerHandle, worker_spec
@@ -272,7 +273,9 @@ def test_w1_a_spare_is_spawned_with_no_model_and_takes_its_model_and_draft_at_th
     async def specs() -> tuple[p.WorkerSpec, p.WorkerSpec]:  # a handle's futures need a loop
         handle = WorkerHandle("spare#1", None, 3, 1)
         started = worker_spec(handle, Config(), tmp_path / "ledger", ends)
-        handle.adopt(ModelConfig(id="big", path=str(tmp_path / "big"), draft=str(tmp_path / "small")))
+        handle.move("wait")  # its hello said it is a spare: only then can it take a model
+        model = ModelConfig(id="big", path=str(tmp_path / "big"), draft=str(tmp_path / "small"))
+        handle.adopt(model, load_clock.begin(0.0, 0.0, spare=True, estimate=0), 0.0)
         return started, worker_spec(handle, Config(), tmp_path / "ledger", ends)
 
     started, taken = asyncio.run(specs())

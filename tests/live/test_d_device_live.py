@@ -33,7 +33,7 @@ PRETEND = {"device_name": "stand-in", "architecture": "cpu", "total_memory": 80 
 
 async def _load_on_pretend_device(arb, model_id: str):
     handle = await arb.models.load(model_id)
-    arb.pool.set_device_info(handle, dict(PRETEND))
+    handle.set_device_info(dict(PRETEND))
     for _ in range(100):
         arb.wake()
         await asyncio.sleep(0.05)
@@ -120,7 +120,7 @@ def test_cuda_device_memory_is_reported_not_folded_into_the_host_ceiling(tiny_mo
     async def main():
         async with Running(config, runtime_dir) as arb:
             handle = await arb.models.load("a")
-            arb.pool.set_device_info(handle, {"device_name": "NVIDIA H200", "architecture": "sm_90",
+            handle.set_device_info({"device_name": "NVIDIA H200", "architecture": "sm_90",
                                               "total_memory": 1 * GiB})
             snap = arb.enforcer.snapshot(time.monotonic())
             assert snap.gpu_cap_raw == 0 and snap.device_total == 1 * GiB

@@ -184,7 +184,7 @@ def test_h5_keep_alive_zero_writes_the_cache_as_its_model_goes(tiny_models, runt
                 r = await c.post("/v1/chat/completions", json={"model": "a", "messages": messages(), "max_tokens": 4,
                                                                "keep_alive": 0})
                 assert r.status_code == 200, r.text
-            handle = live.arbiter.pool.worker_for("a") or live.arbiter.pool.last_exited["a"]
+            handle = live.arbiter.pool.worker_for("a") or live.arbiter.pool.reaped["a"]
             await stopped(live, handle)  # P10 with the request's TTL of ~0: the guard's stop
             await until(lambda: live.arbiter.pool.caches.model("a").written_entries == 1, 30, "the write's report")
 

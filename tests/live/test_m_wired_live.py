@@ -119,7 +119,7 @@ def test_m3_wired_memory_an_exit_did_not_give_back_is_an_event_and_comes_off_the
             kernel = Kernel(arb.pool, keeps)
             arb.enforcer.read_wired = kernel.wired
             handle = await arb.models.load("a")
-            arb.pool.set_device_info(handle, METAL)  # its MLX buffers are GPU memory, as on a Mac
+            handle.set_device_info(METAL)  # its MLX buffers are GPU memory, as on a Mac
             await until(lambda: _share(handle) > 0 and kernel.held.get(handle.worker_id), what="a wired reading")
             static = arb.enforcer.status().static
             stop = asyncio.Event()
@@ -154,7 +154,7 @@ def test_m2_with_wire_weights_a_kernel_cap_below_the_suggestion_is_said_once(tin
         async with Running(config, runtime_dir) as arb:
             handle = await arb.models.load("a")
             total = arb.enforcer.status().total
-            arb.pool.set_device_info(handle, {**METAL, "max_recommended_working_set_size": total // 2})
+            handle.set_device_info({**METAL, "max_recommended_working_set_size": total // 2})
             for _ in range(3):  # three ticks (and their P7 re-checks) see the low cap
                 arb.enforcer.tick(time.monotonic())
             return [e for e in arb.events if e.kind == "warning" and "sysctl" in e.reason], arb.enforcer.status()

@@ -61,7 +61,7 @@ def test_a_sigstopped_worker_inside_a_long_step_is_still_caught_within_the_windo
         async with Running(config, runtime_dir) as arb:
             handle = await arb.models.load("a")
             stream = await arb.service.generate("a", p.Generate(request_id="stuck", prompt="hello", max_tokens=2))
-            await until(lambda: arb.pool.step_seconds(handle, time.monotonic()) > 0.5, what="inside the step")
+            await until(lambda: arb.pool.watchdog.step_seconds(handle, time.monotonic()) > 0.5, what="inside the step")
             stopped = time.monotonic()
             os.kill(handle.pid, signal.SIGSTOP)
             await until(lambda: handle.exited.done(), timeout=20, what="wedge caught")

@@ -334,7 +334,7 @@ def test_a_second_supervisor_refuses_a_runtime_dir_in_use_and_clients_see_a_dead
     cfg.write_text(f'[[models]]\nid = "a"\npath = "{tiny_models.a}"\n')
 
     async def arb_roundtrip(arb):
-        return await arb.pool.ping(await arb.models.load("a"))
+        return await arb.pool.watchdog.ping(await arb.models.load("a"))
 
     async def main():
         async with Running(config, runtime_dir) as first:
@@ -358,7 +358,7 @@ def test_a_second_supervisor_refuses_a_runtime_dir_in_use_and_clients_see_a_dead
 
 
 def test_a_generate_too_large_for_the_worker_is_refused_not_left_hanging(tiny_models, runtime_dir):
-    """The worker drops a command frame over MAX_FRAME_BYTES unread, so a Generate
+    """The worker drops a command frame over MAX_COMMAND_BYTES unread, so a Generate
     sent anyway (a prompt past 4 MiB, allowed by a larger [supervisor] max_body)
     never got a terminal message: its client waited forever."""
     config = make_config([ModelConfig(id="a", path=str(tiny_models.a))])
@@ -366,7 +366,7 @@ def test_a_generate_too_large_for_the_worker_is_refused_not_left_hanging(tiny_mo
     async def main():
         async with Running(config, runtime_dir) as arb:
             await arb.models.load("a")
-            big = p.Generate(request_id="big", prompt="x" * (p.MAX_FRAME_BYTES + 1), max_tokens=2)
+            big = p.Generate(request_id="big", prompt="x" * (p.MAX_COMMAND_BYTES + 1), max_tokens=2)
             with pytest.raises(LoadError, match="too large") as err:
                 await arb.service.generate("a", big)
             assert (err.value.http_status, err.value.code) == (413, "request_too_large")
