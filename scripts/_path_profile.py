@@ -55,7 +55,7 @@ SUPERVISOR_PARTS = (
     ("HTTP: Instrumented, Starlette send chain", "tracked"),
     ("HTTP: Instrumented, Starlette send chain", "_send"),
     ("HTTP: Instrumented, Starlette send chain", "sender"),
-    ("SSE: chunk rendering (generate.py)", "Completion."),
+    ("SSE: chunk rendering (openai.py)", "Completion."),
     ("job: next_message, pieces, metrics (job.py)", "Job.next_message"),
     ("job: next_message, pieces, metrics (job.py)", "Job.pieces"),
     ("SSE: body joins, Starlette's response loop", "Job.sse_body"),

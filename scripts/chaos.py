@@ -147,7 +147,7 @@ def obedience(ctx: "Context") -> Row:
 async def _obedience_run(ctx: "Context", chunk_seconds: float, row: Row) -> tuple[float, float]:
     from shared import protocol as p
     from supervisor.arbiter import Arbiter
-    from supervisor.config import parse_config
+    from supervisor.config_file import parse_config
 
     config = parse_config(base_config({"big": ctx.model_big}, pinned=False, chunk_seconds=chunk_seconds,
                                       heartbeat_timeout=30.0))

@@ -42,6 +42,7 @@ from shared.ledger import Ledger
 from shared.sizes import format_size
 from shared.vocab import GuardEventKind, StopCause
 from supervisor import liveness
+from supervisor.admission_queue import Gate
 from supervisor.bus import Bus, BusError, Endpoints, claim_runtime_dir, pid_alive
 from supervisor.catalog import Catalog
 from supervisor.config import Config
@@ -51,7 +52,6 @@ from supervisor.discovery import last_refused
 from supervisor.enforcer import Enforcer
 from supervisor.eventlog import EventLog
 from supervisor.fanout import EVENT_HISTORY, Hub
-from supervisor.gate import Gate
 from supervisor.models import Models
 from supervisor.pool import Pool
 from supervisor.process import (

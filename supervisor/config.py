@@ -14,140 +14,45 @@ Ollama's `keep_alive`, and hold plain `float` seconds once built. An unknown
 key is named with the key it may have meant (`models[0].pinnned: unknown key;
 did you mean pinned?`).
 
-Public names (stable): Config, GuardConfig, SupervisorConfig, ModelConfig,
-ConfigError, config_from, load_config, parse_config, resolve_thresholds, normalise_tier,
-parse_http.
+Where the rest lives: the value checks the fields call (sizes, ranges, model ids,
+HOST:PORT, origins) in supervisor/config_checks.py; reading a file into a `Config`
+(`load_config`, `parse_config`, `config_from`, `ConfigError`) in supervisor/config_file.py.
 """
 
 from __future__ import annotations
 
-import difflib
 import math
-import re
 import socket
 from pathlib import Path
-from typing import Annotated, Any, cast
+from typing import cast
 
 import msgspec
-import msgspec.inspect as mi
 
-from shared.durations import DurationError, parse_duration
 from shared.protocol import DISK_CACHE_AUTO, MAX_IMAGE_PAYLOAD
-from shared.sizes import SizeError, parse_size
 from shared.vocab import PrefillOrder, Tier
+from supervisor.config_checks import (
+    DEFAULT_CORS_ORIGINS,
+    FieldError,
+    Seconds,
+    between,
+    check_model_id,
+    check_origin_pattern,
+    checked_size,
+    is_loopback,
+    non_negative,
+    parse_http,
+)
 from supervisor.policy.snapshot import GuardSettings
 from supervisor.policy.tiers import ThresholdError, check_thresholds, normalise_tier
 
 __all__ = [
     "Config",
-    "ConfigError",
     "GuardConfig",
     "ModelConfig",
     "SupervisorConfig",
-    "config_from",
-    "load_config",
-    "parse_config",
     "guard_settings",
-    "parse_http",
+    "host_name",
 ]
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot be used; the message names the key path."""
-
-
-class _FieldError(ValueError):
-    """Raised inside `__post_init__`: `field` is joined to msgspec's path."""
-
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(f"{field}: {reason}")
-
-
-# A duration: float seconds once built; the file may also write "10m", "90s", "1h30m"
-# (shared.durations, the grammar keep_alive takes). `_read_durations` turns those into
-# seconds before msgspec checks the types, so the field stays a plain float for its readers.
-Seconds = Annotated[float, msgspec.Meta(extra={"duration": True})]
-
-
-def _size(field: str, value: int | str) -> int:
-    try:
-        return parse_size(value)
-    except SizeError as exc:
-        raise _FieldError(field, str(exc)) from None
-
-
-def _non_negative(field: str, value: float) -> None:
-    if not (math.isfinite(value) and value >= 0):
-        raise _FieldError(field, f"must be zero or a positive number of seconds, got {value!r}")
-
-
-def _between(field: str, value: float, low: float, high: float, unit: str = "seconds") -> None:
-    """A number in [low, high]: values that parse but break the system at run
-    time (a heartbeat every nanosecond, 10**20 concurrent requests) are refused
-    here, with the key path, not found by a traceback later."""
-    if not (math.isfinite(value) and low <= value <= high):
-        raise _FieldError(field, f"must be between {low:g} and {high:g} {unit}, got {value!r}")
-
-
-# Model ids travel in URL paths (`/v1/models/{id}/load`): letters, digits and
-# `._:@+-`, segments joined by `/` (Hugging Face style `org/name`), and no id
-# may end in a segment the routes use (`a/load` would be the load route of `a`).
-MODEL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]*(/[A-Za-z0-9][A-Za-z0-9._:@+-]*)*$")
-MODEL_ID_MAX = 128
-_ROUTE_WORDS = frozenset({"load", "unload"})
-
-
-def check_model_id(model_id: str) -> str | None:
-    """Why `model_id` cannot be carried by the routes, or None when it can."""
-    if not MODEL_ID_RE.match(model_id):
-        return (f"{model_id!r} is not a usable model id: use letters, digits and ._:@+- "
-                "(segments joined by /, each starting with a letter or digit)")
-    if len(model_id) > MODEL_ID_MAX:
-        return f"must be at most {MODEL_ID_MAX} characters, got {len(model_id)}"
-    if "/" in model_id and model_id.rsplit("/", 1)[1] in _ROUTE_WORDS:
-        return f"{model_id!r} ends in a route word (/load, /unload): the HTTP routes could not tell it apart"
-    return None
-
-
-_HTTP_RE = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(?P<port>[0-9]{1,5})$")
-
-
-def is_loopback(host: str) -> bool:
-    """True for names that can only be reached from this machine."""
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-# `[supervisor] cors_origins` by default: local pages on any port, as Ollama's OLLAMA_ORIGINS.
-DEFAULT_CORS_ORIGINS = [f"{scheme}://{host}:*" for scheme in ("http", "https")
-                        for host in ("localhost", "127.0.0.1", "[::1]")]
-_ORIGIN_PATTERN_RE = re.compile(r"^(?:\*|null|[a-z][a-z0-9+.-]*://(?:\[[0-9a-fA-F:.*]+\]|[^:/\[\]\s]+)"
-                                r"(?::(?:\*|[0-9]{1,5}))?)$")
-
-
-def check_origin_pattern(pattern: str) -> str | None:
-    """Why `pattern` is not a valid `cors_origins` entry (None when it is)."""
-    if not _ORIGIN_PATTERN_RE.match(pattern):
-        return (f"{pattern!r} is not an origin: write SCHEME://HOST[:PORT] with no path, "
-                "'*' for a wildcard part (e.g. http://localhost:*), or '*' for every origin")
-    return None
-
-
-def parse_http(text: str) -> tuple[str, int]:
-    """Split `HOST:PORT` (IPv6 as `[::1]:8000`); ValueError says what is wrong."""
-    match = _HTTP_RE.match(text.strip())
-    if match is None:
-        raise ValueError(f"expected HOST:PORT such as 127.0.0.1:8000, got {text!r}")
-    port = int(match["port"])
-    if not 0 <= port < 65536:  # 0: the OS picks a free port (tests; the bound one is reported)
-        raise ValueError(f"port must be 1-65535 (or 0 for any free port), got {port}")
-    return match["host"].strip("[]"), port
 
 
 # A device ceiling below this is a unit slip (`custom_device_ceiling = 20` meant
@@ -197,43 +102,43 @@ class GuardConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prefetch: bool = True
 
     def __post_init__(self) -> None:
-        self.custom_ceiling = _size("custom_ceiling", self.custom_ceiling)
-        self.custom_device_ceiling = _size("custom_device_ceiling", self.custom_device_ceiling)
+        self.custom_ceiling = checked_size("custom_ceiling", self.custom_ceiling)
+        self.custom_device_ceiling = checked_size("custom_device_ceiling", self.custom_device_ceiling)
         if 0 < self.custom_device_ceiling < MIN_DEVICE_CEILING:
-            raise _FieldError("custom_device_ceiling", f"must be 0 (unset) or at least 1MiB, got "
+            raise FieldError("custom_device_ceiling", f"must be 0 (unset) or at least 1MiB, got "
                               f"{self.custom_device_ceiling} bytes (a bare number is bytes: write e.g. \"20GiB\")")
-        self.budget = _size("budget", self.budget)
-        self.hot_cache_max = _size("hot_cache_max", self.hot_cache_max)
-        self.pool_max = _size("pool_max", self.pool_max)
+        self.budget = checked_size("budget", self.budget)
+        self.hot_cache_max = checked_size("hot_cache_max", self.hot_cache_max)
+        self.pool_max = checked_size("pool_max", self.pool_max)
         if isinstance(self.disk_cache_max, str) and self.disk_cache_max.strip().lower() == "auto":
             self.disk_cache_max = DISK_CACHE_AUTO
         elif self.disk_cache_max != DISK_CACHE_AUTO:  # -1: a config built before ("auto"), checked again
-            self.disk_cache_max = _size("disk_cache_max", self.disk_cache_max)
-        _between("disk_cache_grace", self.disk_cache_grace, 0.0, 60.0)
+            self.disk_cache_max = checked_size("disk_cache_max", self.disk_cache_max)
+        between("disk_cache_grace", self.disk_cache_grace, 0.0, 60.0)
         if self.cache_quantize_bits not in (0, 4, 8):
-            raise _FieldError("cache_quantize_bits", f"must be 0 (off), 4 or 8, got {self.cache_quantize_bits}")
+            raise FieldError("cache_quantize_bits", f"must be 0 (off), 4 or 8, got {self.cache_quantize_bits}")
         tier, known = normalise_tier(self.tier)
         if not known:
-            raise _FieldError("tier", f"unknown tier {self.tier!r}: choose safe, balanced, aggressive or custom")
+            raise FieldError("tier", f"unknown tier {self.tier!r}: choose safe, balanced, aggressive or custom")
         self.tier = tier  # T2, once, where the name enters: the guard reads a Tier
         for name in ("soft_threshold", "hard_threshold"):
             value = getattr(self, name)
             if value is not None and math.isfinite(value) and value < 0:
-                raise _FieldError(name, f"must not be negative, got {value!r} (leave it out or 0 for the "
+                raise FieldError(name, f"must not be negative, got {value!r} (leave it out or 0 for the "
                                         "tier default)")
         try:
             check_thresholds(tier, self.soft_threshold, self.hard_threshold)
         except ThresholdError as exc:
-            raise _FieldError(exc.key, exc.reason) from None
+            raise FieldError(exc.key, exc.reason) from None
         if not (math.isfinite(self.safe_zone_ratio) and 0 < self.safe_zone_ratio <= 1):
-            raise _FieldError("safe_zone_ratio", f"must be in (0, 1], got {self.safe_zone_ratio!r}")
+            raise FieldError("safe_zone_ratio", f"must be in (0, 1], got {self.safe_zone_ratio!r}")
         if not 1 <= self.min_chunk_tokens <= 1_000_000:
-            raise _FieldError("min_chunk_tokens", f"must be 1..1000000, got {self.min_chunk_tokens}")
+            raise FieldError("min_chunk_tokens", f"must be 1..1000000, got {self.min_chunk_tokens}")
         for name in ("poll_interval", "loaded_idle_interval", "unloaded_idle_interval"):
-            _between(name, getattr(self, name), 0.01, 3600.0)
-        _between("thrash_swaps", self.thrash_swaps, 1, 1000, "swaps")
-        _between("thrash_window", self.thrash_window, 1.0, 86400.0)
-        _between("thrash_hold", self.thrash_hold, 0.0, 60.0)
+            between(name, getattr(self, name), 0.01, 3600.0)
+        between("thrash_swaps", self.thrash_swaps, 1, 1000, "swaps")
+        between("thrash_window", self.thrash_window, 1.0, 86400.0)
+        between("thrash_hold", self.thrash_hold, 0.0, 60.0)
 
 
 # (key, low, high) in seconds: below `low` a loop spins (a heartbeat every
@@ -322,53 +227,53 @@ class SupervisorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     def __post_init__(self) -> None:
         self._check_images()
         if len(self.host_name) > 64 or not all(c.isalnum() or c in "-_.:" for c in self.host_name):
-            raise _FieldError("host_name", "at most 64 letters, digits and - _ . : (it goes in a header)")
+            raise FieldError("host_name", "at most 64 letters, digits and - _ . : (it goes in a header)")
         try:
             parse_http(self.http)
         except ValueError as exc:
-            raise _FieldError("http", str(exc)) from None
+            raise FieldError("http", str(exc)) from None
         if self.pub_tcp:
             try:
                 host, _port = parse_http(self.pub_tcp)
             except ValueError as exc:
-                raise _FieldError("pub_tcp", str(exc)) from None
+                raise FieldError("pub_tcp", str(exc)) from None
             if not is_loopback(host) and not self.curve_key_file:
-                raise _FieldError(
+                raise FieldError(
                     "pub_tcp",
                     f"{host} is not a loopback address: a non-loopback bind requires CURVE keys; "
                     "set supervisor.curve_key_file to a secret certificate "
                     "(python -c \"import zmq.auth; zmq.auth.create_certificates('.', 'memvisor')\")",
                 )
         if self.api_keys_file and not Path(self.api_keys_file).expanduser().is_file():
-            raise _FieldError("api_keys_file", f"{self.api_keys_file} is not a readable file")
+            raise FieldError("api_keys_file", f"{self.api_keys_file} is not a readable file")
         if any(not k.strip() for k in self.api_keys):
-            raise _FieldError("api_keys", "keys must not be empty")
-        self.max_body = _size("max_body", self.max_body)
+            raise FieldError("api_keys", "keys must not be empty")
+        self.max_body = checked_size("max_body", self.max_body)
         if self.max_body < 1:
-            raise _FieldError("max_body", "must be at least 1 byte")
-        _non_negative("idle_timeout", self.idle_timeout)
+            raise FieldError("max_body", "must be at least 1 byte")
+        non_negative("idle_timeout", self.idle_timeout)
         for name, low, high in _SUPERVISOR_RANGES:
-            _between(name, getattr(self, name), low, high)
+            between(name, getattr(self, name), low, high)
         if not 0 <= self.queue_size <= 1_000_000:
-            raise _FieldError("queue_size", f"must be 0..1000000, got {self.queue_size}")
+            raise FieldError("queue_size", f"must be 0..1000000, got {self.queue_size}")
         if not 0 <= self.restart_max <= 1000:
-            raise _FieldError("restart_max", f"must be 0..1000, got {self.restart_max}")
+            raise FieldError("restart_max", f"must be 0..1000, got {self.restart_max}")
         if self.chunk_seconds != 0:
-            _between("chunk_seconds", self.chunk_seconds, 0.01, 600.0)
+            between("chunk_seconds", self.chunk_seconds, 0.01, 600.0)
         if not 1 <= self.max_subscribers <= 10_000:
-            raise _FieldError("max_subscribers", f"must be 1..10000, got {self.max_subscribers}")
+            raise FieldError("max_subscribers", f"must be 1..10000, got {self.max_subscribers}")
         if not 1 <= self.max_connections <= 1_000_000:
-            raise _FieldError("max_connections", f"must be 1..1000000, got {self.max_connections}")
+            raise FieldError("max_connections", f"must be 1..1000000, got {self.max_connections}")
         for origin in self.cors_origins:
             problem = check_origin_pattern(origin)
             if problem is not None:
-                raise _FieldError("cors_origins", problem)
+                raise FieldError("cors_origins", problem)
         if not 0 <= self.spare_workers <= MAX_SPARE_WORKERS:
-            raise _FieldError("spare_workers", f"must be 0..{MAX_SPARE_WORKERS}, got {self.spare_workers}")
+            raise FieldError("spare_workers", f"must be 0..{MAX_SPARE_WORKERS}, got {self.spare_workers}")
         if not 1 <= self.max_tokens <= 10_000_000:
-            raise _FieldError("max_tokens", f"must be 1..10000000, got {self.max_tokens}")
+            raise FieldError("max_tokens", f"must be 1..10000000, got {self.max_tokens}")
         if self.heartbeat_timeout <= self.heartbeat_interval:
-            raise _FieldError(
+            raise FieldError(
                 "heartbeat_timeout",
                 f"must be longer than heartbeat_interval ({self.heartbeat_interval}), "
                 f"got {self.heartbeat_timeout}",
@@ -376,18 +281,18 @@ class SupervisorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
 
 
     def _check_images(self) -> None:
-        self.max_image_bytes = _size("max_image_bytes", self.max_image_bytes)
+        self.max_image_bytes = checked_size("max_image_bytes", self.max_image_bytes)
         if not 0 <= self.max_images <= 256:
-            raise _FieldError("max_images", f"must be 0..256, got {self.max_images}")
+            raise FieldError("max_images", f"must be 0..256, got {self.max_images}")
         if self.max_image_bytes < 1:
-            raise _FieldError("max_image_bytes", "must be at least 1 byte")
+            raise FieldError("max_image_bytes", "must be at least 1 byte")
         if self.max_images * self.max_image_bytes > MAX_IMAGE_PAYLOAD:
-            raise _FieldError("max_image_bytes", f"max_images x max_image_bytes must be at most "
+            raise FieldError("max_image_bytes", f"max_images x max_image_bytes must be at most "
                                                  f"{MAX_IMAGE_PAYLOAD // 2**20} MiB (one request's images travel "
                                                  "to the worker in one frame)")
         if not 1 <= self.max_image_pixels <= 2**31:
-            raise _FieldError("max_image_pixels", f"must be 1..{2**31}, got {self.max_image_pixels}")
-        _between("image_fetch_timeout", self.image_fetch_timeout, 0.1, 600.0)
+            raise FieldError("max_image_pixels", f"must be 1..{2**31}, got {self.max_image_pixels}")
+        between("image_fetch_timeout", self.image_fetch_timeout, 0.1, 600.0)
 
 
 MAX_CONCURRENCY = 1024  # requests one worker runs at once; far past what one model batches
@@ -412,25 +317,25 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         if not self.id.strip():
-            raise _FieldError("id", "must not be empty")
+            raise FieldError("id", "must not be empty")
         problem = check_model_id(self.id)
         if problem:
-            raise _FieldError("id", problem)
+            raise FieldError("id", problem)
         if not self.path.strip():
-            raise _FieldError("path", "must not be empty")
+            raise FieldError("path", "must not be empty")
         if self.ttl is not None:
-            _non_negative("ttl", self.ttl)
+            non_negative("ttl", self.ttl)
         if not 1 <= self.max_concurrency <= MAX_CONCURRENCY:
-            raise _FieldError("max_concurrency", f"must be 1..{MAX_CONCURRENCY}, got {self.max_concurrency}")
+            raise FieldError("max_concurrency", f"must be 1..{MAX_CONCURRENCY}, got {self.max_concurrency}")
         if not 0 <= self.max_queue <= MAX_QUEUE:
-            raise _FieldError("max_queue", f"must be 0..{MAX_QUEUE}, got {self.max_queue}")
+            raise FieldError("max_queue", f"must be 0..{MAX_QUEUE}, got {self.max_queue}")
         for j, alias in enumerate(self.aliases):
             if not alias.strip():
-                raise _FieldError(f"aliases[{j}]", "must not be empty")
+                raise FieldError(f"aliases[{j}]", "must not be empty")
             if alias == self.id:
-                raise _FieldError(f"aliases[{j}]", f"alias {alias!r} repeats the model's own id")
+                raise FieldError(f"aliases[{j}]", f"alias {alias!r} repeats the model's own id")
         if self.draft and (self.draft == self.id or self.draft in self.aliases):
-            raise _FieldError("draft", f"{self.draft!r} is this model itself: a draft is a smaller model")
+            raise FieldError("draft", f"{self.draft!r} is this model itself: a draft is a smaller model")
 
     def path_problem(self) -> str | None:
         """Why the model's path cannot be loaded (checked when serving starts,
@@ -452,13 +357,13 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         owner: dict[str, str] = {}  # every id and alias -> what claims it, for the error
         for index, model in enumerate(self.models):
             if model.id in owner:
-                raise _FieldError(f"models[{index}].id", f"duplicate model id {model.id!r} "
+                raise FieldError(f"models[{index}].id", f"duplicate model id {model.id!r} "
                                   f"(already {owner[model.id]})")
             owner[model.id] = f"the id of models[{index}]"
         for index, model in enumerate(self.models):
             for j, alias in enumerate(model.aliases):
                 if alias in owner:
-                    raise _FieldError(f"models[{index}].aliases[{j}]",
+                    raise FieldError(f"models[{index}].aliases[{j}]",
                                       f"alias {alias!r} of model {model.id!r} collides with {owner[alias]}")
                 owner[alias] = f"an alias of models[{index}] ({model.id!r})"
 
@@ -476,122 +381,6 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def names(self) -> set[str]:
         """Every id and alias in use."""
         return {name for m in self.models for name in (m.id, *m.aliases)}
-
-
-_PATH_RE = re.compile(r"^(?P<reason>.*) - at `\$(?P<path>[^`]*)`$", re.S)
-# A `__post_init__` reason starts with "field: " (or "models[1].id: " from Config).
-_FIELD_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\[\d+\])?(\.[A-Za-z_][A-Za-z0-9_]*)?")
-
-
-def _key_path_message(exc: msgspec.ValidationError) -> str:
-    """Turn msgspec's "reason - at `$.guard`" into "guard.key: reason"; an unknown key
-    with the known keys it is closest to."""
-    text = str(exc)
-    match = _PATH_RE.match(text)
-    path, reason = (match["path"].lstrip("."), match["reason"]) if match else ("", text)
-    field, sep, rest = reason.partition(": ")
-    if sep and _FIELD_RE.fullmatch(field):
-        path, reason = _join(path, field), rest
-    unknown = re.match(r"Object contains unknown field `([^`]+)`", reason)
-    if unknown:
-        reason = "unknown key" + _did_you_mean(unknown[1], _known_keys(path))
-        path = _join(path, unknown[1])
-    return f"{path}: {reason}" if path else reason
-
-
-def _join(path: str, field: str) -> str:
-    return f"{path}.{field}" if path else field
-
-
-def _did_you_mean(key: str, known: list[str]) -> str:
-    """"; did you mean pinned?" for a key one typo away from a known one (difflib's ratio)."""
-    close = difflib.get_close_matches(key, known, n=2, cutoff=0.7)
-    if not close:
-        return ""
-    return "; did you mean " + " or ".join(close) + "?"
-
-
-def _struct_at(path: str) -> mi.StructType | None:
-    """The table that `path` ("models[0]", "guard", "") names in the config's schema."""
-    info: mi.Type = mi.type_info(Config)
-    for part in filter(None, re.sub(r"\[\d+\]", "", path).split(".")):
-        if not isinstance(info, mi.StructType):
-            return None
-        field = next((f for f in info.fields if f.encode_name == part), None)
-        if field is None:
-            return None
-        info = field.type
-        if isinstance(info, mi.ListType):
-            info = info.item_type
-    return info if isinstance(info, mi.StructType) else None
-
-
-def _known_keys(path: str) -> list[str]:
-    table = _struct_at(path)
-    return [f.encode_name for f in table.fields] if table is not None else []
-
-
-def _is_duration(info: mi.Type) -> bool:
-    if isinstance(info, mi.Metadata):
-        return bool((info.extra or {}).get("duration"))
-    if isinstance(info, mi.UnionType):
-        return any(_is_duration(t) for t in info.types)
-    return False
-
-
-def _read_durations(raw: Any, info: mi.Type, path: str) -> Any:
-    """`raw` with every duration written as text ("10m") turned into seconds, walking the
-    config's schema; a duration that does not parse is a ConfigError naming its key."""
-    if isinstance(info, mi.ListType) and isinstance(raw, list):
-        return [_read_durations(item, info.item_type, f"{path}[{i}]") for i, item in enumerate(raw)]
-    if not (isinstance(info, mi.StructType) and isinstance(raw, dict)):
-        return raw
-    out = dict(raw)
-    for field in info.fields:
-        key = field.encode_name
-        if key not in out:
-            continue
-        if _is_duration(field.type) and isinstance(out[key], str):
-            try:
-                out[key] = parse_duration(out[key])
-            except DurationError as exc:
-                raise ConfigError(f"{_join(path, key)}: {exc}") from None
-        else:
-            out[key] = _read_durations(out[key], field.type, _join(path, key))
-    return out
-
-
-def config_from(raw: Any, source: str = "config") -> Config:
-    """A validated `Config` from plain data (a decoded TOML file, or `to_builtins` of one with
-    the command line's changes), or ConfigError naming `source` and the key path."""
-    try:
-        raw = _read_durations(raw, mi.type_info(Config), "")
-        return msgspec.convert(raw, type=Config)
-    except ConfigError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
-    except msgspec.ValidationError as exc:
-        raise ConfigError(f"{source}: {_key_path_message(exc)}") from None
-
-
-def parse_config(text: str | bytes, source: str = "config") -> Config:
-    """Decode TOML text into a validated `Config`, or raise `ConfigError`."""
-    try:
-        raw = msgspec.toml.decode(text)
-    except msgspec.DecodeError as exc:
-        raise ConfigError(f"{source}: not valid TOML: {exc}") from None
-    return config_from(raw, source)
-
-
-def load_config(path: str | Path) -> Config:
-    """Read and validate the TOML file at `path` (errors name file and key)."""
-    path = Path(path)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file") from None
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    return parse_config(data, source=str(path))
 
 
 def host_name(config: Config) -> str:

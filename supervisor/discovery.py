@@ -163,7 +163,7 @@ def _found(name: str, entry: Path, path: Path, warnings: list[str], named: str =
     """A model under `name` when it is a usable id; else under its sanitised form, said
     in a warning; else nothing, said in a warning (a bad folder name must neither stop
     `serve` with a traceback nor silently drop a reload)."""
-    from supervisor.config import check_model_id
+    from supervisor.config_checks import check_model_id
 
     model_id = name if "/" in name else _sanitise(name)
     original = named or name

@@ -32,7 +32,7 @@ from shared.limits import Limits
 from shared.vocab import StopCause
 from supervisor import load_clock, reaping
 from supervisor.bus import Bus
-from supervisor.cache_tiers import CacheBook, save_grace
+from supervisor.cache_book import CacheBook, save_grace
 from supervisor.config import Config, ModelConfig
 from supervisor.counters import SupervisorCounters
 from supervisor.errors import LoadError

@@ -29,7 +29,7 @@ from shared.memory import NO_READING
 from shared.states import LIVE_STATES, LOADING_STATES, SERVING_STATES, WorkerState, WorkerTrigger, transition
 from shared.vocab import LeaveCause, PoolName, StopCause, WorkerEventKind
 from supervisor import liveness, load_clock
-from supervisor.cache_tiers import save_grace
+from supervisor.cache_book import save_grace
 from supervisor.errors import LoadError
 from supervisor.views import WorkerView
 

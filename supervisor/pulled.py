@@ -93,7 +93,7 @@ def record_path() -> Path:
 
 def problem(entry: Pulled) -> str | None:
     """Why an entry read back cannot be used, or None."""
-    from supervisor.config import check_model_id
+    from supervisor.config_checks import check_model_id
     from supervisor.hub_repo import RefError, parse_ref
 
     try:

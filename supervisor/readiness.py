@@ -38,10 +38,10 @@ from supervisor.policy.admission import admits_request, fit_report
 from supervisor.views import LoadProgress
 
 if TYPE_CHECKING:
+    from supervisor.admission_queue import Gate
     from supervisor.catalog import Catalog
     from supervisor.config import ModelConfig
     from supervisor.enforcer import Enforcer
-    from supervisor.gate import Gate
     from supervisor.models import Models
     from supervisor.policy.admission import FitReport
     from supervisor.pool import Pool

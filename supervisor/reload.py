@@ -23,7 +23,8 @@ import msgspec
 from shared.modelinfo import FileRefused, open_regular
 from shared.vocab import ErrorCode
 from supervisor.catalog import Catalog
-from supervisor.config import Config, ConfigError, guard_settings
+from supervisor.config import Config, guard_settings
+from supervisor.config_file import ConfigError
 from supervisor.counters import SupervisorCounters
 from supervisor.discovery import last_refused
 from supervisor.enforcer import Enforcer

@@ -25,16 +25,16 @@ from shared import protocol as p
 from shared.embedding import WRONG_MODEL_KIND, EmbeddingSpec
 from shared.memory import NO_READING
 from shared.sizes import format_size
+from supervisor.admission_queue import Gate
 from supervisor.api import UNLOAD_WHEN_IDLE
 from supervisor.bus import FrameTooLarge
-from supervisor.cache_tiers import save_grace
+from supervisor.cache_book import save_grace
 from supervisor.catalog import Catalog
 from supervisor.config import Config, ModelConfig
 from supervisor.counters import SupervisorCounters
 from supervisor.enforcer import Enforcer
 from supervisor.errors import AtCapacity, LoadError, NotReady, ServeError
 from supervisor.eventlog import EventLog
-from supervisor.gate import Gate
 from supervisor.models import Models
 from supervisor.policy.admission import FitReport, admits_request
 from supervisor.policy.status import DiskCacheStatus, ModelInfo, ServerStatus

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 from typing_extensions import assert_never
 
 from shared import protocol as p
-from supervisor.cache_tiers import saved_words
+from supervisor.cache_book import saved_words
 from supervisor.process import (
     CacheWritten,
     EventSink,
@@ -35,7 +35,7 @@ from supervisor.process import (
 
 if TYPE_CHECKING:
     from supervisor.bus import Bus
-    from supervisor.cache_tiers import CacheBook
+    from supervisor.cache_book import CacheBook
     from supervisor.counters import SupervisorCounters
     from supervisor.load_timer import LoadTimer
     from supervisor.spares import Spares

@@ -33,8 +33,8 @@ from supervisor.config import ModelConfig
 from supervisor.errors import GateClosed, LoadError
 from supervisor.http.anthropic import MessagesRequest, messages_generate
 from supervisor.http.completions import completion_generates
-from supervisor.http.generate import chat_generate
 from supervisor.http.keepalive import keep_alive_seconds
+from supervisor.http.openai import chat_generate
 from supervisor.http.openai_types import BodyError, ChatRequest, CompletionRequest, decode_body
 from supervisor.http.responses import ResponsesRequest, responses_generate
 from tests.frontdoor_harness import MSG, StubSupervisor, serving
@@ -411,7 +411,7 @@ def test_a_failure_after_the_first_token_is_an_error_event_each_sdk_sees():
 
 
 def test_api_keys_config_refuses_empty_keys_and_a_missing_file_and_reads_one_key_a_line(tmp_path):
-    from supervisor.config import ConfigError, load_config
+    from supervisor.config_file import ConfigError, load_config
     from supervisor.http.auth import ApiKeys
 
     keys = tmp_path / "keys"

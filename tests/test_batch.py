@@ -245,8 +245,8 @@ def test_a_token_batch_with_columns_of_unequal_length_yields_no_tokens():
 def test_sse_token_chunk_is_byte_identical_to_the_full_chunk(kind, include_usage):
     """The per-token SSE chunk is encoded from a per-request frame, never differently."""
     from shared import protocol as p
-    from supervisor.http.generate import Completion
     from supervisor.http.job import Job
+    from supervisor.http.openai import Completion
 
     job = Job(None, None, "m", p.Generate(prompt="x", request_id="r1"), 0.0, None)  # type: ignore[arg-type]
     reply = Completion(job, kind, include_usage)

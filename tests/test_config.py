@@ -8,15 +8,9 @@ from __future__ import annotations
 import pytest
 
 from shared.sizes import GiB, MiB
-from supervisor.config import (
-    Config,
-    ConfigError,
-    SupervisorConfig,
-    guard_settings,
-    load_config,
-    parse_config,
-    parse_http,
-)
+from supervisor.config import Config, SupervisorConfig, guard_settings
+from supervisor.config_checks import parse_http
+from supervisor.config_file import ConfigError, load_config, parse_config
 from supervisor.policy.tiers import resolve_thresholds
 
 FULL = """

@@ -195,7 +195,7 @@ def test_closed_properties_close_only_what_the_schema_leaves_open():
 
 def test_a_required_call_is_one_call_unless_parallel_calls_are_asked_for():
     from supervisor.http.anthropic import MessagesRequest, messages_generate
-    from supervisor.http.generate import chat_generate
+    from supervisor.http.openai import chat_generate
     from supervisor.http.openai_types import ChatRequest
 
     tools = [{"type": "function", "function": {"name": "f", "parameters": SUCCESS}}]

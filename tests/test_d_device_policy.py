@@ -12,7 +12,8 @@ import pytest
 
 from shared.memory import MemoryReading
 from shared.sizes import GiB, MiB
-from supervisor.config import ConfigError, guard_settings, parse_config
+from supervisor.config import guard_settings
+from supervisor.config_file import ConfigError, parse_config
 from supervisor.policy import admission, pressure
 from supervisor.policy.device import (
     DEVICE_BINDINGS,

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.config import Config, ConfigError, ModelConfig, SupervisorConfig, parse_config
+from supervisor.config import Config, ModelConfig, SupervisorConfig
+from supervisor.config_file import ConfigError, parse_config
 from supervisor.discovery import discover, with_discovered
 from tests import model_files
 

@@ -59,7 +59,7 @@ def test_drill_pieces_stay_bounded():
 
 def test_drill_memory_is_committed_and_release_returns_it():
     """The drill must take memory the OS has to find (footprint), and give it all back."""
-    from worker.memory import sample
+    from worker.own_memory import sample
 
     before = sample()
     drill = DrillAllocation(rate=10**12, target=128 * MiB, now=0.0)

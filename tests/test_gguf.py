@@ -170,7 +170,7 @@ def test_gguf_cache_is_keyed_on_the_file_and_reused(gguf_file, tmp_path):
 
 
 def test_config_accepts_a_gguf_model_path():
-    from supervisor.config import parse_config
+    from supervisor.config_file import parse_config
 
     config = parse_config(b'[[models]]\nid = "smol"\npath = "~/models/SmolLM2.Q4_1.gguf"\n')
     assert config.models[0].path.endswith(".gguf")

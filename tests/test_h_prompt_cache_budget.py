@@ -6,7 +6,8 @@ import msgspec
 
 from shared.memory import MemoryReading
 from shared.sizes import GiB, MiB
-from supervisor.config import guard_settings, parse_config
+from supervisor.config import guard_settings
+from supervisor.config_file import parse_config
 from supervisor.http.openai_types import PromptTokensDetails, Usage
 from supervisor.policy import decisions as d
 from supervisor.policy.pressure import tick

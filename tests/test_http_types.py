@@ -13,7 +13,7 @@ from shared import protocol as p
 from supervisor.http.auth import is_loopback_client
 from supervisor.http.completions import completion_generates
 from supervisor.http.errors import from_failed
-from supervisor.http.generate import chat_generate
+from supervisor.http.openai import chat_generate
 from supervisor.http.openai_types import (
     DEFAULT_CHAT_MAX_TOKENS,
     DEFAULT_COMPLETION_MAX_TOKENS,

@@ -156,7 +156,7 @@ def test_m1_the_lab_allocator_that_ignores_its_limit_keeps_its_pool(monkeypatch)
 
 
 def test_m1_pool_returns_travel_in_the_memory_sample():
-    from worker.memory import Held, sample
+    from worker.own_memory import Held, sample
 
     reading = sample(held=Held(batch_bytes=4 * MiB, batch_live_bytes=MiB, batch_relayouts=3),
                      pool_returns=2, pool_returned=3 * GiB)

@@ -15,7 +15,8 @@ import asyncio
 import pytest
 
 from shared.sizes import GiB, MiB
-from supervisor.config import ConfigError, ModelConfig, parse_config
+from supervisor.config import ModelConfig
+from supervisor.config_file import ConfigError, parse_config
 from supervisor.policy.admission import FitReport
 from supervisor.readiness import (
     CODES,

@@ -9,7 +9,8 @@ import pytest
 
 from shared.sizes import GiB
 from supervisor.cli import main
-from supervisor.config import guard_settings, parse_config
+from supervisor.config import guard_settings
+from supervisor.config_file import parse_config
 from supervisor.policy.decisions import Warn
 from supervisor.policy.replay import ReplayTick, replay_lines
 from supervisor.policy.tiers import (

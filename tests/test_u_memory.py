@@ -13,7 +13,7 @@ import pytest
 
 from shared.probe import footprint
 from shared.sizes import GiB, MiB
-from worker.memory import MemorySampler, sample, u1_usage
+from worker.own_memory import MemorySampler, sample, u1_usage
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -62,7 +62,7 @@ _POOL_IN_THE_HEAP = """
 import ctypes, json, sys
 import mlx.core as mx
 from shared.sizes import GiB, MiB
-from worker.memory import reclaim, sample
+from worker.own_memory import reclaim, sample
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 mx.set_cache_limit(1 << 32)
@@ -106,7 +106,7 @@ def test_u1_pool_counts_as_usage_and_reclaim_lowers_it(placement):
 def test_sampled_peak_survives_the_engines_per_chunk_resets():
     """The engine resets MLX's peak to measure each prefill chunk; the sample's peak must
     still be the process's high-water mark, or the supervisor would see a fake low peak."""
-    from worker.memory import reset_peak
+    from worker.own_memory import reset_peak
 
     big = mx.ones((48 * MiB,), dtype=mx.uint8)
     mx.eval(big)

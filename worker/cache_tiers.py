@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # types only: these import MLX
     from worker.disk_cache import DiskTier
     from worker.embedder import Embedder
     from worker.engine import Engine
-    from worker.memory import MemorySampler
+    from worker.own_memory import MemorySampler
 
 log = logging.getLogger("memvisor.worker")
 

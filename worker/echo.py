@@ -37,7 +37,7 @@ from shared.sizes import MiB, format_size
 from shared.vocab import FailureCode, LimitBinding
 from worker import prefill_guard as guard
 from worker.endings import Endings, Event
-from worker.memory import UsageFn
+from worker.own_memory import UsageFn
 from worker.prefill import Prefill
 from worker.request import ENGINE_ERROR, INVALID_REQUEST, Seq
 from worker.sampling import TokenTexts

@@ -41,10 +41,10 @@ from shared.protocol import Embed, Embedded, Failed, Generate, NeedMemory
 from shared.vocab import FailureCode, LimitBinding
 from shared.weights import WeightsError, estimate_weight_bytes
 from worker import embed_guard as eg
-from worker import memory
+from worker import own_memory
 from worker import prefill_guard as guard
 from worker.bert import Bert, BertError, normalize
-from worker.memory import UsageFn
+from worker.own_memory import UsageFn
 from worker.prefill import CHUNK_SECONDS, MEMORY_WAIT_SECONDS, ChunkTimer
 from worker.request import CONTEXT_EXCEEDED, ENGINE_ERROR, INVALID_REQUEST, EngineError
 
@@ -96,8 +96,8 @@ class Embedder:
         self._cutter = _plain(Tokenizer.from_str(tokenizer.to_str()))
         self._cutter.enable_truncation(max_length=spec.max_tokens)
         self._pad = 0  # what fills a row past its end: masked out, so any id of the vocabulary does
-        self._own_usage = own_usage_fn or memory.usage
-        self._reclaim = reclaim_fn or memory.reclaim
+        self._own_usage = own_usage_fn or own_memory.usage
+        self._reclaim = reclaim_fn or own_memory.reclaim
         self._clock = clock
         self._memory_wait = memory_wait
         self.timer = ChunkTimer(chunk_seconds)
@@ -319,7 +319,7 @@ class Embedder:
         for r, s in enumerate(seqs):
             ids[r, :len(s)] = s
             mask[r, :len(s)] = True
-        memory.reset_peak()
+        own_memory.reset_peak()
         before = mx.get_active_memory()
         started = time.monotonic()
         vectors = self.model.embed(mx.array(ids), mx.array(mask), self.spec)

@@ -38,17 +38,17 @@ from shared.limits import Limits
 from shared.modelinfo import context_length
 from shared.protocol import SHARED_PARTITION, ConstraintSpec, Failed, Generate
 from shared.vocab import FailureCode, PrefillOrder
-from shared.weights import WeightsError, estimate_weight_bytes
-from worker import memory, prompts
+from worker import own_memory, prompts
 from worker import prompt_cache as pc
 from worker.constrain import Constraint, ConstraintError, ConstraintFactory
 from worker.decode import DecodeStep
 from worker.disk_cache import DiskTier
-from worker.draft import DraftModel, same_vocabulary
+from worker.draft import DraftModel
 from worker.echo import Echoes, PromptScorer, Scoring
 from worker.endings import Endings, Event
-from worker.loader import LoadMeter, load_generator
-from worker.memory import UsageFn
+from worker.folder_load import load_folders
+from worker.loader import LoadMeter
+from worker.own_memory import UsageFn
 from worker.prefill import (
     CHUNK_SECONDS,
     DEFAULT_MAX_CHUNK,
@@ -58,8 +58,9 @@ from worker.prefill import (
     Prefill,
 )
 from worker.prefill_guard import PrefillCost
-from worker.request import CONTEXT_EXCEEDED, ENGINE_ERROR, INVALID_REQUEST, EngineError, Seq
-from worker.sampling import Settings, check, greedy, make_request_sampler
+from worker.request import ENGINE_ERROR, INVALID_REQUEST, EngineError, Seq
+from worker.request_checks import check_prompt, check_sampling, model_vocab, prompt_of
+from worker.sampling import Settings, greedy, make_request_sampler
 from worker.scheduler import Scheduler
 from worker.speculate import Speculation
 from worker.stops import StopMatcher
@@ -70,7 +71,6 @@ log = logging.getLogger("memvisor.worker.engine")
 
 MIN_REUSE_TOKENS = 16  # a shorter shared prefix (BOS, a template's first tokens) is no cache hit
 WARM_UP_ROWS = 4       # the group the warm-up prefills together (any group takes the masked kind)
-NO_TOKENIZER_LIMIT = int(1e30)  # transformers' own "no limit" (VERY_LARGE_INTEGER): it never warns past it
 
 
 class Engine:
@@ -130,19 +130,7 @@ class Engine:
         phase timed on `meter` (SPEC W3, worker/loader.py), and its draft model
         (worker/draft.py) from `draft_path` when one is named."""
         directory = Path(path)
-        weight_bytes, (model, tokenizer) = _load(directory, meter)
-        draft = None
-        if draft_path:
-            draft_bytes, (draft_model, draft_tokenizer) = _load(Path(draft_path), None, what="draft model ")
-            problem = same_vocabulary(tokenizer, draft_tokenizer)
-            if problem is not None:
-                raise EngineError("load_failed", f"draft model {draft_path} cannot guess for {directory}: {problem}")
-            draft, weight_bytes = DraftModel(draft_model, draft_path), weight_bytes + draft_bytes
-        # The context limit is the engine's (config.json's, below): a prompt over it is refused,
-        # not run. The tokenizer's own model_max_length only made transformers log "Token indices
-        # sequence length is longer than the specified maximum ... indexing errors" for such a
-        # prompt, which reads like our crash; we never ask it to truncate, so it gets no limit.
-        tokenizer.model_max_length = NO_TOKENIZER_LIMIT
+        weight_bytes, model, tokenizer, draft = load_folders(directory, meter, draft_path)
         with meter.phase("build") if meter is not None else contextlib.nullcontext():  # the engine is built too
             engine = cls(model, tokenizer, weight_bytes=weight_bytes, draft=draft, **kwargs)
             engine.context_length = context_length(directory)  # a prompt over it is refused, not run
@@ -206,10 +194,10 @@ class Engine:
         """H3: the part no running or queued request relies on."""
         return self.prompt_cache.releasable
 
-    def held(self) -> memory.Held:
+    def held(self) -> own_memory.Held:
         """What the prompt cache and the decode batch hold, for the worker's memory sample."""
         batch = self.decode.batch
-        return memory.Held(self.prompt_cache.nbytes, self.prompt_cache.releasable, batch.nbytes,
+        return own_memory.Held(self.prompt_cache.nbytes, self.prompt_cache.releasable, batch.nbytes,
                            batch.live_nbytes, batch.relayouts)
 
     @property
@@ -334,10 +322,9 @@ class Engine:
         """The request checked and made (EngineError names what is wrong), not yet queued."""
         if max_tokens < 1:
             raise EngineError(INVALID_REQUEST, f"max_tokens must be at least 1, got {max_tokens}")
-        self._check_prompt(request_id, prompt_tokens, max_tokens)
-        problem = check(settings, self._vocab)
-        if problem is not None:
-            raise EngineError(INVALID_REQUEST, problem)
+        check_prompt(request_id, prompt_tokens, max_tokens, in_use=self.endings.ids,
+                     context_length=self.context_length, vocab=model_vocab(self.model))
+        check_sampling(settings, model_vocab(self.model))
         stops = [s for s in stop if s]
         sampler = make_request_sampler(settings, prompt_tokens)
         guesses = self.speculative and speculative and sampler is greedy and constraint is None
@@ -345,26 +332,6 @@ class Engine:
                    StopMatcher(stops) if stops else None,
                    self._constraint(constraint, max_tokens, partition) if constraint is not None else None,
                    partition, Speculation() if guesses else None)
-
-    @property
-    def _vocab(self) -> int | None:
-        return getattr(getattr(self.model, "args", None), "vocab_size", None)
-
-    def _check_prompt(self, request_id: str, prompt_tokens: list[int], max_tokens: int) -> None:
-        if not request_id:
-            raise EngineError(INVALID_REQUEST, "request id must not be empty")
-        if request_id in self.endings.ids:
-            raise EngineError(INVALID_REQUEST, f"request id {request_id!r} is already in use")
-        if not prompt_tokens:
-            raise EngineError(INVALID_REQUEST, "prompt is empty")
-        # the prompt and the reply must fit the model's context window
-        if self.context_length and len(prompt_tokens) + max_tokens > self.context_length:
-            raise EngineError(CONTEXT_EXCEEDED, f"the prompt ({len(prompt_tokens)} tokens) plus max_tokens "
-                                                f"({max_tokens}) exceeds the model's context of "
-                                                f"{self.context_length} tokens; shorten the prompt or lower max_tokens")
-        vocab = self._vocab
-        if vocab is not None and not all(0 <= t < vocab for t in prompt_tokens):
-            raise EngineError(INVALID_REQUEST, f"prompt has token ids outside [0, {vocab})")
 
     def _queue(self, seq: Seq) -> None:
         self.endings.ids.add(seq.id)
@@ -379,7 +346,7 @@ class Engine:
                 raise EngineError("model_lacks_vision", "this model reads only text; send images to a vision model")
             if cmd.echo and (cmd.messages is not None or cmd.suffix is not None):
                 raise EngineError(INVALID_REQUEST, "echo: only a plain completion prompt can be echoed")
-            tokens = self._prompt_of(cmd)
+            tokens = prompt_of(self.tokenizer, cmd)
             if cmd.echo:
                 self._submit_echo(cmd, tokens)
             else:
@@ -393,22 +360,6 @@ class Engine:
             self._outbox.append(Failed(request_id=cmd.request_id, code=ENGINE_ERROR,
                                        message=f"the request could not be prepared: {exc!r}"))
 
-    def _prompt_of(self, cmd: Generate) -> list[int]:
-        """The request's prompt tokens: chat turns through the template, a completion prompt (with
-        its FIM suffix), or token ids as given."""
-        if sum(x is not None for x in (cmd.messages, cmd.prompt, cmd.prompt_tokens)) != 1:
-            raise EngineError(INVALID_REQUEST, "give exactly one of messages or prompt (its text or prompt_tokens)")
-        if cmd.messages is not None:
-            return self.encode_chat(cmd.messages, cmd.tools)
-        if cmd.prompt_tokens is not None:
-            if cmd.suffix is not None:
-                raise EngineError(INVALID_REQUEST, "suffix: fill in the middle takes a text prompt, not token ids")
-            return list(cmd.prompt_tokens)
-        assert cmd.prompt is not None  # one of the three
-        if cmd.suffix is not None:  # fill in the middle
-            return prompts.encode_fim(self.tokenizer, cmd.prompt, cmd.suffix)
-        return self.encode_prompt(cmd.prompt)
-
     # -- echo (worker/echo.py) ----------------------------------------------------------------
 
     def _submit_echo(self, cmd: Generate, tokens: list[int]) -> None:
@@ -420,10 +371,9 @@ class Engine:
                                             settings, cmd.partition)
         else:
             seq = None
-            self._check_prompt(cmd.request_id, tokens, 0)
-            problem = check(settings, self._vocab)
-            if problem is not None:
-                raise EngineError(INVALID_REQUEST, problem)
+            check_prompt(cmd.request_id, tokens, 0, in_use=self.endings.ids,
+                         context_length=self.context_length, vocab=model_vocab(self.model))
+            check_sampling(settings, model_vocab(self.model))
         self._outbox.extend(self.echoes.add(Scoring(cmd, tokens, seq)))
 
     def _constraint(self, spec: ConstraintSpec, max_tokens: int, partition: str) -> Constraint:
@@ -431,7 +381,7 @@ class Engine:
         cannot be enforced is invalid_request."""
         try:
             if self._constraints is None:
-                vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
+                vocab = model_vocab(self.model)
                 self._constraints = ConstraintFactory(self.tokenizer, vocab or len(self.tokenizer.vocab))
             return self._constraints.build(spec, max_tokens, partition)
         except ConstraintError as exc:
@@ -516,22 +466,9 @@ class Engine:
         return events
 
 
-def _load(directory: Path, meter: LoadMeter | None, what: str = "") -> tuple[int, tuple[Any, Any]]:
-    """(weight bytes, (model, tokenizer)) of a local folder, as mlx_lm.load gives them (W3's phases
-    on `meter`); EngineError `load_failed` saying why."""
-    if not (directory / "config.json").is_file():
-        raise EngineError("load_failed", f"no {what}at {directory}: config.json not found")
-    try:
-        return estimate_weight_bytes(directory), load_generator(directory, meter)
-    except WeightsError as exc:
-        raise EngineError("load_failed", str(exc)) from None
-    except Exception as exc:  # noqa: BLE001 - any loader failure is a load error
-        raise EngineError("load_failed", f"cannot load {what}{directory}: {exc}") from exc
-
-
 def _default_own_usage() -> int:
-    return memory.usage()
+    return own_memory.usage()
 
 
 def _default_reclaim() -> int:
-    return memory.reclaim()
+    return own_memory.reclaim()

@@ -105,7 +105,7 @@ class Worker:
         from shared.probe import gpu_kind
         from worker.allocator import AllocatorLimits
         from worker.loader import prepare_engine
-        from worker.memory import MemorySampler, set_discrete_device
+        from worker.own_memory import MemorySampler, set_discrete_device
         from worker.readings import Readings
 
         device = prepare_engine()
@@ -156,7 +156,7 @@ class Worker:
         from worker.cache_tiers import CacheTiers
         from worker.engine import Engine, EngineError
         from worker.loader import LoadMeter
-        from worker.memory import device_bytes
+        from worker.own_memory import device_bytes
         from worker.prefill import DeviceUsage
 
         assert self.allocator is not None  # prepare() set it up

@@ -36,12 +36,12 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from shared.limits import Limits
 from shared.protocol import NeedMemory, PrefillProgress
-from worker import memory, prefill_cost
+from worker import own_memory, prefill_cost
 from worker import prefill_guard as guard
 from worker import prompt_cache as pc
 from worker.endings import Endings, Event, prompted
 from worker.group_prefill import PrefillGroup
-from worker.memory import UsageFn
+from worker.own_memory import UsageFn
 from worker.request import WAITING_FOR_ROOM, Seq
 from worker.sampling import pick_rows
 
@@ -304,7 +304,7 @@ class Prefill:
         """Run `n` tokens (G2 sized them), measure, G3 check; False when the request was refused."""
         guarded = guard.guard_on(pool.limits)
         chunk = mx.array(seq.prompt[seq.pos:seq.pos + n])[None]
-        memory.reset_peak()
+        own_memory.reset_peak()
         before = mx.get_active_memory()
         started = time.monotonic()
         with mx.stream(generation_stream):
@@ -392,7 +392,7 @@ class Prefill:
                     return 0
             done = group.pos
             real = group.real_tokens(columns)
-            memory.reset_peak()
+            own_memory.reset_peak()
             before = mx.get_active_memory()
             started = time.monotonic()
             group.run_chunk(self.model, columns)

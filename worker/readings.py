@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # types only: these import MLX
     from worker.allocator import AllocatorLimits
     from worker.embedder import Embedder
     from worker.engine import Engine
-    from worker.memory import Held, MemorySampler
+    from worker.own_memory import Held, MemorySampler
 
 
 class Readings:
@@ -100,7 +100,7 @@ class Readings:
 
     def group_device_bytes(self) -> int:
         """D1's fallback for the group seen from here: fresh own MLX active + pool + the others'."""
-        from worker.memory import device_bytes
+        from worker.own_memory import device_bytes
 
         mine = self.ledger.read_sample(self.spec.slot)
         others = self.ledger.group_device_bytes() - (mine.memory.mlx_active + mine.memory.mlx_pool if mine else 0)
@@ -110,6 +110,6 @@ class Readings:
 def _held(engine: Engine | Embedder) -> Held:
     """What the model's engine holds for the sample: the chat engine names its decode batch too."""
     from worker.engine import Engine  # imported with MLX in serve(); a cached lookup here
-    from worker.memory import Held
+    from worker.own_memory import Held
 
     return engine.held() if isinstance(engine, Engine) else Held(engine.cache_bytes, engine.cache_releasable)

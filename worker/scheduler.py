@@ -62,7 +62,7 @@ from worker import prefill_guard as guard
 from worker.decode import DecodeStep
 from worker.endings import Endings, Event, prompted
 from worker.group_prefill import PrefillGroup, worth_padding
-from worker.memory import UsageFn
+from worker.own_memory import UsageFn
 from worker.prefill import Prefill
 from worker.request import WAITING_FOR_ROOM, Seq
 

@@ -44,8 +44,9 @@ from mlx_lm.generate import generation_stream
 from shared.modelinfo import context_length, read_config_json
 from shared.protocol import Failed, Generate, ImageInput
 from shared.weights import WeightsError, estimate_weight_bytes
-from worker import memory, prompts, vision_cost
-from worker.engine import NO_TOKENIZER_LIMIT, Engine
+from worker import own_memory, prompts, vision_cost
+from worker.engine import Engine
+from worker.folder_load import NO_TOKENIZER_LIMIT
 from worker.loader import LoadMeter
 from worker.prefill_cost import activation_width
 from worker.request import ENGINE_ERROR, INVALID_REQUEST, EngineError, Seq
@@ -113,7 +114,7 @@ class VisionPrefill:
         in the caller); measured, so the next estimate follows what this one cost."""
         media = seq.media
         assert media is not None and media.pixels is not None
-        memory.reset_peak()
+        own_memory.reset_peak()
         before = mx.get_active_memory()
         started = time.monotonic()
         with mx.stream(generation_stream):

@@ -11,7 +11,9 @@ from pathlib import Path
 import msgspec
 
 from shared.sizes import SizeError, parse_size
-from supervisor.config import Config, ConfigError, config_from, load_config, parse_http
+from supervisor.config import Config
+from supervisor.config_checks import parse_http
+from supervisor.config_file import ConfigError, config_from, load_config
 from supervisor.discovery import folder_problem, with_discovered
 from supervisor.policy.wired import wiring_line
 

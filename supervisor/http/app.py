@@ -31,8 +31,8 @@ Endpoints (docs/api.md):
 
 Who may administer (load, unload, /admin/guard): http/auth.py, with the API
 keys (with `[supervisor] api_keys` every /v1 call needs one). Every request first passes the gate
-(http/gate.py: Host, Origin, Content-Type, CORS) and the connection limits
-(http/limits.py: header/body deadlines, a connection cap).
+(http/browser_guard.py: Host, Origin, Content-Type, CORS) and the connection limits
+(http/connection_limits.py: header/body deadlines, a connection cap).
 """
 
 from __future__ import annotations
@@ -55,10 +55,10 @@ from supervisor.errors import ServeError
 from supervisor.http import anthropic as http_anthropic
 from supervisor.http import completions as http_completions
 from supervisor.http import embeddings as http_embeddings
-from supervisor.http import generate as http_generate
 from supervisor.http import infill as http_infill
 from supervisor.http import ollama as http_ollama
 from supervisor.http import ollama_models, ollama_pull
+from supervisor.http import openai as http_openai
 from supervisor.http import responses as http_responses
 from supervisor.http import tokenize as http_tokenize
 from supervisor.http.auth import ApiKeys, EventTickets, require_admin
@@ -168,7 +168,7 @@ class FrontDoor:
     async def chat(self, request: Request) -> Response:
         body = await read_body(request, self._body_limit(), self.scfg.body_timeout)
         started = request.scope.get("memvisor.started", time.monotonic())
-        return await http_generate.handle(request, self.sup, self.metrics, body, started)
+        return await http_openai.handle(request, self.sup, self.metrics, body, started)
 
     async def completions(self, request: Request) -> Response:
         body = await read_body(request, int(self.scfg.max_body), self.scfg.body_timeout)

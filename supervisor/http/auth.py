@@ -41,8 +41,8 @@ from starlette.responses import Response
 
 from shared.protocol import SHARED_PARTITION
 from supervisor.http import partitions
+from supervisor.http.browser_guard import same_origin
 from supervisor.http.errors import ApiError
-from supervisor.http.gate import same_origin
 
 Handler = Callable[[Request], Awaitable[Response]]
 

@@ -36,10 +36,10 @@ from supervisor.api import Supervisor
 from supervisor.errors import ServeError
 from supervisor.http import sampling
 from supervisor.http.errors import from_serve_error
-from supervisor.http.generate import SSE_DONE, Completion, common_fields, refuse_unsupported
 from supervisor.http.job import Job, Receive, open_job, wait_for_disconnect
 from supervisor.http.metrics import Metrics
 from supervisor.http.modelfacts import require_fim
+from supervisor.http.openai import SSE_DONE, Completion, common_fields, refuse_unsupported
 from supervisor.http.openai_types import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     BodyError,

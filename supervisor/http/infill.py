@@ -29,10 +29,10 @@ from starlette.responses import Response
 from shared import protocol as p
 from supervisor.api import Supervisor
 from supervisor.http.errors import ApiError
-from supervisor.http.generate import checked_seed, stop_sequences
 from supervisor.http.job import End, Job, Text, open_stream
 from supervisor.http.metrics import Metrics
 from supervisor.http.modelfacts import require_fim
+from supervisor.http.openai import checked_seed, stop_sequences
 from supervisor.http.openai_types import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     BodyError,

@@ -18,7 +18,7 @@ and its request is aborted in the worker (`Supervisor.cancel`), so nobody's
 memory keeps working for a reader who left.
 
 `Job.pieces` turns the worker's stream into API-neutral pieces (text, tool
-calls, the end, an error) that generate.py renders as OpenAI chat and text
+calls, the end, an error) that openai.py renders as OpenAI chat and text
 completions, anthropic.py, responses.py and ollama.py as theirs; tools.py
 holds the tool plan (template tools, ToolCall constraint, reading calls back).
 """
@@ -298,7 +298,7 @@ class Job:
 
     async def streamed(self, receive: Receive, events: Events) -> Response:
         """The SSE response, once the first message is in: `events` renders the
-        pieces (generate.py: OpenAI's chunks; anthropic.py, responses.py: theirs)."""
+        pieces (openai.py: OpenAI's chunks; anthropic.py, responses.py: theirs)."""
         first = await self.first(receive)
         return sse_response(self.sse_body(events(first)))
 

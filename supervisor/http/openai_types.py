@@ -206,7 +206,7 @@ class ChatRequest(_Sampling, kw_only=True):
     prompt_cache_options: Any = None  # ditto
     service_tier: Union[str, None] = None  # billing/latency class; one tier here, same output
     prediction: Any = None  # a latency hint; OpenAI's output is the same with it
-    # Refused unless null (or their only neutral value, see generate.py):
+    # Refused unless null (or their only neutral value, see openai.py):
     modalities: Union[list[str], None] = None  # ["text"] only
     audio: Any = None
     functions: Any = None  # deprecated for tools

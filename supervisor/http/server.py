@@ -5,7 +5,7 @@ loop, so a request reaches the pool, the gate and the enforcer with no
 thread hop and no lock (docs/architecture.md: one loop). `start_http(sup)` binds first
 (a taken port is a clear error, not uvicorn's sys.exit), starts uvicorn and
 returns once it accepts, with the address it bound. `build_app(sup)` is the
-ASGI app: the routes (app.py) behind the gate (gate.py: Host, Origin,
+ASGI app: the routes (app.py) behind the gate (browser_guard.py: Host, Origin,
 Content-Type, CORS), inside `Instrumented`, which stamps the arrival time,
 counts every answer and names this host and the serving worker on it.
 """
@@ -23,11 +23,12 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 
 from supervisor.api import Supervisor
-from supervisor.config import host_name, parse_http
+from supervisor.config import host_name
+from supervisor.config_checks import parse_http
 from supervisor.http import routing
 from supervisor.http.app import FrontDoor, error_shape, http_exception
-from supervisor.http.gate import BrowserGate, HostCheck, OriginAllowlist
-from supervisor.http.limits import GuardedH11, connection_cap, limit_logs, raise_fd_limit
+from supervisor.http.browser_guard import BrowserGate, HostCheck, OriginAllowlist
+from supervisor.http.connection_limits import GuardedH11, connection_cap, limit_logs, raise_fd_limit
 from supervisor.http.metrics import Metrics
 
 log = logging.getLogger("memvisor.http")

@@ -32,7 +32,7 @@ from shared import protocol as p
 from supervisor.api import Supervisor
 from supervisor.errors import ServeError
 from supervisor.http.errors import from_failed, from_serve_error
-from supervisor.http.generate import chat_generate
+from supervisor.http.openai import chat_generate
 from supervisor.http.openai_types import BodyError, ChatMessageIn, ChatRequest, ToolDef, decode_body
 
 _encoder = msgspec.json.Encoder()

@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 
 from shared.limits import Limits
-from worker import memory
+from worker import own_memory
 from worker.engine import Engine
 from worker.prefill_guard import estimate_prefill_peak
 
@@ -36,7 +36,7 @@ def test_g1_prior_covers_a_real_engine_prefill_within_25_percent(loaded, monkeyp
         raise AssertionError("engine still busy")
 
     run("warm-up", 32)  # first-call buffers are nobody's prefill
-    monkeypatch.setattr(memory, "reset_peak", lambda: None)
+    monkeypatch.setattr(own_memory, "reset_peak", lambda: None)
     estimate = estimate_prefill_peak(tokens, engine.cost, chunk)
     mx.clear_cache()
     mx.reset_peak_memory()

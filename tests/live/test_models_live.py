@@ -17,7 +17,8 @@ import pytest
 
 from shared import probe
 from shared import protocol as p
-from supervisor.config import Config, ModelConfig, load_config
+from supervisor.config import Config, ModelConfig
+from supervisor.config_file import load_config
 from supervisor.discovery import with_discovered
 from supervisor.errors import LoadError, ServeError
 from tests.arbiter_harness import Running, collect, make_config

@@ -97,5 +97,5 @@ def test_out_of_descriptors_a_dead_worker_is_still_reaped_and_sigterm_still_stop
     text = log_path.read_bytes()
     assert len(text) < 200_000, f"the log grew to {len(text)} bytes"  # before: 5.6 MB in 10 s
     # Since the front door raises its soft open-file limit and caps connections below it
-    # (supervisor/http/limits.py), this flood no longer drives accept() to EMFILE; whether it
+    # (supervisor/http/connection_limits.py), this flood no longer drives accept() to EMFILE; whether it
     # did ("cannot accept connections") or the cap held it, the reap and the stop above must work.

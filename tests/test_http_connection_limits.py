@@ -1,4 +1,4 @@
-"""Half-sent requests must not exhaust the front door (supervisor/http/limits.py).
+"""Half-sent requests must not exhaust the front door (supervisor/http/connection_limits.py).
 
 Raw sockets against a real supervisor: headers that never end are closed
 within `header_timeout`; a connection beyond `max_connections` either closes
@@ -195,7 +195,7 @@ def test_huge_ttl_is_400():
 
 
 def test_the_open_file_limit_is_raised_and_a_reserve_kept():
-    from supervisor.http.limits import FD_RESERVE, connection_cap, raise_fd_limit
+    from supervisor.http.connection_limits import FD_RESERVE, connection_cap, raise_fd_limit
 
     soft, hard = raise_fd_limit()
     assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == soft
@@ -205,7 +205,7 @@ def test_the_open_file_limit_is_raised_and_a_reserve_kept():
 
 
 def test_a_repeated_log_line_passes_once_a_window_with_a_count():
-    from supervisor.http.limits import RepeatFilter
+    from supervisor.http.connection_limits import RepeatFilter
 
     logger = logging.getLogger("memvisor.test.repeat")
     seen: list[str] = []

@@ -1,4 +1,4 @@
-"""The browser is a client, not an admin (supervisor/http/gate.py, require_admin).
+"""The browser is a client, not an admin (supervisor/http/browser_guard.py, require_admin).
 
 Each attack a web page could make on a loopback supervisor, as real HTTP
 against a real supervisor (no model is loaded): a cross-origin `text/plain`
@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 
 from shared.sizes import GiB
-from supervisor.config import ConfigError, ModelConfig, load_config
+from supervisor.config import ModelConfig
+from supervisor.config_file import ConfigError, load_config
 from tests.frontdoor_harness import assert_openai_error, fake_huge_model
 from tests.http_harness import ADMIN_TOKEN, LiveServer, make_config
 
@@ -280,7 +281,7 @@ def test_routes_without_v1_get_the_same_cors_and_no_more(server):
 
 
 def test_cors_origins_config(tmp_path):
-    from supervisor.http.gate import OriginAllowlist
+    from supervisor.http.browser_guard import OriginAllowlist
 
     path = tmp_path / "m.toml"
     path.write_text('[supervisor]\ncors_origins = ["https://app.example.com", "http://*.lan:*"]\n')
@@ -294,7 +295,7 @@ def test_cors_origins_config(tmp_path):
 
 
 def test_host_names_that_are_this_server():
-    from supervisor.http.gate import HostCheck
+    from supervisor.http.browser_guard import HostCheck
 
     loopback, everywhere, named = HostCheck("127.0.0.1"), HostCheck("0.0.0.0"), HostCheck("box.lan")
     assert loopback.allowed("localhost:1") and loopback.allowed("[::1]") and loopback.allowed("127.0.0.1:8000")
