@@ -20,7 +20,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from supervisor.bus import Endpoints, NotRunning  # noqa: E402
+from supervisor.wiring.bus import Endpoints, NotRunning  # noqa: E402
 
 MiB = 1024 * 1024
 WEDGE_LINE = re.compile(r"Worker \S+ \(pid (\d+)\): .*: wedged; killing it")

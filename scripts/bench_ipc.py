@@ -34,7 +34,7 @@ from shared.ledger import Ledger  # noqa: E402
 from shared.limits import Limits  # noqa: E402
 from shared.memory import MemoryReading
 from shared.sizes import MiB  # noqa: E402
-from supervisor.bus import Bus, Endpoints  # noqa: E402
+from supervisor.wiring.bus import Bus, Endpoints  # noqa: E402
 
 READING = MemoryReading(usage=4, footprint=4, mlx_active=1, mlx_pool=2, mlx_peak=3)
 

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from supervisor.arbiter import Arbiter  # noqa: E402
 from supervisor.config import Config, SupervisorConfig  # noqa: E402
-from supervisor.discovery import with_discovered  # noqa: E402
-from supervisor.errors import ServeError  # noqa: E402
+from supervisor.doors.errors import ServeError  # noqa: E402
+from supervisor.models.discovery import with_discovered  # noqa: E402
 
 
 async def measure(folder: Path, runtime: Path) -> tuple[float, float, str]:

@@ -69,7 +69,7 @@ from _chaos_harness import (  # noqa: E402  (scripts/ is on sys.path as the scri
     terminate,
 )
 
-from supervisor.bus import Endpoints  # noqa: E402
+from supervisor.wiring.bus import Endpoints  # noqa: E402
 
 # ---------------------------------------------------------------------------
 # scenarios

@@ -1,6 +1,6 @@
 """One transition table, checked once: the helper behind every state machine here.
 
-Workers (shared/states.py), models (supervisor/model_states.py) and requests
+Workers (shared/states.py), models (supervisor/models/model_states.py) and requests
 (worker/request.py) each keep their states, their events and the legal moves
 as one table, in the manner of h11's `_state.py`. What they share is written
 here once: the check that every state has a row and that every move lands on

@@ -14,7 +14,7 @@ names.
         a live state that was not stopping --exit--> dead
 
 A model outlives its workers: whether it is failed, respawning or loading is
-the model's state (supervisor/model_states.py), not its last worker's.
+the model's state (supervisor/models/model_states.py), not its last worker's.
 
 Late messages are absorbed, not applied: a `hello` or `loaded` from a worker
 already draining leaves it draining (a stop is final), and a wedged worker

@@ -71,7 +71,7 @@ LoadPhase = Literal["admit", "spawn", "hello", "spare", "build", "read", "tokeni
 # able to pose as one: anything else is refused at decoding.
 WorkerEventKind = Literal["drill", "wired_limit"]
 
-# Why a stop of a worker was asked for (supervisor.process.Leaving). A pinned model
+# Why a stop of a worker was asked for (supervisor.workers.process.Leaving). A pinned model
 # whose load the guard aborted (P6 step 4), or that was killed as wedged, comes back
 # as after a crash; `spare`: a spare worker stopped to make room or under pressure (W2).
 StopCause = Literal["request", "evict", "ttl", "unload", "load_abort", "wedged", "shutdown", "spare"]
@@ -129,7 +129,7 @@ FailureCode = Literal[
 # A3 / D5: why a model load was refused (a 507).
 RefusalCode = Literal["model_too_large", "insufficient_memory"]
 
-# What the supervisor says when it refuses on someone's behalf (supervisor.errors.ServeError,
+# What the supervisor says when it refuses on someone's behalf (supervisor.doors.errors.ServeError,
 # the control socket's `ControlError`, readiness).
 ServeCode = Literal[
     "internal_error", "spawn_failed", "too_many_workers", "overloaded", "model_unreadable", "model_at_capacity",

@@ -19,7 +19,7 @@ The arbiter builds the parts and hands each what it needs:
     enforcer.py  the guard: probes -> policy -> actions
     catalog.py   the configured models and what their files say
     models.py    each model's life: load, unload, respawn, retry, failed
-    service.py   what the doors call (supervisor.api.Supervisor)
+    service.py   what the doors call (supervisor.doors.api.Supervisor)
     reload.py    SIGHUP and `reload`
 """
 
@@ -41,20 +41,23 @@ from shared import protocol as p
 from shared.ledger import Ledger
 from shared.sizes import format_size
 from shared.vocab import GuardEventKind, StopCause
-from supervisor import liveness
-from supervisor.admission_queue import Gate
-from supervisor.bus import Bus, BusError, Endpoints, claim_runtime_dir, pid_alive
-from supervisor.catalog import Catalog
 from supervisor.config import Config
-from supervisor.control import handle_control
-from supervisor.counters import SupervisorCounters
-from supervisor.discovery import last_refused
-from supervisor.enforcer import Enforcer
-from supervisor.eventlog import EventLog
-from supervisor.fanout import EVENT_HISTORY, Hub
-from supervisor.models import Models
-from supervisor.pool import Pool
-from supervisor.process import (
+from supervisor.doors.service import Place, Service
+from supervisor.guard.admission_queue import Gate
+from supervisor.guard.counters import SupervisorCounters
+from supervisor.guard.enforcer import Enforcer
+from supervisor.guard.eventlog import EventLog
+from supervisor.models.catalog import Catalog
+from supervisor.models.discovery import last_refused
+from supervisor.models.life import Models
+from supervisor.models.reload import Reloader
+from supervisor.wiring.bus import Bus, BusError, Endpoints, claim_runtime_dir, pid_alive
+from supervisor.wiring.control import handle_control
+from supervisor.wiring.fanout import EVENT_HISTORY, Hub
+from supervisor.wiring.runtime import ensure_private_dir
+from supervisor.workers import liveness
+from supervisor.workers.pool import Pool
+from supervisor.workers.process import (
     CacheWritten,
     Exited,
     LoadReported,
@@ -68,9 +71,6 @@ from supervisor.process import (
     WorkerLoadFailed,
     WorkerNeedsMemory,
 )
-from supervisor.reload import Reloader
-from supervisor.runtime import ensure_private_dir
-from supervisor.service import Place, Service
 
 if TYPE_CHECKING:
     from supervisor.http.server import EmbeddedServer

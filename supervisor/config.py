@@ -206,7 +206,7 @@ class SupervisorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     # when pub_tcp binds anything but loopback.
     curve_key_file: str = ""
     # Folders whose models are served without a [[models]] entry each
-    # (supervisor.discovery); `serve --models-dir` adds to them.
+    # (supervisor.models.discovery); `serve --models-dir` adds to them.
     models_dirs: list[str] = msgspec.field(default_factory=list)
     # SPEC W1: workers kept started with MLX and the engine imported and no model, so a
     # load costs the weights and not a Python start (0 = none); W2: under pressure they go first.

@@ -11,10 +11,10 @@ import httpx
 import openai
 
 from supervisor.config import Config, ModelConfig, SupervisorConfig
-from supervisor.errors import LoadError
+from supervisor.doors.errors import LoadError
+from supervisor.guard.readiness import Health
 from supervisor.http.server import start_http
-from supervisor.readiness import Health
-from supervisor.streams import RequestStream, new_request_id
+from supervisor.workers.streams import RequestStream, new_request_id
 
 
 def fake_huge_model(root: Path, claimed_bytes: int) -> Path:

@@ -294,9 +294,9 @@ def gguf_header(tensors: list[tuple[str, tuple[int, ...], str]], name: str = "ti
 
 def pull_server(config, runtime_dir: Path):
     """A LiveServer (tests/http_harness.py) whose reload re-reads the pull record, as `serve`'s
-    does (`serve` rebuilds its config through supervisor.discovery.with_discovered)."""
+    does (`serve` rebuilds its config through supervisor.models.discovery.with_discovered)."""
     from supervisor.arbiter import Arbiter
-    from supervisor.discovery import with_discovered
+    from supervisor.models.discovery import with_discovered
     from tests.http_harness import LiveServer
 
     live = LiveServer(config, runtime_dir)

@@ -15,7 +15,7 @@ import logging
 import msgspec
 import zmq
 
-from supervisor.bus import Bus, Endpoints
+from supervisor.wiring.bus import Bus, Endpoints
 
 
 def _flood(tmp_path, frames: list[bytes | list[bytes]]) -> Bus:

@@ -1,9 +1,9 @@
-"""The supervisor's counters (supervisor.counters): named fields, listed as /status lists them."""
+"""The supervisor's counters (supervisor.guard.counters): named fields, listed as /status lists them."""
 
 import msgspec
 import pytest
 
-from supervisor.counters import SupervisorCounters
+from supervisor.guard.counters import SupervisorCounters
 
 
 def test_status_lists_the_counters_that_counted_by_name():

@@ -26,7 +26,7 @@ from shared.probe.nvml import DeviceReading
 from shared.sizes import MAX_SIZE, GiB, MiB, format_size
 from supervisor.cli import main
 from supervisor.config import Config
-from supervisor.enforcer import Enforcer
+from supervisor.guard.enforcer import Enforcer
 from supervisor.policy.device import compute_device_ceilings, device_remedy
 from supervisor.policy.pressure import tick
 from supervisor.policy.snapshot import GuardSettings, Snapshot, WorkerRecord

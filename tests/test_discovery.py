@@ -10,7 +10,7 @@ import pytest
 
 from supervisor.config import Config, ModelConfig, SupervisorConfig
 from supervisor.config_file import ConfigError, parse_config
-from supervisor.discovery import discover, with_discovered
+from supervisor.models.discovery import discover, with_discovered
 from tests import model_files
 
 

@@ -1,6 +1,6 @@
 """The PUB topics over HTTP (GET /v1/events, SSE) and the dashboard's files.
 
-The hub (supervisor.fanout) is tested alone for what must hold however the
+The hub (supervisor.wiring.fanout) is tested alone for what must hold however the
 doors use it: JSON made once per message, bounded queues, a lagging client
 dropped with a final frame, the replay rules. Then the endpoint against a
 real supervisor and a real HTTP server (no model is loaded: fast suite).
@@ -16,8 +16,8 @@ import pytest
 
 from shared import protocol as p
 from shared.memory import MemoryReading
-from supervisor import fanout
-from supervisor.fanout import Hub
+from supervisor.wiring import fanout
+from supervisor.wiring.fanout import Hub
 from tests.http_harness import ADMIN_TOKEN, LiveServer, make_config, non_loopback_address
 
 pytestmark = pytest.mark.usefixtures("no_front_door_errors")
@@ -347,7 +347,7 @@ def test_watch_gets_the_latest_ceiling_at_once_not_at_the_next_slow_tick(server,
     import sys
     import time
 
-    from supervisor.client import subscribe
+    from supervisor.wiring.client import subscribe
 
     runtime_dir = server.arbiter.runtime_dir
 

@@ -16,9 +16,9 @@ import pytest
 from shared.limits import Limits
 from shared.protocol import DISK_CACHE_AUTO, CacheReport, DiskCacheStats
 from shared.sizes import GiB
-from supervisor.cache_book import CacheBook
 from supervisor.config import GuardConfig
 from supervisor.config_file import parse_config
+from supervisor.guard.cache_book import CacheBook
 from tests.disk_cache_harness import (
     ROOMY,
     ask,
@@ -302,7 +302,7 @@ def test_h5_config_disk_cache_max_is_auto_by_default_a_size_or_off():
 
 
 def test_h5_the_stop_grace_is_off_without_a_disk_tier_or_without_a_memory_tier():
-    from supervisor.cache_book import save_grace
+    from supervisor.guard.cache_book import save_grace
 
     def grace(**guard) -> float:
         return save_grace(GuardConfig(**guard))

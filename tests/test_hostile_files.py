@@ -22,7 +22,7 @@ from shared.gguf import GGUFError, read_header
 from shared.modelinfo import context_length
 from shared.weights import WeightsError, estimate_weight_bytes, kv_bytes_per_token, tensor_bytes
 from supervisor.config import Config, SupervisorConfig
-from supervisor.discovery import with_discovered
+from supervisor.models.discovery import with_discovered
 from tests import model_files
 
 

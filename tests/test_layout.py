@@ -86,17 +86,17 @@ MAX_MODULE_LINES = 500
 # not yet renamed: each is a follow-up, listed so no new one joins them.
 SHARED_NAMES = {
     "drill.py": "cli/drill.py is the command; worker/drill.py the memory a worker grows for it",
-    "reload.py": "cli/reload.py is the command; supervisor/reload.py applies the re-read config",
+    "reload.py": "cli/reload.py is the command; supervisor/models/reload.py applies the re-read config",
     "replay.py": "cli/replay.py is the command; policy/replay.py feeds snapshots to the policy",
     "status.py": "cli/status.py is the command; policy/status.py the guard's status, pure",
     "tiers.py": "cli/tiers.py is the command; policy/tiers.py the T rules",
-    "prefetch.py": "policy/prefetch.py decides, supervisor/prefetch.py does it",
-    "spares.py": "policy/spares.py decides, supervisor/spares.py does it",
+    "prefetch.py": "policy/prefetch.py decides, supervisor/models/prefetch.py does it",
+    "spares.py": "policy/spares.py decides, supervisor/workers/spares.py does it",
     "base.py": "not yet renamed: shared/messages/base.py (Msg) and shared/probe/base.py (the probe's types)",
     "blas.py": "not yet renamed: shared/probe/blas.py (which BLAS, found) and worker/blas.py (set up)",
-    "control.py": "not yet renamed: shared/messages/control.py (the CLI's messages), supervisor/control.py",
-    "errors.py": "not yet renamed: supervisor/errors.py (ServeError), supervisor/http/errors.py (ApiError)",
-    "gguf.py": "not yet renamed: shared/gguf.py (a header), supervisor/gguf.py (the import on first load)",
+    "control.py": "not yet renamed: shared/messages/control.py (the CLI's messages), supervisor/wiring/control.py",
+    "errors.py": "not yet renamed: supervisor/doors/errors.py (ServeError), supervisor/http/errors.py (ApiError)",
+    "gguf.py": "not yet renamed: shared/gguf.py (a header), supervisor/models/gguf.py (the import on first load)",
     "sampling.py": "not yet renamed: supervisor/http/sampling.py (each API's spelling), worker/sampling.py",
     "vision.py": "not yet renamed: shared/vision.py and worker/vision.py (the vision engine)",
 }

@@ -1,13 +1,13 @@
-"""The heartbeat and wedge checks (supervisor.liveness), as tables of timestamps:
+"""The heartbeat and wedge checks (supervisor.workers.liveness), as tables of timestamps:
 what a worker's silence means while it loads, between steps and inside one long
 engine step, and what a stall of the supervisor's own loop forgives."""
 
 import pytest
 
 from shared import protocol as p
-from supervisor import liveness
 from supervisor.config import SupervisorConfig
-from supervisor.liveness import STARTUP_GRACE, Beats
+from supervisor.workers import liveness
+from supervisor.workers.liveness import STARTUP_GRACE, Beats
 
 SCFG = SupervisorConfig(heartbeat_interval=1.0, heartbeat_timeout=5.0, load_timeout=60.0, step_timeout=30.0)
 

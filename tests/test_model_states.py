@@ -1,12 +1,12 @@
-"""A model's state table (supervisor.model_states) and its restart intensity and
-backoff (supervisor.intensity): every legal move, illegal moves said loudly, and
+"""A model's state table (supervisor.models.model_states) and its restart intensity and
+backoff (supervisor.workers.intensity): every legal move, illegal moves said loudly, and
 the arithmetic of when a model comes back, as tables."""
 
 import pytest
 
-from supervisor import intensity
 from supervisor.config import SupervisorConfig
-from supervisor.model_states import MODEL_TRANSITIONS, IllegalMove, model_transition
+from supervisor.models.model_states import MODEL_TRANSITIONS, IllegalMove, model_transition
+from supervisor.workers import intensity
 
 SCFG = SupervisorConfig(restart_max=3, restart_period=60.0, failed_retry_first=5.0, failed_retry_max=80.0)
 
@@ -70,7 +70,7 @@ def test_the_failed_backoff_doubles_with_each_failure_and_starts_over_after_a_qu
 
 
 # ---------------------------------------------------------------------------
-# the respawn decisions themselves: Models (supervisor/models.py) driving intensity.py
+# the respawn decisions themselves: Models (supervisor/models/life.py) driving intensity.py
 
 
 class Clock:
@@ -117,12 +117,12 @@ class Exited:
 def _models(monkeypatch, tmp_path, **scfg):
     """The real Models and Catalog for one pinned model whose files are gone, so each respawn's
     load fails as a crashing worker's would, and the test's clock."""
-    from supervisor import models as models_module
-    from supervisor.catalog import Catalog
     from supervisor.config import Config, ModelConfig
-    from supervisor.counters import SupervisorCounters
-    from supervisor.eventlog import EventLog
-    from supervisor.models import Models
+    from supervisor.guard.counters import SupervisorCounters
+    from supervisor.guard.eventlog import EventLog
+    from supervisor.models import life as models_module
+    from supervisor.models.catalog import Catalog
+    from supervisor.models.life import Models
 
     clock = Clock()
     monkeypatch.setattr(models_module, "time", clock)

@@ -1,4 +1,4 @@
-"""demo-vision in the built-in demo (supervisor/demo.py): `serve` with no config has a vision model."""
+"""demo-vision in the built-in demo (supervisor/models/demo.py): `serve` with no config has a vision model."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 from shared.vision import is_vision_model
-from supervisor.demo import DEMO_VISION, demo_config, vision_installed
 from supervisor.http.modelfacts import capabilities, read_facts
+from supervisor.models.demo import DEMO_VISION, demo_config, vision_installed
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -21,7 +21,7 @@ def test_the_demo_serves_demo_vision_where_mlx_vlm_is_installed(tmp_path):
 
 def test_demo_vision_is_written_once_as_a_vision_model_with_its_processor(tmp_path):
     # in a child: training the demo tokenizer here after a live supervisor ran can deadlock (conftest)
-    subprocess.run([sys.executable, "-c", "from pathlib import Path; from supervisor.demo import ensure_vision_model; "
+    subprocess.run([sys.executable, "-c", "from pathlib import Path; from supervisor.models.demo import ensure_vision_model; "
                     f"ensure_vision_model(Path({str(tmp_path / DEMO_VISION)!r}))"], check=True, cwd=REPO,
                    capture_output=True)
     folder = tmp_path / DEMO_VISION

@@ -9,7 +9,7 @@ import json
 import httpx
 
 from supervisor.config import Config, ModelConfig, SupervisorConfig
-from supervisor.discovery import with_discovered
+from supervisor.models.discovery import with_discovered
 from tests import model_files
 from tests.chat_harness import Serving, run_cli
 

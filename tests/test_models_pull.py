@@ -8,7 +8,7 @@ model answering a chat is tests/live/test_models_pull_live.py.
 What is pinned: a name is checked before it reaches a URL or a path; what a
 repo offers is chosen as documented (MLX folder, one GGUF by tag); a model
 that could never fit (SPEC A3's "model too large", judged on the stable
-ceiling: supervisor/hub_fit.py) is refused before any weight byte; a download
+ceiling: supervisor/models/hub_fit.py) is refused before any weight byte; a download
 dropped part-way resumes with a Range request, within one pull and across two;
 the result is byte-identical; the Ollama routes stream the progress its client
 reads, need the admin token when one is set, and delete only what was pulled.
@@ -31,10 +31,10 @@ import pytest
 
 from shared.gguf import read_header
 from shared.sizes import GiB, MiB
-from supervisor import pulled
 from supervisor.config import ModelConfig
-from supervisor.hub_fit import Room, refusal
-from supervisor.hub_repo import Listing, RefError, RepoFile, choose, parse_ref, plan_for
+from supervisor.models import pulled
+from supervisor.models.hub_fit import Room, refusal
+from supervisor.models.hub_repo import Listing, RefError, RepoFile, choose, parse_ref, plan_for
 from tests.http_harness import ADMIN_TOKEN, make_config
 from tests.hub_harness import FakeHub, Virtual, gguf_header, pull_server
 
@@ -65,7 +65,7 @@ def hf(tmp_path, monkeypatch, hub) -> Path:
 
 @pytest.fixture(scope="module")
 def big_model(tmp_path_factory) -> Path:
-    """24 MiB of weights: many of the 1 MiB chunks a pull reads (supervisor/hub_fetch.py), so a
+    """24 MiB of weights: many of the 1 MiB chunks a pull reads (supervisor/models/hub_fetch.py), so a
     dropped connection leaves whole chunks on disk to resume from."""
     from modelfiles.modelgen import make_model
 
@@ -149,7 +149,7 @@ def test_pull_cli_fetches_the_model_into_the_hub_cache_and_records_it(hub, hf, t
     assert same_files(snapshot, tiny_model)
     assert "pulled org/cli-tiny" in done.stdout and "memvisor chat org/cli-tiny" in done.stdout
     assert [(m.id, m.path) for m in pulled.read()] == [("org/cli-tiny", snapshot)]
-    from supervisor.discovery import with_discovered  # served without a config entry
+    from supervisor.models.discovery import with_discovered  # served without a config entry
 
     assert [(m.id, m.path) for m in with_discovered(make_config([]))[0].models] == [("org/cli-tiny", str(snapshot))]
 
@@ -264,7 +264,7 @@ def test_the_pull_record_is_refused_when_others_may_write_it(hub, hf, tiny_model
     pulled.record_path().chmod(0o666)
     with pytest.raises(pulled.RecordError, match="refused"):
         pulled.read()
-    from supervisor.discovery import with_discovered
+    from supervisor.models.discovery import with_discovered
 
     config, warnings = with_discovered(make_config([]))
     assert config.models == [] and any("refused" in w for w in warnings)

@@ -17,8 +17,8 @@ import pytest
 from shared.sizes import GiB, MiB
 from supervisor.config import ModelConfig
 from supervisor.config_file import ConfigError, parse_config
-from supervisor.policy.admission import FitReport
-from supervisor.readiness import (
+from supervisor.doors.views import ModelView, WorkerView
+from supervisor.guard.readiness import (
     CODES,
     STATUS,
     assess,
@@ -27,7 +27,7 @@ from supervisor.readiness import (
     loading_retry,
     share,
 )
-from supervisor.views import ModelView, WorkerView
+from supervisor.policy.admission import FitReport
 from tests.frontdoor_harness import fake_huge_model
 from tests.http_harness import LiveServer, make_config
 

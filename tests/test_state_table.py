@@ -8,7 +8,7 @@ import pytest
 
 from shared import states
 from shared.state_table import IllegalMove, state_machine
-from supervisor import model_states
+from supervisor.models import model_states
 from worker import request
 
 Light = Literal["red", "green", "amber"]

@@ -4,7 +4,7 @@ request that ends without one still releases whoever awaits the count."""
 from __future__ import annotations
 
 from shared import protocol as p
-from supervisor.streams import RequestStream, Streams
+from supervisor.workers.streams import RequestStream, Streams
 
 
 def test_prompted_is_held_on_the_stream_not_queued_with_the_tokens():

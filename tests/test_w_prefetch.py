@@ -10,8 +10,8 @@ import threading
 import pytest
 
 from shared.sizes import MiB
+from supervisor.models.prefetch import CHUNK, Reading, read_ahead
 from supervisor.policy.prefetch import Candidate, followers, likely_next, may_prefetch, room
-from supervisor.prefetch import CHUNK, Reading, read_ahead
 
 
 def c(model: str, last_used: float = 0.0, size: int = 100 * MiB) -> Candidate:

@@ -15,7 +15,6 @@ from shared import protocol as p
 from shared.host import HostCounters
 from shared.sizes import GiB, MiB
 from shared.states import IllegalMove, transition
-from supervisor import load_clock
 from supervisor.config import SupervisorConfig
 from supervisor.policy import decisions as d
 from supervisor.policy.admission import admit_load, evict_for_prefill
@@ -23,7 +22,8 @@ from supervisor.policy.group import WorkerGroup
 from supervisor.policy.pressure import tick
 from supervisor.policy.snapshot import GuardSettings, Snapshot, WorkerRecord
 from supervisor.policy.spares import SPARE_BYTES_DEFAULT
-from supervisor.spares import next_start
+from supervisor.workers import load_clock
+from supervisor.workers.spares import next_start
 from tests.records import record
 from worker.spare import handoff_refusal
 
@@ -263,10 +263,10 @@ def test_w1_a_spare_is_spawned_with_no_model_and_takes_its_model_and_draft_at_th
     not have); the spec its TakeModel carries names the adopted model's folder and draft."""
     import asyncio
 
-    from supervisor import load_clock
-    from supervisor.bus import Endpoints
     from supervisor.config import Config, ModelConfig
-    from supervisor.process import WorkerHandle, worker_spec
+    from supervisor.wiring.bus import Endpoints
+    from supervisor.workers import load_clock
+    from supervisor.workers.process import WorkerHandle, worker_spec
 
     ends = Endpoints(commands="ipc://c", reports="ipc://r", pub="ipc://p", control="ipc://x")
 

@@ -1,4 +1,4 @@
-"""A worker's handle changes in one place: its own methods (supervisor/process.py).
+"""A worker's handle changes in one place: its own methods (supervisor/workers/process.py).
 
 As h11's `ConnectionState` is the only writer of a connection's state, a
 `WorkerHandle`'s fields (its state, why it is leaving, its beats, limits, load)
@@ -18,13 +18,13 @@ import pytest
 import supervisor
 from shared.state_table import IllegalMove
 from supervisor.config import ModelConfig
-from supervisor.errors import LoadError
-from supervisor.process import Leaving, WorkerHandle
+from supervisor.doors.errors import LoadError
+from supervisor.workers.process import Leaving, WorkerHandle
 
 ROOT = Path(supervisor.__file__).resolve().parent.parent  # the checkout whose supervisor is imported
-PROCESS = ROOT / "supervisor" / "process.py"
+PROCESS = ROOT / "supervisor" / "workers" / "process.py"
 # names that hold something other than a handle, with a field of the same name
-NOT_HANDLES = {"life"}  # supervisor.models.ModelLife (its `load` is the load task in flight)
+NOT_HANDLES = {"life"}  # supervisor.models.life.ModelLife (its `load` is the load task in flight)
 
 
 def _handle_fields() -> set[str]:

@@ -5,7 +5,7 @@ text already holds; a small model of the same family guesses free text too,
 at the cost of its own small passes. A `[[models]]` entry names it with
 `draft = "<model id>"`; the worker loads it beside the model, in the same
 process, so its weights count in the worker's usage (U1) as the model's do,
-and admission counts them in the model's estimate (A2, supervisor/catalog.py).
+and admission counts them in the model's estimate (A2, supervisor/models/catalog.py).
 Under pressure it is the first thing the worker lets go (`Engine.drop_draft`):
 guessing is a speed-up, never a reason to stop someone's model.
 

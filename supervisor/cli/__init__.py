@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from supervisor.runtime import default_runtime_dir
+from supervisor.wiring.runtime import default_runtime_dir
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {

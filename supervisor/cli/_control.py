@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 
 from shared import protocol as p
-from supervisor.client import ControlClient, NotRunning
-from supervisor.runtime import runtime_dir_problem
+from supervisor.wiring.client import ControlClient, NotRunning
+from supervisor.wiring.runtime import runtime_dir_problem
 
 
 def connect(runtime_dir, timeout: float = 10.0) -> ControlClient:

@@ -9,7 +9,7 @@ and closes a block of several lines, and `/bye` or Ctrl-D leaves. Ctrl-C
 stops a reply.
 
 It only sends requests to the running supervisor's front door
-(supervisor.chat_client), so the model is loaded under the same admission
+(supervisor.doors.chat_client), so the model is loaded under the same admission
 as any client's request.
 """
 
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
 
     import httpx
 
-    from supervisor.chat_client import CONNECT_SECONDS, ChatError, front_door
+    from supervisor.doors.chat_client import CONNECT_SECONDS, ChatError, front_door
 
     if not args.verbose:  # httpx logs each request at INFO: not for a chat's terminal
         logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -79,7 +79,7 @@ class Chat:
         self.status = ""  # the progress line now on stderr ("" when none)
 
     def once(self, prompt: str) -> int:
-        from supervisor.chat_client import ChatError
+        from supervisor.doors.chat_client import ChatError
 
         if not prompt.strip():
             return _fail("the prompt is empty")
@@ -92,7 +92,7 @@ class Chat:
 
     def answer(self, prompt: str) -> str:
         """The reply to `prompt`, printed as it comes; kept in the conversation when it completes."""
-        from supervisor.chat_client import Reply, load_line
+        from supervisor.doors.chat_client import Reply, load_line
 
         reply = Reply(self.client, self.model, [*self.messages, {"role": "user", "content": prompt}], self.options)
         text: list[str] = []
@@ -124,7 +124,7 @@ class Chat:
         self.status = line
 
     def session(self) -> int:
-        from supervisor.chat_client import ChatError
+        from supervisor.doors.chat_client import ChatError
 
         try:
             import readline  # noqa: F401  (line editing and the arrow keys' history for input())

@@ -3,10 +3,10 @@
 The download runs here, in this process (a progress bar, Ctrl-C to stop, the
 next pull resumes), into the hub cache (`HF_HUB_CACHE`, `HF_HOME`) from
 `HF_ENDPOINT` with your hub token; the model is recorded as pulled
-(supervisor.pulled) and a running supervisor is asked to reload, which
+(supervisor.models.pulled) and a running supervisor is asked to reload, which
 serves it under the name pulled. Before any weight byte is fetched the model
 is refused when it could never fit under this machine's ceiling (the running
-supervisor's, else `--tier`'s on this machine): supervisor.hub_fit.
+supervisor's, else `--tier`'s on this machine): supervisor.models.hub_fit.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import msgspec
 from shared import protocol as p
 from shared.sizes import format_size
 from supervisor.cli._control import call, connect
-from supervisor.client import NotRunning
 from supervisor.policy.status import ServerStatus
+from supervisor.wiring.client import NotRunning
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,9 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from supervisor.hub_fit import Room, note_now, refusal, room_from_machine, room_from_status
-    from supervisor.hub_repo import HubError, RefError, describe, parse_ref, plan_for, quiet_transport_logs
-    from supervisor.pulled import RecordError
+    from supervisor.models.hub_fit import Room, note_now, refusal, room_from_machine, room_from_status
+    from supervisor.models.hub_repo import HubError, RefError, describe, parse_ref, plan_for, quiet_transport_logs
+    from supervisor.models.pulled import RecordError
 
     quiet_transport_logs()
     try:
@@ -103,7 +103,7 @@ def _download(plan, quiet: bool):
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-    from supervisor.hub_fetch import Step, pull
+    from supervisor.models.hub_fetch import Step, pull
 
     console = Console(stderr=True)
     columns = (TextColumn("{task.description:<32}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),

@@ -1,6 +1,6 @@
 """`rm MODEL`: remove a model `pull` fetched, and its files in the Hugging Face cache.
 
-Only what the pull record names (supervisor.pulled) can be removed: a model
+Only what the pull record names (supervisor.models.pulled) can be removed: a model
 of `[[models]]` or `models_dirs` is the user's own folder and stays. A
 running supervisor is asked to reload first: the model leaves its catalogue,
 and a loaded one is drained and stopped as any removed model is (SPEC P6's
@@ -15,7 +15,7 @@ import sys
 
 from shared import protocol as p
 from supervisor.cli._control import call
-from supervisor.runtime import runtime_dir_problem
+from supervisor.wiring.runtime import runtime_dir_problem
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,8 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from supervisor import pulled
-
+    from supervisor.models import pulled
     try:
         models = pulled.read()
         entry = pulled.find(args.model, models)

@@ -14,7 +14,7 @@ from shared.sizes import SizeError, parse_size
 from supervisor.config import Config
 from supervisor.config_checks import parse_http
 from supervisor.config_file import ConfigError, config_from, load_config
-from supervisor.discovery import folder_problem, with_discovered
+from supervisor.models.discovery import folder_problem, with_discovered
 from supervisor.policy.wired import wiring_line
 
 log = logging.getLogger("memvisor.serve")
@@ -46,7 +46,7 @@ def build_config(args: argparse.Namespace) -> Config:
     elif args.models_dir:
         config = Config()  # the models folders alone, no demo
     else:
-        from supervisor.demo import demo_config, ensure_demo_models
+        from supervisor.models.demo import demo_config, ensure_demo_models
 
         ensure_demo_models()
         config = demo_config()
@@ -90,8 +90,8 @@ def _taken(args: argparse.Namespace, config: Config) -> str | None:
     checked before anything starts (a taken port used to print six tracebacks first): the
     runtime dir of a live supervisor, then the HTTP address. The arbiter checks both again
     as it binds (another process may take them in between); this is the early, quiet word."""
-    from supervisor.bus import RuntimeDirBusy, claim_runtime_dir
     from supervisor.http.server import FrontDoorError, bind
+    from supervisor.wiring.bus import RuntimeDirBusy, claim_runtime_dir
 
     try:
         claim_runtime_dir(args.runtime_dir)
@@ -126,8 +126,8 @@ def run(args: argparse.Namespace) -> int:
         print("memvisor: --max-workers must be 1..4096", file=sys.stderr)
         return 2
     from supervisor.arbiter import Arbiter
-    from supervisor.bus import BusError, RuntimeDirBusy
     from supervisor.http.server import FrontDoorError
+    from supervisor.wiring.bus import BusError, RuntimeDirBusy
 
     refusal = _taken(args, config)
     if refusal is not None:

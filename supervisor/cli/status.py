@@ -11,9 +11,9 @@ from shared import protocol as p
 from shared.sizes import format_size
 from supervisor.cli._args import duration_arg
 from supervisor.cli._control import connect
-from supervisor.client import NotRunning
 from supervisor.policy.status import DiskCacheStatus, GuardStatus, ServerStatus, WorkerStatus
 from supervisor.policy.wired import wiring_line
+from supervisor.wiring.client import NotRunning
 
 
 def add_arguments(parser):

@@ -28,8 +28,8 @@ from shared.vocab import GuardEventKind
 from supervisor.cli._args import duration_arg
 from supervisor.cli._control import connect
 from supervisor.cli.status import disk_budget
-from supervisor.client import NotRunning, subscribe
 from supervisor.policy.status import DiskCacheStatus, ServerStatus
+from supervisor.wiring.client import NotRunning, subscribe
 
 PANEL_EDGES = 4  # the panel's border and padding, each side
 
@@ -268,7 +268,7 @@ def _disk_line(d: DiskCacheStatus) -> str:
 def _live(args) -> int:
     from rich.live import Live
 
-    from supervisor.bus import Endpoints
+    from supervisor.wiring.bus import Endpoints
 
     if not args.endpoint:
         Endpoints.load(args.runtime_dir)  # no supervisor: say so before drawing anything

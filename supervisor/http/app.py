@@ -3,7 +3,7 @@
 Starlette rather than FastAPI: the bodies are msgspec Structs validated by
 msgspec, so FastAPI's pydantic layer would only add a second validator and
 its import cost. http/server.py serves these routes in the supervisor's own
-loop. The front door sees the supervisor only through `supervisor.api.Supervisor`.
+loop. The front door sees the supervisor only through `supervisor.doors.api.Supervisor`.
 
 Endpoints (docs/api.md):
   GET  /health                      200, or 503 while a pinned model is not ready
@@ -49,9 +49,8 @@ from starlette.routing import Route
 from shared import protocol as p
 from shared.sizes import SizeError, parse_size
 from shared.vocab import ErrorCode
-from supervisor.api import Supervisor
-from supervisor.control import MAX_CONTEXT_TOKENS
-from supervisor.errors import ServeError
+from supervisor.doors.api import Supervisor
+from supervisor.doors.errors import ServeError
 from supervisor.http import anthropic as http_anthropic
 from supervisor.http import completions as http_completions
 from supervisor.http import embeddings as http_embeddings
@@ -72,6 +71,7 @@ from supervisor.http.keepalive import is_admin
 from supervisor.http.metrics import Metrics
 from supervisor.http.modelfacts import ModelFacts, capabilities, facts_of
 from supervisor.http.openai_types import BodyError, GuardSettingsIn, ModelCard, ModelList, decode_body
+from supervisor.wiring.control import MAX_CONTEXT_TOKENS
 
 log = logging.getLogger("memvisor.http")
 
@@ -285,7 +285,7 @@ class FrontDoor:
 
     async def health(self, request: Request) -> Response:
         """503 while a pinned model is on its way up: `failed` when one gave up, else `loading`;
-        a pinned model an admin unloaded is listed under `unloaded` (supervisor/readiness.py).
+        a pinned model an admin unloaded is listed under `unloaded` (supervisor/guard/readiness.py).
 
         `?model=ID`: that model's readiness, with the status a request for it
         would get now (200, 429, 503 or 507) and its Retry-After: a router's cheap probe."""

@@ -32,8 +32,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from shared import protocol as p
-from supervisor.api import Supervisor
-from supervisor.errors import ServeError
+from supervisor.doors.api import Supervisor
+from supervisor.doors.errors import ServeError
 from supervisor.http import sampling
 from supervisor.http.errors import from_serve_error
 from supervisor.http.job import Job, Receive, open_job, wait_for_disconnect
@@ -52,7 +52,7 @@ from supervisor.http.openai_types import (
 )
 from supervisor.http.streaming import Early, Waiting, never, openai_error_event, sse_comment
 from supervisor.http.tools import Planned
-from supervisor.streams import StreamReply
+from supervisor.workers.streams import StreamReply
 
 MAX_PROMPTS = 256  # prompts in one request (each is a request to the model's worker and its queue)
 MAX_STOPS = 16  # stop sequences of a completion (lm-eval's until list and the EOS text)

@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from shared.protocol import TOPICS
 from shared.vocab import TIERS
-from supervisor.api import Supervisor
+from supervisor.doors.api import Supervisor
 from supervisor.http.auth import ApiKeys, EventTickets, Handler
 from supervisor.http.errors import ApiError
 

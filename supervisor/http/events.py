@@ -22,7 +22,7 @@ it (`?last_event_id=N` does the same for clients that cannot set headers).
 Why a raw ASGI endpoint rather than a StreamingResponse: each wake-up takes
 every frame waiting and writes it in one chunk, and a write that the client
 does not take within WRITE_TIMEOUT ends the stream; the guard never waits on
-any of it (supervisor.fanout).
+any of it (supervisor.wiring.fanout).
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ import msgspec
 from starlette.requests import Request
 
 from shared import protocol as p
-from supervisor.api import Supervisor
-from supervisor.fanout import Frame, Subscription
+from supervisor.doors.api import Supervisor
 from supervisor.http.errors import ApiError
+from supervisor.wiring.fanout import Frame, Subscription
 
 log = logging.getLogger("memvisor.http")
 

@@ -32,13 +32,13 @@ import msgspec
 from shared import protocol as p
 from shared.sizes import format_size
 from shared.vocab import FailureCode
-from supervisor.api import Supervisor
 from supervisor.config import SupervisorConfig
-from supervisor.errors import ServeError
+from supervisor.doors.api import Supervisor
+from supervisor.doors.errors import ServeError
 from supervisor.http.content import Part, part_text
 from supervisor.http.errors import ApiError, from_serve_error
 from supervisor.http.openai_types import BodyError
-from supervisor.offloop import OffLoopTimeout, off_loop
+from supervisor.wiring.offloop import OffLoopTimeout, off_loop
 
 # What transformers' image processors read (through Pillow, converted to RGB); an animated GIF
 # or WebP gives its first frame.

@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from shared import protocol as p
-from supervisor.api import Supervisor
+from supervisor.doors.api import Supervisor
 from supervisor.http.errors import ApiError
 from supervisor.http.job import End, Job, Text, open_stream
 from supervisor.http.metrics import Metrics
@@ -46,7 +46,7 @@ from supervisor.http.openai_types import (
     decode_body,
 )
 from supervisor.http.tokenize import model_named
-from supervisor.streams import StreamReply
+from supervisor.workers.streams import StreamReply
 
 _encoder = msgspec.json.Encoder()
 MAX_STOPS = 16  # llama.cpp sets no limit; OpenAI's 4 would refuse a plugin's list

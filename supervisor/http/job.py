@@ -37,15 +37,15 @@ from starlette.responses import Response, StreamingResponse
 from shared import protocol as p
 from shared.fim import FIM_UNSUPPORTED
 from shared.vocab import ReplyFinishReason
-from supervisor.api import Supervisor
-from supervisor.errors import ServeError
+from supervisor.doors.api import Supervisor
+from supervisor.doors.errors import ServeError
 from supervisor.http import images, partitions, routing, tools
 from supervisor.http.body import Disconnected
 from supervisor.http.errors import ApiError, from_failed, from_serve_error
 from supervisor.http.keepalive import keep_alive_seconds
 from supervisor.http.metrics import Metrics
 from supervisor.http.tools import Planned, ToolPlan
-from supervisor.streams import RequestStream, StreamReply
+from supervisor.workers.streams import RequestStream, StreamReply
 
 T = TypeVar("T")
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]

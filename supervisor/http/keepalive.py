@@ -20,7 +20,7 @@ import math
 from starlette.requests import Request
 
 from shared.durations import DurationError, parse_duration
-from supervisor.api import UNLOAD_WHEN_IDLE
+from supervisor.doors.api import UNLOAD_WHEN_IDLE
 from supervisor.http.auth import require_admin
 from supervisor.http.errors import ApiError
 from supervisor.http.openai_types import BodyError

@@ -27,9 +27,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from shared.vocab import FailureCode, GuardEventKind, PressureLevel
-from supervisor.api import Supervisor
-from supervisor.readiness import kv_utilization, share
-from supervisor.views import WorkerView
+from supervisor.doors.api import Supervisor
+from supervisor.doors.views import WorkerView
+from supervisor.guard.readiness import kv_utilization, share
 
 log = logging.getLogger("memvisor.metrics")
 

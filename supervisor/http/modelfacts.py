@@ -28,7 +28,7 @@ from shared.modelinfo import CONFIG_MAX_BYTES, context_length, read_config_json,
 from shared.vision import vision_family
 from shared.weights import WeightsError, WeightsSummary, summarize_weights, weight_files
 from supervisor.http.openai_types import BodyError
-from supervisor.offloop import MODEL_FILES_TIMEOUT, OffLoopTimeout, off_loop
+from supervisor.wiring.offloop import MODEL_FILES_TIMEOUT, OffLoopTimeout, off_loop
 
 TOKENIZER_MAX_BYTES = 64 * 1024 * 1024  # tokenizer.json: tens of MB for the largest vocabularies
 GGUF_SPECIAL_TYPES = (3, 4)  # tokenizer.ggml.token_type: control and user-defined (the added tokens)

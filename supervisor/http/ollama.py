@@ -50,8 +50,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from shared import protocol as p
-from supervisor.api import Supervisor
-from supervisor.errors import ServeError
+from supervisor.doors.api import Supervisor
+from supervisor.doors.errors import ServeError
 from supervisor.http import images, tools
 from supervisor.http import sampling as openai_sampling
 from supervisor.http.errors import ApiError, from_serve_error
@@ -68,7 +68,7 @@ from supervisor.http.openai_types import (
     decode_body,
 )
 from supervisor.http.streaming import Early, Waiting, never
-from supervisor.streams import StreamReply
+from supervisor.workers.streams import StreamReply
 
 _encoder = msgspec.json.Encoder()
 

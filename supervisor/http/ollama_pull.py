@@ -5,7 +5,7 @@ can be refused is refused before any byte is fetched, with a status: 400 a
 name that is not a hub repo (a URL, a path, `..`) or a repo with nothing
 memvisor serves, 403 a gated repo, 404 one the hub does not have, 502 a hub
 that cannot be reached, 507 a model that could never fit under this
-machine's ceiling (supervisor.hub_fit, from this supervisor's own status).
+machine's ceiling (supervisor.models.hub_fit, from this supervisor's own status).
 Then, streamed as Ollama streams (`application/x-ndjson`, its clients'
 `ProgressResponse`): `{"status": "pulling manifest"}`, per file
 `{"status": "pulling <file>", "digest": "sha256:...", "total": N,
@@ -22,7 +22,7 @@ adds what was pulled).
 
 `DELETE /api/delete {"model": ...}` removes a pulled model: it leaves the
 catalogue through a reload (a loaded one is drained and stopped as any
-removed model is), then its files leave the cache (supervisor.pulled). A
+removed model is), then its files leave the cache (supervisor.models.pulled). A
 model of the config or a models folder is the user's own: 409, never deleted.
 
 Both change what this server serves, so both are admin routes (http/auth.py
@@ -43,18 +43,18 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from supervisor import pulled
-from supervisor.api import Supervisor
-from supervisor.errors import ServeError
+from supervisor.doors.api import Supervisor
+from supervisor.doors.errors import ServeError
 from supervisor.http.auth import require_admin
 from supervisor.http.errors import ApiError
 from supervisor.http.job import race_client
 from supervisor.http.openai_types import BodyError, decode_body
-from supervisor.hub_fetch import Cancelled, Step
-from supervisor.hub_fetch import pull as fetch_and_record
-from supervisor.hub_fit import refusal, room_from_status
-from supervisor.hub_repo import HubError, Plan, RefError, parse_ref, plan_for, quiet_transport_logs
-from supervisor.offloop import OffLoopTimeout, off_loop
+from supervisor.models import pulled
+from supervisor.models.hub_fetch import Cancelled, Step
+from supervisor.models.hub_fetch import pull as fetch_and_record
+from supervisor.models.hub_fit import refusal, room_from_status
+from supervisor.models.hub_repo import HubError, Plan, RefError, parse_ref, plan_for, quiet_transport_logs
+from supervisor.wiring.offloop import OffLoopTimeout, off_loop
 
 log = logging.getLogger("memvisor.http")
 

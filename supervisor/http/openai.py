@@ -22,7 +22,7 @@ from starlette.responses import Response
 
 from shared import protocol as p
 from shared.vocab import ReplyFinishReason
-from supervisor.api import Supervisor
+from supervisor.doors.api import Supervisor
 from supervisor.http import images, sampling, tools
 from supervisor.http.errors import ApiError
 from supervisor.http.job import Calls, End, Job, Piece, Receive, Text, open_job
@@ -51,7 +51,7 @@ from supervisor.http.openai_types import (
 )
 from supervisor.http.streaming import stream_job
 from supervisor.http.tools import Planned, ToolPlan, planned
-from supervisor.streams import StreamReply
+from supervisor.workers.streams import StreamReply
 
 log = logging.getLogger("memvisor.http")
 

@@ -28,9 +28,9 @@ import msgspec
 from msgspec import Meta, Struct
 
 from shared.vocab import ErrorCode, ReplyFinishReason
+from supervisor.doors.views import LoadProgress
+from supervisor.guard.readiness import Readiness
 from supervisor.policy.status import ModelInfo
-from supervisor.readiness import Readiness
-from supervisor.views import LoadProgress
 
 T = TypeVar("T")
 C = TypeVar("C")  # the choice type of a completion

@@ -22,9 +22,9 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 
-from supervisor.api import Supervisor
 from supervisor.config import host_name
 from supervisor.config_checks import parse_http
+from supervisor.doors.api import Supervisor
 from supervisor.http import routing
 from supervisor.http.app import FrontDoor, error_shape, http_exception
 from supervisor.http.browser_guard import BrowserGate, HostCheck, OriginAllowlist

@@ -30,14 +30,14 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Generic, MutableMapp
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from supervisor.api import Supervisor
-from supervisor.errors import ServeError
+from supervisor.doors.api import Supervisor
+from supervisor.doors.errors import ServeError
 from supervisor.http.body import Disconnected
 from supervisor.http.errors import ApiError
 from supervisor.http.job import Job, open_job
 from supervisor.http.metrics import Metrics
 from supervisor.http.tools import Planned
-from supervisor.streams import RequestStream, StreamReply
+from supervisor.workers.streams import RequestStream, StreamReply
 
 T = TypeVar("T")
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]

@@ -29,8 +29,8 @@ from msgspec import Meta, Struct
 from starlette.responses import Response
 
 from shared import protocol as p
-from supervisor.api import Supervisor
-from supervisor.errors import ServeError
+from supervisor.doors.api import Supervisor
+from supervisor.doors.errors import ServeError
 from supervisor.http.errors import from_failed, from_serve_error
 from supervisor.http.openai import chat_generate
 from supervisor.http.openai_types import BodyError, ChatMessageIn, ChatRequest, ToolDef, decode_body

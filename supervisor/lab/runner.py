@@ -32,7 +32,7 @@ from shared.sizes import MiB, format_size
 from supervisor.arbiter import Arbiter
 from supervisor.config import Config, GuardConfig, ModelConfig, SupervisorConfig
 from supervisor.lab.timeline import Recorder, Timeline
-from supervisor.streams import RequestStream
+from supervisor.workers.streams import RequestStream
 
 log = logging.getLogger("memvisor.lab")
 

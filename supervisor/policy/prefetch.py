@@ -17,7 +17,7 @@ The prediction, in order:
   2. else the unloaded model used most recently (last-used order);
   3. never a model that was never asked for: nothing says it is coming.
 
-Pure: no clock, no I/O; the carrying out is `supervisor.prefetch`.
+Pure: no clock, no I/O; the carrying out is `supervisor.models.prefetch`.
 
 Public names (stable): Candidate, followers, likely_next, room, may_prefetch.
 """

@@ -231,7 +231,7 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     ttl: float | None = None
     expires_in: float | None = None
     restarts: int = 0
-    # W3: the seconds each phase of its last load took (supervisor.load_clock), kept after an unload
+    # W3: the seconds each phase of its last load took (supervisor.workers.load_clock), kept after an unload
     load_phases: dict[LoadPhase, float] = {}
     load_spare: bool = False  # ... and whether a spare worker took that load (W1)
     prefetched_bytes: int = 0  # W4: its weights read ahead into the page cache since it was last loaded

@@ -24,7 +24,7 @@ from shared.sizes import GiB, MiB
 from shared.states import LOADING_STATES
 from supervisor.config import ModelConfig
 from supervisor.policy import wired as wired_policy
-from supervisor.process import WorkerHandle
+from supervisor.workers.process import WorkerHandle
 from tests.arbiter_harness import Running, make_config
 from tests.http_harness import until
 

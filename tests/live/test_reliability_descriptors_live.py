@@ -33,7 +33,7 @@ def _reaped(pid: int) -> bool:
 
 
 def _ready(runtime_dir: Path) -> tuple[int, str]:
-    from supervisor.client import ControlClient
+    from supervisor.wiring.client import ControlClient
 
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:

@@ -21,12 +21,12 @@ import zmq
 
 from shared import protocol as p
 from supervisor.arbiter import Arbiter
-from supervisor.bus import Endpoints
 from supervisor.config import ModelConfig
-from supervisor.errors import LoadError
+from supervisor.doors.errors import LoadError
 from supervisor.policy.decisions import Stop
 from supervisor.policy.snapshot import Snapshot
 from supervisor.policy.status import ServerStatus
+from supervisor.wiring.bus import Endpoints
 from tests.arbiter_harness import Running, collect, make_config
 from tests.http_harness import until
 
@@ -237,7 +237,7 @@ def test_workers_die_with_a_sigkilled_supervisor(tiny_models, tmp_path_factory):
     proc = subprocess.Popen([sys.executable, "-m", "supervisor", "serve", "--config", str(cfg),
                              "--runtime-dir", str(runtime_dir), "--http", "off"], cwd=ROOT)
     try:
-        from supervisor.client import ControlClient
+        from supervisor.wiring.client import ControlClient
 
         deadline = time.monotonic() + 60
         status = None
@@ -326,8 +326,8 @@ def test_a_worker_stuck_before_it_has_loaded_is_wedged_after_the_load_timeout(ti
 
 
 def test_a_second_supervisor_refuses_a_runtime_dir_in_use_and_clients_see_a_dead_one(tiny_models, runtime_dir):
-    from supervisor.bus import RuntimeDirBusy, claim_runtime_dir
-    from supervisor.client import ControlClient, NotRunning
+    from supervisor.wiring.bus import RuntimeDirBusy, claim_runtime_dir
+    from supervisor.wiring.client import ControlClient, NotRunning
 
     config = make_config([ModelConfig(id="a", path=str(tiny_models.a))])
     cfg = runtime_dir.parent / f"{runtime_dir.name}.toml"
@@ -545,7 +545,7 @@ def test_t6_a_custom_ceiling_past_64_bits_is_refused_and_the_guard_keeps_ticking
     ledger's limits, so no worker got new limits again (one logged exception per
     tick); past 2**64 (an HTTP or config size) it could not even be published and
     the tick raised inside the arbiter's loop, stopping the supervisor."""
-    from supervisor.control import handle_control
+    from supervisor.wiring.control import handle_control
 
     config = make_config([ModelConfig(id="a", path=str(tiny_models.a))])
 
@@ -581,7 +581,7 @@ def test_opt_in_tcp_pub_plain_on_loopback_and_curve_beyond_it(tiny_models, runti
     """Dashboards elsewhere subscribe over TCP; off loopback only with the server's CURVE key."""
     import zmq.auth
 
-    from supervisor.client import subscribe
+    from supervisor.wiring.client import subscribe
 
     _public_file, secret_file = zmq.auth.create_certificates(str(tmp_path), "memvisor")
     models = [ModelConfig(id="a", path=str(tiny_models.a))]

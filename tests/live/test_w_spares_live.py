@@ -22,7 +22,7 @@ from shared import protocol as p
 from shared.sizes import MiB
 from supervisor.arbiter import Arbiter
 from supervisor.config import GuardConfig, ModelConfig
-from supervisor.process import WorkerHandle
+from supervisor.workers.process import WorkerHandle
 from tests.arbiter_harness import Running, collect, make_config
 from tests.http_harness import LiveServer, metric, until
 from tests.http_harness import make_config as http_config

@@ -37,10 +37,9 @@ from shared.probe import nvml
 from shared.sizes import MAX_SIZE, format_size
 from shared.vocab import GuardEventKind, PoolName
 from shared.weights import WeightsError, estimate_weight_bytes, kv_bytes_per_token
-from supervisor.bus import Bus
 from supervisor.config import MIN_DEVICE_CEILING, Config, ModelConfig, guard_settings
-from supervisor.errors import LoadError, ModelUnreadable
-from supervisor.eventlog import Emit
+from supervisor.doors.errors import LoadError, ModelUnreadable
+from supervisor.guard.eventlog import Emit
 from supervisor.policy import decisions as d
 from supervisor.policy import pressure as policy
 from supervisor.policy import wired as wired_policy
@@ -49,8 +48,9 @@ from supervisor.policy.ceilings import Ceilings, wired_limit_advice
 from supervisor.policy.snapshot import PolicyState, Snapshot, WorkerRecord
 from supervisor.policy.status import GuardStatus, build_status, device_pool
 from supervisor.policy.tiers import ThresholdError, check_thresholds, normalise_tier
-from supervisor.pool import Pool
-from supervisor.process import WorkerHandle
+from supervisor.wiring.bus import Bus
+from supervisor.workers.pool import Pool
+from supervisor.workers.process import WorkerHandle
 
 log = logging.getLogger("memvisor.guard")
 
@@ -68,7 +68,7 @@ class Enforcer:
         self.bus = bus
         self.ledger = ledger
         self.emit = emit
-        self.restarts = restarts  # a model's respawns within its restart intensity (supervisor.models)
+        self.restarts = restarts  # a model's respawns within its restart intensity (supervisor.models.life)
         self.settings = guard_settings(
             config, pressure_reclaim_disabled=os.environ.get(DISABLE_RECLAIM_ENV) == "1"
         )

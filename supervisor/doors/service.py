@@ -1,4 +1,4 @@
-"""The supervisor as its doors see it: `supervisor.api.Supervisor`, implemented.
+"""The supervisor as its doors see it: `supervisor.doors.api.Supervisor`, implemented.
 
 The HTTP front door, the control socket and the metrics call these methods
 and nothing else. A request's way in: its model is looked up (404), what can
@@ -25,31 +25,31 @@ from shared import protocol as p
 from shared.embedding import WRONG_MODEL_KIND, EmbeddingSpec
 from shared.memory import NO_READING
 from shared.sizes import format_size
-from supervisor.admission_queue import Gate
-from supervisor.api import UNLOAD_WHEN_IDLE
-from supervisor.bus import FrameTooLarge
-from supervisor.cache_book import save_grace
-from supervisor.catalog import Catalog
 from supervisor.config import Config, ModelConfig
-from supervisor.counters import SupervisorCounters
-from supervisor.enforcer import Enforcer
-from supervisor.errors import AtCapacity, LoadError, NotReady, ServeError
-from supervisor.eventlog import EventLog
-from supervisor.models import Models
+from supervisor.doors.api import UNLOAD_WHEN_IDLE
+from supervisor.doors.errors import AtCapacity, LoadError, NotReady, ServeError
+from supervisor.doors.views import ModelView, WorkerView
+from supervisor.guard.admission_queue import Gate
+from supervisor.guard.cache_book import save_grace
+from supervisor.guard.counters import SupervisorCounters
+from supervisor.guard.enforcer import Enforcer
+from supervisor.guard.eventlog import EventLog
+from supervisor.guard.readiness import Signals, loading_retry, saturated
+from supervisor.models.catalog import Catalog
+from supervisor.models.life import Models
 from supervisor.policy.admission import FitReport, admits_request
 from supervisor.policy.status import DiskCacheStatus, ModelInfo, ServerStatus
-from supervisor.pool import Pool
-from supervisor.process import WorkerHandle
-from supervisor.readiness import Signals, loading_retry, saturated
-from supervisor.streams import RequestStream, new_request_id
-from supervisor.views import ModelView, WorkerView
+from supervisor.wiring.bus import FrameTooLarge
+from supervisor.workers.pool import Pool
+from supervisor.workers.process import WorkerHandle
+from supervisor.workers.streams import RequestStream, new_request_id
 
 if TYPE_CHECKING:
-    from supervisor.bus import Bus
-    from supervisor.fanout import Hub, Subscription
+    from supervisor.guard.readiness import Health, Readiness
     from supervisor.policy.pressure import TickResult
     from supervisor.policy.snapshot import Snapshot
-    from supervisor.readiness import Health, Readiness
+    from supervisor.wiring.bus import Bus
+    from supervisor.wiring.fanout import Hub, Subscription
 
 log = logging.getLogger("memvisor.service")
 

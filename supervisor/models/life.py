@@ -2,13 +2,13 @@
 
 A worker is one process; a model outlives its workers. `Models` keeps one
 `ModelLife` per model, whose state moves only through the table in
-`supervisor.model_states`, and does what each state asks:
+`supervisor.models.model_states`, and does what each state asks:
 
   * a load (SPEC A): every caller for the model shares the one in flight
     (A5), loads run one at a time, admission (the enforcer) evicts idle
     models to make room or refuses with 507;
   * a pinned model whose worker exits comes back after a short backoff,
-    within its restart intensity (`supervisor.intensity`); past it, and for a
+    within its restart intensity (`supervisor.workers.intensity`); past it, and for a
     model whose files its worker could not load, the model is failed, and
     tried again after a backoff that doubles (at once on an explicit load);
   * an unload drains and stops its worker.
@@ -25,20 +25,20 @@ import math
 import time
 from typing import Callable
 
-from supervisor import intensity
-from supervisor.catalog import Catalog
 from supervisor.config import Config, ModelConfig
-from supervisor.counters import SupervisorCounters
-from supervisor.enforcer import Enforcer
-from supervisor.errors import LoadError
-from supervisor.eventlog import Emit
-from supervisor.model_states import ModelEvent, ModelState, model_transition
+from supervisor.doors.errors import LoadError
+from supervisor.doors.views import ModelView
+from supervisor.guard.counters import SupervisorCounters
+from supervisor.guard.enforcer import Enforcer
+from supervisor.guard.eventlog import Emit
+from supervisor.models.catalog import Catalog
+from supervisor.models.model_states import ModelEvent, ModelState, model_transition
+from supervisor.models.prefetch import Prefetcher
+from supervisor.models.swaps import Swaps
 from supervisor.policy.admission import FitReport, fit_report
-from supervisor.pool import Pool
-from supervisor.prefetch import Prefetcher
-from supervisor.process import WorkerHandle
-from supervisor.swaps import Swaps
-from supervisor.views import ModelView
+from supervisor.workers import intensity
+from supervisor.workers.pool import Pool
+from supervisor.workers.process import WorkerHandle
 
 log = logging.getLogger("memvisor.models")
 

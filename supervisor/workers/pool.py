@@ -2,15 +2,15 @@
 
 One worker process per loaded model, as circus's watcher keeps its processes,
 and the spare workers that wait for a model (SPEC W1: their part is
-supervisor.spares). The pool knows processes; it decides nothing about memory
+supervisor.workers.spares). The pool knows processes; it decides nothing about memory
 or about a model's life. The enforcer and the models ask it to spawn and stop;
 it tells them, through `on_event`, everything that happened, as typed
 `PoolEvent`s, each with a cause people can read. Its neighbours each hold one
 job it used to do itself, so this file reads as a process's life:
-supervisor.worker_messages reads what workers send, supervisor.watchdog pings
-them and kills the wedged (by supervisor.liveness's judgement), and a handle
-changes only through its own methods (supervisor.process). When a model comes
-back is supervisor.models's call (with supervisor.intensity's arithmetic).
+supervisor.workers.worker_messages reads what workers send, supervisor.workers.watchdog pings
+them and kills the wedged (by supervisor.workers.liveness's judgement), and a handle
+changes only through its own methods (supervisor.workers.process). When a model comes
+back is supervisor.models.life's call (with supervisor.workers.intensity's arithmetic).
 """
 
 from __future__ import annotations
@@ -30,20 +30,20 @@ from shared import protocol as p
 from shared.ledger import Ledger
 from shared.limits import Limits
 from shared.vocab import StopCause
-from supervisor import load_clock, reaping
-from supervisor.bus import Bus
-from supervisor.cache_book import CacheBook, save_grace
 from supervisor.config import Config, ModelConfig
-from supervisor.counters import SupervisorCounters
-from supervisor.errors import LoadError
-from supervisor.load_timer import LoadTimer
+from supervisor.doors.errors import LoadError
+from supervisor.doors.views import WorkerView
+from supervisor.guard.cache_book import CacheBook, save_grace
+from supervisor.guard.counters import SupervisorCounters
 from supervisor.policy.wired import sigkill_after
-from supervisor.process import EventSink, Exited, Spawned, WorkerHandle, worker_spec
-from supervisor.spares import Spares
-from supervisor.streams import RequestStream, Streams
-from supervisor.views import WorkerView
-from supervisor.watchdog import Watchdog
-from supervisor.worker_messages import WorkerMessages
+from supervisor.wiring.bus import Bus
+from supervisor.workers import load_clock, reaping
+from supervisor.workers.load_timer import LoadTimer
+from supervisor.workers.process import EventSink, Exited, Spawned, WorkerHandle, worker_spec
+from supervisor.workers.spares import Spares
+from supervisor.workers.streams import RequestStream, Streams
+from supervisor.workers.watchdog import Watchdog
+from supervisor.workers.worker_messages import WorkerMessages
 from worker.main import run as worker_main  # the spawn target; imports no MLX at module level
 
 log = logging.getLogger("memvisor.pool")

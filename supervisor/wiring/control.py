@@ -1,5 +1,5 @@
 """Requests on the control socket (the CLI's door), answered through the
-supervisor's narrow interface (`supervisor.api.Supervisor`).
+supervisor's narrow interface (`supervisor.doors.api.Supervisor`).
 
 Loads and unloads go through exactly the same path as HTTP, so the same
 admission rules (SPEC A) apply whichever door a user knocks on.
@@ -13,8 +13,8 @@ import msgspec
 from typing_extensions import assert_never
 
 from shared import protocol as p
-from supervisor.api import Supervisor
-from supervisor.errors import ServeError
+from supervisor.doors.api import Supervisor
+from supervisor.doors.errors import ServeError
 
 log = logging.getLogger("memvisor.control")
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from shared.vocab import ErrorCode
 
 if TYPE_CHECKING:
-    from supervisor.views import LoadProgress
+    from supervisor.doors.views import LoadProgress
 
 
 class ServeError(RuntimeError):

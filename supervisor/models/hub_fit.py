@@ -22,7 +22,7 @@ import msgspec
 
 from shared.sizes import format_size
 from shared.vocab import Tier
-from supervisor.hub_repo import Plan, quant_of
+from supervisor.models.hub_repo import Plan, quant_of
 from supervisor.policy.status import GuardStatus
 
 PoolKind = Literal["host", "device"]

@@ -7,7 +7,7 @@ model whose id is its folder (or file) name; the Hugging Face cache layout
 `models--org--name/snapshots/<revision>/` becomes `org/name`, at the revision
 `refs/main` points to (else the newest snapshot). Entries of the config file
 win over discovered ones with the same id. The models `pull` fetched from the hub
-(supervisor.pulled) are added the same way, before the folders are scanned.
+(supervisor.models.pulled) are added the same way, before the folders are scanned.
 
 The scan is bounded (depth, models and entries looked at) so a models folder
 pointed at a home directory cannot stall the start; what it skips is said in a
@@ -247,7 +247,7 @@ def discover(dirs: list[str], known: set[str],
 
 
 def with_discovered(config: Config) -> tuple[Config, list[str]]:
-    """`config` plus the models `pull` fetched (supervisor.pulled) and those its `models_dirs`
+    """`config` plus the models `pull` fetched (supervisor.models.pulled) and those its `models_dirs`
     hold (config entries win, then pulled ones). What it refused is kept for `last_refused`."""
     from supervisor.config import ModelConfig
 
@@ -270,7 +270,7 @@ def with_discovered(config: Config) -> tuple[Config, list[str]]:
 
 def _pulled(taken: set[str], refused: dict[str, tuple[str, str]]) -> tuple[list[Found], list[str]]:
     """What `pull` fetched and is still on disk, checked as a models folder's finds are."""
-    from supervisor.pulled import served
+    from supervisor.models.pulled import served
 
     pulled, warnings = served()
     out: list[Found] = []

@@ -28,19 +28,19 @@ from shared.limits import Limits
 from shared.memory import NO_READING
 from shared.states import LIVE_STATES, LOADING_STATES, SERVING_STATES, WorkerState, WorkerTrigger, transition
 from shared.vocab import LeaveCause, PoolName, StopCause, WorkerEventKind
-from supervisor import liveness, load_clock
-from supervisor.cache_book import save_grace
-from supervisor.errors import LoadError
-from supervisor.views import WorkerView
+from supervisor.doors.errors import LoadError
+from supervisor.doors.views import WorkerView
+from supervisor.guard.cache_book import save_grace
+from supervisor.workers import liveness, load_clock
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     import multiprocess.process
 
-    from supervisor.bus import Endpoints
     from supervisor.config import Config, ModelConfig
-    from supervisor.load_clock import LoadClock
+    from supervisor.wiring.bus import Endpoints
+    from supervisor.workers.load_clock import LoadClock
 
 
 
@@ -74,7 +74,7 @@ class WorkerHandle:
         self.pid: int = 0
         self.state: WorkerState = "starting"
         now = time.monotonic()
-        self.beats = liveness.Beats(spawned_at=now, last_pong=now)  # supervisor.liveness reads them
+        self.beats = liveness.Beats(spawned_at=now, last_pong=now)  # supervisor.workers.liveness reads them
         self.last_access = now
         self.ping_seq = 0
         self.weight_bytes = 0
@@ -181,7 +181,7 @@ class WorkerHandle:
 
     def adopt(self, model: ModelConfig, load: LoadClock, now: float) -> None:
         """W1's hand-off, on the supervisor's side: the spare becomes `model`'s worker and loads
-        it from now on (its load timeout counts from here, supervisor.liveness.handed_off)."""
+        it from now on (its load timeout counts from here, supervisor.workers.liveness.handed_off)."""
         self._model = model
         self.model_id = model.id
         self.concurrency = max(1, model.max_concurrency)
@@ -223,7 +223,7 @@ class WorkerHandle:
         self.beats.alive = alive
 
     def forgive(self, now: float, stalled: float) -> None:
-        """The supervisor's loop stalled: no silence over that time counts (supervisor.liveness)."""
+        """The supervisor's loop stalled: no silence over that time counts (supervisor.workers.liveness)."""
         self.beats = liveness.forgiven(self.beats, now, stalled, self.state in LOADING_STATES)
 
     def sampled(self, sample: LedgerSample, busy: bool) -> None:
@@ -368,7 +368,7 @@ class Exited:
 
 @dataclass(frozen=True, slots=True)
 class Wedged:
-    """The worker stopped answering (supervisor.liveness says how); it is being killed."""
+    """The worker stopped answering (supervisor.workers.liveness says how); it is being killed."""
 
     handle: WorkerHandle
     reason: str

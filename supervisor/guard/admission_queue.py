@@ -15,11 +15,11 @@ import collections
 import time
 from typing import TYPE_CHECKING, Callable
 
-from supervisor.errors import GateClosed
+from supervisor.doors.errors import GateClosed
 from supervisor.policy.admission import admits_request
 
 if TYPE_CHECKING:
-    from supervisor.process import WorkerHandle
+    from supervisor.workers.process import WorkerHandle
 
 
 class _Waiter:

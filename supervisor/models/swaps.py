@@ -37,13 +37,13 @@ import time
 from collections.abc import Iterator
 
 from supervisor.config import Config, ModelConfig
-from supervisor.counters import SupervisorCounters
-from supervisor.enforcer import Enforcer
-from supervisor.errors import ModelUnreadable
-from supervisor.eventlog import Emit
+from supervisor.doors.errors import ModelUnreadable
+from supervisor.guard.counters import SupervisorCounters
+from supervisor.guard.enforcer import Enforcer
+from supervisor.guard.eventlog import Emit
 from supervisor.policy.thrash import Swap, Thrash, changes, hand_over, in_the_way, recent, thrashing, together
-from supervisor.pool import Pool
-from supervisor.process import WorkerHandle
+from supervisor.workers.pool import Pool
+from supervisor.workers.process import WorkerHandle
 
 log = logging.getLogger("memvisor.swaps")
 

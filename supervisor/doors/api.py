@@ -3,9 +3,9 @@
 The HTTP front door, the control socket and the metrics talk to the supervisor
 only through `Supervisor` (a `typing.Protocol`): they set nothing on it and
 probe nothing with getattr. Tests may hand them any object with these
-methods. Refusals come back as `supervisor.errors.ServeError`s. What it
-returns are frozen views (supervisor.views), never a worker's handle;
-`supervisor.service.Service` implements it.
+methods. Refusals come back as `supervisor.doors.errors.ServeError`s. What it
+returns are frozen views (supervisor.doors.views), never a worker's handle;
+`supervisor.doors.service.Service` implements it.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from shared import protocol as p
 if TYPE_CHECKING:
     from shared.embedding import EmbeddingSpec
     from supervisor.config import Config, ModelConfig
-    from supervisor.fanout import Subscription
+    from supervisor.doors.views import ModelView, WorkerView
+    from supervisor.guard.readiness import Health, Readiness
     from supervisor.policy.admission import FitReport
     from supervisor.policy.pressure import TickResult
     from supervisor.policy.snapshot import Snapshot
     from supervisor.policy.status import DiskCacheStatus, ModelInfo, ServerStatus
-    from supervisor.readiness import Health, Readiness
-    from supervisor.streams import RequestStream
-    from supervisor.views import ModelView, WorkerView
+    from supervisor.wiring.fanout import Subscription
+    from supervisor.workers.streams import RequestStream
 
 
 # An idle timer that has run out: P10 unloads the model as soon as it is idle (keep_alive 0).
@@ -113,7 +113,7 @@ class Supervisor(Protocol):
 
     def subscribe(self, topics: frozenset[str], *, since: float | None = ...,
                   after_id: int | None = ...) -> Subscription:
-        """A bounded queue of the PUB topics with its replay (supervisor.fanout; GET /v1/events)."""
+        """A bounded queue of the PUB topics with its replay (supervisor.wiring.fanout; GET /v1/events)."""
         ...
 
     # -- what the metrics read at scrape time --------------------------------

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from shared.sizes import format_size
-from supervisor.bus import Endpoints, NotRunning, pid_alive
+from supervisor.wiring.bus import Endpoints, NotRunning, pid_alive
 
 CONNECT_SECONDS = 5.0
 WAIT = 0.25  # seconds between two looks at the reply while none has come

@@ -24,11 +24,11 @@ from shared.gguf import is_gguf_path
 from shared.modelinfo import FileRefused, context_length
 from shared.weights import WeightsError, estimate_weight_bytes, kv_bytes_per_token
 from supervisor.config import Config, ModelConfig
-from supervisor.counters import SupervisorCounters
-from supervisor.discovery import refusal
-from supervisor.errors import LoadError, ModelUnreadable
-from supervisor.eventlog import Emit
-from supervisor.offloop import MODEL_FILES_TIMEOUT, OffLoopTimeout, off_loop
+from supervisor.doors.errors import LoadError, ModelUnreadable
+from supervisor.guard.counters import SupervisorCounters
+from supervisor.guard.eventlog import Emit
+from supervisor.models.discovery import refusal
+from supervisor.wiring.offloop import MODEL_FILES_TIMEOUT, OffLoopTimeout, off_loop
 
 log = logging.getLogger("memvisor.catalog")
 
@@ -213,7 +213,7 @@ class Catalog:
         return draft
 
     async def _folder(self, model: ModelConfig) -> str:
-        from supervisor.gguf import GGUFImportError, cache_folder, ensure_imported, is_imported
+        from supervisor.models.gguf import GGUFImportError, cache_folder, ensure_imported, is_imported
 
         if not is_gguf_path(model.path):
             return model.path

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Callable, Protocol
 
 from shared import protocol as p
 from shared.vocab import GuardEventKind
-from supervisor.fanout import EVENT_HISTORY
+from supervisor.wiring.fanout import EVENT_HISTORY
 
 if TYPE_CHECKING:
-    from supervisor.bus import Bus
+    from supervisor.wiring.bus import Bus
 
 
 class Emit(Protocol):

@@ -34,7 +34,7 @@ import zmq
 
 from shared import protocol as p
 from shared.vocab import MalformedCause
-from supervisor.subscribers import SubscriberCap
+from supervisor.wiring.subscribers import SubscriberCap
 
 log = logging.getLogger("memvisor.bus")
 
@@ -419,7 +419,7 @@ class Bus:
             if sock not in self._pub_rearmed and self._loop is not None:  # the send may have taken the
                 self._pub_rearmed.add(sock)  # FD's edge: look once this loop turn (an EVENTS read a send costs 3 us)
                 self._loop.call_soon(self._rearmed_drain, sock)
-        for listener in self.listeners:  # the SSE hub (supervisor.fanout)
+        for listener in self.listeners:  # the SSE hub (supervisor.wiring.fanout)
             try:
                 listener(msg)
             except Exception:  # a bug there must not stop the guard that publishes

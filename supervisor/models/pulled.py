@@ -3,7 +3,7 @@
 Why a record rather than serving the whole Hugging Face cache: that cache
 holds whatever any tool downloaded (transformers' checkpoints, datasets), and
 each would become a model that fails to load. A pulled model is served
-without a config entry (supervisor.discovery adds it, after `[[models]]`,
+without a config entry (supervisor.models.discovery adds it, after `[[models]]`,
 before the `models_dirs` scan; an id taken by either stays theirs), and `rm`
 deletes only what the record names: never a model folder of `[[models]]` or
 `models_dirs`.
@@ -39,7 +39,7 @@ import msgspec
 from shared.sizes import format_size
 
 if TYPE_CHECKING:
-    from supervisor.hub_repo import Plan
+    from supervisor.models.hub_repo import Plan
 
 log = logging.getLogger("memvisor.pulled")
 
@@ -94,7 +94,7 @@ def record_path() -> Path:
 def problem(entry: Pulled) -> str | None:
     """Why an entry read back cannot be used, or None."""
     from supervisor.config_checks import check_model_id
-    from supervisor.hub_repo import RefError, parse_ref
+    from supervisor.models.hub_repo import RefError, parse_ref
 
     try:
         ref = parse_ref(entry.repo, entry.file)
@@ -139,7 +139,7 @@ def read() -> list[Pulled]:
 def _locked() -> Iterator[Path]:
     from filelock import FileLock
 
-    from supervisor.runtime import ensure_private_dir
+    from supervisor.wiring.runtime import ensure_private_dir
 
     path = record_path()
     ensure_private_dir(path.parent)
@@ -231,7 +231,7 @@ def _forget_import(entry: Pulled) -> None:
         return
     import shutil
 
-    from supervisor.gguf import cache_folder
+    from supervisor.models.gguf import cache_folder
 
     folder = cache_folder(entry.path)
     if folder.is_dir() and not folder.is_symlink() and folder.stat().st_uid == os.getuid():

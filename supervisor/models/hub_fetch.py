@@ -33,9 +33,9 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from supervisor import pulled
-from supervisor.hub_repo import HubError, Plan, RepoFile, hub_cache, hub_endpoint
-from supervisor.pulled import Pulled
+from supervisor.models import pulled
+from supervisor.models.hub_repo import HubError, Plan, RepoFile, hub_cache, hub_endpoint
+from supervisor.models.pulled import Pulled
 
 _ETAG_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -67,7 +67,7 @@ OnStep = Callable[[Step], None]
 
 
 def pull(plan: Plan, on_step: OnStep, cancel: threading.Event) -> Pulled:
-    """Every file of `plan` into the hub cache, then recorded as pulled (supervisor.pulled)."""
+    """Every file of `plan` into the hub cache, then recorded as pulled (supervisor.models.pulled)."""
     cache, endpoint = hub_cache(), hub_endpoint()
     for file in plan.files:
         _fetch_blob(plan, file, cache, endpoint, on_step, cancel)

@@ -1,6 +1,6 @@
 """What the pool says of a load as it goes (SPEC W6) and once it is over (W3).
 
-The clock's arithmetic is supervisor.load_clock's; this is the part that
+The clock's arithmetic is supervisor.workers.load_clock's; this is the part that
 needs the loop (a load no request waited for is closed after a short window)
 and the pool's event sink. It changes the clocks, never the handles.
 """
@@ -11,7 +11,7 @@ import asyncio
 import time
 
 from shared import protocol as p
-from supervisor.load_clock import (
+from supervisor.workers.load_clock import (
     FIRST_REQUEST_WINDOW,
     LoadClock,
     first_token,
@@ -21,7 +21,7 @@ from supervisor.load_clock import (
     progress_words,
     report,
 )
-from supervisor.process import EventSink, LoadReported, WorkerHandle
+from supervisor.workers.process import EventSink, LoadReported, WorkerHandle
 
 
 class LoadTimer:

@@ -34,18 +34,18 @@ from shared import probe
 from shared.states import LOADING_STATES, SERVING_STATES
 from shared.vocab import ErrorCode, LoadPhase
 from supervisor.config import host_name
+from supervisor.doors.views import LoadProgress
 from supervisor.policy.admission import admits_request, fit_report
-from supervisor.views import LoadProgress
 
 if TYPE_CHECKING:
-    from supervisor.admission_queue import Gate
-    from supervisor.catalog import Catalog
     from supervisor.config import ModelConfig
-    from supervisor.enforcer import Enforcer
-    from supervisor.models import Models
+    from supervisor.doors.views import ModelView, WorkerView
+    from supervisor.guard.admission_queue import Gate
+    from supervisor.guard.enforcer import Enforcer
+    from supervisor.models.catalog import Catalog
+    from supervisor.models.life import Models
     from supervisor.policy.admission import FitReport
-    from supervisor.pool import Pool
-    from supervisor.views import ModelView, WorkerView
+    from supervisor.workers.pool import Pool
 
 ReadinessState = Literal["ready", "busy", "unloaded", "saturated", "loading", "paused", "unresponsive",
                          "draining", "failed", "does_not_fit"]

@@ -22,17 +22,17 @@ import msgspec
 
 from shared.modelinfo import FileRefused, open_regular
 from shared.vocab import ErrorCode
-from supervisor.catalog import Catalog
 from supervisor.config import Config, guard_settings
 from supervisor.config_file import ConfigError
-from supervisor.counters import SupervisorCounters
-from supervisor.discovery import last_refused
-from supervisor.enforcer import Enforcer
-from supervisor.errors import ServeError
-from supervisor.eventlog import Emit
-from supervisor.models import Models
-from supervisor.offloop import OffLoopTimeout, off_loop
-from supervisor.pool import Pool
+from supervisor.doors.errors import ServeError
+from supervisor.guard.counters import SupervisorCounters
+from supervisor.guard.enforcer import Enforcer
+from supervisor.guard.eventlog import Emit
+from supervisor.models.catalog import Catalog
+from supervisor.models.discovery import last_refused
+from supervisor.models.life import Models
+from supervisor.wiring.offloop import OffLoopTimeout, off_loop
+from supervisor.workers.pool import Pool
 
 log = logging.getLogger("memvisor.reload")
 

@@ -4,7 +4,7 @@ At each heartbeat the arbiter asks for a round: each serving worker (and each
 waiting spare, W1) gets a `Ping` on its command socket, and one silent past
 its window is wedged: counted, said, and killed, since a wedged worker will
 not obey a drain. What silence means (while loading, inside one long engine
-step) is supervisor.liveness's judgement, pure; this is its shell, apart from
+step) is supervisor.workers.liveness's judgement, pure; this is its shell, apart from
 the pool so that the pool keeps processes (spawn, command, stop, reap) and
 nothing else. After a stall of the supervisor's own loop nobody's silence
 counts (`forgive`). `ping` is one round trip awaited (chaos, benchmarks).
@@ -20,18 +20,18 @@ from typing import TYPE_CHECKING, Protocol
 from shared import protocol as p
 from shared.states import LOADING_STATES
 from shared.vocab import StopCause
-from supervisor import liveness
-from supervisor.process import EventSink, Wedged, WorkerHandle
+from supervisor.workers import liveness
+from supervisor.workers.process import EventSink, Wedged, WorkerHandle
 
 if TYPE_CHECKING:
     from supervisor.config import Config
-    from supervisor.counters import SupervisorCounters
+    from supervisor.guard.counters import SupervisorCounters
 
 log = logging.getLogger("memvisor.pool")
 
 
 class Pool(Protocol):
-    """What the watchdog needs of the pool (supervisor.pool.Pool)."""
+    """What the watchdog needs of the pool (supervisor.workers.pool.Pool)."""
 
     handles: dict[str, WorkerHandle]
     config: Config
@@ -52,7 +52,7 @@ class Watchdog:
     def heartbeat(self, now: float) -> None:
         """Ping every serving worker; kill those silent past their window (wedged).
 
-        A draining worker is left to its stop's own escalation (supervisor.liveness
+        A draining worker is left to its stop's own escalation (supervisor.workers.liveness
         says what silence means while loading and inside a long engine step)."""
         scfg = self.pool.config.supervisor
         for h in list(self.pool.handles.values()):
@@ -74,7 +74,7 @@ class Watchdog:
 
     def forgive(self, now: float, stalled: float) -> None:
         """The supervisor's own loop could not run for `stalled` seconds: every worker
-        gets a fresh heartbeat window (supervisor.liveness.forgiven)."""
+        gets a fresh heartbeat window (supervisor.workers.liveness.forgiven)."""
         for h in self.pool.handles.values():
             h.forgive(now, stalled)
 

@@ -4,7 +4,7 @@ The policy (supervisor.policy.spares) decides when a spare starts and when
 spares are stopped; the enforcer asks the pool, and this part of the pool
 does it. It also keeps what the policy reads about spares and cannot measure
 itself: what a spare holds (the latest reading of a waiting one), when the next
-may start after spares died (the restart intensity of supervisor.intensity,
+may start after spares died (the restart intensity of supervisor.workers.intensity,
 so a spare that crashes at start does not loop), and whether a model load is
 waiting (no spare starts meanwhile: a spare never delays a load).
 
@@ -23,19 +23,19 @@ from typing import TYPE_CHECKING, Protocol
 
 from shared import protocol as p
 from shared.vocab import StopCause
-from supervisor import intensity, load_clock
-from supervisor.errors import LoadError
-from supervisor.process import EventSink, SpareNews, WorkerHandle, worker_spec
+from supervisor.doors.errors import LoadError
+from supervisor.workers import intensity, load_clock
+from supervisor.workers.process import EventSink, SpareNews, WorkerHandle, worker_spec
 
 if TYPE_CHECKING:
     from shared.ledger import Ledger
-    from supervisor.bus import Bus
     from supervisor.config import Config, ModelConfig, SupervisorConfig
-    from supervisor.load_timer import LoadTimer
+    from supervisor.wiring.bus import Bus
+    from supervisor.workers.load_timer import LoadTimer
 
 
 class Pool(Protocol):
-    """What this part of the pool uses of the rest of it (supervisor.pool.Pool)."""
+    """What this part of the pool uses of the rest of it (supervisor.workers.pool.Pool)."""
 
     handles: dict[str, WorkerHandle]
     config: Config
@@ -95,7 +95,7 @@ class Spares:
         self.pool.on_event(SpareNews(handle, f"spare pid {handle.pid} stopped: {reason}"))
         return self.pool.stop(handle, f"spare: {reason}", cause="spare")
 
-    # -- what a load asks (supervisor.models) ---------------------------------------------
+    # -- what a load asks (supervisor.models.life) ---------------------------------------------
 
     async def take(self, model: ModelConfig, *, began: float, estimate: int) -> WorkerHandle | None:
         """W1: a ready spare handed `model` (waiting for one still starting), or None: spawn afresh."""
@@ -158,7 +158,7 @@ class Spares:
 
 def next_start(deaths: list[float], now: float, scfg: SupervisorConfig) -> float:
     """When the next spare may start (0: now), given when spares died unasked: each waits a
-    backoff that doubles (supervisor.intensity); past `restart_max` of them within
+    backoff that doubles (supervisor.workers.intensity); past `restart_max` of them within
     `restart_period`, the end of the period of the oldest."""
     recent = intensity.recent(deaths, now, scfg)
     if not recent:

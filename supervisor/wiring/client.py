@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 import zmq
 
 from shared import protocol as p
-from supervisor.bus import Endpoints, NotRunning, pid_alive
+from supervisor.wiring.bus import Endpoints, NotRunning, pid_alive
 
 __all__ = ["ControlClient", "NotRunning", "subscribe"]
 

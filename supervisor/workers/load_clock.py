@@ -3,7 +3,7 @@
 Why: a swap is where a multi-model server is judged, and "it took 3.8 s" says
 nothing about where. A load is timed phase by phase, from what each side sees:
 
-    admit        the load began (supervisor.models) -> its worker was chosen
+    admit        the load began (supervisor.models.life) -> its worker was chosen
     spawn        a fresh process started -> it entered the worker's code
     hello        ... -> MLX and the engine imported, hello received
     spare        a spare was handed the model -> it began loading (W1)
@@ -21,7 +21,7 @@ request was waiting for (an explicit load, a pinned model) has no
 While a load runs, the worker's heartbeat reports its phase and the bytes it
 has read; `progress` says when that is worth an event: each new phase, and
 while reading, once a second. These are pure functions of times and messages;
-the pool keeps one `LoadClock` per worker, and supervisor.load_timer says what
+the pool keeps one `LoadClock` per worker, and supervisor.workers.load_timer says what
 they return.
 """
 

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Callable, Protocol
 from typing_extensions import assert_never
 
 from shared import protocol as p
-from supervisor.cache_book import saved_words
-from supervisor.process import (
+from supervisor.guard.cache_book import saved_words
+from supervisor.workers.process import (
     CacheWritten,
     EventSink,
     Reported,
@@ -34,19 +34,19 @@ from supervisor.process import (
 )
 
 if TYPE_CHECKING:
-    from supervisor.bus import Bus
-    from supervisor.cache_book import CacheBook
-    from supervisor.counters import SupervisorCounters
-    from supervisor.load_timer import LoadTimer
-    from supervisor.spares import Spares
-    from supervisor.streams import Streams
-    from supervisor.watchdog import Watchdog
+    from supervisor.guard.cache_book import CacheBook
+    from supervisor.guard.counters import SupervisorCounters
+    from supervisor.wiring.bus import Bus
+    from supervisor.workers.load_timer import LoadTimer
+    from supervisor.workers.spares import Spares
+    from supervisor.workers.streams import Streams
+    from supervisor.workers.watchdog import Watchdog
 
 log = logging.getLogger("memvisor.pool")
 
 
 class Pool(Protocol):
-    """What reading the workers' messages needs of the pool (supervisor.pool.Pool)."""
+    """What reading the workers' messages needs of the pool (supervisor.workers.pool.Pool)."""
 
     bus: Bus
     handles: dict[str, WorkerHandle]

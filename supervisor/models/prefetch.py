@@ -2,7 +2,7 @@
 into the OS page cache while there is room and no pressure.
 
 `supervisor.policy.prefetch` says which model and whether now; this reads.
-The reading runs on a daemon thread (`supervisor.offloop`), never on the
+The reading runs on a daemon thread (`supervisor.wiring.offloop`), never on the
 loop, in bounded chunks: each chunk is asked of the OS ahead of time
 (`posix_fadvise(WILLNEED)` where it exists) and then read into one small
 buffer that is reused (so the supervisor's own footprint grows by that
@@ -34,14 +34,14 @@ from shared.gguf import is_gguf_path
 from shared.modelinfo import FileRefused, open_regular
 from shared.sizes import MiB, format_size
 from shared.weights import WeightsError, weight_files
-from supervisor.catalog import Catalog
 from supervisor.config import Config, ModelConfig
-from supervisor.counters import SupervisorCounters
-from supervisor.enforcer import Enforcer
-from supervisor.eventlog import Emit
-from supervisor.offloop import OffLoopTimeout, off_loop
+from supervisor.guard.counters import SupervisorCounters
+from supervisor.guard.enforcer import Enforcer
+from supervisor.guard.eventlog import Emit
+from supervisor.models.catalog import Catalog
 from supervisor.policy.prefetch import Candidate, likely_next, may_prefetch, room
-from supervisor.pool import Pool
+from supervisor.wiring.offloop import OffLoopTimeout, off_loop
+from supervisor.workers.pool import Pool
 
 log = logging.getLogger("memvisor.prefetch")
 
