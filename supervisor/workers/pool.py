@@ -258,9 +258,11 @@ class Pool:
         self.ledger.clear_slot(handle.slot)
         self._free_slots.append(handle.slot)
         self.by_identity.pop(handle.identity, None)
-        level = logging.INFO if expected and code == 0 else logging.ERROR
-        log.log(level, "Worker %s (pid %d, model %s) %s%s", handle.worker_id, handle.pid, handle.model_id,
-                handle.exit_cause, f" [{handle.leaving.reason}]" if handle.leaving and handle.leaving.reason else "")
+        # A spare stopped on purpose may still be importing (it cannot drain): its SIGTERM is no fault.
+        level = logging.INFO if expected and (code == 0 or handle.spare) else logging.ERROR
+        whose = f"model {handle.model_id}" if handle.model_id else "a spare"
+        log.log(level, "Worker %s (pid %d, %s) %s%s", handle.worker_id, handle.pid, whose, handle.exit_cause,
+                f" [{handle.leaving.reason}]" if handle.leaving and handle.leaving.reason else "")
         gone = f"the worker serving {handle.model_id!r} {handle.exit_cause}"
         self.streams.fail_all(handle.worker_id, "worker_exited", gone)
         self.streams.fail_calls(handle.worker_id, LoadError(gone, code="worker_exited", http_status=503))
