@@ -86,9 +86,9 @@ class Record(msgspec.Struct, kw_only=True):
 
 def record_path() -> Path:
     """Beside the prompt cache's disk tier and the BLAS copy, under MEMVISOR_CACHE."""
-    from shared.probe import blas
+    from shared.probe import blas_plan
 
-    return blas.cache_dir().parent / RECORD_NAME
+    return blas_plan.cache_dir().parent / RECORD_NAME
 
 
 def problem(entry: Pulled) -> str | None:
