@@ -71,7 +71,7 @@ from supervisor.http.keepalive import is_admin
 from supervisor.http.metrics import Metrics
 from supervisor.http.modelfacts import ModelFacts, capabilities, facts_of
 from supervisor.http.openai_types import BodyError, GuardSettingsIn, ModelCard, ModelList, decode_body
-from supervisor.wiring.control import MAX_CONTEXT_TOKENS
+from supervisor.wiring.control_answers import MAX_CONTEXT_TOKENS
 
 log = logging.getLogger("memvisor.http")
 

@@ -206,7 +206,7 @@ def test_reload_over_the_control_socket_answers_with_the_changes(tiny_models, ru
     config = make_config(_models(tiny_models))
 
     async def main():
-        from supervisor.wiring.control import handle_control
+        from supervisor.wiring.control_answers import handle_control
 
         async with Running(config, runtime_dir) as arb:
             refused = await handle_control(arb.service, p.ReloadRequest())
