@@ -50,7 +50,7 @@ from shared import protocol as p
 from shared.sizes import SizeError, parse_size
 from shared.vocab import ErrorCode
 from supervisor.doors.api import Supervisor
-from supervisor.doors.errors import ServeError
+from supervisor.doors.refusals import ServeError
 from supervisor.http import anthropic as http_anthropic
 from supervisor.http import completions as http_completions
 from supervisor.http import embeddings as http_embeddings

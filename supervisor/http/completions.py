@@ -33,7 +33,7 @@ from starlette.responses import Response
 
 from shared import protocol as p
 from supervisor.doors.api import Supervisor
-from supervisor.doors.errors import ServeError
+from supervisor.doors.refusals import ServeError
 from supervisor.http import sampling
 from supervisor.http.errors import from_serve_error
 from supervisor.http.job import Job, Receive, open_job, wait_for_disconnect

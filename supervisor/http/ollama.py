@@ -51,7 +51,7 @@ from starlette.responses import Response
 
 from shared import protocol as p
 from supervisor.doors.api import Supervisor
-from supervisor.doors.errors import ServeError
+from supervisor.doors.refusals import ServeError
 from supervisor.http import images, tools
 from supervisor.http import sampling as openai_sampling
 from supervisor.http.errors import ApiError, from_serve_error

@@ -19,7 +19,7 @@ from shared import probe
 from shared import protocol as p
 from supervisor.config import Config, ModelConfig
 from supervisor.config_file import load_config
-from supervisor.doors.errors import LoadError, ServeError
+from supervisor.doors.refusals import LoadError, ServeError
 from supervisor.models.discovery import with_discovered
 from tests.arbiter_harness import Running, collect, make_config
 from tests.http_harness import until

@@ -22,7 +22,7 @@ import zmq
 from shared import protocol as p
 from supervisor.arbiter import Arbiter
 from supervisor.config import ModelConfig
-from supervisor.doors.errors import LoadError
+from supervisor.doors.refusals import LoadError
 from supervisor.policy.decisions import Stop
 from supervisor.policy.snapshot import Snapshot
 from supervisor.policy.status import ServerStatus
