@@ -213,7 +213,7 @@ class Catalog:
         return draft
 
     async def _folder(self, model: ModelConfig) -> str:
-        from supervisor.models.gguf import GGUFImportError, cache_folder, ensure_imported, is_imported
+        from supervisor.models.gguf_import_cache import GGUFImportError, cache_folder, ensure_imported, is_imported
 
         if not is_gguf_path(model.path):
             return model.path

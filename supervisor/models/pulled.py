@@ -231,7 +231,7 @@ def _forget_import(entry: Pulled) -> None:
         return
     import shutil
 
-    from supervisor.models.gguf import cache_folder
+    from supervisor.models.gguf_import_cache import cache_folder
 
     folder = cache_folder(entry.path)
     if folder.is_dir() and not folder.is_symlink() and folder.stat().st_uid == os.getuid():
