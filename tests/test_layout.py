@@ -92,7 +92,6 @@ SHARED_NAMES = {
     "tiers.py": "cli/tiers.py is the command; policy/tiers.py the T rules",
     "prefetch.py": "policy/prefetch.py decides, supervisor/models/prefetch.py does it",
     "spares.py": "policy/spares.py decides, supervisor/workers/spares.py does it",
-    "vision.py": "not yet renamed: shared/vision.py and worker/vision.py (the vision engine)",
 }
 
 
