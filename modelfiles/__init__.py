@@ -10,7 +10,7 @@ imports GGUF files on first load, and it must never import MLX nor reach into
 the worker beyond its spawn target. Everything here but `gguf_import` imports
 only numpy, tokenizers and safetensors; `gguf_import` needs MLX (its array
 conversions) and so only ever runs as a child process
-(`python -m modelfiles.gguf_import`, supervisor/models/gguf.py).
+(`python -m modelfiles.gguf_import`, supervisor/models/gguf_import_cache.py).
 
 Kept import-free on purpose, as `worker/__init__` is: importing one module of
 the room must not pull in another's dependencies.

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             cached = served.post("/v1/models/gguf/load")
             import mlx_lm
 
-            from supervisor.models.gguf import cache_folder
+            from supervisor.models.gguf_import_cache import cache_folder
 
             os.environ["XDG_CACHE_HOME"] = str(Path(tmp) / "cache")
             loaded = mlx_lm.load(str(cache_folder(args.gguf.resolve())))  # (model, tokenizer): no config asked

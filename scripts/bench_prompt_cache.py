@@ -64,7 +64,7 @@ if str(ROOT) not in sys.path:
 
 from _serve import ServeProcess, bench_model  # noqa: E402  (scripts/ is on sys.path as the script's folder)
 
-from shared.probe import blas as found  # noqa: E402
+from shared.probe import blas_plan as found  # noqa: E402
 from shared.sizes import format_size, parse_size  # noqa: E402
 
 WORDS = ("memory pressure guard worker model cache prefix token budget ceiling supervisor "

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from supervisor.arbiter import Arbiter  # noqa: E402
 from supervisor.config import Config, SupervisorConfig  # noqa: E402
-from supervisor.doors.errors import ServeError  # noqa: E402
+from supervisor.doors.refusals import ServeError  # noqa: E402
 from supervisor.models.discovery import with_discovered  # noqa: E402
 
 

@@ -804,7 +804,7 @@ class Context:
         (H5) in this run's folder, not the user's: a stop in one scenario must not hand cached
         tokens to the next (obedience's prefills would be read back instead of computed), and
         the throwaway models must leave nothing behind. The BLAS copy is the user's (hard links)."""
-        from shared.probe import blas as found
+        from shared.probe import blas_plan as found
         from worker import blas
 
         root.mkdir(mode=0o700, parents=True, exist_ok=True)

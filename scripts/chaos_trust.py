@@ -23,7 +23,7 @@ from typing import Any, cast
 import httpx
 from _chaos_harness import Row, Serve, base_config, classify, false_kills, terminate
 
-from shared.probe import blas as found
+from shared.probe import blas_plan as found
 
 OLD = 1_000_000_000.0   # a mtime from 2001: the budget would pick these first if it could see them
 PROMPT_WORDS = 260      # ~400 tokens: an entry worth keeping (H5.1 writes >= 128 tokens)

@@ -25,12 +25,12 @@ from typing import Any
 
 import msgspec
 
-from shared.messages.base import *  # noqa: F403
-from shared.messages.base import PROTOCOL_VERSION, Msg
 from shared.messages.commands import *  # noqa: F403
 from shared.messages.commands import CommandMsg
 from shared.messages.control import *  # noqa: F403
 from shared.messages.control import ControlReply, ControlRequest
+from shared.messages.envelope import *  # noqa: F403
+from shared.messages.envelope import PROTOCOL_VERSION, Msg
 from shared.messages.published import *  # noqa: F403
 from shared.messages.published import Published
 from shared.messages.replies import *  # noqa: F403

@@ -129,7 +129,7 @@ FailureCode = Literal[
 # A3 / D5: why a model load was refused (a 507).
 RefusalCode = Literal["model_too_large", "insufficient_memory"]
 
-# What the supervisor says when it refuses on someone's behalf (supervisor.doors.errors.ServeError,
+# What the supervisor says when it refuses on someone's behalf (supervisor.doors.refusals.ServeError,
 # the control socket's `ControlError`, readiness).
 ServeCode = Literal[
     "internal_error", "spawn_failed", "too_many_workers", "overloaded", "model_unreadable", "model_at_capacity",

@@ -52,7 +52,7 @@ from supervisor.models.discovery import last_refused
 from supervisor.models.life import Models
 from supervisor.models.reload import Reloader
 from supervisor.wiring.bus import Bus, BusError, Endpoints, claim_runtime_dir, pid_alive
-from supervisor.wiring.control import handle_control
+from supervisor.wiring.control_answers import handle_control
 from supervisor.wiring.fanout import EVENT_HISTORY, Hub
 from supervisor.wiring.runtime import ensure_private_dir
 from supervisor.workers import liveness

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.probe import blas as found
+from shared.probe import blas_plan as found
 
 linux_only = pytest.mark.skipif(not found.applies(), reason="MLX on macOS uses Accelerate; nothing to load")
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from shared.probe import blas as found
+from shared.probe import blas_plan as found
 from shared.sizes import MiB
 from worker import blas
 

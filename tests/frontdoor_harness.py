@@ -11,7 +11,7 @@ import httpx
 import openai
 
 from supervisor.config import Config, ModelConfig, SupervisorConfig
-from supervisor.doors.errors import LoadError
+from supervisor.doors.refusals import LoadError
 from supervisor.guard.readiness import Health
 from supervisor.http.server import start_http
 from supervisor.workers.streams import RequestStream, new_request_id

@@ -12,7 +12,7 @@ from shared import protocol as p
 from shared.sizes import MiB
 from supervisor.arbiter import Arbiter
 from supervisor.config import Config, GuardConfig, ModelConfig, SupervisorConfig
-from supervisor.doors.errors import ServeError
+from supervisor.doors.refusals import ServeError
 
 SIZE = 48 * MiB  # float32 weights: MLX computes float16 slowly on a CPU, and a request must stay short
 SOFT, HARD = 0.97, 0.99  # the ceiling is sized in MiB above one model's usage

@@ -30,7 +30,7 @@ from openai.types.responses.response_create_params import ResponseCreateParamsBa
 
 from shared import protocol as p
 from supervisor.config import ModelConfig
-from supervisor.doors.errors import GateClosed, LoadError
+from supervisor.doors.refusals import GateClosed, LoadError
 from supervisor.http.anthropic import MessagesRequest, messages_generate
 from supervisor.http.completions import completion_generates
 from supervisor.http.keepalive import keep_alive_seconds

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.probe import blas as found
+from shared.probe import blas_plan as found
 from tests.blas_harness import linux_only, mapped_paths
 from worker import blas
 

@@ -11,7 +11,7 @@ import msgspec
 
 from shared import protocol as p
 from supervisor.config import ModelConfig
-from supervisor.wiring.control import MAX_CONTEXT_TOKENS, handle_control
+from supervisor.wiring.control_answers import MAX_CONTEXT_TOKENS, handle_control
 from tests.arbiter_harness import Running, make_config
 
 ENV = {**os.environ, "PYTHONPATH": os.getcwd()}

@@ -154,7 +154,7 @@ def test_decode_import_line_never_raises():
 def test_gguf_cache_is_keyed_on_the_file_and_reused(gguf_file, tmp_path):
     import asyncio
 
-    from supervisor.models.gguf import cache_folder, ensure_imported
+    from supervisor.models.gguf_import_cache import cache_folder, ensure_imported
 
     copy = tmp_path / "tiny.gguf"
     copy.write_bytes(gguf_file.read_bytes())

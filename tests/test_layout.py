@@ -92,13 +92,6 @@ SHARED_NAMES = {
     "tiers.py": "cli/tiers.py is the command; policy/tiers.py the T rules",
     "prefetch.py": "policy/prefetch.py decides, supervisor/models/prefetch.py does it",
     "spares.py": "policy/spares.py decides, supervisor/workers/spares.py does it",
-    "base.py": "not yet renamed: shared/messages/base.py (Msg) and shared/probe/base.py (the probe's types)",
-    "blas.py": "not yet renamed: shared/probe/blas.py (which BLAS, found) and worker/blas.py (set up)",
-    "control.py": "not yet renamed: shared/messages/control.py (the CLI's messages), supervisor/wiring/control.py",
-    "errors.py": "not yet renamed: supervisor/doors/errors.py (ServeError), supervisor/http/errors.py (ApiError)",
-    "gguf.py": "not yet renamed: shared/gguf.py (a header), supervisor/models/gguf.py (the import on first load)",
-    "sampling.py": "not yet renamed: supervisor/http/sampling.py (each API's spelling), worker/sampling.py",
-    "vision.py": "not yet renamed: shared/vision.py and worker/vision.py (the vision engine)",
 }
 
 

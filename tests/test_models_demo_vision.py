@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shared.vision import is_vision_model
+from shared.vision_families import is_vision_model
 from supervisor.http.modelfacts import capabilities, read_facts
 from supervisor.models.demo import DEMO_VISION, demo_config, vision_installed
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from shared.modelinfo import context_length
-from supervisor.doors.errors import LoadError
+from supervisor.doors.refusals import LoadError
 from supervisor.http.errors import from_serve_error
 from supervisor.http.openai_types import BodyError, ChatRequest, decode_body, json_depth_exceeds
 

@@ -84,7 +84,7 @@ def test_the_supervisor_runs_the_gguf_importer_only_as_a_child_process():
     """modelfiles.gguf_import converts arrays with MLX: it runs as `python -m`, never in the supervisor."""
     for path in _modules("supervisor"):
         assert "modelfiles.gguf_import" not in _imports(path), path.relative_to(ROOT)
-    gguf = (ROOT / "supervisor" / "models" / "gguf.py").read_text()
+    gguf = (ROOT / "supervisor" / "models" / "gguf_import_cache.py").read_text()
     assert '"-m", "modelfiles.gguf_import"' in gguf
 
 

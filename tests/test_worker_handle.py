@@ -18,7 +18,7 @@ import pytest
 import supervisor
 from shared.state_table import IllegalMove
 from supervisor.config import ModelConfig
-from supervisor.doors.errors import LoadError
+from supervisor.doors.refusals import LoadError
 from supervisor.workers.process import Leaving, WorkerHandle
 
 ROOT = Path(supervisor.__file__).resolve().parent.parent  # the checkout whose supervisor is imported

@@ -5,7 +5,7 @@ libmlx.so asks for the plain, unversioned names (`cblas_sgemm`, `sgesdd_` ...),
 and the dynamic linker looks a name up in the process's global scope before a
 library's own dependencies: a BLAS opened with RTLD_GLOBAL *before* `import
 mlx.core` is what libmlx binds to, with no LD_PRELOAD and no re-exec.
-`shared.probe.blas` says which library that is (so `probe` can tell it without
+`shared.probe.blas_plan` says which library that is (so `probe` can tell it without
 loading anything); this module makes the renamed copy when one is needed,
 opens the library, sets its thread count and logs one line saying what the
 worker uses. Nothing here ever stops a worker: a failure logs a warning and
@@ -39,7 +39,7 @@ from pathlib import Path
 import msgspec
 
 from shared import private_files
-from shared.probe import blas as found
+from shared.probe import blas_plan as found
 
 log = logging.getLogger("memvisor.worker.blas")
 

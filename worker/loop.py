@@ -31,7 +31,7 @@ from shared.embedding import WRONG_MODEL_KIND, read_embedding_spec
 from shared.ledger import Ledger
 from shared.limits import Limits
 from shared.modelinfo import config_refusal
-from shared.vision import is_vision_model
+from shared.vision_families import is_vision_model
 from worker import blas
 from worker.heartbeat import Heartbeat, StepClock
 from worker.wire import Wire

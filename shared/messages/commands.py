@@ -9,7 +9,7 @@ from typing import Annotated, Literal, Union
 import msgspec
 
 from shared.limits import Limits
-from shared.messages.base import Msg
+from shared.messages.envelope import Msg
 from shared.vocab import FailureCode, PrefillOrder
 
 __all__ = [

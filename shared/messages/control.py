@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Union
 
-from shared.messages.base import Msg
+from shared.messages.envelope import Msg
 from shared.vocab import ErrorCode
 
 __all__ = [

@@ -6,7 +6,7 @@ from typing import Union
 
 import msgspec
 
-from shared.messages.base import Msg
+from shared.messages.envelope import Msg
 from shared.messages.reports import Sample
 from shared.vocab import DeviceBinding, GuardEventKind, HostBinding, LoadPhase, PressureLevel, Tier
 

@@ -10,7 +10,7 @@ from typing import Literal, Union
 
 import msgspec
 
-from shared.messages.base import Msg
+from shared.messages.envelope import Msg
 from shared.vocab import FailureCode, FinishReason, LimitBinding, LoadPhase
 
 __all__ = [

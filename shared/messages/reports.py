@@ -11,7 +11,7 @@ from typing import Literal, Union
 import msgspec
 
 from shared.memory import MemoryReading
-from shared.messages.base import Msg
+from shared.messages.envelope import Msg
 from shared.vocab import LoadPhase, SampleReason, WorkerEventKind
 
 __all__ = [

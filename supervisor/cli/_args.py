@@ -11,7 +11,7 @@ from shared.sizes import SizeError, parse_size
 def context_arg(text: str) -> int:
     """argparse type for a count of context tokens: 0 .. MAX_CONTEXT_TOKENS (one
     over 2**64 could not be sent and printed a traceback)."""
-    from supervisor.wiring.control import MAX_CONTEXT_TOKENS
+    from supervisor.wiring.control_answers import MAX_CONTEXT_TOKENS
 
     try:
         value = int(text)

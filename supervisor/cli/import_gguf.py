@@ -16,7 +16,7 @@ import msgspec
 
 from shared.gguf import REQUANTIZE_BITS, GGUFError, ImportLine, ImportNote, read_header
 from shared.sizes import format_size
-from supervisor.models.gguf import GGUFImportError, ProgressLog, TerminalBar, run_import
+from supervisor.models.gguf_import_cache import GGUFImportError, ProgressLog, TerminalBar, run_import
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

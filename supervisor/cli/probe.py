@@ -19,7 +19,7 @@ import sys
 import msgspec
 
 from shared.probe import HostReading, Psi, exact_footprint, own_footprint, read_host
-from shared.probe import blas as blas_probe
+from shared.probe import blas_plan as blas_probe
 from shared.probe.nvml import DeviceReading
 from shared.sizes import format_size
 from supervisor.cli._args import size_arg

@@ -3,7 +3,7 @@
 The HTTP front door, the control socket and the metrics talk to the supervisor
 only through `Supervisor` (a `typing.Protocol`): they set nothing on it and
 probe nothing with getattr. Tests may hand them any object with these
-methods. Refusals come back as `supervisor.doors.errors.ServeError`s. What it
+methods. Refusals come back as `supervisor.doors.refusals.ServeError`s. What it
 returns are frozen views (supervisor.doors.views), never a worker's handle;
 `supervisor.doors.service.Service` implements it.
 """

@@ -27,7 +27,7 @@ from shared.memory import NO_READING
 from shared.sizes import format_size
 from supervisor.config import Config, ModelConfig
 from supervisor.doors.api import UNLOAD_WHEN_IDLE
-from supervisor.doors.errors import AtCapacity, LoadError, NotReady, ServeError
+from supervisor.doors.refusals import AtCapacity, LoadError, NotReady, ServeError
 from supervisor.doors.views import ModelView, WorkerView
 from supervisor.guard.admission_queue import Gate
 from supervisor.guard.cache_book import save_grace

@@ -15,7 +15,7 @@ import collections
 import time
 from typing import TYPE_CHECKING, Callable
 
-from supervisor.doors.errors import GateClosed
+from supervisor.doors.refusals import GateClosed
 from supervisor.policy.admission import admits_request
 
 if TYPE_CHECKING:

@@ -38,7 +38,7 @@ from shared.sizes import MAX_SIZE, format_size
 from shared.vocab import GuardEventKind, PoolName
 from shared.weights import WeightsError, estimate_weight_bytes, kv_bytes_per_token
 from supervisor.config import MIN_DEVICE_CEILING, Config, ModelConfig, guard_settings
-from supervisor.doors.errors import LoadError, ModelUnreadable
+from supervisor.doors.refusals import LoadError, ModelUnreadable
 from supervisor.guard.eventlog import Emit
 from supervisor.policy import decisions as d
 from supervisor.policy import pressure as policy

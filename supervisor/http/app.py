@@ -50,7 +50,7 @@ from shared import protocol as p
 from shared.sizes import SizeError, parse_size
 from shared.vocab import ErrorCode
 from supervisor.doors.api import Supervisor
-from supervisor.doors.errors import ServeError
+from supervisor.doors.refusals import ServeError
 from supervisor.http import anthropic as http_anthropic
 from supervisor.http import completions as http_completions
 from supervisor.http import embeddings as http_embeddings
@@ -71,7 +71,7 @@ from supervisor.http.keepalive import is_admin
 from supervisor.http.metrics import Metrics
 from supervisor.http.modelfacts import ModelFacts, capabilities, facts_of
 from supervisor.http.openai_types import BodyError, GuardSettingsIn, ModelCard, ModelList, decode_body
-from supervisor.wiring.control import MAX_CONTEXT_TOKENS
+from supervisor.wiring.control_answers import MAX_CONTEXT_TOKENS
 
 log = logging.getLogger("memvisor.http")
 

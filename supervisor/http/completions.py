@@ -33,8 +33,8 @@ from starlette.responses import Response
 
 from shared import protocol as p
 from supervisor.doors.api import Supervisor
-from supervisor.doors.errors import ServeError
-from supervisor.http import sampling
+from supervisor.doors.refusals import ServeError
+from supervisor.http import sampling_options
 from supervisor.http.errors import from_serve_error
 from supervisor.http.job import Job, Receive, open_job, wait_for_disconnect
 from supervisor.http.metrics import Metrics
@@ -108,7 +108,7 @@ def completion_generates(req: CompletionRequest) -> list[Planned]:
             raise BodyError("echo: a fill-in-the-middle prompt (suffix) cannot be echoed", param="echo")
         if len(prompts) != 1 or not isinstance(prompts[0], str):
             raise BodyError("suffix: fill in the middle takes one text prompt", param="suffix")
-    fields = {**common_fields(req, max_tokens, stops=MAX_STOPS), **sampling.completion_logprobs(req.logprobs)}
+    fields = {**common_fields(req, max_tokens, stops=MAX_STOPS), **sampling_options.completion_logprobs(req.logprobs)}
     out = []
     for prompt in prompts:
         if prompt == "" and req.suffix is None:  # fill in the middle may start at the top of a file

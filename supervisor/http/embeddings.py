@@ -45,7 +45,7 @@ from starlette.responses import Response
 from shared import protocol as p
 from shared.embedding import WRONG_MODEL_KIND, EmbeddingSpec
 from supervisor.doors.api import Supervisor
-from supervisor.doors.errors import ServeError
+from supervisor.doors.refusals import ServeError
 from supervisor.http import ollama, ollama_options, routing
 from supervisor.http.errors import ApiError, from_failed, from_serve_error
 from supervisor.http.job import race_client

@@ -20,7 +20,7 @@ from shared import protocol as p
 from shared.embedding import WRONG_MODEL_KIND
 from shared.fim import FIM_UNSUPPORTED
 from shared.vocab import ErrorCode, FailureCode
-from supervisor.doors.errors import NotReady, ServeError
+from supervisor.doors.refusals import NotReady, ServeError
 from supervisor.http.openai_types import ErrorBody, ErrorDetail
 
 _encoder = msgspec.json.Encoder()

@@ -34,7 +34,7 @@ from shared.sizes import format_size
 from shared.vocab import FailureCode
 from supervisor.config import SupervisorConfig
 from supervisor.doors.api import Supervisor
-from supervisor.doors.errors import ServeError
+from supervisor.doors.refusals import ServeError
 from supervisor.http.content import Part, part_text
 from supervisor.http.errors import ApiError, from_serve_error
 from supervisor.http.openai_types import BodyError

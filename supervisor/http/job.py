@@ -38,7 +38,7 @@ from shared import protocol as p
 from shared.fim import FIM_UNSUPPORTED
 from shared.vocab import ReplyFinishReason
 from supervisor.doors.api import Supervisor
-from supervisor.doors.errors import ServeError
+from supervisor.doors.refusals import ServeError
 from supervisor.http import images, partitions, routing, tools
 from supervisor.http.body import Disconnected
 from supervisor.http.errors import ApiError, from_failed, from_serve_error

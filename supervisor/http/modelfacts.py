@@ -25,7 +25,7 @@ from shared import fim
 from shared.embedding import EmbeddingSpec, read_embedding_spec
 from shared.gguf import GGUFError, read_header
 from shared.modelinfo import CONFIG_MAX_BYTES, context_length, read_config_json, read_small
-from shared.vision import vision_family
+from shared.vision_families import vision_family
 from shared.weights import WeightsError, WeightsSummary, summarize_weights, weight_files
 from supervisor.http.openai_types import BodyError
 from supervisor.wiring.offloop import MODEL_FILES_TIMEOUT, OffLoopTimeout, off_loop
@@ -51,7 +51,7 @@ class ModelFacts(msgspec.Struct, kw_only=True):
     file_bytes: int = 0  # the weight files' size on disk: a .gguf file's own, a folder's model*.safetensors
     modified: float = 0.0  # mtime of config.json (a .gguf file's own); 0: unknown
     embedding: EmbeddingSpec | None = None  # a sentence-embedding model's facts (None: it generates)
-    vision: bool = False  # it reads images (shared/vision.py; docs/vision.md)
+    vision: bool = False  # it reads images (shared/vision_families.py; docs/vision.md)
 
 
 def digest(model_id: str, path: str) -> str:

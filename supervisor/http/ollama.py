@@ -51,9 +51,9 @@ from starlette.responses import Response
 
 from shared import protocol as p
 from supervisor.doors.api import Supervisor
-from supervisor.doors.errors import ServeError
+from supervisor.doors.refusals import ServeError
 from supervisor.http import images, tools
-from supervisor.http import sampling as openai_sampling
+from supervisor.http import sampling_options as openai_sampling
 from supervisor.http.errors import ApiError, from_serve_error
 from supervisor.http.job import Calls, End, Job, Text, open_stream, race_client
 from supervisor.http.keepalive import UNLOAD_NOW, is_admin, keep_alive_seconds

@@ -23,7 +23,7 @@ from msgspec import Struct
 
 from shared.states import SERVING_STATES
 from supervisor.doors.api import Supervisor
-from supervisor.doors.errors import ServeError
+from supervisor.doors.refusals import ServeError
 from supervisor.http.errors import ApiError
 from supervisor.http.modelfacts import ModelFacts, capabilities, digest, facts_of, parameter_size
 from supervisor.http.openai_types import BodyError, decode_body

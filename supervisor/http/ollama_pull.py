@@ -44,7 +44,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from supervisor.doors.api import Supervisor
-from supervisor.doors.errors import ServeError
+from supervisor.doors.refusals import ServeError
 from supervisor.http.auth import require_admin
 from supervisor.http.errors import ApiError
 from supervisor.http.job import race_client

@@ -23,7 +23,7 @@ from starlette.responses import Response
 from shared import protocol as p
 from shared.vocab import ReplyFinishReason
 from supervisor.doors.api import Supervisor
-from supervisor.http import images, sampling, tools
+from supervisor.http import images, sampling_options, tools
 from supervisor.http.errors import ApiError
 from supervisor.http.job import Calls, End, Job, Piece, Receive, Text, open_job
 from supervisor.http.metrics import Metrics
@@ -111,7 +111,7 @@ def common_fields(req, max_tokens: int, stops: int = MAX_STOP_SEQUENCES) -> dict
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p, stop=stop_sequences(req.stop, stops),
                 seed=checked_seed(req.seed), speculative=req.speculative is not False,
-                **sampling.generate_fields(req))  # top_k, min_p, penalties, logit_bias
+                **sampling_options.generate_fields(req))  # top_k, min_p, penalties, logit_bias
 
 
 def response_format_constraint(fmt: ResponseFormat | None) -> p.ConstraintSpec | None:
@@ -176,7 +176,7 @@ def chat_generate(req: ChatRequest) -> Planned:
     messages = [_chat_message(i, m, found) for i, m in enumerate(req.messages)]
     max_tokens = req.max_completion_tokens or req.max_tokens or DEFAULT_CHAT_MAX_TOKENS
     fmt = response_format_constraint(req.response_format)
-    logprobs = sampling.chat_logprobs(req.logprobs, req.top_logprobs)
+    logprobs = sampling_options.chat_logprobs(req.logprobs, req.top_logprobs)
     return planned(p.Generate(messages=messages, constraint=fmt, images=found.images, **common_fields(req, max_tokens),
                               **logprobs), chat_tool_plan(req))
 
@@ -219,11 +219,11 @@ class Completion:
         self._offset = len(text)
         if not self.job.gen.logprobs or echoed is None:
             return text, None
-        return text, sampling.echo_logprobs(echoed)
+        return text, sampling_options.echo_logprobs(echoed)
 
     def completion_logprobs(self, items: list[p.TokenLogprobs]) -> CompletionLogprobs:
         """Completions' columns for `items`, their text offsets following the tokens before them."""
-        out = sampling.completion_choice_logprobs(items, self._offset)
+        out = sampling_options.completion_choice_logprobs(items, self._offset)
         self._offset += sum(len(item.token) for item in items)
         return out
 
@@ -237,7 +237,7 @@ class Completion:
             if calls or job.calls_only:
                 message.tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
                                       for c in calls]
-            logprobs = sampling.chat_choice_logprobs(job.logprobs) if job.gen.logprobs else None
+            logprobs = sampling_options.chat_choice_logprobs(job.logprobs) if job.gen.logprobs else None
             body = ChatCompletion(id=self.id, created=self.created, model=self.model, usage=usage, choices=[
                 ChatChoice(index=0, message=message, finish_reason=end.reason, logprobs=logprobs)])
         else:
@@ -250,7 +250,7 @@ class Completion:
         before, columns = self.echoed()
         logprobs = None
         if self.job.gen.logprobs:
-            logprobs = sampling.join_logprobs(columns, self.completion_logprobs(self.job.logprobs))
+            logprobs = sampling_options.join_logprobs(columns, self.completion_logprobs(self.job.logprobs))
         return TextChoice(index=self.index, text=before + text, finish_reason=end.reason, logprobs=logprobs)
 
     async def chunks(self, first: StreamReply) -> AsyncIterator[list[bytes]]:
@@ -298,7 +298,7 @@ class Completion:
         if self.kind == "chat":
             delta = Delta(role="assistant", content="") if role else Delta(content=text, tool_calls=calls)
             choice = ChunkChoice(index=0, delta=delta, finish_reason=finish,
-                                 logprobs=None if logprobs is None else sampling.chat_choice_logprobs(logprobs))
+                                 logprobs=None if logprobs is None else sampling_options.chat_choice_logprobs(logprobs))
             body = ChatChunk(id=self.id, created=self.created, model=self.model, usage=usage, choices=[choice])
         else:
             return self._text_chunk(text or "", finish, None if logprobs is None else self.completion_logprobs(logprobs))

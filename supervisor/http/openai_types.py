@@ -109,7 +109,7 @@ StopField = Union[str, list[str], None]
 KeepAlive = Union[int, float, str, None]
 
 
-# -- the sampling options (mapped to Generate by http/sampling.py) --------------
+# -- the sampling options (mapped to Generate by http/sampling_options.py) ------
 MAX_LOGIT_BIAS = 1024  # entries; far past any real use, and keeps the worker's command frame small
 WHOLE_CONTEXT = 1 << 30  # a look-back longer than any context (Ollama's repeat_last_n -1)
 
@@ -271,7 +271,7 @@ class ChatMessageOut(Struct, kw_only=True, omit_defaults=True):
     tool_calls: Union[list[ToolCall], msgspec.UnsetType] = msgspec.UNSET
 
 
-# -- logprobs, as OpenAI shapes them (http/sampling.py fills them) --------------
+# -- logprobs, as OpenAI shapes them (http/sampling_options.py fills them) ------
 class TopLogprobOut(Struct, kw_only=True):
     token: str
     logprob: float

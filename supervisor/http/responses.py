@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from shared import protocol as p
-from supervisor.http import images, sampling, tools
+from supervisor.http import images, sampling_options, tools
 from supervisor.http.content import text_of
 from supervisor.http.errors import ApiError
 from supervisor.http.job import Calls, End, Job, Text, open_job
@@ -151,7 +151,7 @@ def _logprobs(req: ResponsesRequest) -> dict[str, Any]:
     """Logprobs for `include: ["message.output_text.logprobs"]` or a `top_logprobs`."""
     if LOGPROBS not in (req.include or []) and req.top_logprobs is None:
         return {}
-    return sampling.chat_logprobs(True, req.top_logprobs)
+    return sampling_options.chat_logprobs(True, req.top_logprobs)
 
 
 def _messages(req: ResponsesRequest, found: images.Found) -> list[p.ChatMessage]:
@@ -221,7 +221,7 @@ def responses_generate(req: ResponsesRequest) -> tools.Planned:
                      max_tokens=req.max_output_tokens or DEFAULT_CHAT_MAX_TOKENS,
                      temperature=1.0 if req.temperature is None else req.temperature,
                      top_p=1.0 if req.top_p is None else req.top_p, constraint=_format(req),
-                     **sampling.generate_fields(req), **_logprobs(req))
+                     **sampling_options.generate_fields(req), **_logprobs(req))
     return tools.planned(gen, tool_plan(req))
 
 
@@ -350,7 +350,7 @@ async def handle(request: Request, sup, metrics, body: bytes, started: float) ->
 
 def _logprobs_out(job: Job, items: list[p.TokenLogprobs]) -> Union[list[LogprobOut], msgspec.UnsetType]:
     """An output_text's (or a delta's) logprobs, when the request asked for them."""
-    return [sampling.logprob_out(item) for item in items] if job.gen.logprobs else msgspec.UNSET
+    return [sampling_options.logprob_out(item) for item in items] if job.gen.logprobs else msgspec.UNSET
 
 
 class _Events:

@@ -30,7 +30,7 @@ from starlette.responses import Response
 
 from shared import protocol as p
 from supervisor.doors.api import Supervisor
-from supervisor.doors.errors import ServeError
+from supervisor.doors.refusals import ServeError
 from supervisor.http.errors import from_failed, from_serve_error
 from supervisor.http.openai import chat_generate
 from supervisor.http.openai_types import BodyError, ChatMessageIn, ChatRequest, ToolDef, decode_body

@@ -21,7 +21,7 @@ from pathlib import Path
 from shared import protocol as p
 from shared.limits import NO_CACHE_LIMIT_ENV
 from shared.sizes import MiB
-from supervisor.doors.errors import LoadError
+from supervisor.doors.refusals import LoadError
 from supervisor.lab.runner import LAB_MAX_TOKENS, Lab, ModelSpec, Scenario
 from supervisor.lab.swap_scenarios import thrash
 

@@ -11,7 +11,7 @@ import asyncio
 
 from shared import protocol as p
 from shared.sizes import MiB
-from supervisor.doors.errors import ServeError
+from supervisor.doors.refusals import ServeError
 from supervisor.lab.runner import Lab
 
 REQUESTS, CALLERS, TOKENS = 24, 4, 4

@@ -24,7 +24,7 @@ from shared.gguf import is_gguf_path
 from shared.modelinfo import FileRefused, context_length
 from shared.weights import WeightsError, estimate_weight_bytes, kv_bytes_per_token
 from supervisor.config import Config, ModelConfig
-from supervisor.doors.errors import LoadError, ModelUnreadable
+from supervisor.doors.refusals import LoadError, ModelUnreadable
 from supervisor.guard.counters import SupervisorCounters
 from supervisor.guard.eventlog import Emit
 from supervisor.models.discovery import refusal
@@ -213,7 +213,7 @@ class Catalog:
         return draft
 
     async def _folder(self, model: ModelConfig) -> str:
-        from supervisor.models.gguf import GGUFImportError, cache_folder, ensure_imported, is_imported
+        from supervisor.models.gguf_import_cache import GGUFImportError, cache_folder, ensure_imported, is_imported
 
         if not is_gguf_path(model.path):
             return model.path

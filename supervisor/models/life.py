@@ -26,7 +26,7 @@ import time
 from typing import Callable
 
 from supervisor.config import Config, ModelConfig
-from supervisor.doors.errors import LoadError
+from supervisor.doors.refusals import LoadError
 from supervisor.doors.views import ModelView
 from supervisor.guard.counters import SupervisorCounters
 from supervisor.guard.enforcer import Enforcer

@@ -86,9 +86,9 @@ class Record(msgspec.Struct, kw_only=True):
 
 def record_path() -> Path:
     """Beside the prompt cache's disk tier and the BLAS copy, under MEMVISOR_CACHE."""
-    from shared.probe import blas
+    from shared.probe import blas_plan
 
-    return blas.cache_dir().parent / RECORD_NAME
+    return blas_plan.cache_dir().parent / RECORD_NAME
 
 
 def problem(entry: Pulled) -> str | None:
@@ -231,7 +231,7 @@ def _forget_import(entry: Pulled) -> None:
         return
     import shutil
 
-    from supervisor.models.gguf import cache_folder
+    from supervisor.models.gguf_import_cache import cache_folder
 
     folder = cache_folder(entry.path)
     if folder.is_dir() and not folder.is_symlink() and folder.stat().st_uid == os.getuid():

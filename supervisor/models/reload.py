@@ -24,7 +24,7 @@ from shared.modelinfo import FileRefused, open_regular
 from shared.vocab import ErrorCode
 from supervisor.config import Config, guard_settings
 from supervisor.config_file import ConfigError
-from supervisor.doors.errors import ServeError
+from supervisor.doors.refusals import ServeError
 from supervisor.guard.counters import SupervisorCounters
 from supervisor.guard.enforcer import Enforcer
 from supervisor.guard.eventlog import Emit

@@ -37,7 +37,7 @@ import time
 from collections.abc import Iterator
 
 from supervisor.config import Config, ModelConfig
-from supervisor.doors.errors import ModelUnreadable
+from supervisor.doors.refusals import ModelUnreadable
 from supervisor.guard.counters import SupervisorCounters
 from supervisor.guard.enforcer import Enforcer
 from supervisor.guard.eventlog import Emit

@@ -31,7 +31,7 @@ from shared.ledger import Ledger
 from shared.limits import Limits
 from shared.vocab import StopCause
 from supervisor.config import Config, ModelConfig
-from supervisor.doors.errors import LoadError
+from supervisor.doors.refusals import LoadError
 from supervisor.doors.views import WorkerView
 from supervisor.guard.cache_book import CacheBook, save_grace
 from supervisor.guard.counters import SupervisorCounters

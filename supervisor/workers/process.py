@@ -28,7 +28,7 @@ from shared.limits import Limits
 from shared.memory import NO_READING
 from shared.states import LIVE_STATES, LOADING_STATES, SERVING_STATES, WorkerState, WorkerTrigger, transition
 from shared.vocab import LeaveCause, PoolName, StopCause, WorkerEventKind
-from supervisor.doors.errors import LoadError
+from supervisor.doors.refusals import LoadError
 from supervisor.doors.views import WorkerView
 from supervisor.guard.cache_book import save_grace
 from supervisor.workers import liveness, load_clock

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from shared import protocol as p
 from shared.vocab import StopCause
-from supervisor.doors.errors import LoadError
+from supervisor.doors.refusals import LoadError
 from supervisor.workers import intensity, load_clock
 from supervisor.workers.process import EventSink, SpareNews, WorkerHandle, worker_spec
 

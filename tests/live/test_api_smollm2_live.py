@@ -64,7 +64,7 @@ def test_lm_eval_loglikelihood_on_smollm2_equals_an_in_process_forward_within_1e
     1, temperature 0, seed 1234) on the real quantized model: every prompt token's logprob within
     1e-3 of mlx_lm's forward pass of the imported folder, a prompt longer than one scoring chunk too;
     the right answer of a two-way choice scores higher, as a multiple-choice task reads it."""
-    from supervisor.models.gguf import cache_folder
+    from supervisor.models.gguf_import_cache import cache_folder
     from tests.echo_harness import reference_logprobs
 
     question = "Question: What is the capital of France?\nAnswer:"

@@ -128,7 +128,7 @@ def test_a_plain_keys_keep_alive_0_lets_an_unpinned_model_go_once_idle(server):
 def test_the_control_socket_is_an_admin_and_unloads_a_pinned_model(server):
     """The CLI's door (`unload a`) is the operator's: the same rule lets it through."""
     from shared import protocol as p
-    from supervisor.wiring.control import handle_control
+    from supervisor.wiring.control_answers import handle_control
 
     async def main():
         answer = await handle_control(server.arbiter.service, p.UnloadRequest(model="a"))

@@ -22,7 +22,7 @@ from shared import protocol as p
 from shared.probe import nvml
 from shared.sizes import GiB, MiB
 from supervisor.config import GuardConfig, ModelConfig
-from supervisor.doors.errors import LoadError
+from supervisor.doors.refusals import LoadError
 from supervisor.policy import decisions as d
 from tests.arbiter_harness import Running, make_config
 

@@ -97,7 +97,7 @@ def test_real_gguf_answers_a_factual_question_through_the_openai_client(server):
 
 
 def test_real_gguf_greedy_output_is_token_identical_to_mlx_lm_in_process(server, smollm2):
-    from supervisor.models.gguf import cache_folder
+    from supervisor.models.gguf_import_cache import cache_folder
 
     async def main():
         client = server.openai()

@@ -19,7 +19,7 @@ from shared import probe
 from shared import protocol as p
 from supervisor.config import Config, ModelConfig
 from supervisor.config_file import load_config
-from supervisor.doors.errors import LoadError, ServeError
+from supervisor.doors.refusals import LoadError, ServeError
 from supervisor.models.discovery import with_discovered
 from tests.arbiter_harness import Running, collect, make_config
 from tests.http_harness import until
@@ -206,7 +206,7 @@ def test_reload_over_the_control_socket_answers_with_the_changes(tiny_models, ru
     config = make_config(_models(tiny_models))
 
     async def main():
-        from supervisor.wiring.control import handle_control
+        from supervisor.wiring.control_answers import handle_control
 
         async with Running(config, runtime_dir) as arb:
             refused = await handle_control(arb.service, p.ReloadRequest())

@@ -23,9 +23,9 @@ import pytest
 
 from supervisor.arbiter import Arbiter
 from supervisor.config import Config, ModelConfig, SupervisorConfig
-from supervisor.doors.errors import LoadError
+from supervisor.doors.refusals import LoadError
 from supervisor.models.discovery import with_discovered
-from supervisor.wiring.control import MAX_CONTEXT_TOKENS
+from supervisor.wiring.control_answers import MAX_CONTEXT_TOKENS
 from tests import model_files
 from tests.arbiter_harness import Running, make_config
 from tests.http_harness import LiveServer

@@ -18,7 +18,7 @@ import pytest
 
 from shared import protocol as p
 from supervisor.config import ModelConfig
-from supervisor.doors.errors import LoadError, ServeError
+from supervisor.doors.refusals import LoadError, ServeError
 from tests.arbiter_harness import Running, collect, make_config
 from tests.http_harness import until
 from worker.main import STEP_DELAY_ENV

@@ -16,7 +16,7 @@ from shared import protocol as p
 from supervisor.arbiter import Arbiter
 from supervisor.config import Config, ModelConfig
 from supervisor.config_file import load_config
-from supervisor.doors.errors import LoadError, ServeError
+from supervisor.doors.refusals import LoadError, ServeError
 from tests.arbiter_harness import Running, collect, make_config
 from tests.http_harness import until
 

@@ -22,7 +22,7 @@ import zmq
 from shared import protocol as p
 from supervisor.arbiter import Arbiter
 from supervisor.config import ModelConfig
-from supervisor.doors.errors import LoadError
+from supervisor.doors.refusals import LoadError
 from supervisor.policy.decisions import Stop
 from supervisor.policy.snapshot import Snapshot
 from supervisor.policy.status import ServerStatus
@@ -545,7 +545,7 @@ def test_t6_a_custom_ceiling_past_64_bits_is_refused_and_the_guard_keeps_ticking
     ledger's limits, so no worker got new limits again (one logged exception per
     tick); past 2**64 (an HTTP or config size) it could not even be published and
     the tick raised inside the arbiter's loop, stopping the supervisor."""
-    from supervisor.wiring.control import handle_control
+    from supervisor.wiring.control_answers import handle_control
 
     config = make_config([ModelConfig(id="a", path=str(tiny_models.a))])
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from shared import protocol as p
-from shared.probe import blas as found
+from shared.probe import blas_plan as found
 from tests.blas_harness import linux_only, mapped_paths
 
 pytestmark = [pytest.mark.slow, linux_only]

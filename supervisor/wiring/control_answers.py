@@ -14,7 +14,7 @@ from typing_extensions import assert_never
 
 from shared import protocol as p
 from supervisor.doors.api import Supervisor
-from supervisor.doors.errors import ServeError
+from supervisor.doors.refusals import ServeError
 
 log = logging.getLogger("memvisor.control")
 
