@@ -10,10 +10,17 @@ projection in pressure.py's docstring).
 
 from __future__ import annotations
 
-from shared.sizes import GiB, MiB, format_size
+from shared.sizes import GiB, MiB
 from shared.states import LOADING_STATES
 from shared.vocab import PressureLevel
-from supervisor.policy.decisions import AbortLoad, AbortWorkerRequests, MarkForUnload, ReclaimPool, ShrinkHotCache
+from supervisor.policy.decisions import (
+    AbortLoad,
+    AbortWorkerRequests,
+    MarkForUnload,
+    ReclaimPool,
+    ShrinkHotCache,
+    size_text,
+)
 from supervisor.policy.group import is_idle, lru_key
 from supervisor.policy.snapshot import WorkerRecord
 from supervisor.policy.tickstate import MemoryPool, Tick
@@ -100,7 +107,7 @@ def grower_first(t: Tick, emergency: bool) -> bool:
     for w in t.growers:
         if w.pinned or w.worker in t.stopped or w.state == "draining":
             continue
-        rate = format_size(int(t.rates[w.worker]))
+        rate = size_text(int(t.rates[w.worker]))
         why = f"hard pressure and {w.model} grows {rate}/s"
         if w.state in LOADING_STATES:
             out.append(AbortLoad(worker=w.worker, model=w.model, reason=f"{why}: abort its load"))
@@ -138,7 +145,7 @@ def reclaim_grace(t: Tick, level: PressureLevel, emergency: bool) -> bool:
     used = t.prev.grace_ticks + (0 if t.s.recheck else 1)
     for w in fat:
         t.out.append(ReclaimPool(worker=w.worker, model=w.model, reason=(
-            f"{level} pressure: return the {format_size(w.memory.mlx_pool)} allocator pool "
+            f"{level} pressure: return the {size_text(w.memory.mlx_pool)} allocator pool "
             f"(grace {used}/{GRACE_TICKS_MAX}, nothing destroyed)")))
     return bool(fat)
 
@@ -162,7 +169,7 @@ def shrink_hot_cache(t: Tick, pool: MemoryPool) -> None:
                 continue
             t.out.append(ShrinkHotCache(
                 worker=w.worker, model=w.model, target_bytes=w.memory.cache_bytes - take,
-                reason=f"hard {pool.pressure_words}: free {format_size(take)} of prompt cache"))
+                reason=f"hard {pool.pressure_words}: free {size_text(take)} of prompt cache"))
             need -= take
             pool.projected -= take
             shrunk.add(w.worker)
@@ -217,9 +224,9 @@ def evict(t: Tick, pool: MemoryPool, level: PressureLevel, emergency: bool, step
         if pool.held(w) <= 0:
             continue  # D4: stopping it frees nothing in this pool
         if not soft_words:
-            soft_words = format_size(soft)
+            soft_words = size_text(soft)
         t.stop(w, (f"{level} {pool.pressure_words}: stop idle {w.model} (least recently used), "
-                       f"{pool.usage_words} {format_size(pool.projected)} > soft {soft_words}"))
+                       f"{pool.usage_words} {size_text(pool.projected)} > soft {soft_words}"))
         loaded_unpinned -= 1
     if pool.projected <= soft or level != "hard" or stepped:
         return
@@ -249,8 +256,8 @@ def _hard_steps(t: Tick, pool: MemoryPool, emergency: bool) -> None:
         active = [w for w in t.group.serving if w.running or w.queued]
         for w in active:
             out.append(AbortWorkerRequests(worker=w.worker, model=w.model, reason=(
-                f"memory emergency: {pool.usage_words} {format_size(pool.projected)} >= ceiling "
-                f"{format_size(pool.ceiling)}; abort requests of {w.model}, keep it loaded")))
+                f"memory emergency: {pool.usage_words} {size_text(pool.projected)} >= ceiling "
+                f"{size_text(pool.ceiling)}; abort requests of {w.model}, keep it loaded")))
         if active:
             return
     # step 6; a worker P5 already asked to reclaim at its next step boundary needs no second ask

@@ -46,13 +46,16 @@ class WorkerGroup:
     -> the concurrency cap it runs with, P8: what its limits must carry) and `usage_now`
     (worker -> usage of every live worker not draining, the growth estimate's
     sample). `spares`: the spare workers not draining, starting or waiting
-    (SPEC W1: no model); they are neither serving nor loading.
+    (SPEC W1: no model); they are neither serving nor loading. `off_max` and
+    `off_one`: whether some serving worker's cap is not its configured
+    maximum, or not 1 -- whether P8 has a step to take at ok, or under
+    pressure, told without a second walk of the workers.
     """
 
     __slots__ = ("usage", "own", "own_gpu", "hot_used", "draining_usage", "draining_idle_usage", "live",
                  "serving", "loading", "active", "unknown", "growing", "device_bytes",
                  "draining_device_bytes", "cached", "draining_count", "idle", "unpinned", "pids", "caps", "usage_now",
-                 "spares")
+                 "spares", "off_max", "off_one")
 
     def __init__(self, s: Snapshot) -> None:
         usage = own = s.supervisor_footprint
@@ -66,7 +69,7 @@ class WorkerGroup:
         pids: dict[str, int] = {}
         caps: dict[str, int] = {}
         usage_now: dict[str, int] = {}
-        active = unknown = busy = False
+        active = unknown = busy = off_max = off_one = False
         n_unpinned = 0
         for w in s.workers:
             state = w.state
@@ -75,7 +78,7 @@ class WorkerGroup:
             live.append(w)
             name, m = w.worker, w.memory
             pids[name] = w.pid
-            caps[name] = w.concurrency or w.max_concurrency
+            caps[name] = cap = w.concurrency or w.max_concurrency
             u = m.usage
             usage += u
             own += m.footprint
@@ -97,6 +100,10 @@ class WorkerGroup:
                 spares.append(w)
             elif state in _SERVING:
                 serving.append(w)
+                if cap != 1:
+                    off_one = True
+                if cap != w.max_concurrency:
+                    off_max = True
                 if not w.pinned:
                     n_unpinned += 1
                 if w.running or w.queued:
@@ -115,6 +122,7 @@ class WorkerGroup:
         self.draining_count = n_draining
         self.idle, self.unpinned, self.pids, self.caps, self.usage_now = idle, n_unpinned, pids, caps, usage_now
         self.spares = spares
+        self.off_max, self.off_one = off_max, off_one
         self.growing = bool(loading) or busy
 
 

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import msgspec
 
-from shared.sizes import format_size
 from shared.vocab import PressureLevel
 from supervisor.policy.ceilings import Ceilings, reserve_message
 from supervisor.policy.decisions import (
@@ -63,6 +62,7 @@ from supervisor.policy.decisions import (
     PauseAdmission,
     ResumeAdmission,
     Warn,
+    size_text,
 )
 from supervisor.policy.device import (
     DeviceCeilings,
@@ -144,7 +144,7 @@ def warnings(t: Tick) -> tuple[bool, bool]:
     if no_reading and not prev.no_reading_warned:
         out.append(Warn(reason="C2", message=(
             "no memory reading from this machine; the dynamic ceiling falls back to "
-            f"the static one ({format_size(c.static)})")))
+            f"the static one ({size_text(c.static)})")))
     if c.reserve_exceeds_total and not prev.reserve_warned:
         out.append(Warn(reason="C1", message=reserve_message(c)))
     device_short = t.dc is not None and t.dc.reserve_exceeds_total
@@ -299,12 +299,12 @@ def _level_changed(before: PressureLevel, level: PressureLevel, t: Tick, host_le
     return LevelChanged(
         from_level=before, to_level=level, usage=dev_usage, soft=dc.soft, hard=dc.hard, ceiling=dc.ceiling,
         pool="device", reason=(
-            f"device usage {format_size(dev_usage)} against soft {format_size(dc.soft)}, hard "
-            f"{format_size(dc.hard)}, device ceiling {format_size(dc.ceiling)} ({dc.binding})"))
+            f"device usage {size_text(dev_usage)} against soft {size_text(dc.soft)}, hard "
+            f"{size_text(dc.hard)}, device ceiling {size_text(dc.ceiling)} ({dc.binding})"))
 
 
 def _level_reason(level: PressureLevel, usage: int, c: Ceilings) -> str:
     if c.ceiling <= 0:
         return "the guard is off: no limit"
-    return (f"usage {format_size(usage)} against soft {format_size(c.soft)}, hard "
-            f"{format_size(c.hard)}, ceiling {format_size(c.ceiling)} ({c.binding})")
+    return (f"usage {size_text(usage)} against soft {size_text(c.soft)}, hard "
+            f"{size_text(c.hard)}, ceiling {size_text(c.ceiling)} ({c.binding})")
