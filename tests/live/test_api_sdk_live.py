@@ -56,16 +56,19 @@ def test_anthropic_tool_use_named_validates_and_tool_result_is_accepted(server):
 
     async def main():
         client = server.anthropic()
+        # One call, greedy, room to close it: sampled, the random model's arguments could run past
+        # a small budget (JSON whitespace is free) and end max_tokens, 1 run in 5 here.
         first = await client.messages.create(
-            model="a", max_tokens=60, tools=tools,
+            model="a", max_tokens=200, tools=tools, extra_body={"temperature": 0},
             tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
-            messages=[{"role": "user", "content": "Weather in Oslo?"}])  # one call: a second could be cut
+            messages=[{"role": "user", "content": "Weather in Oslo?"}])
         use = first.content[-1]
         follow = [{"role": "user", "content": "Weather in Oslo?"},
                   {"role": "assistant", "content": [{"type": "tool_use", "id": use.id, "name": use.name,
                                                      "input": use.input}]},
                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]}]
-        async with client.messages.stream(model="a", max_tokens=60, tools=tools, tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        async with client.messages.stream(model="a", max_tokens=200, tools=tools, extra_body={"temperature": 0},
+                                          tool_choice={"type": "any", "disable_parallel_tool_use": True},
                                           messages=follow) as stream:
             streamed = await stream.get_final_message()
         return first, streamed
