@@ -11,7 +11,13 @@ import pytest
 
 from shared.host import HostCounters
 from shared.sizes import GiB, MiB
-from supervisor.policy.admission import INSUFFICIENT_MEMORY, MODEL_TOO_LARGE, admit_load, evict_for_prefill
+from supervisor.policy.admission import (
+    INSUFFICIENT_MEMORY,
+    MODEL_TOO_LARGE,
+    admit_load,
+    evict_for_prefill,
+    prefill_room,
+)
 from supervisor.policy.snapshot import GuardSettings, Snapshot, WorkerRecord
 from tests.records import record
 
@@ -128,6 +134,28 @@ def test_g1_evicts_nothing_when_it_cannot_fit_anyway_or_guard_off():
     assert evict_for_prefill(s, "me", 3 * GiB) == []
     off = msgspec.structs.replace(s, guard=GuardSettings(enabled=False))
     assert evict_for_prefill(off, "me", 1 * GiB) == []
+
+
+def test_g1_a_stop_under_way_counts_as_room_and_is_waited_for_before_any_eviction():
+    """A swap had drained a spare (and the leaving model) when that model's worker asked for
+    room: with no idle model to stop, the answer was "nothing" and the request was refused,
+    though the spare's memory came back 0.1 s later. A draining worker with nothing left to
+    finish is room on its way: counted first, waited for, and only the rest is evicted."""
+    s = snap(w("me", 1.0, state="busy", running=1), w("spare", 0.5, model="", state="draining"),
+             w("old", 2.0, last_access=1))
+    room = prefill_room(s, "me", int(0.4 * GiB))
+    assert room.await_exit == ["spare"] and room.stop == [] and room.made
+    room = prefill_room(s, "me", 1 * GiB)  # the spare's half is not enough: "old" covers the rest
+    assert room.await_exit == ["spare"] and room.stop == ["old"]
+    assert evict_for_prefill(s, "me", 1 * GiB) == ["old"]
+
+
+def test_g1_a_stop_still_finishing_requests_is_not_counted_and_the_asker_never_is():
+    """A draining worker still running a request may take as long as the request does; the
+    asking worker's own memory never makes room for itself."""
+    s = snap(w("me", 1.0, state="draining", running=1), w("busy", 0.5, state="draining", running=1))
+    assert not prefill_room(s, "me", int(0.4 * GiB)).made
+    assert not prefill_room(s, "busy", int(0.4 * GiB)).made  # "me" runs a request: not room either
 
 
 @pytest.mark.parametrize("size", [0, 1, 4 * GiB])

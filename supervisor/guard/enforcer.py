@@ -43,7 +43,7 @@ from supervisor.guard.eventlog import Emit
 from supervisor.policy import decisions as d
 from supervisor.policy import pressure as policy
 from supervisor.policy import wired as wired_policy
-from supervisor.policy.admission import FitReport, admit, evict_for_prefill, fit_report
+from supervisor.policy.admission import FitReport, admit, fit_report, prefill_room
 from supervisor.policy.ceilings import Ceilings, wired_limit_advice
 from supervisor.policy.snapshot import PolicyState, Snapshot, WorkerRecord
 from supervisor.policy.status import GuardStatus, build_status, device_pool
@@ -426,12 +426,13 @@ class Enforcer:
         asyncio.get_running_loop().create_task(self._evict_for_prefill(handle, request_id, need_bytes, pool))
 
     async def _evict_for_prefill(self, handle: WorkerHandle, request_id: str, need_bytes: int, pool: PoolName) -> None:
-        """G1: `need_bytes` is the worker's shortfall in `pool`; the answer goes once the victims have exited."""
+        """G1: `need_bytes` is the worker's shortfall in `pool`; the answer goes once the victims,
+        and the stops already under way that count as room, have exited."""
         snapshot = self.snapshot(time.monotonic())
-        victims = evict_for_prefill(snapshot, handle.worker_id, need_bytes, pool=pool)
+        room = prefill_room(snapshot, handle.worker_id, need_bytes, pool=pool)
         held = {w.worker: w.device_bytes if pool == "device" else w.usage for w in snapshot.workers}
         where = "of the device pool's limit" if pool == "device" else "of its limit"
-        for worker_id in victims:
+        for worker_id in room.stop:
             h = self.pool.handles.get(worker_id)
             if h is not None and h.spare:  # W2: a spare is stopped before any model
                 await self.pool.spares.stop(h, f"to make room for a prefill on {handle.model_id}")
@@ -439,8 +440,16 @@ class Enforcer:
                 await self.evict(h, f"prefill of {request_id} on {handle.model_id} is {format_size(need_bytes)} "
                                     f"short {where}; stop idle {h.model_id} ({format_size(held.get(worker_id, 0))})",
                                  f"evicted for a prefill on {handle.model_id}")
+        await self._exits(room.await_exit)
         if handle.live:
-            self.pool.command(handle, p.MemoryAnswer(request_id=request_id, evicted=bool(victims)))
+            self.pool.command(handle, p.MemoryAnswer(request_id=request_id, evicted=room.made))
+
+    async def _exits(self, worker_ids: list[str]) -> None:
+        """Wait for stops already under way to end (the stop's own escalation bounds each)."""
+        waits = [asyncio.shield(h.exited) for w in worker_ids
+                 if (h := self.pool.handles.get(w)) is not None and not h.exited.done()]
+        if waits:
+            await asyncio.wait(waits)
 
 
 def _gpu_share(h: WorkerHandle) -> int:

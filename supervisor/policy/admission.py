@@ -11,7 +11,7 @@ count as gone, each eviction subtracts the victim's usage. Spare workers (W2) ar
 the first room taken, before any idle model.
 
 Public names (stable): LoadVerdict, admit_load, admits_request, evict_for_prefill,
-MODEL_TOO_LARGE, INSUFFICIENT_MEMORY.
+prefill_room, PrefillRoom, MODEL_TOO_LARGE, INSUFFICIENT_MEMORY.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from supervisor.policy.verdict import HOST_TERMS, INSUFFICIENT_MEMORY, MODEL_TOO
 
 __all__ = [
     "INSUFFICIENT_MEMORY", "MODEL_TOO_LARGE", "FitReport", "LoadVerdict", "admit", "admit_load", "admits_request",
-    "evict_for_prefill", "fit_report",
+    "PrefillRoom", "evict_for_prefill", "fit_report", "prefill_room",
 ]
 
 
@@ -131,44 +131,72 @@ def _refusal(model_id: str, c: Ceilings, size: int, after: int) -> tuple[Refusal
         f"{format_size(ceiling)} is free after stopping every idle model")
 
 
-def evict_for_prefill(s: Snapshot, worker: str, need_bytes: int, *, pool: str = "host") -> list[str]:
-    """G1: idle LRU models to stop so that `worker`'s prefill fits.
+class PrefillRoom(msgspec.Struct, frozen=True, kw_only=True):
+    """G1's answer to a worker's shortfall: the idle workers to `stop`, and the stops already
+    under way (`await_exit`) whose memory counts first. Both empty: no room can be made."""
+
+    stop: list[str] = []
+    await_exit: list[str] = []
+
+    @property
+    def made(self) -> bool:
+        return bool(self.stop or self.await_exit)
+
+
+def prefill_room(s: Snapshot, worker: str, need_bytes: int, *, pool: str = "host") -> PrefillRoom:
+    """G1: what to stop, and what to wait for, so that `worker`'s prefill fits.
 
     `need_bytes` is the worker's shortfall (usage + peak - its hard limit, as
     SPEC G1 words it), not the prefill's whole size: the worker already counted
-    the group's usage against its own limit, so what is asked for is what the
-    victims must give back. Victims are the spare workers first (W2), then idle,
-    non-pinned models, least recently used first, never the asking worker; they
-    are taken until the usage they held covers the shortfall.
+    the group's usage against its own limit, so what is asked for is what must
+    come back. A stop already under way with nothing left to finish (a spare
+    stopped for a load, a model a swap has drained) gives its memory back within
+    a fraction of a second: it counts first, and the answer waits for its exit
+    rather than refusing a prefill that fits once it is gone (the worker still
+    sees that memory in the group's usage until then). Then the victims: the
+    spare workers first (W2), then idle, non-pinned models, least recently used
+    first, never the asking worker, taken until what they held covers the rest.
 
     With `pool` "device" the shortfall is in the discrete device's pool
-    (SPEC D: a prefill's peak on a CUDA worker is device memory): a victim
+    (SPEC D: a prefill's peak on a CUDA worker is device memory): a worker
     covers it with its device bytes, and one that holds none is passed over.
 
-    Returns [] when the guard is off, when nothing is short, or when stopping
-    every idle model would still not cover it (the worker then rejects the
-    request instead of costing other models their place for nothing).
+    Empty when the guard is off, when nothing is short, or when all of it would
+    still not cover the shortfall (the worker then rejects the request instead
+    of costing other models their place for nothing).
     """
     g = WorkerGroup(s)
     need = max(0, need_bytes)
     if ceilings_for(s, g).worker_ceiling <= 0 or need == 0:
-        return []
+        return PrefillRoom()
     device = pool == "device"
     if device:
         dc = device_ceilings_for(s, g)
         if dc is None or dc.ceiling <= 0:
-            return []
+            return PrefillRoom()
+    leaving = [w for w in g.live if w.state == "draining" and w.worker != worker and not (w.running or w.queued)]
+    awaited, freed = _cover(leaving, 0, need, device)
+    chosen, freed = _cover(_room(g, exclude_worker=worker), freed, need, device)
+    return PrefillRoom(stop=chosen, await_exit=awaited) if freed >= need else PrefillRoom()
+
+
+def _cover(workers: list[WorkerRecord], freed: int, need: int, device: bool) -> tuple[list[str], int]:
+    """Take `workers` in order until what they hold, on top of `freed`, covers `need`."""
     chosen: list[str] = []
-    freed = 0
-    for w in _room(g, exclude_worker=worker):
-        held = w.device_bytes if device else w.usage
+    for w in workers:
         if freed >= need:
             break
+        held = w.device_bytes if device else w.usage
         if device and held <= 0:  # stopping it frees nothing in this pool
             continue
         chosen.append(w.worker)
         freed += held
-    return chosen if freed >= need else []
+    return chosen, freed
+
+
+def evict_for_prefill(s: Snapshot, worker: str, need_bytes: int, *, pool: str = "host") -> list[str]:
+    """G1: the idle workers to stop so that `worker`'s prefill fits (`prefill_room`'s `stop`)."""
+    return prefill_room(s, worker, need_bytes, pool=pool).stop
 
 
 class FitReport(msgspec.Struct, frozen=True, kw_only=True):

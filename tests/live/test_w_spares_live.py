@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -197,6 +198,40 @@ def test_w1_a_stopped_spare_is_found_wedged_and_the_request_that_came_is_served(
                 assert arb.pool.worker_for("a").pid != spare.pid
             finally:
                 if spare.state != "dead":
+                    os.kill(spare.pid, signal.SIGKILL)
+
+    asyncio.run(main())
+
+
+def test_g1_w2_a_spare_already_stopping_is_room_a_prefill_waits_for(tiny_models, runtime_dir):
+    """G1 through real workers: the ceiling drops under a spare (SIGSTOPped, so its stop lasts
+    the whole drain grace) and the guard stops it first (W2). A prompt sent to the pinned model
+    meanwhile is short while the spare's memory is still counted; no idle model is left to stop.
+    Before, the supervisor answered "nothing to evict" and the request was refused with
+    prefill_memory_exceeded; the spare's stop is room on its way: the answer waits for its exit,
+    and the request is served after it."""
+    config = make_config([ModelConfig(id="a", path=str(tiny_models.a), pinned=True)], spare_workers=1,
+                         stop_grace=4.0, guard=GuardConfig(tier="custom", soft_threshold=0.97, hard_threshold=0.99,
+                                                           hot_cache_max=0, disk_cache_max=0))
+
+    async def main():
+        async with Running(config, runtime_dir) as arb:
+            await arb.models.load("a")
+            spare = await ready_spare(arb)
+            await asyncio.sleep(0.5)
+            arb.enforcer.tick(time.monotonic())
+            usage, held = arb.enforcer.last.usage, spare.sample.memory.usage
+            os.kill(spare.pid, signal.SIGSTOP)
+            try:
+                # the worker's hard limit half a spare below the group's usage: over it with the
+                # spare, well under it (with a short prompt's peak) without
+                arb.service.update_guard(p.GuardUpdate(tier="custom", custom_ceiling=int((usage - held // 2) / 0.99)))
+                await until(lambda: spare.state == "draining", 10, "the guard stopping the spare first (W2)")
+                end = await generate(arb)
+                assert isinstance(end, p.Finished), end
+                assert spare.state in ("stopped", "dead"), "the request was served before the spare's memory came back"
+            finally:
+                if spare.state not in ("stopped", "dead"):
                     os.kill(spare.pid, signal.SIGKILL)
 
     asyncio.run(main())

@@ -32,10 +32,6 @@ async def thrash_once(arb) -> None:
         assert (await ask(arb, model)).outcome == "ok"
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "open defect (2026-12-05): the third request, for the model a swap is leaving, is sometimes refused "
-    "by its worker's G1 with prefill_memory_exceeded around the swap (1 of 2 runs alone, 2 of 4 full slow "
-    "runs on 2026-12-05); cause not yet found"))
 def test_w5_a_concurrent_alternating_client_loses_no_request(pair, runtime_dir):
     """Requests for a and b every 0.3 s, none waiting for the last: each swap serves what
     waited, and no request fails (on main at 8fb108d, 8 of 12 failed: model_unloading,
