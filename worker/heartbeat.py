@@ -19,15 +19,28 @@ from __future__ import annotations
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Literal
 
 import zmq
 
 from shared import protocol as p
 from shared.vocab import LoadPhase
-from worker.loader import bytes_read_so_far
 
 LOAD_REPORT_INTERVAL = 0.25  # seconds between reports while the model loads (W6)
+_PROC_IO = Path("/proc/self/io")
+
+
+def bytes_read_so_far() -> int:
+    """Bytes this process has read through read() and its kind (0 where the OS does not count them)."""
+    try:
+        with _PROC_IO.open("rb") as f:
+            for line in f:
+                if line.startswith(b"rchar:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 class StepClock:
@@ -40,12 +53,13 @@ class StepClock:
         self.steps = 0
         self.tokens = 0
         # W6: the phase of the model's load in progress ("" when none), and the process's
-        # bytes read when it began (worker.loader counts the weights read against it)
+        # bytes read when it began (the weights read are counted against it)
         self.load_phase: LoadPhase | Literal[""] = ""
         self.read_base = 0
 
-    def start_load(self, read_base: int) -> None:
-        self.read_base = read_base
+    def start_load(self) -> None:
+        """A load begins (worker.loader): the bytes read from now on are its weights."""
+        self.read_base = bytes_read_so_far()
 
     def enter_step(self) -> None:
         self.step_started = time.monotonic()

@@ -8,7 +8,7 @@ read before it returns), each timed as a phase, and names the phase in progress
 on the worker's `StepClock`, which its heartbeat thread reports with the bytes
 read so far (`Alive.load_phase`, `Alive.bytes_read`).
 
-The bytes read are the process's own (`/proc/self/io`'s rchar, Linux): MLX
+The bytes read are the process's own (`/proc/self/io`'s rchar, Linux; `worker.heartbeat` reads them): MLX
 reads the weight files with read(), so the count grows as the weights come in.
 Where there is no such count, 0 is reported and the supervisor shows the
 footprint's growth instead.
@@ -31,7 +31,6 @@ from shared.vocab import LoadPhase
 if TYPE_CHECKING:
     from worker.heartbeat import StepClock
 
-_PROC_IO = Path("/proc/self/io")
 # Tests only: seconds the `read` phase lasts after the weights are in (a client watching the
 # load's progress sees the phase and the bytes read; the delays of worker/loop.py come before).
 READ_DELAY_ENV = "MEMVISOR_TEST_READ_DELAY"
@@ -44,25 +43,13 @@ def _read_delay() -> float:
         return 0.0
 
 
-def bytes_read_so_far() -> int:
-    """Bytes this process has read through read() and its kind (0 where the OS does not count them)."""
-    try:
-        with _PROC_IO.open("rb") as f:
-            for line in f:
-                if line.startswith(b"rchar:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
 class LoadMeter:
     """The seconds each phase of one load took, and the phase in progress on `clock`."""
 
     def __init__(self, clock: StepClock) -> None:
         self.clock = clock
         self.phases: dict[LoadPhase, float] = {}
-        clock.start_load(bytes_read_so_far())
+        clock.start_load()
 
     @contextlib.contextmanager
     def phase(self, name: LoadPhase) -> Iterator[None]:
@@ -95,39 +82,3 @@ def load_generator(directory: Path, meter: LoadMeter | None) -> tuple[Any, Any]:
 
 def _phase(meter: LoadMeter | None, name: LoadPhase) -> contextlib.AbstractContextManager[None]:
     return meter.phase(name) if meter is not None else contextlib.nullcontext()
-
-
-def prepare_engine() -> str:
-    """What a spare does before any model is named (SPEC W1): import MLX, mlx-lm, the
-    tokenizer stack and the engine, and run one tiny computation on the default device
-    (the CPU's BLAS and threads, or a GPU's context, set up). Also what a fresh worker
-    does first, so both load from the same point. Returns the default device's name."""
-    import mlx.core as mx
-    import mlx_lm.models.llama  # noqa: F401  (the architecture of most models, and of the demo's)
-    import mlx_lm.tokenizer_utils  # noqa: F401
-    import mlx_lm.utils  # noqa: F401
-
-    import worker.engine  # noqa: F401  (the engine and everything a request touches first)
-    import worker.tokens  # noqa: F401
-
-    _import_what_the_first_tokenizer_does()
-    a = mx.ones((64, 64))
-    mx.eval(a @ a)
-    return str(mx.default_device())
-
-
-# What transformers imports the first time a process builds a tokenizer (4.57: PIL through its
-# image and video processors' modules, a llama config's module): 10 ms of CPU, and 50-90 ms
-# of a loaded 2-core machine's wall clock, that a spare pays before the load instead of during it.
-FIRST_TOKENIZER_IMPORTS = ("transformers.image_utils", "transformers.video_utils", "transformers.image_transforms",
-                           "transformers.utils.type_validators", "transformers.models.llama.configuration_llama")
-
-
-def _import_what_the_first_tokenizer_does() -> None:
-    import importlib
-
-    for name in FIRST_TOKENIZER_IMPORTS:
-        try:
-            importlib.import_module(name)
-        except ImportError:  # another transformers: its first tokenizer pays what it pays
-            pass

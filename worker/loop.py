@@ -104,9 +104,9 @@ class Worker:
 
         from shared.probe import gpu_kind
         from worker.allocator import AllocatorLimits
-        from worker.loader import prepare_engine
         from worker.own_memory import MemorySampler, set_discrete_device
         from worker.readings import Readings
+        from worker.warm_start import prepare_engine
 
         device = prepare_engine()
         try:
