@@ -173,11 +173,11 @@ def admission(t: Tick, level: PressureLevel) -> bool:
 def expire_ttl(t: Tick) -> None:
     """P10: unload idle models past their TTL; pinned models never expire."""
     now, default = t.s.now, t.s.guard.idle_timeout
-    for w in t.group.serving:
+    for w in t.group.timed:  # serving, not pinned, a TTL above 0
         ttl = default if w.ttl is None else w.ttl
-        if ttl <= 0 or now - w.last_access <= ttl:  # cheapest test first: most never expire
+        if now - w.last_access <= ttl:  # cheapest test first: most never expire
             continue
-        if w.pinned or w.marked_for_unload or not is_idle(w) or w.worker in t.stopped:
+        if w.marked_for_unload or not is_idle(w) or w.worker in t.stopped:
             continue
         idle_for = now - w.last_access
         t.out.append(ExpireTTL(worker=w.worker, model=w.model, reason=(
@@ -200,9 +200,9 @@ def _until_expiry(t: Tick) -> float:
     """P10 at a slow cadence: wake for the next TTL expiry (a second at the finest), not 10 s late."""
     now, default, fine = t.s.now, t.s.guard.idle_timeout, t.s.guard.poll_interval
     soonest = float("inf")
-    for w in t.group.serving:
+    for w in t.group.timed:  # serving, not pinned, a TTL above 0
         ttl = default if w.ttl is None else w.ttl
-        if w.pinned or w.marked_for_unload or ttl <= 0 or w.worker in t.stopped:
+        if w.marked_for_unload or w.worker in t.stopped:
             continue
         soonest = min(soonest, max(fine, ttl - (now - w.last_access) + 0.01))
     return soonest
