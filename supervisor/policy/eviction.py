@@ -192,7 +192,7 @@ def stop_marked(t: Tick, level: PressureLevel) -> None:
     """
     if t.c.ceiling <= 0:
         return  # the guard is off: it destroys nothing (a new request replaces the worker)
-    drained = [w for w in t.group.idle if w.marked_for_unload and not w.pinned]
+    drained = [w for w in t.group.marked if not w.pinned]  # idle and marked
     for w in sorted(drained, key=lru_key):
         when = f"{level} pressure" if level != "ok" else "after the pressure"
         t.stop(w, f"{when}: {w.model} was marked for unload in an emergency and has drained")

@@ -71,7 +71,8 @@ class WorkerGroup:
     (SPEC W1: no model); they are neither serving nor loading. `timed`: the
     serving workers P10 may expire (not pinned, a TTL above 0, their own or
     `idle_timeout`), in snapshot order: with no TTL configured (the default)
-    it is empty and P10 walks no worker. `off_max` and
+    it is empty and P10 walks no worker. `marked`: the idle workers marked
+    for unload (P6.1 stops them; most ticks there are none). `off_max` and
     `off_one`: whether some serving worker's cap is not its configured
     maximum, or not 1 -- whether P8 has a step to take at ok, or under
     pressure, told without a second walk of the workers.
@@ -80,7 +81,7 @@ class WorkerGroup:
     __slots__ = ("usage", "own", "own_gpu", "hot_used", "draining_usage", "draining_idle_usage", "live",
                  "serving", "loading", "active", "unknown", "growing", "device_bytes",
                  "draining_device_bytes", "cached", "draining_count", "idle", "unpinned", "pids", "caps", "usage_now",
-                 "spares", "timed", "off_max", "off_one")
+                 "spares", "timed", "marked", "off_max", "off_one")
 
     def __init__(self, s: Snapshot) -> None:
         usage = own = s.supervisor_footprint
@@ -91,6 +92,7 @@ class WorkerGroup:
         idle: list[WorkerRecord] = []
         spares: list[WorkerRecord] = []
         timed: list[WorkerRecord] = []
+        marked: list[WorkerRecord] = []
         default_ttl = s.guard.idle_timeout
         pids: dict[str, int] = {}
         caps: dict[str, int] = {}
@@ -138,6 +140,8 @@ class WorkerGroup:
                     active = busy = True
                 elif w.state == "ready":
                     idle.append(w)
+                    if w.marked_for_unload:
+                        marked.append(w)
             elif role is _LOADS:
                 loading.append(w)
             else:  # wedged: no trustworthy activity reading
@@ -151,7 +155,7 @@ class WorkerGroup:
         self.device_bytes, self.draining_device_bytes = device, draining_device
         self.draining_count = n_draining
         self.idle, self.unpinned, self.pids, self.caps, self.usage_now = idle, len(serving) - n_pinned, pids, caps, usage_now
-        self.spares, self.timed = spares, timed
+        self.spares, self.timed, self.marked = spares, timed, marked
         self.off_max, self.off_one = off_max, off_one
         self.growing = bool(loading) or busy
 
