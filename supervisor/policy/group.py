@@ -68,10 +68,7 @@ class WorkerGroup:
     -> the concurrency cap it runs with, P8: what its limits must carry) and `usage_now`
     (worker -> usage of every live worker not draining, the growth estimate's
     sample). `spares`: the spare workers not draining, starting or waiting
-    (SPEC W1: no model); they are neither serving nor loading. `timed`: the
-    serving workers P10 may expire (not pinned, a TTL above 0, their own or
-    `idle_timeout`), in snapshot order: with no TTL configured (the default)
-    it is empty and P10 walks no worker. `marked`: the idle workers marked
+    (SPEC W1: no model); they are neither serving nor loading. `marked`: the idle workers marked
     for unload (P6.1 stops them; most ticks there are none). `off_max` and
     `off_one`: whether some serving worker's cap is not its configured
     maximum, or not 1 -- whether P8 has a step to take at ok, or under
@@ -81,7 +78,7 @@ class WorkerGroup:
     __slots__ = ("usage", "own", "own_gpu", "hot_used", "draining_usage", "draining_idle_usage", "live",
                  "serving", "loading", "active", "unknown", "growing", "device_bytes",
                  "draining_device_bytes", "cached", "draining_count", "idle", "unpinned", "pids", "caps", "usage_now",
-                 "spares", "timed", "marked", "off_max", "off_one")
+                 "spares", "marked", "off_max", "off_one")
 
     def __init__(self, s: Snapshot) -> None:
         usage = own = s.supervisor_footprint
@@ -91,9 +88,7 @@ class WorkerGroup:
         cached: list[WorkerRecord] = []
         idle: list[WorkerRecord] = []
         spares: list[WorkerRecord] = []
-        timed: list[WorkerRecord] = []
         marked: list[WorkerRecord] = []
-        default_ttl = s.guard.idle_timeout
         pids: dict[str, int] = {}
         caps: dict[str, int] = {}
         usage_now: dict[str, int] = {}
@@ -134,8 +129,6 @@ class WorkerGroup:
                     off_max = True
                 if w.pinned:
                     n_pinned += 1
-                elif (default_ttl if w.ttl is None else w.ttl) > 0:
-                    timed.append(w)
                 if w.running or w.queued:
                     active = busy = True
                 elif w.state == "ready":
@@ -155,7 +148,7 @@ class WorkerGroup:
         self.device_bytes, self.draining_device_bytes = device, draining_device
         self.draining_count = n_draining
         self.idle, self.unpinned, self.pids, self.caps, self.usage_now = idle, len(serving) - n_pinned, pids, caps, usage_now
-        self.spares, self.timed, self.marked = spares, timed, marked
+        self.spares, self.marked = spares, marked
         self.off_max, self.off_one = off_max, off_one
         self.growing = bool(loading) or busy
 

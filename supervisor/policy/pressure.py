@@ -90,7 +90,7 @@ from supervisor.policy.group import (
     is_idle,
     over_ceiling,
 )
-from supervisor.policy.snapshot import PolicyState, Snapshot
+from supervisor.policy.snapshot import PolicyState, Snapshot, WorkerRecord
 from supervisor.policy.spares import keep_spares, stop_spares
 from supervisor.policy.tickstate import Tick
 from supervisor.policy.worker_limits import limits_to_hand_out
@@ -173,16 +173,23 @@ def admission(t: Tick, level: PressureLevel) -> bool:
 def expire_ttl(t: Tick) -> None:
     """P10: unload idle models past their TTL; pinned models never expire."""
     now, default = t.s.now, t.s.guard.idle_timeout
-    for w in t.group.timed:  # serving, not pinned, a TTL above 0
+    for w in _with_ttl(t):
         ttl = default if w.ttl is None else w.ttl
-        if now - w.last_access <= ttl:  # cheapest test first: most never expire
+        if ttl <= 0 or now - w.last_access <= ttl:  # cheapest test first: most never expire
             continue
-        if w.marked_for_unload or not is_idle(w) or w.worker in t.stopped:
+        if w.pinned or w.marked_for_unload or not is_idle(w) or w.worker in t.stopped:
             continue
         idle_for = now - w.last_access
         t.out.append(ExpireTTL(worker=w.worker, model=w.model, reason=(
             f"{w.model} idle for {idle_for:.0f} s, longer than its TTL of {ttl:g} s")))
         t.gone(w)
+
+
+def _with_ttl(t: Tick) -> list[WorkerRecord]:
+    """The serving workers that may have a TTL (P10): every one when `idle_timeout` is set, else
+    only those with one of their own. Most setups set none, and P10 then walks no worker."""
+    serving = t.group.serving
+    return serving if t.s.guard.idle_timeout > 0 else [w for w in serving if w.ttl is not None]
 
 
 def next_interval(t: Tick, level: PressureLevel) -> float:
@@ -200,9 +207,9 @@ def _until_expiry(t: Tick) -> float:
     """P10 at a slow cadence: wake for the next TTL expiry (a second at the finest), not 10 s late."""
     now, default, fine = t.s.now, t.s.guard.idle_timeout, t.s.guard.poll_interval
     soonest = float("inf")
-    for w in t.group.timed:  # serving, not pinned, a TTL above 0
+    for w in _with_ttl(t):
         ttl = default if w.ttl is None else w.ttl
-        if w.marked_for_unload or w.worker in t.stopped:
+        if w.pinned or w.marked_for_unload or ttl <= 0 or w.worker in t.stopped:
             continue
         left = ttl - (now - w.last_access) + 0.01
         if left < soonest:
