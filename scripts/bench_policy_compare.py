@@ -19,15 +19,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_policy_instructions import LOAD_TREE_BENCH  # noqa: E402
+
 # Run in a fresh process, in the tree under test: the best mean us/tick of that tree's bench.
-_DRIVER = """
-import importlib.util, sys
-tree, scenario, n, budget = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
-sys.path.insert(0, tree)
-spec = importlib.util.spec_from_file_location("bench_policy", tree + "/scripts/bench_policy.py")
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
-print(bench.time_tick(getattr(bench, scenario)(n), budget))
+_DRIVER = LOAD_TREE_BENCH + """
+print(bench.time_tick(getattr(bench, scenario)(n), float(sys.argv[4])))
 """
 
 
