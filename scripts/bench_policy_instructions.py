@@ -28,14 +28,20 @@ from pathlib import Path
 
 SCENARIOS = ("quiet", "steady", "pressure")
 
-# Run inside valgrind, in the tree under test: build the scenario, tick it.
-_DRIVER = """
+# The start of a driver run in a fresh process: the tree under test's own bench_policy.py, as `bench`
+# (argv: tree, scenario, worker count, then the driver's own). Also bench_policy_compare.py's.
+LOAD_TREE_BENCH = """
 import importlib.util, sys
-tree, scenario, n, ticks = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+tree, scenario, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 sys.path.insert(0, tree)
 spec = importlib.util.spec_from_file_location("bench_policy", tree + "/scripts/bench_policy.py")
 bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)
+"""
+
+# Run inside valgrind, in the tree under test: build the scenario, tick it.
+_DRIVER = LOAD_TREE_BENCH + """
+ticks = int(sys.argv[4])
 a, b = getattr(bench, scenario)(n)
 tick = bench.tick
 tick(a), tick(b)  # warm: first calls fill caches (struct types, format strings)

@@ -192,7 +192,7 @@ def stop_marked(t: Tick, level: PressureLevel) -> None:
     """
     if t.c.ceiling <= 0:
         return  # the guard is off: it destroys nothing (a new request replaces the worker)
-    drained = (w for w in t.group.idle if w.marked_for_unload and not w.pinned)
+    drained = [w for w in t.group.marked if not w.pinned]  # idle and marked
     for w in sorted(drained, key=lru_key):
         when = f"{level} pressure" if level != "ok" else "after the pressure"
         t.stop(w, f"{when}: {w.model} was marked for unload in an emergency and has drained")
@@ -211,8 +211,8 @@ def evict(t: Tick, pool: MemoryPool, level: PressureLevel, emergency: bool, step
     if pool.projected <= soft:
         return
     stopped = t.stopped
-    idle = sorted((w for w in t.group.idle if not w.pinned and not w.marked_for_unload
-                   and w.worker not in stopped), key=lru_key)
+    idle = [w for w in t.group.idle if not w.pinned and not w.marked_for_unload and w.worker not in stopped]
+    idle.sort(key=lru_key)
     # every serving worker stopped so far this tick was unpinned (P6.1, the grower, step 2); spares serve none
     loaded_unpinned = t.group.unpinned - (sum(1 for w in t.group.serving if w.worker in stopped) if stopped else 0)
     soft_words = ""

@@ -105,7 +105,7 @@ def limits_to_hand_out(
                 why = "other workers' prompt caches changed"
             else:
                 continue
-        mine = own.get(worker, 0) if own else 0
+        mine = own[worker] if worker in own else 0
         if not mine:
             limits = plain.get(cap)
             if limits is None:
