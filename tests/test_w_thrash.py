@@ -10,7 +10,18 @@ import pytest
 from shared.host import HostCounters
 from shared.sizes import GiB, MiB
 from supervisor.policy.snapshot import GuardSettings, Snapshot, WorkerRecord
-from supervisor.policy.thrash import SETTLE, Swap, Thrash, changes, hand_over, in_the_way, recent, thrashing, together
+from supervisor.policy.thrash import (
+    HOLD_SETTLE,
+    SETTLE,
+    Swap,
+    Thrash,
+    changes,
+    hand_over,
+    in_the_way,
+    recent,
+    thrashing,
+    together,
+)
 from tests.records import record
 
 
@@ -68,9 +79,12 @@ def test_w5_an_episode_is_said_once_when_it_begins_and_once_when_it_ends():
 # (name, waited, quiet, thrashing, hold, commit, expected); quiet: seconds since the model had work
 HAND_OVER_TABLE = [
     ("W5 off (hold 0): admission at once, busy or not", 0.0, 0.0, True, 0.0, 60.0, "go"),
-    ("nothing left to serve: go", 0.0, SETTLE, True, 2.0, 60.0, "go"),
-    ("the hold ends as soon as the loaded model has nothing queued", 1.0, SETTLE, True, 2.0, 60.0, "go"),
+    ("nothing left to serve: go", 0.0, HOLD_SETTLE, True, 2.0, 60.0, "go"),
+    ("the hold ends as soon as the loaded model has nothing queued", 1.0, HOLD_SETTLE, True, 2.0, 60.0, "go"),
     ("... but not in the gap before a client's next request", 1.0, SETTLE / 2, True, 2.0, 60.0, "hold"),
+    ("... nor in that gap on a loaded machine (0.1 s; it ended a 2 s hold at 0.7 s)", 1.0, 0.1, True, 2.0, 60.0,
+     "hold"),
+    ("closed: nothing new comes, the short settle is enough", 2.5, SETTLE, True, 2.0, 60.0, "go"),
     ("thrashing: the loaded model keeps serving", 0.0, 0.0, True, 2.0, 60.0, "hold"),
     ("thrashing: ... for up to thrash_hold", 1.99, 0.0, True, 2.0, 60.0, "hold"),
     ("thrashing: then it is closed and finishes what it has", 2.0, 0.0, True, 2.0, 60.0, "close"),

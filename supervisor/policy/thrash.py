@@ -127,14 +127,19 @@ def changes(before: Sequence[Thrash], after: Sequence[Thrash]) -> tuple[list[Thr
 # comes a few milliseconds after its last answer, and two requests batched together end in the
 # same step; a hold must not end in that gap (it would end a hold that W5 wants to go on).
 SETTLE = 0.05
+# While a hold is on, that gap is the client's whole turn: its answer read, its next request sent,
+# the front door and the loop under load. On a loaded 2-core machine it passed 50 ms and ended a
+# 2 s hold after 0.7 s (the full slow suite, 2026-12-05); a hold is there to span those gaps.
+HOLD_SETTLE = 0.25
 
 
 def hand_over(*, waited: float, quiet: float, thrashing: bool, hold: float, commit: float,
-              settle: float = SETTLE) -> HandOver:
+              settle: float = SETTLE, hold_settle: float = HOLD_SETTLE) -> HandOver:
     """What a load does about the models it must stop, `waited` seconds after it began asking.
 
     `quiet`: seconds since those models last had work (0: they have some now);
-    they are busy while it is under `settle`. `hold` is `[guard] thrash_hold`
+    they are busy while it is under `settle` (`hold_settle` while a hold is on:
+    a client's next request is what the hold waits for). `hold` is `[guard] thrash_hold`
     (0: W5 off, admission decides at once, as before W5); `commit` the longest
     a load waits for a closed model to finish the work it has (`[supervisor]
     queue_deadline`, what a request already accepts to wait for admission).
@@ -145,9 +150,10 @@ def hand_over(*, waited: float, quiet: float, thrashing: bool, hold: float, comm
     served after them instead of refused for them (or, before W5, failing
     theirs); a job that outlasts `commit` still gets A3's answer.
     """
-    if hold <= 0 or quiet >= settle:
+    holding = thrashing and waited < hold
+    if hold <= 0 or quiet >= (hold_settle if holding else settle):
         return "go"
-    if thrashing and waited < hold:
+    if holding:
         return "hold"
     return "close" if waited < (hold if thrashing else 0.0) + commit else "give_up"
 
