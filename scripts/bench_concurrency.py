@@ -21,6 +21,16 @@ send -> last end, prefill included) and TTFT; then the decode window and the
 inter-token latency (1 / the median stream's decode rate, AIPerf's ITL). The
 goals of issue 33 at the largest count: output tok/s >= mlx_lm.server's and
 ITL <= 1.2 x its. Medians over rounds; the machine is shared: compare ratios.
+
+Why the paired ratios and the CPU figures (2026-12-05): on the shared 2-core
+machine one server's rate at 4 streams moved 0.74 -> 1.40 tok/s between two
+rounds a few minutes apart, so a median of 2 rounds per server says little.
+Each round's memvisor / mlx_lm.server ratio is taken from the two servers'
+turns of that round, run back to back; the server's CPU seconds per output
+token (memvisor: the supervisor and its workers; mlx_lm.server: its process)
+is the work each did, which the load moves much less than the wall time. The
+whole run splits into the wait for the last first token (prefill) and the
+decode tail after it.
 """
 
 from __future__ import annotations
@@ -70,6 +80,9 @@ def summary(rounds: list[dict]) -> dict:
     med = statistics.median
     decode = [r["decode_tps_median"] for r in rounds if r["decode_tps_median"]]
     return {"tok_s": med(r["tok_s"] for r in rounds), "ttft_s": med(r["ttft_median_s"] for r in rounds),
+            "ttft_last_s": med(r["ttft_max_s"] for r in rounds),
+            "tail_s": med(r["wall_s"] - r["ttft_max_s"] for r in rounds),
+            "cpu_ms_tok": med((r["cpu_main_us_per_tok"] + r["cpu_children_us_per_tok"]) / 1000 for r in rounds),
             "window_tps": med(r["window_tps"] for r in rounds),
             "itl_s": 1.0 / med(decode) if decode else float("inf"),
             "prompt_tokens": rounds[0]["prompt_tokens"], "wall_s": sum(r["wall_s"] for r in rounds)}
@@ -100,23 +113,25 @@ def main(argv: list[str] | None = None) -> int:
                              f'pinned = true\n', work / "memvisor")
         theirs, their_side = mlx_server(folder, work, [top], top, client, args.words, None)
         their_base = their_side.base
-        servers = {"memvisor": (ours.base, MODEL_ID), "mlx_lm.server": (their_base, str(folder))}
-        proc = client.Proc(None)
+        servers = {"memvisor": (ours.base, MODEL_ID, client.Proc(ours.proc.pid)),
+                   "mlx_lm.server": (their_base, str(folder), client.Proc(theirs.pid))}
         try:
-            for label, (base, model) in servers.items():
+            for label, (base, model, proc) in servers.items():
                 for n in counts:  # as stream_client's own warm-up: every batch shape once
                     asyncio.run(client.round_(base, model, n, 16, args.words, f"warm {label} {n}", proc))
             for r in range(args.rounds):
                 order = list(servers) if r % 2 == 0 else list(reversed(servers))
                 for label in order:
-                    base, model = servers[label]
+                    base, model, proc = servers[label]
                     for n in counts:
                         out = asyncio.run(client.round_(base, model, n, args.tokens, args.words,
                                                         f"round {r} {label} {n}", proc))
                         results[label].setdefault(n, []).append(out)
                         print(f"[{label}] round {r} @{n}: {out['tok_s']:.2f} tok/s, TTFT median "
                               f"{out['ttft_median_s']:.2f} s, per-stream decode {out['decode_tps_median'] or 0:.2f} "
-                              f"tok/s; load average {os.getloadavg()[0]:.2f}", flush=True)
+                              f"tok/s, last first token {out['ttft_max_s']:.2f} s, server CPU "
+                              f"{(out['cpu_main_us_per_tok'] + out['cpu_children_us_per_tok']) / 1000:.0f} ms "
+                              f"per token; load average {os.getloadavg()[0]:.2f}", flush=True)
         finally:
             ours.close()
             stop(theirs)
@@ -130,6 +145,17 @@ def main(argv: list[str] | None = None) -> int:
     for label, by_n in figures.items():
         for n, f in by_n.items():
             print(f"  {label:<14} @{n}: window {f['window_tps']:6.2f} tok/s, ITL {f['itl_s'] * 1000:7.0f} ms")
+    print("where the time went: send -> last first token (prefill) + the decode tail after it; server CPU per token:")
+    for label, by_n in figures.items():
+        for n, f in by_n.items():
+            print(f"  {label:<14} @{n}: {f['ttft_last_s']:6.2f} s + {f['tail_s']:5.2f} s; "
+                  f"CPU {f['cpu_ms_tok']:5.0f} ms per output token")
+    paired = [o["tok_s"] / t["tok_s"] for o, t in zip(results["memvisor"][top], results["mlx_lm.server"][top])]
+    cpu = [(t["cpu_main_us_per_tok"] + t["cpu_children_us_per_tok"]) / (o["cpu_main_us_per_tok"] +
+           o["cpu_children_us_per_tok"]) for o, t in zip(results["memvisor"][top], results["mlx_lm.server"][top])]
+    print(f"at {top} streams, each round's memvisor / mlx_lm.server output tok/s: "
+          f"{', '.join(f'{x:.2f}x' for x in paired)} (median {statistics.median(paired):.2f}x); "
+          f"mlx_lm.server's CPU per token / memvisor's: median {statistics.median(cpu):.2f}x")
     ours_f, theirs_f = figures["memvisor"][top], figures["mlx_lm.server"][top]
     rate, itl = ours_f["tok_s"] / theirs_f["tok_s"], ours_f["itl_s"] / theirs_f["itl_s"]
     print(f"at {top} streams, memvisor / mlx_lm.server: output tok/s {rate:.2f}x (goal >= 1: "

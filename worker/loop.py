@@ -48,6 +48,10 @@ log = logging.getLogger("memvisor.worker")
 
 # Tests only: seconds every engine step with work sleeps first, standing in for
 # a prefill chunk that computes for a long time (the wedge and liveness tests).
+# An idle worker woken by a request waits this long for the next one before its first step,
+# and at most BURST_SECONDS in all (gather_burst says why).
+BURST_QUIET_MS = 15
+BURST_SECONDS = 0.05
 STEP_DELAY_ENV = "MEMVISOR_TEST_STEP_DELAY"
 LOAD_DELAY_ENV = "MEMVISOR_TEST_LOAD_DELAY"  # the same, before the model loads
 
@@ -202,7 +206,10 @@ class Worker:
     def loop(self) -> int:
         assert self.engine is not None and self.allocator is not None  # serve() set both up
         while True:
+            idle = not self.engine.has_work
             self.take_commands(block_ms=self.idle_wait_ms())
+            if idle and self.engine.has_work:
+                self.gather_burst()
             if os.getppid() != self.spec.supervisor_pid:
                 log.error("the supervisor (pid %d) is gone; exiting so no memory is held",
                           self.spec.supervisor_pid)
@@ -231,6 +238,27 @@ class Worker:
                 self.tiers.save()
                 log.info("drained; exiting")
                 return 0
+
+    def gather_burst(self) -> None:
+        """Requests sent together reach an idle worker a few ms apart: take the ones right behind
+        the first (each within BURST_QUIET_MS of the last, BURST_SECONDS at most) before a step.
+
+        Why: commands are read between steps only. The first of 4 requests sent at once started
+        its prefill alone, and the other 3, in the socket 1 ms later, waited for that whole first
+        step (1.4-2.7 s on SmolLM2 Q4_1 on a CPU) and were then grouped apart from it: two
+        prefills and, while the three prefilled, the first decoding alone, one forward pass per
+        token (~33 ms of fixed cost each there) and guessing ahead (worker/speculate.py) whose
+        checks cost whole passes. Taken together they form one group (worker/group_prefill.py)
+        and one decode batch, as mlx_lm.server batches them. A lone request pays the quiet wait."""
+        assert self.engine is not None  # called from loop(), once the model is loaded
+        if getattr(self.engine, "max_concurrency", 1) <= 1:
+            return  # nothing could join it
+        deadline = time.monotonic() + BURST_SECONDS
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0 or not self.wire.wait(min(BURST_QUIET_MS, left_ms)):
+                return
+            self.take_commands(block_ms=0)
 
     def idle_wait_ms(self) -> int:
         """How long the loop may block on its socket: not at all while the
