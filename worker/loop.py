@@ -46,12 +46,12 @@ if TYPE_CHECKING:  # types only: these import MLX, which loads in serve(), never
 
 log = logging.getLogger("memvisor.worker")
 
-# Tests only: seconds every engine step with work sleeps first, standing in for
-# a prefill chunk that computes for a long time (the wedge and liveness tests).
 # An idle worker woken by a request waits this long for the next one before its first step,
 # and at most BURST_SECONDS in all (gather_burst says why).
 BURST_QUIET_MS = 15
 BURST_SECONDS = 0.05
+# Tests only: seconds every engine step with work sleeps first, standing in for
+# a prefill chunk that computes for a long time (the wedge and liveness tests).
 STEP_DELAY_ENV = "MEMVISOR_TEST_STEP_DELAY"
 LOAD_DELAY_ENV = "MEMVISOR_TEST_LOAD_DELAY"  # the same, before the model loads
 
