@@ -10,7 +10,7 @@ from shared.protocol import Finished
 from tests.engine_harness import OPEN, Run, drive
 from worker import speculate
 from worker.engine import Engine, EngineError
-from worker.speculate import FIRST_DRAFT, MAX_DRAFT, NgramDrafter, Pace, accepted_count
+from worker.speculate import MAX_DRAFT, Costs, NgramDrafter, Odds, accepted_count
 
 
 def test_ngram_drafter_proposes_what_followed_the_latest_earlier_occurrence():
@@ -34,26 +34,6 @@ def test_accepted_count_is_the_leading_guesses_the_model_chose_too():
     assert accepted_count([4, 5, 6], [4, 9, 6, 7]) == 1
     assert accepted_count([4, 5, 6], [1, 5, 6, 7]) == 0
     assert accepted_count([], [3]) == 0
-
-
-def test_pace_drafts_more_after_full_hits_fewer_after_misses_and_pauses_after_misses_in_a_row():
-    pace = Pace()
-    assert pace.want() == FIRST_DRAFT
-    for _ in range(10):
-        pace.learn(pace.k, pace.k)
-    assert pace.want() == MAX_DRAFT
-    pace.learn(MAX_DRAFT, 2)
-    assert pace.want() == 3
-    pauses = []
-    for _ in range(4):
-        pace.learn(pace.k, 0)
-        skipped = 0
-        while pace.want() == 0:
-            skipped += 1
-        pauses.append(skipped)
-    assert pauses == [1, 2, 4, 8]
-    pace.learn(2, 1)
-    assert pace.misses == 0 and pace.want() > 0
 
 
 def _engine(loaded, **kwargs) -> Engine:
@@ -174,7 +154,7 @@ def test_wrong_guesses_are_taken_back_and_the_output_stays_the_plain_one(changin
     assert len(set(reply)) > 1, "the reply changes token (else the check proves little)"
     oracle = _Oracle(prompt, reply, right, changing[0].args.vocab_size)
     monkeypatch.setattr(NgramDrafter, "propose", lambda self, k: oracle.propose(self, k))
-    monkeypatch.setattr(speculate, "MAX_PAUSE", 0)  # keep guessing after misses
+    monkeypatch.setattr(Odds, "length", lambda self, costs, most: most)  # keep guessing after misses
     engine.submit("spec", prompt, max_tokens=30)
     spec = drive(engine)
     assert spec.tokens("spec") == reply
@@ -194,7 +174,7 @@ def test_a_stop_inside_accepted_guesses_ends_there_and_the_prompt_cache_keeps_ex
     stop = engine.tokenizer.decode([reply[change]])
     oracle = _Oracle(prompt, reply, 99, changing[0].args.vocab_size)  # always right
     monkeypatch.setattr(NgramDrafter, "propose", lambda self, k: oracle.propose(self, k))
-    monkeypatch.setattr(speculate, "FIRST_DRAFT", 6)
+    monkeypatch.setattr(Odds, "length", lambda self, costs, most: min(6, most))
     engine.submit("spec", prompt, max_tokens=30, stop=[stop])
     run = drive(engine, CACHED)
     end = run.terminal("spec")
@@ -236,7 +216,7 @@ def test_draft_model_guesses_are_checked_and_the_output_stays_the_plain_one(with
     engine.submit("plain", prompt, max_tokens=24, speculative=False)
     plain = drive(engine)
     monkeypatch.setattr(NgramDrafter, "propose", lambda self, k: [])
-    monkeypatch.setattr(speculate, "MAX_PAUSE", 0)  # keep asking the draft after misses
+    monkeypatch.setattr(Odds, "length", lambda self, costs, most: most)  # keep asking the draft after misses
     engine.submit("drafted", prompt, max_tokens=24)
     drafted = drive(engine)
     assert drafted.tokens("drafted") == plain.tokens("plain")
@@ -279,19 +259,3 @@ def test_a_draft_of_another_vocabulary_fails_the_load_saying_why(tiny_model, fim
         Engine.load(tiny_model, draft_path=str(fim_model))
     assert refused.value.code == "load_failed" and "draft model" in refused.value.message
     assert "vocabulary" in refused.value.message or "token ids" in refused.value.message
-
-
-def test_pace_counts_a_check_slower_than_plain_steps_as_a_miss():
-    """Where a pass over several tokens costs about one pass per token (MLX's quantized matmul on a
-    CPU), checks that were all right can still lose time: such a check backs off like a miss."""
-    pace = Pace()
-    pace.learn(2, 2, paid=False)
-    assert pace.k == FIRST_DRAFT and pace.want() == 0 and pace.misses == 1
-    pace = Pace()
-    pace.learn(2, 2)
-    assert pace.want() == 4
-    pace.learn(4, 4, paid=False)  # held, but checking 4 cost more than it saved: 2 is the most from now on
-    assert pace.want() == 2 and pace.ceiling == 2
-    for _ in range(5):
-        pace.learn(2, 2)
-    assert pace.want() == 2
