@@ -259,3 +259,80 @@ def test_a_draft_of_another_vocabulary_fails_the_load_saying_why(tiny_model, fim
         Engine.load(tiny_model, draft_path=str(fim_model))
     assert refused.value.code == "load_failed" and "draft model" in refused.value.message
     assert "vocabulary" in refused.value.message or "token ids" in refused.value.message
+
+
+# ------------------------------------------------------------------ how much to guess (Costs, Odds)
+
+
+def _costs(plain: float, **checks: float) -> Costs:
+    """Costs as timed: a plain step of `plain` seconds and checks of `t<N>=seconds` (N tokens)."""
+    costs = Costs()
+    costs.learn_plain(plain)
+    for name, seconds in checks.items():
+        costs.learn_check(int(name[1:]), seconds)
+    return costs
+
+
+def _sure(right: int) -> Odds:
+    """Odds after `right` unchecked guesses in a row that the plain steps proved right."""
+    odds = Odds()
+    for at in range(right):
+        odds.guessed(7, at)
+        odds.saw(7, at)
+    return odds
+
+
+def test_a_check_runs_only_where_its_timed_cost_promises_more_tokens_per_second_than_plain_steps():
+    """Where a pass over K+1 tokens costs K+1 plain passes (MLX's quantized matmul on a CPU), no
+    check can pay whatever the guesses: none runs. Where it costs about one (a float32 model with
+    BLAS), a run of right guesses is checked as far as it may go; sizes not timed are read off
+    the line through the nearest timed one."""
+    sure = _sure(40)
+    assert sure.chance(True) > 0.95
+    assert sure.length(_costs(0.1, t3=0.3), MAX_DRAFT) == 0
+    assert sure.length(_costs(0.1, t3=0.11, t17=0.18), MAX_DRAFT) == MAX_DRAFT
+    q4 = _costs(0.1, t2=0.18, t3=0.252, t4=0.332)  # SmolLM2-135M Q4_1, MLX on this CPU
+    assert sure.length(q4, MAX_DRAFT) > 0, "sure guesses still pay a little"
+    assert Odds().length(q4, MAX_DRAFT) == 0, "even odds: no check of a quantized model pays"
+    assert _costs(0.1, t3=0.2).ratio(5) == pytest.approx(3.0)  # 0.5 plain pass a token, from the 3-token check
+
+
+def test_odds_are_learned_from_plain_steps_and_a_reply_that_stops_copying_stops_being_checked():
+    """Whether an unchecked guess was right is known from the token the plain step produced: the
+    odds follow the reply at no cost, so checks resume where copying starts and stop where it ends."""
+    costs = _costs(0.1, t3=0.15)  # a quarter of a plain pass a guess
+    odds = Odds()
+    for at in range(20):  # the reply copies its prompt: every guess right
+        odds.guessed(7, at)
+        odds.saw(7, at)
+    assert odds.length(costs, MAX_DRAFT) > 2
+    for at in range(20, 30):  # the reply stops copying: every guess wrong
+        odds.guessed(7, at)
+        odds.saw(8, at)
+    assert odds.chance(False) < 0.3 and odds.length(costs, MAX_DRAFT) == 0
+    odds.guessed(7, 30)
+    odds.saw(7, 31)  # a guess of another position (a step in a batch of several rows came between)
+    assert odds.after_right is False and odds.chance(False) < 0.3
+    odds.checked(4, 2)  # a check: two held, the third did not
+    assert odds.after_right is False
+
+
+def test_speculation_checks_nothing_where_a_check_costs_a_pass_per_token(loaded, monkeypatch):
+    """The engine asks the worker's costs before each check: with every pass of K tokens costing
+    K plain passes, a reply that repeats its prompt is decoded in plain steps, the same tokens."""
+    engine = _engine(loaded)
+    prompt = engine.encode_prompt(PROMPTS[0])
+    engine.submit("plain", prompt, max_tokens=40, speculative=False)
+    plain = drive(engine).tokens("plain")
+    monkeypatch.setattr(Costs, "ratio", lambda self, tokens: float(tokens))
+    engine.submit("spec", prompt, max_tokens=40)
+    run = drive(engine)
+    assert run.tokens("spec") == plain and run.terminal("spec").proposed_tokens == 0
+
+
+def test_the_costs_are_timed_from_the_worker_s_own_passes(loaded):
+    engine = _engine(loaded)
+    engine.submit("r", engine.encode_prompt(PROMPTS[0]), max_tokens=60)
+    assert drive(engine).terminal("r").accepted_tokens > 0
+    costs = engine.decode.costs
+    assert costs.plain > 0 and costs.checks and all(seconds > 0 for seconds in costs.checks.values())
