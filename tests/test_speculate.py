@@ -8,7 +8,6 @@ import pytest
 from shared.limits import Limits
 from shared.protocol import Finished
 from tests.engine_harness import OPEN, Run, drive
-from worker import speculate
 from worker.engine import Engine, EngineError
 from worker.speculate import MAX_DRAFT, Costs, NgramDrafter, Odds, accepted_count
 
@@ -295,6 +294,21 @@ def test_a_check_runs_only_where_its_timed_cost_promises_more_tokens_per_second_
     assert sure.length(q4, MAX_DRAFT) > 0, "sure guesses still pay a little"
     assert Odds().length(q4, MAX_DRAFT) == 0, "even odds: no check of a quantized model pays"
     assert _costs(0.1, t3=0.2).ratio(5) == pytest.approx(3.0)  # 0.5 plain pass a token, from the 3-token check
+
+
+def test_a_check_is_costed_in_plain_steps_of_its_own_moment():
+    """On a shared machine a plain step's time moved 3x from one request to the next: a check is
+    kept as its ratio to the plain steps around it, so the load changing later does not make
+    checks look cheap or dear; one timed before any plain step is not kept."""
+    costs = Costs()
+    costs.learn_check(3, 0.5)
+    assert not costs.checks
+    costs.learn_plain(0.3)
+    costs.learn_check(3, 0.6)
+    for _ in range(30):  # the machine gets quiet: plain steps of 0.1 s
+        costs.learn_plain(0.1)
+    assert costs.plain == pytest.approx(0.1, rel=0.01)
+    assert costs.ratio(3) == pytest.approx(2.0)
 
 
 def test_odds_are_learned_from_plain_steps_and_a_reply_that_stops_copying_stops_being_checked():

@@ -99,36 +99,42 @@ class Costs:
     plain passes (`ratio`), learned from the passes themselves: one per worker (decode.py).
 
     Why learned, not assumed: a pass over K+1 tokens costs about one pass where the weights' reading
-    dominates (a float32 model with BLAS on a CPU: 17 tokens cost 1.8 passes of one, SmolLM2-135M), but
+    dominates (a float32 model with BLAS on a CPU: 16 tokens cost 1.7 passes of one, SmolLM2-135M), but
     about K+1 passes where arithmetic per row dominates: MLX's quantized matmul on a CPU dequantizes
-    the weights again for every row (Q4_1: 3 tokens cost 2.5 passes, 16 cost 12.3). There no check pays
-    whatever the guesses, and the speed of speculation is the speed of plain steps."""
+    the weights again for every row (Q4_1: 3 tokens cost 2.5 passes, 16 cost 12). There a check pays
+    only for guesses nearly sure to hold (scripts/bench_speculative.py --passes)."""
 
     __slots__ = ("plain", "checks")
 
     def __init__(self) -> None:
         self.plain = 0.0                     # seconds of a plain step of one row (moving average)
-        self.checks: dict[int, float] = {}   # tokens in a checked pass -> its seconds (moving average)
+        self.checks: dict[int, float] = {}   # tokens in a checked pass -> its plain passes (moving average)
 
     def learn_plain(self, seconds: float) -> None:
         self.plain = seconds if self.plain <= 0 else (1 - EMA) * self.plain + EMA * seconds
 
     def learn_check(self, tokens: int, seconds: float) -> None:
+        """A checked pass took `seconds`: kept in plain passes of the same moment (the machine's
+        load moves both; on a shared machine a plain step took 0.13 s or 0.36 s from one request
+        to the next), so it is learned only once a plain step was timed."""
+        if self.plain <= 0:
+            return
+        ratio = seconds / self.plain
         before = self.checks.get(tokens)
-        self.checks[tokens] = seconds if before is None else (1 - EMA) * before + EMA * seconds
+        self.checks[tokens] = ratio if before is None else (1 - EMA) * before + EMA * ratio
 
     def ratio(self, tokens: int) -> float:
         """A pass over `tokens` tokens in plain passes: timed, else on the line through (1, 1) and
         the timed size nearest to it (PRIOR_SLOPE per token before any pass was timed)."""
         if tokens <= 1:
             return 1.0
-        if self.plain <= 0 or not self.checks:
+        if not self.checks:
             return 1.0 + PRIOR_SLOPE * (tokens - 1)
         timed = self.checks.get(tokens)
         if timed is not None:
-            return timed / self.plain
+            return timed
         near = min(self.checks, key=lambda size: abs(size - tokens))
-        slope = max(0.0, (self.checks[near] / self.plain - 1.0) / (near - 1))
+        slope = max(0.0, (self.checks[near] - 1.0) / (near - 1))
         return 1.0 + slope * (tokens - 1)
 
 
