@@ -299,7 +299,8 @@ def test_a_check_runs_only_where_its_timed_cost_promises_more_tokens_per_second_
 def test_a_check_is_costed_in_plain_steps_of_its_own_moment():
     """On a shared machine a plain step's time moved 3x from one request to the next: a check is
     kept as its ratio to the plain steps around it, so the load changing later does not make
-    checks look cheap or dear; one timed before any plain step is not kept."""
+    checks look cheap or dear; one timed before any plain step is not kept, nor one slower than
+    its tokens one at a time (a stall that would otherwise stop every check after it)."""
     costs = Costs()
     costs.learn_check(3, 0.5)
     assert not costs.checks
@@ -309,6 +310,8 @@ def test_a_check_is_costed_in_plain_steps_of_its_own_moment():
         costs.learn_plain(0.1)
     assert costs.plain == pytest.approx(0.1, rel=0.01)
     assert costs.ratio(3) == pytest.approx(2.0)
+    costs.learn_check(5, 0.6)  # 6 passes for 5 tokens: a stall, not what such a pass costs
+    assert 5 not in costs.checks and costs.ratio(5) == pytest.approx(3.0)
 
 
 def test_odds_are_learned_from_plain_steps_and_a_reply_that_stops_copying_stops_being_checked():

@@ -116,10 +116,13 @@ class Costs:
     def learn_check(self, tokens: int, seconds: float) -> None:
         """A checked pass took `seconds`: kept in plain passes of the same moment (the machine's
         load moves both; on a shared machine a plain step took 0.13 s or 0.36 s from one request
-        to the next), so it is learned only once a plain step was timed."""
-        if self.plain <= 0:
+        to the next), so it is learned only once a plain step was timed. A pass of K tokens costs at
+        most K passes of one (it could be run as them); one that took longer met a stall (the
+        machine's load, a first use: 74 passes for 5 tokens once) and is not kept, or it would stop
+        every check after it."""
+        ratio = seconds / self.plain if self.plain > 0 else 0.0
+        if not 0 < ratio <= tokens:
             return
-        ratio = seconds / self.plain
         before = self.checks.get(tokens)
         self.checks[tokens] = ratio if before is None else (1 - EMA) * before + EMA * ratio
 
