@@ -9,7 +9,7 @@ from shared.limits import Limits
 from shared.protocol import Finished
 from tests.engine_harness import OPEN, Run, drive
 from worker.engine import Engine, EngineError
-from worker.speculate import MAX_DRAFT, Costs, NgramDrafter, Odds, accepted_count
+from worker.speculate import EXPLORE, MAX_DRAFT, STALLS, Costs, NgramDrafter, Odds, accepted_count
 
 
 def test_ngram_drafter_proposes_what_followed_the_latest_earlier_occurrence():
@@ -300,7 +300,8 @@ def test_a_check_is_costed_in_plain_steps_of_its_own_moment():
     """On a shared machine a plain step's time moved 3x from one request to the next: a check is
     kept as its ratio to the plain steps around it, so the load changing later does not make
     checks look cheap or dear; one timed before any plain step is not kept, nor one slower than
-    its tokens one at a time (a stall that would otherwise stop every check after it)."""
+    its tokens one at a time (a stall that would otherwise stop every check after it) unless
+    several in a row say so."""
     costs = Costs()
     costs.learn_check(3, 0.5)
     assert not costs.checks
@@ -312,6 +313,9 @@ def test_a_check_is_costed_in_plain_steps_of_its_own_moment():
     assert costs.ratio(3) == pytest.approx(2.0)
     costs.learn_check(5, 0.6)  # 6 passes for 5 tokens: a stall, not what such a pass costs
     assert 5 not in costs.checks and costs.ratio(5) == pytest.approx(3.0)
+    for _ in range(STALLS):  # ... unless it keeps saying so
+        costs.learn_check(5, 0.6)
+    assert costs.ratio(5) == pytest.approx(6.0, rel=0.01)
 
 
 def test_odds_are_learned_from_plain_steps_and_a_reply_that_stops_copying_stops_being_checked():
@@ -353,3 +357,15 @@ def test_the_costs_are_timed_from_the_worker_s_own_passes(loaded):
     assert drive(engine).terminal("r").accepted_tokens > 0
     costs = engine.decode.costs
     assert costs.plain > 0 and costs.checks and all(seconds > 0 for seconds in costs.checks.values())
+
+
+def test_after_many_plain_steps_with_a_guess_one_check_runs_anyway():
+    """Costs timed under another load (or a stall kept) must not stop checks for good: after
+    EXPLORE plain steps that had a guess, the best size is checked even if it promises too little."""
+    dear = _costs(0.1, t2=0.2)  # a pass per token: nothing pays
+    odds = _sure(EXPLORE - 1)
+    assert odds.length(dear, MAX_DRAFT) == 0
+    odds.guessed(7, EXPLORE)
+    assert odds.length(dear, MAX_DRAFT) > 0
+    odds.checked(1, 1)
+    assert odds.idle == 0 and odds.length(dear, MAX_DRAFT) == 0

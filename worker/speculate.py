@@ -55,6 +55,8 @@ PRIOR_SLOPE = 0.25  # what each guess adds to a check, in plain passes, until a 
 MARGIN = 1.05      # a check must promise this many times a plain step's tokens per second
 FORGET = 0.95      # each observation of the odds weighs this much less than the next one
 EMA = 0.2          # weight of the newest timing in the costs
+STALLS = 2         # checks in a row slower than their tokens one at a time not kept (a stall, not a cost)
+EXPLORE = 64       # steps with a guess but no check after which one check runs anyway (costs move)
 
 
 class NgramDrafter:
@@ -104,11 +106,12 @@ class Costs:
     the weights again for every row (Q4_1: 3 tokens cost 2.5 passes, 16 cost 12). There a check pays
     only for guesses nearly sure to hold (scripts/bench_speculative.py --passes)."""
 
-    __slots__ = ("plain", "checks")
+    __slots__ = ("plain", "checks", "stalls")
 
     def __init__(self) -> None:
         self.plain = 0.0                     # seconds of a plain step of one row (moving average)
         self.checks: dict[int, float] = {}   # tokens in a checked pass -> its plain passes (moving average)
+        self.stalls: dict[int, int] = {}     # tokens -> checks in a row not kept as stalls
 
     def learn_plain(self, seconds: float) -> None:
         self.plain = seconds if self.plain <= 0 else (1 - EMA) * self.plain + EMA * seconds
@@ -117,12 +120,16 @@ class Costs:
         """A checked pass took `seconds`: kept in plain passes of the same moment (the machine's
         load moves both; on a shared machine a plain step took 0.13 s or 0.36 s from one request
         to the next), so it is learned only once a plain step was timed. A pass of K tokens costs at
-        most K passes of one (it could be run as them); one that took longer met a stall (the
-        machine's load, a first use: 74 passes for 5 tokens once) and is not kept, or it would stop
-        every check after it."""
-        ratio = seconds / self.plain if self.plain > 0 else 0.0
-        if not 0 < ratio <= tokens:
+        most K passes of one (it could be run as them): one that took longer met a stall (the
+        machine's load, a first use: 74 passes for 5 tokens once), which would stop every check
+        after it, and is not kept unless STALLS such checks in a row say that is what it costs."""
+        if self.plain <= 0:
             return
+        ratio = seconds / self.plain
+        if ratio > tokens and self.stalls.get(tokens, 0) < STALLS:
+            self.stalls[tokens] = self.stalls.get(tokens, 0) + 1
+            return
+        self.stalls[tokens] = 0
         before = self.checks.get(tokens)
         self.checks[tokens] = ratio if before is None else (1 - EMA) * before + EMA * ratio
 
@@ -152,7 +159,7 @@ class Odds:
     emits (p0 the chance of the first guess, p1 of one after a right one), or 0 (a plain step)
     where none promises MARGIN times a plain step's 1 / cost(1)."""
 
-    __slots__ = ("right", "seen", "after_right", "pending", "at")
+    __slots__ = ("right", "seen", "after_right", "pending", "at", "idle")
 
     def __init__(self) -> None:
         self.right = [1.0, 1.6]   # [after anything else, after a right guess]: priors 0.5 and 0.8
@@ -160,6 +167,7 @@ class Odds:
         self.after_right = False
         self.pending: int | None = None  # the first guess of a step that did not check it
         self.at = -1                      # ... the position in the text it guessed
+        self.idle = 0                     # plain steps with a guess since the last check
 
     def chance(self, after_right: bool) -> float:
         return self.right[after_right] / self.seen[after_right]
@@ -176,6 +184,8 @@ class Odds:
         self.pending, self.at = guess, at
         if guess is None:
             self.after_right = False
+        else:
+            self.idle += 1
 
     def saw(self, token: int, at: int) -> None:
         """The token at position `at`, which a plain step produced: was the guess of it right?
@@ -188,13 +198,15 @@ class Odds:
 
     def checked(self, proposed: int, accepted: int) -> None:
         """A check of `proposed` guesses of which the first `accepted` held."""
-        self.pending = None
+        self.pending, self.idle = None, 0
         for i in range(min(accepted + 1, proposed)):
             self._count(i < accepted)
 
     def length(self, costs: Costs, most: int) -> int:
+        """After EXPLORE plain steps with a guess, the best size is checked even if it does not
+        promise MARGIN: the costs were timed under another load, or a stall was kept."""
         first, next_ = self.chance(self.after_right), self.chance(True)
-        best, best_gain = 0, MARGIN
+        best, best_gain, bar = 0, 0.0, MARGIN if self.idle < EXPLORE else 0.0
         emitted, reach = 1.0, first
         for k in range(1, most + 1):
             emitted += reach
@@ -202,7 +214,7 @@ class Odds:
             gain = emitted / costs.ratio(k + 1)
             if gain > best_gain:
                 best, best_gain = k, gain
-        return best
+        return best if best_gain > bar else 0
 
 
 class Speculation:
