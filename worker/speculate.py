@@ -24,11 +24,11 @@ token-identical (tests/test_speculate.py, tests/live/test_worker_speculate_live.
 grammar) that decode alone in their worker (the decode batch has one row: a
 row's KV shares one write position with the others, and guesses accepted in
 different numbers would break it). A request may opt out (`speculative: false`).
-`Pace` keeps guessing from costing a request time where guesses miss: it
-drafts fewer tokens after a miss (or a check that emitted its tokens slower
-than plain steps would have) and pauses for a growing number of steps after
-misses in a row (scripts/bench_speculative.py measures a free chat
-beside an edit).
+Whether and how much to guess is decided at each step from what a check would cost
+(`Costs`, timed on this machine) and how likely the guesses are right (`Odds`, counted
+at every step): a check runs only where it promises more tokens per second than plain
+steps, so guessing never costs a request more than the odd check that taught it
+(scripts/bench_speculative.py measures a free chat beside an edit).
 """
 
 from __future__ import annotations
@@ -50,9 +50,13 @@ if TYPE_CHECKING:  # request.py imports this module
 
 MIN_NGRAM = 2      # a single repeated token guesses too often to pay for its checks
 MAX_NGRAM = 3
-FIRST_DRAFT = 2    # tokens drafted at first; more after guesses that were all right
-MAX_DRAFT = 6
-MAX_PAUSE = 32     # steps without guessing, at most, after misses in a row
+MAX_DRAFT = 16     # guesses checked in one pass, at most
+PRIOR_SLOPE = 0.25  # what each guess adds to a check, in plain passes, until a check was timed
+MARGIN = 1.05      # a check must promise this many times a plain step's tokens per second
+FORGET = 0.95      # each observation of the odds weighs this much less than the next one
+EMA = 0.2          # weight of the newest timing in the costs
+STALLS = 2         # checks in a row slower than their tokens one at a time not kept (a stall, not a cost)
+EXPLORE = 64       # steps with a guess but no check after which one check runs anyway (costs move)
 
 
 class NgramDrafter:
@@ -92,61 +96,138 @@ class NgramDrafter:
         return []
 
 
-class Pace:
-    """How many tokens to draft now: more after guesses that were all right (up to the most
-    that paid), fewer after a miss, and after misses in a row a pause (1, 2, 4 ... MAX_PAUSE
-    steps) before guessing again.
+class Costs:
+    """What a pass of the batch's only row costs on this machine, by the number of tokens in it, in
+    plain passes (`ratio`), learned from the passes themselves: one per worker (decode.py).
 
-    Why a ceiling: what a check costs depends on the machine. On a CPU with OpenBLAS a pass
-    over 7 tokens of a 100 MiB float32 model cost 1.7 passes of one, so drafting more pays;
-    MLX's quantized matmul on the same CPU cost 1.8 passes for 3 tokens and 5.5 for 5
-    (SmolLM2-135M Q4_1), so guesses that all held still lost time past 2. A check whose
-    tokens came slower than plain steps (`paid` False) although its guesses held caps the
-    draft below its size for the rest of the request."""
+    Why learned, not assumed: a pass over K+1 tokens costs about one pass where the weights' reading
+    dominates (a float32 model with BLAS on a CPU: 16 tokens cost 1.7 passes of one, SmolLM2-135M), but
+    about K+1 passes where arithmetic per row dominates: MLX's quantized matmul on a CPU dequantizes
+    the weights again for every row (Q4_1: 3 tokens cost 2.5 passes, 16 cost 12). There a check pays
+    only for guesses nearly sure to hold (scripts/bench_speculative.py --passes)."""
 
-    __slots__ = ("k", "pause", "misses", "ceiling")
+    __slots__ = ("plain", "checks", "stalls")
 
     def __init__(self) -> None:
-        self.k = FIRST_DRAFT
-        self.pause = 0
-        self.misses = 0
-        self.ceiling = MAX_DRAFT
+        self.plain = 0.0                     # seconds of a plain step of one row (moving average)
+        self.checks: dict[int, float] = {}   # tokens in a checked pass -> its plain passes (moving average)
+        self.stalls: dict[int, int] = {}     # tokens -> checks in a row not kept as stalls
 
-    def want(self) -> int:
-        """Tokens to draft this step, 0 while pausing (each call is one step)."""
-        if self.pause > 0:
-            self.pause -= 1
-            return 0
-        return self.k
+    def learn_plain(self, seconds: float) -> None:
+        self.plain = seconds if self.plain <= 0 else (1 - EMA) * self.plain + EMA * seconds
 
-    def learn(self, proposed: int, accepted: int, paid: bool = True) -> None:
-        """After a check of `proposed` guesses of which `accepted` held; `paid` False: the checked
-        step emitted its tokens slower than plain steps emit one each."""
-        if not paid and accepted == proposed and proposed > FIRST_DRAFT:
-            self.ceiling = self.k = max(FIRST_DRAFT, proposed - 2)  # the guesses held: a smaller check may pay
+    def learn_check(self, tokens: int, seconds: float) -> None:
+        """A checked pass took `seconds`: kept in plain passes of the same moment (the machine's
+        load moves both; on a shared machine a plain step took 0.13 s or 0.36 s from one request
+        to the next), so it is learned only once a plain step was timed. A pass of K tokens costs at
+        most K passes of one (it could be run as them): one that took longer met a stall (the
+        machine's load, a first use: 74 passes for 5 tokens once), which would stop every check
+        after it, and is not kept unless STALLS such checks in a row say that is what it costs."""
+        if self.plain <= 0:
             return
-        if accepted == 0 or not paid:
-            self.misses += 1
-            self.k = FIRST_DRAFT
-            self.pause = min(MAX_PAUSE, 1 << (self.misses - 1))
+        ratio = seconds / self.plain
+        if ratio > tokens and self.stalls.get(tokens, 0) < STALLS:
+            self.stalls[tokens] = self.stalls.get(tokens, 0) + 1
             return
-        self.misses = 0
-        if accepted == proposed:
-            self.k = min(self.ceiling, self.k + 2)
+        self.stalls[tokens] = 0
+        before = self.checks.get(tokens)
+        self.checks[tokens] = ratio if before is None else (1 - EMA) * before + EMA * ratio
+
+    def ratio(self, tokens: int) -> float:
+        """A pass over `tokens` tokens in plain passes: timed, else on the line through (1, 1) and
+        the timed size nearest to it (PRIOR_SLOPE per token before any pass was timed)."""
+        if tokens <= 1:
+            return 1.0
+        if not self.checks:
+            return 1.0 + PRIOR_SLOPE * (tokens - 1)
+        timed = self.checks.get(tokens)
+        if timed is not None:
+            return timed
+        near = min(self.checks, key=lambda size: abs(size - tokens))
+        slope = max(0.0, (self.checks[near] - 1.0) / (near - 1))
+        return 1.0 + slope * (tokens - 1)
+
+
+class Odds:
+    """How likely the drafter's next guess is right: after a right guess (text being copied: mostly
+    right again) and after anything else. Counted at every step, checked or not: the token a plain
+    step produces tells whether the guess made before it was right, for free. Older observations
+    weigh less (FORGET), so a reply that stops copying stops being checked within a few tokens.
+
+    `length` is the number of guesses to check now: the one that promises the most tokens per
+    second, E(k) / cost(k + 1) with E(k) = 1 + p0 (1 + p1 + ... + p1^(k-1)) the tokens a check of k
+    emits (p0 the chance of the first guess, p1 of one after a right one), or 0 (a plain step)
+    where none promises MARGIN times a plain step's 1 / cost(1)."""
+
+    __slots__ = ("right", "seen", "after_right", "pending", "at", "idle")
+
+    def __init__(self) -> None:
+        self.right = [1.0, 1.6]   # [after anything else, after a right guess]: priors 0.5 and 0.8
+        self.seen = [2.0, 2.0]
+        self.after_right = False
+        self.pending: int | None = None  # the first guess of a step that did not check it
+        self.at = -1                      # ... the position in the text it guessed
+        self.idle = 0                     # plain steps with a guess since the last check
+
+    def chance(self, after_right: bool) -> float:
+        return self.right[after_right] / self.seen[after_right]
+
+    def _count(self, right: bool) -> None:
+        i = int(self.after_right)
+        self.seen[i] = FORGET * self.seen[i] + 1.0
+        self.right[i] = FORGET * self.right[i] + right
+        self.after_right = right
+
+    def guessed(self, guess: int | None, at: int) -> None:
+        """A plain step runs with this guess of the token at position `at` (None: the drafter had
+        none) unchecked."""
+        self.pending, self.at = guess, at
+        if guess is None:
+            self.after_right = False
         else:
-            self.k = max(FIRST_DRAFT, min(self.ceiling, accepted + 1))
+            self.idle += 1
+
+    def saw(self, token: int, at: int) -> None:
+        """The token at position `at`, which a plain step produced: was the guess of it right?
+        (A guess of another position, from before steps in a batch of several rows, is dropped.)"""
+        if self.pending is not None and self.at == at:
+            self._count(token == self.pending)
+        elif self.pending is not None:
+            self.after_right = False
+        self.pending = None
+
+    def checked(self, proposed: int, accepted: int) -> None:
+        """A check of `proposed` guesses of which the first `accepted` held."""
+        self.pending, self.idle = None, 0
+        for i in range(min(accepted + 1, proposed)):
+            self._count(i < accepted)
+
+    def length(self, costs: Costs, most: int) -> int:
+        """After EXPLORE plain steps with a guess, the best size is checked even if it does not
+        promise MARGIN: the costs were timed under another load, or a stall was kept."""
+        first, next_ = self.chance(self.after_right), self.chance(True)
+        best, best_gain, bar = 0, 0.0, MARGIN if self.idle < EXPLORE else 0.0
+        emitted, reach = 1.0, first
+        for k in range(1, most + 1):
+            emitted += reach
+            reach *= next_
+            gain = emitted / costs.ratio(k + 1)
+            if gain > best_gain:
+                best, best_gain = k, gain
+        return best if best_gain > bar else 0
 
 
 class Speculation:
     """One request's guessing: its drafter (built on first use), its KV in the draft model (when
-    the worker has one, worker/draft.py), pace and counts."""
+    the worker has one, worker/draft.py), the odds of each source's guesses and counts."""
 
-    __slots__ = ("drafter", "draft", "pace", "proposed", "accepted")
+    __slots__ = ("drafter", "draft", "odds", "draft_odds", "proposed", "accepted")
 
     def __init__(self) -> None:
         self.drafter: NgramDrafter | None = None
         self.draft: DraftState | None = None
-        self.pace = Pace()
+        self.odds = Odds()        # the n-gram drafter's, observed at every step
+        self.draft_odds = Odds()  # the draft model's, observed at its checks only (a guess costs its passes)
         self.proposed = 0   # guessed tokens checked
         self.accepted = 0   # ... that the model chose too (and were emitted)
 
@@ -166,11 +247,11 @@ Emit = Callable[["Seq", int, "list[Event]"], bool]  # DecodeStep.emit: (seq, tok
 
 
 def verify(model, batch: DecodeBatch, seq: Seq, first: int, drafts: list[int], emit: Emit,
-           events: list[Event], plain_seconds: float = 0.0) -> bool:
+           events: list[Event], costs: Costs, odds: Odds) -> bool:
     """One checked step of the batch's only row: emit `first` (the token in flight) and the
     accepted guesses, put the model's next choice in flight; True when the request ended
-    (the guesses it accepted are counted in `seq.spec`). `plain_seconds`: what a plain step of
-    one row takes (0: not known yet); a check whose tokens came slower than that teaches `Pace`.
+    (the guesses it accepted are counted in `seq.spec`). The pass's time teaches `costs`, its
+    outcome `odds` (those of the source that guessed).
 
     The KV keeps exactly the tokens emitted (the rejected guesses' positions are rewound),
     so a request that ends here leaves the prompt cache the KV of its prompt and output."""
@@ -192,8 +273,8 @@ def verify(model, batch: DecodeBatch, seq: Seq, first: int, drafts: list[int], e
     assert spec is not None  # only a request that may guess comes here
     spec.proposed += len(drafts)
     spec.accepted += fed - 1
-    elapsed = time.perf_counter() - started
-    spec.pace.learn(len(drafts), accepted, paid=plain_seconds <= 0 or elapsed <= fed * plain_seconds)
+    costs.learn_check(len(drafts) + 1, time.perf_counter() - started)
+    odds.checked(len(drafts), accepted)
     if not ended:
         batch.y = choices[accepted:accepted + 1]
     return ended
