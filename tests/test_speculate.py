@@ -9,7 +9,8 @@ from shared.limits import Limits
 from shared.protocol import Finished
 from tests.engine_harness import OPEN, Run, drive
 from worker.engine import Engine, EngineError
-from worker.speculate import EXPLORE, MAX_DRAFT, STALLS, Costs, NgramDrafter, Odds, accepted_count
+from worker.guess_check import accepted_count
+from worker.speculate import EXPLORE, MAX_DRAFT, STALLS, Costs, NgramDrafter, Odds
 
 
 def test_ngram_drafter_proposes_what_followed_the_latest_earlier_occurrence():

@@ -28,7 +28,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
 from shared.protocol import TokenOut
-from worker import speculate
+from worker import guess_check, speculate
 from worker.batch import DecodeBatch
 from worker.draft import DraftModel
 from worker.endings import Endings, Event
@@ -182,7 +182,7 @@ class DecodeStep:
         if not drafts:
             return None
         self.checked += 1
-        ended = speculate.verify(self.model, self.batch, seq, first, drafts, self.emit, events, self.costs, odds)
+        ended = guess_check.verify(self.model, self.batch, seq, first, drafts, self.emit, events, self.costs, odds)
         if spec.draft is not None:  # its KV keeps the tokens the model kept, not the rejected guesses
             DraftModel.rewind(spec.draft, len(seq.prompt) + len(seq.out))
         if ended:

@@ -11,7 +11,7 @@ the tokens that followed the latest earlier occurrence of the last few tokens,
 which is what an edit, a quote or code that repeats its names produces) or
 from a small draft model of the same vocabulary (worker/draft.py).
 
-**Checking** (`verify`): the token in flight and the K guesses go through the
+**Checking** (worker/guess_check.py `verify`): the token in flight and the K guesses go through the
 model in one pass over the request's KV; the model's own greedy choice at each
 position is compared with the next guess, the leading guesses that match are
 accepted, and the model's choice after the last of them is the next token in
@@ -33,20 +33,11 @@ steps, so guessing never costs a request more than the odd check that taught it
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, cast
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import mlx.core as mx
-from mlx_lm.generate import generation_stream
-
-from worker.batch import DecodeBatch
-from worker.sampling import greedy
-
-if TYPE_CHECKING:  # request.py imports this module
+if TYPE_CHECKING:
     from worker.draft import DraftState
-    from worker.endings import Event
-    from worker.request import Seq
 
 MIN_NGRAM = 2      # a single repeated token guesses too often to pay for its checks
 MAX_NGRAM = 3
@@ -230,51 +221,3 @@ class Speculation:
         self.draft_odds = Odds()  # the draft model's, observed at its checks only (a guess costs its passes)
         self.proposed = 0   # guessed tokens checked
         self.accepted = 0   # ... that the model chose too (and were emitted)
-
-
-def accepted_count(drafts: Sequence[int], targets: Sequence[int]) -> int:
-    """How many leading guesses equal the model's choice at their position (`targets[i]` is its
-    choice after the token in flight and the first i guesses)."""
-    count = 0
-    for draft, target in zip(drafts, targets):
-        if draft != target:
-            break
-        count += 1
-    return count
-
-
-Emit = Callable[["Seq", int, "list[Event]"], bool]  # DecodeStep.emit: (seq, token, events) -> ended
-
-
-def verify(model, batch: DecodeBatch, seq: Seq, first: int, drafts: list[int], emit: Emit,
-           events: list[Event], costs: Costs, odds: Odds) -> bool:
-    """One checked step of the batch's only row: emit `first` (the token in flight) and the
-    accepted guesses, put the model's next choice in flight; True when the request ended
-    (the guesses it accepted are counted in `seq.spec`). The pass's time teaches `costs`, its
-    outcome `odds` (those of the source that guessed).
-
-    The KV keeps exactly the tokens emitted (the rejected guesses' positions are rewound),
-    so a request that ends here leaves the prompt cache the KV of its prompt and output."""
-    started = time.perf_counter()
-    with mx.stream(generation_stream):
-        logits = batch.verify(model, [first, *drafts])
-        choices = greedy(logits)
-    targets = cast(list[int], choices.tolist())  # 1-D ids
-    accepted = accepted_count(drafts, targets)
-    fed = 0
-    ended = False
-    for token in [first, *drafts[:accepted]]:
-        fed += 1
-        if emit(seq, token, events):
-            ended = True
-            break
-    batch.rewind(len(drafts) + 1 - fed)
-    spec = seq.spec
-    assert spec is not None  # only a request that may guess comes here
-    spec.proposed += len(drafts)
-    spec.accepted += fed - 1
-    costs.learn_check(len(drafts) + 1, time.perf_counter() - started)
-    odds.checked(len(drafts), accepted)
-    if not ended:
-        batch.y = choices[accepted:accepted + 1]
-    return ended
