@@ -15,7 +15,6 @@ from supervisor.policy.admission import (
     INSUFFICIENT_MEMORY,
     MODEL_TOO_LARGE,
     admit_load,
-    evict_for_prefill,
     prefill_room,
 )
 from supervisor.policy.snapshot import GuardSettings, Snapshot, WorkerRecord
@@ -111,29 +110,29 @@ def test_g1_need_bytes_is_the_shortfall_and_victims_cover_it():
     (usage + need <= limit), a 1.14 GiB shortfall on a 10 GiB ceiling with the
     group at 4 GiB evicted nothing and the retry was rejected."""
     s = snap(w("me", 1.0, state="busy", running=1), w("old", 3.0, last_access=1))
-    assert evict_for_prefill(s, "me", int(1.14 * GiB)) == ["old"]
+    assert prefill_room(s, "me", int(1.14 * GiB)).stop == ["old"]
 
 
 def test_g1_evicts_idle_lru_until_their_usage_covers_the_shortfall():
     s = snap(w("me", 5.0, state="busy", running=1), w("old", 2.0, last_access=1),
              w("new", 2.0, last_access=2))
-    assert evict_for_prefill(s, "me", 2 * GiB) == ["old"]
-    assert evict_for_prefill(s, "me", int(2.5 * GiB)) == ["old", "new"]
-    assert evict_for_prefill(s, "me", 1) == ["old"]
-    assert evict_for_prefill(s, "me", 0) == []
+    assert prefill_room(s, "me", 2 * GiB).stop == ["old"]
+    assert prefill_room(s, "me", int(2.5 * GiB)).stop == ["old", "new"]
+    assert prefill_room(s, "me", 1).stop == ["old"]
+    assert prefill_room(s, "me", 0).stop == []
 
 
 def test_g1_never_the_asking_worker_pinned_or_busy():
     s = snap(w("me", 1.0, last_access=0), w("pinned", 2.0, pinned=True, last_access=0),
              w("busy", 2.0, state="busy", running=1), w("idle", 1.0, last_access=9))
-    assert evict_for_prefill(s, "me", GiB) == ["idle"]
+    assert prefill_room(s, "me", GiB).stop == ["idle"]
 
 
 def test_g1_evicts_nothing_when_it_cannot_fit_anyway_or_guard_off():
     s = snap(w("me", 5.0, state="busy", running=1), w("old", 2.0))
-    assert evict_for_prefill(s, "me", 3 * GiB) == []
+    assert prefill_room(s, "me", 3 * GiB).stop == []
     off = msgspec.structs.replace(s, guard=GuardSettings(enabled=False))
-    assert evict_for_prefill(off, "me", 1 * GiB) == []
+    assert prefill_room(off, "me", 1 * GiB).stop == []
 
 
 def test_g1_a_stop_under_way_counts_as_room_and_is_waited_for_before_any_eviction():
@@ -147,7 +146,6 @@ def test_g1_a_stop_under_way_counts_as_room_and_is_waited_for_before_any_evictio
     assert room.await_exit == ["spare"] and room.stop == [] and room.made
     room = prefill_room(s, "me", 1 * GiB)  # the spare's half is not enough: "old" covers the rest
     assert room.await_exit == ["spare"] and room.stop == ["old"]
-    assert evict_for_prefill(s, "me", 1 * GiB) == ["old"]
 
 
 def test_g1_a_stop_still_finishing_requests_is_not_counted_and_the_asker_never_is():
@@ -173,9 +171,9 @@ def test_g1_d_a_device_shortfall_is_covered_by_the_victims_device_bytes():
              w("cpu", 3.0, last_access=0),  # idle, 3 GiB of host RAM, nothing on the device
              w("old", 0.5, last_access=1, device_bytes=8 * GiB), w("new", 0.5, last_access=2, device_bytes=8 * GiB),
              device_total=80 * GiB, device_free=40 * GiB)
-    assert evict_for_prefill(s, "me", 6 * GiB, pool="device") == ["old"]
-    assert evict_for_prefill(s, "me", 12 * GiB, pool="device") == ["old", "new"]
-    assert evict_for_prefill(s, "me", 17 * GiB, pool="device") == []  # every idle model would not cover it
-    assert evict_for_prefill(s, "me", 2 * GiB) == ["cpu"]  # the host pool: host usage, as before
+    assert prefill_room(s, "me", 6 * GiB, pool="device").stop == ["old"]
+    assert prefill_room(s, "me", 12 * GiB, pool="device").stop == ["old", "new"]
+    assert prefill_room(s, "me", 17 * GiB, pool="device").stop == []  # every idle model would not cover it
+    assert prefill_room(s, "me", 2 * GiB).stop == ["cpu"]  # the host pool: host usage, as before
     no_device = msgspec.structs.replace(s, device_total=0)
-    assert evict_for_prefill(no_device, "me", 6 * GiB, pool="device") == []
+    assert prefill_room(no_device, "me", 6 * GiB, pool="device").stop == []

@@ -17,7 +17,7 @@ from shared.sizes import GiB, MiB
 from shared.states import IllegalMove, transition
 from supervisor.config import SupervisorConfig
 from supervisor.policy import decisions as d
-from supervisor.policy.admission import admit_load, evict_for_prefill
+from supervisor.policy.admission import admit_load, prefill_room
 from supervisor.policy.group import WorkerGroup
 from supervisor.policy.pressure import tick
 from supervisor.policy.snapshot import GuardSettings, Snapshot, WorkerRecord
@@ -129,7 +129,7 @@ def test_a2_spare_then_idle_models_when_the_spare_is_not_enough():
 
 def test_g1_a_prefill_takes_the_spare_first():
     s = snap(w("asking", 4.0, state="busy", running=1), w("idle", 1.0), spare(gib=0.5))
-    assert evict_for_prefill(s, "asking", 400 * MiB) == ["spare#9"]
+    assert prefill_room(s, "asking", 400 * MiB).stop == ["spare#9"]
 
 
 def test_w1_a_spare_is_neither_serving_nor_loading_nor_unknown():

@@ -445,9 +445,9 @@ class Enforcer:
             self.pool.command(handle, p.MemoryAnswer(request_id=request_id, evicted=room.made))
 
     async def _exits(self, worker_ids: list[str]) -> None:
-        """Wait for stops already under way to end (the stop's own escalation bounds each)."""
-        waits = [asyncio.shield(h.exited) for w in worker_ids
-                 if (h := self.pool.handles.get(w)) is not None and not h.exited.done()]
+        """Wait for stops already under way to end (the stop's own escalation bounds each;
+        asyncio.wait cancels none of them if this task is cancelled)."""
+        waits = [h.exited for w in worker_ids if (h := self.pool.handles.get(w)) is not None and not h.exited.done()]
         if waits:
             await asyncio.wait(waits)
 

@@ -10,8 +10,8 @@ Usage is projected the same way as in `supervisor.policy.pressure`: draining wor
 count as gone, each eviction subtracts the victim's usage. Spare workers (W2) are
 the first room taken, before any idle model.
 
-Public names (stable): LoadVerdict, admit_load, admits_request, evict_for_prefill,
-prefill_room, PrefillRoom, MODEL_TOO_LARGE, INSUFFICIENT_MEMORY.
+Public names (stable): LoadVerdict, admit_load, admits_request, prefill_room, PrefillRoom,
+MODEL_TOO_LARGE, INSUFFICIENT_MEMORY.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from supervisor.policy.verdict import HOST_TERMS, INSUFFICIENT_MEMORY, MODEL_TOO
 
 __all__ = [
     "INSUFFICIENT_MEMORY", "MODEL_TOO_LARGE", "FitReport", "LoadVerdict", "admit", "admit_load", "admits_request",
-    "PrefillRoom", "evict_for_prefill", "fit_report", "prefill_room",
+    "PrefillRoom", "fit_report", "prefill_room",
 ]
 
 
@@ -174,8 +174,7 @@ def prefill_room(s: Snapshot, worker: str, need_bytes: int, *, pool: str = "host
         dc = device_ceilings_for(s, g)
         if dc is None or dc.ceiling <= 0:
             return PrefillRoom()
-    leaving = [w for w in g.live if w.state == "draining" and w.worker != worker and not (w.running or w.queued)]
-    awaited, freed = _cover(leaving, 0, need, device)
+    awaited, freed = _cover([w for w in g.drained if w.worker != worker], 0, need, device)
     chosen, freed = _cover(_room(g, exclude_worker=worker), freed, need, device)
     return PrefillRoom(stop=chosen, await_exit=awaited) if freed >= need else PrefillRoom()
 
@@ -192,11 +191,6 @@ def _cover(workers: list[WorkerRecord], freed: int, need: int, device: bool) -> 
         chosen.append(w.worker)
         freed += held
     return chosen, freed
-
-
-def evict_for_prefill(s: Snapshot, worker: str, need_bytes: int, *, pool: str = "host") -> list[str]:
-    """G1: the idle workers to stop so that `worker`'s prefill fits (`prefill_room`'s `stop`)."""
-    return prefill_room(s, worker, need_bytes, pool=pool).stop
 
 
 class FitReport(msgspec.Struct, frozen=True, kw_only=True):
