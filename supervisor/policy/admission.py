@@ -174,7 +174,7 @@ def prefill_room(s: Snapshot, worker: str, need_bytes: int, *, pool: str = "host
         dc = device_ceilings_for(s, g)
         if dc is None or dc.ceiling <= 0:
             return PrefillRoom()
-    awaited, freed = _cover([w for w in g.drained if w.worker != worker], 0, need, device)
+    awaited, freed = _cover([w for w in g.draining_idle if w.worker != worker], 0, need, device)
     chosen, freed = _cover(_room(g, exclude_worker=worker), freed, need, device)
     return PrefillRoom(stop=chosen, await_exit=awaited) if freed >= need else PrefillRoom()
 

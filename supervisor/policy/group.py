@@ -52,7 +52,7 @@ class WorkerGroup:
     hold no memory). `usage` is U2: supervisor footprint + each worker's U1
     usage; `own` is C2's group footprint; `draining_usage` is the part that a
     stop already under way will give back, and `draining_idle_usage` the part
-    of it held by draining workers with nothing left to finish (`drained`;
+    of it held by draining workers with nothing left to finish (`draining_idle`;
     they exit within a fraction of a second; one with a running request may
     take as long as the request does). `growing` says whether a worker that can grow
     fast is there: one loading or running a request (an idle worker holds
@@ -78,7 +78,7 @@ class WorkerGroup:
     __slots__ = ("usage", "own", "own_gpu", "hot_used", "draining_usage", "draining_idle_usage", "live",
                  "serving", "loading", "active", "unknown", "growing", "device_bytes",
                  "draining_device_bytes", "cached", "draining_count", "idle", "unpinned", "pids", "caps", "usage_now",
-                 "spares", "marked", "drained", "off_max", "off_one")
+                 "spares", "marked", "draining_idle", "off_max", "off_one")
 
     def __init__(self, s: Snapshot) -> None:
         usage = own = s.supervisor_footprint
@@ -89,7 +89,7 @@ class WorkerGroup:
         idle: list[WorkerRecord] = []
         spares: list[WorkerRecord] = []
         marked: list[WorkerRecord] = []
-        drained: list[WorkerRecord] = []
+        idle_drainers: list[WorkerRecord] = []
         pids: dict[str, int] = {}
         caps: dict[str, int] = {}
         usage_now: dict[str, int] = {}
@@ -117,7 +117,7 @@ class WorkerGroup:
                 draining_device += w.device_bytes
                 if not (w.running or w.queued):
                     draining_idle += u
-                    drained.append(w)
+                    idle_drainers.append(w)
                 active = True
                 continue
             usage_now[name] = u
@@ -150,7 +150,7 @@ class WorkerGroup:
         self.device_bytes, self.draining_device_bytes = device, draining_device
         self.draining_count = n_draining
         self.idle, self.unpinned, self.pids, self.caps, self.usage_now = idle, len(serving) - n_pinned, pids, caps, usage_now
-        self.spares, self.marked, self.drained = spares, marked, drained
+        self.spares, self.marked, self.draining_idle = spares, marked, idle_drainers
         self.off_max, self.off_one = off_max, off_one
         self.growing = bool(loading) or busy
 
