@@ -16,6 +16,13 @@
 #   scripts/h200_run.sh path     scripts/bench_path.py: where a token's time goes, layer by layer, at 1 and 64
 #                                streams (ceiling, engine in process, worker over ZeroMQ, server; ~3 min)
 #   scripts/h200_run.sh joinmem  scripts/bench_join_memory.py: the decode batch's buffers against its live KV
+#   scripts/h200_run.sh gguf     collect the halves of the SmolLM2-135M Q4_1 GGUF (.gg1/, .gg2/, one per call,
+#                                `split -b 49500000`) into /tmp/gguf and join them once both are there
+#   scripts/h200_run.sh spec     scripts/bench_speculative.py on that GGUF: n-gram guessing on and off through
+#                                the server (edit and chat, 3 rounds) and the cost of a K-token pass (--passes)
+#   scripts/h200_run.sh swap     scripts/bench_swap.py parts a,b,c,e on a 1 GiB model: a load through a spare
+#                                against a fresh process (SPEC W1, W3) on CUDA
+#   PROFILE=1 scripts/h200_run.sh path   ... also py-spy the server's rounds (needs py-spy in .whl/)
 #
 # Wheels travel in .whl/ (Python 3.12 manylinux), the ~90 MB mlx-cuda-13 wheel
 # in two halves (.gpu1/, .gpu2/, `split -b 46000000`) because one transfer is
@@ -26,6 +33,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 SITE=/tmp/site
 export PYTHONPATH="$SITE:$PWD"
+export PATH="$SITE/bin:$PATH"  # py-spy, when its wheel came in .whl/
 export PYTHONUNBUFFERED=1
 PY=python3
 
@@ -81,15 +89,35 @@ peers)
         2>&1 | grep -v " INFO " | tee "$OUT/peers.log" | tail -40
     ;;
 path)
-    timeout "${2:-400}" $PY scripts/bench_path.py --size 2GiB --dtype bfloat16 --streams 1,64 --tokens 128 \
-        --runs 2 2>&1 | grep -v " INFO " | tee "$OUT/path.log" | tail -20
+    PROF=()
+    [ "${PROFILE:-0}" = 1 ] && PROF=(--profile "$OUT/prof" --profile-seconds 20)
+    timeout "${2:-400}" $PY scripts/bench_path.py --size 2GiB --dtype bfloat16 --streams "${STREAMS:-1,64}" \
+        --tokens 128 --runs "${RUNS:-2}" "${PROF[@]}" 2>&1 | grep -v " INFO " | tee "$OUT/path.log" | tail -20
     ;;
 joinmem)
     timeout "${2:-300}" $PY scripts/bench_join_memory.py --size 512MiB --requests 64 \
         2>&1 | grep -v " INFO " | tee "$OUT/joinmem.log" | tail -10
     ;;
+gguf)
+    mkdir -p /tmp/gguf
+    cp .gg1/gg.part.* .gg2/gg.part.* /tmp/gguf/ 2>/dev/null || true
+    ls -la /tmp/gguf
+    if [ -f /tmp/gguf/gg.part.aa ] && [ -f /tmp/gguf/gg.part.ab ]; then
+        cat /tmp/gguf/gg.part.* > /tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
+        md5sum /tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
+    fi
+    ;;
+spec)
+    timeout "${2:-500}" $PY scripts/bench_speculative.py --gguf /tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --skip-draft --passes --rounds "${3:-3}" --json "$OUT/spec.json" \
+        2>&1 | grep -v " INFO " | tee "$OUT/spec.log" | tail -40
+    ;;
+swap)
+    timeout "${2:-300}" $PY scripts/bench_swap.py --parts a,b,c,e --size 1GiB --rounds 3 --floor-runs 2 \
+        2>&1 | grep -v " INFO " | tee "$OUT/swap.log" | tail -30
+    ;;
 *)
-    echo "usage: $0 stage|parts|install|tests|drill|batch|peers|path|joinmem" >&2
+    echo "usage: $0 stage|parts|install|tests|drill|batch|peers|path|joinmem|gguf|spec|swap" >&2
     exit 2
     ;;
 esac
