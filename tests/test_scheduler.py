@@ -99,6 +99,40 @@ def test_fair_prefill_shortest_first_serves_the_fewest_tokens_left_first(loaded)
     drive(engine)
 
 
+def test_fair_prefill_a_turn_ends_at_a_first_token_rather_than_run_a_chunk_that_makes_none(loaded):
+    """A step's events leave at its end: a turn that made the short prompt's first token and then
+    gave the rest of its budget to the long prompt held that token back for the long chunk (it
+    leaves with the decode step after the turn). The turn now ends at the first token; the long
+    prompt runs its share at its next prefill turn, and both replies stay those of each request
+    alone."""
+    solo = _engine(loaded, max_chunk=64)  # the replies alone, from an engine of their own (its prompt cache)
+    long_prompt = solo.encode_prompt("word " * 300)
+    short_prompt = solo.encode_prompt("Once upon a time")
+    alone = {}
+    for rid, prompt in (("long", long_prompt), ("short", short_prompt)):
+        solo.submit(rid, prompt, max_tokens=4)
+        alone[rid] = drive(solo).tokens(rid)
+    engine = _engine(loaded, max_chunk=64)
+    engine.scheduler.decode.batched = False  # no group: each prefills alone, sharing the turn
+    _timed(engine, 40)
+    engine.submit("long", long_prompt, max_tokens=4)
+    engine.step(OPEN, lambda: 0)  # the long prompt is prefilling
+    engine.submit("short", short_prompt, max_tokens=4)
+    events: list = []
+    while True:
+        _timed(engine, 40)  # what the chunks just taught the timer is put back
+        long = next(seq for seq in engine.scheduler.line if seq.id == "long")
+        before = long.pos
+        events += engine.step(OPEN, lambda: 0)
+        if any(seq.id == "short" for seq in engine.scheduler.decoding):
+            break  # its prefill made its first token in this turn (it leaves at the next decode step)
+    assert long.pos == before, f"the long prompt ran {long.pos - before} tokens in the turn of the short's first token"
+    run = drive(engine)
+    ordered = [ev for ev in events + run.events if isinstance(ev, TokenOut)]
+    for rid in ("long", "short"):
+        assert [ev.token_id for ev in ordered if ev.request_id == rid] == alone[rid], rid
+
+
 # G1's limit and G2's target are both the hard limit, nothing shrinks chunks near it
 TIGHT = Limits(hard_limit=10 * GiB, prefill_headroom_safety=1.0, binding="dynamic", min_chunk_tokens=4,
                max_concurrency=4)

@@ -32,6 +32,14 @@ each turn walks the prefilling requests in `PrefillOrder`:
   waits for at most the turn in flight and its own tokens, never for a long
   prompt's whole prefill; the long one loses only the short one's work
   (scripts/bench_fairness.py measured both orders).
+
+A turn that made a first token ends there when what is left of its budget
+would go to a request that cannot reach its own first token in it: the
+events of a step leave together at its end, so the rest of the turn would
+only hold the new first token back (the short prompt's wait was the turn in
+flight, its own tokens and then the long prompt's share of its turn). The
+long prompt gets that share at its next turn. Requests that all finish in
+the budget still share one turn.
 - `round_robin`: the budget in equal shares, everyone a chunk each turn.
 
 Each chunk is still sized by G2 and checked by G3 on its own, with the usage
@@ -212,6 +220,8 @@ class Scheduler:
             used, moved = self._advance(item, share, limits, usage_fn, events)
             budget -= used
             ran = ran or used > 0 or moved
+            if moved and _made_first_token(item) and i + 1 < len(work) and self._to_run(work[i + 1]) > budget:
+                break  # its first token leaves now, not after a chunk that makes nobody's (module docstring)
         return ran
 
     def _turn_order(self) -> list[Work]:
@@ -352,6 +362,13 @@ class Scheduler:
             self.line.remove(seq)
             seq.move("group")
         return PrefillGroup(members, [seq.prompt for seq in members], self.prefill.layers)
+
+
+def _made_first_token(item: Work) -> bool:
+    """Whether `item`'s prefill ended in this turn (a first token, or an end): it left the line."""
+    if isinstance(item, PrefillGroup):
+        return any(seq.state in ("decoding", "ended") for seq in item.live)
+    return item.state in ("decoding", "ended")
 
 
 def _tower_pending(item: Work) -> bool:
