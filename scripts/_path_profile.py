@@ -90,8 +90,10 @@ class Recorder:
 
     def __init__(self, pids: dict[str, int], out: Path, n: int, rate: int) -> None:
         spy = Path(sys.executable).with_name("py-spy")
+        if not spy.exists():  # a venv's own, else one on PATH (a --target install, as on a lent GPU)
+            spy = Path(shutil.which("py-spy") or spy)
         if not spy.exists():
-            raise SystemExit("--profile needs py-spy in this venv (pip install py-spy: a dev tool)")
+            raise SystemExit("--profile needs py-spy in this venv or on PATH (pip install py-spy: a dev tool)")
         self.files = {name: out / f"{name}-{n}.txt" for name in pids}
         self.perf = {name: out / f"{name}-{n}.perf" for name in pids}
         self.procs = [subprocess.Popen([str(spy), "record", "-p", str(pid), "-r", str(rate), "-f", "raw",

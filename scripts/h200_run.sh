@@ -22,6 +22,8 @@
 #                                the server (edit and chat, 3 rounds) and the cost of a K-token pass (--passes)
 #   scripts/h200_run.sh swap     scripts/bench_swap.py parts a,b,c,e on a 1 GiB model: a load through a spare
 #                                against a fresh process (SPEC W1, W3) on CUDA
+#   scripts/h200_run.sh firstpass scripts/bench_first_pass.py: the first pass of each width (a check of K guesses
+#                                is K+1 tokens) against the second, in two fresh processes (kernel builds)
 #   PROFILE=1 scripts/h200_run.sh path   ... also py-spy the server's rounds (needs py-spy in .whl/)
 #
 # Wheels travel in .whl/ (Python 3.12 manylinux), the ~90 MB mlx-cuda-13 wheel
@@ -112,12 +114,16 @@ spec)
         --skip-draft --passes --rounds "${3:-3}" --json "$OUT/spec.json" \
         2>&1 | grep -v " INFO " | tee "$OUT/spec.log" | tail -40
     ;;
+firstpass)
+    timeout "${2:-240}" $PY scripts/bench_first_pass.py --size 256MiB --quantize 4 --processes 2 \
+        2>&1 | grep -v " INFO " | tee "$OUT/firstpass.log" | tail -25
+    ;;
 swap)
     timeout "${2:-300}" $PY scripts/bench_swap.py --parts a,b,c,e --size 1GiB --rounds 3 --floor-runs 2 \
         2>&1 | grep -v " INFO " | tee "$OUT/swap.log" | tail -30
     ;;
 *)
-    echo "usage: $0 stage|parts|install|tests|drill|batch|peers|path|joinmem|gguf|spec|swap" >&2
+    echo "usage: $0 stage|parts|install|tests|drill|batch|peers|path|joinmem|gguf|spec|swap|firstpass" >&2
     exit 2
     ;;
 esac
