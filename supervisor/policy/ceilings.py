@@ -52,8 +52,11 @@ HOT_CACHE_SOFT_SHARE = 4
 Reading = Literal["counters", "available", "none"]
 
 
-class Ceilings(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+class Ceilings(msgspec.Struct, frozen=True, gc=False):
     """Every ceiling-derived number of one tick (S1 reports most of them).
+
+    Not keyword-only: `compute_ceilings` builds it positionally, in this order
+    (see there why); a new field goes at the end, and there too.
 
     A candidate that does not apply is 0 (dynamic for an unset custom ceiling,
     gpu_cap without a known cap). `ceiling` 0 means the guard is off.
@@ -212,41 +215,18 @@ def compute_ceilings(
     abort_limit = (min(static, gpu_cap) if gpu_room > 0 else static) if enabled else 0
     # C12 (2026-12-01): what the caches hold now, never room they might grow into
     reserved = max(0, hot_cache_used) if ceiling > 0 or abort_limit > 0 else 0
+    # positionally, in field order: 35 keywords would make CPython 3.11 build and unpack a
+    # dict on every call (over 15 keywords; ~10k instructions, 1 us, of every tick)
     return Ceilings(
-        enabled=enabled,
-        tier=tier,
-        total=total,
-        reserve=reserve,
-        reserve_exceeds_total=reserve_exceeds,
-        reading=reading,
-        free=free,
-        inactive=inactive,
-        other_apps=other_apps,
-        other_app_ratio=other_app_ratio(tier, True if host is None else host.compressor),
-        own=own,
-        own_gpu=own_gpu,
-        static=static,
-        dynamic=dynamic,
-        gpu_cap=gpu_cap,
-        gpu_cap_raw=gpu_cap_raw,
-        ceiling=ceiling,
-        binding=binding,
-        admission_ceiling=admission_ceiling,
-        admission_binding=binding if enabled else "static",
-        residency_ceiling=residency,
-        admission_soft_target=soft_target,
-        abort_limit=abort_limit,
-        soft_threshold=soft_t,
-        hard_threshold=hard_t,
-        headroom_safety=params.headroom_safety,
-        abort_margin=params.abort_margin,
-        soft=soft,
-        hard=hard,
-        hot_cache_reserved=reserved,
-        hot_cache_budget=hot_cache_budget(hot_cache_max, soft),
-        worker_ceiling=worker_limit(ceiling, reserved),
-        worker_abort_limit=worker_limit(abort_limit, reserved),
-        wired_stranded=stranded,
+        enabled, tier, total, reserve, reserve_exceeds, reading, free, inactive, other_apps,
+        other_app_ratio(tier, True if host is None else host.compressor),  # other_app_ratio
+        own, own_gpu, static, dynamic, gpu_cap, gpu_cap_raw, ceiling, binding,
+        admission_ceiling, binding if enabled else "static",  # admission_ceiling, admission_binding
+        residency, soft_target, abort_limit,  # residency_ceiling, admission_soft_target, abort_limit
+        soft_t, hard_t, params.headroom_safety, params.abort_margin, soft, hard,
+        reserved, hot_cache_budget(hot_cache_max, soft),  # hot_cache_reserved, hot_cache_budget
+        worker_limit(ceiling, reserved), worker_limit(abort_limit, reserved),  # worker_ceiling, worker_abort_limit
+        stranded,  # wired_stranded
     )
 
 
@@ -275,26 +255,14 @@ def limits_for(
     worker may wire, handed out only with `wire_weights` (M2, 2026-12-05); 0 wires nothing.
     """
     others = c.hot_cache_reserved if others_cache is None else others_cache
+    on = c.enabled
+    # positionally, in field order (19 keywords: a dict built and unpacked per call, as Ceilings)
     return Limits(
-        soft_limit=c.soft,
-        hard_limit=worker_limit(c.ceiling, others),
-        hard_watermark=c.hard,
-        abort_limit=worker_limit(c.abort_limit, others),
-        abort_margin=c.abort_margin,
-        prefill_headroom_safety=c.headroom_safety,
-        safe_zone_ratio=safe_zone_ratio,
-        min_chunk_tokens=min_chunk_tokens,
-        ceiling=c.ceiling,
-        static=c.static if c.enabled else 0,
-        dynamic=c.dynamic if c.enabled else 0,
-        gpu_cap=c.gpu_cap if c.enabled else 0,
-        binding=c.binding,
-        tier=c.tier,
-        admission_paused=admission_paused,
-        max_concurrency=max_concurrency,
-        cache_cap=cache_cap,
-        pool_max=pool_max,
-        residency=c.residency_ceiling if wire_weights else 0,
+        c.soft, worker_limit(c.ceiling, others), c.hard, worker_limit(c.abort_limit, others),
+        c.abort_margin, c.headroom_safety, safe_zone_ratio, min_chunk_tokens,  # ... prefill_headroom_safety
+        c.ceiling, c.static if on else 0, c.dynamic if on else 0, c.gpu_cap if on else 0,  # ceiling ... gpu_cap
+        c.binding, c.tier, admission_paused, max_concurrency, cache_cap, pool_max,
+        c.residency_ceiling if wire_weights else 0,  # residency
     )
 
 

@@ -289,12 +289,10 @@ def tick(s: Snapshot) -> TickResult:
     expire_ttl(t)
     keep_spares(t, level)  # W1: in the quiet after loads and requests, with room
     interval = next_interval(t, level)
+    # positionally, in field order: 17 keywords cost a dict built and unpacked per call (PolicyState)
     state = PolicyState(
-        level=level, over_ceiling_ticks=over, grace_ticks=grace, admission_paused=paused,
-        no_reading_warned=no_reading, reserve_warned=reserve_warned,
-        last_total=t.total, interval=interval, limits=common, limited=limited, cache_kept=cache_kept, reduced=reduced,
-        caps=t.caps, usage_seen=seen,
-        seen_at=seen_at, growth=growth, device_over_ceiling_ticks=dev_over)
+        level, over, grace, paused, no_reading, reserve_warned, t.total, interval,
+        common, limited, cache_kept, reduced, t.caps, seen, seen_at, growth, dev_over)
     return TickResult(state=state, decisions=t.out, ceilings=c, level=level, usage=t.group.usage,
                       projected_usage=t.projected, emergency=emergency, next_interval=interval,
                       draining_credited=t.credited, device=dc, device_usage=dev_usage,
