@@ -177,8 +177,9 @@ def shrink_hot_cache(t: Tick, pool: MemoryPool) -> None:
                 break
     if t.s.guard.pressure_reclaim_disabled:
         return
+    floor = pool_floor(t)
     for w in t.group.live:
-        if w.worker in shrunk or (w.memory.mlx_pool > pool_floor(t) and w.state != "draining"):
+        if w.worker in shrunk or (w.memory.mlx_pool > floor and w.state != "draining"):
             t.out.append(ReclaimPool(worker=w.worker, model=w.model,
                                     reason=f"hard {pool.pressure_words}: return freed memory to the OS"))
 

@@ -81,8 +81,11 @@ class WorkerGroup:
                  "spares", "marked", "draining_idle", "off_max", "off_one")
 
     def __init__(self, s: Snapshot) -> None:
-        usage = own = s.supervisor_footprint
         own_gpu = hot_used = draining = draining_idle = device = draining_device = n_draining = 0
+        # U1 and footprints of the live workers, summed once in C: `sum` adds in a machine word,
+        # where `+=` in the loop made a new int object per worker (sums pass 2**30: two digits)
+        usages: list[int] = []
+        footprints: list[int] = []
         serving: list[WorkerRecord] = []
         loading: list[WorkerRecord] = []
         cached: list[WorkerRecord] = []
@@ -104,10 +107,11 @@ class WorkerGroup:
             pids[name] = w.pid
             caps[name] = cap = w.concurrency or w.max_concurrency
             u = m.usage
-            usage += u
-            own += m.footprint
-            own_gpu += w.gpu_bytes
-            device += w.device_bytes
+            usages.append(u)
+            footprints.append(m.footprint)
+            if w.gpu_bytes or w.device_bytes:  # most machines: neither (no Metal GPU share, no device)
+                own_gpu += w.gpu_bytes
+                device += w.device_bytes
             if m.cache_bytes:
                 hot_used += m.cache_bytes
                 cached.append(w)
@@ -143,7 +147,8 @@ class WorkerGroup:
                 unknown = True
         # most ticks no record is of a gone process: the whole list is live, copied in C
         self.live = [w for w in s.workers if _ROLE[w.state] is not _GONE] if gone else list(s.workers)
-        self.usage, self.own, self.own_gpu, self.hot_used = usage, own, own_gpu, hot_used
+        sup = s.supervisor_footprint
+        self.usage, self.own, self.own_gpu, self.hot_used = sup + sum(usages), sup + sum(footprints), own_gpu, hot_used
         self.draining_usage, self.draining_idle_usage = draining, draining_idle
         self.serving, self.loading, self.cached = serving, loading, cached
         self.active, self.unknown = active, unknown

@@ -82,43 +82,37 @@ def limits_to_hand_out(
     # the limits built so far: by cap for a worker that keeps no cache (most), else by (cap, own bytes)
     plain: dict[int, Limits] = {}
     built: dict[tuple[int, int], Limits] = {}
-    out, sent = t.out, False
+    out = t.out
+    before_out = len(out)
     for w in live:
         worker = w.worker
         cap = caps[worker]
-        step = None
         if stepping and w.state in SERVING_STATES and w.model:  # P8 (module doc): serving workers step
             target = w.max_concurrency if ok else 1
             if cap != target:
-                step = cap + 1 if cap < target else cap - 1
-        if step is not None:
-            cap = stepped_caps[worker] = step
-            why = stepped
-        elif changed:
-            why = common_why
-        else:
-            if had.get(worker) != w.pid:
-                why = "new worker"
-            elif had_caps.get(worker) != cap:
-                why = "its request slots changed"
-            elif total - own.get(worker, 0) != before - had_own.get(worker, 0):
-                why = "other workers' prompt caches changed"
-            else:
+                cap = stepped_caps[worker] = cap + 1 if cap < target else cap - 1
+                mine = own[worker] if worker in own else 0
+                limits = built.get((cap, mine)) if mine else plain.get(cap)
+                if limits is None:
+                    limits = _new_limits(common, cap, total, mine, plain, built)
+                out.append(SetConcurrency(worker=worker, model=w.model, limits=limits, cap=cap, reason=stepped))
                 continue
+        if changed:
+            why = common_why
+        elif had.get(worker) != w.pid:
+            why = "new worker"
+        elif had_caps.get(worker) != cap:
+            why = "its request slots changed"
+        elif total - own.get(worker, 0) != before - had_own.get(worker, 0):
+            why = "other workers' prompt caches changed"
+        else:
+            continue
         mine = own[worker] if worker in own else 0
-        if not mine:
-            limits = plain.get(cap)
-            if limits is None:
-                limits = plain[cap] = worker_limits(common, cap, total)
-        else:
-            limits = built.get((cap, mine))
-            if limits is None:
-                limits = built[(cap, mine)] = worker_limits(common, cap, total - mine)
-        sent = True
-        if step is None:
-            out.append(ApplyLimits(worker=worker, model=w.model, limits=limits, reason=why))
-        else:
-            out.append(SetConcurrency(worker=worker, model=w.model, limits=limits, cap=step, reason=why))
+        limits = built.get((cap, mine)) if mine else plain.get(cap)
+        if limits is None:
+            limits = _new_limits(common, cap, total, mine, plain, built)
+        out.append(ApplyLimits(worker=worker, model=w.model, limits=limits, reason=why))
+    sent = len(out) > before_out
     if not sent and len(had) == len(live) and total == before and own == had_own:
         return common, had, total, had_own
     return common, pids, total, own
@@ -137,6 +131,16 @@ def _common_limits(t: Tick, paused: bool) -> Limits:
     if t.dc is not None and t.dc.ceiling > 0:  # D4: workers report device crossings at once
         common = _device_watermarks(t, common, t.dc)
     return common
+
+
+def _new_limits(common: Limits, cap: int, total: int, mine: int,
+                plain: dict[int, Limits], built: dict[tuple[int, int], Limits]) -> Limits:
+    """The limits of a (cap, own cache bytes) not met yet this tick, kept for the workers that share them."""
+    if not mine:
+        limits = plain[cap] = worker_limits(common, cap, total)
+    else:
+        limits = built[(cap, mine)] = worker_limits(common, cap, total - mine)
+    return limits
 
 
 def worker_limits(common: Limits, cap: int, others: int) -> Limits:
