@@ -157,6 +157,28 @@ def hot_cache_budget(hot_cache_max: int, soft: int) -> int:
     return min(hot_cache_max, soft // HOT_CACHE_SOFT_SHARE) if soft > 0 else hot_cache_max
 
 
+_TIER_TERMS: dict[tuple[Tier, int, float | None, float | None], tuple[int, float, float]] = {}
+_TIER_TERMS_MAX = 64
+
+
+def _tier_terms(tier: Tier, total: int, soft: float | None, hard: float | None) -> tuple[int, float, float]:
+    """(T1's reserve, T5's soft and hard fractions) for this tier on a `total`-byte machine, remembered.
+
+    The tier, the machine's size and the thresholds stay put from tick to
+    tick, and working them out again (clamps of a float, the legacy checks)
+    took about 9k instructions, 1 us of every tick. Emptied when full, as
+    `decisions.size_text`; still pure: no input changes what a call returns.
+    """
+    key = (tier, total, soft, hard)
+    terms = _TIER_TERMS.get(key)
+    if terms is None:
+        if len(_TIER_TERMS) >= _TIER_TERMS_MAX:
+            _TIER_TERMS.clear()
+        soft_t, hard_t = resolve_thresholds(tier, soft, hard)
+        terms = _TIER_TERMS[key] = (reserve_bytes(tier, total), soft_t, hard_t)
+    return terms
+
+
 def compute_ceilings(
     *,
     tier: Tier,
@@ -186,7 +208,7 @@ def compute_ceilings(
     which is the share of other apps' memory the OS could compress away.
     """
     params = TIER_PARAMS[tier]
-    reserve = reserve_bytes(tier, total)
+    reserve, soft_t, hard_t = _tier_terms(tier, total, soft_threshold, hard_threshold)
     stranded = max(0, stranded)
     static = total - reserve
     reserve_exceeds = static <= 0
@@ -202,7 +224,6 @@ def compute_ceilings(
         )
     cpu_side = max(0, own - own_gpu) if own_gpu > 0 else 0
     gpu_cap = gpu_room + cpu_side if gpu_room > 0 else 0
-    soft_t, hard_t = resolve_thresholds(tier, soft_threshold, hard_threshold)
 
     best = static  # C5: the smallest candidate; dynamic and the GPU cap only when they are one
     if 0 < dynamic < best:

@@ -82,9 +82,8 @@ class WorkerGroup:
 
     def __init__(self, s: Snapshot) -> None:
         own_gpu = hot_used = draining = draining_idle = device = draining_device = n_draining = 0
-        # U1 and footprints of the live workers, summed once in C: `sum` adds in a machine word,
-        # where `+=` in the loop made a new int object per worker (sums pass 2**30: two digits)
-        usages: list[int] = []
+        # the live workers' footprints, and U1 of those not draining (`usage_now`), summed once in C:
+        # `sum` adds in a machine word, where `+=` in the loop made a new int per worker (past 2**30)
         footprints: list[int] = []
         serving: list[WorkerRecord] = []
         loading: list[WorkerRecord] = []
@@ -107,7 +106,6 @@ class WorkerGroup:
             pids[name] = w.pid
             caps[name] = cap = w.concurrency or w.max_concurrency
             u = m.usage
-            usages.append(u)
             footprints.append(m.footprint)
             if w.gpu_bytes or w.device_bytes:  # most machines: neither (no Metal GPU share, no device)
                 own_gpu += w.gpu_bytes
@@ -148,7 +146,8 @@ class WorkerGroup:
         # most ticks no record is of a gone process: the whole list is live, copied in C
         self.live = [w for w in s.workers if _ROLE[w.state] is not _GONE] if gone else list(s.workers)
         sup = s.supervisor_footprint
-        self.usage, self.own, self.own_gpu, self.hot_used = sup + sum(usages), sup + sum(footprints), own_gpu, hot_used
+        self.usage = sup + draining + sum(usage_now.values())
+        self.own, self.own_gpu, self.hot_used = sup + sum(footprints), own_gpu, hot_used
         self.draining_usage, self.draining_idle_usage = draining, draining_idle
         self.serving, self.loading, self.cached = serving, loading, cached
         self.active, self.unknown = active, unknown
