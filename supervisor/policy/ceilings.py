@@ -10,7 +10,9 @@ the GPU terms are 0). The ceiling is the smallest of three candidates:
 - gpu cap (C4): the accelerator's allocation cap plus CPU-side bytes.
 
 A value of 0 for a limit means "no limit" to every consumer, which is why the
-floors below are 1 byte and never 0 where a limit exists.
+floors below are 1 byte and never 0 where a limit exists. (They are spelled
+`x if x > 1 else 1`, not `max(1, x)`: every tick works them out, and a call of
+the builtin min or max costs about 1k instructions in CPython 3.11.)
 
 Public names (stable): Ceilings, TierPreview, compute_ceilings, limits_for,
 worker_limit, hot_cache_budget, tier_preview, remedy, reserve_message,
@@ -119,18 +121,22 @@ def _dynamic_terms(
         return "none", 0, 0, 0, static
     if host.free is None:
         free = host.available or 0
-        return "available", free, 0, 0, max(1, own + free - reserve)
+        dynamic = own + free - reserve
+        return "available", free, 0, 0, dynamic if dynamic > 1 else 1
     free = host.free
     inactive = host.inactive or 0
-    file_active = max(0, (host.file_backed or 0) - inactive)
+    file_active = (host.file_backed or 0) - inactive
+    file_active = file_active if file_active > 0 else 0
     inactive_term = inactive + file_active
     ratio = other_app_ratio(tier, host.compressor)
     other_apps = 0
     if ratio > 0:
-        own_cpu = max(0, own - own_gpu)
-        other_apps = int(max(0, (host.active or 0) - file_active - own_cpu) * ratio)
+        own_cpu = own - own_gpu if own > own_gpu else 0
+        anonymous = (host.active or 0) - file_active - own_cpu
+        other_apps = int(anonymous * ratio) if anonymous > 0 else 0
     # Other apps may already hold the reserve: 1 byte, never 0 ("no limit").
-    dynamic = max(1, own + free + inactive_term + other_apps - reserve)
+    dynamic = own + free + inactive_term + other_apps - reserve
+    dynamic = dynamic if dynamic > 1 else 1
     return "counters", free, inactive_term, other_apps, dynamic
 
 
@@ -145,7 +151,7 @@ def worker_limit(limit: int, others: int) -> int:
     0 stays 0 ("no limit").
     """
     if limit <= 0 or others <= 0:
-        return max(0, limit)
+        return limit if limit > 0 else 0
     left = limit - others
     return left if left > 0 else limit
 
@@ -154,7 +160,10 @@ def hot_cache_budget(hot_cache_max: int, soft: int) -> int:
     """H2 (2026-12-01): min(hot_cache_max, soft watermark // 4); hot_cache_max alone with no watermark (guard off)."""
     if hot_cache_max <= 0:
         return 0
-    return min(hot_cache_max, soft // HOT_CACHE_SOFT_SHARE) if soft > 0 else hot_cache_max
+    if soft <= 0:
+        return hot_cache_max
+    share = soft // HOT_CACHE_SOFT_SHARE
+    return share if share < hot_cache_max else hot_cache_max
 
 
 _TIER_TERMS: dict[tuple[Tier, int, float | None, float | None], tuple[int, float, float]] = {}
@@ -209,15 +218,16 @@ def compute_ceilings(
     """
     params = TIER_PARAMS[tier]
     reserve, soft_t, hard_t = _tier_terms(tier, total, soft_threshold, hard_threshold)
-    stranded = max(0, stranded)
+    stranded = stranded if stranded > 0 else 0
     static = total - reserve
     reserve_exceeds = static <= 0
-    static = max(1, static - stranded)  # C1: never 0, which would read as "no limit"
+    static -= stranded
+    static = static if static > 1 else 1  # C1: never 0, which would read as "no limit"
     gpu_room = max(1, gpu_cap_raw - stranded) if gpu_cap_raw > 0 else 0  # the raw cap, less what is stranded
     if tier == "custom":
         reading = _reading_kind(host)
         free = inactive = other_apps = 0
-        dynamic = max(0, custom_ceiling)  # C3: 0 is not a candidate
+        dynamic = custom_ceiling if custom_ceiling > 0 else 0  # C3: 0 is not a candidate
     else:
         reading, free, inactive, other_apps, dynamic = _dynamic_terms(
             tier, host, own, own_gpu, reserve, static
@@ -235,7 +245,7 @@ def compute_ceilings(
     residency = (min(static, gpu_room) if gpu_room > 0 else static) if enabled else 0
     abort_limit = (min(static, gpu_cap) if gpu_room > 0 else static) if enabled else 0
     # C12 (2026-12-01): what the caches hold now, never room they might grow into
-    reserved = max(0, hot_cache_used) if ceiling > 0 or abort_limit > 0 else 0
+    reserved = hot_cache_used if hot_cache_used > 0 and (ceiling > 0 or abort_limit > 0) else 0
     # positionally, in field order: 35 keywords would make CPython 3.11 build and unpack a
     # dict on every call (over 15 keywords; ~10k instructions, 1 us, of every tick)
     return Ceilings(

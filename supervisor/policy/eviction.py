@@ -51,7 +51,7 @@ def measure_growth(t: Tick) -> tuple[dict[str, int], float, float]:
     seen, span = prev.usage_seen, now - prev.seen_at
     if not seen or span < 0:
         return current, now, 0.0
-    per = max(span, GROWTH_WINDOW)
+    per = span if span > GROWTH_WINDOW else GROWTH_WINDOW
     rates = {} if current == seen else {  # nothing moved (a quiet tick): no rate to work out
         k: (u - seen[k]) / per for k, u in current.items() if k in seen and u > seen[k]}
     t.rates = rates
@@ -191,8 +191,8 @@ def stop_marked(t: Tick, level: PressureLevel) -> None:
     because the pressure it caused has ended would leave it loaded for
     ever, since TTL skips marked workers and new requests avoid it.
     """
-    if t.c.ceiling <= 0:
-        return  # the guard is off: it destroys nothing (a new request replaces the worker)
+    if not t.group.marked or t.c.ceiling <= 0:
+        return  # none marked (most ticks), or the guard is off: it destroys nothing
     drained = [w for w in t.group.marked if not w.pinned]  # idle and marked
     for w in sorted(drained, key=lru_key):
         when = f"{level} pressure" if level != "ok" else "after the pressure"

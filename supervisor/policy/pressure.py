@@ -216,7 +216,7 @@ def _until_expiry(t: Tick) -> float:
             soonest = left
     # the finest cadence applied once to the soonest: the same as to each (max is monotone),
     # without two builtin calls a worker on every quiet tick
-    return max(fine, soonest)
+    return soonest if soonest > fine else fine
 
 
 def _hold_still(s: Snapshot, t: Tick) -> TickResult:
@@ -255,10 +255,15 @@ def tick(s: Snapshot) -> TickResult:
     no_reading, reserve_warned = warnings(t)
     host_level, over, host_emergency = host_pressure(t)
     dev_usage = t.group.device_bytes
-    dev_level = device_level(dev_usage, dc)
-    dev_over, dev_emergency = device_emergency(dev_usage, dc, prev.device_over_ceiling_ticks, recheck=s.recheck)
-    level = worse_level(host_level, dev_level)  # D4: the group's level is the worse pool's
-    emergency = host_emergency or dev_emergency
+    dev_level: PressureLevel = "ok"
+    if dc is None:  # no device pool (most machines): the host's figures are the group's
+        dev_over, dev_emergency = 0, False
+        level, emergency = host_level, host_emergency
+    else:
+        dev_level = device_level(dev_usage, dc)
+        dev_over, dev_emergency = device_emergency(dev_usage, dc, prev.device_over_ceiling_ticks, recheck=s.recheck)
+        level = worse_level(host_level, dev_level)  # D4: the group's level is the worse pool's
+        emergency = host_emergency or dev_emergency
     if level != prev.level:
         t.out.append(_level_changed(prev.level, level, t, host_level, dev_usage))
     paused = admission(t, level)
