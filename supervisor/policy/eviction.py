@@ -212,8 +212,8 @@ def evict(t: Tick, pool: MemoryPool, level: PressureLevel, emergency: bool, step
     if pool.projected <= soft:
         return
     stopped = t.stopped
-    idle = [w for w in t.group.idle if not w.pinned and not w.marked_for_unload and w.worker not in stopped]
-    idle.sort(key=lru_key)
+    idle = t.group.idle  # idle, neither pinned nor marked
+    idle = sorted([w for w in idle if w.worker not in stopped] if stopped else idle, key=lru_key)
     # every serving worker stopped so far this tick was unpinned (P6.1, the grower, step 2); spares serve none
     loaded_unpinned = t.group.unpinned - (sum(1 for w in t.group.serving if w.worker in stopped) if stopped else 0)
     soft_words = ""

@@ -62,7 +62,8 @@ class WorkerGroup:
     The same pass also gathers what the policy tick would otherwise walk the
     workers again for (one extra pass at a time, the tick had grown to 1.3x the
     instructions of the tick before the device pool): `idle` (serving workers with
-    nothing running or queued, `is_idle`, in snapshot order), `unpinned`
+    nothing running or queued, `is_idle`, neither pinned nor marked for unload:
+    P6.2's victims, in snapshot order), `unpinned`
     (how many serving workers are not pinned), `pids` (worker -> pid of
     every live worker, T6's record of who holds which limits), `caps` (worker
     -> the concurrency cap it runs with, P8: what its limits must carry) and `usage_now`
@@ -136,9 +137,10 @@ class WorkerGroup:
                 if w.running or w.queued:
                     active = busy = True
                 elif w.state == "ready":
-                    idle.append(w)
                     if w.marked_for_unload:
                         marked.append(w)
+                    elif not w.pinned:
+                        idle.append(w)
             elif role is _LOADS:
                 loading.append(w)
             else:  # wedged: no trustworthy activity reading

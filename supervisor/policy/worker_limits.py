@@ -86,7 +86,7 @@ def limits_to_hand_out(
     before_out = len(out)
     for w in live:
         worker = w.worker
-        cap = caps[worker]
+        cap = w.concurrency or w.max_concurrency  # = caps[worker] (the group pass), without a dict lookup
         if stepping and w.state in SERVING_STATES and w.model:  # P8 (module doc): serving workers step
             target = w.max_concurrency if ok else 1
             if cap != target:
