@@ -91,10 +91,9 @@ def limits_to_hand_out(
             target = w.max_concurrency if ok else 1
             if cap != target:
                 cap = stepped_caps[worker] = cap + 1 if cap < target else cap - 1
-                mine = own[worker] if worker in own else 0
-                limits = built.get((cap, mine)) if mine else plain.get(cap)
+                limits = None if worker in own else plain.get(cap)  # most: no cache, a cap met already
                 if limits is None:
-                    limits = _new_limits(common, cap, total, mine, plain, built)
+                    limits = _limits_of(common, cap, total, own.get(worker, 0), plain, built)
                 out.append(SetConcurrency(worker=worker, model=w.model, limits=limits, cap=cap, reason=stepped))
                 continue
         if changed:
@@ -107,10 +106,9 @@ def limits_to_hand_out(
             why = "other workers' prompt caches changed"
         else:
             continue
-        mine = own[worker] if worker in own else 0
-        limits = built.get((cap, mine)) if mine else plain.get(cap)
+        limits = None if worker in own else plain.get(cap)
         if limits is None:
-            limits = _new_limits(common, cap, total, mine, plain, built)
+            limits = _limits_of(common, cap, total, own.get(worker, 0), plain, built)
         out.append(ApplyLimits(worker=worker, model=w.model, limits=limits, reason=why))
     sent = len(out) > before_out
     if not sent and len(had) == len(live) and total == before and own == had_own:
@@ -133,12 +131,17 @@ def _common_limits(t: Tick, paused: bool) -> Limits:
     return common
 
 
-def _new_limits(common: Limits, cap: int, total: int, mine: int,
-                plain: dict[int, Limits], built: dict[tuple[int, int], Limits]) -> Limits:
-    """The limits of a (cap, own cache bytes) not met yet this tick, kept for the workers that share them."""
+def _limits_of(common: Limits, cap: int, total: int, mine: int,
+               plain: dict[int, Limits], built: dict[tuple[int, int], Limits]) -> Limits:
+    """The limits of a worker that keeps `mine` cache bytes, or of a cap not met yet this tick,
+    built once a tick for each (cap, own bytes) and kept for the workers that share them."""
     if not mine:
-        limits = plain[cap] = worker_limits(common, cap, total)
-    else:
+        limits = plain.get(cap)
+        if limits is None:
+            limits = plain[cap] = worker_limits(common, cap, total)
+        return limits
+    limits = built.get((cap, mine))
+    if limits is None:
         limits = built[(cap, mine)] = worker_limits(common, cap, total - mine)
     return limits
 
@@ -180,13 +183,16 @@ def _give_way(t: Tick, keeps: dict[str, int], level: PressureLevel) -> None:
     movable = [w for w in group.cached if w.memory.cache_releasable > 0 and w.state != "draining"]
     if level == "hard":  # P5 shrinks toward soft this tick (H3)
         for w in movable:
-            keeps[w.worker] -= min(w.memory.cache_releasable, keeps[w.worker])
+            keep, free = keeps[w.worker], w.memory.cache_releasable
+            keeps[w.worker] = keep - free if free < keep else 0
         return
     # dropping x bytes lowers usage and the caches alike: room once x > (caches + usage - ceiling) / 2
     need = (sum(keeps.values()) + group.usage - t.c.ceiling) // 2 + 1
     why = ""
     for w in sorted(movable, key=lru_key):
-        take = min(w.memory.cache_releasable, keeps[w.worker], need)
+        take = w.memory.cache_releasable  # min(releasable, kept, need), without the builtin's 1k instructions
+        take = keeps[w.worker] if keeps[w.worker] < take else take
+        take = need if need < take else take
         if take <= 0:
             continue
         keeps[w.worker] -= take
