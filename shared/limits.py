@@ -17,7 +17,11 @@ from shared.vocab import LimitBinding, Tier
 NO_CACHE_LIMIT_ENV = "MEMVISOR_NO_CACHE_LIMIT"
 
 
-class Limits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Not keyword-only: the policy builds one positionally every tick
+    (`supervisor.policy.ceilings.limits_for`), so a new field goes at the end.
+    Travels by field name: the order is no part of the wire."""
+
     # Byte limits; all already reduced by the hot-cache reservation (C12).
     soft_limit: int = 0          # int(worker ceiling x soft threshold): over it only logs (G3)
     hard_limit: int = 0          # worker ceiling: ceiling - hot-cache reservation (G1)

@@ -10,7 +10,9 @@ the GPU terms are 0). The ceiling is the smallest of three candidates:
 - gpu cap (C4): the accelerator's allocation cap plus CPU-side bytes.
 
 A value of 0 for a limit means "no limit" to every consumer, which is why the
-floors below are 1 byte and never 0 where a limit exists.
+floors below are 1 byte and never 0 where a limit exists. (They are spelled
+`x if x > 1 else 1`, not `max(1, x)`: every tick works them out, and a call of
+the builtin min or max costs about 1k instructions in CPython 3.11.)
 
 Public names (stable): Ceilings, TierPreview, compute_ceilings, limits_for,
 worker_limit, hot_cache_budget, tier_preview, remedy, reserve_message,
@@ -52,8 +54,11 @@ HOT_CACHE_SOFT_SHARE = 4
 Reading = Literal["counters", "available", "none"]
 
 
-class Ceilings(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+class Ceilings(msgspec.Struct, frozen=True, gc=False):
     """Every ceiling-derived number of one tick (S1 reports most of them).
+
+    Not keyword-only: `compute_ceilings` builds it positionally, in this order
+    (see there why); a new field goes at the end, and there too.
 
     A candidate that does not apply is 0 (dynamic for an unset custom ceiling,
     gpu_cap without a known cap). `ceiling` 0 means the guard is off.
@@ -116,18 +121,22 @@ def _dynamic_terms(
         return "none", 0, 0, 0, static
     if host.free is None:
         free = host.available or 0
-        return "available", free, 0, 0, max(1, own + free - reserve)
+        dynamic = own + free - reserve
+        return "available", free, 0, 0, dynamic if dynamic > 1 else 1
     free = host.free
     inactive = host.inactive or 0
-    file_active = max(0, (host.file_backed or 0) - inactive)
+    file_active = (host.file_backed or 0) - inactive
+    file_active = file_active if file_active > 0 else 0
     inactive_term = inactive + file_active
     ratio = other_app_ratio(tier, host.compressor)
     other_apps = 0
     if ratio > 0:
-        own_cpu = max(0, own - own_gpu)
-        other_apps = int(max(0, (host.active or 0) - file_active - own_cpu) * ratio)
+        own_cpu = own - own_gpu if own > own_gpu else 0
+        anonymous = (host.active or 0) - file_active - own_cpu
+        other_apps = int(anonymous * ratio) if anonymous > 0 else 0
     # Other apps may already hold the reserve: 1 byte, never 0 ("no limit").
-    dynamic = max(1, own + free + inactive_term + other_apps - reserve)
+    dynamic = own + free + inactive_term + other_apps - reserve
+    dynamic = dynamic if dynamic > 1 else 1
     return "counters", free, inactive_term, other_apps, dynamic
 
 
@@ -142,7 +151,7 @@ def worker_limit(limit: int, others: int) -> int:
     0 stays 0 ("no limit").
     """
     if limit <= 0 or others <= 0:
-        return max(0, limit)
+        return limit if limit > 0 else 0
     left = limit - others
     return left if left > 0 else limit
 
@@ -151,7 +160,32 @@ def hot_cache_budget(hot_cache_max: int, soft: int) -> int:
     """H2 (2026-12-01): min(hot_cache_max, soft watermark // 4); hot_cache_max alone with no watermark (guard off)."""
     if hot_cache_max <= 0:
         return 0
-    return min(hot_cache_max, soft // HOT_CACHE_SOFT_SHARE) if soft > 0 else hot_cache_max
+    if soft <= 0:
+        return hot_cache_max
+    share = soft // HOT_CACHE_SOFT_SHARE
+    return share if share < hot_cache_max else hot_cache_max
+
+
+_TIER_TERMS: dict[tuple[Tier, int, float | None, float | None], tuple[int, float, float]] = {}
+_TIER_TERMS_MAX = 64
+
+
+def _tier_terms(tier: Tier, total: int, soft: float | None, hard: float | None) -> tuple[int, float, float]:
+    """(T1's reserve, T5's soft and hard fractions) for this tier on a `total`-byte machine, remembered.
+
+    The tier, the machine's size and the thresholds stay put from tick to
+    tick, and working them out again (clamps of a float, the legacy checks)
+    took about 9k instructions, 1 us of every tick. Emptied when full, as
+    `decisions.size_text`; still pure: no input changes what a call returns.
+    """
+    key = (tier, total, soft, hard)
+    terms = _TIER_TERMS.get(key)
+    if terms is None:
+        if len(_TIER_TERMS) >= _TIER_TERMS_MAX:
+            _TIER_TERMS.clear()
+        soft_t, hard_t = resolve_thresholds(tier, soft, hard)
+        terms = _TIER_TERMS[key] = (reserve_bytes(tier, total), soft_t, hard_t)
+    return terms
 
 
 def compute_ceilings(
@@ -183,23 +217,23 @@ def compute_ceilings(
     which is the share of other apps' memory the OS could compress away.
     """
     params = TIER_PARAMS[tier]
-    reserve = reserve_bytes(tier, total)
-    stranded = max(0, stranded)
+    reserve, soft_t, hard_t = _tier_terms(tier, total, soft_threshold, hard_threshold)
+    stranded = stranded if stranded > 0 else 0
     static = total - reserve
     reserve_exceeds = static <= 0
-    static = max(1, static - stranded)  # C1: never 0, which would read as "no limit"
+    static -= stranded
+    static = static if static > 1 else 1  # C1: never 0, which would read as "no limit"
     gpu_room = max(1, gpu_cap_raw - stranded) if gpu_cap_raw > 0 else 0  # the raw cap, less what is stranded
     if tier == "custom":
         reading = _reading_kind(host)
         free = inactive = other_apps = 0
-        dynamic = max(0, custom_ceiling)  # C3: 0 is not a candidate
+        dynamic = custom_ceiling if custom_ceiling > 0 else 0  # C3: 0 is not a candidate
     else:
         reading, free, inactive, other_apps, dynamic = _dynamic_terms(
             tier, host, own, own_gpu, reserve, static
         )
     cpu_side = max(0, own - own_gpu) if own_gpu > 0 else 0
     gpu_cap = gpu_room + cpu_side if gpu_room > 0 else 0
-    soft_t, hard_t = resolve_thresholds(tier, soft_threshold, hard_threshold)
 
     best = static  # C5: the smallest candidate; dynamic and the GPU cap only when they are one
     if 0 < dynamic < best:
@@ -211,42 +245,19 @@ def compute_ceilings(
     residency = (min(static, gpu_room) if gpu_room > 0 else static) if enabled else 0
     abort_limit = (min(static, gpu_cap) if gpu_room > 0 else static) if enabled else 0
     # C12 (2026-12-01): what the caches hold now, never room they might grow into
-    reserved = max(0, hot_cache_used) if ceiling > 0 or abort_limit > 0 else 0
+    reserved = hot_cache_used if hot_cache_used > 0 and (ceiling > 0 or abort_limit > 0) else 0
+    # positionally, in field order: 35 keywords would make CPython 3.11 build and unpack a
+    # dict on every call (over 15 keywords; ~10k instructions, 1 us, of every tick)
     return Ceilings(
-        enabled=enabled,
-        tier=tier,
-        total=total,
-        reserve=reserve,
-        reserve_exceeds_total=reserve_exceeds,
-        reading=reading,
-        free=free,
-        inactive=inactive,
-        other_apps=other_apps,
-        other_app_ratio=other_app_ratio(tier, True if host is None else host.compressor),
-        own=own,
-        own_gpu=own_gpu,
-        static=static,
-        dynamic=dynamic,
-        gpu_cap=gpu_cap,
-        gpu_cap_raw=gpu_cap_raw,
-        ceiling=ceiling,
-        binding=binding,
-        admission_ceiling=admission_ceiling,
-        admission_binding=binding if enabled else "static",
-        residency_ceiling=residency,
-        admission_soft_target=soft_target,
-        abort_limit=abort_limit,
-        soft_threshold=soft_t,
-        hard_threshold=hard_t,
-        headroom_safety=params.headroom_safety,
-        abort_margin=params.abort_margin,
-        soft=soft,
-        hard=hard,
-        hot_cache_reserved=reserved,
-        hot_cache_budget=hot_cache_budget(hot_cache_max, soft),
-        worker_ceiling=worker_limit(ceiling, reserved),
-        worker_abort_limit=worker_limit(abort_limit, reserved),
-        wired_stranded=stranded,
+        enabled, tier, total, reserve, reserve_exceeds, reading, free, inactive, other_apps,
+        other_app_ratio(tier, True if host is None else host.compressor),  # other_app_ratio
+        own, own_gpu, static, dynamic, gpu_cap, gpu_cap_raw, ceiling, binding,
+        admission_ceiling, binding if enabled else "static",  # admission_ceiling, admission_binding
+        residency, soft_target, abort_limit,  # residency_ceiling, admission_soft_target, abort_limit
+        soft_t, hard_t, params.headroom_safety, params.abort_margin, soft, hard,
+        reserved, hot_cache_budget(hot_cache_max, soft),  # hot_cache_reserved, hot_cache_budget
+        worker_limit(ceiling, reserved), worker_limit(abort_limit, reserved),  # worker_ceiling, worker_abort_limit
+        stranded,  # wired_stranded
     )
 
 
@@ -275,26 +286,14 @@ def limits_for(
     worker may wire, handed out only with `wire_weights` (M2, 2026-12-05); 0 wires nothing.
     """
     others = c.hot_cache_reserved if others_cache is None else others_cache
+    on = c.enabled
+    # positionally, in field order (19 keywords: a dict built and unpacked per call, as Ceilings)
     return Limits(
-        soft_limit=c.soft,
-        hard_limit=worker_limit(c.ceiling, others),
-        hard_watermark=c.hard,
-        abort_limit=worker_limit(c.abort_limit, others),
-        abort_margin=c.abort_margin,
-        prefill_headroom_safety=c.headroom_safety,
-        safe_zone_ratio=safe_zone_ratio,
-        min_chunk_tokens=min_chunk_tokens,
-        ceiling=c.ceiling,
-        static=c.static if c.enabled else 0,
-        dynamic=c.dynamic if c.enabled else 0,
-        gpu_cap=c.gpu_cap if c.enabled else 0,
-        binding=c.binding,
-        tier=c.tier,
-        admission_paused=admission_paused,
-        max_concurrency=max_concurrency,
-        cache_cap=cache_cap,
-        pool_max=pool_max,
-        residency=c.residency_ceiling if wire_weights else 0,
+        c.soft, worker_limit(c.ceiling, others), c.hard, worker_limit(c.abort_limit, others),
+        c.abort_margin, c.headroom_safety, safe_zone_ratio, min_chunk_tokens,  # ... prefill_headroom_safety
+        c.ceiling, c.static if on else 0, c.dynamic if on else 0, c.gpu_cap if on else 0,  # ceiling ... gpu_cap
+        c.binding, c.tier, admission_paused, max_concurrency, cache_cap, pool_max,
+        c.residency_ceiling if wire_weights else 0,  # residency
     )
 
 

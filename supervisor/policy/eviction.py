@@ -51,7 +51,7 @@ def measure_growth(t: Tick) -> tuple[dict[str, int], float, float]:
     seen, span = prev.usage_seen, now - prev.seen_at
     if not seen or span < 0:
         return current, now, 0.0
-    per = max(span, GROWTH_WINDOW)
+    per = span if span > GROWTH_WINDOW else GROWTH_WINDOW
     rates = {} if current == seen else {  # nothing moved (a quiet tick): no rate to work out
         k: (u - seen[k]) / per for k, u in current.items() if k in seen and u > seen[k]}
     t.rates = rates
@@ -177,8 +177,9 @@ def shrink_hot_cache(t: Tick, pool: MemoryPool) -> None:
                 break
     if t.s.guard.pressure_reclaim_disabled:
         return
+    floor = pool_floor(t)
     for w in t.group.live:
-        if w.worker in shrunk or (w.memory.mlx_pool > pool_floor(t) and w.state != "draining"):
+        if w.worker in shrunk or (w.memory.mlx_pool > floor and w.state != "draining"):
             t.out.append(ReclaimPool(worker=w.worker, model=w.model,
                                     reason=f"hard {pool.pressure_words}: return freed memory to the OS"))
 
@@ -190,8 +191,8 @@ def stop_marked(t: Tick, level: PressureLevel) -> None:
     because the pressure it caused has ended would leave it loaded for
     ever, since TTL skips marked workers and new requests avoid it.
     """
-    if t.c.ceiling <= 0:
-        return  # the guard is off: it destroys nothing (a new request replaces the worker)
+    if not t.group.marked or t.c.ceiling <= 0:
+        return  # none marked (most ticks), or the guard is off: it destroys nothing
     drained = [w for w in t.group.marked if not w.pinned]  # idle and marked
     for w in sorted(drained, key=lru_key):
         when = f"{level} pressure" if level != "ok" else "after the pressure"
@@ -211,8 +212,8 @@ def evict(t: Tick, pool: MemoryPool, level: PressureLevel, emergency: bool, step
     if pool.projected <= soft:
         return
     stopped = t.stopped
-    idle = [w for w in t.group.idle if not w.pinned and not w.marked_for_unload and w.worker not in stopped]
-    idle.sort(key=lru_key)
+    idle = t.group.idle  # idle, neither pinned nor marked
+    idle = sorted([w for w in idle if w.worker not in stopped] if stopped else idle, key=lru_key)
     # every serving worker stopped so far this tick was unpinned (P6.1, the grower, step 2); spares serve none
     loaded_unpinned = t.group.unpinned - (sum(1 for w in t.group.serving if w.worker in stopped) if stopped else 0)
     soft_words = ""

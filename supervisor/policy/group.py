@@ -62,7 +62,8 @@ class WorkerGroup:
     The same pass also gathers what the policy tick would otherwise walk the
     workers again for (one extra pass at a time, the tick had grown to 1.3x the
     instructions of the tick before the device pool): `idle` (serving workers with
-    nothing running or queued, `is_idle`, in snapshot order), `unpinned`
+    nothing running or queued, `is_idle`, neither pinned nor marked for unload:
+    P6.2's victims, in snapshot order), `unpinned`
     (how many serving workers are not pinned), `pids` (worker -> pid of
     every live worker, T6's record of who holds which limits), `caps` (worker
     -> the concurrency cap it runs with, P8: what its limits must carry) and `usage_now`
@@ -81,8 +82,10 @@ class WorkerGroup:
                  "spares", "marked", "draining_idle", "off_max", "off_one")
 
     def __init__(self, s: Snapshot) -> None:
-        usage = own = s.supervisor_footprint
         own_gpu = hot_used = draining = draining_idle = device = draining_device = n_draining = 0
+        # the live workers' footprints, and U1 of those not draining (`usage_now`), summed once in C:
+        # `sum` adds in a machine word, where `+=` in the loop made a new int per worker (past 2**30)
+        footprints: list[int] = []
         serving: list[WorkerRecord] = []
         loading: list[WorkerRecord] = []
         cached: list[WorkerRecord] = []
@@ -104,10 +107,10 @@ class WorkerGroup:
             pids[name] = w.pid
             caps[name] = cap = w.concurrency or w.max_concurrency
             u = m.usage
-            usage += u
-            own += m.footprint
-            own_gpu += w.gpu_bytes
-            device += w.device_bytes
+            footprints.append(m.footprint)
+            if w.gpu_bytes or w.device_bytes:  # most machines: neither (no Metal GPU share, no device)
+                own_gpu += w.gpu_bytes
+                device += w.device_bytes
             if m.cache_bytes:
                 hot_used += m.cache_bytes
                 cached.append(w)
@@ -134,16 +137,19 @@ class WorkerGroup:
                 if w.running or w.queued:
                     active = busy = True
                 elif w.state == "ready":
-                    idle.append(w)
                     if w.marked_for_unload:
                         marked.append(w)
+                    elif not w.pinned:
+                        idle.append(w)
             elif role is _LOADS:
                 loading.append(w)
             else:  # wedged: no trustworthy activity reading
                 unknown = True
         # most ticks no record is of a gone process: the whole list is live, copied in C
         self.live = [w for w in s.workers if _ROLE[w.state] is not _GONE] if gone else list(s.workers)
-        self.usage, self.own, self.own_gpu, self.hot_used = usage, own, own_gpu, hot_used
+        sup = s.supervisor_footprint
+        self.usage = sup + draining + sum(usage_now.values())
+        self.own, self.own_gpu, self.hot_used = sup + sum(footprints), own_gpu, hot_used
         self.draining_usage, self.draining_idle_usage = draining, draining_idle
         self.serving, self.loading, self.cached = serving, loading, cached
         self.active, self.unknown = active, unknown

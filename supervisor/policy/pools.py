@@ -20,7 +20,7 @@ reserve_message, previews.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple, TypeVar
+from typing import TypeVar
 
 from shared.sizes import format_size
 from shared.vocab import TIERS, Binding, PoolName, Tier
@@ -30,14 +30,11 @@ C = TypeVar("C")
 P = TypeVar("P")
 
 
-class PoolMarks(NamedTuple):
-    """C5, C7, C9 and C11 of one pool, from its smallest candidate (`best`)."""
-
-    ceiling: int                # C5: 0 when the guard is off ("no limit")
-    admission_ceiling: int      # C7: the ceiling, or static with the guard off
-    admission_soft_target: int  # C9
-    soft: int                   # C11: 0 with no ceiling
-    hard: int
+PoolMarks = tuple[int, int, int, int, int]
+"""C5, C7, C9 and C11 of one pool, from its smallest candidate (`best`), in this order:
+ceiling (C5: 0 when the guard is off, "no limit"), admission ceiling (C7: the ceiling, or
+static with the guard off), admission soft target (C9), soft and hard (C11: 0 with no ceiling).
+A plain tuple, not a NamedTuple: building one of those cost 3k instructions a tick."""
 
 
 def pool_marks(enabled: bool, best: int, static: int, soft_threshold: float, hard_threshold: float) -> PoolMarks:
@@ -45,9 +42,9 @@ def pool_marks(enabled: bool, best: int, static: int, soft_threshold: float, har
     ceiling = best if enabled else 0
     admission = ceiling if enabled else static
     if ceiling <= 0:
-        return PoolMarks(ceiling, admission, int(admission * soft_threshold), 0, 0)
-    return PoolMarks(ceiling, admission, int(admission * soft_threshold), int(ceiling * soft_threshold),
-                     int(ceiling * hard_threshold))
+        return ceiling, admission, int(admission * soft_threshold), 0, 0
+    return (ceiling, admission, int(admission * soft_threshold), int(ceiling * soft_threshold),
+            int(ceiling * hard_threshold))
 
 
 def first_binding(ceiling: int, candidates: tuple[tuple[B, int], ...], none: B) -> B:

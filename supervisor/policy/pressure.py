@@ -216,7 +216,7 @@ def _until_expiry(t: Tick) -> float:
             soonest = left
     # the finest cadence applied once to the soonest: the same as to each (max is monotone),
     # without two builtin calls a worker on every quiet tick
-    return max(fine, soonest)
+    return soonest if soonest > fine else fine
 
 
 def _hold_still(s: Snapshot, t: Tick) -> TickResult:
@@ -255,10 +255,15 @@ def tick(s: Snapshot) -> TickResult:
     no_reading, reserve_warned = warnings(t)
     host_level, over, host_emergency = host_pressure(t)
     dev_usage = t.group.device_bytes
-    dev_level = device_level(dev_usage, dc)
-    dev_over, dev_emergency = device_emergency(dev_usage, dc, prev.device_over_ceiling_ticks, recheck=s.recheck)
-    level = worse_level(host_level, dev_level)  # D4: the group's level is the worse pool's
-    emergency = host_emergency or dev_emergency
+    dev_level: PressureLevel = "ok"
+    if dc is None:  # no device pool (most machines): the host's figures are the group's
+        dev_over, dev_emergency = 0, False
+        level, emergency = host_level, host_emergency
+    else:
+        dev_level = device_level(dev_usage, dc)
+        dev_over, dev_emergency = device_emergency(dev_usage, dc, prev.device_over_ceiling_ticks, recheck=s.recheck)
+        level = worse_level(host_level, dev_level)  # D4: the group's level is the worse pool's
+        emergency = host_emergency or dev_emergency
     if level != prev.level:
         t.out.append(_level_changed(prev.level, level, t, host_level, dev_usage))
     paused = admission(t, level)
@@ -289,12 +294,10 @@ def tick(s: Snapshot) -> TickResult:
     expire_ttl(t)
     keep_spares(t, level)  # W1: in the quiet after loads and requests, with room
     interval = next_interval(t, level)
+    # positionally, in field order: 17 keywords cost a dict built and unpacked per call (PolicyState)
     state = PolicyState(
-        level=level, over_ceiling_ticks=over, grace_ticks=grace, admission_paused=paused,
-        no_reading_warned=no_reading, reserve_warned=reserve_warned,
-        last_total=t.total, interval=interval, limits=common, limited=limited, cache_kept=cache_kept, reduced=reduced,
-        caps=t.caps, usage_seen=seen,
-        seen_at=seen_at, growth=growth, device_over_ceiling_ticks=dev_over)
+        level, over, grace, paused, no_reading, reserve_warned, t.total, interval,
+        common, limited, cache_kept, reduced, t.caps, seen, seen_at, growth, dev_over)
     return TickResult(state=state, decisions=t.out, ceilings=c, level=level, usage=t.group.usage,
                       projected_usage=t.projected, emergency=emergency, next_interval=interval,
                       draining_credited=t.credited, device=dc, device_usage=dev_usage,

@@ -92,8 +92,12 @@ class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         return self.memory.usage
 
 
-class PolicyState(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """What the policy carries from one tick to the next (returned by `tick`)."""
+class PolicyState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What the policy carries from one tick to the next (returned by `tick`).
+
+    Not keyword-only: `tick` builds it positionally, in this order (17 keywords
+    would cost a dict per call), so a new field goes at the end, and there too.
+    """
 
     level: PressureLevel = "ok"
     over_ceiling_ticks: int = 0     # P2 consecutive ticks with usage >= ceiling

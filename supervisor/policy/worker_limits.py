@@ -82,43 +82,35 @@ def limits_to_hand_out(
     # the limits built so far: by cap for a worker that keeps no cache (most), else by (cap, own bytes)
     plain: dict[int, Limits] = {}
     built: dict[tuple[int, int], Limits] = {}
-    out, sent = t.out, False
+    out = t.out
+    before_out = len(out)
     for w in live:
         worker = w.worker
-        cap = caps[worker]
-        step = None
+        cap = w.concurrency or w.max_concurrency  # = caps[worker] (the group pass), without a dict lookup
         if stepping and w.state in SERVING_STATES and w.model:  # P8 (module doc): serving workers step
             target = w.max_concurrency if ok else 1
             if cap != target:
-                step = cap + 1 if cap < target else cap - 1
-        if step is not None:
-            cap = stepped_caps[worker] = step
-            why = stepped
-        elif changed:
-            why = common_why
-        else:
-            if had.get(worker) != w.pid:
-                why = "new worker"
-            elif had_caps.get(worker) != cap:
-                why = "its request slots changed"
-            elif total - own.get(worker, 0) != before - had_own.get(worker, 0):
-                why = "other workers' prompt caches changed"
-            else:
+                cap = stepped_caps[worker] = cap + 1 if cap < target else cap - 1
+                limits = None if worker in own else plain.get(cap)  # most: no cache, a cap met already
+                if limits is None:
+                    limits = _limits_of(common, cap, total, own.get(worker, 0), plain, built)
+                out.append(SetConcurrency(worker=worker, model=w.model, limits=limits, cap=cap, reason=stepped))
                 continue
-        mine = own[worker] if worker in own else 0
-        if not mine:
-            limits = plain.get(cap)
-            if limits is None:
-                limits = plain[cap] = worker_limits(common, cap, total)
+        if changed:
+            why = common_why
+        elif had.get(worker) != w.pid:
+            why = "new worker"
+        elif had_caps.get(worker) != cap:
+            why = "its request slots changed"
+        elif total - own.get(worker, 0) != before - had_own.get(worker, 0):
+            why = "other workers' prompt caches changed"
         else:
-            limits = built.get((cap, mine))
-            if limits is None:
-                limits = built[(cap, mine)] = worker_limits(common, cap, total - mine)
-        sent = True
-        if step is None:
-            out.append(ApplyLimits(worker=worker, model=w.model, limits=limits, reason=why))
-        else:
-            out.append(SetConcurrency(worker=worker, model=w.model, limits=limits, cap=step, reason=why))
+            continue
+        limits = None if worker in own else plain.get(cap)
+        if limits is None:
+            limits = _limits_of(common, cap, total, own.get(worker, 0), plain, built)
+        out.append(ApplyLimits(worker=worker, model=w.model, limits=limits, reason=why))
+    sent = len(out) > before_out
     if not sent and len(had) == len(live) and total == before and own == had_own:
         return common, had, total, had_own
     return common, pids, total, own
@@ -137,6 +129,21 @@ def _common_limits(t: Tick, paused: bool) -> Limits:
     if t.dc is not None and t.dc.ceiling > 0:  # D4: workers report device crossings at once
         common = _device_watermarks(t, common, t.dc)
     return common
+
+
+def _limits_of(common: Limits, cap: int, total: int, mine: int,
+               plain: dict[int, Limits], built: dict[tuple[int, int], Limits]) -> Limits:
+    """The limits of a worker that keeps `mine` cache bytes, or of a cap not met yet this tick,
+    built once a tick for each (cap, own bytes) and kept for the workers that share them."""
+    if not mine:
+        limits = plain.get(cap)
+        if limits is None:
+            limits = plain[cap] = worker_limits(common, cap, total)
+        return limits
+    limits = built.get((cap, mine))
+    if limits is None:
+        limits = built[(cap, mine)] = worker_limits(common, cap, total - mine)
+    return limits
 
 
 def worker_limits(common: Limits, cap: int, others: int) -> Limits:
@@ -176,13 +183,16 @@ def _give_way(t: Tick, keeps: dict[str, int], level: PressureLevel) -> None:
     movable = [w for w in group.cached if w.memory.cache_releasable > 0 and w.state != "draining"]
     if level == "hard":  # P5 shrinks toward soft this tick (H3)
         for w in movable:
-            keeps[w.worker] -= min(w.memory.cache_releasable, keeps[w.worker])
+            keep, free = keeps[w.worker], w.memory.cache_releasable
+            keeps[w.worker] = keep - free if free < keep else 0
         return
     # dropping x bytes lowers usage and the caches alike: room once x > (caches + usage - ceiling) / 2
     need = (sum(keeps.values()) + group.usage - t.c.ceiling) // 2 + 1
     why = ""
     for w in sorted(movable, key=lru_key):
-        take = min(w.memory.cache_releasable, keeps[w.worker], need)
+        take = w.memory.cache_releasable  # min(releasable, kept, need), without the builtin's 1k instructions
+        take = keeps[w.worker] if keeps[w.worker] < take else take
+        take = need if need < take else take
         if take <= 0:
             continue
         keeps[w.worker] -= take
