@@ -37,6 +37,15 @@ def _first_token_step(engine: Engine, rid: str, limits: Limits = OPEN, usage=lam
     raise AssertionError(f"{rid} got no token")
 
 
+def _replies_alone(engine: Engine, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
+    """Each prompt's greedy reply served alone by `engine`, one after the other."""
+    alone = {}
+    for rid, prompt in prompts.items():
+        engine.submit(rid, prompt, max_tokens=max_tokens)
+        alone[rid] = drive(engine).tokens(rid)
+    return alone
+
+
 @pytest.mark.parametrize("order", ["shortest", "round_robin"])
 def test_fair_prefill_a_short_prompt_is_not_held_behind_a_long_prefill(loaded, order):
     """The 252.8 s wait: a 117-token request sent while a 6,969-token prompt prefilled got its
@@ -45,10 +54,7 @@ def test_fair_prefill_a_short_prompt_is_not_held_behind_a_long_prefill(loaded, o
     engine = _engine(loaded, max_chunk=64, prefill_order=order)
     long_prompt = engine.encode_prompt("word " * 400)
     short_prompt = engine.encode_prompt("Once upon a time")
-    alone = {}
-    for rid, prompt in (("long", long_prompt), ("short", short_prompt)):
-        engine.submit(rid, prompt, max_tokens=6)
-        alone[rid] = drive(engine).tokens(rid)
+    alone = _replies_alone(engine, {"long": long_prompt, "short": short_prompt}, 6)
     _timed(engine, 24)
     engine.submit("long", long_prompt, max_tokens=6)
     engine.step(OPEN, lambda: 0)
@@ -108,10 +114,7 @@ def test_fair_prefill_a_turn_ends_at_a_first_token_rather_than_run_a_chunk_that_
     solo = _engine(loaded, max_chunk=64)  # the replies alone, from an engine of their own (its prompt cache)
     long_prompt = solo.encode_prompt("word " * 300)
     short_prompt = solo.encode_prompt("Once upon a time")
-    alone = {}
-    for rid, prompt in (("long", long_prompt), ("short", short_prompt)):
-        solo.submit(rid, prompt, max_tokens=4)
-        alone[rid] = drive(solo).tokens(rid)
+    alone = _replies_alone(solo, {"long": long_prompt, "short": short_prompt}, 4)
     engine = _engine(loaded, max_chunk=64)
     engine.scheduler.decode.batched = False  # no group: each prefills alone, sharing the turn
     _timed(engine, 40)
