@@ -19,6 +19,10 @@ def prepare_engine() -> str:
     (the CPU's BLAS and threads, or a GPU's context, set up). Also what a fresh worker
     does first, so both load from the same point. Returns the default device's name."""
     import mlx.core as mx
+
+    from worker import gpu_kernels
+
+    gpu_kernels.keep_private(mx)  # before the first computation: MLX compiles GPU kernels from here on
     import mlx_lm.models.llama  # noqa: F401  (the architecture of most models, and of the demo's)
     import mlx_lm.tokenizer_utils  # noqa: F401
     import mlx_lm.utils  # noqa: F401
