@@ -84,6 +84,7 @@ def limits_to_hand_out(
     built: dict[tuple[int, int], Limits] = {}
     out = t.out
     before_out = len(out)
+    last_cap, last_limits = 0, common  # the cap of the last plain worker stepped, and its limits
     for w in live:
         worker = w.worker
         cap = w.concurrency or w.max_concurrency  # = caps[worker] (the group pass), without a dict lookup
@@ -91,9 +92,12 @@ def limits_to_hand_out(
             target = w.max_concurrency if ok else 1
             if cap != target:
                 cap = stepped_caps[worker] = cap + 1 if cap < target else cap - 1
-                limits = None if worker in own else plain.get(cap)  # most: no cache, a cap met already
-                if limits is None:
+                if cap == last_cap and worker not in own:  # most: no cache, the cap of the worker before
+                    limits = last_limits
+                else:
                     limits = _limits_of(common, cap, total, own.get(worker, 0), plain, built)
+                    if worker not in own:
+                        last_cap, last_limits = cap, limits
                 out.append(SetConcurrency(worker=worker, model=w.model, limits=limits, cap=cap, reason=stepped))
                 continue
         if changed:
