@@ -110,10 +110,10 @@ def limits_to_hand_out(
             why = "other workers' prompt caches changed"
         else:
             continue
-        limits = None if worker in own else plain.get(cap)
-        if limits is None:
-            limits = _limits_of(common, cap, total, own.get(worker, 0), plain, built)
-        out.append(ApplyLimits(worker=worker, model=w.model, limits=limits, reason=why))
+        met = None if worker in own else plain.get(cap)  # most: no cache, a cap met already
+        if met is None:
+            met = _limits_of(common, cap, total, own.get(worker, 0), plain, built)
+        out.append(ApplyLimits(worker=worker, model=w.model, limits=met, reason=why))
     sent = len(out) > before_out
     if not sent and len(had) == len(live) and total == before and own == had_own:
         return common, had, total, had_own
