@@ -6,8 +6,9 @@ steady, pressure) at 1, 8, 64 and 512 workers: the two snapshots the bench
 alternates, then a chain of TICKS ticks that feeds each tick's state into the
 next (the clock moves a second a tick and the host's free memory jitters, so
 levels, grace, caps and growth all move). Every TickResult (decisions in
-order, the state with its dict orders, ceilings, levels, projection) is
-encoded to JSON and fed to one SHA-256; the hash is printed, with one per
+order, each HandOutLimits spelt out per worker by `decisions.per_worker`; the
+state with its dict orders, ceilings, levels, projection) is encoded to JSON
+and fed to one SHA-256; the hash is printed, with one per
 scenario.
 
     python scripts/policy_fingerprint.py [--ticks 20]
@@ -28,10 +29,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_policy  # noqa: E402
 import msgspec  # noqa: E402
 
-from supervisor.policy.pressure import tick  # noqa: E402
+from supervisor.policy.decisions import per_worker  # noqa: E402
+from supervisor.policy.pressure import TickResult, tick  # noqa: E402
 
 SCENARIOS = ("quiet", "steady", "pressure")
-_encode = msgspec.json.Encoder().encode  # dicts in insertion order: strict
+_encoder = msgspec.json.Encoder()  # dicts in insertion order: strict
+
+
+def _encode(result: TickResult) -> bytes:
+    """The result with its HandOutLimits spelt out as one ApplyLimits/SetConcurrency a worker, in
+    order: the form the tick gave before the batch, so a hash from before it still compares."""
+    return _encoder.encode(msgspec.structs.replace(result, decisions=per_worker(result.decisions)))
 
 
 def _chain(first: bench_policy.Snapshot, ticks: int, digest: hashlib._Hash) -> None:

@@ -42,12 +42,13 @@ def snap(*workers: WorkerRecord, others: float = 0, **kw) -> Snapshot:
 
 
 def kinds(result, kind):
-    return [x for x in result.decisions if isinstance(x, kind)]
+    """The decisions of one kind, the tick's HandOutLimits spelt out as one decision a worker."""
+    return [x for x in d.per_worker(result.decisions) if isinstance(x, kind)]
 
 
 def test_d4_no_device_leaves_the_host_rules_alone():
     r = tick(snap(w("a", 0), w("b", 0), device_total=0, device_free=None))
-    assert r.device is None and r.device_level == "ok" and r.level == "ok" and r.decisions == kinds(r, d.ApplyLimits)
+    assert r.device is None and r.device_level == "ok" and r.level == "ok" and d.per_worker(r.decisions) == kinds(r, d.ApplyLimits)
 
 
 def test_d4_group_level_is_the_device_level_when_the_device_is_worse():

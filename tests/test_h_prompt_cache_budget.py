@@ -17,7 +17,7 @@ from tests.prompt_cache_harness import GUARD, HOST, worker
 
 
 def caps(result) -> dict[str, int]:
-    return {x.worker: x.limits.cache_cap for x in result.decisions if isinstance(x, d.ApplyLimits)}
+    return {x.worker: x.limits.cache_cap for x in d.per_worker(result.decisions) if isinstance(x, d.ApplyLimits)}
 
 
 def test_h2_each_live_worker_gets_an_equal_share_recomputed_as_workers_go():
@@ -41,7 +41,7 @@ SMALL = GuardSettings(tier="custom", custom_ceiling=511 * MiB, hot_cache_max=GiB
 
 
 def limits_of(result) -> dict[str, object]:
-    return {x.worker: x.limits for x in result.decisions if isinstance(x, d.ApplyLimits)}
+    return {x.worker: x.limits for x in d.per_worker(result.decisions) if isinstance(x, d.ApplyLimits)}
 
 
 def small(name: str, usage: int, cached: int = 0, releasable: int | None = None) -> WorkerRecord:
@@ -107,7 +107,7 @@ def test_m1_pool_max_and_m2_residency_ride_in_the_limits_only_when_wiring_is_ask
     for wire, expected in ((False, lambda c: 0), (True, lambda c: c.residency_ceiling)):
         guard = msgspec.structs.replace(GUARD, wire_weights=wire)
         result = tick(Snapshot(now=1.0, guard=guard, host=HOST, workers=[worker("a")]))
-        limits = next(x.limits for x in result.decisions if isinstance(x, d.ApplyLimits))
+        limits = next(x.limits for x in d.per_worker(result.decisions) if isinstance(x, d.ApplyLimits))
         assert limits.pool_max == 2 * GiB
         assert limits.residency == expected(result.ceilings) and result.ceilings.residency_ceiling > 0
 

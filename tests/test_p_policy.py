@@ -49,7 +49,8 @@ def acts(result) -> list[tuple[str, str]]:
 
 
 def of(result, kind) -> list:
-    return [x for x in result.decisions if isinstance(x, kind)]
+    """The decisions of one kind, the tick's HandOutLimits spelt out as one decision a worker."""
+    return [x for x in d.per_worker(result.decisions) if isinstance(x, kind)]
 
 
 def run(*snaps: Snapshot):
@@ -414,6 +415,21 @@ def test_p8_a_step_carries_the_worker_s_whole_limits_with_the_new_cap():
     assert (step.worker, step.cap, step.limits.max_concurrency) == ("a", 3, 3)
     assert msgspec.structs.replace(step.limits, max_concurrency=4) == given.limits
     assert r.state.caps == {"a": 3, "b": 4}
+
+
+def test_t6_p8_every_worker_s_limits_come_in_one_decision_in_worker_order():
+    """T6/P8: one HandOutLimits carries every worker told something this tick, in snapshot
+    order, each entry the whole limits (a step's cap is its limits' max_concurrency)."""
+    r = tick(snap(busy("c", 2.0, concurrency=2, max_concurrency=4), busy("a", 2.0, concurrency=4),
+                  busy("b", 2.0, concurrency=1, max_concurrency=2)))
+    [batch] = [x for x in r.decisions if isinstance(x, d.HandOutLimits)]
+    assert [x for x in r.decisions if isinstance(x, (d.ApplyLimits, d.SetConcurrency))] == []
+    assert [(w_, step, limits.max_concurrency) for w_, _m, limits, _why, step in batch.entries] == [
+        ("c", True, 3), ("a", False, 4), ("b", True, 2)]
+    assert [(type(x), x.worker) for x in batch.spelt_out()] == [
+        (d.SetConcurrency, "c"), (d.ApplyLimits, "a"), (d.SetConcurrency, "b")]
+    at = r.decisions.index(batch)  # per_worker spells it out in its place
+    assert d.per_worker(r.decisions) == r.decisions[:at] + batch.spelt_out() + r.decisions[at + 1:]
 
 
 def test_t6_a_cap_changed_outside_the_policy_is_handed_out_again():

@@ -47,7 +47,7 @@ def snap(*workers: WorkerRecord, guard: GuardSettings = GUARD, **kw) -> Snapshot
 
 
 def kinds(s: Snapshot) -> list[str]:
-    return [d.kind_of(x) for x in tick(s).decisions if d.kind_of(x) not in ("set_limits", "set_concurrency")]
+    return [d.kind_of(x) for x in tick(s).decisions if d.kind_of(x) != "hand_out_limits"]
 
 
 # -- W1, W2: when a spare starts ------------------------------------------------------------

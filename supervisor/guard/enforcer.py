@@ -234,10 +234,28 @@ class Enforcer:
                           usage=usage, ceiling=ceiling)
             case d.StartSpare():
                 self.pool.spares.start(x.reason)
+            case d.HandOutLimits():  # complete: the policy's limits carry each worker's cap
+                self.hand_out(x)
             case _:
                 handle = self.pool.handles.get(x.worker)
                 if handle is not None:  # else the worker exited since the snapshot
                     self.act(x, handle, result)
+
+    def hand_out(self, x: d.HandOutLimits) -> None:
+        """T6/P8: each worker named gets its limits (a step of its cap with them); one gone since the
+        snapshot is skipped, and one failing send never keeps the others from theirs."""
+        handles, pool = self.pool.handles, self.pool
+        for worker, _model, limits, _why, step in x.entries:
+            handle = handles.get(worker)
+            if handle is None:
+                continue
+            try:
+                if step:
+                    pool.set_concurrency(handle, limits)
+                else:
+                    pool.set_limits(handle, limits)
+            except Exception:
+                log.exception("could not hand %s its limits", worker)
 
     def act(self, x: d.WorkerDecision, handle: WorkerHandle, result: policy.TickResult) -> None:
         """Carry out a decision about one worker; each action is done once a tick (P7)."""

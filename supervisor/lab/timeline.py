@@ -161,7 +161,7 @@ class Recorder:
 
 
 # Decisions a replayed trace does not mark: they are carried out every tick and change no memory.
-_NOT_MARKED: frozenset[DecisionKind] = frozenset({"set_limits", "set_concurrency"})
+_NOT_MARKED: frozenset[DecisionKind] = frozenset({"set_limits", "set_concurrency"})  # HandOutLimits: below
 
 
 def timeline_from_trace(lines, name: str, *, chained: bool = True) -> Timeline:
@@ -170,7 +170,14 @@ def timeline_from_trace(lines, name: str, *, chained: bool = True) -> Timeline:
 
     A bad line is skipped (`replay` reports it); times are from the first line.
     """
-    from supervisor.policy.decisions import LevelChanged, PauseAdmission, ResumeAdmission, StartSpare, Warn
+    from supervisor.policy.decisions import (
+        HandOutLimits,
+        LevelChanged,
+        PauseAdmission,
+        ResumeAdmission,
+        StartSpare,
+        Warn,
+    )
     from supervisor.policy.pressure import tick
     from supervisor.policy.snapshot import Snapshot
 
@@ -198,7 +205,7 @@ def timeline_from_trace(lines, name: str, *, chained: bool = True) -> Timeline:
             match x:
                 case LevelChanged():
                     timeline.marks.append(Mark(t, "level", x.to_level, x.reason))
-                case PauseAdmission() | ResumeAdmission() | Warn() | StartSpare():
+                case PauseAdmission() | ResumeAdmission() | Warn() | StartSpare() | HandOutLimits():
                     continue
                 case _:
                     kind = kind_of(x)

@@ -31,7 +31,7 @@ from typing import Any
 import msgspec
 
 from shared.vocab import PressureLevel
-from supervisor.policy.decisions import Decision, Warn
+from supervisor.policy.decisions import Decision, Warn, per_worker
 from supervisor.policy.pressure import tick
 from supervisor.policy.snapshot import PolicyState, Snapshot
 from supervisor.policy.tiers import normalise_tier
@@ -110,5 +110,5 @@ def replay_lines(lines: Iterable[str | bytes], *, chained: bool = True) -> Itera
             line=number, now=snapshot.now, level=result.level, usage=result.usage,
             projected_usage=result.projected_usage, ceiling=result.ceilings.ceiling,
             emergency=result.emergency, next_interval=result.next_interval,
-            decisions=said + result.decisions,
+            decisions=said + per_worker(result.decisions),  # one line a worker, as ever
         )

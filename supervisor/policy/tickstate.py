@@ -26,20 +26,16 @@ class MemoryPool:
     watermarks, choosing victims by the bytes they `held` there.
     """
 
-    __slots__ = ("name", "soft", "hard", "ceiling", "projected", "held")
+    __slots__ = ("name", "soft", "hard", "ceiling", "projected", "held", "usage_words", "pressure_words")
 
     def __init__(self, name: str, soft: int, hard: int, ceiling: int, projected: int,
                  held: Callable[[WorkerRecord], int]) -> None:
         self.name, self.soft, self.hard, self.ceiling = name, soft, hard, ceiling
         self.projected, self.held = projected, held
-
-    @property
-    def usage_words(self) -> str:
-        return "usage" if self.name == "host" else "device usage"
-
-    @property
-    def pressure_words(self) -> str:
-        return "pressure" if self.name == "host" else "device memory pressure"
+        # the words of each stop's reason, set once: a property cost a Python call per stop
+        host = name == "host"
+        self.usage_words = "usage" if host else "device usage"
+        self.pressure_words = "pressure" if host else "device memory pressure"
 
     def classify(self) -> PressureLevel:
         """P1 on the projected usage (after P5's shrink, before P6 acts)."""
@@ -47,7 +43,7 @@ class MemoryPool:
 
 
 def _host_bytes(w: WorkerRecord) -> int:
-    return w.usage
+    return w.memory.usage  # = w.usage, without the property's Python call
 
 
 def _device_bytes(w: WorkerRecord) -> int:
@@ -85,7 +81,7 @@ class Tick:
     def gone(self, w: WorkerRecord) -> None:
         """A stopped process gives back what it held in every pool."""
         self.stopped.add(w.worker)
-        self.host.projected -= w.usage
+        self.host.projected -= w.memory.usage  # = w.usage, without the property's Python call
         if self.device is not None:
             self.device.projected -= w.device_bytes
 

@@ -1,7 +1,8 @@
 """The limits each worker is handed (T6), less the other workers' prompt caches (C12).
 
 Every tick works out the common limits from the ceilings and the level;
-a worker is sent its own (an `ApplyLimits`) only when something it is told
+a worker is sent its own (an `ApplyLimits` entry of the tick's one
+`HandOutLimits`, decisions.py) only when something it is told
 changed: the common limits, its process (a respawn), its request slots (a
 spare that took a model, a reload that lowered them), or the other workers'
 cache bytes, which its limits subtract (C12). When the caches leave no room
@@ -14,8 +15,8 @@ each worker's limits carry are kept from tick to tick (`PolicyState.caps`),
 so a cap that changed outside the policy is handed out again.
 
 P8's step is decided here too, before eviction, so a worker is told once a
-tick: a step comes as a `SetConcurrency` with the whole limits, never beside
-an `ApplyLimits` for the same worker. A worker stopped later in the same tick
+tick: a step comes as a `SetConcurrency` entry with the whole limits, never beside
+an `ApplyLimits` entry for the same worker. A worker stopped later in the same tick
 (P5, P6) may so have been sent its step first; the stop follows it in the
 decision list and the step is then moot. A serving worker's cap moves one
 step a tick toward its configured maximum (ok) or 1 (pressure): one step
@@ -34,7 +35,7 @@ from shared.sizes import MiB
 from shared.states import SERVING_STATES
 from shared.vocab import PressureLevel
 from supervisor.policy.ceilings import limits_for, worker_limit
-from supervisor.policy.decisions import ApplyLimits, SetConcurrency, ShrinkHotCache, size_text
+from supervisor.policy.decisions import HandOutLimits, LimitsEntry, ShrinkHotCache, size_text
 from supervisor.policy.device import DeviceCeilings
 from supervisor.policy.group import lru_key
 from supervisor.policy.tickstate import Tick
@@ -53,8 +54,8 @@ def limits_to_hand_out(
     when it is new, its pid changed (a respawn), its cap is not the one its
     limits carry, or the other workers' cache bytes (the total less its own)
     changed: its limits subtract them (C12). A worker whose cap takes a step
-    this tick gets its whole limits with the new cap (`SetConcurrency`),
-    the others that need theirs an `ApplyLimits`. Returns (common, worker ->
+    this tick gets its whole limits with the new cap (a `SetConcurrency` entry),
+    the others that need theirs an `ApplyLimits` entry, all in one `HandOutLimits`. Returns (common, worker ->
     pid, caches' total, worker -> own cache bytes) for the next tick; `t.caps`
     is then each worker's cap as handed out.
 
@@ -82,8 +83,8 @@ def limits_to_hand_out(
     # the limits built so far: by cap for a worker that keeps no cache (most), else by (cap, own bytes)
     plain: dict[int, Limits] = {}
     built: dict[tuple[int, int], Limits] = {}
-    out = t.out
-    before_out = len(out)
+    entries: list[LimitsEntry] = []  # one HandOutLimits for them all (decisions.py says why)
+    last_cap, last_limits = 0, common  # the cap of the last plain worker stepped, and its limits
     for w in live:
         worker = w.worker
         cap = w.concurrency or w.max_concurrency  # = caps[worker] (the group pass), without a dict lookup
@@ -91,10 +92,13 @@ def limits_to_hand_out(
             target = w.max_concurrency if ok else 1
             if cap != target:
                 cap = stepped_caps[worker] = cap + 1 if cap < target else cap - 1
-                limits = None if worker in own else plain.get(cap)  # most: no cache, a cap met already
-                if limits is None:
+                if cap == last_cap and worker not in own:  # most: no cache, the cap of the worker before
+                    limits = last_limits
+                else:
                     limits = _limits_of(common, cap, total, own.get(worker, 0), plain, built)
-                out.append(SetConcurrency(worker=worker, model=w.model, limits=limits, cap=cap, reason=stepped))
+                    if worker not in own:
+                        last_cap, last_limits = cap, limits
+                entries.append((worker, w.model, limits, stepped, True))
                 continue
         if changed:
             why = common_why
@@ -106,12 +110,13 @@ def limits_to_hand_out(
             why = "other workers' prompt caches changed"
         else:
             continue
-        limits = None if worker in own else plain.get(cap)
-        if limits is None:
-            limits = _limits_of(common, cap, total, own.get(worker, 0), plain, built)
-        out.append(ApplyLimits(worker=worker, model=w.model, limits=limits, reason=why))
-    sent = len(out) > before_out
-    if not sent and len(had) == len(live) and total == before and own == had_own:
+        met = None if worker in own else plain.get(cap)  # most: no cache, a cap met already
+        if met is None:
+            met = _limits_of(common, cap, total, own.get(worker, 0), plain, built)
+        entries.append((worker, w.model, met, why, False))
+    if entries:
+        t.out.append(HandOutLimits(entries=entries))
+    elif len(had) == len(live) and total == before and own == had_own:
         return common, had, total, had_own
     return common, pids, total, own
 
