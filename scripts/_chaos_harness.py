@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from supervisor.wiring.bus import Endpoints, NotRunning  # noqa: E402
+from tests.process_harness import sigterm_then_kill  # noqa: E402
 
 MiB = 1024 * 1024
 WEDGE_LINE = re.compile(r"Worker \S+ \(pid (\d+)\): .*: wedged; killing it")
@@ -113,13 +114,8 @@ class Serve:
         return self.log_path.read_text(errors="replace")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        if self.proc is not None:
+            sigterm_then_kill(self.proc)
         self.log.close()
 
 

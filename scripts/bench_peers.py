@@ -154,15 +154,23 @@ class Ceilings:
         y = mx.argmax(self.model(mx.array([row[:length] for row in ids]), cache=cache)[:, -1, :], axis=-1)
         y.tolist()
         first = time.perf_counter()
-        for _ in range(tokens - 1):
-            following = mx.argmax(self.model(y[:, None], cache=cache)[:, -1, :], axis=-1)
-            mx.async_eval(following)
-            y.tolist()
-            y = following
-        y.tolist()
+        decode_ahead(self.model, cache, y, tokens - 1)
         end = time.perf_counter()
         decode = n * (tokens - 1) / (end - first) if tokens > 1 else 0.0
         return figures("raw", n, n * tokens, end - started, first - started, decode, length)
+
+
+def decode_ahead(model: Any, cache: Any, y: Any, steps: int) -> None:
+    """`steps` greedy tokens for every row of `y` (the last tokens, one a row), each step queued
+    before the one before it is read: mlx-lm's own pipelining (`generate_step`), the raw loop."""
+    import mlx.core as mx
+
+    for _ in range(steps):
+        following = mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1)
+        mx.async_eval(following)
+        y.tolist()
+        y = following
+    y.tolist()
 
 
 def figures(side: str, n: int, tokens: int, wall: float, ttft: float, decode: float, prompt: int) -> Result:

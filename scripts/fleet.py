@@ -56,6 +56,7 @@ sys.path.insert(0, str(ROOT))
 import _venv  # noqa: E402  (scripts/ is on sys.path as the script's folder)
 
 from shared.sizes import MiB, format_size  # noqa: E402
+from tests.process_harness import sigterm_then_kill  # noqa: E402
 
 # A known-good LiteLLM release (1.107.0 was a compromised one; so were 1.82.7 and 1.82.8).
 # pyproject.toml's `fleet` extra pins the same (tests/live/test_fleet_litellm_live.py checks they agree).
@@ -167,14 +168,8 @@ class Host:
                        env=env, check=True, capture_output=True, timeout=60)
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        if self.proc is not None:
+            sigterm_then_kill(self.proc, grace=20)
 
 
 async def served_counts(client: httpx.AsyncClient, hosts: list[Host]) -> dict[str, int]:

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.process_harness import sigterm_then_kill
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -64,12 +66,7 @@ class Serving:
             return ""
 
     def __exit__(self, *exc) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        sigterm_then_kill(self.proc)
         self.log.close()
 
 
