@@ -105,15 +105,17 @@ def cache_root() -> Path:
     return Path(base) / "memvisor" / "bench"
 
 
-def bench_model(name: str, size: int, seed: int, dtype: str) -> Path:
-    """A generated model at cache_root()/NAME (made once, with a line saying so)."""
+def bench_model(name: str, size: int, seed: int, dtype: str, bits: int = 0) -> Path:
+    """A generated model at cache_root()/NAME (made once, with a line saying so), quantized to
+    `bits` when not 0."""
     from modelfiles.modelgen import make_model
     from shared.sizes import format_size
 
     path = cache_root() / name
     if not (path / "config.json").exists():
-        print(f"generating a {format_size(size)} {dtype} model in {path} (once)...", flush=True)
-        make_model(path, size, seed=seed, force=True, dtype=dtype)
+        quantized = f", quantized to {bits} bits," if bits else ""
+        print(f"generating a {format_size(size)} {dtype} model{quantized} in {path} (once)...", flush=True)
+        make_model(path, size, seed=seed, force=True, dtype=dtype, bits=bits)
     return path
 
 

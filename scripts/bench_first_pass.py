@@ -37,24 +37,13 @@ def child(model_dir: str, widths: list[int], kv: int) -> dict[str, list[float]]:
     from worker import blas
 
     blas.preload()
-    import mlx.core as mx
-    import mlx_lm
-    from mlx_lm.models.cache import make_prompt_cache
+    from bench_speculative import primed, timed_pass  # the same passes as its --passes
 
     started = time.perf_counter()
-    model = mlx_lm.load(model_dir)[0]
-    cache = make_prompt_cache(model)
-    mx.eval(model(mx.array([list(range(100, 100 + kv))]), cache=cache))
+    model, cache = primed(model_dir, kv)
     out: dict[str, list[float]] = {"load_and_prefill": [time.perf_counter() - started]}
     for width in widths:
-        times = []
-        for _ in range(2):
-            t0 = time.perf_counter()
-            mx.eval(model(mx.array([list(range(7, 7 + width))]), cache=cache))
-            times.append(time.perf_counter() - t0)
-            for layer in cache:
-                layer.trim(width)
-        out[str(width)] = times
+        out[str(width)] = [timed_pass(model, cache, width) for _ in range(2)]
     return out
 
 
@@ -93,17 +82,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def generated(size: str, bits: int) -> Path:
-    """A generated float16 llama of `size` (quantized to `bits` when not 0), made once under the bench cache."""
-    from _venv import cache_root
+    """A generated float16 llama of `size` (quantized to `bits` when not 0), made once."""
+    from _serve import bench_model
 
-    from modelfiles.modelgen import make_model
     from shared.sizes import parse_size
 
-    path = cache_root() / f"first-pass-{parse_size(size)}-q{bits}"
-    if not (path / "config.json").exists():
-        print(f"generating a {size} model (quantized to {bits} bits: {bool(bits)}) in {path} (once)...", flush=True)
-        make_model(path, parse_size(size), seed=11, force=True, dtype="float16", bits=bits)
-    return path
+    return bench_model(f"first-pass-{parse_size(size)}-q{bits}", parse_size(size), 11, "float16", bits=bits)
 
 
 if __name__ == "__main__":

@@ -172,27 +172,36 @@ def draft(args) -> dict:
 PASS_SIZES = (1, 2, 3, 4, 8, 16)
 
 
-def pass_costs(folders: dict[str, Path], rounds: int) -> dict[str, dict[int, float]]:
-    """Each model's pass of K tokens over a 400-token KV in passes of one (medians of `rounds`)."""
+def primed(folder: Path | str, kv: int = 400) -> tuple[Any, Any]:
+    """The model in `folder` and a prompt cache holding a `kv`-token prompt's KV."""
     import mlx.core as mx
     import mlx_lm
     from mlx_lm.models.cache import make_prompt_cache
 
-    loaded = {}
-    for name, folder in folders.items():
-        model = cast(tuple[Any, Any], mlx_lm.load(str(folder)))[0]
-        cache = make_prompt_cache(model)
-        mx.eval(model(mx.array([list(range(100, 500))]), cache=cache))
-        loaded[name] = (model, cache)
+    model = cast(tuple[Any, Any], mlx_lm.load(str(folder)))[0]
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([list(range(100, 100 + kv))]), cache=cache))
+    return model, cache
+
+
+def timed_pass(model: Any, cache: Any, width: int) -> float:
+    """Seconds of one pass of `width` tokens over the cache's KV, which is then trimmed back."""
+    import mlx.core as mx
+
+    started = time.perf_counter()
+    mx.eval(model(mx.array([list(range(7, 7 + width))]), cache=cache))
+    took = time.perf_counter() - started
+    for layer in cache:
+        layer.trim(width)
+    return took
+
+
+def pass_costs(folders: dict[str, Path], rounds: int) -> dict[str, dict[int, float]]:
+    """Each model's pass of K tokens over a 400-token KV in passes of one (medians of `rounds`)."""
+    loaded = {name: primed(folder) for name, folder in folders.items()}
 
     def one(name: str, k: int) -> float:
-        model, cache = loaded[name]
-        started = time.perf_counter()
-        mx.eval(model(mx.array([list(range(7, 7 + k))]), cache=cache))
-        took = time.perf_counter() - started
-        for layer in cache:
-            layer.trim(k)
-        return took
+        return timed_pass(*loaded[name], k)
 
     times: dict[tuple[str, int], list[float]] = {(name, k): [] for name in loaded for k in PASS_SIZES}
     for r in range(rounds + 1):  # the first round warms up
