@@ -105,7 +105,7 @@ class Costs:
         self.stalls: dict[int, int] = {}     # tokens -> checks in a row not kept as stalls
 
     def learn_plain(self, seconds: float) -> None:
-        self.plain = seconds if self.plain <= 0 else (1 - EMA) * self.plain + EMA * seconds
+        self.plain = _moving(self.plain or None, seconds)
 
     def learn_check(self, tokens: int, seconds: float) -> None:
         """A checked pass took `seconds`: kept in plain passes of the same moment (the machine's
@@ -121,8 +121,7 @@ class Costs:
             self.stalls[tokens] = self.stalls.get(tokens, 0) + 1
             return
         self.stalls[tokens] = 0
-        before = self.checks.get(tokens)
-        self.checks[tokens] = ratio if before is None else (1 - EMA) * before + EMA * ratio
+        self.checks[tokens] = _moving(self.checks.get(tokens), ratio)
 
     def ratio(self, tokens: int) -> float:
         """A pass over `tokens` tokens in plain passes: timed, else on the line through (1, 1) and
@@ -137,6 +136,11 @@ class Costs:
         near = min(self.checks, key=lambda size: abs(size - tokens))
         slope = max(0.0, (self.checks[near] - 1.0) / (near - 1))
         return 1.0 + slope * (tokens - 1)
+
+
+def _moving(average: float | None, value: float) -> float:
+    """`average` moved toward `value` (EMA its weight); `value` itself when there is none yet."""
+    return value if average is None else (1 - EMA) * average + EMA * value
 
 
 class Odds:
