@@ -47,7 +47,7 @@ def limits_to_hand_out(
     t: Tick, paused: bool, level: PressureLevel, host_level: PressureLevel
 ) -> tuple[Limits, dict[str, int], int, dict[str, int]]:
     """Hand every worker the limits it does not have yet (T6: next tick at the latest), and
-    P8's step of its concurrency cap, one decision per worker.
+    P8's step of its concurrency cap, one entry per worker in the tick's one `HandOutLimits`.
 
     The common limits (nothing subtracted) and the caches' total are
     compared with the last ones handed out; a worker also gets its limits
