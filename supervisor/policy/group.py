@@ -106,7 +106,6 @@ class WorkerGroup:
             name, m = w.worker, w.memory
             pids[name] = w.pid
             caps[name] = cap = w.concurrency or w.max_concurrency
-            u = m.usage
             footprints.append(m.footprint)
             if w.gpu_bytes or w.device_bytes:  # most machines: neither (no Metal GPU share, no device)
                 own_gpu += w.gpu_bytes
@@ -114,19 +113,8 @@ class WorkerGroup:
             if m.cache_bytes:
                 hot_used += m.cache_bytes
                 cached.append(w)
-            if role is _DRAINING:
-                n_draining += 1
-                draining += u
-                draining_device += w.device_bytes
-                if not (w.running or w.queued):
-                    draining_idle += u
-                    idle_drainers.append(w)
-                active = True
-                continue
-            usage_now[name] = u
-            if not w.model:  # W1: a spare, starting or waiting; not a load, not serving
-                spares.append(w)
-            elif role is _SERVES:
+            if role is _SERVES and w.model:  # most workers: asked first, in one test
+                usage_now[name] = m.usage
                 serving.append(w)
                 if cap != 1:
                     off_one = True
@@ -141,12 +129,27 @@ class WorkerGroup:
                         marked.append(w)
                     elif not w.pinned:
                         idle.append(w)
+                continue
+            u = m.usage
+            if role is _DRAINING:
+                n_draining += 1
+                draining += u
+                draining_device += w.device_bytes
+                if not (w.running or w.queued):
+                    draining_idle += u
+                    idle_drainers.append(w)
+                active = True
+                continue
+            usage_now[name] = u
+            if not w.model:  # W1: a spare, starting or waiting; not a load, not serving
+                spares.append(w)
             elif role is _LOADS:
                 loading.append(w)
             else:  # wedged: no trustworthy activity reading
                 unknown = True
-        # most ticks no record is of a gone process: the whole list is live, copied in C
-        self.live = [w for w in s.workers if _ROLE[w.state] is not _GONE] if gone else list(s.workers)
+        # most ticks no record is of a gone process: the snapshot's own list is the live one (no one
+        # changes it), else a copy without the gone
+        self.live = [w for w in s.workers if _ROLE[w.state] is not _GONE] if gone else s.workers
         sup = s.supervisor_footprint
         self.usage = sup + draining + sum(usage_now.values())
         self.own, self.own_gpu, self.hot_used = sup + sum(footprints), own_gpu, hot_used

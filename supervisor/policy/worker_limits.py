@@ -76,8 +76,8 @@ def limits_to_hand_out(
     if not stepping:
         if not changed and pids == had and total == before and own == had_own and caps == had_caps:
             return common, had, total, had_own
-    else:
-        t.caps = stepped_caps = dict(caps)
+    else:  # the group pass's dict is this tick's own, compared above: stepped in place
+        stepped_caps = caps
     common_why = "first limits" if prev.limits is None else "limits changed"
     stepped = "ok: one step toward the configured maximum" if ok else f"{level} pressure: one step toward 1"
     # the limits built so far: by cap for a worker that keeps no cache (most), else by (cap, own bytes)
