@@ -1,8 +1,6 @@
-"""Chaos scenarios that send garbage through every door (scripts/chaos.py runs them beside the rest):
-
-  http-fuzz       random and hostile HTTP bodies (nesting, sizes, context, short bodies)
-  zmq-fuzz        distinct garbage frames on the ZeroMQ sockets
-  configs         configs that used to break the system at run time
+"""Chaos scenarios that send garbage through every door: http-fuzz (the HTTP bodies), zmq-fuzz
+(the ZeroMQ frames) and configs (the config files). scripts/chaos.py runs them beside the rest;
+its docstring says what each does.
 """
 
 from __future__ import annotations

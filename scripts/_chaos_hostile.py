@@ -1,10 +1,6 @@
-"""Chaos scenarios from the browser, the half-sent request, the slow disk and the hostile file
-(scripts/chaos.py runs them beside the rest):
-
-  cross-site      a web page's POSTs (text/plain, foreign Origin) and DNS-rebinding Host headers
-  slow-loris      connections whose headers never end, past the descriptor limit; /health, SIGTERM
-  slow-reload     SIGHUP over a models folder of many thousands of empty folders, streams running
-  hostile-files   a FIFO as model.safetensors, a sparse multi-GB config.json, GGUFs that lie
+"""Chaos scenarios from the browser, the half-sent request, the slow disk and the hostile file:
+cross-site, slow-loris, slow-reload and hostile-files. scripts/chaos.py runs them beside the
+rest; its docstring says what each does.
 """
 
 from __future__ import annotations

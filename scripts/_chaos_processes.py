@@ -1,11 +1,6 @@
-"""Chaos scenarios against the processes (scripts/chaos.py runs them beside the rest):
-
-  stream-kill     streaming clients while workers are SIGKILLed and SIGSTOPped
-  long-steps      every engine step longer than the heartbeat window (no kill may follow)
-  obedience       how long a command waits for a step boundary during a long prefill
-  sup-kill        the supervisor SIGKILLed and restarted on the same runtime dir
-  respawn         workers SIGKILLed over and over: fd/thread/RSS/zombie counts per cycle
-  slow-subs       subscribers that never read, during a fire drill
+"""Chaos scenarios against the processes: stream-kill, long-steps, obedience, sup-kill, respawn and
+slow-subs (workers and the supervisor killed, stopped, slowed or flooded by readers that never
+read). scripts/chaos.py runs them beside the rest; its docstring says what each does.
 """
 
 from __future__ import annotations
