@@ -1,9 +1,11 @@
-"""What every chaos scenario shares: a supervisor in a subprocess, its clients, and how a
-result is counted (scripts/chaos.py runs the scenarios; scripts/chaos_trust.py holds the
-attacks on the caches folder, the keys and the unload rules)."""
+"""What every chaos scenario shares: the run's Context (its sizes, throwaway models and private
+cache), a supervisor in a subprocess, its clients, and how a result is counted (scripts/chaos.py
+runs the scenarios; scripts/_chaos_processes.py, _chaos_fuzz.py, _chaos_hostile.py,
+chaos_trust.py and chaos_swap.py hold them)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -11,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -268,3 +271,51 @@ def classify(row: Row, status: int) -> None:
     else:
         row.clear += 1
 
+
+# ---------------------------------------------------------------------------
+# the run
+
+
+class Context:
+    def __init__(self, args: argparse.Namespace, work: Path) -> None:
+        self.quick = args.quick
+        self.work = work
+        self.seconds = 10.0 if args.quick else args.seconds
+        self.cycles = 10 if args.quick else args.cycles
+        self.respawn_budget = 60.0 if args.quick else args.respawn_budget
+        self.zmq_frames = 5_000 if args.quick else 100_000
+        self.subscribers = 16 if args.quick else 100
+        self.prompt_words = 600 if args.quick else 1500
+        self.loris = 300 if args.quick else 600  # past the supervisor's 256 descriptors either way
+        self.empty_folders = 60_000 if args.quick else 150_000
+        self.sparse_bytes = (1 if args.quick else 2) << 30
+        self.figures: dict[str, float] = {}
+        self._n = 0
+        self._private_cache(work / "cache")
+        from modelfiles.modelgen import make_model
+
+        models = work / "models"
+        self.model_a, self.model_b, self.model_big = models / "a", models / "b", models / "big"
+        make_model(self.model_a, 2 * MiB, 0)
+        make_model(self.model_b, 2 * MiB, 1)
+        make_model(self.model_big, (8 if args.quick else 16) * MiB, 2)
+
+    @staticmethod
+    def _private_cache(root: Path) -> None:
+        """The supervisors started here, and their workers, keep their prompt cache's disk tier
+        (H5) in this run's folder, not the user's: a stop in one scenario must not hand cached
+        tokens to the next (obedience's prefills would be read back instead of computed), and
+        the throwaway models must leave nothing behind. The BLAS copy is the user's (hard links)."""
+        from shared.probe import blas_plan as found
+        from worker import blas
+
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        blas.preload()  # verifies (or writes) the user's copy, which the run's root then shares
+        blas.share_copy(root)
+        os.environ[found.CACHE_ENV] = str(root)
+
+    def runtime(self, tag: str) -> Path:
+        self._n += 1
+        path = Path(tempfile.mkdtemp(prefix=f"mv{tag}{self._n}-", dir="/tmp"))  # ipc paths stay short
+        path.chmod(0o700)
+        return path

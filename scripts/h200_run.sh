@@ -72,6 +72,7 @@ EOF
 tests)
     timeout "${2:-540}" $PY -m pytest -p no:cacheprovider -q -m slow --durations=15 -rP \
         tests/live/test_d_gpu_live.py tests/live/test_d_device_live.py tests/live/test_supervisor_live.py \
+        tests/live/test_supervisor_wire_live.py tests/live/test_supervisor_guard_live.py \
         tests/live/test_worker_process_live.py tests/live/test_p_cadence_live.py tests/live/test_u_usage_live.py \
         tests/live/test_reliability_live.py tests/live/test_models_live.py \
         2>&1 | grep -v " INFO " | tee "$OUT/tests.log" | tail -40

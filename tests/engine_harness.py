@@ -1,5 +1,5 @@
-"""Driving an engine in a test: a tiny model's engine, its events per request, steps until it has no
-work, and the limits the engine tests share (no tests here)."""
+"""Driving an engine in a test: a tiny model's engine, a prompt's tokens, its events per request,
+steps until it has no work, and the limits the engine tests share (no tests here)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,10 @@ def engine_for(loaded, **kwargs) -> Engine:
     model, tokenizer = loaded
     kwargs.setdefault("own_usage_fn", lambda: 0)
     return Engine(model, tokenizer, **kwargs)
+
+
+def prompt_tokens(engine: Engine, text: str = "Once upon a time") -> list[int]:
+    return engine.encode_prompt(text)
 
 
 class Run:

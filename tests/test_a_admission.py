@@ -1,6 +1,6 @@
 """SPEC A1-A4 (admission of a model load) and G1's eviction for a prefill.
 
-Same guard as tests/test_p_policy.py: custom tier, 10 GiB ceiling, soft 8 GiB
+Same guard as the P tables (tests/pressure_harness.py): custom tier, 10 GiB ceiling, soft 8 GiB
 (the A1 evict target), on a 64 GiB machine (static 62 GiB).
 """
 

@@ -1,8 +1,12 @@
-"""The supervisor with real worker processes, real ZeroMQ and real MLX on the CPU.
+"""The supervisor's life with real worker processes, real ZeroMQ and real MLX on the CPU: spawn,
+load and unload, a worker SIGKILLed, SIGSTOPped or stuck loading, restart intensity, a worker the
+OS cannot start, a second supervisor on the same runtime dir, orphans, ^C twice.
 
 Most tests run an `Arbiter` inside the test's own event loop (so they can
 reach in and wait for exact states); the orphan test runs `python -m
-supervisor serve` as a separate process so it can SIGKILL it.
+supervisor serve` as a separate process so it can SIGKILL it. What crosses the
+sockets is tests/live/test_supervisor_wire_live.py; the guard in the running
+supervisor, tests/live/test_supervisor_guard_live.py.
 """
 
 from __future__ import annotations
@@ -17,16 +21,11 @@ from pathlib import Path
 
 import msgspec
 import pytest
-import zmq
 
 from shared import protocol as p
 from supervisor.arbiter import Arbiter
 from supervisor.config import ModelConfig
 from supervisor.doors.refusals import LoadError
-from supervisor.policy.decisions import Stop
-from supervisor.policy.snapshot import Snapshot
-from supervisor.policy.status import ServerStatus
-from supervisor.wiring.bus import Endpoints
 from tests.arbiter_harness import Running, collect, make_config
 from tests.http_harness import until
 
@@ -51,39 +50,6 @@ def test_spawn_load_generate_and_unload(tiny_models, runtime_dir):
             assert handle.state == "stopped" and "cleanly" in handle.exit_cause
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
-
-    asyncio.run(main())
-
-
-def test_subscriber_receives_ceiling_sample_and_status_messages(tiny_models, runtime_dir):
-    config = make_config([ModelConfig(id="a", path=str(tiny_models.a), pinned=True)])
-
-    async def main():
-        async with Running(config, runtime_dir) as arb:
-            ctx = zmq.Context.instance()
-            sub = ctx.socket(zmq.SUB)
-            for topic in (b"ceiling", b"sample", b"status"):
-                sub.setsockopt(zmq.SUBSCRIBE, topic)
-            sub.connect(arb.endpoints.pub)
-            await arb.models.load("a")
-            codec = p.Codec(p.Published)
-            seen: dict[str, object] = {}
-            deadline = time.monotonic() + 30
-            while len(seen) < 3 and time.monotonic() < deadline:
-                arb.wake()
-                await asyncio.sleep(0.05)
-                while sub.poll(0):
-                    topic, frame = sub.recv_multipart()
-                    seen[topic.decode()] = codec.decode(frame)
-            sub.close(0)
-            assert isinstance(seen.get("ceiling"), p.CeilingMsg), seen
-            assert seen["ceiling"].ceiling > 0
-            sample = seen.get("sample")
-            assert isinstance(sample, p.Sample) and sample.model_id == "a" and sample.memory.footprint > 0
-            status = seen.get("status")
-            assert isinstance(status, p.StatusMsg)
-            decoded = msgspec.json.decode(status.status, type=ServerStatus)
-            assert [m.id for m in decoded.models] == ["a"] and decoded.guard.ceiling > 0
 
     asyncio.run(main())
 
@@ -148,84 +114,6 @@ def test_restart_intensity_exhausted_marks_model_failed(tiny_models, runtime_dir
     asyncio.run(main())
 
 
-def test_custom_ceiling_below_two_models_stops_the_idle_lru_one(tiny_models, runtime_dir):
-    """Two idle non-pinned models over soft: the least recently used goes (P6.2), with an event saying why."""
-    config = make_config(
-        [ModelConfig(id="a", path=str(tiny_models.a)), ModelConfig(id="b", path=str(tiny_models.b))],
-    )
-
-    async def main():
-        async with Running(config, runtime_dir) as arb:
-            a = await arb.models.load("a")
-            b = await arb.models.load("b")
-            await until(lambda: a.sample is not None and b.sample is not None, what="samples")
-            arb.wake()
-            await asyncio.sleep(0.3)
-            usage = arb.enforcer.last.usage
-            # A soft watermark (0.90 of the custom ceiling) half a model below usage:
-            # stopping one idle model is enough, whatever the supervisor's own footprint
-            # (in a long test session this process holds hundreds of MiB).
-            ceiling = int((usage - min(a.sample.memory.usage, b.sample.memory.usage) // 2) / 0.90)
-            arb.enforcer.update_guard(p.GuardUpdate(tier="custom", custom_ceiling=ceiling))
-            await until(lambda: a.state in ("draining", "stopped"), what="LRU model a evicted")
-            assert b.state in ("ready", "busy")
-            evictions = [e for e in arb.events if e.kind == "evict"]
-            assert evictions and evictions[0].model_id == "a" and evictions[0].reason
-
-    asyncio.run(main())
-
-
-def _send_raw(endpoint: str, kind: int, frames: list[bytes], identity: bytes | None = None) -> None:
-    ctx = zmq.Context.instance()
-    s = ctx.socket(kind)
-    s.setsockopt(zmq.LINGER, 500)
-    if identity:
-        s.setsockopt(zmq.IDENTITY, identity)
-    s.connect(endpoint)
-    time.sleep(0.05)
-    s.send_multipart(frames)
-    time.sleep(0.05)
-    s.close()
-
-
-def test_malformed_oversized_and_wrong_version_frames_are_counted_and_ignored(tiny_models, runtime_dir, caplog):
-    config = make_config([ModelConfig(id="a", path=str(tiny_models.a))])
-    wrong_version = msgspec.msgpack.encode({"type": "status_request", "v": 99})
-    bad_sample = msgspec.msgpack.encode({"type": "sample", "v": 1, "worker_id": 5})
-
-    async def main():
-        async with Running(config, runtime_dir) as arb:
-            await arb.models.load("a")
-            ep = arb.endpoints
-            loop = asyncio.get_running_loop()
-            sends = [
-                (ep.control, zmq.DEALER, [b"\xc1garbage"]),
-                (ep.control, zmq.DEALER, [wrong_version]),
-                (ep.control, zmq.DEALER, [b"x", b"y"]),
-                (ep.commands, zmq.DEALER, [b"\x00" * (p.MAX_FRAME_BYTES + 10)]),  # dropped by zmq
-                (ep.commands, zmq.DEALER, [msgspec.msgpack.encode({"type": "pong", "v": 7, "seq": 1})]),
-                (ep.reports, zmq.PUSH, [bad_sample]),
-                (ep.reports, zmq.PUSH, [b"junk"]),
-            ]
-            for endpoint, kind, frames in sends:
-                await loop.run_in_executor(None, _send_raw, endpoint, kind, frames)
-            await until(lambda: arb.bus.malformed_total >= 6, what="bad frames counted")
-            by_socket = {s for s, _ in arb.bus.malformed}
-            assert {"control", "commands", "reports"} <= by_socket
-            assert any("v99" in r.getMessage() for r in caplog.records)
-            # the same garbage again is counted but not logged again
-            logged = len([r for r in caplog.records if "refused a frame" in r.getMessage()])
-            await loop.run_in_executor(None, _send_raw, ep.reports, zmq.PUSH, [b"junk"])
-            await until(lambda: arb.bus.malformed_total >= 7, what="repeat counted")
-            assert len([r for r in caplog.records if "refused a frame" in r.getMessage()]) == logged
-            # and everything still works
-            stream = await arb.service.generate("a", p.Generate(request_id="still", prompt="ok", max_tokens=2))
-            _, end = await collect(stream)
-            assert isinstance(end, p.Finished)
-
-    asyncio.run(main())
-
-
 def test_workers_die_with_a_sigkilled_supervisor(tiny_models, tmp_path_factory):
     runtime_dir = Path(tmp_path_factory.mktemp("orphan"))
     cfg = runtime_dir / "c.toml"
@@ -277,35 +165,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_a_recorded_trace_replays_to_the_same_decisions(tiny_models, runtime_dir, tmp_path):
-    """serve --trace records what the guard saw; replaying it gives what it decided."""
-    from supervisor.policy.replay import replay_lines
-
-    config = make_config([ModelConfig(id="a", path=str(tiny_models.a)), ModelConfig(id="b", path=str(tiny_models.b))])
-    trace = tmp_path / "trace.jsonl"
-
-    async def main():
-        arb = Arbiter(config, runtime_dir, max_workers=8, http=False, trace=trace)
-        task = asyncio.get_running_loop().create_task(arb.run())
-        await until(lambda: arb.running, what="start")
-        await arb.models.load("a")
-        await arb.models.load("b")
-        await until(lambda: all(h.sample for h in arb.pool.handles.values()), what="samples")
-        arb.enforcer.update_guard(p.GuardUpdate(tier="custom", custom_ceiling=arb.enforcer.last.usage // 2))
-        await until(lambda: len(arb.pool.handles) < 2, what="an eviction")
-        arb.stop()
-        await task
-        return [e.worker_id for e in arb.events if e.kind == "evict"]
-
-    evicted_live = asyncio.run(main())
-    assert evicted_live
-    lines = trace.read_bytes().splitlines()
-    assert len(lines) > 3 and all(msgspec.json.decode(line, type=Snapshot) for line in lines)
-    replayed = list(replay_lines(lines, chained=False))
-    stopped = [d.worker for r in replayed for d in r.decisions if isinstance(d, Stop)]
-    assert stopped[: len(evicted_live)] == evicted_live
-
-
 def test_a_worker_stuck_before_it_has_loaded_is_wedged_after_the_load_timeout(tiny_models, runtime_dir):
     """A load blocks the worker's loop, so heartbeats cannot judge it; the load
     timeout does. Without it a hung load would hold every waiter forever."""
@@ -353,27 +212,6 @@ def test_a_second_supervisor_refuses_a_runtime_dir_in_use_and_clients_see_a_dead
         (runtime_dir / "endpoints.json").write_bytes(endpoints.replace(str(os.getpid()).encode(), b"999999"))
         with pytest.raises(NotRunning, match="is gone"):
             ControlClient(runtime_dir)
-
-    asyncio.run(main())
-
-
-def test_a_generate_too_large_for_the_worker_is_refused_not_left_hanging(tiny_models, runtime_dir):
-    """The worker drops a command frame over MAX_COMMAND_BYTES unread, so a Generate
-    sent anyway (a prompt past 4 MiB, allowed by a larger [supervisor] max_body)
-    never got a terminal message: its client waited forever."""
-    config = make_config([ModelConfig(id="a", path=str(tiny_models.a))])
-
-    async def main():
-        async with Running(config, runtime_dir) as arb:
-            await arb.models.load("a")
-            big = p.Generate(request_id="big", prompt="x" * (p.MAX_COMMAND_BYTES + 1), max_tokens=2)
-            with pytest.raises(LoadError, match="too large") as err:
-                await arb.service.generate("a", big)
-            assert (err.value.http_status, err.value.code) == (413, "request_too_large")
-            assert arb.pool.streams.by_id == {}
-            stream = await arb.service.generate("a", p.Generate(request_id="small", prompt="ok", max_tokens=2))
-            _, end = await collect(stream)
-            assert isinstance(end, p.Finished)
 
     asyncio.run(main())
 
@@ -438,28 +276,6 @@ def test_a_worker_the_os_cannot_start_is_a_503_and_gives_its_ledger_slot_back(ti
     asyncio.run(main())
 
 
-def test_a_trace_that_cannot_be_written_stops_tracing_not_the_guard(tiny_models, runtime_dir, caplog):
-    """serve --trace on a full disk: the write's OSError escaped the enforcer's tick
-    into the arbiter's loop and stopped the supervisor, and its workers with it."""
-    config = make_config([ModelConfig(id="a", path=str(tiny_models.a))])
-
-    async def main():
-        arb = Arbiter(config, runtime_dir, max_workers=8, http=False, trace=Path("/dev/full"))
-        task = asyncio.get_running_loop().create_task(arb.run())
-        await until(lambda: arb.running, what="start")
-        ticks = arb.enforcer.ticks
-        while arb.enforcer.ticks < ticks + 50 and not task.done():  # past the file's write buffer
-            arb.wake()
-            await asyncio.sleep(0.005)
-        assert not task.done() and arb.running
-        assert arb.enforcer.trace is None
-        assert any("tracing stops" in r.getMessage() for r in caplog.records)
-        arb.stop()
-        assert await asyncio.wait_for(task, 30) == 0
-
-    asyncio.run(main())
-
-
 def test_a_request_whose_worker_exits_before_it_is_sent_is_refused_not_left_hanging(tiny_models, runtime_dir):
     """The worker dies right after its Loaded, before the request that waited for
     the load resumes. Its exit had already failed the worker's requests, so a
@@ -514,54 +330,6 @@ def test_a_second_sigint_stops_draining_workers_without_waiting_out_the_drain(ti
     asyncio.run(main())
 
 
-def test_a_worker_event_cannot_pose_as_a_crash_and_mark_a_live_model_failed(tiny_models, runtime_dir):
-    """A report's event kind went straight into the arbiter's lifecycle handling:
-    kind "crash" scheduled a respawn of a live pinned worker and counted it
-    against the restart intensity, so a few such frames marked a healthy model
-    failed (and "need_memory" raised KeyError in the handler)."""
-    config = make_config([ModelConfig(id="a", path=str(tiny_models.a), pinned=True)], restart_max=1)
-
-    async def main():
-        async with Running(config, runtime_dir) as arb:
-            handle = await arb.models.load("a")
-            forged = msgspec.msgpack.encode({"type": "worker_event", "v": 1, "worker_id": handle.worker_id,
-                                             "kind": "crash", "message": "forged"})
-            loop = asyncio.get_running_loop()
-            for n in range(1, 4):
-                await loop.run_in_executor(None, _send_raw, arb.endpoints.reports, zmq.PUSH, [forged])
-                await until(lambda n=n: arb.bus.malformed_total >= n, what="forged event refused")
-                await asyncio.sleep(0.6)  # past the first respawn backoff
-            assert "a" not in arb.models.failed and arb.pool.worker_for("a") is handle
-            assert not any(e.kind in ("crash", "respawn", "failed") for e in arb.events)
-            codec = p.Codec(p.WorkerReport)  # what a real worker reports still goes through
-            drill = p.WorkerEvent(worker_id=handle.worker_id, kind="drill", message="drill started")
-            assert codec.decode(codec.encode(drill)) == drill
-
-    asyncio.run(main())
-
-
-def test_t6_a_custom_ceiling_past_64_bits_is_refused_and_the_guard_keeps_ticking(tiny_models, runtime_dir):
-    """A GuardUpdate carries up to 2**64-1. Past int64 the ceiling cannot go into the
-    ledger's limits, so no worker got new limits again (one logged exception per
-    tick); past 2**64 (an HTTP or config size) it could not even be published and
-    the tick raised inside the arbiter's loop, stopping the supervisor."""
-    from supervisor.wiring.control_answers import handle_control
-
-    config = make_config([ModelConfig(id="a", path=str(tiny_models.a))])
-
-    async def main():
-        async with Running(config, runtime_dir) as arb:
-            reply = await handle_control(arb.service, p.GuardUpdate(tier="custom", custom_ceiling=2**64 - 1))
-            assert isinstance(reply, p.ControlError) and reply.code == "invalid_request"
-            assert "custom ceiling" in reply.message and arb.enforcer.settings.custom_ceiling == 0
-            ticks = arb.enforcer.ticks
-            arb.wake()
-            await until(lambda: arb.enforcer.ticks > ticks, what="another tick")
-            assert arb.running
-
-    asyncio.run(main())
-
-
 def test_a_pinned_model_that_cannot_load_is_retried_then_marked_failed(tmp_path, runtime_dir):
     """It must neither vanish after one logged error nor be retried forever."""
     config = make_config([ModelConfig(id="gone", path=str(tmp_path / "no-such-model"), pinned=True)],
@@ -575,43 +343,3 @@ def test_a_pinned_model_that_cannot_load_is_retried_then_marked_failed(tmp_path,
             assert [e.kind for e in arb.events].count("respawn") == 2
 
     asyncio.run(main())
-
-
-def test_opt_in_tcp_pub_plain_on_loopback_and_curve_beyond_it(tiny_models, runtime_dir, tmp_path):
-    """Dashboards elsewhere subscribe over TCP; off loopback only with the server's CURVE key."""
-    import zmq.auth
-
-    from supervisor.wiring.client import subscribe
-
-    _public_file, secret_file = zmq.auth.create_certificates(str(tmp_path), "memvisor")
-    models = [ModelConfig(id="a", path=str(tiny_models.a))]
-
-    def first_ceiling(endpoint: str, key: str = "", timeout: float = 10.0):
-        for topic, msg in subscribe(runtime_dir, ["ceiling"], timeout=timeout, endpoint=endpoint, server_key=key):
-            return topic, msg
-
-    async def check(config, *, curve: bool):
-        async with Running(config, runtime_dir) as arb:
-            ep = arb.endpoints
-            assert ep.pub_tcp.startswith("tcp://") and bool(ep.pub_tcp_key) == curve
-            assert msgspec.json.decode((runtime_dir / "endpoints.json").read_bytes(), type=Endpoints) == ep
-            port = ep.pub_tcp.rsplit(":", 1)[1]
-            loop = asyncio.get_running_loop()
-            got = loop.run_in_executor(None, first_ceiling, f"tcp://127.0.0.1:{port}", ep.pub_tcp_key)
-            while not got.done():
-                arb.enforcer._last_ceiling = None  # publish the ceiling again on the next tick
-                arb.wake()
-                await asyncio.sleep(0.1)
-            topic, msg = await got
-            assert topic == "ceiling" and isinstance(msg, p.CeilingMsg) and msg.ceiling > 0
-            if curve:  # without the server's key the handshake never completes: nothing arrives
-                plain = loop.run_in_executor(None, first_ceiling, f"tcp://127.0.0.1:{port}", "", 2.0)
-                while not plain.done():
-                    arb.enforcer._last_ceiling = None
-                    arb.wake()
-                    await asyncio.sleep(0.1)
-                with pytest.raises(TimeoutError):
-                    await plain
-
-    asyncio.run(check(make_config(models, pub_tcp="127.0.0.1:0"), curve=False))
-    asyncio.run(check(make_config(models, pub_tcp="0.0.0.0:0", curve_key_file=secret_file), curve=True))
