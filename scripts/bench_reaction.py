@@ -15,6 +15,13 @@ which the worker and the supervisor share:
 The same trials run again with the enforcer held to a fixed 1 s poll and no
 wake-up on watermark samples (the seed's behaviour), in the same run.
 
+No spare worker runs beside the model (spare_workers = 0): at hard the guard
+stops a spare first (SPEC W), and the spare's exit can take the group back
+under hard before the drill's worker needs an answer; such a trial measured
+nothing about the runaway and went uncounted (5 of 10 trials with the default
+of one spare). How spares are stopped under pressure is bench_swap's and the
+W tests' subject.
+
     python scripts/bench_reaction.py [--trials 20] [--baseline-trials 8] [--rate 1GiB] [--headroom 1GiB]
 
 Last line: `reaction p99: X ms (1 s poll: Y ms)`.
@@ -146,7 +153,8 @@ async def run_mode(model_dir: Path, runtime: Path, args, *, baseline: bool) -> l
         # once this was also needed because C12 reserved cache used + 512 MiB
         # (1-byte limits: no watermark crossing was ever reported)
         guard=GuardConfig(tier="custom", custom_ceiling=0, hot_cache_max=0),
-        supervisor=SupervisorConfig(heartbeat_interval=1.0, heartbeat_timeout=10.0, allow_drills=True),
+        supervisor=SupervisorConfig(heartbeat_interval=1.0, heartbeat_timeout=10.0, allow_drills=True,
+                                    spare_workers=0),  # module doc: the runaway alone
         models=[ModelConfig(id="victim", path=str(model_dir), max_concurrency=1)],
     )
     arb = Arbiter(config, runtime, max_workers=4, http=False)
