@@ -1,6 +1,6 @@
 """Where one policy tick's work goes: bytecodes executed per function and per line.
 
-Wall time of a ~60 us function moves with the machine's load, and callgrind
+Wall time of a ~50 us function moves with the machine's load, and callgrind
 (`scripts/bench_policy_instructions.py`) counts a tick's instructions without
 saying which rule spent them. This counts the Python bytecodes one tick runs,
 per function and, for the functions that run the most, per line, with

@@ -76,7 +76,7 @@ def limits_to_hand_out(
     if not stepping:
         if not changed and pids == had and total == before and own == had_own and caps == had_caps:
             return common, had, total, had_own
-    else:  # the group pass's dict is this tick's own, compared above: stepped in place
+    else:  # the group pass's dict is this tick's own and nothing reads it after this (t.caps is it): stepped in place
         stepped_caps = caps
     common_why = "first limits" if prev.limits is None else "limits changed"
     stepped = "ok: one step toward the configured maximum" if ok else f"{level} pressure: one step toward 1"
